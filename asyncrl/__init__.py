@@ -1,0 +1,46 @@
+"""asyncrl: asynchronous GRPO post-training of LLMs with one anyio controller.
+
+``import asyncrl`` never imports torch or an engine; backends are plugins found through
+entry points (see :mod:`asyncrl.plugins`).
+
+Embedding::
+
+    async with asyncrl.Controller(asyncrl.load_config("run.toml")) as ctl:
+        summary = await ctl.train()
+"""
+
+from .config import Config, load_config
+from .controller import Controller, RunSummary
+from .errors import (
+    AsyncRLError,
+    ConfigError,
+    PluginError,
+    ProtocolError,
+    RefitError,
+    RemoteCallError,
+    RunError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerStartupError,
+)
+from .messages import PROTOCOL_VERSION
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AsyncRLError",
+    "Config",
+    "ConfigError",
+    "Controller",
+    "PluginError",
+    "ProtocolError",
+    "RefitError",
+    "RemoteCallError",
+    "RunError",
+    "RunSummary",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerStartupError",
+    "load_config",
+]

@@ -1,0 +1,157 @@
+"""Contracts between the worker runtime and backend plugins.
+
+A backend distribution registers a factory under ``asyncrl.generation_backends`` or
+``asyncrl.training_backends``; the factory is called with a :class:`WorkerContext` and returns
+an object implementing :class:`GenerationBackend` or :class:`TrainingBackend`. The worker
+runtime (:mod:`asyncrl.worker`) owns the sockets and calls these methods; backends never see
+ZeroMQ.
+
+Generation backends are asyncio-native (vLLM's ``AsyncLLM`` is): their methods are coroutines
+run on the worker's event loop. Training backends are blocking torch code: the runtime calls
+them in one dedicated thread, one call at a time, in the order the controller sent them, so
+collectives line up across ranks.
+
+This module imports neither torch nor any engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .config import Config
+from .messages import ChunkResult, GenRequest, Sample, StepResult, TensorEntry, TokenBatch, TrainBatch
+
+__all__ = [
+    "GenerationBackend",
+    "TrainingBackend",
+    "WeightBucketView",
+    "WeightTensor",
+    "WorkerContext",
+]
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a backend learns about its place in the run."""
+
+    group: str
+    """``trainer`` or ``rollout``."""
+    rank: int
+    """Rank within the group."""
+    world_size: int
+    """Ranks in the group."""
+    local_rank: int
+    """Rank on this node (selects the GPU)."""
+    config: Config
+    """The whole run config; the backend reads its own ``options`` table from it."""
+    run_dir: str
+    """Private per-run directory (mode 0700) for sockets and shared-memory files."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """One full (unsharded) tensor for refit, as raw bytes.
+
+    ``data`` is a C-contiguous ``uint8`` numpy view of the tensor's storage (for bfloat16,
+    which numpy lacks, the bytes of the bf16 values). Only the sending rank needs ``data``;
+    other ranks may yield ``None`` after taking part in the gather.
+    """
+
+    name: str
+    """Hugging Face checkpoint name, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
+    dtype: str
+    """torch dtype name without the prefix: ``bfloat16``, ``float32``..."""
+    shape: tuple[int, ...]
+    data: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class WeightBucketView:
+    """A received bucket: ``entries`` describe tensors inside the file at ``path``.
+
+    For the ``shm`` transport, ``path`` is a file in ``/dev/shm`` that the sender keeps
+    unchanged until the receiver acknowledges the bucket.
+    """
+
+    version: int
+    index: int
+    path: str
+    nbytes: int
+    entries: list[TensorEntry]
+    last: bool
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """One inference engine per rollout rank."""
+
+    async def start(self) -> dict[str, Any]:
+        """Start the engine. Returns capabilities reported to the controller
+        (e.g. ``{"backend_version": "0.32.0", "kv_cache_dtype": "auto"}``)."""
+
+    async def generate(self, request: GenRequest) -> list[Sample]:
+        """Generate ``request.n`` samples. Logprobs are of the sampled tokens after
+        temperature. Cancellation: the engine request is aborted and the cancellation
+        propagates."""
+
+    async def abort(self, group_ids: list[str]) -> None:
+        """Abort running groups; their :meth:`generate` calls return partial samples with
+        ``finish_reason == "abort"``."""
+
+    async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        """Logprobs (float32, flat) of every response token of ``batch`` under the engine's
+        current weights."""
+
+    async def begin_weight_update(self, version: int) -> None:
+        """Stop scheduling (in-flight requests are kept) and prepare to load weights."""
+
+    async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
+        """Load every tensor of ``bucket`` into the engine. When this returns the engine no
+        longer reads the bucket's memory."""
+
+    async def finish_weight_update(
+        self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
+    ) -> None:
+        """Finalize the load, apply KV-cache scales (after the weights: a reload resets them),
+        reset the prefix cache if asked, and resume scheduling."""
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def close(self) -> None:
+        """Shut the engine down and reap its processes. Idempotent."""
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """One rank of a torch.distributed training group. All methods are blocking; every rank
+    receives the same sequence of calls (with its own share of the data)."""
+
+    def start(self) -> dict[str, Any]:
+        """Initialise the process group, load the model, build the optimizer."""
+
+    def compute_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        """Logprobs (float32, flat) of the response tokens of this rank's ``batch``."""
+
+    def begin_step(self, step: int) -> None:
+        """Open an optimizer step; zero gradients."""
+
+    def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
+        """Accumulate raw (unnormalized) loss-sum gradients of ``batch`` into the open step.
+        Every rank runs the same number of forward/backward passes (ranks with less data pad
+        with fully masked micro-batches) because FSDP's collectives must line up."""
+
+    def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
+        """Scale gradients by 1/num_loss_tokens (the step's global count), clip, step the
+        optimizer. The result equals one big batch of all the step's chunks."""
+
+    def iter_weights(self) -> Iterator[WeightTensor]:
+        """Yield every parameter as a full tensor in Hugging Face naming. Collective: all
+        ranks iterate in lockstep; only rank 0's ``data`` is used."""
+
+    def close(self) -> None:
+        """Destroy the process group and free memory. Idempotent."""

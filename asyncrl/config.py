@@ -1,0 +1,340 @@
+"""Run configuration: msgspec structs loaded from TOML.
+
+Every struct is frozen, keyword-only and rejects unknown fields, so a typo is an error that
+names the field. Cross-field invariants are checked by :func:`validate` right after loading,
+before any worker is spawned. Backend, environment and sampler options stay opaque tables here;
+each plugin converts its own table with ``msgspec.convert``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from .errors import ConfigError
+
+__all__ = [
+    "ClusterConfig",
+    "Config",
+    "EnvironmentConfig",
+    "EvalConfig",
+    "GeneratorConfig",
+    "GRPOConfig",
+    "InOrderSamplerConfig",
+    "LossConfig",
+    "PipelineConfig",
+    "RefitConfig",
+    "RunConfig",
+    "SamplerConfig",
+    "TrainerConfig",
+    "load_config",
+    "validate",
+]
+
+
+class _Base(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunConfig(_Base):
+    name: str = "asyncrl"
+    """A label for logs and the metrics file."""
+    output_dir: str = "runs/asyncrl"
+    """Where metrics (``metrics.jsonl``) and worker logs go. Relative paths are resolved
+    against the directory of the config file."""
+    seed: int = 0
+    """Seed for the dataloader order, sampling seeds and trainer initialisation."""
+    num_steps: int = 10
+    """Number of optimizer steps (= weight versions) to train."""
+    log_format: Literal["auto", "console", "json"] = "auto"
+    """Log rendering when asyncrl configures logging itself (CLI and workers)."""
+
+
+class ModelConfig(_Base):
+    path: str
+    """A Hugging Face causal-LM directory (``config.json``, weights, ``tokenizer.json``).
+    Relative paths are resolved against the directory of the config file."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Generator weight dtype. The trainer keeps float32 master weights."""
+
+
+class ClusterConfig(_Base):
+    trainer_ranks: int = 1
+    """Training ranks (one torch.distributed group)."""
+    rollout_ranks: int = 1
+    """Generation ranks, one engine each."""
+    startup_timeout_s: float = 600.0
+    """How long workers may take to connect and report ready (engine start included)."""
+    call_timeout_s: float = 900.0
+    """Upper bound on any single RPC (a train chunk, a refit)."""
+    shutdown_grace_s: float = 10.0
+    """After asking workers to stop, wait this long before SIGTERM, and again before SIGKILL."""
+    torchrun: str = "torchrun"
+    """The torchrun executable used when the controller spawns worker groups itself."""
+
+
+class GRPOConfig(_Base):
+    prompts_per_step: int = 16
+    """P: prompt groups trained in one optimizer step."""
+    samples_per_prompt: int = 8
+    """N: completions generated per prompt (the GRPO group size)."""
+    max_new_tokens: int = 16
+    """Generation length limit per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by the same value."""
+    normalize_advantages: bool = True
+    """Divide group-centred rewards by the group's standard deviation (when > 0)."""
+
+
+class LossConfig(_Base):
+    clip_eps_low: float = 0.2
+    """PPO ratio lower clip: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO ratio upper clip: ratio <= 1 + clip_eps_high (DAPO's clip-higher when larger)."""
+    is_cap: float = 2.0
+    """Truncation of the importance weight between proximal and behaviour policy (TIS)."""
+
+
+class InOrderSamplerConfig(_Base, tag="in_order", tag_field="name"):
+    """Exact batch-to-step matching: the batch dispatched k-th trains at step k."""
+
+    max_lookahead_versions: int = 1
+    """How many weight versions generation may run ahead (0 = synchronous on-policy)."""
+
+
+SamplerConfig = InOrderSamplerConfig
+
+
+class PipelineConfig(_Base):
+    sampler: SamplerConfig = InOrderSamplerConfig()
+    """The staleness policy shared by both pumps."""
+    min_groups_for_streaming_train: int = 0
+    """Complete groups needed before a chunk is sent to the trainer (0 = prompts_per_step).
+    Smaller values stream chunks into the open optimizer step sooner."""
+    max_inflight_groups: int = 0
+    """Prompt groups generating at once (0 = prompts_per_step * (lookahead + 1))."""
+    max_buffered_groups: int = 0
+    """Groups reserved, generating or waiting to train (0 = the sampler's required capacity)."""
+
+
+class RefitConfig(_Base):
+    transport: str = "shm"
+    """Weight transfer plugin (entry point group ``asyncrl.weight_transfers``)."""
+    bucket_size_mb: int = 256
+    """Size of one transfer bucket; tensors larger than this travel in a bucket of their own."""
+    reset_prefix_cache: bool = True
+    """Reset the generators' prefix cache after new weights are loaded (stale KV otherwise)."""
+    timeout_s: float = 300.0
+    """Upper bound on one bucket hand-off between trainer and generator."""
+
+
+class TrainerConfig(_Base):
+    backend: str = "fsdp2"
+    """Training backend (entry point group ``asyncrl.training_backends``)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one rank."""
+    options: dict[str, Any] = {}
+    """Backend-specific options, validated by the backend."""
+
+
+class GeneratorConfig(_Base):
+    backend: str = "vllm"
+    """Generation backend (entry point group ``asyncrl.generation_backends``)."""
+    options: dict[str, Any] = {}
+    """Backend-specific options, validated by the backend."""
+
+
+class EnvironmentConfig(_Base):
+    name: str
+    """Environment plugin (entry point group ``asyncrl.environments``)."""
+    options: dict[str, Any] = {}
+    """Environment-specific options, validated by the environment."""
+
+
+class EvalConfig(_Base):
+    num_prompts: int = 0
+    """Held-out prompts scored greedily (0 = no evaluation)."""
+    at_start: bool = True
+    """Evaluate the starting policy before the first step."""
+    at_end: bool = True
+    """Evaluate the final policy after the last refit."""
+    every_steps: int = 0
+    """Also evaluate every this many steps (0 = never). The pipeline drains first."""
+
+
+class Config(_Base):
+    model: ModelConfig
+    environment: EnvironmentConfig
+    run: RunConfig = RunConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    loss: LossConfig = LossConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    refit: RefitConfig = RefitConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @property
+    def lookahead(self) -> int:
+        return self.pipeline.sampler.max_lookahead_versions
+
+    @property
+    def min_groups_for_streaming_train(self) -> int:
+        return self.pipeline.min_groups_for_streaming_train or self.grpo.prompts_per_step
+
+    @property
+    def max_buffered_groups(self) -> int:
+        return self.pipeline.max_buffered_groups or required_buffer_capacity(self)
+
+    @property
+    def max_inflight_groups(self) -> int:
+        return self.pipeline.max_inflight_groups or self.grpo.prompts_per_step * (
+            self.lookahead + 1
+        )
+
+
+def required_buffer_capacity(config: Config) -> int:
+    """Groups the buffer must hold so that the gated rollout pump can never deadlock."""
+    return config.grpo.prompts_per_step * (config.lookahead + 1)
+
+
+def _fail(field: str, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"{field}: {problem}. Fix: {fix}.")
+
+
+def validate(config: Config) -> Config:
+    """Check cross-field invariants; raise :class:`ConfigError` naming the field and the fix."""
+    g, p = config.grpo, config.pipeline
+    positive = {
+        "run.num_steps": config.run.num_steps,
+        "cluster.trainer_ranks": config.cluster.trainer_ranks,
+        "cluster.rollout_ranks": config.cluster.rollout_ranks,
+        "grpo.prompts_per_step": g.prompts_per_step,
+        "grpo.max_new_tokens": g.max_new_tokens,
+        "trainer.micro_batch_size": config.trainer.micro_batch_size,
+        "refit.bucket_size_mb": config.refit.bucket_size_mb,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise _fail(name, f"must be >= 1, got {value}", f"set {name} to a positive integer")
+    if g.samples_per_prompt < 2:
+        raise _fail(
+            "grpo.samples_per_prompt",
+            f"GRPO needs at least 2 samples per prompt to form a baseline, got "
+            f"{g.samples_per_prompt}",
+            "set grpo.samples_per_prompt >= 2",
+        )
+    if not g.temperature > 0:
+        raise _fail("grpo.temperature", f"must be > 0, got {g.temperature}", "use e.g. 1.0")
+    if config.lookahead < 0:
+        raise _fail(
+            "pipeline.sampler.max_lookahead_versions",
+            f"must be >= 0, got {config.lookahead}",
+            "use 0 for synchronous on-policy training or >= 1 for async",
+        )
+    for name in ("min_groups_for_streaming_train", "max_inflight_groups", "max_buffered_groups"):
+        if getattr(p, name) < 0:
+            raise _fail(f"pipeline.{name}", "must be >= 0", "use 0 for the default")
+    if config.min_groups_for_streaming_train > g.prompts_per_step:
+        raise _fail(
+            "pipeline.min_groups_for_streaming_train",
+            f"{p.min_groups_for_streaming_train} exceeds grpo.prompts_per_step "
+            f"({g.prompts_per_step}); a step could never start",
+            f"set it to at most {g.prompts_per_step}",
+        )
+    need = required_buffer_capacity(config)
+    if config.max_buffered_groups < need:
+        raise _fail(
+            "pipeline.max_buffered_groups",
+            f"{p.max_buffered_groups} is below what the in_order sampler with "
+            f"max_lookahead_versions={config.lookahead} needs "
+            f"(prompts_per_step * (lookahead + 1) = {need}); the rollout pump would deadlock",
+            f"set pipeline.max_buffered_groups >= {need} (or 0 for the default)",
+        )
+    if not 0 <= config.loss.clip_eps_low < 1:
+        raise _fail("loss.clip_eps_low", "must be in [0, 1)", "use e.g. 0.2")
+    if config.loss.clip_eps_high < 0:
+        raise _fail("loss.clip_eps_high", "must be >= 0", "use e.g. 0.2 or 0.28")
+    if config.loss.is_cap < 1:
+        raise _fail("loss.is_cap", "must be >= 1", "use e.g. 2.0")
+    if config.eval.num_prompts < 0 or config.eval.every_steps < 0:
+        raise _fail("eval", "num_prompts and every_steps must be >= 0", "use 0 to disable")
+    model_dir = Path(config.model.path)
+    if not (model_dir / "config.json").is_file():
+        raise _fail(
+            "model.path",
+            f"{model_dir} is not a Hugging Face model directory (no config.json)",
+            "point model.path at a directory made by save_pretrained (for the tiny demo run "
+            "`python -m asyncrl_arith.make_model DIR` first)",
+        )
+    if not (model_dir / "tokenizer.json").is_file():
+        raise _fail(
+            "model.path",
+            f"{model_dir} has no tokenizer.json (the controller tokenizes prompts with it)",
+            "save a fast tokenizer into the model directory (tokenizer.save_pretrained)",
+        )
+    return config
+
+
+def _resolve(base: Path, value: str) -> str:
+    path = Path(os.path.expanduser(value))
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def from_dict(data: dict[str, Any], *, base_dir: str | os.PathLike[str] = ".") -> Config:
+    """Build and validate a :class:`Config` from a plain mapping (e.g. parsed TOML).
+
+    Relative ``model.path`` and ``run.output_dir`` are resolved against ``base_dir``.
+    """
+    try:
+        config = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+    base = Path(base_dir)
+    config = msgspec.structs.replace(
+        config,
+        model=msgspec.structs.replace(config.model, path=_resolve(base, config.model.path)),
+        run=msgspec.structs.replace(config.run, output_dir=_resolve(base, config.run.output_dir)),
+    )
+    return validate(config)
+
+
+def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Config:
+    """Load a TOML config file, apply dotted ``overrides`` and validate it.
+
+    Args:
+        path: the TOML file.
+        overrides: ``{"grpo.prompts_per_step": 8, ...}`` applied on top of the file.
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or fails validation.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted}: {key} is not a table")
+        node[leaf] = value
+    try:
+        return from_dict(data, base_dir=path.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The config as plain builtins (for logging and for handing to workers)."""
+    return msgspec.to_builtins(config)

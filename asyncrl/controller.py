@@ -1,0 +1,329 @@
+"""The controller: one anyio task group that owns the whole run.
+
+::
+
+    async with Controller(config) as ctl:      # bind sockets, spawn/attach workers, handshake
+        summary = await ctl.train()            # rollout pump ∥ feeder ∥ train pump (+ evals)
+    # on exit, error or cancellation: Shutdown → grace → SIGTERM → SIGKILL, sockets and
+    # shared-memory files removed; no task outlives the block
+
+Tasks in the controller's task group and what ends them:
+
+    control reader   ROUTER → replies / Ready / Dead (raises on Dead)      cancelled at exit
+    watchers         one per worker: pidfd / torchrun agent exit → WorkerDiedError
+    feeder, lag      started by train(): PULL → buffer commits             cancelled when done
+    rollout, train   started by train(): finish after ``run.num_steps``
+
+Embedded in an asyncio application, the controller spawns its worker groups itself with
+torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and attach.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+
+from . import plugins
+from .config import Config, to_dict
+from .errors import AsyncRLError, WorkerStartupError
+from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
+from .log import MetricsWriter
+from .messages import Hello, Init
+from .pipeline import Pipeline, Tokenizer
+from .refit import shm_dir
+from .rpc import ControlPlane
+from .samplers import InOrderSampler
+from .transport import PULL, ROUTER, Context, ipc_address, make_private_dir
+
+__all__ = ["Addresses", "Controller", "RunSummary"]
+
+log = structlog.get_logger("asyncrl.controller")
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where workers find the controller (handed to attached workers by the launcher)."""
+
+    run_id: str
+    run_dir: str
+    control: str
+    data: str
+    transfer: str
+    log_dir: str
+
+
+@dataclass
+class RunSummary:
+    """What :meth:`Controller.train` returns."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    metrics_path: str = ""
+
+
+AttachHook = Callable[[Addresses, anyio.abc.TaskGroup], Awaitable[None]]
+
+
+def _flatten(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [e for sub in exc.exceptions for e in _flatten(sub)]
+    return [exc]
+
+
+class Controller(anyio.AsyncContextManagerMixin):
+    """Owns a run: workers, sockets, pumps. Use as ``async with Controller(config) as ctl``.
+
+    Args:
+        config: a validated :class:`~asyncrl.config.Config`.
+        attach: ``None`` to spawn the worker groups as torchrun subprocesses. Otherwise an
+            async callback ``attach(addresses, task_group)`` called once the sockets are bound;
+            it must make the workers connect (``asyncrl.launch`` uses it to publish the
+            addresses and to serve rank 0's own worker inside this task group).
+
+    Entering raises :class:`~asyncrl.errors.WorkerStartupError` if a worker dies or the
+    handshake exceeds ``cluster.startup_timeout_s``; a worker dying later raises
+    :class:`~asyncrl.errors.WorkerDiedError` out of the ``async with`` block.
+    """
+
+    def __init__(self, config: Config, *, attach: AttachHook | None = None) -> None:
+        self.config = config
+        self._attach = attach
+        self._pipeline: Pipeline | None = None
+        self._spawned: list[SpawnedGroup] = []
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.addresses: Addresses | None = None
+
+    @property
+    def pipeline(self) -> Pipeline:
+        if self._pipeline is None:
+            raise RuntimeError("the controller is not running")
+        return self._pipeline
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncIterator[Controller]:
+        try:
+            async with self._running():
+                yield self
+        except BaseExceptionGroup as group:
+            errors = [e for e in _flatten(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            if len(errors) == 1:
+                raise errors[0] from None
+            raise
+
+    @asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        cfg = self.config
+        run_id = uuid.uuid4().hex[:12]
+        base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
+        make_private_dir(base)
+        run_dir = make_private_dir(os.path.join(base, run_id))
+        log_dir = os.path.join(cfg.run.output_dir, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        self.addresses = addr = Addresses(
+            run_id=run_id,
+            run_dir=run_dir,
+            control=ipc_address(run_dir, "control"),
+            data=ipc_address(run_dir, "data"),
+            transfer=ipc_address(run_dir, "weights-0"),
+            log_dir=log_dir,
+        )
+        environment = plugins.load("asyncrl.environments", cfg.environment.name)(
+            dict(cfg.environment.options), cfg.run.seed
+        )
+        tokenizer = Tokenizer(
+            os.path.join(cfg.model.path, "tokenizer.json"), _eos_token_id(cfg.model.path)
+        )
+        ctx = Context()
+        metrics = MetricsWriter(os.path.join(cfg.run.output_dir, "metrics.jsonl"))
+        bound = structlog.contextvars.bound_contextvars(run_id=run_id)
+        bound.__enter__()
+        try:
+            router = ctx.socket(ROUTER, bind=addr.control, router_mandatory=True)
+            pull = ctx.socket(PULL, bind=addr.data, hwm=1000)
+            config_dict = to_dict(cfg)
+
+            def make_init(hello: Hello) -> Init:
+                transfer = addr.transfer if (hello.group, hello.rank) == ("trainer", 0) else ""
+                return Init(run_id=run_id, config=config_dict, data_address=addr.data,
+                            transfer_address=transfer)
+
+            control = ControlPlane(router, make_init)
+            metrics.write({"kind": "config", "run_id": run_id, "config": config_dict})
+            log.info("run_started", run_id=run_id, output=cfg.run.output_dir)
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(control.run, name="control-reader")
+                watchers = _Scopes()
+                try:
+                    peers = await self._start_workers(tg, control, addr, watchers)
+                    trainers = [p.identity for p in peers if p.group == "trainer"]
+                    rollouts = [p.identity for p in peers if p.group == "rollout"]
+                    self._pipeline = Pipeline(
+                        cfg,
+                        control=control,
+                        data_socket=pull,
+                        environment=environment,
+                        tokenizer=tokenizer,
+                        sampler=InOrderSampler(cfg.lookahead),
+                        trainers=trainers,
+                        rollouts=rollouts,
+                        transfer_address=addr.transfer,
+                        metrics=metrics,
+                        clock_origin=time.perf_counter(),
+                    )
+                    yield
+                finally:
+                    watchers.cancel()
+                    with anyio.CancelScope(shield=True):
+                        await control.shutdown_all()
+                        pids = [p.pid for p in control.peers.values() if p.pid != os.getpid()]
+                        await stop_processes(self._spawned, pids, cfg.cluster.shutdown_grace_s)
+                    tg.cancel_scope.cancel()
+        finally:
+            bound.__exit__(None, None, None)
+            self._pipeline = None
+            ctx.close()
+            metrics.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.rmtree(shm_dir(run_id), ignore_errors=True)
+            log.info("run_stopped", run_id=run_id)
+
+    async def _start_workers(
+        self,
+        tg: anyio.abc.TaskGroup,
+        control: ControlPlane,
+        addr: Addresses,
+        watchers: _Scopes,
+    ) -> list[Any]:
+        cfg = self.config.cluster
+        groups = {"trainer": cfg.trainer_ranks, "rollout": cfg.rollout_ranks}
+        if self._attach is None:
+            for group, n in groups.items():
+                spawned = await spawn_group(
+                    group=group,
+                    nproc=n,
+                    control_address=addr.control,
+                    log_dir=addr.log_dir,
+                    torchrun=cfg.torchrun,
+                    env=_worker_env(self.config, group),
+                )
+                self._spawned.append(spawned)
+        else:
+            await self._attach(addr, tg)
+
+        async def agent_died(spawned: SpawnedGroup) -> None:
+            code = await spawned.process.wait()
+            raise WorkerStartupError(
+                f"the {spawned.group} group's torchrun agent exited with code {code} before "
+                f"all its workers were ready; see {spawned.agent_log} and "
+                f"{spawned.log_dir}/{spawned.group}-*.log"
+            )
+
+        peers = []
+        startup_watch = _Scopes()
+        for spawned in self._spawned:
+            startup_watch.start_soon(tg, agent_died, spawned)
+        try:
+            with anyio.fail_after(cfg.startup_timeout_s):
+                for group, n in groups.items():
+                    peers += await control.wait_ready(group, n)
+        except TimeoutError:
+            raise WorkerStartupError(
+                f"workers were not ready within {cfg.startup_timeout_s:.0f} s "
+                f"(cluster.startup_timeout_s); connected: {sorted(control.peers)}; "
+                f"logs in {addr.log_dir}"
+            ) from None
+        finally:
+            startup_watch.cancel()
+        by_group = {s.group: s for s in self._spawned}
+        for peer in peers:
+            if peer.pid != os.getpid():
+                watchers.start_soon(tg, watch_peer, peer, by_group.get(peer.group))
+        log.info("workers_ready", workers=[p.identity for p in peers])
+        return peers
+
+    async def train(self) -> RunSummary:
+        """Run ``run.num_steps`` optimizer steps (with the configured evaluations).
+
+        Returns the per-step metrics and evaluation results.
+
+        Cancellation: the pumps stop; leaving the ``async with`` block cleans up.
+        """
+        pipe = self.pipeline
+        summary = RunSummary(metrics_path=os.path.join(self.config.run.output_dir, "metrics.jsonl"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pipe.feed_buffer, name="buffer-feeder")
+            tg.start_soon(pipe.watch_loop_lag, name="loop-lag")
+            if self.config.eval.num_prompts and self.config.eval.at_start:
+                summary.evals.append(await pipe.evaluate("start"))
+            async with anyio.create_task_group() as pumps:
+                pumps.start_soon(pipe.rollout_pump, name="rollout-pump")
+                pumps.start_soon(pipe.train_pump, name="train-pump")
+            if self.config.eval.num_prompts and self.config.eval.at_end:
+                summary.evals.append(await pipe.evaluate("end"))
+            tg.cancel_scope.cancel()
+        summary.steps = list(pipe.history)
+        log.info("run_finished", summary=json.dumps(summary.evals))
+        return summary
+
+
+class _Scopes:
+    """Tasks the owner can stop as a set without stopping the whole task group."""
+
+    def __init__(self) -> None:
+        self._scopes: list[anyio.CancelScope] = []
+        self._cancelled = False
+
+    def start_soon(
+        self, tg: anyio.abc.TaskGroup, fn: Callable[..., Awaitable[Any]], *args: Any
+    ) -> None:
+        scope = anyio.CancelScope()
+        if self._cancelled:
+            return
+        self._scopes.append(scope)
+
+        async def guarded() -> None:
+            with scope:
+                await fn(*args)
+
+        tg.start_soon(guarded)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        for scope in self._scopes:
+            scope.cancel()
+
+
+def _eos_token_id(model_path: str) -> int | None:
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_path, name)) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return None
+
+
+def _worker_env(config: Config, group: str) -> dict[str, str]:
+    """Environment for spawned workers: nothing beyond what the process needs to start."""
+    env = {"ASYNCRL_GROUP": group, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+

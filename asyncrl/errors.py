@@ -1,0 +1,119 @@
+"""The asyncrl error tree.
+
+Catch at the level you can handle::
+
+    AsyncRLError
+    ├── ConfigError                 bad or inconsistent configuration (raised before any spawn)
+    ├── PluginError                 an entry point is missing, duplicated or fails to load
+    ├── ProtocolError               a peer spoke a different protocol version or sent garbage
+    ├── RemoteCallError             one RPC failed on a worker; the worker is still alive
+    ├── WorkerError                 a worker group can no longer serve (fatal for the run)
+    │   ├── WorkerStartupError      a worker died or timed out before it was ready
+    │   └── WorkerDiedError         a worker process exited while the run was going
+    ├── RefitError                  a weight transfer did not complete
+    └── RunError                    the run cannot go on (e.g. rollouts exhausted mid-step)
+
+``RemoteCallError`` is the recoverable kind ("a call failed"), ``WorkerError`` the fatal kind
+("a worker died"), as vLLM separates ``EngineGenerateError`` from ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncRLError",
+    "ConfigError",
+    "PluginError",
+    "ProtocolError",
+    "RefitError",
+    "RemoteCallError",
+    "RunError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerStartupError",
+]
+
+
+class AsyncRLError(Exception):
+    """Base class of every error raised by asyncrl."""
+
+
+class ConfigError(AsyncRLError):
+    """The configuration is invalid. The message names the field and the fix."""
+
+
+class PluginError(AsyncRLError):
+    """A plugin entry point is missing, ambiguous or failed to import."""
+
+
+class ProtocolError(AsyncRLError):
+    """A peer sent a message this side cannot accept (version mismatch, bad frame)."""
+
+
+class RemoteCallError(AsyncRLError):
+    """An RPC raised on the worker. The worker stays up; the call may be retried.
+
+    Attributes:
+        worker: ``group:rank`` of the worker that raised.
+        method: the request kind that failed.
+        remote_type: the exception class name on the worker.
+        remote_traceback: the formatted traceback text from the worker.
+    """
+
+    def __init__(
+        self, worker: str, method: str, remote_type: str, message: str, remote_traceback: str
+    ) -> None:
+        super().__init__(
+            f"{method} failed on worker {worker}: {remote_type}: {message}\n"
+            f"--- remote traceback ---\n{remote_traceback}"
+        )
+        self.worker = worker
+        self.method = method
+        self.remote_type = remote_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+
+
+class WorkerError(AsyncRLError):
+    """A worker group can no longer serve; the run must stop."""
+
+
+class WorkerStartupError(WorkerError):
+    """A worker failed, died or timed out before the handshake completed."""
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process exited while the run was going.
+
+    Attributes:
+        group: the worker group (``trainer`` or ``rollout``).
+        rank: the rank within the group, or ``None`` when it could not be attributed.
+        exit_code: the exit status (negative: killed by that signal), ``None`` if unknown.
+        log_path: the file holding that worker's output.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        rank: int | None,
+        exit_code: int | None,
+        log_path: str | None,
+        detail: str = "",
+    ) -> None:
+        who = f"{group}:{rank}" if rank is not None else f"{group} (rank unknown)"
+        code = "unknown" if exit_code is None else str(exit_code)
+        msg = f"worker {who} died with exit code {code}; its log: {log_path or 'n/a'}"
+        if detail:
+            msg += f"\n{detail}"
+        super().__init__(msg)
+        self.group = group
+        self.rank = rank
+        self.exit_code = exit_code
+        self.log_path = log_path
+
+
+class RefitError(AsyncRLError):
+    """A weight transfer to the generators did not complete."""
+
+
+class RunError(AsyncRLError):
+    """The run cannot continue for a reason that is not a worker failure."""

@@ -1,0 +1,63 @@
+"""Logging setup (opt-in) and the metrics file.
+
+Library code only calls ``structlog.get_logger(...)``. :func:`configure` is called by the CLI
+and by worker processes — never on import, and never over a host application's own structlog
+configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, Literal
+
+import structlog
+
+__all__ = ["MetricsWriter", "configure"]
+
+
+def configure(fmt: Literal["auto", "console", "json"] = "auto", level: str = "info") -> None:
+    """Configure structlog for a process asyncrl owns. Leaves an existing setup alone."""
+    if structlog.is_configured():
+        return
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if fmt == "console"
+        else structlog.processors.JSONRenderer()
+    )
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if fmt == "json":
+        processors.append(structlog.processors.dict_tracebacks)
+    structlog.configure(
+        processors=[*processors, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` (flushed per record)."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

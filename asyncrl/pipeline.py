@@ -1,0 +1,482 @@
+"""The rollout pump, the buffer feeder and the train pump, on one event loop.
+
+::
+
+    dataloader ──► rollout pump ──Generate──► rollout workers ──GroupDone (ZMQ PUSH)──┐
+                     │ waits: sampler.admit (trainer version), buffered-groups       │
+                     │        semaphore, in-flight semaphore, rollout gate            │
+                     ▼ reserve slot (start = generator version, target step)         ▼
+                 replay buffer ◄──── commit by group id ◄──── buffer feeder (PULL + rewards)
+                     │
+                     ▼ waits: sampler.select finds >= min groups (buffer changed)
+                 train pump ──TrainChunk──► trainer ranks (one open optimizer step)
+                     │ step's groups consumed → FinishStep → trainer version += 1
+                     ▼ close gate → SendWeights ∥ ReceiveWeights → generator version = v → open gate
+
+Who unblocks whom: a commit wakes the train pump (``changed``); a finished step wakes the
+rollout pump's ``admit``; a finished refit reopens the gate; training or evicting a group
+releases its buffered-groups permit; a commit releases its in-flight permit.
+
+All of this state has one writer, the event loop; nothing here blocks it (tokenizing and
+scoring run in worker threads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+
+from .buffer import CompletedSample, Group, ReplayBuffer
+from .codec import Codec
+from .config import Config
+from .environment import Environment, Prompt
+from .errors import RunError
+from .grpo import pack_groups, shard_batch
+from .messages import (
+    BeginStep,
+    ChunkResult,
+    DataMessage,
+    FinishStep,
+    Generate,
+    GenRequest,
+    GroupDone,
+    GroupFailed,
+    ReceiveWeights,
+    SendWeights,
+    StepResult,
+    TrainChunk,
+)
+from .rpc import ControlPlane
+from .samplers import Sampler
+from .transport import AsyncSocket
+
+__all__ = ["Pipeline", "Tokenizer"]
+
+log = structlog.get_logger("asyncrl.pipeline")
+
+
+class Tokenizer:
+    """The model directory's ``tokenizer.json`` via the ``tokenizers`` library (no torch)."""
+
+    def __init__(self, path: str, eos_token_id: int | None) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(path)
+        self.eos_token_id = eos_token_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids if int(i) != self.eos_token_id]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class Signal:
+    """Wake every waiter on the next :meth:`notify` (an event re-armed after each use)."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+def _seed(*parts: object) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def prompt_batches(prompts: Sequence[Prompt], batch: int, seed: int) -> Iterator[list[Prompt]]:
+    """Endless epochs over ``prompts`` in a seeded order; each epoch drops the remainder."""
+    if len(prompts) < batch:
+        raise RunError(f"the train split has {len(prompts)} prompts, fewer than one batch ({batch})")
+    epoch = 0
+    while True:
+        order = list(range(len(prompts)))
+        random.Random(_seed(seed, epoch)).shuffle(order)
+        for i in range(0, len(order) - batch + 1, batch):
+            yield [prompts[j] for j in order[i : i + batch]]
+        epoch += 1
+
+
+@dataclass
+class _StepRecord:
+    """Timing and counters of one step (one batch: generation, training, refit)."""
+
+    step: int
+    gen_start: float | None = None
+    gen_end: float | None = None
+    dispatched: int = 0
+    train_start: float | None = None
+    train_end: float | None = None
+    wait_s: float = 0.0
+    chunks: int = 0
+    groups: list[Group] = field(default_factory=list)
+    chunk_results: list[ChunkResult] = field(default_factory=list)
+
+
+class Pipeline:
+    """The run's shared state and its loops. The :class:`~asyncrl.controller.Controller`
+    builds it once the workers are ready and owns the tasks that run it."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        control: ControlPlane,
+        data_socket: AsyncSocket,
+        environment: Environment,
+        tokenizer: Tokenizer,
+        sampler: Sampler,
+        trainers: list[str],
+        rollouts: list[str],
+        transfer_address: str,
+        metrics: Any,
+        clock_origin: float,
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.data = data_socket
+        self.env = environment
+        self.tok = tokenizer
+        self.sampler = sampler
+        self.trainers = trainers
+        self.rollouts = rollouts
+        self.transfer_address = transfer_address
+        self.metrics = metrics
+        self.t0 = clock_origin
+        self.buffer = ReplayBuffer(config.max_buffered_groups)
+        self.buffered = anyio.Semaphore(config.max_buffered_groups)
+        self.inflight = anyio.Semaphore(config.max_inflight_groups)
+        self.score_limiter = anyio.CapacityLimiter(4)
+        self.trainer_version = 0
+        self.generator_version = 0
+        self.gate_open = True
+        self.changed = Signal()
+        self.steps: dict[int, _StepRecord] = {}
+        self._eval_results: dict[str, tuple[anyio.Event, list[CompletedSample]]] = {}
+        self._prompts: dict[str, Prompt] = {}
+        self._next_rollout = 0
+        self.loop_lag_max_s = 0.0
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _record(self, step: int) -> _StepRecord:
+        return self.steps.setdefault(step, _StepRecord(step))
+
+    def _pick_rollout(self) -> str:
+        worker = self.rollouts[self._next_rollout % len(self.rollouts)]
+        self._next_rollout += 1
+        return worker
+
+    async def _dispatch(self, requests: list[GenRequest]) -> None:
+        timeout = self.config.cluster.call_timeout_s
+        await self.control.call(self._pick_rollout(), Generate(requests=requests), timeout_s=timeout)
+
+    # ------------------------------------------------------------------ rollout pump
+    async def rollout_pump(self) -> None:
+        """Dispatch batches of prompts as the sampler admits them, until the last step's batch.
+
+        Cancellation: stops dispatching; groups already dispatched keep their permits until
+        the controller shuts down.
+        """
+        cfg = self.config
+        prompts = self.env.dataset("train")
+        batches = prompt_batches(prompts, cfg.grpo.prompts_per_step, cfg.run.seed)
+        while True:
+            while (step := self.sampler.admit(self.trainer_version)) is None:
+                await self.changed.wait()
+            if step >= cfg.run.num_steps:
+                return
+            batch = next(batches)
+            ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in batch])
+            rec = self._record(step)
+            for i, (prompt, prompt_ids) in enumerate(zip(batch, ids)):
+                await self.buffered.acquire()
+                await self.inflight.acquire()
+                while not self.gate_open:
+                    await self.changed.wait()
+                group_id = f"s{step}-{i}"
+                self._prompts[group_id] = prompt
+                self.buffer.reserve(
+                    group_id,
+                    prompt_id=prompt.id,
+                    prompt_ids=prompt_ids,
+                    start_version=self.generator_version,
+                    target_step=step,
+                    now=self.now(),
+                )
+                if rec.gen_start is None:
+                    rec.gen_start = self.now()
+                rec.dispatched += 1
+                await self._dispatch(
+                    [
+                        GenRequest(
+                            group_id=group_id,
+                            prompt_ids=prompt_ids,
+                            n=cfg.grpo.samples_per_prompt,
+                            max_tokens=cfg.grpo.max_new_tokens,
+                            temperature=cfg.grpo.temperature,
+                            seed=_seed(cfg.run.seed, group_id),
+                        )
+                    ]
+                )
+
+    # ------------------------------------------------------------------ feeder
+    async def feed_buffer(self) -> None:
+        """Read finished groups from the data socket, score them off-loop, commit them.
+
+        Cancellation: stops reading; scoring tasks in flight are cancelled with it.
+        """
+        codec = Codec(DataMessage)
+        async with anyio.create_task_group() as tg:
+            while True:
+                msg = codec.decode(await self.data.recv())
+                if isinstance(msg, GroupFailed):
+                    raise RunError(
+                        f"generation of group {msg.group_id} failed on {msg.worker}: "
+                        f"{msg.error_type}: {msg.message}"
+                    )
+                tg.start_soon(self._score_and_commit, msg)
+
+    def _score(self, prompt: Prompt, group: GroupDone) -> list[CompletedSample]:
+        out = []
+        for s in group.samples:
+            score = self.env.score(prompt, self.tok.decode(s.token_ids))
+            out.append(
+                CompletedSample(s.token_ids, s.logprobs, s.finish_reason, score.reward, score.correct)
+            )
+        return out
+
+    async def _score_and_commit(self, msg: GroupDone) -> None:
+        prompt = self._prompts.pop(msg.group_id, None)
+        if prompt is None:
+            log.warning("unknown_group_dropped", group_id=msg.group_id)
+            return
+        samples = await anyio.to_thread.run_sync(
+            self._score, prompt, msg, limiter=self.score_limiter
+        )
+        if msg.group_id in self._eval_results:
+            done, out = self._eval_results[msg.group_id]
+            out.extend(samples)
+            done.set()
+            return
+        group = self.buffer.commit(
+            msg.group_id, samples, end_version=self.generator_version, now=self.now()
+        )
+        self.inflight.release()
+        if group.target_step is not None:
+            rec = self._record(group.target_step)
+            rec.gen_end = max(rec.gen_end or 0.0, self.now())
+        self.changed.notify()
+
+    # ------------------------------------------------------------------ train pump
+    async def train_pump(self) -> None:
+        """Assemble each step from chunks of complete groups, train it, refit, publish.
+
+        Cancellation: an open optimizer step is abandoned (the run is over).
+        """
+        cfg = self.config
+        timeout = cfg.cluster.call_timeout_s
+        while self.trainer_version < cfg.run.num_steps:
+            step = self.trainer_version
+            rec = self._record(step)
+            remaining = cfg.grpo.prompts_per_step
+            opened = False
+            while remaining > 0:
+                for g in self.sampler.evict(self.buffer, step):
+                    self.buffer.remove([g.group_id])
+                    self.buffered.release()
+                    log.warning("group_evicted", group_id=g.group_id, step=step)
+                chunk = self.sampler.select(
+                    self.buffer, step, min(cfg.min_groups_for_streaming_train, remaining), remaining
+                )
+                if not chunk:
+                    t = self.now()
+                    await self.changed.wait()
+                    rec.wait_s += self.now() - t
+                    continue
+                self.buffer.remove([g.group_id for g in chunk])
+                if not opened:
+                    rec.train_start = self.now()
+                    await self.control.call_each(
+                        self.trainers, [BeginStep(step=step)] * len(self.trainers), timeout_s=timeout
+                    )
+                    opened = True
+                batch = pack_groups(chunk, normalize=cfg.grpo.normalize_advantages)
+                shards = shard_batch(batch, len(self.trainers))
+                results = await self.control.call_each(
+                    self.trainers, [TrainChunk(step=step, batch=s) for s in shards], timeout_s=timeout
+                )
+                rec.chunk_results += results  # type: ignore[arg-type]
+                rec.groups += chunk
+                rec.chunks += 1
+                for _ in chunk:
+                    self.buffered.release()
+                remaining -= len(chunk)
+            num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
+            finish = await self.control.call_each(
+                self.trainers,
+                [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers),
+                timeout_s=timeout,
+            )
+            rec.train_end = self.now()
+            # version bump and gate close happen together: no dispatch can see v+1 unrefit
+            self.trainer_version = step + 1
+            self.gate_open = False
+            self.changed.notify()
+            refit_start = self.now()
+            await self.refit(step + 1)
+            refit_s = self.now() - refit_start
+            self.generator_version = step + 1
+            self.gate_open = True
+            self.changed.notify()
+            self._log_step(rec, finish[0], refit_s)  # type: ignore[arg-type]
+            del self.steps[step]
+
+    async def refit(self, version: int) -> None:
+        """Send weights ``version`` from the trainers to every generator; return when all
+        generators serve them. Cancellation: abandons the transfer."""
+        cfg = self.config
+        timeout = cfg.cluster.call_timeout_s
+        send = SendWeights(
+            version=version,
+            receivers=list(self.rollouts),
+            transport=cfg.refit.transport,
+            bucket_size_bytes=cfg.refit.bucket_size_mb << 20,
+            timeout_s=cfg.refit.timeout_s,
+        )
+        recv = ReceiveWeights(
+            version=version,
+            address=self.transfer_address,
+            transport=cfg.refit.transport,
+            reset_prefix_cache=cfg.refit.reset_prefix_cache,
+            timeout_s=cfg.refit.timeout_s,
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._call_each, self.trainers, send, timeout)
+            tg.start_soon(self._call_each, self.rollouts, recv, timeout)
+
+    async def _call_each(self, workers: list[str], request: Any, timeout: float) -> None:
+        await self.control.call_each(workers, [request] * len(workers), timeout_s=timeout)
+
+    def _log_step(self, rec: _StepRecord, result: StepResult, refit_s: float) -> None:
+        samples = [s for g in rec.groups for s in g.samples]
+        stale = [rec.step - g.start_version for g in rec.groups]
+        n_tok = max(1, sum(r.num_loss_tokens for r in rec.chunk_results))
+        record = {
+            "step": rec.step + 1,
+            "reward": float(np.mean([s.reward for s in samples])),
+            "accuracy": float(np.mean([s.correct for s in samples])),
+            "staleness_max": int(max(stale)),
+            "staleness_mean": float(np.mean(stale)),
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "clip_frac": sum(r.clipped_tokens for r in rec.chunk_results) / n_tok,
+            "logprob_diff": sum(r.abs_logprob_diff_sum for r in rec.chunk_results) / n_tok,
+            "response_len": float(np.mean([len(s.token_ids) for s in samples])),
+            "chunks": rec.chunks,
+            "groups": len(rec.groups),
+            "gen_s": (rec.gen_end or 0.0) - (rec.gen_start or 0.0),
+            "train_s": (rec.train_end or 0.0) - (rec.train_start or 0.0),
+            "refit_s": refit_s,
+            "wait_s": rec.wait_s,
+            "gen_start": rec.gen_start,
+            "gen_end": rec.gen_end,
+            "train_start": rec.train_start,
+            "train_end": rec.train_end,
+            "loop_lag_max_s": self.loop_lag_max_s,
+            "time": self.now(),
+        }
+        self.loop_lag_max_s = 0.0
+        self.history.append(record)
+        if self.metrics is not None:
+            self.metrics.write({"kind": "train", **record})
+        log.info(
+            "step_finished",
+            step=record["step"],
+            reward=round(record["reward"], 4),
+            accuracy=round(record["accuracy"], 4),
+            staleness=record["staleness_max"],
+            loss=round(result.loss, 5),
+            grad_norm=round(result.grad_norm, 4),
+            gen_s=round(record["gen_s"], 3),
+            train_s=round(record["train_s"], 3),
+            refit_s=round(refit_s, 3),
+            wait_s=round(rec.wait_s, 3),
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    async def evaluate(self, label: str) -> dict[str, Any]:
+        """Greedy held-out accuracy of the generators' current weights (nothing else may be
+        generating). Cancellation: outstanding eval groups are abandoned."""
+        n = self.config.eval.num_prompts
+        prompts = list(self.env.dataset("eval"))[:n]
+        ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in prompts])
+        waits = []
+        requests: dict[str, list[GenRequest]] = {w: [] for w in self.rollouts}
+        for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+            gid = f"eval-{label}-{i}"
+            self._prompts[gid] = prompt
+            slot: tuple[anyio.Event, list[CompletedSample]] = (anyio.Event(), [])
+            self._eval_results[gid] = slot
+            waits.append(slot)
+            requests[self.rollouts[i % len(self.rollouts)]].append(
+                GenRequest(
+                    group_id=gid,
+                    prompt_ids=prompt_ids,
+                    n=1,
+                    max_tokens=self.config.grpo.max_new_tokens,
+                    temperature=0.0,
+                    greedy=True,
+                )
+            )
+        start = self.now()
+        timeout = self.config.cluster.call_timeout_s
+        try:
+            for worker, reqs in requests.items():
+                if reqs:
+                    await self.control.call(worker, Generate(requests=reqs), timeout_s=timeout)
+            with anyio.fail_after(timeout):
+                for done, _ in waits:
+                    await done.wait()
+        finally:
+            for i in range(len(prompts)):
+                self._eval_results.pop(f"eval-{label}-{i}", None)
+        correct = [s.correct for _, out in waits for s in out]
+        record = {
+            "kind": "eval",
+            "label": label,
+            "version": self.generator_version,
+            "accuracy": float(np.mean(correct)) if correct else 0.0,
+            "num_prompts": len(prompts),
+            "seconds": self.now() - start,
+        }
+        if self.metrics is not None:
+            self.metrics.write(record)
+        log.info("eval_finished", **{k: v for k, v in record.items() if k != "kind"})
+        return record
+
+    # ------------------------------------------------------------------ loop health
+    async def watch_loop_lag(self, interval_s: float = 0.25) -> None:
+        """Measure how late the event loop wakes up (a blocked loop starves both pumps)."""
+        while True:
+            t = time.perf_counter()
+            await anyio.sleep(interval_s)
+            self.loop_lag_max_s = max(self.loop_lag_max_s, time.perf_counter() - t - interval_s)

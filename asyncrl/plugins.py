@@ -1,0 +1,121 @@
+"""Plugin registry over Python entry points.
+
+=============================== ===================== ===========================================
+group                           loaded in             the entry point names
+=============================== ===================== ===========================================
+``asyncrl.generation_backends`` rollout workers       ``factory(ctx: WorkerContext)`` returning a
+                                                      :class:`~asyncrl.backend.GenerationBackend`
+``asyncrl.training_backends``   trainer workers       ``factory(ctx: WorkerContext)`` returning a
+                                                      :class:`~asyncrl.backend.TrainingBackend`
+``asyncrl.weight_transfers``    trainers + rollouts   a transport name (``shm`` is built in)
+``asyncrl.environments``        controller            ``factory(options: dict, seed: int)``
+                                                      returning an
+                                                      :class:`~asyncrl.environment.Environment`
+``asyncrl.rewards``             controller            ``fn(prompt, completion) -> Score``
+``asyncrl.samplers``            controller            a sampler class (see
+                                                      :mod:`asyncrl.samplers`)
+=============================== ===================== ===========================================
+
+Names are discovered from installed distributions' metadata; the target is imported only on
+first use. A missing name, a name registered twice, or a target that fails to import raises
+:class:`~asyncrl.errors.PluginError` with an install hint: a missing backend must never
+silently change a run. ``ASYNCRL_PLUGINS`` (comma-separated ``group:name`` or ``name``) is an
+optional allowlist.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from types import MappingProxyType
+from typing import Any
+
+from .errors import PluginError
+
+__all__ = ["GROUPS", "PluginInfo", "available", "load"]
+
+GROUPS = MappingProxyType(
+    {
+        "asyncrl.generation_backends": "generation backend",
+        "asyncrl.training_backends": "training backend",
+        "asyncrl.weight_transfers": "weight transfer",
+        "asyncrl.environments": "environment",
+        "asyncrl.rewards": "reward function",
+        "asyncrl.samplers": "sampler",
+    }
+)
+
+_HINTS = {
+    ("asyncrl.generation_backends", "vllm"): "pip install -e backends/asyncrl-vllm[cpu]",
+    ("asyncrl.training_backends", "fsdp2"): "pip install -e backends/asyncrl-fsdp",
+    ("asyncrl.environments", "arithmetic"): "pip install -e plugins/asyncrl-arith",
+}
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    group: str
+    name: str
+    value: str
+    distribution: str
+    version: str
+
+
+def _allowed(group: str, name: str) -> bool:
+    allow = os.environ.get("ASYNCRL_PLUGINS")
+    if not allow:
+        return True
+    items = {item.strip() for item in allow.split(",") if item.strip()}
+    return name in items or f"{group}:{name}" in items
+
+
+def _entry_points(group: str) -> list[EntryPoint]:
+    if group not in GROUPS:
+        raise PluginError(f"unknown plugin group {group!r}; known groups: {', '.join(GROUPS)}")
+    return [ep for ep in entry_points(group=group) if _allowed(group, ep.name)]
+
+
+def available(group: str) -> dict[str, PluginInfo]:
+    """Every plugin registered in ``group``, by name (nothing is imported)."""
+    found: dict[str, PluginInfo] = {}
+    for ep in _entry_points(group):
+        dist = ep.dist
+        info = PluginInfo(
+            group, ep.name, ep.value, dist.name if dist else "?", dist.version if dist else "?"
+        )
+        if ep.name in found and found[ep.name].value != ep.value:
+            other = found[ep.name]
+            raise PluginError(
+                f"{GROUPS[group]} {ep.name!r} is registered twice: by {other.distribution} "
+                f"({other.value}) and by {info.distribution} ({info.value}); uninstall one"
+            )
+        found[ep.name] = info
+    return found
+
+
+def load(group: str, name: str) -> Any:
+    """Import and return the object registered as ``name`` in ``group``.
+
+    Raises:
+        PluginError: not registered (with an install hint), registered twice, or the import
+            failed (the original error is chained).
+    """
+    plugins = available(group)
+    if name not in plugins:
+        hint = _HINTS.get((group, name))
+        known = ", ".join(sorted(plugins)) or "none"
+        msg = f"no {GROUPS[group]} named {name!r} is installed (installed: {known})"
+        if hint:
+            msg += f"; install it with: {hint}"
+        raise PluginError(msg)
+    for ep in _entry_points(group):
+        if ep.name == name:
+            try:
+                return ep.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"{GROUPS[group]} {name!r} ({ep.value}) failed to import: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+    raise AssertionError("unreachable")

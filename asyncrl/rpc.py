@@ -1,0 +1,237 @@
+"""Controller side of the control plane: one ROUTER, one reader task, calls by ``call_id``.
+
+Workers connect DEALER sockets with identity ``group:rank`` and speak
+:data:`asyncrl.messages.FromWorker`. The reader task (:meth:`ControlPlane.run`) is the only
+task that reads the ROUTER; it answers ``Hello`` with ``Init``, marks ``Ready`` workers, and
+hands each ``Reply``/``Failure`` to the call waiting on its ``call_id``. A ``Dead`` message is
+fatal: the reader raises, which cancels the controller's task group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+
+from .codec import Codec
+from .errors import ProtocolError, RemoteCallError, WorkerError, WorkerStartupError
+from .messages import (
+    PROTOCOL_VERSION,
+    Call,
+    Dead,
+    Failure,
+    FromWorker,
+    Hello,
+    Init,
+    Ready,
+    Reply,
+    Request,
+    Result,
+    Shutdown,
+    ToWorker,
+)
+from .transport import AsyncSocket
+
+__all__ = ["ControlPlane", "Peer"]
+
+log = structlog.get_logger("asyncrl.rpc")
+
+
+@dataclass
+class Peer:
+    """A connected worker."""
+
+    identity: str
+    group: str
+    rank: int
+    world_size: int
+    pid: int
+    log_path: str
+    ready: anyio.Event = field(default_factory=anyio.Event)
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    backend: str = ""
+    error: BaseException | None = None
+
+
+@dataclass
+class _Pending:
+    peer: str
+    method: str
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Result | None = None
+    error: BaseException | None = None
+
+
+class ControlPlane:
+    """Owns the controller's ROUTER socket.
+
+    Args:
+        sock: a bound ROUTER socket.
+        make_init: builds the :class:`Init` answer for a worker's :class:`Hello`.
+    """
+
+    def __init__(self, sock: AsyncSocket, make_init: Callable[[Hello], Init]) -> None:
+        self._sock = sock
+        self._make_init = make_init
+        self._rx = Codec(FromWorker)
+        self._tx = Codec(ToWorker)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self.peers: dict[str, Peer] = {}
+        self._peer_joined = anyio.Event()
+
+    async def run(self) -> None:
+        """Read the ROUTER forever. Raises :class:`WorkerError` on a worker's ``Dead``.
+
+        Cancellation: stops reading; pending calls are left to their own timeouts/cancels.
+        """
+        while True:
+            frames = await self._sock.recv()
+            identity = bytes(frames[0].buffer).decode(errors="replace")
+            try:
+                msg = self._rx.decode(frames[1:])
+            except ProtocolError as exc:
+                log.warning("message_rejected", peer=identity, error=str(exc))
+                continue
+            await self._handle(identity, msg)
+
+    async def _handle(self, identity: str, msg: Any) -> None:
+        if isinstance(msg, Hello):
+            await self._on_hello(identity, msg)
+        elif isinstance(msg, Ready):
+            peer = self.peers.get(identity)
+            if peer is None:
+                raise ProtocolError(f"Ready from unknown worker {identity}")
+            peer.capabilities = dict(msg.capabilities)
+            peer.backend = msg.backend
+            peer.ready.set()
+            log.info("worker_ready", worker=identity, backend=msg.backend, pid=peer.pid)
+        elif isinstance(msg, (Reply, Failure)):
+            pending = self._pending.get(msg.call_id)
+            if pending is None:
+                log.warning("reply_dropped", worker=identity, call_id=msg.call_id)
+                return
+            if isinstance(msg, Reply):
+                pending.result = msg.result
+            else:
+                pending.error = RemoteCallError(
+                    identity, pending.method, msg.error_type, msg.message, msg.traceback
+                )
+            pending.done.set()
+        elif isinstance(msg, Dead):
+            peer = self.peers.get(identity)
+            where = f"; its log: {peer.log_path}" if peer and peer.log_path else ""
+            err = WorkerError(
+                f"worker {identity} stopped with a fatal error: {msg.reason}{where}\n"
+                f"--- remote traceback ---\n{msg.traceback}"
+            )
+            self.fail_peer(identity, err)
+            raise err
+
+    async def _on_hello(self, identity: str, hello: Hello) -> None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise WorkerStartupError(
+                f"worker {identity} speaks protocol {hello.protocol_version}, this controller "
+                f"speaks {PROTOCOL_VERSION}; install the same asyncrl version everywhere"
+            )
+        if identity != f"{hello.group}:{hello.rank}":
+            raise ProtocolError(f"worker identity {identity} does not match its Hello")
+        if identity in self.peers:
+            raise WorkerStartupError(f"two workers claim to be {identity}")
+        self.peers[identity] = Peer(
+            identity, hello.group, hello.rank, hello.world_size, hello.pid, hello.log_path
+        )
+        self._peer_joined.set()
+        self._peer_joined = anyio.Event()
+        log.info("worker_connected", worker=identity, pid=hello.pid, log=hello.log_path)
+        await self._send(identity, self._make_init(hello))
+
+    async def _send(self, identity: str, msg: Any) -> None:
+        await self._sock.send([identity.encode(), *self._tx.encode(msg)])
+
+    async def wait_ready(self, group: str, world_size: int) -> list[Peer]:
+        """Wait until ranks ``0..world_size-1`` of ``group`` are ready; return them by rank.
+
+        Cancellation: safe; callers bound it with a timeout.
+        """
+        names = [f"{group}:{r}" for r in range(world_size)]
+        while not all(n in self.peers for n in names):
+            await self._peer_joined.wait()
+        for n in names:
+            await self.peers[n].ready.wait()
+        return [self.peers[n] for n in names]
+
+    def fail_peer(self, identity: str, error: BaseException) -> None:
+        """Mark a worker dead: every call waiting on it fails with ``error``."""
+        peer = self.peers.get(identity)
+        if peer is not None and peer.error is None:
+            peer.error = error
+        for pending in self._pending.values():
+            if pending.peer == identity and not pending.done.is_set():
+                pending.error = error
+                pending.done.set()
+
+    async def call(self, identity: str, request: Request, *, timeout_s: float) -> Result:
+        """Send ``request`` to one worker and wait for its result.
+
+        Raises:
+            RemoteCallError: the worker raised (it keeps serving).
+            WorkerError: the worker died or did not answer within ``timeout_s``.
+
+        Cancellation: the wait is abandoned; a late reply is dropped.
+        """
+        peer = self.peers.get(identity)
+        if peer is None:
+            raise WorkerError(f"no worker {identity} is connected")
+        if peer.error is not None:
+            raise peer.error
+        call_id = next(self._ids)
+        method = type(request).__name__
+        pending = self._pending[call_id] = _Pending(identity, method)
+        start = time.perf_counter()
+        try:
+            await self._send(identity, Call(call_id=call_id, request=request))
+            with anyio.move_on_after(timeout_s) as scope:
+                await pending.done.wait()
+            if scope.cancelled_caught:
+                raise WorkerError(
+                    f"{method} on worker {identity} did not finish within {timeout_s:.0f} s "
+                    f"(cluster.call_timeout_s); its log: {peer.log_path}"
+                )
+        finally:
+            del self._pending[call_id]
+        if pending.error is not None:
+            raise pending.error
+        log.debug("call_finished", worker=identity, method=method,
+                  seconds=round(time.perf_counter() - start, 4))
+        assert pending.result is not None
+        return pending.result
+
+    async def call_each(
+        self, identities: Sequence[str], requests: Sequence[Request], *, timeout_s: float
+    ) -> list[Result]:
+        """Send ``requests[i]`` to ``identities[i]`` concurrently; results in the same order."""
+        results: list[Any] = [None] * len(identities)
+
+        async def one(i: int) -> None:
+            results[i] = await self.call(identities[i], requests[i], timeout_s=timeout_s)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(identities)):
+                tg.start_soon(one, i)
+        return results
+
+    async def shutdown_all(self) -> None:
+        """Ask every connected worker to exit (best effort, never raises)."""
+        for identity, peer in list(self.peers.items()):
+            if peer.error is None:
+                try:
+                    with anyio.move_on_after(1):
+                        await self._send(identity, Shutdown())
+                except Exception as exc:  # the socket may already be gone
+                    log.debug("shutdown_send_failed", worker=identity, error=str(exc))

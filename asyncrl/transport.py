@@ -1,0 +1,178 @@
+"""ZeroMQ under anyio. The only module of asyncrl that imports ``zmq``.
+
+pyzmq's own asyncio sockets work on asyncio only, so this is a small adapter over plain
+non-blocking sockets: a task that would block waits with :func:`anyio.wait_readable` on the
+socket's file descriptor. That descriptor is edge-triggered and shared by reads and writes, so:
+
+* only one task at a time waits on it; others wait on an event that every wake-up sets;
+* after every send or receive the state may have changed without a new edge, so each operation
+  wakes the waiters, which re-check ``EVENTS`` before sleeping again.
+
+Each socket is meant to have exactly one reading task; sends are serialized by a lock.
+Every socket gets a finite high-water mark and ``LINGER=0`` (the process must never hang on
+exit waiting to flush), except where a caller asks for a bounded linger.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import zmq
+
+__all__ = ["AsyncSocket", "Context", "ipc_address", "make_private_dir"]
+
+ROUTER, DEALER, PUSH, PULL = zmq.ROUTER, zmq.DEALER, zmq.PUSH, zmq.PULL
+
+
+def make_private_dir(path: str) -> str:
+    """Create ``path`` (and parents) with mode 0700 and check nobody else can enter it."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise PermissionError(f"{path} must be owned by this user with mode 0700")
+    return path
+
+
+def ipc_address(run_dir: str, name: str) -> str:
+    """An ``ipc://`` endpoint inside the run's private directory."""
+    path = os.path.join(run_dir, f"{name}.sock")
+    if len(path) > 100:  # sun_path is 108 bytes on Linux
+        raise ValueError(f"ipc socket path too long ({len(path)} chars): {path}")
+    return f"ipc://{path}"
+
+
+class AsyncSocket:
+    """A ZeroMQ socket usable from anyio tasks.
+
+    Cancellation: a cancelled :meth:`recv` or :meth:`send` leaves the socket consistent
+    (ZeroMQ sends and receives whole multipart messages atomically).
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self._fd = sock.getsockopt(zmq.FD)
+        self._send_lock = anyio.Lock()
+        self._fd_scope: anyio.CancelScope | None = None
+        self._changed = anyio.Event()
+        self._closed = False
+
+    @property
+    def raw(self) -> zmq.Socket:
+        return self._sock
+
+    @property
+    def last_endpoint(self) -> str:
+        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _poke(self) -> None:
+        """Wake every waiter so it re-reads ``EVENTS``."""
+        if self._fd_scope is not None:
+            self._fd_scope.cancel()
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _wait(self, flag: int) -> None:
+        while not self._sock.getsockopt(zmq.EVENTS) & flag:
+            if self._fd_scope is None:
+                with anyio.CancelScope() as scope:
+                    self._fd_scope = scope
+                    try:
+                        await anyio.wait_readable(self._fd)
+                    finally:
+                        self._fd_scope = None
+                self._poke()
+            else:
+                await self._changed.wait()
+
+    async def recv(self) -> list[zmq.Frame]:
+        """Receive one multipart message as zero-copy frames."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self._wait(zmq.POLLIN)
+                continue
+            self._poke()
+            return frames
+
+    async def send(self, frames: Sequence[Any]) -> None:
+        """Send one multipart message; waits (without blocking the loop) at the HWM."""
+        async with self._send_lock:
+            while True:
+                try:
+                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    await self._wait(zmq.POLLOUT)
+                    continue
+                self._poke()
+                return
+
+    def send_nowait(self, frames: Sequence[Any]) -> None:
+        """Send without waiting; raises ``zmq.Again`` at the high-water mark."""
+        self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        self._poke()
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close now (pending messages are dropped unless ``linger_ms`` > 0). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            anyio.notify_closing(self._fd)
+        except RuntimeError:  # no event loop (closing from sync teardown)
+            pass
+        self._sock.close(linger=linger_ms)
+
+
+class Context:
+    """Owns one ``zmq.Context`` (never the process-global instance) and its sockets."""
+
+    def __init__(self) -> None:
+        self._ctx = zmq.Context()
+        self._sockets: list[AsyncSocket] = []
+
+    def socket(
+        self,
+        kind: int,
+        *,
+        bind: str | None = None,
+        connect: str | None = None,
+        identity: str | None = None,
+        hwm: int = 1000,
+        router_mandatory: bool = False,
+    ) -> AsyncSocket:
+        """Create a socket of ``kind`` (``ROUTER``, ``DEALER``, ``PUSH``, ``PULL``)."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity.encode())
+        if router_mandatory:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            if bind is not None:
+                sock.bind(bind)
+            if connect is not None:
+                sock.connect(connect)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        wrapped = AsyncSocket(sock)
+        self._sockets.append(wrapped)
+        return wrapped
+
+    def close(self) -> None:
+        """Close every socket (linger 0) and terminate the context. Idempotent."""
+        for sock in self._sockets:
+            sock.close()
+        self._sockets.clear()
+        self._ctx.term()
+
+
+HostUnreachable = zmq.ZMQError
+Again = zmq.Again

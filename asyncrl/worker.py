@@ -1,0 +1,346 @@
+"""Worker runtime: one per rank. Connects to the controller, loads the backend, serves calls.
+
+::
+
+    controller ROUTER ◄──── DEALER (identity "group:rank") ─── this runtime ─── backend plugin
+    controller PULL   ◄──── PUSH (rollout ranks: finished groups)
+    trainer rank 0 ROUTER ◄─ DEALER (rollout ranks: weight buckets, see asyncrl.refit)
+
+Handshake: ``Hello`` → ``Init`` (the run config) → backend ``start()`` → ``Ready``.
+Rollout ranks run every call as its own task (generation is concurrent); trainer ranks run
+calls strictly in arrival order on one dedicated thread, so torch collectives line up across
+ranks and CUDA's per-thread device stays put. A backend failure during a call is reported as
+a ``Failure`` and the worker keeps serving; a failure outside a call (start-up, a lost
+controller) is reported as ``Dead`` and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import msgspec
+import structlog
+
+from . import plugins
+from .backend import GenerationBackend, TrainingBackend, WeightTensor, WorkerContext
+from .codec import Codec
+from .config import Config
+from .errors import ProtocolError
+from .messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    BeginStep,
+    Call,
+    ChunkResult,
+    ComputeLogprobs,
+    DataMessage,
+    Dead,
+    Empty,
+    Failure,
+    FinishStep,
+    FromWorker,
+    Generate,
+    GenRequest,
+    GroupDone,
+    GroupFailed,
+    Health,
+    HealthResult,
+    Hello,
+    Init,
+    LogprobsResult,
+    Ready,
+    ReceiveWeights,
+    Reply,
+    Request,
+    ResetPrefixCache,
+    Result,
+    Score,
+    SendWeights,
+    Shutdown,
+    ToWorker,
+    TrainChunk,
+)
+from .refit import ShmWeightReceiver, ShmWeightSender
+from .transport import DEALER, PUSH, Context
+
+__all__ = ["serve"]
+
+log = structlog.get_logger("asyncrl.worker")
+T = TypeVar("T")
+
+
+class _Thread:
+    """One dedicated thread; ``run`` awaits a blocking call made on it."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-backend")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        done = anyio.Event()
+        token = anyio.lowlevel.current_token()
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(lambda _: anyio.from_thread.run_sync(done.set, token=token))
+        with anyio.CancelScope(shield=True):  # a running torch call cannot be interrupted
+            await done.wait()
+        return future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Runtime:
+    def __init__(
+        self, ctx: Context, control: Any, init: Init, wctx: WorkerContext, identity: str
+    ) -> None:
+        self.ctx = ctx
+        self.control = control
+        self.init = init
+        self.wctx = wctx
+        self.identity = identity
+        self.tx = Codec(FromWorker)
+        self.thread = _Thread()
+        self.backend: Any = None
+        self.data = None
+        self.receiver: ShmWeightReceiver | None = None
+        self.sender: ShmWeightSender | None = None
+        self.running: dict[str, anyio.CancelScope] = {}
+
+    async def send(self, msg: Any) -> None:
+        await self.control.send(self.tx.encode(msg))
+
+    # ----------------------------------------------------------------- rollout side
+    async def _generate_one(self, req: GenRequest, data_tx: Codec) -> None:
+        msg: Any
+        try:
+            samples = await self.backend.generate(req)
+            msg = GroupDone(req.group_id, self.identity, samples)
+        except Exception as exc:
+            log.exception("generation_failed", group_id=req.group_id)
+            msg = GroupFailed(req.group_id, self.identity, type(exc).__name__, str(exc))
+        assert self.data is not None
+        await self.data.send(data_tx.encode(msg))
+
+    async def rollout_call(self, req: Request, tg: anyio.abc.TaskGroup) -> Result:
+        backend: GenerationBackend = self.backend
+        if isinstance(req, Generate):
+            for r in req.requests:
+                tg.start_soon(self._generate_one, r, self._data_tx, name=f"gen-{r.group_id}")
+            return Empty()
+        if isinstance(req, Abort):
+            await backend.abort(list(req.group_ids))
+            return Empty()
+        if isinstance(req, Score):
+            return LogprobsResult(logprobs=await backend.score(req.batch, req.temperature))
+        if isinstance(req, ReceiveWeights):
+            if self.receiver is None or self.receiver.address != req.address:
+                if self.receiver is not None:
+                    self.receiver.close()
+                self.receiver = ShmWeightReceiver(self.ctx, req.address, self.identity)
+            return await self.receiver.receive(
+                req.version,
+                backend,
+                reset_prefix_cache=req.reset_prefix_cache,
+                kv_scales=req.kv_scales,
+                timeout_s=req.timeout_s,
+            )
+        if isinstance(req, ResetPrefixCache):
+            await backend.reset_prefix_cache()
+            return Empty()
+        if isinstance(req, Health):
+            return HealthResult(pid=os.getpid())
+        raise ProtocolError(f"a rollout worker cannot serve {type(req).__name__}")
+
+    # ----------------------------------------------------------------- trainer side
+    async def _weights(self, it: Any) -> AsyncIterator[WeightTensor]:
+        sentinel = object()
+        while True:
+            item = await self.thread.run(next, it, sentinel)
+            if item is sentinel:
+                return
+            yield item
+
+    async def trainer_call(self, req: Request) -> Result:
+        backend: TrainingBackend = self.backend
+        if isinstance(req, ComputeLogprobs):
+            lp = await self.thread.run(backend.compute_logprobs, req.batch, req.temperature)
+            return LogprobsResult(logprobs=lp)
+        if isinstance(req, BeginStep):
+            await self.thread.run(backend.begin_step, req.step)
+            return Empty()
+        if isinstance(req, TrainChunk):
+            result: ChunkResult = await self.thread.run(backend.train_chunk, req.step, req.batch)
+            return result
+        if isinstance(req, FinishStep):
+            return await self.thread.run(backend.finish_step, req.step, req.num_loss_tokens)
+        if isinstance(req, SendWeights):
+            it = await self.thread.run(backend.iter_weights)
+            if self.wctx.rank != 0:  # take part in the gathers, send nothing
+                async for _ in self._weights(it):
+                    pass
+                return Empty()
+            assert self.sender is not None
+            return await self.sender.send(
+                req.version,
+                list(req.receivers),
+                self._weights(it),
+                bucket_size=req.bucket_size_bytes,
+                timeout_s=req.timeout_s,
+            )
+        if isinstance(req, Health):
+            return HealthResult(pid=os.getpid())
+        raise ProtocolError(f"a trainer worker cannot serve {type(req).__name__}")
+
+    # ----------------------------------------------------------------- dispatch
+    async def answer(self, call: Call, tg: anyio.abc.TaskGroup) -> None:
+        try:
+            if self.wctx.group == "rollout":
+                result = await self.rollout_call(call.request, tg)
+            else:
+                result = await self.trainer_call(call.request)
+            await self.send(Reply(call_id=call.call_id, result=result))
+        except Exception as exc:
+            log.exception("call_failed", method=type(call.request).__name__)
+            await self.send(
+                Failure(
+                    call_id=call.call_id,
+                    error_type=type(exc).__name__,
+                    message=str(exc),
+                    traceback=traceback.format_exc(),
+                )
+            )
+
+    async def serve_calls(self) -> None:
+        rx = Codec(ToWorker)
+        self._data_tx = Codec(DataMessage)
+        send_calls, recv_calls = anyio.create_memory_object_stream[Call](16)
+        async with anyio.create_task_group() as tg:
+            if self.wctx.group != "rollout":
+                tg.start_soon(self._sequential, recv_calls, tg)
+            while True:
+                msg = rx.decode(await self.control.recv())
+                if isinstance(msg, Shutdown):
+                    log.info("worker_stopping", worker=self.identity)
+                    tg.cancel_scope.cancel()
+                    return
+                if not isinstance(msg, Call):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} after Init")
+                if self.wctx.group == "rollout":
+                    tg.start_soon(self.answer, msg, tg)
+                else:
+                    await send_calls.send(msg)
+
+    async def _sequential(self, calls: Any, tg: anyio.abc.TaskGroup) -> None:
+        async with calls:
+            async for call in calls:
+                await self.answer(call, tg)
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if self.backend is not None:
+                try:
+                    if self.wctx.group == "rollout":
+                        with anyio.move_on_after(30):
+                            await self.backend.close()
+                    else:
+                        await self.thread.run(self.backend.close)
+                except Exception:
+                    log.exception("backend_close_failed")
+            for part in (self.receiver, self.sender):
+                if part is not None:
+                    part.close()
+            self.thread.close()
+
+
+async def serve(
+    *,
+    control_address: str,
+    group: str,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    log_path: str = "",
+    extra: dict[str, Any] | None = None,
+    startup_timeout_s: float = 600.0,
+) -> None:
+    """Run one worker until the controller says ``Shutdown``.
+
+    Raises whatever made the worker unable to serve, after telling the controller (``Dead``).
+
+    Cancellation: the backend is closed (shielded) and the cancellation propagates.
+    """
+    identity = f"{group}:{rank}"
+    ctx = Context()
+    runtime: _Runtime | None = None
+    control = ctx.socket(DEALER, connect=control_address, identity=identity)
+    tx = Codec(FromWorker)
+    try:
+        await control.send(
+            tx.encode(
+                Hello(
+                    protocol_version=PROTOCOL_VERSION,
+                    group=group,
+                    rank=rank,
+                    world_size=world_size,
+                    pid=os.getpid(),
+                    log_path=log_path,
+                )
+            )
+        )
+        with anyio.fail_after(startup_timeout_s):
+            init = Codec(ToWorker).decode(await control.recv())
+        if not isinstance(init, Init):
+            raise ProtocolError(f"expected Init, got {type(init).__name__}")
+        config = msgspec.convert(init.config, Config)
+        wctx = WorkerContext(
+            group=group,
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            config=config,
+            run_dir=os.path.dirname(control_address.removeprefix("ipc://")),
+            extra=dict(extra or {}, run_id=init.run_id),
+        )
+        runtime = _Runtime(ctx, control, init, wctx, identity)
+        structlog.contextvars.bind_contextvars(worker=identity)
+        if group == "rollout":
+            runtime.data = ctx.socket(PUSH, connect=init.data_address, hwm=256)
+            factory = plugins.load("asyncrl.generation_backends", config.generator.backend)
+            runtime.backend = factory(wctx)
+            caps = await runtime.backend.start()
+        else:
+            factory = plugins.load("asyncrl.training_backends", config.trainer.backend)
+            runtime.backend = await runtime.thread.run(factory, wctx)
+            caps = await runtime.thread.run(runtime.backend.start)
+            if rank == 0 and init.transfer_address:
+                runtime.sender = ShmWeightSender(ctx, init.transfer_address, init.run_id, rank)
+        backend_name = config.generator.backend if group == "rollout" else config.trainer.backend
+        await control.send(
+            tx.encode(
+                Ready(
+                    backend=backend_name,
+                    backend_version=str(caps.get("backend_version", "")),
+                    capabilities=caps,
+                )
+            )
+        )
+        log.info("worker_ready", backend=backend_name)
+        await runtime.serve_calls()
+    except Exception as exc:
+        with anyio.CancelScope(shield=True):
+            dead = Dead(reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            try:
+                control.send_nowait(tx.encode(dead))
+            except Exception:  # noqa: BLE001 - the controller may be gone already
+                pass
+        raise
+    finally:
+        if runtime is not None:
+            await runtime.close()
+        control.close(linger_ms=2000)
+        ctx.close()

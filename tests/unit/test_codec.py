@@ -1,0 +1,121 @@
+"""Codec: round trips, frozen encodings (golden bytes), zero copy, no pickle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncrl.codec import Codec
+from asyncrl.errors import ProtocolError
+from asyncrl.messages import (
+    PROTOCOL_VERSION,
+    Call,
+    DataMessage,
+    FromWorker,
+    GenRequest,
+    Generate,
+    GroupDone,
+    Hello,
+    LogprobsResult,
+    Reply,
+    Sample,
+    ToWorker,
+    TrainBatch,
+    TrainChunk,
+)
+
+# Frozen encodings. If one of these changes, the wire format changed: bump PROTOCOL_VERSION
+# and say so in CHANGELOG.md, then update the bytes here.
+GOLDEN = {
+    "hello": "86a16ba568656c6c6fb070726f746f636f6c5f76657273696f6e01a567726f7570a7726f6c6c6f7574a472616e6b01aa776f726c645f73697a6502a3706964cd3039",
+    "reply_lp": "83a16ba57265706c79a763616c6c5f696403a6726573756c7482a16ba26c70a86c6f6770726f6273d7019301a33c66349104",
+    "group_done": "94a167a161a9726f6c6c6f75743a309193d7019301a33c69349102d7019302a33c66349102a473746f70",
+}
+
+
+def hexbody(frames: list) -> str:
+    return bytes(frames[0]).hex()
+
+
+def test_protocol_version_is_one() -> None:
+    assert PROTOCOL_VERSION == 1
+
+
+def test_golden_hello() -> None:
+    msg = Hello(protocol_version=1, group="rollout", rank=1, world_size=2, pid=12345)
+    frames = Codec(FromWorker).encode(msg)
+    assert len(frames) == 1
+    assert hexbody(frames) == GOLDEN["hello"]
+    assert Codec(FromWorker).decode([bytes.fromhex(GOLDEN["hello"])]) == msg
+
+
+def test_golden_reply_with_array_frame() -> None:
+    msg = Reply(call_id=3, result=LogprobsResult(logprobs=np.arange(4, dtype=np.float32)))
+    frames = Codec(FromWorker).encode(msg)
+    assert hexbody(frames) == GOLDEN["reply_lp"]
+    assert bytes(frames[1]) == np.arange(4, dtype="<f4").tobytes()
+
+
+def test_golden_group_done_is_array_like() -> None:
+    msg = GroupDone(
+        "a",
+        "rollout:0",
+        [Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop")],
+    )
+    frames = Codec(DataMessage).encode(msg)
+    assert hexbody(frames) == GOLDEN["group_done"]
+    assert len(frames) == 3
+    back = Codec(DataMessage).decode([bytes(f) for f in frames])
+    assert back.samples[0].token_ids.tolist() == [1, 2]
+    assert back.samples[0].logprobs.dtype == np.float32
+
+
+def test_round_trip_nested_request() -> None:
+    batch = TrainBatch(
+        tokens=np.arange(7, dtype=np.int32),
+        seq_lens=np.array([3, 4], np.int32),
+        prompt_lens=np.array([1, 2], np.int32),
+        behaviour_logprobs=np.array([-1, -2, -3, -4], np.float32),
+        advantages=np.array([0.5, -0.5], np.float32),
+    )
+    msg = Call(call_id=9, request=TrainChunk(step=2, batch=batch))
+    codec = Codec(ToWorker)
+    back = codec.decode(codec.encode(msg))
+    assert isinstance(back.request, TrainChunk)
+    for name in ("tokens", "seq_lens", "prompt_lens", "behaviour_logprobs", "advantages"):
+        a, b = getattr(batch, name), getattr(back.request.batch, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    gen = Call(call_id=1, request=Generate(requests=[GenRequest(group_id="g", prompt_ids=[1, 2], n=4, max_tokens=8)]))
+    assert codec.decode(codec.encode(gen)) == gen
+
+
+def test_decode_is_zero_copy_view_of_frame() -> None:
+    codec = Codec(FromWorker)
+    frames = codec.encode(Reply(call_id=1, result=LogprobsResult(logprobs=np.ones(1000, np.float32))))
+    payload = bytearray(bytes(frames[1]))
+    back = codec.decode([frames[0], memoryview(payload)])
+    payload[0:4] = np.float32(7).tobytes()
+    assert back.result.logprobs[0] == 7  # a view, not a copy
+
+
+def test_unknown_objects_are_refused_not_pickled() -> None:
+    class Thing:
+        pass
+
+    codec = Codec(FromWorker)
+    with pytest.raises(TypeError, match="no pickle"):
+        codec.encode(Reply(call_id=1, result=LogprobsResult(logprobs=Thing())))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot go on the wire"):
+        codec.encode(Reply(call_id=1, result=LogprobsResult(logprobs=np.array(["x"]))))
+
+
+def test_garbage_and_wrong_tags_raise_protocol_error() -> None:
+    codec = Codec(FromWorker)
+    with pytest.raises(ProtocolError):
+        codec.decode([b"\xc1"])
+    with pytest.raises(ProtocolError):
+        codec.decode([bytes.fromhex(GOLDEN["group_done"])])  # a data message on the control codec
+    with pytest.raises(ProtocolError, match="frame"):
+        codec.decode([bytes.fromhex(GOLDEN["reply_lp"])])  # array frame missing
+    with pytest.raises(ProtocolError):
+        codec.decode([])

@@ -1,0 +1,114 @@
+"""Config loading: unknown keys, bad values and broken invariants are named with a fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.errors import ConfigError
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"vocab_size": 8}))
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "run.toml"
+    p.write_text(body)
+    return p
+
+
+BASE = """
+[model]
+path = "model"
+[environment]
+name = "arithmetic"
+"""
+
+
+def test_minimal_config_gets_defaults_and_resolves_paths(tmp_path: Path, model_dir: Path) -> None:
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.model.path == str(model_dir.resolve())
+    assert cfg.run.output_dir == str((tmp_path / "runs/asyncrl").resolve())
+    assert cfg.lookahead == 1
+    # derived defaults: P * (L + 1)
+    assert cfg.max_buffered_groups == 16 * 2
+    assert cfg.max_inflight_groups == 16 * 2
+    assert cfg.min_groups_for_streaming_train == 16
+
+
+def test_unknown_key_is_named(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"prompts_per_stepp.*\$\.grpo"):
+        load_config(write(tmp_path, BASE + "[grpo]\nprompts_per_stepp = 3\n"))
+
+
+def test_wrong_type_is_named(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\$\.grpo\.samples_per_prompt"):
+        load_config(write(tmp_path, BASE + "[grpo]\nsamples_per_prompt = 'eight'\n"))
+
+
+def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
+    body = BASE + "[pipeline.sampler]\nname = 'windowedd'\n"
+    with pytest.raises(ConfigError, match="windowedd"):
+        load_config(write(tmp_path, body))
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "fix"),
+    [
+        ("[grpo]\nsamples_per_prompt = 1\n", "grpo.samples_per_prompt", ">= 2"),
+        ("[grpo]\ntemperature = 0.0\n", "grpo.temperature", "1.0"),
+        ("[run]\nnum_steps = 0\n", "run.num_steps", "positive"),
+        (
+            "[grpo]\nprompts_per_step = 4\n[pipeline]\nmin_groups_for_streaming_train = 5\n",
+            "pipeline.min_groups_for_streaming_train",
+            "at most 4",
+        ),
+        (
+            "[grpo]\nprompts_per_step = 4\n[pipeline]\nmax_buffered_groups = 7\n"
+            "[pipeline.sampler]\nname = 'in_order'\nmax_lookahead_versions = 1\n",
+            "pipeline.max_buffered_groups",
+            ">= 8",
+        ),
+        (
+            "[pipeline.sampler]\nname = 'in_order'\nmax_lookahead_versions = -1\n",
+            "max_lookahead_versions",
+            ">= 1 for async",
+        ),
+        ("[loss]\nclip_eps_low = 1.5\n", "loss.clip_eps_low", "0.2"),
+    ],
+)
+def test_invariants_name_field_and_fix(
+    tmp_path: Path, model_dir: Path, extra: str, field: str, fix: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, BASE + extra))
+    assert field in str(info.value)
+    assert "Fix:" in str(info.value) and fix in str(info.value)
+
+
+def test_missing_model_dir_is_explained(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.path.*config.json.*make_model"):
+        load_config(write(tmp_path, BASE))
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[model\n"))
+
+
+def test_overrides_apply_before_validation(tmp_path: Path, model_dir: Path) -> None:
+    cfg = load_config(write(tmp_path, BASE), {"grpo.prompts_per_step": 4, "run.seed": 7})
+    assert cfg.grpo.prompts_per_step == 4 and cfg.run.seed == 7
+    with pytest.raises(ConfigError, match="grpo.samples_per_prompt"):
+        load_config(write(tmp_path, BASE), {"grpo.samples_per_prompt": 1})
