@@ -37,7 +37,7 @@ import structlog
 
 from . import plugins
 from .config import Config, to_dict
-from .errors import AsyncRLError, WorkerStartupError
+from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
 from .log import MetricsWriter
 from .messages import Hello, Init
@@ -118,6 +118,11 @@ class Controller(anyio.AsyncContextManagerMixin):
                 yield self
         except BaseExceptionGroup as group:
             errors = [e for e in _flatten(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            if len(errors) > 1 and all(isinstance(e, WorkerDiedError) for e in errors):
+                # one rank's death makes torchrun stop its group's other ranks, whose watchers
+                # fire too: report the root cause, the rank whose exit code the agent recorded
+                known = [e for e in errors if getattr(e, "exit_code", None) is not None]
+                errors = (known or errors)[:1]
             if len(errors) == 1:
                 raise errors[0] from None
             raise
@@ -125,6 +130,14 @@ class Controller(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
         cfg = self.config
+        # plugin and tokenizer errors (a bad environment option...) come before anything exists
+        # on disk: nothing is left to clean up when they raise
+        environment = plugins.load("asyncrl.environments", cfg.environment.name)(
+            dict(cfg.environment.options), cfg.run.seed
+        )
+        tokenizer = Tokenizer(
+            os.path.join(cfg.model.path, "tokenizer.json"), _eos_token_id(cfg.model.path)
+        )
         run_id = uuid.uuid4().hex[:12]
         base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
         make_private_dir(base)
@@ -138,12 +151,6 @@ class Controller(anyio.AsyncContextManagerMixin):
             data=ipc_address(run_dir, "data"),
             transfer=ipc_address(run_dir, "weights-0"),
             log_dir=log_dir,
-        )
-        environment = plugins.load("asyncrl.environments", cfg.environment.name)(
-            dict(cfg.environment.options), cfg.run.seed
-        )
-        tokenizer = Tokenizer(
-            os.path.join(cfg.model.path, "tokenizer.json"), _eos_token_id(cfg.model.path)
         )
         ctx = Context()
         metrics = MetricsWriter(os.path.join(cfg.run.output_dir, "metrics.jsonl"))

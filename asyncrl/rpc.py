@@ -9,6 +9,7 @@ fatal: the reader raises, which cancels the controller's task group.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from .messages import (
     Shutdown,
     ToWorker,
 )
-from .transport import AsyncSocket
+from .transport import AsyncSocket, HostUnreachable
 
 __all__ = ["ControlPlane", "Peer"]
 
@@ -126,7 +127,9 @@ class ControlPlane:
         elif isinstance(msg, Dead):
             peer = self.peers.get(identity)
             where = f"; its log: {peer.log_path}" if peer and peer.log_path else ""
-            err = WorkerError(
+            # dying before Ready is a start-up failure (the documented error of entering)
+            kind = WorkerError if peer is not None and peer.ready.is_set() else WorkerStartupError
+            err = kind(
                 f"worker {identity} stopped with a fatal error: {msg.reason}{where}\n"
                 f"--- remote traceback ---\n{msg.traceback}"
             )
@@ -194,11 +197,26 @@ class ControlPlane:
         method = type(request).__name__
         pending = self._pending[call_id] = _Pending(identity, method)
         start = time.perf_counter()
+        unreachable = False
         try:
-            await self._send(identity, Call(call_id=call_id, request=request))
+            try:
+                await self._send(identity, Call(call_id=call_id, request=request))
+            except HostUnreachable as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                # The worker's socket is gone: its process exited or is exiting. Its watcher
+                # reports the death (with the exit code) and ends the run; until then this
+                # call waits like any call whose reply never comes.
+                unreachable = True
+                log.warning("worker_unreachable", worker=identity, method=method)
             with anyio.move_on_after(timeout_s) as scope:
                 await pending.done.wait()
             if scope.cancelled_caught:
+                if unreachable:
+                    raise WorkerError(
+                        f"{method}: worker {identity} was unreachable (its socket is closed); "
+                        f"its log: {peer.log_path}"
+                    )
                 raise WorkerError(
                     f"{method} on worker {identity} did not finish within {timeout_s:.0f} s "
                     f"(cluster.call_timeout_s); its log: {peer.log_path}"

@@ -17,6 +17,7 @@ controller) is reported as ``Dead`` and the process exits non-zero.
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -84,8 +85,18 @@ class _Thread:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         done = anyio.Event()
         token = anyio.lowlevel.current_token()
+        loop_thread = threading.get_ident()
+
+        def notify(_: object) -> None:
+            # A future that is already done runs its callback right here, on the loop thread,
+            # where from_thread.run_sync would block the loop forever.
+            if threading.get_ident() == loop_thread:
+                done.set()
+            else:
+                anyio.from_thread.run_sync(done.set, token=token)
+
         future = self._pool.submit(fn, *args)
-        future.add_done_callback(lambda _: anyio.from_thread.run_sync(done.set, token=token))
+        future.add_done_callback(notify)
         with anyio.CancelScope(shield=True):  # a running torch call cannot be interrupted
             await done.wait()
         return future.result()

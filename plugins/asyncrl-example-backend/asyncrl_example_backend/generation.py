@@ -1,0 +1,176 @@
+"""The ``bigram`` generation backend (entry point ``asyncrl.generation_backends:bigram``).
+
+A rollout worker calls these coroutines on its event loop; several :meth:`generate` calls run
+at once (one per prompt group), interleaved at every generated token. Weight updates pause
+sampling between tokens (``begin_weight_update``) and resume it with the new table
+(``finish_weight_update``), as vLLM pauses its scheduler: a sample that spans a refit is
+generated partly by each version, and its per-token logprobs say exactly which.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import structlog
+
+from asyncrl.backend import WeightBucketView, WorkerContext
+from asyncrl.messages import GenRequest, Sample, TokenBatch
+
+from . import __version__
+from .model import (
+    TENSOR_NAME,
+    ModelSpec,
+    initial_table,
+    log_softmax,
+    response_tokens,
+    token_logprobs,
+)
+from .options import GeneratorOptions, parse_options
+
+__all__ = ["BigramGenerator", "make_backend"]
+
+log = structlog.get_logger("asyncrl_example_backend.generation")
+
+
+def make_backend(ctx: WorkerContext) -> BigramGenerator:
+    """Entry point: one engine per rollout rank."""
+    return BigramGenerator(ctx)
+
+
+class BigramGenerator:
+    """Samples from ``softmax(table[prev] / T)`` with one numpy Generator per request."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.options = parse_options(
+            ctx.config.generator.options, GeneratorOptions, "generator.options"
+        )
+        self.spec = ModelSpec.read(ctx.config.model.path)
+        self.table = np.zeros((0, 0), np.float32)
+        self.version = 0
+        """The weight version being served (0 until the first refit)."""
+        self._staged: np.ndarray | None = None
+        self._resumed: anyio.Event | None = None  # unset while a weight update is going on
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+        self._groups_done = 0
+
+    async def start(self) -> dict[str, Any]:
+        if self.options.fail_at_start:
+            raise RuntimeError("generator.options.fail_at_start is set (a testing knob)")
+        self.table = await anyio.to_thread.run_sync(
+            initial_table, self.ctx.config.model.path, self.ctx.config.run.seed
+        )
+        self._resumed = anyio.Event()
+        self._resumed.set()
+        return {"backend_version": __version__, "vocab_size": self.spec.vocab_size}
+
+    # ------------------------------------------------------------------ sampling
+    async def generate(self, request: GenRequest) -> list[Sample]:
+        """``request.n`` samples, one after the other, from one Generator seeded with
+        ``request.seed`` (fresh entropy when ``None``).
+
+        Cancellation: stops between tokens and propagates (nothing to clean up).
+        """
+        if not request.prompt_ids:
+            raise ValueError(f"group {request.group_id}: empty prompt")
+        rng = np.random.default_rng(request.seed)
+        self._running.add(request.group_id)
+        try:
+            samples = [await self._sample(request, rng) for _ in range(request.n)]
+        finally:
+            self._running.discard(request.group_id)
+            self._aborted.discard(request.group_id)
+        self._groups_done += 1
+        if self.options.crash_after_groups and self._groups_done >= self.options.crash_after_groups:
+            log.warning("crashing_on_purpose", groups=self._groups_done)  # testing knob
+            os.kill(os.getpid(), signal.SIGKILL)
+        return samples
+
+    async def _sample(self, req: GenRequest, rng: np.random.Generator) -> Sample:
+        greedy = req.greedy or req.temperature == 0
+        temperature = 1.0 if greedy else req.temperature
+        prev = int(req.prompt_ids[-1])
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        reason = "length"
+        for _ in range(req.max_tokens):
+            if req.group_id in self._aborted:
+                reason = "abort"
+                break
+            assert self._resumed is not None, "start() was not called"
+            await self._resumed.wait()  # paused while weights are being replaced
+            logp = log_softmax(self.table[prev] / temperature)
+            if greedy:
+                tok = int(np.argmax(logp))
+            else:  # inverse-CDF draw: one uniform per token
+                cdf = np.cumsum(np.exp(logp))
+                tok = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+                tok = min(tok, cdf.size - 1)
+            tokens.append(tok)
+            logprobs.append(float(logp[tok]))
+            if tok == self.spec.eos_token_id:
+                reason = "stop"
+                break
+            prev = tok
+            if self.options.token_delay_s:
+                await anyio.sleep(self.options.token_delay_s)
+            else:
+                await anyio.lowlevel.checkpoint()  # let other groups (and cancellation) in
+        return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason)
+
+    async def abort(self, group_ids: list[str]) -> None:
+        """Running groups among ``group_ids`` stop at their next token; their remaining
+        samples come back empty, all with ``finish_reason == "abort"``."""
+        self._aborted.update(g for g in group_ids if g in self._running)
+
+    async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        prev, tok, _ = response_tokens(batch)
+        return token_logprobs(self.table, prev, tok, temperature).astype(np.float32)
+
+    # ------------------------------------------------------------------ refit
+    async def begin_weight_update(self, version: int) -> None:
+        self._resumed = anyio.Event()  # sampling waits between tokens until finish
+        self._staged = None
+
+    async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
+        """Copy ``bigram.logits`` out of the bucket file (the sender reuses the file as soon
+        as this returns)."""
+        v = self.spec.vocab_size
+        for entry in bucket.entries:
+            if entry.name != TENSOR_NAME:
+                raise ValueError(f"unknown tensor {entry.name!r} (the bigram has {TENSOR_NAME})")
+            if entry.dtype != "float32" or list(entry.shape) != [v, v] or entry.nbytes != v * v * 4:
+                raise ValueError(
+                    f"{TENSOR_NAME}: expected float32 [{v}, {v}], got {entry.dtype} {entry.shape} "
+                    f"({entry.nbytes} bytes)"
+                )
+            data = await anyio.to_thread.run_sync(
+                lambda e=entry: np.fromfile(bucket.path, np.float32, count=v * v, offset=e.offset)
+            )
+            self._staged = data.reshape(v, v)
+
+    async def finish_weight_update(
+        self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
+    ) -> None:
+        """Install the staged table and resume sampling. A bigram has no KV cache, so
+        ``reset_prefix_cache`` and ``kv_scales`` have nothing to act on."""
+        if self._staged is None:
+            raise RuntimeError(f"weight update to v{version} carried no {TENSOR_NAME}")
+        self.table, self._staged = self._staged, None
+        self.version = version
+        assert self._resumed is not None
+        self._resumed.set()
+        log.info("weights_loaded", version=version)
+
+    async def reset_prefix_cache(self) -> None:
+        """Nothing is cached between requests."""
+
+    async def close(self) -> None:
+        if self._resumed is not None:
+            self._resumed.set()

@@ -1,0 +1,81 @@
+"""The backend's options: ``[generator.options]`` and ``[trainer.options]``.
+
+asyncrl keeps plugin options as an opaque table; the plugin converts it to its own struct,
+rejecting unknown fields, and raises :class:`~asyncrl.errors.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from asyncrl.errors import ConfigError
+
+__all__ = ["GeneratorOptions", "TrainerOptions", "parse_options"]
+
+
+class _Options(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class GeneratorOptions(_Options):
+    """``[generator.options]`` of the ``bigram`` generation backend."""
+
+    token_delay_s: float = 0.0
+    """Testing knob: sleep this long after each generated token, to make generation slow
+    enough that tests can observe overlap, refit during generation and cancellation."""
+    fail_at_start: bool = False
+    """Testing knob: raise in ``start()``, to test start-up failure handling."""
+    crash_after_groups: int = 0
+    """Testing knob: SIGKILL this worker's own process once it has finished this many
+    prompt groups (eval groups included); 0 never does. Tests a worker dying mid-run."""
+
+
+class TrainerOptions(_Options):
+    """``[trainer.options]`` of the ``bigram`` training backend."""
+
+    lr: float = 0.5
+    """Learning rate (constant)."""
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    """``sgd`` (no momentum): the update is ``-lr * g``, easy to check by hand. ``adam``:
+    bias-corrected Adam with ``betas`` and ``eps``."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam moment decay rates."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient's 2-norm to this value (as torch's ``clip_grad_norm_``); 0 disables
+    clipping. The reported ``grad_norm`` is the norm before clipping."""
+    step_delay_s: float = 0.0
+    """Testing knob: sleep this long in every ``finish_step``, to make training slow enough
+    that tests can observe generation overlapping it."""
+    fail_at_start: bool = False
+    """Testing knob: raise in ``start()``, to test start-up failure handling."""
+
+
+O = TypeVar("O", bound=_Options)
+
+
+def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
+    """Convert ``raw`` (the config's options table named ``table``) into ``cls``.
+
+    Raises:
+        ConfigError: an unknown field, a wrong type or an out-of-range value, named as
+            ``<table>.<field>``.
+    """
+    try:
+        opts = msgspec.convert(dict(raw), cls)
+    except msgspec.ValidationError as exc:
+        # msgspec says e.g. "Object contains unknown field `lrr` - at `$`"
+        raise ConfigError(f"{table} (bigram backend): {exc}") from None
+    for name in ("token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm"):
+        value = getattr(opts, name, 0)
+        if value < 0:
+            raise ConfigError(f"{table}.{name}: must be >= 0, got {value}")
+    if isinstance(opts, TrainerOptions):
+        if not opts.lr > 0:
+            raise ConfigError(f"{table}.lr: must be > 0, got {opts.lr}")
+        if not all(0 <= b < 1 for b in opts.betas):
+            raise ConfigError(f"{table}.betas: both must lie in [0, 1), got {list(opts.betas)}")
+    return opts

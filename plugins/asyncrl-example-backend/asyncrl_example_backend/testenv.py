@@ -1,0 +1,66 @@
+"""``repeat-digit``: a *testing* environment (entry point ``asyncrl.environments:repeat-digit``).
+
+Not a benchmark. It exists so that integration tests get a dense, learnable reward from a
+bigram model: the prompt is one digit (``"7"``, so the prompt's last token is the digit) and
+the reward is 1 when the completion contains that digit, else 0. Even a random bigram hits it
+often enough that rewards differ within a group from the first step on, so GRPO's advantages
+are non-zero and the weights really move; a bigram can learn it (``d -> d`` transitions).
+``correct`` means a non-empty completion made only of that digit.
+
+Options (``[environment.options]``): ``num_train`` (default 64), ``num_eval`` (default 8).
+The eval split has its own ids; with ten possible prompts the texts necessarily repeat.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from asyncrl.environment import Prompt, Score
+from asyncrl.errors import ConfigError
+
+__all__ = ["RepeatDigitEnv", "make_environment"]
+
+
+class RepeatDigitOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    num_train: int = 64
+    """Prompts in the train split."""
+    num_eval: int = 8
+    """Prompts in the eval split."""
+
+
+class RepeatDigitEnv:
+    def __init__(self, options: RepeatDigitOptions, seed: int) -> None:
+        rng = random.Random(f"repeat-digit:{seed}")
+
+        def split(name: str, n: int) -> tuple[Prompt, ...]:
+            return tuple(
+                Prompt(id=f"{name}:{i}", text=d, answer=d)
+                for i, d in enumerate(str(rng.randrange(10)) for _ in range(n))
+            )
+
+        self._splits = {
+            "eval": split("eval", options.num_eval),
+            "train": split("train", options.num_train),
+        }
+
+    def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
+        return self._splits[split]
+
+    def score(self, prompt: Prompt, completion: str) -> Score:
+        text = completion.strip()
+        correct = bool(text) and set(text) == {prompt.answer}
+        return Score(reward=1.0 if prompt.answer in text else 0.0, correct=correct)
+
+
+def make_environment(options: dict[str, Any], seed: int) -> RepeatDigitEnv:
+    try:
+        opts = msgspec.convert(dict(options), RepeatDigitOptions)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"environment.options (repeat-digit): {exc}") from None
+    if opts.num_train < 1 or opts.num_eval < 0:
+        raise ConfigError("environment.options: num_train must be >= 1 and num_eval >= 0")
+    return RepeatDigitEnv(opts, seed)

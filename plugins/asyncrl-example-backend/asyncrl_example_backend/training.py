@@ -1,0 +1,181 @@
+"""The ``bigram`` training backend (entry point ``asyncrl.training_backends:bigram``).
+
+Exact GRPO/PPO gradients of the bigram table in float64, written out by hand. Per response
+token, with ``lp = log softmax(W[prev] / T)[tok]`` and ``b`` the generator's logprob::
+
+    r    = exp(lp - b)
+    loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)        (summed over tokens)
+
+which is :func:`asyncrl.loss.ppo_clip_loss` with the behaviour policy as proximal policy (so
+its importance weight is 1). Where the clip is inactive ``d loss / d lp = -A * r``; where it
+binds (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``) the gradient is 0; and
+``d lp / d W[prev, j] = (onehot(tok)_j - softmax(W[prev] / T)_j) / T``.
+
+``train_chunk`` adds the *sum* over the chunk's tokens into one gradient buffer;
+``finish_step`` divides by the step's token count, clips the norm and updates: streaming a step
+in chunks equals one big batch. The runtime calls these methods on one thread, in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from asyncrl.backend import WeightTensor, WorkerContext
+from asyncrl.errors import ConfigError
+from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
+
+from . import __version__
+from .model import TENSOR_NAME, ModelSpec, initial_table, log_softmax, response_tokens
+from .model import token_logprobs
+from .options import TrainerOptions, parse_options
+
+__all__ = ["BigramTrainer", "make_backend", "ppo_gradient"]
+
+
+def make_backend(ctx: WorkerContext) -> BigramTrainer:
+    """Entry point: one trainer (the bigram trains on a single rank)."""
+    return BigramTrainer(ctx)
+
+
+def ppo_gradient(
+    table: np.ndarray,
+    batch: TrainBatch,
+    *,
+    temperature: float,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """The summed clipped-surrogate loss of ``batch`` and its gradient w.r.t. ``table``.
+
+    Returns ``(grad [V, V] float64, stats)`` with ``stats`` holding ``loss_sum``,
+    ``num_loss_tokens``, ``clipped_tokens`` and ``abs_logprob_diff_sum``.
+    """
+    w = np.asarray(table, dtype=np.float64)
+    prev, tok, seq = response_tokens(batch)
+    logp = log_softmax(w[prev] / temperature)  # [n, V]
+    lp = logp[np.arange(tok.size), tok]
+    behaviour = np.asarray(batch.behaviour_logprobs, dtype=np.float64)
+    adv = np.asarray(batch.advantages, dtype=np.float64)[seq]
+    r = np.exp(lp - behaviour)
+    surrogate = np.minimum(r * adv, np.clip(r, 1 - eps_low, 1 + eps_high) * adv)
+    clipped = ((adv > 0) & (r > 1 + eps_high)) | ((adv < 0) & (r < 1 - eps_low))
+    dlp = np.where(clipped, 0.0, -adv * r)  # d loss / d lp per token
+    # d lp / d logits = onehot(tok) - softmax; d logits / d W[prev] = 1 / T
+    dlogits = -np.exp(logp) * dlp[:, None]
+    dlogits[np.arange(tok.size), tok] += dlp
+    grad = np.zeros_like(w)
+    np.add.at(grad, prev, dlogits / temperature)
+    stats = {
+        "loss_sum": float(-surrogate.sum()),
+        "num_loss_tokens": int(tok.size),
+        "clipped_tokens": int(clipped.sum()),
+        "abs_logprob_diff_sum": float(np.abs(lp - behaviour).sum()),
+    }
+    return grad, stats
+
+
+class BigramTrainer:
+    """Holds float64 master weights, a gradient buffer and (for Adam) its moments."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        if ctx.world_size != 1:
+            raise ConfigError(
+                f"cluster.trainer_ranks: the bigram backend trains on one rank, got "
+                f"{ctx.world_size}. Fix: set cluster.trainer_ranks = 1"
+            )
+        self.ctx = ctx
+        self.options = parse_options(ctx.config.trainer.options, TrainerOptions, "trainer.options")
+        self.spec = ModelSpec.read(ctx.config.model.path)
+        self.temperature = ctx.config.grpo.temperature
+        self.weights = np.zeros((0, 0))
+        self.grad = np.zeros((0, 0))
+        self._open_step: int | None = None
+        self._loss_sum = 0.0
+        self._adam_t = 0
+        self._m = self._v = np.zeros((0, 0))
+
+    def start(self) -> dict[str, Any]:
+        if self.options.fail_at_start:
+            raise RuntimeError("trainer.options.fail_at_start is set (a testing knob)")
+        self.weights = initial_table(self.ctx.config.model.path, self.ctx.config.run.seed).astype(
+            np.float64
+        )
+        self.grad = np.zeros_like(self.weights)
+        self._m, self._v = np.zeros_like(self.weights), np.zeros_like(self.weights)
+        return {"backend_version": __version__, "vocab_size": self.spec.vocab_size}
+
+    def compute_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        prev, tok, _ = response_tokens(batch)
+        return token_logprobs(self.weights, prev, tok, temperature).astype(np.float32)
+
+    def begin_step(self, step: int) -> None:
+        self.grad[...] = 0.0
+        self._loss_sum = 0.0
+        self._open_step = step
+
+    def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
+        self._check_open(step)
+        loss = self.ctx.config.loss
+        grad, stats = ppo_gradient(
+            self.weights,
+            batch,
+            temperature=self.temperature,
+            eps_low=loss.clip_eps_low,
+            eps_high=loss.clip_eps_high,
+        )
+        self.grad += grad
+        self._loss_sum += stats["loss_sum"]
+        return ChunkResult(
+            num_sequences=int(batch.seq_lens.size),
+            num_loss_tokens=stats["num_loss_tokens"],
+            loss_sum=stats["loss_sum"],
+            clipped_tokens=stats["clipped_tokens"],
+            is_weight_sum=float(stats["num_loss_tokens"]),  # proximal = behaviour: weight 1
+            abs_logprob_diff_sum=stats["abs_logprob_diff_sum"],
+        )
+
+    def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
+        self._check_open(step)
+        start = time.perf_counter()
+        opts = self.options
+        if opts.step_delay_s:
+            time.sleep(opts.step_delay_s)  # testing knob: a slow trainer
+        g = self.grad / max(1, num_loss_tokens)
+        norm = float(np.sqrt(np.sum(g * g)))
+        if opts.max_grad_norm and norm > opts.max_grad_norm:
+            g = g * (opts.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if opts.optimizer == "sgd":
+            self.weights -= opts.lr * g
+        else:
+            b1, b2 = opts.betas
+            self._adam_t += 1
+            self._m = b1 * self._m + (1 - b1) * g
+            self._v = b2 * self._v + (1 - b2) * g * g
+            m_hat = self._m / (1 - b1**self._adam_t)
+            v_hat = self._v / (1 - b2**self._adam_t)
+            self.weights -= opts.lr * m_hat / (np.sqrt(v_hat) + opts.eps)
+        self._open_step = None
+        return StepResult(
+            step=step,
+            loss=self._loss_sum / max(1, num_loss_tokens),
+            grad_norm=norm,
+            num_loss_tokens=num_loss_tokens,
+            lr=opts.lr,
+            seconds=time.perf_counter() - start,
+        )
+
+    def _check_open(self, step: int) -> None:
+        if step != self._open_step:
+            raise RuntimeError(f"a call for step {step}, but the open step is {self._open_step}")
+
+    def iter_weights(self) -> Iterator[WeightTensor]:
+        """The table as float32 bytes (the generators serve float32)."""
+        table = np.ascontiguousarray(self.weights, dtype=np.float32)
+        yield WeightTensor(TENSOR_NAME, "float32", table.shape, table.reshape(-1).view(np.uint8))
+
+    def close(self) -> None:
+        """Nothing to release (no process group, no device memory)."""

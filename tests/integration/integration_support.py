@@ -1,0 +1,149 @@
+"""Helpers of the integration tests (imported by conftest.py and the tests).
+
+Kept out of conftest.py so tests can import them by name: ``from integration_support import ...``
+(the test directories are not packages).
+"""
+
+from __future__ import annotations
+
+import copy
+import getpass
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from asyncrl.config import Config
+from asyncrl.controller import Controller
+from asyncrl.refit import shm_dir
+
+
+# --------------------------------------------------------------------------- the model dir
+def write_model_dir(path: Path) -> Path:
+    """``config.json`` + ``tokenizer.json`` of a character-level model (the arithmetic
+    plugin's vocabulary), built with ``tokenizers`` alone (no transformers import)."""
+    from asyncrl_arith.model import BOS_ID, EOS_ID, PAD_ID, SPECIAL, VOCAB
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", BOS_ID)]
+    )
+    tok.add_special_tokens(SPECIAL)  # so decode(skip_special_tokens=True) drops them
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "model_type": "bigram",
+        "vocab_size": len(VOCAB),
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# --------------------------------------------------------------------------- configs
+BASE: dict[str, Any] = {
+    "environment": {"name": "repeat-digit"},
+    "run": {"num_steps": 3, "seed": 0},
+    "cluster": {
+        "trainer_ranks": 1,
+        "rollout_ranks": 1,
+        "startup_timeout_s": 60.0,
+        "call_timeout_s": 60.0,
+        "shutdown_grace_s": 3.0,
+    },
+    "grpo": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 16},
+    "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 1}},
+    "refit": {"bucket_size_mb": 1, "timeout_s": 30.0},
+    "trainer": {"backend": "bigram", "options": {"lr": 0.5}},
+    "generator": {"backend": "bigram"},
+    "eval": {"num_prompts": 4},
+}
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge (``over`` wins); inputs are not modified."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def config_dict(model_dir: Path, output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    data = merge(BASE, sections)
+    data["model"] = {"path": str(model_dir)}
+    data["run"]["output_dir"] = str(output_dir)
+    return data
+
+
+def read_metrics(config: Config) -> list[dict[str, Any]]:
+    path = Path(config.run.output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- leftovers
+def run_processes(run_id: str) -> list[psutil.Process]:
+    """Live processes whose command line mentions ``run_id`` (every spawned agent and rank
+    does, through ``--control ipc:///tmp/asyncrl-<user>/<run_id>/control.sock``), whoever
+    their parent is now."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if any(run_id in arg for arg in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def live_children() -> list[psutil.Process]:
+    """Descendants of this (test) process that are still running (zombies excluded)."""
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def alive(pids: Iterable[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_nothing_left(ctl: Controller, worker_pids: Iterable[int] = ()) -> None:
+    """No descendant of this test process, no worker the controller saw, no process of the
+    run, no socket directory and no shared-memory directory remain."""
+    addr = ctl.addresses
+    assert addr is not None, "the controller never bound its sockets"
+    assert live_children() == [], f"child processes left behind: {live_children()}"
+    assert alive(worker_pids) == [], f"worker processes left behind: {alive(worker_pids)}"
+    assert run_processes(addr.run_id) == [], "processes of the run left behind"
+    assert addr.run_dir == os.path.join("/tmp", f"asyncrl-{getpass.getuser()}", addr.run_id)
+    assert not os.path.exists(addr.run_dir), f"socket dir left behind: {addr.run_dir}"
+    assert not os.path.exists(shm_dir(addr.run_id)), f"shm dir left behind: {shm_dir(addr.run_id)}"
+
+
+def worker_pids(ctl: Controller) -> dict[str, int]:
+    """``{"group:rank": pid}`` of the connected workers (call inside the ``async with``)."""
+    return {name: peer.pid for name, peer in ctl.pipeline.control.peers.items()}

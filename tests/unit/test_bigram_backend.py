@@ -1,0 +1,239 @@
+"""The example ``bigram`` backends in-process: their math against independent references.
+
+The gradient is checked against torch autograd through :func:`asyncrl.loss.ppo_clip_loss`
+(the loss every trainer must implement), sampling against the softmax it claims to sample
+from, and refit against a real bucket file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("asyncrl_example_backend")
+
+from asyncrl_example_backend.generation import BigramGenerator  # noqa: E402
+from asyncrl_example_backend.model import (  # noqa: E402
+    TENSOR_NAME,
+    initial_table,
+    log_softmax,
+    response_tokens,
+)
+from asyncrl_example_backend.training import BigramTrainer, ppo_gradient  # noqa: E402
+
+from asyncrl.backend import WeightBucketView, WorkerContext  # noqa: E402
+from asyncrl.config import Config, from_dict  # noqa: E402
+from asyncrl.errors import ConfigError  # noqa: E402
+from asyncrl.grpo import pack_tokens  # noqa: E402
+from asyncrl.messages import GenRequest, TensorEntry, TrainBatch  # noqa: E402
+
+V, EOS = 11, 2
+
+
+def _config(tmp_path: Path, **over: dict) -> Config:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"vocab_size": V, "eos_token_id": EOS}))
+    (model / "tokenizer.json").write_text("{}")
+    data = {
+        "model": {"path": str(model)},
+        "environment": {"name": "repeat-digit"},
+        "run": {"output_dir": str(tmp_path / "out"), "seed": 3},
+        "grpo": {"temperature": 0.7},
+        "loss": {"clip_eps_low": 0.2, "clip_eps_high": 0.28},
+        "trainer": {"backend": "bigram"},
+        "generator": {"backend": "bigram"},
+    }
+    for key, value in over.items():
+        data[key] = {**data.get(key, {}), **value}
+    return from_dict(data)
+
+
+def _ctx(config: Config, group: str = "trainer", world_size: int = 1) -> WorkerContext:
+    return WorkerContext(group=group, rank=0, world_size=world_size, local_rank=0,
+                         config=config, run_dir="/nonexistent")
+
+
+def _batch(rng: np.random.Generator, n: int = 6) -> TrainBatch:
+    prompts = [list(rng.integers(3, V, size=rng.integers(1, 4))) for _ in range(n)]
+    responses = [list(rng.integers(0, V, size=rng.integers(0, 6))) for _ in range(n)]
+    tb = pack_tokens(prompts, responses)
+    n_resp = int((tb.seq_lens - tb.prompt_lens).sum())
+    return TrainBatch(
+        tokens=tb.tokens, seq_lens=tb.seq_lens, prompt_lens=tb.prompt_lens,
+        # behaviour logprobs far enough from the current ones that both clips bind somewhere
+        behaviour_logprobs=(-np.abs(rng.normal(1.5, 1.0, n_resp))).astype(np.float32),
+        advantages=rng.normal(0, 1, n).astype(np.float32),
+    )
+
+
+def test_response_tokens_follow_the_packing() -> None:
+    tb = pack_tokens([[5, 6], [7]], [[8, 9, 2], []])
+    prev, tok, seq = response_tokens(tb)
+    assert prev.tolist() == [6, 8, 9] and tok.tolist() == [8, 9, 2] and seq.tolist() == [0, 0, 0]
+
+
+def test_gradient_matches_torch_autograd_of_the_core_loss(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from asyncrl.loss import ppo_clip_loss
+
+    cfg = _config(tmp_path)
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 1, (V, V))
+    batch = _batch(rng, 12)
+    grad, stats = ppo_gradient(table, batch, temperature=0.7, eps_low=0.2, eps_high=0.28)
+
+    w = torch.tensor(table, dtype=torch.float64, requires_grad=True)
+    prev, tok, seq = (torch.as_tensor(a) for a in response_tokens(batch))
+    lp = torch.log_softmax(w[prev] / 0.7, dim=-1)[torch.arange(tok.numel()), tok]
+    loss, tstats = ppo_clip_loss(
+        lp,
+        torch.as_tensor(np.asarray(batch.behaviour_logprobs), dtype=torch.float64),
+        torch.as_tensor(np.asarray(batch.advantages), dtype=torch.float64)[seq],
+        torch.ones(tok.numel(), dtype=torch.bool),
+        clip_eps_low=cfg.loss.clip_eps_low, clip_eps_high=cfg.loss.clip_eps_high,
+        is_cap=cfg.loss.is_cap,
+    )
+    loss.backward()
+    assert 0 < int(tstats.clipped_tokens) < tok.numel(), "the batch should exercise the clip"
+    assert stats["clipped_tokens"] == int(tstats.clipped_tokens)
+    assert stats["loss_sum"] == pytest.approx(float(loss.detach()), rel=1e-12)
+    np.testing.assert_allclose(grad, w.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_streamed_chunks_equal_one_big_batch_and_sgd_is_exact(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, trainer={"options": {"lr": 0.3, "max_grad_norm": 0.0}})
+    rng = np.random.default_rng(1)
+    parts = [_batch(rng, 4), _batch(rng, 5)]
+    whole = TrainBatch(*(np.concatenate([getattr(p, f) for p in parts])
+                         for f in TrainBatch.__struct_fields__))
+    tokens = int(sum((p.seq_lens - p.prompt_lens).sum() for p in parts))
+
+    streamed, big = BigramTrainer(_ctx(cfg)), BigramTrainer(_ctx(cfg))
+    for t in (streamed, big):
+        t.start()
+    w0 = streamed.weights.copy()
+    streamed.begin_step(0)
+    for p in parts:
+        streamed.train_chunk(0, p)
+    r1 = streamed.finish_step(0, tokens)
+    big.begin_step(0)
+    big.train_chunk(0, whole)
+    r2 = big.finish_step(0, tokens)
+    np.testing.assert_allclose(streamed.weights, big.weights, rtol=0, atol=1e-14)
+    assert r1.loss == pytest.approx(r2.loss, rel=1e-12)
+    # hand computation: w1 = w0 - lr * grad_sum / tokens
+    g, _ = ppo_gradient(w0, whole, temperature=0.7, eps_low=0.2, eps_high=0.28)
+    np.testing.assert_allclose(streamed.weights, w0 - 0.3 * g / tokens, rtol=0, atol=1e-14)
+    assert r1.grad_norm == pytest.approx(np.linalg.norm(g / tokens), rel=1e-12)
+
+
+def test_grad_norm_clipping_and_adam(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, trainer={"options": {"lr": 0.1, "max_grad_norm": 1e-3,
+                                                 "optimizer": "adam"}})
+    t = BigramTrainer(_ctx(cfg))
+    t.start()
+    w0 = t.weights.copy()
+    batch = _batch(np.random.default_rng(2), 6)
+    t.begin_step(0)
+    t.train_chunk(0, batch)
+    res = t.finish_step(0, 10)
+    g, _ = ppo_gradient(w0, batch, temperature=0.7, eps_low=0.2, eps_high=0.28)
+    g = g / 10
+    norm = np.linalg.norm(g)
+    assert res.grad_norm == pytest.approx(norm, rel=1e-12) and norm > 1e-3  # before clipping
+    g = g * 1e-3 / (norm + 1e-6)  # torch's clip_grad_norm_ rule
+    # Adam's first bias-corrected step: m_hat = g, v_hat = g^2
+    np.testing.assert_allclose(t.weights, w0 - 0.1 * g / (np.abs(g) + 1e-8), rtol=0, atol=1e-12)
+
+
+def test_trainer_refuses_several_ranks_and_bad_options(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cluster.trainer_ranks"):
+        BigramTrainer(_ctx(_config(tmp_path), world_size=2))
+    with pytest.raises(ConfigError, match="lrr"):
+        BigramTrainer(_ctx(_config(tmp_path, trainer={"options": {"lrr": 1.0}})))
+    with pytest.raises(ConfigError, match=r"trainer.options.lr"):
+        BigramTrainer(_ctx(_config(tmp_path, trainer={"options": {"lr": -1.0}})))
+    with pytest.raises(ConfigError, match="generator.options.token_delay_s"):
+        BigramGenerator(_ctx(_config(tmp_path, generator={"options": {"token_delay_s": -1}}),
+                             "rollout"))
+
+
+@pytest.mark.asyncio
+async def test_sampling_is_seeded_and_logprobs_are_after_temperature(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    gen = BigramGenerator(_ctx(cfg, "rollout"))
+    await gen.start()
+    req = GenRequest(group_id="g", prompt_ids=[1, 5], n=4, max_tokens=8, temperature=0.7, seed=42)
+    a, b = await gen.generate(req), await gen.generate(req)
+    for s, t in zip(a, b):
+        assert s.token_ids.tolist() == t.token_ids.tolist()
+    table = initial_table(cfg.model.path, cfg.run.seed)
+    for s in a:
+        assert s.token_ids.dtype == np.int32 and s.logprobs.dtype == np.float32
+        prev = [5, *s.token_ids[:-1].tolist()]
+        expected = log_softmax(table[prev] / 0.7)[np.arange(len(prev)), s.token_ids]
+        np.testing.assert_allclose(s.logprobs, expected, rtol=1e-5)
+        assert (s.finish_reason == "stop") == (s.token_ids[-1] == EOS)
+        assert s.finish_reason in ("stop", "length")
+        assert EOS not in s.token_ids[:-1].tolist()
+    # score() agrees with the sampled logprobs
+    batch = pack_tokens([[1, 5]] * 4, [s.token_ids.tolist() for s in a])
+    scored = await gen.score(batch, 0.7)
+    np.testing.assert_allclose(scored, np.concatenate([s.logprobs for s in a]), rtol=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_sampling_follows_the_softmax(tmp_path: Path) -> None:
+    """Empirical next-token frequencies after one prompt token match softmax(row / T)."""
+    cfg = _config(tmp_path)
+    gen = BigramGenerator(_ctx(cfg, "rollout"))
+    await gen.start()
+    req = GenRequest(group_id="g", prompt_ids=[4], n=4000, max_tokens=1, temperature=1.3, seed=0)
+    firsts = np.array([s.token_ids[0] for s in await gen.generate(req)])
+    p = np.exp(log_softmax(initial_table(cfg.model.path, cfg.run.seed)[4] / 1.3))
+    freq = np.bincount(firsts, minlength=V) / firsts.size
+    assert np.abs(freq - p).max() < 0.03
+
+
+@pytest.mark.asyncio
+async def test_refit_from_a_bucket_file_and_abort(tmp_path: Path) -> None:
+    import anyio
+
+    cfg = _config(tmp_path, generator={"options": {"token_delay_s": 0.01}})
+    gen = BigramGenerator(_ctx(cfg, "rollout"))
+    await gen.start()
+    new = np.arange(V * V, dtype=np.float32).reshape(V, V) / 7
+    new[:, EOS] = -50.0  # never stop by itself: the abort below must be what stops it
+    path = tmp_path / "bucket.bin"
+    blob = bytearray(256) + new.tobytes()
+    path.write_bytes(bytes(blob))
+    entry = TensorEntry(TENSOR_NAME, "float32", [V, V], 256, new.nbytes)
+    await gen.begin_weight_update(1)
+    await gen.load_weight_bucket(WeightBucketView(1, 0, str(path), len(blob), [entry], True))
+    os.unlink(path)  # the backend must have copied the data out
+    await gen.finish_weight_update(1, reset_prefix_cache=True, kv_scales=None)
+    assert gen.version == 1
+    np.testing.assert_array_equal(gen.table, new)
+    with pytest.raises(ValueError, match="unknown tensor"):
+        bad = TensorEntry("other", "float32", [V, V], 0, new.nbytes)
+        await gen.load_weight_bucket(WeightBucketView(2, 0, "/nonexistent", 0, [bad], True))
+
+    results = {}
+
+    async def run() -> None:
+        req = GenRequest(group_id="g1", prompt_ids=[3], n=3, max_tokens=1000, seed=1)
+        results["g1"] = await gen.generate(req)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.1)
+            await gen.abort(["g1"])
+    samples = results["g1"]
+    assert [s.finish_reason for s in samples] == ["abort"] * 3
+    assert 0 < len(samples[0].token_ids) < 1000 and len(samples[1].token_ids) == 0

@@ -1,0 +1,316 @@
+"""The controller's control plane against scripted fake workers (real ZeroMQ over ipc://).
+
+A fake worker is a DEALER speaking the wire protocol by hand, so each test decides exactly
+what the worker says and when.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import pytest
+
+from asyncrl.codec import Codec
+from asyncrl.errors import (
+    ProtocolError,
+    RemoteCallError,
+    WorkerError,
+    WorkerStartupError,
+)
+from asyncrl.messages import (
+    PROTOCOL_VERSION,
+    Call,
+    Dead,
+    Empty,
+    Failure,
+    FromWorker,
+    Health,
+    HealthResult,
+    Hello,
+    Init,
+    Ready,
+    Reply,
+    Shutdown,
+    ToWorker,
+)
+from asyncrl.rpc import ControlPlane
+from asyncrl.transport import DEALER, ROUTER, AsyncSocket, Context, ipc_address
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="asyncrl-r-")
+    os.chmod(d, 0o700)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class FakeWorker:
+    def __init__(self, ctx: Context, address: str, group: str, rank: int) -> None:
+        self.identity = f"{group}:{rank}"
+        self.group, self.rank = group, rank
+        self.sock: AsyncSocket = ctx.socket(DEALER, connect=address, identity=self.identity)
+        self.tx = Codec(FromWorker)
+        self.rx = Codec(ToWorker)
+
+    async def say(self, msg: Any) -> None:
+        await self.sock.send(self.tx.encode(msg))
+
+    async def hear(self) -> Any:
+        with anyio.fail_after(5):
+            return self.rx.decode(await self.sock.recv())
+
+    async def handshake(self, *, version: int = PROTOCOL_VERSION, ready: bool = True) -> Init:
+        await self.say(
+            Hello(protocol_version=version, group=self.group, rank=self.rank, world_size=1,
+                  pid=os.getpid(), log_path=f"/logs/{self.group}-{self.rank}.log")
+        )
+        init = await self.hear()
+        assert isinstance(init, Init)
+        if ready:
+            await self.say(Ready(backend="fake", capabilities={"x": 1}))
+        return init
+
+
+@asynccontextmanager
+async def control_plane(
+    run_dir: str,
+) -> AsyncIterator[tuple[ControlPlane, Context, str, anyio.abc.TaskGroup]]:
+    ctx = Context()
+    address = ipc_address(run_dir, "control")
+    router = ctx.socket(ROUTER, bind=address, router_mandatory=True)
+    control = ControlPlane(
+        router,
+        lambda hello: Init(run_id="r1", config={"who": hello.group}, data_address="ipc://data"),
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(control.run)
+            yield control, ctx, address, tg
+            tg.cancel_scope.cancel()
+    finally:
+        ctx.close()
+
+
+async def test_handshake_and_calls(run_dir: str) -> None:
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        w0 = FakeWorker(ctx, address, "rollout", 0)
+        w1 = FakeWorker(ctx, address, "rollout", 1)
+        inits = [await w0.handshake(), await w1.handshake()]
+        assert [i.config for i in inits] == [{"who": "rollout"}] * 2
+        with anyio.fail_after(5):
+            peers = await control.wait_ready("rollout", 2)
+        assert [p.identity for p in peers] == ["rollout:0", "rollout:1"]
+        assert peers[0].pid == os.getpid() and peers[0].log_path == "/logs/rollout-0.log"
+        assert peers[0].capabilities == {"x": 1} and peers[0].backend == "fake"
+
+        async def serve(w: FakeWorker, answers: int) -> None:
+            for _ in range(answers):
+                call = await w.hear()
+                assert isinstance(call, Call) and isinstance(call.request, Health)
+                await w.say(Reply(call_id=call.call_id, result=HealthResult(pid=w.rank)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve, w0, 2)
+            tg.start_soon(serve, w1, 1)
+            results = await control.call_each(["rollout:1", "rollout:0"], [Health(), Health()],
+                                              timeout_s=5)
+            assert [r.pid for r in results] == [1, 0]  # in the order asked, not answered
+            assert (await control.call("rollout:0", Health(), timeout_s=5)) == HealthResult(pid=0)
+
+
+async def test_remote_failure_is_recoverable(run_dir: str) -> None:
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        w = FakeWorker(ctx, address, "trainer", 0)
+        await w.handshake()
+
+        async def serve() -> None:
+            call = await w.hear()
+            await w.say(Failure(call_id=call.call_id, error_type="ValueError",
+                                message="bad chunk", traceback="Traceback: line 1"))
+            call = await w.hear()
+            await w.say(Reply(call_id=call.call_id, result=Empty()))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve)
+            with pytest.raises(RemoteCallError) as info:
+                await control.call("trainer:0", Health(), timeout_s=5)
+            err = info.value
+            assert (err.worker, err.method) == ("trainer:0", "Health")
+            assert err.remote_type == "ValueError"
+            assert "bad chunk" in str(err) and "Traceback: line 1" in str(err)
+            assert await control.call("trainer:0", Health(), timeout_s=5) == Empty()
+
+
+async def test_call_timeout_is_a_worker_error(run_dir: str) -> None:
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        w = FakeWorker(ctx, address, "trainer", 0)
+        await w.handshake()
+        with pytest.raises(WorkerError, match=r"Health on worker trainer:0 did not finish within"):
+            await control.call("trainer:0", Health(), timeout_s=0.2)
+        with pytest.raises(WorkerError, match="no worker rollout:7"):
+            await control.call("rollout:7", Health(), timeout_s=1)
+
+
+async def test_late_reply_is_dropped(run_dir: str) -> None:
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        w = FakeWorker(ctx, address, "trainer", 0)
+        await w.handshake()
+        with pytest.raises(WorkerError):
+            await control.call("trainer:0", Health(), timeout_s=0.1)
+        late = await w.hear()
+        await w.say(Reply(call_id=late.call_id, result=Empty()))  # nobody waits any more
+
+        async def serve() -> None:
+            call = await w.hear()
+            await w.say(Reply(call_id=call.call_id, result=HealthResult(pid=7)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve)
+            assert await control.call("trainer:0", Health(), timeout_s=5) == HealthResult(pid=7)
+
+
+@pytest.mark.parametrize(("ready", "expected"), [(False, WorkerStartupError), (True, WorkerError)])
+async def test_dead_worker_fails_the_reader_and_pending_calls(
+    run_dir: str, ready: bool, expected: type[Exception]
+) -> None:
+    ctx = Context()
+    address = ipc_address(run_dir, "control")
+    router = ctx.socket(ROUTER, bind=address)
+    control = ControlPlane(router, lambda h: Init(run_id="r", config={}, data_address=""))
+    pending_error: list[BaseException] = []
+    try:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(control.run)
+                w = FakeWorker(ctx, address, "rollout", 0)
+                await w.handshake(ready=ready)
+
+                async def caller() -> None:
+                    try:
+                        await control.call("rollout:0", Health(), timeout_s=10)
+                    except WorkerError as exc:
+                        pending_error.append(exc)
+
+                if ready:
+                    with anyio.fail_after(5):
+                        await control.wait_ready("rollout", 1)
+                    tg.start_soon(caller)
+                    await w.hear()  # the call reached the worker; it dies instead of answering
+                await w.say(Dead(reason="RuntimeError: engine exploded", traceback="tb text"))
+                await anyio.sleep_forever()
+        (err,) = info.value.exceptions
+        assert type(err) is expected
+        assert "rollout:0" in str(err) and "engine exploded" in str(err)
+        assert "/logs/rollout-0.log" in str(err) and "tb text" in str(err)
+        if ready:
+            assert pending_error and pending_error[0] is err
+            assert control.peers["rollout:0"].error is err
+            with pytest.raises(WorkerError):  # later calls fail fast
+                await control.call("rollout:0", Health(), timeout_s=1)
+    finally:
+        ctx.close()
+
+
+async def test_protocol_version_mismatch_is_refused(run_dir: str) -> None:
+    ctx = Context()
+    address = ipc_address(run_dir, "control")
+    control = ControlPlane(ctx.socket(ROUTER, bind=address),
+                           lambda h: Init(run_id="r", config={}, data_address=""))
+    try:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(control.run)
+                w = FakeWorker(ctx, address, "trainer", 0)
+                await w.say(Hello(protocol_version=PROTOCOL_VERSION + 1, group="trainer", rank=0,
+                                  world_size=1, pid=1))
+                await anyio.sleep_forever()
+        (err,) = info.value.exceptions
+        assert isinstance(err, WorkerStartupError)
+        assert f"protocol {PROTOCOL_VERSION + 1}" in str(err)
+    finally:
+        ctx.close()
+
+
+async def test_identity_must_match_hello(run_dir: str) -> None:
+    ctx = Context()
+    address = ipc_address(run_dir, "control")
+    control = ControlPlane(ctx.socket(ROUTER, bind=address),
+                           lambda h: Init(run_id="r", config={}, data_address=""))
+    try:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(control.run)
+                w = FakeWorker(ctx, address, "trainer", 0)
+                await w.say(Hello(protocol_version=PROTOCOL_VERSION, group="trainer", rank=3,
+                                  world_size=4, pid=1))
+                await anyio.sleep_forever()
+        (err,) = info.value.exceptions
+        assert isinstance(err, ProtocolError) and "does not match" in str(err)
+    finally:
+        ctx.close()
+
+
+async def test_garbage_is_rejected_and_reading_goes_on(run_dir: str) -> None:
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        w = FakeWorker(ctx, address, "trainer", 0)
+        await w.sock.send([b"\x93not a message"])
+        await w.sock.send([msgspec.msgpack.encode({"k": "pickle", "data": "..."})])
+        await w.handshake()
+        with anyio.fail_after(5):
+            assert [p.identity for p in await control.wait_ready("trainer", 1)] == ["trainer:0"]
+
+
+async def test_shutdown_all_reaches_live_workers_only(run_dir: str) -> None:
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        live = FakeWorker(ctx, address, "rollout", 0)
+        dead = FakeWorker(ctx, address, "rollout", 1)
+        await live.handshake()
+        await dead.handshake()
+        with anyio.fail_after(5):
+            await control.wait_ready("rollout", 2)
+        control.fail_peer("rollout:1", WorkerError("gone"))
+        await control.shutdown_all()
+        assert isinstance(await live.hear(), Shutdown)
+        with anyio.move_on_after(0.2) as scope:
+            await dead.sock.recv()
+        assert scope.cancelled_caught, "a worker marked dead was sent Shutdown"
+
+
+async def test_unreachable_worker_is_a_worker_error_not_a_zmq_error(run_dir: str) -> None:
+    """A worker whose socket is gone (its process died) makes the ROUTER refuse the send.
+    The call then waits for the death to be reported (here: nobody reports it) and ends as a
+    WorkerError, never as a raw ZeroMQ error."""
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        w = FakeWorker(ctx, address, "trainer", 0)
+        await w.handshake()
+        with anyio.fail_after(5):
+            await control.wait_ready("trainer", 1)
+        w.sock.close()
+        await anyio.sleep(0.2)  # the ROUTER notices the disconnect
+        with pytest.raises(WorkerError, match="trainer:0 was unreachable"):
+            await control.call("trainer:0", Health(), timeout_s=0.3)
+        # the reported death, when it comes, is what a waiting call raises
+        died = WorkerError("trainer:0 died")
+
+        async def report() -> None:
+            await anyio.sleep(0.1)
+            control.fail_peer("trainer:0", died)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(report)
+            with pytest.raises(WorkerError) as info:
+                await control.call("trainer:0", Health(), timeout_s=5)
+        assert info.value is died
