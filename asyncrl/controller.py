@@ -132,6 +132,8 @@ class Controller(anyio.AsyncContextManagerMixin):
         cfg = self.config
         # plugin and tokenizer errors (a bad environment option...) come before anything exists
         # on disk: nothing is left to clean up when they raise
+        plugins.require("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
+        plugins.require("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
         environment = plugins.load("asyncrl.environments", cfg.environment.name)(
             dict(cfg.environment.options), cfg.run.seed
         )

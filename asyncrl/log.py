@@ -14,6 +14,7 @@ import sys
 from typing import Any, Literal
 
 import structlog
+import structlog.tracebacks
 
 __all__ = ["MetricsWriter", "configure"]
 
@@ -36,7 +37,12 @@ def configure(fmt: Literal["auto", "console", "json"] = "auto", level: str = "in
         structlog.processors.StackInfoRenderer(),
     ]
     if fmt == "json":
-        processors.append(structlog.processors.dict_tracebacks)
+        # tracebacks as data, without local variables (they can be huge: configs, tensors)
+        processors.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        )
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(

@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import PluginError
 
-__all__ = ["GROUPS", "PluginInfo", "available", "load"]
+__all__ = ["GROUPS", "PluginInfo", "available", "load", "require"]
 
 GROUPS = MappingProxyType(
     {
@@ -92,6 +92,22 @@ def available(group: str) -> dict[str, PluginInfo]:
             )
         found[ep.name] = info
     return found
+
+
+def require(group: str, name: str, field: str) -> PluginInfo:
+    """Check that ``name`` is installed in ``group`` without importing it (used before any
+    worker is spawned, so a typo in ``field`` fails fast).
+
+    Raises:
+        PluginError: naming ``field``, what is installed, and how to install ``name``.
+    """
+    plugins = available(group)
+    if name in plugins:
+        return plugins[name]
+    hint = _HINTS.get((group, name))
+    known = ", ".join(sorted(plugins)) or "none"
+    msg = f"{field}: no {GROUPS[group]} named {name!r} is installed (installed: {known})"
+    raise PluginError(msg + (f"; install it with: {hint}" if hint else ""))
 
 
 def load(group: str, name: str) -> Any:

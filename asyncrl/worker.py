@@ -16,6 +16,7 @@ controller) is reported as ``Dead`` and the process exits non-zero.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import traceback
@@ -330,6 +331,9 @@ async def serve(
             caps = await runtime.thread.run(runtime.backend.start)
             if rank == 0 and init.transfer_address:
                 runtime.sender = ShmWeightSender(ctx, init.transfer_address, init.run_id, rank)
+        # backends report whatever they like (e.g. torch's TorchVersion, a str subclass):
+        # keep only plain JSON values on the wire
+        caps = json.loads(json.dumps(caps, default=str))
         backend_name = config.generator.backend if group == "rollout" else config.trainer.backend
         await control.send(
             tx.encode(

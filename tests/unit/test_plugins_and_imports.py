@@ -66,3 +66,9 @@ def test_allowlist(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     assert plugins.load(g, "a") is os.getcwd
+
+
+def test_require_names_the_config_field() -> None:
+    assert plugins.require("asyncrl.training_backends", "fsdp2", "trainer.backend").name == "fsdp2"
+    with pytest.raises(PluginError, match=r"generator.backend: no generation backend named 'vlm'"):
+        plugins.require("asyncrl.generation_backends", "vlm", "generator.backend")
