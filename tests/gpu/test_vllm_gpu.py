@@ -1,0 +1,221 @@
+"""The vLLM generation backend on CUDA (vLLM 0.26 on the GPU image), against transformers.
+
+Skipped without CUDA. The model is built here (head_dim 64, which FlashAttention's FP8 path
+accepts) with the arithmetic plugin's tokenizer. One bf16 engine serves most tests; a second
+one with an FP8 KV cache checks that forwarded scales reach the attention kernels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import pytest_asyncio
+
+from asyncrl import plugins
+from asyncrl.backend import WeightBucketView, WorkerContext
+from asyncrl.config import from_dict
+from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+from asyncrl_arith.model import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(400),
+    pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning"),
+]
+module_loop = pytest.mark.asyncio(loop_scope="module")
+TOL = 0.05
+OPTIONS = {"enforce_eager": True, "max_model_len": 512, "gpu_memory_utilization": 0.3}
+
+
+def build(out: Path) -> Path:
+    torch.manual_seed(3)
+    config = transformers.Qwen2Config(
+        vocab_size=len(VOCAB),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=True,
+    )
+    transformers.Qwen2ForCausalLM(config).save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}))
+    return out
+
+
+def ctx_for(model_dir: Path, run_dir: Path, **options: object) -> WorkerContext:
+    config = from_dict(
+        {
+            "model": {"path": str(model_dir)},
+            "environment": {"name": "arithmetic"},
+            "generator": {"options": {**OPTIONS, **options}},
+        }
+    )
+    return WorkerContext("rollout", 0, 1, 0, config, str(run_dir))
+
+
+def reference(model_dir: Path, state: dict[str, torch.Tensor] | None = None):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    source = state if state is not None else dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(source[name].to(torch.bfloat16).float())
+    return model.eval()
+
+
+def ref_logprobs(model, tokens: list[int], prompt_len: int, temperature: float = 1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].double()
+    lp = torch.log_softmax(logits / temperature, -1)
+    target = torch.tensor(tokens[prompt_len:])
+    return lp[prompt_len - 1 : -1].gather(1, target[:, None])[:, 0].numpy()
+
+
+def write_buckets(directory: Path, version: int, tensors: dict, count: int):
+    items, views = list(tensors.items()), []
+    for b in range(count):
+        path, entries, offset = directory / f"v{version}-{b}", [], 0
+        with open(path, "wb") as f:
+            for name, t in items[b::count]:
+                data = t.contiguous().flatten().view(torch.uint8).numpy().tobytes()
+                f.write(data)
+                dtype = str(t.dtype).removeprefix("torch.")
+                entries.append(TensorEntry(name, dtype, list(t.shape), offset, len(data)))
+                offset += len(data)
+        views.append(WeightBucketView(version, b, str(path), offset, entries, b == count - 1))
+    return views
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("gpu-model"))
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    rng = np.random.default_rng(0)
+    return [([1] + rng.integers(4, len(VOCAB), n - 1).tolist(), p) for p, n in [(8, 40), (20, 90)]]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def backend(model_dir, tmp_path_factory):
+    b = plugins.load("asyncrl.generation_backends", "vllm")(
+        ctx_for(model_dir, tmp_path_factory.mktemp("run"))
+    )
+    b.capabilities = await b.start()
+    yield b
+    await b.close()
+
+
+def batch_of(seqs) -> TokenBatch:
+    return TokenBatch(
+        np.array([t for s, _ in seqs for t in s], np.int32),
+        np.array([len(s) for s, _ in seqs], np.int32),
+        np.array([p for _, p in seqs], np.int32),
+    )
+
+
+@module_loop
+async def test_generate_and_score_match_transformers(backend, model_dir, sequences) -> None:
+    assert backend.capabilities["platform"] == "cuda"
+    print("capabilities:", backend.capabilities)
+    ref = reference(model_dir)
+    prompt = [1, 14, 5, 15]
+    samples = await backend.generate(
+        GenRequest(group_id="g", prompt_ids=prompt, n=4, max_tokens=32, temperature=0.7, seed=1)
+    )
+    assert len(samples) == 4
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) >= 1
+        expected = ref_logprobs(ref, prompt + s.token_ids.tolist(), len(prompt), 0.7)
+        np.testing.assert_allclose(s.logprobs, expected, atol=TOL)
+    for temperature in (1.0, 0.7):
+        got = await backend.score(batch_of(sequences), temperature)
+        expected = np.concatenate([ref_logprobs(ref, s, p, temperature) for s, p in sequences])
+        print(f"score T={temperature}: max err {np.abs(got - expected).max():.4f}")
+        np.testing.assert_allclose(got, expected, atol=TOL)
+
+
+@module_loop
+async def test_refit_while_generating(backend, model_dir, sequences, tmp_path) -> None:
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    state = {
+        n: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16)
+        for n, p in base.named_parameters()
+    }
+    before = await backend.score(batch_of(sequences), 1.0)
+    inflight = asyncio.create_task(
+        backend.generate(GenRequest(group_id="x", prompt_ids=[1, 8], n=4, max_tokens=400))
+    )
+    await asyncio.sleep(0.05)
+    await backend.begin_weight_update(1)
+    for view in write_buckets(tmp_path, 1, state, 2):
+        await backend.load_weight_bucket(view)
+    await backend.finish_weight_update(1, reset_prefix_cache=True, kv_scales=None)
+    after = await backend.score(batch_of(sequences), 1.0)
+    ref = reference(model_dir, {k: v.float() for k, v in state.items()})
+    expected = np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])
+    np.testing.assert_allclose(after, expected, atol=TOL)
+    assert np.abs(after - before).mean() > 4 * TOL
+    assert all(s.finish_reason != "abort" for s in await asyncio.wait_for(inflight, 60))
+
+
+@module_loop
+async def test_close(backend) -> None:
+    pids = backend.engine_pids()
+    assert pids
+    await backend.close()
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+@pytest.mark.asyncio
+async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
+    b = plugins.load("asyncrl.generation_backends", "vllm")(
+        ctx_for(model_dir, tmp_path, kv_cache_dtype="fp8")
+    )
+    try:
+        caps = await b.start()
+        assert caps["kv_cache_dtype"].startswith("fp8")
+        state = {
+            n: p.detach().to(torch.bfloat16)
+            for n, p in transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32
+            ).named_parameters()
+        }
+        req = GenRequest(
+            group_id="f", prompt_ids=[1, 9, 9, 4, 5, 6], n=1, max_tokens=24, greedy=True
+        )
+        logprobs = {}
+        for version, scale in ((1, 1.0), (2, 50.0), (3, 1.0)):
+            await b.begin_weight_update(version)
+            for view in write_buckets(tmp_path, version, state, 1):
+                await b.load_weight_bucket(view)
+            scales = {
+                f"model.layers.{i}.self_attn.{k}_scale": scale for i in range(2) for k in "kv"
+            }
+            await b.finish_weight_update(version, reset_prefix_cache=True, kv_scales=scales)
+            (read,) = await b._rpc("asyncrl_get_kv_scales")
+            assert all(v[:2] == [scale, scale] for v in read.values())
+            (sample,) = await b.generate(req)
+            logprobs[scale, version] = sample.logprobs
+        np.testing.assert_array_equal(logprobs[1.0, 1], logprobs[1.0, 3])
+        assert not np.array_equal(logprobs[1.0, 1], logprobs[50.0, 2])
+    finally:
+        await b.close()

@@ -1,0 +1,152 @@
+"""The vLLM backend's pure helpers: options, KV-scale names, prompt-logprob rescaling."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+
+from asyncrl.errors import ConfigError
+from asyncrl.messages import TokenBatch
+from asyncrl_vllm.kv_scales import resolve_kv_scales
+from asyncrl_vllm.options import VLLMOptions, parse_options
+from asyncrl_vllm.scoring import response_logprobs, split_batch
+
+
+# --------------------------------------------------------------------------- options
+def test_defaults_and_conversion() -> None:
+    assert parse_options({}) == VLLMOptions()
+    opts = parse_options(
+        {"max_model_len": 512, "kv_cache_dtype": "fp8", "cpu_omp_threads_bind": "1"}
+    )
+    assert (opts.max_model_len, opts.kv_cache_dtype, opts.enable_prefix_caching) == (
+        512,
+        "fp8",
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "names"),
+    [
+        ({"max_model_lenn": 1}, "max_model_lenn"),
+        ({"enforce_eager": "yes"}, "enforce_eager"),
+        ({"max_num_seqs": 0}, "generator.options.max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"cpu_kvcache_space_gib": 0}, "cpu_kvcache_space_gib"),
+        ({"weight_load_mode": "fast"}, "weight_load_mode"),
+        ({"extra_engine_args": {"model": "x", "block_size": 32}}, "model"),
+    ],
+)
+def test_bad_options_name_the_field(raw: dict, names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        parse_options(raw)
+
+
+def test_every_option_has_a_docstring() -> None:
+    source = msgspec.inspect.type_info(VLLMOptions)
+    import inspect
+
+    text = inspect.getsource(VLLMOptions)
+    for field in source.fields:
+        after = text.split(f"    {field.name}:", 1)[1].split("\n", 2)
+        assert after[1].strip().startswith('"""'), f"{field.name} has no docstring"
+
+
+# --------------------------------------------------------------------------- KV scales
+MODULES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+
+
+def test_kv_scale_names_in_every_spelling() -> None:
+    plan = resolve_kv_scales(
+        {
+            "model.layers.0.self_attn.k_scale": 0.5,
+            "model.layers.0.self_attn.v_scale": 0.25,
+            "model.layers.1.self_attn.attn.k_scale": 2,
+            "model.layers.1.self_attn.v_proj.v_scale": 3.0,
+            "layers.2.self_attn.qkv_proj.q_scale": 4.0,
+        },
+        MODULES,
+    )
+    assert plan == {
+        MODULES[0]: {"k": 0.5, "v": 0.25},
+        MODULES[1]: {"k": 2.0, "v": 3.0},
+        MODULES[2]: {"q": 4.0},
+    }
+
+
+@pytest.mark.parametrize(
+    ("scales", "message"),
+    [
+        ({"model.layers.9.self_attn.k_scale": 1.0}, "unknown attention layers"),
+        ({"model.layers.0.self_attn.weight": 1.0}, "must end in"),
+        ({"k_scale": 1.0}, "must end in"),
+        ({"model.layers.0.self_attn.k_scale": 0.0}, "finite and > 0"),
+        ({"model.layers.0.self_attn.k_scale": math.nan}, "finite and > 0"),
+        (
+            {"model.layers.0.self_attn.k_scale": 1.0, "model.layers.0.self_attn.attn.k_scale": 2.0},
+            "already has",
+        ),
+    ],
+)
+def test_bad_kv_scales_are_refused(scales: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_kv_scales(scales, MODULES)
+
+
+# --------------------------------------------------------------------------- scoring
+def flat_prompt_logprobs(logits: np.ndarray, tokens: list[int], full: bool):
+    """vLLM's FlatLogprobs layout, built by hand: position 0 empty; position p holds the raw
+    log-softmax of logits[p-1] for tokens[p] first, then (full) every vocabulary entry."""
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    starts, ends, values = [0], [0], []
+    for p in range(1, len(tokens)):
+        starts.append(len(values))
+        values.append(lp[p - 1, tokens[p]])
+        if full:
+            values.extend(np.sort(lp[p - 1])[::-1])
+        ends.append(len(values))
+    return starts, ends, values
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_rescaled_prompt_logprobs_match_a_float64_reference(temperature: float) -> None:
+    rng = np.random.default_rng(0)
+    vocab, tokens = 11, rng.integers(0, 11, 9).tolist()
+    logits = rng.normal(0, 2, (len(tokens), vocab))
+    starts, ends, values = flat_prompt_logprobs(logits, tokens, full=temperature != 1.0)
+    got = response_logprobs(starts, ends, values, 4, len(tokens), temperature, vocab)
+    z = logits / temperature
+    ref = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    expected = [ref[p - 1, tokens[p]] for p in range(4, len(tokens))]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rescaling_refuses_partial_rows() -> None:
+    rng = np.random.default_rng(1)
+    tokens = [1, 2, 3, 4]
+    starts, ends, values = flat_prompt_logprobs(rng.normal(size=(4, 5)), tokens, full=False)
+    with pytest.raises(ValueError, match="full-vocabulary"):
+        response_logprobs(starts, ends, values, 1, 4, 0.5, 5)
+    with pytest.raises(ValueError, match="cover"):
+        response_logprobs(starts, ends, values, 1, 5, 1.0)
+
+
+def test_split_batch() -> None:
+    batch = TokenBatch(
+        np.arange(9, dtype=np.int32), np.array([4, 5], np.int32), np.array([1, 3], np.int32)
+    )
+    assert split_batch(batch) == [([0, 1, 2, 3], 1), ([4, 5, 6, 7, 8], 3)]
+    bad = TokenBatch(
+        np.arange(9, dtype=np.int32), np.array([4, 5], np.int32), np.array([0, 3], np.int32)
+    )
+    with pytest.raises(ValueError, match="prompt_len"):
+        split_batch(bad)
+    bad = TokenBatch(
+        np.arange(8, dtype=np.int32), np.array([4, 5], np.int32), np.array([1, 3], np.int32)
+    )
+    with pytest.raises(ValueError, match="sum"):
+        split_batch(bad)
