@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import numpy as np
 import structlog
 
 from . import plugins
@@ -40,7 +41,8 @@ from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
 from .log import MetricsWriter
-from .messages import Hello, Init
+from .grpo import shard_tokens, unshard_logprobs
+from .messages import ComputeLogprobs, Hello, Init, LogprobsResult, Score, TokenBatch
 from .pipeline import Pipeline, Tokenizer
 from .refit import shm_dir
 from .rpc import ControlPlane
@@ -262,6 +264,35 @@ class Controller(anyio.AsyncContextManagerMixin):
                 watchers.start_soon(tg, watch_peer, peer, by_group.get(peer.group))
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers
+
+    async def generator_logprobs(
+        self, batch: TokenBatch, *, temperature: float = 1.0, rank: int = 0
+    ) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under rollout rank ``rank``'s weights.
+
+        With :meth:`trainer_logprobs` this measures the trainer/generator mismatch (it should
+        be within bf16 noise right after a refit). Cancellation: the reply is dropped.
+        """
+        pipe = self.pipeline
+        result = await pipe.control.call(
+            pipe.rollouts[rank],
+            Score(batch=batch, temperature=temperature),
+            timeout_s=self.config.cluster.call_timeout_s,
+        )
+        assert isinstance(result, LogprobsResult)
+        return result.logprobs
+
+    async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under the trainer's current weights
+        (sequences are sharded over the trainer ranks and reassembled in order)."""
+        pipe = self.pipeline
+        shards = shard_tokens(batch, len(pipe.trainers))
+        results = await pipe.control.call_each(
+            pipe.trainers,
+            [ComputeLogprobs(batch=sh, temperature=temperature) for sh, _ in shards],
+            timeout_s=self.config.cluster.call_timeout_s,
+        )
+        return unshard_logprobs(batch, shards, [r.logprobs for r in results])  # type: ignore[union-attr]
 
     async def train(self) -> RunSummary:
         """Run ``run.num_steps`` optimizer steps (with the configured evaluations).

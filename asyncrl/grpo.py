@@ -12,7 +12,14 @@ import numpy as np
 from .buffer import Group
 from .messages import TokenBatch, TrainBatch
 
-__all__ = ["group_advantages", "pack_groups", "pack_tokens", "shard_batch"]
+__all__ = [
+    "group_advantages",
+    "pack_groups",
+    "pack_tokens",
+    "shard_batch",
+    "shard_tokens",
+    "unshard_logprobs",
+]
 
 
 def group_advantages(
@@ -98,6 +105,36 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
             )
         )
     return shards
+
+
+def shard_tokens(batch: TokenBatch, num_shards: int) -> list[tuple[TokenBatch, list[int]]]:
+    """Split a :class:`TokenBatch` into ``num_shards`` contiguous runs of sequences; each shard
+    comes with the indices of its sequences (for :func:`unshard_logprobs`)."""
+    n = batch.seq_lens.size
+    offsets = np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int64)
+    bounds = np.linspace(0, n, num_shards + 1).round().astype(int)
+    out = []
+    for k in range(num_shards):
+        idx = list(range(bounds[k], bounds[k + 1]))
+        out.append(
+            (
+                TokenBatch(
+                    tokens=_gather(batch.tokens, offsets, idx, np.int32),
+                    seq_lens=batch.seq_lens[idx].astype(np.int32),
+                    prompt_lens=batch.prompt_lens[idx].astype(np.int32),
+                ),
+                idx,
+            )
+        )
+    return out
+
+
+def unshard_logprobs(
+    batch: TokenBatch, shards: list[tuple[TokenBatch, list[int]]], parts: list[np.ndarray]
+) -> np.ndarray:
+    """Reassemble per-shard response logprobs in the order of ``batch``."""
+    del batch  # shards are contiguous runs in order
+    return np.concatenate([np.asarray(p, np.float32) for p in parts]) if parts else np.zeros(0, np.float32)
 
 
 def _gather(values: np.ndarray, offsets: np.ndarray, idx: list[int], dtype: type) -> np.ndarray:
