@@ -162,8 +162,6 @@ class EvalConfig(_Base):
     """Evaluate the starting policy before the first step."""
     at_end: bool = True
     """Evaluate the final policy after the last refit."""
-    every_steps: int = 0
-    """Also evaluate every this many steps (0 = never). The pipeline drains first."""
 
 
 class Config(_Base):
@@ -262,8 +260,8 @@ def validate(config: Config) -> Config:
         raise _fail("loss.clip_eps_high", "must be >= 0", "use e.g. 0.2 or 0.28")
     if config.loss.is_cap < 1:
         raise _fail("loss.is_cap", "must be >= 1", "use e.g. 2.0")
-    if config.eval.num_prompts < 0 or config.eval.every_steps < 0:
-        raise _fail("eval", "num_prompts and every_steps must be >= 0", "use 0 to disable")
+    if config.eval.num_prompts < 0:
+        raise _fail("eval.num_prompts", "must be >= 0", "use 0 to disable evaluation")
     model_dir = Path(config.model.path)
     if not (model_dir / "config.json").is_file():
         raise _fail(
