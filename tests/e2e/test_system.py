@@ -20,7 +20,12 @@ from asyncrl.config import from_dict
 from asyncrl.grpo import pack_tokens
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+from integration_support import (  # noqa: E402
+    assert_nothing_left,
+    mark_test_start,
+    read_metrics,
+    worker_pids,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -70,6 +75,7 @@ async def test_refit_keeps_generator_and_trainer_in_sync(
         }
     )
     batch = fixed_sequences(np.random.default_rng(0))
+    mark_test_start()
     async with Controller(config) as ctl:
         pids = worker_pids(ctl).values()
         gen0 = await ctl.generator_logprobs(batch)

@@ -19,7 +19,12 @@ import psutil
 import pytest
 
 from asyncrl.config import Config, from_dict
-from integration_support import config_dict, live_children, write_model_dir
+from integration_support import config_dict, live_children, mark_test_start, write_model_dir
+
+
+@pytest.fixture(autouse=True)
+def _test_start() -> None:
+    mark_test_start()
 
 
 @pytest.fixture(scope="session")

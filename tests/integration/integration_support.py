@@ -10,6 +10,7 @@ import copy
 import getpass
 import json
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -108,12 +109,23 @@ def run_processes(run_id: str) -> list[psutil.Process]:
     return found
 
 
+_TEST_START = [0.0]
+
+
+def mark_test_start() -> None:
+    """Only processes created from now on count as this test's leftovers: an earlier test in
+    the same session may legitimately keep a child (multiprocessing's resource tracker, which
+    lives as long as the test process once an in-process engine used shared memory)."""
+    _TEST_START[0] = time.time()
+
+
 def live_children() -> list[psutil.Process]:
-    """Descendants of this (test) process that are still running (zombies excluded)."""
+    """Descendants of this (test) process started by the current test that are still running
+    (zombies excluded)."""
     out = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() >= _TEST_START[0] - 1:
                 out.append(proc)
         except psutil.NoSuchProcess:
             pass
