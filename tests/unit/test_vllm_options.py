@@ -150,3 +150,22 @@ def test_split_batch() -> None:
     )
     with pytest.raises(ValueError, match="sum"):
         split_batch(bad)
+
+
+def test_engine_is_spawned_without_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inherited TORCHELASTIC_USE_AGENT_STORE made vLLM's own rendezvous wait for a store
+    nobody hosts (a 10-minute hang on a GPU host); the engine must not see torchrun's vars."""
+    import os
+
+    from asyncrl_vllm.backend import _TORCHRUN_VARS, _environ
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("ASYNCRL_TEST_SET", raising=False)
+    with _environ({**dict.fromkeys(_TORCHRUN_VARS), "ASYNCRL_TEST_SET": "1"}):
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+        assert "MASTER_PORT" not in os.environ
+        assert os.environ["ASYNCRL_TEST_SET"] == "1"
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert os.environ["MASTER_PORT"] == "29500"
+    assert "ASYNCRL_TEST_SET" not in os.environ

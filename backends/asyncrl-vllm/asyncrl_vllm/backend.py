@@ -64,12 +64,29 @@ class _Update:
     failed: bool = False
 
 
+# torchrun's variables describe *our* rank, not the engine's own one-rank world. With
+# TORCHELASTIC_USE_AGENT_STORE=True inherited, torch's tcp:// rendezvous inside vLLM's engine
+# connects as a client to a store nobody hosts and hangs until its 10-minute timeout (seen on
+# an H200 with vLLM 0.26), so the engine's processes are spawned without them.
+_TORCHRUN_VARS = (
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_ENABLE_FILE_TIMER",
+    "TORCHELASTIC_TIMER_FILE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+    "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE",
+)
+
+
 @contextlib.contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables while the engine's processes are spawned (they inherit
-    them), then put the old values back."""
+def _environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (or, for ``None``, remove) environment variables while the engine's processes are
+    spawned (they inherit them), then put the old values back."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -135,8 +152,8 @@ class VLLMBackend:
         self._log = log.bind(rank=ctx.rank)
 
     # ------------------------------------------------------------------ lifecycle
-    def _engine_environ(self, cuda: bool) -> dict[str, str]:
-        env: dict[str, str] = {}
+    def _engine_environ(self, cuda: bool) -> dict[str, str | None]:
+        env: dict[str, str | None] = dict.fromkeys(_TORCHRUN_VARS)
         if self.options.cpu_kvcache_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.options.cpu_kvcache_space_gib)
         if self.options.cpu_omp_threads_bind is not None:
