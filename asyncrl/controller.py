@@ -41,7 +41,7 @@ from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
 from .log import MetricsWriter
-from .grpo import shard_tokens, unshard_logprobs
+from .grpo import shard_tokens
 from .messages import ComputeLogprobs, Hello, Init, LogprobsResult, Score, TokenBatch
 from .pipeline import Pipeline, Tokenizer
 from .refit import shm_dir
@@ -286,13 +286,15 @@ class Controller(anyio.AsyncContextManagerMixin):
         """Logprobs of ``batch``'s response tokens under the trainer's current weights
         (sequences are sharded over the trainer ranks and reassembled in order)."""
         pipe = self.pipeline
-        shards = shard_tokens(batch, len(pipe.trainers))
         results = await pipe.control.call_each(
             pipe.trainers,
-            [ComputeLogprobs(batch=sh, temperature=temperature) for sh, _ in shards],
+            [
+                ComputeLogprobs(batch=shard, temperature=temperature)
+                for shard in shard_tokens(batch, len(pipe.trainers))
+            ],
             timeout_s=self.config.cluster.call_timeout_s,
         )
-        return unshard_logprobs(batch, shards, [r.logprobs for r in results])  # type: ignore[union-attr]
+        return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
 
     async def train(self) -> RunSummary:
         """Run ``run.num_steps`` optimizer steps (with the configured evaluations).

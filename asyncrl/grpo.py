@@ -18,7 +18,6 @@ __all__ = [
     "pack_tokens",
     "shard_batch",
     "shard_tokens",
-    "unshard_logprobs",
 ]
 
 
@@ -107,34 +106,22 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
     return shards
 
 
-def shard_tokens(batch: TokenBatch, num_shards: int) -> list[tuple[TokenBatch, list[int]]]:
-    """Split a :class:`TokenBatch` into ``num_shards`` contiguous runs of sequences; each shard
-    comes with the indices of its sequences (for :func:`unshard_logprobs`)."""
-    n = batch.seq_lens.size
+def shard_tokens(batch: TokenBatch, num_shards: int) -> list[TokenBatch]:
+    """Split a :class:`TokenBatch` into ``num_shards`` contiguous runs of sequences, so that
+    concatenating the shards' per-token results restores the batch's order."""
     offsets = np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int64)
-    bounds = np.linspace(0, n, num_shards + 1).round().astype(int)
-    out = []
+    bounds = np.linspace(0, batch.seq_lens.size, num_shards + 1).round().astype(int)
+    shards = []
     for k in range(num_shards):
         idx = list(range(bounds[k], bounds[k + 1]))
-        out.append(
-            (
-                TokenBatch(
-                    tokens=_gather(batch.tokens, offsets, idx, np.int32),
-                    seq_lens=batch.seq_lens[idx].astype(np.int32),
-                    prompt_lens=batch.prompt_lens[idx].astype(np.int32),
-                ),
-                idx,
+        shards.append(
+            TokenBatch(
+                tokens=_gather(batch.tokens, offsets, idx, np.int32),
+                seq_lens=batch.seq_lens[idx].astype(np.int32),
+                prompt_lens=batch.prompt_lens[idx].astype(np.int32),
             )
         )
-    return out
-
-
-def unshard_logprobs(
-    batch: TokenBatch, shards: list[tuple[TokenBatch, list[int]]], parts: list[np.ndarray]
-) -> np.ndarray:
-    """Reassemble per-shard response logprobs in the order of ``batch``."""
-    del batch  # shards are contiguous runs in order
-    return np.concatenate([np.asarray(p, np.float32) for p in parts]) if parts else np.zeros(0, np.float32)
+    return shards
 
 
 def _gather(values: np.ndarray, offsets: np.ndarray, idx: list[int], dtype: type) -> np.ndarray:

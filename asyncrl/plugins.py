@@ -94,19 +94,22 @@ def available(group: str) -> dict[str, PluginInfo]:
     return found
 
 
-def require(group: str, name: str, field: str) -> PluginInfo:
+def require(group: str, name: str, field: str | None = None) -> PluginInfo:
     """Check that ``name`` is installed in ``group`` without importing it (used before any
     worker is spawned, so a typo in ``field`` fails fast).
 
     Raises:
-        PluginError: naming ``field``, what is installed, and how to install ``name``.
+        PluginError: naming ``field`` (when given), what is installed, and how to install
+            ``name``.
     """
     plugins = available(group)
     if name in plugins:
         return plugins[name]
     hint = _HINTS.get((group, name))
     known = ", ".join(sorted(plugins)) or "none"
-    msg = f"{field}: no {GROUPS[group]} named {name!r} is installed (installed: {known})"
+    msg = f"no {GROUPS[group]} named {name!r} is installed (installed: {known})"
+    if field:
+        msg = f"{field}: {msg}"
     raise PluginError(msg + (f"; install it with: {hint}" if hint else ""))
 
 
@@ -117,14 +120,7 @@ def load(group: str, name: str) -> Any:
         PluginError: not registered (with an install hint), registered twice, or the import
             failed (the original error is chained).
     """
-    plugins = available(group)
-    if name not in plugins:
-        hint = _HINTS.get((group, name))
-        known = ", ".join(sorted(plugins)) or "none"
-        msg = f"no {GROUPS[group]} named {name!r} is installed (installed: {known})"
-        if hint:
-            msg += f"; install it with: {hint}"
-        raise PluginError(msg)
+    require(group, name)
     for ep in _entry_points(group):
         if ep.name == name:
             try:

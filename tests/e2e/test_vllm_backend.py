@@ -32,6 +32,9 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 from asyncrl_arith.model import EOS_ID, build_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from integration_support import alive  # noqa: E402
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(240),
@@ -136,17 +139,6 @@ def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
         for name, p in base.named_parameters()
     }
 
-
-def live(pids: list[int]) -> list[int]:
-    """The PIDs that are still running (not gone, not zombies)."""
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def orphan_shm(before: set[str]) -> list[str]:
@@ -426,7 +418,7 @@ async def test_close_leaves_no_process_behind(backend) -> None:
     await backend.close()
     print(f"close: {time.perf_counter() - t0:.1f} s")
     await backend.close()  # idempotent
-    assert live(pids) == []
+    assert alive(pids) == []
     assert backend.engine_pids() == []
     with pytest.raises(RuntimeError, match="not running"):
         await backend.generate(GenRequest(group_id="late", prompt_ids=[1], n=1, max_tokens=1))
@@ -506,9 +498,9 @@ def test_sigkill_of_the_owner_leaves_no_process_behind(model_dir, tmp_path) -> N
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
         deadline = time.monotonic() + 20
-        while (alive := live(pids)) and time.monotonic() < deadline:
+        while (left := alive(pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert alive == [], f"engine processes survived their owner: {alive}"
+        assert left == [], f"engine processes survived their owner: {left}"
         # vLLM's shared-memory queues are unlinked by the owner's resource tracker once the
         # last engine process is gone (other suites' live segments are mapped, so skipped)
         deadline = time.monotonic() + 10

@@ -86,3 +86,16 @@ def test_pack_tokens() -> None:
     t = pack_tokens([[1, 2], [3]], [[4], [5, 6]])
     assert t.tokens.tolist() == [1, 2, 4, 3, 5, 6]
     assert t.seq_lens.tolist() == [3, 3] and t.prompt_lens.tolist() == [2, 1]
+
+
+def test_shard_tokens_are_contiguous_runs_in_order() -> None:
+    from asyncrl.grpo import shard_tokens
+
+    t = pack_tokens([[1, 2], [3], [4, 5, 6], [7]], [[8], [9, 10], [11], [12, 13]])
+    for k in (1, 2, 3, 5):
+        shards = shard_tokens(t, k)
+        assert len(shards) == k
+        assert np.concatenate([s.tokens for s in shards]).tolist() == t.tokens.tolist()
+        assert np.concatenate([s.seq_lens for s in shards]).tolist() == [3, 3, 4, 3]
+        assert np.concatenate([s.prompt_lens for s in shards]).tolist() == [2, 1, 3, 1]
+        assert sum(s.seq_lens.size == 0 for s in shards) == max(0, k - 4)
