@@ -130,6 +130,19 @@ class RefitConfig(_Base):
     """Reset the generators' prefix cache after new weights are loaded (stale KV otherwise)."""
     timeout_s: float = 300.0
     """Upper bound on one bucket hand-off between trainer and generator."""
+    verify_first_steps: int = 3
+    """Verify the first this many refits: right after the refit, the generators and the
+    trainer score a fixed probe batch (sequences of the first trained step) and the run stops
+    with a ``RefitError`` if they disagree beyond ``verify_tolerance``."""
+    verify_every_steps: int = 10
+    """After the first ones, verify every this many weight versions (0 = never)."""
+    verify_tolerance: float = 0.045
+    """Largest allowed mean |generator logprob - trainer logprob| over the probe's tokens
+    (nats). 3x the largest value measured on the CPU demo with a correct refit (bf16 vLLM vs
+    float32 FSDP2: 0.006-0.015 over 30 steps); a refit that leaves the engine on old weights
+    after a real update measured 0.3-1.0 (docs/architecture.md, 'Refit verification')."""
+    verify_num_sequences: int = 16
+    """Sequences in the probe batch."""
 
 
 class TrainerConfig(_Base):
@@ -216,6 +229,7 @@ def validate(config: Config) -> Config:
         "grpo.max_new_tokens": g.max_new_tokens,
         "trainer.micro_batch_size": config.trainer.micro_batch_size,
         "refit.bucket_size_mb": config.refit.bucket_size_mb,
+        "refit.verify_num_sequences": config.refit.verify_num_sequences,
     }
     for name, value in positive.items():
         if value < 1:
@@ -260,6 +274,15 @@ def validate(config: Config) -> Config:
         raise _fail("loss.clip_eps_high", "must be >= 0", "use e.g. 0.2 or 0.28")
     if config.loss.is_cap < 1:
         raise _fail("loss.is_cap", "must be >= 1", "use e.g. 2.0")
+    for name in ("verify_first_steps", "verify_every_steps"):
+        if getattr(config.refit, name) < 0:
+            raise _fail(f"refit.{name}", "must be >= 0", "use 0 to turn it off")
+    if not config.refit.verify_tolerance > 0:
+        raise _fail(
+            "refit.verify_tolerance",
+            f"must be > 0, got {config.refit.verify_tolerance}",
+            "use e.g. 0.03 (mean |logprob difference| in nats)",
+        )
     if config.eval.num_prompts < 0:
         raise _fail("eval.num_prompts", "must be >= 0", "use 0 to disable evaluation")
     model_dir = Path(config.model.path)

@@ -41,8 +41,7 @@ from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
 from .log import MetricsWriter
-from .grpo import shard_tokens
-from .messages import ComputeLogprobs, Hello, Init, LogprobsResult, Score, TokenBatch
+from .messages import Hello, Init, TokenBatch
 from .pipeline import Pipeline, Tokenizer
 from .refit import shm_dir
 from .rpc import ControlPlane
@@ -274,27 +273,14 @@ class Controller(anyio.AsyncContextManagerMixin):
         be within bf16 noise right after a refit). Cancellation: the reply is dropped.
         """
         pipe = self.pipeline
-        result = await pipe.control.call(
-            pipe.rollouts[rank],
-            Score(batch=batch, temperature=temperature),
-            timeout_s=self.config.cluster.call_timeout_s,
+        return await pipe.generator_logprobs(
+            batch, worker=pipe.rollouts[rank], temperature=temperature
         )
-        assert isinstance(result, LogprobsResult)
-        return result.logprobs
 
     async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
         """Logprobs of ``batch``'s response tokens under the trainer's current weights
         (sequences are sharded over the trainer ranks and reassembled in order)."""
-        pipe = self.pipeline
-        results = await pipe.control.call_each(
-            pipe.trainers,
-            [
-                ComputeLogprobs(batch=shard, temperature=temperature)
-                for shard in shard_tokens(batch, len(pipe.trainers))
-            ],
-            timeout_s=self.config.cluster.call_timeout_s,
-        )
-        return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
+        return await self.pipeline.trainer_logprobs(batch, temperature=temperature)
 
     async def train(self) -> RunSummary:
         """Run ``run.num_steps`` optimizer steps (with the configured evaluations).

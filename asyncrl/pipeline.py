@@ -39,24 +39,29 @@ from .codec import Codec
 from .config import Config
 from .environment import Environment, Prompt
 from .errors import RunError
-from .grpo import pack_groups, shard_batch
+from .grpo import pack_groups, pack_tokens, shard_batch, shard_tokens
 from .messages import (
     BeginStep,
     ChunkResult,
+    ComputeLogprobs,
     DataMessage,
     FinishStep,
     Generate,
     GenRequest,
     GroupDone,
     GroupFailed,
+    LogprobsResult,
     ReceiveWeights,
+    Score,
     SendWeights,
     StepResult,
+    TokenBatch,
     TrainChunk,
 )
 from .rpc import ControlPlane
 from .samplers import Sampler
 from .transport import AsyncSocket
+from .verify import Agreement, compare, probe_sequences, verification_due
 
 __all__ = ["Pipeline", "Tokenizer"]
 
@@ -126,6 +131,8 @@ class _StepRecord:
     chunks: int = 0
     groups: list[Group] = field(default_factory=list)
     chunk_results: list[ChunkResult] = field(default_factory=list)
+    verify: list[Agreement] = field(default_factory=list)
+    verify_s: float = 0.0
 
 
 class Pipeline:
@@ -172,6 +179,8 @@ class Pipeline:
         self._next_rollout = 0
         self.loop_lag_max_s = 0.0
         self.history: list[dict[str, Any]] = []
+        self.probe: TokenBatch | None = None
+        """The refit-verification probe batch, frozen from the first trained step."""
 
     # ------------------------------------------------------------------ helpers
     def now(self) -> float:
@@ -347,8 +356,18 @@ class Pipeline:
             self.generator_version = step + 1
             self.gate_open = True
             self.changed.notify()
+            if self.probe is None:
+                self.probe = self._make_probe(rec.groups)
+            if self.probe is not None and verification_due(
+                step + 1, cfg.refit.verify_first_steps, cfg.refit.verify_every_steps
+            ):
+                start = self.now()
+                rec.verify = await self.verify_refit(step + 1)
+                rec.verify_s = self.now() - start
             self._log_step(rec, finish[0], refit_s)  # type: ignore[arg-type]
             del self.steps[step]
+            for agreement in rec.verify:
+                agreement.check(cfg.refit.verify_tolerance)
 
     async def refit(self, version: int) -> None:
         """Send weights ``version`` from the trainers to every generator; return when all
@@ -372,6 +391,65 @@ class Pipeline:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._call_each, self.trainers, send, timeout)
             tg.start_soon(self._call_each, self.rollouts, recv, timeout)
+
+    # ------------------------------------------------------------------ refit verification
+    def _make_probe(self, groups: list[Group]) -> TokenBatch | None:
+        """Freeze the verification probe from a trained step's samples (None: no tokens)."""
+        ordered = sorted(groups, key=lambda g: g.group_id)
+        prompts, responses = probe_sequences(
+            [(g.prompt_ids, [s.token_ids for s in g.samples]) for g in ordered],
+            self.config.refit.verify_num_sequences,
+        )
+        return pack_tokens(prompts, responses) if prompts else None
+
+    async def verify_refit(self, version: int) -> list[Agreement]:
+        """Score the probe batch on every generator and on the trainer; one
+        :class:`~asyncrl.verify.Agreement` per generator (written to the metrics file).
+        Cancellation: the outstanding calls are abandoned."""
+        assert self.probe is not None
+        results: dict[str, np.ndarray] = {}
+
+        async def generator(worker: str) -> None:
+            results[worker] = await self.generator_logprobs(self.probe, worker=worker)
+
+        async def trainer() -> None:
+            results[""] = await self.trainer_logprobs(self.probe)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer)
+            for worker in self.rollouts:
+                tg.start_soon(generator, worker)
+        agreements = [compare(w, version, results[w], results[""]) for w in self.rollouts]
+        for a in agreements:
+            if self.metrics is not None:
+                self.metrics.write({"kind": "refit_verify", **a.metrics(), "time": self.now()})
+            log.info("refit_verified", **a.metrics())
+        return agreements
+
+    async def generator_logprobs(
+        self, batch: TokenBatch, *, worker: str, temperature: float = 1.0
+    ) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under one generator's current weights."""
+        result = await self.control.call(
+            worker,
+            Score(batch=batch, temperature=temperature),
+            timeout_s=self.config.cluster.call_timeout_s,
+        )
+        assert isinstance(result, LogprobsResult)
+        return np.asarray(result.logprobs, np.float32)
+
+    async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under the trainer's current weights
+        (sequences are sharded over the trainer ranks and reassembled in order)."""
+        results = await self.control.call_each(
+            self.trainers,
+            [
+                ComputeLogprobs(batch=shard, temperature=temperature)
+                for shard in shard_tokens(batch, len(self.trainers))
+            ],
+            timeout_s=self.config.cluster.call_timeout_s,
+        )
+        return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
 
     async def _call_each(self, workers: list[str], request: Any, timeout: float) -> None:
         await self.control.call_each(workers, [request] * len(workers), timeout_s=timeout)
@@ -404,6 +482,11 @@ class Pipeline:
             "loop_lag_max_s": self.loop_lag_max_s,
             "time": self.now(),
         }
+        if rec.verify:
+            record["refit_verify_mean_abs"] = max(a.mean_abs for a in rec.verify)
+            record["refit_verify_max_abs"] = max(a.max_abs for a in rec.verify)
+            record["refit_verify_mult_prob_error"] = max(a.mult_prob_error for a in rec.verify)
+            record["verify_s"] = rec.verify_s
         self.loop_lag_max_s = 0.0
         self.history.append(record)
         if self.metrics is not None:
@@ -420,6 +503,11 @@ class Pipeline:
             train_s=round(record["train_s"], 3),
             refit_s=round(refit_s, 3),
             wait_s=round(rec.wait_s, 3),
+            **(
+                {"refit_verify": round(record["refit_verify_mean_abs"], 4)}
+                if rec.verify
+                else {}
+            ),
         )
 
     # ------------------------------------------------------------------ evaluation

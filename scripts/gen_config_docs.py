@@ -30,7 +30,8 @@ def fields(cls: ast.ClassDef) -> list[tuple[str, str, str]]:
     return out
 
 
-def main() -> None:
+def render() -> str:
+    """The reference page as it should read for the current asyncrl/config.py."""
     tree = ast.parse((ROOT / "asyncrl/config.py").read_text())
     lines = [
         "# Configuration reference",
@@ -49,7 +50,11 @@ def main() -> None:
             for name, default, doc in fields(node):
                 lines.append(f"| `{name}` | `{default}` | {doc} |")
             lines.append("")
-    (ROOT / "docs/configuration.md").write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    (ROOT / "docs/configuration.md").write_text(render())
 
 
 if __name__ == "__main__":

@@ -134,3 +134,51 @@ async def test_lookahead_one_overlaps_generation_with_training(
             assert [train[k]["staleness_max"] for k in sorted(train)] == [0] + [1] * (num_steps - 1)
     assert overlap[0] == [False] * (num_steps - 2)
     assert overlap[1] == [True] * (num_steps - 2)
+
+
+async def test_refit_verification_is_logged_on_schedule(make_config: Callable[..., Config]) -> None:
+    """Versions 1-2 (the first refits) and every 3rd after are verified; each check is a
+    metrics record per generator, and a right refit agrees to float32 rounding."""
+    cfg = make_config(
+        run={"num_steps": 7},
+        cluster={"rollout_ranks": 2},
+        refit={"verify_first_steps": 2, "verify_every_steps": 3, "verify_num_sequences": 5},
+        eval={"num_prompts": 0},
+    )
+    async with asyncrl.Controller(cfg) as ctl:
+        await ctl.train()
+    checks = [r for r in read_metrics(cfg) if r["kind"] == "refit_verify"]
+    assert sorted({r["version"] for r in checks}) == [1, 2, 3, 6]
+    assert sorted(r["worker"] for r in checks if r["version"] == 6) == ["rollout:0", "rollout:1"]
+    for r in checks:
+        # numpy float32 on both sides; differences are rounding of the same table
+        assert r["mean_abs"] < 1e-6 and r["num_tokens"] > 5, r
+    train = {r["step"]: r for r in read_metrics(cfg) if r["kind"] == "train"}
+    assert "refit_verify_mean_abs" in train[6] and "refit_verify_mean_abs" not in train[5]
+
+
+async def test_a_generator_that_misses_a_refit_stops_the_run(
+    make_config: Callable[..., Config],
+) -> None:
+    """rollout:0 silently keeps its old weights from version 2 on: the verification after
+    refit 2 stops the run with a RefitError naming the generator, the version and the fix.
+    The bigram's two sides agree to < 1e-6 when right (the test above), and one SGD step moves
+    its logprobs by ~1e-3, so the tolerance here is 1e-4."""
+    cfg = make_config(
+        run={"num_steps": 50},
+        generator={"options": {"stale_from_version": 2}},
+        refit={"verify_tolerance": 1e-4},
+        eval={"num_prompts": 0},
+    )
+    ctl = asyncrl.Controller(cfg)
+    with pytest.raises(asyncrl.RefitError) as info:
+        async with ctl:
+            pids = worker_pids(ctl)
+            await ctl.train()
+    message = str(info.value)
+    assert "weight version 2" in message and "rollout:0" in message
+    assert "refit.verify_tolerance" in message
+    train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]  # stopped right at the first bad refit
+    assert train[1]["refit_verify_mean_abs"] > cfg.refit.verify_tolerance
+    assert_nothing_left(ctl, pids.values())

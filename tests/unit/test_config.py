@@ -112,3 +112,18 @@ def test_overrides_apply_before_validation(tmp_path: Path, model_dir: Path) -> N
     assert cfg.grpo.prompts_per_step == 4 and cfg.run.seed == 7
     with pytest.raises(ConfigError, match="grpo.samples_per_prompt"):
         load_config(write(tmp_path, BASE), {"grpo.samples_per_prompt": 1})
+
+
+def test_configuration_reference_is_up_to_date() -> None:
+    """docs/configuration.md is generated from the field docstrings; a field added or changed
+    without regenerating it fails here (fix: python scripts/gen_config_docs.py)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gen_config_docs", root / "scripts/gen_config_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs/configuration.md").read_text() == module.render(), (
+        "docs/configuration.md is stale: run python scripts/gen_config_docs.py"
+    )

@@ -37,6 +37,7 @@ def test_defaults_and_conversion() -> None:
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"cpu_kvcache_space_gib": 0}, "cpu_kvcache_space_gib"),
         ({"weight_load_mode": "fast"}, "weight_load_mode"),
+        ({"cpu_gemm_kernel": "amx"}, "cpu_gemm_kernel"),
         ({"extra_engine_args": {"model": "x", "block_size": 32}}, "model"),
     ],
 )

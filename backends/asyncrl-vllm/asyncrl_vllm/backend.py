@@ -35,10 +35,10 @@ import numpy as np
 import structlog
 
 from asyncrl.backend import WeightBucketView, WorkerContext
-from asyncrl.errors import RefitError
+from asyncrl.errors import ConfigError, RefitError
 from asyncrl.messages import GenRequest, Sample, TokenBatch
 
-from .options import VLLMOptions, parse_options
+from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
 from .reaper import Reaper
 from .scoring import response_logprobs, split_batch
 
@@ -158,6 +158,7 @@ class VLLMBackend:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.options.cpu_kvcache_space_gib)
         if self.options.cpu_omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.cpu_omp_threads_bind
+        env[GEMM_ENV_VAR] = None if cuda else self.options.cpu_gemm_kernel
         if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
             # vLLM forks by default on CUDA; a forked engine core cannot use CUDA once this
             # process has touched it (start() asks torch.cuda.is_available()). Spawn always
@@ -206,6 +207,15 @@ class VLLMBackend:
         import torch
 
         cuda = torch.cuda.is_available()
+        if (
+            not cuda
+            and self.options.cpu_gemm_kernel == "sgl"
+            and not torch.cpu._is_amx_tile_supported()
+        ):
+            raise ConfigError(
+                "generator.options.cpu_gemm_kernel: 'sgl' needs a CPU with AMX, and this one has "
+                "none. Fix: use 'auto' (or 'onednn' / 'torch')"
+            )
         # Start multiprocessing's resource tracker now, so the reaper's baseline counts it as
         # this process's helper and not as one of the engine's processes.
         multiprocessing.resource_tracker.ensure_running()
@@ -220,6 +230,7 @@ class VLLMBackend:
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args()))
             self._reaper.engine_started()
             info = (await self._rpc("asyncrl_info"))[0]
+            kernels = (await self._rpc("asyncrl_gemm_kernels"))[0]
         except BaseException:
             await self.close()
             raise
@@ -231,6 +242,8 @@ class VLLMBackend:
             "max_model_len": int(self._llm.model_config.max_model_len),
             "prefix_caching": self.options.enable_prefix_caching,
             "layerwise_reload": bool(info["layerwise_reload"]),
+            # CPU build: how many linear-like modules run on each GEMM kernel
+            "cpu_gemm_kernels": {k: list(kernels.values()).count(k) for k in set(kernels.values())},
             "engine_start_s": round(seconds, 1),
         }
         self._log.info("engine_started", **caps)
@@ -450,7 +463,7 @@ class VLLMBackend:
         if update is None or update.version != version:
             raise RefitError(f"finish_weight_update({version}) without a matching begin")
         self._update = None
-        await self._rpc("asyncrl_finish_reload")
+        finished = (await self._rpc("asyncrl_finish_reload"))[0]
         if update.failed:
             raise RefitError(
                 f"weights v{version} were loaded only in part; the engine stays paused until a "
@@ -475,6 +488,7 @@ class VLLMBackend:
             "weights_loaded",
             version=version,
             mode=update.mode,
+            redispatched=finished["redispatched"],
             tensors=update.tensors,
             bytes=update.nbytes,
             seconds=round(time.perf_counter() - update.started, 4),

@@ -15,9 +15,23 @@ into the original kernel tensors. Buffered tensors are kept *by reference* until
 completes, which is why every tensor read from a bucket is a fresh copy: the sender rewrites
 the bucket file as soon as the load call returns.
 
+The CPU build runs linear layers through closures built from the weights when they are
+processed (``layer.cpu_linear``, made by ``dispatch_cpu_unquantized_gemm``): a oneDNN handle
+(AVX-512 without AMX, and large weights on AMX), an sgl-kernel packed copy (small bf16/fp16
+weights on AMX), a zentorch packed copy (AMD Zen), or plain ``torch.nn.functional.linear``
+(the fallback, which reads ``layer.weight`` live). A layerwise reload rebuilds the closure of
+every layer it re-processes, but a module that shares a *tied* weight without receiving a load
+of its own (``lm_head`` tied to ``embed_tokens``) is only handed its kernel tensors back: its
+closure keeps packing the old weights. :meth:`AsyncRLWorkerExtension.asyncrl_finish_reload`
+therefore re-dispatches every module whose closure the reload left untouched while its live
+weight may have changed (measured on an AVX-512 host, oneDNN path: without it, ``lm_head``
+served the old embedding after a refit and logprobs were off by up to 1.6).
+
 Importing this module in a worker also arms ``PR_SET_PDEATHSIG`` (SIGKILL) when the worker
 belongs to an asyncrl engine, so a worker dies with the process that spawned it (the engine
-core on the CPU build, the backend process itself with vLLM's in-process executor).
+core on the CPU build, the backend process itself with vLLM's in-process executor), and applies
+a forced CPU GEMM kernel (``ASYNCRL_VLLM_CPU_GEMM``, from the ``cpu_gemm_kernel`` option)
+before vLLM loads the model.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import numpy as np
 import torch
 
 from .kv_scales import resolve_kv_scales
+from .options import GEMM_ENV_VAR
 from .reaper import ENV_VAR
 
 __all__ = ["AsyncRLWorkerExtension"]
@@ -53,6 +68,77 @@ def _arm_parent_death_signal() -> None:
 
 
 _arm_parent_death_signal()
+
+def force_cpu_gemm(kind: str) -> None:
+    """Make vLLM's CPU build choose the ``kind`` kernel for unquantized linear layers.
+
+    ``auto`` leaves vLLM's choice alone; ``onednn`` never takes the sgl-kernel path; ``sgl``
+    takes it for every weight its kernel supports (AMX, bf16/fp16, aligned shapes), not only
+    for weights under vLLM's 1 MiB size cut; ``torch`` takes neither (plain
+    ``torch.nn.functional.linear``). int8 layers keep vLLM's choice.
+
+    Raises:
+        RuntimeError: this vLLM lacks the dispatch points this relies on, or ``sgl`` was asked
+            for on a CPU without AMX.
+    """
+    if kind == "auto":
+        return
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers import utils
+    except ImportError as exc:
+        raise RuntimeError(f"cpu_gemm_kernel={kind!r} needs vLLM's CPU build: {exc}") from None
+    original = getattr(utils, "check_cpu_sgl_kernel", None)
+    if original is None or not hasattr(ops, "_supports_onednn"):
+        raise RuntimeError(
+            f"cpu_gemm_kernel={kind!r}: this vLLM has no check_cpu_sgl_kernel/_supports_onednn "
+            "to steer; use cpu_gemm_kernel='auto'"
+        )
+    if kind == "sgl":
+        if not torch.cpu._is_amx_tile_supported():
+            raise RuntimeError("cpu_gemm_kernel='sgl' needs a CPU with AMX (amx_tile)")
+        utils._CPU_SGL_GEMM_MAX_WEIGHT_BYTES = 1 << 62
+        return
+    if kind not in ("onednn", "torch"):
+        raise RuntimeError(f"unknown cpu_gemm_kernel {kind!r}")
+
+    def no_sgl(n: int, k: int, dtype: torch.dtype) -> bool:
+        return bool(original(n, k, dtype)) if dtype == torch.int8 else False
+
+    utils.check_cpu_sgl_kernel = no_sgl
+    if kind == "torch":
+        ops._supports_onednn = False
+
+
+if os.environ.get(ENV_VAR) and os.environ.get(GEMM_ENV_VAR):
+    force_cpu_gemm(os.environ[GEMM_ENV_VAR])
+
+
+def cpu_gemm_kernel_name(layer: torch.nn.Module) -> str | None:
+    """Which CPU kernel ``layer.cpu_linear`` runs (``onednn``, ``sgl``, ``zentorch``,
+    ``torch``), or ``None`` for a layer without one (GPU builds, non-linear layers)."""
+    fn = getattr(layer, "cpu_linear", None)
+    if fn is None:
+        return None
+    if fn is torch.nn.functional.linear:
+        return "torch"
+    names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    for marker, kind in (
+        ("onednn_mm", "onednn"),
+        ("weight_packed_linear_cpu", "sgl"),
+        ("zentorch_linear_unary", "zentorch"),
+        ("linear", "torch"),
+    ):
+        if marker in names:
+            return kind
+    return "unknown"
+
+
+def _live_weight(layer: torch.nn.Module) -> bool:
+    """Whether ``layer.weight`` still holds the weights (vLLM removes the weight of a layer
+    whose kernel packed its own copy, keeping an empty placeholder)."""
+    weight = getattr(layer, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.numel() > 0 and not weight.is_meta
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -82,6 +168,8 @@ class AsyncRLWorkerExtension:
 
     _asyncrl_mode: str | None = None
     """``layerwise`` or ``plain`` while a reload is open, else ``None``."""
+    _asyncrl_gemm: dict[str, Any] | None = None
+    """CPU build: each module's ``cpu_linear`` closure when the open reload began."""
 
     # ---------------------------------------------------------------- helpers
     def _asyncrl_model(self) -> torch.nn.Module:
@@ -119,6 +207,7 @@ class AsyncRLWorkerExtension:
         helpers = _reload_helpers()
         if mode == "auto":
             mode = "layerwise" if helpers is not None else "plain"
+        self._asyncrl_gemm = self._asyncrl_snapshot_gemm(self._asyncrl_model())
         if mode == "layerwise":
             if helpers is None:
                 raise RuntimeError("this vLLM has no layerwise reload; use weight_load_mode=plain")
@@ -128,6 +217,31 @@ class AsyncRLWorkerExtension:
             raise ValueError(f"unknown weight load mode {mode!r}")
         self._asyncrl_mode = mode
         return mode
+
+    def _asyncrl_snapshot_gemm(self, model: torch.nn.Module) -> dict[str, Any]:
+        return {
+            name: module.cpu_linear
+            for name, module in model.named_modules()
+            if getattr(module, "cpu_linear", None) is not None
+        }
+
+    def _asyncrl_redispatch_stale_gemm(self, model: torch.nn.Module) -> list[str]:
+        """Rebuild the CPU GEMM closure of every module the reload did not re-process but whose
+        live weight may have changed (a tied ``lm_head``). Returns their names."""
+        before = self._asyncrl_gemm or {}
+        stale = [
+            (name, module)
+            for name, module in model.named_modules()
+            if name in before and module.cpu_linear is before[name] and _live_weight(module)
+        ]
+        if not stale:
+            return []
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        with self._asyncrl_config():
+            for _, module in stale:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        return [name for name, _ in stale]
 
     def asyncrl_load_bucket(self, path: str, entries: list[list[Any]]) -> dict[str, Any]:
         """Load the tensors described by ``entries`` (``[name, dtype, shape, offset, nbytes]``,
@@ -164,17 +278,35 @@ class AsyncRLWorkerExtension:
             "seconds": time.perf_counter() - start,
         }
 
-    def asyncrl_finish_reload(self) -> str | None:
-        """Close the open reload: process the layers still pending and put back the kernel
-        tensors of layers that received nothing. Returns the mode that was open."""
+    def asyncrl_finish_reload(self) -> dict[str, Any]:
+        """Close the open reload: process the layers still pending, put back the kernel
+        tensors of layers that received nothing, and rebuild the CPU GEMM closures the reload
+        left stale (see the module docstring). Returns ``{"mode": the mode that was open,
+        "redispatched": [module names]}``."""
         mode, self._asyncrl_mode = self._asyncrl_mode, None
-        if mode == "layerwise":
-            helpers = _reload_helpers()
-            assert helpers is not None
-            with self._asyncrl_config():
-                helpers[1](self._asyncrl_model(), self.model_config)  # type: ignore[attr-defined]
+        model = self._asyncrl_model()
+        redispatched: list[str] = []
+        try:
+            if mode == "layerwise":
+                helpers = _reload_helpers()
+                assert helpers is not None
+                with self._asyncrl_config():
+                    helpers[1](model, self.model_config)  # type: ignore[attr-defined]
+            if mode is not None:
+                redispatched = self._asyncrl_redispatch_stale_gemm(model)
+        finally:
+            self._asyncrl_gemm = None
         self._asyncrl_sync()
-        return mode
+        return {"mode": mode, "redispatched": redispatched}
+
+    def asyncrl_gemm_kernels(self) -> dict[str, str]:
+        """``{module: kernel}`` for every module with a CPU GEMM closure (empty on GPU)."""
+        out = {}
+        for name, module in self._asyncrl_model().named_modules():
+            kind = cpu_gemm_kernel_name(module)
+            if kind is not None:
+                out[name] = kind
+        return out
 
     # ---------------------------------------------------------------- KV-cache scales
     def asyncrl_set_kv_scales(self, scales: dict[str, float]) -> int:

@@ -13,7 +13,10 @@ import msgspec
 
 from asyncrl.errors import ConfigError
 
-__all__ = ["RESERVED_ENGINE_ARGS", "VLLMOptions", "parse_options"]
+__all__ = ["GEMM_ENV_VAR", "RESERVED_ENGINE_ARGS", "VLLMOptions", "parse_options"]
+
+GEMM_ENV_VAR = "ASYNCRL_VLLM_CPU_GEMM"
+"""Carries ``cpu_gemm_kernel`` to the engine's processes (read by :mod:`asyncrl_vllm.ext`)."""
 
 RESERVED_ENGINE_ARGS = frozenset(
     {
@@ -61,6 +64,12 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``VLLM_CPU_OMP_THREADS_BIND``): ``auto``, ``nobind`` or a list such as ``1`` or ``0-3``.
     On a small shared host, binding the engine to its own core(s) matters a lot (see
     docs/backends/vllm.md). ``None`` leaves the environment as it is."""
+    cpu_gemm_kernel: Literal["auto", "onednn", "sgl", "torch"] = "auto"
+    """CPU build only: the kernel for unquantized linear layers. ``auto`` lets vLLM choose by
+    CPU features and weight size (AMX: sgl-kernel for weights under 1 MiB, oneDNN above;
+    AVX-512 or AVX2: oneDNN). ``onednn``, ``sgl`` (needs AMX) and ``torch`` (plain
+    ``F.linear``, slowest) force one, for diagnosis or to work around a kernel problem.
+    Every choice is refit-safe (docs/backends/vllm.md)."""
     weight_load_mode: Literal["auto", "layerwise", "plain"] = "auto"
     """How refit writes weights into the running model. ``layerwise``: vLLM's layerwise reload
     (each layer is re-processed after its weights arrived; required on the CPU build, whose

@@ -162,7 +162,12 @@ class BigramGenerator:
         ``reset_prefix_cache`` and ``kv_scales`` have nothing to act on."""
         if self._staged is None:
             raise RuntimeError(f"weight update to v{version} carried no {TENSOR_NAME}")
-        self.table, self._staged = self._staged, None
+        stale = self.options.stale_from_version
+        if stale and version >= stale:  # testing knob: pretend, keep the old table
+            log.warning("weights_ignored_on_purpose", version=version)
+            self._staged = None
+        else:
+            self.table, self._staged = self._staged, None
         self.version = version
         assert self._resumed is not None
         self._resumed.set()

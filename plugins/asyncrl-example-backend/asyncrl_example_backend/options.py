@@ -30,6 +30,10 @@ class GeneratorOptions(_Options):
     crash_after_groups: int = 0
     """Testing knob: SIGKILL this worker's own process once it has finished this many
     prompt groups (eval groups included); 0 never does. Tests a worker dying mid-run."""
+    stale_from_version: int = 0
+    """Testing knob: from this weight version on, acknowledge every refit but keep serving
+    the weights it had (a generator that silently misses an update, as a stale kernel cache
+    would); 0 never does. Tests refit verification."""
 
 
 class TrainerOptions(_Options):
@@ -69,7 +73,10 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
     except msgspec.ValidationError as exc:
         # msgspec says e.g. "Object contains unknown field `lrr` - at `$`"
         raise ConfigError(f"{table} (bigram backend): {exc}") from None
-    for name in ("token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm"):
+    for name in (
+        "token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm",
+        "stale_from_version",
+    ):
         value = getattr(opts, name, 0)
         if value < 0:
             raise ConfigError(f"{table}.{name}: must be >= 0, got {value}")
