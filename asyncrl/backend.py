@@ -26,6 +26,7 @@ from .config import Config
 from .messages import ChunkResult, GenRequest, Sample, StepResult, TensorEntry, TokenBatch, TrainBatch
 
 __all__ = [
+    "EngineWatch",
     "GenerationBackend",
     "TrainingBackend",
     "WeightBucketView",
@@ -124,6 +125,17 @@ class GenerationBackend(Protocol):
 
     async def close(self) -> None:
         """Shut the engine down and reap its processes. Idempotent."""
+
+
+class EngineWatch(Protocol):
+    """Optional for a :class:`GenerationBackend` whose engine runs in processes of its own (vLLM
+    does). The worker runtime runs :meth:`watch` next to its calls once :meth:`start` returned."""
+
+    async def watch(self) -> None:
+        """Never return while the engine can serve; raise
+        :class:`~asyncrl.errors.EngineDeadError` (naming the process and its exit code) as soon
+        as it cannot, so the worker stops at once instead of waiting on a dead engine.
+        Cancellation: stops watching."""
 
 
 @runtime_checkable

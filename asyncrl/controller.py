@@ -167,7 +167,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             def make_init(hello: Hello) -> Init:
                 transfer = addr.transfer if (hello.group, hello.rank) == ("trainer", 0) else ""
                 return Init(run_id=run_id, config=config_dict, data_address=addr.data,
-                            transfer_address=transfer)
+                            transfer_address=transfer, controller_pid=os.getpid())
 
             control = ControlPlane(router, make_init)
             metrics.write({"kind": "config", "run_id": run_id, "config": config_dict})

@@ -9,7 +9,9 @@ Catch at the level you can handle::
     ├── RemoteCallError             one RPC failed on a worker; the worker is still alive
     ├── WorkerError                 a worker group can no longer serve (fatal for the run)
     │   ├── WorkerStartupError      a worker died or timed out before it was ready
-    │   └── WorkerDiedError         a worker process exited while the run was going
+    │   ├── WorkerDiedError         a worker process exited while the run was going
+    │   ├── EngineDeadError         (worker side) the backend's engine processes died
+    │   └── ControllerLostError     (worker side) the controller process is gone
     ├── RefitError                  a weight transfer did not complete
     └── RunError                    the run cannot go on (e.g. rollouts exhausted mid-step)
 
@@ -22,6 +24,8 @@ from __future__ import annotations
 __all__ = [
     "AsyncRLError",
     "ConfigError",
+    "ControllerLostError",
+    "EngineDeadError",
     "PluginError",
     "ProtocolError",
     "RefitError",
@@ -109,6 +113,16 @@ class WorkerDiedError(WorkerError):
         self.rank = rank
         self.exit_code = exit_code
         self.log_path = log_path
+
+
+class EngineDeadError(WorkerError):
+    """Raised by a backend's ``watch()`` when its engine can no longer serve (one of the engine's
+    processes exited). The worker reports it as ``Dead`` and exits."""
+
+
+class ControllerLostError(WorkerError):
+    """A worker noticed that its controller's process exited; it stops its engine, removes the
+    run's socket and shared-memory directories the controller can no longer remove, and exits."""
 
 
 class RefitError(AsyncRLError):

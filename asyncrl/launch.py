@@ -68,6 +68,9 @@ async def _serve_until_signal(**kwargs: Any) -> None:
         tg.start_soon(on_signal)
         await serve(**kwargs)
         tg.cancel_scope.cancel()
+    # Leaving the receiver restored SIGTERM's default action; the worker has stopped its
+    # engine and is only exiting now, so a late SIGTERM must not turn that into a failure.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def worker_main(group: str, control: str, log_dir: str) -> int:

@@ -25,17 +25,10 @@ import anyio.abc
 import structlog
 
 from .errors import WorkerDiedError
+from .process import exit_status, kill_process_group, wait_pid_exit
 from .rpc import Peer
 
-__all__ = [
-    "SpawnedGroup",
-    "kill_process_group",
-    "parse_torchrun_exit",
-    "spawn_group",
-    "stop_processes",
-    "wait_pid_exit",
-    "watch_peer",
-]
+__all__ = ["SpawnedGroup", "parse_torchrun_exit", "spawn_group", "stop_processes", "watch_peer"]
 
 log = structlog.get_logger("asyncrl.launcher")
 
@@ -112,8 +105,8 @@ async def watch_peer(peer: Peer, spawned: SpawnedGroup | None, grace_s: float = 
     rank's exit code. Cancellation: stops watching.
     """
     await wait_pid_exit(peer.pid)
-    exit_code = None
-    if spawned is not None:
+    exit_code = exit_status(peer.pid)  # while it is a zombie: no need to be its parent
+    if exit_code is None and spawned is not None:
         with anyio.move_on_after(grace_s):
             await spawned.process.wait()
         try:
@@ -122,27 +115,6 @@ async def watch_peer(peer: Peer, spawned: SpawnedGroup | None, grace_s: float = 
         except OSError:
             pass
     raise WorkerDiedError(peer.group, peer.rank, exit_code, peer.log_path or None)
-
-
-async def wait_pid_exit(pid: int) -> None:
-    """Wait until process ``pid`` (not necessarily our child) has exited."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        await anyio.wait_readable(pidfd)
-    finally:
-        os.close(pidfd)
-
-
-def kill_process_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
-    """Signal a process group; False when it is already gone."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
 
 
 async def stop_processes(

@@ -213,6 +213,9 @@ class Init(msgspec.Struct, tag="init", **_CTRL):
     config: dict[str, Any]
     data_address: str
     transfer_address: str = ""
+    controller_pid: int = 0
+    """The controller's process: workers on the same host watch it and exit when it is gone
+    (0: do not watch)."""
 
 
 class Ready(msgspec.Struct, tag="ready", **_CTRL):

@@ -10,14 +10,25 @@ Handshake: ``Hello`` → ``Init`` (the run config) → backend ``start()`` → `
 Rollout ranks run every call as its own task (generation is concurrent); trainer ranks run
 calls strictly in arrival order on one dedicated thread, so torch collectives line up across
 ranks and CUDA's per-thread device stays put. A backend failure during a call is reported as
-a ``Failure`` and the worker keeps serving; a failure outside a call (start-up, a lost
-controller) is reported as ``Dead`` and the process exits non-zero.
+a ``Failure`` and the worker keeps serving; a failure outside a call (start-up, a dead engine)
+is reported as ``Dead`` and the process exits non-zero.
+
+While it serves, two watchers run beside the calls::
+
+    controller watch   pidfd of Init.controller_pid → ControllerLostError: stop the engine,
+                       remove the run's socket and shm directories, exit non-zero
+    engine watch       backend.watch() (if the backend has one) → EngineDeadError → Dead
+
+After ``Shutdown`` the worker ignores SIGTERM: it is already leaving, and a SIGTERM that lands
+while a slow engine shuts down must not turn a clean exit into a failure (SIGKILL still works).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +44,7 @@ from . import plugins
 from .backend import GenerationBackend, TrainingBackend, WeightTensor, WorkerContext
 from .codec import Codec
 from .config import Config
-from .errors import ProtocolError
+from .errors import ControllerLostError, ProtocolError
 from .messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -68,7 +79,8 @@ from .messages import (
     ToWorker,
     TrainChunk,
 )
-from .refit import ShmWeightReceiver, ShmWeightSender
+from .process import wait_pid_exit
+from .refit import ShmWeightReceiver, ShmWeightSender, shm_dir
 from .transport import DEALER, PUSH, Context
 
 __all__ = ["serve"]
@@ -238,6 +250,8 @@ class _Runtime:
                 msg = rx.decode(await self.control.recv())
                 if isinstance(msg, Shutdown):
                     log.info("worker_stopping", worker=self.identity)
+                    if self.init.controller_pid != os.getpid():  # not the controller's own rank
+                        _ignore_sigterm()
                     tg.cancel_scope.cancel()
                     return
                 if not isinstance(msg, Call):
@@ -246,6 +260,29 @@ class _Runtime:
                     tg.start_soon(self.answer, msg, tg)
                 else:
                     await send_calls.send(msg)
+
+    async def run(self) -> None:
+        """Serve calls until ``Shutdown``, with the controller and engine watchers beside.
+
+        Raises:
+            ControllerLostError: the controller's process exited.
+            EngineDeadError: the backend's ``watch()`` saw its engine die.
+        """
+        async with anyio.create_task_group() as tg:
+            pid = self.init.controller_pid
+            if pid and pid != os.getpid():
+                tg.start_soon(self._watch_controller, pid, name="controller-watch")
+            watch = getattr(self.backend, "watch", None)
+            if watch is not None:
+                tg.start_soon(watch, name="engine-watch")
+            await self.serve_calls()
+            tg.cancel_scope.cancel()
+
+    async def _watch_controller(self, pid: int) -> None:
+        await wait_pid_exit(pid)
+        raise ControllerLostError(
+            f"the controller (pid {pid}) exited without telling worker {self.identity} to stop"
+        )
 
     async def _sequential(self, calls: Any, tg: anyio.abc.TaskGroup) -> None:
         async with calls:
@@ -289,6 +326,7 @@ async def serve(
     identity = f"{group}:{rank}"
     ctx = Context()
     runtime: _Runtime | None = None
+    lost = False
     control = ctx.socket(DEALER, connect=control_address, identity=identity)
     tx = Codec(FromWorker)
     try:
@@ -345,7 +383,11 @@ async def serve(
             )
         )
         log.info("worker_ready", backend=backend_name)
-        await runtime.serve_calls()
+        await runtime.run()
+    except ControllerLostError:
+        log.error("controller_lost", worker=identity)
+        lost = True
+        raise
     except Exception as exc:
         with anyio.CancelScope(shield=True):
             dead = Dead(reason=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
@@ -357,5 +399,21 @@ async def serve(
     finally:
         if runtime is not None:
             await runtime.close()
-        control.close(linger_ms=2000)
+        control.close(linger_ms=0 if lost else 2000)
         ctx.close()
+        if lost and runtime is not None:
+            _remove_run_files(runtime.wctx.run_dir, runtime.init.run_id)
+
+
+def _ignore_sigterm() -> None:
+    """From now on SIGTERM cannot kill this process (it is leaving in order already)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _remove_run_files(run_dir: str, run_id: str) -> None:
+    """What a dead controller would have removed: the run's ipc socket directory and the
+    shared-memory bucket directory (whoever removes them first wins; both may be gone)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(shm_dir(run_id), ignore_errors=True)
+    log.info("run_files_removed", run_dir=run_dir)

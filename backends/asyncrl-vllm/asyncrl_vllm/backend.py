@@ -21,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import multiprocessing
 import multiprocessing.resource_tracker
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -35,7 +38,8 @@ import numpy as np
 import structlog
 
 from asyncrl.backend import WeightBucketView, WorkerContext
-from asyncrl.errors import ConfigError, RefitError
+from asyncrl.errors import ConfigError, EngineDeadError, RefitError
+from asyncrl.process import exit_status, process_name, wait_pid_exit
 from asyncrl.messages import GenRequest, Sample, TokenBatch
 
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
@@ -115,6 +119,36 @@ def _model_facts(path: str) -> tuple[list[int], int | None]:
     return eos, vocab
 
 
+def _mapped_shm(pids: list[int]) -> list[str]:
+    """Paths under /dev/shm that the processes ``pids`` have mapped."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if path.startswith("/dev/shm/"):
+                        found.add(path.removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def _unlink_shm(paths: list[str]) -> None:
+    """Remove the engine's leftover shared memory (after its processes are gone) and tell
+    multiprocessing's resource tracker, which would otherwise try again at exit."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        try:
+            multiprocessing.resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
+        except Exception:  # noqa: BLE001 - best effort: the tracker only warns later
+            pass
+
+
 def _tokens(ids: list[int]) -> dict[str, Any]:
     # An engine input ("type": "token") rather than a raw prompt: no tokenizer is loaded
     # (skip_tokenizer_init) and vLLM 0.32 deprecates raw prompts.
@@ -149,6 +183,14 @@ class VLLMBackend:
         self._llm: Any = None
         self._reaper: Reaper | None = None
         self._update: _Update | None = None
+        self._dead: str | None = None
+        self._engine_shm: list[str] = []
+        """Shared-memory segments the engine's processes mapped at start (vLLM's message
+        queues); a killed engine cannot unlink them."""
+        self._ipc_dir = ""
+        """Private directory for the engine's ipc sockets (vLLM puts them in /tmp otherwise
+        and leaves them there when its processes are killed)."""
+        """Why the engine can no longer serve (set by :meth:`watch`)."""
         self._log = log.bind(rank=ctx.rank)
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,16 +261,22 @@ class VLLMBackend:
         # Start multiprocessing's resource tracker now, so the reaper's baseline counts it as
         # this process's helper and not as one of the engine's processes.
         multiprocessing.resource_tracker.ensure_running()
-        self._reaper = Reaper()
+        self._ipc_dir = tempfile.mkdtemp(prefix="asyncrl-vllm-")
+        self._reaper = Reaper(cleanup_dir=self._ipc_dir)
         begin = time.perf_counter()
         try:
-            with _environ({**self._engine_environ(cuda), **self._reaper.environ}):
+            engine_env = {
+                **self._engine_environ(cuda),
+                **self._reaper.environ,
+                "VLLM_RPC_BASE_PATH": self._ipc_dir,
+            }
+            with _environ(engine_env):
                 import vllm
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args()))
-            self._reaper.engine_started()
+            self._engine_shm = _mapped_shm(self._reaper.engine_started())
             info = (await self._rpc("asyncrl_info"))[0]
             kernels = (await self._rpc("asyncrl_gemm_kernels"))[0]
         except BaseException:
@@ -258,10 +306,15 @@ class VLLMBackend:
             self._update = None
             if llm is None and reaper is None:
                 return
+            if reaper is not None and self._dead:
+                # a dead engine cannot shut down in order: kill what is left of it first
+                killed = await anyio.to_thread.run_sync(reaper.close)
+                reaper = None
+                self._log.warning("engine_processes_killed", pids=killed, reason=self._dead)
             if llm is not None:
                 try:
                     # Synchronous on purpose: it closes asyncio ZMQ sockets of this loop.
-                    llm.shutdown(timeout=self.options.shutdown_timeout_s)
+                    llm.shutdown(timeout=1.0 if self._dead else self.options.shutdown_timeout_s)
                 except Exception:
                     self._log.exception("engine_shutdown_failed")
                 # AsyncLLM.__del__ shuts down again; let it run now, not at interpreter exit.
@@ -271,6 +324,10 @@ class VLLMBackend:
                 killed = await anyio.to_thread.run_sync(reaper.close)
                 if killed:
                     self._log.warning("engine_processes_killed", pids=killed)
+            if self._ipc_dir:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            _unlink_shm(self._engine_shm)
+            self._engine_shm = []
             self._log.info("engine_closed")
 
     def _require(self) -> Any:
@@ -279,8 +336,57 @@ class VLLMBackend:
         return self._llm
 
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return await self._require().collective_rpc(
-            method, timeout=self.options.rpc_timeout_s, args=args
+        return await self._bounded(
+            f"collective_rpc({method})",
+            self._require().collective_rpc(method, timeout=self.options.rpc_timeout_s, args=args),
+        )
+
+    async def _bounded(self, what: str, call: Any) -> Any:
+        """Await one call into the engine, at most ``rpc_timeout_s`` (a dead or wedged engine
+        can leave vLLM's front end waiting forever, e.g. in ``pause_generation``)."""
+        limit = self.options.rpc_timeout_s
+        try:
+            with anyio.fail_after(limit):
+                return await call
+        except TimeoutError:
+            reason = f" (engine dead: {self._dead})" if self._dead else ""
+            raise RuntimeError(
+                f"vLLM did not answer {what} within {limit:.0f} s "
+                f"(generator.options.rpc_timeout_s){reason}"
+            ) from None
+
+    async def watch(self) -> None:
+        """Never return while the engine's processes run; raise
+        :class:`~asyncrl.errors.EngineDeadError` naming the first one that exits (its exit code
+        when we can read it), so the worker stops at once. vLLM's own front end notices a
+        dead engine core only on its next request, and ``pause_generation`` on a dead engine
+        never returns. Cancellation: stops watching."""
+        pids = self.engine_pids()
+        if not pids:
+            raise EngineDeadError("the vLLM engine has no running process (was it started?)")
+        names = {pid: process_name(pid) for pid in pids}
+        # the engine core is our multiprocessing child: vLLM's monitor may reap it before we
+        # read its status from /proc, but its Process object keeps the exit code
+        children = {p.pid: p for p in multiprocessing.active_children() if p.pid in names}
+        dead: list[str] = []
+
+        async def one(pid: int, scope: anyio.CancelScope) -> None:
+            await wait_pid_exit(pid)
+            code = exit_status(pid)
+            if code is None and pid in children:
+                await anyio.to_thread.run_sync(children[pid].join, 1.0)
+                code = children[pid].exitcode
+            how = "unknown" if code is None else str(code)
+            dead.append(f"{names[pid]} (pid {pid}) exited with code {how}")
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for pid in pids:
+                tg.start_soon(one, pid, tg.cancel_scope)
+        self._dead = dead[0]
+        raise EngineDeadError(
+            f"vLLM engine process {self._dead}; the engine cannot serve any more "
+            "(this worker's log shows the engine's last words)"
         )
 
     def engine_pids(self) -> list[int]:
@@ -343,7 +449,7 @@ class VLLMBackend:
         """Abort these groups; their :meth:`generate` calls return the tokens so far with
         ``finish_reason == "abort"``. Unknown or finished ids are ignored."""
         if group_ids:
-            await self._require().abort(list(group_ids))
+            await self._bounded("abort", self._require().abort(list(group_ids)))
 
     async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
         """Logprobs (float32, flat) of every response token under the current weights,
@@ -410,7 +516,10 @@ class VLLMBackend:
         Raises:
             RuntimeError: vLLM reported that the reset did not happen.
         """
-        if not await self._require().reset_prefix_cache(reset_running_requests=True):
+        llm = self._require()
+        if not await self._bounded(
+            "reset_prefix_cache", llm.reset_prefix_cache(reset_running_requests=True)
+        ):
             raise RuntimeError("vLLM did not reset the prefix cache (reset_prefix_cache -> False)")
 
     # ------------------------------------------------------------------ refit
@@ -422,7 +531,9 @@ class VLLMBackend:
         """
         llm = self._require()
         started = time.perf_counter()
-        await llm.pause_generation(mode="keep", clear_cache=False)
+        await self._bounded(
+            "pause_generation", llm.pause_generation(mode="keep", clear_cache=False)
+        )
         self._update = None
         mode = (await self._rpc("asyncrl_begin_reload", self.options.weight_load_mode))[0]
         self._update = _Update(version=version, mode=mode, started=started)
@@ -478,11 +589,13 @@ class VLLMBackend:
                 raise RefitError(f"setting KV-cache scales for v{version} failed: {exc}") from exc
         elif self.options.kv_cache_dtype.startswith("fp8"):
             self._log.warning("kv_scales_missing", version=version, kv_cache_dtype="fp8")
-        if reset_prefix_cache and not await llm.reset_prefix_cache(reset_running_requests=True):
+        if reset_prefix_cache and not await self._bounded(
+            "reset_prefix_cache", llm.reset_prefix_cache(reset_running_requests=True)
+        ):
             raise RefitError(f"vLLM did not reset the prefix cache after loading v{version}")
         if hasattr(llm, "update_weight_version"):  # vLLM >= 0.30: label output spans
-            await llm.update_weight_version(str(version))
-        await llm.resume_generation()
+            await self._bounded("update_weight_version", llm.update_weight_version(str(version)))
+        await self._bounded("resume_generation", llm.resume_generation())
         self.version = version
         self._log.info(
             "weights_loaded",

@@ -17,7 +17,8 @@ recorded process, every process whose environment still shows the token (vLLM's
 every PID the owner names (``track PID START``). A record is (PID, start time), so PID reuse
 cannot make it hit a stranger. The pipe's only writer is the owner: EOF means ``close()`` or
 the owner's death. The watchdog then SIGKILLs what it recorded (and their descendants) until
-nothing is left, prints the PIDs it killed and exits. It ignores SIGINT, SIGTERM and SIGHUP, so
+nothing is left, removes the engine's private ipc socket directory if it was given one (the
+engine cannot, once killed), prints the PIDs it killed and exits. It ignores SIGINT, SIGTERM and SIGHUP, so
 a signal to the whole process group does not stop it before it has done its job. Standard
 library only.
 """
@@ -28,6 +29,7 @@ import json
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,8 +138,10 @@ class _Watch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m asyncrl_vllm.reaper TOKEN OWNER_PID``."""
-    token, owner = (argv if argv is not None else sys.argv[1:])[:2]
+    """``python -m asyncrl_vllm.reaper TOKEN OWNER_PID [CLEANUP_DIR]``."""
+    args = argv if argv is not None else sys.argv[1:]
+    token, owner = args[:2]
+    cleanup = args[2] if len(args) > 2 else ""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     watch = _Watch(token, int(owner))
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                 watch.command(line.decode())
         watch.scan()
     killed = watch.kill_all()
+    if cleanup:
+        shutil.rmtree(cleanup, ignore_errors=True)
     try:
         print(json.dumps({"killed": killed}), flush=True)
     except OSError:  # the owner is gone and took the read end with it
@@ -167,12 +173,13 @@ class Reaper:
     """The owner's handle on one watchdog. Create it *before* the engine starts, call
     :meth:`engine_started` once it runs, :meth:`close` after shutting it down."""
 
-    def __init__(self, timeout_s: float = 30.0) -> None:
+    def __init__(self, timeout_s: float = 30.0, cleanup_dir: str = "") -> None:
         self.token = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._baseline = set(descendants(os.getpid(), proc_table()))
         self._engine: dict[int, int] = {}
+        argv = [sys.executable, "-m", "asyncrl_vllm.reaper", self.token, str(os.getpid())]
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl_vllm.reaper", self.token, str(os.getpid())],
+            [*argv, cleanup_dir] if cleanup_dir else argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,

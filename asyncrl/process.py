@@ -1,0 +1,69 @@
+"""Watching and stopping processes that are not necessarily our children (Linux).
+
+* :func:`wait_pid_exit` waits on a *pidfd*, which becomes readable the moment the process
+  exits, whoever its parent is (torchrun's ranks are siblings of rank 0; the controller of an
+  embedded run is no parent of the ranks either).
+* :func:`exit_status` reads the exit status of a process that has exited but not been reaped
+  yet (a zombie keeps it in ``/proc/<pid>/stat``, field 52). Read right after the pidfd fires
+  it usually beats the parent's ``waitpid`` (torchrun polls every 0.1-0.5 s), so a rank's
+  death can be reported with its exit code even when we are not its parent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+
+__all__ = ["exit_status", "kill_process_group", "process_name", "wait_pid_exit"]
+
+
+async def wait_pid_exit(pid: int) -> None:
+    """Wait until process ``pid`` (not necessarily our child) has exited.
+
+    Cancellation: stops waiting.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await anyio.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+def exit_status(pid: int) -> int | None:
+    """The exit status of an exited, not yet reaped process: ``-N`` when signal ``N`` killed
+    it, else its exit code. ``None`` when it is still running or already reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    # fields[0] is field 3 (the state); the exit code is field 52 (Linux >= 3.5)
+    if len(fields) < 50 or fields[0] not in (b"Z", b"X"):
+        return None
+    status = int(fields[49])
+    if status & 0x7F:
+        return -(status & 0x7F)
+    return (status >> 8) & 0xFF
+
+
+def process_name(pid: int) -> str:
+    """The process's name (``comm``), or ``"?"`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def kill_process_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
+    """Signal a process group; False when it is already gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
