@@ -71,8 +71,11 @@ class ClusterConfig(_Base):
     """How long workers may take to connect and report ready (engine start included)."""
     call_timeout_s: float = 900.0
     """Upper bound on any single RPC (a train chunk, a refit)."""
-    shutdown_grace_s: float = 10.0
-    """After asking workers to stop, wait this long before SIGTERM, and again before SIGKILL."""
+    shutdown_grace_s: float = 20.0
+    """After asking workers to stop, wait this long before SIGTERM, and again before SIGKILL.
+    A vLLM engine takes 5-10 s to close on a small CPU host; a worker that is leaving in order
+    ignores the SIGTERM (it cannot turn a clean exit into a failure), so only a hung one is
+    killed, after twice this."""
     torchrun: str = "torchrun"
     """The torchrun executable used when the controller spawns worker groups itself."""
 

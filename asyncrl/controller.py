@@ -24,6 +24,7 @@ import getpass
 import json
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +41,7 @@ from . import plugins
 from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
+from .process import exit_status, pid_exists
 from .log import MetricsWriter
 from .messages import Hello, Init, TokenBatch
 from .pipeline import Pipeline, Tokenizer
@@ -104,6 +106,8 @@ class Controller(anyio.AsyncContextManagerMixin):
         self._pipeline: Pipeline | None = None
         self._spawned: list[SpawnedGroup] = []
         self._tg: anyio.abc.TaskGroup | None = None
+        self._deaths: list[WorkerDiedError] = []
+        """Worker deaths in the order they were seen (the first is the root cause)."""
         self.addresses: Addresses | None = None
 
     @property
@@ -114,18 +118,17 @@ class Controller(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncIterator[Controller]:
+        self._deaths = []
         try:
             async with self._running():
                 yield self
-        except BaseExceptionGroup as group:
-            errors = [e for e in _flatten(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
-            if len(errors) > 1 and all(isinstance(e, WorkerDiedError) for e in errors):
-                # one rank's death makes torchrun stop its group's other ranks, whose watchers
-                # fire too: report the root cause, the rank whose exit code the agent recorded
-                known = [e for e in errors if getattr(e, "exit_code", None) is not None]
-                errors = (known or errors)[:1]
-            if len(errors) == 1:
-                raise errors[0] from None
+        except BaseException as exc:
+            if isinstance(exc, anyio.get_cancelled_exc_class()) and not self._deaths:
+                raise
+            errors = [e for e in _flatten(exc) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            root = _root_cause(self._deaths, errors)
+            if root is not None and root is not exc:
+                raise root from None
             raise
 
     @asynccontextmanager
@@ -194,6 +197,11 @@ class Controller(anyio.AsyncContextManagerMixin):
                         clock_origin=time.perf_counter(),
                     )
                     yield
+                except BaseException:
+                    # before anything is stopped: a rank that died is the root cause of the
+                    # collective errors its death caused on the other ranks
+                    self._note_dead_peers(control)
+                    raise
                 finally:
                     watchers.cancel()
                     with anyio.CancelScope(shield=True):
@@ -258,9 +266,17 @@ class Controller(anyio.AsyncContextManagerMixin):
         finally:
             startup_watch.cancel()
         by_group = {s.group: s for s in self._spawned}
+
+        async def watch(peer: Any) -> None:
+            try:
+                await watch_peer(peer, by_group.get(peer.group))
+            except WorkerDiedError as exc:
+                self._deaths.append(exc)
+                raise
+
         for peer in peers:
             if peer.pid != os.getpid():
-                watchers.start_soon(tg, watch_peer, peer, by_group.get(peer.group))
+                watchers.start_soon(tg, watch, peer)
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers
 
@@ -305,6 +321,33 @@ class Controller(anyio.AsyncContextManagerMixin):
         summary.steps = list(pipe.history)
         log.info("run_finished", summary=json.dumps(summary.evals))
         return summary
+
+
+    def _note_dead_peers(self, control: ControlPlane) -> None:
+        """Record workers whose process has exited but whose watcher has not fired yet."""
+        seen = {(e.group, e.rank) for e in self._deaths}
+        for peer in control.peers.values():
+            if peer.pid == os.getpid() or (peer.group, peer.rank) in seen:
+                continue
+            code = exit_status(peer.pid)
+            if code is not None or not pid_exists(peer.pid):
+                self._deaths.append(
+                    WorkerDiedError(peer.group, peer.rank, code, peer.log_path or None)
+                )
+
+
+def _root_cause(
+    deaths: list[WorkerDiedError], errors: list[BaseException]
+) -> BaseException | None:
+    """The error to report: the first worker death not caused by a stop signal (a rank that
+    torchrun or we stopped with SIGTERM/SIGINT is a consequence: it dies of the signal or
+    exits 128 + N after cleaning up), else the first death, else the only error."""
+    died = deaths + [e for e in errors if isinstance(e, WorkerDiedError) and e not in deaths]
+    if died:
+        stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+        killed = [e for e in died if e.exit_code not in stopped]
+        return (killed or died)[0]
+    return errors[0] if len(errors) == 1 else None
 
 
 class _Scopes:

@@ -1,17 +1,37 @@
-"""Process entry point under torchrun.
+"""Process entry point: ``torchrun -m asyncrl.launch`` and ``python -m asyncrl.launch``.
 
-Two forms::
+Three forms::
 
     torchrun --nproc-per-node N -m asyncrl.launch run.toml [--set grpo.prompts_per_step=8 ...]
         ranks [0, T) train, ranks [T, T+R) generate (T, R from [cluster]); global rank 0 also
         hosts the controller, and serves its own trainer role inside the controller's task
         group (its compute runs on a worker thread, off the event loop).
 
+    python -m asyncrl.launch run.toml [--set ...]
+        the same on one node without typing the process count: checks the config (exit 2 on
+        a mistake, before anything starts), then runs torchrun in this process with
+        N = T + R and exits with rank 0's exit code, without torchrun's failure report.
+
     torchrun --standalone --nproc-per-node K -m asyncrl.launch --worker GROUP --control ADDR
         what an embedded Controller spawns: every rank is a worker of GROUP.
 
 Trainer ranks of a mixed launch get a torch.distributed world of their own, built on
 torchrun's store under a private prefix; rollout ranks never join torch.distributed.
+
+Failures and signals (rank 0 speaks for the run; the other ranks write only to their logs):
+
+=============================  ============================================  ==========
+what happened                  what rank 0 prints on stderr                  exit code
+=============================  ============================================  ==========
+success                        eval lines, the metrics path                  0
+config mistake                 ``asyncrl: error: <field>: ... Fix: ...``     2
+a worker died / a run error    ``asyncrl: error: <root cause>`` (+ details)  1
+SIGTERM / SIGINT               ``asyncrl: stopped by SIGTERM ...``           143 / 130
+=============================  ============================================  ==========
+
+A signal starts the same orderly shutdown as a run that ends (workers told to stop, engines
+closed, sockets and shared memory removed). When torchrun sends SIGTERM because another rank
+died, the peer watchers name that rank (group, rank, exit code, log) as the root cause.
 """
 
 from __future__ import annotations
@@ -21,6 +41,8 @@ import datetime
 import os
 import signal
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,11 +50,16 @@ import structlog
 
 from . import log as _log
 from .config import Config, load_config
-from .errors import AsyncRLError, ConfigError
+from .errors import AsyncRLError, ConfigError, ControllerLostError, WorkerDiedError
+from .process import exit_status, wait_pid_exit
 
 log = structlog.get_logger("asyncrl.launch")
 
 _STORE_KEY = "asyncrl/control"
+_PID_KEY = "asyncrl/controller_pid"
+_SIGNAL_GRACE_S = 2.0
+"""After a stop signal, how long rank 0 waits for a peer watcher to name a dead rank as the
+cause (torchrun SIGTERMs rank 0 within its monitor interval of another rank's death)."""
 
 
 def _redirect_output(path: str) -> None:
@@ -53,24 +80,80 @@ def _env_int(name: str) -> int:
         raise SystemExit(f"{name} is not set: run this module under torchrun") from None
 
 
-async def _serve_until_signal(**kwargs: Any) -> None:
+@dataclass
+class _Ending:
+    """How a worker rank's serving ended."""
+
+    signal: signal.Signals | None = None
+    error: Exception | None = None
+    controller_exit: str | None = None
+    """Set when the controller's process died first: its exit code, or ``unknown``."""
+
+
+async def _serve_until_signal(controller_pid: int = 0, **kwargs: Any) -> _Ending:
+    """Serve as a worker until ``Shutdown``, SIGTERM/SIGINT, a failure or the controller's
+    death (``controller_pid`` given). Either way the worker closes its backend first."""
     from .worker import serve
 
+    ending = _Ending()
     async with anyio.create_task_group() as tg:
+
+        async def watch_controller() -> None:
+            # the runtime has its own watch that stops the worker; this one only keeps the
+            # exit code for the report, read while the process is still a zombie
+            await wait_pid_exit(controller_pid)
+            code = exit_status(controller_pid)
+            ending.controller_exit = "unknown" if code is None else str(code)
 
         async def on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for sig in signals:
-                    log.warning("worker_signalled", signal=sig)
-                    tg.cancel_scope.cancel()
-                    return
+                    ending.signal = sig
+                    break
+            # torchrun follows a Ctrl-C with SIGTERM: it must not cut our cleanup short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            log.warning("worker_signalled", signal=sig.name)
+            tg.cancel_scope.cancel()
 
+        if controller_pid:
+            tg.start_soon(watch_controller)
         tg.start_soon(on_signal)
-        await serve(**kwargs)
+        try:
+            await serve(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported by _serve_rank
+            log.exception("worker_failed")
+            ending.error = exc
         tg.cancel_scope.cancel()
     # Leaving the receiver restored SIGTERM's default action; the worker has stopped its
     # engine and is only exiting now, so a late SIGTERM must not turn that into a failure.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if isinstance(ending.error, ControllerLostError) and ending.controller_exit is None:
+        code = exit_status(controller_pid) if controller_pid else None
+        ending.controller_exit = "unknown" if code is None else str(code)
+    return ending
+
+
+def _serve_rank(*, console: int | None = None, controller_pid: int = 0, **kwargs: Any) -> int:
+    """Run one worker rank to its end: 0 after ``Shutdown``, 128 + N after signal N, 1 after a
+    failure (logged to the rank's log file, which its ``Dead`` message names) or after the
+    controller died.
+
+    ``console``: a descriptor of the launch's stderr, kept by the rank that speaks for the run
+    when rank 0 (the controller) dies: it prints the one ``asyncrl: error`` line then.
+    """
+    ending = anyio.run(lambda: _serve_until_signal(controller_pid, **kwargs))
+    if ending.controller_exit is not None:
+        if console is not None:
+            line = (
+                f"asyncrl: error: the controller (global rank 0, pid {controller_pid}) died "
+                f"with exit code {ending.controller_exit}; the workers stopped their engines "
+                f"and removed the run's files (this rank's log: {kwargs.get('log_path', '?')})\n"
+            )
+            os.write(console, line.encode())
+        return 1
+    if ending.error is not None:
+        return 1
+    return 128 + int(ending.signal) if ending.signal is not None else 0
 
 
 def worker_main(group: str, control: str, log_dir: str) -> int:
@@ -80,21 +163,14 @@ def worker_main(group: str, control: str, log_dir: str) -> int:
     log_path = os.path.join(log_dir, f"{group}-{rank}.log")
     _redirect_output(log_path)
     _log.configure("json")
-    try:
-        anyio.run(
-            lambda: _serve_until_signal(
-                control_address=control,
-                group=group,
-                rank=rank,
-                world_size=world,
-                local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                log_path=log_path,
-            )
-        )
-    except Exception:
-        log.exception("worker_failed")
-        return 1
-    return 0
+    return _serve_rank(
+        control_address=control,
+        group=group,
+        rank=rank,
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        log_path=log_path,
+    )
 
 
 def _agent_store() -> Any:
@@ -122,8 +198,13 @@ def _roles(config: Config, rank: int, world: int) -> tuple[str, int]:
 def launch_main(config_path: str, overrides: dict[str, Any]) -> int:
     """One rank of ``torchrun -m asyncrl.launch CONFIG``."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    config = load_config(config_path, overrides)
-    group, group_rank = _roles(config, rank, world)
+    try:
+        config = load_config(config_path, overrides)
+        group, group_rank = _roles(config, rank, world)
+    except ConfigError as exc:
+        if rank == 0:  # every rank finds the same mistake: one of them says it
+            print(f"asyncrl: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     group_size = config.cluster.trainer_ranks if group == "trainer" else config.cluster.rollout_ranks
     log_dir = os.path.join(config.run.output_dir, "logs")
     store = _agent_store()
@@ -142,24 +223,31 @@ def launch_main(config_path: str, overrides: dict[str, Any]) -> int:
     )
     if rank != 0:
         log_path = os.path.join(log_dir, f"{group}-{group_rank}.log")
+        console = os.dup(2) if rank == 1 else None  # rank 1 speaks if rank 0 dies
         _redirect_output(log_path)
         _log.configure("json")
         store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
         control = store.get(_STORE_KEY).decode()
-        try:
-            anyio.run(
-                lambda: _serve_until_signal(control_address=control, log_path=log_path, **worker_kwargs)
-            )
-        except Exception:
-            log.exception("worker_failed")
-            return 1
-        return 0
+        controller_pid = int(store.get(_PID_KEY).decode())
+        return _serve_rank(
+            console=console,
+            controller_pid=controller_pid,
+            control_address=control,
+            log_path=log_path,
+            **worker_kwargs,
+        )
 
     _log.configure(config.run.log_format)
+    return _run_controller(config, store, worker_kwargs)
+
+
+def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any]) -> int:
+    """Rank 0: host the controller (and trainer rank 0) until the run ends or a signal."""
     from .controller import Addresses, Controller
     from .worker import serve
 
     async def attach(addresses: Addresses, tg: Any) -> None:
+        store.set(_PID_KEY, str(os.getpid()))  # before the address other ranks wait for
         store.set(_STORE_KEY, addresses.control)
         tg.start_soon(
             lambda: serve(control_address=addresses.control, log_path="(rank 0 console)",
@@ -167,20 +255,85 @@ def launch_main(config_path: str, overrides: dict[str, Any]) -> int:
             name="rank0-worker",
         )
 
-    async def run() -> None:
-        async with Controller(config, attach=attach) as ctl:
-            summary = await ctl.train()
-        for e in summary.evals:
-            print(f"eval {e['label']}: accuracy {e['accuracy']:.3f} on {e['num_prompts']} prompts")
-        print(f"metrics: {summary.metrics_path}")
+    stopped_by: list[signal.Signals] = []
+
+    async def run() -> Any:
+        async with anyio.create_task_group() as tg:
+
+            async def on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for sig in signals:
+                        stopped_by.append(sig)
+                        break
+                # the receiver is gone: a second SIGTERM must not cut the shutdown short
+                # (a second Ctrl-C still interrupts it)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                log.warning("run_signalled", signal=stopped_by[0].name)
+                await anyio.sleep(_SIGNAL_GRACE_S)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(on_signal, name="signals")
+            async with Controller(config, attach=attach) as ctl:
+                summary = await ctl.train()
+            tg.cancel_scope.cancel()
+        return summary if not stopped_by else None
 
     try:
-        anyio.run(run)
-    except AsyncRLError as exc:
-        log.error("run_failed", error=str(exc))
-        print(f"asyncrl: error: {exc}", file=sys.stderr)
-        return 1
+        summary = anyio.run(run)
+    except BaseException as exc:  # noqa: BLE001 - every way out gets its one line
+        error = _asyncrl_error(exc)
+        if error is None:
+            raise
+        if not (stopped_by and _stopped_by_signal(error)):
+            print(f"asyncrl: error: {_one_line(error, config)}", file=sys.stderr, flush=True)
+            return 2 if isinstance(error, ConfigError) else 1
+        summary = None  # a rank that left because of the same signal: not a failure
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving in order; see above
+    if summary is None:
+        sig = stopped_by[0]
+        print(
+            f"asyncrl: stopped by {sig.name}: the run was shut down in order "
+            f"(metrics so far: {os.path.join(config.run.output_dir, 'metrics.jsonl')})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(sig)
+    for e in summary.evals:
+        print(f"eval {e['label']}: accuracy {e['accuracy']:.3f} on {e['num_prompts']} prompts")
+    print(f"metrics: {summary.metrics_path}")
     return 0
+
+
+def _stopped_by_signal(error: AsyncRLError) -> bool:
+    """A worker that exited because it got the stop signal too (a Ctrl-C reaches every rank)."""
+    stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+    return isinstance(error, WorkerDiedError) and error.exit_code in stopped
+
+
+def _asyncrl_error(exc: BaseException) -> AsyncRLError | None:
+    """The one asyncrl error inside ``exc`` (possibly an exception group), if there is one."""
+    if isinstance(exc, AsyncRLError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found = [e for sub in exc.exceptions if (e := _asyncrl_error(sub)) is not None]
+        return found[0] if found else None
+    return None
+
+
+def _one_line(error: AsyncRLError, config: Config) -> str:
+    """The error's first line; the whole text (remote tracebacks...) goes to a file."""
+    text = str(error)
+    first, _, rest = text.partition("\n")
+    if not rest.strip():
+        return first
+    path = Path(config.run.output_dir) / "logs" / "error.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    except OSError:
+        return first
+    return f"{first} (details: {path})"
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -199,6 +352,38 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def self_launch(config_path: str, set_args: list[str]) -> int:
+    """``python -m asyncrl.launch CONFIG`` outside torchrun: check the config, then run
+    torchrun's launcher in this process with one rank per trainer and rollout rank."""
+    try:
+        config = load_config(config_path, parse_overrides(set_args))
+    except ConfigError as exc:
+        print(f"asyncrl: error: {exc}", file=sys.stderr)
+        return 2
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # rank 0 reports the outcome; torchrun's own warnings would only repeat it
+    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)
+    nproc = config.cluster.trainer_ranks + config.cluster.rollout_ranks
+    argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "asyncrl.launch", config_path]
+    for item in set_args:
+        argv += ["--set", item]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        failure = exc.failures.get(0) or exc.get_first_failure()[1]
+        code = failure.exitcode
+        return code if code > 0 else 128 - code
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.launch")
     parser.add_argument("config", nargs="?", help="run config (TOML)")
@@ -211,11 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args.worker, args.control, args.log_dir)
     if not args.config:
         parser.error("a config file is required")
+    if "RANK" not in os.environ:
+        return self_launch(args.config, args.set)
     try:
-        return launch_main(args.config, parse_overrides(args.set))
+        overrides = parse_overrides(args.set)
     except ConfigError as exc:
-        print(f"asyncrl: {exc}", file=sys.stderr)
+        if os.environ.get("RANK") == "0":
+            print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
+    return launch_main(args.config, overrides)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import signal
 
 import anyio
 
-__all__ = ["exit_status", "kill_process_group", "process_name", "wait_pid_exit"]
+__all__ = ["exit_status", "kill_process_group", "pid_exists", "process_name", "wait_pid_exit"]
 
 
 async def wait_pid_exit(pid: int) -> None:
@@ -49,6 +49,17 @@ def exit_status(pid: int) -> int | None:
     if status & 0x7F:
         return -(status & 0x7F)
     return (status >> 8) & 0xFF
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts: it has not been reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def process_name(pid: int) -> str:

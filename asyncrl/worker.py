@@ -79,7 +79,7 @@ from .messages import (
     ToWorker,
     TrainChunk,
 )
-from .process import wait_pid_exit
+from .process import exit_status, pid_exists, wait_pid_exit
 from .refit import ShmWeightReceiver, ShmWeightSender, shm_dir
 from .transport import DEALER, PUSH, Context
 
@@ -399,6 +399,8 @@ async def serve(
     finally:
         if runtime is not None:
             await runtime.close()
+        if runtime is not None and not lost:
+            lost = _controller_gone(runtime.init.controller_pid)
         control.close(linger_ms=0 if lost else 2000)
         ctx.close()
         if lost and runtime is not None:
@@ -409,6 +411,13 @@ def _ignore_sigterm() -> None:
     """From now on SIGTERM cannot kill this process (it is leaving in order already)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _controller_gone(pid: int) -> bool:
+    """Whether the controller's process (another process than this one) has exited."""
+    if not pid or pid == os.getpid():
+        return False
+    return exit_status(pid) is not None or not pid_exists(pid)
 
 
 def _remove_run_files(run_dir: str, run_id: str) -> None:

@@ -120,7 +120,7 @@ else
   # ---- unpack into a scratch folder, then move into place
   rm -rf "$HOME_AMX" "$PYPREFIX"
   mkdir -p "$HOME_AMX/unpack"
-  if command -v xz >/dev/null; then
+  if xz --version >/dev/null 2>&1; then
     cat "$PARTS"/amx.tar.xz.part* | xz -dc | tar -C "$HOME_AMX/unpack" -xf -
   else
     PY3=$(command -v python3 || command -v python) || die "no python3 and no xz on this host"

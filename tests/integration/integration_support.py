@@ -92,6 +92,17 @@ def read_metrics(config: Config) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """Just enough TOML for the run configs of these tests (tables, scalars, inline arrays)."""
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    lines = [f"[{prefix}]"] if prefix and scalars else []
+    lines += [f"{k} = {json.dumps(v)}" for k, v in scalars.items()]
+    for key, value in tables.items():
+        lines.append(to_toml(value, f"{prefix}.{key}" if prefix else key))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- leftovers
 def run_processes(run_id: str) -> list[psutil.Process]:
     """Live processes whose command line mentions ``run_id`` (every spawned agent and rank
@@ -159,3 +170,21 @@ def assert_nothing_left(ctl: Controller, worker_pids: Iterable[int] = ()) -> Non
 def worker_pids(ctl: Controller) -> dict[str, int]:
     """``{"group:rank": pid}`` of the connected workers (call inside the ``async with``)."""
     return {name: peer.pid for name, peer in ctl.pipeline.control.peers.items()}
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of session ``sid``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def run_files(run_id: str) -> list[str]:
+    """The run's socket directory and shared-memory directory, where they still exist."""
+    paths = [os.path.join("/tmp", f"asyncrl-{getpass.getuser()}", run_id), shm_dir(run_id)]
+    return [p for p in paths if os.path.exists(p)]

@@ -182,3 +182,36 @@ async def test_a_generator_that_misses_a_refit_stops_the_run(
     assert [r["step"] for r in train] == [1, 2]  # stopped right at the first bad refit
     assert train[1]["refit_verify_mean_abs"] > cfg.refit.verify_tolerance
     assert_nothing_left(ctl, pids.values())
+
+
+async def test_two_trainer_ranks_match_one(make_config: Callable[..., Config]) -> None:
+    """Data-parallel over two trainer ranks (each gets its share of every chunk, gradients are
+    summed over gloo, normalized by the step's global token count) ends with the same weights
+    as one rank: synchronous mode, same seeds, so both runs see the same samples. Chunks of
+    at least 2 groups (how many depends on arrival timing, which the result must not)."""
+    final = {}
+    for ranks in (1, 2):
+        cfg = make_config(
+            f"ranks{ranks}",
+            run={"num_steps": 3},
+            cluster={"trainer_ranks": ranks},
+            grpo={"prompts_per_step": 6},
+            pipeline={
+                "sampler": {"max_lookahead_versions": 0},
+                "min_groups_for_streaming_train": 2,
+            },
+            eval={"num_prompts": 0},
+        )
+        async with asyncrl.Controller(cfg) as ctl:
+            pids = worker_pids(ctl)
+            assert len([p for p in pids if p.startswith("trainer:")]) == ranks
+            summary = await ctl.train()
+            final[ranks] = await _logprobs_everywhere(ctl, 1)
+        assert_nothing_left(ctl, pids.values())
+        assert all(1 <= s["chunks"] <= 3 for s in summary.steps)
+        assert all(s["grad_norm"] > 0 for s in summary.steps)
+    # float64 sums in a different order: equal to rounding
+    np.testing.assert_allclose(final[2]["trainer:0"], final[1]["trainer:0"], rtol=0, atol=1e-6)
+    prev, tok, _ = response_tokens(pack_tokens(PROMPTS, RESPONSES))
+    initial = token_logprobs(initial_table(cfg.model.path, cfg.run.seed), prev, tok, 1.0)
+    assert np.abs(final[2]["trainer:0"] - initial).max() > 1e-3  # it trained

@@ -13,9 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytest.importorskip(
@@ -23,21 +23,10 @@ pytest.importorskip(
 )
 
 from asyncrl.refit import shm_dir  # noqa: E402
-from integration_support import BASE, merge  # noqa: E402
+from integration_support import BASE, merge, session_processes, to_toml  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_stray_processes")
 TIMEOUT_S = 120
-
-
-def _toml(data: dict, prefix: str = "") -> str:
-    """Just enough TOML for the run configs used here (tables, scalars, inline arrays)."""
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    lines = [f"[{prefix}]"] if prefix and scalars else []
-    lines += [f"{k} = {json.dumps(v)}" for k, v in scalars.items()]
-    for key, value in tables.items():
-        lines.append(_toml(value, f"{prefix}.{key}" if prefix else key))
-    return "\n".join(lines)
 
 
 def _free_port() -> int:
@@ -46,20 +35,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session_processes(sid: int) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
 def _launch(tmp_path: Path, config: dict) -> tuple[int, str]:
     path = tmp_path / "run.toml"
-    path.write_text(_toml(config) + "\n")
+    path.write_text(to_toml(config) + "\n")
     cmd = [
         sys.executable, "-m", "torch.distributed.run",  # = the torchrun script of this venv
         "--nproc-per-node", "2", "--master-port", str(_free_port()),
@@ -76,7 +54,7 @@ def _launch(tmp_path: Path, config: dict) -> tuple[int, str]:
         out, _ = proc.communicate()
         pytest.fail(f"the launch did not finish within {TIMEOUT_S} s:\n{out[-4000:]}")
     finally:
-        left = _session_processes(proc.pid)
+        left = session_processes(proc.pid)
         if left:
             os.killpg(proc.pid, signal.SIGKILL)
     assert left == [], f"processes of the launch outlived it: {left}"
@@ -125,3 +103,60 @@ def test_bad_config_exits_nonzero_naming_the_field(
     assert rc != 0
     assert named in out, out[-4000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # no run was started
+
+
+def _front_door(
+    tmp_path: Path, config: dict, *, stop_after_s: float | None = None
+) -> tuple[int, str]:
+    """``python -m asyncrl.launch run.toml``: asyncrl runs torchrun itself."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(config) + "\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.launch", str(path)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        if stop_after_s is not None:
+            metrics = tmp_path / "out" / "metrics.jsonl"
+            deadline = time.monotonic() + TIMEOUT_S
+            while not (metrics.exists() and '"train"' in metrics.read_text()):
+                assert time.monotonic() < deadline and proc.poll() is None, "no step was trained"
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert session_processes(proc.pid) == []
+    return proc.returncode, out
+
+
+def test_front_door_keeps_exit_codes_and_prints_one_line(tmp_path: Path, model_dir: Path) -> None:
+    """Without torchrun around it, ``python -m asyncrl.launch`` starts the ranks itself and
+    exits with asyncrl's code: 0, 2 for a config mistake (before anything starts), 1 for a
+    failed run, 128 + N for a signal; one ``asyncrl:`` line and no torchrun report."""
+    rc, out = _front_door(tmp_path / "ok", _config(model_dir, run={"num_steps": 2}))
+    assert rc == 0, out[-4000:]
+    assert "metrics: " in out and "ChildFailedError" not in out
+
+    rc, out = _front_door(tmp_path / "bad", _config(model_dir, grpo={"prompts_per_step": 0}))
+    assert rc == 2
+    assert out.strip().splitlines() == [line for line in out.strip().splitlines()
+                                        if line.startswith("asyncrl: error: ")]
+    assert "grpo.prompts_per_step" in out and "Fix:" in out
+
+    crash = _config(model_dir, run={"num_steps": 50}, generator={"options": {"crash_after_groups": 3}})
+    rc, out = _front_door(tmp_path / "crash", crash)
+    assert rc == 1, out[-4000:]
+    errors = [line for line in out.splitlines() if line.startswith("asyncrl: ")]
+    assert len(errors) == 1 and "worker rollout:0 died with exit code -9" in errors[0], out[-4000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+    slow = _config(model_dir, run={"num_steps": 1000}, eval={"num_prompts": 0},
+                   generator={"options": {"token_delay_s": 0.01}})
+    rc, out = _front_door(tmp_path / "term", slow, stop_after_s=0)
+    assert rc == 128 + signal.SIGTERM, out[-4000:]
+    assert "asyncrl: stopped by SIGTERM" in out and "Traceback" not in out

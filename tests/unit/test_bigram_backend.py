@@ -151,9 +151,7 @@ def test_grad_norm_clipping_and_adam(tmp_path: Path) -> None:
     np.testing.assert_allclose(t.weights, w0 - 0.1 * g / (np.abs(g) + 1e-8), rtol=0, atol=1e-12)
 
 
-def test_trainer_refuses_several_ranks_and_bad_options(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cluster.trainer_ranks"):
-        BigramTrainer(_ctx(_config(tmp_path), world_size=2))
+def test_trainer_refuses_bad_options(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="lrr"):
         BigramTrainer(_ctx(_config(tmp_path, trainer={"options": {"lrr": 1.0}})))
     with pytest.raises(ConfigError, match=r"trainer.options.lr"):

@@ -30,7 +30,7 @@ from .model import (
     response_tokens,
     token_logprobs,
 )
-from .options import GeneratorOptions, parse_options
+from .options import GeneratorOptions, mark_phase, parse_options
 
 __all__ = ["BigramGenerator", "make_backend"]
 
@@ -79,6 +79,7 @@ class BigramGenerator:
         """
         if not request.prompt_ids:
             raise ValueError(f"group {request.group_id}: empty prompt")
+        mark_phase(self.options.phase_marker_dir, self.ctx, "generate")
         rng = np.random.default_rng(request.seed)
         self._running.add(request.group_id)
         try:
@@ -135,6 +136,7 @@ class BigramGenerator:
 
     # ------------------------------------------------------------------ refit
     async def begin_weight_update(self, version: int) -> None:
+        mark_phase(self.options.phase_marker_dir, self.ctx, "refit")
         self._resumed = anyio.Event()  # sampling waits between tokens until finish
         self._staged = None
 
@@ -142,6 +144,8 @@ class BigramGenerator:
         """Copy ``bigram.logits`` out of the bucket file (the sender reuses the file as soon
         as this returns)."""
         v = self.spec.vocab_size
+        if self.options.load_delay_s:
+            await anyio.sleep(self.options.load_delay_s)  # testing knob: a slow refit
         for entry in bucket.entries:
             if entry.name != TENSOR_NAME:
                 raise ValueError(f"unknown tensor {entry.name!r} (the bigram has {TENSOR_NAME})")

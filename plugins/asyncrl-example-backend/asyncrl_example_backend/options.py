@@ -6,13 +6,15 @@ rejecting unknown fields, and raises :class:`~asyncrl.errors.ConfigError` naming
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from asyncrl.errors import ConfigError
 
-__all__ = ["GeneratorOptions", "TrainerOptions", "parse_options"]
+__all__ = ["GeneratorOptions", "TrainerOptions", "mark_phase", "parse_options"]
 
 
 class _Options(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -30,6 +32,12 @@ class GeneratorOptions(_Options):
     crash_after_groups: int = 0
     """Testing knob: SIGKILL this worker's own process once it has finished this many
     prompt groups (eval groups included); 0 never does. Tests a worker dying mid-run."""
+    load_delay_s: float = 0.0
+    """Testing knob: sleep this long in every ``load_weight_bucket``, to make refits slow
+    enough that tests can strike during one."""
+    phase_marker_dir: str = ""
+    """Testing knob: create ``<dir>/rollout-<rank>.<phase>`` when the first ``generate``
+    (phase ``generate``) and the first refit (``refit``) begin."""
     stale_from_version: int = 0
     """Testing knob: from this weight version on, acknowledge every refit but keep serving
     the weights it had (a generator that silently misses an update, as a stale kernel cache
@@ -54,6 +62,9 @@ class TrainerOptions(_Options):
     step_delay_s: float = 0.0
     """Testing knob: sleep this long in every ``finish_step``, to make training slow enough
     that tests can observe generation overlapping it."""
+    phase_marker_dir: str = ""
+    """Testing knob: create ``<dir>/trainer-<rank>.<phase>`` when the first step (phase
+    ``train``) and the first weight export (``refit``) begin."""
     fail_at_start: bool = False
     """Testing knob: raise in ``start()``, to test start-up failure handling."""
 
@@ -75,7 +86,7 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
         raise ConfigError(f"{table} (bigram backend): {exc}") from None
     for name in (
         "token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm",
-        "stale_from_version",
+        "stale_from_version", "load_delay_s",
     ):
         value = getattr(opts, name, 0)
         if value < 0:
@@ -86,3 +97,13 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
         if not all(0 <= b < 1 for b in opts.betas):
             raise ConfigError(f"{table}.betas: both must lie in [0, 1), got {list(opts.betas)}")
     return opts
+
+
+def mark_phase(directory: str, ctx: Any, phase: str) -> None:
+    """Testing knob (``phase_marker_dir``): create ``<directory>/<group>-<rank>.<phase>``, holding
+    this process's pid, the first time a phase begins, so a fault test can strike in it."""
+    if directory:
+        path = Path(directory) / f"{ctx.group}-{ctx.rank}.{phase}"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(str(os.getpid()))

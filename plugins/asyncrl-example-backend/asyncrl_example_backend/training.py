@@ -14,6 +14,12 @@ binds (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``) the gradient i
 ``train_chunk`` adds the *sum* over the chunk's tokens into one gradient buffer;
 ``finish_step`` divides by the step's token count, clips the norm and updates: streaming a step
 in chunks equals one big batch. The runtime calls these methods on one thread, in order.
+
+Several ranks (``cluster.trainer_ranks > 1``) train data-parallel: each rank gets its share of
+every chunk, and ``finish_step`` sums the gradient buffers over ranks (one gloo all-reduce)
+before the identical update on every rank. Only then is torch imported: it shows how a backend
+joins its group (``ctx.extra["dist_store"]`` under ``asyncrl.launch``, torchrun's ``env://``
+when the controller spawned the group) while a one-rank run stays numpy only.
 """
 
 from __future__ import annotations
@@ -25,19 +31,18 @@ from typing import Any
 import numpy as np
 
 from asyncrl.backend import WeightTensor, WorkerContext
-from asyncrl.errors import ConfigError
 from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
 
 from . import __version__
 from .model import TENSOR_NAME, ModelSpec, initial_table, log_softmax, response_tokens
 from .model import token_logprobs
-from .options import TrainerOptions, parse_options
+from .options import TrainerOptions, mark_phase, parse_options
 
 __all__ = ["BigramTrainer", "make_backend", "ppo_gradient"]
 
 
 def make_backend(ctx: WorkerContext) -> BigramTrainer:
-    """Entry point: one trainer (the bigram trains on a single rank)."""
+    """Entry point: one trainer per rank (data-parallel over ranks)."""
     return BigramTrainer(ctx)
 
 
@@ -82,11 +87,6 @@ class BigramTrainer:
     """Holds float64 master weights, a gradient buffer and (for Adam) its moments."""
 
     def __init__(self, ctx: WorkerContext) -> None:
-        if ctx.world_size != 1:
-            raise ConfigError(
-                f"cluster.trainer_ranks: the bigram backend trains on one rank, got "
-                f"{ctx.world_size}. Fix: set cluster.trainer_ranks = 1"
-            )
         self.ctx = ctx
         self.options = parse_options(ctx.config.trainer.options, TrainerOptions, "trainer.options")
         self.spec = ModelSpec.read(ctx.config.model.path)
@@ -97,10 +97,20 @@ class BigramTrainer:
         self._loss_sum = 0.0
         self._adam_t = 0
         self._m = self._v = np.zeros((0, 0))
+        self._dist: Any = None  # torch.distributed, once a group of several ranks is joined
 
     def start(self) -> dict[str, Any]:
         if self.options.fail_at_start:
             raise RuntimeError("trainer.options.fail_at_start is set (a testing knob)")
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            store = self.ctx.extra.get("dist_store")
+            kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+            dist.init_process_group(
+                "gloo", rank=self.ctx.rank, world_size=self.ctx.world_size, **kwargs
+            )
+            self._dist = dist
         self.weights = initial_table(self.ctx.config.model.path, self.ctx.config.run.seed).astype(
             np.float64
         )
@@ -113,6 +123,7 @@ class BigramTrainer:
         return token_logprobs(self.weights, prev, tok, temperature).astype(np.float32)
 
     def begin_step(self, step: int) -> None:
+        mark_phase(self.options.phase_marker_dir, self.ctx, "train")
         self.grad[...] = 0.0
         self._loss_sum = 0.0
         self._open_step = step
@@ -144,6 +155,8 @@ class BigramTrainer:
         opts = self.options
         if opts.step_delay_s:
             time.sleep(opts.step_delay_s)  # testing knob: a slow trainer
+        if self._dist is not None:
+            self._all_reduce_grad()
         g = self.grad / max(1, num_loss_tokens)
         norm = float(np.sqrt(np.sum(g * g)))
         if opts.max_grad_norm and norm > opts.max_grad_norm:
@@ -172,10 +185,26 @@ class BigramTrainer:
         if step != self._open_step:
             raise RuntimeError(f"a call for step {step}, but the open step is {self._open_step}")
 
+    def _all_reduce_grad(self) -> None:
+        """Sum the gradient buffers and loss sums of all ranks (every rank holds the result)."""
+        import torch
+
+        packed = torch.from_numpy(np.append(self.grad.reshape(-1), self._loss_sum))
+        self._dist.all_reduce(packed)
+        flat = packed.numpy()
+        self.grad = flat[:-1].reshape(self.grad.shape).copy()
+        self._loss_sum = float(flat[-1])
+
     def iter_weights(self) -> Iterator[WeightTensor]:
-        """The table as float32 bytes (the generators serve float32)."""
+        """The table as float32 bytes (the generators serve float32). Every rank holds the
+        same table; the runtime sends rank 0's."""
+        mark_phase(self.options.phase_marker_dir, self.ctx, "refit")
         table = np.ascontiguousarray(self.weights, dtype=np.float32)
         yield WeightTensor(TENSOR_NAME, "float32", table.shape, table.reshape(-1).view(np.uint8))
 
     def close(self) -> None:
-        """Nothing to release (no process group, no device memory)."""
+        """Leave the process group, if one was joined (no device memory to free)."""
+        dist, self._dist = self._dist, None
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
