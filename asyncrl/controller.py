@@ -48,7 +48,7 @@ from .pipeline import Pipeline, Tokenizer
 from .refit import shm_dir
 from .rpc import ControlPlane
 from .samplers import InOrderSampler
-from .transport import PULL, ROUTER, Context, ipc_address, make_private_dir
+from .transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
 
 __all__ = ["Addresses", "Controller", "RunSummary"]
 
@@ -74,6 +74,8 @@ class RunSummary:
     steps: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     metrics_path: str = ""
+    rejected_frames: dict[str, int] = field(default_factory=dict)
+    """Frames each socket refused (``control``, ``data``, ``weights``); see docs/protocol.md."""
 
 
 AttachHook = Callable[[Addresses, anyio.abc.TaskGroup], Awaitable[None]]
@@ -172,7 +174,16 @@ class Controller(anyio.AsyncContextManagerMixin):
                 return Init(run_id=run_id, config=config_dict, data_address=addr.data,
                             transfer_address=transfer, controller_pid=os.getpid())
 
-            control = ControlPlane(router, make_init)
+            rejections = Rejections()
+            expected = {
+                f"{group}:{rank}"
+                for group, n in (
+                    ("trainer", cfg.cluster.trainer_ranks),
+                    ("rollout", cfg.cluster.rollout_ranks),
+                )
+                for rank in range(n)
+            }
+            control = ControlPlane(router, make_init, expected=expected, rejections=rejections)
             metrics.write({"kind": "config", "run_id": run_id, "config": config_dict})
             log.info("run_started", run_id=run_id, output=cfg.run.output_dir)
             async with anyio.create_task_group() as tg:
@@ -195,6 +206,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                         transfer_address=addr.transfer,
                         metrics=metrics,
                         clock_origin=time.perf_counter(),
+                        rejections=rejections,
                     )
                     yield
                 except BaseException:
@@ -319,7 +331,12 @@ class Controller(anyio.AsyncContextManagerMixin):
                 summary.evals.append(await pipe.evaluate("end"))
             tg.cancel_scope.cancel()
         summary.steps = list(pipe.history)
-        log.info("run_finished", summary=json.dumps(summary.evals))
+        summary.rejected_frames = dict(pipe.rejections.counts)
+        if pipe.metrics is not None:
+            pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
+        log.info(
+            "run_finished", summary=json.dumps(summary.evals), rejected_frames=summary.rejected_frames
+        )
         return summary
 
 

@@ -301,6 +301,9 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any]) -
         return 128 + int(sig)
     for e in summary.evals:
         print(f"eval {e['label']}: accuracy {e['accuracy']:.3f} on {e['num_prompts']} prompts")
+    if summary.rejected_frames:
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(summary.rejected_frames.items()))
+        print(f"rejected frames: {refused} (see the frame_rejected log lines)")
     print(f"metrics: {summary.metrics_path}")
     return 0
 

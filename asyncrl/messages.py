@@ -184,6 +184,8 @@ class WeightsResult(msgspec.Struct, tag="w_r", **_CTRL):
     num_bytes: int
     num_buckets: int
     seconds: float
+    rejected_frames: int = 0
+    """Sender only: frames its transfer socket refused so far in this run (all refits)."""
 
 
 class HealthResult(msgspec.Struct, tag="health_r", **_CTRL):

@@ -24,6 +24,7 @@ scoring run in worker threads).
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -38,7 +39,7 @@ from .buffer import CompletedSample, Group, ReplayBuffer
 from .codec import Codec
 from .config import Config
 from .environment import Environment, Prompt
-from .errors import RunError
+from .errors import ProtocolError, RunError
 from .grpo import pack_groups, pack_tokens, shard_batch, shard_tokens
 from .messages import (
     BeginStep,
@@ -57,10 +58,11 @@ from .messages import (
     StepResult,
     TokenBatch,
     TrainChunk,
+    WeightsResult,
 )
 from .rpc import ControlPlane
 from .samplers import Sampler
-from .transport import AsyncSocket
+from .transport import AsyncSocket, Rejections, peer_name
 from .verify import Agreement, compare, probe_sequences, verification_due
 
 __all__ = ["Pipeline", "Tokenizer"]
@@ -117,6 +119,31 @@ def prompt_batches(prompts: Sequence[Prompt], batch: int, seed: int) -> Iterator
         epoch += 1
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A group that is generating: its prompt, the worker it went to, how many samples."""
+
+    prompt: Prompt
+    worker: str
+    n: int
+
+
+def _malformed(msg: GroupDone, n: int) -> str:
+    """What is wrong with a group's samples ("" when nothing): the count, the arrays'
+    shapes, dtypes and alignment, the logprobs' values."""
+    if len(msg.samples) != n:
+        return f"{len(msg.samples)} samples, {n} were asked for"
+    for i, s in enumerate(msg.samples):
+        tokens, lps = np.asarray(s.token_ids), np.asarray(s.logprobs)
+        if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
+            return f"sample {i}: {tokens.shape} tokens but {lps.shape} logprobs"
+        if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
+            return f"sample {i}: token dtype {tokens.dtype}, logprob dtype {lps.dtype}"
+        if tokens.size and (tokens.min() < 0 or not np.isfinite(lps).all() or lps.max() > 1e-3):
+            return f"sample {i}: negative token ids, or logprobs that are not finite and <= 0"
+    return ""
+
+
 @dataclass
 class _StepRecord:
     """Timing and counters of one step (one batch: generation, training, refit)."""
@@ -153,6 +180,7 @@ class Pipeline:
         transfer_address: str,
         metrics: Any,
         clock_origin: float,
+        rejections: Rejections | None = None,
     ) -> None:
         self.config = config
         self.control = control
@@ -175,7 +203,9 @@ class Pipeline:
         self.changed = Signal()
         self.steps: dict[int, _StepRecord] = {}
         self._eval_results: dict[str, tuple[anyio.Event, list[CompletedSample]]] = {}
-        self._prompts: dict[str, Prompt] = {}
+        self._prompts: dict[str, _InFlight] = {}
+        """Groups generating now, by group id: what the data socket may deliver."""
+        self.rejections = rejections if rejections is not None else Rejections()
         self._next_rollout = 0
         self.loop_lag_max_s = 0.0
         self.history: list[dict[str, Any]] = []
@@ -194,9 +224,9 @@ class Pipeline:
         self._next_rollout += 1
         return worker
 
-    async def _dispatch(self, requests: list[GenRequest]) -> None:
+    async def _dispatch(self, worker: str, requests: list[GenRequest]) -> None:
         timeout = self.config.cluster.call_timeout_s
-        await self.control.call(self._pick_rollout(), Generate(requests=requests), timeout_s=timeout)
+        await self.control.call(worker, Generate(requests=requests), timeout_s=timeout)
 
     # ------------------------------------------------------------------ rollout pump
     async def rollout_pump(self) -> None:
@@ -222,7 +252,8 @@ class Pipeline:
                 while not self.gate_open:
                     await self.changed.wait()
                 group_id = f"s{step}-{i}"
-                self._prompts[group_id] = prompt
+                worker = self._pick_rollout()
+                self._prompts[group_id] = _InFlight(prompt, worker, cfg.grpo.samples_per_prompt)
                 self.buffer.reserve(
                     group_id,
                     prompt_id=prompt.id,
@@ -235,6 +266,7 @@ class Pipeline:
                     rec.gen_start = self.now()
                 rec.dispatched += 1
                 await self._dispatch(
+                    worker,
                     [
                         GenRequest(
                             group_id=group_id,
@@ -251,33 +283,73 @@ class Pipeline:
     async def feed_buffer(self) -> None:
         """Read finished groups from the data socket, score them off-loop, commit them.
 
+        A frame that does not decode, or a result for a group that is not generating (a late
+        duplicate, a stranger's), is rejected and counted (socket ``data``); it never ends the
+        run. A malformed result from the worker the group was sent to, a generation failure,
+        or an environment whose ``score()`` raises or returns a non-finite reward ends it with
+        a :class:`~asyncrl.errors.RunError` naming the culprit.
+
         Cancellation: stops reading; scoring tasks in flight are cancelled with it.
         """
         codec = Codec(DataMessage)
         async with anyio.create_task_group() as tg:
             while True:
-                msg = codec.decode(await self.data.recv())
+                frames = await self.data.recv()
+                try:
+                    msg = codec.decode(frames)
+                except ProtocolError as exc:
+                    self.rejections.reject("data", "?", str(exc))
+                    continue
+                pending = self._prompts.get(msg.group_id)
+                if pending is None or pending.worker != msg.worker:
+                    self.rejections.reject(
+                        "data",
+                        peer_name(msg.worker),
+                        f"{type(msg).__name__} for group {msg.group_id!r}, which is not "
+                        "generating" + ("" if pending is None else f" on {msg.worker!r}"),
+                    )
+                    continue
                 if isinstance(msg, GroupFailed):
                     raise RunError(
                         f"generation of group {msg.group_id} failed on {msg.worker}: "
-                        f"{msg.error_type}: {msg.message}"
+                        f"{msg.error_type}: {msg.message} (see that worker's log)"
                     )
-                tg.start_soon(self._score_and_commit, msg)
+                problem = _malformed(msg, pending.n)
+                if problem:
+                    raise RunError(
+                        f"{msg.worker} returned a malformed result for group {msg.group_id}: "
+                        f"{problem}; the generation backend "
+                        f"{self.config.generator.backend!r} broke its contract"
+                    )
+                del self._prompts[msg.group_id]
+                tg.start_soon(self._score_and_commit, pending.prompt, msg)
 
     def _score(self, prompt: Prompt, group: GroupDone) -> list[CompletedSample]:
+        name = self.config.environment.name
         out = []
         for s in group.samples:
-            score = self.env.score(prompt, self.tok.decode(s.token_ids))
+            completion = self.tok.decode(s.token_ids)
+            try:
+                score = self.env.score(prompt, completion)
+                reward = float(score.reward)
+            except Exception as exc:
+                raise RunError(
+                    f"environment {name!r} (environment.name): score() raised "
+                    f"{type(exc).__name__}: {exc} for prompt {prompt.id!r} and completion "
+                    f"{completion[:80]!r}"
+                ) from exc
+            if not math.isfinite(reward):
+                raise RunError(
+                    f"environment {name!r} (environment.name): score() returned a non-finite "
+                    f"reward ({reward}) for prompt {prompt.id!r} and completion "
+                    f"{completion[:80]!r}; rewards must be finite numbers"
+                )
             out.append(
-                CompletedSample(s.token_ids, s.logprobs, s.finish_reason, score.reward, score.correct)
+                CompletedSample(s.token_ids, s.logprobs, s.finish_reason, reward, bool(score.correct))
             )
         return out
 
-    async def _score_and_commit(self, msg: GroupDone) -> None:
-        prompt = self._prompts.pop(msg.group_id, None)
-        if prompt is None:
-            log.warning("unknown_group_dropped", group_id=msg.group_id)
-            return
+    async def _score_and_commit(self, prompt: Prompt, msg: GroupDone) -> None:
         samples = await anyio.to_thread.run_sync(
             self._score, prompt, msg, limiter=self.score_limiter
         )
@@ -388,9 +460,21 @@ class Pipeline:
             reset_prefix_cache=cfg.refit.reset_prefix_cache,
             timeout_s=cfg.refit.timeout_s,
         )
+        sent: list[Any] = []
+
+        async def send_all() -> None:
+            sent.extend(
+                await self.control.call_each(
+                    self.trainers, [send] * len(self.trainers), timeout_s=timeout
+                )
+            )
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._call_each, self.trainers, send, timeout)
+            tg.start_soon(send_all)
             tg.start_soon(self._call_each, self.rollouts, recv, timeout)
+        refused = max((r.rejected_frames for r in sent if isinstance(r, WeightsResult)), default=0)
+        if refused:  # the sender's count covers the whole run
+            self.rejections.counts["weights"] = refused
 
     # ------------------------------------------------------------------ refit verification
     def _make_probe(self, groups: list[Group]) -> TokenBatch | None:
@@ -480,6 +564,7 @@ class Pipeline:
             "train_start": rec.train_start,
             "train_end": rec.train_end,
             "loop_lag_max_s": self.loop_lag_max_s,
+            "rejected_frames": self.rejections.total,
             "time": self.now(),
         }
         if rec.verify:
@@ -521,11 +606,12 @@ class Pipeline:
         requests: dict[str, list[GenRequest]] = {w: [] for w in self.rollouts}
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
             gid = f"eval-{label}-{i}"
-            self._prompts[gid] = prompt
+            worker = self.rollouts[i % len(self.rollouts)]
+            self._prompts[gid] = _InFlight(prompt, worker, 1)
             slot: tuple[anyio.Event, list[CompletedSample]] = (anyio.Event(), [])
             self._eval_results[gid] = slot
             waits.append(slot)
-            requests[self.rollouts[i % len(self.rollouts)]].append(
+            requests[worker].append(
                 GenRequest(
                     group_id=gid,
                     prompt_ids=prompt_ids,

@@ -13,7 +13,10 @@ Weights go from trainer rank 0 straight to every generator; the controller only 
         ◄──────────── BucketAck(v, 1) ────────────  finish_weight_update(v)
 
 Two bucket files are used in turn, so the trainer packs bucket k+1 while generators load
-bucket k; a file is rewritten only after every receiver acknowledged it. The files live in
+bucket k; a file is rewritten only after every receiver acknowledged it. The sender's socket
+accepts only the receivers named for the refit: an undecodable frame, a frame from another
+peer, or a message of another version is rejected and counted (socket ``weights``, reported in
+``WeightsResult.rejected_frames``), never fatal. The files live in
 ``/dev/shm/asyncrl-<run_id>`` (mode 0700), removed by the sender's ``close`` and by the
 controller at exit. CUDA IPC (GPU) will be another transport with the same messages, its
 ``Bucket.handle`` carrying the IPC handle instead of a path.
@@ -34,7 +37,8 @@ from .backend import GenerationBackend, WeightBucketView, WeightTensor
 from .codec import Codec
 from .errors import RefitError
 from .messages import Bucket, BucketAck, TensorEntry, WeightMessage, WeightsPull, WeightsResult
-from .transport import DEALER, ROUTER, AsyncSocket, Context, make_private_dir
+from .errors import ProtocolError
+from .transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, make_private_dir, peer_name
 
 __all__ = ["ShmWeightReceiver", "ShmWeightSender", "shm_dir"]
 
@@ -102,12 +106,30 @@ class ShmWeightSender:
     def __init__(self, ctx: Context, address: str, run_id: str, rank: int = 0) -> None:
         self._sock: AsyncSocket = ctx.socket(ROUTER, bind=address, router_mandatory=True)
         self._codec = Codec(WeightMessage)
+        self.rejections = Rejections()
         directory = make_private_dir(shm_dir(run_id))
         self._files = [_BucketFile(os.path.join(directory, f"w{rank}-{k}.bin")) for k in (0, 1)]
 
-    async def _recv(self) -> tuple[str, object]:
-        frames = await self._sock.recv()
-        return bytes(frames[0].buffer).decode(), self._codec.decode(frames[1:])
+    async def _recv(self, receivers: set[str], version: int) -> tuple[str, object]:
+        """The next message of this refit from one of ``receivers``; anything else is
+        rejected and counted."""
+        while True:
+            frames = await self._sock.recv()
+            who = peer_name(frames[0].buffer)
+            try:
+                msg = self._codec.decode(frames[1:])
+            except ProtocolError as exc:
+                self.rejections.reject("weights", who, str(exc))
+                continue
+            if who not in receivers:
+                self.rejections.reject("weights", who, f"{type(msg).__name__} from a non-receiver")
+            elif getattr(msg, "version", None) != version or isinstance(msg, Bucket):
+                self.rejections.reject(
+                    "weights", who, f"{type(msg).__name__} of v{getattr(msg, 'version', '?')} "
+                    f"during the refit to v{version}"
+                )
+            else:
+                return who, msg
 
     async def send(
         self,
@@ -127,13 +149,14 @@ class ShmWeightSender:
         """
         start = time.perf_counter()
         waiting = set(receivers)
+        expected = set(receivers)
         with anyio.fail_after(timeout_s):
             while waiting:
-                who, msg = await self._recv()
-                if isinstance(msg, WeightsPull) and msg.version == version:
+                who, msg = await self._recv(expected, version)
+                if isinstance(msg, WeightsPull):
                     waiting.discard(who)
                 else:
-                    log.warning("weights_message_ignored", sender=who, message=type(msg).__name__)
+                    self.rejections.reject("weights", who, f"{type(msg).__name__} before pull")
         # acks outstanding per bucket file, and per-bucket bookkeeping
         unacked: list[set[str]] = [set(), set()]
         index, cur = 0, 0
@@ -145,9 +168,9 @@ class ShmWeightSender:
         async def wait_acks(k: int) -> None:
             with anyio.fail_after(timeout_s):
                 while unacked[k]:
-                    who, msg = await self._recv()
-                    if not isinstance(msg, BucketAck) or msg.version != version:
-                        log.warning("weights_message_ignored", sender=who)
+                    who, msg = await self._recv(expected, version)
+                    if not isinstance(msg, BucketAck) or msg.index >= index or msg.index < 0:
+                        self.rejections.reject("weights", who, f"unexpected {type(msg).__name__}")
                         continue
                     if msg.error:
                         raise RefitError(f"{who} failed to load bucket {msg.index}: {msg.error}")
@@ -185,6 +208,7 @@ class ShmWeightSender:
             num_bytes=n_bytes,
             num_buckets=index,
             seconds=time.perf_counter() - start,
+            rejected_frames=self.rejections.total,
         )
 
     def close(self) -> None:

@@ -3,8 +3,14 @@
 Workers connect DEALER sockets with identity ``group:rank`` and speak
 :data:`asyncrl.messages.FromWorker`. The reader task (:meth:`ControlPlane.run`) is the only
 task that reads the ROUTER; it answers ``Hello`` with ``Init``, marks ``Ready`` workers, and
-hands each ``Reply``/``Failure`` to the call waiting on its ``call_id``. A ``Dead`` message is
-fatal: the reader raises, which cancels the controller's task group.
+hands each ``Reply``/``Failure`` to the call waiting on its ``call_id``. A ``Dead`` message from
+a connected worker is fatal: the reader raises, which cancels the controller's task group.
+
+Nothing a peer sends can end the run by itself being malformed: an undecodable frame, a
+``Hello`` from an identity the run does not expect (or a second one), a ``Ready``/``Dead``
+from a peer that never said ``Hello``, a ``Reply`` to a call that is not pending or that went
+to another worker are each rejected, logged with a printable peer name and counted
+(:class:`~asyncrl.transport.Rejections`, socket ``control``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from .messages import (
     Shutdown,
     ToWorker,
 )
-from .transport import AsyncSocket, HostUnreachable
+from .transport import AsyncSocket, HostUnreachable, Rejections, peer_name
 
 __all__ = ["ControlPlane", "Peer"]
 
@@ -74,11 +80,22 @@ class ControlPlane:
     Args:
         sock: a bound ROUTER socket.
         make_init: builds the :class:`Init` answer for a worker's :class:`Hello`.
+        expected: the worker identities of the run (``None``: any ``group:rank``).
+        rejections: where refused frames are counted (a fresh counter by default).
     """
 
-    def __init__(self, sock: AsyncSocket, make_init: Callable[[Hello], Init]) -> None:
+    def __init__(
+        self,
+        sock: AsyncSocket,
+        make_init: Callable[[Hello], Init],
+        *,
+        expected: set[str] | None = None,
+        rejections: Rejections | None = None,
+    ) -> None:
         self._sock = sock
         self._make_init = make_init
+        self._expected = expected
+        self.rejections = rejections if rejections is not None else Rejections()
         self._rx = Codec(FromWorker)
         self._tx = Codec(ToWorker)
         self._ids = itertools.count(1)
@@ -93,13 +110,16 @@ class ControlPlane:
         """
         while True:
             frames = await self._sock.recv()
-            identity = bytes(frames[0].buffer).decode(errors="replace")
+            identity = peer_name(frames[0].buffer)
             try:
                 msg = self._rx.decode(frames[1:])
             except ProtocolError as exc:
-                log.warning("message_rejected", peer=identity, error=str(exc))
+                self.rejections.reject("control", identity, str(exc))
                 continue
             await self._handle(identity, msg)
+
+    def _reject(self, identity: str, reason: str) -> None:
+        self.rejections.reject("control", identity, reason)
 
     async def _handle(self, identity: str, msg: Any) -> None:
         if isinstance(msg, Hello):
@@ -107,15 +127,25 @@ class ControlPlane:
         elif isinstance(msg, Ready):
             peer = self.peers.get(identity)
             if peer is None:
-                raise ProtocolError(f"Ready from unknown worker {identity}")
+                self._reject(identity, "Ready from a peer that never said Hello")
+                return
+            if peer.ready.is_set():
+                self._reject(identity, "a second Ready")
+                return
             peer.capabilities = dict(msg.capabilities)
             peer.backend = msg.backend
             peer.ready.set()
             log.info("worker_ready", worker=identity, backend=msg.backend, pid=peer.pid)
         elif isinstance(msg, (Reply, Failure)):
             pending = self._pending.get(msg.call_id)
-            if pending is None:
-                log.warning("reply_dropped", worker=identity, call_id=msg.call_id)
+            if pending is None or pending.done.is_set():
+                # a late reply to a call that timed out or was cancelled, or a stranger's
+                self._reject(identity, f"{type(msg).__name__} to call {msg.call_id}, not pending")
+                return
+            if pending.peer != identity:
+                self._reject(
+                    identity, f"{type(msg).__name__} to call {msg.call_id} of {pending.peer}"
+                )
                 return
             if isinstance(msg, Reply):
                 pending.result = msg.result
@@ -126,6 +156,9 @@ class ControlPlane:
             pending.done.set()
         elif isinstance(msg, Dead):
             peer = self.peers.get(identity)
+            if peer is None:
+                self._reject(identity, "Dead from a peer that never said Hello")
+                return
             where = f"; its log: {peer.log_path}" if peer and peer.log_path else ""
             # dying before Ready is a start-up failure (the documented error of entering)
             kind = WorkerError if peer is not None and peer.ready.is_set() else WorkerStartupError
@@ -137,15 +170,20 @@ class ControlPlane:
             raise err
 
     async def _on_hello(self, identity: str, hello: Hello) -> None:
+        if identity != f"{hello.group}:{hello.rank}":
+            self._reject(identity, f"Hello as {hello.group}:{hello.rank} from another identity")
+            return
+        if self._expected is not None and identity not in self._expected:
+            self._reject(identity, "Hello from a worker this run does not have")
+            return
+        if identity in self.peers:
+            self._reject(identity, "a second Hello")
+            return
         if hello.protocol_version != PROTOCOL_VERSION:
             raise WorkerStartupError(
                 f"worker {identity} speaks protocol {hello.protocol_version}, this controller "
                 f"speaks {PROTOCOL_VERSION}; install the same asyncrl version everywhere"
             )
-        if identity != f"{hello.group}:{hello.rank}":
-            raise ProtocolError(f"worker identity {identity} does not match its Hello")
-        if identity in self.peers:
-            raise WorkerStartupError(f"two workers claim to be {identity}")
         self.peers[identity] = Peer(
             identity, hello.group, hello.rank, hello.world_size, hello.pid, hello.log_path
         )

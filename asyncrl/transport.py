@@ -17,13 +17,24 @@ from __future__ import annotations
 
 import os
 import stat
+import string
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import structlog
 import zmq
 
-__all__ = ["AsyncSocket", "Context", "ipc_address", "make_private_dir"]
+log = structlog.get_logger("asyncrl.transport")
+
+__all__ = [
+    "AsyncSocket",
+    "Context",
+    "Rejections",
+    "ipc_address",
+    "make_private_dir",
+    "peer_name",
+]
 
 ROUTER, DEALER, PUSH, PULL = zmq.ROUTER, zmq.DEALER, zmq.PUSH, zmq.PULL
 
@@ -43,6 +54,39 @@ def ipc_address(run_dir: str, name: str) -> str:
     if len(path) > 100:  # sun_path is 108 bytes on Linux
         raise ValueError(f"ipc socket path too long ({len(path)} chars): {path}")
     return f"ipc://{path}"
+
+
+_PRINTABLE = frozenset(string.ascii_letters + string.digits + ":-_.@/")
+
+
+def peer_name(identity: bytes | memoryview | str | None) -> str:
+    """A peer's ZeroMQ identity as log-safe text: itself when it is a plain name
+    (``rollout:0``), else ``hex:<bytes>`` (ZeroMQ gives anonymous peers binary identities)."""
+    if identity is None:
+        return "?"
+    raw = identity.encode() if isinstance(identity, str) else bytes(identity)
+    text = raw.decode("ascii", errors="replace")
+    if raw and all(c in _PRINTABLE for c in text):
+        return text
+    return "hex:" + raw[:32].hex()
+
+
+class Rejections:
+    """Counts frames a socket refused (undecodable, or from a peer that has no business
+    sending them), per socket, and logs each with a printable reason. A rejected frame never
+    ends the run."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def reject(self, sock: str, peer: str, reason: str) -> None:
+        self.counts[sock] = self.counts.get(sock, 0) + 1
+        log.warning("frame_rejected", socket=sock, peer=peer, reason=reason[:300],
+                    total=self.counts[sock])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
 
 
 class AsyncSocket:

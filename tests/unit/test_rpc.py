@@ -244,21 +244,48 @@ async def test_protocol_version_mismatch_is_refused(run_dir: str) -> None:
         ctx.close()
 
 
-async def test_identity_must_match_hello(run_dir: str) -> None:
+async def test_hostile_control_messages_are_rejected_and_counted(run_dir: str) -> None:
+    """Every message a stranger (or a confused worker) can send is refused without ending
+    the reader: the real worker still completes its handshake and calls afterwards."""
     ctx = Context()
     address = ipc_address(run_dir, "control")
-    control = ControlPlane(ctx.socket(ROUTER, bind=address),
-                           lambda h: Init(run_id="r", config={}, data_address=""))
+    control = ControlPlane(
+        ctx.socket(ROUTER, bind=address, router_mandatory=True),
+        lambda h: Init(run_id="r", config={}, data_address=""),
+        expected={"trainer:0"},
+    )
+    hello = dict(protocol_version=PROTOCOL_VERSION, world_size=1, pid=1)
     try:
-        with pytest.raises(BaseExceptionGroup) as info:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(control.run)
-                w = FakeWorker(ctx, address, "trainer", 0)
-                await w.say(Hello(protocol_version=PROTOCOL_VERSION, group="trainer", rank=3,
-                                  world_size=4, pid=1))
-                await anyio.sleep_forever()
-        (err,) = info.value.exceptions
-        assert isinstance(err, ProtocolError) and "does not match" in str(err)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(control.run)
+            liar = FakeWorker(ctx, address, "rollout", 0)
+            stranger = FakeWorker(ctx, address, "rollout", 9)
+            anonymous = ctx.socket(DEALER, connect=address)  # ZeroMQ gives it a binary id
+            await liar.say(Hello(group="trainer", rank=0, **hello))  # identity mismatch
+            await stranger.say(Hello(group="rollout", rank=9, **hello))  # not in this run
+            await stranger.say(Ready(backend="x"))  # no Hello accepted
+            await stranger.say(Dead(reason="I am not here"))  # a stranger's Dead
+            await stranger.say(Reply(call_id=1, result=Empty()))  # no such call
+            await anonymous.send([b"\x92\x01"])  # truncated msgpack
+            real = FakeWorker(ctx, address, "trainer", 0)
+            await real.handshake()
+            await real.say(Hello(group="trainer", rank=0, **hello))  # a second Hello
+            await real.say(Ready(backend="fake"))  # a second Ready
+            with anyio.fail_after(5):
+                await control.wait_ready("trainer", 1)
+                while control.rejections.total < 8:
+                    await anyio.sleep(0.01)
+            assert control.rejections.counts == {"control": 8}
+            assert set(control.peers) == {"trainer:0"}
+
+            async def serve_one() -> None:
+                call = await real.hear()
+                await real.say(Reply(call_id=call.call_id, result=HealthResult(pid=7)))
+
+            tg.start_soon(serve_one)
+            result = await control.call("trainer:0", Health(), timeout_s=5)
+            assert isinstance(result, HealthResult) and result.pid == 7
+            tg.cancel_scope.cancel()
     finally:
         ctx.close()
 

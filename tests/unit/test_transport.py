@@ -22,8 +22,10 @@ from asyncrl.transport import (
     PUSH,
     ROUTER,
     Context,
+    Rejections,
     ipc_address,
     make_private_dir,
+    peer_name,
 )
 
 @pytest.fixture
@@ -240,3 +242,18 @@ def test_private_dir_and_address_checks(tmp_path: Path) -> None:
     assert ipc_address("/tmp/x", "control") == "ipc:///tmp/x/control.sock"
     with pytest.raises(ValueError, match="too long"):
         ipc_address("/tmp/" + "d" * 120, "control")
+
+
+def test_peer_names_are_printable() -> None:
+    assert peer_name(b"rollout:0") == "rollout:0"
+    assert peer_name(b"\x00k\x8b\x45\x67") == "hex:006b8b4567"
+    assert peer_name(b"") == "hex:"
+    assert peer_name("trainer:1") == "trainer:1"
+
+
+def test_rejections_count_per_socket() -> None:
+    r = Rejections()
+    r.reject("data", "hex:00", "cannot decode")
+    r.reject("data", "x", "y")
+    r.reject("weights", "x", "y")
+    assert r.counts == {"data": 2, "weights": 1} and r.total == 3

@@ -1,0 +1,140 @@
+"""Malformed and foreign frames on every socket of a live run change nothing but a counter.
+
+While a run trains, a stranger connects to the controller's control socket (ROUTER), its data
+socket (PULL) and trainer rank 0's weight-transfer socket (ROUTER) and sends truncated
+msgpack, unknown tags, frames that name missing array frames, and well-formed messages it has
+no business sending (a Hello for a worker the run does not have, a Dead, replies to no call,
+results for groups that are not generating, weight pulls and acks from a non-receiver). The
+run must finish exactly as an undisturbed run with the same seed does (synchronous mode, so
+both see the same samples: same rewards, same losses, same evaluation) and report every
+refused frame, per socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
+)
+
+import asyncrl  # noqa: E402
+from asyncrl.codec import Codec  # noqa: E402
+from asyncrl.config import Config  # noqa: E402
+from asyncrl.messages import (  # noqa: E402
+    PROTOCOL_VERSION,
+    BucketAck,
+    DataMessage,
+    Dead,
+    Empty,
+    FromWorker,
+    GroupDone,
+    GroupFailed,
+    Hello,
+    Reply,
+    Sample,
+    WeightMessage,
+    WeightsPull,
+)
+from asyncrl.transport import DEALER, PUSH, Context  # noqa: E402
+from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
+
+
+async def _attack(ctl: asyncrl.Controller) -> dict[str, int]:
+    """Send the hostile frames; returns how many each socket must refuse."""
+    addr = ctl.addresses
+    assert addr is not None
+    ctx = Context()
+    try:
+        control = ctx.socket(DEALER, connect=addr.control, identity="intruder")
+        anonymous = ctx.socket(DEALER, connect=addr.control)  # a binary identity
+        tx = Codec(FromWorker)
+        for frames in (
+            [b"\x92\x01"],  # truncated msgpack (the frame that used to end a run)
+            [b""],  # empty body
+            [msgspec.msgpack.encode({"k": "zzz"})],  # an unknown tag
+            tx.encode(Hello(protocol_version=PROTOCOL_VERSION, group="rollout", rank=7,
+                            world_size=8, pid=1)),
+            tx.encode(Dead(reason="not really")),
+            tx.encode(Reply(call_id=10**9, result=Empty())),
+        ):
+            await control.send(frames)
+        await anonymous.send([b"\xff\xfe garbage"])
+
+        data = ctx.socket(PUSH, connect=addr.data)
+        dx = Codec(DataMessage)
+        sample = Sample(np.array([4, 5], np.int32), np.array([-0.1, -0.2], np.float32), "stop")
+        missing_frame = dx.encode(GroupDone("s0-0", "rollout:0", [sample]))[:1]  # arrays gone
+        for frames in (
+            [b"\x92\x01"],
+            [b"abc", b"def"],
+            missing_frame,
+            dx.encode(GroupDone("nope", "rollout:0", [sample])),  # not generating
+            dx.encode(GroupFailed("nope-2", "rollout:0", "ValueError", "forged")),
+        ):
+            await data.send(frames)
+
+        weights = ctx.socket(DEALER, connect=addr.transfer, identity="intruder")
+        stranger = ctx.socket(DEALER, connect=addr.transfer)
+        wx = Codec(WeightMessage)
+        await weights.send([b"\x92\x01"])
+        await weights.send(wx.encode(WeightsPull(10**6, "intruder")))
+        await stranger.send(wx.encode(BucketAck(1, 0, "rollout:0")))
+        await anyio.sleep(0.5)  # let ZeroMQ deliver before the sockets close (linger 0)
+    finally:
+        ctx.close()
+    return {"control": 7, "data": 5, "weights": 3}
+
+
+async def test_hostile_frames_change_nothing_but_a_counter(
+    make_config: Callable[..., Config],
+) -> None:
+    def config(name: str) -> Config:
+        return make_config(
+            name,
+            run={"num_steps": 6},
+            pipeline={"sampler": {"max_lookahead_versions": 0}},
+            trainer={"options": {"step_delay_s": 0.2}},
+            eval={"num_prompts": 8},
+        )
+
+    clean = config("clean")
+    async with asyncrl.Controller(clean) as ctl:
+        reference = await ctl.train()
+    assert reference.rejected_frames == {}
+
+    hostile = config("hostile")
+    async with asyncrl.Controller(hostile) as ctl:
+        pids = worker_pids(ctl)
+        async with anyio.create_task_group() as tg:
+            result: list[asyncrl.RunSummary] = []
+
+            async def train() -> None:
+                result.append(await ctl.train())
+
+            tg.start_soon(train)
+            with anyio.fail_after(60):
+                while len(ctl.pipeline.history) < 2:
+                    await anyio.sleep(0.02)
+            sent = await _attack(ctl)
+    assert_nothing_left(ctl, pids.values())
+    (summary,) = result
+
+    assert summary.rejected_frames == sent
+    records = read_metrics(hostile)
+    assert [r for r in records if r["kind"] == "sockets"] == [
+        {"kind": "sockets", "rejected_frames": sent}
+    ]
+    # the run is the undisturbed run: same samples, same updates, same evaluation
+    keys = ("reward", "accuracy", "loss", "grad_norm", "groups", "staleness_max")
+    assert [{k: s[k] for k in keys} for s in summary.steps] == [
+        {k: s[k] for k in keys} for s in reference.steps
+    ]
+    assert [e["accuracy"] for e in summary.evals] == [e["accuracy"] for e in reference.evals]
