@@ -1,10 +1,11 @@
 """Contracts between the worker runtime and backend plugins.
 
-A backend distribution registers a factory under ``asyncrl.generation_backends`` or
-``asyncrl.training_backends``; the factory is called with a :class:`WorkerContext` and returns
-an object implementing :class:`GenerationBackend` or :class:`TrainingBackend`. The worker
-runtime (:mod:`asyncrl.worker`) owns the sockets and calls these methods; backends never see
-ZeroMQ.
+A backend distribution registers, under ``asyncrl.generation_backends`` or
+``asyncrl.training_backends``, either a :class:`BackendPlugin` (preferred: a factory plus a
+check of its config section that the controller runs before any worker is spawned) or a bare
+factory. The factory is called with a :class:`WorkerContext` in the worker and returns an
+object implementing :class:`GenerationBackend` or :class:`TrainingBackend`. The worker runtime
+(:mod:`asyncrl.worker`) owns the sockets and calls these methods; backends never see ZeroMQ.
 
 Generation backends are asyncio-native (vLLM's ``AsyncLLM`` is): their methods are coroutines
 run on the worker's event loop. Training backends are blocking torch code: the runtime calls
@@ -16,7 +17,7 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,6 +27,7 @@ from .config import Config
 from .messages import ChunkResult, GenRequest, Sample, StepResult, TensorEntry, TokenBatch, TrainBatch
 
 __all__ = [
+    "BackendPlugin",
     "EngineWatch",
     "GenerationBackend",
     "TrainingBackend",
@@ -52,6 +54,34 @@ class WorkerContext:
     run_dir: str
     """Private per-run directory (mode 0700) for sockets and shared-memory files."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendPlugin:
+    """What a backend entry point names: define it in a module that imports no engine (the
+    package's ``__init__``), since the controller loads it to run :attr:`check_config`."""
+
+    create: Callable[[WorkerContext], Any]
+    """The factory, called in each worker of the backend's group (import the engine here)."""
+    check_config: Callable[..., None] | None = None
+    """``check_config(config, *, max_prompt_tokens)``: raise
+    :class:`~asyncrl.errors.ConfigError` naming the field and the fix for anything the backend
+    would refuse (its ``options`` table, limits such as a context length shorter than the
+    longest prompt (``max_prompt_tokens``, in tokens) plus ``grpo.max_new_tokens``). Called by
+    the controller before any worker is spawned; must be cheap and import no engine."""
+
+    def __call__(self, ctx: WorkerContext) -> Any:
+        """Same as :attr:`create` (so a plugin can be used where a factory is expected)."""
+        return self.create(ctx)
+
+    @classmethod
+    def of(cls, obj: Any) -> BackendPlugin:
+        """``obj`` as a plugin: a :class:`BackendPlugin` as is, a bare factory wrapped."""
+        if isinstance(obj, BackendPlugin):
+            return obj
+        if callable(obj):
+            return cls(create=obj)
+        raise TypeError(f"a backend entry point must name a BackendPlugin or a factory, got {obj!r}")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import numpy as np
 import structlog
 
 from . import plugins
+from .backend import BackendPlugin
 from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
@@ -136,16 +137,10 @@ class Controller(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
         cfg = self.config
-        # plugin and tokenizer errors (a bad environment option...) come before anything exists
-        # on disk: nothing is left to clean up when they raise
-        plugins.require("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
-        plugins.require("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
-        environment = plugins.load("asyncrl.environments", cfg.environment.name)(
-            dict(cfg.environment.options), cfg.run.seed
-        )
-        tokenizer = Tokenizer(
-            os.path.join(cfg.model.path, "tokenizer.json"), _eos_token_id(cfg.model.path)
-        )
+        # plugin, option and tokenizer errors (a bad environment option, a generator option,
+        # a context too short for the prompts...) come before anything exists on disk: nothing
+        # is left to clean up when they raise
+        environment, tokenizer = await _check_before_spawn(cfg)
         run_id = uuid.uuid4().hex[:12]
         base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
         make_private_dir(base)
@@ -392,6 +387,41 @@ class _Scopes:
         self._cancelled = True
         for scope in self._scopes:
             scope.cancel()
+
+
+async def _check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
+    """Load the environment and the tokenizer, measure the prompts and run both backends'
+    ``check_config``: every mistake a plugin can see is a ``ConfigError`` (or
+    ``PluginError``) naming its field, raised before any process or file exists."""
+    trainer = BackendPlugin.of(
+        plugins.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
+    )
+    generator = BackendPlugin.of(
+        plugins.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
+    )
+    make_env = plugins.load("asyncrl.environments", cfg.environment.name, "environment.name")
+    environment = make_env(dict(cfg.environment.options), cfg.run.seed)
+    tokenizer = Tokenizer(
+        os.path.join(cfg.model.path, "tokenizer.json"), _eos_token_id(cfg.model.path)
+    )
+    longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
+    for plugin in (trainer, generator):
+        if plugin.check_config is not None:
+            plugin.check_config(cfg, max_prompt_tokens=longest)
+    return environment, tokenizer
+
+
+def _longest_prompt(environment: Any, tokenizer: Tokenizer, cfg: Config) -> int:
+    """Tokens in the longest prompt the run can send (the train split and the evaluated part
+    of the eval split)."""
+    texts = [p.text for p in environment.dataset("train")]
+    if cfg.eval.num_prompts:
+        texts += [p.text for p in list(environment.dataset("eval"))[: cfg.eval.num_prompts]]
+    longest = 0
+    for start in range(0, len(texts), 4096):
+        ids = tokenizer.encode_batch(texts[start : start + 4096])
+        longest = max([longest, *(len(x) for x in ids)])
+    return longest
 
 
 def _eos_token_id(model_path: str) -> int | None:

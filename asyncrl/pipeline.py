@@ -71,12 +71,31 @@ log = structlog.get_logger("asyncrl.pipeline")
 
 
 class Tokenizer:
-    """The model directory's ``tokenizer.json`` via the ``tokenizers`` library (no torch)."""
+    """The model directory's ``tokenizer.json`` via the ``tokenizers`` library (no torch).
+
+    Prompts are encoded one by one as the model's tokenizer would (its normalizer,
+    pre-tokenizer and post-processor, e.g. a BOS token), never padded or truncated: a
+    ``tokenizer.json`` saved after a padded batch carries a padding setting that would make
+    ``encode_batch`` left-pad every prompt with pad tokens the engine and the trainer would
+    take for context, and a truncation setting would cut prompts silently. Both are switched
+    off here (with a warning naming them).
+
+    Completions are decoded for ``Environment.score`` with EOS tokens dropped and special
+    tokens skipped.
+    """
 
     def __init__(self, path: str, eos_token_id: int | None) -> None:
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(path)
+        ignored = [name for name in ("padding", "truncation") if getattr(self._tok, name)]
+        if ignored:
+            log.warning(
+                "tokenizer_settings_ignored", path=path, settings=ignored,
+                reason="prompts are never padded or truncated",
+            )
+            self._tok.no_padding()
+            self._tok.no_truncation()
         self.eos_token_id = eos_token_id
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:

@@ -3,18 +3,19 @@
 =============================== ===================== ===========================================
 group                           loaded in             the entry point names
 =============================== ===================== ===========================================
-``asyncrl.generation_backends`` rollout workers       ``factory(ctx: WorkerContext)`` returning a
+``asyncrl.generation_backends`` controller (check) +  a :class:`~asyncrl.backend.BackendPlugin`
+                                rollout workers       (or a bare factory) making a
                                                       :class:`~asyncrl.backend.GenerationBackend`
-``asyncrl.training_backends``   trainer workers       ``factory(ctx: WorkerContext)`` returning a
+``asyncrl.training_backends``   controller (check) +  a :class:`~asyncrl.backend.BackendPlugin`
+                                trainer workers       (or a bare factory) making a
                                                       :class:`~asyncrl.backend.TrainingBackend`
-``asyncrl.weight_transfers``    trainers + rollouts   a transport name (``shm`` is built in)
 ``asyncrl.environments``        controller            ``factory(options: dict, seed: int)``
                                                       returning an
                                                       :class:`~asyncrl.environment.Environment`
-``asyncrl.rewards``             controller            ``fn(prompt, completion) -> Score``
-``asyncrl.samplers``            controller            a sampler class (see
-                                                      :mod:`asyncrl.samplers`)
 =============================== ===================== ===========================================
+
+Only groups something loads are listed; weight transfers, samplers and reward functions get
+their groups when they become plugins.
 
 Names are discovered from installed distributions' metadata; the target is imported only on
 first use. A missing name, a name registered twice, or a target that fails to import raises
@@ -39,10 +40,7 @@ GROUPS = MappingProxyType(
     {
         "asyncrl.generation_backends": "generation backend",
         "asyncrl.training_backends": "training backend",
-        "asyncrl.weight_transfers": "weight transfer",
         "asyncrl.environments": "environment",
-        "asyncrl.rewards": "reward function",
-        "asyncrl.samplers": "sampler",
     }
 )
 
@@ -113,21 +111,22 @@ def require(group: str, name: str, field: str | None = None) -> PluginInfo:
     raise PluginError(msg + (f"; install it with: {hint}" if hint else ""))
 
 
-def load(group: str, name: str) -> Any:
+def load(group: str, name: str, field: str | None = None) -> Any:
     """Import and return the object registered as ``name`` in ``group``.
 
     Raises:
-        PluginError: not registered (with an install hint), registered twice, or the import
-            failed (the original error is chained).
+        PluginError: not registered (naming ``field`` and with an install hint), registered
+            twice, or the import failed (the original error is chained).
     """
-    require(group, name)
+    require(group, name, field)
     for ep in _entry_points(group):
         if ep.name == name:
             try:
                 return ep.load()
             except Exception as exc:
+                where = f"{field}: " if field else ""
                 raise PluginError(
-                    f"{GROUPS[group]} {name!r} ({ep.value}) failed to import: "
+                    f"{where}{GROUPS[group]} {name!r} ({ep.value}) failed to import: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
     raise AssertionError("unreachable")

@@ -41,7 +41,13 @@ import msgspec
 import structlog
 
 from . import plugins
-from .backend import GenerationBackend, TrainingBackend, WeightTensor, WorkerContext
+from .backend import (
+    BackendPlugin,
+    GenerationBackend,
+    TrainingBackend,
+    WeightTensor,
+    WorkerContext,
+)
 from .codec import Codec
 from .config import Config
 from .errors import ControllerLostError, ProtocolError
@@ -360,12 +366,12 @@ async def serve(
         structlog.contextvars.bind_contextvars(worker=identity)
         if group == "rollout":
             runtime.data = ctx.socket(PUSH, connect=init.data_address, hwm=256)
-            factory = plugins.load("asyncrl.generation_backends", config.generator.backend)
-            runtime.backend = factory(wctx)
+            plugin = plugins.load("asyncrl.generation_backends", config.generator.backend)
+            runtime.backend = BackendPlugin.of(plugin).create(wctx)
             caps = await runtime.backend.start()
         else:
-            factory = plugins.load("asyncrl.training_backends", config.trainer.backend)
-            runtime.backend = await runtime.thread.run(factory, wctx)
+            plugin = plugins.load("asyncrl.training_backends", config.trainer.backend)
+            runtime.backend = await runtime.thread.run(BackendPlugin.of(plugin).create, wctx)
             caps = await runtime.thread.run(runtime.backend.start)
             if rank == 0 and init.transfer_address:
                 runtime.sender = ShmWeightSender(ctx, init.transfer_address, init.run_id, rank)

@@ -45,14 +45,27 @@ def test_minimal_config_gets_defaults_and_resolves_paths(tmp_path: Path, model_d
     assert cfg.min_groups_for_streaming_train == 16
 
 
-def test_unknown_key_is_named(tmp_path: Path, model_dir: Path) -> None:
-    with pytest.raises(ConfigError, match=r"prompts_per_stepp.*\$\.grpo"):
+def test_unknown_key_is_named_with_a_fix(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, BASE + "[grpo]\nprompts_per_stepp = 3\n"))
+    message = str(info.value)
+    assert "grpo.prompts_per_stepp: unknown key. Fix: did you mean 'prompts_per_step'?" in message
+    assert "keys of [grpo]: prompts_per_step, samples_per_prompt" in message
+    with pytest.raises(ConfigError, match=r"refti: unknown key. Fix: did you mean 'refit'\?"):
+        load_config(write(tmp_path, BASE + "[refti]\ntimeout_s = 3\n"))
 
 
-def test_wrong_type_is_named(tmp_path: Path, model_dir: Path) -> None:
-    with pytest.raises(ConfigError, match=r"\$\.grpo\.samples_per_prompt"):
+def test_wrong_type_is_named_with_a_fix(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, BASE + "[grpo]\nsamples_per_prompt = 'eight'\n"))
+    assert "grpo.samples_per_prompt: expected int, got str. Fix: write a value" in str(info.value)
+
+
+def test_unsupported_transport_lists_the_choices(tmp_path: Path, model_dir: Path) -> None:
+    """refit.transport = "nccl" used to be accepted and silently replaced by shm."""
+    with pytest.raises(ConfigError, match=r"refit.transport: invalid enum value 'nccl'. "
+                                          r"Fix: use one of: 'shm'"):
+        load_config(write(tmp_path, BASE + "[refit]\ntransport = 'nccl'\n"))
 
 
 def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:

@@ -1,7 +1,32 @@
 """FSDP2 training backend for asyncrl, registered as ``asyncrl.training_backends:fsdp2``.
 
-Importing this package imports nothing heavy; the entry point is
-:func:`asyncrl_fsdp.backend.make_backend`.
+Importing this package imports nothing heavy: the entry point is :data:`plugin`, whose
+``check_config`` runs in the controller before any worker starts and whose factory imports
+torch (:mod:`asyncrl_fsdp.backend`) only in the trainer workers.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.backend import BackendPlugin, WorkerContext
+from asyncrl.config import Config
+
+__all__ = ["check_config", "plugin"]
+
+
+def _create(ctx: WorkerContext) -> Any:
+    from .backend import FSDPBackend
+
+    return FSDPBackend(ctx)
+
+
+def check_config(config: Config, *, max_prompt_tokens: int) -> None:
+    """``[trainer.options]``, before any trainer starts."""
+    from .options import parse_options
+
+    parse_options(dict(config.trainer.options))
+
+
+plugin = BackendPlugin(create=_create, check_config=check_config)
+"""The entry point ``asyncrl.training_backends:fsdp2``."""

@@ -48,7 +48,7 @@ from asyncrl.torch_utils import (
 
 from .options import FSDPOptions, parse_options
 
-__all__ = ["FSDPBackend", "StepStateError", "make_backend"]
+__all__ = ["FSDPBackend", "StepStateError"]
 
 log = structlog.get_logger()
 
@@ -64,10 +64,6 @@ class _OpenStep:
     loss_tokens: int = 0
     loss_sum: float = 0.0
 
-
-def make_backend(ctx: WorkerContext) -> FSDPBackend:
-    """Entry point ``asyncrl.training_backends:fsdp2``. Options are checked here."""
-    return FSDPBackend(ctx)
 
 
 class FSDPBackend:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from asyncrl.config import explain
 from asyncrl.errors import ConfigError
 
 __all__ = ["FSDPOptions", "parse_options"]
@@ -60,7 +61,9 @@ def parse_options(raw: dict[str, Any]) -> FSDPOptions:
     try:
         opts = msgspec.convert(raw, FSDPOptions)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"trainer.options (fsdp2 backend): {exc}") from None
+        raise ConfigError(
+            explain(exc, FSDPOptions, "trainer.options") + " (options: docs/backends/fsdp.md)"
+        ) from None
     if not opts.lr > 0:
         raise _fail("lr", f"must be > 0, got {opts.lr}")
     if opts.weight_decay < 0:

@@ -46,16 +46,12 @@ from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
 from .reaper import Reaper
 from .scoring import response_logprobs, split_batch
 
-__all__ = ["VLLMBackend", "make_backend"]
+__all__ = ["VLLMBackend"]
 
 log = structlog.get_logger("asyncrl_vllm.backend")
 
 EXTENSION = "asyncrl_vllm.ext.AsyncRLWorkerExtension"
 
-
-def make_backend(ctx: WorkerContext) -> VLLMBackend:
-    """Entry point: one engine per rollout rank. Validates the options; starts nothing."""
-    return VLLMBackend(ctx)
 
 
 @dataclass

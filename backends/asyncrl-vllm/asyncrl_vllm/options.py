@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from asyncrl.config import explain
 from asyncrl.errors import ConfigError
 
 __all__ = ["GEMM_ENV_VAR", "RESERVED_ENGINE_ARGS", "VLLMOptions", "parse_options"]
@@ -91,7 +92,7 @@ def parse_options(raw: dict[str, Any], table: str = "generator.options") -> VLLM
         options = msgspec.convert(raw, VLLMOptions)
     except msgspec.ValidationError as exc:
         raise ConfigError(
-            f"{table}: {exc}. Fix: see the option list in docs/backends/vllm.md"
+            explain(exc, VLLMOptions, table) + " (options: docs/backends/vllm.md)"
         ) from None
     checks = [
         (

@@ -26,4 +26,42 @@ normal draw (``run.seed``), so the trainer and every generator start from identi
 ``vocab_size`` and ``eos_token_id`` are read from ``<model.path>/config.json``.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.backend import BackendPlugin, WorkerContext
+from asyncrl.config import Config
+
 __version__ = "0.1.0.dev0"
+__all__ = ["generation_plugin", "training_plugin"]
+
+
+def _check_generator(config: Config, *, max_prompt_tokens: int) -> None:
+    from .options import GeneratorOptions, parse_options
+
+    parse_options(config.generator.options, GeneratorOptions, "generator.options")
+
+
+def _check_trainer(config: Config, *, max_prompt_tokens: int) -> None:
+    from .options import TrainerOptions, parse_options
+
+    parse_options(config.trainer.options, TrainerOptions, "trainer.options")
+
+
+def _generator(ctx: WorkerContext) -> Any:
+    from .generation import BigramGenerator
+
+    return BigramGenerator(ctx)
+
+
+def _trainer(ctx: WorkerContext) -> Any:
+    from .training import BigramTrainer
+
+    return BigramTrainer(ctx)
+
+
+# What the entry points name: a factory for the workers plus a check of the options that the
+# controller runs before it spawns anything (so a typo fails in a second, not after start-up).
+generation_plugin = BackendPlugin(create=_generator, check_config=_check_generator)
+training_plugin = BackendPlugin(create=_trainer, check_config=_check_trainer)

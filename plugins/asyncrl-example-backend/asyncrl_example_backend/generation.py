@@ -32,14 +32,10 @@ from .model import (
 )
 from .options import GeneratorOptions, mark_phase, parse_options
 
-__all__ = ["BigramGenerator", "make_backend"]
+__all__ = ["BigramGenerator"]
 
 log = structlog.get_logger("asyncrl_example_backend.generation")
 
-
-def make_backend(ctx: WorkerContext) -> BigramGenerator:
-    """Entry point: one engine per rollout rank."""
-    return BigramGenerator(ctx)
 
 
 class BigramGenerator:

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from asyncrl.config import explain
 from asyncrl.errors import ConfigError
 
 __all__ = ["GeneratorOptions", "TrainerOptions", "mark_phase", "parse_options"]
@@ -82,8 +83,7 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
     try:
         opts = msgspec.convert(dict(raw), cls)
     except msgspec.ValidationError as exc:
-        # msgspec says e.g. "Object contains unknown field `lrr` - at `$`"
-        raise ConfigError(f"{table} (bigram backend): {exc}") from None
+        raise ConfigError(explain(exc, cls, table) + " (bigram backend)") from None
     for name in (
         "token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm",
         "stale_from_version", "load_delay_s",

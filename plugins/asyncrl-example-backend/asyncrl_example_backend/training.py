@@ -38,12 +38,8 @@ from .model import TENSOR_NAME, ModelSpec, initial_table, log_softmax, response_
 from .model import token_logprobs
 from .options import TrainerOptions, mark_phase, parse_options
 
-__all__ = ["BigramTrainer", "make_backend", "ppo_gradient"]
+__all__ = ["BigramTrainer", "ppo_gradient"]
 
-
-def make_backend(ctx: WorkerContext) -> BigramTrainer:
-    """Entry point: one trainer per rank (data-parallel over ranks)."""
-    return BigramTrainer(ctx)
 
 
 def ppo_gradient(
