@@ -45,7 +45,8 @@ from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
 from .process import exit_status, pid_exists
 from .log import MetricsWriter
 from .messages import Hello, Init, TokenBatch
-from .pipeline import Pipeline, Tokenizer
+from .pipeline import Pipeline
+from .prompts import Tokenizer
 from .refit import shm_dir
 from .rpc import ControlPlane
 from .samplers import InOrderSampler
@@ -351,15 +352,21 @@ class Controller(anyio.AsyncContextManagerMixin):
 def _root_cause(
     deaths: list[WorkerDiedError], errors: list[BaseException]
 ) -> BaseException | None:
-    """The error to report: the first worker death not caused by a stop signal (a rank that
-    torchrun or we stopped with SIGTERM/SIGINT is a consequence: it dies of the signal or
-    exits 128 + N after cleaning up), else the first death, else the only error."""
+    """The error to report, most telling first: a worker's own last words (its ``Dead``
+    message says why, e.g. which engine process died), then the first worker death not caused
+    by a stop signal (a rank that torchrun or we stopped with SIGTERM/SIGINT is a consequence:
+    it dies of the signal or exits 128 + N after cleaning up), then the first death, else the
+    only error."""
+    reported = [e for e in errors if getattr(e, "reported_by", None)]
     died = deaths + [e for e in errors if isinstance(e, WorkerDiedError) and e not in deaths]
-    if died:
-        stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
-        killed = [e for e in died if e.exit_code not in stopped]
-        return (killed or died)[0]
-    return errors[0] if len(errors) == 1 else None
+    stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+    killed = [e for e in died if e.exit_code not in stopped]
+    ranked = reported + killed + died + [e for e in errors if isinstance(e, AsyncRLError)]
+    root = ranked[0] if ranked else (errors[0] if len(errors) == 1 else None)
+    for other in errors:
+        if other is not root and not (isinstance(other, AsyncRLError) and str(other) == str(root)):
+            log.warning("also_failed", error=str(other).splitlines()[0] if str(other) else repr(other))
+    return root
 
 
 class _Scopes:

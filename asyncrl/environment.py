@@ -49,4 +49,10 @@ class Environment(Protocol):
         split must be disjoint from the train split."""
 
     def score(self, prompt: Prompt, completion: str) -> Score:
-        """Score one completion (blocking is fine: it runs in a worker thread)."""
+        """Score one completion (blocking is fine: it runs in a worker thread, up to four at
+        once, so keep it thread-safe).
+
+        ``completion`` is the generated token ids decoded with the model's tokenizer, EOS
+        tokens dropped and special tokens skipped; nothing else is stripped. An exception here,
+        or a reward that is not a finite number, ends the run with a ``RunError`` naming the
+        environment, the prompt id and the completion."""

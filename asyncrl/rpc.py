@@ -166,6 +166,7 @@ class ControlPlane:
                 f"worker {identity} stopped with a fatal error: {msg.reason}{where}\n"
                 f"--- remote traceback ---\n{msg.traceback}"
             )
+            err.reported_by = identity  # type: ignore[attr-defined]  # its own last words
             self.fail_peer(identity, err)
             raise err
 

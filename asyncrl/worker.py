@@ -274,15 +274,23 @@ class _Runtime:
             ControllerLostError: the controller's process exited.
             EngineDeadError: the backend's ``watch()`` saw its engine die.
         """
-        async with anyio.create_task_group() as tg:
-            pid = self.init.controller_pid
-            if pid and pid != os.getpid():
-                tg.start_soon(self._watch_controller, pid, name="controller-watch")
-            watch = getattr(self.backend, "watch", None)
-            if watch is not None:
-                tg.start_soon(watch, name="engine-watch")
-            await self.serve_calls()
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                pid = self.init.controller_pid
+                if pid and pid != os.getpid():
+                    tg.start_soon(self._watch_controller, pid, name="controller-watch")
+                watch = getattr(self.backend, "watch", None)
+                if watch is not None:
+                    tg.start_soon(watch, name="engine-watch")
+                await self.serve_calls()
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # one watcher (or the call loop) failed and the rest were cancelled: report that
+            # one error itself, so the Dead message says what happened
+            leaves = _leaves(group)
+            if len(leaves) == 1 and isinstance(leaves[0], Exception):
+                raise leaves[0] from None
+            raise
 
     async def _watch_controller(self, pid: int) -> None:
         await wait_pid_exit(pid)
@@ -411,6 +419,13 @@ async def serve(
         ctx.close()
         if lost and runtime is not None:
             _remove_run_files(runtime.wctx.run_dir, runtime.init.run_id)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The non-cancellation exceptions inside ``exc`` (nested groups flattened)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [] if isinstance(exc, anyio.get_cancelled_exc_class()) else [exc]
 
 
 def _ignore_sigterm() -> None:

@@ -9,6 +9,7 @@ step k; nothing is left behind.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -103,3 +104,76 @@ async def test_refit_keeps_generator_and_trainer_in_sync(
     else:
         assert steps[1]["gen_start"] >= steps[0]["train_end"]
         assert all(r["staleness_max"] == 0 for r in steps)
+
+
+@pytest.mark.parametrize("victim", ["EngineCore", "Worker"])
+def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -> None:
+    """``torchrun -m asyncrl.launch`` with vLLM + FSDP2; one of the engine's own processes is
+    SIGKILLed while it generates. The rollout worker sees it at once (its engine watch), says
+    why in its last message, and the run ends within 30 s with one line naming the worker and
+    the engine process, leaving no process, run directory, ipc socket or shared memory."""
+    import glob
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+    from integration_support import free_port, run_files, session_processes, to_toml
+
+    config = {
+        "run": {"output_dir": str(tmp_path / "out"), "seed": 1, "num_steps": 1000},
+        "model": {"path": str(qwen_dir)},
+        "environment": {"name": "repeat-digit"},
+        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "startup_timeout_s": 400},
+        "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
+        "trainer": {"backend": "fsdp2", "options": {"lr": 1e-3}},
+        "generator": {"backend": "vllm",
+                      "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True}},
+    }
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(config) + "\n")
+    port = free_port()
+    ipc_before = set(glob.glob("/tmp/asyncrl-vllm-*"))
+    shm_before = set(os.listdir("/dev/shm"))
+    log = tmp_path / "console.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(port), "-m", "asyncrl.launch", str(path)],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while not (metrics.exists() and '"train"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        run_id = json.loads(metrics.read_text().splitlines()[0])["run_id"]
+        engine = [
+            p for p in psutil.Process(proc.pid).children(recursive=True)
+            if victim in p.name()
+        ]
+        assert engine, "no engine process found"
+        struck = time.monotonic()
+        engine[0].send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        while (left := session_processes(proc.pid)) or run_files(run_id):
+            assert time.monotonic() - struck < 30, (left, run_files(run_id))
+            time.sleep(0.1)
+        took = time.monotonic() - struck
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [line for line in log.read_text().splitlines() if line.startswith("asyncrl: ")]
+    print(f"\nFAULT | launch | {victim} | SIGKILL | generate | {took:.1f} s | "
+          f"rc {proc.returncode} | {lines[0] if lines else '(none)'}")
+    assert proc.returncode != 0
+    assert len(lines) == 1, log.read_text()[-4000:]
+    assert lines[0].startswith("asyncrl: error: worker rollout:0 stopped with a fatal error: "
+                               "EngineDeadError: vLLM engine process VLLM::")
+    assert "exited with code" in lines[0] and "rollout-0.log" in lines[0]
+    assert set(glob.glob("/tmp/asyncrl-vllm-*")) == ipc_before, "vLLM ipc directory left"
+    leaked = [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")]
+    assert leaked == [], f"vLLM shared memory left: {leaked}"

@@ -172,6 +172,15 @@ def worker_pids(ctl: Controller) -> dict[str, int]:
     return {name: peer.pid for name, peer in ctl.pipeline.control.peers.items()}
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for torchrun's --master-port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def session_processes(sid: int) -> list[psutil.Process]:
     """Live (non-zombie) processes of session ``sid``."""
     found = []

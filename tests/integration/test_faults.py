@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ pytest.importorskip(
 
 from integration_support import (  # noqa: E402
     BASE,
+    free_port,
     merge,
     run_files,
     run_processes,
@@ -89,17 +89,12 @@ def _config(tmp_path: Path, model_dir: Path, markers: Path) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _start(mode: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
     if mode == "launch":
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-            "--master-port", str(_free_port()), "-m", "asyncrl.launch", str(config),
+            "--master-port", str(free_port()), "-m", "asyncrl.launch", str(config),
         ]
     else:
         cmd = [sys.executable, str(ROOT / "examples" / "embed_in_asyncio.py"), str(config)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,17 @@ pytest.importorskip(
 )
 
 from asyncrl.refit import shm_dir  # noqa: E402
-from integration_support import BASE, merge, session_processes, to_toml  # noqa: E402
+from integration_support import (  # noqa: E402
+    BASE,
+    free_port,
+    merge,
+    session_processes,
+    to_toml,
+)
 
 pytestmark = pytest.mark.usefixtures("no_stray_processes")
 TIMEOUT_S = 120
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path: Path, config: dict) -> tuple[int, str]:
@@ -40,7 +40,7 @@ def _launch(tmp_path: Path, config: dict) -> tuple[int, str]:
     path.write_text(to_toml(config) + "\n")
     cmd = [
         sys.executable, "-m", "torch.distributed.run",  # = the torchrun script of this venv
-        "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "asyncrl.launch", str(path),
     ]
     proc = subprocess.Popen(
@@ -93,15 +93,17 @@ def test_mixed_launch_runs_to_completion(tmp_path: Path, model_dir: Path) -> Non
     [
         ({"run": {"num_stepz": 3}}, "num_stepz"),  # a typo: unknown field
         ({"cluster": {"rollout_ranks": 2}}, "cluster.rollout_ranks"),  # 1 + 2 ranks != 2
+        ({"generator": {"options": {"token_dleay_s": 1}}}, "generator.options.token_dleay_s"),
     ],
-    ids=["unknown-key", "world-size"],
+    ids=["unknown-key", "world-size", "backend-option"],
 )
 def test_bad_config_exits_nonzero_naming_the_field(
     tmp_path: Path, model_dir: Path, change: dict, named: str
 ) -> None:
     rc, out = _launch(tmp_path, _config(model_dir, **change))
     assert rc != 0
-    assert named in out, out[-4000:]
+    errors = [line for line in out.splitlines() if line.startswith("asyncrl: ")]
+    assert len(errors) == 1 and named in errors[0] and "Fix:" in errors[0], out[-4000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # no run was started
 
 
@@ -160,3 +162,22 @@ def test_front_door_keeps_exit_codes_and_prints_one_line(tmp_path: Path, model_d
     rc, out = _front_door(tmp_path / "term", slow, stop_after_s=0)
     assert rc == 128 + signal.SIGTERM, out[-4000:]
     assert "asyncrl: stopped by SIGTERM" in out and "Traceback" not in out
+
+
+def test_slow_engine_close_does_not_fail_a_finished_run(tmp_path: Path, model_dir: Path) -> None:
+    """The rollout's engine takes 3 s to close, longer than cluster.shutdown_grace_s (2 s):
+    the controller's SIGTERM lands while the worker shuts down in order. The worker ignores
+    it (it is already leaving), so a finished run still exits 0 (it used to exit 1: torchrun
+    reported the SIGTERMed rank as the failure)."""
+    rc, out = _launch(
+        tmp_path,
+        _config(
+            model_dir,
+            run={"num_steps": 2},
+            cluster={"shutdown_grace_s": 2.0},
+            generator={"options": {"close_delay_s": 3.0}},
+        ),
+    )
+    assert rc == 0, out[-4000:]
+    assert "asyncrl: error" not in out
+    assert "worker_stopping" in (tmp_path / "out" / "logs" / "rollout-0.log").read_text()

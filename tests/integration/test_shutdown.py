@@ -169,3 +169,52 @@ async def test_bad_environment_option_fails_before_anything_exists(
             pytest.fail("entered the block with a bad environment option")
     assert ctl.addresses is None, "sockets were bound (and a run directory made) regardless"
     assert not Path(cfg.run.output_dir, "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [("raise", "score() raised ValueError: cannot parse"), ("nan", "non-finite reward (nan)")],
+)
+async def test_a_bad_reward_ends_the_run_naming_the_environment(
+    make_config: Callable[..., Config], fault: str, says: str
+) -> None:
+    """A reward function that raises, or returns NaN, ends the run with one RunError line
+    naming the environment, the prompt and the completion (not an advantages error deep in
+    the trainer, not a 170-line traceback)."""
+    cfg = make_config(
+        run={"num_steps": 50},
+        environment={"options": {"score_fault": fault, "score_fault_after": 40}},
+        eval={"num_prompts": 0},
+    )
+    ctl = asyncrl.Controller(cfg)
+    with pytest.raises(asyncrl.RunError) as info:
+        async with ctl:
+            pids = worker_pids(ctl)
+            await ctl.train()
+    message = str(info.value)
+    assert message.startswith("environment 'repeat-digit' (environment.name): ")
+    assert says in message and "for prompt 'train:" in message and "\n" not in message
+    assert_nothing_left(ctl, pids.values())
+
+
+async def test_plugin_mistakes_fail_before_anything_exists(
+    make_config: Callable[..., Config],
+) -> None:
+    """Backend options are checked by the backend's plugin in the controller, before any
+    process is spawned; an unknown environment names environment.name."""
+    cfg = make_config(generator={"options": {"token_dleay_s": 0.1}})
+    ctl = asyncrl.Controller(cfg)
+    with pytest.raises(asyncrl.ConfigError) as info:
+        async with ctl:
+            pytest.fail("entered the block with a bad generator option")
+    assert str(info.value).startswith(
+        "generator.options.token_dleay_s: unknown key. Fix: did you mean 'token_delay_s'?"
+    )
+    assert ctl.addresses is None and not Path(cfg.run.output_dir, "logs").exists()
+
+    ctl = asyncrl.Controller(make_config("env", environment={"name": "repeat-digits"}))
+    with pytest.raises(asyncrl.PluginError, match=r"^environment.name: no environment named "
+                                                  r"'repeat-digits' is installed"):
+        async with ctl:
+            pytest.fail("entered the block with an unknown environment")
+    assert ctl.addresses is None

@@ -20,7 +20,6 @@ import pytest
 
 from asyncrl.codec import Codec
 from asyncrl.errors import (
-    ProtocolError,
     RemoteCallError,
     WorkerError,
     WorkerStartupError,

@@ -170,3 +170,36 @@ def test_engine_is_spawned_without_torchrun_variables(monkeypatch: pytest.Monkey
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert os.environ["MASTER_PORT"] == "29500"
     assert "ASYNCRL_TEST_SET" not in os.environ
+
+
+def test_context_length_is_checked_before_any_engine_starts(tmp_path) -> None:
+    """check_config (run by the controller before spawning) refuses a context that cannot
+    hold the longest prompt plus the completion, naming the field and the numbers."""
+    import json
+
+    from asyncrl.config import from_dict
+    from asyncrl_vllm import check_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+
+    def config(**options: object) -> object:
+        return from_dict({
+            "model": {"path": str(tmp_path)},
+            "environment": {"name": "arithmetic"},
+            "grpo": {"max_new_tokens": 8},
+            "generator": {"options": options},
+        })
+
+    check_config(config(max_model_len=15), max_prompt_tokens=7)  # 7 + 8 = 15 fits
+    with pytest.raises(ConfigError) as info:
+        check_config(config(max_model_len=4), max_prompt_tokens=7)
+    assert str(info.value).startswith(
+        "generator.options.max_model_len: a context of 4 tokens cannot hold the longest prompt "
+        "(7 tokens) plus grpo.max_new_tokens (8) = 15. Fix: set "
+        "generator.options.max_model_len >= 15"
+    )
+    with pytest.raises(ConfigError, match=r"max_position_embeddings\): a context of 64"):
+        check_config(config(), max_prompt_tokens=60)  # the model's own limit
+    with pytest.raises(ConfigError, match="generator.options.enforce_eagr: unknown key"):
+        check_config(config(enforce_eagr=True), max_prompt_tokens=1)

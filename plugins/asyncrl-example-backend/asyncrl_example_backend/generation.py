@@ -179,3 +179,5 @@ class BigramGenerator:
     async def close(self) -> None:
         if self._resumed is not None:
             self._resumed.set()
+        if self.options.close_delay_s:
+            await anyio.sleep(self.options.close_delay_s)  # testing knob: a slow shutdown

@@ -33,6 +33,9 @@ class GeneratorOptions(_Options):
     crash_after_groups: int = 0
     """Testing knob: SIGKILL this worker's own process once it has finished this many
     prompt groups (eval groups included); 0 never does. Tests a worker dying mid-run."""
+    close_delay_s: float = 0.0
+    """Testing knob: sleep this long in ``close()``, as an engine that is slow to shut down
+    (vLLM takes 5-10 s on a small CPU host)."""
     load_delay_s: float = 0.0
     """Testing knob: sleep this long in every ``load_weight_bucket``, to make refits slow
     enough that tests can strike during one."""
@@ -86,7 +89,7 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
         raise ConfigError(explain(exc, cls, table) + " (bigram backend)") from None
     for name in (
         "token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm",
-        "stale_from_version", "load_delay_s",
+        "stale_from_version", "load_delay_s", "close_delay_s",
     ):
         value = getattr(opts, name, 0)
         if value < 0:

@@ -7,8 +7,9 @@ often enough that rewards differ within a group from the first step on, so GRPO'
 are non-zero and the weights really move; a bigram can learn it (``d -> d`` transitions).
 ``correct`` means a non-empty completion made only of that digit.
 
-Options (``[environment.options]``): ``num_train`` (default 64), ``num_eval`` (default 8).
-The eval split has its own ids; with ten possible prompts the texts necessarily repeat.
+Options (``[environment.options]``): ``num_train`` (default 64), ``num_eval`` (default 8);
+testing knobs ``score_fault`` and ``score_fault_after`` make ``score()`` misbehave. The eval
+split has its own ids; with ten possible prompts the texts necessarily repeat.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from asyncrl.config import explain
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError
 
@@ -30,6 +32,11 @@ class RepeatDigitOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
     """Prompts in the train split."""
     num_eval: int = 8
     """Prompts in the eval split."""
+    score_fault: Literal["", "raise", "nan"] = ""
+    """Testing knob: after ``score_fault_after`` scores, ``score()`` raises a ``ValueError``
+    (``raise``) or returns a NaN reward (``nan``), as a buggy reward function would."""
+    score_fault_after: int = 0
+    """Testing knob: how many scores come out right before ``score_fault`` strikes."""
 
 
 class RepeatDigitEnv:
@@ -46,11 +53,19 @@ class RepeatDigitEnv:
             "eval": split("eval", options.num_eval),
             "train": split("train", options.num_train),
         }
+        self._options = options
+        self._scored = 0
 
     def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
         return self._splits[split]
 
     def score(self, prompt: Prompt, completion: str) -> Score:
+        self._scored += 1
+        fault = self._options.score_fault
+        if fault and self._scored > self._options.score_fault_after:
+            if fault == "raise":
+                raise ValueError(f"cannot parse {completion!r} (a testing knob)")
+            return Score(reward=float("nan"))
         text = completion.strip()
         correct = bool(text) and set(text) == {prompt.answer}
         return Score(reward=1.0 if prompt.answer in text else 0.0, correct=correct)
@@ -60,7 +75,7 @@ def make_environment(options: dict[str, Any], seed: int) -> RepeatDigitEnv:
     try:
         opts = msgspec.convert(dict(options), RepeatDigitOptions)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"environment.options (repeat-digit): {exc}") from None
+        raise ConfigError(explain(exc, RepeatDigitOptions, "environment.options")) from None
     if opts.num_train < 1 or opts.num_eval < 0:
         raise ConfigError("environment.options: num_train must be >= 1 and num_eval >= 0")
     return RepeatDigitEnv(opts, seed)

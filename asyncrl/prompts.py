@@ -1,0 +1,74 @@
+"""Prompts on their way in: the model's tokenizer (no torch) and the seeded prompt stream.
+
+Pure and I/O-free apart from reading ``tokenizer.json`` once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator, Sequence
+
+import structlog
+
+from .environment import Prompt
+from .errors import RunError
+
+__all__ = ["Tokenizer", "prompt_batches", "sample_seed"]
+
+log = structlog.get_logger("asyncrl.prompts")
+
+
+class Tokenizer:
+    """The model directory's ``tokenizer.json`` via the ``tokenizers`` library (no torch).
+
+    Prompts are encoded one by one as the model's tokenizer would (its normalizer,
+    pre-tokenizer and post-processor, e.g. a BOS token), never padded or truncated: a
+    ``tokenizer.json`` saved after a padded batch carries a padding setting that would make
+    ``encode_batch`` left-pad every prompt with pad tokens the engine and the trainer would
+    take for context, and a truncation setting would cut prompts silently. Both are switched
+    off here (with a warning naming them).
+
+    Completions are decoded for ``Environment.score`` with EOS tokens dropped and special
+    tokens skipped.
+    """
+
+    def __init__(self, path: str, eos_token_id: int | None) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(path)
+        ignored = [name for name in ("padding", "truncation") if getattr(self._tok, name)]
+        if ignored:
+            log.warning(
+                "tokenizer_settings_ignored", path=path, settings=ignored,
+                reason="prompts are never padded or truncated",
+            )
+            self._tok.no_padding()
+            self._tok.no_truncation()
+        self.eos_token_id = eos_token_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids if int(i) != self.eos_token_id]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def sample_seed(*parts: object) -> int:
+    """A stable 31-bit seed from ``parts`` (the same on every run and host)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def prompt_batches(prompts: Sequence[Prompt], batch: int, seed: int) -> Iterator[list[Prompt]]:
+    """Endless epochs over ``prompts`` in a seeded order; each epoch drops the remainder."""
+    if len(prompts) < batch:
+        raise RunError(f"the train split has {len(prompts)} prompts, fewer than one batch ({batch})")
+    epoch = 0
+    while True:
+        order = list(range(len(prompts)))
+        random.Random(sample_seed(seed, epoch)).shuffle(order)
+        for i in range(0, len(order) - batch + 1, batch):
+            yield [prompts[j] for j in order[i : i + batch]]
+        epoch += 1
