@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -40,7 +40,6 @@ from .errors import ProtocolError, RunError
 from .grpo import pack_groups, pack_tokens, shard_batch, shard_tokens
 from .messages import (
     BeginStep,
-    ChunkResult,
     ComputeLogprobs,
     DataMessage,
     FinishStep,
@@ -60,6 +59,7 @@ from .messages import (
 from .prompts import Tokenizer, prompt_batches, sample_seed
 from .rpc import ControlPlane
 from .samplers import Sampler
+from .steps import StepRecord
 from .transport import AsyncSocket, Rejections, peer_name
 from .verify import Agreement, compare, probe_sequences, verification_due
 
@@ -107,24 +107,6 @@ def _malformed(msg: GroupDone, n: int) -> str:
     return ""
 
 
-@dataclass
-class _StepRecord:
-    """Timing and counters of one step (one batch: generation, training, refit)."""
-
-    step: int
-    gen_start: float | None = None
-    gen_end: float | None = None
-    dispatched: int = 0
-    train_start: float | None = None
-    train_end: float | None = None
-    wait_s: float = 0.0
-    chunks: int = 0
-    groups: list[Group] = field(default_factory=list)
-    chunk_results: list[ChunkResult] = field(default_factory=list)
-    verify: list[Agreement] = field(default_factory=list)
-    verify_s: float = 0.0
-
-
 class Pipeline:
     """The run's shared state and its loops. The :class:`~asyncrl.controller.Controller`
     builds it once the workers are ready and owns the tasks that run it."""
@@ -164,7 +146,7 @@ class Pipeline:
         self.generator_version = 0
         self.gate_open = True
         self.changed = Signal()
-        self.steps: dict[int, _StepRecord] = {}
+        self.steps: dict[int, StepRecord] = {}
         self._eval_results: dict[str, tuple[anyio.Event, list[CompletedSample]]] = {}
         self._prompts: dict[str, _InFlight] = {}
         """Groups generating now, by group id: what the data socket may deliver."""
@@ -179,8 +161,8 @@ class Pipeline:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _record(self, step: int) -> _StepRecord:
-        return self.steps.setdefault(step, _StepRecord(step))
+    def _record(self, step: int) -> StepRecord:
+        return self.steps.setdefault(step, StepRecord(step))
 
     def _pick_rollout(self) -> str:
         worker = self.rollouts[self._next_rollout % len(self.rollouts)]
@@ -501,40 +483,14 @@ class Pipeline:
     async def _call_each(self, workers: list[str], request: Any, timeout: float) -> None:
         await self.control.call_each(workers, [request] * len(workers), timeout_s=timeout)
 
-    def _log_step(self, rec: _StepRecord, result: StepResult, refit_s: float) -> None:
-        samples = [s for g in rec.groups for s in g.samples]
-        stale = [rec.step - g.start_version for g in rec.groups]
-        n_tok = max(1, sum(r.num_loss_tokens for r in rec.chunk_results))
-        record = {
-            "step": rec.step + 1,
-            "reward": float(np.mean([s.reward for s in samples])),
-            "accuracy": float(np.mean([s.correct for s in samples])),
-            "staleness_max": int(max(stale)),
-            "staleness_mean": float(np.mean(stale)),
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
-            "clip_frac": sum(r.clipped_tokens for r in rec.chunk_results) / n_tok,
-            "logprob_diff": sum(r.abs_logprob_diff_sum for r in rec.chunk_results) / n_tok,
-            "response_len": float(np.mean([len(s.token_ids) for s in samples])),
-            "chunks": rec.chunks,
-            "groups": len(rec.groups),
-            "gen_s": (rec.gen_end or 0.0) - (rec.gen_start or 0.0),
-            "train_s": (rec.train_end or 0.0) - (rec.train_start or 0.0),
-            "refit_s": refit_s,
-            "wait_s": rec.wait_s,
-            "gen_start": rec.gen_start,
-            "gen_end": rec.gen_end,
-            "train_start": rec.train_start,
-            "train_end": rec.train_end,
-            "loop_lag_max_s": self.loop_lag_max_s,
-            "rejected_frames": self.rejections.total,
-            "time": self.now(),
-        }
-        if rec.verify:
-            record["refit_verify_mean_abs"] = max(a.mean_abs for a in rec.verify)
-            record["refit_verify_max_abs"] = max(a.max_abs for a in rec.verify)
-            record["refit_verify_mult_prob_error"] = max(a.mult_prob_error for a in rec.verify)
-            record["verify_s"] = rec.verify_s
+    def _log_step(self, rec: StepRecord, result: StepResult, refit_s: float) -> None:
+        record = rec.metrics(
+            result,
+            refit_s,
+            loop_lag_max_s=self.loop_lag_max_s,
+            rejected_frames=self.rejections.total,
+            now=self.now(),
+        )
         self.loop_lag_max_s = 0.0
         self.history.append(record)
         if self.metrics is not None:

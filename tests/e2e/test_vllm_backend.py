@@ -414,12 +414,15 @@ async def test_kv_scales_are_applied_after_the_weights(backend, model_dir, tmp_p
 async def test_close_leaves_no_process_behind(backend) -> None:
     pids = backend.engine_pids()
     assert len(pids) >= 2
+    ipc_dir = backend._ipc_dir
+    assert os.listdir(ipc_dir), "vLLM's ipc sockets are not in the engine's private directory"
     t0 = time.perf_counter()
     await backend.close()
     print(f"close: {time.perf_counter() - t0:.1f} s")
     await backend.close()  # idempotent
     assert alive(pids) == []
     assert backend.engine_pids() == []
+    assert not os.path.exists(ipc_dir), "vLLM's ipc socket files were left behind"
     with pytest.raises(RuntimeError, match="not running"):
         await backend.generate(GenRequest(group_id="late", prompt_ids=[1], n=1, max_tokens=1))
 

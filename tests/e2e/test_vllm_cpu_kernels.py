@@ -43,6 +43,9 @@ pytestmark = [
 
 def _skip_reason(kernel: str) -> str | None:
     from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # the CPU's own build (_C, _C_AVX512 or _C_AVX2)
 
     if kernel == "sgl" and not torch.cpu._is_amx_tile_supported():
         return "this CPU has no AMX (amx_tile): vLLM never picks the sgl-kernel path here"

@@ -158,12 +158,12 @@ def test_engine_is_spawned_without_torchrun_variables(monkeypatch: pytest.Monkey
     nobody hosts (a 10-minute hang on a GPU host); the engine must not see torchrun's vars."""
     import os
 
-    from asyncrl_vllm.backend import _TORCHRUN_VARS, _environ
+    from asyncrl_vllm.processes import TORCHRUN_VARS, environ
 
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.delenv("ASYNCRL_TEST_SET", raising=False)
-    with _environ({**dict.fromkeys(_TORCHRUN_VARS), "ASYNCRL_TEST_SET": "1"}):
+    with environ({**dict.fromkeys(TORCHRUN_VARS), "ASYNCRL_TEST_SET": "1"}):
         assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
         assert "MASTER_PORT" not in os.environ
         assert os.environ["ASYNCRL_TEST_SET"] == "1"

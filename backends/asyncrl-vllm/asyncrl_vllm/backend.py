@@ -28,7 +28,6 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from asyncrl.process import exit_status, process_name, wait_pid_exit
 from asyncrl.messages import GenRequest, Sample, TokenBatch
 
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
+from .processes import TORCHRUN_VARS, environ, mapped_shm, unlink_shm
 from .reaper import Reaper
 from .scoring import response_logprobs, split_batch
 
@@ -64,39 +64,6 @@ class _Update:
     failed: bool = False
 
 
-# torchrun's variables describe *our* rank, not the engine's own one-rank world. With
-# TORCHELASTIC_USE_AGENT_STORE=True inherited, torch's tcp:// rendezvous inside vLLM's engine
-# connects as a client to a store nobody hosts and hangs until its 10-minute timeout (seen on
-# an H200 with vLLM 0.26), so the engine's processes are spawned without them.
-_TORCHRUN_VARS = (
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_ENABLE_FILE_TIMER",
-    "TORCHELASTIC_TIMER_FILE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-    "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_NAME", "ROLE_WORLD_SIZE",
-)
-
-
-@contextlib.contextmanager
-def _environ(values: Mapping[str, str | None]) -> Iterator[None]:
-    """Set (or, for ``None``, remove) environment variables while the engine's processes are
-    spawned (they inherit them), then put the old values back."""
-    old = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _model_facts(path: str) -> tuple[list[int], int | None]:
     """EOS token ids (config + generation config) and the vocabulary size of the model."""
     eos: list[int] = []
@@ -113,36 +80,6 @@ def _model_facts(path: str) -> tuple[list[int], int | None]:
         if name == "config.json" and isinstance(data.get("vocab_size"), int):
             vocab = data["vocab_size"]
     return eos, vocab
-
-
-def _mapped_shm(pids: list[int]) -> list[str]:
-    """Paths under /dev/shm that the processes ``pids`` have mapped."""
-    found: set[str] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    path = parts[5].strip() if len(parts) == 6 else ""
-                    if path.startswith("/dev/shm/"):
-                        found.add(path.removesuffix(" (deleted)"))
-        except OSError:
-            continue
-    return sorted(found)
-
-
-def _unlink_shm(paths: list[str]) -> None:
-    """Remove the engine's leftover shared memory (after its processes are gone) and tell
-    multiprocessing's resource tracker, which would otherwise try again at exit."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        try:
-            multiprocessing.resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
-        except Exception:  # noqa: BLE001 - best effort: the tracker only warns later
-            pass
 
 
 def _tokens(ids: list[int]) -> dict[str, Any]:
@@ -191,7 +128,7 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------ lifecycle
     def _engine_environ(self, cuda: bool) -> dict[str, str | None]:
-        env: dict[str, str | None] = dict.fromkeys(_TORCHRUN_VARS)
+        env: dict[str, str | None] = dict.fromkeys(TORCHRUN_VARS)
         if self.options.cpu_kvcache_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.options.cpu_kvcache_space_gib)
         if self.options.cpu_omp_threads_bind is not None:
@@ -266,13 +203,13 @@ class VLLMBackend:
                 **self._reaper.environ,
                 "VLLM_RPC_BASE_PATH": self._ipc_dir,
             }
-            with _environ(engine_env):
+            with environ(engine_env):
                 import vllm
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args()))
-            self._engine_shm = _mapped_shm(self._reaper.engine_started())
+            self._engine_shm = mapped_shm(self._reaper.engine_started())
             info = (await self._rpc("asyncrl_info"))[0]
             kernels = (await self._rpc("asyncrl_gemm_kernels"))[0]
         except BaseException:
@@ -322,7 +259,7 @@ class VLLMBackend:
                     self._log.warning("engine_processes_killed", pids=killed)
             if self._ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            _unlink_shm(self._engine_shm)
+            unlink_shm(self._engine_shm)
             self._engine_shm = []
             self._log.info("engine_closed")
 

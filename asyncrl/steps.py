@@ -1,0 +1,77 @@
+"""One optimizer step's timing and counters, and the metrics record made from them (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .buffer import Group
+from .messages import ChunkResult, StepResult
+from .verify import Agreement
+
+__all__ = ["StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    """Timing and counters of one step (one batch: generation, training, refit)."""
+
+    step: int
+    gen_start: float | None = None
+    gen_end: float | None = None
+    dispatched: int = 0
+    train_start: float | None = None
+    train_end: float | None = None
+    wait_s: float = 0.0
+    chunks: int = 0
+    groups: list[Group] = field(default_factory=list)
+    chunk_results: list[ChunkResult] = field(default_factory=list)
+    verify: list[Agreement] = field(default_factory=list)
+    verify_s: float = 0.0
+
+    def metrics(
+        self,
+        result: StepResult,
+        refit_s: float,
+        *,
+        loop_lag_max_s: float,
+        rejected_frames: int,
+        now: float,
+    ) -> dict[str, Any]:
+        """The step's metrics record (one JSON line of ``metrics.jsonl``, kind ``train``)."""
+        samples = [s for g in self.groups for s in g.samples]
+        stale = [self.step - g.start_version for g in self.groups]
+        n_tok = max(1, sum(r.num_loss_tokens for r in self.chunk_results))
+        record: dict[str, Any] = {
+            "step": self.step + 1,
+            "reward": float(np.mean([s.reward for s in samples])),
+            "accuracy": float(np.mean([s.correct for s in samples])),
+            "staleness_max": int(max(stale)),
+            "staleness_mean": float(np.mean(stale)),
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "clip_frac": sum(r.clipped_tokens for r in self.chunk_results) / n_tok,
+            "logprob_diff": sum(r.abs_logprob_diff_sum for r in self.chunk_results) / n_tok,
+            "response_len": float(np.mean([len(s.token_ids) for s in samples])),
+            "chunks": self.chunks,
+            "groups": len(self.groups),
+            "gen_s": (self.gen_end or 0.0) - (self.gen_start or 0.0),
+            "train_s": (self.train_end or 0.0) - (self.train_start or 0.0),
+            "refit_s": refit_s,
+            "wait_s": self.wait_s,
+            "gen_start": self.gen_start,
+            "gen_end": self.gen_end,
+            "train_start": self.train_start,
+            "train_end": self.train_end,
+            "loop_lag_max_s": loop_lag_max_s,
+            "rejected_frames": rejected_frames,
+            "time": now,
+        }
+        if self.verify:
+            record["refit_verify_mean_abs"] = max(a.mean_abs for a in self.verify)
+            record["refit_verify_max_abs"] = max(a.max_abs for a in self.verify)
+            record["refit_verify_mult_prob_error"] = max(a.mult_prob_error for a in self.verify)
+            record["verify_s"] = self.verify_s
+        return record
