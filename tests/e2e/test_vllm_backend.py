@@ -480,7 +480,7 @@ def test_sigkill_of_the_owner_leaves_no_process_behind(model_dir, tmp_path) -> N
             backend = plugins.load("asyncrl.generation_backends", "vllm")(ctx)
             await backend.start()
             with open({str(pid_file)!r} + ".tmp", "w") as f:
-                f.write(" ".join(map(str, backend.engine_pids())))
+                f.write(backend._ipc_dir + " " + " ".join(map(str, backend.engine_pids())))
             os.rename({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
             await asyncio.sleep(3600)
 
@@ -496,14 +496,20 @@ def test_sigkill_of_the_owner_leaves_no_process_behind(model_dir, tmp_path) -> N
         while not pid_file.exists() and owner.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert pid_file.exists(), (tmp_path / "owner.log").read_text()[-3000:]
-        pids = [int(p) for p in pid_file.read_text().split()]
-        assert len(pids) >= 2
+        ipc_dir, *rest = pid_file.read_text().split()
+        pids = [int(p) for p in rest]
+        assert len(pids) >= 2 and os.listdir(ipc_dir)
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
         deadline = time.monotonic() + 20
         while (left := alive(pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == [], f"engine processes survived their owner: {left}"
+        # the reaper also removed the engine's private ipc socket directory
+        deadline = time.monotonic() + 10
+        while os.path.exists(ipc_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(ipc_dir), "the engine's ipc sockets were left behind"
         # vLLM's shared-memory queues are unlinked by the owner's resource tracker once the
         # last engine process is gone (other suites' live segments are mapped, so skipped)
         deadline = time.monotonic() + 10
