@@ -24,7 +24,6 @@ import getpass
 import json
 import os
 import shutil
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,9 +39,9 @@ import structlog
 from . import plugins
 from .backend import BackendPlugin
 from .config import Config, to_dict
-from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError
+from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError, flatten
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
-from .process import exit_status, pid_exists
+from .process import exit_status, has_exited, stopped_by_signal
 from .log import MetricsWriter
 from .messages import Hello, Init, TokenBatch
 from .pipeline import Pipeline
@@ -81,12 +80,6 @@ class RunSummary:
 
 
 AttachHook = Callable[[Addresses, anyio.abc.TaskGroup], Awaitable[None]]
-
-
-def _flatten(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [e for sub in exc.exceptions for e in _flatten(sub)]
-    return [exc]
 
 
 class Controller(anyio.AsyncContextManagerMixin):
@@ -129,7 +122,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         except BaseException as exc:
             if isinstance(exc, anyio.get_cancelled_exc_class()) and not self._deaths:
                 raise
-            errors = [e for e in _flatten(exc) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            errors = [e for e in flatten(exc) if not isinstance(e, anyio.get_cancelled_exc_class())]
             root = _root_cause(self._deaths, errors)
             if root is not None and root is not exc:
                 raise root from None
@@ -342,8 +335,8 @@ class Controller(anyio.AsyncContextManagerMixin):
         for peer in control.peers.values():
             if peer.pid == os.getpid() or (peer.group, peer.rank) in seen:
                 continue
-            code = exit_status(peer.pid)
-            if code is not None or not pid_exists(peer.pid):
+            if has_exited(peer.pid):
+                code = exit_status(peer.pid)
                 self._deaths.append(
                     WorkerDiedError(peer.group, peer.rank, code, peer.log_path or None)
                 )
@@ -359,8 +352,7 @@ def _root_cause(
     only error."""
     reported = [e for e in errors if getattr(e, "reported_by", None)]
     died = deaths + [e for e in errors if isinstance(e, WorkerDiedError) and e not in deaths]
-    stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
-    killed = [e for e in died if e.exit_code not in stopped]
+    killed = [e for e in died if not stopped_by_signal(e.exit_code)]
     ranked = reported + killed + died + [e for e in errors if isinstance(e, AsyncRLError)]
     root = ranked[0] if ranked else (errors[0] if len(errors) == 1 else None)
     for other in errors:

@@ -34,6 +34,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerStartupError",
+    "flatten",
 ]
 
 
@@ -131,3 +132,11 @@ class RefitError(AsyncRLError):
 
 class RunError(AsyncRLError):
     """The run cannot continue for a reason that is not a worker failure."""
+
+
+def flatten(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``, nested exception groups flattened (``[exc]`` for a
+    plain exception), in order."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in flatten(sub)]
+    return [exc]

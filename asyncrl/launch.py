@@ -50,8 +50,8 @@ import structlog
 
 from . import log as _log
 from .config import Config, load_config
-from .errors import AsyncRLError, ConfigError, ControllerLostError, WorkerDiedError
-from .process import exit_status, wait_pid_exit
+from .errors import AsyncRLError, ConfigError, ControllerLostError, WorkerDiedError, flatten
+from .process import exit_status, stopped_by_signal, wait_pid_exit
 
 log = structlog.get_logger("asyncrl.launch")
 
@@ -310,18 +310,12 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any]) -
 
 def _stopped_by_signal(error: AsyncRLError) -> bool:
     """A worker that exited because it got the stop signal too (a Ctrl-C reaches every rank)."""
-    stopped = {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
-    return isinstance(error, WorkerDiedError) and error.exit_code in stopped
+    return isinstance(error, WorkerDiedError) and stopped_by_signal(error.exit_code)
 
 
 def _asyncrl_error(exc: BaseException) -> AsyncRLError | None:
-    """The one asyncrl error inside ``exc`` (possibly an exception group), if there is one."""
-    if isinstance(exc, AsyncRLError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        found = [e for sub in exc.exceptions if (e := _asyncrl_error(sub)) is not None]
-        return found[0] if found else None
-    return None
+    """The first asyncrl error inside ``exc`` (possibly an exception group), if there is one."""
+    return next((e for e in flatten(exc) if isinstance(e, AsyncRLError)), None)
 
 
 def _one_line(error: AsyncRLError, config: Config) -> str:

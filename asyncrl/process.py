@@ -16,7 +16,19 @@ import signal
 
 import anyio
 
-__all__ = ["exit_status", "kill_process_group", "pid_exists", "process_name", "wait_pid_exit"]
+__all__ = [
+    "exit_status",
+    "has_exited",
+    "kill_process_group",
+    "pid_exists",
+    "process_name",
+    "stopped_by_signal",
+    "wait_pid_exit",
+]
+
+_STOP_EXITS = frozenset(
+    {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+)
 
 
 async def wait_pid_exit(pid: int) -> None:
@@ -60,6 +72,17 @@ def pid_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def has_exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, or already reaped)."""
+    return exit_status(pid) is not None or not pid_exists(pid)
+
+
+def stopped_by_signal(exit_code: int | None) -> bool:
+    """Whether an exit code says a stop signal ended the process: it died of SIGTERM/SIGINT
+    (``-15``/``-2``) or exited ``128 + N`` after cleaning up on it."""
+    return exit_code in _STOP_EXITS
 
 
 def process_name(pid: int) -> str:

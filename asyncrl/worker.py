@@ -50,7 +50,7 @@ from .backend import (
 )
 from .codec import Codec
 from .config import Config
-from .errors import ControllerLostError, ProtocolError
+from .errors import ControllerLostError, ProtocolError, flatten
 from .messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -85,7 +85,7 @@ from .messages import (
     ToWorker,
     TrainChunk,
 )
-from .process import exit_status, pid_exists, wait_pid_exit
+from .process import has_exited, wait_pid_exit
 from .refit import ShmWeightReceiver, ShmWeightSender, shm_dir
 from .transport import DEALER, PUSH, Context
 
@@ -287,7 +287,8 @@ class _Runtime:
         except BaseExceptionGroup as group:
             # one watcher (or the call loop) failed and the rest were cancelled: report that
             # one error itself, so the Dead message says what happened
-            leaves = _leaves(group)
+            cancelled = anyio.get_cancelled_exc_class()
+            leaves = [e for e in flatten(group) if not isinstance(e, cancelled)]
             if len(leaves) == 1 and isinstance(leaves[0], Exception):
                 raise leaves[0] from None
             raise
@@ -421,13 +422,6 @@ async def serve(
             _remove_run_files(runtime.wctx.run_dir, runtime.init.run_id)
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    """The non-cancellation exceptions inside ``exc`` (nested groups flattened)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
-    return [] if isinstance(exc, anyio.get_cancelled_exc_class()) else [exc]
-
-
 def _ignore_sigterm() -> None:
     """From now on SIGTERM cannot kill this process (it is leaving in order already)."""
     if threading.current_thread() is threading.main_thread():
@@ -436,9 +430,7 @@ def _ignore_sigterm() -> None:
 
 def _controller_gone(pid: int) -> bool:
     """Whether the controller's process (another process than this one) has exited."""
-    if not pid or pid == os.getpid():
-        return False
-    return exit_status(pid) is not None or not pid_exists(pid)
+    return bool(pid) and pid != os.getpid() and has_exited(pid)
 
 
 def _remove_run_files(run_dir: str, run_id: str) -> None:
