@@ -17,7 +17,7 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,11 +30,18 @@ __all__ = [
     "BackendPlugin",
     "EngineWatch",
     "GenerationBackend",
+    "SampleSink",
     "TrainingBackend",
     "WeightBucketView",
     "WeightTensor",
     "WorkerContext",
+    "generate_all",
 ]
+
+
+SampleSink = Callable[[int, Sample], Awaitable[None]]
+"""``await emit(index, sample)``: hands sample ``index`` of a group to the runtime, which pushes
+it to the controller at once."""
 
 
 @dataclass(frozen=True)
@@ -125,14 +132,16 @@ class GenerationBackend(Protocol):
         """Start the engine. Returns capabilities reported to the controller
         (e.g. ``{"backend_version": "0.32.0", "kv_cache_dtype": "auto"}``)."""
 
-    async def generate(self, request: GenRequest) -> list[Sample]:
-        """Generate ``request.n`` samples. Logprobs are of the sampled tokens after
-        temperature. Cancellation: the engine request is aborted and the cancellation
-        propagates."""
+    async def generate(self, request: GenRequest, emit: SampleSink) -> None:
+        """Generate ``request.n`` samples and ``await emit(i, sample)`` for each one as soon
+        as it finishes (any order, each index ``0 .. n-1`` exactly once); return when all are
+        emitted. Logprobs are of the sampled tokens after temperature. Raising ends the group
+        (the controller is told). Cancellation: the engine requests are aborted and the
+        cancellation propagates."""
 
     async def abort(self, group_ids: list[str]) -> None:
-        """Abort running groups; their :meth:`generate` calls return partial samples with
-        ``finish_reason == "abort"``."""
+        """Abort running groups: every sample of theirs not yet emitted is emitted now or
+        soon, cut short, with ``finish_reason == "abort"``. Unknown ids are ignored."""
 
     async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
         """Logprobs (float32, flat) of every response token of ``batch`` under the engine's
@@ -197,3 +206,24 @@ class TrainingBackend(Protocol):
 
     def close(self) -> None:
         """Destroy the process group and free memory. Idempotent."""
+
+
+async def generate_all(backend: GenerationBackend, request: GenRequest) -> list[Sample]:
+    """Run ``backend.generate(request, emit)`` and return the samples in index order (for
+    callers that want a whole group at once, e.g. tests and notebooks).
+
+    Raises:
+        RuntimeError: the backend emitted an index twice, out of range, or not at all.
+    """
+    got: dict[int, Sample] = {}
+
+    async def emit(index: int, sample: Sample) -> None:
+        if index in got or not 0 <= index < request.n:
+            raise RuntimeError(f"group {request.group_id}: sample {index} emitted twice or out of range")
+        got[index] = sample
+
+    await backend.generate(request, emit)
+    if len(got) != request.n:
+        missing = sorted(set(range(request.n)) - set(got))
+        raise RuntimeError(f"group {request.group_id}: samples {missing} were never emitted")
+    return [got[i] for i in range(request.n)]

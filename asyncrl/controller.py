@@ -48,7 +48,7 @@ from .pipeline import Pipeline
 from .prompts import Tokenizer
 from .refit import shm_dir
 from .rpc import ControlPlane
-from .samplers import InOrderSampler
+from .schedule import Scheduler
 from .transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
 
 __all__ = ["Addresses", "Controller", "RunSummary"]
@@ -189,7 +189,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                         data_socket=pull,
                         environment=environment,
                         tokenizer=tokenizer,
-                        sampler=InOrderSampler(cfg.lookahead),
+                        scheduler=make_scheduler(cfg),
                         trainers=trainers,
                         rollouts=rollouts,
                         transfer_address=addr.transfer,
@@ -316,6 +316,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             async with anyio.create_task_group() as pumps:
                 pumps.start_soon(pipe.rollout_pump, name="rollout-pump")
                 pumps.start_soon(pipe.train_pump, name="train-pump")
+            await pipe.finish()
             if self.config.eval.num_prompts and self.config.eval.at_end:
                 summary.evals.append(await pipe.evaluate("end"))
             tg.cancel_scope.cancel()
@@ -435,6 +436,19 @@ def _eos_token_id(model_path: str) -> int | None:
         if eos is not None:
             return int(eos)
     return None
+
+
+def make_scheduler(cfg: Config) -> Scheduler:
+    """The run's :class:`~asyncrl.schedule.Scheduler` with the configured sampler and caps."""
+    return Scheduler(
+        cfg.make_sampler(),
+        prompts_per_step=cfg.grpo.prompts_per_step,
+        samples_per_prompt=cfg.grpo.samples_per_prompt,
+        num_steps=cfg.run.num_steps,
+        max_buffered_groups=cfg.max_buffered_groups,
+        max_inflight_samples=cfg.max_inflight_samples,
+        min_chunk_groups=cfg.min_groups_for_streaming_train,
+    )
 
 
 def _worker_env(config: Config, group: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -60,13 +60,15 @@ class GenRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Generate(msgspec.Struct, tag="gen", **_CTRL):
-    """Start generating these groups; each result is pushed on the data socket."""
+    """Start generating these groups; each sample is pushed on the data socket
+    (:class:`SampleDone`) as soon as it finishes."""
 
     requests: list[GenRequest]
 
 
 class Abort(msgspec.Struct, tag="abort", **_CTRL):
-    """Abort these groups; each still yields a (partial, ``abort``) result."""
+    """Abort these groups; every sample not yet pushed still comes back, cut short, with
+    ``finish_reason == "abort"``."""
 
     group_ids: list[str]
 
@@ -79,7 +81,8 @@ class Score(msgspec.Struct, tag="score", **_CTRL):
 
 
 class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
-    """Pull weight version ``version`` from the trainer's transfer socket and load it."""
+    """Pull weight version ``version`` from the trainer's transfer socket and load it (the
+    controller always asks for the prefix-cache reset: cached KV of old weights is stale)."""
 
     version: int
     address: str
@@ -267,12 +270,14 @@ class Sample(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str
 
 
-class GroupDone(msgspec.Struct, tag="g", **_DATA):
-    """All samples of one prompt group, pushed by a rollout worker."""
+class SampleDone(msgspec.Struct, tag="s", **_DATA):
+    """Sample ``index`` (0 .. n-1) of a prompt group, pushed by a rollout worker as soon as it
+    finished (or was aborted). A group is complete with its n-th sample."""
 
     group_id: str
     worker: str
-    samples: list[Sample]
+    index: int
+    sample: Sample
 
 
 class GroupFailed(msgspec.Struct, tag="gf", **_DATA):
@@ -282,7 +287,7 @@ class GroupFailed(msgspec.Struct, tag="gf", **_DATA):
     message: str
 
 
-DataMessage = Union[GroupDone, GroupFailed]
+DataMessage = Union[SampleDone, GroupFailed]
 
 
 # --------------------------------------------------------------------------- weight transfer

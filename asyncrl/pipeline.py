@@ -1,54 +1,56 @@
-"""The rollout pump, the buffer feeder and the train pump, on one event loop.
+"""The rollout pump, the sample feeder and the train pump, on one event loop.
 
 ::
 
-    dataloader ──► rollout pump ──Generate──► rollout workers ──GroupDone (ZMQ PUSH)──┐
-                     │ waits: sampler.admit (trainer version), buffered-groups       │
-                     │        semaphore, in-flight semaphore, rollout gate            │
-                     ▼ reserve slot (start = generator version, target step)         ▼
-                 replay buffer ◄──── commit by group id ◄──── buffer feeder (PULL + rewards)
-                     │
-                     ▼ waits: sampler.select finds >= min groups (buffer changed)
-                 train pump ──TrainChunk──► trainer ranks (one open optimizer step)
-                     │ step's groups consumed → FinishStep → trainer version += 1
-                     ▼ close gate → SendWeights ∥ ReceiveWeights → generator version = v → open gate
+    prompt stream ──► rollout pump ──Generate (one per worker)──► rollout workers
+                        │ asks scheduler.dispatch(): gate, capacity,            │ SampleDone per
+                        │ samples in flight, the sampler's admission             │ sample (ZMQ PUSH)
+                        ▼                                                        ▼
+                    Scheduler (asyncrl.schedule: all state and rules) ◄── feeder: sample_finished,
+                        │                                                 score off-loop, committed
+                        ▼ next_chunk(): evictions + a chunk of ready groups
+                    train pump ──TrainChunk──► trainer ranks (one open optimizer step)
+                        │ finish_step → begin_refit (Abort hopeless groups; optional drain)
+                        ▼ SendWeights ∥ ReceiveWeights → end_refit (gate reopens) → verify
 
-Who unblocks whom: a commit wakes the train pump (``changed``); a finished step wakes the
-rollout pump's ``admit``; a finished refit reopens the gate; training or evicting a group
-releases its buffered-groups permit; a commit releases its in-flight permit.
+Who wakes whom: every scheduler change (a sample back, a commit, a chunk taken, a refit's end)
+fires ``changed``; each pump then asks the scheduler again. The pumps hold no scheduling
+state of their own: they carry out the scheduler's decisions and time the waits.
 
-All of this state has one writer, the event loop; nothing here blocks it (tokenizing and
-scoring run in worker threads).
+The event loop is the only writer; nothing here blocks it (prompts are tokenized and samples
+scored in worker threads).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import numpy as np
 import structlog
 
-from .buffer import CompletedSample, Group, ReplayBuffer
+from .buffer import CompletedSample, Group
 from .codec import Codec
 from .config import Config
 from .environment import Environment, Prompt
 from .errors import ProtocolError, RunError
 from .grpo import pack_groups, pack_tokens, shard_batch, shard_tokens
 from .messages import (
+    Abort,
     BeginStep,
     ComputeLogprobs,
     DataMessage,
     FinishStep,
     Generate,
     GenRequest,
-    GroupDone,
     GroupFailed,
     LogprobsResult,
     ReceiveWeights,
+    Sample,
+    SampleDone,
     Score,
     SendWeights,
     StepResult,
@@ -56,9 +58,9 @@ from .messages import (
     TrainChunk,
     WeightsResult,
 )
-from .prompts import Tokenizer, prompt_batches, sample_seed
+from .prompts import PromptStream, Tokenizer, sample_seed
 from .rpc import ControlPlane
-from .samplers import Sampler
+from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord
 from .transport import AsyncSocket, Rejections, peer_name
 from .verify import Agreement, compare, probe_sequences, verification_due
@@ -82,34 +84,42 @@ class Signal:
         await self._event.wait()
 
 
-@dataclass(frozen=True)
-class _InFlight:
-    """A group that is generating: its prompt, the worker it went to, how many samples."""
+@dataclass
+class _Generating:
+    """A group whose samples are coming back: its prompt, where it runs, what arrived."""
 
     prompt: Prompt
+    prompt_ids: list[int]
     worker: str
     n: int
+    start_version: int
+    target_step: int | None
+    dispatched_at: float
+    samples: list[Sample | None] = field(default_factory=list)
+    eval_done: anyio.Event | None = None
+    """Set for evaluation groups (the scheduler does not track them)."""
+
+    def __post_init__(self) -> None:
+        self.samples = [None] * self.n
 
 
-def _malformed(msg: GroupDone, n: int) -> str:
-    """What is wrong with a group's samples ("" when nothing): the count, the arrays'
-    shapes, dtypes and alignment, the logprobs' values."""
-    if len(msg.samples) != n:
-        return f"{len(msg.samples)} samples, {n} were asked for"
-    for i, s in enumerate(msg.samples):
-        tokens, lps = np.asarray(s.token_ids), np.asarray(s.logprobs)
-        if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
-            return f"sample {i}: {tokens.shape} tokens but {lps.shape} logprobs"
-        if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
-            return f"sample {i}: token dtype {tokens.dtype}, logprob dtype {lps.dtype}"
-        if tokens.size and (tokens.min() < 0 or not np.isfinite(lps).all() or lps.max() > 1e-3):
-            return f"sample {i}: negative token ids, or logprobs that are not finite and <= 0"
+def _malformed(sample: Sample) -> str:
+    """What is wrong with one sample ("" when nothing): the arrays' shapes, dtypes and
+    alignment, the logprobs' values."""
+    tokens, lps = np.asarray(sample.token_ids), np.asarray(sample.logprobs)
+    if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
+        return f"{tokens.shape} tokens but {lps.shape} logprobs"
+    if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
+        return f"token dtype {tokens.dtype}, logprob dtype {lps.dtype}"
+    if tokens.size and (tokens.min() < 0 or not np.isfinite(lps).all() or lps.max() > 1e-3):
+        return "negative token ids, or logprobs that are not finite and <= 0"
     return ""
 
 
 class Pipeline:
-    """The run's shared state and its loops. The :class:`~asyncrl.controller.Controller`
-    builds it once the workers are ready and owns the tasks that run it."""
+    """The run's loops around its :class:`~asyncrl.schedule.Scheduler`. The
+    :class:`~asyncrl.controller.Controller` builds it once the workers are ready and owns the
+    tasks that run it."""
 
     def __init__(
         self,
@@ -119,7 +129,7 @@ class Pipeline:
         data_socket: AsyncSocket,
         environment: Environment,
         tokenizer: Tokenizer,
-        sampler: Sampler,
+        scheduler: Scheduler,
         trainers: list[str],
         rollouts: list[str],
         transfer_address: str,
@@ -132,30 +142,29 @@ class Pipeline:
         self.data = data_socket
         self.env = environment
         self.tok = tokenizer
-        self.sampler = sampler
+        self.sched = scheduler
         self.trainers = trainers
         self.rollouts = rollouts
         self.transfer_address = transfer_address
         self.metrics = metrics
         self.t0 = clock_origin
-        self.buffer = ReplayBuffer(config.max_buffered_groups)
-        self.buffered = anyio.Semaphore(config.max_buffered_groups)
-        self.inflight = anyio.Semaphore(config.max_inflight_groups)
         self.score_limiter = anyio.CapacityLimiter(4)
-        self.trainer_version = 0
-        self.generator_version = 0
-        self.gate_open = True
         self.changed = Signal()
         self.steps: dict[int, StepRecord] = {}
-        self._eval_results: dict[str, tuple[anyio.Event, list[CompletedSample]]] = {}
-        self._prompts: dict[str, _InFlight] = {}
-        """Groups generating now, by group id: what the data socket may deliver."""
+        self._generating: dict[str, _Generating] = {}
+        """Groups whose samples are coming back, by id: what the data socket may deliver."""
+        self._ready: dict[str, Group] = {}
+        """Complete, scored groups the scheduler has not trained or dropped yet."""
+        self._load = {w: 0 for w in rollouts}
+        """Samples in flight per rollout worker (dispatch goes to the least loaded)."""
         self.rejections = rejections if rejections is not None else Rejections()
-        self._next_rollout = 0
         self.loop_lag_max_s = 0.0
         self.history: list[dict[str, Any]] = []
         self.probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
+        self.prompts = PromptStream(
+            environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
+        )
 
     # ------------------------------------------------------------------ helpers
     def now(self) -> float:
@@ -165,72 +174,78 @@ class Pipeline:
         return self.steps.setdefault(step, StepRecord(step))
 
     def _pick_rollout(self) -> str:
-        worker = self.rollouts[self._next_rollout % len(self.rollouts)]
-        self._next_rollout += 1
+        worker = min(self.rollouts, key=self._load.__getitem__)
         return worker
-
-    async def _dispatch(self, worker: str, requests: list[GenRequest]) -> None:
-        timeout = self.config.cluster.call_timeout_s
-        await self.control.call(worker, Generate(requests=requests), timeout_s=timeout)
 
     # ------------------------------------------------------------------ rollout pump
     async def rollout_pump(self) -> None:
-        """Dispatch batches of prompts as the sampler admits them, until the last step's batch.
+        """Dispatch groups whenever the scheduler allows, in one ``Generate`` per worker per
+        round, until the run's last step is trained.
 
-        Cancellation: stops dispatching; groups already dispatched keep their permits until
-        the controller shuts down.
+        Cancellation: stops dispatching; groups already dispatched stay tracked.
         """
-        cfg = self.config
-        prompts = self.env.dataset("train")
-        batches = prompt_batches(prompts, cfg.grpo.prompts_per_step, cfg.run.seed)
-        while True:
-            while (step := self.sampler.admit(self.trainer_version)) is None:
-                await self.changed.wait()
-            if step >= cfg.run.num_steps:
+        ahead = self.sched.max_buffered_groups
+        while not self.sched.finished:
+            # tokenize the next prompts off-loop before deciding: a decision and its
+            # Generate must not be separated by a refit
+            await self.prompts.prefetch(self.sched.next_index + ahead, self.tok)
+            decisions: list[Dispatch] = []
+            while isinstance(d := self.sched.dispatch(), Dispatch):
+                decisions.append(d)
+            if decisions:
+                await self._send_generate(decisions)
+                continue
+            assert isinstance(d, Wait)
+            if d.reason == "finished":
                 return
-            batch = next(batches)
-            ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in batch])
-            rec = self._record(step)
-            for i, (prompt, prompt_ids) in enumerate(zip(batch, ids)):
-                await self.buffered.acquire()
-                await self.inflight.acquire()
-                while not self.gate_open:
-                    await self.changed.wait()
-                group_id = f"s{step}-{i}"
-                worker = self._pick_rollout()
-                self._prompts[group_id] = _InFlight(prompt, worker, cfg.grpo.samples_per_prompt)
-                self.buffer.reserve(
-                    group_id,
-                    prompt_id=prompt.id,
+            started = self.now()
+            await self.changed.wait()
+            if d.reason == "gate":
+                rec = self._record(self.sched.trainer_version)
+                rec.gate_wait_s += self.now() - started
+
+    async def _send_generate(self, decisions: list[Dispatch]) -> None:
+        cfg = self.config.grpo
+        now = self.now()
+        requests: dict[str, list[GenRequest]] = {}
+        for d in decisions:
+            prompt, prompt_ids = self.prompts.get(d.index)
+            worker = self._pick_rollout()
+            self._load[worker] += d.n
+            self._generating[d.group_id] = _Generating(
+                prompt, prompt_ids, worker, d.n, d.start_version, d.target_step, now
+            )
+            requests.setdefault(worker, []).append(
+                GenRequest(
+                    group_id=d.group_id,
                     prompt_ids=prompt_ids,
-                    start_version=self.generator_version,
-                    target_step=step,
-                    now=self.now(),
+                    n=d.n,
+                    max_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    seed=sample_seed(self.config.run.seed, d.group_id),
                 )
-                if rec.gen_start is None:
-                    rec.gen_start = self.now()
-                rec.dispatched += 1
-                await self._dispatch(
-                    worker,
-                    [
-                        GenRequest(
-                            group_id=group_id,
-                            prompt_ids=prompt_ids,
-                            n=cfg.grpo.samples_per_prompt,
-                            max_tokens=cfg.grpo.max_new_tokens,
-                            temperature=cfg.grpo.temperature,
-                            seed=sample_seed(cfg.run.seed, group_id),
-                        )
-                    ]
-                )
+            )
+            rec = self._record(d.target_step if d.target_step is not None else
+                               self.sched.trainer_version)
+            rec.dispatched += 1
+            if rec.gen_start is None:
+                rec.gen_start = now
+        timeout = self.config.cluster.call_timeout_s
+        async with anyio.create_task_group() as tg:
+            for worker, reqs in requests.items():
+                tg.start_soon(self._call, worker, Generate(requests=reqs), timeout)
+
+    async def _call(self, worker: str, request: Any, timeout: float) -> None:
+        await self.control.call(worker, request, timeout_s=timeout)
 
     # ------------------------------------------------------------------ feeder
     async def feed_buffer(self) -> None:
-        """Read finished groups from the data socket, score them off-loop, commit them.
+        """Read samples from the data socket; tell the scheduler; score complete groups
+        off-loop and commit them.
 
-        A frame that does not decode, or a result for a group that is not generating (a late
+        A frame that does not decode, or a sample for a group that is not generating (a late
         duplicate, a stranger's), is rejected and counted (socket ``data``); it never ends the
-        run. A malformed result from the worker the group was sent to, a generation failure,
+        run. A malformed sample from the worker the group was sent to, a generation failure,
         or an environment whose ``score()`` raises or returns a non-finite reward ends it with
         a :class:`~asyncrl.errors.RunError` naming the culprit.
 
@@ -245,7 +260,7 @@ class Pipeline:
                 except ProtocolError as exc:
                     self.rejections.reject("data", "?", str(exc))
                     continue
-                pending = self._prompts.get(msg.group_id)
+                pending = self._generating.get(msg.group_id)
                 if pending is None or pending.worker != msg.worker:
                     self.rejections.reject(
                         "data",
@@ -259,20 +274,41 @@ class Pipeline:
                         f"generation of group {msg.group_id} failed on {msg.worker}: "
                         f"{msg.error_type}: {msg.message} (see that worker's log)"
                     )
-                problem = _malformed(msg, pending.n)
-                if problem:
-                    raise RunError(
-                        f"{msg.worker} returned a malformed result for group {msg.group_id}: "
-                        f"{problem}; the generation backend "
-                        f"{self.config.generator.backend!r} broke its contract"
-                    )
-                del self._prompts[msg.group_id]
-                tg.start_soon(self._score_and_commit, pending.prompt, msg)
+                self._take_sample(pending, msg, tg)
 
-    def _score(self, prompt: Prompt, group: GroupDone) -> list[CompletedSample]:
+    def _take_sample(self, pending: _Generating, msg: SampleDone, tg: Any) -> None:
+        gid = msg.group_id
+        if not 0 <= msg.index < pending.n or pending.samples[msg.index] is not None:
+            self.rejections.reject(
+                "data", peer_name(msg.worker),
+                f"sample {msg.index} of group {gid!r}: out of range or already received",
+            )
+            return
+        problem = _malformed(msg.sample)
+        if problem:
+            raise RunError(
+                f"{msg.worker} returned a malformed sample {msg.index} for group {gid}: "
+                f"{problem}; the generation backend {self.config.generator.backend!r} broke "
+                "its contract"
+            )
+        pending.samples[msg.index] = msg.sample
+        if pending.eval_done is not None:
+            if all(x is not None for x in pending.samples):
+                del self._generating[gid]
+                tg.start_soon(self._score_eval, pending)
+            return
+        self._load[pending.worker] -= 1
+        outcome = self.sched.sample_finished(gid)
+        if outcome is not None:
+            del self._generating[gid]
+        if outcome == "commit":
+            tg.start_soon(self._score_and_commit, gid, pending)
+        self.changed.notify()
+
+    def _score(self, prompt: Prompt, samples: list[Sample]) -> list[CompletedSample]:
         name = self.config.environment.name
         out = []
-        for s in group.samples:
+        for s in samples:
             completion = self.tok.decode(s.token_ids)
             try:
                 score = self.env.score(prompt, completion)
@@ -294,68 +330,76 @@ class Pipeline:
             )
         return out
 
-    async def _score_and_commit(self, prompt: Prompt, msg: GroupDone) -> None:
+    async def _score_and_commit(self, gid: str, pending: _Generating) -> None:
         samples = await anyio.to_thread.run_sync(
-            self._score, prompt, msg, limiter=self.score_limiter
+            self._score, pending.prompt, pending.samples, limiter=self.score_limiter
         )
-        if msg.group_id in self._eval_results:
-            done, out = self._eval_results[msg.group_id]
-            out.extend(samples)
-            done.set()
-            return
-        group = self.buffer.commit(
-            msg.group_id, samples, end_version=self.generator_version, now=self.now()
+        if not self.sched.tracks(gid):
+            return  # the run ended while it was scored (counted as unused)
+        self.sched.committed(gid, [s.reward for s in samples])
+        self._ready[gid] = Group(
+            gid,
+            pending.prompt.id,
+            pending.prompt_ids,
+            pending.start_version,
+            pending.target_step,
+            pending.dispatched_at,
+            samples,
+            end_version=self.sched.generator_version,
+            committed_at=self.now(),
         )
-        self.inflight.release()
-        if group.target_step is not None:
-            rec = self._record(group.target_step)
-            rec.gen_end = max(rec.gen_end or 0.0, self.now())
+        rec = self._record(
+            pending.target_step if pending.target_step is not None else self.sched.trainer_version
+        )
+        rec.gen_end = max(rec.gen_end or 0.0, self.now())
         self.changed.notify()
+
+    async def _score_eval(self, pending: _Generating) -> None:
+        samples = await anyio.to_thread.run_sync(
+            self._score, pending.prompt, pending.samples, limiter=self.score_limiter
+        )
+        pending.samples = samples  # type: ignore[assignment]
+        assert pending.eval_done is not None
+        pending.eval_done.set()
 
     # ------------------------------------------------------------------ train pump
     async def train_pump(self) -> None:
-        """Assemble each step from chunks of complete groups, train it, refit, publish.
+        """Assemble each step from the scheduler's chunks, train it, refit, publish.
 
         Cancellation: an open optimizer step is abandoned (the run is over).
         """
         cfg = self.config
         timeout = cfg.cluster.call_timeout_s
-        while self.trainer_version < cfg.run.num_steps:
-            step = self.trainer_version
+        while not self.sched.finished:
+            step = self.sched.trainer_version
             rec = self._record(step)
-            remaining = cfg.grpo.prompts_per_step
             opened = False
-            while remaining > 0:
-                for g in self.sampler.evict(self.buffer, step):
-                    self.buffer.remove([g.group_id])
-                    self.buffered.release()
-                    log.warning("group_evicted", group_id=g.group_id, step=step)
-                chunk = self.sampler.select(
-                    self.buffer, step, min(cfg.min_groups_for_streaming_train, remaining), remaining
-                )
-                if not chunk:
+            while self.sched.taken < cfg.grpo.prompts_per_step:
+                chunk = self.sched.next_chunk()
+                for gid in chunk.evicted:
+                    self._ready.pop(gid)
+                    log.info("group_evicted", group_id=gid, step=step)
+                if not chunk.groups:
                     t = self.now()
                     await self.changed.wait()
                     rec.wait_s += self.now() - t
                     continue
-                self.buffer.remove([g.group_id for g in chunk])
+                groups = [self._ready.pop(gid) for gid in chunk.groups]
+                self.changed.notify()  # capacity freed: the rollout pump may dispatch
                 if not opened:
                     rec.train_start = self.now()
                     await self.control.call_each(
                         self.trainers, [BeginStep(step=step)] * len(self.trainers), timeout_s=timeout
                     )
                     opened = True
-                batch = pack_groups(chunk, normalize=cfg.grpo.normalize_advantages)
+                batch = pack_groups(groups, normalize=cfg.grpo.normalize_advantages)
                 shards = shard_batch(batch, len(self.trainers))
                 results = await self.control.call_each(
                     self.trainers, [TrainChunk(step=step, batch=s) for s in shards], timeout_s=timeout
                 )
                 rec.chunk_results += results  # type: ignore[arg-type]
-                rec.groups += chunk
+                rec.groups += groups
                 rec.chunks += 1
-                for _ in chunk:
-                    self.buffered.release()
-                remaining -= len(chunk)
             num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
             finish = await self.control.call_each(
                 self.trainers,
@@ -363,15 +407,17 @@ class Pipeline:
                 timeout_s=timeout,
             )
             rec.train_end = self.now()
-            # version bump and gate close happen together: no dispatch can see v+1 unrefit
-            self.trainer_version = step + 1
-            self.gate_open = False
+            # the version bump and the gate's closing are one scheduler event: no dispatch
+            # can see version v+1 before the generators serve it
+            self.sched.finish_step()
             self.changed.notify()
             refit_start = self.now()
+            await self._abort(self.sched.begin_refit())
+            if cfg.refit.drain:
+                await self._drain(rec)
             await self.refit(step + 1)
             refit_s = self.now() - refit_start
-            self.generator_version = step + 1
-            self.gate_open = True
+            stats = self.sched.end_refit()
             self.changed.notify()
             if self.probe is None:
                 self.probe = self._make_probe(rec.groups)
@@ -381,10 +427,50 @@ class Pipeline:
                 start = self.now()
                 rec.verify = await self.verify_refit(step + 1)
                 rec.verify_s = self.now() - start
-            self._log_step(rec, finish[0], refit_s)  # type: ignore[arg-type]
+            self._log_step(rec, finish[0], refit_s, stats)  # type: ignore[arg-type]
             del self.steps[step]
             for agreement in rec.verify:
                 agreement.check(cfg.refit.verify_tolerance)
+
+    async def _abort(self, group_ids: list[str]) -> None:
+        """Tell each engine to abort its groups among ``group_ids`` (their samples still come
+        back, cut short, and free their slots)."""
+        by_worker: dict[str, list[str]] = {}
+        for gid in group_ids:
+            pending = self._generating.get(gid)
+            if pending is not None:
+                by_worker.setdefault(pending.worker, []).append(gid)
+        if group_ids:
+            log.info("groups_aborted", count=len(group_ids), trainer_version=self.sched.trainer_version)
+        timeout = self.config.cluster.call_timeout_s
+        async with anyio.create_task_group() as tg:
+            for worker, gids in by_worker.items():
+                tg.start_soon(self._call, worker, Abort(group_ids=gids), timeout)
+
+    async def _drain(self, rec: StepRecord) -> None:
+        """Wait until no sample is generating, at most ``refit.drain_timeout_s``."""
+        start = self.now()
+        with anyio.move_on_after(self.config.refit.drain_timeout_s) as scope:
+            while not self.sched.drained:
+                await self.changed.wait()
+        rec.drain_s = self.now() - start
+        if scope.cancelled_caught:
+            rec.drain_timeouts += 1
+            log.warning(
+                "drain_timed_out",
+                inflight_samples=self.sched.inflight_samples,
+                timeout_s=self.config.refit.drain_timeout_s,
+            )
+
+    async def finish(self) -> None:
+        """The last step is trained: abort what is still generating and wait (bounded) for
+        its samples, so the engines are idle for the final evaluation and every dispatched
+        group is accounted for."""
+        await self._abort(self.sched.close())
+        with anyio.move_on_after(self.config.cluster.call_timeout_s):
+            while not self.sched.drained:
+                await self.changed.wait()
+        self._ready.clear()
 
     async def refit(self, version: int) -> None:
         """Send weights ``version`` from the trainers to every generator; return when all
@@ -402,7 +488,7 @@ class Pipeline:
             version=version,
             address=self.transfer_address,
             transport=cfg.refit.transport,
-            reset_prefix_cache=cfg.refit.reset_prefix_cache,
+            reset_prefix_cache=True,
             timeout_s=cfg.refit.timeout_s,
         )
         sent: list[Any] = []
@@ -483,10 +569,16 @@ class Pipeline:
     async def _call_each(self, workers: list[str], request: Any, timeout: float) -> None:
         await self.control.call_each(workers, [request] * len(workers), timeout_s=timeout)
 
-    def _log_step(self, rec: StepRecord, result: StepResult, refit_s: float) -> None:
+    def _log_step(
+        self, rec: StepRecord, result: StepResult, refit_s: float, stats: StepStats
+    ) -> None:
         record = rec.metrics(
             result,
             refit_s,
+            stats,
+            buffer_ready=self.sched.num_ready,
+            buffer_live=self.sched.num_live,
+            inflight_samples=self.sched.inflight_samples,
             loop_lag_max_s=self.loop_lag_max_s,
             rejected_frames=self.rejections.total,
             now=self.now(),
@@ -516,20 +608,22 @@ class Pipeline:
 
     # ------------------------------------------------------------------ evaluation
     async def evaluate(self, label: str) -> dict[str, Any]:
-        """Greedy held-out accuracy of the generators' current weights (nothing else may be
-        generating). Cancellation: outstanding eval groups are abandoned."""
+        """Greedy held-out accuracy of the generators' current weights (nothing else should
+        be generating). Cancellation: outstanding eval groups are abandoned."""
         n = self.config.eval.num_prompts
         prompts = list(self.env.dataset("eval"))[:n]
         ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in prompts])
-        waits = []
+        waits: list[_Generating] = []
         requests: dict[str, list[GenRequest]] = {w: [] for w in self.rollouts}
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
             gid = f"eval-{label}-{i}"
             worker = self.rollouts[i % len(self.rollouts)]
-            self._prompts[gid] = _InFlight(prompt, worker, 1)
-            slot: tuple[anyio.Event, list[CompletedSample]] = (anyio.Event(), [])
-            self._eval_results[gid] = slot
-            waits.append(slot)
+            pending = _Generating(
+                prompt, prompt_ids, worker, 1, self.sched.generator_version, None, self.now(),
+                eval_done=anyio.Event(),
+            )
+            self._generating[gid] = pending
+            waits.append(pending)
             requests[worker].append(
                 GenRequest(
                     group_id=gid,
@@ -547,16 +641,17 @@ class Pipeline:
                 if reqs:
                     await self.control.call(worker, Generate(requests=reqs), timeout_s=timeout)
             with anyio.fail_after(timeout):
-                for done, _ in waits:
-                    await done.wait()
+                for pending in waits:
+                    assert pending.eval_done is not None
+                    await pending.eval_done.wait()
         finally:
             for i in range(len(prompts)):
-                self._eval_results.pop(f"eval-{label}-{i}", None)
-        correct = [s.correct for _, out in waits for s in out]
+                self._generating.pop(f"eval-{label}-{i}", None)
+        correct = [s.correct for p in waits for s in p.samples]  # type: ignore[union-attr]
         record = {
             "kind": "eval",
             "label": label,
-            "version": self.generator_version,
+            "version": self.sched.generator_version,
             "accuracy": float(np.mean(correct)) if correct else 0.0,
             "num_prompts": len(prompts),
             "seconds": self.now() - start,

@@ -12,10 +12,12 @@ group                           loaded in             the entry point names
 ``asyncrl.environments``        controller            ``factory(options: dict, seed: int)``
                                                       returning an
                                                       :class:`~asyncrl.environment.Environment`
+``asyncrl.samplers``            controller (config    a :class:`~asyncrl.samplers.SamplerPlugin`
+                                validation + run)     (its config struct and a factory)
 =============================== ===================== ===========================================
 
-Only groups something loads are listed; weight transfers, samplers and reward functions get
-their groups when they become plugins.
+Only groups something loads are listed; weight transfers and reward functions get their
+groups when they become plugins.
 
 Names are discovered from installed distributions' metadata; the target is imported only on
 first use. A missing name, a name registered twice, or a target that fails to import raises
@@ -41,6 +43,7 @@ GROUPS = MappingProxyType(
         "asyncrl.generation_backends": "generation backend",
         "asyncrl.training_backends": "training backend",
         "asyncrl.environments": "environment",
+        "asyncrl.samplers": "sampler",
     }
 )
 

@@ -14,7 +14,7 @@ import structlog
 from .environment import Prompt
 from .errors import RunError
 
-__all__ = ["Tokenizer", "prompt_batches", "sample_seed"]
+__all__ = ["PromptStream", "Tokenizer", "prompt_batches", "sample_seed"]
 
 log = structlog.get_logger("asyncrl.prompts")
 
@@ -72,3 +72,37 @@ def prompt_batches(prompts: Sequence[Prompt], batch: int, seed: int) -> Iterator
         for i in range(0, len(order) - batch + 1, batch):
             yield [prompts[j] for j in order[i : i + batch]]
         epoch += 1
+
+
+class PromptStream:
+    """The prompt stream by position: prompt ``i`` is prompt ``i % P`` of batch ``i // P`` of
+    :func:`prompt_batches` (so a resumed run can name any prompt by its index), tokenized ahead
+    off-loop by :meth:`prefetch` and dropped once read (bounded memory)."""
+
+    def __init__(self, prompts: Sequence[Prompt], batch: int, seed: int) -> None:
+        self._batches = prompt_batches(prompts, batch, seed)
+        self._batch = batch
+        self._cached: dict[int, tuple[Prompt, list[int]]] = {}
+        self._produced = 0  # prompts drawn from the batch iterator so far
+
+    async def prefetch(self, upto: int, tokenizer: Tokenizer) -> None:
+        """Make prompts ``< upto`` available to :meth:`get` (tokenized in a worker thread)."""
+        import anyio
+
+        if self._produced >= upto:
+            return
+        new: list[tuple[int, Prompt]] = []
+        while self._produced < upto:
+            for p in next(self._batches):
+                new.append((self._produced, p))
+                self._produced += 1
+        ids = await anyio.to_thread.run_sync(tokenizer.encode_batch, [p.text for _, p in new])
+        for (i, p), x in zip(new, ids):
+            self._cached[i] = (p, x)
+
+    def get(self, index: int) -> tuple[Prompt, list[int]]:
+        """Prompt ``index`` and its token ids (it must have been prefetched)."""
+        try:
+            return self._cached.pop(index)
+        except KeyError:
+            raise RunError(f"prompt {index} was not prefetched (or was already taken)") from None

@@ -9,6 +9,7 @@ import numpy as np
 
 from .buffer import Group
 from .messages import ChunkResult, StepResult
+from .schedule import StepStats
 from .verify import Agreement
 
 __all__ = ["StepRecord"]
@@ -25,6 +26,11 @@ class StepRecord:
     train_start: float | None = None
     train_end: float | None = None
     wait_s: float = 0.0
+    """Trainer time waiting for data (no chunk ready) in this step."""
+    gate_wait_s: float = 0.0
+    """Rollout pump time waiting for the gate (a refit) while this step was the trainer's."""
+    drain_s: float = 0.0
+    drain_timeouts: int = 0
     chunks: int = 0
     groups: list[Group] = field(default_factory=list)
     chunk_results: list[ChunkResult] = field(default_factory=list)
@@ -35,7 +41,11 @@ class StepRecord:
         self,
         result: StepResult,
         refit_s: float,
+        stats: StepStats,
         *,
+        buffer_ready: int,
+        buffer_live: int,
+        inflight_samples: int,
         loop_lag_max_s: float,
         rejected_frames: int,
         now: float,
@@ -61,6 +71,17 @@ class StepRecord:
             "train_s": (self.train_end or 0.0) - (self.train_start or 0.0),
             "refit_s": refit_s,
             "wait_s": self.wait_s,
+            "gate_wait_s": self.gate_wait_s,
+            "staleness_hist": {str(k): v for k, v in sorted(stats.staleness.items())},
+            "evicted_groups": stats.evicted_groups,
+            "aborted_groups": stats.aborted_groups,
+            "wasted_samples": stats.wasted_samples,
+            "buffer_ready": buffer_ready,
+            "buffer_live": buffer_live,
+            "inflight_samples": inflight_samples,
+            "inflight_samples_max": stats.inflight_samples_max,
+            "drain_s": self.drain_s,
+            "drain_timeouts": self.drain_timeouts,
             "gen_start": self.gen_start,
             "gen_end": self.gen_end,
             "train_start": self.train_start,

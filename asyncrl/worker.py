@@ -66,7 +66,6 @@ from .messages import (
     FromWorker,
     Generate,
     GenRequest,
-    GroupDone,
     GroupFailed,
     Health,
     HealthResult,
@@ -79,6 +78,8 @@ from .messages import (
     Request,
     ResetPrefixCache,
     Result,
+    Sample,
+    SampleDone,
     Score,
     SendWeights,
     Shutdown,
@@ -146,15 +147,18 @@ class _Runtime:
 
     # ----------------------------------------------------------------- rollout side
     async def _generate_one(self, req: GenRequest, data_tx: Codec) -> None:
-        msg: Any
+        data = self.data
+        assert data is not None
+
+        async def emit(index: int, sample: Sample) -> None:
+            await data.send(data_tx.encode(SampleDone(req.group_id, self.identity, index, sample)))
+
         try:
-            samples = await self.backend.generate(req)
-            msg = GroupDone(req.group_id, self.identity, samples)
+            await self.backend.generate(req, emit)
         except Exception as exc:
             log.exception("generation_failed", group_id=req.group_id)
             msg = GroupFailed(req.group_id, self.identity, type(exc).__name__, str(exc))
-        assert self.data is not None
-        await self.data.send(data_tx.encode(msg))
+            await data.send(data_tx.encode(msg))
 
     async def rollout_call(self, req: Request, tg: anyio.abc.TaskGroup) -> Result:
         backend: GenerationBackend = self.backend

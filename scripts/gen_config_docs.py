@@ -1,4 +1,5 @@
-"""Write docs/configuration.md from the field docstrings in asyncrl/config.py.
+"""Write docs/configuration.md from the field docstrings in asyncrl/config.py (and, for the
+built-in samplers' ``[pipeline.sampler]`` knobs, asyncrl/samplers.py).
 
     .venv/bin/python scripts/gen_config_docs.py
 """
@@ -11,9 +12,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {
     "RunConfig": "run", "ModelConfig": "model", "ClusterConfig": "cluster", "GRPOConfig": "grpo",
-    "LossConfig": "loss", "PipelineConfig": "pipeline", "InOrderSamplerConfig": "pipeline.sampler",
+    "LossConfig": "loss", "PipelineConfig": "pipeline",
     "RefitConfig": "refit", "TrainerConfig": "trainer", "GeneratorConfig": "generator",
     "EnvironmentConfig": "environment", "EvalConfig": "eval",
+}
+
+
+SAMPLERS = {
+    "InOrderConfig": "in_order", "GatedConfig": "gated", "OversampledConfig": "oversampled",
+    "ReadyFirstConfig": "ready_first",
 }
 
 
@@ -44,13 +51,29 @@ def render() -> str:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name in SECTIONS:
             lines += [f"## `[{SECTIONS[node.name]}]`", ""]
-            if node.name == "InOrderSamplerConfig":
-                lines += ['`name = "in_order"` selects this sampler.', ""]
-            lines += ["| key | default | meaning |", "| --- | --- | --- |"]
-            for name, default, doc in fields(node):
-                lines.append(f"| `{name}` | `{default}` | {doc} |")
-            lines.append("")
+            lines += table(node)
+            if node.name == "PipelineConfig":
+                lines += sampler_sections()
     return "\n".join(lines)
+
+
+def table(node: ast.ClassDef) -> list[str]:
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for name, default, doc in fields(node):
+        lines.append(f"| `{name}` | `{default}` | {doc} |")
+    return lines + [""]
+
+
+def sampler_sections() -> list[str]:
+    """One table per built-in sampler (docs/modes.md says which mode each one is)."""
+    tree = ast.parse((ROOT / "asyncrl/samplers.py").read_text())
+    lines: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in SAMPLERS:
+            doc = " ".join((ast.get_docstring(node) or "").split())
+            lines += [f'### `[pipeline.sampler]` with `name = "{SAMPLERS[node.name]}"`', "", doc, ""]
+            lines += table(node)
+    return lines
 
 
 def main() -> None:

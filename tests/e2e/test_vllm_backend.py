@@ -25,6 +25,7 @@ import pytest_asyncio
 from asyncrl import plugins
 from asyncrl.backend import GenerationBackend, WeightBucketView, WorkerContext
 from asyncrl.config import from_dict
+from asyncrl.backend import generate_all
 from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
 
 torch = pytest.importorskip("torch")
@@ -196,7 +197,7 @@ async def test_start_reports_capabilities(backend) -> None:
 async def test_generate_returns_aligned_logprobs_after_temperature(backend, model_dir) -> None:
     prompt = [1, 14, 5, 15, 20]
     t0 = time.perf_counter()
-    samples = await backend.generate(
+    samples = await generate_all(backend, 
         GenRequest(group_id="g-n4", prompt_ids=prompt, n=4, max_tokens=24, temperature=0.7, seed=1)
     )
     assert len(samples) == 4
@@ -221,9 +222,9 @@ async def test_seeded_generation_is_reproducible(backend) -> None:
         return GenRequest(group_id=gid, prompt_ids=[1, 6, 7], n=2, max_tokens=20, seed=seed)
 
     a, b, c = await asyncio.gather(
-        backend.generate(req(5, "s-a")),
-        backend.generate(req(5, "s-b")),
-        backend.generate(req(6, "s-c")),
+        generate_all(backend, req(5, "s-a")),
+        generate_all(backend, req(5, "s-b")),
+        generate_all(backend, req(6, "s-c")),
     )
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
@@ -235,7 +236,7 @@ async def test_seeded_generation_is_reproducible(backend) -> None:
 @module_loop
 async def test_greedy_picks_the_reference_argmax(backend, model_dir) -> None:
     prompt = [1, 9, 9, 4]
-    samples = await backend.generate(
+    samples = await generate_all(backend, 
         GenRequest(group_id="greedy", prompt_ids=prompt, n=3, max_tokens=12, greedy=True)
     )
     assert len(samples) == 3 and all(
@@ -289,7 +290,7 @@ async def test_prompt_logprobs_ignore_temperature(backend, sequences) -> None:
 @module_loop
 async def test_abort_and_cancel(backend) -> None:
     task = asyncio.create_task(
-        backend.generate(
+        generate_all(backend, 
             GenRequest(group_id="to-abort", prompt_ids=[1, 5], n=3, max_tokens=240, seed=11)
         )
     )
@@ -304,7 +305,7 @@ async def test_abort_and_cancel(backend) -> None:
     print("abort partial lengths:", [(s.finish_reason, len(s.token_ids)) for s in samples])
 
     task = asyncio.create_task(
-        backend.generate(
+        generate_all(backend, 
             GenRequest(group_id="to-cancel", prompt_ids=[1, 5], n=2, max_tokens=240, seed=11)
         )
     )
@@ -326,7 +327,7 @@ async def test_refit_loads_new_weights_into_the_running_engine(
     views = write_buckets(tmp_path, 1, state, count=3)
     # a request in flight across the refit is frozen, not lost
     inflight = asyncio.create_task(
-        backend.generate(GenRequest(group_id="across", prompt_ids=[1, 8], n=2, max_tokens=200))
+        generate_all(backend, GenRequest(group_id="across", prompt_ids=[1, 8], n=2, max_tokens=200))
     )
     await asyncio.sleep(0.2)
     t0 = time.perf_counter()
@@ -405,7 +406,7 @@ async def test_kv_scales_are_applied_after_the_weights(backend, model_dir, tmp_p
     # the engine stayed paused; a complete refit resumes it
     await refit(backend, write_buckets(tmp_path, 7, state, count=1), 7)
     samples = await asyncio.wait_for(
-        backend.generate(GenRequest(group_id="resumed", prompt_ids=[1, 4], n=1, max_tokens=4)), 30
+        generate_all(backend, GenRequest(group_id="resumed", prompt_ids=[1, 4], n=1, max_tokens=4)), 30
     )
     assert len(samples) == 1
 
@@ -424,7 +425,7 @@ async def test_close_leaves_no_process_behind(backend) -> None:
     assert backend.engine_pids() == []
     assert not os.path.exists(ipc_dir), "vLLM's ipc socket files were left behind"
     with pytest.raises(RuntimeError, match="not running"):
-        await backend.generate(GenRequest(group_id="late", prompt_ids=[1], n=1, max_tokens=1))
+        await generate_all(backend, GenRequest(group_id="late", prompt_ids=[1], n=1, max_tokens=1))
 
 
 @pytest.mark.skipif(
@@ -452,7 +453,7 @@ async def test_fp8_kv_scales_reach_the_cpu_attention_kernel(model_dir, tmp_path)
             await refit(
                 backend, write_buckets(tmp_path, version, state, 1), version, kv_scales=scales
             )
-            (sample,) = await backend.generate(request)
+            (sample,) = await generate_all(backend, request)
             logprobs.append(sample.logprobs)
         np.testing.assert_array_equal(logprobs[0], logprobs[2])
         assert len(logprobs[0]) != len(logprobs[1]) or np.abs(logprobs[0] - logprobs[1]).max() > 0.1

@@ -19,6 +19,7 @@ import pytest_asyncio
 from asyncrl import plugins
 from asyncrl.backend import WeightBucketView, WorkerContext
 from asyncrl.config import from_dict
+from asyncrl.backend import generate_all
 from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
 
 torch = pytest.importorskip("torch")
@@ -137,7 +138,7 @@ async def test_generate_and_score_match_transformers(backend, model_dir, sequenc
     print("capabilities:", backend.capabilities)
     ref = reference(model_dir)
     prompt = [1, 14, 5, 15]
-    samples = await backend.generate(
+    samples = await generate_all(backend, 
         GenRequest(group_id="g", prompt_ids=prompt, n=4, max_tokens=32, temperature=0.7, seed=1)
     )
     assert len(samples) == 4
@@ -162,7 +163,7 @@ async def test_refit_while_generating(backend, model_dir, sequences, tmp_path) -
     }
     before = await backend.score(batch_of(sequences), 1.0)
     inflight = asyncio.create_task(
-        backend.generate(GenRequest(group_id="x", prompt_ids=[1, 8], n=4, max_tokens=400))
+        generate_all(backend, GenRequest(group_id="x", prompt_ids=[1, 8], n=4, max_tokens=400))
     )
     await asyncio.sleep(0.05)
     await backend.begin_weight_update(1)
@@ -213,7 +214,7 @@ async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
             await b.finish_weight_update(version, reset_prefix_cache=True, kv_scales=scales)
             (read,) = await b._rpc("asyncrl_get_kv_scales")
             assert all(v[:2] == [scale, scale] for v in read.values())
-            (sample,) = await b.generate(req)
+            (sample,) = await generate_all(b, req)
             logprobs[scale, version] = sample.logprobs
         np.testing.assert_array_equal(logprobs[1.0, 1], logprobs[1.0, 3])
         assert not np.array_equal(logprobs[1.0, 1], logprobs[50.0, 2])

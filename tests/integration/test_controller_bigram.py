@@ -109,7 +109,7 @@ async def test_lookahead_one_overlaps_generation_with_training(
             f"la{lookahead}",
             run={"num_steps": num_steps},
             grpo={"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 6},
-            pipeline={"sampler": {"max_lookahead_versions": lookahead}},
+            pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": lookahead}},
             trainer={"options": {"step_delay_s": 0.3}},
             generator={"options": {"token_delay_s": 0.01}},
             eval={"num_prompts": 0},
@@ -197,7 +197,7 @@ async def test_two_trainer_ranks_match_one(make_config: Callable[..., Config]) -
             cluster={"trainer_ranks": ranks},
             grpo={"prompts_per_step": 6},
             pipeline={
-                "sampler": {"max_lookahead_versions": 0},
+                "sampler": {"name": "in_order", "max_lookahead_versions": 0},
                 "min_groups_for_streaming_train": 2,
             },
             eval={"num_prompts": 0},

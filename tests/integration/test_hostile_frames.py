@@ -33,11 +33,11 @@ from asyncrl.messages import (  # noqa: E402
     Dead,
     Empty,
     FromWorker,
-    GroupDone,
     GroupFailed,
     Hello,
     Reply,
     Sample,
+    SampleDone,
     WeightMessage,
     WeightsPull,
 )
@@ -71,12 +71,12 @@ async def _attack(ctl: asyncrl.Controller) -> dict[str, int]:
         data = ctx.socket(PUSH, connect=addr.data)
         dx = Codec(DataMessage)
         sample = Sample(np.array([4, 5], np.int32), np.array([-0.1, -0.2], np.float32), "stop")
-        missing_frame = dx.encode(GroupDone("s0-0", "rollout:0", [sample]))[:1]  # arrays gone
+        missing_frame = dx.encode(SampleDone("g0", "rollout:0", 0, sample))[:1]  # arrays gone
         for frames in (
             [b"\x92\x01"],
             [b"abc", b"def"],
             missing_frame,
-            dx.encode(GroupDone("nope", "rollout:0", [sample])),  # not generating
+            dx.encode(SampleDone("nope", "rollout:0", 0, sample)),  # not generating
             dx.encode(GroupFailed("nope-2", "rollout:0", "ValueError", "forged")),
         ):
             await data.send(frames)
@@ -100,7 +100,7 @@ async def test_hostile_frames_change_nothing_but_a_counter(
         return make_config(
             name,
             run={"num_steps": 6},
-            pipeline={"sampler": {"max_lookahead_versions": 0}},
+            pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 0}},
             trainer={"options": {"step_delay_s": 0.2}},
             eval={"num_prompts": 8},
         )

@@ -161,13 +161,28 @@ def test_trainer_refuses_bad_options(tmp_path: Path) -> None:
                              "rollout"))
 
 
+async def collect(gen: BigramGenerator, req: GenRequest, order: list[int] | None = None) -> list:
+    """Run ``generate`` and gather what it emits; every index must come exactly once."""
+    got: dict[int, object] = {}
+
+    async def emit(i: int, sample: object) -> None:
+        assert i not in got and 0 <= i < req.n
+        got[i] = sample
+        if order is not None:
+            order.append(i)
+
+    await gen.generate(req, emit)
+    assert sorted(got) == list(range(req.n))
+    return [got[i] for i in range(req.n)]
+
+
 @pytest.mark.asyncio
 async def test_sampling_is_seeded_and_logprobs_are_after_temperature(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     gen = BigramGenerator(_ctx(cfg, "rollout"))
     await gen.start()
     req = GenRequest(group_id="g", prompt_ids=[1, 5], n=4, max_tokens=8, temperature=0.7, seed=42)
-    a, b = await gen.generate(req), await gen.generate(req)
+    a, b = await collect(gen, req), await collect(gen, req)
     for s, t in zip(a, b):
         assert s.token_ids.tolist() == t.token_ids.tolist()
     table = initial_table(cfg.model.path, cfg.run.seed)
@@ -192,7 +207,7 @@ async def test_sampling_follows_the_softmax(tmp_path: Path) -> None:
     gen = BigramGenerator(_ctx(cfg, "rollout"))
     await gen.start()
     req = GenRequest(group_id="g", prompt_ids=[4], n=4000, max_tokens=1, temperature=1.3, seed=0)
-    firsts = np.array([s.token_ids[0] for s in await gen.generate(req)])
+    firsts = np.array([s.token_ids[0] for s in await collect(gen, req)])
     p = np.exp(log_softmax(initial_table(cfg.model.path, cfg.run.seed)[4] / 1.3))
     freq = np.bincount(firsts, minlength=V) / firsts.size
     assert np.abs(freq - p).max() < 0.03
@@ -225,7 +240,7 @@ async def test_refit_from_a_bucket_file_and_abort(tmp_path: Path) -> None:
 
     async def run() -> None:
         req = GenRequest(group_id="g1", prompt_ids=[3], n=3, max_tokens=1000, seed=1)
-        results["g1"] = await gen.generate(req)
+        results["g1"] = await collect(gen, req)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -234,4 +249,27 @@ async def test_refit_from_a_bucket_file_and_abort(tmp_path: Path) -> None:
             await gen.abort(["g1"])
     samples = results["g1"]
     assert [s.finish_reason for s in samples] == ["abort"] * 3
-    assert 0 < len(samples[0].token_ids) < 1000 and len(samples[1].token_ids) == 0
+    assert all(0 < len(s.token_ids) < 1000 for s in samples)  # they ran side by side
+
+
+@pytest.mark.asyncio
+async def test_samples_are_emitted_as_they_finish_within_the_engine_slots(tmp_path: Path) -> None:
+    """Drawn lengths (log-normal), one engine slot: the samples run one at a time, and each is
+    emitted when it finishes, so emission order is completion order, not index order."""
+    cfg = _config(tmp_path, generator={"options": {
+        "length_median": 4.0, "length_sigma": 1.0, "max_concurrent_samples": 2,
+        "token_delay_s": 0.002}})
+    gen = BigramGenerator(_ctx(cfg, "rollout"))
+    await gen.start()
+    req = GenRequest(group_id="g", prompt_ids=[1], n=6, max_tokens=64, seed=3)
+    order: list[int] = []
+    samples = await collect(gen, req, order)
+    lengths = [len(s.token_ids) for s in samples]
+    rng_lengths = [
+        int(min(64, max(1, round(np.random.default_rng([3, i]).lognormal(np.log(4.0), 1.0)))))
+        for i in range(6)
+    ]
+    assert lengths == rng_lengths  # each sample's own seeded draw
+    assert order != list(range(6)) or lengths == sorted(lengths)
+    # with 2 slots, a sample starting third cannot finish before the shorter of the first two
+    assert order[0] in (0, 1)

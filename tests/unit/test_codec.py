@@ -14,11 +14,11 @@ from asyncrl.messages import (
     FromWorker,
     GenRequest,
     Generate,
-    GroupDone,
     Hello,
     LogprobsResult,
     Reply,
     Sample,
+    SampleDone,
     ToWorker,
     TrainBatch,
     TrainChunk,
@@ -29,7 +29,9 @@ from asyncrl.messages import (
 GOLDEN = {
     "hello": "86a16ba568656c6c6fb070726f746f636f6c5f76657273696f6e01a567726f7570a7726f6c6c6f7574a472616e6b01aa776f726c645f73697a6502a3706964cd3039",
     "reply_lp": "83a16ba57265706c79a763616c6c5f696403a6726573756c7482a16ba26c70a86c6f6770726f6273d7019301a33c66349104",
-    "group_done": "94a167a161a9726f6c6c6f75743a309193d7019301a33c69349102d7019302a33c66349102a473746f70",
+    # [tag "s", group "a", worker "rollout:0", index 0, sample [ext(frame 1, "<i4", [2]),
+    #  ext(frame 2, "<f4", [2]), "stop"]] (written out by hand from the msgpack spec)
+    "sample_done": "95a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f70",
 }
 
 
@@ -37,8 +39,8 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_one() -> None:
-    assert PROTOCOL_VERSION == 1
+def test_protocol_version_is_two() -> None:
+    assert PROTOCOL_VERSION == 2  # 2: samples stream one by one (SampleDone replaced GroupDone)
 
 
 def test_golden_hello() -> None:
@@ -56,18 +58,19 @@ def test_golden_reply_with_array_frame() -> None:
     assert bytes(frames[1]) == np.arange(4, dtype="<f4").tobytes()
 
 
-def test_golden_group_done_is_array_like() -> None:
-    msg = GroupDone(
+def test_golden_sample_done_is_array_like() -> None:
+    msg = SampleDone(
         "a",
         "rollout:0",
-        [Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop")],
+        0,
+        Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop"),
     )
     frames = Codec(DataMessage).encode(msg)
-    assert hexbody(frames) == GOLDEN["group_done"]
+    assert hexbody(frames) == GOLDEN["sample_done"]
     assert len(frames) == 3
     back = Codec(DataMessage).decode([bytes(f) for f in frames])
-    assert back.samples[0].token_ids.tolist() == [1, 2]
-    assert back.samples[0].logprobs.dtype == np.float32
+    assert back.sample.token_ids.tolist() == [1, 2]
+    assert back.sample.logprobs.dtype == np.float32
 
 
 def test_round_trip_nested_request() -> None:
@@ -114,7 +117,7 @@ def test_garbage_and_wrong_tags_raise_protocol_error() -> None:
     with pytest.raises(ProtocolError):
         codec.decode([b"\xc1"])
     with pytest.raises(ProtocolError):
-        codec.decode([bytes.fromhex(GOLDEN["group_done"])])  # a data message on the control codec
+        codec.decode([bytes.fromhex(GOLDEN["sample_done"])])  # a data message on the control codec
     with pytest.raises(ProtocolError, match="frame"):
         codec.decode([bytes.fromhex(GOLDEN["reply_lp"])])  # array frame missing
     with pytest.raises(ProtocolError):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.samplers import GatedConfig, InOrderConfig, OversampledConfig
 from asyncrl.errors import ConfigError
 
 
@@ -38,10 +39,10 @@ def test_minimal_config_gets_defaults_and_resolves_paths(tmp_path: Path, model_d
     cfg = load_config(write(tmp_path, BASE))
     assert cfg.model.path == str(model_dir.resolve())
     assert cfg.run.output_dir == str((tmp_path / "runs/asyncrl").resolve())
-    assert cfg.lookahead == 1
-    # derived defaults: P * (L + 1)
+    assert cfg.pipeline.sampler == InOrderConfig(max_lookahead_versions=1)
+    # derived defaults: in_order's P * (L + 1) groups, and N samples for each
     assert cfg.max_buffered_groups == 16 * 2
-    assert cfg.max_inflight_groups == 16 * 2
+    assert cfg.max_inflight_samples == 16 * 2 * 8
     assert cfg.min_groups_for_streaming_train == 16
 
 
@@ -68,9 +69,44 @@ def test_unsupported_transport_lists_the_choices(tmp_path: Path, model_dir: Path
         load_config(write(tmp_path, BASE + "[refit]\ntransport = 'nccl'\n"))
 
 
+@pytest.mark.parametrize(
+    ("table", "expected", "buffer"),
+    [
+        ("name = 'gated'\nmax_staleness_versions = 2\n", GatedConfig(max_staleness_versions=2), 48),
+        ("name = 'oversampled'\nover_sampling_ratio = 2.0\n",
+         OversampledConfig(over_sampling_ratio=2.0), 64),
+        ("name = 'in_order'\nmax_lookahead_versions = 0\n", InOrderConfig(max_lookahead_versions=0), 16),
+    ],
+)
+def test_sampler_table_becomes_its_own_struct_with_its_capacity(
+    tmp_path: Path, model_dir: Path, table: str, expected: object, buffer: int
+) -> None:
+    cfg = load_config(write(tmp_path, BASE + "[pipeline.sampler]\n" + table))
+    assert cfg.pipeline.sampler == expected
+    assert cfg.max_buffered_groups == buffer  # P = 16: 16*(2+1), ceil(2*16*2), 16*1
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ("name = 'gated'\nmax_lookahead_versions = 1\n",
+         r"pipeline.sampler.max_lookahead_versions: unknown key.*keys of \[pipeline.sampler\]: "
+         "max_staleness_versions"),
+        ("max_lookahead_versions = 1\n", r"pipeline.sampler.name: required but missing.*in_order"),
+        ("name = 'gated'\nmax_staleness_versions = 0\n", r"max_staleness_versions: must be >= 1"),
+        ("name = 'oversampled'\nover_sampling_ratio = 0.5\n", r"over_sampling_ratio: must be >= 1"),
+        ("name = 'gated'\nmax_staleness_versions = 'x'\n",
+         r"pipeline.sampler.max_staleness_versions: expected int, got str. Fix"),
+    ],
+)
+def test_sampler_mistakes_name_the_knob(tmp_path: Path, model_dir: Path, table: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, BASE + "[pipeline.sampler]\n" + table))
+
+
 def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
     body = BASE + "[pipeline.sampler]\nname = 'windowedd'\n"
-    with pytest.raises(ConfigError, match="windowedd"):
+    with pytest.raises(ConfigError, match="windowedd.*installed: gated, in_order.*Fix"):
         load_config(write(tmp_path, body))
 
 
@@ -93,7 +129,7 @@ def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
         ),
         (
             "[pipeline.sampler]\nname = 'in_order'\nmax_lookahead_versions = -1\n",
-            "max_lookahead_versions",
+            "pipeline.sampler.max_lookahead_versions",
             ">= 1 for async",
         ),
         ("[loss]\nclip_eps_low = 1.5\n", "loss.clip_eps_low", "0.2"),

@@ -36,7 +36,7 @@ import anyio
 import numpy as np
 import structlog
 
-from asyncrl.backend import WeightBucketView, WorkerContext
+from asyncrl.backend import SampleSink, WeightBucketView, WorkerContext
 from asyncrl.errors import ConfigError, EngineDeadError, RefitError
 from asyncrl.process import exit_status, process_name, wait_pid_exit
 from asyncrl.messages import GenRequest, Sample, TokenBatch
@@ -117,6 +117,10 @@ class VLLMBackend:
         self._reaper: Reaper | None = None
         self._update: _Update | None = None
         self._dead: str | None = None
+        self._requests: dict[str, set[str]] = {}
+        """vLLM request ids still running, by group (one request per sample)."""
+        self._aborted: set[str] = set()
+        """Request ids aborted by :meth:`abort` (their streams may end without an output)."""
         self._engine_shm: list[str] = []
         """Shared-memory segments the engine's processes mapped at start (vLLM's message
         queues); a killed engine cannot unlink them."""
@@ -327,11 +331,13 @@ class VLLMBackend:
         return self._reaper.alive() if self._reaper is not None else []
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, request: GenRequest) -> list[Sample]:
-        """``request.n`` samples; logprobs are of the sampled tokens after temperature (for
-        greedy requests: the plain log-softmax). The vLLM request id is the group id.
+    async def generate(self, request: GenRequest, emit: SampleSink) -> None:
+        """``request.n`` samples, each its own vLLM request (id ``<group>/<i>``, seed
+        ``seed + i``) so that each is emitted the moment it finishes and one long sample holds
+        one engine slot. Logprobs are of the sampled tokens after temperature (greedy: the
+        plain log-softmax). A greedy group is generated once and emitted n times.
 
-        Cancellation: vLLM aborts the request in the engine; the cancellation propagates.
+        Cancellation: vLLM aborts the requests in the engine; the cancellation propagates.
         """
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -346,43 +352,62 @@ class VLLMBackend:
                 f"group {request.group_id}: temperature must be > 0 (or set greedy), "
                 f"got {request.temperature}"
             )
-        # vLLM refuses n > 1 with greedy sampling; greedy samples are all the same anyway.
-        n = 1 if request.greedy else request.n
-        params = SamplingParams(
-            n=n,
-            temperature=0.0 if request.greedy else request.temperature,
-            top_p=1.0,
-            top_k=0,
-            max_tokens=request.max_tokens,
-            logprobs=0,
-            seed=request.seed,
-            detokenize=False,
-            stop_token_ids=list(self._eos),
-            flat_logprobs=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        final = None
-        async with contextlib.aclosing(
-            llm.generate(_tokens(request.prompt_ids), params, request_id=request.group_id)
-        ) as stream:
-            async for out in stream:
-                final = out
-        if final is None:
-            raise RuntimeError(f"group {request.group_id}: vLLM returned no output")
-        samples = [_sample(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        prompt = _tokens(request.prompt_ids)
+
+        async def one(i: int) -> Sample:
+            rid = f"{request.group_id}/{i}"
+            params = SamplingParams(
+                n=1,
+                temperature=0.0 if request.greedy else request.temperature,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=request.max_tokens,
+                logprobs=0,
+                seed=None if request.seed is None else (request.seed + i) & 0x7FFFFFFF,
+                detokenize=False,
+                stop_token_ids=list(self._eos),
+                flat_logprobs=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            final = None
+            self._requests.setdefault(request.group_id, set()).add(rid)
+            try:
+                async with contextlib.aclosing(llm.generate(prompt, params, request_id=rid)) as out:
+                    async for item in out:
+                        final = item
+            finally:
+                running = self._requests.get(request.group_id)
+                if running is not None:
+                    running.discard(rid)
+                    if not running:
+                        del self._requests[request.group_id]
+            aborted = rid in self._aborted
+            self._aborted.discard(rid)
+            if final is None or not final.outputs:
+                if aborted:  # aborted before vLLM produced anything
+                    return Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort")
+                raise RuntimeError(f"group {request.group_id}: vLLM returned no output for {rid}")
+            return _sample(final.outputs[0])
+
+        async def run(i: int) -> None:
+            await emit(i, await one(i))
+
         if request.greedy:
-            (s,) = samples
-            samples = [
-                Sample(s.token_ids.copy(), s.logprobs.copy(), s.finish_reason)
-                for _ in range(request.n)
-            ]
-        return samples
+            s = await one(0)
+            for i in range(request.n):
+                await emit(i, Sample(s.token_ids.copy(), s.logprobs.copy(), s.finish_reason))
+            return
+        async with anyio.create_task_group() as tg:
+            for i in range(request.n):
+                tg.start_soon(run, i)
 
     async def abort(self, group_ids: list[str]) -> None:
-        """Abort these groups; their :meth:`generate` calls return the tokens so far with
+        """Abort these groups' running samples; each is emitted with the tokens so far and
         ``finish_reason == "abort"``. Unknown or finished ids are ignored."""
-        if group_ids:
-            await self._bounded("abort", self._require().abort(list(group_ids)))
+        rids = [rid for gid in group_ids for rid in self._requests.get(gid, ())]
+        if rids:
+            self._aborted.update(rids)
+            await self._bounded("abort", self._require().abort(rids))
 
     async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
         """Logprobs (float32, flat) of every response token under the current weights,

@@ -18,7 +18,7 @@ import anyio.lowlevel
 import numpy as np
 import structlog
 
-from asyncrl.backend import WeightBucketView, WorkerContext
+from asyncrl.backend import SampleSink, WeightBucketView, WorkerContext
 from asyncrl.messages import GenRequest, Sample, TokenBatch
 
 from . import __version__
@@ -55,6 +55,7 @@ class BigramGenerator:
         self._running: set[str] = set()
         self._aborted: set[str] = set()
         self._groups_done = 0
+        self._slots: anyio.Semaphore | None = None
 
     async def start(self) -> dict[str, Any]:
         if self.options.fail_at_start:
@@ -64,22 +65,27 @@ class BigramGenerator:
         )
         self._resumed = anyio.Event()
         self._resumed.set()
+        if self.options.max_concurrent_samples:
+            self._slots = anyio.Semaphore(self.options.max_concurrent_samples)
         return {"backend_version": __version__, "vocab_size": self.spec.vocab_size}
 
     # ------------------------------------------------------------------ sampling
-    async def generate(self, request: GenRequest) -> list[Sample]:
-        """``request.n`` samples, one after the other, from one Generator seeded with
-        ``request.seed`` (fresh entropy when ``None``).
+    async def generate(self, request: GenRequest, emit: SampleSink) -> None:
+        """``request.n`` samples generated concurrently (each takes an engine slot when
+        ``max_concurrent_samples`` is set), each emitted as soon as it finishes. Sample ``i``
+        draws from its own Generator seeded with ``(request.seed, i)`` (fresh entropy when
+        the seed is ``None``).
 
         Cancellation: stops between tokens and propagates (nothing to clean up).
         """
         if not request.prompt_ids:
             raise ValueError(f"group {request.group_id}: empty prompt")
         mark_phase(self.options.phase_marker_dir, self.ctx, "generate")
-        rng = np.random.default_rng(request.seed)
         self._running.add(request.group_id)
         try:
-            samples = [await self._sample(request, rng) for _ in range(request.n)]
+            async with anyio.create_task_group() as tg:
+                for i in range(request.n):
+                    tg.start_soon(self._one, request, i, emit)
         finally:
             self._running.discard(request.group_id)
             self._aborted.discard(request.group_id)
@@ -87,7 +93,15 @@ class BigramGenerator:
         if self.options.crash_after_groups and self._groups_done >= self.options.crash_after_groups:
             log.warning("crashing_on_purpose", groups=self._groups_done)  # testing knob
             os.kill(os.getpid(), signal.SIGKILL)
-        return samples
+
+    async def _one(self, req: GenRequest, i: int, emit: SampleSink) -> None:
+        rng = np.random.default_rng(None if req.seed is None else [req.seed, i])
+        if self._slots is None:
+            sample = await self._sample(req, rng)
+        else:
+            async with self._slots:
+                sample = await self._sample(req, rng)
+        await emit(i, sample)
 
     async def _sample(self, req: GenRequest, rng: np.random.Generator) -> Sample:
         greedy = req.greedy or req.temperature == 0
@@ -96,7 +110,11 @@ class BigramGenerator:
         tokens: list[int] = []
         logprobs: list[float] = []
         reason = "length"
-        for _ in range(req.max_tokens):
+        length = req.max_tokens
+        if self.options.length_median > 0:  # workload knob: a drawn length, EOS ignored
+            draw = rng.lognormal(np.log(self.options.length_median), self.options.length_sigma)
+            length = int(min(req.max_tokens, max(1, round(draw))))
+        for _ in range(length):
             if req.group_id in self._aborted:
                 reason = "abort"
                 break
@@ -111,7 +129,7 @@ class BigramGenerator:
                 tok = min(tok, cdf.size - 1)
             tokens.append(tok)
             logprobs.append(float(logp[tok]))
-            if tok == self.spec.eos_token_id:
+            if tok == self.spec.eos_token_id and self.options.length_median <= 0:
                 reason = "stop"
                 break
             prev = tok
@@ -119,11 +137,15 @@ class BigramGenerator:
                 await anyio.sleep(self.options.token_delay_s)
             else:
                 await anyio.lowlevel.checkpoint()  # let other groups (and cancellation) in
+        else:
+            if self.options.length_median > 0 and length < req.max_tokens:
+                reason = "stop"
         return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason)
 
     async def abort(self, group_ids: list[str]) -> None:
-        """Running groups among ``group_ids`` stop at their next token; their remaining
-        samples come back empty, all with ``finish_reason == "abort"``."""
+        """Running groups among ``group_ids`` stop at their next token (or before their first,
+        when waiting for a slot): every sample not yet emitted is emitted with
+        ``finish_reason == "abort"``."""
         self._aborted.update(g for g in group_ids if g in self._running)
 
     async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:

@@ -46,6 +46,16 @@ class GeneratorOptions(_Options):
     """Testing knob: from this weight version on, acknowledge every refit but keep serving
     the weights it had (a generator that silently misses an update, as a stale kernel cache
     would); 0 never does. Tests refit verification."""
+    max_concurrent_samples: int = 0
+    """Samples this engine generates at once (its batch slots, as vLLM's ``max_num_seqs``);
+    the others wait for a free slot. 0 = no limit."""
+    length_median: float = 0.0
+    """Workload knob: when > 0, each sample's length is drawn from a log-normal distribution
+    with this median (tokens, at least 1, at most ``max_tokens``) and EOS is ignored until
+    then. With ``token_delay_s`` a sample takes the time its length implies."""
+    length_sigma: float = 1.0
+    """Workload knob: the log-normal's sigma; 1.0 puts the 99th percentile at about 10x the
+    median (exp(2.326 * sigma))."""
 
 
 class TrainerOptions(_Options):
@@ -66,6 +76,9 @@ class TrainerOptions(_Options):
     step_delay_s: float = 0.0
     """Testing knob: sleep this long in every ``finish_step``, to make training slow enough
     that tests can observe generation overlapping it."""
+    sequence_delay_s: float = 0.0
+    """Workload knob: sleep this long per sequence of every ``train_chunk`` (training time
+    proportional to the data, as a real trainer's)."""
     phase_marker_dir: str = ""
     """Testing knob: create ``<dir>/trainer-<rank>.<phase>`` when the first step (phase
     ``train``) and the first weight export (``refit``) begin."""
@@ -89,7 +102,8 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
         raise ConfigError(explain(exc, cls, table) + " (bigram backend)") from None
     for name in (
         "token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm",
-        "stale_from_version", "load_delay_s", "close_delay_s",
+        "stale_from_version", "load_delay_s", "close_delay_s", "max_concurrent_samples",
+        "length_median", "sequence_delay_s",
     ):
         value = getattr(opts, name, 0)
         if value < 0:
@@ -99,6 +113,8 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
             raise ConfigError(f"{table}.lr: must be > 0, got {opts.lr}")
         if not all(0 <= b < 1 for b in opts.betas):
             raise ConfigError(f"{table}.betas: both must lie in [0, 1), got {list(opts.betas)}")
+    if isinstance(opts, GeneratorOptions) and not opts.length_sigma > 0:
+        raise ConfigError(f"{table}.length_sigma: must be > 0, got {opts.length_sigma}")
     return opts
 
 

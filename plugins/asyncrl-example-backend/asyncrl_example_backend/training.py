@@ -126,6 +126,8 @@ class BigramTrainer:
 
     def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
         self._check_open(step)
+        if self.options.sequence_delay_s:  # workload knob: time proportional to the data
+            time.sleep(self.options.sequence_delay_s * int(batch.seq_lens.size))
         loss = self.ctx.config.loss
         grad, stats = ppo_gradient(
             self.weights,

@@ -1,0 +1,206 @@
+"""The scheduler and each sampler on hand-made schedules (the random ones are in
+test_schedule_properties.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.samplers import (
+    GatedConfig,
+    GatedSampler,
+    InOrderConfig,
+    InOrderSampler,
+    OversampledConfig,
+    OversampledSampler,
+    ReadyFirstConfig,
+    ReadyFirstSampler,
+    Sampler,
+    slack,
+)
+from asyncrl.schedule import Dispatch, Scheduler, SchedulerError, Wait
+
+
+def make(sampler, P=2, N=2, steps=4, cap=None, inflight=None, min_chunk=1) -> Scheduler:
+    cap = cap or sampler.required_buffer_capacity(P)
+    return Scheduler(sampler, prompts_per_step=P, samples_per_prompt=N, num_steps=steps,
+                     max_buffered_groups=cap, max_inflight_samples=inflight or cap * N,
+                     min_chunk_groups=min_chunk)
+
+
+def dispatch_all(s: Scheduler) -> tuple[list[Dispatch], Wait]:
+    out = []
+    while isinstance(d := s.dispatch(), Dispatch):
+        out.append(d)
+    return out, d
+
+
+def complete(s: Scheduler, gid: str) -> None:
+    slot = s.slot(gid)
+    for _ in range(slot.n - slot.finished):
+        outcome = s.sample_finished(gid)
+    assert outcome == "commit"
+    s.committed(gid, [1.0] * slot.n)
+
+
+def train_step(s: Scheduler, gids: list[str]) -> list[str]:
+    """Train exactly ``gids`` as the open step (asserting the scheduler picks them), refit."""
+    chunk = s.next_chunk()
+    assert sorted(chunk.groups) == sorted(gids), chunk
+    s.finish_step()
+    aborted = s.begin_refit()
+    s.end_refit()
+    return aborted
+
+
+def in_order(L: int) -> InOrderSampler:
+    return InOrderSampler(InOrderConfig(max_lookahead_versions=L))
+
+
+def test_every_sampler_satisfies_the_protocol() -> None:
+    for s in (in_order(1), GatedSampler(GatedConfig()), OversampledSampler(OversampledConfig()),
+              ReadyFirstSampler(ReadyFirstConfig())):
+        assert isinstance(s, Sampler)
+
+
+def test_in_order_admits_batches_up_to_the_lookahead() -> None:
+    s = make(in_order(1), P=2, steps=5)
+    first, wait = dispatch_all(s)
+    assert [(d.index, d.target_step) for d in first] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert wait.reason == "buffer"  # P * (L + 1) live groups
+    for d in first[:2]:
+        complete(s, d.group_id)
+    train_step(s, ["g0", "g1"])
+    more, wait = dispatch_all(s)
+    assert [(d.index, d.target_step, d.start_version) for d in more] == [(4, 2, 1), (5, 2, 1)]
+
+
+def test_sync_mode_dispatches_the_next_batch_only_after_the_refit() -> None:
+    s = make(in_order(0), P=2, steps=3)
+    batch, wait = dispatch_all(s)
+    assert len(batch) == 2 and wait.reason == "buffer"
+    for d in batch:
+        complete(s, d.group_id)
+    assert s.next_chunk().groups == ["g0", "g1"]
+    s.finish_step()
+    assert s.dispatch() == Wait("gate")  # the refit is going on
+    s.begin_refit()
+    s.end_refit()
+    assert isinstance(s.dispatch(), Dispatch)
+
+
+def test_a_long_sample_holds_one_slot_not_its_group() -> None:
+    """Sample-level backpressure: with room for N + 1 samples, a group whose N - 1 short
+    samples finished lets the next group start although its long sample still runs."""
+    N = 4
+    s = make(OversampledSampler(OversampledConfig(over_sampling_ratio=2.0)), P=2, N=N,
+             inflight=N + 1)
+    (a,), wait = dispatch_all(s)
+    assert wait.reason == "samples"
+    for _ in range(N - 1):
+        assert s.sample_finished(a.group_id) is None
+    b = s.dispatch()
+    assert isinstance(b, Dispatch) and s.inflight_samples == N + 1
+
+
+def test_oversampled_evicts_stale_ready_groups_and_aborts_hopeless_ones() -> None:
+    s = make(OversampledSampler(OversampledConfig(max_staleness_versions=1)), P=1, N=1, steps=6)
+    ds, _ = dispatch_all(s)
+    # g0 (start 0) straggles; g1, g2 train steps 0 and 1
+    complete(s, ds[1].group_id)
+    assert train_step(s, [ds[1].group_id]) == []
+    complete(s, ds[2].group_id)
+    aborted = train_step(s, [ds[2].group_id])
+    assert ds[0].group_id in aborted  # start 0 can never train at version >= 2
+    assert s.sample_finished(ds[0].group_id) == "discard"
+    # a stale *ready* group is evicted instead
+    s2 = make(OversampledSampler(OversampledConfig(max_staleness_versions=1)), P=1, N=1)
+    d2, _ = dispatch_all(s2)
+    for d in d2[:3]:
+        complete(s2, d.group_id)
+    train_step(s2, ["g0"])
+    train_step(s2, ["g1"])
+    chunk = s2.next_chunk()  # at version 2, g2 (start 0) is 2 versions old
+    assert chunk.evicted == ["g2"] and s2.evicted == 1 and s2.wasted_samples == 1
+
+
+def test_gated_waits_for_a_straggler_only_once_it_is_due() -> None:
+    s = make(GatedSampler(GatedConfig(max_staleness_versions=1)), P=1, N=1, steps=4)
+    ds, wait = dispatch_all(s)
+    assert [d.group_id for d in ds] == ["g0", "g1"] and wait.reason in ("buffer", "sampler")
+    complete(s, "g1")  # g0 straggles
+    train_step(s, ["g1"])  # step 0 may take g1: g0's deadline is version 1
+    (g2,), _ = dispatch_all(s)
+    complete(s, g2.group_id)
+    assert s.next_chunk().groups == []  # step 1 must take g0 (due), not g2
+    complete(s, "g0")
+    assert s.next_chunk().groups == ["g0"]
+    assert s.stats.staleness == {1: 1}
+
+
+def test_slack_counts_deadlines_by_hand() -> None:
+    # v = 3, W = 1, P = 2, nothing taken: two groups started on 2 (deadline 3), one on 3
+    assert slack({2: 2, 3: 1}, 3, 0, 2, 1) == {3: 0, 4: 1}
+    assert slack({2: 3}, 3, 0, 2, 1) == {3: -1, 4: 1}  # three due, two slots
+    assert slack({1: 1}, 3, 0, 2, 1)[3] == -1  # missed deadline
+
+
+def test_ready_first_trains_in_completion_order() -> None:
+    s = make(ReadyFirstSampler(ReadyFirstConfig()), P=2, N=1, min_chunk=2)
+    ds, _ = dispatch_all(s)
+    for gid in ("g3", "g1"):
+        complete(s, gid)
+    assert s.next_chunk().groups == ["g3", "g1"]
+
+
+@pytest.mark.parametrize(
+    "event, match",
+    [
+        (lambda s: s.sample_finished("nope"), "unknown group"),
+        (lambda s: s.committed("g0"), "committed in state generating"),
+        (lambda s: s.finish_step(), "has 0 of 2 groups"),
+        (lambda s: s.end_refit(), "without a refit"),
+        (lambda s: s.begin_refit(), "without finish_step"),
+    ],
+)
+def test_impossible_events_are_refused(event, match) -> None:
+    s = make(in_order(1))
+    dispatch_all(s)
+    with pytest.raises(SchedulerError, match=match):
+        event(s)
+
+
+def test_capacity_below_the_sampler_rule_is_refused() -> None:
+    with pytest.raises(SchedulerError, match="required capacity 4"):
+        make(in_order(1), P=2, cap=3)
+    with pytest.raises(SchedulerError, match="cannot hold one group"):
+        make(in_order(1), P=2, N=4, inflight=3)
+
+
+def test_state_dict_resumes_without_losing_or_repeating_a_prompt() -> None:
+    s = make(in_order(1), P=2, steps=4)
+    ds, _ = dispatch_all(s)
+    for d in ds[:2]:
+        complete(s, d.group_id)
+    complete(s, "g3")  # g2 still generating, g3 ready: both of step 1
+    train_step(s, ["g0", "g1"])
+    more, _ = dispatch_all(s)  # step 2's batch: g4, g5
+    state = s.state_dict()
+    resumed = make(in_order(1), P=2, steps=4)
+    resumed.load_state_dict(state)
+    again, _ = dispatch_all(resumed)
+    assert [(d.index, d.target_step) for d in again] == [(2, 1), (3, 1), (4, 2), (5, 2)]
+    assert resumed.trainer_version == 1 and resumed.trained == 2
+    for d in again[:2]:
+        complete(resumed, d.group_id)
+    train_step(resumed, ["g2", "g3"])
+    nxt, _ = dispatch_all(resumed)
+    assert [d.index for d in nxt] == [6, 7]  # the stream continues where it stopped
+
+
+def test_state_dict_only_between_steps() -> None:
+    s = make(in_order(0), P=1, N=1)
+    dispatch_all(s)
+    complete(s, "g0")
+    s.next_chunk()
+    with pytest.raises(SchedulerError, match="between steps"):
+        s.state_dict()
