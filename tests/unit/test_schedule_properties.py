@@ -37,6 +37,7 @@ from asyncrl.samplers import (
     ReadyFirstSampler,
 )
 from asyncrl.schedule import Dispatch, Scheduler, SchedulerError
+from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 
 SAMPLERS = {
     "in_order": lambda w, r: InOrderSampler(InOrderConfig(max_lookahead_versions=w)),
@@ -45,6 +46,10 @@ SAMPLERS = {
         OversampledConfig(max_staleness_versions=max(1, w), over_sampling_ratio=r)
     ),
     "ready_first": lambda w, r: ReadyFirstSampler(ReadyFirstConfig(max_staleness_versions=max(1, w))),
+    # the example plugin (plugins/asyncrl-sampler-dapo): drops groups without reward variance
+    "dynamic": lambda w, r: DynamicSampler(
+        DynamicConfig(max_staleness_versions=max(1, w), over_sampling_ratio=r, window_groups=8)
+    ),
 }
 WASTE_FREE = {"in_order", "gated"}
 
@@ -116,7 +121,7 @@ def run_schedule(name: str, seed: int, P: int, N: int, W: int, steps: int, ratio
         elif move == "commit":
             gid = scoring.pop(rng.randrange(len(scoring)))
             assert done_samples[gid] == N
-            s.committed(gid, [1.0] * N)
+            s.committed(gid, [float(rng.random() < 0.5) for _ in range(N)])
         elif move == "end_refit":
             s.end_refit()
             refit_pending = False

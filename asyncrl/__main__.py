@@ -1,0 +1,7 @@
+"""``python -m asyncrl ...``: the ``asyncrl`` command (:mod:`asyncrl.cli`)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
