@@ -298,6 +298,8 @@ class Pipeline:
                 tg.start_soon(self._score_eval, pending)
             return
         self._load[pending.worker] -= 1
+        if msg.sample.finish_reason == "abort":
+            self._record(self.sched.trainer_version).aborted_samples += 1
         outcome = self.sched.sample_finished(gid)
         if outcome is not None:
             del self._generating[gid]
@@ -415,6 +417,7 @@ class Pipeline:
             await self._abort(self.sched.begin_refit())
             if cfg.refit.drain:
                 await self._drain(rec)
+            rec.inflight_at_refit = self.sched.inflight_samples
             await self.refit(step + 1)
             refit_s = self.now() - refit_start
             stats = self.sched.end_refit()

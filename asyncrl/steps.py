@@ -31,6 +31,10 @@ class StepRecord:
     """Rollout pump time waiting for the gate (a refit) while this step was the trainer's."""
     drain_s: float = 0.0
     drain_timeouts: int = 0
+    aborted_samples: int = 0
+    """Samples the engines cut short (finish reason ``abort``) while this step was open."""
+    inflight_at_refit: int = 0
+    """Samples still generating when the weights were swapped (0 after a complete drain)."""
     chunks: int = 0
     groups: list[Group] = field(default_factory=list)
     chunk_results: list[ChunkResult] = field(default_factory=list)
@@ -82,6 +86,8 @@ class StepRecord:
             "inflight_samples_max": stats.inflight_samples_max,
             "drain_s": self.drain_s,
             "drain_timeouts": self.drain_timeouts,
+            "aborted_samples": self.aborted_samples,
+            "inflight_at_refit": self.inflight_at_refit,
             "gen_start": self.gen_start,
             "gen_end": self.gen_end,
             "train_start": self.train_start,

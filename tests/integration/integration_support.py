@@ -70,10 +70,12 @@ BASE: dict[str, Any] = {
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge (``over`` wins); inputs are not modified."""
+    """Recursive dict merge (``over`` wins); inputs are not modified. A table whose ``name``
+    changes (e.g. another sampler) is replaced, not merged: its keys belong to the old name."""
     out = copy.deepcopy(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        old = out.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and value.get("name", old.get("name")) == old.get("name"):
             out[key] = merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

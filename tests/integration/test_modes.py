@@ -1,0 +1,127 @@
+"""Every asynchrony mode through the real controller and real worker processes (bigram engine).
+
+The workload has stragglers: sample lengths are log-normal (median 3 tokens, p99 about 10x)
+and every token takes 4 ms, so groups finish out of order and some take far longer than
+others. What each run must show, from its metrics.jsonl:
+
+* every step trains exactly P groups, none staler than the mode's bound (staleness histogram);
+* modes that promise no waste waste nothing; the others count what they evict or abort, and
+  an abort is real: the engine cuts those samples short (finish reason ``abort``);
+* the samples in flight never exceed ``pipeline.max_inflight_samples``;
+* with ``refit.drain`` no sample is generating when the weights are swapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import asyncrl
+from asyncrl.config import Config
+from integration_support import read_metrics
+
+pytestmark = pytest.mark.asyncio
+
+P, N = 4, 4
+WORKLOAD = {
+    "grpo": {"prompts_per_step": P, "samples_per_prompt": N, "max_new_tokens": 40},
+    "generator": {"backend": "bigram", "options": {
+        "length_median": 3.0, "length_sigma": 1.0, "token_delay_s": 0.004}},
+    "trainer": {"backend": "bigram", "options": {"lr": 0.5, "step_delay_s": 0.03}},
+    "run": {"num_steps": 6},
+    "eval": {"num_prompts": 0},
+}
+
+MODES = {
+    "sync": ({"name": "in_order", "max_lookahead_versions": 0}, 0, True),
+    "in_order-2": ({"name": "in_order", "max_lookahead_versions": 2}, 2, True),
+    "gated": ({"name": "gated", "max_staleness_versions": 1}, 1, True),
+    "oversampled": ({"name": "oversampled", "max_staleness_versions": 1,
+                     "over_sampling_ratio": 2.0}, 1, False),
+    "ready_first": ({"name": "ready_first", "max_staleness_versions": 1}, 1, False),
+    "dynamic": ({"name": "dynamic", "max_staleness_versions": 1, "over_sampling_ratio": 2.0}, 1,
+                False),
+}
+
+
+async def run(make_config: Callable[..., Config], name: str, **over) -> list[dict]:
+    sections = {**WORKLOAD, **over}
+    config = make_config(name, **sections)
+    async with asyncrl.Controller(config) as ctl:
+        summary = await ctl.train()
+    assert len(summary.steps) == config.run.num_steps
+    return [r for r in read_metrics(config) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_mode_keeps_its_bound_and_accounts_for_every_group(
+    make_config: Callable[..., Config], mode: str
+) -> None:
+    sampler, bound, waste_free = MODES[mode]
+    steps = await run(make_config, mode, pipeline={
+        "sampler": sampler, "min_groups_for_streaming_train": 2,
+        "max_inflight_samples": 3 * N})
+    for r in steps:
+        hist = {int(k): v for k, v in r["staleness_hist"].items()}
+        assert sum(hist.values()) == r["groups"] == P, r
+        assert max(hist) <= bound, (mode, hist)
+        assert r["inflight_samples_max"] <= 3 * N
+        if waste_free:
+            assert r["wasted_samples"] == 0 and r["aborted_samples"] == 0, r
+        assert r["wasted_samples"] == N * (r["evicted_groups"] + r["aborted_groups"])
+        assert r["aborted_samples"] <= N * r["aborted_groups"] + N * P  # bounded by what was aborted
+    if mode == "sync":
+        assert all(r["staleness_max"] == 0 and r["inflight_at_refit"] == 0 for r in steps)
+
+
+async def test_oversampling_aborts_in_the_engine_at_refit(make_config: Callable[..., Config]) -> None:
+    """Long stragglers (p99 far above the median) under a tight window: the refit after which
+    they can no longer train aborts them, and the engine really cuts them short."""
+    steps = await run(
+        make_config, "abort",
+        generator={"backend": "bigram", "options": {
+            "length_median": 2.0, "length_sigma": 1.6, "token_delay_s": 0.004}},
+        grpo={"prompts_per_step": P, "samples_per_prompt": N, "max_new_tokens": 200},
+        pipeline={"sampler": {"name": "oversampled", "max_staleness_versions": 1,
+                              "over_sampling_ratio": 2.0},
+                  "min_groups_for_streaming_train": 1},
+        run={"num_steps": 8},
+    )
+    aborted = sum(r["aborted_groups"] for r in steps)
+    cut = sum(r["aborted_samples"] for r in steps)
+    assert aborted > 0, steps
+    assert 0 < cut <= N * aborted  # the engine returned them cut short ("abort")
+    assert all(max(int(k) for k in r["staleness_hist"]) <= 1 for r in steps)
+
+
+async def test_drain_leaves_nothing_in_flight_at_the_refit(make_config: Callable[..., Config]) -> None:
+    steps = await run(make_config, "drain", refit={"drain": True, "drain_timeout_s": 30.0},
+                      pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 1}})
+    assert all(r["inflight_at_refit"] == 0 and r["drain_timeouts"] == 0 for r in steps), steps
+    assert any(r["drain_s"] > 0 for r in steps)
+
+
+async def test_drain_timeout_lets_the_refit_go_ahead(make_config: Callable[..., Config]) -> None:
+    steps = await run(
+        make_config, "drain-timeout",
+        generator={"backend": "bigram", "options": {
+            "length_median": 40.0, "length_sigma": 0.1, "token_delay_s": 0.02}},
+        refit={"drain": True, "drain_timeout_s": 0.05},
+        pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 1}},
+        run={"num_steps": 3},
+    )
+    assert any(r["drain_timeouts"] == 1 and r["inflight_at_refit"] > 0 for r in steps), steps
+
+
+async def test_a_long_sample_does_not_hold_back_new_groups(make_config: Callable[..., Config]) -> None:
+    """With room for N + 1 samples in flight, a group whose other samples finished leaves
+    room for the next group while its long sample runs: samples in flight exceed one group."""
+    steps = await run(
+        make_config, "backpressure",
+        pipeline={"sampler": {"name": "oversampled", "max_staleness_versions": 2,
+                              "over_sampling_ratio": 2.0},
+                  "min_groups_for_streaming_train": 1, "max_inflight_samples": N + 2},
+    )
+    assert max(r["inflight_samples_max"] for r in steps) > N
+    assert all(r["inflight_samples_max"] <= N + 2 for r in steps)
