@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +159,8 @@ class Pipeline:
         self._load = {w: 0 for w in rollouts}
         """Samples in flight per rollout worker (dispatch goes to the least loaded)."""
         self.rejections = rejections if rejections is not None else Rejections()
-        self.loop_lag_max_s = 0.0
+        self._lags: deque[float] = deque(maxlen=100_000)
+        """Event-loop wake-up delays since the last step was logged (bounded)."""
         self.history: list[dict[str, Any]] = []
         self.probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
@@ -396,19 +398,23 @@ class Pipeline:
                     opened = True
                 batch = pack_groups(groups, normalize=cfg.grpo.normalize_advantages)
                 shards = shard_batch(batch, len(self.trainers))
+                busy = self.now()
                 results = await self.control.call_each(
                     self.trainers, [TrainChunk(step=step, batch=s) for s in shards], timeout_s=timeout
                 )
+                rec.train_busy_s += self.now() - busy
                 rec.chunk_results += results  # type: ignore[arg-type]
                 rec.groups += groups
                 rec.chunks += 1
             num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
+            busy = self.now()
             finish = await self.control.call_each(
                 self.trainers,
                 [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers),
                 timeout_s=timeout,
             )
             rec.train_end = self.now()
+            rec.train_busy_s += rec.train_end - busy
             # the version bump and the gate's closing are one scheduler event: no dispatch
             # can see version v+1 before the generators serve it
             self.sched.finish_step()
@@ -582,11 +588,11 @@ class Pipeline:
             buffer_ready=self.sched.num_ready,
             buffer_live=self.sched.num_live,
             inflight_samples=self.sched.inflight_samples,
-            loop_lag_max_s=self.loop_lag_max_s,
+            loop_lags=list(self._lags),
             rejected_frames=self.rejections.total,
             now=self.now(),
         )
-        self.loop_lag_max_s = 0.0
+        self._lags.clear()
         self.history.append(record)
         if self.metrics is not None:
             self.metrics.write({"kind": "train", **record})
@@ -665,9 +671,10 @@ class Pipeline:
         return record
 
     # ------------------------------------------------------------------ loop health
-    async def watch_loop_lag(self, interval_s: float = 0.25) -> None:
-        """Measure how late the event loop wakes up (a blocked loop starves both pumps)."""
+    async def watch_loop_lag(self, interval_s: float = 0.01) -> None:
+        """Measure how late the event loop wakes up from a short sleep, every ``interval_s``
+        (a blocked loop starves both pumps); each step's record gets the p99 and the max."""
         while True:
             t = time.perf_counter()
             await anyio.sleep(interval_s)
-            self.loop_lag_max_s = max(self.loop_lag_max_s, time.perf_counter() - t - interval_s)
+            self._lags.append(max(0.0, time.perf_counter() - t - interval_s))

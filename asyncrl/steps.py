@@ -33,6 +33,8 @@ class StepRecord:
     drain_timeouts: int = 0
     aborted_samples: int = 0
     """Samples the engines cut short (finish reason ``abort``) while this step was open."""
+    train_busy_s: float = 0.0
+    """Time the trainer ranks spent on this step's TrainChunk and FinishStep calls."""
     inflight_at_refit: int = 0
     """Samples still generating when the weights were swapped (0 after a complete drain)."""
     chunks: int = 0
@@ -50,7 +52,7 @@ class StepRecord:
         buffer_ready: int,
         buffer_live: int,
         inflight_samples: int,
-        loop_lag_max_s: float,
+        loop_lags: list[float],
         rejected_frames: int,
         now: float,
     ) -> dict[str, Any]:
@@ -88,11 +90,13 @@ class StepRecord:
             "drain_timeouts": self.drain_timeouts,
             "aborted_samples": self.aborted_samples,
             "inflight_at_refit": self.inflight_at_refit,
+            "train_busy_s": self.train_busy_s,
             "gen_start": self.gen_start,
             "gen_end": self.gen_end,
             "train_start": self.train_start,
             "train_end": self.train_end,
-            "loop_lag_max_s": loop_lag_max_s,
+            "loop_lag_p99_s": float(np.quantile(loop_lags, 0.99)) if loop_lags else 0.0,
+            "loop_lag_max_s": max(loop_lags, default=0.0),
             "rejected_frames": rejected_frames,
             "time": now,
         }

@@ -23,30 +23,7 @@ from asyncrl.refit import shm_dir
 
 
 # --------------------------------------------------------------------------- the model dir
-def write_model_dir(path: Path) -> Path:
-    """``config.json`` + ``tokenizer.json`` of a character-level model (the arithmetic
-    plugin's vocabulary), built with ``tokenizers`` alone (no transformers import)."""
-    from asyncrl_arith.model import BOS_ID, EOS_ID, PAD_ID, SPECIAL, VOCAB
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", BOS_ID)]
-    )
-    tok.add_special_tokens(SPECIAL)  # so decode(skip_special_tokens=True) drops them
-    tok.save(str(path / "tokenizer.json"))
-    config = {
-        "model_type": "bigram",
-        "vocab_size": len(VOCAB),
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+from asyncrl_example_backend.model import write_model_dir  # noqa: E402,F401  (re-exported)
 
 
 # --------------------------------------------------------------------------- configs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -108,3 +109,30 @@ def token_logprobs(
         return np.zeros(0, np.float64)
     logp = log_softmax(np.asarray(table, dtype=np.float64)[prev] / temperature)
     return logp[np.arange(tok.size), tok]
+
+
+def write_model_dir(path: Path) -> Path:
+    """A bigram model directory: ``config.json`` + the arithmetic plugin's character-level
+    ``tokenizer.json`` (built with ``tokenizers`` alone; no transformers import). Used by the
+    integration tests and ``benchmarks/modes.py``."""
+    from asyncrl_arith.model import BOS_ID, EOS_ID, PAD_ID, SPECIAL, VOCAB
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", BOS_ID)]
+    )
+    tok.add_special_tokens(SPECIAL)  # so decode(skip_special_tokens=True) drops them
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "model_type": "bigram",
+        "vocab_size": len(VOCAB),
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -1,0 +1,205 @@
+"""Every asynchrony mode on one long-tail workload, and the controller's loop under load.
+
+    .venv/bin/python benchmarks/modes.py                 # both parts, ~3 min on 2 cores
+    .venv/bin/python benchmarks/modes.py --part modes --steps 16
+    .venv/bin/python benchmarks/modes.py --part lag
+
+**modes**: the real controller and worker processes with the example (bigram) engine, which
+really takes the time a sample's length implies: lengths are log-normal (median
+``--median`` tokens, sigma 1.0, so the 99th percentile is about 10x the median), every token
+costs ``--token-delay`` seconds, the engine runs at most ``--slots`` samples at once, and the
+trainer spends ``--seq-delay`` seconds per sequence (by default about the mean time one
+sample takes to generate, per step). Each mode runs the same prompts for the same number of
+steps; the table gives the wall clock per step (after the first), the speedup over sync, the
+trainer's idle fraction, staleness p50/max and wasted samples.
+
+**lag**: the example engine emits single-token samples as fast as it can (two rollout
+ranks) and the controller's event loop lag is sampled every 10 ms (p99 and max over the
+run), with the samples per second that went through the data socket.
+
+Results are printed as markdown and written to ``benchmarks/results/modes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+import asyncrl
+from asyncrl.config import from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}, "chunk": 0},
+    "in_order L=1": {"sampler": {"name": "in_order", "max_lookahead_versions": 1}, "chunk": 4},
+    "gated W=1": {"sampler": {"name": "gated", "max_staleness_versions": 1}, "chunk": 4},
+    "ready_first W=1": {"sampler": {"name": "ready_first", "max_staleness_versions": 1},
+                        "chunk": 4},
+    "oversampled W=1 r=1.5": {"sampler": {"name": "oversampled", "max_staleness_versions": 1,
+                                          "over_sampling_ratio": 1.5}, "chunk": 4},
+    "oversampled W=2 r=1.5": {"sampler": {"name": "oversampled", "max_staleness_versions": 2,
+                                          "over_sampling_ratio": 1.5}, "chunk": 4},
+}
+
+
+def base_config(model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": {"path": str(model)},
+        "environment": {"name": "repeat-digit"},
+        "run": {"num_steps": args.steps, "seed": 0, "output_dir": str(out)},
+        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "shutdown_grace_s": 5.0},
+        "grpo": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+                 "max_new_tokens": args.max_tokens},
+        "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
+        "trainer": {"backend": "bigram", "options": {
+            "lr": 0.5, "sequence_delay_s": args.seq_delay}},
+        "generator": {"backend": "bigram", "options": {
+            "length_median": args.median, "length_sigma": 1.0,
+            "token_delay_s": args.token_delay, "max_concurrent_samples": args.slots}},
+        "eval": {"num_prompts": 0},
+    }
+
+
+async def run_one(data: dict[str, Any]) -> list[dict[str, Any]]:
+    config = from_dict(data)
+    async with asyncrl.Controller(config) as ctl:
+        summary = await ctl.train()
+    return summary.steps
+
+
+def summarize(name: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    ends = [r["time"] for r in steps]
+    per_step = (ends[-1] - ends[0]) / (len(ends) - 1)  # the first step includes start-up
+    window = ends[-1] - ends[0]
+    busy = sum(r["train_busy_s"] for r in steps[1:])
+    stale: list[int] = []
+    for r in steps:
+        for k, v in r["staleness_hist"].items():
+            stale += [int(k)] * v
+    return {
+        "mode": name,
+        "s_per_step": per_step,
+        "trainer_idle": max(0.0, 1 - busy / window),
+        "staleness_p50": int(np.median(stale)),
+        "staleness_max": max(stale),
+        "wasted_samples": sum(r["wasted_samples"] for r in steps),
+        "aborted_samples": sum(r["aborted_samples"] for r in steps),
+        "reward_last": steps[-1]["reward"],
+    }
+
+
+async def part_modes(args: argparse.Namespace, model: Path, tmp: Path) -> list[dict[str, Any]]:
+    rows = []
+    for name, mode in MODES.items():
+        data = base_config(model, tmp / name.replace(" ", "_"), args)
+        data["pipeline"] = {"sampler": mode["sampler"],
+                            "min_groups_for_streaming_train": mode["chunk"]}
+        start = time.perf_counter()
+        steps = await run_one(data)
+        row = summarize(name, steps)
+        row["run_s"] = time.perf_counter() - start
+        rows.append(row)
+        print(f"  {name}: {row['s_per_step']:.3f} s/step", flush=True)
+    sync = rows[0]["s_per_step"]
+    for row in rows:
+        row["speedup"] = sync / row["s_per_step"]
+    return rows
+
+
+async def part_lag(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
+    P, N = 64, 16
+    data = base_config(model, tmp / "lag", args)
+    data["grpo"] = {"prompts_per_step": P, "samples_per_prompt": N, "max_new_tokens": 1}
+    data["cluster"]["rollout_ranks"] = 2
+    data["run"]["num_steps"] = args.lag_steps
+    data["generator"]["options"] = {}
+    data["trainer"]["options"] = {"lr": 0.5}
+    data["pipeline"] = {"sampler": {"name": "oversampled", "max_staleness_versions": 2,
+                                    "over_sampling_ratio": 2.0},
+                        "min_groups_for_streaming_train": 16}
+    steps = await run_one(data)
+    window = steps[-1]["time"] - steps[0]["time"]
+    # samples that came through the data socket after the first step: trained or wasted
+    samples = sum(r["groups"] * N + r["wasted_samples"] for r in steps[1:])
+    lags = [r["loop_lag_p99_s"] for r in steps[1:]]
+    return {
+        "samples_per_s": samples / window,
+        "loop_lag_p99_ms": 1e3 * max(lags),
+        "loop_lag_p99_median_step_ms": 1e3 * statistics.median(lags),
+        "loop_lag_max_ms": 1e3 * max(r["loop_lag_max_s"] for r in steps[1:]),
+        "steps": len(steps),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mode | s/step | speedup vs sync | trainer idle | staleness p50 / max | wasted samples |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['s_per_step']:.3f} | {r['speedup']:.2f}x | "
+            f"{100 * r['trainer_idle']:.0f}% | {r['staleness_p50']} / {r['staleness_max']} | "
+            f"{r['wasted_samples']} |"
+        )
+    return "\n".join(lines)
+
+
+async def main(args: argparse.Namespace) -> None:
+    from asyncrl_example_backend.model import write_model_dir
+
+    mean_sample_s = args.median * math.exp(0.5) * args.token_delay
+    if args.seq_delay < 0:  # default: a step trains about as long as a mean sample generates
+        args.seq_delay = mean_sample_s / (args.prompts * args.samples)
+    results: dict[str, Any] = {"workload": {
+        "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+        "length_median": args.median, "length_p99": args.median * math.exp(2.326),
+        "token_delay_s": args.token_delay, "engine_slots": args.slots,
+        "train_s_per_step": args.seq_delay * args.prompts * args.samples,
+        "mean_sample_s": mean_sample_s, "steps": args.steps}}
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = write_model_dir(tmp / "model")
+        if args.part in ("modes", "all"):
+            print("modes:", json.dumps(results["workload"]), flush=True)
+            results["modes"] = await part_modes(args, model, tmp)
+        if args.part in ("lag", "all"):
+            results["lag"] = await part_lag(args, model, tmp)
+    if "modes" in results:
+        print()
+        print(table(results["modes"]))
+    if "lag" in results:
+        lag = results["lag"]
+        print()
+        print(f"loop lag: {lag['samples_per_s']:.0f} samples/s through the data socket; "
+              f"loop lag p99 {lag['loop_lag_p99_ms']:.2f} ms (worst step), "
+              f"max {lag['loop_lag_max_ms']:.2f} ms")
+    out = ROOT / "benchmarks" / "results" / "modes.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=["modes", "lag", "all"], default="all")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--lag-steps", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--median", type=float, default=6.0, help="median sample length")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--token-delay", type=float, default=0.01)
+    parser.add_argument("--slots", type=int, default=256, help="engine batch slots")
+    parser.add_argument("--seq-delay", type=float, default=-1.0,
+                        help="trainer seconds per sequence (default: a step ~ a mean sample)")
+    anyio.run(main, parser.parse_args())
