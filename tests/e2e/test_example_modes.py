@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ async def test_example_mode_runs_with_real_engines(tmp_path: Path, model_dir: Pa
     for r in steps:
         hist = {int(k): v for k, v in r["staleness_hist"].items()}
         assert sum(hist.values()) == P and max(hist) <= bound, (name, hist)
-        assert r["grad_norm"] > 0
+        assert math.isfinite(r["grad_norm"])  # a random-init model may earn no reward yet
         if waste_free:
             assert r["wasted_samples"] == 0
     if bound == 0:
