@@ -106,7 +106,7 @@ def test_sampler_mistakes_name_the_knob(tmp_path: Path, model_dir: Path, table: 
 
 def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
     body = BASE + "[pipeline.sampler]\nname = 'windowedd'\n"
-    with pytest.raises(ConfigError, match="windowedd.*installed: gated, in_order.*Fix"):
+    with pytest.raises(ConfigError, match="windowedd.*installed: .*gated, in_order.*Fix"):
         load_config(write(tmp_path, body))
 
 

@@ -31,6 +31,14 @@ def test_first_party_plugins_are_registered() -> None:
     assert "vllm" in plugins.available("asyncrl.generation_backends")
     assert "fsdp2" in plugins.available("asyncrl.training_backends")
     assert "arithmetic" in plugins.available("asyncrl.environments")
+    samplers = plugins.available("asyncrl.samplers")
+    assert {"in_order", "gated", "oversampled", "ready_first", "dynamic"} <= set(samplers)
+    from asyncrl.samplers import SamplerPlugin
+
+    for name in samplers:  # every registered sampler loads and names its own struct's tag
+        plugin = plugins.load("asyncrl.samplers", name)
+        assert isinstance(plugin, SamplerPlugin)
+        assert plugin.config.__struct_config__.tag == name
 
 
 def test_missing_plugin_names_install_hint() -> None:
