@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import structlog
 
@@ -72,16 +73,21 @@ log = structlog.get_logger("asyncrl.pipeline")
 
 
 class Signal:
-    """Wake every waiter on the next :meth:`notify` (an event re-armed after each use)."""
+    """Wake every waiter on the next :meth:`notify` (an event re-armed after each use; a
+    notify with nobody waiting costs nothing, which matters at thousands of samples a
+    second)."""
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
     async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
         await self._event.wait()
 
 
@@ -107,12 +113,17 @@ class _Generating:
 def _malformed(sample: Sample) -> str:
     """What is wrong with one sample ("" when nothing): the arrays' shapes, dtypes and
     alignment, the logprobs' values."""
-    tokens, lps = np.asarray(sample.token_ids), np.asarray(sample.logprobs)
+    tokens, lps = sample.token_ids, sample.logprobs
+    if not isinstance(tokens, np.ndarray) or not isinstance(lps, np.ndarray):
+        return "token ids and logprobs must be arrays"
     if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
         return f"{tokens.shape} tokens but {lps.shape} logprobs"
     if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
         return f"token dtype {tokens.dtype}, logprob dtype {lps.dtype}"
-    if tokens.size and (tokens.min() < 0 or not np.isfinite(lps).all() or lps.max() > 1e-3):
+    # a NaN or an infinity anywhere makes the sum non-finite
+    if tokens.size and (
+        tokens.min() < 0 or not math.isfinite(float(lps.sum())) or lps.max() > 1e-3
+    ):
         return "negative token ids, or logprobs that are not finite and <= 0"
     return ""
 
@@ -159,6 +170,8 @@ class Pipeline:
         self._load = {w: 0 for w in rollouts}
         """Samples in flight per rollout worker (dispatch goes to the least loaded)."""
         self.rejections = rejections if rejections is not None else Rejections()
+        self._gate_wait_s = 0.0
+        """Dispatch time spent waiting for a refit since the last step record."""
         self._lags: deque[float] = deque(maxlen=100_000)
         """Event-loop wake-up delays since the last step was logged (bounded)."""
         self.history: list[dict[str, Any]] = []
@@ -203,8 +216,7 @@ class Pipeline:
             started = self.now()
             await self.changed.wait()
             if d.reason == "gate":
-                rec = self._record(self.sched.trainer_version)
-                rec.gate_wait_s += self.now() - started
+                self._gate_wait_s += self.now() - started
 
     async def _send_generate(self, decisions: list[Dispatch]) -> None:
         cfg = self.config.grpo
@@ -254,8 +266,14 @@ class Pipeline:
         Cancellation: stops reading; scoring tasks in flight are cancelled with it.
         """
         codec = Codec(DataMessage)
+        yielded = time.perf_counter()
         async with anyio.create_task_group() as tg:
             while True:
+                # a socket that always has a message ready never suspends recv(): give the
+                # loop back every millisecond so a burst cannot starve the other tasks
+                if time.perf_counter() - yielded > 0.001:
+                    await anyio.lowlevel.checkpoint()
+                    yielded = time.perf_counter()
                 frames = await self.data.recv()
                 try:
                     msg = codec.decode(frames)
@@ -581,6 +599,7 @@ class Pipeline:
     def _log_step(
         self, rec: StepRecord, result: StepResult, refit_s: float, stats: StepStats
     ) -> None:
+        rec.gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
         record = rec.metrics(
             result,
             refit_s,

@@ -28,7 +28,7 @@ class StepRecord:
     wait_s: float = 0.0
     """Trainer time waiting for data (no chunk ready) in this step."""
     gate_wait_s: float = 0.0
-    """Rollout pump time waiting for the gate (a refit) while this step was the trainer's."""
+    """Rollout pump time waiting for the gate (a refit) since the previous step's record."""
     drain_s: float = 0.0
     drain_timeouts: int = 0
     aborted_samples: int = 0

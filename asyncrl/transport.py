@@ -101,7 +101,7 @@ class AsyncSocket:
         self._fd = sock.getsockopt(zmq.FD)
         self._send_lock = anyio.Lock()
         self._fd_scope: anyio.CancelScope | None = None
-        self._changed = anyio.Event()
+        self._changed: anyio.Event | None = None
         self._closed = False
 
     @property
@@ -113,11 +113,12 @@ class AsyncSocket:
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _poke(self) -> None:
-        """Wake every waiter so it re-reads ``EVENTS``."""
+        """Wake every waiter so it re-reads ``EVENTS`` (free when nobody waits)."""
         if self._fd_scope is not None:
             self._fd_scope.cancel()
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def _wait(self, flag: int) -> None:
         while not self._sock.getsockopt(zmq.EVENTS) & flag:
@@ -130,6 +131,8 @@ class AsyncSocket:
                         self._fd_scope = None
                 self._poke()
             else:
+                if self._changed is None:
+                    self._changed = anyio.Event()
                 await self._changed.wait()
 
     async def recv(self) -> list[zmq.Frame]:

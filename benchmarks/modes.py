@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/modes.py                 # both parts, ~3 min on 2 cores
     .venv/bin/python benchmarks/modes.py --part modes --steps 16
-    .venv/bin/python benchmarks/modes.py --part lag
+    .venv/bin/python benchmarks/modes.py --part lag --lag-in-flight 100
 
 **modes**: the real controller and worker processes with the example (bigram) engine, which
 really takes the time a sample's length implies: lengths are log-normal (median
@@ -13,9 +13,10 @@ sample takes to generate, per step). Each mode runs the same prompts for the sam
 steps; the table gives the wall clock per step (after the first), the speedup over sync, the
 trainer's idle fraction, staleness p50/max and wasted samples.
 
-**lag**: the example engine emits single-token samples as fast as it can (two rollout
-ranks) and the controller's event loop lag is sampled every 10 ms (p99 and max over the
-run), with the samples per second that went through the data socket.
+**lag**: two example engines stream two-token samples (5 ms a token) with
+``--lag-in-flight`` samples in flight, about 10,000 samples/s by default; the controller's
+event-loop lag is sampled every 10 ms (the worst step's p99, and the max), with the samples
+per second that really went through the data socket.
 
 Results are printed as markdown and written to ``benchmarks/results/modes.json``.
 """
@@ -35,6 +36,7 @@ import anyio
 import numpy as np
 
 import asyncrl
+import asyncrl.log
 from asyncrl.config import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,14 +121,17 @@ async def part_modes(args: argparse.Namespace, model: Path, tmp: Path) -> list[d
 async def part_lag(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
     P, N = 64, 16
     data = base_config(model, tmp / "lag", args)
-    data["grpo"] = {"prompts_per_step": P, "samples_per_prompt": N, "max_new_tokens": 1}
+    # two-token samples at 5 ms a token, `in_flight` at a time over two engines: about
+    # in_flight / 10 ms samples per second arrive at the controller
+    data["grpo"] = {"prompts_per_step": P, "samples_per_prompt": N, "max_new_tokens": 2}
     data["cluster"]["rollout_ranks"] = 2
     data["run"]["num_steps"] = args.lag_steps
-    data["generator"]["options"] = {}
+    data["generator"]["options"] = {"token_delay_s": 0.005}
     data["trainer"]["options"] = {"lr": 0.5}
     data["pipeline"] = {"sampler": {"name": "oversampled", "max_staleness_versions": 2,
                                     "over_sampling_ratio": 2.0},
-                        "min_groups_for_streaming_train": 16}
+                        "min_groups_for_streaming_train": 16,
+                        "max_inflight_samples": args.lag_in_flight}
     steps = await run_one(data)
     window = steps[-1]["time"] - steps[0]["time"]
     # samples that came through the data socket after the first step: trained or wasted
@@ -158,6 +163,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 async def main(args: argparse.Namespace) -> None:
     from asyncrl_example_backend.model import write_model_dir
 
+    asyncrl.log.configure("console", level="warning")  # a program's choice; asyncrl never logs on import
     mean_sample_s = args.median * math.exp(0.5) * args.token_delay
     if args.seq_delay < 0:  # default: a step trains about as long as a mean sample generates
         args.seq_delay = mean_sample_s / (args.prompts * args.samples)
@@ -193,7 +199,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["modes", "lag", "all"], default="all")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--lag-steps", type=int, default=12)
+    parser.add_argument("--lag-steps", type=int, default=20)
+    parser.add_argument("--lag-in-flight", type=int, default=100,
+                        help="samples in flight in the lag part (sets the sample rate)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--median", type=float, default=6.0, help="median sample length")

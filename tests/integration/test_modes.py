@@ -73,6 +73,8 @@ async def test_mode_keeps_its_bound_and_accounts_for_every_group(
         assert r["aborted_samples"] <= N * r["aborted_groups"] + N * P  # bounded by what was aborted
     if mode == "sync":
         assert all(r["staleness_max"] == 0 and r["inflight_at_refit"] == 0 for r in steps)
+        # the next batch waits for each refit, and the trainer for each batch
+        assert sum(r["gate_wait_s"] for r in steps) > 0 and all(r["wait_s"] > 0 for r in steps)
 
 
 async def test_oversampling_aborts_in_the_engine_at_refit(make_config: Callable[..., Config]) -> None:
