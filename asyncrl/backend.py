@@ -24,7 +24,15 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .config import Config
-from .messages import ChunkResult, GenRequest, Sample, StepResult, TensorEntry, TokenBatch, TrainBatch
+from .messages import (
+    ChunkResult,
+    GenRequest,
+    Sample,
+    StepResult,
+    TensorEntry,
+    TokenBatch,
+    TrainBatch,
+)
 
 __all__ = [
     "BackendPlugin",

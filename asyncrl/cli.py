@@ -59,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         help="validate a run config and print its mode, capacities and broken invariants",
     )
     check.add_argument("config", help="the run's TOML file")
-    check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field, e.g. --set grpo.prompts_per_step=8")
+    check.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set grpo.prompts_per_step=8",
+    )
     args = parser.parse_args(argv)
     if args.command == "check-config":
         return check_config(args.config, args.set, sys.stdout)

@@ -41,10 +41,10 @@ from .backend import BackendPlugin
 from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError, flatten
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
-from .process import exit_status, has_exited, stopped_by_signal
 from .log import MetricsWriter
 from .messages import Hello, Init, TokenBatch
 from .pipeline import Pipeline
+from .process import exit_status, has_exited, stopped_by_signal
 from .prompts import Tokenizer
 from .refit import shm_dir
 from .rpc import ControlPlane
@@ -290,14 +290,14 @@ class Controller(anyio.AsyncContextManagerMixin):
         be within bf16 noise right after a refit). Cancellation: the reply is dropped.
         """
         pipe = self.pipeline
-        return await pipe.generator_logprobs(
+        return await pipe.probes.generator_logprobs(
             batch, worker=pipe.rollouts[rank], temperature=temperature
         )
 
     async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
         """Logprobs of ``batch``'s response tokens under the trainer's current weights
         (sequences are sharded over the trainer ranks and reassembled in order)."""
-        return await self.pipeline.trainer_logprobs(batch, temperature=temperature)
+        return await self.pipeline.probes.trainer_logprobs(batch, temperature=temperature)
 
     async def train(self) -> RunSummary:
         """Run ``run.num_steps`` optimizer steps (with the configured evaluations).

@@ -27,21 +27,31 @@ def _line(sampler: Any, P: int) -> str:
     if name == "in_order":
         L = sampler.lookahead
         if L == 0:
-            return ("sync on-policy (in_order, max_lookahead_versions=0): every sample is "
-                    "trained against the weights that generated it")
-        return (f"async, exact batch->step (in_order, max_lookahead_versions={L}): batch k "
-                f"trains at step k; staleness <= {L}; nothing wasted")
+            return (
+                "sync on-policy (in_order, max_lookahead_versions=0): every sample is "
+                "trained against the weights that generated it"
+            )
+        return (
+            f"async, exact batch->step (in_order, max_lookahead_versions={L}): batch k "
+            f"trains at step k; staleness <= {L}; nothing wasted"
+        )
     W = sampler.max_staleness
     if name == "gated":
-        return (f"streaming, gated dispatch (gated, max_staleness_versions={W}): any complete "
-                f"groups, oldest first; staleness <= {W}; nothing wasted")
+        return (
+            f"streaming, gated dispatch (gated, max_staleness_versions={W}): any complete "
+            f"groups, oldest first; staleness <= {W}; nothing wasted"
+        )
     if name == "oversampled":
-        return (f"streaming, over-sampled (oversampled, max_staleness_versions={W}, "
-                f"over_sampling_ratio={sampler.ratio:g}): dispatch never waits for the "
-                f"trainer; staleness <= {W}; groups that fall out of the window are wasted")
+        return (
+            f"streaming, over-sampled (oversampled, max_staleness_versions={W}, "
+            f"over_sampling_ratio={sampler.ratio:g}): dispatch never waits for the "
+            f"trainer; staleness <= {W}; groups that fall out of the window are wasted"
+        )
     if name == "ready_first":
-        return (f"streaming, ready first (ready_first, max_staleness_versions={W}): whatever "
-                f"completes first; staleness <= {W}; stragglers past the window are wasted")
+        return (
+            f"streaming, ready first (ready_first, max_staleness_versions={W}): whatever "
+            f"completes first; staleness <= {W}; stragglers past the window are wasted"
+        )
     return f"custom sampler {name!r}: staleness <= {W} (its own documentation says more)"
 
 
@@ -60,8 +70,12 @@ def describe(config: Config) -> ModeReport:
         "min_groups_for_streaming_train": (
             f"{chunk} (1 to {math.ceil(P / chunk)} chunks per optimizer step)"
         ),
-        "refit": ("drain first (at most %gs), then " % config.refit.drain_timeout_s
-                  if config.refit.drain else "") + "abort hopeless groups, load, reset prefix cache",
+        "refit": (
+            "drain first (at most %gs), then " % config.refit.drain_timeout_s
+            if config.refit.drain
+            else ""
+        )
+        + "abort hopeless groups, load, reset prefix cache",
     }
     advice = []
     streaming = sampler.name != "in_order"
@@ -72,10 +86,12 @@ def describe(config: Config) -> ModeReport:
             f"{max(1, P // 4)} so chunks stream into the open step"
         )
     if config.refit.drain and sampler.name == "in_order" and sampler.max_staleness == 0:
-        advice.append(
-            "refit.drain: sync mode has nothing in flight at a refit. Fix: remove it"
-        )
-    if config.max_inflight_samples < P * N and sampler.name == "in_order" and sampler.max_staleness == 0:
+        advice.append("refit.drain: sync mode has nothing in flight at a refit. Fix: remove it")
+    if (
+        config.max_inflight_samples < P * N
+        and sampler.name == "in_order"
+        and sampler.max_staleness == 0
+    ):
         advice.append(
             f"pipeline.max_inflight_samples: {config.max_inflight_samples} < P * N = {P * N}, "
             "so a sync step generates its batch in several waves. Fix: raise it if the engines "

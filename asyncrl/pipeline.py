@@ -23,10 +23,8 @@ scored in worker threads).
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -34,98 +32,40 @@ import anyio.lowlevel
 import numpy as np
 import structlog
 
-from .buffer import CompletedSample, Group
+from .buffer import Group
 from .codec import Codec
 from .config import Config
-from .environment import Environment, Prompt
+from .environment import Environment
 from .errors import ProtocolError, RunError
-from .grpo import pack_groups, pack_tokens, shard_batch, shard_tokens
+from .grpo import pack_groups, shard_batch
+from .intake import Generating, Signal, malformed, score_samples
 from .messages import (
     Abort,
     BeginStep,
-    ComputeLogprobs,
     DataMessage,
     FinishStep,
     Generate,
     GenRequest,
     GroupFailed,
-    LogprobsResult,
     ReceiveWeights,
-    Sample,
     SampleDone,
-    Score,
     SendWeights,
     StepResult,
     TokenBatch,
     TrainChunk,
     WeightsResult,
 )
+from .probes import Probes
 from .prompts import PromptStream, Tokenizer, sample_seed
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord
 from .transport import AsyncSocket, Rejections, peer_name
-from .verify import Agreement, compare, probe_sequences, verification_due
+from .verify import Agreement, make_probe, verification_due
 
 __all__ = ["Pipeline"]
 
 log = structlog.get_logger("asyncrl.pipeline")
-
-
-class Signal:
-    """Wake every waiter on the next :meth:`notify` (an event re-armed after each use; a
-    notify with nobody waiting costs nothing, which matters at thousands of samples a
-    second)."""
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None
-
-    def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    async def wait(self) -> None:
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
-
-
-@dataclass
-class _Generating:
-    """A group whose samples are coming back: its prompt, where it runs, what arrived."""
-
-    prompt: Prompt
-    prompt_ids: list[int]
-    worker: str
-    n: int
-    start_version: int
-    target_step: int | None
-    dispatched_at: float
-    samples: list[Sample | None] = field(default_factory=list)
-    eval_done: anyio.Event | None = None
-    """Set for evaluation groups (the scheduler does not track them)."""
-
-    def __post_init__(self) -> None:
-        self.samples = [None] * self.n
-
-
-def _malformed(sample: Sample) -> str:
-    """What is wrong with one sample ("" when nothing): the arrays' shapes, dtypes and
-    alignment, the logprobs' values."""
-    tokens, lps = sample.token_ids, sample.logprobs
-    if not isinstance(tokens, np.ndarray) or not isinstance(lps, np.ndarray):
-        return "token ids and logprobs must be arrays"
-    if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
-        return f"{tokens.shape} tokens but {lps.shape} logprobs"
-    if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
-        return f"token dtype {tokens.dtype}, logprob dtype {lps.dtype}"
-    # a NaN or an infinity anywhere makes the sum non-finite
-    if tokens.size and (
-        tokens.min() < 0 or not math.isfinite(float(lps.sum())) or lps.max() > 1e-3
-    ):
-        return "negative token ids, or logprobs that are not finite and <= 0"
-    return ""
 
 
 class Pipeline:
@@ -163,7 +103,7 @@ class Pipeline:
         self.score_limiter = anyio.CapacityLimiter(4)
         self.changed = Signal()
         self.steps: dict[int, StepRecord] = {}
-        self._generating: dict[str, _Generating] = {}
+        self._generating: dict[str, Generating] = {}
         """Groups whose samples are coming back, by id: what the data socket may deliver."""
         self._ready: dict[str, Group] = {}
         """Complete, scored groups the scheduler has not trained or dropped yet."""
@@ -177,6 +117,7 @@ class Pipeline:
         self.history: list[dict[str, Any]] = []
         self.probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
+        self.probes = Probes(control, trainers, rollouts, config.cluster.call_timeout_s)
         self.prompts = PromptStream(
             environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
         )
@@ -226,7 +167,7 @@ class Pipeline:
             prompt, prompt_ids = self.prompts.get(d.index)
             worker = self._pick_rollout()
             self._load[worker] += d.n
-            self._generating[d.group_id] = _Generating(
+            self._generating[d.group_id] = Generating(
                 prompt, prompt_ids, worker, d.n, d.start_version, d.target_step, now
             )
             requests.setdefault(worker, []).append(
@@ -239,8 +180,9 @@ class Pipeline:
                     seed=sample_seed(self.config.run.seed, d.group_id),
                 )
             )
-            rec = self._record(d.target_step if d.target_step is not None else
-                               self.sched.trainer_version)
+            rec = self._record(
+                d.target_step if d.target_step is not None else self.sched.trainer_version
+            )
             rec.dispatched += 1
             if rec.gen_start is None:
                 rec.gen_start = now
@@ -296,15 +238,16 @@ class Pipeline:
                     )
                 self._take_sample(pending, msg, tg)
 
-    def _take_sample(self, pending: _Generating, msg: SampleDone, tg: Any) -> None:
+    def _take_sample(self, pending: Generating, msg: SampleDone, tg: Any) -> None:
         gid = msg.group_id
         if not 0 <= msg.index < pending.n or pending.samples[msg.index] is not None:
             self.rejections.reject(
-                "data", peer_name(msg.worker),
+                "data",
+                peer_name(msg.worker),
                 f"sample {msg.index} of group {gid!r}: out of range or already received",
             )
             return
-        problem = _malformed(msg.sample)
+        problem = malformed(msg.sample)
         if problem:
             raise RunError(
                 f"{msg.worker} returned a malformed sample {msg.index} for group {gid}: "
@@ -327,34 +270,15 @@ class Pipeline:
             tg.start_soon(self._score_and_commit, gid, pending)
         self.changed.notify()
 
-    def _score(self, prompt: Prompt, samples: list[Sample]) -> list[CompletedSample]:
-        name = self.config.environment.name
-        out = []
-        for s in samples:
-            completion = self.tok.decode(s.token_ids)
-            try:
-                score = self.env.score(prompt, completion)
-                reward = float(score.reward)
-            except Exception as exc:
-                raise RunError(
-                    f"environment {name!r} (environment.name): score() raised "
-                    f"{type(exc).__name__}: {exc} for prompt {prompt.id!r} and completion "
-                    f"{completion[:80]!r}"
-                ) from exc
-            if not math.isfinite(reward):
-                raise RunError(
-                    f"environment {name!r} (environment.name): score() returned a non-finite "
-                    f"reward ({reward}) for prompt {prompt.id!r} and completion "
-                    f"{completion[:80]!r}; rewards must be finite numbers"
-                )
-            out.append(
-                CompletedSample(s.token_ids, s.logprobs, s.finish_reason, reward, bool(score.correct))
-            )
-        return out
-
-    async def _score_and_commit(self, gid: str, pending: _Generating) -> None:
+    async def _score_and_commit(self, gid: str, pending: Generating) -> None:
         samples = await anyio.to_thread.run_sync(
-            self._score, pending.prompt, pending.samples, limiter=self.score_limiter
+            score_samples,
+            self.env,
+            self.tok,
+            self.config.environment.name,
+            pending.prompt,
+            pending.samples,
+            limiter=self.score_limiter,
         )
         if not self.sched.tracks(gid):
             return  # the run ended while it was scored (counted as unused)
@@ -376,9 +300,15 @@ class Pipeline:
         rec.gen_end = max(rec.gen_end or 0.0, self.now())
         self.changed.notify()
 
-    async def _score_eval(self, pending: _Generating) -> None:
+    async def _score_eval(self, pending: Generating) -> None:
         samples = await anyio.to_thread.run_sync(
-            self._score, pending.prompt, pending.samples, limiter=self.score_limiter
+            score_samples,
+            self.env,
+            self.tok,
+            self.config.environment.name,
+            pending.prompt,
+            pending.samples,
+            limiter=self.score_limiter,
         )
         pending.samples = samples  # type: ignore[assignment]
         assert pending.eval_done is not None
@@ -411,14 +341,18 @@ class Pipeline:
                 if not opened:
                     rec.train_start = self.now()
                     await self.control.call_each(
-                        self.trainers, [BeginStep(step=step)] * len(self.trainers), timeout_s=timeout
+                        self.trainers,
+                        [BeginStep(step=step)] * len(self.trainers),
+                        timeout_s=timeout,
                     )
                     opened = True
                 batch = pack_groups(groups, normalize=cfg.grpo.normalize_advantages)
                 shards = shard_batch(batch, len(self.trainers))
                 busy = self.now()
                 results = await self.control.call_each(
-                    self.trainers, [TrainChunk(step=step, batch=s) for s in shards], timeout_s=timeout
+                    self.trainers,
+                    [TrainChunk(step=step, batch=s) for s in shards],
+                    timeout_s=timeout,
                 )
                 rec.train_busy_s += self.now() - busy
                 rec.chunk_results += results  # type: ignore[arg-type]
@@ -447,7 +381,7 @@ class Pipeline:
             stats = self.sched.end_refit()
             self.changed.notify()
             if self.probe is None:
-                self.probe = self._make_probe(rec.groups)
+                self.probe = make_probe(rec.groups, cfg.refit.verify_num_sequences)
             if self.probe is not None and verification_due(
                 step + 1, cfg.refit.verify_first_steps, cfg.refit.verify_every_steps
             ):
@@ -468,7 +402,9 @@ class Pipeline:
             if pending is not None:
                 by_worker.setdefault(pending.worker, []).append(gid)
         if group_ids:
-            log.info("groups_aborted", count=len(group_ids), trainer_version=self.sched.trainer_version)
+            log.info(
+                "groups_aborted", count=len(group_ids), trainer_version=self.sched.trainer_version
+            )
         timeout = self.config.cluster.call_timeout_s
         async with anyio.create_task_group() as tg:
             for worker, gids in by_worker.items():
@@ -535,63 +471,16 @@ class Pipeline:
             self.rejections.counts["weights"] = refused
 
     # ------------------------------------------------------------------ refit verification
-    def _make_probe(self, groups: list[Group]) -> TokenBatch | None:
-        """Freeze the verification probe from a trained step's samples (None: no tokens)."""
-        ordered = sorted(groups, key=lambda g: g.group_id)
-        prompts, responses = probe_sequences(
-            [(g.prompt_ids, [s.token_ids for s in g.samples]) for g in ordered],
-            self.config.refit.verify_num_sequences,
-        )
-        return pack_tokens(prompts, responses) if prompts else None
-
     async def verify_refit(self, version: int) -> list[Agreement]:
-        """Score the probe batch on every generator and on the trainer; one
-        :class:`~asyncrl.verify.Agreement` per generator (written to the metrics file).
-        Cancellation: the outstanding calls are abandoned."""
+        """Score the probe batch on every generator and on the trainer (written to the
+        metrics file); one :class:`~asyncrl.verify.Agreement` per generator."""
         assert self.probe is not None
-        results: dict[str, np.ndarray] = {}
-
-        async def generator(worker: str) -> None:
-            results[worker] = await self.generator_logprobs(self.probe, worker=worker)
-
-        async def trainer() -> None:
-            results[""] = await self.trainer_logprobs(self.probe)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(trainer)
-            for worker in self.rollouts:
-                tg.start_soon(generator, worker)
-        agreements = [compare(w, version, results[w], results[""]) for w in self.rollouts]
+        agreements = await self.probes.agreement(self.probe, version)
         for a in agreements:
             if self.metrics is not None:
                 self.metrics.write({"kind": "refit_verify", **a.metrics(), "time": self.now()})
             log.info("refit_verified", **a.metrics())
         return agreements
-
-    async def generator_logprobs(
-        self, batch: TokenBatch, *, worker: str, temperature: float = 1.0
-    ) -> np.ndarray:
-        """Logprobs of ``batch``'s response tokens under one generator's current weights."""
-        result = await self.control.call(
-            worker,
-            Score(batch=batch, temperature=temperature),
-            timeout_s=self.config.cluster.call_timeout_s,
-        )
-        assert isinstance(result, LogprobsResult)
-        return np.asarray(result.logprobs, np.float32)
-
-    async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
-        """Logprobs of ``batch``'s response tokens under the trainer's current weights
-        (sequences are sharded over the trainer ranks and reassembled in order)."""
-        results = await self.control.call_each(
-            self.trainers,
-            [
-                ComputeLogprobs(batch=shard, temperature=temperature)
-                for shard in shard_tokens(batch, len(self.trainers))
-            ],
-            timeout_s=self.config.cluster.call_timeout_s,
-        )
-        return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
 
     async def _call_each(self, workers: list[str], request: Any, timeout: float) -> None:
         await self.control.call_each(workers, [request] * len(workers), timeout_s=timeout)
@@ -627,11 +516,7 @@ class Pipeline:
             train_s=round(record["train_s"], 3),
             refit_s=round(refit_s, 3),
             wait_s=round(rec.wait_s, 3),
-            **(
-                {"refit_verify": round(record["refit_verify_mean_abs"], 4)}
-                if rec.verify
-                else {}
-            ),
+            **({"refit_verify": round(record["refit_verify_mean_abs"], 4)} if rec.verify else {}),
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -641,13 +526,19 @@ class Pipeline:
         n = self.config.eval.num_prompts
         prompts = list(self.env.dataset("eval"))[:n]
         ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in prompts])
-        waits: list[_Generating] = []
+        waits: list[Generating] = []
         requests: dict[str, list[GenRequest]] = {w: [] for w in self.rollouts}
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
             gid = f"eval-{label}-{i}"
             worker = self.rollouts[i % len(self.rollouts)]
-            pending = _Generating(
-                prompt, prompt_ids, worker, 1, self.sched.generator_version, None, self.now(),
+            pending = Generating(
+                prompt,
+                prompt_ids,
+                worker,
+                1,
+                self.sched.generator_version,
+                None,
+                self.now(),
                 eval_done=anyio.Event(),
             )
             self._generating[gid] = pending

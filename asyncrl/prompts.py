@@ -40,7 +40,9 @@ class Tokenizer:
         ignored = [name for name in ("padding", "truncation") if getattr(self._tok, name)]
         if ignored:
             log.warning(
-                "tokenizer_settings_ignored", path=path, settings=ignored,
+                "tokenizer_settings_ignored",
+                path=path,
+                settings=ignored,
                 reason="prompts are never padded or truncated",
             )
             self._tok.no_padding()
@@ -64,7 +66,9 @@ def sample_seed(*parts: object) -> int:
 def prompt_batches(prompts: Sequence[Prompt], batch: int, seed: int) -> Iterator[list[Prompt]]:
     """Endless epochs over ``prompts`` in a seeded order; each epoch drops the remainder."""
     if len(prompts) < batch:
-        raise RunError(f"the train split has {len(prompts)} prompts, fewer than one batch ({batch})")
+        raise RunError(
+            f"the train split has {len(prompts)} prompts, fewer than one batch ({batch})"
+        )
     epoch = 0
     while True:
         order = list(range(len(prompts)))

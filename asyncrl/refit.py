@@ -35,9 +35,8 @@ import structlog
 
 from .backend import GenerationBackend, WeightBucketView, WeightTensor
 from .codec import Codec
-from .errors import RefitError
+from .errors import ProtocolError, RefitError
 from .messages import Bucket, BucketAck, TensorEntry, WeightMessage, WeightsPull, WeightsResult
-from .errors import ProtocolError
 from .transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, make_private_dir, peer_name
 
 __all__ = ["ShmWeightReceiver", "ShmWeightSender", "shm_dir"]

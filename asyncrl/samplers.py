@@ -283,7 +283,9 @@ class GatedSampler:
         spare = self._slack(view)
         if min(spare.values()) < 0:
             return []  # cannot happen while the invariant holds; the scheduler reports it
-        ready = sorted((g for g in view.live if g.ready), key=lambda g: (g.start_version, g.ready_seq))
+        ready = sorted(
+            (g for g in view.live if g.ready), key=lambda g: (g.start_version, g.ready_seq)
+        )
         chosen: list[GroupView] = []
         for g in ready:
             if len(chosen) == max_groups:

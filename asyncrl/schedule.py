@@ -257,7 +257,9 @@ class Scheduler:
         self._live_count += 1
         self.start_version_counts[slot.start_version] += 1
         self.inflight_samples += n
-        self.stats.inflight_samples_max = max(self.stats.inflight_samples_max, self.inflight_samples)
+        self.stats.inflight_samples_max = max(
+            self.stats.inflight_samples_max, self.inflight_samples
+        )
         self.dispatched += 1
         return Dispatch(slot.group_id, index, slot.start_version, target, n)
 
@@ -362,8 +364,7 @@ class Scheduler:
         hopeless = [
             s
             for s in self._slots.values()
-            if s.state == GENERATING
-            and self.sampler.should_abort_inflight(s, self.trainer_version)
+            if s.state == GENERATING and self.sampler.should_abort_inflight(s, self.trainer_version)
         ]
         return [self._abort(s) for s in hopeless]
 

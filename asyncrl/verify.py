@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import RefitError
 
-__all__ = ["Agreement", "compare", "probe_sequences", "verification_due"]
+__all__ = ["Agreement", "compare", "make_probe", "probe_sequences", "verification_due"]
 
 
 def verification_due(version: int, first: int, every: int) -> bool:
@@ -141,3 +142,15 @@ def probe_sequences(
             break
         depth += 1
     return prompts, responses
+
+
+def make_probe(groups: Sequence[Any], num_sequences: int) -> Any:
+    """Freeze the verification probe (a :class:`~asyncrl.messages.TokenBatch`) from a
+    trained step's groups, in group-id order; ``None`` when they hold no tokens."""
+    from .grpo import pack_tokens
+
+    ordered = sorted(groups, key=lambda g: g.group_id)
+    prompts, responses = probe_sequences(
+        [(g.prompt_ids, [s.token_ids for s in g.samples]) for g in ordered], num_sequences
+    )
+    return pack_tokens(prompts, responses) if prompts else None

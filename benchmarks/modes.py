@@ -45,12 +45,18 @@ MODES: dict[str, dict[str, Any]] = {
     "sync": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}, "chunk": 0},
     "in_order L=1": {"sampler": {"name": "in_order", "max_lookahead_versions": 1}, "chunk": 4},
     "gated W=1": {"sampler": {"name": "gated", "max_staleness_versions": 1}, "chunk": 4},
-    "ready_first W=1": {"sampler": {"name": "ready_first", "max_staleness_versions": 1},
-                        "chunk": 4},
-    "oversampled W=1 r=1.5": {"sampler": {"name": "oversampled", "max_staleness_versions": 1,
-                                          "over_sampling_ratio": 1.5}, "chunk": 4},
-    "oversampled W=2 r=1.5": {"sampler": {"name": "oversampled", "max_staleness_versions": 2,
-                                          "over_sampling_ratio": 1.5}, "chunk": 4},
+    "ready_first W=1": {
+        "sampler": {"name": "ready_first", "max_staleness_versions": 1},
+        "chunk": 4,
+    },
+    "oversampled W=1 r=1.5": {
+        "sampler": {"name": "oversampled", "max_staleness_versions": 1, "over_sampling_ratio": 1.5},
+        "chunk": 4,
+    },
+    "oversampled W=2 r=1.5": {
+        "sampler": {"name": "oversampled", "max_staleness_versions": 2, "over_sampling_ratio": 1.5},
+        "chunk": 4,
+    },
 }
 
 
@@ -60,14 +66,25 @@ def base_config(model: Path, out: Path, args: argparse.Namespace) -> dict[str, A
         "environment": {"name": "repeat-digit"},
         "run": {"num_steps": args.steps, "seed": 0, "output_dir": str(out)},
         "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "shutdown_grace_s": 5.0},
-        "grpo": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
-                 "max_new_tokens": args.max_tokens},
+        "grpo": {
+            "prompts_per_step": args.prompts,
+            "samples_per_prompt": args.samples,
+            "max_new_tokens": args.max_tokens,
+        },
         "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
-        "trainer": {"backend": "bigram", "options": {
-            "lr": 0.5, "sequence_delay_s": args.seq_delay}},
-        "generator": {"backend": "bigram", "options": {
-            "length_median": args.median, "length_sigma": 1.0,
-            "token_delay_s": args.token_delay, "max_concurrent_samples": args.slots}},
+        "trainer": {
+            "backend": "bigram",
+            "options": {"lr": 0.5, "sequence_delay_s": args.seq_delay},
+        },
+        "generator": {
+            "backend": "bigram",
+            "options": {
+                "length_median": args.median,
+                "length_sigma": 1.0,
+                "token_delay_s": args.token_delay,
+                "max_concurrent_samples": args.slots,
+            },
+        },
         "eval": {"num_prompts": 0},
     }
 
@@ -104,8 +121,10 @@ async def part_modes(args: argparse.Namespace, model: Path, tmp: Path) -> list[d
     rows = []
     for name, mode in MODES.items():
         data = base_config(model, tmp / name.replace(" ", "_"), args)
-        data["pipeline"] = {"sampler": mode["sampler"],
-                            "min_groups_for_streaming_train": mode["chunk"]}
+        data["pipeline"] = {
+            "sampler": mode["sampler"],
+            "min_groups_for_streaming_train": mode["chunk"],
+        }
         start = time.perf_counter()
         steps = await run_one(data)
         row = summarize(name, steps)
@@ -128,10 +147,11 @@ async def part_lag(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str
     data["run"]["num_steps"] = args.lag_steps
     data["generator"]["options"] = {"token_delay_s": 0.005}
     data["trainer"]["options"] = {"lr": 0.5}
-    data["pipeline"] = {"sampler": {"name": "oversampled", "max_staleness_versions": 2,
-                                    "over_sampling_ratio": 2.0},
-                        "min_groups_for_streaming_train": 16,
-                        "max_inflight_samples": args.lag_in_flight}
+    data["pipeline"] = {
+        "sampler": {"name": "oversampled", "max_staleness_versions": 2, "over_sampling_ratio": 2.0},
+        "min_groups_for_streaming_train": 16,
+        "max_inflight_samples": args.lag_in_flight,
+    }
     steps = await run_one(data)
     window = steps[-1]["time"] - steps[0]["time"]
     # samples that came through the data socket after the first step: trained or wasted
@@ -163,16 +183,25 @@ def table(rows: list[dict[str, Any]]) -> str:
 async def main(args: argparse.Namespace) -> None:
     from asyncrl_example_backend.model import write_model_dir
 
-    asyncrl.log.configure("console", level="warning")  # a program's choice; asyncrl never logs on import
+    asyncrl.log.configure(
+        "console", level="warning"
+    )  # a program's choice; asyncrl never logs on import
     mean_sample_s = args.median * math.exp(0.5) * args.token_delay
     if args.seq_delay < 0:  # default: a step trains about as long as a mean sample generates
         args.seq_delay = mean_sample_s / (args.prompts * args.samples)
-    results: dict[str, Any] = {"workload": {
-        "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
-        "length_median": args.median, "length_p99": args.median * math.exp(2.326),
-        "token_delay_s": args.token_delay, "engine_slots": args.slots,
-        "train_s_per_step": args.seq_delay * args.prompts * args.samples,
-        "mean_sample_s": mean_sample_s, "steps": args.steps}}
+    results: dict[str, Any] = {
+        "workload": {
+            "prompts_per_step": args.prompts,
+            "samples_per_prompt": args.samples,
+            "length_median": args.median,
+            "length_p99": args.median * math.exp(2.326),
+            "token_delay_s": args.token_delay,
+            "engine_slots": args.slots,
+            "train_s_per_step": args.seq_delay * args.prompts * args.samples,
+            "mean_sample_s": mean_sample_s,
+            "steps": args.steps,
+        }
+    }
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp_name:
         tmp = Path(tmp_name)
         model = write_model_dir(tmp / "model")
@@ -187,9 +216,11 @@ async def main(args: argparse.Namespace) -> None:
     if "lag" in results:
         lag = results["lag"]
         print()
-        print(f"loop lag: {lag['samples_per_s']:.0f} samples/s through the data socket; "
-              f"loop lag p99 {lag['loop_lag_p99_ms']:.2f} ms (worst step), "
-              f"max {lag['loop_lag_max_ms']:.2f} ms")
+        print(
+            f"loop lag: {lag['samples_per_s']:.0f} samples/s through the data socket; "
+            f"loop lag p99 {lag['loop_lag_p99_ms']:.2f} ms (worst step), "
+            f"max {lag['loop_lag_max_ms']:.2f} ms"
+        )
     out = ROOT / "benchmarks" / "results" / "modes.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out.relative_to(ROOT)}")
@@ -200,14 +231,22 @@ if __name__ == "__main__":
     parser.add_argument("--part", choices=["modes", "lag", "all"], default="all")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--lag-steps", type=int, default=20)
-    parser.add_argument("--lag-in-flight", type=int, default=100,
-                        help="samples in flight in the lag part (sets the sample rate)")
+    parser.add_argument(
+        "--lag-in-flight",
+        type=int,
+        default=100,
+        help="samples in flight in the lag part (sets the sample rate)",
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--median", type=float, default=6.0, help="median sample length")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--token-delay", type=float, default=0.01)
     parser.add_argument("--slots", type=int, default=256, help="engine batch slots")
-    parser.add_argument("--seq-delay", type=float, default=-1.0,
-                        help="trainer seconds per sequence (default: a step ~ a mean sample)")
+    parser.add_argument(
+        "--seq-delay",
+        type=float,
+        default=-1.0,
+        help="trainer seconds per sequence (default: a step ~ a mean sample)",
+    )
     anyio.run(main, parser.parse_args())

@@ -46,15 +46,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-async def test_example_mode_runs_with_real_engines(tmp_path: Path, model_dir: Path, name: str) -> None:
+async def test_example_mode_runs_with_real_engines(
+    tmp_path: Path, model_dir: Path, name: str
+) -> None:
     bound, waste_free = EXPECTED[name]
-    config = load_config(EXAMPLES / name, {
-        "model.path": str(model_dir),
-        "run.output_dir": str(tmp_path / "out"),
-        "run.num_steps": 3,
-        "eval.num_prompts": 0,
-        "refit.verify_first_steps": 1,
-    })
+    config = load_config(
+        EXAMPLES / name,
+        {
+            "model.path": str(model_dir),
+            "run.output_dir": str(tmp_path / "out"),
+            "run.num_steps": 3,
+            "eval.num_prompts": 0,
+            "refit.verify_first_steps": 1,
+        },
+    )
     report = describe(config)
     assert f"staleness <= {bound}" in report.mode or (bound == 0 and "on-policy" in report.mode)
     mark_test_start()

@@ -16,18 +16,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from integration_support import read_metrics
 
 import asyncrl
 from asyncrl.config import Config
-from integration_support import read_metrics
 
 pytestmark = pytest.mark.asyncio
 
 P, N = 4, 4
 WORKLOAD = {
     "grpo": {"prompts_per_step": P, "samples_per_prompt": N, "max_new_tokens": 40},
-    "generator": {"backend": "bigram", "options": {
-        "length_median": 3.0, "length_sigma": 1.0, "token_delay_s": 0.004}},
+    "generator": {
+        "backend": "bigram",
+        "options": {"length_median": 3.0, "length_sigma": 1.0, "token_delay_s": 0.004},
+    },
     "trainer": {"backend": "bigram", "options": {"lr": 0.5, "step_delay_s": 0.03}},
     "run": {"num_steps": 6},
     "eval": {"num_prompts": 0},
@@ -37,11 +39,17 @@ MODES = {
     "sync": ({"name": "in_order", "max_lookahead_versions": 0}, 0, True),
     "in_order-2": ({"name": "in_order", "max_lookahead_versions": 2}, 2, True),
     "gated": ({"name": "gated", "max_staleness_versions": 1}, 1, True),
-    "oversampled": ({"name": "oversampled", "max_staleness_versions": 1,
-                     "over_sampling_ratio": 2.0}, 1, False),
+    "oversampled": (
+        {"name": "oversampled", "max_staleness_versions": 1, "over_sampling_ratio": 2.0},
+        1,
+        False,
+    ),
     "ready_first": ({"name": "ready_first", "max_staleness_versions": 1}, 1, False),
-    "dynamic": ({"name": "dynamic", "max_staleness_versions": 1, "over_sampling_ratio": 2.0}, 1,
-                False),
+    "dynamic": (
+        {"name": "dynamic", "max_staleness_versions": 1, "over_sampling_ratio": 2.0},
+        1,
+        False,
+    ),
 }
 
 
@@ -59,9 +67,15 @@ async def test_mode_keeps_its_bound_and_accounts_for_every_group(
     make_config: Callable[..., Config], mode: str
 ) -> None:
     sampler, bound, waste_free = MODES[mode]
-    steps = await run(make_config, mode, pipeline={
-        "sampler": sampler, "min_groups_for_streaming_train": 2,
-        "max_inflight_samples": 3 * N})
+    steps = await run(
+        make_config,
+        mode,
+        pipeline={
+            "sampler": sampler,
+            "min_groups_for_streaming_train": 2,
+            "max_inflight_samples": 3 * N,
+        },
+    )
     for r in steps:
         hist = {int(k): v for k, v in r["staleness_hist"].items()}
         assert sum(hist.values()) == r["groups"] == P, r
@@ -70,24 +84,36 @@ async def test_mode_keeps_its_bound_and_accounts_for_every_group(
         if waste_free:
             assert r["wasted_samples"] == 0 and r["aborted_samples"] == 0, r
         assert r["wasted_samples"] == N * (r["evicted_groups"] + r["aborted_groups"])
-        assert r["aborted_samples"] <= N * r["aborted_groups"] + N * P  # bounded by what was aborted
+        assert (
+            r["aborted_samples"] <= N * r["aborted_groups"] + N * P
+        )  # bounded by what was aborted
     if mode == "sync":
         assert all(r["staleness_max"] == 0 and r["inflight_at_refit"] == 0 for r in steps)
         # the next batch waits for each refit, and the trainer for each batch
         assert sum(r["gate_wait_s"] for r in steps) > 0 and all(r["wait_s"] > 0 for r in steps)
 
 
-async def test_oversampling_aborts_in_the_engine_at_refit(make_config: Callable[..., Config]) -> None:
+async def test_oversampling_aborts_in_the_engine_at_refit(
+    make_config: Callable[..., Config],
+) -> None:
     """Long stragglers (p99 far above the median) under a tight window: the refit after which
     they can no longer train aborts them, and the engine really cuts them short."""
     steps = await run(
-        make_config, "abort",
-        generator={"backend": "bigram", "options": {
-            "length_median": 2.0, "length_sigma": 1.6, "token_delay_s": 0.004}},
+        make_config,
+        "abort",
+        generator={
+            "backend": "bigram",
+            "options": {"length_median": 2.0, "length_sigma": 1.6, "token_delay_s": 0.004},
+        },
         grpo={"prompts_per_step": P, "samples_per_prompt": N, "max_new_tokens": 200},
-        pipeline={"sampler": {"name": "oversampled", "max_staleness_versions": 1,
-                              "over_sampling_ratio": 2.0},
-                  "min_groups_for_streaming_train": 1},
+        pipeline={
+            "sampler": {
+                "name": "oversampled",
+                "max_staleness_versions": 1,
+                "over_sampling_ratio": 2.0,
+            },
+            "min_groups_for_streaming_train": 1,
+        },
         run={"num_steps": 8},
     )
     aborted = sum(r["aborted_groups"] for r in steps)
@@ -97,18 +123,27 @@ async def test_oversampling_aborts_in_the_engine_at_refit(make_config: Callable[
     assert all(max(int(k) for k in r["staleness_hist"]) <= 1 for r in steps)
 
 
-async def test_drain_leaves_nothing_in_flight_at_the_refit(make_config: Callable[..., Config]) -> None:
-    steps = await run(make_config, "drain", refit={"drain": True, "drain_timeout_s": 30.0},
-                      pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 1}})
+async def test_drain_leaves_nothing_in_flight_at_the_refit(
+    make_config: Callable[..., Config],
+) -> None:
+    steps = await run(
+        make_config,
+        "drain",
+        refit={"drain": True, "drain_timeout_s": 30.0},
+        pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 1}},
+    )
     assert all(r["inflight_at_refit"] == 0 and r["drain_timeouts"] == 0 for r in steps), steps
     assert any(r["drain_s"] > 0 for r in steps)
 
 
 async def test_drain_timeout_lets_the_refit_go_ahead(make_config: Callable[..., Config]) -> None:
     steps = await run(
-        make_config, "drain-timeout",
-        generator={"backend": "bigram", "options": {
-            "length_median": 40.0, "length_sigma": 0.1, "token_delay_s": 0.02}},
+        make_config,
+        "drain-timeout",
+        generator={
+            "backend": "bigram",
+            "options": {"length_median": 40.0, "length_sigma": 0.1, "token_delay_s": 0.02},
+        },
         refit={"drain": True, "drain_timeout_s": 0.05},
         pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 1}},
         run={"num_steps": 3},
@@ -116,14 +151,23 @@ async def test_drain_timeout_lets_the_refit_go_ahead(make_config: Callable[..., 
     assert any(r["drain_timeouts"] == 1 and r["inflight_at_refit"] > 0 for r in steps), steps
 
 
-async def test_a_long_sample_does_not_hold_back_new_groups(make_config: Callable[..., Config]) -> None:
+async def test_a_long_sample_does_not_hold_back_new_groups(
+    make_config: Callable[..., Config],
+) -> None:
     """With room for N + 1 samples in flight, a group whose other samples finished leaves
     room for the next group while its long sample runs: samples in flight exceed one group."""
     steps = await run(
-        make_config, "backpressure",
-        pipeline={"sampler": {"name": "oversampled", "max_staleness_versions": 2,
-                              "over_sampling_ratio": 2.0},
-                  "min_groups_for_streaming_train": 1, "max_inflight_samples": N + 2},
+        make_config,
+        "backpressure",
+        pipeline={
+            "sampler": {
+                "name": "oversampled",
+                "max_staleness_versions": 2,
+                "over_sampling_ratio": 2.0,
+            },
+            "min_groups_for_streaming_train": 1,
+            "max_inflight_samples": N + 2,
+        },
     )
     assert max(r["inflight_samples_max"] for r in steps) > N
     assert all(r["inflight_samples_max"] <= N + 2 for r in steps)

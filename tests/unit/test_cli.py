@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -13,7 +12,9 @@ import pytest
 from asyncrl.cli import main
 
 ROOT = Path(__file__).parents[2]
-EXAMPLES = sorted((ROOT / "examples" / "modes").glob("*.toml")) + [ROOT / "examples/tiny_arith.toml"]
+EXAMPLES = sorted((ROOT / "examples" / "modes").glob("*.toml")) + [
+    ROOT / "examples/tiny_arith.toml"
+]
 
 
 @pytest.fixture
@@ -36,21 +37,39 @@ def test_every_shipped_config_checks_clean(path: Path, with_model: list[str], ca
 
 
 def test_every_broken_invariant_is_listed_with_its_fix(with_model: list[str], capsys) -> None:
-    code = main(["check-config", str(ROOT / "examples/modes/gated.toml"), *with_model,
-                 "--set", "grpo.temperature=0.0", "--set", "pipeline.max_buffered_groups=3",
-                 "--set", "pipeline.max_inflight_samples=2", "--set", "loss.is_cap=0.5"])
+    code = main(
+        [
+            "check-config",
+            str(ROOT / "examples/modes/gated.toml"),
+            *with_model,
+            "--set",
+            "grpo.temperature=0.0",
+            "--set",
+            "pipeline.max_buffered_groups=3",
+            "--set",
+            "pipeline.max_inflight_samples=2",
+            "--set",
+            "loss.is_cap=0.5",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 2
     assert "4 problems" in out
-    for field in ("grpo.temperature", "pipeline.max_buffered_groups",
-                  "pipeline.max_inflight_samples", "loss.is_cap"):
+    for field in (
+        "grpo.temperature",
+        "pipeline.max_buffered_groups",
+        "pipeline.max_inflight_samples",
+        "loss.is_cap",
+    ):
         assert f"  - {field}:" in out and "Fix:" in out, field
     assert "gated sampler needs (32 groups" in out
 
 
 def test_unparsable_configs_exit_2_with_the_field(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text('[model]\npath = "m"\n[environment]\nname = "x"\n[grpo]\nprompts_per_stepp = 3\n')
+    bad.write_text(
+        '[model]\npath = "m"\n[environment]\nname = "x"\n[grpo]\nprompts_per_stepp = 3\n'
+    )
     assert main(["check-config", str(bad)]) == 2
     assert "grpo.prompts_per_stepp: unknown key" in capsys.readouterr().out
     assert main(["check-config", str(tmp_path / "missing.toml")]) == 2
@@ -58,8 +77,15 @@ def test_unparsable_configs_exit_2_with_the_field(tmp_path: Path, capsys) -> Non
 
 
 def test_advice_for_streaming_without_chunks(with_model: list[str], capsys) -> None:
-    main(["check-config", str(ROOT / "examples/modes/gated.toml"), *with_model,
-          "--set", "pipeline.min_groups_for_streaming_train=0"])
+    main(
+        [
+            "check-config",
+            str(ROOT / "examples/modes/gated.toml"),
+            *with_model,
+            "--set",
+            "pipeline.min_groups_for_streaming_train=0",
+        ]
+    )
     assert "advice: pipeline.min_groups_for_streaming_train" in capsys.readouterr().out
 
 
@@ -67,11 +93,22 @@ def test_console_script_and_module_entry(with_model: list[str]) -> None:
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "asyncrl"]
     assert script.load() is main
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "check-config", str(ROOT / "examples/modes/sync.toml"),
-         *with_model], capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "check-config",
+            str(ROOT / "examples/modes/sync.toml"),
+            *with_model,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("mode: sync on-policy")
     exe = Path(sys.executable).parent / "asyncrl"
-    proc = subprocess.run([str(exe), "check-config", "/nonexistent.toml"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [str(exe), "check-config", "/nonexistent.toml"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stdout

@@ -3,16 +3,25 @@ the real entry point."""
 
 from __future__ import annotations
 
+from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
+
 from asyncrl.config import make_sampler
 from asyncrl.schedule import Dispatch, Scheduler
-from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 
 
 def run(rewards_of: dict[int, list[float]], fraction: float = 0.9) -> tuple[Scheduler, list[str]]:
-    sampler = DynamicSampler(DynamicConfig(over_sampling_ratio=2.0, max_filtered_fraction=fraction,
-                                           window_groups=4))
-    s = Scheduler(sampler, prompts_per_step=2, samples_per_prompt=2, num_steps=1,
-                  max_buffered_groups=8, max_inflight_samples=16, min_chunk_groups=2)
+    sampler = DynamicSampler(
+        DynamicConfig(over_sampling_ratio=2.0, max_filtered_fraction=fraction, window_groups=4)
+    )
+    s = Scheduler(
+        sampler,
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        num_steps=1,
+        max_buffered_groups=8,
+        max_inflight_samples=16,
+        min_chunk_groups=2,
+    )
     trained: list[str] = []
     while not s.finished:
         d = s.dispatch()

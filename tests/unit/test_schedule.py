@@ -22,9 +22,15 @@ from asyncrl.schedule import Dispatch, Scheduler, SchedulerError, Wait
 
 def make(sampler, P=2, N=2, steps=4, cap=None, inflight=None, min_chunk=1) -> Scheduler:
     cap = cap or sampler.required_buffer_capacity(P)
-    return Scheduler(sampler, prompts_per_step=P, samples_per_prompt=N, num_steps=steps,
-                     max_buffered_groups=cap, max_inflight_samples=inflight or cap * N,
-                     min_chunk_groups=min_chunk)
+    return Scheduler(
+        sampler,
+        prompts_per_step=P,
+        samples_per_prompt=N,
+        num_steps=steps,
+        max_buffered_groups=cap,
+        max_inflight_samples=inflight or cap * N,
+        min_chunk_groups=min_chunk,
+    )
 
 
 def dispatch_all(s: Scheduler) -> tuple[list[Dispatch], Wait]:
@@ -57,8 +63,12 @@ def in_order(L: int) -> InOrderSampler:
 
 
 def test_every_sampler_satisfies_the_protocol() -> None:
-    for s in (in_order(1), GatedSampler(GatedConfig()), OversampledSampler(OversampledConfig()),
-              ReadyFirstSampler(ReadyFirstConfig())):
+    for s in (
+        in_order(1),
+        GatedSampler(GatedConfig()),
+        OversampledSampler(OversampledConfig()),
+        ReadyFirstSampler(ReadyFirstConfig()),
+    ):
         assert isinstance(s, Sampler)
 
 
@@ -92,8 +102,9 @@ def test_a_long_sample_holds_one_slot_not_its_group() -> None:
     """Sample-level backpressure: with room for N + 1 samples, a group whose N - 1 short
     samples finished lets the next group start although its long sample still runs."""
     N = 4
-    s = make(OversampledSampler(OversampledConfig(over_sampling_ratio=2.0)), P=2, N=N,
-             inflight=N + 1)
+    s = make(
+        OversampledSampler(OversampledConfig(over_sampling_ratio=2.0)), P=2, N=N, inflight=N + 1
+    )
     (a,), wait = dispatch_all(s)
     assert wait.reason == "samples"
     for _ in range(N - 1):

@@ -23,6 +23,7 @@ import random
 from collections import Counter
 
 import pytest
+from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +38,6 @@ from asyncrl.samplers import (
     ReadyFirstSampler,
 )
 from asyncrl.schedule import Dispatch, Scheduler, SchedulerError
-from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 
 SAMPLERS = {
     "in_order": lambda w, r: InOrderSampler(InOrderConfig(max_lookahead_versions=w)),
@@ -45,7 +45,9 @@ SAMPLERS = {
     "oversampled": lambda w, r: OversampledSampler(
         OversampledConfig(max_staleness_versions=max(1, w), over_sampling_ratio=r)
     ),
-    "ready_first": lambda w, r: ReadyFirstSampler(ReadyFirstConfig(max_staleness_versions=max(1, w))),
+    "ready_first": lambda w, r: ReadyFirstSampler(
+        ReadyFirstConfig(max_staleness_versions=max(1, w))
+    ),
     # the example plugin (plugins/asyncrl-sampler-dapo): drops groups without reward variance
     "dynamic": lambda w, r: DynamicSampler(
         DynamicConfig(max_staleness_versions=max(1, w), over_sampling_ratio=r, window_groups=8)
@@ -54,17 +56,33 @@ SAMPLERS = {
 WASTE_FREE = {"in_order", "gated"}
 
 
-def run_schedule(name: str, seed: int, P: int, N: int, W: int, steps: int, ratio: float,
-                 extra_buffer: int, inflight_frac: float, chunk_frac: float) -> dict:
+def run_schedule(
+    name: str,
+    seed: int,
+    P: int,
+    N: int,
+    W: int,
+    steps: int,
+    ratio: float,
+    extra_buffer: int,
+    inflight_frac: float,
+    chunk_frac: float,
+) -> dict:
     rng = random.Random(seed)
     sampler = SAMPLERS[name](W, ratio)
     bound = W if name == "in_order" else max(1, W)
     cap = sampler.required_buffer_capacity(P) + extra_buffer
     max_inflight = max(N, math.ceil(cap * N * inflight_frac))
     min_chunk = max(1, math.ceil(P * chunk_frac))
-    s = Scheduler(sampler, prompts_per_step=P, samples_per_prompt=N, num_steps=steps,
-                  max_buffered_groups=cap, max_inflight_samples=max_inflight,
-                  min_chunk_groups=min_chunk)
+    s = Scheduler(
+        sampler,
+        prompts_per_step=P,
+        samples_per_prompt=N,
+        num_steps=steps,
+        max_buffered_groups=cap,
+        max_inflight_samples=max_inflight,
+        min_chunk_groups=min_chunk,
+    )
 
     start: dict[str, int] = {}
     index: dict[str, int] = {}
@@ -113,7 +131,9 @@ def run_schedule(name: str, seed: int, P: int, N: int, W: int, steps: int, ratio
                 assert not refit_pending
                 assert d.group_id not in start
                 start[d.group_id], index[d.group_id] = d.start_version, d.index
-                assert d.start_version == s.trainer_version  # generators serve the trainer's version
+                assert (
+                    d.start_version == s.trainer_version
+                )  # generators serve the trainer's version
                 running += [(d.group_id, k) for k in range(N)]
         elif move == "finish":
             # heavy-tailed completion: mostly a random sample, sometimes the oldest one
@@ -184,7 +204,11 @@ def run_schedule(name: str, seed: int, P: int, N: int, W: int, steps: int, ratio
     assert evicted.isdisjoint(aborted_by_scheduler)
     assert discarded == aborted_by_scheduler  # every aborted group's samples came back
     assert (s.dispatched, s.trained, s.evicted, s.aborted, s.unused) == (
-        len(start), len(trained), len(evicted), len(aborted_by_scheduler), len(unused)
+        len(start),
+        len(trained),
+        len(evicted),
+        len(aborted_by_scheduler),
+        len(unused),
     )
     assert s.wasted_samples == N * (len(evicted) + len(aborted_by_scheduler) + len(unused))
     assert s.num_live == 0 and s.inflight_samples == 0
@@ -212,8 +236,9 @@ params = dict(
 @pytest.mark.parametrize("name", list(SAMPLERS))
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**params)
-def test_random_schedules_keep_every_invariant(name, seed, P, N, W, steps, ratio,
-                                               extra_buffer, inflight_frac, chunk_frac) -> None:
+def test_random_schedules_keep_every_invariant(
+    name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
+) -> None:
     run_schedule(name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac)
 
 
@@ -242,9 +267,15 @@ def test_a_sampler_breaking_the_bound_is_refused() -> None:
         def should_abort_inflight(self, group, trainer_version):
             return False
 
-    s = Scheduler(Greedy(OversampledConfig(max_staleness_versions=1)), prompts_per_step=1,
-                  samples_per_prompt=1, num_steps=5, max_buffered_groups=4,
-                  max_inflight_samples=4, min_chunk_groups=1)
+    s = Scheduler(
+        Greedy(OversampledConfig(max_staleness_versions=1)),
+        prompts_per_step=1,
+        samples_per_prompt=1,
+        num_steps=5,
+        max_buffered_groups=4,
+        max_inflight_samples=4,
+        min_chunk_groups=1,
+    )
     first = s.dispatch()
     assert isinstance(first, Dispatch)
     for _ in range(2):  # two steps trained by other groups while `first` waits
