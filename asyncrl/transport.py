@@ -146,6 +146,15 @@ class AsyncSocket:
             self._poke()
             return frames
 
+    def recv_nowait(self) -> list[zmq.Frame] | None:
+        """One multipart message if one is queued now, else ``None`` (never waits)."""
+        try:
+            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        self._poke()
+        return frames
+
     async def send(self, frames: Sequence[Any]) -> None:
         """Send one multipart message; waits (without blocking the loop) at the HWM."""
         async with self._send_lock:

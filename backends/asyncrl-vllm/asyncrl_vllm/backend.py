@@ -216,6 +216,10 @@ class VLLMBackend:
             self._engine_shm = mapped_shm(self._reaper.engine_started())
             info = (await self._rpc("asyncrl_info"))[0]
             kernels = (await self._rpc("asyncrl_gemm_kernels"))[0]
+            spin = self.options.cpu_idle_spin_s
+            quieted = 0
+            if not cuda and spin is not None:
+                quieted = (await self._rpc("asyncrl_idle_spin", spin, 2))[0]
         except BaseException:
             await self.close()
             raise
@@ -230,6 +234,7 @@ class VLLMBackend:
             # CPU build: how many linear-like modules run on each GEMM kernel
             "cpu_gemm_kernels": {k: list(kernels.values()).count(k) for k in set(kernels.values())},
             "engine_start_s": round(seconds, 1),
+            "idle_spin_readers_changed": quieted,
         }
         self._log.info("engine_started", **caps)
         return caps
@@ -489,9 +494,15 @@ class VLLMBackend:
         """
         llm = self._require()
         started = time.perf_counter()
-        await self._bounded(
-            "pause_generation", llm.pause_generation(mode="keep", clear_cache=False)
+        # AsyncLLM.pause_generation is the engine core's pause plus a cosmetic 20 ms sleep
+        # (vLLM: "not required for correctness"), a fixed cost on every refit
+        core = getattr(llm, "engine_core", None)
+        pause = (
+            core.pause_scheduler_async(mode="keep", clear_cache=False)
+            if hasattr(core, "pause_scheduler_async")
+            else llm.pause_generation(mode="keep", clear_cache=False)
         )
+        await self._bounded("pause_generation", pause)
         self._update = None
         mode = (await self._rpc("asyncrl_begin_reload", self.options.weight_load_mode))[0]
         self._update = _Update(version=version, mode=mode, started=started)
