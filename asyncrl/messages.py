@@ -189,6 +189,9 @@ class WeightsResult(msgspec.Struct, tag="w_r", **_CTRL):
     seconds: float
     rejected_frames: int = 0
     """Sender only: frames its transfer socket refused so far in this run (all refits)."""
+    busy_s: float = 0.0
+    """Receiver only: seconds since its previous refit during which it was generating (at
+    least one sample in flight)."""
 
 
 class HealthResult(msgspec.Struct, tag="health_r", **_CTRL):
@@ -237,6 +240,8 @@ class Call(msgspec.Struct, tag="call", **_CTRL):
 class Reply(msgspec.Struct, tag="reply", **_CTRL):
     call_id: int
     result: Result
+    seconds: float = 0.0
+    """How long the worker spent serving the call (its own time, without the wire)."""
 
 
 class Failure(msgspec.Struct, tag="fail", **_CTRL):

@@ -121,6 +121,8 @@ class Pipeline:
         """Samples in flight per rollout worker (dispatch goes to the least loaded)."""
         self.rejections = rejections if rejections is not None else Rejections()
         self._gate_wait_s = 0.0
+        self._engine_busy_s = 0.0
+        """Generation time the rollout workers reported at the last refit (the slowest)."""
         """Dispatch time spent waiting for a refit since the last step record."""
         self._lags: deque[float] = deque(maxlen=100_000)
         """Event-loop wake-up delays since the last step was logged (bounded)."""
@@ -482,9 +484,21 @@ class Pipeline:
                 )
             )
 
+        received: list[Any] = []
+
+        async def receive_all() -> None:
+            received.extend(
+                await self.control.call_each(
+                    self.rollouts, [recv] * len(self.rollouts), timeout_s=timeout
+                )
+            )
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(send_all)
-            tg.start_soon(self._call_each, self.rollouts, recv, timeout)
+            tg.start_soon(receive_all)
+        self._engine_busy_s = max(
+            (r.busy_s for r in received if isinstance(r, WeightsResult)), default=0.0
+        )
         refused = max((r.rejected_frames for r in sent if isinstance(r, WeightsResult)), default=0)
         if refused:  # the sender's count covers the whole run
             self.rejections.counts["weights"] = refused
@@ -501,13 +515,20 @@ class Pipeline:
             log.info("refit_verified", **a.metrics())
         return agreements
 
-    async def _call_each(self, workers: list[str], request: Any, timeout: float) -> None:
-        await self.control.call_each(workers, [request] * len(workers), timeout_s=timeout)
-
     def _log_step(
         self, rec: StepRecord, result: StepResult, refit_s: float, stats: StepStats
     ) -> None:
         rec.gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
+        served = self.control.take_served()
+        rec.trainer_compute_s = max(
+            served.get((t, "TrainChunk"), 0.0) + served.get((t, "FinishStep"), 0.0)
+            for t in self.trainers
+        )
+        rec.refit_work_s = max(
+            [v for (_, m), v in served.items() if m in ("SendWeights", "ReceiveWeights")],
+            default=0.0,
+        )
+        rec.engine_busy_s = self._engine_busy_s
         record = rec.metrics(
             result,
             refit_s,

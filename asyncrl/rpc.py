@@ -101,7 +101,15 @@ class ControlPlane:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self.peers: dict[str, Peer] = {}
+        self.served: dict[tuple[str, str], float] = {}
+        """Seconds each worker spent serving each kind of call (its own account, from
+        ``Reply.seconds``), since the last :meth:`take_served`."""
         self._peer_joined = anyio.Event()
+
+    def take_served(self) -> dict[tuple[str, str], float]:
+        """:attr:`served` so far, and start counting afresh."""
+        served, self.served = self.served, {}
+        return served
 
     async def run(self) -> None:
         """Read the ROUTER forever. Raises :class:`WorkerError` on a worker's ``Dead``.
@@ -149,6 +157,8 @@ class ControlPlane:
                 return
             if isinstance(msg, Reply):
                 pending.result = msg.result
+                key = (identity, pending.method)
+                self.served[key] = self.served.get(key, 0.0) + msg.seconds
             else:
                 pending.error = RemoteCallError(
                     identity, pending.method, msg.error_type, msg.message, msg.traceback

@@ -33,6 +33,13 @@ class StepRecord:
     drain_timeouts: int = 0
     aborted_samples: int = 0
     """Samples the engines cut short (finish reason ``abort``) while this step was open."""
+    trainer_compute_s: float = 0.0
+    """The trainer's own time serving this step's TrainChunk and FinishStep calls (slowest
+    rank), as the worker measured it."""
+    engine_busy_s: float = 0.0
+    """Time the generators were generating since the previous refit (slowest rank)."""
+    refit_work_s: float = 0.0
+    """The workers' own time in this step's refit (the longest SendWeights/ReceiveWeights)."""
     train_busy_s: float = 0.0
     """Time the trainer ranks spent on this step's TrainChunk and FinishStep calls."""
     inflight_at_refit: int = 0
@@ -91,6 +98,9 @@ class StepRecord:
             "aborted_samples": self.aborted_samples,
             "inflight_at_refit": self.inflight_at_refit,
             "train_busy_s": self.train_busy_s,
+            "trainer_compute_s": self.trainer_compute_s,
+            "engine_busy_s": self.engine_busy_s,
+            "refit_work_s": self.refit_work_s,
             "gen_start": self.gen_start,
             "gen_end": self.gen_end,
             "train_start": self.train_start,

@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -125,6 +126,34 @@ class _Thread:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class _Busy:
+    """Wall time during which at least one generation is running (reported per refit)."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def enter(self) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._total += time.perf_counter() - self._since
+
+    def take(self) -> float:
+        """Busy seconds since the last take (an ongoing stretch counts up to now)."""
+        now = time.perf_counter()
+        total = self._total + (now - self._since if self._active else 0.0)
+        self._total = 0.0
+        if self._active:
+            self._since = now
+        return total
+
+
 class _Runtime:
     def __init__(
         self, ctx: Context, control: Any, init: Init, wctx: WorkerContext, identity: str
@@ -141,6 +170,7 @@ class _Runtime:
         self.receiver: ShmWeightReceiver | None = None
         self.sender: ShmWeightSender | None = None
         self.running: dict[str, anyio.CancelScope] = {}
+        self.busy = _Busy()
 
     async def send(self, msg: Any) -> None:
         await self.control.send(self.tx.encode(msg))
@@ -153,12 +183,15 @@ class _Runtime:
         async def emit(index: int, sample: Sample) -> None:
             await data.send(data_tx.encode(SampleDone(req.group_id, self.identity, index, sample)))
 
+        self.busy.enter()
         try:
             await self.backend.generate(req, emit)
         except Exception as exc:
             log.exception("generation_failed", group_id=req.group_id)
             msg = GroupFailed(req.group_id, self.identity, type(exc).__name__, str(exc))
             await data.send(data_tx.encode(msg))
+        finally:
+            self.busy.leave()
 
     async def rollout_call(self, req: Request, tg: anyio.abc.TaskGroup) -> Result:
         backend: GenerationBackend = self.backend
@@ -176,13 +209,14 @@ class _Runtime:
                 if self.receiver is not None:
                     self.receiver.close()
                 self.receiver = ShmWeightReceiver(self.ctx, req.address, self.identity)
-            return await self.receiver.receive(
+            received = await self.receiver.receive(
                 req.version,
                 backend,
                 reset_prefix_cache=req.reset_prefix_cache,
                 kv_scales=req.kv_scales,
                 timeout_s=req.timeout_s,
             )
+            return msgspec.structs.replace(received, busy_s=self.busy.take())
         if isinstance(req, ResetPrefixCache):
             await backend.reset_prefix_cache()
             return Empty()
@@ -233,11 +267,13 @@ class _Runtime:
     # ----------------------------------------------------------------- dispatch
     async def answer(self, call: Call, tg: anyio.abc.TaskGroup) -> None:
         try:
+            start = time.perf_counter()
             if self.wctx.group == "rollout":
                 result = await self.rollout_call(call.request, tg)
             else:
                 result = await self.trainer_call(call.request)
-            await self.send(Reply(call_id=call.call_id, result=result))
+            seconds = time.perf_counter() - start
+            await self.send(Reply(call_id=call.call_id, result=result, seconds=seconds))
         except Exception as exc:
             log.exception("call_failed", method=type(call.request).__name__)
             await self.send(

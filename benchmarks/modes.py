@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/modes.py                 # both parts, ~3 min on 2 cores
     .venv/bin/python benchmarks/modes.py --part modes --steps 16
     .venv/bin/python benchmarks/modes.py --part lag --lag-in-flight 100
+    .venv/bin/python benchmarks/modes.py --part vllm     # the tiny CPU task, real engines
 
 **modes**: the real controller and worker processes with the example (bigram) engine, which
 really takes the time a sample's length implies: lengths are log-normal (median
@@ -18,7 +19,12 @@ trainer's idle fraction, staleness p50/max and wasted samples.
 event-loop lag is sampled every 10 ms (the worst step's p99, and the max), with the samples
 per second that really went through the data socket.
 
-Results are printed as markdown and written to ``benchmarks/results/modes.json``.
+**vllm**: the tiny CPU task of the demo (16 prompts x 8 samples, at most 6 new tokens, one
+FSDP2 rank and one vLLM rank) in each mode, 16 steps: the median step time against the
+workers' own accounts of their time (engine generating, trainer computing, refit), which the
+controller receives with every reply.
+
+Results are printed as markdown and written to ``benchmarks/results/modes-<part>.json``.
 """
 
 from __future__ import annotations
@@ -166,6 +172,83 @@ async def part_lag(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str
     }
 
 
+VLLM_MODES: dict[str, dict[str, Any]] = {
+    "sync": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}, "chunk": 16,
+             "threads": 2},
+    "sync, 1 trainer thread": {"sampler": {"name": "in_order", "max_lookahead_versions": 0},
+                               "chunk": 16, "threads": 1},
+    "in_order L=1": {"sampler": {"name": "in_order", "max_lookahead_versions": 1}, "chunk": 16,
+                     "threads": 1},
+    "in_order L=1, chunks of 8": {"sampler": {"name": "in_order", "max_lookahead_versions": 1},
+                                  "chunk": 8, "threads": 1},
+    "gated W=1": {"sampler": {"name": "gated", "max_staleness_versions": 1}, "chunk": 16,
+                  "threads": 1},
+    "oversampled W=1 r=1.5": {"sampler": {"name": "oversampled", "max_staleness_versions": 1,
+                                          "over_sampling_ratio": 1.5}, "chunk": 16, "threads": 1},
+}
+
+
+async def part_vllm(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """The tiny CPU task (16 prompts x 8 samples, <= 6 new tokens, one FSDP2 rank, one vLLM
+    rank) in each mode; the step time against the workers' own accounts of their time."""
+    from asyncrl.config import load_config
+
+    model = ROOT / "runs" / "tiny-arith" / "model"
+    if not (model / "config.json").exists():
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-m", "asyncrl_arith.make_model", str(model)], check=True)
+    rows = []
+    for name, mode in VLLM_MODES.items():
+        config = load_config(ROOT / "examples" / "tiny_arith.toml", {
+            "run.num_steps": args.vllm_steps,
+            "run.output_dir": str(tmp / name.replace(" ", "_").replace(",", "")),
+            "eval.num_prompts": 0,
+            "grpo.max_new_tokens": 6,
+            "refit.verify_first_steps": 0,
+            "refit.verify_every_steps": 0,
+            "pipeline.sampler": mode["sampler"],
+            "pipeline.min_groups_for_streaming_train": mode["chunk"],
+            "trainer.options": {"lr": 1e-4, "num_threads": mode["threads"]},
+        })
+        async with asyncrl.Controller(config) as ctl:
+            steps = (await ctl.train()).steps
+        steady = steps[3:]  # the first steps warm up (kernel choice, allocator)
+        gaps = [b["time"] - a["time"] for a, b in zip(steady, steady[1:])]
+        med = lambda key: statistics.median(r[key] for r in steady[1:])  # noqa: E731
+        own = med("engine_busy_s") + med("trainer_compute_s") + med("refit_work_s")
+        row = {
+            "mode": name,
+            "s_per_step": statistics.median(gaps),
+            "engine_s": med("engine_busy_s"),
+            "trainer_s": med("trainer_compute_s"),
+            "refit_s": med("refit_work_s"),
+            "own_s": own,
+            "staleness_max": max(r["staleness_max"] for r in steps),
+            "reward_last": steps[-1]["reward"],
+        }
+        row["step_over_own"] = row["s_per_step"] / own
+        rows.append(row)
+        print(f"  {name}: {row['s_per_step']:.3f} s/step (engine {row['engine_s']:.3f}, "
+              f"trainer {row['trainer_s']:.3f}, refit {row['refit_s']:.3f})", flush=True)
+    return rows
+
+
+def vllm_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mode | s/step | engine generating | trainer computing | refit (workers) | "
+        "step / (engine + trainer + refit) | staleness max |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['s_per_step']:.3f} | {r['engine_s']:.3f} | {r['trainer_s']:.3f} "
+            f"| {r['refit_s']:.3f} | {r['step_over_own']:.2f} | {r['staleness_max']} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mode | s/step | speedup vs sync | trainer idle | staleness p50 / max | wasted samples |",
@@ -210,9 +293,14 @@ async def main(args: argparse.Namespace) -> None:
             results["modes"] = await part_modes(args, model, tmp)
         if args.part in ("lag", "all"):
             results["lag"] = await part_lag(args, model, tmp)
+        if args.part == "vllm":
+            results["vllm"] = await part_vllm(args, tmp)
     if "modes" in results:
         print()
         print(table(results["modes"]))
+    if "vllm" in results:
+        print()
+        print(vllm_table(results["vllm"]))
     if "lag" in results:
         lag = results["lag"]
         print()
@@ -221,14 +309,16 @@ async def main(args: argparse.Namespace) -> None:
             f"loop lag p99 {lag['loop_lag_p99_ms']:.2f} ms (worst step), "
             f"max {lag['loop_lag_max_ms']:.2f} ms"
         )
-    out = ROOT / "benchmarks" / "results" / "modes.json"
+    out = ROOT / "benchmarks" / "results" / f"modes-{args.part}.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["modes", "lag", "all"], default="all")
+    parser.add_argument("--part", choices=["modes", "lag", "all", "vllm"], default="all",
+                        help="all = modes + lag (bigram engine); vllm = the tiny CPU task")
+    parser.add_argument("--vllm-steps", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--lag-steps", type=int, default=20)
     parser.add_argument(

@@ -91,6 +91,10 @@ async def test_mode_keeps_its_bound_and_accounts_for_every_group(
         assert all(r["staleness_max"] == 0 and r["inflight_at_refit"] == 0 for r in steps)
         # the next batch waits for each refit, and the trainer for each batch
         assert sum(r["gate_wait_s"] for r in steps) > 0 and all(r["wait_s"] > 0 for r in steps)
+        # the workers' own accounts: the trainer sleeps 0.03 s per FinishStep (step_delay_s)
+        for r in steps:
+            assert 0.03 <= r["trainer_compute_s"] <= r["train_s"] + 0.01, r
+            assert 0 < r["engine_busy_s"] and 0 < r["refit_work_s"] <= r["refit_s"], r
 
 
 async def test_oversampling_aborts_in_the_engine_at_refit(
