@@ -191,7 +191,7 @@ async def test_start_reports_capabilities(backend) -> None:
     assert caps["platform"] == "cpu" and caps["layerwise_reload"] is True
     names = {psutil.Process(pid).name() for pid in backend.engine_pids()}
     assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
-    assert caps["idle_spin_readers_changed"] >= 1
+    assert caps["idle_spin_s"] == 0.0  # the vLLM plugin acts in the engine's worker
 
 
 @module_loop
@@ -200,14 +200,16 @@ async def test_idle_engine_worker_sleeps(backend) -> None:
     a small host, so it would hold a core while the trainer works; cpu_idle_spin_s = 0 makes
     it sleep. CPU time of the worker over 1.5 s of idleness, 0.2 s after a request."""
     await generate_all(backend, GenRequest(group_id="idle", prompt_ids=[1, 5], n=1, max_tokens=2))
-    (worker,) = [psutil.Process(p) for p in backend.engine_pids()
-                 if "Worker" in psutil.Process(p).name()]
+    procs = {psutil.Process(p).name(): psutil.Process(p) for p in backend.engine_pids()}
+    engine = [p for name, p in procs.items() if "Worker" in name or "EngineCore" in name]
+    assert len(engine) == 2, procs
     await asyncio.sleep(0.2)
-    before = sum(worker.cpu_times()[:2])
+    before = [sum(p.cpu_times()[:2]) for p in engine]
     await asyncio.sleep(1.5)
-    used = sum(worker.cpu_times()[:2]) - before
-    print(f"idle worker CPU over 1.5 s: {used:.3f} s")
-    assert used < 0.12, used  # measured 0.040 s; with vLLM's 1 s spin it is ~1.2 s
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(engine, before)]
+    print("idle CPU over 1.5 s:", {p.name(): round(u, 3) for p, u in zip(engine, used)})
+    # measured 0.03-0.04 s each; with vLLM's 1 s spin the worker used 0.81 s
+    assert max(used) < 0.12, used
 
 
 @module_loop

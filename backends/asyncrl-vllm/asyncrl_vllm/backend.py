@@ -41,6 +41,7 @@ from asyncrl.errors import ConfigError, EngineDeadError, RefitError
 from asyncrl.process import exit_status, process_name, wait_pid_exit
 from asyncrl.messages import GenRequest, Sample, TokenBatch
 
+from .idle import ENV_VAR as IDLE_ENV_VAR
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
 from .processes import TORCHRUN_VARS, environ, mapped_shm, unlink_shm
 from .reaper import Reaper
@@ -138,6 +139,8 @@ class VLLMBackend:
         if self.options.cpu_omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.cpu_omp_threads_bind
         env[GEMM_ENV_VAR] = None if cuda else self.options.cpu_gemm_kernel
+        spin = self.options.cpu_idle_spin_s
+        env[IDLE_ENV_VAR] = None if cuda or spin is None else str(spin)
         if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
             # vLLM forks by default on CUDA; a forked engine core cannot use CUDA once this
             # process has touched it (start() asks torch.cuda.is_available()). Spawn always
@@ -216,10 +219,7 @@ class VLLMBackend:
             self._engine_shm = mapped_shm(self._reaper.engine_started())
             info = (await self._rpc("asyncrl_info"))[0]
             kernels = (await self._rpc("asyncrl_gemm_kernels"))[0]
-            spin = self.options.cpu_idle_spin_s
-            quieted = 0
-            if not cuda and spin is not None:
-                quieted = (await self._rpc("asyncrl_idle_spin", spin, 2))[0]
+            idle_spin = (await self._rpc("asyncrl_idle_spin"))[0]
         except BaseException:
             await self.close()
             raise
@@ -234,7 +234,8 @@ class VLLMBackend:
             # CPU build: how many linear-like modules run on each GEMM kernel
             "cpu_gemm_kernels": {k: list(kernels.values()).count(k) for k in set(kernels.values())},
             "engine_start_s": round(seconds, 1),
-            "idle_spin_readers_changed": quieted,
+            # CPU build: the engine worker's idle poll (None: vLLM's 1 s; asyncrl_vllm.idle)
+            "idle_spin_s": idle_spin,
         }
         self._log.info("engine_started", **caps)
         return caps

@@ -299,22 +299,12 @@ class AsyncRLWorkerExtension:
         self._asyncrl_sync()
         return {"mode": mode, "redispatched": redispatched}
 
-    def asyncrl_idle_spin(self, spin_s: float, recheck_ms: int) -> int:
-        """Let this worker sleep between engine steps: its shared-memory queue readers poll
-        for ``spin_s`` after each read (vLLM: 1 s) and, once asleep, re-check every
-        ``recheck_ms`` (vLLM: 5000 ms; a wake-up ping can be dropped). Returns how many readers
-        were changed."""
-        import gc
+    def asyncrl_idle_spin(self) -> float | None:
+        """The idle spin this worker runs with (``None``: vLLM's 1 s; see
+        :mod:`asyncrl_vllm.idle`)."""
+        from .idle import active
 
-        from vllm.distributed.device_communicators import shm_broadcast
-
-        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(recheck_ms)
-        changed = 0
-        for obj in gc.get_objects():
-            if isinstance(obj, shm_broadcast.SpinCondition) and obj.is_reader:
-                obj.busy_loop_s = float(spin_s)
-                changed += 1
-        return changed
+        return active()
 
     def asyncrl_gemm_kernels(self) -> dict[str, str]:
         """``{module: kernel}`` for every module with a CPU GEMM closure (empty on GPU)."""

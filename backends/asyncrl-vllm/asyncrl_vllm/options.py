@@ -72,12 +72,13 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``F.linear``, slowest) force one, for diagnosis or to work around a kernel problem.
     Every choice is refit-safe (docs/backends/vllm.md)."""
     cpu_idle_spin_s: float | None = 0.0
-    """CPU build only: how long the engine's worker keeps polling its input queue after each
-    message before it sleeps. vLLM's default (1 s, ``None`` keeps it) is longer than a whole
-    RL step here, so the worker never sleeps and holds a core the trainer needs (measured on 2
-    cores: 84% of a core while idle; lookahead-1 steps 0.40-0.51 s -> 0.18-0.22 s with 0).
-    With a spin shorter than that, a sleeping worker also re-checks its queue every 2 ms:
-    vLLM's wake-up ping can be dropped, and its own re-check comes only after 5 s."""
+    """CPU build only: how long the engine's processes keep polling their shared-memory
+    queues after each message before they sleep. vLLM's default (1 s; ``None`` keeps it) is
+    longer than a whole RL step here, so the worker never sleeps and holds a core the trainer
+    needs (measured on 2 cores: 84% of a core while idle; lookahead-1 steps 0.40-0.51 s ->
+    0.18-0.22 s with 0). A sleeping reader then re-checks its queue every 2 ms (vLLM's wake-up
+    ping can be dropped; its own re-check comes after 5 s). Applied by the vLLM plugin
+    ``asyncrl_vllm.idle``."""
     weight_load_mode: Literal["auto", "layerwise", "plain"] = "auto"
     """How refit writes weights into the running model. ``layerwise``: vLLM's layerwise reload
     (each layer is re-processed after its weights arrived; required on the CPU build, whose
