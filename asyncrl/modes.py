@@ -78,12 +78,11 @@ def describe(config: Config) -> ModeReport:
         + "abort hopeless groups, load, reset prefix cache",
     }
     advice = []
-    streaming = sampler.name != "in_order"
-    if streaming and chunk == P:
+    if chunk < P and sampler.name == "in_order" and sampler.max_staleness == 0:
         advice.append(
-            "pipeline.min_groups_for_streaming_train: equals prompts_per_step, so every step "
-            "waits for all its groups before training starts. Fix: set it to e.g. "
-            f"{max(1, P // 4)} so chunks stream into the open step"
+            "pipeline.min_groups_for_streaming_train: in sync mode the whole batch is "
+            "generated before training can start anyway, so chunks only add trainer round "
+            f"trips. Fix: set it to prompts_per_step ({P}) or 0"
         )
     if config.refit.drain and sampler.name == "in_order" and sampler.max_staleness == 0:
         advice.append("refit.drain: sync mode has nothing in flight at a refit. Fix: remove it")

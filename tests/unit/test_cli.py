@@ -76,17 +76,12 @@ def test_unparsable_configs_exit_2_with_the_field(tmp_path: Path, capsys) -> Non
     assert main(["check-config", str(bad), "--set", "nonsense"]) == 2
 
 
-def test_advice_for_streaming_without_chunks(with_model: list[str], capsys) -> None:
-    main(
-        [
-            "check-config",
-            str(ROOT / "examples/modes/gated.toml"),
-            *with_model,
-            "--set",
-            "pipeline.min_groups_for_streaming_train=0",
-        ]
-    )
+def test_advice_for_chunks_in_sync_mode(with_model: list[str], capsys) -> None:
+    main(["check-config", str(ROOT / "examples/modes/sync.toml"), *with_model,
+          "--set", "pipeline.min_groups_for_streaming_train=4"])
     assert "advice: pipeline.min_groups_for_streaming_train" in capsys.readouterr().out
+    main(["check-config", str(ROOT / "examples/modes/sync.toml"), *with_model])
+    assert "advice" not in capsys.readouterr().out
 
 
 def test_console_script_and_module_entry(with_model: list[str]) -> None:
