@@ -65,6 +65,10 @@ from .verify import Agreement, make_probe, verification_due
 
 __all__ = ["Pipeline"]
 
+DISPATCH_ROUND = 32
+"""Groups dispatched per round (one ``Generate`` per worker): bounds the loop time of a round
+(about 50 us a group) while still batching requests for the engines."""
+
 INLINE_SCORE_MAX_S = 0.0005
 """Groups are scored on the event loop while scoring one costs less than this on average (a
 slow environment goes to worker threads, keeping the loop's lag in check)."""
@@ -158,7 +162,11 @@ class Pipeline:
             # Generate must not be separated by a refit
             await self.prompts.prefetch(self.sched.next_index + ahead, self.tok)
             decisions: list[Dispatch] = []
-            while isinstance(d := self.sched.dispatch(), Dispatch):
+            # at most DISPATCH_ROUND groups per round: a first round of hundreds would hold
+            # the loop for tens of milliseconds
+            while len(decisions) < DISPATCH_ROUND and isinstance(
+                d := self.sched.dispatch(), Dispatch
+            ):
                 decisions.append(d)
             if decisions:
                 await self._send_generate(decisions)
@@ -222,19 +230,18 @@ class Pipeline:
         codec = Codec(DataMessage)
         async with anyio.create_task_group() as tg:
             while True:
-                batch = [await self.data.recv()]
-                # drain what else is already queued (at most ~1 ms of work), then wake the
-                # rollout pump once for the lot instead of once per sample
+                frames = await self.data.recv()
+                # take what else is already queued for at most 1 ms, then wake the rollout
+                # pump once for the lot (not once per sample) and give the loop back: a
+                # never-empty socket must not starve the other tasks
                 deadline = time.perf_counter() + 0.001
-                while len(batch) < 512 and time.perf_counter() < deadline:
-                    more = self.data.recv_nowait()
-                    if more is None:
-                        break
-                    batch.append(more)
-                for frames in batch:
+                while frames is not None:
                     self._take_frames(codec, frames, tg)
+                    if time.perf_counter() > deadline:
+                        break
+                    frames = self.data.recv_nowait()
                 self.changed.notify()
-                await anyio.lowlevel.checkpoint()  # a never-empty socket must not starve the loop
+                await anyio.lowlevel.checkpoint()
 
     def _take_frames(self, codec: Codec, frames: Any, tg: Any) -> None:
         try:
@@ -278,7 +285,7 @@ class Pipeline:
         if pending.eval_done is not None:
             if all(x is not None for x in pending.samples):
                 del self._generating[gid]
-                tg.start_soon(self._score_eval, pending)
+                self._complete(gid, pending, tg)
             return
         self._load[pending.worker] -= 1
         if msg.sample.finish_reason == "abort":
@@ -287,28 +294,55 @@ class Pipeline:
         if outcome is not None:
             del self._generating[gid]
         if outcome == "commit":
-            tg.start_soon(self._score_and_commit, gid, pending)
+            self._complete(gid, pending, tg)
+
+    def _score_inline(self, pending: Generating) -> list[Any]:
+        start = time.perf_counter()
+        samples = score_samples(
+            self.env, self.tok, self.config.environment.name, pending.prompt, pending.samples
+        )
+        self._note_score_cost(time.perf_counter() - start)
+        return samples
+
+    def _note_score_cost(self, cost: float) -> None:
+        self._score_cost_s = 0.8 * self._score_cost_s + 0.2 * cost if self._scored else cost
+        self._scored += 1
+
+    def _scores_inline(self) -> bool:
+        """Score on the loop? Yes once this environment has proven cheap (a thread hop costs
+        2-14 ms of latency on a loaded 2-core host for 0.06 ms of arithmetic scoring); a slow
+        one goes to worker threads. Follows a moving average of the measured cost."""
+        return self._score_cost_s < INLINE_SCORE_MAX_S
 
     async def _score(self, pending: Generating) -> list[Any]:
-        """Score a group: on the loop when this environment has proven cheap (a thread hop
-        costs 2-14 ms of latency on a loaded 2-core host for 0.06 ms of arithmetic scoring),
-        else in a worker thread. The choice follows a moving average of the measured cost."""
+        """Score a group in a worker thread (measuring the work itself, not the hop)."""
         args = (self.env, self.tok, self.config.environment.name, pending.prompt, pending.samples)
 
         def timed() -> tuple[list[Any], float]:
             start = time.perf_counter()
             return score_samples(*args), time.perf_counter() - start
 
-        if self._score_cost_s < INLINE_SCORE_MAX_S:
-            samples, cost = timed()
-        else:
-            samples, cost = await anyio.to_thread.run_sync(timed, limiter=self.score_limiter)
-        self._score_cost_s = 0.8 * self._score_cost_s + 0.2 * cost if self._scored else cost
-        self._scored += 1
+        samples, cost = await anyio.to_thread.run_sync(timed, limiter=self.score_limiter)
+        self._note_score_cost(cost)
         return samples
 
+    def _complete(self, gid: str, pending: Generating, tg: Any) -> None:
+        """A group's last sample arrived: score and commit it now (cheap environment) or in
+        a task (scoring in a thread)."""
+        if pending.eval_done is not None:
+            if self._scores_inline():
+                self._eval_scored(pending, self._score_inline(pending))
+            else:
+                tg.start_soon(self._score_eval, pending)
+        elif self._scores_inline():
+            self._commit(gid, pending, self._score_inline(pending))
+        else:
+            tg.start_soon(self._score_and_commit, gid, pending)
+
     async def _score_and_commit(self, gid: str, pending: Generating) -> None:
-        samples = await self._score(pending)
+        self._commit(gid, pending, await self._score(pending))
+
+    def _commit(self, gid: str, pending: Generating, samples: list[Any]) -> None:
         if not self.sched.tracks(gid):
             return  # the run ended while it was scored (counted as unused)
         self.sched.committed(gid, [s.reward for s in samples])
@@ -330,8 +364,11 @@ class Pipeline:
         self.committed.notify()
 
     async def _score_eval(self, pending: Generating) -> None:
-        samples = await self._score(pending)
-        pending.samples = samples  # type: ignore[assignment]
+        self._eval_scored(pending, await self._score(pending))
+
+    @staticmethod
+    def _eval_scored(pending: Generating, samples: list[Any]) -> None:
+        pending.samples = samples
         assert pending.eval_done is not None
         pending.eval_done.set()
 
