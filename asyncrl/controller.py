@@ -20,14 +20,15 @@ torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and att
 
 from __future__ import annotations
 
+import gc
 import getpass
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,6 +309,18 @@ class Controller(anyio.AsyncContextManagerMixin):
         """
         pipe = self.pipeline
         summary = RunSummary(metrics_path=os.path.join(self.config.run.output_dir, "metrics.jsonl"))
+        with _gc_frozen(self.config.run.gc_freeze):
+            await self._train(pipe, summary)
+        summary.steps = list(pipe.history)
+        summary.rejected_frames = dict(pipe.rejections.counts)
+        if pipe.metrics is not None:
+            pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
+        log.info(
+            "run_finished", summary=json.dumps(summary.evals), rejected_frames=summary.rejected_frames
+        )
+        return summary
+
+    async def _train(self, pipe: Pipeline, summary: RunSummary) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(pipe.feed_buffer, name="buffer-feeder")
             tg.start_soon(pipe.watch_loop_lag, name="loop-lag")
@@ -320,15 +333,6 @@ class Controller(anyio.AsyncContextManagerMixin):
             if self.config.eval.num_prompts and self.config.eval.at_end:
                 summary.evals.append(await pipe.evaluate("end"))
             tg.cancel_scope.cancel()
-        summary.steps = list(pipe.history)
-        summary.rejected_frames = dict(pipe.rejections.counts)
-        if pipe.metrics is not None:
-            pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
-        log.info(
-            "run_finished", summary=json.dumps(summary.evals), rejected_frames=summary.rejected_frames
-        )
-        return summary
-
 
     def _note_dead_peers(self, control: ControlPlane) -> None:
         """Record workers whose process has exited but whose watcher has not fired yet."""
@@ -449,6 +453,23 @@ def make_scheduler(cfg: Config) -> Scheduler:
         max_inflight_samples=cfg.max_inflight_samples,
         min_chunk_groups=cfg.min_groups_for_streaming_train,
     )
+
+
+@contextmanager
+def _gc_frozen(enabled: bool) -> Iterator[None]:
+    """While training, keep the objects alive at its start out of the cyclic garbage
+    collector's scans (``gc.freeze``): a full collection over the start-up heap stalled the
+    event loop 20-30 ms (benchmarks/modes.py --part lag); with it the worst stall measured
+    5 ms. Unfrozen afterwards, so an embedding host gets its collector back."""
+    if not enabled:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _worker_env(config: Config, group: str) -> dict[str, str]:
