@@ -201,6 +201,16 @@ class InOrderSampler:
         self._admitted = int(state["admitted"])
 
 
+def _window(versions: int) -> int:
+    """A streaming sampler's window W, checked."""
+    if versions < 1:
+        raise ValueError(
+            f"max_staleness_versions: must be >= 1, got {versions}. Fix: use >= 1 (for "
+            'on-policy training use name = "in_order" with max_lookahead_versions = 0)'
+        )
+    return versions
+
+
 # --------------------------------------------------------------------------- gated
 def slack(
     counts: Mapping[int, int], trainer_version: int, taken: int, per_step: int, window: int
@@ -253,13 +263,7 @@ class GatedSampler:
     over_dispatch = 1.0
 
     def __init__(self, config: GatedConfig) -> None:
-        if config.max_staleness_versions < 1:
-            raise ValueError(
-                f"max_staleness_versions: must be >= 1, got {config.max_staleness_versions}. "
-                'Fix: use >= 1 (for on-policy training use name = "in_order" with '
-                "max_lookahead_versions = 0)"
-            )
-        self.window = self.max_staleness = config.max_staleness_versions
+        self.window = self.max_staleness = _window(config.max_staleness_versions)
 
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * (self.window + 1)
@@ -353,18 +357,12 @@ class OversampledSampler(_Windowed):
     name = "oversampled"
 
     def __init__(self, config: OversampledConfig) -> None:
-        if config.max_staleness_versions < 1:
-            raise ValueError(
-                f"max_staleness_versions: must be >= 1, got {config.max_staleness_versions}. "
-                'Fix: use >= 1 (for on-policy training use name = "in_order" with '
-                "max_lookahead_versions = 0)"
-            )
+        self.window = self.max_staleness = _window(config.max_staleness_versions)
         if not config.over_sampling_ratio >= 1.0:
             raise ValueError(
                 f"over_sampling_ratio: must be >= 1, got {config.over_sampling_ratio}. "
                 "Fix: use e.g. 1.5 (1.0 over-samples nothing beyond the gated capacity)"
             )
-        self.window = self.max_staleness = config.max_staleness_versions
         self.ratio = self.over_dispatch = float(config.over_sampling_ratio)
 
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
@@ -395,13 +393,7 @@ class ReadyFirstSampler(_Windowed):
     name = "ready_first"
 
     def __init__(self, config: ReadyFirstConfig) -> None:
-        if config.max_staleness_versions < 1:
-            raise ValueError(
-                f"max_staleness_versions: must be >= 1, got {config.max_staleness_versions}. "
-                'Fix: use >= 1 (for on-policy training use name = "in_order" with '
-                "max_lookahead_versions = 0)"
-            )
-        self.window = self.max_staleness = config.max_staleness_versions
+        self.window = self.max_staleness = _window(config.max_staleness_versions)
 
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * (self.window + 1)

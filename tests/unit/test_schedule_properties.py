@@ -108,6 +108,27 @@ def run_schedule(
             assert gid in aborted_by_scheduler and done_samples[gid] == N
             discarded.add(gid)
 
+    def record_chunk(chunk) -> bool:
+        """Check a chunk against the ledger and write it in; close the step when it is full
+        (returns whether a refit is now pending)."""
+        for gid in chunk.evicted:
+            assert gid not in trained and gid not in evicted
+            evicted.add(gid)
+        for gid in chunk.groups:
+            assert gid not in trained, f"{gid} trained twice"
+            assert done_samples[gid] == N and gid not in scoring
+            staleness = s.trainer_version - start[gid]
+            assert 0 <= staleness <= bound, (gid, staleness, bound)
+            if name == "in_order":
+                assert s.trainer_version == index[gid] // P
+            trained[gid] = s.trainer_version
+            per_step[s.trainer_version] += 1
+        if per_step[s.trainer_version] < P:
+            return False
+        s.finish_step()
+        aborted_by_scheduler.update(s.begin_refit())
+        return True
+
     while not s.finished:
         actions += 1
         assert actions < 200_000, "no progress"
@@ -146,24 +167,7 @@ def run_schedule(
             s.end_refit()
             refit_pending = False
         elif move == "train":
-            chunk = s.next_chunk()
-            for gid in chunk.evicted:
-                assert gid not in trained and gid not in evicted
-                evicted.add(gid)
-            for gid in chunk.groups:
-                assert gid not in trained, f"{gid} trained twice"
-                assert done_samples[gid] == N and gid not in scoring
-                staleness = s.trainer_version - start[gid]
-                assert 0 <= staleness <= bound, (gid, staleness, bound)
-                if name == "in_order":
-                    assert s.trainer_version == index[gid] // P
-                trained[gid] = s.trainer_version
-                per_step[s.trainer_version] += 1
-            if per_step[s.trainer_version] == P:
-                s.finish_step()
-                for gid in s.begin_refit():
-                    aborted_by_scheduler.add(gid)
-                refit_pending = True
+            refit_pending = record_chunk(s.next_chunk())
         assert s.num_live <= cap
         assert s.inflight_samples == len(running) <= max_inflight
         if not running and not scoring and not refit_pending and s.gate_open:
@@ -177,20 +181,7 @@ def run_schedule(
                 assert chunk.groups or chunk.evicted, (
                     f"deadlock: dispatch waits ({probe.reason}) and no chunk is ready"
                 )
-                # put the probe's decision into the ledger as a train move would
-                for gid in chunk.evicted:
-                    evicted.add(gid)
-                for gid in chunk.groups:
-                    staleness = s.trainer_version - start[gid]
-                    assert staleness <= bound
-                    if name == "in_order":
-                        assert s.trainer_version == index[gid] // P
-                    trained[gid] = s.trainer_version
-                    per_step[s.trainer_version] += 1
-                if per_step[s.trainer_version] == P:
-                    s.finish_step()
-                    aborted_by_scheduler.update(s.begin_refit())
-                    refit_pending = True
+                refit_pending = record_chunk(chunk)  # into the ledger as a train move would
     if refit_pending:
         s.end_refit()
     aborted_by_scheduler.update(s.close())
