@@ -205,12 +205,6 @@ class Pipeline:
                     seed=sample_seed(self.config.run.seed, d.group_id),
                 )
             )
-            rec = self._record(
-                d.target_step if d.target_step is not None else self.sched.trainer_version
-            )
-            rec.dispatched += 1
-            if rec.gen_start is None:
-                rec.gen_start = now
         timeout = self.config.cluster.call_timeout_s
         async with anyio.create_task_group() as tg:
             for worker, reqs in requests.items():
@@ -362,10 +356,6 @@ class Pipeline:
             end_version=self.sched.generator_version,
             committed_at=self.now(),
         )
-        rec = self._record(
-            pending.target_step if pending.target_step is not None else self.sched.trainer_version
-        )
-        rec.gen_end = max(rec.gen_end or 0.0, self.now())
         self.committed.notify()
 
     async def _score_eval(self, pending: Generating) -> None:

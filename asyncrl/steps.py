@@ -20,9 +20,6 @@ class StepRecord:
     """Timing and counters of one step (one batch: generation, training, refit)."""
 
     step: int
-    gen_start: float | None = None
-    gen_end: float | None = None
-    dispatched: int = 0
     train_start: float | None = None
     train_end: float | None = None
     wait_s: float = 0.0
@@ -65,6 +62,8 @@ class StepRecord:
     ) -> dict[str, Any]:
         """The step's metrics record (one JSON line of ``metrics.jsonl``, kind ``train``)."""
         samples = [s for g in self.groups for s in g.samples]
+        gen_start = min(g.dispatched_at for g in self.groups)
+        gen_end = max(g.committed_at or g.dispatched_at for g in self.groups)
         stale = [self.step - g.start_version for g in self.groups]
         n_tok = max(1, sum(r.num_loss_tokens for r in self.chunk_results))
         record: dict[str, Any] = {
@@ -80,7 +79,8 @@ class StepRecord:
             "response_len": float(np.mean([len(s.token_ids) for s in samples])),
             "chunks": self.chunks,
             "groups": len(self.groups),
-            "gen_s": (self.gen_end or 0.0) - (self.gen_start or 0.0),
+            # the generation span of this step's own groups: first dispatch to last commit
+            "gen_s": gen_end - gen_start,
             "train_s": (self.train_end or 0.0) - (self.train_start or 0.0),
             "refit_s": refit_s,
             "wait_s": self.wait_s,
@@ -101,8 +101,8 @@ class StepRecord:
             "trainer_compute_s": self.trainer_compute_s,
             "engine_busy_s": self.engine_busy_s,
             "refit_work_s": self.refit_work_s,
-            "gen_start": self.gen_start,
-            "gen_end": self.gen_end,
+            "gen_start": gen_start,
+            "gen_end": gen_end,
             "train_start": self.train_start,
             "train_end": self.train_end,
             "loop_lag_p99_s": float(np.quantile(loop_lags, 0.99)) if loop_lags else 0.0,

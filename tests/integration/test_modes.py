@@ -81,6 +81,7 @@ async def test_mode_keeps_its_bound_and_accounts_for_every_group(
         assert sum(hist.values()) == r["groups"] == P, r
         assert max(hist) <= bound, (mode, hist)
         assert r["inflight_samples_max"] <= 3 * N
+        assert 0 <= r["gen_s"] and r["gen_start"] <= r["gen_end"]  # this step's own groups
         if waste_free:
             assert r["wasted_samples"] == 0 and r["aborted_samples"] == 0, r
         assert r["wasted_samples"] == N * (r["evicted_groups"] + r["aborted_groups"])
