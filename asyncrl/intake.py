@@ -5,6 +5,7 @@ wake-up signal the pumps wait on."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,11 @@ from .errors import RunError
 from .messages import Sample
 from .prompts import Tokenizer
 
-__all__ = ["Generating", "Signal", "malformed", "score_samples"]
+__all__ = ["Generating", "Scorer", "Signal", "malformed", "score_samples"]
+
+INLINE_SCORE_MAX_S = 0.0005
+"""Groups are scored on the event loop while scoring one costs less than this on average (a
+slow environment goes to worker threads, keeping the loop's lag in check)."""
 
 
 class Signal:
@@ -107,3 +112,41 @@ def score_samples(
             CompletedSample(s.token_ids, s.logprobs, s.finish_reason, reward, bool(score.correct))
         )
     return out
+
+
+class Scorer:
+    """Scores complete groups, on the event loop while the environment proves cheap (a thread
+    hop costs 2-14 ms of latency on a loaded 2-core host for 0.06 ms of arithmetic scoring),
+    else in worker threads. The choice follows a moving average of the measured cost of the
+    scoring itself (not of the hop)."""
+
+    def __init__(self, env: Environment, tok: Tokenizer, env_name: str) -> None:
+        self._args = (env, tok, env_name)
+        self._limiter = anyio.CapacityLimiter(4)
+        self._cost_s = float("inf")  # unknown until measured: the first group uses a thread
+        self._scored = 0
+
+    @property
+    def cheap(self) -> bool:
+        return self._cost_s < INLINE_SCORE_MAX_S
+
+    def inline(self, pending: Generating) -> list[CompletedSample]:
+        samples, cost = self._timed(pending)
+        self._note(cost)
+        return samples
+
+    async def threaded(self, pending: Generating) -> list[CompletedSample]:
+        samples, cost = await anyio.to_thread.run_sync(
+            self._timed, pending, limiter=self._limiter
+        )
+        self._note(cost)
+        return samples
+
+    def _timed(self, pending: Generating) -> tuple[list[CompletedSample], float]:
+        start = time.perf_counter()
+        samples = score_samples(*self._args, pending.prompt, pending.samples)
+        return samples, time.perf_counter() - start
+
+    def _note(self, cost: float) -> None:
+        self._cost_s = 0.8 * self._cost_s + 0.2 * cost if self._scored else cost
+        self._scored += 1

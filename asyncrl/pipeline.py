@@ -38,7 +38,7 @@ from .config import Config
 from .environment import Environment
 from .errors import ProtocolError, RunError
 from .grpo import pack_groups, shard_batch
-from .intake import Generating, Signal, malformed, score_samples
+from .intake import Generating, Scorer, Signal, malformed
 from .messages import (
     Abort,
     BeginStep,
@@ -47,16 +47,14 @@ from .messages import (
     Generate,
     GenRequest,
     GroupFailed,
-    ReceiveWeights,
     SampleDone,
-    SendWeights,
     StepResult,
     TokenBatch,
     TrainChunk,
-    WeightsResult,
 )
 from .probes import Probes
 from .prompts import PromptStream, Tokenizer, sample_seed
+from .refits import refit_generators
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord
@@ -74,9 +72,7 @@ DISPATCH_ROUND = 16
 """Groups dispatched per round (one ``Generate`` per worker): bounds the loop time of a round
 (about 50 us a group) while still batching requests for the engines."""
 
-INLINE_SCORE_MAX_S = 0.0005
-"""Groups are scored on the event loop while scoring one costs less than this on average (a
-slow environment goes to worker threads, keeping the loop's lag in check)."""
+
 
 log = structlog.get_logger("asyncrl.pipeline")
 
@@ -113,9 +109,7 @@ class Pipeline:
         self.transfer_address = transfer_address
         self.metrics = metrics
         self.t0 = clock_origin
-        self.score_limiter = anyio.CapacityLimiter(4)
-        self._score_cost_s = float("inf")  # unknown until measured: the first group uses a thread
-        self._scored = 0
+        self.scorer = Scorer(environment, tokenizer, config.environment.name)
         self.changed = Signal()
         """Fired on every scheduler change the rollout pump (or a drain) may wait for."""
         self.committed = Signal()
@@ -295,51 +289,21 @@ class Pipeline:
         if outcome == "commit":
             self._complete(gid, pending, tg)
 
-    def _score_inline(self, pending: Generating) -> list[Any]:
-        start = time.perf_counter()
-        samples = score_samples(
-            self.env, self.tok, self.config.environment.name, pending.prompt, pending.samples
-        )
-        self._note_score_cost(time.perf_counter() - start)
-        return samples
-
-    def _note_score_cost(self, cost: float) -> None:
-        self._score_cost_s = 0.8 * self._score_cost_s + 0.2 * cost if self._scored else cost
-        self._scored += 1
-
-    def _scores_inline(self) -> bool:
-        """Score on the loop? Yes once this environment has proven cheap (a thread hop costs
-        2-14 ms of latency on a loaded 2-core host for 0.06 ms of arithmetic scoring); a slow
-        one goes to worker threads. Follows a moving average of the measured cost."""
-        return self._score_cost_s < INLINE_SCORE_MAX_S
-
-    async def _score(self, pending: Generating) -> list[Any]:
-        """Score a group in a worker thread (measuring the work itself, not the hop)."""
-        args = (self.env, self.tok, self.config.environment.name, pending.prompt, pending.samples)
-
-        def timed() -> tuple[list[Any], float]:
-            start = time.perf_counter()
-            return score_samples(*args), time.perf_counter() - start
-
-        samples, cost = await anyio.to_thread.run_sync(timed, limiter=self.score_limiter)
-        self._note_score_cost(cost)
-        return samples
-
     def _complete(self, gid: str, pending: Generating, tg: Any) -> None:
         """A group's last sample arrived: score and commit it now (cheap environment) or in
         a task (scoring in a thread)."""
         if pending.eval_done is not None:
-            if self._scores_inline():
-                self._eval_scored(pending, self._score_inline(pending))
+            if self.scorer.cheap:
+                self._eval_scored(pending, self.scorer.inline(pending))
             else:
                 tg.start_soon(self._score_eval, pending)
-        elif self._scores_inline():
-            self._commit(gid, pending, self._score_inline(pending))
+        elif self.scorer.cheap:
+            self._commit(gid, pending, self.scorer.inline(pending))
         else:
             tg.start_soon(self._score_and_commit, gid, pending)
 
     async def _score_and_commit(self, gid: str, pending: Generating) -> None:
-        self._commit(gid, pending, await self._score(pending))
+        self._commit(gid, pending, await self.scorer.threaded(pending))
 
     def _commit(self, gid: str, pending: Generating, samples: list[Any]) -> None:
         if not self.sched.tracks(gid):
@@ -359,7 +323,7 @@ class Pipeline:
         self.committed.notify()
 
     async def _score_eval(self, pending: Generating) -> None:
-        self._eval_scored(pending, await self._score(pending))
+        self._eval_scored(pending, await self.scorer.threaded(pending))
 
     @staticmethod
     def _eval_scored(pending: Generating, samples: list[Any]) -> None:
@@ -491,47 +455,15 @@ class Pipeline:
     async def refit(self, version: int) -> None:
         """Send weights ``version`` from the trainers to every generator; return when all
         generators serve them. Cancellation: abandons the transfer."""
-        cfg = self.config
-        timeout = cfg.cluster.call_timeout_s
-        send = SendWeights(
+        self._engine_busy_s, refused = await refit_generators(
+            self.control,
+            self.trainers,
+            self.rollouts,
             version=version,
-            receivers=list(self.rollouts),
-            transport=cfg.refit.transport,
-            bucket_size_bytes=cfg.refit.bucket_size_mb << 20,
-            timeout_s=cfg.refit.timeout_s,
+            transfer_address=self.transfer_address,
+            refit=self.config.refit,
+            timeout_s=self.config.cluster.call_timeout_s,
         )
-        recv = ReceiveWeights(
-            version=version,
-            address=self.transfer_address,
-            transport=cfg.refit.transport,
-            reset_prefix_cache=True,
-            timeout_s=cfg.refit.timeout_s,
-        )
-        sent: list[Any] = []
-
-        async def send_all() -> None:
-            sent.extend(
-                await self.control.call_each(
-                    self.trainers, [send] * len(self.trainers), timeout_s=timeout
-                )
-            )
-
-        received: list[Any] = []
-
-        async def receive_all() -> None:
-            received.extend(
-                await self.control.call_each(
-                    self.rollouts, [recv] * len(self.rollouts), timeout_s=timeout
-                )
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(send_all)
-            tg.start_soon(receive_all)
-        self._engine_busy_s = max(
-            (r.busy_s for r in received if isinstance(r, WeightsResult)), default=0.0
-        )
-        refused = max((r.rejected_frames for r in sent if isinstance(r, WeightsResult)), default=0)
         if refused:  # the sender's count covers the whole run
             self.rejections.counts["weights"] = refused
 
