@@ -90,6 +90,10 @@ class SchedulerView(Protocol):
     """Live groups per start version."""
 
     @property
+    def num_live(self) -> int:
+        """``len(live)``, without building the list (admission runs per dispatch)."""
+
+    @property
     def live(self) -> Sequence[GroupView]:
         """Untrained groups still counted against capacity (generating or ready, not being
         aborted), in dispatch order."""
@@ -400,7 +404,7 @@ class ReadyFirstSampler(_Windowed):
 
     def admit(self, view: SchedulerView) -> tuple[bool, int | None]:
         limit = (self.window + 1) * view.prompts_per_step - view.taken
-        return len(view.live) < limit, None
+        return view.num_live < limit, None
 
     def select(self, view: SchedulerView, min_groups: int, max_groups: int) -> list[Any]:
         v = view.trainer_version

@@ -137,14 +137,9 @@ class AsyncSocket:
 
     async def recv(self) -> list[zmq.Frame]:
         """Receive one multipart message as zero-copy frames."""
-        while True:
-            try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                await self._wait(zmq.POLLIN)
-                continue
-            self._poke()
-            return frames
+        while (frames := self.recv_nowait()) is None:
+            await self._wait(zmq.POLLIN)
+        return frames
 
     def recv_nowait(self) -> list[zmq.Frame] | None:
         """One multipart message if one is queued now, else ``None`` (never waits)."""
