@@ -51,7 +51,7 @@ from .backend import (
 )
 from .codec import Codec
 from .config import Config
-from .errors import ControllerLostError, ProtocolError, flatten
+from .errors import ControllerLostError, ProtocolError, WorkerError, flatten
 from .messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -186,9 +186,12 @@ class _Runtime:
         self.busy.enter()
         try:
             await self.backend.generate(req, emit)
+        except WorkerError:
+            raise  # the engine is gone: fatal for this worker, not a failure of this group
         except Exception as exc:
             log.exception("generation_failed", group_id=req.group_id)
-            msg = GroupFailed(req.group_id, self.identity, type(exc).__name__, str(exc))
+            first = flatten(exc)[0]  # a task group's error says only "unhandled errors"
+            msg = GroupFailed(req.group_id, self.identity, type(first).__name__, str(first))
             await data.send(data_tx.encode(msg))
         finally:
             self.busy.leave()
@@ -331,6 +334,10 @@ class _Runtime:
             leaves = [e for e in flatten(group) if not isinstance(e, cancelled)]
             if len(leaves) == 1 and isinstance(leaves[0], Exception):
                 raise leaves[0] from None
+            # a dying engine can fail a generation and the engine watch at once: same cause
+            fatal = [e for e in leaves if isinstance(e, WorkerError)]
+            if fatal and len({str(e) for e in fatal}) == 1:
+                raise fatal[0] from None
             raise
 
     async def _watch_controller(self, pid: int) -> None:

@@ -215,6 +215,10 @@ class Reaper:
         table = proc_table()
         return sorted(p for p, s in self._engine.items() if table.get(p, (0, -1))[1] == s)
 
+    def lost(self) -> bool:
+        """Whether any recorded engine process has exited."""
+        return len(self.alive()) < len(self._engine)
+
     def close(self, timeout_s: float = 15.0) -> list[int]:
         """Let the watchdog kill whatever is left and wait for it. Returns the PIDs it had to
         kill. Idempotent."""

@@ -1,0 +1,108 @@
+"""How a failed generation is reported: a group's own error becomes ``GroupFailed`` naming the
+first real error (not "unhandled errors in a TaskGroup"); an engine death is fatal for the
+worker, also when vLLM's front end fails the requests before the engine watch has seen the
+process exit (the race that once turned an engine SIGKILL into a "group failed" line)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from asyncrl.codec import Codec
+from asyncrl.errors import EngineDeadError
+from asyncrl.messages import DataMessage, GenRequest, GroupFailed
+from asyncrl.worker import _Busy, _Runtime
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.frames: list[list[bytes]] = []
+
+    async def send(self, frames: list[bytes]) -> None:
+        self.frames.append([bytes(f) for f in frames])
+
+
+class _Backend:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    async def generate(self, request: GenRequest, emit: object) -> None:
+        raise self.exc
+
+
+def _runtime(backend: object) -> _Runtime:
+    rt = _Runtime.__new__(_Runtime)
+    rt.backend, rt.data, rt.identity, rt.busy = backend, _Sink(), "rollout:0", _Busy()
+    return rt
+
+
+REQ = GenRequest(group_id="g7", prompt_ids=[1, 2], n=2, max_tokens=4)
+
+
+async def test_group_error_names_the_first_leaf() -> None:
+    rt = _runtime(_Backend(ExceptionGroup("unhandled errors in a TaskGroup", [ValueError("bad")])))
+    tx = Codec(DataMessage)
+    await rt._generate_one(REQ, tx)
+    (msg,) = [tx.decode(f) for f in rt.data.frames]
+    assert isinstance(msg, GroupFailed)
+    assert (msg.group_id, msg.error_type, msg.message) == ("g7", "ValueError", "bad")
+
+
+async def test_engine_death_is_fatal_not_a_group_failure() -> None:
+    rt = _runtime(_Backend(EngineDeadError("vLLM engine process VLLM::EngineCore exited")))
+    with pytest.raises(EngineDeadError):
+        await rt._generate_one(REQ, Codec(DataMessage))
+    assert rt.data.frames == []
+
+
+class _Reaper:
+    def __init__(self, lost: bool) -> None:
+        self._lost = lost
+
+    def lost(self) -> bool:
+        return self._lost
+
+
+def _vllm_backend(lost: bool) -> object:
+    from asyncrl_vllm.backend import VLLMBackend
+
+    b = VLLMBackend.__new__(VLLMBackend)
+    b._dead, b._reaper = None, _Reaper(lost)
+    return b
+
+
+async def test_vllm_request_error_with_a_live_engine_passes_as_is() -> None:
+    b = _vllm_backend(lost=False)
+    with pytest.raises(RuntimeError, match="no output"):
+        async with b._engine_errors():
+            raise RuntimeError("no output")
+
+
+async def test_vllm_request_error_waits_for_the_watch_to_name_the_process() -> None:
+    b = _vllm_backend(lost=True)
+
+    async def watch_names_it() -> None:
+        await anyio.sleep(0.05)
+        b._dead = "VLLM::EngineCore (pid 42) exited with code -9"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_names_it)
+        with pytest.raises(EngineDeadError, match=r"VLLM::EngineCore \(pid 42\)"):
+            async with b._engine_errors():
+                raise RuntimeError("engine core connection lost")
+
+
+async def test_vllm_engine_dead_error_without_a_watch_still_fatal() -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
+
+    b = _vllm_backend(lost=False)
+    with pytest.raises(EngineDeadError, match="has not named it"):
+        async with b._engine_errors():
+            raise ExceptionGroup("x", [VLLMEngineDead()])
