@@ -69,6 +69,9 @@ class WorkerContext:
     run_dir: str
     """Private per-run directory (mode 0700) for sockets and shared-memory files."""
     extra: dict[str, Any] = field(default_factory=dict)
+    gpu: int | None = None
+    """The GPU this rank must use (``cluster.trainer_gpus`` / ``cluster.rollout_gpus``, an
+    index among the GPUs the node shows), or ``None`` for the backend's default."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,13 @@ class BackendPlugin:
 
 @dataclass(frozen=True)
 class WeightTensor:
-    """One full (unsharded) tensor for refit, as raw bytes.
+    """One full (unsharded) tensor for refit.
 
-    ``data`` is a C-contiguous ``uint8`` numpy view of the tensor's storage (for bfloat16,
-    which numpy lacks, the bytes of the bf16 values). Only the sending rank needs ``data``;
-    other ranks may yield ``None`` after taking part in the gather.
+    ``data`` is the tensor itself: a contiguous torch tensor of ``dtype`` on any device (a
+    device transfer such as ``cuda_ipc`` copies it on the GPU; ``shm`` copies it to the host),
+    or a ``uint8`` numpy view of its bytes (backends without torch). Only the sending rank needs
+    ``data``; other ranks may yield ``None`` after taking part in the gather, and
+    :meth:`TrainingBackend.weight_specs` lists the tensors with ``data=None``.
     """
 
     name: str
@@ -113,20 +118,23 @@ class WeightTensor:
     dtype: str
     """torch dtype name without the prefix: ``bfloat16``, ``float32``..."""
     shape: tuple[int, ...]
-    data: np.ndarray | None
+    data: Any = None
 
 
 @dataclass(frozen=True)
 class WeightBucketView:
-    """A received bucket: ``entries`` describe tensors inside the file at ``path``.
-
-    For the ``shm`` transport, ``path`` is a file in ``/dev/shm`` that the sender keeps
-    unchanged until the receiver acknowledges the bucket.
+    """A received bucket: ``entries`` describe tensors inside the staged bytes behind
+    ``handle``, which the weight transfer named ``transport`` opens
+    (:mod:`asyncrl.transfers`; ``asyncrl.transfers.shm.read_bytes`` reads ``shm`` buckets
+    without torch). The sender leaves them unchanged until the receiver acknowledges the bucket.
+    The runtime has checked the entries against the manifest: each is the next tensor, of its
+    exact size, inside the bucket.
     """
 
     version: int
     index: int
-    path: str
+    transport: str
+    handle: bytes
     nbytes: int
     entries: list[TensorEntry]
     last: bool
@@ -155,12 +163,20 @@ class GenerationBackend(Protocol):
         """Logprobs (float32, flat) of every response token of ``batch`` under the engine's
         current weights."""
 
-    async def begin_weight_update(self, version: int) -> None:
-        """Stop scheduling (in-flight requests are kept) and prepare to load weights."""
+    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
+        """Check ``manifest`` (every tensor of the version, in sending order, with
+        ``offset = nbytes = 0``) against the model: names, dtypes and shapes. Raise, touching
+        nothing, if it does not fit (the refit fails and the engine keeps its weights).
+        Otherwise stop scheduling (in-flight requests are kept) and prepare to load."""
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
         """Load every tensor of ``bucket`` into the engine. When this returns the engine no
         longer reads the bucket's memory."""
+
+    async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
+        """The refit of ``version`` failed after :meth:`begin_weight_update`. Without any
+        bucket loaded (``loaded_any`` false) resume serving the previous weights; otherwise
+        stay paused (the weights are mixed; the run stops)."""
 
     async def finish_weight_update(
         self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
@@ -208,9 +224,15 @@ class TrainingBackend(Protocol):
         """Scale gradients by 1/num_loss_tokens (the step's global count), clip, step the
         optimizer. The result equals one big batch of all the step's chunks."""
 
+    def weight_specs(self) -> list[WeightTensor]:
+        """What :meth:`iter_weights` yields, in order, with ``data=None`` (name, dtype, shape):
+        the refit's manifest, checked by the generators before any weight moves. Cheap; not
+        collective."""
+
     def iter_weights(self) -> Iterator[WeightTensor]:
-        """Yield every parameter as a full tensor in Hugging Face naming. Collective: all
-        ranks iterate in lockstep; only rank 0's ``data`` is used."""
+        """Yield every parameter as a full tensor in Hugging Face naming, on the trainer's
+        device (the transfer copies it). Collective: all ranks iterate in lockstep; only rank
+        0's ``data`` is used."""
 
     def close(self) -> None:
         """Destroy the process group and free memory. Idempotent."""

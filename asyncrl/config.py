@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from . import samplers
+from . import plugins, samplers
 from .errors import ConfigError, PluginError
 from .explain import explain
 
@@ -88,6 +88,14 @@ class ClusterConfig(_Base):
     killed, after twice this."""
     torchrun: str = "torchrun"
     """The torchrun executable used when the controller spawns worker groups itself."""
+    trainer_gpus: list[int] = []
+    """GPU of each trainer rank, as indexes of the GPUs its node shows (``[0]``). Empty: rank
+    r uses the GPU of its local rank."""
+    rollout_gpus: list[int] = []
+    """GPU of each rollout rank's engine (``[1]``: the engine on GPU 1, e.g. next to a trainer
+    on GPU 0; ``[0]`` with ``trainer_gpus = [0]``: both share GPU 0). The engine still sees
+    the node's other GPUs, after its own, so that it can map a trainer's CUDA IPC buffers.
+    Empty: vLLM's default, the first visible GPU."""
 
 
 class GRPOConfig(_Base):
@@ -135,9 +143,12 @@ class PipelineConfig(_Base):
 
 
 class RefitConfig(_Base):
-    transport: Literal["shm"] = "shm"
-    """How weights travel to the generators. ``shm``: shared-memory buckets announced over
-    ZeroMQ ipc:// (one host). CUDA IPC and NCCL transports are not built yet."""
+    transport: str = "shm"
+    """How weights travel to the generators: a weight transfer plugin (entry point group
+    ``asyncrl.weight_transfers``). ``shm``: buckets in shared-memory files (one host, any
+    device). ``cuda_ipc``: buckets in the trainer's GPU memory, mapped by the engine through
+    CUDA IPC handles (one node; trainer and engine on the same GPU or on different ones).
+    Buckets are announced over ZeroMQ ipc:// either way."""
     bucket_size_mb: int = 256
     """Size of one transfer bucket; tensors larger than this travel in a bucket of their own."""
     drain: bool = False
@@ -401,6 +412,26 @@ def problems(config: Config) -> list[ConfigError]:
                 f"set it to at least grpo.samples_per_prompt ({g.samples_per_prompt}), or 0",
             )
         )
+    transfers = plugins.available("asyncrl.weight_transfers")
+    if config.refit.transport not in transfers:
+        out.append(
+            _fail(
+                "refit.transport",
+                f"no weight transfer named {config.refit.transport!r} is installed",
+                f"use one of: {', '.join(sorted(transfers)) or 'none (reinstall asyncrl)'}",
+            )
+        )
+    cluster = config.cluster
+    for name, ranks in (("trainer", cluster.trainer_ranks), ("rollout", cluster.rollout_ranks)):
+        gpus = getattr(config.cluster, f"{name}_gpus")
+        if gpus and (len(gpus) != ranks or min(gpus) < 0):
+            out.append(
+                _fail(
+                    f"cluster.{name}_gpus",
+                    f"{gpus} must list one GPU index (>= 0) per {name} rank ({ranks})",
+                    f"give {ranks} indexes, or leave it empty for the default placement",
+                )
+            )
     if not config.refit.drain_timeout_s > 0:
         out.append(_fail("refit.drain_timeout_s", "must be > 0", "use e.g. 60"))
     if not 0 <= config.loss.clip_eps_low < 1:

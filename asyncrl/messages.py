@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -313,22 +313,32 @@ class WeightsPull(msgspec.Struct, tag="wpull", **_DATA):
     receiver: str
 
 
-class Bucket(msgspec.Struct, tag="wbkt", **_DATA):
-    """Sender → receiver: bucket ``index`` of ``version`` is filled and readable at ``handle``.
+class Manifest(msgspec.Struct, tag="wman", **_DATA):
+    """Sender → receiver, before any bucket: every tensor of ``version`` in sending order
+    (``offset`` and ``nbytes`` of each entry are 0 here), and the transfer that carries them.
+    The receiver checks it against its model before touching a weight and answers with a
+    :class:`BucketAck` of index -1."""
 
-    ``handle`` is transport specific (a shared-memory file path on CPU).
-    """
+    version: int
+    transport: str
+    entries: list[TensorEntry]
+
+
+class Bucket(msgspec.Struct, tag="wbkt", **_DATA):
+    """Sender → receiver: bucket ``index`` of ``version`` is filled and readable through
+    ``handle`` (the transfer's own struct, encoded; see :mod:`asyncrl.transfers`)."""
 
     version: int
     index: int
-    handle: str
+    handle: bytes
     nbytes: int
     entries: list[TensorEntry]
     last: bool
 
 
 class BucketAck(msgspec.Struct, tag="wack", **_DATA):
-    """Receiver → sender: done with bucket ``index`` (``error`` set if loading failed)."""
+    """Receiver → sender: done with bucket ``index`` (-1: the manifest is accepted); ``error``
+    set if checking or loading failed."""
 
     version: int
     index: int
@@ -336,4 +346,4 @@ class BucketAck(msgspec.Struct, tag="wack", **_DATA):
     error: str | None = None
 
 
-WeightMessage = Union[WeightsPull, Bucket, BucketAck]
+WeightMessage = Union[WeightsPull, Manifest, Bucket, BucketAck]

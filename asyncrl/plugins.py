@@ -14,10 +14,13 @@ group                           loaded in             the entry point names
                                                       :class:`~asyncrl.environment.Environment`
 ``asyncrl.samplers``            controller (config    a :class:`~asyncrl.samplers.SamplerPlugin`
                                 validation + run)     (its config struct and a factory)
+``asyncrl.weight_transfers``    trainer rank 0 +      a :class:`~asyncrl.transfers.WeightTransfer`
+                                the process that      (the sender's staging buffers and the
+                                loads weights         reader's opener)
 =============================== ===================== ===========================================
 
-Only groups something loads are listed; weight transfers and reward functions get their
-groups when they become plugins.
+Only groups something loads are listed; reward functions get their group when they become
+plugins.
 
 Names are discovered from installed distributions' metadata; the target is imported only on
 first use. A missing name, a name registered twice, or a target that fails to import raises
@@ -44,6 +47,7 @@ GROUPS = MappingProxyType(
         "asyncrl.training_backends": "training backend",
         "asyncrl.environments": "environment",
         "asyncrl.samplers": "sampler",
+        "asyncrl.weight_transfers": "weight transfer",
     }
 )
 

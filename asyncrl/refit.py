@@ -1,115 +1,213 @@
-"""Weight refit over ZeroMQ ipc:// with shared-memory buckets (the ``shm`` transport).
+"""Weight refit: trainer rank 0 streams a weight version to every generator over ZeroMQ
+ipc://, in buckets staged by a weight transfer plugin (:mod:`asyncrl.transfers`).
 
-Weights go from trainer rank 0 straight to every generator; the controller only says
-"version v" to both sides and waits for both to answer::
+The controller only says "version v" to both sides and waits for both to answer::
 
     trainer rank 0 (ROUTER, bound)                rollout rank r (DEALER, connected)
-        ◄──────────── WeightsPull(v) ─────────────  begin_weight_update(v)
-    fill bucket file A
-        ───────────── Bucket(v, 0, A) ───────────►  load_weight_bucket(A)
-    fill bucket file B (overlaps the load of A)
+        ◄──────────── WeightsPull(v) ─────────────
+        ───────────── Manifest(v, entries) ──────►  backend.begin_weight_update(v, manifest)
+        ◄──────────── BucketAck(v, -1) ───────────  (checked against the model: nothing
+    pack staging buffer A                             is touched if it does not match)
+        ───────────── Bucket(v, 0, handle A) ────►  backend.load_weight_bucket(A)
+    pack buffer B (overlaps the load of A)
         ◄──────────── BucketAck(v, 0) ────────────
-        ───────────── Bucket(v, 1, B, last) ─────►  load_weight_bucket(B)
-        ◄──────────── BucketAck(v, 1) ────────────  finish_weight_update(v)
+        ───────────── Bucket(v, 1, B, last) ─────►  backend.load_weight_bucket(B)
+        ◄──────────── BucketAck(v, 1) ────────────  backend.finish_weight_update(v)
 
-Two bucket files are used in turn, so the trainer packs bucket k+1 while generators load
-bucket k; a file is rewritten only after every receiver acknowledged it. The sender's socket
-accepts only the receivers named for the refit: an undecodable frame, a frame from another
-peer, or a message of another version is rejected and counted (socket ``weights``, reported in
-``WeightsResult.rejected_frames``), never fatal. The files live in
-``/dev/shm/asyncrl-<run_id>`` (mode 0700), removed by the sender's ``close`` and by the
-controller at exit. CUDA IPC (GPU) will be another transport with the same messages, its
-``Bucket.handle`` carrying the IPC handle instead of a path.
+Two staging buffers are used in turn, so the trainer packs bucket k+1 while generators load
+bucket k; a buffer is rewritten only after every receiver acknowledged it. Each bucket's entries
+must be the next ones of the manifest (same names, dtypes and shapes, inside the bucket) or the
+receiver refuses it before loading. Every wait is bounded by ``refit.timeout_s``.
+
+On a failure the receiver acknowledges with the error and calls
+``backend.abort_weight_update``: a generator that has not loaded any bucket resumes on its
+previous weights; one that has stays paused (its weights are mixed). The sender raises
+:class:`~asyncrl.errors.RefitError` with the receiver's reason, and the run stops with it.
+
+The sender's socket accepts only the receivers named for the refit: an undecodable frame, a
+frame from another peer, or a message of another version is rejected and counted (socket
+``weights``, reported in ``WeightsResult.rejected_frames``), never fatal.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import anyio
-import numpy as np
 import structlog
 
 from .backend import GenerationBackend, WeightBucketView, WeightTensor
 from .codec import Codec
 from .errors import ProtocolError, RefitError
-from .messages import Bucket, BucketAck, TensorEntry, WeightMessage, WeightsPull, WeightsResult
-from .transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, make_private_dir, peer_name
+from .messages import (
+    Bucket,
+    BucketAck,
+    Manifest,
+    TensorEntry,
+    WeightMessage,
+    WeightsPull,
+    WeightsResult,
+)
+from .transfers import StagingSpec, WeightTransfer
+from .transfers.shm import shm_dir
+from .transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, peer_name
 
-__all__ = ["ShmWeightReceiver", "ShmWeightSender", "shm_dir"]
+__all__ = ["DTYPE_SIZES", "WeightReceiver", "WeightSender", "check_bucket", "shm_dir"]
 
 log = structlog.get_logger("asyncrl.refit")
 ALIGN = 256
 
-
-def shm_dir(run_id: str) -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    return os.path.join(base, f"asyncrl-{run_id}")
-
-
-class _BucketFile:
-    """A file in shared memory, mapped read-write by the sender."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.size = 0
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._map: mmap.mmap | None = None
-        self.array = np.empty(0, np.uint8)
-
-    def ensure(self, size: int) -> None:
-        if size <= self.size:
-            return
-        self.array = np.empty(0, np.uint8)
-        if self._map is not None:
-            self._map.close()
-        os.ftruncate(self._fd, size)
-        self._map = mmap.mmap(self._fd, size)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self.size = size
-
-    def close(self) -> None:
-        self.array = np.empty(0, np.uint8)
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        os.close(self._fd)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+"""Bytes per element of the dtypes a weight may have (torch names without ``torch.``)."""
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _copy_into(dst: np.ndarray, items: list[tuple[int, np.ndarray]]) -> None:
-    for offset, data in items:
-        dst[offset : offset + data.nbytes] = data.reshape(-1)
+def _nbytes(entry: TensorEntry) -> int:
+    return math.prod(entry.shape) * DTYPE_SIZES[entry.dtype]
 
 
-class ShmWeightSender:
-    """Trainer rank 0's end: a bound ROUTER plus two bucket files.
+def check_manifest(entries: Sequence[TensorEntry]) -> None:
+    """Raise ``ValueError`` for a manifest no model could accept (a duplicate name, an unknown
+    dtype, a negative dimension): the wire check; the backend checks names and shapes."""
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise ValueError(f"the manifest names {e.name!r} twice")
+        seen.add(e.name)
+        if e.dtype not in DTYPE_SIZES:
+            raise ValueError(f"{e.name}: unknown dtype {e.dtype!r}")
+        if any(d < 0 for d in e.shape):
+            raise ValueError(f"{e.name}: negative dimension in {e.shape}")
+
+
+def check_bucket(bucket: Bucket, manifest: Sequence[TensorEntry], start: int) -> None:
+    """Raise ``ValueError`` unless ``bucket.entries`` are ``manifest[start:]``'s next entries
+    (same names, dtypes, shapes), each of its exact size, inside the bucket, not overlapping."""
+    end = 0
+    for i, e in enumerate(bucket.entries):
+        if start + i >= len(manifest):
+            raise ValueError(f"bucket {bucket.index}: {e.name} is beyond the manifest's end")
+        want = manifest[start + i]
+        if (e.name, e.dtype, list(e.shape)) != (want.name, want.dtype, list(want.shape)):
+            raise ValueError(
+                f"bucket {bucket.index}: got {e.name} {e.dtype}{list(e.shape)} where the manifest "
+                f"has {want.name} {want.dtype}{list(want.shape)}"
+            )
+        if e.nbytes != _nbytes(want):
+            raise ValueError(
+                f"bucket {bucket.index}: {e.name} has {e.nbytes} bytes, not {_nbytes(want)}"
+            )
+        if e.offset < end or e.offset + e.nbytes > bucket.nbytes:
+            raise ValueError(
+                f"bucket {bucket.index}: {e.name} at {e.offset}+{e.nbytes} overlaps another "
+                f"tensor or lies outside the {bucket.nbytes}-byte bucket"
+            )
+        end = e.offset + e.nbytes
+
+
+def _manifest(specs: Sequence[WeightTensor]) -> list[TensorEntry]:
+    return [TensorEntry(t.name, t.dtype, list(t.shape), 0, 0) for t in specs]
+
+
+class _Packer:
+    """Fills staging buffers from the trainer's iterator (runs in the trainer's thread)."""
+
+    def __init__(
+        self,
+        tensors: Iterator[WeightTensor],
+        manifest: list[TensorEntry],
+        stager: Any,
+        bucket_size: int,
+    ) -> None:
+        self._it = tensors
+        self._manifest = manifest
+        self._stager = stager
+        self._bucket_size = bucket_size
+        self._carry: WeightTensor | None = None
+        self.count = 0
+        self.nbytes = 0
+
+    def _next(self) -> WeightTensor | None:
+        if self._carry is not None:
+            t, self._carry = self._carry, None
+            return t
+        t = next(self._it, None)
+        if t is None:
+            return None
+        i = self.count
+        want = self._manifest[i] if i < len(self._manifest) else None
+        if want is None or (t.name, t.dtype, list(t.shape)) != (
+            want.name, want.dtype, list(want.shape)
+        ):
+            raise RefitError(
+                f"the trainer yielded {t.name} {t.dtype}{list(t.shape)} as tensor {i}, but its "
+                "weight_specs() promised "
+                + (f"{want.name} {want.dtype}{list(want.shape)}" if want else "no more")
+            )
+        if t.data is None:
+            raise RefitError(f"trainer rank 0 got no data for {t.name}")
+        return t
+
+    def fill(self, k: int) -> tuple[list[TensorEntry], int, bool]:
+        """Pack buffer ``k`` up to the bucket size (a larger tensor travels alone in a bucket
+        of its size). Returns its entries, bytes used, and whether it is the last bucket."""
+        entries: list[TensorEntry] = []
+        used = 0
+        while (t := self._next()) is not None:
+            size = math.prod(t.shape) * DTYPE_SIZES[t.dtype]
+            if entries and used + size > self._bucket_size:
+                self._carry = t  # not advanced past it: a sharded trainer still holds it
+                break
+            self._stager.reserve(k, max(self._bucket_size, used + size))
+            self._stager.pack(k, used, t.data)
+            entries.append(TensorEntry(t.name, t.dtype, list(t.shape), used, size))
+            used += _align(size)
+            self.count += 1
+            self.nbytes += size
+        self._stager.seal(k)
+        last = self._carry is None
+        if last and self.count != len(self._manifest):
+            raise RefitError(
+                f"the trainer yielded {self.count} tensors; weight_specs() promised "
+                f"{len(self._manifest)}"
+            )
+        return entries, used, last
+
+
+class WeightSender:
+    """Trainer rank 0's end: a bound ROUTER plus the transfer's two staging buffers.
 
     Args:
         ctx: the worker's ZeroMQ context.
         address: where to bind (``ipc://…``), announced to the controller.
-        run_id: names the shared-memory directory.
-        rank: the trainer rank (names the bucket files).
+        transfer: the weight transfer plugin (``refit.transport``).
+        spec: where to stage (run id, rank, the trainer's device).
     """
 
-    def __init__(self, ctx: Context, address: str, run_id: str, rank: int = 0) -> None:
+    def __init__(
+        self, ctx: Context, address: str, transfer: WeightTransfer, spec: StagingSpec
+    ) -> None:
+        self.transfer = transfer
         self._sock: AsyncSocket = ctx.socket(ROUTER, bind=address, router_mandatory=True)
         self._codec = Codec(WeightMessage)
         self.rejections = Rejections()
-        directory = make_private_dir(shm_dir(run_id))
-        self._files = [_BucketFile(os.path.join(directory, f"w{rank}-{k}.bin")) for k in (0, 1)]
+        try:
+            self._stager = transfer.stager(spec)
+        except BaseException:
+            self._sock.close()
+            raise
 
-    async def _recv(self, receivers: set[str], version: int) -> tuple[str, object]:
+    async def _recv(self, receivers: set[str], version: int) -> tuple[str, Any]:
         """The next message of this refit from one of ``receivers``; anything else is
         rejected and counted."""
         while True:
@@ -122,7 +220,7 @@ class ShmWeightSender:
                 continue
             if who not in receivers:
                 self.rejections.reject("weights", who, f"{type(msg).__name__} from a non-receiver")
-            elif getattr(msg, "version", None) != version or isinstance(msg, Bucket):
+            elif getattr(msg, "version", None) != version or isinstance(msg, (Bucket, Manifest)):
                 self.rejections.reject(
                     "weights", who, f"{type(msg).__name__} of v{getattr(msg, 'version', '?')} "
                     f"during the refit to v{version}"
@@ -130,93 +228,98 @@ class ShmWeightSender:
             else:
                 return who, msg
 
+    async def _send_all(self, receivers: Sequence[str], msg: Any) -> None:
+        frames = self._codec.encode(msg)
+        for r in receivers:
+            await self._sock.send([r.encode(), *frames])
+
     async def send(
         self,
         version: int,
         receivers: list[str],
-        tensors: AsyncIterator[WeightTensor],
+        specs: Sequence[WeightTensor],
+        tensors: Iterable[WeightTensor],
         *,
         bucket_size: int,
         timeout_s: float,
+        run: Callable[..., Awaitable[Any]] = anyio.to_thread.run_sync,
     ) -> WeightsResult:
-        """Publish every tensor of ``tensors`` to all ``receivers``.
+        """Publish ``tensors`` (exactly ``specs``, in order) to all ``receivers``.
+
+        ``run(fn, *args)`` runs blocking work where ``tensors`` may be advanced: the trainer's
+        own thread (a training backend is called from one thread only). Each call fills one
+        bucket: the trainer's tensors are packed the moment they are yielded, so a sharded
+        trainer may free a gathered tensor as soon as it moves on.
 
         Raises:
-            RefitError: a receiver reported a load error, or did not answer in time.
+            RefitError: a receiver refused the manifest or a bucket, failed to load, or did not
+                answer within ``timeout_s``; or the trainer yielded other tensors than
+                ``specs`` promised.
 
         Cancellation: abandons the transfer; receivers time out on their side.
         """
         start = time.perf_counter()
-        waiting = set(receivers)
         expected = set(receivers)
-        with anyio.fail_after(timeout_s):
-            while waiting:
-                who, msg = await self._recv(expected, version)
-                if isinstance(msg, WeightsPull):
-                    waiting.discard(who)
-                else:
-                    self.rejections.reject("weights", who, f"{type(msg).__name__} before pull")
-        # acks outstanding per bucket file, and per-bucket bookkeeping
-        unacked: list[set[str]] = [set(), set()]
-        index, cur = 0, 0
-        entries: list[TensorEntry] = []
-        pending_copy: list[tuple[int, np.ndarray]] = []
-        used = 0
-        n_tensors = n_bytes = 0
+        # who still owes what: "pull", then -1 (the manifest), then each bucket's index
+        outstanding: dict[str | int, set[str]] = {"pull": set(receivers)}
 
-        async def wait_acks(k: int) -> None:
-            with anyio.fail_after(timeout_s):
-                while unacked[k]:
+        async def settle(key: str | int, what: str) -> None:
+            """Wait (bounded) until every receiver has answered ``key``."""
+            with anyio.move_on_after(timeout_s) as scope:
+                while outstanding.get(key):
                     who, msg = await self._recv(expected, version)
-                    if not isinstance(msg, BucketAck) or msg.index >= index or msg.index < 0:
+                    got = "pull" if isinstance(msg, WeightsPull) else getattr(msg, "index", None)
+                    if who not in outstanding.get(got, ()):
                         self.rejections.reject("weights", who, f"unexpected {type(msg).__name__}")
                         continue
-                    if msg.error:
-                        raise RefitError(f"{who} failed to load bucket {msg.index}: {msg.error}")
-                    unacked[msg.index % 2].discard(who)
+                    if getattr(msg, "error", None):
+                        name = "the manifest" if got == -1 else f"bucket {got}"
+                        raise RefitError(f"{who} refused {name} of v{version}: {msg.error}")
+                    outstanding[got].discard(who)
+            if scope.cancelled_caught:
+                late = ", ".join(sorted(outstanding[key]))
+                raise RefitError(
+                    f"{late} did not answer {what} of v{version} within {timeout_s:.0f} s "
+                    "(refit.timeout_s)"
+                )
+            del outstanding[key]
 
-        async def flush(last: bool) -> None:
-            nonlocal index, cur, entries, pending_copy, used
-            f = self._files[cur]
-            await anyio.to_thread.run_sync(_copy_into, f.array, pending_copy)
-            bucket = Bucket(version, index, f.path, used, entries, last)
-            for r in receivers:
-                await self._sock.send([r.encode(), *self._codec.encode(bucket)])
-            unacked[cur] = set(receivers)
-            index, cur = index + 1, 1 - cur
-            entries, pending_copy, used = [], [], 0
-            await wait_acks(cur)  # the other file must be free before we refill it
+        await settle("pull", "the pull")
+        manifest = _manifest(specs)
+        outstanding[-1] = set(receivers)
+        await self._send_all(receivers, Manifest(version, self.transfer.name, manifest))
+        await settle(-1, "the manifest")
 
-        async for t in tensors:
-            if t.data is None:
-                raise RefitError(f"trainer rank 0 got no data for {t.name}")
-            size = _align(t.data.nbytes)
-            if entries and used + size > bucket_size:
-                await flush(last=False)
-            self._files[cur].ensure(max(bucket_size, used + size))
-            entries.append(TensorEntry(t.name, t.dtype, list(t.shape), used, t.data.nbytes))
-            pending_copy.append((used, t.data))
-            used += size
-            n_tensors += 1
-            n_bytes += t.data.nbytes
-        await flush(last=True)
-        await wait_acks(1 - cur)  # the last bucket's file
+        packer = _Packer(iter(tensors), manifest, self._stager, bucket_size)
+        index = 0
+        while True:
+            cur = index % 2
+            if index >= 2:  # buffer `cur` held bucket index-2: free before we refill it
+                await settle(index - 2, f"bucket {index - 2}")
+            entries, used, last = await run(packer.fill, cur)
+            handle = self._stager.handle(cur)
+            outstanding[index] = set(receivers)
+            await self._send_all(receivers, Bucket(version, index, handle, used, entries, last))
+            index += 1
+            if last:
+                break
+        for i in range(max(0, index - 2), index):
+            await settle(i, f"bucket {i}")
         return WeightsResult(
             version=version,
-            num_tensors=n_tensors,
-            num_bytes=n_bytes,
+            num_tensors=packer.count,
+            num_bytes=packer.nbytes,
             num_buckets=index,
             seconds=time.perf_counter() - start,
             rejected_frames=self.rejections.total,
         )
 
     def close(self) -> None:
-        for f in self._files:
-            f.close()
+        self._stager.close()
         self._sock.close()
 
 
-class ShmWeightReceiver:
+class WeightReceiver:
     """A rollout worker's end: one DEALER connected to the trainer's transfer socket."""
 
     def __init__(self, ctx: Context, address: str, identity: str) -> None:
@@ -225,58 +328,98 @@ class ShmWeightReceiver:
         self._codec = Codec(WeightMessage)
         self.address = address
 
+    async def _next(self, version: int, timeout_s: float) -> Any:
+        with anyio.move_on_after(timeout_s) as scope:
+            frames = await self._sock.recv()
+        if scope.cancelled_caught:
+            raise RefitError(
+                f"nothing from the trainer at {self.address} within {timeout_s:.0f} s "
+                "(refit.timeout_s); is the trainer alive?"
+            )
+        msg = self._codec.decode(frames)
+        if getattr(msg, "version", None) != version:
+            raise RefitError(f"unexpected {type(msg).__name__} during the refit to v{version}")
+        return msg
+
+    async def _ack(self, version: int, index: int, error: str | None = None) -> None:
+        await self._sock.send(self._codec.encode(BucketAck(version, index, self._identity, error)))
+
     async def receive(
         self,
         version: int,
         backend: GenerationBackend,
         *,
+        transport: str,
         reset_prefix_cache: bool,
         kv_scales: dict[str, float] | None,
         timeout_s: float,
     ) -> WeightsResult:
-        """Pull version ``version`` and load it into ``backend``; publish nothing.
+        """Pull version ``version`` and load it into ``backend``.
 
         Raises:
-            RefitError: the sender went silent, or loading failed (the sender is told).
+            RefitError: the sender went silent, sent something else than the protocol says,
+                or the manifest, a bucket or a load failed (the sender is told why).
 
         Cancellation: the engine may hold a partial load; the run is expected to stop.
         """
         start = time.perf_counter()
         await self._sock.send(self._codec.encode(WeightsPull(version, self._identity)))
-        await backend.begin_weight_update(version)
-        n_tensors = n_bytes = n_buckets = 0
-        while True:
-            with anyio.move_on_after(timeout_s) as scope:
-                frames = await self._sock.recv()
-            if scope.cancelled_caught:
-                raise RefitError(
-                    f"no weight bucket from {self.address} within {timeout_s:.0f} s "
-                    "(refit.timeout_s); is the trainer alive?"
+        manifest = await self._next(version, timeout_s)
+        if not isinstance(manifest, Manifest):
+            raise RefitError(f"expected the manifest of v{version}, got {type(manifest).__name__}")
+        try:
+            if manifest.transport != transport:
+                raise ValueError(
+                    f"the trainer sends over {manifest.transport!r}, this run's refit.transport "
+                    f"is {transport!r}"
                 )
-            msg = self._codec.decode(frames)
-            if not isinstance(msg, Bucket) or msg.version != version:
-                raise RefitError(f"unexpected {type(msg).__name__} during refit to v{version}")
-            view = WeightBucketView(
-                msg.version, msg.index, msg.handle, msg.nbytes, list(msg.entries), msg.last
-            )
-            try:
-                await backend.load_weight_bucket(view)
-            except Exception as exc:
-                ack = BucketAck(version, msg.index, self._identity, f"{type(exc).__name__}: {exc}")
-                await self._sock.send(self._codec.encode(ack))
-                raise RefitError(f"loading bucket {msg.index} of v{version} failed") from exc
-            await self._sock.send(self._codec.encode(BucketAck(version, msg.index, self._identity)))
-            n_buckets += 1
-            n_tensors += len(msg.entries)
-            n_bytes += sum(e.nbytes for e in msg.entries)
-            if msg.last:
-                break
+            check_manifest(manifest.entries)
+            await backend.begin_weight_update(version, list(manifest.entries))
+        except Exception as exc:
+            await self._ack(version, -1, f"{type(exc).__name__}: {exc}")
+            raise RefitError(f"the weights of v{version} do not fit this generator: {exc}") from exc
+        await self._ack(version, -1)
+        done = n_bytes = n_buckets = 0
+        loaded_any = False
+        try:
+            while True:
+                msg = await self._next(version, timeout_s)
+                if not isinstance(msg, Bucket) or msg.index != n_buckets:
+                    raise RefitError(
+                        f"expected bucket {n_buckets} of v{version}, got {type(msg).__name__}"
+                    )
+                try:
+                    check_bucket(msg, manifest.entries, done)
+                    view = WeightBucketView(
+                        msg.version, msg.index, transport, msg.handle, msg.nbytes,
+                        list(msg.entries), msg.last,
+                    )
+                    loaded_any = True
+                    await backend.load_weight_bucket(view)
+                except Exception as exc:
+                    await self._ack(version, msg.index, f"{type(exc).__name__}: {exc}")
+                    raise RefitError(f"bucket {msg.index} of v{version}: {exc}") from exc
+                await self._ack(version, msg.index)
+                n_buckets += 1
+                done += len(msg.entries)
+                n_bytes += sum(e.nbytes for e in msg.entries)
+                if msg.last:
+                    break
+            if done != len(manifest.entries):
+                raise RefitError(
+                    f"v{version} ended after {done} of the manifest's {len(manifest.entries)} "
+                    "tensors"
+                )
+        except BaseException:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
+                await backend.abort_weight_update(version, loaded_any=loaded_any)
+            raise
         await backend.finish_weight_update(
             version, reset_prefix_cache=reset_prefix_cache, kv_scales=kv_scales
         )
         return WeightsResult(
             version=version,
-            num_tensors=n_tensors,
+            num_tensors=done,
             num_bytes=n_bytes,
             num_buckets=n_buckets,
             seconds=time.perf_counter() - start,

@@ -25,6 +25,7 @@ while a slow engine shuts down must not turn a clean exit into a failure (SIGKIL
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -46,7 +47,6 @@ from .backend import (
     BackendPlugin,
     GenerationBackend,
     TrainingBackend,
-    WeightTensor,
     WorkerContext,
 )
 from .codec import Codec
@@ -88,7 +88,8 @@ from .messages import (
     TrainChunk,
 )
 from .process import has_exited, wait_pid_exit
-from .refit import ShmWeightReceiver, ShmWeightSender, shm_dir
+from .refit import WeightReceiver, WeightSender, shm_dir
+from .transfers import StagingSpec, load_transfer
 from .transport import DEALER, PUSH, Context
 
 __all__ = ["serve"]
@@ -167,8 +168,8 @@ class _Runtime:
         self.thread = _Thread()
         self.backend: Any = None
         self.data = None
-        self.receiver: ShmWeightReceiver | None = None
-        self.sender: ShmWeightSender | None = None
+        self.receiver: WeightReceiver | None = None
+        self.sender: WeightSender | None = None
         self.running: dict[str, anyio.CancelScope] = {}
         self.busy = _Busy()
 
@@ -211,10 +212,11 @@ class _Runtime:
             if self.receiver is None or self.receiver.address != req.address:
                 if self.receiver is not None:
                     self.receiver.close()
-                self.receiver = ShmWeightReceiver(self.ctx, req.address, self.identity)
+                self.receiver = WeightReceiver(self.ctx, req.address, self.identity)
             received = await self.receiver.receive(
                 req.version,
                 backend,
+                transport=req.transport,
                 reset_prefix_cache=req.reset_prefix_cache,
                 kv_scales=req.kv_scales,
                 timeout_s=req.timeout_s,
@@ -228,14 +230,6 @@ class _Runtime:
         raise ProtocolError(f"a rollout worker cannot serve {type(req).__name__}")
 
     # ----------------------------------------------------------------- trainer side
-    async def _weights(self, it: Any) -> AsyncIterator[WeightTensor]:
-        sentinel = object()
-        while True:
-            item = await self.thread.run(next, it, sentinel)
-            if item is sentinel:
-                return
-            yield item
-
     async def trainer_call(self, req: Request) -> Result:
         backend: TrainingBackend = self.backend
         if isinstance(req, ComputeLogprobs):
@@ -252,16 +246,23 @@ class _Runtime:
         if isinstance(req, SendWeights):
             it = await self.thread.run(backend.iter_weights)
             if self.wctx.rank != 0:  # take part in the gathers, send nothing
-                async for _ in self._weights(it):
-                    pass
+                await self.thread.run(collections.deque, it, 0)
                 return Empty()
             assert self.sender is not None
+            if req.transport != self.sender.transfer.name:
+                raise ProtocolError(
+                    f"SendWeights over {req.transport!r}, but this trainer stages for "
+                    f"{self.sender.transfer.name!r}"
+                )
+            specs = await self.thread.run(backend.weight_specs)
             return await self.sender.send(
                 req.version,
                 list(req.receivers),
-                self._weights(it),
+                specs,
+                it,
                 bucket_size=req.bucket_size_bytes,
                 timeout_s=req.timeout_s,
+                run=self.thread.run,
             )
         if isinstance(req, Health):
             return HealthResult(pid=os.getpid())
@@ -417,6 +418,7 @@ async def serve(
             config=config,
             run_dir=os.path.dirname(control_address.removeprefix("ipc://")),
             extra=dict(extra or {}, run_id=init.run_id),
+            gpu=_placement(config, group, rank),
         )
         runtime = _Runtime(ctx, control, init, wctx, identity)
         structlog.contextvars.bind_contextvars(worker=identity)
@@ -430,7 +432,9 @@ async def serve(
             runtime.backend = await runtime.thread.run(BackendPlugin.of(plugin).create, wctx)
             caps = await runtime.thread.run(runtime.backend.start)
             if rank == 0 and init.transfer_address:
-                runtime.sender = ShmWeightSender(ctx, init.transfer_address, init.run_id, rank)
+                transfer = load_transfer(config.refit.transport)
+                spec = StagingSpec(init.run_id, rank, str(caps.get("device", "cpu")))
+                runtime.sender = WeightSender(ctx, init.transfer_address, transfer, spec)
         # backends report whatever they like (e.g. torch's TorchVersion, a str subclass):
         # keep only plain JSON values on the wire
         caps = json.loads(json.dumps(caps, default=str))
@@ -467,6 +471,11 @@ async def serve(
         ctx.close()
         if lost and runtime is not None:
             _remove_run_files(runtime.wctx.run_dir, runtime.init.run_id)
+
+
+def _placement(config: Config, group: str, rank: int) -> int | None:
+    gpus = config.cluster.trainer_gpus if group == "trainer" else config.cluster.rollout_gpus
+    return gpus[rank] if gpus else None
 
 
 def _ignore_sigterm() -> None:

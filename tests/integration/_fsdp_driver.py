@@ -188,17 +188,23 @@ def make_backend(model_dir: str, run_dir: str, *, export_dtype: str, options: di
 
 
 def gather_weights(backend, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """Full weights (rank 0) as torch tensors decoded from the WeightTensor bytes."""
-    out, info = {}, {"names": [], "dtypes": set(), "data_is_none": [], "contiguous_u8": True}
+    """Full weights (rank 0) as CPU torch tensors, each copied out before the iterator moves on
+    (a yielded tensor may alias its FSDP unit's gathered memory)."""
+    out, info = {}, {"names": [], "dtypes": set(), "data_is_none": [], "contiguous": True}
+    specs = backend.weight_specs()
+    shapes = []
     for wt in backend.iter_weights():
         info["names"].append(wt.name)
         info["dtypes"].add(wt.dtype)
         info["data_is_none"].append(wt.data is None)
+        shapes.append(list(wt.shape))
         if wt.data is None:
             continue
-        info["contiguous_u8"] &= wt.data.dtype == np.uint8 and wt.data.flags["C_CONTIGUOUS"]
-        t = torch.frombuffer(bytearray(wt.data.tobytes()), dtype=getattr(torch, wt.dtype))
-        out[wt.name] = t.reshape(wt.shape)
+        info["contiguous"] &= wt.data.is_contiguous() and str(wt.data.dtype) == f"torch.{wt.dtype}"
+        out[wt.name] = wt.data.detach().to("cpu", copy=True).reshape(wt.shape)
+    info["specs_match"] = [(t.name, t.dtype, list(t.shape)) for t in specs] == [
+        (n, d, s) for n, d, s in zip(info["names"], [specs[0].dtype] * len(shapes), shapes)
+    ] and all(t.data is None for t in specs)
     info["dtypes"] = sorted(info["dtypes"])
     return out, info
 

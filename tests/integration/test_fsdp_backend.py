@@ -127,7 +127,8 @@ def test_iter_weights_full_tensors_in_hf_naming(ranks):
     assert "lm_head.weight" not in r0["A_weights_info"]["names"]
     assert r0["A_weights_info"]["names"] == r1["A_weights_info"]["names"]
     assert r0["A_weights_info"]["dtypes"] == ["float32"]
-    assert r0["A_weights_info"]["contiguous_u8"] is True
+    assert r0["A_weights_info"]["contiguous"] is True
+    assert r0["A_weights_info"]["specs_match"] is True and r1["A_weights_info"]["specs_match"]
     assert not any(r0["A_weights_info"]["data_is_none"])
     assert all(r1["A_weights_info"]["data_is_none"])
     # after two steps: equal to the live (gathered) parameters, bit for bit

@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -26,6 +27,7 @@ from asyncrl_example_backend.model import (  # noqa: E402
 from asyncrl_example_backend.training import BigramTrainer, ppo_gradient  # noqa: E402
 
 from asyncrl.backend import WeightBucketView, WorkerContext  # noqa: E402
+from asyncrl.transfers.shm import ShmHandle  # noqa: E402
 from asyncrl.config import Config, from_dict  # noqa: E402
 from asyncrl.errors import ConfigError  # noqa: E402
 from asyncrl.grpo import pack_tokens  # noqa: E402
@@ -226,15 +228,17 @@ async def test_refit_from_a_bucket_file_and_abort(tmp_path: Path) -> None:
     blob = bytearray(256) + new.tobytes()
     path.write_bytes(bytes(blob))
     entry = TensorEntry(TENSOR_NAME, "float32", [V, V], 256, new.nbytes)
-    await gen.begin_weight_update(1)
-    await gen.load_weight_bucket(WeightBucketView(1, 0, str(path), len(blob), [entry], True))
+    handle = msgspec.msgpack.encode(ShmHandle(str(path), len(blob)))
+    with pytest.raises(ValueError, match="takes exactly bigram.logits"):  # before pausing
+        await gen.begin_weight_update(1, [TensorEntry(TENSOR_NAME, "float32", [V, 3], 0, 0)])
+    await gen.begin_weight_update(1, [TensorEntry(TENSOR_NAME, "float32", [V, V], 0, 0)])
+    await gen.load_weight_bucket(WeightBucketView(1, 0, "shm", handle, len(blob), [entry], True))
     os.unlink(path)  # the backend must have copied the data out
     await gen.finish_weight_update(1, reset_prefix_cache=True, kv_scales=None)
     assert gen.version == 1
     np.testing.assert_array_equal(gen.table, new)
-    with pytest.raises(ValueError, match="unknown tensor"):
-        bad = TensorEntry("other", "float32", [V, V], 0, new.nbytes)
-        await gen.load_weight_bucket(WeightBucketView(2, 0, "/nonexistent", 0, [bad], True))
+    with pytest.raises(ValueError, match="reads shm buckets"):
+        await gen.load_weight_bucket(WeightBucketView(2, 0, "cuda_ipc", b"", 0, [entry], True))
 
     results = {}
 

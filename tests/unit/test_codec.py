@@ -39,8 +39,10 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_two() -> None:
-    assert PROTOCOL_VERSION == 2  # 2: samples stream one by one (SampleDone replaced GroupDone)
+def test_protocol_version_is_three() -> None:
+    # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
+    # Manifest and bucket handles are transfer-specific bytes
+    assert PROTOCOL_VERSION == 3
 
 
 def test_golden_hello() -> None:

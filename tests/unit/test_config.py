@@ -64,9 +64,17 @@ def test_wrong_type_is_named_with_a_fix(tmp_path: Path, model_dir: Path) -> None
 
 def test_unsupported_transport_lists_the_choices(tmp_path: Path, model_dir: Path) -> None:
     """refit.transport = "nccl" used to be accepted and silently replaced by shm."""
-    with pytest.raises(ConfigError, match=r"refit.transport: invalid enum value 'nccl'. "
-                                          r"Fix: use one of: 'shm'"):
+    with pytest.raises(ConfigError, match=r"refit.transport: no weight transfer named 'nccl' is "
+                                          r"installed. Fix: use one of: cuda_ipc, shm"):
         load_config(write(tmp_path, BASE + "[refit]\ntransport = 'nccl'\n"))
+
+
+@pytest.mark.parametrize(("field", "value"), [("trainer_gpus", "[0, 1]"), ("rollout_gpus", "[-1]")])
+def test_gpu_placement_needs_one_index_per_rank(
+    tmp_path: Path, model_dir: Path, field: str, value: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"cluster.{field}: .* must list one GPU index"):
+        load_config(write(tmp_path, BASE + f"[cluster]\n{field} = {value}\n"))
 
 
 @pytest.mark.parametrize(

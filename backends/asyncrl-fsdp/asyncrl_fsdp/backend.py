@@ -66,6 +66,19 @@ class _OpenStep:
 
 
 
+def _fsdp_owners(model: torch.nn.Module) -> dict[str, FSDPModule]:
+    """For each parameter name, the innermost FSDP unit that gathers it."""
+    owners: dict[str, FSDPModule] = {}
+    units = sorted(
+        ((prefix, m) for prefix, m in model.named_modules() if isinstance(m, FSDPModule)),
+        key=lambda item: len(item[0]),
+    )
+    for prefix, unit in units:  # outer first, so inner units overwrite
+        for name, _ in unit.named_parameters():
+            owners[f"{prefix}.{name}" if prefix else name] = unit
+    return owners
+
+
 class FSDPBackend:
     """:class:`~asyncrl.backend.TrainingBackend` over FSDP2 (see the module docstring)."""
 
@@ -90,7 +103,8 @@ class FSDPBackend:
             torch.set_num_threads(opts.num_threads)
         torch.manual_seed(ctx.config.run.seed if opts.seed is None else opts.seed)
         if torch.cuda.is_available():
-            self._device = torch.device(f"cuda:{ctx.local_rank}")
+            gpu = ctx.gpu if ctx.gpu is not None else ctx.local_rank  # cluster.trainer_gpus
+            self._device = torch.device(f"cuda:{gpu}")
             torch.cuda.set_device(self._device)
         self._init_process_group()
 
@@ -386,31 +400,60 @@ class FSDPBackend:
             self._optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ weights
-    def iter_weights(self) -> Iterator[WeightTensor]:
-        """Yield every parameter, gathered, in HF naming and ``model.dtype``.
+    def weight_specs(self) -> list[WeightTensor]:
+        """Name, ``model.dtype`` and full shape of every parameter, in :meth:`iter_weights`'
+        order (no collective: a DTensor knows its global shape)."""
+        model = self._started()
+        dtype = self._ctx.config.model.dtype
+        return [WeightTensor(n, dtype, tuple(p.shape)) for n, p in model.named_parameters()]
 
-        A tied ``lm_head.weight`` is not yielded: ``named_parameters`` lists a shared
-        Parameter once, under its first name (the input embedding), and vLLM ties it itself.
+    def iter_weights(self) -> Iterator[WeightTensor]:
+        """Yield every parameter, gathered, in HF naming and ``model.dtype``, on this rank's
+        device.
+
+        One all-gather per FSDP unit (a decoder layer, or the root's embedding/norm/head), not
+        one per parameter: each unit is unsharded once (``FSDPModule.unshard``), its
+        parameters are yielded, and it is resharded when the iteration moves past it. A
+        yielded tensor may alias the unit's gathered memory: consume it (the transfer packs it)
+        before advancing. A tied ``lm_head.weight`` is not yielded: ``named_parameters`` lists
+        a shared Parameter once, under its first name (the input embedding), and vLLM ties it
+        itself.
         """
         model = self._started()
-        dtype_name = self._ctx.config.model.dtype
-        dtype = getattr(torch, dtype_name)
+        dtype = getattr(torch, self._ctx.config.model.dtype)
         sender = self._ctx.rank == 0
-        # detach() instead of a no_grad() block: grad mode is thread-local and a block would
-        # stay entered while the generator is suspended (or abandoned) between items.
-        for name, param in model.named_parameters():
-            param = param.detach()
-            local = param.to_local() if isinstance(param, DTensor) else param
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            shape = tuple(full.shape)
-            if not sender:
-                yield WeightTensor(name, dtype_name, shape, None)
-                continue
-            out = full.to("cpu", dtype).contiguous()
-            if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                out = out.clone()  # never hand out a view of the live parameter
-            data = out.reshape(-1).view(torch.uint8).numpy()
-            yield WeightTensor(name, dtype_name, shape, data)
+        names = [n for n, _ in model.named_parameters()]
+        owner = _fsdp_owners(model)
+        root_open = False
+        opened: FSDPModule | None = None  # the non-root unit gathered now
+        try:
+            for name in names:
+                unit = owner.get(name)
+                if unit is model:
+                    if not root_open:  # the root's few tensors stay gathered until the end
+                        model.unshard()
+                        root_open = True
+                elif unit is not opened:
+                    if opened is not None:
+                        opened.reshard()
+                    opened = unit
+                    if unit is not None:
+                        unit.unshard()
+                param = model.get_parameter(name).detach()
+                # detach() instead of a no_grad() block: grad mode is thread-local and a block
+                # would stay entered while the generator is suspended between items.
+                if isinstance(param, DTensor):  # not gathered by its unit: gather it alone
+                    param = param.full_tensor()
+                if not sender:
+                    yield WeightTensor(name, self._ctx.config.model.dtype, tuple(param.shape))
+                    continue
+                out = param.to(dtype).contiguous()
+                yield WeightTensor(name, self._ctx.config.model.dtype, tuple(out.shape), out)
+        finally:
+            if opened is not None:
+                opened.reshard()
+            if root_open:
+                model.reshard()  # type: ignore[operator]
 
     def _started(self) -> torch.nn.Module:
         if self._closed:

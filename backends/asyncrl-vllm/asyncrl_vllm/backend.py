@@ -39,12 +39,13 @@ import structlog
 
 from asyncrl.backend import SampleSink, WeightBucketView, WorkerContext
 from asyncrl.errors import ConfigError, EngineDeadError, RefitError, flatten
-from asyncrl.messages import GenRequest, Sample, TokenBatch
+from asyncrl.messages import GenRequest, Sample, TensorEntry, TokenBatch
 from asyncrl.process import exit_status, process_name, wait_pid_exit
 
 from .idle import ENV_VAR as IDLE_ENV_VAR
+from .manifest import checkpoint_shapes, manifest_problems
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
-from .processes import TORCHRUN_VARS, environ, mapped_shm, unlink_shm
+from .processes import TORCHRUN_VARS, environ, gpu_first, mapped_shm, unlink_shm
 from .reaper import Reaper
 from .scoring import response_logprobs, split_batch
 
@@ -66,13 +67,17 @@ class _Update:
     started: float
     tensors: int = 0
     nbytes: int = 0
+    direct: int = 0
+    """Tensors written through the compiled copy plan (the rest went through load_weights)."""
     failed: bool = False
 
 
-def _model_facts(path: str) -> tuple[list[int], int | None]:
-    """EOS token ids (config + generation config) and the vocabulary size of the model."""
+def _model_facts(path: str) -> tuple[list[int], int | None, bool]:
+    """EOS token ids (config + generation config), the vocabulary size of the model, and
+    whether its input and output embeddings are tied."""
     eos: list[int] = []
     vocab: int | None = None
+    tied = False
     for name in ("generation_config.json", "config.json"):
         file = Path(path) / name
         if not file.is_file():
@@ -84,7 +89,9 @@ def _model_facts(path: str) -> tuple[list[int], int | None]:
                 eos.append(token)
         if name == "config.json" and isinstance(data.get("vocab_size"), int):
             vocab = data["vocab_size"]
-    return eos, vocab
+        if name == "config.json":
+            tied = bool(data.get("tie_word_embeddings", False))
+    return eos, vocab, tied
 
 
 def _tokens(ids: list[int]) -> dict[str, Any]:
@@ -117,7 +124,9 @@ class VLLMBackend:
         self.options: VLLMOptions = parse_options(ctx.config.generator.options)
         self.version = 0
         """The weight version being served (0 until the first refit)."""
-        self._eos, self._vocab_size = _model_facts(ctx.config.model.path)
+        self._eos, self._vocab_size, self._tied = _model_facts(ctx.config.model.path)
+        self._shapes: dict[str, list[int]] | None = None
+        """The checkpoint's tensor shapes (refit manifests are checked against them)."""
         self._llm: Any = None
         self._reaper: Reaper | None = None
         self._update: _Update | None = None
@@ -150,6 +159,12 @@ class VLLMBackend:
             # process has touched it (start() asks torch.cuda.is_available()). Spawn always
             # works (the CPU platform forces it anyway).
             env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if cuda and self.ctx.gpu is not None:
+            import torch
+
+            env["CUDA_VISIBLE_DEVICES"] = gpu_first(
+                self.ctx.gpu, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+            )
         if cuda and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
             # vLLM 0.26's sampler imports FlashInfer otherwise, which the GPU image lacks.
             env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
@@ -523,13 +538,28 @@ class VLLMBackend:
             raise RuntimeError("vLLM did not reset the prefix cache (reset_prefix_cache -> False)")
 
     # ------------------------------------------------------------------ refit
-    async def begin_weight_update(self, version: int) -> None:
-        """Freeze scheduling (in-flight requests are kept with their KV) and open a reload in
-        the workers. A refit left half-done (a failed or cancelled one) is closed first.
+    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
+        """Check ``manifest`` against the checkpoint the engine started from (names, shapes,
+        the engine's dtype) and refuse it, touching nothing, if it does not fit. Then freeze
+        scheduling (in-flight requests are kept with their KV) and open a reload in the
+        workers. A refit left half-done (a failed or cancelled one) is closed first.
+
+        Raises:
+            RefitError: the manifest does not fit this engine (the message lists what).
 
         Cancellation: the engine may stay paused; the next refit resumes it.
         """
         llm = self._require()
+        if self._shapes is None:
+            self._shapes = checkpoint_shapes(self.ctx.config.model.path)
+        problems = manifest_problems(
+            manifest, self._shapes, dtype=self.ctx.config.model.dtype, tied=self._tied
+        )
+        if problems:
+            raise RefitError(
+                f"the weights of v{version} do not fit the engine's model "
+                f"({self.ctx.config.model.path}): " + "; ".join(problems)
+            )
         started = time.perf_counter()
         # AsyncLLM.pause_generation is the engine core's pause plus a cosmetic 20 ms sleep
         # (vLLM: "not required for correctness"), a fixed cost on every refit
@@ -545,8 +575,9 @@ class VLLMBackend:
         self._update = _Update(version=version, mode=mode, started=started)
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
-        """Load every tensor of ``bucket`` (Hugging Face names). The workers copy each
-        tensor out of the file before this returns, so the sender may reuse it."""
+        """Load every tensor of ``bucket`` (Hugging Face names). The workers open the bucket
+        through its transfer (:mod:`asyncrl.transfers`) and are done reading it when this
+        returns, so the sender may reuse it."""
         update = self._update
         if update is None or update.version != bucket.version:
             raise RefitError(
@@ -557,12 +588,26 @@ class VLLMBackend:
             [e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)] for e in bucket.entries
         ]
         try:
-            await self._rpc("asyncrl_load_bucket", bucket.path, entries)
+            out = await self._rpc("asyncrl_load_bucket", bucket.transport, bucket.handle, entries)
         except BaseException:
             update.failed = True
             raise
         update.tensors += len(entries)
         update.nbytes += sum(e.nbytes for e in bucket.entries)
+        update.direct += out[0].get("direct", 0)
+
+    async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
+        """Close the reload. Without any bucket loaded the old weights are intact: resume
+        serving them. Otherwise stay paused (mixed weights must never serve)."""
+        update, self._update = self._update, None
+        try:
+            await self._rpc("asyncrl_finish_reload")
+        finally:
+            if not loaded_any and (update is None or not update.failed):
+                await self._bounded("resume_generation", self._require().resume_generation())
+                self._log.warning("weight_update_aborted", version=version, serving=self.version)
+            else:
+                self._log.error("weight_update_failed_paused", version=version)
 
     async def finish_weight_update(
         self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
@@ -609,6 +654,7 @@ class VLLMBackend:
             mode=update.mode,
             redispatched=finished["redispatched"],
             tensors=update.tensors,
+            direct=update.direct,
             bytes=update.nbytes,
             seconds=round(time.perf_counter() - update.started, 4),
         )

@@ -37,7 +37,7 @@ before vLLM loads the model.
 from __future__ import annotations
 
 import ctypes
-import mmap
+import math
 import os
 import signal
 import time
@@ -45,9 +45,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
+from .copy_plan import CopyPlan
 from .kv_scales import resolve_kv_scales
 from .options import GEMM_ENV_VAR
 from .reaper import ENV_VAR
@@ -200,20 +200,22 @@ class AsyncRLWorkerExtension:
         }
 
     def asyncrl_begin_reload(self, mode: str) -> str:
-        """Open a reload. ``mode``: ``auto``, ``layerwise`` or ``plain``. Returns the mode used.
+        """Open a reload. ``mode``: ``auto``, ``layerwise``, ``plain`` or ``direct``. Returns the
+        mode used (``auto``: ``direct`` on a GPU, ``layerwise`` on the CPU build).
         A reload left open by a failed refit is finalized first."""
         if self._asyncrl_mode is not None:
             self.asyncrl_finish_reload()
         helpers = _reload_helpers()
         if mode == "auto":
-            mode = "layerwise" if helpers is not None else "plain"
+            cuda = torch.device(self.device).type == "cuda"  # type: ignore[attr-defined]
+            mode = "direct" if cuda else "layerwise" if helpers is not None else "plain"
         self._asyncrl_gemm = self._asyncrl_snapshot_gemm(self._asyncrl_model())
         if mode == "layerwise":
             if helpers is None:
                 raise RuntimeError("this vLLM has no layerwise reload; use weight_load_mode=plain")
             with self._asyncrl_config():
                 helpers[0](self._asyncrl_model())
-        elif mode != "plain":
+        elif mode not in ("plain", "direct"):
             raise ValueError(f"unknown weight load mode {mode!r}")
         self._asyncrl_mode = mode
         return mode
@@ -243,40 +245,54 @@ class AsyncRLWorkerExtension:
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
         return [name for name, _ in stale]
 
-    def asyncrl_load_bucket(self, path: str, entries: list[list[Any]]) -> dict[str, Any]:
+    def _asyncrl_open(self, transport: str, handle: bytes) -> torch.Tensor:
+        openers = self.__dict__.setdefault("_asyncrl_openers", {})
+        if transport not in openers:
+            from asyncrl.transfers import load_transfer
+
+            openers[transport] = load_transfer(transport).opener()
+        return openers[transport].open(handle, self.device)  # type: ignore[attr-defined]
+
+    def asyncrl_load_bucket(
+        self, transport: str, handle: bytes, entries: list[list[Any]]
+    ) -> dict[str, Any]:
         """Load the tensors described by ``entries`` (``[name, dtype, shape, offset, nbytes]``,
-        Hugging Face names) from the bucket file at ``path``. The file is mapped read-only
-        and every tensor is copied out before this returns."""
-        if self._asyncrl_mode is None:
+        Hugging Face names) from the bucket behind ``handle`` (opened by the weight transfer
+        ``transport``; the mapping is kept for the next buckets). Nothing refers to the
+        bucket's memory once this returns.
+
+        In ``direct`` mode each tensor goes through the copy plan compiled on its first load
+        (see :class:`CopyPlan`); in the other modes through ``model.load_weights``, with
+        private copies where the loader keeps references (layerwise) or the bucket is host
+        memory on a GPU engine."""
+        mode = self._asyncrl_mode
+        if mode is None:
             raise RuntimeError("asyncrl_load_bucket called without asyncrl_begin_reload")
         start = time.perf_counter()
+        memory = self._asyncrl_open(transport, handle)
+        device = torch.device(self.device)  # type: ignore[attr-defined]
         weights: list[tuple[str, torch.Tensor]] = []
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                for name, dtype_name, shape, offset, nbytes in entries:
-                    dtype = _dtype(dtype_name)
-                    numel = 1
-                    for dim in shape:
-                        numel *= int(dim)
-                    if nbytes != numel * dtype.itemsize or offset < 0 or offset + nbytes > size:
-                        raise ValueError(
-                            f"{name}: {nbytes} bytes at {offset} do not hold {dtype_name}"
-                            f"{list(shape)} inside a {size}-byte bucket"
-                        )
-                    raw = torch.empty(nbytes, dtype=torch.uint8)
-                    raw.numpy()[:] = np.frombuffer(mm, np.uint8, count=nbytes, offset=offset)
-                    tensor = raw.view(dtype).reshape(shape)
-                    weights.append((name, tensor.to(self.device)))  # type: ignore[attr-defined]
+        for name, dtype_name, shape, offset, nbytes in entries:
+            dtype = _dtype(dtype_name)
+            if nbytes != math.prod(shape) * dtype.itemsize or offset < 0:
+                raise ValueError(f"{name}: {nbytes} bytes do not hold {dtype_name}{list(shape)}")
+            if offset + nbytes > memory.numel():
+                raise ValueError(f"{name}: bytes {offset}+{nbytes} outside the bucket")
+            tensor = memory[offset : offset + nbytes].view(dtype).view(shape)
+            if memory.device.type != device.type or mode == "layerwise":
+                tensor = tensor.to(device, copy=True)
+            weights.append((name, tensor))
         model = self._asyncrl_model()
+        direct = 0
         with self._asyncrl_config():
-            loaded = model.load_weights(iter(weights))  # type: ignore[operator]
+            if mode == "direct":
+                plan: CopyPlan = self.__dict__.setdefault("_asyncrl_plan", CopyPlan(model))
+                direct = plan.load(weights)
+            else:
+                model.load_weights(iter(weights))  # type: ignore[operator]
         self._asyncrl_sync()
-        return {
-            "tensors": len(weights),
-            "loaded": len(loaded) if loaded is not None else -1,
-            "seconds": time.perf_counter() - start,
-        }
+        del weights, memory
+        return {"tensors": len(entries), "direct": direct, "seconds": time.perf_counter() - start}
 
     def asyncrl_finish_reload(self) -> dict[str, Any]:
         """Close the open reload: process the layers still pending, put back the kernel

@@ -79,12 +79,15 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     0.18-0.22 s with 0). A sleeping reader then re-checks its queue every 2 ms (vLLM's wake-up
     ping can be dropped; its own re-check comes after 5 s). Applied by the vLLM plugin
     ``asyncrl_vllm.idle``."""
-    weight_load_mode: Literal["auto", "layerwise", "plain"] = "auto"
-    """How refit writes weights into the running model. ``layerwise``: vLLM's layerwise reload
-    (each layer is re-processed after its weights arrived; required on the CPU build, whose
-    linear layers are prepacked). ``plain``: ``model.load_weights`` straight into the processed
-    parameters (works for unquantized models on CUDA only). ``auto``: layerwise when the
-    installed vLLM has it, plain otherwise."""
+    weight_load_mode: Literal["auto", "layerwise", "plain", "direct"] = "auto"
+    """How refit writes weights into the running model. ``direct``: copies compiled once per
+    tensor name from ``model.load_weights`` and replayed on later refits, straight into the
+    engine's parameters (no loader overhead; names that do not reduce to plain copies keep
+    using ``load_weights``); needs live unquantized parameters (CUDA, or the CPU build with
+    ``cpu_gemm_kernel = "torch"``). ``plain``: ``model.load_weights`` every time.
+    ``layerwise``: vLLM's layerwise reload (each layer is re-processed after its weights
+    arrived; required on the CPU build, whose linear layers are prepacked). ``auto``:
+    ``direct`` on a GPU, ``layerwise`` on the CPU build."""
     rpc_timeout_s: float = 300.0
     """Upper bound on one call into the engine's workers (loading one weight bucket)."""
     shutdown_timeout_s: float = 10.0

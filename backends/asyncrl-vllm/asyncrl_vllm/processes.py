@@ -13,7 +13,7 @@ import multiprocessing.resource_tracker
 import os
 from collections.abc import Iterator, Mapping
 
-__all__ = ["TORCHRUN_VARS", "environ", "mapped_shm", "unlink_shm"]
+__all__ = ["TORCHRUN_VARS", "environ", "gpu_first", "mapped_shm", "unlink_shm"]
 
 
 # torchrun's variables describe *our* rank, not the engine's own one-rank world. With
@@ -27,6 +27,26 @@ TORCHRUN_VARS = (
     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_NAME", "ROLE_WORLD_SIZE",
 )
+
+
+def gpu_first(gpu: int, visible: str | None, count: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine that must run on ``gpu`` (an index among the GPUs
+    this process sees: ``visible``, the current ``CUDA_VISIBLE_DEVICES`` or ``None`` for all
+    ``count``). vLLM takes the first visible GPU; the others stay visible after it, so the
+    engine can still map CUDA IPC memory of a trainer on another GPU.
+
+    Raises:
+        ValueError: ``gpu`` is not one of the visible GPUs.
+    """
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else [
+        str(i) for i in range(count)
+    ]
+    if not 0 <= gpu < len(devices):
+        raise ValueError(
+            f"cluster.rollout_gpus asks for GPU {gpu}, but this node shows {len(devices)} "
+            f"({', '.join(devices) or 'none'})"
+        )
+    return ",".join([devices[gpu], *(d for i, d in enumerate(devices) if i != gpu)])
 
 
 @contextlib.contextmanager

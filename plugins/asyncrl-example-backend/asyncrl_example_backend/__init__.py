@@ -41,6 +41,13 @@ def _check_generator(config: Config, *, max_prompt_tokens: int) -> None:
     from .options import GeneratorOptions, parse_options
 
     parse_options(config.generator.options, GeneratorOptions, "generator.options")
+    if config.refit.transport != "shm":
+        from asyncrl.errors import ConfigError
+
+        raise ConfigError(
+            f"refit.transport: the bigram engine reads shm buckets only (it has no torch), got "
+            f"{config.refit.transport!r}. Fix: set refit.transport = 'shm'"
+        )
 
 
 def _check_trainer(config: Config, *, max_prompt_tokens: int) -> None:

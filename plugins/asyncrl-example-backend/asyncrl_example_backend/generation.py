@@ -19,7 +19,8 @@ import numpy as np
 import structlog
 
 from asyncrl.backend import SampleSink, WeightBucketView, WorkerContext
-from asyncrl.messages import GenRequest, Sample, TokenBatch
+from asyncrl.messages import GenRequest, Sample, TensorEntry, TokenBatch
+from asyncrl.transfers.shm import read_bytes
 
 from . import __version__
 from .model import (
@@ -153,29 +154,40 @@ class BigramGenerator:
         return token_logprobs(self.table, prev, tok, temperature).astype(np.float32)
 
     # ------------------------------------------------------------------ refit
-    async def begin_weight_update(self, version: int) -> None:
+    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
+        """Refuse any manifest but the one float32 [V, V] table, before pausing."""
+        v = self.spec.vocab_size
+        shapes = {e.name: (e.dtype, list(e.shape)) for e in manifest}
+        if shapes != {TENSOR_NAME: ("float32", [v, v])}:
+            raise ValueError(
+                f"the bigram engine takes exactly {TENSOR_NAME} float32 [{v}, {v}]; the manifest "
+                f"has {shapes}"
+            )
         mark_phase(self.options.phase_marker_dir, self.ctx, "refit")
         self._resumed = anyio.Event()  # sampling waits between tokens until finish
         self._staged = None
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
-        """Copy ``bigram.logits`` out of the bucket file (the sender reuses the file as soon
-        as this returns)."""
+        """Copy ``bigram.logits`` out of the bucket (the sender reuses it as soon as this
+        returns). Reads ``shm`` buckets only: this engine has no torch."""
         v = self.spec.vocab_size
+        if bucket.transport != "shm":
+            raise ValueError(f"the bigram engine reads shm buckets, not {bucket.transport!r}")
         if self.options.load_delay_s:
             await anyio.sleep(self.options.load_delay_s)  # testing knob: a slow refit
         for entry in bucket.entries:
-            if entry.name != TENSOR_NAME:
-                raise ValueError(f"unknown tensor {entry.name!r} (the bigram has {TENSOR_NAME})")
-            if entry.dtype != "float32" or list(entry.shape) != [v, v] or entry.nbytes != v * v * 4:
-                raise ValueError(
-                    f"{TENSOR_NAME}: expected float32 [{v}, {v}], got {entry.dtype} {entry.shape} "
-                    f"({entry.nbytes} bytes)"
-                )
             data = await anyio.to_thread.run_sync(
-                lambda e=entry: np.fromfile(bucket.path, np.float32, count=v * v, offset=e.offset)
+                read_bytes, bucket.handle, entry.offset, entry.nbytes
             )
-            self._staged = data.reshape(v, v)
+            self._staged = data.view(np.float32).reshape(v, v)
+
+    async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
+        """Drop what was staged and go on sampling with the current table (a bigram installs
+        a table only at finish, so it never holds mixed weights)."""
+        self._staged = None
+        if self._resumed is not None:
+            self._resumed.set()
+        log.warning("weight_update_aborted", version=version)
 
     async def finish_weight_update(
         self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None

@@ -193,6 +193,11 @@ class BigramTrainer:
         self.grad = flat[:-1].reshape(self.grad.shape).copy()
         self._loss_sum = float(flat[-1])
 
+    def weight_specs(self) -> list[WeightTensor]:
+        """The one table, float32 [V, V]."""
+        v = self.spec.vocab_size
+        return [WeightTensor(TENSOR_NAME, "float32", (v, v))]
+
     def iter_weights(self) -> Iterator[WeightTensor]:
         """The table as float32 bytes (the generators serve float32). Every rank holds the
         same table; the runtime sends rank 0's."""

@@ -1,0 +1,120 @@
+"""Weight transfers: how a refit's bytes get from trainer rank 0 to the generators.
+
+A transfer is a plugin in the entry-point group ``asyncrl.weight_transfers``, chosen by
+``refit.transport``; each entry point names a :class:`WeightTransfer`. The protocol around it
+(pull, manifest, buckets, acknowledgements, timeouts, rejection of foreign frames) is the same
+for every transfer and lives in :mod:`asyncrl.refit`; a transfer only says where a bucket's
+bytes are staged and how a reader maps them::
+
+    sender (trainer rank 0)                       reader (the generator's engine process)
+    stager = transfer.stager(StagingSpec)          opener = transfer.opener()
+    stager.reserve(k, nbytes)                      memory = opener.open(handle, device)
+    stager.pack(k, offset, tensor) ...             memory[offset:offset + nbytes] -> a weight
+    stager.seal(k)
+    handle = stager.handle(k)   ── Bucket(handle) ──►
+    (buffer k reused once every reader acked)      opener.close()
+
+Two staging buffers (``k`` = 0, 1) are used in turn, so packing bucket i+1 overlaps the load of
+bucket i. A handle is the transfer's own msgspec struct, encoded to bytes (never pickled); a
+reader decodes it with the same struct.
+
+Built in: ``shm`` (files in ``/dev/shm``; CPU, any tensors) and ``cuda_ipc`` (device buffers
+exported once as CUDA IPC handles; trainer and engine on one node, on the same GPU or on
+different ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import ConfigError, PluginError
+from ..plugins import available, load
+
+__all__ = [
+    "Opener",
+    "Stager",
+    "StagingSpec",
+    "WeightTransfer",
+    "load_transfer",
+]
+
+GROUP = "asyncrl.weight_transfers"
+
+
+@dataclass(frozen=True)
+class StagingSpec:
+    """Where the sender stages buckets."""
+
+    run_id: str
+    """Names per-run resources (the shared-memory directory)."""
+    rank: int
+    """The sending trainer rank."""
+    device: str
+    """The trainer's device (``cpu``, ``cuda:0``); device transfers allocate their buffers
+    there."""
+
+
+class Stager(Protocol):
+    """Sender side: two staging buffers."""
+
+    def reserve(self, k: int, nbytes: int) -> None:
+        """Make buffer ``k`` hold at least ``nbytes`` (growing it invalidates its handle)."""
+
+    def pack(self, k: int, offset: int, data: Any) -> None:
+        """Copy ``data`` into buffer ``k`` at ``offset``; may return before the copy is done
+        (device copies are queued on the current stream, so memory the trainer frees after
+        this call is not reused before the copy ran). ``data`` is a contiguous torch tensor (any
+        dtype, any device) or a ``uint8`` numpy array. Called in the trainer's thread, right
+        after the trainer yielded ``data``."""
+
+    def seal(self, k: int) -> None:
+        """Wait until every copy into buffer ``k`` is done (before its bucket is announced)."""
+
+    def handle(self, k: int) -> bytes:
+        """Buffer ``k``'s handle, as its reader decodes it."""
+
+    def close(self) -> None:
+        """Free both buffers. Idempotent."""
+
+
+class Opener(Protocol):
+    """Reader side, in the process that loads the weights."""
+
+    def open(self, handle: bytes, device: Any) -> Any:
+        """The bytes behind ``handle`` as a ``uint8`` torch tensor on ``device`` (shared memory
+        is read on the CPU; CUDA IPC memory on the GPU it lives on). Mappings are cached, so
+        opening the same handle again is free."""
+
+    def close(self) -> None:
+        """Drop every mapping. Idempotent."""
+
+
+@dataclass(frozen=True)
+class WeightTransfer:
+    """What an ``asyncrl.weight_transfers`` entry point names."""
+
+    name: str
+    stager: Callable[[StagingSpec], Stager]
+    """Sender side factory (trainer rank 0)."""
+    opener: Callable[[], Opener]
+    """Reader side factory (called in the process that loads the weights)."""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    """Device types the sender's tensors may live on."""
+
+
+def load_transfer(name: str, field: str = "refit.transport") -> WeightTransfer:
+    """The transfer plugin registered as ``name``.
+
+    Raises:
+        ConfigError: no such transfer is installed (naming ``field`` and the installed ones).
+        PluginError: the entry point does not name a :class:`WeightTransfer`.
+    """
+    if name not in available(GROUP):
+        known = ", ".join(sorted(available(GROUP))) or "none"
+        raise ConfigError(f"{field}: no weight transfer named {name!r} (installed: {known})")
+    obj = load(GROUP, name, field)
+    if not isinstance(obj, WeightTransfer):
+        raise PluginError(f"{field}: entry point {name!r} must name a WeightTransfer, got {obj!r}")
+    return obj

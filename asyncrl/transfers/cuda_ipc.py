@@ -1,0 +1,175 @@
+"""The ``cuda_ipc`` weight transfer: buckets staged in device memory, shared by CUDA IPC.
+
+The sender allocates two ``uint8`` buffers on its GPU and exports each once (an IPC handle plus
+torch's reference counter), re-exporting only when a buffer grows. A reader opens a handle once
+and keeps the mapping for the rest of the run, so a refit costs the device-to-device copies and
+no handle traffic. The reader may run on another GPU of the node: the handle names the buffer's
+GPU by UUID, and the reader maps it through its own index of that GPU (the reader's process
+must see that GPU; ``CUDA_VISIBLE_DEVICES`` order differs between processes).
+
+Synchronisation: :meth:`CudaIpcStager.pack` waits for its copies before the bucket is
+announced; the reader must finish reading (synchronise) before acknowledging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from . import StagingSpec, WeightTransfer
+
+__all__ = ["CUDA_IPC", "CudaIpcHandle", "device_index_by_uuid"]
+
+
+class CudaIpcHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """torch's CUDA IPC export of one staging buffer (the fields of ``reduce_tensor`` that
+    identify the memory), as plain bytes and integers."""
+
+    gpu_uuid: str
+    nbytes: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(CudaIpcHandle).decode
+
+
+def _uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index_by_uuid(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid``.
+
+    Raises:
+        RuntimeError: the GPU is not visible here (fix ``CUDA_VISIBLE_DEVICES``).
+    """
+    import torch
+
+    for i in range(torch.cuda.device_count()):
+        if _uuid(i) == uuid:
+            return i
+    raise RuntimeError(
+        f"GPU {uuid} holds the trainer's weight buffers but this process does not see it "
+        f"({torch.cuda.device_count()} visible); CUDA IPC needs both GPUs visible to the engine"
+    )
+
+
+class CudaIpcStager:
+    def __init__(self, spec: StagingSpec) -> None:
+        import torch
+
+        if not spec.device.startswith("cuda") or not torch.cuda.is_available():
+            raise RuntimeError(
+                f"refit.transport = 'cuda_ipc' needs a trainer on a GPU (it is on {spec.device}); "
+                "use 'shm' on CPU"
+            )
+        self._device = torch.device(spec.device)
+        self._buffers: list[Any] = [None, None]
+        self._handles: list[bytes | None] = [None, None]
+
+    def reserve(self, k: int, nbytes: int) -> None:
+        import torch
+
+        buf = self._buffers[k]
+        if buf is not None and buf.numel() >= nbytes:
+            return
+        self._buffers[k] = None  # a reader may still map the old one: torch keeps it alive
+        self._handles[k] = None
+        self._buffers[k] = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+
+    def pack(self, k: int, offset: int, data: Any) -> None:
+        import torch
+
+        if not isinstance(data, torch.Tensor):
+            data = torch.from_numpy(data)
+        src = data.detach().reshape(-1).view(torch.uint8)
+        self._buffers[k][offset : offset + src.numel()].copy_(src, non_blocking=True)
+
+    def seal(self, k: int) -> None:
+        import torch
+
+        torch.cuda.current_stream(self._device).synchronize()
+
+    def handle(self, k: int) -> bytes:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if self._handles[k] is None:
+            buf = self._buffers[k]
+            _, args = reduce_tensor(buf)  # rebuild_cuda_tensor's arguments, see its signature
+            device, handle, size_bytes, offset_bytes = args[6:10]
+            ref_handle, ref_offset, event_handle, event_sync = args[11:15]
+            self._handles[k] = _encode(
+                CudaIpcHandle(
+                    gpu_uuid=_uuid(device),
+                    nbytes=buf.numel(),
+                    storage_handle=bytes(handle),
+                    storage_size_bytes=int(size_bytes),
+                    storage_offset_bytes=int(offset_bytes),
+                    ref_counter_handle=bytes(ref_handle),
+                    ref_counter_offset=int(ref_offset),
+                    event_handle=bytes(event_handle) if event_handle else b"",
+                    event_sync_required=bool(event_sync),
+                )
+            )
+        return self._handles[k]
+
+    def close(self) -> None:
+        import torch
+
+        self._buffers = [None, None]
+        self._handles = [None, None]
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+
+class CudaIpcOpener:
+    def __init__(self) -> None:
+        self._open: dict[bytes, Any] = {}
+
+    def open(self, handle: bytes, device: Any = None) -> Any:
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        tensor = self._open.get(handle)
+        if tensor is not None:
+            return tensor
+        h = _decode(handle)
+        index = device_index_by_uuid(h.gpu_uuid)
+        tensor = rebuild_cuda_tensor(
+            torch.Tensor,
+            torch.Size([h.nbytes]),
+            (1,),
+            0,
+            torch.storage.TypedStorage,
+            torch.uint8,
+            index,
+            h.storage_handle,
+            h.storage_size_bytes,
+            h.storage_offset_bytes,
+            False,
+            h.ref_counter_handle,
+            h.ref_counter_offset,
+            h.event_handle or None,
+            h.event_sync_required,
+        )
+        self._open[handle] = tensor
+        return tensor
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+CUDA_IPC = WeightTransfer(
+    name="cuda_ipc", stager=CudaIpcStager, opener=CudaIpcOpener, devices=("cuda",)
+)
+"""Entry point ``cuda_ipc``."""

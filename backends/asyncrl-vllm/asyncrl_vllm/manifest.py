@@ -1,0 +1,77 @@
+"""Check a refit's manifest against the checkpoint the engine was started from (standard
+library only: the controller-side check and unit tests import it without vLLM).
+
+The engine's own parameters are fused and renamed (``qkv_proj``, ``gate_up_proj``), so the
+reference is the checkpoint itself: the names and shapes in the safetensors headers of
+``model.path``. A refit must carry every checkpoint tensor, in the engine's dtype, with the
+checkpoint's shape; a tied ``lm_head.weight`` may be left out (vLLM ties it itself).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["checkpoint_shapes", "manifest_problems"]
+
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+"""Checkpoint tensors vLLM drops on load (nothing to refit)."""
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, list[int]]:
+    """``{name: shape}`` of every tensor in the ``*.safetensors`` files of ``model_dir``,
+    read from their headers (no tensor data is read).
+
+    Raises:
+        FileNotFoundError: the directory has no safetensors file.
+        ValueError: a header is malformed.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors file to check refits against")
+    shapes: dict[str, list[int]] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 << 20:
+                raise ValueError(f"{path}: implausible safetensors header size {size}")
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = [int(d) for d in info["shape"]]
+    return shapes
+
+
+def manifest_problems(
+    manifest: Sequence[Any], shapes: dict[str, list[int]], *, dtype: str, tied: bool
+) -> list[str]:
+    """Everything wrong with ``manifest`` (entries with ``name``, ``dtype``, ``shape``) for an
+    engine started from a checkpoint with ``shapes`` that serves ``dtype``; empty if it fits.
+    At most a few problems of each kind are listed, with counts."""
+    expected = {n: s for n, s in shapes.items() if not n.endswith(IGNORED_SUFFIXES)}
+    optional = {"lm_head.weight"} if tied else set()
+    problems: list[str] = []
+    unknown, wrong_shape, wrong_dtype = [], [], []
+    for e in manifest:
+        want = expected.get(e.name)
+        if want is None:
+            unknown.append(e.name)
+        elif list(e.shape) != want:
+            wrong_shape.append(f"{e.name} {list(e.shape)} (engine: {want})")
+        if e.dtype != dtype:
+            wrong_dtype.append(f"{e.name} {e.dtype}")
+    missing = sorted(set(expected) - {e.name for e in manifest} - optional)
+
+    def say(what: str, items: list[str]) -> None:
+        if items:
+            more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+            problems.append(f"{what}: {', '.join(items[:3])}{more}")
+
+    say("not in the engine's model", unknown)
+    say("wrong shape", wrong_shape)
+    say(f"not {dtype} (the engine's dtype)", wrong_dtype)
+    say("missing from the refit", missing)
+    return problems

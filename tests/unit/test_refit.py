@@ -1,0 +1,262 @@
+"""The refit protocol (asyncrl.refit) end to end in one process: a real WeightSender and
+WeightReceiver over ipc:// with the ``shm`` transfer and a recording generation backend.
+
+Several buckets (with both staging buffers reused), byte-exact delivery, the manifest check
+before any weight is touched, a refused bucket that leaves the previous weights serving, a
+failed load that leaves the engine paused, a trainer that breaks its own manifest, and a
+receiver that never pulls.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncrl.backend import WeightBucketView, WeightTensor
+from asyncrl.codec import Codec
+from asyncrl.errors import RefitError
+from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
+from asyncrl.refit import WeightReceiver, WeightSender, check_bucket
+from asyncrl.transfers import StagingSpec, load_transfer
+from asyncrl.transfers.shm import read_bytes, shm_dir
+from asyncrl.transport import DEALER, Context, ipc_address
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+RNG = np.random.default_rng(7)
+# five tensors of 40/24/64/8/100 KiB with a 96 KiB bucket: [40+24] [64+8] [100, alone in a
+# bucket of its size]; bucket 2 reuses staging buffer 0
+SHAPES = {"a": (10, 1024), "b": (6, 1024), "c": (16, 1024), "d": (2, 1024), "e": (25, 1024)}
+BUCKET = 96 << 10
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="asyncrl-r-")
+    os.chmod(d, 0o700)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def weights() -> dict[str, np.ndarray]:
+    return {n: RNG.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def specs() -> list[WeightTensor]:
+    return [WeightTensor(n, "float32", s) for n, s in SHAPES.items()]
+
+
+def tensors(w: dict[str, np.ndarray]) -> Iterator[WeightTensor]:
+    for n, a in w.items():
+        yield WeightTensor(n, "float32", a.shape, a.reshape(-1).view(np.uint8))
+
+
+class Engine:
+    """A generation backend's refit side that records what it was given."""
+
+    def __init__(self, fail_load_at: int | None = None, refuse: str | None = None) -> None:
+        self.weights: dict[str, np.ndarray] = {}
+        self.staged: dict[str, np.ndarray] = {}
+        self.buckets: list[list[str]] = []
+        self.events: list[Any] = []
+        self.fail_load_at = fail_load_at
+        self.refuse = refuse
+
+    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
+        if self.refuse:
+            raise ValueError(self.refuse)
+        self.events.append(("begin", version, [e.name for e in manifest]))
+
+    async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
+        if bucket.index == self.fail_load_at:
+            raise RuntimeError("out of device memory")
+        self.buckets.append([e.name for e in bucket.entries])
+        for e in bucket.entries:
+            raw = read_bytes(bucket.handle, e.offset, e.nbytes)
+            self.staged[e.name] = raw.view(np.float32).reshape(e.shape)
+
+    async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
+        self.events.append(("abort", version, loaded_any))
+        self.staged = {}
+
+    async def finish_weight_update(self, version: int, **kwargs: Any) -> None:
+        self.events.append(("finish", version, kwargs["kv_scales"]))
+        self.weights, self.staged = self.staged, {}
+
+
+class Pair:
+    def __init__(self, run_dir: str) -> None:
+        self.ctx = Context()
+        self.address = ipc_address(run_dir, "weights")
+        self.run_id = uuid.uuid4().hex[:8]
+        spec = StagingSpec(self.run_id, 0, "cpu")
+        self.sender = WeightSender(self.ctx, self.address, load_transfer("shm"), spec)
+        self.receiver = WeightReceiver(self.ctx, self.address, "rollout:0")
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+        self.ctx.close()
+        shutil.rmtree(shm_dir(self.run_id), ignore_errors=True)
+
+
+async def refit(pair: Pair, engine: Engine, w: dict[str, np.ndarray], version: int = 1,
+                timeout_s: float = 10.0) -> tuple[Any, Any]:
+    out: dict[str, Any] = {}
+
+    async def send() -> None:
+        try:
+            out["sent"] = await pair.sender.send(
+                version, ["rollout:0"], specs(), tensors(w), bucket_size=BUCKET,
+                timeout_s=timeout_s,
+            )
+        except RefitError as exc:
+            out["sent"] = exc
+
+    async def receive() -> None:
+        try:
+            out["received"] = await pair.receiver.receive(
+                version, engine, transport="shm", reset_prefix_cache=True,
+                kv_scales={"x.k_scale": 0.5}, timeout_s=timeout_s,
+            )
+        except RefitError as exc:
+            out["received"] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send)
+        tg.start_soon(receive)
+    return out["sent"], out["received"]
+
+
+async def test_several_buckets_arrive_byte_exact(run_dir: str) -> None:
+    pair, engine = Pair(run_dir), Engine()
+    try:
+        for version in (1, 2):  # the second refit reuses both staging files
+            w = weights()
+            sent, received = await refit(pair, engine, w, version)
+            assert engine.buckets[-3:] == [["a", "b"], ["c", "d"], ["e"]]
+            assert sent.num_buckets == received.num_buckets == 3
+            assert sent.num_tensors == received.num_tensors == 5
+            assert sent.num_bytes == sum(a.nbytes for a in w.values())
+            for name, a in w.items():
+                np.testing.assert_array_equal(engine.weights[name], a)
+            assert engine.events[-1] == ("finish", version, {"x.k_scale": 0.5})
+    finally:
+        pair.close()
+
+
+async def test_a_refused_manifest_touches_nothing(run_dir: str) -> None:
+    pair, engine = Pair(run_dir), Engine(refuse="wrong shape: c [16, 1024] (engine: [16, 512])")
+    try:
+        sent, received = await refit(pair, engine, weights())
+        assert isinstance(sent, RefitError) and isinstance(received, RefitError)
+        assert "rollout:0 refused the manifest of v1: ValueError: wrong shape: c" in str(sent)
+        assert engine.buckets == [] and engine.events == []  # no begin, so nothing to abort
+    finally:
+        pair.close()
+
+
+async def test_a_failed_load_is_reported_and_the_engine_told(run_dir: str) -> None:
+    pair, engine = Pair(run_dir), Engine(fail_load_at=1)
+    try:
+        sent, received = await refit(pair, engine, weights())
+        assert "rollout:0 refused bucket 1 of v1: RuntimeError: out of device memory" in str(sent)
+        assert "bucket 1 of v1" in str(received)
+        assert engine.events[-1] == ("abort", 1, True)  # bucket 0 was loaded: mixed weights
+        assert engine.weights == {}
+    finally:
+        pair.close()
+
+
+async def test_a_bucket_that_breaks_the_manifest_is_refused_before_loading(run_dir: str) -> None:
+    """A hand-driven sender announces a manifest, then a bucket whose tensor has another shape:
+    the receiver refuses it without loading, and the engine goes on with its old weights."""
+    ctx = Context()
+    from asyncrl.transport import ROUTER
+
+    router = ctx.socket(ROUTER, bind=ipc_address(run_dir, "w"))
+    receiver = WeightReceiver(ctx, ipc_address(run_dir, "w"), "rollout:0")
+    codec = Codec(WeightMessage)
+    engine = Engine()
+    manifest = [TensorEntry("a", "float32", [10, 1024], 0, 0)]
+    acks: list[Any] = []
+
+    async def trainer() -> None:
+        frames = await router.recv()
+        assert isinstance(codec.decode(frames[1:]), WeightsPull)
+        await router.send([b"rollout:0", *codec.encode(Manifest(1, "shm", manifest))])
+        acks.append(codec.decode((await router.recv())[1:]))
+        bad = Bucket(1, 0, b"", 40960, [TensorEntry("a", "float32", [10, 512], 0, 20480)], True)
+        await router.send([b"rollout:0", *codec.encode(bad)])
+        acks.append(codec.decode((await router.recv())[1:]))
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(trainer)
+                with pytest.raises(RefitError, match=r"bucket 0 of v1: bucket 0: got a float32"):
+                    await receiver.receive(1, engine, transport="shm", reset_prefix_cache=True,
+                                           kv_scales=None, timeout_s=5)
+        assert [a.index for a in acks] == [-1, 0] and acks[0].error is None
+        assert "where the manifest has a float32[10, 1024]" in acks[1].error
+        assert engine.buckets == []
+        assert engine.events[-1] == ("abort", 1, False)  # nothing loaded: old weights serve
+    finally:
+        router.close()
+        receiver.close()
+        ctx.close()
+
+
+async def test_a_trainer_that_breaks_its_own_manifest_fails_the_refit(run_dir: str) -> None:
+    pair, engine = Pair(run_dir), Engine()
+    w = weights()
+    w["c"] = w["c"][:8]  # yields c with 8 rows where weight_specs() promised 16
+    try:
+        sent, received = await refit(pair, engine, w, timeout_s=2)
+        assert "the trainer yielded c float32[8, 1024] as tensor 2" in str(sent)
+        assert isinstance(received, RefitError)  # the receiver times out, and says so
+        assert engine.events[-1][0] == "abort"
+    finally:
+        pair.close()
+
+
+async def test_a_receiver_that_never_pulls_times_out_with_its_name(run_dir: str) -> None:
+    pair = Pair(run_dir)
+    try:
+        with pytest.raises(RefitError, match=r"rollout:1 did not answer the pull of v3 within 1 s"):
+            await pair.sender.send(3, ["rollout:1"], specs(), tensors(weights()),
+                                   bucket_size=BUCKET, timeout_s=1)
+    finally:
+        pair.close()
+
+
+def test_check_bucket_refuses_overlap_and_overflow() -> None:
+    manifest = [TensorEntry("a", "float32", [4], 0, 0), TensorEntry("b", "float32", [4], 0, 0)]
+    ok = Bucket(1, 0, b"", 512, [TensorEntry("a", "float32", [4], 0, 16),
+                                 TensorEntry("b", "float32", [4], 256, 16)], True)
+    check_bucket(ok, manifest, 0)
+    overlap = Bucket(1, 0, b"", 512, [TensorEntry("a", "float32", [4], 0, 16),
+                                      TensorEntry("b", "float32", [4], 8, 16)], True)
+    with pytest.raises(ValueError, match="overlaps"):
+        check_bucket(overlap, manifest, 0)
+    outside = Bucket(1, 0, b"", 20, [TensorEntry("b", "float32", [4], 8, 16)], True)
+    with pytest.raises(ValueError, match="outside the 20-byte bucket"):
+        check_bucket(outside, manifest, 1)
+    beyond = Bucket(1, 0, b"", 512, [TensorEntry("c", "float32", [4], 0, 16)], True)
+    with pytest.raises(ValueError, match="beyond the manifest's end"):
+        check_bucket(beyond, manifest, 2)
