@@ -38,6 +38,7 @@ __all__ = [
     "BackendPlugin",
     "EngineWatch",
     "GenerationBackend",
+    "KVCalibration",
     "SampleSink",
     "TrainingBackend",
     "WeightBucketView",
@@ -188,6 +189,20 @@ class GenerationBackend(Protocol):
 
     async def close(self) -> None:
         """Shut the engine down and reap its processes. Idempotent."""
+
+
+class KVCalibration(Protocol):
+    """Optional for a :class:`TrainingBackend`: needed when a generator serves an FP8 KV cache
+    (the controller refuses such a run otherwise)."""
+
+    def calibrate_kv_scales(
+        self, batch: TokenBatch, *, percentile: float, margin: float, include_q: bool
+    ) -> dict[str, float]:
+        """Per-layer K/V (and Q) scales of the current weights on ``batch`` (this rank's
+        share): per-layer amax of what enters the KV cache (after RoPE) per micro-batch, the
+        ``percentile`` across micro-batches, the max across ranks, ``amax * margin / 448``.
+        Named ``model.layers.{i}.self_attn.{k,v,q}_scale``. Collective: every rank calls it
+        and returns the same scales."""
 
 
 class EngineWatch(Protocol):

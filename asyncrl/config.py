@@ -174,6 +174,18 @@ class RefitConfig(_Base):
     after a real update measured 0.3-1.0 (docs/architecture.md, 'Refit verification')."""
     verify_num_sequences: int = 16
     """Sequences in the probe batch."""
+    kv_calibration_sequences: int = 64
+    """FP8 KV cache only (a generator reporting ``kv_cache_dtype`` fp8): after every step the
+    trainer computes per-layer K/V scales with the updated weights on this many sequences of
+    the step (before the first step: on this many training prompts), and every refit carries
+    them. A refit without scales into an FP8 engine is an error."""
+    kv_calibration_percentile: float = 99.9
+    """Percentile, across micro-batches, of each layer's per-micro-batch amax (then the max
+    across trainer ranks)."""
+    kv_calibration_margin: float = 1.05
+    """Head-room factor: ``scale = amax * margin / 448``."""
+    kv_calibrate_q: bool = False
+    """Also calibrate query scales (for attention backends that quantize the query)."""
 
 
 class TrainerConfig(_Base):
@@ -358,6 +370,7 @@ def problems(config: Config) -> list[ConfigError]:
         "trainer.micro_batch_size": config.trainer.micro_batch_size,
         "refit.bucket_size_mb": config.refit.bucket_size_mb,
         "refit.verify_num_sequences": config.refit.verify_num_sequences,
+        "refit.kv_calibration_sequences": config.refit.kv_calibration_sequences,
     }
     for name, value in positive.items():
         if value < 1:
@@ -432,6 +445,10 @@ def problems(config: Config) -> list[ConfigError]:
                     f"give {ranks} indexes, or leave it empty for the default placement",
                 )
             )
+    if not 0 < config.refit.kv_calibration_percentile <= 100:
+        out.append(_fail("refit.kv_calibration_percentile", "must be in (0, 100]", "use 99.9"))
+    if not config.refit.kv_calibration_margin >= 1:
+        out.append(_fail("refit.kv_calibration_margin", "must be >= 1", "use e.g. 1.05"))
     if not config.refit.drain_timeout_s > 0:
         out.append(_fail("refit.drain_timeout_s", "must be > 0", "use e.g. 60"))
     if not 0 <= config.loss.clip_eps_low < 1:

@@ -324,6 +324,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         async with anyio.create_task_group() as tg:
             tg.start_soon(pipe.feed_buffer, name="buffer-feeder")
             tg.start_soon(pipe.watch_loop_lag, name="loop-lag")
+            await pipe.calibrate_first()
             if self.config.eval.num_prompts and self.config.eval.at_start:
                 summary.evals.append(await pipe.evaluate("start"))
             async with anyio.create_task_group() as pumps:

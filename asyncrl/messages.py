@@ -133,6 +133,16 @@ class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
     timeout_s: float = 300.0
 
 
+class CalibrateKV(msgspec.Struct, tag="calib_kv", **_CTRL):
+    """Trainer: FP8 KV-cache scales of the current weights on ``batch`` (this rank's share;
+    every rank answers with the same scales, maxed across ranks)."""
+
+    batch: TokenBatch
+    percentile: float = 99.9
+    margin: float = 1.05
+    include_q: bool = False
+
+
 class Health(msgspec.Struct, tag="health", **_CTRL):
     pass
 
@@ -148,6 +158,7 @@ Request = Union[
     TrainChunk,
     FinishStep,
     SendWeights,
+    CalibrateKV,
     Health,
 ]
 
@@ -194,12 +205,19 @@ class WeightsResult(msgspec.Struct, tag="w_r", **_CTRL):
     least one sample in flight)."""
 
 
+class KVScalesResult(msgspec.Struct, tag="kv_r", **_CTRL):
+    scales: dict[str, float]
+    """``{"model.layers.{i}.self_attn.{k,v,q}_scale": scale}`` (dequantisation multipliers)."""
+
+
 class HealthResult(msgspec.Struct, tag="health_r", **_CTRL):
     pid: int
     busy: bool = False
 
 
-Result = Union[Empty, LogprobsResult, ChunkResult, StepResult, WeightsResult, HealthResult]
+Result = Union[
+    Empty, LogprobsResult, ChunkResult, StepResult, WeightsResult, KVScalesResult, HealthResult
+]
 
 
 # --------------------------------------------------------------------------- control

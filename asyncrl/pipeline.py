@@ -54,12 +54,12 @@ from .messages import (
 )
 from .probes import Probes
 from .prompts import PromptStream, Tokenizer, sample_seed
-from .refits import refit_generators
+from .refits import KVScales, refit_generators
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord
 from .transport import AsyncSocket, Rejections, peer_name
-from .verify import Agreement, make_probe, verification_due
+from .verify import make_probe, verification_due
 
 __all__ = ["Pipeline"]
 
@@ -133,6 +133,8 @@ class Pipeline:
         self.probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
         self.probes = Probes(control, trainers, rollouts, config.cluster.call_timeout_s)
+        self.kv = KVScales(control, trainers, rollouts, config.refit,
+                           timeout_s=config.cluster.call_timeout_s, metrics=metrics)
         self.prompts = PromptStream(
             environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
         )
@@ -393,7 +395,7 @@ class Pipeline:
             if cfg.refit.drain:
                 await self._drain(rec)
             rec.inflight_at_refit = self.sched.inflight_samples
-            await self.refit(step + 1)
+            await self.refit(step + 1, await self.kv.after_step(rec.groups, step + 1))
             refit_s = self.now() - refit_start
             stats = self.sched.end_refit()
             self.changed.notify()
@@ -403,7 +405,9 @@ class Pipeline:
                 step + 1, cfg.refit.verify_first_steps, cfg.refit.verify_every_steps
             ):
                 start = self.now()
-                rec.verify = await self.verify_refit(step + 1)
+                rec.verify = await self.probes.verify(
+                    self.probe, step + 1, self.metrics, self.now()
+                )
                 rec.verify_s = self.now() - start
             self._log_step(rec, finish[0], refit_s, stats)  # type: ignore[arg-type]
             del self.steps[step]
@@ -442,6 +446,12 @@ class Pipeline:
                 timeout_s=self.config.refit.drain_timeout_s,
             )
 
+    async def calibrate_first(self) -> None:
+        """FP8 KV cache: refit the generators with calibrated scales (version 0) before the
+        first dispatch, so no step runs on scales of 1.0."""
+        if self.kv.enabled:
+            await self.refit(0, await self.kv.initial(self.prompts, self.tok))
+
     async def finish(self) -> None:
         """The last step is trained: abort what is still generating and wait (bounded) for
         its samples, so the engines are idle for the final evaluation and every dispatched
@@ -452,9 +462,10 @@ class Pipeline:
                 await self.changed.wait()
         self._ready.clear()
 
-    async def refit(self, version: int) -> None:
-        """Send weights ``version`` from the trainers to every generator; return when all
-        generators serve them. Cancellation: abandons the transfer."""
+    async def refit(self, version: int, kv_scales: dict[str, float] | None = None) -> None:
+        """Send weights ``version`` (and FP8 KV-cache scales) from the trainers to every
+        generator; return when all generators serve them. Cancellation: abandons the
+        transfer."""
         self._engine_busy_s, refused = await refit_generators(
             self.control,
             self.trainers,
@@ -463,21 +474,10 @@ class Pipeline:
             transfer_address=self.transfer_address,
             refit=self.config.refit,
             timeout_s=self.config.cluster.call_timeout_s,
+            kv_scales=kv_scales,
         )
         if refused:  # the sender's count covers the whole run
             self.rejections.counts["weights"] = refused
-
-    # ------------------------------------------------------------------ refit verification
-    async def verify_refit(self, version: int) -> list[Agreement]:
-        """Score the probe batch on every generator and on the trainer (written to the
-        metrics file); one :class:`~asyncrl.verify.Agreement` per generator."""
-        assert self.probe is not None
-        agreements = await self.probes.agreement(self.probe, version)
-        for a in agreements:
-            if self.metrics is not None:
-                self.metrics.write({"kind": "refit_verify", **a.metrics(), "time": self.now()})
-            log.info("refit_verified", **a.metrics())
-        return agreements
 
     def _log_step(
         self, rec: StepRecord, result: StepResult, refit_s: float, stats: StepStats

@@ -3,13 +3,18 @@ verification and behind ``Controller.generator_logprobs`` / ``trainer_logprobs``
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import numpy as np
+import structlog
 
 from .grpo import shard_tokens
 from .messages import ComputeLogprobs, LogprobsResult, Score, TokenBatch
 from .rpc import ControlPlane
 from .verify import Agreement, compare
+
+log = structlog.get_logger("asyncrl.probes")
 
 __all__ = ["Probes"]
 
@@ -45,6 +50,18 @@ class Probes:
             timeout_s=self.timeout_s,
         )
         return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
+
+    async def verify(
+        self, batch: TokenBatch, version: int, metrics: Any, now: float
+    ) -> list[Agreement]:
+        """:meth:`agreement`, each result written to ``metrics`` (a ``refit_verify`` record)
+        and logged."""
+        agreements = await self.agreement(batch, version)
+        for a in agreements:
+            if metrics is not None:
+                metrics.write({"kind": "refit_verify", **a.metrics(), "time": now})
+            log.info("refit_verified", **a.metrics())
+        return agreements
 
     async def agreement(self, batch: TokenBatch, version: int) -> list[Agreement]:
         """Every generator's logprobs of ``batch`` against the trainer's, scored concurrently.

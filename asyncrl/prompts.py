@@ -104,6 +104,12 @@ class PromptStream:
         for (i, p), x in zip(new, ids):
             self._cached[i] = (p, x)
 
+    def peek(self, index: int) -> list[int]:
+        """Token ids of prompt ``index`` without taking it (it must have been prefetched)."""
+        if index not in self._cached:
+            raise RunError(f"prompt {index} was not prefetched (or was already taken)")
+        return self._cached[index][1]
+
     def get(self, index: int) -> tuple[Prompt, list[int]]:
         """Prompt ``index`` and its token ids (it must have been prefetched)."""
         try:

@@ -1,17 +1,129 @@
 """The controller's side of a refit: trainer rank 0 sends, every generator receives, at once
-(the bytes themselves go straight from trainer to generators; see :mod:`asyncrl.refit`)."""
+(the bytes themselves go straight from trainer to generators; see :mod:`asyncrl.refit`), with
+FP8 KV-cache scales calibrated by the trainers when the generators serve an FP8 KV cache."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import numpy as np
 
 from .config import RefitConfig
-from .messages import ReceiveWeights, SendWeights, WeightsResult
+from .prompts import PromptStream, Tokenizer
+from .errors import RefitError
+from .grpo import shard_tokens
+from .messages import CalibrateKV, KVScalesResult, ReceiveWeights, SendWeights, TokenBatch
+from .messages import WeightsResult
 from .rpc import ControlPlane
 
-__all__ = ["refit_generators"]
+__all__ = ["KVScales", "calibrate_kv", "fp8_kv_cache", "refit_generators"]
+
+
+def fp8_kv_cache(capabilities: Sequence[dict[str, Any]]) -> bool:
+    """Whether any generator (by the capabilities it reported) serves an FP8 KV cache."""
+    return any(str(c.get("kv_cache_dtype", "")).startswith("fp8") for c in capabilities)
+
+
+async def calibrate_kv(
+    control: ControlPlane,
+    trainers: list[str],
+    batch: TokenBatch,
+    refit: RefitConfig,
+    *,
+    timeout_s: float,
+) -> dict[str, float]:
+    """FP8 KV-cache scales of the trainers' current weights on ``batch`` (dealt over the
+    ranks, which max their amaxes together).
+
+    Raises:
+        RefitError: the ranks disagree (they must have reduced to the same scales).
+    """
+    requests = [
+        CalibrateKV(
+            batch=part,
+            percentile=refit.kv_calibration_percentile,
+            margin=refit.kv_calibration_margin,
+            include_q=refit.kv_calibrate_q,
+        )
+        for part in shard_tokens(batch, len(trainers))
+    ]
+    results = await control.call_each(trainers, requests, timeout_s=timeout_s)
+    scales = [r.scales for r in results if isinstance(r, KVScalesResult)]
+    if len(scales) != len(trainers) or any(s != scales[0] for s in scales):
+        raise RefitError("trainer ranks returned different KV-cache scales")
+    return scales[0]
+
+
+class KVScales:
+    """The controller's FP8 KV-cache duty, on when a generator reported an FP8 KV cache: the
+    trainers calibrate scales before the first dispatch (on training prompts) and after every
+    step (on the step's sequences, with the updated weights), and each refit carries them."""
+
+    def __init__(
+        self,
+        control: ControlPlane,
+        trainers: list[str],
+        rollouts: list[str],
+        refit: RefitConfig,
+        *,
+        timeout_s: float,
+        metrics: Any = None,
+    ) -> None:
+        self.enabled = fp8_kv_cache([control.peers[w].capabilities for w in rollouts])
+        self._control, self._trainers, self._refit = control, trainers, refit
+        self._timeout_s, self._metrics = timeout_s, metrics
+
+    async def calibrate(self, batch: TokenBatch | None, version: int) -> dict[str, float] | None:
+        """Scales for weight ``version`` on ``batch`` (``None`` when off). Written to the
+        metrics file as a ``kv_scales`` record (per kind: mean, min, max over layers)."""
+        if not self.enabled:
+            return None
+        if batch is None or batch.seq_lens.size == 0:
+            raise RefitError(f"no sequences to calibrate the FP8 KV-cache scales of v{version}")
+        start = time.perf_counter()
+        scales = await calibrate_kv(
+            self._control, self._trainers, batch, self._refit, timeout_s=self._timeout_s
+        )
+        if self._metrics is not None:
+            record: dict[str, Any] = {"kind": "kv_scales", "version": version}
+            for kind in ("k", "v", "q"):
+                values = [v for n, v in scales.items() if n.endswith(f".{kind}_scale")]
+                if values:
+                    record[kind] = {
+                        "mean": float(np.mean(values)),
+                        "min": min(values),
+                        "max": max(values),
+                    }
+            record["seconds"] = round(time.perf_counter() - start, 4)
+            record["sequences"] = int(batch.seq_lens.size)
+            self._metrics.write(record)
+        return scales
+
+    async def initial(self, prompts: PromptStream, tokenizer: Tokenizer) -> dict[str, float] | None:
+        """Scales of the starting weights on the first training prompts (each token after the
+        first counts: there are no responses yet)."""
+        n = self._refit.kv_calibration_sequences
+        await prompts.prefetch(n, tokenizer)
+        seqs = [p for p in (prompts.peek(i) for i in range(n)) if len(p) > 1]
+        batch = TokenBatch(
+            tokens=np.asarray([t for s in seqs for t in s], np.int32),
+            seq_lens=np.asarray([len(s) for s in seqs], np.int32),
+            prompt_lens=np.ones(len(seqs), np.int32),
+        )
+        return await self.calibrate(batch, 0)
+
+    async def after_step(self, groups: Sequence[Any], version: int) -> dict[str, float] | None:
+        """Scales of the weights a step produced, on (a sample of) that step's sequences."""
+        if not self.enabled:
+            return None
+        from .verify import make_probe
+
+        return await self.calibrate(
+            make_probe(groups, self._refit.kv_calibration_sequences), version
+        )
 
 
 async def refit_generators(
@@ -23,10 +135,12 @@ async def refit_generators(
     transfer_address: str,
     refit: RefitConfig,
     timeout_s: float,
+    kv_scales: dict[str, float] | None = None,
 ) -> tuple[float, int]:
-    """Weights ``version`` from the trainers to every generator, with a prefix-cache reset
-    (always: cached KV of old weights is stale). Returns the generators' busy time since their
-    previous refit (the slowest) and the frames the sender's socket refused so far.
+    """Weights ``version`` (and ``kv_scales``, applied after them) from the trainers to every
+    generator, with a prefix-cache reset (always: cached KV of old weights is stale). Returns
+    the generators' busy time since their previous refit (the slowest) and the frames the
+    sender's socket refused so far.
 
     Cancellation: abandons the transfer.
     """
@@ -42,6 +156,7 @@ async def refit_generators(
         address=transfer_address,
         transport=refit.transport,
         reset_prefix_cache=True,
+        kv_scales=kv_scales,
         timeout_s=refit.timeout_s,
     )
     sent: list[Any] = []

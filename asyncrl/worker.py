@@ -26,6 +26,7 @@ while a slow engine shuts down must not turn a clean exit into a failure (SIGKIL
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ from .messages import (
     PROTOCOL_VERSION,
     Abort,
     BeginStep,
+    CalibrateKV,
     Call,
     ChunkResult,
     ComputeLogprobs,
@@ -72,6 +74,7 @@ from .messages import (
     HealthResult,
     Hello,
     Init,
+    KVScalesResult,
     LogprobsResult,
     Ready,
     ReceiveWeights,
@@ -243,6 +246,23 @@ class _Runtime:
             return result
         if isinstance(req, FinishStep):
             return await self.thread.run(backend.finish_step, req.step, req.num_loss_tokens)
+        if isinstance(req, CalibrateKV):
+            calibrate = getattr(backend, "calibrate_kv_scales", None)
+            if calibrate is None:
+                raise ProtocolError(
+                    f"training backend {type(backend).__name__} cannot calibrate FP8 KV-cache "
+                    "scales (it has no calibrate_kv_scales)"
+                )
+            scales = await self.thread.run(
+                functools.partial(
+                    calibrate,
+                    req.batch,
+                    percentile=req.percentile,
+                    margin=req.margin,
+                    include_q=req.include_q,
+                )
+            )
+            return KVScalesResult(scales={k: float(v) for k, v in scales.items()})
         if isinstance(req, SendWeights):
             it = await self.thread.run(backend.iter_weights)
             if self.wctx.rank != 0:  # take part in the gathers, send nothing

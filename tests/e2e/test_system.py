@@ -37,6 +37,7 @@ pytestmark = [
 ]
 
 BF16_TOL = 0.05  # measured worst case 0.011 after a refit (docs/backends/vllm.md)
+FP8_TOL = 0.15  # measured 0.046 after two refits with an FP8 KV cache (2-core AVX-512 host)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,56 @@ async def test_refit_keeps_generator_and_trainer_in_sync(
     else:
         assert steps[1]["gen_start"] >= steps[0]["train_end"]
         assert all(r["staleness_max"] == 0 for r in steps)
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cpu._is_avx512_supported(),
+    reason="vLLM's CPU FP8 KV cache needs AVX-512 (the GPU run covers FP8 elsewhere)",
+)
+@pytest.mark.asyncio
+async def test_fp8_kv_cache_scales_are_calibrated_and_forwarded(
+    tmp_path: Path, qwen_dir: Path
+) -> None:
+    """An FP8 KV-cache engine with two FSDP2 trainer ranks: the trainers calibrate scales
+    before the first dispatch (v0) and after every step, every refit carries them, they change
+    as the weights do, and the generator still agrees with the trainer."""
+    config = from_dict(
+        {
+            "run": {"output_dir": str(tmp_path / "out"), "seed": 3, "num_steps": 2},
+            "model": {"path": str(qwen_dir)},
+            "environment": {"name": "repeat-digit"},
+            "cluster": {"trainer_ranks": 2, "rollout_ranks": 1, "startup_timeout_s": 400},
+            "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
+            "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}},
+            "refit": {"kv_calibration_sequences": 16},
+            "trainer": {"backend": "fsdp2", "options": {"lr": 0.02}},
+            "generator": {
+                "backend": "vllm",
+                "options": {
+                    "cpu_kvcache_space_gib": 1, "enforce_eager": True, "kv_cache_dtype": "fp8"
+                },
+            },
+        }
+    )
+    batch = fixed_sequences(np.random.default_rng(0))
+    mark_test_start()
+    async with Controller(config) as ctl:
+        pids = worker_pids(ctl).values()
+        summary = await ctl.train()
+        gen = await ctl.generator_logprobs(batch)
+        trn = await ctl.trainer_logprobs(batch)
+    assert_nothing_left(ctl, pids)
+    records = read_metrics(config)
+    kinds = [r.get("kind") for r in records]
+    scales = [r for r in records if r.get("kind") == "kv_scales"]
+    assert [r["version"] for r in scales] == [0, 1, 2]
+    assert kinds.index("kv_scales") < kinds.index("train")  # before the first step
+    k_means = [r["k"]["mean"] for r in scales]
+    print(f"fp8 kv: k-scale means {k_means}, max |gen - trainer| {np.abs(gen - trn).max():.4f}")
+    assert all(r["k"]["min"] > 0 and r["v"]["min"] > 0 for r in scales)
+    assert len(set(k_means)) == 3, "scales did not follow the weights"
+    assert len(summary.steps) == 2
+    assert np.abs(gen - trn).max() < FP8_TOL
 
 
 @pytest.mark.parametrize("victim", ["EngineCore", "Worker"])

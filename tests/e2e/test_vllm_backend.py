@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import psutil
 import pytest
@@ -24,6 +26,8 @@ import pytest_asyncio
 
 from asyncrl import plugins
 from asyncrl.backend import GenerationBackend, WeightBucketView, WorkerContext
+from asyncrl.errors import RefitError
+from asyncrl.transfers.shm import ShmHandle
 from asyncrl.config import from_dict
 from asyncrl.backend import generate_all
 from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
@@ -119,16 +123,22 @@ def write_buckets(
                 dtype = str(tensor.dtype).removeprefix("torch.")
                 entries.append(TensorEntry(name, dtype, list(tensor.shape), offset, len(data)))
                 offset += len(data)
-        views.append(WeightBucketView(version, b, str(path), offset, entries, b == count - 1))
+        handle = msgspec.msgpack.encode(ShmHandle(str(path), offset))
+        views.append(WeightBucketView(version, b, "shm", handle, offset, entries, b == count - 1))
     return views
 
 
+def manifest_of(views: list[WeightBucketView]) -> list[TensorEntry]:
+    return [TensorEntry(e.name, e.dtype, list(e.shape), 0, 0) for v in views for e in v.entries]
+
+
 async def refit(backend, views, version, *, reset=True, kv_scales=None) -> None:
-    await backend.begin_weight_update(version)
+    await backend.begin_weight_update(version, manifest_of(views))
     for view in views:
         await backend.load_weight_bucket(view)
         # the sender may rewrite the file as soon as the load returned
-        Path(view.path).write_bytes(os.urandom(view.nbytes))
+        path = msgspec.msgpack.decode(view.handle, type=ShmHandle).path
+        Path(path).write_bytes(os.urandom(view.nbytes))
     await backend.finish_weight_update(version, reset_prefix_cache=reset, kv_scales=kv_scales)
 
 
@@ -428,6 +438,38 @@ async def test_kv_scales_are_applied_after_the_weights(backend, model_dir, tmp_p
         generate_all(backend, GenRequest(group_id="resumed", prompt_ids=[1, 4], n=1, max_tokens=4)), 30
     )
     assert len(samples) == 1
+
+
+@module_loop
+async def test_a_refit_that_does_not_fit_leaves_the_old_weights_serving(
+    backend, model_dir, sequences, tmp_path
+) -> None:
+    """A manifest with a wrong shape, a foreign name or a missing tensor is refused before the
+    engine pauses; a refit aborted before any bucket loaded resumes the old weights."""
+    batch = token_batch(sequences)
+    before = await backend.score(batch, 1.0)
+    views = write_buckets(tmp_path, 50, perturbed(model_dir, seed=9), count=2)
+    good = manifest_of(views)
+    wrong = [TensorEntry(e.name, e.dtype, [*e.shape[:-1], e.shape[-1] + 1], 0, 0) for e in good]
+    cases = {
+        "wrong shape: model.": wrong,
+        "not in the engine's model: model.layers.9.mlp.up_proj.weight": [
+            *good, TensorEntry("model.layers.9.mlp.up_proj.weight", "bfloat16", [4, 4], 0, 0)
+        ],
+        "missing from the refit: ": good[1:],
+        "not bfloat16": [TensorEntry(e.name, "float32", e.shape, 0, 0) for e in good],
+    }
+    for problem, manifest in cases.items():
+        with pytest.raises(RefitError, match=re.escape(problem)):
+            await backend.begin_weight_update(50, manifest)
+    await backend.begin_weight_update(50, good)  # fits: the engine pauses, a reload opens
+    await backend.abort_weight_update(50, loaded_any=False)  # e.g. bucket 0 was refused
+    assert backend.version != 50
+    np.testing.assert_array_equal(await backend.score(batch, 1.0), before)
+    samples = await asyncio.wait_for(
+        generate_all(backend, GenRequest(group_id="old", prompt_ids=[1, 4], n=1, max_tokens=4)), 30
+    )
+    assert len(samples) == 1  # resumed, not left paused
 
 
 @module_loop

@@ -21,9 +21,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 import psutil  # noqa: E402
+import transformers  # noqa: E402
 
 from asyncrl import plugins  # noqa: E402
 from asyncrl.errors import EngineDeadError  # noqa: E402
+from asyncrl.messages import TensorEntry  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
@@ -58,7 +60,11 @@ async def test_engine_death_during_a_refit_is_seen_at_once(
     assert os.listdir(ipc_dir), "vLLM's ipc sockets are not in the backend's private directory"
     try:
         target = next(p for p in pids if victim in psutil.Process(p).name())
-        await backend.begin_weight_update(1)  # paused, as in a refit
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        manifest = [
+            TensorEntry(n, "bfloat16", list(p.shape), 0, 0) for n, p in ref.named_parameters()
+        ]
+        await backend.begin_weight_update(1, manifest)  # paused, as in a refit
         error: BaseException | None = None
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:

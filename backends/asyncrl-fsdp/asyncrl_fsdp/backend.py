@@ -46,6 +46,7 @@ from asyncrl.torch_utils import (
     response_logprobs,
 )
 
+from .kv_calibration import all_reduce_max, calibrate_kv_scales
 from .options import FSDPOptions, parse_options
 
 __all__ = ["FSDPBackend", "StepStateError"]
@@ -218,6 +219,27 @@ class FSDPBackend:
         if not out:
             return np.zeros(0, dtype=np.float32)
         return torch.cat(out).to("cpu", torch.float32).numpy()
+
+    def calibrate_kv_scales(
+        self, batch: TokenBatch, *, percentile: float, margin: float, include_q: bool
+    ) -> dict[str, float]:
+        """FP8 KV-cache scales of the current weights on this rank's ``batch`` (see
+        :mod:`asyncrl_fsdp.kv_calibration`); every rank returns the same, maxed across ranks."""
+        model = self._started()
+        problem = check_packed(
+            batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
+        )
+        bounds = self._bounds(batch, problem)
+        passes = self._agree(problem, len(bounds), "calibrate_kv_scales")
+        return calibrate_kv_scales(
+            model,
+            (self._micro_batch(batch, bounds, i) for i in range(passes)),
+            self._logits,
+            percentile=percentile,
+            margin=margin,
+            include_q=include_q,
+            reduce_max=all_reduce_max if self._ctx.world_size > 1 else None,
+        )
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
         assert self._model is not None

@@ -639,7 +639,12 @@ class VLLMBackend:
             except Exception as exc:
                 raise RefitError(f"setting KV-cache scales for v{version} failed: {exc}") from exc
         elif self.options.kv_cache_dtype.startswith("fp8"):
-            self._log.warning("kv_scales_missing", version=version, kv_cache_dtype="fp8")
+            # the engine now runs on scales of 1.0 (the reload reset them): never silently
+            raise RefitError(
+                f"the refit to v{version} carried no KV-cache scales into an FP8 KV cache "
+                f"(kv_cache_dtype={self.options.kv_cache_dtype!r}); the trainer must calibrate "
+                "them (the controller does when the generator reports an fp8 kv_cache_dtype)"
+            )
         if reset_prefix_cache and not await self._bounded(
             "reset_prefix_cache", llm.reset_prefix_cache(reset_running_requests=True)
         ):
