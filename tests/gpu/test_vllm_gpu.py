@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +18,19 @@ import pytest
 import pytest_asyncio
 
 from asyncrl import plugins
-from asyncrl.backend import WeightBucketView, WorkerContext
+from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
 from asyncrl.backend import generate_all
-from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
+from asyncrl.messages import GenRequest, TokenBatch
 
+sys.path.insert(0, str(Path(__file__).parent))
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 from asyncrl_arith.model import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer  # noqa: E402
+from refit_support import LocalRefit  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,21 +91,6 @@ def ref_logprobs(model, tokens: list[int], prompt_len: int, temperature: float =
     return lp[prompt_len - 1 : -1].gather(1, target[:, None])[:, 0].numpy()
 
 
-def write_buckets(directory: Path, version: int, tensors: dict, count: int):
-    items, views = list(tensors.items()), []
-    for b in range(count):
-        path, entries, offset = directory / f"v{version}-{b}", [], 0
-        with open(path, "wb") as f:
-            for name, t in items[b::count]:
-                data = t.contiguous().flatten().view(torch.uint8).numpy().tobytes()
-                f.write(data)
-                dtype = str(t.dtype).removeprefix("torch.")
-                entries.append(TensorEntry(name, dtype, list(t.shape), offset, len(data)))
-                offset += len(data)
-        views.append(WeightBucketView(version, b, str(path), offset, entries, b == count - 1))
-    return views
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("gpu-model"))
@@ -153,29 +141,56 @@ async def test_generate_and_score_match_transformers(backend, model_dir, sequenc
         np.testing.assert_allclose(got, expected, atol=TOL)
 
 
-@module_loop
-async def test_refit_while_generating(backend, model_dir, sequences, tmp_path) -> None:
+def perturbed(model_dir: Path, seed: int, device: str) -> dict[str, torch.Tensor]:
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    state = {
-        n: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).to(device, torch.bfloat16)
         for n, p in base.named_parameters()
     }
-    before = await backend.score(batch_of(sequences), 1.0)
-    inflight = asyncio.create_task(
-        generate_all(backend, GenRequest(group_id="x", prompt_ids=[1, 8], n=4, max_tokens=400))
-    )
-    await asyncio.sleep(0.05)
-    await backend.begin_weight_update(1)
-    for view in write_buckets(tmp_path, 1, state, 2):
-        await backend.load_weight_bucket(view)
-    await backend.finish_weight_update(1, reset_prefix_cache=True, kv_scales=None)
-    after = await backend.score(batch_of(sequences), 1.0)
-    ref = reference(model_dir, {k: v.float() for k, v in state.items()})
-    expected = np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])
-    np.testing.assert_allclose(after, expected, atol=TOL)
-    assert np.abs(after - before).mean() > 4 * TOL
-    assert all(s.finish_reason != "abort" for s in await asyncio.wait_for(inflight, 60))
+
+
+@module_loop
+@pytest.mark.parametrize(
+    ("transport", "trainer_gpu"),
+    [("cuda_ipc", 0), ("cuda_ipc", 1), ("shm", 0)],
+    ids=["cuda_ipc-same-gpu", "cuda_ipc-other-gpu", "shm-from-gpu"],
+)
+async def test_refit_while_generating(
+    backend, model_dir, sequences, transport, trainer_gpu
+) -> None:
+    """Refits over the real protocol in several buckets, from trainer tensors on the engine's
+    GPU, on the other GPU (CUDA IPC across GPUs), or through host shared memory; a request in
+    flight is frozen, not lost; the first refit compiles the copy plan, the next replay it."""
+    if trainer_gpu >= torch.cuda.device_count():
+        pytest.skip("needs a second GPU")
+    device = f"cuda:{trainer_gpu}"
+    pair = LocalRefit(transport, device, bucket_size=64 << 10)
+    try:
+        for seed in (1, 2):
+            state = perturbed(model_dir, seed, device)
+            before = await backend.score(batch_of(sequences), 1.0)
+            inflight = asyncio.create_task(
+                generate_all(backend, GenRequest(group_id=f"x{seed}", prompt_ids=[1, 8], n=4,
+                                                 max_tokens=400))
+            )
+            await asyncio.sleep(0.05)
+            version = backend.version + 1
+            sent, received = await pair.push(backend, version, lambda: state.items())
+            assert sent.num_buckets >= 3 and received.num_tensors == len(state)
+            stats = backend.last_refit
+            print(f"{transport} from {device}: {sent.num_buckets} buckets, "
+                  f"{stats['direct']}/{stats['tensors']} direct, {stats['seconds'] * 1e3:.1f} ms")
+            assert stats["mode"] == "direct"
+            after = await backend.score(batch_of(sequences), 1.0)
+            ref = reference(model_dir, {k: v.float().cpu() for k, v in state.items()})
+            expected = np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])
+            np.testing.assert_allclose(after, expected, atol=TOL)
+            assert np.abs(after - before).mean() > 4 * TOL
+            assert all(s.finish_reason != "abort" for s in await asyncio.wait_for(inflight, 60))
+        assert backend.last_refit["direct"] == len(state)  # the plan replays on later refits
+    finally:
+        pair.close()
 
 
 @module_loop
@@ -195,7 +210,7 @@ async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
         caps = await b.start()
         assert caps["kv_cache_dtype"].startswith("fp8")
         state = {
-            n: p.detach().to(torch.bfloat16)
+            n: p.detach().to("cuda:0", torch.bfloat16)
             for n, p in transformers.AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32
             ).named_parameters()
@@ -204,19 +219,18 @@ async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
             group_id="f", prompt_ids=[1, 9, 9, 4, 5, 6], n=1, max_tokens=24, greedy=True
         )
         logprobs = {}
+        pair = LocalRefit("cuda_ipc", "cuda:0")
         for version, scale in ((1, 1.0), (2, 50.0), (3, 1.0)):
-            await b.begin_weight_update(version)
-            for view in write_buckets(tmp_path, version, state, 1):
-                await b.load_weight_bucket(view)
             scales = {
                 f"model.layers.{i}.self_attn.{k}_scale": scale for i in range(2) for k in "kv"
             }
-            await b.finish_weight_update(version, reset_prefix_cache=True, kv_scales=scales)
+            await pair.push(b, version, lambda: state.items(), kv_scales=scales)
             (read,) = await b._rpc("asyncrl_get_kv_scales")
             assert all(v[:2] == [scale, scale] for v in read.values())
             (sample,) = await generate_all(b, req)
             logprobs[scale, version] = sample.logprobs
         np.testing.assert_array_equal(logprobs[1.0, 1], logprobs[1.0, 3])
         assert not np.array_equal(logprobs[1.0, 1], logprobs[50.0, 2])
+        pair.close()
     finally:
         await b.close()

@@ -125,6 +125,9 @@ class VLLMBackend:
         self.version = 0
         """The weight version being served (0 until the first refit)."""
         self._eos, self._vocab_size, self._tied = _model_facts(ctx.config.model.path)
+        self.last_refit: dict[str, Any] = {}
+        """The last completed refit: version, mode, tensors, direct (through the copy plan),
+        bytes, seconds (pause to resume)."""
         self._shapes: dict[str, list[int]] | None = None
         """The checkpoint's tensor shapes (refit manifests are checked against them)."""
         self._llm: Any = None
@@ -653,13 +656,14 @@ class VLLMBackend:
             await self._bounded("update_weight_version", llm.update_weight_version(str(version)))
         await self._bounded("resume_generation", llm.resume_generation())
         self.version = version
+        self.last_refit = {
+            "version": version,
+            "mode": update.mode,
+            "tensors": update.tensors,
+            "direct": update.direct,
+            "bytes": update.nbytes,
+            "seconds": time.perf_counter() - update.started,
+        }
         self._log.info(
-            "weights_loaded",
-            version=version,
-            mode=update.mode,
-            redispatched=finished["redispatched"],
-            tensors=update.tensors,
-            direct=update.direct,
-            bytes=update.nbytes,
-            seconds=round(time.perf_counter() - update.started, 4),
+            "weights_loaded", redispatched=finished["redispatched"], **self.last_refit
         )

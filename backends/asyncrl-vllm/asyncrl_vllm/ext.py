@@ -291,6 +291,9 @@ class AsyncRLWorkerExtension:
             else:
                 model.load_weights(iter(weights))  # type: ignore[operator]
         self._asyncrl_sync()
+        if memory.device.type == "cuda" and memory.device != device:
+            # a copy across GPUs may run on the source GPU's stream: done reading before the ack
+            torch.cuda.synchronize(memory.device)
         del weights, memory
         return {"tensors": len(entries), "direct": direct, "seconds": time.perf_counter() - start}
 

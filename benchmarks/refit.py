@@ -1,0 +1,289 @@
+"""Whole-refit time on GPUs, next to the device-to-device copy floor measured in the same run.
+
+A refit here is what a run does after each optimizer step, over the real protocol
+(:mod:`asyncrl.refit`) and a real weight transfer: the trainer's tensors are staged into its
+buffers, every bucket is announced, the vLLM engine (a real ``AsyncLLM``, its own processes)
+maps it and writes it into its parameters, and the engine resumes. Timed from the pull to the
+resume ("whole refit"); the first refit of an engine (handle opening, plan compilation) is
+reported apart.
+
+Models are random-initialized Qwen2 shapes (Qwen2.5-0.5B, -1.5B, -7B), bf16, written once to
+``--work``. Trainers:
+
+- ``1gpu``: the trainer's tensors live in this process on ``cuda:<trainer GPU>``
+  (what ``FSDPBackend.iter_weights`` yields with one rank: full tensors on its GPU);
+- ``fsdp2``: run under ``torchrun --nproc-per-node 2``; both ranks run the real
+  ``FSDPBackend`` (``fully_shard`` over 2 GPUs), rank 0 also hosts the engine and sends,
+  gathering one FSDP unit at a time.
+
+Placements: ``same`` (engine on the trainer rank 0's GPU) and ``other`` (engine on GPU 1,
+trainer rank 0 on GPU 0). The floor is one ``copy_`` of the refit's bytes from the trainer's
+GPU to the engine's (same GPU: a device-local copy), timed here.
+
+    python benchmarks/refit.py --sizes 0.5b,7b --placements same,other
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/refit.py --trainer fsdp2
+
+Prints one line per case and writes ``--out`` (JSON lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+
+SHAPES = {
+    # hidden, layers, heads, kv heads, intermediate, vocab, tied
+    "0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    "1.5b": (1536, 28, 12, 2, 8960, 151936, True),
+    "7b": (3584, 28, 28, 4, 18944, 152064, False),
+}
+
+
+def model_config(size: str):  # noqa: ANN201 - a transformers config
+    import transformers
+
+    h, n, heads, kv, inter, vocab, tied = SHAPES[size]
+    return transformers.Qwen2Config(
+        hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
+        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+    )
+
+
+def write_model(size: str, work: Path) -> Path:
+    """A random bf16 checkpoint of ``size`` (kept across runs)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    out = work / f"qwen2-{size}"
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = model_config(size)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in transformers.Qwen2ForCausalLM(config).named_parameters()}
+    gen = torch.Generator(device="cuda:0").manual_seed(0)
+    state = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16, device="cuda:0")
+        else:
+            t = torch.randn(shape, generator=gen, device="cuda:0", dtype=torch.bfloat16) * 0.02
+        state[name] = t.cpu()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return out
+
+
+def load_state(model_dir: Path, device: str) -> dict:
+    from safetensors.torch import load_file
+
+    return {n: t.to(device) for n, t in load_file(str(model_dir / "model.safetensors")).items()}
+
+
+def copy_floor(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:
+    """Seconds of the fastest of ``repeats`` copies of ``nbytes`` from ``src`` to ``dst``."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        for d in {src, dst}:
+            torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        for d in {src, dst}:
+            torch.cuda.synchronize(d)
+        best = min(best, time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return best
+
+
+def engine_ctx(model_dir: Path, gpu: int, run_dir: Path):  # noqa: ANN201
+    from asyncrl.backend import WorkerContext
+    from asyncrl.config import from_dict
+
+    config = from_dict({
+        "model": {"path": str(model_dir)},
+        "environment": {"name": "arithmetic"},
+        "refit": {"transport": "cuda_ipc"},
+        "trainer": {"backend": "fsdp2", "options": {"mixed_precision": "bf16"}},
+        "generator": {"backend": "vllm", "options": {
+            "enforce_eager": True, "max_model_len": 512, "gpu_memory_utilization": 0.35,
+        }},
+    })
+    return WorkerContext("rollout", 0, 1, 0, config, str(run_dir), gpu=gpu)
+
+
+async def timed_refits(backend, pair, version: int, make, specs, repeats: int, barrier=None):  # noqa: ANN001, ANN201
+    """The first refit apart, then ``repeats`` timed ones: [(whole s, engine s, sent)]."""
+    out = []
+    for i in range(repeats + 1):
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        sent, _ = await pair.push(backend, version + i, make, specs=specs)
+        out.append((time.perf_counter() - t0, backend.last_refit["seconds"], sent))
+    return out
+
+
+def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
+    first, rest = results[0], results[1:]
+    whole = sorted(r[0] for r in rest)
+    nbytes = first[2].num_bytes
+    med = whole[len(whole) // 2]
+    row = {
+        **case,
+        "bytes": nbytes,
+        "tensors": first[2].num_tensors,
+        "buckets": first[2].num_buckets,
+        "first_refit_s": round(first[0], 4),
+        "refit_s_median": round(med, 5),
+        "refit_s_min": round(whole[0], 5),
+        "engine_s_median": round(sorted(r[1] for r in rest)[len(rest) // 2], 5),
+        "gb_per_s": round(nbytes / med / 1e9, 1),
+        "floor_s": round(floor_s, 5),
+        "floor_gb_per_s": round(nbytes / floor_s / 1e9, 1),
+        "x_floor": round(med / floor_s, 2),
+    }
+    print(
+        f"{case['size']:>5} {case['trainer']:>5} {case['placement']:>5} "
+        f"{nbytes / 1e9:6.2f} GB {row['buckets']:3d} buckets | refit {med * 1e3:7.1f} ms "
+        f"({row['gb_per_s']:6.1f} GB/s; first {first[0] * 1e3:7.1f} ms) | floor "
+        f"{floor_s * 1e3:6.1f} ms ({row['floor_gb_per_s']:6.1f} GB/s) | {row['x_floor']:.2f}x",
+        flush=True,
+    )
+    if out_path is not None:
+        with open(out_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+async def one_gpu(args: argparse.Namespace) -> None:
+    import torch
+
+    from asyncrl import plugins
+    from refit_support import LocalRefit
+
+    for size in args.sizes:
+        model_dir = write_model(size, args.work)
+        backend = plugins.load("asyncrl.generation_backends", "vllm")(
+            engine_ctx(model_dir, 0, args.work)
+        )
+        t0 = time.perf_counter()
+        await backend.start()
+        print(f"{size}: engine started in {time.perf_counter() - t0:.0f} s", flush=True)
+        version = 1
+        try:
+            for placement in args.placements:
+                trainer_gpu = 0 if placement == "same" else 1
+                if trainer_gpu >= torch.cuda.device_count():
+                    print(f"{size} {placement}: needs a second GPU, skipped")
+                    continue
+                device = f"cuda:{trainer_gpu}"
+                state = load_state(model_dir, device)
+                pair = LocalRefit("cuda_ipc", device, bucket_size=args.bucket_mb << 20)
+                try:
+                    results = await timed_refits(
+                        backend, pair, version, lambda: state.items(), None, args.repeats
+                    )
+                finally:
+                    pair.close()
+                version += args.repeats + 1
+                nbytes = results[0][2].num_bytes
+                floor = copy_floor(nbytes, device, "cuda:0")
+                case = {"size": size, "trainer": "1gpu", "placement": placement,
+                        "bucket_mb": args.bucket_mb}
+                report(case, results, floor, args.out)
+                state = {}
+                torch.cuda.empty_cache()
+        finally:
+            await backend.close()
+
+
+async def fsdp2(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from asyncrl import plugins
+    from asyncrl.backend import WorkerContext
+    from refit_support import LocalRefit
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world)
+    for size in args.sizes:
+        model_dir = args.work / f"qwen2-{size}"
+        if rank == 0:
+            write_model(size, args.work)
+        dist.barrier()  # rank 0 wrote the model
+        cfg = engine_ctx(model_dir, 0, args.work).config
+        # the trainer joins the process group this benchmark made (the embedded path)
+        trainer = plugins.load("asyncrl.training_backends", "fsdp2")(
+            WorkerContext("trainer", rank, world, rank, cfg, str(args.work))
+        )
+        t0 = time.perf_counter()
+        trainer.start()
+        print(f"rank {rank}: FSDP2 trainer of {size} started in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        specs = trainer.weight_specs()
+        try:
+            for placement in args.placements:
+                engine_gpu = 0 if placement == "same" else 1
+                if rank != 0:
+                    for _ in range(args.repeats + 1):
+                        dist.barrier()
+                        for _ in trainer.iter_weights():
+                            pass
+                    continue
+                backend = plugins.load("asyncrl.generation_backends", "vllm")(
+                    engine_ctx(model_dir, engine_gpu, args.work)
+                )
+                await backend.start()
+                pair = LocalRefit("cuda_ipc", "cuda:0", bucket_size=args.bucket_mb << 20)
+                try:
+                    results = await timed_refits(
+                        backend, pair, 1, trainer.iter_weights, specs, args.repeats,
+                        barrier=dist.barrier,
+                    )
+                finally:
+                    pair.close()
+                    await backend.close()
+                nbytes = results[0][2].num_bytes
+                floor = copy_floor(nbytes, "cuda:0", f"cuda:{engine_gpu}")
+                case = {"size": size, "trainer": "fsdp2", "placement": placement,
+                        "bucket_mb": args.bucket_mb}
+                report(case, results, floor, args.out)
+        finally:
+            trainer.close()
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="0.5b,1.5b,7b", type=lambda s: s.split(","))
+    parser.add_argument("--placements", default="same,other", type=lambda s: s.split(","))
+    parser.add_argument("--trainer", choices=["1gpu", "fsdp2"], default="1gpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=1024)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/asyncrl-refit-bench"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    asyncio.run(one_gpu(args) if args.trainer == "1gpu" else fsdp2(args))
+
+
+if __name__ == "__main__":
+    main()
