@@ -16,16 +16,16 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 case "$part" in
   tests)
-    timeout 500 python3 -m pytest -q -s -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1
+    timeout ${LIMIT:-500} python3 -m pytest -q -s -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1
     echo "gpu tests rc=$?"
     grep -E "cuda_ipc from|shm from|passed|failed|Error|skipped" "$OUT/gpu_tests.txt" | tail -20
     ;;
   1gpu)
-    timeout 560 python3 benchmarks/refit.py --out "$OUT/refit.jsonl" "$@" 2>&1 | tee "$OUT/refit-1gpu.log" \
+    timeout ${LIMIT:-560} python3 benchmarks/refit.py --out "$OUT/refit.jsonl" "$@" 2>&1 | tee "$OUT/refit-1gpu.log" \
       | grep -E "^ *[0-9.]+b |engine started|Error|error" | cut -c1-250
     ;;
   fsdp2)
-    timeout 560 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/refit.py \
+    timeout ${LIMIT:-560} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/refit.py \
       --trainer fsdp2 --out "$OUT/refit.jsonl" "$@" > "$OUT/refit-fsdp2.log" 2>&1
     echo "fsdp2 rc=$?"
     grep -E "^ *[0-9.]+b |started in|Error|error" "$OUT/refit-fsdp2.log" | cut -c1-250 | tail -30
