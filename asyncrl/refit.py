@@ -290,6 +290,7 @@ class WeightSender:
         await self._send_all(receivers, Manifest(version, self.transfer.name, manifest))
         await settle(-1, "the manifest")
 
+        self._stager.begin(list(receivers))
         packer = _Packer(iter(tensors), manifest, self._stager, bucket_size)
         index = 0
         while True:
@@ -382,29 +383,38 @@ class WeightReceiver:
         done = n_bytes = n_buckets = 0
         loaded_any = False
         try:
-            while True:
-                msg = await self._next(version, timeout_s)
-                if not isinstance(msg, Bucket) or msg.index != n_buckets:
-                    raise RefitError(
-                        f"expected bucket {n_buckets} of v{version}, got {type(msg).__name__}"
-                    )
-                try:
-                    check_bucket(msg, manifest.entries, done)
-                    view = WeightBucketView(
-                        msg.version, msg.index, transport, msg.handle, msg.nbytes,
-                        list(msg.entries), msg.last,
-                    )
-                    loaded_any = True
-                    await backend.load_weight_bucket(view)
-                except Exception as exc:
-                    await self._ack(version, msg.index, f"{type(exc).__name__}: {exc}")
-                    raise RefitError(f"bucket {msg.index} of v{version}: {exc}") from exc
-                await self._ack(version, msg.index)
-                n_buckets += 1
-                done += len(msg.entries)
-                n_bytes += sum(e.nbytes for e in msg.entries)
-                if msg.last:
-                    break
+            try:
+                async with anyio.create_task_group() as loads:
+                    previous: anyio.Event | None = None
+                    while True:
+                        msg = await self._next(version, timeout_s)
+                        if not isinstance(msg, Bucket) or msg.index != n_buckets:
+                            raise RefitError(
+                                f"expected bucket {n_buckets} of v{version}, got "
+                                f"{type(msg).__name__}"
+                            )
+                        try:
+                            check_bucket(msg, manifest.entries, done)
+                        except ValueError as exc:
+                            if previous is not None:
+                                await previous.wait()  # acknowledgements go in order
+                            await self._ack(version, msg.index, f"{type(exc).__name__}: {exc}")
+                            raise RefitError(f"bucket {msg.index} of v{version}: {exc}") from exc
+                        view = WeightBucketView(
+                            msg.version, msg.index, transport, msg.handle, msg.nbytes,
+                            list(msg.entries), msg.last,
+                        )
+                        loaded_any = True
+                        finished = anyio.Event()
+                        loads.start_soon(self._load, backend, view, previous, finished)
+                        previous = finished
+                        n_buckets += 1
+                        done += len(msg.entries)
+                        n_bytes += sum(e.nbytes for e in msg.entries)
+                        if msg.last:
+                            break
+            except BaseExceptionGroup as group:
+                raise _first_refit_error(group) from None
             if done != len(manifest.entries):
                 raise RefitError(
                     f"v{version} ended after {done} of the manifest's {len(manifest.entries)} "
@@ -425,5 +435,40 @@ class WeightReceiver:
             seconds=time.perf_counter() - start,
         )
 
+    async def _load(
+        self,
+        backend: GenerationBackend,
+        view: WeightBucketView,
+        previous: anyio.Event | None,
+        finished: anyio.Event,
+    ) -> None:
+        """Load one bucket, then acknowledge it once the bucket before it was (loads may
+        overlap: the next bucket's load is queued in the engine while this one runs, which hides
+        one engine round trip per bucket; the sender has two buffers, so at most two are in
+        flight)."""
+        error: Exception | None = None
+        try:
+            await backend.load_weight_bucket(view)
+        except Exception as exc:
+            error = exc
+        if previous is not None:
+            await previous.wait()
+        if error is not None:
+            await self._ack(view.version, view.index, f"{type(error).__name__}: {error}")
+            raise RefitError(f"bucket {view.index} of v{view.version}: {error}") from error
+        await self._ack(view.version, view.index)
+        finished.set()
+
     def close(self) -> None:
         self._sock.close()
+
+
+def _first_refit_error(group: BaseExceptionGroup) -> BaseException:
+    """The error a failed set of bucket loads stands for: the first RefitError in it."""
+    from .errors import flatten
+
+    leaves = flatten(group)
+    for leaf in leaves:
+        if isinstance(leaf, RefitError):
+            return leaf
+    return leaves[0]

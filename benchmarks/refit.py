@@ -64,7 +64,7 @@ def write_model(size: str, work: Path) -> Path:
     from safetensors.torch import save_file
 
     out = work / f"qwen2-{size}"
-    if (out / "model.safetensors").is_file():
+    if (out / "tokenizer.json").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(size)
@@ -80,6 +80,11 @@ def write_model(size: str, work: Path) -> Path:
         state[name] = t.cpu()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>")).save(
+        str(out / "tokenizer.json")
+    )
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     return out
 

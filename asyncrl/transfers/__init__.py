@@ -8,6 +8,7 @@ bytes are staged and how a reader maps them::
 
     sender (trainer rank 0)                       reader (the generator's engine process)
     stager = transfer.stager(StagingSpec)          opener = transfer.opener()
+    stager.begin(receivers)     (every refit)
     stager.reserve(k, nbytes)                      memory = opener.open(handle, device)
     stager.pack(k, offset, tensor) ...             memory[offset:offset + nbytes] -> a weight
     stager.seal(k)
@@ -58,6 +59,11 @@ class StagingSpec:
 
 class Stager(Protocol):
     """Sender side: two staging buffers."""
+
+    def begin(self, receivers: list[str]) -> None:
+        """A refit to ``receivers`` (``rollout:<rank>`` identities) starts (before any
+        :meth:`reserve`). Transfers that connect to their readers (e.g. a collective group)
+        do it here; others do nothing."""
 
     def reserve(self, k: int, nbytes: int) -> None:
         """Make buffer ``k`` hold at least ``nbytes`` (growing it invalidates its handle)."""

@@ -77,6 +77,9 @@ class CudaIpcStager:
         self._buffers: list[Any] = [None, None]
         self._handles: list[bytes | None] = [None, None]
 
+    def begin(self, receivers: list[str]) -> None:
+        """Readers map the buffers themselves: nothing to connect."""
+
     def reserve(self, k: int, nbytes: int) -> None:
         import torch
 

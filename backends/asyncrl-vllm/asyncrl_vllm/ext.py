@@ -7,7 +7,7 @@ Every name is prefixed ``asyncrl_``: a name the worker already has makes engine 
 Arguments and results are plain lists, dicts, strings and numbers (msgpack; nothing pickled).
 
 A refit is ``asyncrl_begin_reload`` → ``asyncrl_load_bucket`` × N → ``asyncrl_finish_reload``
-→ ``asyncrl_set_kv_scales``. With vLLM's layerwise reload (``vllm.model_executor.model_loader.
+(which also writes the KV-cache scales, after finalizing). With vLLM's layerwise reload (``vllm.model_executor.model_loader.
 reload``, present in 0.26 and 0.32) the model's checkpoint-format parameters are restored on
 the meta device, loads are buffered per layer, and once a layer has all its weights it is
 materialised, loaded, re-processed (the CPU build prepacks linear weights here) and copied
@@ -297,11 +297,13 @@ class AsyncRLWorkerExtension:
         del weights, memory
         return {"tensors": len(entries), "direct": direct, "seconds": time.perf_counter() - start}
 
-    def asyncrl_finish_reload(self) -> dict[str, Any]:
+    def asyncrl_finish_reload(self, kv_scales: dict[str, float] | None = None) -> dict[str, Any]:
         """Close the open reload: process the layers still pending, put back the kernel
-        tensors of layers that received nothing, and rebuild the CPU GEMM closures the reload
-        left stale (see the module docstring). Returns ``{"mode": the mode that was open,
-        "redispatched": [module names]}``."""
+        tensors of layers that received nothing, rebuild the CPU GEMM closures the reload
+        left stale (see the module docstring), then write ``kv_scales`` (finalizing resets
+        every scale to 1.0, so they come after it). One call into the engine for all of it.
+        Returns ``{"mode": the mode that was open, "redispatched": [module names],
+        "kv_scales": modules changed}``."""
         mode, self._asyncrl_mode = self._asyncrl_mode, None
         model = self._asyncrl_model()
         redispatched: list[str] = []
@@ -315,8 +317,9 @@ class AsyncRLWorkerExtension:
                 redispatched = self._asyncrl_redispatch_stale_gemm(model)
         finally:
             self._asyncrl_gemm = None
+        changed = self.asyncrl_set_kv_scales(kv_scales) if kv_scales else 0
         self._asyncrl_sync()
-        return {"mode": mode, "redispatched": redispatched}
+        return {"mode": mode, "redispatched": redispatched, "kv_scales": changed}
 
     def asyncrl_idle_spin(self) -> float | None:
         """The idle spin this worker runs with (``None``: vLLM's 1 s; see
