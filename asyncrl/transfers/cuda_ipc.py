@@ -13,6 +13,7 @@ announced; the reader must finish reading (synchronise) before acknowledging.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
@@ -26,6 +27,10 @@ class CudaIpcHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     """torch's CUDA IPC export of one staging buffer (the fields of ``reduce_tensor`` that
     identify the memory), as plain bytes and integers."""
 
+    stager: str
+    """Which sender (a per-stager id): with ``slot``, what a new handle replaces."""
+    slot: int
+    """The staging buffer (0 or 1)."""
     gpu_uuid: str
     nbytes: int
     storage_handle: bytes
@@ -74,6 +79,7 @@ class CudaIpcStager:
                 "use 'shm' on CPU"
             )
         self._device = torch.device(spec.device)
+        self._id = f"{spec.run_id}/{spec.rank}/{uuid.uuid4().hex[:8]}"
         self._buffers: list[Any] = [None, None]
         self._handles: list[bytes | None] = [None, None]
 
@@ -113,6 +119,8 @@ class CudaIpcStager:
             ref_handle, ref_offset, event_handle, event_sync = args[11:15]
             self._handles[k] = _encode(
                 CudaIpcHandle(
+                    stager=self._id,
+                    slot=k,
                     gpu_uuid=_uuid(device),
                     nbytes=buf.numel(),
                     storage_handle=bytes(handle),
@@ -136,8 +144,12 @@ class CudaIpcStager:
 
 
 class CudaIpcOpener:
+    """Keeps one mapping per sender buffer: a new handle for a buffer (it grew) drops the old
+    mapping, so the sender's old allocation can be freed."""
+
     def __init__(self) -> None:
         self._open: dict[bytes, Any] = {}
+        self._slots: dict[tuple[str, int], bytes] = {}
 
     def open(self, handle: bytes, device: Any = None) -> Any:
         import torch
@@ -147,6 +159,9 @@ class CudaIpcOpener:
         if tensor is not None:
             return tensor
         h = _decode(handle)
+        old = self._slots.pop((h.stager, h.slot), None)
+        if old is not None:
+            self._open.pop(old, None)
         index = device_index_by_uuid(h.gpu_uuid)
         tensor = rebuild_cuda_tensor(
             torch.Tensor,
@@ -166,10 +181,12 @@ class CudaIpcOpener:
             h.event_sync_required,
         )
         self._open[handle] = tensor
+        self._slots[h.stager, h.slot] = handle
         return tensor
 
     def close(self) -> None:
         self._open.clear()
+        self._slots.clear()
 
 
 CUDA_IPC = WeightTransfer(
