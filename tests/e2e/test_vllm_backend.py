@@ -555,6 +555,13 @@ async def test_fp8_kv_scales_reach_the_cpu_attention_kernel(model_dir, tmp_path)
             logprobs.append(sample.logprobs)
         np.testing.assert_array_equal(logprobs[0], logprobs[2])
         assert len(logprobs[0]) != len(logprobs[1]) or np.abs(logprobs[0] - logprobs[1]).max() > 0.1
+        # a refit without scales would leave the cache on 1.0: an error, not a silent default
+        with pytest.raises(RefitError, match="carried no KV-cache scales into an FP8 KV cache"):
+            await refit(backend, write_buckets(tmp_path, 4, state, 1), 4)
+        assert backend.version == 3
+        await refit(backend, write_buckets(tmp_path, 5, state, 1), 5, kv_scales=scales)
+        (sample,) = await generate_all(backend, request)  # a complete refit resumes it
+        np.testing.assert_array_equal(sample.logprobs, logprobs[2])
     finally:
         await backend.close()
 
