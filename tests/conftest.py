@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    """A private (0700) directory with a short path: ipc:// socket paths are limited to ~100
+    characters."""
+    d = tempfile.mkdtemp(prefix="asyncrl-t-")
+    os.chmod(d, 0o700)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

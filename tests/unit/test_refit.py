@@ -9,9 +9,7 @@ receiver that never pulls.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +25,7 @@ from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, Weigh
 from asyncrl.refit import WeightReceiver, WeightSender, check_bucket
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir
-from asyncrl.transport import DEALER, Context, ipc_address
+from asyncrl.transport import Context, ipc_address
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -41,16 +39,6 @@ BUCKET = 96 << 10
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-def run_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="asyncrl-r-")
-    os.chmod(d, 0o700)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def weights() -> dict[str, np.ndarray]:

@@ -7,9 +7,7 @@ what the worker says and when.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -44,16 +42,6 @@ from asyncrl.rpc import ControlPlane
 from asyncrl.transport import DEALER, ROUTER, AsyncSocket, Context, ipc_address
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture
-def run_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="asyncrl-r-")
-    os.chmod(d, 0o700)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 class FakeWorker:

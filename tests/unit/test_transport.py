@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -27,20 +26,6 @@ from asyncrl.transport import (
     make_private_dir,
     peer_name,
 )
-
-@pytest.fixture
-def run_dir() -> Iterator[str]:
-    # a short path: ipc:// socket paths are limited to ~100 characters
-    import shutil
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="asyncrl-t-")
-    os.chmod(d, 0o700)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
 
 def _bytes(frames: list) -> list[bytes]:
     return [bytes(f.buffer) if hasattr(f, "buffer") else bytes(f) for f in frames]
