@@ -1,0 +1,346 @@
+"""The ``nccl`` weight transfer (asyncrl.transfers.nccl) over gloo on the CPU, with real
+processes: this process is the sender (trainer rank 0), spawned processes are the readers.
+
+The sender drives the stager the way :mod:`asyncrl.refit` does (begin, then per bucket
+reserve/pack/seal/handle on alternating buffers, a buffer refilled only once every reader
+answered the bucket that used it) and hands each handle to the readers through a pipe (bytes
+only); a reader opens it and sends back the bytes it received, compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from asyncrl.transfers import StagingSpec
+from asyncrl.transfers.nccl import (
+    IDENTITY_ENV_VAR,
+    NCCL,
+    TIMEOUT_ENV_VAR,
+    NcclHandle,
+    NcclOpener,
+    NcclStager,
+)
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("torch without gloo", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(120)
+
+REPLY_S = 30.0
+ALIGN = 256
+RNG = np.random.default_rng(11)
+
+
+def _tasks() -> int:
+    """Threads of this process (Python and native)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+# ---------------------------------------------------------------- the reader process
+def _reader_main(conn: Any, identity: str | None) -> None:
+    """A reader: ``("open", handle)`` → ``("ok", bytes)`` or ``("error", message)``;
+    ``("close", None)`` → ``("closed", threads before, threads after)``; ``("exit", None)``."""
+    if identity is not None:
+        os.environ[IDENTITY_ENV_VAR] = identity
+    import torch
+
+    torch.ones(8).add_(1)  # torch's own lazily started threads, before the baseline
+    base = _tasks()
+    opener = NcclOpener()
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "open":
+            try:
+                view = opener.open(arg, "cpu")
+                assert view.dtype == torch.uint8 and view.device.type == "cpu"
+                conn.send(("ok", view.numpy().tobytes()))
+            except Exception as exc:  # noqa: BLE001 - the test reads the message
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        elif cmd == "close":
+            opener.close()
+            opener.close()
+            conn.send(("closed", base, _tasks()))
+        else:
+            conn.close()
+            return
+
+
+class Reader:
+    def __init__(self, identity: str | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_reader_main, args=(child, identity), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def send(self, cmd: str, arg: Any = None) -> None:
+        self.conn.send((cmd, arg))
+
+    def reply(self) -> tuple[Any, ...]:
+        assert self.conn.poll(REPLY_S), "the reader did not answer"
+        return self.conn.recv()
+
+    def stop(self) -> int | None:
+        if self.proc.is_alive():
+            try:
+                self.send("exit")
+            except OSError:
+                pass
+            self.proc.join(REPLY_S)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        return self.proc.exitcode
+
+
+@pytest.fixture
+def readers() -> Iterator[list[Reader]]:
+    started: list[Reader] = []
+    yield started
+    for r in started:
+        r.stop()
+
+
+@pytest.fixture
+def short_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every wait bounded by 20 s (readers inherit it)."""
+    monkeypatch.setenv(TIMEOUT_ENV_VAR, "20")
+
+
+# ---------------------------------------------------------------- the sender side
+def _tensor(nbytes: int, kind: int) -> Any:
+    """``nbytes`` of random data as a uint8 numpy array, a float32 or a bfloat16 tensor."""
+    raw = RNG.integers(0, 256, nbytes, dtype=np.uint8)
+    if kind % 3 == 0:
+        return raw
+    t = torch.from_numpy(raw.copy())
+    return t.view(torch.float32) if kind % 3 == 1 else t.view(torch.bfloat16).reshape(2, -1)
+
+
+def _bucket(sizes: Sequence[int]) -> list[Any]:
+    return [_tensor(n, i) for i, n in enumerate(sizes)]
+
+
+def _as_bytes(data: Any) -> bytes:
+    if isinstance(data, np.ndarray):
+        return data.tobytes()
+    return data.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _fill(stager: NcclStager, k: int, tensors: list[Any]) -> list[tuple[int, bytes]]:
+    """Pack ``tensors`` into buffer ``k`` as the refit packer does (reserve before each, so the
+    buffer grows mid-bucket), seal it. Returns each tensor's offset and bytes."""
+    placed = []
+    used = 0
+    for t in tensors:
+        data = _as_bytes(t)
+        stager.reserve(k, used + len(data))
+        stager.pack(k, used, t)
+        placed.append((used, data))
+        used += (len(data) + ALIGN - 1) // ALIGN * ALIGN
+    stager.seal(k)
+    return placed
+
+
+def _check(received: bytes, placed: list[tuple[int, bytes]]) -> None:
+    end = max((off + len(data) for off, data in placed), default=0)
+    assert len(received) == end
+    for off, data in placed:
+        assert received[off : off + len(data)] == data
+
+
+def _send_buckets(
+    stager: NcclStager, readers: list[Reader], buckets: list[list[Any]], first_k: int = 0
+) -> list[bytes]:
+    """Stage ``buckets`` on alternating buffers, each handle to every reader; buffer k is
+    refilled only once every reader answered its previous bucket. Checks every bucket byte for
+    byte; returns the handles."""
+    pending: dict[int, list[tuple[int, bytes]]] = {}
+    handles: list[bytes] = []
+
+    def settle(index: int) -> None:
+        for r in readers:
+            status, payload = r.reply()
+            assert status == "ok", payload
+            _check(payload, pending[index])
+        del pending[index]
+
+    for index, tensors in enumerate(buckets):
+        k = (first_k + index) % 2
+        if index >= 2:
+            settle(index - 2)
+        pending[index] = _fill(stager, k, tensors)
+        handle = stager.handle(k)
+        handles.append(handle)
+        for r in readers:
+            r.send("open", handle)
+    for index in sorted(pending):
+        settle(index)
+    return handles
+
+
+def _decode(handle: bytes) -> NcclHandle:
+    return msgspec.msgpack.decode(handle, type=NcclHandle)
+
+
+def _stager() -> NcclStager:
+    return NcclStager(StagingSpec(run_id="t", rank=0, device="cpu"))
+
+
+# ---------------------------------------------------------------- tests
+def test_one_reader_receives_every_bucket_byte_for_byte(
+    readers: list[Reader], short_timeout: None
+) -> None:
+    assert NCCL.name == "nccl" and NCCL.stager is NcclStager and NCCL.opener is NcclOpener
+    readers.append(Reader())  # no identity: the only reader is rank 1
+    stager = _stager()
+    assert stager.backend == "gloo"
+    try:
+        stager.begin(["rollout:0"])
+        # 3 KiB, 5 KiB, then 70 KiB back in buffer 0 (both sides grow their buffers)
+        buckets = [_bucket([1000, 2048]), _bucket([4096, 1024]), _bucket([8192, 65536, 4])]
+        handles = _send_buckets(stager, readers, buckets)
+        decoded = [_decode(h) for h in handles]
+        assert [h.seq for h in decoded] == [0, 1, 2]
+        assert [h.nbytes for h in decoded] == [1024 + 2048, 4096 + 1024, 8192 + 65536 + 4]
+        assert {h.ranks["rollout:0"] for h in decoded} == {1} and decoded[0].size == 2
+        assert decoded[0].backend == "gloo" and decoded[0].port > 0
+        # the next refit: same receivers, numbering goes on, buffers keep alternating
+        stager.begin(["rollout:0"])
+        handles = _send_buckets(stager, readers, [_bucket([300]), _bucket([])], first_k=1)
+        assert [_decode(h).seq for h in handles] == [3, 4]
+        assert _decode(handles[1]).nbytes == 0
+        with pytest.raises(RuntimeError, match="one broadcast group for the run"):
+            stager.begin(["rollout:0", "rollout:1"])
+    finally:
+        stager.close()
+
+
+def test_two_readers_each_receive_every_bucket(readers: list[Reader], short_timeout: None) -> None:
+    # the list order gives the ranks: rollout:1 is rank 1, rollout:0 rank 2
+    readers.extend([Reader("rollout:0"), Reader("rollout:1")])
+    stager = _stager()
+    try:
+        stager.begin(["rollout:1", "rollout:0"])
+        buckets = [_bucket([512, 700]), _bucket([2000]), _bucket([9000, 300]), _bucket([64])]
+        handles = _send_buckets(stager, readers, buckets)
+        h = _decode(handles[0])
+        assert h.size == 3 and h.ranks == {"rollout:1": 1, "rollout:0": 2}
+    finally:
+        stager.close()
+
+
+def test_a_skipped_or_repeated_broadcast_is_refused_at_once(
+    readers: list[Reader], short_timeout: None
+) -> None:
+    reader = Reader()
+    readers.append(reader)
+    stager = _stager()
+    try:
+        stager.begin(["rollout:0"])
+        first = _fill(stager, 0, _bucket([1500]))
+        h0 = stager.handle(0)
+        reader.send("open", h0)
+        status, payload = reader.reply()
+        assert status == "ok"
+        _check(payload, first)
+        reader.send("open", h0)  # the very same handle again: the same bytes, no broadcast
+        assert reader.reply() == ("ok", payload)
+
+        second = _fill(stager, 1, _bucket([800]))
+        reader.send("open", stager.handle(1))
+        status, payload = reader.reply()
+        assert status == "ok"
+        _check(payload, second)
+
+        start = time.monotonic()
+        reader.send("open", h0)  # a repeat
+        status, payload = reader.reply()
+        assert status == "error" and "bucket broadcast 2 expected, got 0" in payload
+        _fill(stager, 0, _bucket([900]))  # broadcast 2: this reader never takes it
+        _fill(stager, 1, _bucket([700]))  # broadcast 3
+        reader.send("open", stager.handle(1))  # a skip
+        status, payload = reader.reply()
+        assert status == "error" and "bucket broadcast 2 expected, got 3" in payload
+        assert time.monotonic() - start < 5
+        reader.send("close")
+        assert reader.reply()[0] == "closed"
+    finally:
+        start = time.monotonic()
+        stager.close()  # broadcast 1 fails once the reader left the group: no grace period
+    assert time.monotonic() - start < 5
+
+
+def test_begin_with_other_receivers_raises(short_timeout: None) -> None:
+    stager = _stager()
+    try:
+        stager.begin([])  # a group of the sender alone forms at once
+        stager.begin([])
+        with pytest.raises(RuntimeError, match=r"formed for \[\]; this refit goes to"):
+            stager.begin(["rollout:0"])
+        _fill(stager, 0, _bucket([100, 200]))  # a broadcast to nobody completes
+        stager.reserve(0, 10)  # waits for it
+    finally:
+        stager.close()
+
+    other = _stager()
+    try:
+        with pytest.raises(RuntimeError, match="duplicate receivers"):
+            other.begin(["rollout:0", "rollout:0"])
+    finally:
+        other.close()
+
+
+def test_reader_needs_its_identity_when_several_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    handle = NcclHandle(
+        backend="gloo", host="127.0.0.1", port=1, group="g", size=3, seq=0, nbytes=8,
+        ranks={"rollout:0": 1, "rollout:1": 2},
+    )  # fmt: skip
+    encoded = msgspec.msgpack.encode(handle)
+    opener = NcclOpener()
+    monkeypatch.delenv(IDENTITY_ENV_VAR, raising=False)
+    with pytest.raises(RuntimeError, match=f"set {IDENTITY_ENV_VAR}"):
+        opener.open(encoded, "cpu")
+    monkeypatch.setenv(IDENTITY_ENV_VAR, "rollout:7")
+    with pytest.raises(RuntimeError, match="'rollout:7' is not a receiver"):
+        opener.open(encoded, "cpu")
+    with pytest.raises(RuntimeError, match="bucket broadcast 0 expected, got 4"):
+        opener.open(msgspec.msgpack.encode(msgspec.structs.replace(handle, seq=4)), "cpu")
+    opener.close()
+    opener.close()
+
+
+def test_close_leaves_nothing_behind_and_is_idempotent(
+    readers: list[Reader], short_timeout: None
+) -> None:
+    torch.ones(8).add_(1)
+    base = _tasks()
+    reader = Reader()
+    readers.append(reader)
+    stager = _stager()
+    stager.begin(["rollout:0"])
+    _send_buckets(stager, [reader], [_bucket([100]), _bucket([200]), _bucket([300])])
+    assert any(t.name == "asyncrl-nccl-sender" for t in threading.enumerate())
+    reader.send("close")
+    status, before, after = reader.reply()
+    assert status == "closed" and after == before
+    reader.send("open", stager.handle(0))
+    status, payload = reader.reply()
+    assert status == "error" and "closed" in payload
+    stager.close()
+    stager.close()
+    assert not any(t.name == "asyncrl-nccl-sender" for t in threading.enumerate())
+    assert _tasks() == base
+    with pytest.raises(RuntimeError, match="closed"):
+        stager.begin(["rollout:0"])
+    assert reader.stop() == 0
