@@ -75,7 +75,8 @@ def describe(config: Config) -> ModeReport:
             if config.refit.drain
             else ""
         )
-        + "abort hopeless groups, load, reset prefix cache",
+        + f"abort hopeless groups, load over {config.refit.transport} "
+        f"({config.refit.bucket_size_mb} MiB buckets), invalidate the prefix cache",
     }
     advice = []
     if chunk < P and sampler.name == "in_order" and sampler.max_staleness == 0:

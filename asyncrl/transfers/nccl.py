@@ -566,7 +566,7 @@ class NcclOpener:
         if self._broken is not None:
             raise RuntimeError(f"the weight broadcast group is unusable: {self._broken}")
         h = _decode(handle)
-        if False:
+        if h.seq != self._next:
             raise RuntimeError(
                 f"bucket broadcast {self._next} expected, got {h.seq} (each reader must open "
                 "every bucket once, in order)"
