@@ -164,26 +164,34 @@ class GenerationBackend(Protocol):
         """Logprobs (float32, flat) of every response token of ``batch`` under the engine's
         current weights."""
 
-    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
+    async def begin_weight_update(
+        self,
+        version: int,
+        manifest: list[TensorEntry],
+        *,
+        kv_scales: dict[str, float] | None = None,
+    ) -> None:
         """Check ``manifest`` (every tensor of the version, in sending order, with
         ``offset = nbytes = 0``) against the model: names, dtypes and shapes. Raise, touching
-        nothing, if it does not fit (the refit fails and the engine keeps its weights).
-        Otherwise stop scheduling (in-flight requests are kept) and prepare to load."""
+        nothing, if it does not fit (the refit fails and the engine keeps its weights), or if
+        the engine needs KV-cache scales (an FP8 KV cache) and ``kv_scales`` is empty.
+        Otherwise stop scheduling (in-flight requests are kept) and prepare to load.
+        ``kv_scales`` are applied after the last bucket's weights (a reload resets them)."""
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
         """Load every tensor of ``bucket`` into the engine. When this returns the engine no
-        longer reads the bucket's memory."""
+        longer reads the bucket's memory. ``bucket.last`` marks the version's last bucket; the
+        next bucket's load may be called before this one returns (the engine must apply them
+        in call order)."""
 
     async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
         """The refit of ``version`` failed after :meth:`begin_weight_update`. Without any
         bucket loaded (``loaded_any`` false) resume serving the previous weights; otherwise
         stay paused (the weights are mixed; the run stops)."""
 
-    async def finish_weight_update(
-        self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
-    ) -> None:
-        """Finalize the load, apply KV-cache scales (after the weights: a reload resets them),
-        reset the prefix cache if asked, and resume scheduling."""
+    async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
+        """Every bucket is loaded: finalize, make sure nothing cached from older weights is
+        reused (``reset_prefix_cache``; the controller always asks) and resume scheduling."""
 
     async def reset_prefix_cache(self) -> None: ...
 

@@ -5,7 +5,7 @@ The controller only says "version v" to both sides and waits for both to answer:
 
     trainer rank 0 (ROUTER, bound)                rollout rank r (DEALER, connected)
         ◄──────────── WeightsPull(v) ─────────────
-        ───────────── Manifest(v, entries) ──────►  backend.begin_weight_update(v, manifest)
+        ───────────── Manifest(v, entries) ──────►  backend.begin_weight_update(v, manifest, kv)
         ◄──────────── BucketAck(v, -1) ───────────  (checked against the model: nothing
     pack staging buffer A                             is touched if it does not match)
         ───────────── Bucket(v, 0, handle A) ────►  backend.load_weight_bucket(A)
@@ -375,7 +375,9 @@ class WeightReceiver:
                     f"is {transport!r}"
                 )
             check_manifest(manifest.entries)
-            await backend.begin_weight_update(version, list(manifest.entries))
+            await backend.begin_weight_update(
+                version, list(manifest.entries), kv_scales=kv_scales
+            )
         except Exception as exc:
             await self._ack(version, -1, f"{type(exc).__name__}: {exc}")
             raise RefitError(f"the weights of v{version} do not fit this generator: {exc}") from exc
@@ -424,9 +426,7 @@ class WeightReceiver:
             with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
                 await backend.abort_weight_update(version, loaded_any=loaded_any)
             raise
-        await backend.finish_weight_update(
-            version, reset_prefix_cache=reset_prefix_cache, kv_scales=kv_scales
-        )
+        await backend.finish_weight_update(version, reset_prefix_cache=reset_prefix_cache)
         return WeightsResult(
             version=version,
             num_tensors=done,

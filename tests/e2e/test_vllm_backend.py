@@ -133,13 +133,13 @@ def manifest_of(views: list[WeightBucketView]) -> list[TensorEntry]:
 
 
 async def refit(backend, views, version, *, reset=True, kv_scales=None) -> None:
-    await backend.begin_weight_update(version, manifest_of(views))
+    await backend.begin_weight_update(version, manifest_of(views), kv_scales=kv_scales)
     for view in views:
         await backend.load_weight_bucket(view)
         # the sender may rewrite the file as soon as the load returned
         path = msgspec.msgpack.decode(view.handle, type=ShmHandle).path
         Path(path).write_bytes(os.urandom(view.nbytes))
-    await backend.finish_weight_update(version, reset_prefix_cache=reset, kv_scales=kv_scales)
+    await backend.finish_weight_update(version, reset_prefix_cache=reset)
 
 
 def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -556,11 +556,11 @@ async def test_fp8_kv_scales_reach_the_cpu_attention_kernel(model_dir, tmp_path)
         np.testing.assert_array_equal(logprobs[0], logprobs[2])
         assert len(logprobs[0]) != len(logprobs[1]) or np.abs(logprobs[0] - logprobs[1]).max() > 0.1
         # a refit without scales would leave the cache on 1.0: an error, not a silent default
-        with pytest.raises(RefitError, match="carried no KV-cache scales into an FP8 KV cache"):
+        # (refused before the engine pauses: it goes on serving v3 with its scales)
+        with pytest.raises(RefitError, match="carries no KV-cache scales into an FP8 KV cache"):
             await refit(backend, write_buckets(tmp_path, 4, state, 1), 4)
         assert backend.version == 3
-        await refit(backend, write_buckets(tmp_path, 5, state, 1), 5, kv_scales=scales)
-        (sample,) = await generate_all(backend, request)  # a complete refit resumes it
+        (sample,) = await generate_all(backend, request)
         np.testing.assert_array_equal(sample.logprobs, logprobs[2])
     finally:
         await backend.close()

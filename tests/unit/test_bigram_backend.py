@@ -234,7 +234,7 @@ async def test_refit_from_a_bucket_file_and_abort(tmp_path: Path) -> None:
     await gen.begin_weight_update(1, [TensorEntry(TENSOR_NAME, "float32", [V, V], 0, 0)])
     await gen.load_weight_bucket(WeightBucketView(1, 0, "shm", handle, len(blob), [entry], True))
     os.unlink(path)  # the backend must have copied the data out
-    await gen.finish_weight_update(1, reset_prefix_cache=True, kv_scales=None)
+    await gen.finish_weight_update(1, reset_prefix_cache=True)
     assert gen.version == 1
     np.testing.assert_array_equal(gen.table, new)
     with pytest.raises(ValueError, match="reads shm buckets"):

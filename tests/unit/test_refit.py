@@ -65,10 +65,12 @@ class Engine:
         self.fail_load_at = fail_load_at
         self.refuse = refuse
 
-    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
+    async def begin_weight_update(
+        self, version: int, manifest: list[TensorEntry], *, kv_scales: Any = None
+    ) -> None:
         if self.refuse:
             raise ValueError(self.refuse)
-        self.events.append(("begin", version, [e.name for e in manifest]))
+        self.events.append(("begin", version, [e.name for e in manifest], kv_scales))
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
         if bucket.index == self.fail_load_at:
@@ -82,8 +84,8 @@ class Engine:
         self.events.append(("abort", version, loaded_any))
         self.staged = {}
 
-    async def finish_weight_update(self, version: int, **kwargs: Any) -> None:
-        self.events.append(("finish", version, kwargs["kv_scales"]))
+    async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
+        self.events.append(("finish", version, reset_prefix_cache))
         self.weights, self.staged = self.staged, {}
 
 
@@ -143,7 +145,8 @@ async def test_several_buckets_arrive_byte_exact(run_dir: str) -> None:
             assert sent.num_bytes == sum(a.nbytes for a in w.values())
             for name, a in w.items():
                 np.testing.assert_array_equal(engine.weights[name], a)
-            assert engine.events[-1] == ("finish", version, {"x.k_scale": 0.5})
+            assert engine.events[-2][::3] == ("begin", {"x.k_scale": 0.5})
+            assert engine.events[-1] == ("finish", version, True)
     finally:
         pair.close()
 

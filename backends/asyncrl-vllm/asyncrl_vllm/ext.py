@@ -254,21 +254,32 @@ class AsyncRLWorkerExtension:
         return openers[transport].open(handle, self.device)  # type: ignore[attr-defined]
 
     def asyncrl_load_bucket(
-        self, transport: str, handle: bytes, entries: list[list[Any]]
+        self,
+        transport: str,
+        handle: bytes,
+        entries: list[list[Any]],
+        open_mode: str | None = None,
+        finish: bool = False,
+        kv_scales: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         """Load the tensors described by ``entries`` (``[name, dtype, shape, offset, nbytes]``,
         Hugging Face names) from the bucket behind ``handle`` (opened by the weight transfer
         ``transport``; the mapping is kept for the next buckets). Nothing refers to the
-        bucket's memory once this returns.
+        bucket's memory once this returns. ``open_mode`` (first bucket) opens the reload first
+        (:meth:`asyncrl_begin_reload`); ``finish`` (last bucket) closes it afterwards and writes
+        ``kv_scales`` (:meth:`asyncrl_finish_reload`): a refit costs one engine call per
+        bucket and nothing more.
 
         In ``direct`` mode each tensor goes through the copy plan compiled on its first load
         (see :class:`CopyPlan`); in the other modes through ``model.load_weights``, with
         private copies where the loader keeps references (layerwise) or the bucket is host
         memory on a GPU engine."""
+        start = time.perf_counter()
+        if open_mode is not None:
+            self.asyncrl_begin_reload(open_mode)
         mode = self._asyncrl_mode
         if mode is None:
             raise RuntimeError("asyncrl_load_bucket called without asyncrl_begin_reload")
-        start = time.perf_counter()
         memory = self._asyncrl_open(transport, handle)
         device = torch.device(self.device)  # type: ignore[attr-defined]
         weights: list[tuple[str, torch.Tensor]] = []
@@ -295,7 +306,11 @@ class AsyncRLWorkerExtension:
             # a copy across GPUs may run on the source GPU's stream: done reading before the ack
             torch.cuda.synchronize(memory.device)
         del weights, memory
-        return {"tensors": len(entries), "direct": direct, "seconds": time.perf_counter() - start}
+        out: dict[str, Any] = {"mode": mode, "tensors": len(entries), "direct": direct}
+        if finish:
+            out.update(self.asyncrl_finish_reload(kv_scales))
+        out["seconds"] = time.perf_counter() - start
+        return out
 
     def asyncrl_finish_reload(self, kv_scales: dict[str, float] | None = None) -> dict[str, Any]:
         """Close the open reload: process the layers still pending, put back the kernel

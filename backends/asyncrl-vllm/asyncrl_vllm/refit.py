@@ -2,14 +2,16 @@
 
 ::
 
-    begin_weight_update(v, manifest)  check the manifest against the checkpoint's safetensors
-                                      headers and model.dtype (refuse before pausing); pause
-                                      (keep in-flight requests); open a reload in the workers
-    load_weight_bucket(b)             collective_rpc("asyncrl_load_bucket", transport, handle,
-                                      entries), one per bucket
-    finish_weight_update(v, scales)   collective_rpc("asyncrl_finish_reload", scales): finalize,
-                                      then the scales; invalidate the prefix cache (a new cache
-                                      salt, or a reset); label the version; resume
+    begin_weight_update(v, manifest, kv_scales)  check the manifest against the checkpoint's
+                                      safetensors headers and model.dtype, and that an FP8
+                                      cache gets scales (refuse before pausing); pause (keep
+                                      in-flight requests)
+    load_weight_bucket(b)             collective_rpc("asyncrl_load_bucket", ...), one per
+                                      bucket: the first also opens the reload, the last also
+                                      finalizes it and writes the scales (after the weights:
+                                      finalizing resets them to 1.0)
+    finish_weight_update(v)           invalidate the prefix cache (a new cache salt, or a
+                                      reset); label the version; resume
     abort_weight_update(v, loaded_any)  close the reload; resume on the old weights if nothing
                                       was loaded, else stay paused
 
@@ -19,7 +21,7 @@ See docs/refit.md.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.backend import WeightBucketView
@@ -41,6 +43,10 @@ class _Update:
     direct: int = 0
     """Tensors written through the compiled copy plan (the rest went through load_weights)."""
     failed: bool = False
+    finished: bool = False
+    """The last bucket loaded: the reload is closed and the scales are set."""
+    kv_scales: dict[str, float] | None = None
+    redispatched: list[str] = field(default_factory=list)
 
 
 class EngineWeights:
@@ -85,14 +91,22 @@ class EngineWeights:
             raise RuntimeError("vLLM did not reset the prefix cache (reset_prefix_cache -> False)")
 
     # ------------------------------------------------------------------ refit
-    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
+    async def begin_weight_update(
+        self,
+        version: int,
+        manifest: list[TensorEntry],
+        *,
+        kv_scales: dict[str, float] | None = None,
+    ) -> None:
         """Check ``manifest`` against the checkpoint the engine started from (names, shapes,
-        the engine's dtype) and refuse it, touching nothing, if it does not fit. Then freeze
-        scheduling (in-flight requests are kept with their KV) and open a reload in the
-        workers. A refit left half-done (a failed or cancelled one) is closed first.
+        the engine's dtype) and an FP8 cache's need for scales; refuse, touching nothing, if
+        either fails. Then freeze scheduling (in-flight requests are kept with their KV). The
+        reload opens with the first bucket and closes with the last one, in the same engine
+        calls (so a one-bucket refit is one call into the engine's workers).
 
         Raises:
-            RefitError: the manifest does not fit this engine (the message lists what).
+            RefitError: the manifest does not fit this engine (the message lists what), or an
+                FP8 KV cache would get no scales (finalizing resets them to 1.0).
 
         Cancellation: the engine may stay paused; the next refit resumes it.
         """
@@ -107,6 +121,13 @@ class EngineWeights:
                 f"the weights of v{version} do not fit the engine's model "
                 f"({self.ctx.config.model.path}): " + "; ".join(problems)
             )
+        if self.options.kv_cache_dtype.startswith("fp8") and not kv_scales:
+            raise RefitError(
+                f"the refit to v{version} carries no KV-cache scales into an FP8 KV cache "
+                f"(kv_cache_dtype={self.options.kv_cache_dtype!r}); loading would leave every "
+                "scale at 1.0. The trainer must calibrate them (the controller does when the "
+                "generator reports an fp8 kv_cache_dtype)"
+            )
         started = time.perf_counter()
         # AsyncLLM.pause_generation is the engine core's pause plus a cosmetic 20 ms sleep
         # (vLLM: "not required for correctness"), a fixed cost on every refit
@@ -117,14 +138,18 @@ class EngineWeights:
             else llm.pause_generation(mode="keep", clear_cache=False)
         )
         await self._bounded("pause_generation", pause)
-        self._update = None
-        mode = (await self._rpc("asyncrl_begin_reload", self.options.weight_load_mode))[0]
-        self._update = _Update(version=version, mode=mode, started=started)
+        scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
+        self._update = _Update(version=version, mode="", started=started, kv_scales=scales)
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
-        """Load every tensor of ``bucket`` (Hugging Face names). The workers open the bucket
-        through its transfer (:mod:`asyncrl.transfers`) and are done reading it when this
-        returns, so the sender may reuse it."""
+        """Load every tensor of ``bucket`` (Hugging Face names) in one engine call, which also
+        opens the reload (first bucket) and finalizes it and writes the KV-cache scales (last
+        bucket). The workers open the bucket through its transfer (:mod:`asyncrl.transfers`)
+        and are done reading it when this returns, so the sender may reuse it.
+
+        Raises:
+            RefitError: no matching begin, or bad KV-cache scale names (last bucket).
+        """
         update = self._update
         if update is None or update.version != bucket.version:
             raise RefitError(
@@ -134,14 +159,26 @@ class EngineWeights:
         entries = [
             [e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)] for e in bucket.entries
         ]
+        opening = self.options.weight_load_mode if bucket.index == 0 else None
         try:
-            out = await self._rpc("asyncrl_load_bucket", bucket.transport, bucket.handle, entries)
-        except BaseException:
+            (out,) = await self._rpc(
+                "asyncrl_load_bucket", bucket.transport, bucket.handle, entries, opening,
+                bucket.last, update.kv_scales if bucket.last else None,
+            )
+        except BaseException as exc:
             update.failed = True
+            if bucket.last and update.kv_scales and "KV scale" in str(exc):
+                raise RefitError(
+                    f"setting KV-cache scales for v{bucket.version} failed: {exc}"
+                ) from exc
             raise
+        if opening is not None:
+            update.mode = out["mode"]
         update.tensors += len(entries)
         update.nbytes += sum(e.nbytes for e in bucket.entries)
-        update.direct += out[0].get("direct", 0)
+        update.direct += out["direct"]
+        update.finished = bucket.last
+        update.redispatched = out.get("redispatched", [])
 
     async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
         """Close the reload. Without any bucket loaded the old weights are intact: resume
@@ -156,40 +193,20 @@ class EngineWeights:
             else:
                 self._log.error("weight_update_failed_paused", version=version)
 
-    async def finish_weight_update(
-        self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
-    ) -> None:
-        """Finalize the reload, apply KV-cache scales (after the weights: finalizing resets
-        them to 1.0), reset the prefix cache if asked and resume scheduling.
+    async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
+        """After the last bucket (the reload is closed and the scales are set): keep blocks of
+        older weights from being reused, label the version and resume scheduling.
 
         Raises:
-            RefitError: no matching begin, a bucket failed to load (the engine then stays
-                paused until a complete refit), bad scale names, or the prefix-cache reset
-                was refused.
+            RefitError: no matching begin, the last bucket never loaded, or the prefix-cache
+                reset was refused.
         """
         llm = self._require()
         update = self._update
         if update is None or update.version != version:
             raise RefitError(f"finish_weight_update({version}) without a matching begin")
         self._update = None
-        fp8 = self.options.kv_cache_dtype.startswith("fp8")
-        if fp8 and not kv_scales and not update.failed:
-            # finalizing resets every scale to 1.0: an FP8 engine must never serve on that
-            await self._rpc("asyncrl_finish_reload", None)
-            raise RefitError(
-                f"the refit to v{version} carried no KV-cache scales into an FP8 KV cache "
-                f"(kv_cache_dtype={self.options.kv_cache_dtype!r}); the engine stays paused. The "
-                "trainer must calibrate them (the controller does when the generator reports an "
-                "fp8 kv_cache_dtype)"
-            )
-        scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
-        try:
-            finished = (await self._rpc("asyncrl_finish_reload", scales))[0]
-        except Exception as exc:
-            if scales and "KV scale" in str(exc):
-                raise RefitError(f"setting KV-cache scales for v{version} failed: {exc}") from exc
-            raise
-        if update.failed:
+        if update.failed or not update.finished:
             raise RefitError(
                 f"weights v{version} were loaded only in part; the engine stays paused until a "
                 "complete refit"
@@ -208,6 +225,4 @@ class EngineWeights:
             "bytes": update.nbytes,
             "seconds": time.perf_counter() - update.started,
         }
-        self._log.info(
-            "weights_loaded", redispatched=finished["redispatched"], **self.last_refit
-        )
+        self._log.info("weights_loaded", redispatched=update.redispatched, **self.last_refit)

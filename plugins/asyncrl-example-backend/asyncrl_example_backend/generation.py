@@ -154,8 +154,15 @@ class BigramGenerator:
         return token_logprobs(self.table, prev, tok, temperature).astype(np.float32)
 
     # ------------------------------------------------------------------ refit
-    async def begin_weight_update(self, version: int, manifest: list[TensorEntry]) -> None:
-        """Refuse any manifest but the one float32 [V, V] table, before pausing."""
+    async def begin_weight_update(
+        self,
+        version: int,
+        manifest: list[TensorEntry],
+        *,
+        kv_scales: dict[str, float] | None = None,
+    ) -> None:
+        """Refuse any manifest but the one float32 [V, V] table, before pausing. A bigram has
+        no KV cache: ``kv_scales`` have nothing to act on."""
         v = self.spec.vocab_size
         shapes = {e.name: (e.dtype, list(e.shape)) for e in manifest}
         if shapes != {TENSOR_NAME: ("float32", [v, v])}:
@@ -189,11 +196,9 @@ class BigramGenerator:
             self._resumed.set()
         log.warning("weight_update_aborted", version=version)
 
-    async def finish_weight_update(
-        self, version: int, *, reset_prefix_cache: bool, kv_scales: dict[str, float] | None
-    ) -> None:
+    async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
         """Install the staged table and resume sampling. A bigram has no KV cache, so
-        ``reset_prefix_cache`` and ``kv_scales`` have nothing to act on."""
+        ``reset_prefix_cache`` has nothing to act on."""
         if self._staged is None:
             raise RuntimeError(f"weight update to v{version} carried no {TENSOR_NAME}")
         stale = self.options.stale_from_version
