@@ -148,7 +148,9 @@ class RefitConfig(_Base):
     ``asyncrl.weight_transfers``). ``shm``: buckets in shared-memory files (one host, any
     device). ``cuda_ipc``: buckets in the trainer's GPU memory, mapped by the engine through
     CUDA IPC handles (one node; trainer and engine on the same GPU or on different ones).
-    Buckets are announced over ZeroMQ ipc:// either way."""
+    ``nccl``: each bucket broadcast over a collective group of the trainer and the engines
+    (NCCL between GPUs, e.g. engines on other GPUs without IPC; gloo when the trainer is on
+    the CPU). Buckets are announced over ZeroMQ ipc:// in every case."""
     bucket_size_mb: int = 256
     """Size of one transfer bucket; tensors larger than this travel in a bucket of their own."""
     drain: bool = False

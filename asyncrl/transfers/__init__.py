@@ -19,9 +19,10 @@ Two staging buffers (``k`` = 0, 1) are used in turn, so packing bucket i+1 overl
 bucket i. A handle is the transfer's own msgspec struct, encoded to bytes (never pickled); a
 reader decodes it with the same struct.
 
-Built in: ``shm`` (files in ``/dev/shm``; CPU, any tensors) and ``cuda_ipc`` (device buffers
+Built in: ``shm`` (files in ``/dev/shm``; CPU, any tensors), ``cuda_ipc`` (device buffers
 exported once as CUDA IPC handles; trainer and engine on one node, on the same GPU or on
-different ones).
+different ones) and ``nccl`` (each bucket broadcast over a collective group of the sender and
+the readers: NCCL between GPUs, gloo on the CPU).
 """
 
 from __future__ import annotations

@@ -478,6 +478,33 @@ async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_pat
 
 
 @module_loop
+@pytest.mark.parametrize("transport", ["shm", "nccl"])
+async def test_refits_over_the_real_protocol(
+    backend, model_dir, sequences, transport
+) -> None:
+    """Sender and receiver of asyncrl.refit with a real transfer into the running engine:
+    ``shm``, and ``nccl``, whose collective group is gloo on a CPU trainer (the engine's worker
+    process joins it and receives every bucket's broadcast). Many small buckets, two refits."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))
+    from refit_support import LocalRefit
+
+    pair = LocalRefit(transport, "cpu", bucket_size=64 << 10)
+    try:
+        for seed in (21, 22):
+            state = perturbed(model_dir, seed=seed)
+            version = backend.version + 1
+            sent, received = await pair.push(backend, version, lambda: state.items())
+            assert sent.num_buckets >= 3 and received.num_tensors == len(state)
+            after = await backend.score(token_batch(sequences), 1.0)
+            ref = hf_model(model_dir, {k: v.float() for k, v in state.items()})
+            expected = np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])
+            assert np.abs(after - expected).max() < TOL
+            assert backend.version == version
+    finally:
+        pair.close()
+
+
+@module_loop
 async def test_a_refit_that_does_not_fit_leaves_the_old_weights_serving(
     backend, model_dir, sequences, tmp_path
 ) -> None:

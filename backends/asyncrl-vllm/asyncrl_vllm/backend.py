@@ -32,6 +32,7 @@ from asyncrl.backend import SampleSink, WorkerContext
 from asyncrl.errors import ConfigError, EngineDeadError, flatten
 from asyncrl.messages import GenRequest, Sample, TokenBatch
 from asyncrl.process import exit_status, process_name, wait_pid_exit
+from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 
 from .idle import ENV_VAR as IDLE_ENV_VAR
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
@@ -151,6 +152,8 @@ class VLLMBackend(EngineWeights):
             env["CUDA_VISIBLE_DEVICES"] = gpu_first(
                 self.ctx.gpu, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
             )
+        # which member of a collective weight transfer (refit.transport = "nccl") this engine is
+        env[TRANSFER_IDENTITY_ENV_VAR] = f"{self.ctx.group}:{self.ctx.rank}"
         if cuda and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
             # vLLM 0.26's sampler imports FlashInfer otherwise, which the GPU image lacks.
             env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
