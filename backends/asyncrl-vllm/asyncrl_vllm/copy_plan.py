@@ -10,8 +10,9 @@ one ``copy_`` per slice, with no Python loader in between.
 
 A name is planned only if its load was nothing but such copies, out of the incoming tensor
 (no dtype conversion, no temporary), into parameter storage, covering every element exactly
-once; anything else (a quantized layer, a loader that computes) keeps going through
-``load_weights``. Parameters keep their storage across refits in ``direct`` mode (it never
+once, and if each recorded destination holds exactly its source afterwards (checked once,
+when the plan is compiled); anything else (a quantized layer, a loader that computes) keeps
+going through ``load_weights``. Parameters keep their storage across refits in ``direct`` mode (it never
 reprocesses layers), so the recorded views stay valid; the plan is dropped with the worker.
 """
 
@@ -92,4 +93,10 @@ class CopyPlan:
         planned = [s for s in steps if s is not None]
         if sum(math.prod(size) for _, size, _, _ in planned) != tensor.numel():
             return None
+        # the loader just wrote these slices: each must now hold exactly its source (a loader
+        # that transformed the data after copying, or wrote the slice twice, fails this)
+        base = tensor.storage_offset()
+        for dst, size, stride, offset in planned:
+            if not torch.equal(dst, tensor.as_strided(size, stride, base + offset).to(dst.device)):
+                return None
         return planned
