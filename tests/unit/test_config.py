@@ -63,10 +63,11 @@ def test_wrong_type_is_named_with_a_fix(tmp_path: Path, model_dir: Path) -> None
 
 
 def test_unsupported_transport_lists_the_choices(tmp_path: Path, model_dir: Path) -> None:
-    """refit.transport = "nccl" used to be accepted and silently replaced by shm."""
-    with pytest.raises(ConfigError, match=r"refit.transport: no weight transfer named 'nccl' is "
-                                          r"installed. Fix: use one of: cuda_ipc, shm"):
-        load_config(write(tmp_path, BASE + "[refit]\ntransport = 'nccl'\n"))
+    """A transport that is not installed is named, with the installed ones (once, "nccl" was
+    accepted and silently replaced by shm)."""
+    with pytest.raises(ConfigError, match=r"refit.transport: no weight transfer named 'rdma' is "
+                                          r"installed. Fix: use one of: cuda_ipc, nccl, shm"):
+        load_config(write(tmp_path, BASE + "[refit]\ntransport = 'rdma'\n"))
 
 
 @pytest.mark.parametrize(("field", "value"), [("trainer_gpus", "[0, 1]"), ("rollout_gpus", "[-1]")])

@@ -435,7 +435,9 @@ class FSDPBackend:
 
         One all-gather per FSDP unit (a decoder layer, or the root's embedding/norm/head), not
         one per parameter: each unit is unsharded once (``FSDPModule.unshard``), its
-        parameters are yielded, and it is resharded when the iteration moves past it. A
+        parameters are yielded, and it is resharded when the iteration moves past it. The
+        next unit's all-gather is started (``async_op``) when a unit opens, so it runs while
+        this unit's tensors are packed and sent. A
         yielded tensor may alias the unit's gathered memory: consume it (the transfer packs it)
         before advancing. A tied ``lm_head.weight`` is not yielded: ``named_parameters`` lists
         a shared Parameter once, under its first name (the input embedding), and vLLM ties it
@@ -446,8 +448,14 @@ class FSDPBackend:
         sender = self._ctx.rank == 0
         names = [n for n, _ in model.named_parameters()]
         owner = _fsdp_owners(model)
+        order: list[FSDPModule] = []  # the non-root units, in the order their tensors come
+        for name in names:
+            unit = owner.get(name)
+            if unit is not None and unit is not model and unit not in order:
+                order.append(unit)
+        prefetched: dict[int, Any] = {}  # unit index -> its pending all-gather
         root_open = False
-        opened: FSDPModule | None = None  # the non-root unit gathered now
+        opened = -1  # index in `order` of the non-root unit gathered now
         try:
             for name in names:
                 unit = owner.get(name)
@@ -455,12 +463,17 @@ class FSDPBackend:
                     if not root_open:  # the root's few tensors stay gathered until the end
                         model.unshard()
                         root_open = True
-                elif unit is not opened:
-                    if opened is not None:
-                        opened.reshard()
-                    opened = unit
-                    if unit is not None:
+                elif unit is not None and (opened < 0 or unit is not order[opened]):
+                    if opened >= 0:
+                        order[opened].reshard()
+                    opened = order.index(unit)
+                    handle = prefetched.pop(opened, None)
+                    if handle is not None:
+                        handle.wait()
+                    else:
                         unit.unshard()
+                    if opened + 1 < len(order):  # the next unit gathers while this one is sent
+                        prefetched[opened + 1] = order[opened + 1].unshard(async_op=True)
                 param = model.get_parameter(name).detach()
                 # detach() instead of a no_grad() block: grad mode is thread-local and a block
                 # would stay entered while the generator is suspended between items.
@@ -472,8 +485,12 @@ class FSDPBackend:
                 out = param.to(dtype).contiguous()
                 yield WeightTensor(name, self._ctx.config.model.dtype, tuple(out.shape), out)
         finally:
-            if opened is not None:
-                opened.reshard()
+            for index, handle in prefetched.items():  # abandoned before reaching them
+                if handle is not None:
+                    handle.wait()
+                order[index].reshard()
+            if opened >= 0:
+                order[opened].reshard()
             if root_open:
                 model.reshard()  # type: ignore[operator]
 
