@@ -22,6 +22,8 @@ GPU to the engine's (same GPU: a device-local copy), timed here.
 
     python benchmarks/refit.py --sizes 0.5b,7b --placements same,other
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/refit.py --trainer fsdp2
+    python benchmarks/refit.py --device cpu --sizes tiny --bucket-mb 1    # no GPU: checks
+        the script itself on the CPU build (shm, or --transport nccl over gloo)
 
 Prints one line per case and writes ``--out`` (JSON lines).
 """
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 
 SHAPES = {
     # hidden, layers, heads, kv heads, intermediate, vocab, tied
+    "tiny": (128, 2, 4, 2, 256, 512, True),  # --device cpu: checks the script itself
     "0.5b": (896, 24, 14, 2, 4864, 151936, True),
     "1.5b": (1536, 28, 12, 2, 8960, 151936, True),
     "7b": (3584, 28, 28, 4, 18944, 152064, False),
@@ -57,7 +60,7 @@ def model_config(size: str):  # noqa: ANN201 - a transformers config
     )
 
 
-def write_model(size: str, work: Path) -> Path:
+def write_model(size: str, work: Path, device: str = "cuda:0") -> Path:
     """A random bf16 checkpoint of ``size`` (kept across runs)."""
     import torch
     import transformers
@@ -70,13 +73,13 @@ def write_model(size: str, work: Path) -> Path:
     config = model_config(size)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in transformers.Qwen2ForCausalLM(config).named_parameters()}
-    gen = torch.Generator(device="cuda:0").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     state = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16, device="cuda:0")
+            t = torch.ones(shape, dtype=torch.bfloat16, device=device)
         else:
-            t = torch.randn(shape, generator=gen, device="cuda:0", dtype=torch.bfloat16) * 0.02
+            t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
         state[name] = t.cpu()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
@@ -101,32 +104,38 @@ def copy_floor(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:
 
     a = torch.empty(nbytes, dtype=torch.uint8, device=src)
     b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    cuda = [d for d in {src, dst} if d.startswith("cuda")]
     best = float("inf")
     for _ in range(repeats + 1):
-        for d in {src, dst}:
+        for d in cuda:
             torch.cuda.synchronize(d)
         t0 = time.perf_counter()
         b.copy_(a)
-        for d in {src, dst}:
+        for d in cuda:
             torch.cuda.synchronize(d)
         best = min(best, time.perf_counter() - t0)
     del a, b
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return best
 
 
-def engine_ctx(model_dir: Path, gpu: int, run_dir: Path):  # noqa: ANN201
+def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str):  # noqa: ANN201
     from asyncrl.backend import WorkerContext
     from asyncrl.config import from_dict
 
+    if gpu is None:  # the CPU build
+        options = {"enforce_eager": True, "max_model_len": 512, "cpu_kvcache_space_gib": 1}
+        trainer = {}
+    else:
+        options = {"enforce_eager": True, "max_model_len": 512, "gpu_memory_utilization": 0.35}
+        trainer = {"mixed_precision": "bf16"}
     config = from_dict({
         "model": {"path": str(model_dir)},
         "environment": {"name": "arithmetic"},
-        "refit": {"transport": "cuda_ipc"},
-        "trainer": {"backend": "fsdp2", "options": {"mixed_precision": "bf16"}},
-        "generator": {"backend": "vllm", "options": {
-            "enforce_eager": True, "max_model_len": 512, "gpu_memory_utilization": 0.35,
-        }},
+        "refit": {"transport": transport},
+        "trainer": {"backend": "fsdp2", "options": trainer},
+        "generator": {"backend": "vllm", "options": options},
     })
     return WorkerContext("rollout", 0, 1, 0, config, str(run_dir), gpu=gpu)
 
@@ -180,24 +189,25 @@ async def one_gpu(args: argparse.Namespace) -> None:
     from asyncrl import plugins
     from refit_support import LocalRefit
 
+    cpu = args.device == "cpu"
     for size in args.sizes:
-        model_dir = write_model(size, args.work)
+        model_dir = write_model(size, args.work, "cpu" if cpu else "cuda:0")
         backend = plugins.load("asyncrl.generation_backends", "vllm")(
-            engine_ctx(model_dir, 0, args.work)
+            engine_ctx(model_dir, None if cpu else 0, args.work, args.transport)
         )
         t0 = time.perf_counter()
         await backend.start()
         print(f"{size}: engine started in {time.perf_counter() - t0:.0f} s", flush=True)
         version = 1
         try:
-            for placement in args.placements:
+            for placement in ["same"] if cpu else args.placements:
                 trainer_gpu = 0 if placement == "same" else 1
-                if trainer_gpu >= torch.cuda.device_count():
+                if not cpu and trainer_gpu >= torch.cuda.device_count():
                     print(f"{size} {placement}: needs a second GPU, skipped")
                     continue
-                device = f"cuda:{trainer_gpu}"
+                device = "cpu" if cpu else f"cuda:{trainer_gpu}"
                 state = load_state(model_dir, device)
-                pair = LocalRefit("cuda_ipc", device, bucket_size=args.bucket_mb << 20)
+                pair = LocalRefit(args.transport, device, bucket_size=args.bucket_mb << 20)
                 try:
                     results = await timed_refits(
                         backend, pair, version, lambda: state.items(), None, args.repeats
@@ -206,12 +216,12 @@ async def one_gpu(args: argparse.Namespace) -> None:
                     pair.close()
                 version += args.repeats + 1
                 nbytes = results[0][2].num_bytes
-                floor = copy_floor(nbytes, device, "cuda:0")
+                floor = copy_floor(nbytes, device, "cpu" if cpu else "cuda:0")
                 case = {"size": size, "trainer": "1gpu", "placement": placement,
-                        "bucket_mb": args.bucket_mb}
+                        "bucket_mb": args.bucket_mb, "transport": args.transport,
+                        "device": args.device}
                 report(case, results, floor, args.out)
                 state = {}
-                torch.cuda.empty_cache()
         finally:
             await backend.close()
 
@@ -225,14 +235,17 @@ async def fsdp2(args: argparse.Namespace) -> None:
     from refit_support import LocalRefit
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world)
+    cpu = args.device == "cpu"
+    if not cpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if cpu else "nccl", init_method="env://", rank=rank,
+                            world_size=world)
     for size in args.sizes:
         model_dir = args.work / f"qwen2-{size}"
         if rank == 0:
-            write_model(size, args.work)
+            write_model(size, args.work, "cpu" if cpu else "cuda:0")
         dist.barrier()  # rank 0 wrote the model
-        cfg = engine_ctx(model_dir, 0, args.work).config
+        cfg = engine_ctx(model_dir, None if cpu else 0, args.work, args.transport).config
         # the trainer joins the process group this benchmark made (the embedded path)
         trainer = plugins.load("asyncrl.training_backends", "fsdp2")(
             WorkerContext("trainer", rank, world, rank, cfg, str(args.work))
@@ -243,7 +256,7 @@ async def fsdp2(args: argparse.Namespace) -> None:
               flush=True)
         specs = trainer.weight_specs()
         try:
-            for placement in args.placements:
+            for placement in ["same"] if cpu else args.placements:
                 engine_gpu = 0 if placement == "same" else 1
                 if rank != 0:
                     for _ in range(args.repeats + 1):
@@ -252,10 +265,11 @@ async def fsdp2(args: argparse.Namespace) -> None:
                             pass
                     continue
                 backend = plugins.load("asyncrl.generation_backends", "vllm")(
-                    engine_ctx(model_dir, engine_gpu, args.work)
+                    engine_ctx(model_dir, None if cpu else engine_gpu, args.work, args.transport)
                 )
                 await backend.start()
-                pair = LocalRefit("cuda_ipc", "cuda:0", bucket_size=args.bucket_mb << 20)
+                device = "cpu" if cpu else "cuda:0"
+                pair = LocalRefit(args.transport, device, bucket_size=args.bucket_mb << 20)
                 try:
                     results = await timed_refits(
                         backend, pair, 1, trainer.iter_weights, specs, args.repeats,
@@ -265,13 +279,13 @@ async def fsdp2(args: argparse.Namespace) -> None:
                     pair.close()
                     await backend.close()
                 nbytes = results[0][2].num_bytes
-                floor = copy_floor(nbytes, "cuda:0", f"cuda:{engine_gpu}")
+                floor = copy_floor(nbytes, device, "cpu" if cpu else f"cuda:{engine_gpu}")
                 case = {"size": size, "trainer": "fsdp2", "placement": placement,
-                        "bucket_mb": args.bucket_mb}
+                        "bucket_mb": args.bucket_mb, "transport": args.transport,
+                        "device": args.device}
                 report(case, results, floor, args.out)
         finally:
             trainer.close()
-            torch.cuda.empty_cache()
     dist.destroy_process_group()
 
 
@@ -284,8 +298,15 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=1024)
     parser.add_argument("--work", type=Path, default=Path("/tmp/asyncrl-refit-bench"))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: the CPU build of vLLM, a gloo FSDP2 group, no GPU figures "
+                             "(checks this script where no GPU is at hand)")
+    parser.add_argument("--transport", default=None,
+                        help="weight transfer (default: cuda_ipc on cuda, shm on cpu)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.transport is None:
+        args.transport = "shm" if args.device == "cpu" else "cuda_ipc"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     asyncio.run(one_gpu(args) if args.trainer == "1gpu" else fsdp2(args))
 
