@@ -31,6 +31,7 @@ frame from another peer, or a message of another version is rejected and counted
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -136,6 +137,10 @@ class _Packer:
         self._carry: WeightTensor | None = None
         self.count = 0
         self.nbytes = 0
+        # bytes still to come after tensor i (aligned), so a buffer is never made larger than
+        # what the version needs (a small model gets small buffers, not two bucket sizes)
+        sizes = [_align(_nbytes(e)) for e in manifest]
+        self._after = [*itertools.accumulate(reversed(sizes))][::-1] + [0]
 
     def _next(self) -> WeightTensor | None:
         if self._carry is not None:
@@ -168,7 +173,8 @@ class _Packer:
             if entries and used + size > self._bucket_size:
                 self._carry = t  # not advanced past it: a sharded trainer still holds it
                 break
-            self._stager.reserve(k, max(self._bucket_size, used + size))
+            needed = min(self._bucket_size, used + self._after[self.count])
+            self._stager.reserve(k, max(needed, used + size))
             self._stager.pack(k, used, t.data)
             entries.append(TensorEntry(t.name, t.dtype, list(t.shape), used, size))
             used += _align(size)

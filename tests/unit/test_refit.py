@@ -9,9 +9,11 @@ receiver that never pulls.
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -251,3 +253,24 @@ def test_check_bucket_refuses_overlap_and_overflow() -> None:
     beyond = Bucket(1, 0, b"", 512, [TensorEntry("c", "float32", [4], 0, 16)], True)
     with pytest.raises(ValueError, match="beyond the manifest's end"):
         check_bucket(beyond, manifest, 2)
+
+
+async def test_a_small_version_gets_small_staging_buffers(run_dir: str) -> None:
+    """Buffers are sized by what the version needs, not by refit.bucket_size_mb (a tiny model
+    must not take two 256 MiB files in /dev/shm, or two GPU buffers of that size)."""
+    pair, engine = Pair(run_dir), Engine()
+    small = {"a": np.ones((4, 8), np.float32), "b": np.ones(3, np.float32)}
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: pair.sender.send(
+                1, ["rollout:0"], [WeightTensor(n, "float32", a.shape) for n, a in small.items()],
+                tensors(small), bucket_size=256 << 20, timeout_s=10,
+            ))
+            tg.start_soon(lambda: pair.receiver.receive(
+                1, engine, transport="shm", reset_prefix_cache=True, kv_scales=None, timeout_s=10,
+            ))
+        files = sorted(os.path.getsize(f) for f in Path(shm_dir(pair.run_id)).iterdir())
+        assert files == [0, 256 + 256]  # one bucket: a (128 B) and b (12 B), each 256-aligned
+        np.testing.assert_array_equal(engine.weights["a"], small["a"])
+    finally:
+        pair.close()
