@@ -161,6 +161,15 @@ class _Packer:
             )
         if t.data is None:
             raise RefitError(f"trainer rank 0 got no data for {t.name}")
+        got_bytes = int(getattr(t.data, "nbytes", -1))
+        is_torch = hasattr(t.data, "element_size")  # numpy data is raw uint8 bytes
+        torch_dtype = str(getattr(t.data, "dtype", "")).removeprefix("torch.")
+        if got_bytes != _nbytes(want) or (is_torch and torch_dtype != t.dtype):
+            raise RefitError(
+                f"the trainer yielded {t.name} as {t.dtype}{list(t.shape)} "
+                f"({_nbytes(want)} bytes) with data of {got_bytes} bytes"
+                + (f" in {torch_dtype}" if is_torch else "")
+            )
         return t
 
     def fill(self, k: int) -> tuple[list[TensorEntry], int, bool]:

@@ -274,3 +274,35 @@ async def test_a_small_version_gets_small_staging_buffers(run_dir: str) -> None:
         np.testing.assert_array_equal(engine.weights["a"], small["a"])
     finally:
         pair.close()
+
+
+async def test_data_that_does_not_match_its_declaration_is_refused(run_dir: str) -> None:
+    """A tensor whose bytes do not match the dtype and shape it names (a float64 array sent as
+    float32) never reaches a staging buffer."""
+    pair, engine = Pair(run_dir), Engine()
+    w = weights()
+
+    def lying() -> Iterator[WeightTensor]:
+        for n, a in w.items():
+            data = a.astype(np.float64) if n == "b" else a
+            yield WeightTensor(n, "float32", a.shape, data.reshape(-1).view(np.uint8))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            async def send() -> None:
+                with pytest.raises(RefitError, match=r"b as float32\[6, 1024\] \(24576 bytes\) "
+                                                     r"with data of 49152 bytes"):
+                    await pair.sender.send(1, ["rollout:0"], specs(), lying(),
+                                           bucket_size=BUCKET, timeout_s=2)
+
+            async def receive() -> None:
+                with pytest.raises(RefitError):
+                    await pair.receiver.receive(1, engine, transport="shm",
+                                                reset_prefix_cache=True, kv_scales=None,
+                                                timeout_s=2)
+
+            tg.start_soon(send)
+            tg.start_soon(receive)
+        assert engine.weights == {}
+    finally:
+        pair.close()
