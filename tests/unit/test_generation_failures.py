@@ -1,11 +1,14 @@
-"""How a failed generation is reported: a group's own error becomes ``GroupFailed`` naming the
+"""Worker calls seen from the backend side. How a failed generation is reported: a group's own error becomes ``GroupFailed`` naming the
 first real error (not "unhandled errors in a TaskGroup"); an engine death is fatal for the
 worker, also when vLLM's front end fails the requests before the engine watch has seen the
-process exit (the race that once turned an engine SIGKILL into a "group failed" line)."""
+process exit (the race that once turned an engine SIGKILL into a "group failed" line). And
+``CalibrateKV`` reaches a trainer backend that can calibrate, and is refused by one that
+cannot."""
 
 from __future__ import annotations
 
 import anyio
+import numpy as np
 import pytest
 
 from asyncrl.codec import Codec
@@ -106,3 +109,36 @@ async def test_vllm_engine_dead_error_without_a_watch_still_fatal() -> None:
     with pytest.raises(EngineDeadError, match="has not named it"):
         async with b._engine_errors():
             raise ExceptionGroup("x", [VLLMEngineDead()])
+
+
+class _Calibrating:
+    def __init__(self) -> None:
+        self.seen: dict[str, object] = {}
+
+    def calibrate_kv_scales(self, batch, *, percentile, margin, include_q):  # noqa: ANN001, ANN201
+        self.seen = {"n": int(batch.seq_lens.size), "p": percentile, "m": margin, "q": include_q}
+        return {"model.layers.0.self_attn.k_scale": np.float32(0.25)}
+
+
+async def test_calibrate_kv_reaches_the_trainer_backend_and_refuses_one_without_it() -> None:
+    from asyncrl.errors import ProtocolError
+    from asyncrl.messages import CalibrateKV, KVScalesResult, TokenBatch
+    from asyncrl.worker import _Thread
+
+    batch = TokenBatch(np.array([1, 2, 3], np.int32), np.array([3], np.int32),
+                       np.array([1], np.int32))
+    rt = _Runtime.__new__(_Runtime)
+    rt.thread = _Thread()
+    try:
+        rt.backend = _Calibrating()
+        result = await rt.trainer_call(CalibrateKV(batch=batch, percentile=99.0, margin=1.1,
+                                                   include_q=True))
+        assert isinstance(result, KVScalesResult)
+        assert result.scales == {"model.layers.0.self_attn.k_scale": 0.25}
+        assert type(result.scales["model.layers.0.self_attn.k_scale"]) is float  # msgpack-able
+        assert rt.backend.seen == {"n": 1, "p": 99.0, "m": 1.1, "q": True}
+        rt.backend = object()
+        with pytest.raises(ProtocolError, match="cannot calibrate FP8 KV-cache scales"):
+            await rt.trainer_call(CalibrateKV(batch=batch))
+    finally:
+        rt.thread.close()
