@@ -1,5 +1,7 @@
-"""Worker calls seen from the backend side. How a failed generation is reported: a group's
-own error becomes ``GroupFailed`` naming the first real error (not "unhandled errors in a TaskGroup"); an engine death is fatal for the
+"""Worker calls seen from the backend side.
+
+How a failed generation is reported: a group's own error becomes ``GroupFailed`` naming the
+first real error (not "unhandled errors in a TaskGroup"); an engine death is fatal for the
 worker, also when vLLM's front end fails the requests before the engine watch has seen the
 process exit (the race that once turned an engine SIGKILL into a "group failed" line). And
 ``CalibrateKV`` reaches a trainer backend that can calibrate, and is refused by one that
