@@ -139,8 +139,9 @@ class _Packer:
         self.nbytes = 0
         # bytes still to come after tensor i (aligned), so a buffer is never made larger than
         # what the version needs (a small model gets small buffers, not two bucket sizes)
-        sizes = [_align(_nbytes(e)) for e in manifest]
-        self._after = [*itertools.accumulate(reversed(sizes))][::-1] + [0]
+        self._sizes = [_nbytes(e) for e in manifest]
+        aligned = [_align(n) for n in self._sizes]
+        self._after = [*itertools.accumulate(reversed(aligned))][::-1] + [0]
 
     def _next(self) -> WeightTensor | None:
         if self._carry is not None:
@@ -164,10 +165,10 @@ class _Packer:
         got_bytes = int(getattr(t.data, "nbytes", -1))
         is_torch = hasattr(t.data, "element_size")  # numpy data is raw uint8 bytes
         torch_dtype = str(getattr(t.data, "dtype", "")).removeprefix("torch.")
-        if got_bytes != _nbytes(want) or (is_torch and torch_dtype != t.dtype):
+        if got_bytes != self._sizes[i] or (is_torch and torch_dtype != t.dtype):
             raise RefitError(
                 f"the trainer yielded {t.name} as {t.dtype}{list(t.shape)} "
-                f"({_nbytes(want)} bytes) with data of {got_bytes} bytes"
+                f"({self._sizes[i]} bytes) with data of {got_bytes} bytes"
                 + (f" in {torch_dtype}" if is_torch else "")
             )
         return t
@@ -178,7 +179,7 @@ class _Packer:
         entries: list[TensorEntry] = []
         used = 0
         while (t := self._next()) is not None:
-            size = math.prod(t.shape) * DTYPE_SIZES[t.dtype]
+            size = self._sizes[self.count]  # checked against the data in _next
             if entries and used + size > self._bucket_size:
                 self._carry = t  # not advanced past it: a sharded trainer still holds it
                 break

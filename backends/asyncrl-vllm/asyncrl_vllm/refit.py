@@ -73,10 +73,18 @@ class EngineWeights:
         if self.options.prefix_cache_after_refit == "salt":
             self._salt = f"asyncrl-w{version}"
             return
-        if not await self._bounded(
-            "reset_prefix_cache", self._require().reset_prefix_cache(reset_running_requests=True)
-        ):
+        if not await self._reset_prefix_cache():
             raise RefitError(f"vLLM did not reset the prefix cache after loading v{version}")
+
+    async def _reset_prefix_cache(self) -> bool:
+        """Drop every cached block, preempting running requests; vLLM's answer (``False``:
+        it did not happen). Bounded by ``rpc_timeout_s``."""
+        return bool(
+            await self._bounded(
+                "reset_prefix_cache",
+                self._require().reset_prefix_cache(reset_running_requests=True),
+            )
+        )
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix; running requests are preempted and re-prefilled.
@@ -84,10 +92,7 @@ class EngineWeights:
         Raises:
             RuntimeError: vLLM reported that the reset did not happen.
         """
-        llm = self._require()
-        if not await self._bounded(
-            "reset_prefix_cache", llm.reset_prefix_cache(reset_running_requests=True)
-        ):
+        if not await self._reset_prefix_cache():
             raise RuntimeError("vLLM did not reset the prefix cache (reset_prefix_cache -> False)")
 
     # ------------------------------------------------------------------ refit
