@@ -203,6 +203,9 @@ class WeightsResult(msgspec.Struct, tag="w_r", **_CTRL):
     busy_s: float = 0.0
     """Receiver only: seconds since its previous refit during which it was generating (at
     least one sample in flight)."""
+    pack_s: float = 0.0
+    """Sender only: seconds in the trainer's thread producing the tensors and packing them
+    into the staging buffers (an FSDP trainer's gathers included)."""
 
 
 class KVScalesResult(msgspec.Struct, tag="kv_r", **_CTRL):

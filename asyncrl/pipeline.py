@@ -54,7 +54,7 @@ from .messages import (
 )
 from .probes import Probes
 from .prompts import PromptStream, Tokenizer, sample_seed
-from .refits import KVScales, refit_generators
+from .refits import KVScales, RefitReport, refit_generators
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord
@@ -124,7 +124,7 @@ class Pipeline:
         """Samples in flight per rollout worker (dispatch goes to the least loaded)."""
         self.rejections = rejections if rejections is not None else Rejections()
         self._gate_wait_s = 0.0
-        self._engine_busy_s = 0.0
+        self._refit_report = RefitReport()
         """Generation time the rollout workers reported at the last refit (the slowest)."""
         """Dispatch time spent waiting for a refit since the last step record."""
         self._lags: deque[float] = deque(maxlen=100_000)
@@ -466,7 +466,7 @@ class Pipeline:
         """Send weights ``version`` (and FP8 KV-cache scales) from the trainers to every
         generator; return when all generators serve them. Cancellation: abandons the
         transfer."""
-        self._engine_busy_s, refused = await refit_generators(
+        report = self._refit_report = await refit_generators(
             self.control,
             self.trainers,
             self.rollouts,
@@ -476,8 +476,8 @@ class Pipeline:
             timeout_s=self.config.cluster.call_timeout_s,
             kv_scales=kv_scales,
         )
-        if refused:  # the sender's count covers the whole run
-            self.rejections.counts["weights"] = refused
+        if report.rejected_frames:  # the sender's count covers the whole run
+            self.rejections.counts["weights"] = report.rejected_frames
 
     def _log_step(
         self, rec: StepRecord, result: StepResult, refit_s: float, stats: StepStats
@@ -492,7 +492,8 @@ class Pipeline:
             [v for (_, m), v in served.items() if m in ("SendWeights", "ReceiveWeights")],
             default=0.0,
         )
-        rec.engine_busy_s = self._engine_busy_s
+        rec.engine_busy_s = self._refit_report.busy_s
+        rec.refit_pack_s = self._refit_report.pack_s
         record = rec.metrics(
             result,
             refit_s,

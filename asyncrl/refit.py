@@ -137,6 +137,7 @@ class _Packer:
         self._carry: WeightTensor | None = None
         self.count = 0
         self.nbytes = 0
+        self.seconds = 0.0
         # bytes still to come after tensor i (aligned), so a buffer is never made larger than
         # what the version needs (a small model gets small buffers, not two bucket sizes)
         self._sizes = [_nbytes(e) for e in manifest]
@@ -176,6 +177,7 @@ class _Packer:
     def fill(self, k: int) -> tuple[list[TensorEntry], int, bool]:
         """Pack buffer ``k`` up to the bucket size (a larger tensor travels alone in a bucket
         of its size). Returns its entries, bytes used, and whether it is the last bucket."""
+        start = time.perf_counter()
         entries: list[TensorEntry] = []
         used = 0
         while (t := self._next()) is not None:
@@ -191,6 +193,7 @@ class _Packer:
             self.count += 1
             self.nbytes += size
         self._stager.seal(k)
+        self.seconds += time.perf_counter() - start
         last = self._carry is None
         if last and self.count != len(self._manifest):
             raise RefitError(
@@ -329,6 +332,7 @@ class WeightSender:
             num_buckets=index,
             seconds=time.perf_counter() - start,
             rejected_frames=self.rejections.total,
+            pack_s=packer.seconds,
         )
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -19,7 +19,7 @@ from .messages import CalibrateKV, KVScalesResult, ReceiveWeights, SendWeights, 
 from .messages import WeightsResult
 from .rpc import ControlPlane
 
-__all__ = ["KVScales", "calibrate_kv", "fp8_kv_cache", "refit_generators"]
+__all__ = ["KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "refit_generators"]
 
 
 def fp8_kv_cache(capabilities: Sequence[dict[str, Any]]) -> bool:
@@ -126,6 +126,17 @@ class KVScales:
         )
 
 
+class RefitReport(NamedTuple):
+    """What one refit reports back to the pipeline."""
+
+    busy_s: float = 0.0
+    """The generators' busy time since their previous refit (the slowest)."""
+    rejected_frames: int = 0
+    """Frames the sender's socket refused so far in the run."""
+    pack_s: float = 0.0
+    """The sender's time producing and packing the buckets (``refit_pack_s``)."""
+
+
 async def refit_generators(
     control: ControlPlane,
     trainers: list[str],
@@ -136,11 +147,9 @@ async def refit_generators(
     refit: RefitConfig,
     timeout_s: float,
     kv_scales: dict[str, float] | None = None,
-) -> tuple[float, int]:
+) -> RefitReport:
     """Weights ``version`` (and ``kv_scales``, applied after them) from the trainers to every
-    generator, with a prefix-cache reset (always: cached KV of old weights is stale). Returns
-    the generators' busy time since their previous refit (the slowest) and the frames the
-    sender's socket refused so far.
+    generator, with a prefix-cache reset (always: cached KV of old weights is stale).
 
     Cancellation: abandons the transfer.
     """
@@ -168,6 +177,9 @@ async def refit_generators(
     async with anyio.create_task_group() as tg:
         tg.start_soon(call_all, trainers, send, sent)
         tg.start_soon(call_all, rollouts, recv, received)
-    busy = max((r.busy_s for r in received if isinstance(r, WeightsResult)), default=0.0)
-    refused = max((r.rejected_frames for r in sent if isinstance(r, WeightsResult)), default=0)
-    return busy, refused
+    senders = [r for r in sent if isinstance(r, WeightsResult)]
+    return RefitReport(
+        busy_s=max((r.busy_s for r in received if isinstance(r, WeightsResult)), default=0.0),
+        rejected_frames=max((r.rejected_frames for r in senders), default=0),
+        pack_s=max((r.pack_s for r in senders), default=0.0),
+    )

@@ -37,6 +37,9 @@ class StepRecord:
     """Time the generators were generating since the previous refit (slowest rank)."""
     refit_work_s: float = 0.0
     """The workers' own time in this step's refit (the longest SendWeights/ReceiveWeights)."""
+    refit_pack_s: float = 0.0
+    """Trainer rank 0's time producing and packing this step's refit buckets (gathers
+    included): the part of ``refit_work_s`` spent on the trainer's side of the transfer."""
     train_busy_s: float = 0.0
     """Time the trainer ranks spent on this step's TrainChunk and FinishStep calls."""
     inflight_at_refit: int = 0
@@ -101,6 +104,7 @@ class StepRecord:
             "trainer_compute_s": self.trainer_compute_s,
             "engine_busy_s": self.engine_busy_s,
             "refit_work_s": self.refit_work_s,
+            "refit_pack_s": self.refit_pack_s,
             "gen_start": gen_start,
             "gen_end": gen_end,
             "train_start": self.train_start,

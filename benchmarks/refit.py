@@ -141,22 +141,34 @@ def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str):
 
 
 async def timed_refits(backend, pair, version: int, make, specs, repeats: int, barrier=None):  # noqa: ANN001, ANN201
-    """The first refit apart, then ``repeats`` timed ones: [(whole s, engine s, sent)]."""
+    """The first refit apart, then ``repeats`` timed ones: [(whole s, engine's account, sent)]
+    (the engine's account: ``last_refit``, with its pause/loads/worker/resume split)."""
     out = []
     for i in range(repeats + 1):
         if barrier is not None:
             barrier()
         t0 = time.perf_counter()
         sent, _ = await pair.push(backend, version + i, make, specs=specs)
-        out.append((time.perf_counter() - t0, backend.last_refit["seconds"], sent))
+        out.append((time.perf_counter() - t0, dict(backend.last_refit), sent))
     return out
+
+
+PARTS = ("pause_s", "loads_s", "worker_s", "resume_s")
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
 
 
 def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
     first, rest = results[0], results[1:]
     whole = sorted(r[0] for r in rest)
     nbytes = first[2].num_bytes
-    med = whole[len(whole) // 2]
+    med = median(whole)
+    # where a median refit's time went (medians of each part; they need not add up)
+    parts = {k: round(median([r[1].get(k, 0.0) for r in rest]), 5) for k in PARTS}
+    parts["pack_s"] = round(median([r[2].pack_s for r in rest]), 5)
     row = {
         **case,
         "bytes": nbytes,
@@ -165,7 +177,8 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
         "first_refit_s": round(first[0], 4),
         "refit_s_median": round(med, 5),
         "refit_s_min": round(whole[0], 5),
-        "engine_s_median": round(sorted(r[1] for r in rest)[len(rest) // 2], 5),
+        "engine_s_median": round(median([r[1]["seconds"] for r in rest]), 5),
+        **parts,
         "gb_per_s": round(nbytes / med / 1e9, 1),
         "floor_s": round(floor_s, 5),
         "floor_gb_per_s": round(nbytes / floor_s / 1e9, 1),
@@ -175,7 +188,10 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
         f"{case['size']:>5} {case['trainer']:>5} {case['placement']:>5} "
         f"{nbytes / 1e9:6.2f} GB {row['buckets']:3d} buckets | refit {med * 1e3:7.1f} ms "
         f"({row['gb_per_s']:6.1f} GB/s; first {first[0] * 1e3:7.1f} ms) | floor "
-        f"{floor_s * 1e3:6.1f} ms ({row['floor_gb_per_s']:6.1f} GB/s) | {row['x_floor']:.2f}x",
+        f"{floor_s * 1e3:6.1f} ms ({row['floor_gb_per_s']:6.1f} GB/s) | {row['x_floor']:.2f}x"
+        f" | {case['bucket_mb']} MiB buckets: pack {parts['pack_s'] * 1e3:.1f}, pause "
+        f"{parts['pause_s'] * 1e3:.1f}, loads {parts['loads_s'] * 1e3:.1f} (worker "
+        f"{parts['worker_s'] * 1e3:.1f}), resume {parts['resume_s'] * 1e3:.1f} ms",
         flush=True,
     )
     if out_path is not None:
@@ -207,20 +223,23 @@ async def one_gpu(args: argparse.Namespace) -> None:
                     continue
                 device = "cpu" if cpu else f"cuda:{trainer_gpu}"
                 state = load_state(model_dir, device)
-                pair = LocalRefit(args.transport, device, bucket_size=args.bucket_mb << 20)
-                try:
-                    results = await timed_refits(
-                        backend, pair, version, lambda: state.items(), None, args.repeats
-                    )
-                finally:
-                    pair.close()
-                version += args.repeats + 1
-                nbytes = results[0][2].num_bytes
-                floor = copy_floor(nbytes, device, "cpu" if cpu else "cuda:0")
-                case = {"size": size, "trainer": "1gpu", "placement": placement,
-                        "bucket_mb": args.bucket_mb, "transport": args.transport,
-                        "device": args.device}
-                report(case, results, floor, args.out)
+                floor = None
+                for bucket_mb in args.bucket_mb:
+                    pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
+                    try:
+                        results = await timed_refits(
+                            backend, pair, version, lambda: state.items(), None, args.repeats
+                        )
+                    finally:
+                        pair.close()
+                    version += args.repeats + 1
+                    if floor is None:
+                        floor = copy_floor(results[0][2].num_bytes, device,
+                                           "cpu" if cpu else "cuda:0")
+                    case = {"size": size, "trainer": "1gpu", "placement": placement,
+                            "bucket_mb": bucket_mb, "transport": args.transport,
+                            "device": args.device}
+                    report(case, results, floor, args.out)
                 state = {}
         finally:
             await backend.close()
@@ -259,7 +278,7 @@ async def fsdp2(args: argparse.Namespace) -> None:
             for placement in ["same"] if cpu else args.placements:
                 engine_gpu = 0 if placement == "same" else 1
                 if rank != 0:
-                    for _ in range(args.repeats + 1):
+                    for _ in range((args.repeats + 1) * len(args.bucket_mb)):
                         dist.barrier()
                         for _ in trainer.iter_weights():
                             pass
@@ -269,21 +288,28 @@ async def fsdp2(args: argparse.Namespace) -> None:
                 )
                 await backend.start()
                 device = "cpu" if cpu else "cuda:0"
-                pair = LocalRefit(args.transport, device, bucket_size=args.bucket_mb << 20)
+                rows = []
                 try:
-                    results = await timed_refits(
-                        backend, pair, 1, trainer.iter_weights, specs, args.repeats,
-                        barrier=dist.barrier,
-                    )
+                    version = 1
+                    for bucket_mb in args.bucket_mb:
+                        pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
+                        try:
+                            rows.append((bucket_mb, await timed_refits(
+                                backend, pair, version, trainer.iter_weights, specs,
+                                args.repeats, barrier=dist.barrier,
+                            )))
+                        finally:
+                            pair.close()
+                        version += args.repeats + 1
                 finally:
-                    pair.close()
                     await backend.close()
-                nbytes = results[0][2].num_bytes
+                nbytes = rows[0][1][0][2].num_bytes
                 floor = copy_floor(nbytes, device, "cpu" if cpu else f"cuda:{engine_gpu}")
-                case = {"size": size, "trainer": "fsdp2", "placement": placement,
-                        "bucket_mb": args.bucket_mb, "transport": args.transport,
-                        "device": args.device}
-                report(case, results, floor, args.out)
+                for bucket_mb, results in rows:
+                    case = {"size": size, "trainer": "fsdp2", "placement": placement,
+                            "bucket_mb": bucket_mb, "transport": args.transport,
+                            "device": args.device}
+                    report(case, results, floor, args.out)
         finally:
             trainer.close()
     dist.destroy_process_group()
@@ -295,7 +321,9 @@ def main() -> None:
     parser.add_argument("--placements", default="same,other", type=lambda s: s.split(","))
     parser.add_argument("--trainer", choices=["1gpu", "fsdp2"], default="1gpu")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=int, default=1024)
+    parser.add_argument("--bucket-mb", default="1024", help="bucket sizes in MiB, "
+                        "comma-separated: each is a case",
+                        type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--work", type=Path, default=Path("/tmp/asyncrl-refit-bench"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",

@@ -109,6 +109,10 @@ class WeightTransfer:
     """Reader side factory (called in the process that loads the weights)."""
     devices: tuple[str, ...] = ("cpu", "cuda")
     """Device types the sender's tensors may live on."""
+    stable_handles: bool = False
+    """A handle names the same memory on every refit while the reader keeps it open (the
+    sender refills its buffers in place): a reader may keep views of it across refits (the
+    vLLM backend compiles each bucket's copies once). ``False`` when each handle is new."""
 
 
 def load_transfer(name: str, field: str = "refit.transport") -> WeightTransfer:

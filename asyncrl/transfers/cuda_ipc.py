@@ -190,6 +190,7 @@ class CudaIpcOpener:
 
 
 CUDA_IPC = WeightTransfer(
-    name="cuda_ipc", stager=CudaIpcStager, opener=CudaIpcOpener, devices=("cuda",)
+    name="cuda_ipc", stager=CudaIpcStager, opener=CudaIpcOpener, devices=("cuda",),
+    stable_handles=True,
 )
 """Entry point ``cuda_ipc``."""

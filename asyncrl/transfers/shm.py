@@ -157,5 +157,5 @@ def read_bytes(handle: bytes, offset: int, nbytes: int) -> np.ndarray:
     return np.fromfile(h.path, np.uint8, count=nbytes, offset=offset)
 
 
-SHM = WeightTransfer(name="shm", stager=ShmStager, opener=ShmOpener)
+SHM = WeightTransfer(name="shm", stager=ShmStager, opener=ShmOpener, stable_handles=True)
 """Entry point ``shm``."""

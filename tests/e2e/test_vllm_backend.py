@@ -104,16 +104,18 @@ def token_batch(seqs: list[tuple[list[int], int]]) -> TokenBatch:
 
 
 def write_buckets(
-    directory: Path, version: int, tensors: dict[str, torch.Tensor], count: int
+    directory: Path, version: int, tensors: dict[str, torch.Tensor], count: int,
+    *, in_place: bool = False,
 ) -> list[WeightBucketView]:
     """Raw-byte bucket files as the shm transport makes them. Tensors are dealt round-robin,
-    so every decoder layer is split across buckets."""
+    so every decoder layer is split across buckets. ``in_place``: every version rewrites the
+    same files (as the shm stager refills its buffers), so their handles stay the same."""
     items = list(tensors.items())
     views = []
     for b in range(count):
-        path = directory / f"bucket-v{version}-{b}"
+        path = directory / (f"bucket-{b}" if in_place else f"bucket-v{version}-{b}")
         entries, offset = [], 0
-        with open(path, "wb") as f:
+        with open(path, "r+b" if path.exists() else "wb") as f:
             for name, tensor in items[b::count]:
                 data = tensor.contiguous().flatten().view(torch.uint8).numpy().tobytes()
                 pad = -offset % 64
@@ -448,7 +450,9 @@ async def test_kv_scales_are_applied_after_the_weights(backend, model_dir, tmp_p
 async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_path) -> None:
     """weight_load_mode = "direct" on the CPU build with plain torch GEMMs (live weights): the
     first refit compiles a copy plan per tensor through load_weights, later refits replay it
-    (every tensor, fused q/k/v and gate/up included), and the engine matches transformers."""
+    (every tensor, fused q/k/v and gate/up included) as one batched copy per bucket (the
+    buckets are refilled in place, as the shm stager does), and the engine matches
+    transformers."""
     backend = plugins.load("asyncrl.generation_backends", "vllm")(
         make_ctx(model_dir, tmp_path, weight_load_mode="direct", cpu_gemm_kernel="torch",
                  prefix_cache_after_refit="reset")
@@ -460,7 +464,8 @@ async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_pat
         for version, seed in ((1, 11), (2, 12), (3, 13)):
             state = perturbed(model_dir, seed=seed)
             await cached_tokens(backend, prompt, f"fill-{version}", salted=False)
-            await refit(backend, write_buckets(tmp_path, version, state, count=3), version)
+            buckets = write_buckets(tmp_path, version, state, count=3, in_place=True)
+            await refit(backend, buckets, version)
             # "reset" mode: requests are not salted, the cache itself is dropped
             assert await cached_tokens(backend, prompt, f"after-{version}", salted=False) == 0
             after = await backend.score(batch, 1.0)
@@ -472,6 +477,7 @@ async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_pat
                   f"{stats['seconds'] * 1e3:.1f} ms, max err {err:.4f}")
             assert stats["mode"] == "direct"
             assert stats["direct"] == (0 if version == 1 else stats["tensors"])
+            assert stats["batched"] == (0 if version == 1 else 3)
             assert err < TOL
     finally:
         await backend.close()

@@ -180,7 +180,8 @@ async def test_refit_while_generating(
             assert sent.num_buckets >= 3 and received.num_tensors == len(state)
             stats = backend.last_refit
             print(f"{transport} from {device}: {sent.num_buckets} buckets, "
-                  f"{stats['direct']}/{stats['tensors']} direct, {stats['seconds'] * 1e3:.1f} ms")
+                  f"{stats['direct']}/{stats['tensors']} direct, {stats['batched']} batched, "
+                  f"{stats['seconds'] * 1e3:.1f} ms")
             assert stats["mode"] == "direct"
             after = await backend.score(batch_of(sequences), 1.0)
             ref = reference(model_dir, {k: v.float().cpu() for k, v in state.items()})
@@ -189,6 +190,9 @@ async def test_refit_while_generating(
             assert np.abs(after - before).mean() > 4 * TOL
             assert all(s.finish_reason != "abort" for s in await asyncio.wait_for(inflight, 60))
         assert backend.last_refit["direct"] == len(state)  # the plan replays on later refits
+        # a GPU bucket seen before in the same mapped buffer is one batched copy
+        batched = sent.num_buckets if transport == "cuda_ipc" else 0
+        assert backend.last_refit["batched"] == batched, backend.last_refit
     finally:
         pair.close()
 

@@ -96,6 +96,7 @@ async def test_mode_keeps_its_bound_and_accounts_for_every_group(
         for r in steps:
             assert 0.03 <= r["trainer_compute_s"] <= r["train_s"] + 0.01, r
             assert 0 < r["engine_busy_s"] and 0 < r["refit_work_s"] <= r["refit_s"], r
+            assert 0 < r["refit_pack_s"] <= r["refit_work_s"], r  # the sender's packing
 
 
 async def test_oversampling_aborts_in_the_engine_at_refit(

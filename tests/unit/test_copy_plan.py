@@ -91,3 +91,44 @@ def test_a_destination_rewritten_after_the_copy_is_not_planned() -> None:
     plan = CopyPlan(model)
     plan.load([(n, t) for n, t in weights(1) if n == "embed"])
     assert plan.planned == 0
+
+
+def test_a_compiled_bucket_replays_whatever_its_buffer_holds_now() -> None:
+    """A bucket kept under a key is one batched copy from the same buffer on later refits: the
+    sender refills the buffer in place, the replay must write the new contents."""
+    model = Model()
+    plan = CopyPlan(model)
+    memory = torch.empty(sum(t.numel() for _, t in weights(0)))  # the mapped staging buffer
+
+    def refill(seed: int) -> list[tuple[str, torch.Tensor]]:
+        views, offset = [], 0
+        for name, t in weights(seed):
+            memory[offset : offset + t.numel()].copy_(t.reshape(-1))
+            views.append((name, memory[offset : offset + t.numel()].view(t.shape)))
+            offset += t.numel()
+        return views
+
+    assert plan.replay("b0") is None  # nothing compiled yet: the caller builds the views
+    plan.load(refill(1), "b0")
+    assert plan.buckets == 1
+    for seed in (2, 3):
+        plan.next_refit()
+        refill(seed)
+        calls = model.calls
+        assert plan.replay("b0") == 4
+        assert model.calls - calls == 2  # "scaled" and "cast" still go through load_weights
+        expected = reference(seed)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, expected[name]), (seed, name)
+
+
+def test_buckets_not_replayed_in_a_refit_are_dropped_at_the_next() -> None:
+    model = Model()
+    plan = CopyPlan(model)
+    plan.load(weights(1)[:3], "old")  # e.g. a buffer the sender has since replaced
+    plan.next_refit()
+    plan.load(weights(2)[3:], "new")
+    assert plan.buckets == 2
+    plan.next_refit()  # "old" was not used during the last refit
+    assert plan.buckets == 1 and plan.replay("old") is None
+    assert plan.replay("new") == 1  # embed only: "scaled" and "cast" have no plan

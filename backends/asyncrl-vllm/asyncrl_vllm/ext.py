@@ -215,7 +215,9 @@ class AsyncRLWorkerExtension:
                 raise RuntimeError("this vLLM has no layerwise reload; use weight_load_mode=plain")
             with self._asyncrl_config():
                 helpers[0](self._asyncrl_model())
-        elif mode not in ("plain", "direct"):
+        elif mode == "direct":
+            self._asyncrl_plan(self._asyncrl_model()).next_refit()
+        elif mode != "plain":
             raise ValueError(f"unknown weight load mode {mode!r}")
         self._asyncrl_mode = mode
         return mode
@@ -245,13 +247,22 @@ class AsyncRLWorkerExtension:
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
         return [name for name, _ in stale]
 
-    def _asyncrl_open(self, transport: str, handle: bytes) -> torch.Tensor:
+    def _asyncrl_open(self, transport: str, handle: bytes) -> tuple[torch.Tensor, bool]:
+        """The bucket's memory, and whether its handle is stable across refits."""
         openers = self.__dict__.setdefault("_asyncrl_openers", {})
         if transport not in openers:
             from asyncrl.transfers import load_transfer
 
-            openers[transport] = load_transfer(transport).opener()
-        return openers[transport].open(handle, self.device)  # type: ignore[attr-defined]
+            transfer = load_transfer(transport)
+            openers[transport] = (transfer.opener(), transfer.stable_handles)
+        opener, stable = openers[transport]
+        return opener.open(handle, self.device), stable  # type: ignore[attr-defined]
+
+    def _asyncrl_plan(self, model: torch.nn.Module) -> CopyPlan:
+        plan = self.__dict__.get("_asyncrl_copy_plan")
+        if plan is None:
+            plan = self.__dict__["_asyncrl_copy_plan"] = CopyPlan(model)
+        return plan
 
     def asyncrl_load_bucket(
         self,
@@ -271,17 +282,29 @@ class AsyncRLWorkerExtension:
         bucket and nothing more.
 
         In ``direct`` mode each tensor goes through the copy plan compiled on its first load
-        (see :class:`CopyPlan`); in the other modes through ``model.load_weights``, with
-        private copies where the loader keeps references (layerwise) or the bucket is host
-        memory on a GPU engine."""
+        (see :class:`CopyPlan`), and a bucket seen before in the same mapped buffer is one
+        batched copy; in the other modes through ``model.load_weights``, with private copies
+        where the loader keeps references (layerwise) or the bucket is host memory on a GPU
+        engine."""
         start = time.perf_counter()
         if open_mode is not None:
             self.asyncrl_begin_reload(open_mode)
         mode = self._asyncrl_mode
         if mode is None:
             raise RuntimeError("asyncrl_load_bucket called without asyncrl_begin_reload")
-        memory = self._asyncrl_open(transport, handle)
+        memory, stable = self._asyncrl_open(transport, handle)
         device = torch.device(self.device)  # type: ignore[attr-defined]
+        model = self._asyncrl_model()
+        key = None
+        if mode == "direct" and stable and memory.device.type == device.type:
+            key = (transport, handle, tuple((e[0], e[1], tuple(e[2]), e[3], e[4]) for e in entries))
+            with self._asyncrl_config():
+                direct = self._asyncrl_plan(model).replay(key)
+            if direct is not None:
+                out = self._asyncrl_loaded(start, memory, mode, len(entries), direct, finish,
+                                           kv_scales)
+                out["batched"] = 1
+                return out
         weights: list[tuple[str, torch.Tensor]] = []
         for name, dtype_name, shape, offset, nbytes in entries:
             dtype = _dtype(dtype_name)
@@ -293,20 +316,33 @@ class AsyncRLWorkerExtension:
             if memory.device.type != device.type or mode == "layerwise":
                 tensor = tensor.to(device, copy=True)
             weights.append((name, tensor))
-        model = self._asyncrl_model()
         direct = 0
         with self._asyncrl_config():
             if mode == "direct":
-                plan: CopyPlan = self.__dict__.setdefault("_asyncrl_plan", CopyPlan(model))
-                direct = plan.load(weights)
+                direct = self._asyncrl_plan(model).load(weights, key)
             else:
                 model.load_weights(iter(weights))  # type: ignore[operator]
+        del weights
+        return self._asyncrl_loaded(start, memory, mode, len(entries), direct, finish, kv_scales)
+
+    def _asyncrl_loaded(
+        self,
+        start: float,
+        memory: torch.Tensor,
+        mode: str,
+        tensors: int,
+        direct: int,
+        finish: bool,
+        kv_scales: dict[str, float] | None,
+    ) -> dict[str, Any]:
+        """Wait until the bucket's copies are done (its memory may be refilled once this
+        returns), then close the reload if ``finish``."""
+        device = torch.device(self.device)  # type: ignore[attr-defined]
         self._asyncrl_sync()
         if memory.device.type == "cuda" and memory.device != device:
             # a copy across GPUs may run on the source GPU's stream: done reading before the ack
             torch.cuda.synchronize(memory.device)
-        del weights, memory
-        out: dict[str, Any] = {"mode": mode, "tensors": len(entries), "direct": direct}
+        out: dict[str, Any] = {"mode": mode, "tensors": tensors, "direct": direct}
         if finish:
             out.update(self.asyncrl_finish_reload(kv_scales))
         out["seconds"] = time.perf_counter() - start

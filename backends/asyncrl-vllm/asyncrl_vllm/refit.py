@@ -42,11 +42,19 @@ class _Update:
     nbytes: int = 0
     direct: int = 0
     """Tensors written through the compiled copy plan (the rest went through load_weights)."""
+    batched: int = 0
+    """Buckets replayed as one batched copy (seen before in the same mapped buffer)."""
     failed: bool = False
     finished: bool = False
     """The last bucket loaded: the reload is closed and the scales are set."""
     kv_scales: dict[str, float] | None = None
     redispatched: list[str] = field(default_factory=list)
+    pause_s: float = 0.0
+    loads_s: float = 0.0
+    """From the first bucket's engine call to the last one's answer (calls overlap)."""
+    worker_s: float = 0.0
+    """Seconds the engine's worker spent in the bucket calls (summed)."""
+    first_load: float | None = None
 
 
 class EngineWeights:
@@ -143,8 +151,11 @@ class EngineWeights:
             else llm.pause_generation(mode="keep", clear_cache=False)
         )
         await self._bounded("pause_generation", pause)
+        paused = time.perf_counter()
         scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
-        self._update = _Update(version=version, mode="", started=started, kv_scales=scales)
+        self._update = _Update(
+            version=version, mode="", started=started, kv_scales=scales, pause_s=paused - started
+        )
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
         """Load every tensor of ``bucket`` (Hugging Face names) in one engine call, which also
@@ -165,6 +176,8 @@ class EngineWeights:
             [e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)] for e in bucket.entries
         ]
         opening = self.options.weight_load_mode if bucket.index == 0 else None
+        if update.first_load is None:
+            update.first_load = time.perf_counter()
         try:
             (out,) = await self._rpc(
                 "asyncrl_load_bucket", bucket.transport, bucket.handle, entries, opening,
@@ -182,6 +195,9 @@ class EngineWeights:
         update.tensors += len(entries)
         update.nbytes += sum(e.nbytes for e in bucket.entries)
         update.direct += out["direct"]
+        update.batched += int(out.get("batched", 0))
+        update.worker_s += float(out.get("seconds", 0.0))
+        update.loads_s = time.perf_counter() - update.first_load
         update.finished = bucket.last
         update.redispatched = out.get("redispatched", [])
 
@@ -210,6 +226,7 @@ class EngineWeights:
         update = self._update
         if update is None or update.version != version:
             raise RefitError(f"finish_weight_update({version}) without a matching begin")
+        finishing = time.perf_counter()
         self._update = None
         if update.failed or not update.finished:
             raise RefitError(
@@ -222,12 +239,20 @@ class EngineWeights:
             await self._bounded("update_weight_version", llm.update_weight_version(str(version)))
         await self._bounded("resume_generation", llm.resume_generation())
         self.version = version
+        done = time.perf_counter()
         self.last_refit = {
             "version": version,
             "mode": update.mode,
             "tensors": update.tensors,
             "direct": update.direct,
+            "batched": update.batched,
             "bytes": update.nbytes,
-            "seconds": time.perf_counter() - update.started,
+            "seconds": done - update.started,
+            # where the time went: the pause, the bucket calls (wall, and inside the worker),
+            # and invalidation + resume; the rest is waiting for the trainer's buckets
+            "pause_s": update.pause_s,
+            "loads_s": update.loads_s,
+            "worker_s": update.worker_s,
+            "resume_s": done - finishing,
         }
         self._log.info("weights_loaded", redispatched=update.redispatched, **self.last_refit)
