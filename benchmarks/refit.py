@@ -274,8 +274,20 @@ async def fsdp2(args: argparse.Namespace) -> None:
         print(f"rank {rank}: FSDP2 trainer of {size} started in {time.perf_counter() - t0:.0f} s",
               flush=True)
         specs = trainer.weight_specs()
+        placements = ["same"] if cpu else args.placements
+        engines = {}
         try:
-            for placement in ["same"] if cpu else args.placements:
+            if rank == 0:  # one engine per placement, started together
+                for placement in placements:
+                    gpu = None if cpu else 0 if placement == "same" else 1
+                    engines[placement] = plugins.load("asyncrl.generation_backends", "vllm")(
+                        engine_ctx(model_dir, gpu, args.work, args.transport)
+                    )
+                t0 = time.perf_counter()
+                await asyncio.gather(*(e.start() for e in engines.values()))
+                print(f"{size}: {len(engines)} engine(s) started in "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+            for placement in placements:
                 engine_gpu = 0 if placement == "same" else 1
                 if rank != 0:
                     for _ in range((args.repeats + 1) * len(args.bucket_mb)):
@@ -283,26 +295,20 @@ async def fsdp2(args: argparse.Namespace) -> None:
                         for _ in trainer.iter_weights():
                             pass
                     continue
-                backend = plugins.load("asyncrl.generation_backends", "vllm")(
-                    engine_ctx(model_dir, None if cpu else engine_gpu, args.work, args.transport)
-                )
-                await backend.start()
+                backend = engines[placement]
                 device = "cpu" if cpu else "cuda:0"
                 rows = []
-                try:
-                    version = 1
-                    for bucket_mb in args.bucket_mb:
-                        pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
-                        try:
-                            rows.append((bucket_mb, await timed_refits(
-                                backend, pair, version, trainer.iter_weights, specs,
-                                args.repeats, barrier=dist.barrier,
-                            )))
-                        finally:
-                            pair.close()
-                        version += args.repeats + 1
-                finally:
-                    await backend.close()
+                version = 1
+                for bucket_mb in args.bucket_mb:
+                    pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
+                    try:
+                        rows.append((bucket_mb, await timed_refits(
+                            backend, pair, version, trainer.iter_weights, specs,
+                            args.repeats, barrier=dist.barrier,
+                        )))
+                    finally:
+                        pair.close()
+                    version += args.repeats + 1
                 nbytes = rows[0][1][0][2].num_bytes
                 floor = copy_floor(nbytes, device, "cpu" if cpu else f"cuda:{engine_gpu}")
                 for bucket_mb, results in rows:
@@ -311,6 +317,8 @@ async def fsdp2(args: argparse.Namespace) -> None:
                             "device": args.device}
                     report(case, results, floor, args.out)
         finally:
+            for engine in engines.values():
+                await engine.close()
             trainer.close()
     dist.destroy_process_group()
 
