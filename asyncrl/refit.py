@@ -31,7 +31,6 @@ frame from another peer, or a message of another version is rejected and counted
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -120,6 +119,23 @@ def _manifest(specs: Sequence[WeightTensor]) -> list[TensorEntry]:
     return [TensorEntry(t.name, t.dtype, list(t.shape), 0, 0) for t in specs]
 
 
+def bucket_ends(sizes: Sequence[int], bucket_size: int) -> list[int]:
+    """The bytes each bucket of a refit uses (what its ``Bucket.nbytes`` says), for tensors of
+    ``sizes`` (in order) packed ``ALIGN``-aligned: a bucket closes before the tensor that would
+    take it past ``bucket_size``; a larger tensor travels alone in a bucket of its size."""
+    ends: list[int] = []
+    used = count = 0
+    for size in sizes:
+        if count and used + size > bucket_size:
+            ends.append(used)
+            used = count = 0
+        used += _align(size)
+        count += 1
+    if count:
+        ends.append(used)
+    return ends
+
+
 class _Packer:
     """Fills staging buffers from the trainer's iterator (runs in the trainer's thread)."""
 
@@ -138,11 +154,12 @@ class _Packer:
         self.count = 0
         self.nbytes = 0
         self.seconds = 0.0
-        # bytes still to come after tensor i (aligned), so a buffer is never made larger than
-        # what the version needs (a small model gets small buffers, not two bucket sizes)
         self._sizes = [_nbytes(e) for e in manifest]
-        aligned = [_align(n) for n in self._sizes]
-        self._after = [*itertools.accumulate(reversed(aligned))][::-1] + [0]
+        # each buffer is sized once, for the largest bucket it will hold in this version (a
+        # small model gets small buffers; the sizes, hence the handles, stay the same from one
+        # refit to the next, so a reader's per-bucket plans stay valid)
+        ends = bucket_ends(self._sizes, bucket_size)
+        self._buffer_sizes = [max(ends[k::2], default=0) for k in (0, 1)]
 
     def _next(self) -> WeightTensor | None:
         if self._carry is not None:
@@ -180,13 +197,12 @@ class _Packer:
         start = time.perf_counter()
         entries: list[TensorEntry] = []
         used = 0
+        self._stager.reserve(k, self._buffer_sizes[k])
         while (t := self._next()) is not None:
             size = self._sizes[self.count]  # checked against the data in _next
             if entries and used + size > self._bucket_size:
                 self._carry = t  # not advanced past it: a sharded trainer still holds it
                 break
-            needed = min(self._bucket_size, used + self._after[self.count])
-            self._stager.reserve(k, max(needed, used + size))
             self._stager.pack(k, used, t.data)
             entries.append(TensorEntry(t.name, t.dtype, list(t.shape), used, size))
             used += _align(size)
@@ -307,16 +323,27 @@ class WeightSender:
         manifest = _manifest(specs)
         outstanding[-1] = set(receivers)
         await self._send_all(receivers, Manifest(version, self.transfer.name, manifest))
-        await settle(-1, "the manifest")
-
         self._stager.begin(list(receivers))
         packer = _Packer(iter(tensors), manifest, self._stager, bucket_size)
+        first: list[tuple[list[TensorEntry], int, bool]] = []
+
+        async def pack_first() -> None:
+            first.append(await run(packer.fill, 0))
+
+        # the first bucket is packed while the receivers check the manifest and pause; it is
+        # sent only once all accepted it
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pack_first)
+                await settle(-1, "the manifest")
+        except BaseExceptionGroup as group:
+            raise _first_refit_error(group) from None
         index = 0
         while True:
             cur = index % 2
             if index >= 2:  # buffer `cur` held bucket index-2: free before we refill it
                 await settle(index - 2, f"bucket {index - 2}")
-            entries, used, last = await run(packer.fill, cur)
+            entries, used, last = first.pop() if first else await run(packer.fill, cur)
             handle = self._stager.handle(cur)
             outstanding[index] = set(receivers)
             await self._send_all(receivers, Bucket(version, index, handle, used, entries, last))

@@ -132,3 +132,32 @@ def test_buckets_not_replayed_in_a_refit_are_dropped_at_the_next() -> None:
     plan.next_refit()  # "old" was not used during the last refit
     assert plan.buckets == 1 and plan.replay("old") is None
     assert plan.replay("new") == 1  # embed only: "scaled" and "cast" have no plan
+    plan.forget_buckets()  # e.g. the memory they read from was freed
+    assert plan.buckets == 0 and plan.replay("new") is None
+
+
+def test_kept_buckets_follow_their_sources_to_a_larger_buffer() -> None:
+    """The engine mirrors a bucket from another GPU into a local buffer and replays from
+    there; when that buffer must grow, the kept buckets are re-pointed to the new one (same
+    offsets) and replay what it holds."""
+    model = Model()
+    plan = CopyPlan(model)
+    total = sum(t.numel() for _, t in weights(0))
+    old, new = torch.empty(total), torch.full((2 * total,), float("nan"))
+
+    def fill(memory: torch.Tensor, seed: int) -> list[tuple[str, torch.Tensor]]:
+        views, offset = [], 0
+        for name, t in weights(seed):
+            memory[offset : offset + t.numel()].copy_(t.reshape(-1))
+            views.append((name, memory[offset : offset + t.numel()].view(t.shape)))
+            offset += t.numel()
+        return views
+
+    plan.load(fill(old, 1), "b0")
+    plan.move_sources(old, new)
+    old.fill_(float("nan"))  # nothing may read the old buffer any more
+    fill(new, 2)
+    assert plan.replay("b0") == 4
+    expected = reference(2)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name

@@ -9,6 +9,7 @@ receiver that never pulls.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -24,7 +25,7 @@ from asyncrl.backend import WeightBucketView, WeightTensor
 from asyncrl.codec import Codec
 from asyncrl.errors import RefitError
 from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
-from asyncrl.refit import WeightReceiver, WeightSender, check_bucket
+from asyncrl.refit import WeightReceiver, WeightSender, bucket_ends, check_bucket
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir
 from asyncrl.transport import Context, ipc_address
@@ -63,6 +64,7 @@ class Engine:
         self.weights: dict[str, np.ndarray] = {}
         self.staged: dict[str, np.ndarray] = {}
         self.buckets: list[list[str]] = []
+        self.handles: list[tuple[bytes, int]] = []
         self.events: list[Any] = []
         self.fail_load_at = fail_load_at
         self.refuse = refuse
@@ -78,6 +80,7 @@ class Engine:
         if bucket.index == self.fail_load_at:
             raise RuntimeError("out of device memory")
         self.buckets.append([e.name for e in bucket.entries])
+        self.handles.append((bucket.handle, bucket.nbytes))
         for e in bucket.entries:
             raw = read_bytes(bucket.handle, e.offset, e.nbytes)
             self.staged[e.name] = raw.view(np.float32).reshape(e.shape)
@@ -149,6 +152,26 @@ async def test_several_buckets_arrive_byte_exact(run_dir: str) -> None:
                 np.testing.assert_array_equal(engine.weights[name], a)
             assert engine.events[-2][::3] == ("begin", {"x.k_scale": 0.5})
             assert engine.events[-1] == ("finish", version, True)
+    finally:
+        pair.close()
+
+
+async def test_buffers_are_sized_once_so_handles_repeat_across_refits(run_dir: str) -> None:
+    """Each staging buffer is sized for the largest bucket it holds in the version before the
+    first tensor is packed (bucket 2's 100 KiB tensor, alone, in buffer 0 after bucket 0's
+    64 KiB): no buffer grows halfway through, so every refit announces the same handles, which
+    lets a reader keep per-bucket plans (the vLLM backend's batched copies)."""
+    pair, engine = Pair(run_dir), Engine()
+    try:
+        await refit(pair, engine, weights(), 1)
+        first = list(engine.handles)
+        await refit(pair, engine, weights(), 2)
+        assert engine.handles[3:] == first
+        kib = 1 << 10
+        assert [n for _, n in first] == [64 * kib, 72 * kib, 100 * kib]  # by hand
+        sizes = [4 * math.prod(s) for s in SHAPES.values()]
+        assert bucket_ends(sizes, BUCKET) == [64 * kib, 72 * kib, 100 * kib]
+        assert len({h for h, _ in first}) == 2  # two buffers, each announced with one handle
     finally:
         pair.close()
 

@@ -92,6 +92,27 @@ class CopyPlan:
             self._model.load_weights(iter(bucket.fallback))  # type: ignore[operator]
         return bucket.direct
 
+    def forget_buckets(self) -> None:
+        """Drop every kept bucket (the memory they read from is gone)."""
+        self._buckets = {}
+        self._replayed = set()
+
+    def move_sources(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The memory the kept buckets read from moved from ``old`` to ``new`` (a larger
+        buffer on the same device that will hold the same bytes at the same offsets): point
+        their sources there."""
+        ptr = old.untyped_storage().data_ptr()
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() != ptr:
+                return t
+            out = torch.empty(0, dtype=t.dtype, device=new.device)
+            return out.set_(new.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+        for bucket in self._buckets.values():
+            bucket.srcs = [moved(t) for t in bucket.srcs]
+            bucket.fallback = [(name, moved(t)) for name, t in bucket.fallback]
+
     def load(
         self, weights: Iterable[tuple[str, torch.Tensor]], key: Hashable | None = None
     ) -> int:

@@ -258,6 +258,33 @@ class AsyncRLWorkerExtension:
         opener, stable = openers[transport]
         return opener.open(handle, self.device), stable  # type: ignore[attr-defined]
 
+    def _asyncrl_mirror(
+        self, memory: torch.Tensor, span: int, model: torch.nn.Module
+    ) -> torch.Tensor:
+        """A bucket on another GPU, copied whole (``span`` bytes) into a buffer on this one:
+        one copy over the link instead of one per tensor (each cross-GPU copy costs ~25 µs of
+        fixed time on an H200 pair, 7 ms for a 0.5B model's 290 tensors), then the bucket's
+        copies run on this GPU. The buffer is the size of the largest bucket (it grows,
+        moving the kept bucket plans with it); where this GPU has no room for it, ``memory``
+        itself is read, tensor by tensor."""
+        if self.__dict__.get("_asyncrl_no_mirror"):
+            return memory
+        mirror = self.__dict__.get("_asyncrl_mirror_buf")
+        if mirror is None or mirror.numel() < span:
+            device = torch.device(self.device)  # type: ignore[attr-defined]
+            try:
+                grown = torch.empty(max(span, memory.numel()), dtype=torch.uint8, device=device)
+            except torch.OutOfMemoryError:
+                self.__dict__["_asyncrl_no_mirror"] = True
+                self.__dict__.pop("_asyncrl_mirror_buf", None)
+                self._asyncrl_plan(model).forget_buckets()  # they read the mirror
+                return memory
+            if mirror is not None:
+                self._asyncrl_plan(model).move_sources(mirror, grown)
+            mirror = self.__dict__["_asyncrl_mirror_buf"] = grown
+        mirror[:span].copy_(memory[:span], non_blocking=True)
+        return mirror
+
     def _asyncrl_plan(self, model: torch.nn.Module) -> CopyPlan:
         plan = self.__dict__.get("_asyncrl_copy_plan")
         if plan is None:
@@ -296,8 +323,12 @@ class AsyncRLWorkerExtension:
         device = torch.device(self.device)  # type: ignore[attr-defined]
         model = self._asyncrl_model()
         key = None
+        source = memory
         if mode == "direct" and stable and memory.device.type == device.type:
             key = (transport, handle, tuple((e[0], e[1], tuple(e[2]), e[3], e[4]) for e in entries))
+            if memory.device != device:
+                span = max((e[3] + e[4] for e in entries), default=0)
+                source = self._asyncrl_mirror(memory, span, model)
             with self._asyncrl_config():
                 direct = self._asyncrl_plan(model).replay(key)
             if direct is not None:
@@ -312,8 +343,8 @@ class AsyncRLWorkerExtension:
                 raise ValueError(f"{name}: {nbytes} bytes do not hold {dtype_name}{list(shape)}")
             if offset + nbytes > memory.numel():
                 raise ValueError(f"{name}: bytes {offset}+{nbytes} outside the bucket")
-            tensor = memory[offset : offset + nbytes].view(dtype).view(shape)
-            if memory.device.type != device.type or mode == "layerwise":
+            tensor = source[offset : offset + nbytes].view(dtype).view(shape)
+            if source.device.type != device.type or mode == "layerwise":
                 tensor = tensor.to(device, copy=True)
             weights.append((name, tensor))
         direct = 0
