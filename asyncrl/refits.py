@@ -19,12 +19,21 @@ from .messages import CalibrateKV, KVScalesResult, ReceiveWeights, SendWeights, 
 from .messages import WeightsResult
 from .rpc import ControlPlane
 
-__all__ = ["KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "refit_generators"]
+__all__ = [
+    "KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "fp8_query", "refit_generators"
+]
 
 
 def fp8_kv_cache(capabilities: Sequence[dict[str, Any]]) -> bool:
     """Whether any generator (by the capabilities it reported) serves an FP8 KV cache."""
     return any(str(c.get("kv_cache_dtype", "")).startswith("fp8") for c in capabilities)
+
+
+def fp8_query(capabilities: Sequence[dict[str, Any]]) -> bool:
+    """Whether any generator reported that its attention quantizes the query too
+    (``kv_quantized_query``: vLLM's FlashAttention 3 with an FP8 KV cache), so its query
+    scales need calibrating like the K and V ones."""
+    return any(bool(c.get("kv_quantized_query")) for c in capabilities)
 
 
 async def calibrate_kv(
@@ -34,9 +43,11 @@ async def calibrate_kv(
     refit: RefitConfig,
     *,
     timeout_s: float,
+    include_q: bool = False,
 ) -> dict[str, float]:
     """FP8 KV-cache scales of the trainers' current weights on ``batch`` (dealt over the
-    ranks, which max their amaxes together).
+    ranks, which max their amaxes together), with query scales if ``include_q`` or
+    ``refit.kv_calibrate_q``.
 
     Raises:
         RefitError: the ranks disagree (they must have reduced to the same scales).
@@ -46,7 +57,7 @@ async def calibrate_kv(
             batch=part,
             percentile=refit.kv_calibration_percentile,
             margin=refit.kv_calibration_margin,
-            include_q=refit.kv_calibrate_q,
+            include_q=include_q or refit.kv_calibrate_q,
         )
         for part in shard_tokens(batch, len(trainers))
     ]
@@ -72,7 +83,9 @@ class KVScales:
         timeout_s: float,
         metrics: Any = None,
     ) -> None:
-        self.enabled = fp8_kv_cache([control.peers[w].capabilities for w in rollouts])
+        caps = [control.peers[w].capabilities for w in rollouts]
+        self.enabled = fp8_kv_cache(caps)
+        self.include_q = fp8_query(caps)
         self._control, self._trainers, self._refit = control, trainers, refit
         self._timeout_s, self._metrics = timeout_s, metrics
 
@@ -85,7 +98,8 @@ class KVScales:
             raise RefitError(f"no sequences to calibrate the FP8 KV-cache scales of v{version}")
         start = time.perf_counter()
         scales = await calibrate_kv(
-            self._control, self._trainers, batch, self._refit, timeout_s=self._timeout_s
+            self._control, self._trainers, batch, self._refit, timeout_s=self._timeout_s,
+            include_q=self.include_q,
         )
         if self._metrics is not None:
             record: dict[str, Any] = {"kind": "kv_scales", "version": version}

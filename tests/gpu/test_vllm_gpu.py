@@ -213,6 +213,11 @@ async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
     try:
         caps = await b.start()
         assert caps["kv_cache_dtype"].startswith("fp8")
+        # FlashAttention 3 (Hopper) quantizes the query with its static scale: the controller
+        # must then calibrate q scales too, and learns it from this capability
+        print(f"fp8 KV: kv_quantized_query={caps['kv_quantized_query']}")
+        if torch.cuda.get_device_capability(0) == (9, 0):
+            assert caps["kv_quantized_query"] is True
         state = {
             n: p.detach().to("cuda:0", torch.bfloat16)
             for n, p in transformers.AutoModelForCausalLM.from_pretrained(

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from asyncrl.errors import ConfigError
-from asyncrl.messages import TensorEntry
-from asyncrl.refits import fp8_kv_cache
+from asyncrl.config import RefitConfig
+from asyncrl.messages import KVScalesResult, TensorEntry, TokenBatch
+from asyncrl.refits import KVScales, fp8_kv_cache
 from asyncrl.transfers import StagingSpec, WeightTransfer, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir
 
@@ -174,3 +175,46 @@ def test_cuda_ipc_reader_keeps_one_mapping_per_sender_buffer(monkeypatch) -> Non
     assert len(opener._open) == 3
     opener.close()
     assert opener._open == {}
+
+
+class _Peer:
+    def __init__(self, capabilities: dict) -> None:
+        self.capabilities = capabilities
+
+
+class _Control:
+    """The two things KVScales uses of a control plane: the peers' capabilities and
+    call_each (recording the requests, answering like two agreeing trainer ranks)."""
+
+    def __init__(self, rollout_caps: list[dict]) -> None:
+        self.peers = {f"rollout:{i}": _Peer(c) for i, c in enumerate(rollout_caps)}
+        self.requests: list = []
+
+    async def call_each(self, workers, requests, *, timeout_s):  # noqa: ANN001, ANN201
+        self.requests.extend(requests)
+        return [KVScalesResult(scales={"model.layers.0.self_attn.k_scale": 0.01})] * len(workers)
+
+
+@pytest.mark.parametrize(
+    ("caps", "force", "want_q"),
+    [
+        ([{"kv_cache_dtype": "fp8", "kv_quantized_query": True}, {}], False, True),
+        ([{"kv_cache_dtype": "fp8", "kv_quantized_query": False}], False, False),
+        ([{"kv_cache_dtype": "fp8"}], True, True),  # refit.kv_calibrate_q forces them
+    ],
+)
+@pytest.mark.anyio
+async def test_query_scales_are_calibrated_when_a_generator_quantizes_the_query(
+    caps: list[dict], force: bool, want_q: bool
+) -> None:
+    """FA3 with an FP8 KV cache quantizes the query with its static q scale: a generator that
+    says so gets calibrated q scales without any setting (left at 1.0 they cost the GPU demo
+    9x the bf16 logprob error)."""
+    control = _Control(caps)
+    kv = KVScales(control, ["trainer:0", "trainer:1"], list(control.peers),
+                  RefitConfig(kv_calibrate_q=force), timeout_s=5)
+    batch = TokenBatch(np.arange(8, dtype=np.int32), np.array([4, 4], np.int32),
+                       np.array([1, 1], np.int32))
+    assert kv.enabled
+    assert await kv.calibrate(batch, 1) == {"model.layers.0.self_attn.k_scale": 0.01}
+    assert [r.include_q for r in control.requests] == [want_q, want_q]

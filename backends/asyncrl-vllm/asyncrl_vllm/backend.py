@@ -239,6 +239,8 @@ class VLLMBackend(EngineWeights):
             "max_model_len": int(self._llm.model_config.max_model_len),
             "prefix_caching": self.options.enable_prefix_caching,
             "layerwise_reload": bool(info["layerwise_reload"]),
+            # the attention quantizes the query too: the trainer calibrates q scales as well
+            "kv_quantized_query": bool(info.get("quantized_query", False)),
             # CPU build: how many linear-like modules run on each GEMM kernel
             "cpu_gemm_kernels": {k: list(kernels.values()).count(k) for k in set(kernels.values())},
             "engine_start_s": round(seconds, 1),

@@ -197,6 +197,13 @@ class AsyncRLWorkerExtension:
             "device": str(self.device),  # type: ignore[attr-defined]
             "layerwise_reload": _reload_helpers() is not None,
             "attention_modules": [n for n, m in model.named_modules() if _is_attention(m)],
+            # the attention layer quantizes the query with its static _q_scale (vLLM: FA3
+            # with an FP8 KV cache), so the query scales matter as much as the K/V ones
+            "quantized_query": any(
+                getattr(m, "query_quant", None) is not None
+                for m in model.modules()
+                if _is_attention(m)
+            ),
         }
 
     def asyncrl_begin_reload(self, mode: str) -> str:
