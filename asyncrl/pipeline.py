@@ -412,7 +412,7 @@ class Pipeline:
             self._log_step(rec, finish[0], refit_s, stats)  # type: ignore[arg-type]
             del self.steps[step]
             for agreement in rec.verify:
-                agreement.check(cfg.refit.verify_tolerance)
+                agreement.check(*self.kv.verify_tolerance)
 
     async def _abort(self, group_ids: list[str]) -> None:
         """Tell each engine to abort its groups among ``group_ids`` (their samples still come

@@ -62,20 +62,21 @@ class Agreement:
             "mult_prob_error": self.mult_prob_error,
         }
 
-    def check(self, tolerance: float) -> None:
-        """Raise :class:`RefitError` when ``mean_abs`` exceeds ``tolerance``."""
+    def check(self, tolerance: float, key: str = "refit.verify_tolerance") -> None:
+        """Raise :class:`RefitError` when ``mean_abs`` exceeds ``tolerance`` (the setting
+        ``key``, named in the message)."""
         if self.mean_abs <= tolerance:
             return
         raise RefitError(
             f"refit verification failed at weight version {self.version}: generator "
             f"{self.worker} and the trainer disagree on the probe batch ({self.num_tokens} "
             f"tokens): mean |logprob difference| = {self.mean_abs:.4f} (max {self.max_abs:.3f}) "
-            f"> refit.verify_tolerance = {tolerance:g}. The generator is not serving the "
+            f"> {key} = {tolerance:g}. The generator is not serving the "
             "trainer's weights (part of the engine kept old weights, a tensor was not sent, or "
             "the two sides use different models or dtypes), so training would go off-policy "
             "without notice. Fix: find the cause in the generator's log (docs/backends/vllm.md, "
             "'Refit verification'); only if this is plain numerical noise of your model and "
-            "dtypes, raise refit.verify_tolerance (refit.verify_every_steps = 0 and "
+            f"dtypes, raise {key} (refit.verify_every_steps = 0 and "
             "refit.verify_first_steps = 0 turn the check off)"
         )
 
