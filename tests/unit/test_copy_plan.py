@@ -60,6 +60,17 @@ def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     return views
 
 
+def fill(memory: torch.Tensor, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Write ``weights(seed)`` into ``memory`` (a staging buffer refilled in place) and return
+    views of it, as a bucket delivers them."""
+    views, offset = [], 0
+    for name, t in weights(seed):
+        memory[offset : offset + t.numel()].copy_(t.reshape(-1))
+        views.append((name, memory[offset : offset + t.numel()].view(t.shape)))
+        offset += t.numel()
+    return views
+
+
 def reference(seed: int) -> dict[str, torch.Tensor]:
     m = Model()
     m.load_weights(weights(seed))
@@ -99,21 +110,12 @@ def test_a_compiled_bucket_replays_whatever_its_buffer_holds_now() -> None:
     model = Model()
     plan = CopyPlan(model)
     memory = torch.empty(sum(t.numel() for _, t in weights(0)))  # the mapped staging buffer
-
-    def refill(seed: int) -> list[tuple[str, torch.Tensor]]:
-        views, offset = [], 0
-        for name, t in weights(seed):
-            memory[offset : offset + t.numel()].copy_(t.reshape(-1))
-            views.append((name, memory[offset : offset + t.numel()].view(t.shape)))
-            offset += t.numel()
-        return views
-
     assert plan.replay("b0") is None  # nothing compiled yet: the caller builds the views
-    plan.load(refill(1), "b0")
+    plan.load(fill(memory, 1), "b0")
     assert plan.buckets == 1
     for seed in (2, 3):
         plan.next_refit()
-        refill(seed)
+        fill(memory, seed)
         calls = model.calls
         assert plan.replay("b0") == 4
         assert model.calls - calls == 2  # "scaled" and "cast" still go through load_weights
@@ -144,14 +146,6 @@ def test_kept_buckets_follow_their_sources_to_a_larger_buffer() -> None:
     plan = CopyPlan(model)
     total = sum(t.numel() for _, t in weights(0))
     old, new = torch.empty(total), torch.full((2 * total,), float("nan"))
-
-    def fill(memory: torch.Tensor, seed: int) -> list[tuple[str, torch.Tensor]]:
-        views, offset = [], 0
-        for name, t in weights(seed):
-            memory[offset : offset + t.numel()].copy_(t.reshape(-1))
-            views.append((name, memory[offset : offset + t.numel()].view(t.shape)))
-            offset += t.numel()
-        return views
 
     plan.load(fill(old, 1), "b0")
     plan.move_sources(old, new)
