@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -20,12 +21,16 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncrl.backend import WeightBucketView, WeightTensor
 from asyncrl.codec import Codec
 from asyncrl.errors import RefitError
 from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
-from asyncrl.refit import WeightReceiver, WeightSender, bucket_ends, check_bucket
+from asyncrl.refit import (
+    WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
+)
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir
 from asyncrl.transport import Context, ipc_address
@@ -60,7 +65,9 @@ def tensors(w: dict[str, np.ndarray]) -> Iterator[WeightTensor]:
 class Engine:
     """A generation backend's refit side that records what it was given."""
 
-    def __init__(self, fail_load_at: int | None = None, refuse: str | None = None) -> None:
+    def __init__(
+        self, fail_load_at: int | None = None, refuse: str | None = None, pause_s: float = 0.0
+    ) -> None:
         self.weights: dict[str, np.ndarray] = {}
         self.staged: dict[str, np.ndarray] = {}
         self.buckets: list[list[str]] = []
@@ -68,12 +75,14 @@ class Engine:
         self.events: list[Any] = []
         self.fail_load_at = fail_load_at
         self.refuse = refuse
+        self.pause_s = pause_s
 
     async def begin_weight_update(
         self, version: int, manifest: list[TensorEntry], *, kv_scales: Any = None
     ) -> None:
         if self.refuse:
             raise ValueError(self.refuse)
+        await anyio.sleep(self.pause_s)  # an engine pausing
         self.events.append(("begin", version, [e.name for e in manifest], kv_scales))
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
@@ -174,6 +183,71 @@ async def test_buffers_are_sized_once_so_handles_repeat_across_refits(run_dir: s
         assert len({h for h, _ in first}) == 2  # two buffers, each announced with one handle
     finally:
         pair.close()
+
+
+async def test_the_first_bucket_is_packed_while_the_engine_pauses(run_dir: str) -> None:
+    """The trainer packs bucket 0 while the receivers check the manifest and pause (it is
+    announced only after every receiver accepted the manifest)."""
+    pair, engine = Pair(run_dir), Engine(pause_s=0.3)
+    asked: list[float] = []
+    w = weights()
+
+    def timed() -> Iterator[WeightTensor]:
+        for t in tensors(w):
+            asked.append(time.perf_counter())
+            yield t
+
+    try:
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: pair.sender.send(
+                1, ["rollout:0"], specs(), timed(), bucket_size=BUCKET, timeout_s=10,
+            ))
+            tg.start_soon(lambda: pair.receiver.receive(
+                1, engine, transport="shm", reset_prefix_cache=True, kv_scales=None,
+                timeout_s=10,
+            ))
+        assert asked[0] - start < 0.2  # the pause takes 0.3 s: packing did not wait for it
+        assert engine.buckets == [["a", "b"], ["c", "d"], ["e"]]
+        for name, a in w.items():
+            np.testing.assert_array_equal(engine.weights[name], a)
+    finally:
+        pair.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=40),
+    bucket=st.integers(1, 12000),
+)
+def test_the_packer_fills_the_buckets_bucket_ends_predicts(sizes: list[int], bucket: int) -> None:
+    """The real packer, fed tensors of random sizes, closes its buckets exactly where
+    ``bucket_ends`` (which sizes the staging buffers before packing) says: no buffer is ever
+    asked for more than it was given."""
+
+    class Stager:
+        def __init__(self) -> None:
+            self.size = [0, 0]
+
+        def reserve(self, k: int, n: int) -> None:
+            self.size[k] = max(self.size[k], n)
+
+        def pack(self, k: int, offset: int, data: np.ndarray) -> None:
+            assert offset + data.nbytes <= self.size[k], "packed past the reserved size"
+
+        def seal(self, k: int) -> None:
+            pass
+
+    specs_ = [WeightTensor(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
+    data = (WeightTensor(s.name, "uint8", s.shape, np.zeros(s.shape, np.uint8)) for s in specs_)
+    packer = _Packer(data, _manifest(specs_), Stager(), bucket)
+    used, k, last = [], 0, False
+    while not last:
+        _, n, last = packer.fill(k % 2)
+        used.append(n)
+        k += 1
+    assert used == bucket_ends(sizes, bucket)
+    assert packer.count == len(sizes)
 
 
 async def test_a_refused_manifest_touches_nothing(run_dir: str) -> None:
