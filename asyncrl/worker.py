@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -99,6 +99,14 @@ __all__ = ["serve"]
 
 log = structlog.get_logger("asyncrl.worker")
 T = TypeVar("T")
+
+
+def _drain(it: Iterator[Any]) -> None:
+    """Run ``it`` to its end, ignoring what it yields or raises (after a failed send)."""
+    try:
+        collections.deque(it, 0)
+    except Exception as exc:  # the send's own error is the one reported
+        log.warning("weight_iteration_failed_while_draining", error=f"{type(exc).__name__}: {exc}")
 
 
 class _Thread:
@@ -233,6 +241,24 @@ class _Runtime:
         raise ProtocolError(f"a rollout worker cannot serve {type(req).__name__}")
 
     # ----------------------------------------------------------------- trainer side
+    async def _send_weights(self, req: SendWeights, it: Iterator[Any]) -> Result:
+        assert self.sender is not None
+        if req.transport != self.sender.transfer.name:
+            raise ProtocolError(
+                f"SendWeights over {req.transport!r}, but this trainer stages for "
+                f"{self.sender.transfer.name!r}"
+            )
+        specs = await self.thread.run(self.backend.weight_specs)
+        return await self.sender.send(
+            req.version,
+            list(req.receivers),
+            specs,
+            it,
+            bucket_size=req.bucket_size_bytes,
+            timeout_s=req.timeout_s,
+            run=self.thread.run,
+        )
+
     async def trainer_call(self, req: Request) -> Result:
         backend: TrainingBackend = self.backend
         if isinstance(req, ComputeLogprobs):
@@ -268,22 +294,13 @@ class _Runtime:
             if self.wctx.rank != 0:  # take part in the gathers, send nothing
                 await self.thread.run(collections.deque, it, 0)
                 return Empty()
-            assert self.sender is not None
-            if req.transport != self.sender.transfer.name:
-                raise ProtocolError(
-                    f"SendWeights over {req.transport!r}, but this trainer stages for "
-                    f"{self.sender.transfer.name!r}"
-                )
-            specs = await self.thread.run(backend.weight_specs)
-            return await self.sender.send(
-                req.version,
-                list(req.receivers),
-                specs,
-                it,
-                bucket_size=req.bucket_size_bytes,
-                timeout_s=req.timeout_s,
-                run=self.thread.run,
-            )
+            try:
+                return await self._send_weights(req, it)
+            except Exception:
+                # the other ranks gather with this one (an FSDP unit's all-gather): finish the
+                # iteration, or they wait in a collective until its timeout
+                await self.thread.run(_drain, it)
+                raise
         if isinstance(req, Health):
             return HealthResult(pid=os.getpid())
         raise ProtocolError(f"a trainer worker cannot serve {type(req).__name__}")

@@ -144,3 +144,48 @@ async def test_calibrate_kv_reaches_the_trainer_backend_and_refuses_one_without_
             await rt.trainer_call(CalibrateKV(batch=batch))
     finally:
         rt.thread.close()
+
+
+class _Gathering:
+    """A trainer rank 0 whose iter_weights stands for FSDP's: every item is a collective the
+    other ranks take part in, so a send that fails must still run it to its end."""
+
+    def __init__(self) -> None:
+        self.pulled = 0
+
+    def iter_weights(self):  # noqa: ANN201
+        from asyncrl.backend import WeightTensor
+
+        for i in range(5):
+            self.pulled += 1
+            yield WeightTensor(f"w{i}", "float32", (2,), np.zeros(2, np.float32).view(np.uint8))
+
+    def weight_specs(self):  # noqa: ANN201
+        from asyncrl.backend import WeightTensor
+
+        return [WeightTensor(f"w{i}", "float32", (2,)) for i in range(5)]
+
+
+async def test_a_failed_send_still_runs_the_gathers_to_their_end() -> None:
+    """Rank 0 refusing to send (here: a transport mismatch, before any tensor is packed) must
+    not leave the other trainer ranks waiting in an all-gather: it drains iter_weights, then
+    reports the error."""
+    from types import SimpleNamespace
+
+    from asyncrl.errors import ProtocolError
+    from asyncrl.messages import SendWeights
+    from asyncrl.worker import _Thread
+
+    rt = _Runtime.__new__(_Runtime)
+    rt.thread = _Thread()
+    rt.wctx = SimpleNamespace(rank=0)
+    rt.sender = SimpleNamespace(transfer=SimpleNamespace(name="shm"))
+    rt.backend = _Gathering()
+    try:
+        with pytest.raises(ProtocolError, match="SendWeights over 'cuda_ipc'"):
+            await rt.trainer_call(SendWeights(version=1, receivers=["rollout:0"],
+                                              transport="cuda_ipc", bucket_size_bytes=1 << 20,
+                                              timeout_s=5.0))
+        assert rt.backend.pulled == 5
+    finally:
+        rt.thread.close()
