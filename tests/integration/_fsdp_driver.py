@@ -385,9 +385,47 @@ def main() -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(rec, indent=1, default=str))
 
 
+def solo() -> None:
+    """One rank (no unit is gathered: ``iter_weights`` reads the local shards): the exported
+    weights equal the checkpoint (float32, and rounded to bf16) and, after a step, the live
+    parameters, bit for bit; the names and shapes are the specs'."""
+    model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file
+
+    checkpoint = load_file(os.path.join(model_dir, "model.safetensors"))
+    rec: dict = {}
+    a = make_backend(model_dir, str(out_dir), export_dtype="float32", options=ADAMW, extra={})
+    a.start()
+    w0, info = gather_weights(a, 0)
+    rec["weights_info"] = info
+    rec["w0_vs_checkpoint_max_abs"] = max_diff(w0, checkpoint)
+    seqs = make_sequences(len(load_file(os.path.join(model_dir, "model.safetensors"))
+                              ["model.embed_tokens.weight"]))
+    probe = Reference(model_dir, ADAMW)
+    with torch.no_grad():
+        attach_behaviour(seqs, [probe.logprobs(s) for s in seqs])
+    run_step(a, 0, seqs, [(c[0] + c[1], []) for c in STEP0_CHUNKS], 0)  # both shares
+    w1, _ = gather_weights(a, 0)
+    live = {n: p.full_tensor().detach().cpu() for n, p in a._model.named_parameters()}
+    rec["w1_vs_live_max_abs"] = max_diff(w1, live)
+    rec["w1_moved"] = max_diff(w1, w0) > 0
+    a.close()
+    c = make_backend(model_dir, str(out_dir), export_dtype="bfloat16",
+                     options={"mixed_precision": "bf16"}, extra={})
+    c.start()
+    cw0, cinfo = gather_weights(c, 0)
+    c.close()
+    rec["bf16_dtypes"] = cinfo["dtypes"]
+    rec["bf16_equals_checkpoint"] = all(
+        torch.equal(cw0[k], v.to(torch.bfloat16)) for k, v in checkpoint.items()
+    )
+    (out_dir / "solo.json").write_text(json.dumps(rec))
+
+
 if __name__ == "__main__":
     try:
-        main()
+        solo() if sys.argv[3:] == ["solo"] else main()
     except BaseException:
         traceback.print_exc()
         raise
