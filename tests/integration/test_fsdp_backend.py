@@ -140,7 +140,7 @@ def test_iter_weights_full_tensors_in_hf_naming(ranks):
 
 def test_one_rank_exports_its_local_shards_bit_for_bit(qwen_dir, tmp_path):
     """With one rank every shard is the whole tensor: iter_weights yields it without gathering
-    FSDP units (an unshard costs ~1 ms of Python per unit), and the result is the same."""
+    FSDP units, and the result is the same."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "1", str(DRIVER), qwen_dir, str(tmp_path), "solo"]
