@@ -124,9 +124,9 @@ class Pipeline:
         """Samples in flight per rollout worker (dispatch goes to the least loaded)."""
         self.rejections = rejections if rejections is not None else Rejections()
         self._gate_wait_s = 0.0
-        self._refit_report = RefitReport()
-        """Generation time the rollout workers reported at the last refit (the slowest)."""
         """Dispatch time spent waiting for a refit since the last step record."""
+        self._refit_report = RefitReport()
+        """What the last refit reported (the generators' busy time, the sender's packing)."""
         self._lags: deque[float] = deque(maxlen=100_000)
         """Event-loop wake-up delays since the last step was logged (bounded)."""
         self.history: list[dict[str, Any]] = []

@@ -12,12 +12,19 @@ import anyio
 import numpy as np
 
 from .config import RefitConfig
-from .prompts import PromptStream, Tokenizer
 from .errors import RefitError
 from .grpo import shard_tokens
-from .messages import CalibrateKV, KVScalesResult, ReceiveWeights, SendWeights, TokenBatch
-from .messages import WeightsResult
+from .messages import (
+    CalibrateKV,
+    KVScalesResult,
+    ReceiveWeights,
+    SendWeights,
+    TokenBatch,
+    WeightsResult,
+)
+from .prompts import PromptStream, Tokenizer
 from .rpc import ControlPlane
+from .verify import make_probe
 
 __all__ = [
     "KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "fp8_query", "refit_generators"
@@ -142,8 +149,6 @@ class KVScales:
         """Scales of the weights a step produced, on (a sample of) that step's sequences."""
         if not self.enabled:
             return None
-        from .verify import make_probe
-
         return await self.calibrate(
             make_probe(groups, self._refit.kv_calibration_sequences), version
         )

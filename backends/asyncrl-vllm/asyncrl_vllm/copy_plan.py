@@ -86,6 +86,9 @@ class CopyPlan:
         if bucket is None:
             return None
         self._replayed.add(key)
+        return self._run(bucket)
+
+    def _run(self, bucket: _Bucket) -> int:
         if bucket.dsts:
             torch._foreach_copy_(bucket.dsts, bucket.srcs, non_blocking=True)
         if bucket.fallback:
@@ -116,30 +119,22 @@ class CopyPlan:
     def load(
         self, weights: Iterable[tuple[str, torch.Tensor]], key: Hashable | None = None
     ) -> int:
-        """Write ``weights`` into the model. Returns how many went through a compiled plan.
+        """Write ``weights`` into the model. Returns how many went through a compiled plan
+        (a name seen for the first time is compiled, through ``load_weights``, and does not
+        count).
 
         With ``key``, the sources are views of memory that holds the same tensors at the same
         places on every later refit (a mapped staging buffer): the bucket is kept under
-        ``key`` for :meth:`replay`, once every name in it has been seen."""
+        ``key`` for :meth:`replay`."""
         weights = list(weights)
-        direct = 0
-        fallback: list[tuple[str, torch.Tensor]] = []
+        fresh = {name for name, _ in weights if name not in self._plans}
         for name, tensor in weights:
-            if name not in self._plans:
+            if name in fresh:
                 self._plans[name] = self._compile(name, tensor)  # loads it, watching
-                continue
-            steps = self._plans[name]
-            if steps is None:
-                fallback.append((name, tensor))
-                continue
-            base = tensor.storage_offset()
-            for dst, size, stride, offset in steps:
-                dst.copy_(tensor.as_strided(size, stride, base + offset), non_blocking=True)
-            direct += 1
-        if fallback:
-            self._model.load_weights(iter(fallback))  # type: ignore[operator]
+        known = self._bucket([(n, t) for n, t in weights if n not in fresh])
+        direct = self._run(known)
         if key is not None:
-            self._buckets[key] = self._bucket(weights)
+            self._buckets[key] = self._bucket(weights) if fresh else known
             self._replayed.add(key)
         return direct
 

@@ -6,10 +6,11 @@ and ``self.device``; the backend calls them with ``AsyncLLM.collective_rpc("asyn
 Every name is prefixed ``asyncrl_``: a name the worker already has makes engine start fail.
 Arguments and results are plain lists, dicts, strings and numbers (msgpack; nothing pickled).
 
-A refit is ``asyncrl_begin_reload`` → ``asyncrl_load_bucket`` × N → ``asyncrl_finish_reload``
-(which also writes the KV-cache scales, after finalizing). With vLLM's layerwise reload (``vllm.model_executor.model_loader.
-reload``, present in 0.26 and 0.32) the model's checkpoint-format parameters are restored on
-the meta device, loads are buffered per layer, and once a layer has all its weights it is
+A refit is ``asyncrl_load_bucket`` × N: the first also opens the reload
+(``asyncrl_begin_reload``), the last also closes it (``asyncrl_finish_reload``, which writes the
+KV-cache scales after finalizing). With vLLM's layerwise reload
+(``vllm.model_executor.model_loader.reload``, present in 0.26 and 0.32) the model's
+checkpoint-format parameters are restored on the meta device, loads are buffered per layer, and once a layer has all its weights it is
 materialised, loaded, re-processed (the CPU build prepacks linear weights here) and copied
 into the original kernel tensors. Buffered tensors are kept *by reference* until their layer
 completes, which is why every tensor read from a bucket is a fresh copy: the sender rewrites
@@ -339,10 +340,8 @@ class AsyncRLWorkerExtension:
             with self._asyncrl_config():
                 direct = self._asyncrl_plan(model).replay(key)
             if direct is not None:
-                out = self._asyncrl_loaded(start, memory, mode, len(entries), direct, finish,
-                                           kv_scales)
-                out["batched"] = 1
-                return out
+                return self._asyncrl_loaded(start, memory, mode, len(entries), direct, True,
+                                            finish, kv_scales)
         weights: list[tuple[str, torch.Tensor]] = []
         for name, dtype_name, shape, offset, nbytes in entries:
             dtype = _dtype(dtype_name)
@@ -361,7 +360,8 @@ class AsyncRLWorkerExtension:
             else:
                 model.load_weights(iter(weights))  # type: ignore[operator]
         del weights
-        return self._asyncrl_loaded(start, memory, mode, len(entries), direct, finish, kv_scales)
+        return self._asyncrl_loaded(start, memory, mode, len(entries), direct, False, finish,
+                                    kv_scales)
 
     def _asyncrl_loaded(
         self,
@@ -370,17 +370,21 @@ class AsyncRLWorkerExtension:
         mode: str,
         tensors: int,
         direct: int,
+        batched: bool,
         finish: bool,
         kv_scales: dict[str, float] | None,
     ) -> dict[str, Any]:
         """Wait until the bucket's copies are done (its memory may be refilled once this
-        returns), then close the reload if ``finish``."""
+        returns), then close the reload if ``finish``. ``batched``: the bucket was replayed
+        as one batched copy."""
         device = torch.device(self.device)  # type: ignore[attr-defined]
         self._asyncrl_sync()
         if memory.device.type == "cuda" and memory.device != device:
             # a copy across GPUs may run on the source GPU's stream: done reading before the ack
             torch.cuda.synchronize(memory.device)
-        out: dict[str, Any] = {"mode": mode, "tensors": tensors, "direct": direct}
+        out: dict[str, Any] = {
+            "mode": mode, "tensors": tensors, "direct": direct, "batched": int(batched)
+        }
         if finish:
             out.update(self.asyncrl_finish_reload(kv_scales))
         out["seconds"] = time.perf_counter() - start

@@ -195,7 +195,7 @@ class EngineWeights:
         update.tensors += len(entries)
         update.nbytes += sum(e.nbytes for e in bucket.entries)
         update.direct += out["direct"]
-        update.batched += int(out.get("batched", 0))
+        update.batched += out["batched"]
         update.worker_s += float(out.get("seconds", 0.0))
         update.loads_s = time.perf_counter() - update.first_load
         update.finished = bucket.last
