@@ -478,6 +478,10 @@ async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_pat
             assert stats["mode"] == "direct"
             assert stats["direct"] == (0 if version == 1 else stats["tensors"])
             assert stats["batched"] == (0 if version == 1 else 3)
+            # the split adds up: pause, the bucket calls (worker time inside them), resume
+            parts = stats["pause_s"] + stats["loads_s"] + stats["resume_s"]
+            assert all(stats[k] > 0 for k in ("pause_s", "loads_s", "worker_s", "resume_s"))
+            assert stats["worker_s"] <= stats["loads_s"] and parts <= stats["seconds"], stats
             assert err < TOL
     finally:
         await backend.close()
