@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -313,7 +313,15 @@ class GroupFailed(msgspec.Struct, tag="gf", **_DATA):
     message: str
 
 
-DataMessage = Union[SampleDone, GroupFailed]
+class DataBatch(msgspec.Struct, tag="db", **_DATA):
+    """Several data messages that were ready together on one rollout worker, in the order they
+    were produced: one message (one receive, one decode on the controller's loop) instead of
+    one each. Each item is taken as if it had come alone."""
+
+    items: list[Union[SampleDone, GroupFailed]]
+
+
+DataMessage = Union[SampleDone, GroupFailed, DataBatch]
 
 
 # --------------------------------------------------------------------------- weight transfer

@@ -42,6 +42,7 @@ from .intake import Generating, Scorer, Signal, malformed
 from .messages import (
     Abort,
     BeginStep,
+    DataBatch,
     DataMessage,
     FinishStep,
     Generate,
@@ -244,6 +245,10 @@ class Pipeline:
         except ProtocolError as exc:
             self.rejections.reject("data", "?", str(exc))
             return
+        for item in msg.items if isinstance(msg, DataBatch) else (msg,):
+            self._take_item(item, tg)
+
+    def _take_item(self, msg: SampleDone | GroupFailed, tg: Any) -> None:
         pending = self._generating.get(msg.group_id)
         if pending is None or pending.worker != msg.worker:
             self.rejections.reject(
@@ -367,6 +372,7 @@ class Pipeline:
                     opened = True
                 batch = pack_groups(groups, normalize=cfg.grpo.normalize_advantages)
                 shards = shard_batch(batch, len(self.trainers))
+                await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
                 busy = self.now()
                 results = await self.control.call_each(
                     self.trainers,
@@ -399,6 +405,7 @@ class Pipeline:
             refit_s = self.now() - refit_start
             stats = self.sched.end_refit()
             self.changed.notify()
+            await anyio.lowlevel.checkpoint()  # the pumps go first: logging can wait
             if self.probe is None:
                 self.probe = make_probe(rec.groups, cfg.refit.verify_num_sequences)
             if self.probe is not None and verification_due(
@@ -536,15 +543,9 @@ class Pipeline:
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
             gid = f"eval-{label}-{i}"
             worker = self.rollouts[i % len(self.rollouts)]
+            version = self.sched.generator_version
             pending = Generating(
-                prompt,
-                prompt_ids,
-                worker,
-                1,
-                self.sched.generator_version,
-                None,
-                self.now(),
-                eval_done=anyio.Event(),
+                prompt, prompt_ids, worker, 1, version, None, self.now(), eval_done=anyio.Event()
             )
             self._generating[gid] = pending
             waits.append(pending)

@@ -29,6 +29,7 @@ from asyncrl.config import Config  # noqa: E402
 from asyncrl.messages import (  # noqa: E402
     PROTOCOL_VERSION,
     BucketAck,
+    DataBatch,
     DataMessage,
     Dead,
     Empty,
@@ -78,6 +79,11 @@ async def _attack(ctl: asyncrl.Controller) -> dict[str, int]:
             missing_frame,
             dx.encode(SampleDone("nope", "rollout:0", 0, sample)),  # not generating
             dx.encode(GroupFailed("nope-2", "rollout:0", "ValueError", "forged")),
+            # a batch is taken item by item: each foreign item is one refusal
+            dx.encode(DataBatch([SampleDone("nope-3", "rollout:0", 0, sample),
+                                 GroupFailed("nope-4", "rollout:0", "ValueError", "forged")])),
+            # a batch inside a batch does not decode (one refusal for the whole message)
+            dx.encode(DataBatch([DataBatch([])])),  # type: ignore[list-item]
         ):
             await data.send(frames)
 
@@ -90,7 +96,7 @@ async def _attack(ctl: asyncrl.Controller) -> dict[str, int]:
         await anyio.sleep(0.5)  # let ZeroMQ deliver before the sockets close (linger 0)
     finally:
         ctx.close()
-    return {"control": 7, "data": 5, "weights": 3}
+    return {"control": 7, "data": 8, "weights": 3}
 
 
 async def test_hostile_frames_change_nothing_but_a_counter(
