@@ -10,10 +10,12 @@ from asyncrl.errors import ProtocolError
 from asyncrl.messages import (
     PROTOCOL_VERSION,
     Call,
+    DataBatch,
     DataMessage,
     FromWorker,
     GenRequest,
     Generate,
+    GroupFailed,
     Hello,
     LogprobsResult,
     Reply,
@@ -32,6 +34,8 @@ GOLDEN = {
     # [tag "s", group "a", worker "rollout:0", index 0, sample [ext(frame 1, "<i4", [2]),
     #  ext(frame 2, "<f4", [2]), "stop"]] (written out by hand from the msgpack spec)
     "sample_done": "95a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f70",
+    # [tag "db", [SampleDone as above, GroupFailed ["gf", "b", "rollout:0", "E", "m"]]]
+    "data_batch": "92a264629295a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f7095a26766a162a9726f6c6c6f75743a30a145a16d",
 }
 
 
@@ -39,10 +43,10 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_three() -> None:
+def test_protocol_version_is_four() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
-    # Manifest and bucket handles are transfer-specific bytes
-    assert PROTOCOL_VERSION == 3
+    # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch
+    assert PROTOCOL_VERSION == 4
 
 
 def test_golden_hello() -> None:
@@ -73,6 +77,19 @@ def test_golden_sample_done_is_array_like() -> None:
     back = Codec(DataMessage).decode([bytes(f) for f in frames])
     assert back.sample.token_ids.tolist() == [1, 2]
     assert back.sample.logprobs.dtype == np.float32
+
+
+def test_golden_data_batch_holds_items_in_order() -> None:
+    sample = Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop")
+    items = [SampleDone("a", "rollout:0", 0, sample), GroupFailed("b", "rollout:0", "E", "m")]
+    msg = DataBatch(items)  # type: ignore[arg-type]
+    frames = Codec(DataMessage).encode(msg)
+    assert hexbody(frames) == GOLDEN["data_batch"]
+    assert len(frames) == 3  # the sample's two arrays, once each
+    back = Codec(DataMessage).decode([bytes(f) for f in frames])
+    assert isinstance(back, DataBatch)
+    assert back.items[0].sample.token_ids.tolist() == [1, 2]
+    assert back.items[1] == msg.items[1]
 
 
 def test_round_trip_nested_request() -> None:

@@ -13,9 +13,8 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncrl.codec import Codec
 from asyncrl.errors import EngineDeadError
-from asyncrl.messages import DataMessage, GenRequest, GroupFailed
+from asyncrl.messages import GenRequest, GroupFailed
 from asyncrl.worker import _Busy, _Runtime
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
@@ -24,14 +23,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.frames: list[list[bytes]] = []
-
-    async def send(self, frames: list[bytes]) -> None:
-        self.frames.append([bytes(f) for f in frames])
 
 
 class _Backend:
@@ -44,7 +35,7 @@ class _Backend:
 
 def _runtime(backend: object) -> _Runtime:
     rt = _Runtime.__new__(_Runtime)
-    rt.backend, rt.data, rt.identity, rt.busy = backend, _Sink(), "rollout:0", _Busy()
+    rt.backend, rt.identity, rt.busy = backend, "rollout:0", _Busy()
     return rt
 
 
@@ -53,18 +44,20 @@ REQ = GenRequest(group_id="g7", prompt_ids=[1, 2], n=2, max_tokens=4)
 
 async def test_group_error_names_the_first_leaf() -> None:
     rt = _runtime(_Backend(ExceptionGroup("unhandled errors in a TaskGroup", [ValueError("bad")])))
-    tx = Codec(DataMessage)
-    await rt._generate_one(REQ, tx)
-    (msg,) = [tx.decode(f) for f in rt.data.frames]
+    send, recv = anyio.create_memory_object_stream[object](4)
+    with send, recv:
+        await rt._generate_one(REQ, send)
+        msg = recv.receive_nowait()
     assert isinstance(msg, GroupFailed)
     assert (msg.group_id, msg.error_type, msg.message) == ("g7", "ValueError", "bad")
 
 
 async def test_engine_death_is_fatal_not_a_group_failure() -> None:
     rt = _runtime(_Backend(EngineDeadError("vLLM engine process VLLM::EngineCore exited")))
-    with pytest.raises(EngineDeadError):
-        await rt._generate_one(REQ, Codec(DataMessage))
-    assert rt.data.frames == []
+    send, recv = anyio.create_memory_object_stream[object](4)
+    with send, recv, pytest.raises(EngineDeadError):
+        await rt._generate_one(REQ, send)
+    assert recv.statistics().current_buffer_used == 0
 
 
 class _Reaper:
