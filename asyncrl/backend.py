@@ -120,6 +120,11 @@ class WeightTensor:
     """torch dtype name without the prefix: ``bfloat16``, ``float32``..."""
     shape: tuple[int, ...]
     data: Any = None
+    stable: bool = False
+    """``data`` stays valid and unchanged until the iteration ends (a live parameter, or a
+    tensor of its own that nothing reuses): the sender may defer its copy and batch it with
+    the rest of its bucket. Leave ``False`` for memory the trainer reuses once it moves on
+    (a sharded trainer's gathered unit)."""
 
 
 @dataclass(frozen=True)

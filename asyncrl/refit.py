@@ -203,7 +203,7 @@ class _Packer:
             if entries and used + size > self._bucket_size:
                 self._carry = t  # not advanced past it: a sharded trainer still holds it
                 break
-            self._stager.pack(k, used, t.data)
+            self._stager.pack(k, used, t.data, t.stable)
             entries.append(TensorEntry(t.name, t.dtype, list(t.shape), used, size))
             used += _align(size)
             self.count += 1

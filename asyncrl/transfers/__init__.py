@@ -69,15 +69,18 @@ class Stager(Protocol):
     def reserve(self, k: int, nbytes: int) -> None:
         """Make buffer ``k`` hold at least ``nbytes`` (growing it invalidates its handle)."""
 
-    def pack(self, k: int, offset: int, data: Any) -> None:
+    def pack(self, k: int, offset: int, data: Any, stable: bool = False) -> None:
         """Copy ``data`` into buffer ``k`` at ``offset``; may return before the copy is done
         (device copies are queued on the current stream, so memory the trainer frees after
         this call is not reused before the copy ran). ``data`` is a contiguous torch tensor (any
         dtype, any device) or a ``uint8`` numpy array. Called in the trainer's thread, right
-        after the trainer yielded ``data``."""
+        after the trainer yielded ``data``. ``stable``: ``data`` stays valid and unchanged
+        until :meth:`seal` (``WeightTensor.stable``), so the copy may wait for it and go with
+        the bucket's others in one batched copy."""
 
     def seal(self, k: int) -> None:
-        """Wait until every copy into buffer ``k`` is done (before its bucket is announced)."""
+        """Issue the copies :meth:`pack` deferred, then wait until every copy into buffer ``k``
+        is done (before its bucket is announced)."""
 
     def handle(self, k: int) -> bytes:
         """Buffer ``k``'s handle, as its reader decodes it."""

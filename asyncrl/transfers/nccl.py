@@ -258,9 +258,9 @@ class NcclStager:
             grown[: self._used[k]].copy_(buf[: self._used[k]])
         self._buffers[k] = grown
 
-    def pack(self, k: int, offset: int, data: Any) -> None:
+    def pack(self, k: int, offset: int, data: Any, stable: bool = False) -> None:
         """Copy ``data`` into buffer ``k`` at ``offset`` (queued on the current stream for a
-        GPU buffer)."""
+        GPU buffer; ``stable`` changes nothing here: one broadcast per bucket dominates)."""
         import torch
 
         self._reuse(k)

@@ -93,7 +93,8 @@ class ShmStager:
     def reserve(self, k: int, nbytes: int) -> None:
         self._files[k].reserve(nbytes)
 
-    def pack(self, k: int, offset: int, data: Any) -> None:
+    def pack(self, k: int, offset: int, data: Any, stable: bool = False) -> None:
+        """A host copy, done when this returns (``stable`` changes nothing here)."""
         src = _host_bytes(data)
         self._files[k].array[offset : offset + src.nbytes] = src
 

@@ -61,7 +61,7 @@ class LocalRefit:
                     yield item
                 else:
                     n, t = item
-                    yield WeightTensor(n, dtype_name(t), tuple(t.shape), t)
+                    yield WeightTensor(n, dtype_name(t), tuple(t.shape), t, stable=True)
 
         if specs is None:
             specs = [WeightTensor(t.name, t.dtype, t.shape) for t in stream()]

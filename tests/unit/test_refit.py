@@ -232,7 +232,7 @@ def test_the_packer_fills_the_buckets_bucket_ends_predicts(sizes: list[int], buc
         def reserve(self, k: int, n: int) -> None:
             self.size[k] = max(self.size[k], n)
 
-        def pack(self, k: int, offset: int, data: np.ndarray) -> None:
+        def pack(self, k: int, offset: int, data: np.ndarray, stable: bool = False) -> None:
             assert offset + data.nbytes <= self.size[k], "packed past the reserved size"
 
         def seal(self, k: int) -> None:

@@ -509,7 +509,8 @@ class FSDPBackend:
             if tuple(local.shape) != tuple(param.shape):  # padded or not whole: gather it
                 local = data.full_tensor()
             out = local.to(dtype).contiguous()
-            yield WeightTensor(name, name_dtype, tuple(out.shape), out)
+            # the live parameter (or a cast of its own): valid until the next step
+            yield WeightTensor(name, name_dtype, tuple(out.shape), out, stable=True)
 
     def _started(self) -> torch.nn.Module:
         if self._closed:
