@@ -156,7 +156,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         bound.__enter__()
         try:
             router = ctx.socket(ROUTER, bind=addr.control, router_mandatory=True)
-            pull = ctx.socket(PULL, bind=addr.data, hwm=1000)
+            pull = ctx.socket(PULL, bind=addr.data, hwm=1000, copy=True)  # small messages
             config_dict = to_dict(cfg)
 
             def make_init(hello: Hello) -> Init:
