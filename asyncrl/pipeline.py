@@ -3,8 +3,9 @@
 ::
 
     prompt stream ──► rollout pump ──Generate (one per worker)──► rollout workers
-                        │ asks scheduler.dispatch(): gate, capacity,            │ SampleDone per
-                        │ samples in flight, the sampler's admission             │ sample (ZMQ PUSH)
+                        │ asks scheduler.dispatch(): gate, capacity,            │ SampleDone each
+                        │ samples in flight, the sampler's admission             │ (a DataBatch if
+                        │                                                        │ ready together)
                         ▼                                                        ▼
                     Scheduler (asyncrl.schedule: all state and rules) ◄── feeder: sample_finished,
                         │                                                 score off-loop, committed
