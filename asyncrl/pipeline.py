@@ -356,13 +356,14 @@ class Pipeline:
                 for gid in chunk.evicted:
                     self._ready.pop(gid)
                     log.info("group_evicted", group_id=gid, step=step)
+                if chunk.evicted or chunk.groups:
+                    self.changed.notify()  # capacity freed: the rollout pump may dispatch
                 if not chunk.groups:
                     t = self.now()
                     await self.committed.wait()  # only a commit can make a chunk possible
                     rec.wait_s += self.now() - t
                     continue
                 groups = [self._ready.pop(gid) for gid in chunk.groups]
-                self.changed.notify()  # capacity freed: the rollout pump may dispatch
                 if not opened:
                     rec.train_start = self.now()
                     await self.control.call_each(

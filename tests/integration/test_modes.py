@@ -177,3 +177,32 @@ async def test_a_long_sample_does_not_hold_back_new_groups(
     )
     assert max(r["inflight_samples_max"] for r in steps) > N
     assert all(r["inflight_samples_max"] <= N + 2 for r in steps)
+
+
+async def test_evicting_the_whole_buffer_wakes_the_rollout_pump(
+    make_config: Callable[..., Config],
+) -> None:
+    """Fast samples, slow steps: everything dispatched at the start finishes before training
+    and is buffered; two steps later the rest falls out of the window and is evicted with
+    nothing in flight. The eviction frees the capacity the rollout pump was waiting for, so it
+    must wake it (the run once hung here, each pump waiting for the other)."""
+    steps = await run(
+        make_config,
+        "evict-all",
+        generator={
+            "backend": "bigram",
+            "options": {"length_median": 2.0, "length_sigma": 0.1, "token_delay_s": 0.0},
+        },
+        trainer={"backend": "bigram", "options": {"lr": 0.5, "step_delay_s": 0.2}},
+        pipeline={
+            "sampler": {
+                "name": "oversampled",
+                "max_staleness_versions": 1,
+                "over_sampling_ratio": 1.5,
+            },
+            "min_groups_for_streaming_train": 1,
+        },
+        run={"num_steps": 3},
+    )
+    assert sum(r["evicted_groups"] for r in steps) > 0, steps
+    assert all(max(int(k) for k in r["staleness_hist"]) <= 1 for r in steps)
