@@ -25,7 +25,8 @@ FSDP2 rank and one vLLM rank) in each mode, 16 steps: the median step time again
 workers' own accounts of their time (engine generating, trainer computing, refit), which the
 controller receives with every reply.
 
-Results are printed as markdown and written to ``benchmarks/results/modes-<part>.json``.
+Results are printed as markdown and written to ``--out`` (default
+``runs/benchmarks/modes-<part>.json``, ignored by git).
 """
 
 from __future__ import annotations
@@ -363,9 +364,10 @@ async def main(args: argparse.Namespace) -> None:
             f"{lag['loop_lag_p99_median_step_ms']:.2f} ms, worst "
             f"{lag['loop_lag_p99_worst_step_ms']:.2f} ms"
         )
-    out = ROOT / "benchmarks" / "results" / f"modes-{args.part}.json"
+    out = args.out or ROOT / "runs" / "benchmarks" / f"modes-{args.part}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out.relative_to(ROOT)}")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
@@ -378,7 +380,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--vllm-steps", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--lag-steps", type=int, default=20)
+    parser.add_argument("--lag-steps", type=int, default=60)
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="results JSON (default runs/benchmarks/modes-<part>.json, outside git; the "
+        "figures kept per machine live in benchmarks/results/)",
+    )
     parser.add_argument("--lag-ranks", type=int, default=2, help="rollout ranks in the lag part")
     parser.add_argument(
         "--lag-in-flight",

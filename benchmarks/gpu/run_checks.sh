@@ -13,7 +13,6 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1
 echo "gpu tests rc=$?" | tee -a "$OUT/host.txt"
 tail -5 "$OUT/gpu_tests.txt"
-timeout 240 python3 benchmarks/modes.py "$@" > "$OUT/modes.txt" 2>&1
+timeout 240 python3 benchmarks/modes.py --out "$OUT/modes.json" "$@" > "$OUT/modes.txt" 2>&1
 echo "modes rc=$?" | tee -a "$OUT/host.txt"
 tail -14 "$OUT/modes.txt"
-cp benchmarks/results/modes.json "$OUT/modes.json" 2>/dev/null || true
