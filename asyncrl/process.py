@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from typing import Any
 
 import anyio
 
 __all__ = [
+    "exit_code_after_exit",
     "exit_status",
     "has_exited",
     "kill_process_group",
@@ -61,6 +64,26 @@ def exit_status(pid: int) -> int | None:
     if status & 0x7F:
         return -(status & 0x7F)
     return (status >> 8) & 0xFF
+
+
+async def exit_code_after_exit(pid: int, child: Any = None, within_s: float = 2.0) -> int | None:
+    """The exit status of ``pid``, which :func:`wait_pid_exit` saw exit, read until known for
+    up to ``within_s``: a killed multithreaded process signals its pidfd (and closes its
+    pipes) a moment before it is the zombie whose status ``/proc`` shows. ``child``: its
+    ``multiprocessing.Process`` when it is ours, which keeps the code when another waiter of
+    that object reaped it (a ``join`` in another thread stores the code a moment after its
+    ``waitpid`` took the zombie: keep asking). ``None`` once someone else reaped it without
+    telling us, or after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        code = exit_status(pid)
+        if code is None and child is not None:
+            code = child.exitcode  # polls (waitpid WNOHANG) or returns what a join stored
+        if code is not None or time.monotonic() > deadline:
+            return code
+        if child is None and not pid_exists(pid):  # reaped by a stranger: nobody to ask
+            return None
+        await anyio.sleep(0.01)
 
 
 def pid_exists(pid: int) -> bool:

@@ -53,3 +53,41 @@ def test_flatten_nested_groups_in_order() -> None:
     group = BaseExceptionGroup("outer", [a, ExceptionGroup("inner", [b, c])])
     assert flatten(group) == [a, b, c]
     assert flatten(a) == [a]
+
+
+def _sleep_forever() -> None:
+    time.sleep(60)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_exit_code_after_exit_of_a_killed_child_and_of_a_reaped_one() -> None:
+    import multiprocessing
+
+    import anyio
+
+    from asyncrl.process import exit_code_after_exit, wait_pid_exit
+
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_sleep_forever)
+    child.start()
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        with anyio.fail_after(5):
+            await wait_pid_exit(child.pid)
+            assert await exit_code_after_exit(child.pid, child) == -signal.SIGKILL
+        child.join(5)  # reaped by its Process object: the object still knows the code
+        assert await exit_code_after_exit(child.pid, child) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.join(5)
+    # reaped by someone else, nobody to ask: unknown, at once (not after the 2 s of polling)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    start = time.monotonic()
+    assert await exit_code_after_exit(proc.pid) is None
+    assert time.monotonic() - start < 0.5

@@ -31,7 +31,7 @@ import structlog
 from asyncrl.backend import SampleSink, WorkerContext
 from asyncrl.errors import ConfigError, EngineDeadError, flatten
 from asyncrl.messages import GenRequest, Sample, TokenBatch
-from asyncrl.process import exit_status, process_name, wait_pid_exit
+from asyncrl.process import exit_code_after_exit, process_name, wait_pid_exit
 from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 
 from .idle import ENV_VAR as IDLE_ENV_VAR
@@ -325,10 +325,7 @@ class VLLMBackend(EngineWeights):
 
         async def one(pid: int, scope: anyio.CancelScope) -> None:
             await wait_pid_exit(pid)
-            code = exit_status(pid)
-            if code is None and pid in children:
-                await anyio.to_thread.run_sync(children[pid].join, 1.0)
-                code = children[pid].exitcode
+            code = await exit_code_after_exit(pid, children.get(pid))
             how = "unknown" if code is None else str(code)
             dead.append(f"{names[pid]} (pid {pid}) exited with code {how}")
             scope.cancel()
