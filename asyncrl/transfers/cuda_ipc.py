@@ -125,8 +125,7 @@ class CudaIpcStager:
             raw = self._buffers[k][offset : offset + nbytes]
             dst = self._views[k][key] = raw.view(data.dtype).view(data.shape)
         if stable and data.device == self._device and dst.nbytes < DEFER_BELOW_BYTES:
-            self._deferred[k].setdefault(data.dtype, ([], []))
-            dsts, srcs = self._deferred[k][data.dtype]
+            dsts, srcs = self._deferred[k].setdefault(data.dtype, ([], []))
             dsts.append(dst)
             srcs.append(data.detach())
         else:
