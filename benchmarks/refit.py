@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 
@@ -120,7 +123,8 @@ def copy_floor(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:
     return best
 
 
-def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str):  # noqa: ANN201
+def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str,  # noqa: ANN201
+               mirror: str = "auto"):
     from asyncrl.backend import WorkerContext
     from asyncrl.config import from_dict
 
@@ -128,7 +132,8 @@ def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str):
         options = {"enforce_eager": True, "max_model_len": 512, "cpu_kvcache_space_gib": 1}
         trainer = {}
     else:
-        options = {"enforce_eager": True, "max_model_len": 512, "gpu_memory_utilization": 0.35}
+        options = {"enforce_eager": True, "max_model_len": 512, "gpu_memory_utilization": 0.35,
+                   "refit_mirror": mirror}
         trainer = {"mixed_precision": "bf16"}
     config = from_dict({
         "model": {"path": str(model_dir)},
@@ -178,6 +183,7 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
         "refit_s_median": round(med, 5),
         "refit_s_min": round(whole[0], 5),
         "engine_s_median": round(median([r[1]["seconds"] for r in rest]), 5),
+        "mirrored": rest[-1][1].get("mirrored", 0),
         **parts,
         "gb_per_s": round(nbytes / med / 1e9, 1),
         "floor_s": round(floor_s, 5),
@@ -191,7 +197,8 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
         f"{floor_s * 1e3:6.1f} ms ({row['floor_gb_per_s']:6.1f} GB/s) | {row['x_floor']:.2f}x"
         f" | {case['bucket_mb']} MiB buckets: pack {parts['pack_s'] * 1e3:.1f}, pause "
         f"{parts['pause_s'] * 1e3:.1f}, loads {parts['loads_s'] * 1e3:.1f} (worker "
-        f"{parts['worker_s'] * 1e3:.1f}), resume {parts['resume_s'] * 1e3:.1f} ms",
+        f"{parts['worker_s'] * 1e3:.1f}), resume {parts['resume_s'] * 1e3:.1f} ms; "
+        f"{row['mirrored']} mirrored",
         flush=True,
     )
     if out_path is not None:
@@ -209,7 +216,7 @@ async def one_gpu(args: argparse.Namespace) -> None:
     for size in args.sizes:
         model_dir = write_model(size, args.work, "cpu" if cpu else "cuda:0")
         backend = plugins.load("asyncrl.generation_backends", "vllm")(
-            engine_ctx(model_dir, None if cpu else 0, args.work, args.transport)
+            engine_ctx(model_dir, None if cpu else 0, args.work, args.transport, args.mirror[0])
         )
         t0 = time.perf_counter()
         await backend.start()
@@ -224,7 +231,9 @@ async def one_gpu(args: argparse.Namespace) -> None:
                 device = "cpu" if cpu else f"cuda:{trainer_gpu}"
                 state = load_state(model_dir, device)
                 floor = None
-                for bucket_mb in args.bucket_mb:
+                for bucket_mb, mirror in itertools.product(args.bucket_mb, args.mirror):
+                    # the option is read per bucket: one engine serves every case
+                    backend.options = msgspec.structs.replace(backend.options, refit_mirror=mirror)
                     pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
                     try:
                         results = await timed_refits(
@@ -238,7 +247,7 @@ async def one_gpu(args: argparse.Namespace) -> None:
                                            "cpu" if cpu else "cuda:0")
                     case = {"size": size, "trainer": "1gpu", "placement": placement,
                             "bucket_mb": bucket_mb, "transport": args.transport,
-                            "device": args.device}
+                            "mirror": mirror, "device": args.device}
                     report(case, results, floor, args.out)
                 state = {}
         finally:
@@ -281,7 +290,7 @@ async def fsdp2(args: argparse.Namespace) -> None:
                 for placement in placements:
                     gpu = None if cpu else 0 if placement == "same" else 1
                     engines[placement] = plugins.load("asyncrl.generation_backends", "vllm")(
-                        engine_ctx(model_dir, gpu, args.work, args.transport)
+                        engine_ctx(model_dir, gpu, args.work, args.transport, args.mirror[0])
                     )
                 t0 = time.perf_counter()
                 await asyncio.gather(*(e.start() for e in engines.values()))
@@ -314,7 +323,7 @@ async def fsdp2(args: argparse.Namespace) -> None:
                 for bucket_mb, results in rows:
                     case = {"size": size, "trainer": "fsdp2", "placement": placement,
                             "bucket_mb": bucket_mb, "transport": args.transport,
-                            "device": args.device}
+                            "mirror": args.mirror[0], "device": args.device}
                     report(case, results, floor, args.out)
         finally:
             for engine in engines.values():
@@ -337,9 +346,14 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: the CPU build of vLLM, a gloo FSDP2 group, no GPU figures "
                              "(checks this script where no GPU is at hand)")
+    parser.add_argument("--mirror", default="auto", type=lambda s: s.split(","),
+                        help="the engine's refit_mirror option, comma-separated: each is a "
+                             "case (always: the cross-GPU path on one GPU; fsdp2: the first)")
     parser.add_argument("--transport", default=None,
                         help="weight transfer (default: cuda_ipc on cuda, shm on cpu)")
     args = parser.parse_args()
+    if bad := set(args.mirror) - {"auto", "always", "never"}:
+        parser.error(f"--mirror: unknown {sorted(bad)}")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.transport is None:
         args.transport = "shm" if args.device == "cpu" else "cuda_ipc"

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import psutil
 import pytest
@@ -152,22 +153,28 @@ def perturbed(model_dir: Path, seed: int, device: str) -> dict[str, torch.Tensor
 
 @module_loop
 @pytest.mark.parametrize(
-    ("transport", "trainer_gpu"),
-    [("cuda_ipc", 0), ("cuda_ipc", 1), ("shm", 0)],
-    ids=["cuda_ipc-same-gpu", "cuda_ipc-other-gpu", "shm-from-gpu"],
+    ("transport", "trainer_gpu", "mirror"),
+    [("cuda_ipc", 0, "auto"), ("cuda_ipc", 0, "always"), ("cuda_ipc", 1, "auto"),
+     ("shm", 0, "auto")],
+    ids=["cuda_ipc-same-gpu", "cuda_ipc-same-gpu-mirrored", "cuda_ipc-other-gpu",
+         "shm-from-gpu"],
 )
 async def test_refit_while_generating(
-    backend, model_dir, sequences, transport, trainer_gpu
+    backend, model_dir, sequences, transport, trainer_gpu, mirror
 ) -> None:
     """Refits over the real protocol in several buckets, from trainer tensors on the engine's
     GPU, on the other GPU (CUDA IPC across GPUs), or through host shared memory; a request in
-    flight is frozen, not lost; the first refit compiles the copy plan, the next replay it."""
+    flight is frozen, not lost; the first refit compiles the copy plan, the next replay it.
+    Buckets from the other GPU go through the engine's two mirror buffers, the scatter of one
+    overlapping the copy of the next; ``refit_mirror = "always"`` runs that path on one GPU."""
     if trainer_gpu >= torch.cuda.device_count():
         pytest.skip("needs a second GPU")
     device = f"cuda:{trainer_gpu}"
     pair = LocalRefit(transport, device, bucket_size=64 << 10)
+    options = backend.options
+    backend.options = msgspec.structs.replace(options, refit_mirror=mirror)  # read per bucket
     try:
-        for seed in (1, 2):
+        for seed in (1, 2, 3):
             state = perturbed(model_dir, seed, device)
             before = await backend.score(batch_of(sequences), 1.0)
             inflight = asyncio.create_task(
@@ -181,6 +188,7 @@ async def test_refit_while_generating(
             stats = backend.last_refit
             print(f"{transport} from {device}: {sent.num_buckets} buckets, "
                   f"{stats['direct']}/{stats['tensors']} direct, {stats['batched']} batched, "
+                  f"{stats['mirrored']} mirrored, "
                   f"{stats['seconds'] * 1e3:.1f} ms")
             assert stats["mode"] == "direct"
             after = await backend.score(batch_of(sequences), 1.0)
@@ -193,7 +201,10 @@ async def test_refit_while_generating(
         # a GPU bucket seen before in the same mapped buffer is one batched copy
         batched = sent.num_buckets if transport == "cuda_ipc" else 0
         assert backend.last_refit["batched"] == batched, backend.last_refit
+        crossing = transport == "cuda_ipc" and (trainer_gpu != 0 or mirror == "always")
+        assert backend.last_refit["mirrored"] == (sent.num_buckets if crossing else 0)
     finally:
+        backend.options = options
         pair.close()
 
 

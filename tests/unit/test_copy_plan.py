@@ -138,20 +138,13 @@ def test_buckets_not_replayed_in_a_refit_are_dropped_at_the_next() -> None:
     assert plan.buckets == 0 and plan.replay("new") is None
 
 
-def test_kept_buckets_follow_their_sources_to_a_larger_buffer() -> None:
-    """The engine mirrors a bucket from another GPU into a local buffer and replays from
-    there; when that buffer must grow, the kept buckets are re-pointed to the new one (same
-    offsets) and replay what it holds."""
+def test_forgetting_the_buckets_of_one_buffer_keeps_the_others() -> None:
+    """A mirror buffer was replaced: only the buckets keyed by its handle are dropped."""
     model = Model()
     plan = CopyPlan(model)
-    total = sum(t.numel() for _, t in weights(0))
-    old, new = torch.empty(total), torch.full((2 * total,), float("nan"))
-
-    plan.load(fill(old, 1), "b0")
-    plan.move_sources(old, new)
-    old.fill_(float("nan"))  # nothing may read the old buffer any more
-    fill(new, 2)
-    assert plan.replay("b0") == 4
-    expected = reference(2)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, expected[name]), name
+    plan.load(weights(1)[:3], ("ipc", b"A", 0))
+    plan.load(weights(1)[3:], ("ipc", b"B", 0))
+    plan.forget_buckets(lambda key: key[1] == b"A")
+    assert plan.buckets == 1
+    assert plan.replay(("ipc", b"A", 0)) is None
+    assert plan.replay(("ipc", b"B", 0)) == 1

@@ -29,7 +29,7 @@ kept mapped.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,26 +95,14 @@ class CopyPlan:
             self._model.load_weights(iter(bucket.fallback))  # type: ignore[operator]
         return bucket.direct
 
-    def forget_buckets(self) -> None:
-        """Drop every kept bucket (the memory they read from is gone)."""
-        self._buckets = {}
-        self._replayed = set()
-
-    def move_sources(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """The memory the kept buckets read from moved from ``old`` to ``new`` (a larger
-        buffer on the same device that will hold the same bytes at the same offsets): point
-        their sources there."""
-        ptr = old.untyped_storage().data_ptr()
-
-        def moved(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() != ptr:
-                return t
-            out = torch.empty(0, dtype=t.dtype, device=new.device)
-            return out.set_(new.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-        for bucket in self._buckets.values():
-            bucket.srcs = [moved(t) for t in bucket.srcs]
-            bucket.fallback = [(name, moved(t)) for name, t in bucket.fallback]
+    def forget_buckets(self, where: Callable[[Hashable], bool] | None = None) -> None:
+        """Drop the kept buckets whose key satisfies ``where`` (every one without it): the
+        memory they read from is gone."""
+        if where is None:
+            self._buckets, self._replayed = {}, set()
+            return
+        self._buckets = {k: b for k, b in self._buckets.items() if not where(k)}
+        self._replayed = {k for k in self._replayed if not where(k)}
 
     def load(
         self, weights: Iterable[tuple[str, torch.Tensor]], key: Hashable | None = None

@@ -10,11 +10,11 @@ A refit is ``asyncrl_load_bucket`` × N: the first also opens the reload
 (``asyncrl_begin_reload``), the last also closes it (``asyncrl_finish_reload``, which writes the
 KV-cache scales after finalizing). With vLLM's layerwise reload
 (``vllm.model_executor.model_loader.reload``, present in 0.26 and 0.32) the model's
-checkpoint-format parameters are restored on the meta device, loads are buffered per layer, and once a layer has all its weights it is
-materialised, loaded, re-processed (the CPU build prepacks linear weights here) and copied
-into the original kernel tensors. Buffered tensors are kept *by reference* until their layer
-completes, which is why every tensor read from a bucket is a fresh copy: the sender rewrites
-the bucket file as soon as the load call returns.
+checkpoint-format parameters are restored on the meta device, loads are buffered per layer,
+and once a layer has all its weights it is materialised, loaded, re-processed (the CPU build
+prepacks linear weights here) and copied into the original kernel tensors. Buffered tensors
+are kept *by reference* until their layer completes, which is why every tensor read from a
+bucket is a fresh copy: the sender rewrites the bucket file as soon as the load call returns.
 
 The CPU build runs linear layers through closures built from the weights when they are
 processed (``layer.cpu_linear``, made by ``dispatch_cpu_unquantized_gemm``): a oneDNN handle
@@ -50,6 +50,7 @@ import torch
 
 from .copy_plan import CopyPlan
 from .kv_scales import resolve_kv_scales
+from .mirror import Mirror
 from .options import GEMM_ENV_VAR
 from .reaper import ENV_VAR
 
@@ -266,32 +267,20 @@ class AsyncRLWorkerExtension:
         opener, stable = openers[transport]
         return opener.open(handle, self.device), stable  # type: ignore[attr-defined]
 
-    def _asyncrl_mirror(
-        self, memory: torch.Tensor, span: int, model: torch.nn.Module
-    ) -> torch.Tensor:
-        """A bucket on another GPU, copied whole (``span`` bytes) into a buffer on this one:
-        one copy over the link instead of one per tensor (each cross-GPU copy costs ~25 µs of
-        fixed time on an H200 pair, 7 ms for a 0.5B model's 290 tensors), then the bucket's
-        copies run on this GPU. The buffer is the size of the largest bucket (it grows,
-        moving the kept bucket plans with it); where this GPU has no room for it, ``memory``
-        itself is read, tensor by tensor."""
-        if self.__dict__.get("_asyncrl_no_mirror"):
-            return memory
-        mirror = self.__dict__.get("_asyncrl_mirror_buf")
-        if mirror is None or mirror.numel() < span:
-            device = torch.device(self.device)  # type: ignore[attr-defined]
-            try:
-                grown = torch.empty(max(span, memory.numel()), dtype=torch.uint8, device=device)
-            except torch.OutOfMemoryError:
-                self.__dict__["_asyncrl_no_mirror"] = True
-                self.__dict__.pop("_asyncrl_mirror_buf", None)
-                self._asyncrl_plan(model).forget_buckets()  # they read the mirror
-                return memory
-            if mirror is not None:
-                self._asyncrl_plan(model).move_sources(mirror, grown)
-            mirror = self.__dict__["_asyncrl_mirror_buf"] = grown
-        mirror[:span].copy_(memory[:span], non_blocking=True)
-        return mirror
+    def _asyncrl_mirror_for(
+        self, memory: torch.Tensor, device: torch.device, policy: str
+    ) -> Mirror | None:
+        """The mirror to copy a bucket in ``memory`` through (:mod:`asyncrl_vllm.mirror`), or
+        ``None`` to read ``memory`` where it is. ``policy`` (the ``refit_mirror`` option):
+        ``auto`` mirrors buckets on another GPU, ``always`` any GPU bucket, ``never`` none."""
+        if policy == "never" or memory.device.type != "cuda":
+            return None
+        if policy == "auto" and memory.device == device:
+            return None
+        mirror = self.__dict__.get("_asyncrl_mirror")
+        if mirror is None:
+            mirror = self.__dict__["_asyncrl_mirror"] = Mirror(device)
+        return None if mirror.disabled else mirror
 
     def _asyncrl_plan(self, model: torch.nn.Module) -> CopyPlan:
         plan = self.__dict__.get("_asyncrl_copy_plan")
@@ -307,6 +296,7 @@ class AsyncRLWorkerExtension:
         open_mode: str | None = None,
         finish: bool = False,
         kv_scales: dict[str, float] | None = None,
+        mirror: str = "auto",
     ) -> dict[str, Any]:
         """Load the tensors described by ``entries`` (``[name, dtype, shape, offset, nbytes]``,
         Hugging Face names) from the bucket behind ``handle`` (opened by the weight transfer
@@ -320,7 +310,10 @@ class AsyncRLWorkerExtension:
         (see :class:`CopyPlan`), and a bucket seen before in the same mapped buffer is one
         batched copy; in the other modes through ``model.load_weights``, with private copies
         where the loader keeps references (layerwise) or the bucket is host memory on a GPU
-        engine."""
+        engine. A bucket on another GPU is first copied whole into a mirror buffer on this one
+        (``mirror``: the ``refit_mirror`` option, see :mod:`asyncrl_vllm.mirror`); a replayed
+        bucket then returns once that copy is done, and its scatter runs on under the next
+        bucket's copy (the reload's finish waits for it)."""
         start = time.perf_counter()
         if open_mode is not None:
             self.asyncrl_begin_reload(open_mode)
@@ -332,16 +325,30 @@ class AsyncRLWorkerExtension:
         model = self._asyncrl_model()
         key = None
         source = memory
+        copied = None
         if mode == "direct" and stable and memory.device.type == device.type:
             key = (transport, handle, tuple((e[0], e[1], tuple(e[2]), e[3], e[4]) for e in entries))
-            if memory.device != device:
+            mirrored = self._asyncrl_mirror_for(memory, device, mirror)
+            if mirrored is not None:
                 span = max((e[3] + e[4] for e in entries), default=0)
-                source = self._asyncrl_mirror(memory, span, model)
+                try:
+                    source, copied, fresh = mirrored.fetch(handle, memory, span)
+                except torch.OutOfMemoryError:  # read it where it is from now on
+                    self._asyncrl_plan(model).forget_buckets()  # some read a dropped buffer
+                else:
+                    if fresh:  # kept buckets of this handle read a buffer that was dropped
+                        self._asyncrl_plan(model).forget_buckets(lambda k: k[1] == handle)
+                if copied is not None:
+                    torch.cuda.current_stream(device).wait_event(copied)
             with self._asyncrl_config():
                 direct = self._asyncrl_plan(model).replay(key)
             if direct is not None:
+                if copied is not None:
+                    assert mirrored is not None
+                    mirrored.reading(handle, torch.cuda.current_stream(device))
                 return self._asyncrl_loaded(start, memory, mode, len(entries), direct, True,
-                                            finish, kv_scales)
+                                            finish, kv_scales, copied,
+                                            overlap=copied is not None)
         weights: list[tuple[str, torch.Tensor]] = []
         for name, dtype_name, shape, offset, nbytes in entries:
             dtype = _dtype(dtype_name)
@@ -361,7 +368,7 @@ class AsyncRLWorkerExtension:
                 model.load_weights(iter(weights))  # type: ignore[operator]
         del weights
         return self._asyncrl_loaded(start, memory, mode, len(entries), direct, False, finish,
-                                    kv_scales)
+                                    kv_scales, copied)
 
     def _asyncrl_loaded(
         self,
@@ -373,17 +380,26 @@ class AsyncRLWorkerExtension:
         batched: bool,
         finish: bool,
         kv_scales: dict[str, float] | None,
+        copied: Any = None,
+        *,
+        overlap: bool = False,
     ) -> dict[str, Any]:
-        """Wait until the bucket's copies are done (its memory may be refilled once this
-        returns), then close the reload if ``finish``. ``batched``: the bucket was replayed
-        as one batched copy."""
+        """Wait until the bucket's memory is read (it may be refilled once this returns),
+        then close the reload if ``finish``. ``batched``: the bucket was replayed as one
+        batched copy. ``copied``: the mirror's copy of the bucket (its completion event);
+        ``overlap``: only that copy read the bucket's memory, so waiting for it is enough
+        (the scatter out of the mirror runs on; finishing the reload waits for it)."""
         device = torch.device(self.device)  # type: ignore[attr-defined]
-        self._asyncrl_sync()
-        if memory.device.type == "cuda" and memory.device != device:
-            # a copy across GPUs may run on the source GPU's stream: done reading before the ack
-            torch.cuda.synchronize(memory.device)
+        if overlap:
+            copied.synchronize()
+        else:
+            self._asyncrl_sync()
+            if memory.device.type == "cuda" and memory.device != device:
+                # a copy across GPUs runs on the source GPU's stream: done before the ack
+                torch.cuda.synchronize(memory.device)
         out: dict[str, Any] = {
-            "mode": mode, "tensors": tensors, "direct": direct, "batched": int(batched)
+            "mode": mode, "tensors": tensors, "direct": direct, "batched": int(batched),
+            "mirrored": int(copied is not None),
         }
         if finish:
             out.update(self.asyncrl_finish_reload(kv_scales))

@@ -88,6 +88,14 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ``layerwise``: vLLM's layerwise reload (each layer is re-processed after its weights
     arrived; required on the CPU build, whose linear layers are prepacked). ``auto``:
     ``direct`` on a GPU, ``layerwise`` on the CPU build."""
+    refit_mirror: Literal["auto", "always", "never"] = "auto"
+    """How ``direct`` mode reads a bucket staged on a GPU (``cuda_ipc``). ``auto``: a bucket
+    on another GPU is copied whole into a buffer on the engine's GPU (one copy over the link,
+    overlapped with writing the previous bucket into the parameters; two buffers the size of
+    the trainer's staging buffers, 1 GiB each by default); one on the engine's GPU is read
+    where it is. ``never``: read every bucket where it is (saves that memory; a tensor per
+    cross-GPU copy, ~25 µs each on an H200 pair). ``always``: mirror buckets on the same GPU
+    too (no gain there; it runs the cross-GPU path on one GPU, for tests)."""
     prefix_cache_after_refit: Literal["salt", "reset"] = "salt"
     """How a refit keeps blocks computed by older weights from being reused. ``salt``: every
     request carries the served weight version as its ``cache_salt``, so older blocks never

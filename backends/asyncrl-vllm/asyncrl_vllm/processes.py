@@ -94,6 +94,7 @@ def unlink_shm(paths: list[str]) -> None:
         except OSError:
             continue
         try:
-            multiprocessing.resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
+            name = "/" + os.path.basename(path)
+            multiprocessing.resource_tracker.unregister(name, "shared_memory")
         except Exception:  # noqa: BLE001 - best effort: the tracker only warns later
             pass

@@ -18,9 +18,9 @@ every PID the owner names (``track PID START``). A record is (PID, start time), 
 cannot make it hit a stranger. The pipe's only writer is the owner: EOF means ``close()`` or
 the owner's death. The watchdog then SIGKILLs what it recorded (and their descendants) until
 nothing is left, removes the engine's private ipc socket directory if it was given one (the
-engine cannot, once killed), prints the PIDs it killed and exits. It ignores SIGINT, SIGTERM and SIGHUP, so
-a signal to the whole process group does not stop it before it has done its job. Standard
-library only.
+engine cannot, once killed), prints the PIDs it killed and exits. It ignores SIGINT, SIGTERM
+and SIGHUP, so a signal to the whole process group does not stop it before it has done its
+job. Standard library only.
 """
 
 from __future__ import annotations

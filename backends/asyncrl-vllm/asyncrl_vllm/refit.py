@@ -44,6 +44,8 @@ class _Update:
     """Tensors written through the compiled copy plan (the rest went through load_weights)."""
     batched: int = 0
     """Buckets replayed as one batched copy (seen before in the same mapped buffer)."""
+    mirrored: int = 0
+    """Buckets copied whole into a mirror buffer on the engine's GPU first."""
     failed: bool = False
     finished: bool = False
     """The last bucket loaded: the reload is closed and the scales are set."""
@@ -182,6 +184,7 @@ class EngineWeights:
             (out,) = await self._rpc(
                 "asyncrl_load_bucket", bucket.transport, bucket.handle, entries, opening,
                 bucket.last, update.kv_scales if bucket.last else None,
+                self.options.refit_mirror,
             )
         except BaseException as exc:
             update.failed = True
@@ -196,6 +199,7 @@ class EngineWeights:
         update.nbytes += sum(e.nbytes for e in bucket.entries)
         update.direct += out["direct"]
         update.batched += out["batched"]
+        update.mirrored += out.get("mirrored", 0)
         update.worker_s += float(out.get("seconds", 0.0))
         update.loads_s = time.perf_counter() - update.first_load
         update.finished = bucket.last
@@ -246,6 +250,7 @@ class EngineWeights:
             "tensors": update.tensors,
             "direct": update.direct,
             "batched": update.batched,
+            "mirrored": update.mirrored,
             "bytes": update.nbytes,
             "seconds": done - update.started,
             # where the time went: the pause, the bucket calls (wall, and inside the worker),
