@@ -10,8 +10,10 @@ reported apart.
 Models are random-initialized Qwen2 shapes (Qwen2.5-0.5B, -1.5B, -7B), bf16, written once to
 ``--work``. Trainers:
 
-- ``1gpu``: the trainer's tensors live in this process on ``cuda:<trainer GPU>``
-  (what ``FSDPBackend.iter_weights`` yields with one rank: full tensors on its GPU);
+- ``1gpu``: the trainer's tensors live on ``cuda:<trainer GPU>`` (what
+  ``FSDPBackend.iter_weights`` yields with one rank: full tensors on its GPU), in a trainer
+  process of its own that runs the sender, as trainer rank 0 does in a run (``--sender
+  inline``: in this process, next to the engine's client, competing with it for the GIL);
 - ``fsdp2``: run under ``torchrun --nproc-per-node 2``; both ranks run the real
   ``FSDPBackend`` (``fully_shard`` over 2 GPUs), rank 0 also hosts the engine and sends,
   gathering one FSDP unit at a time.
@@ -145,6 +147,113 @@ def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str, 
     return WorkerContext("rollout", 0, 1, 0, config, str(run_dir), gpu=gpu)
 
 
+def _trainer_process(conn, transport: str, device: str, bucket_size: int, model_dir: str,  # noqa: ANN001
+                     address: str, run_id: str) -> None:
+    """Trainer rank 0 in a process of its own, as in a run: holds the model's tensors on
+    ``device`` and sends the version the parent names, until it names none. The pipe carries
+    msgpack (versions down, ``WeightsResult`` up), nothing pickled."""
+    import anyio
+
+    from asyncrl.backend import WeightTensor
+    from asyncrl.refit import WeightSender
+    from asyncrl.transfers import StagingSpec, load_transfer
+    from asyncrl.transport import Context
+
+    state = load_state(Path(model_dir), device)
+    dtype = {n: str(t.dtype).removeprefix("torch.") for n, t in state.items()}
+    specs = [WeightTensor(n, dtype[n], tuple(t.shape)) for n, t in state.items()]
+
+    def tensors():  # noqa: ANN202
+        for n, t in state.items():
+            yield WeightTensor(n, dtype[n], tuple(t.shape), t, stable=True)
+
+    async def serve() -> None:
+        ctx = Context()
+        sender = WeightSender(ctx, address, load_transfer(transport),
+                              StagingSpec(run_id, 0, device))
+        try:
+            conn.send_bytes(msgspec.msgpack.encode("ready"))
+            while (version := msgspec.msgpack.decode(
+                await anyio.to_thread.run_sync(conn.recv_bytes)
+            )) is not None:
+                result = await sender.send(version, ["rollout:0"], specs, tensors(),
+                                           bucket_size=bucket_size, timeout_s=300)
+                conn.send_bytes(msgspec.msgpack.encode(result))
+        finally:
+            sender.close()
+            ctx.close()
+
+    anyio.run(serve)
+
+
+class ProcessRefit:
+    """The sender in a trainer process of its own (``_trainer_process``), the receiver here
+    next to the engine's client: the processes of a run. (``refit_support.LocalRefit`` keeps
+    both ends in this process, where packing competes with the engine's client for the GIL.)"""
+
+    def __init__(self, transport: str, device: str, *, bucket_size: int, model_dir: Path) -> None:
+        import multiprocessing
+        import tempfile
+        import uuid
+
+        from asyncrl.refit import WeightReceiver
+        from asyncrl.transport import Context, ipc_address
+
+        self._dir = tempfile.mkdtemp(prefix="asyncrl-pr-")
+        os.chmod(self._dir, 0o700)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.transport = transport
+        address = ipc_address(self._dir, "w")
+        mp = multiprocessing.get_context("spawn")
+        self._conn, child = mp.Pipe()
+        self._proc = mp.Process(
+            target=_trainer_process,
+            args=(child, transport, device, bucket_size, str(model_dir), address, self.run_id),
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(600):
+            self.close()
+            raise RuntimeError("the trainer process did not start within 600 s")
+        msgspec.msgpack.decode(self._conn.recv_bytes())
+        self.ctx = Context()
+        self.receiver = WeightReceiver(self.ctx, address, "rollout:0")
+
+    async def push(self, backend, version: int, *_: object, **__: object):  # noqa: ANN001, ANN201
+        import anyio
+
+        from asyncrl.messages import WeightsResult
+
+        self._conn.send_bytes(msgspec.msgpack.encode(version))
+        received = await self.receiver.receive(
+            version, backend, transport=self.transport, reset_prefix_cache=True,
+            kv_scales=None, timeout_s=300,
+        )
+        raw = await anyio.to_thread.run_sync(self._conn.recv_bytes)
+        return msgspec.msgpack.decode(raw, type=WeightsResult), received
+
+    def close(self) -> None:
+        import shutil
+
+        from asyncrl.transfers.shm import shm_dir
+
+        try:
+            self._conn.send_bytes(msgspec.msgpack.encode(None))
+        except OSError:
+            pass
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(10)
+        self._conn.close()
+        if hasattr(self, "receiver"):
+            self.receiver.close()
+            self.ctx.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(shm_dir(self.run_id), ignore_errors=True)
+
+
 async def timed_refits(backend, pair, version: int, make, specs, repeats: int, barrier=None):  # noqa: ANN001, ANN201
     """The first refit apart, then ``repeats`` timed ones: [(whole s, engine's account, sent)]
     (the engine's account: ``last_refit``, with its pause/loads/worker/resume split)."""
@@ -192,6 +301,7 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
     }
     print(
         f"{case['size']:>5} {case['trainer']:>5} {case['placement']:>5} "
+        f"{case.get('mirror', 'auto'):>6} {case.get('sender', 'inline'):>7} "
         f"{nbytes / 1e9:6.2f} GB {row['buckets']:3d} buckets | refit {med * 1e3:7.1f} ms "
         f"({row['gb_per_s']:6.1f} GB/s; first {first[0] * 1e3:7.1f} ms) | floor "
         f"{floor_s * 1e3:6.1f} ms ({row['floor_gb_per_s']:6.1f} GB/s) | {row['x_floor']:.2f}x"
@@ -231,10 +341,15 @@ async def one_gpu(args: argparse.Namespace) -> None:
                 device = "cpu" if cpu else f"cuda:{trainer_gpu}"
                 state = load_state(model_dir, device)
                 floor = None
-                for bucket_mb, mirror in itertools.product(args.bucket_mb, args.mirror):
+                cases = itertools.product(args.bucket_mb, args.mirror, args.sender)
+                for bucket_mb, mirror, sender in cases:
                     # the option is read per bucket: one engine serves every case
                     backend.options = msgspec.structs.replace(backend.options, refit_mirror=mirror)
-                    pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
+                    if sender == "process":
+                        pair = ProcessRefit(args.transport, device, bucket_size=bucket_mb << 20,
+                                            model_dir=model_dir)
+                    else:
+                        pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
                     try:
                         results = await timed_refits(
                             backend, pair, version, lambda: state.items(), None, args.repeats
@@ -247,7 +362,7 @@ async def one_gpu(args: argparse.Namespace) -> None:
                                            "cpu" if cpu else "cuda:0")
                     case = {"size": size, "trainer": "1gpu", "placement": placement,
                             "bucket_mb": bucket_mb, "transport": args.transport,
-                            "mirror": mirror, "device": args.device}
+                            "mirror": mirror, "sender": sender, "device": args.device}
                     report(case, results, floor, args.out)
                 state = {}
         finally:
@@ -323,7 +438,8 @@ async def fsdp2(args: argparse.Namespace) -> None:
                 for bucket_mb, results in rows:
                     case = {"size": size, "trainer": "fsdp2", "placement": placement,
                             "bucket_mb": bucket_mb, "transport": args.transport,
-                            "mirror": args.mirror[0], "device": args.device}
+                            "mirror": args.mirror[0], "sender": "inline",
+                            "device": args.device}
                     report(case, results, floor, args.out)
         finally:
             for engine in engines.values():
@@ -349,11 +465,17 @@ def main() -> None:
     parser.add_argument("--mirror", default="auto", type=lambda s: s.split(","),
                         help="the engine's refit_mirror option, comma-separated: each is a "
                              "case (always: the cross-GPU path on one GPU; fsdp2: the first)")
+    parser.add_argument("--sender", default="process", type=lambda s: s.split(","),
+                        help="1gpu: where trainer rank 0's sender runs, comma-separated cases: "
+                             "process (a trainer process of its own, as in a run) or inline "
+                             "(in this process, next to the engine's client)")
     parser.add_argument("--transport", default=None,
                         help="weight transfer (default: cuda_ipc on cuda, shm on cpu)")
     args = parser.parse_args()
     if bad := set(args.mirror) - {"auto", "always", "never"}:
         parser.error(f"--mirror: unknown {sorted(bad)}")
+    if bad := set(args.sender) - {"process", "inline"}:
+        parser.error(f"--sender: unknown {sorted(bad)}")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.transport is None:
         args.transport = "shm" if args.device == "cpu" else "cuda_ipc"
