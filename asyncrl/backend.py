@@ -17,7 +17,7 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -183,18 +183,11 @@ class GenerationBackend(Protocol):
         Otherwise stop scheduling (in-flight requests are kept) and prepare to load.
         ``kv_scales`` are applied after the last bucket's weights (a reload resets them)."""
 
-    async def load_weight_bucket(self, bucket: WeightBucketView) -> Sequence[int] | None:
-        """Load every tensor of ``bucket`` into the engine. ``bucket.last`` marks the
-        version's last bucket; the next bucket's load may be called before this one returns
-        (the engine must apply them in call order).
-
-        Returns the indexes of the buckets whose memory the engine no longer reads, so the
-        sender may refill them: ``None`` means this bucket and every one before it. An engine
-        whose copies are still running when the call returns (a GPU copy it only queued)
-        leaves this bucket out and names it in the next call's answer, which hides that
-        call's round trip behind the copy. By the time the load of bucket ``i`` returns,
-        every bucket before ``i`` must be released (the sender stages in two buffers), and
-        the last bucket's load releases them all; the runtime fails the refit otherwise."""
+    async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
+        """Load every tensor of ``bucket`` into the engine. When this returns the engine no
+        longer reads the bucket's memory. ``bucket.last`` marks the version's last bucket; the
+        next bucket's load may be called before this one returns (the engine must apply them
+        in call order)."""
 
     async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
         """The refit of ``version`` failed after :meth:`begin_weight_update`. Without any

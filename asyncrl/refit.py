@@ -55,9 +55,7 @@ from .transfers import StagingSpec, WeightTransfer
 from .transfers.shm import shm_dir
 from .transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, peer_name
 
-__all__ = [
-    "DTYPE_SIZES", "Releases", "WeightReceiver", "WeightSender", "check_bucket", "shm_dir",
-]
+__all__ = ["DTYPE_SIZES", "WeightReceiver", "WeightSender", "check_bucket", "shm_dir"]
 
 log = structlog.get_logger("asyncrl.refit")
 ALIGN = 256
@@ -136,50 +134,6 @@ def bucket_ends(sizes: Sequence[int], bucket_size: int) -> list[int]:
     if count:
         ends.append(used)
     return ends
-
-
-class Releases:
-    """Which buckets of one refit the engine released, and which to acknowledge next, in
-    order: the rule of :meth:`GenerationBackend.load_weight_bucket`'s answer, in one place.
-
-    The sender refills a staging buffer only once its bucket is acknowledged, and it has two:
-    so when the load of bucket ``i`` returns, every bucket before ``i`` must be released
-    (bucket ``i`` itself may follow with the next answer), and the last load releases all.
-    """
-
-    def __init__(self) -> None:
-        self._released: set[int] = set()
-        self.acked = 0
-        """Buckets acknowledged: ``0 .. acked - 1``."""
-
-    def answer(self, index: int, released: Sequence[int] | None, last: bool) -> list[int]:
-        """The load of bucket ``index`` returned ``released``: the buckets to acknowledge now.
-
-        Raises:
-            ValueError: the engine broke the rule (names a bucket it was not given, holds an
-                earlier bucket past this load, or the last load leaves one unreleased).
-        """
-        if released is None:
-            fresh: Iterable[int] = range(self.acked, index + 1)
-        else:
-            fresh = [int(i) for i in released]
-            if any(not 0 <= i <= index for i in fresh):
-                raise ValueError(
-                    f"the load of bucket {index} released buckets {sorted(fresh)}: only buckets "
-                    f"0..{index} were given"
-                )
-        self._released.update(fresh)
-        ack = []
-        while self.acked in self._released:
-            ack.append(self.acked)
-            self.acked += 1
-        if self.acked < index or (last and self.acked <= index):
-            raise ValueError(
-                f"bucket {self.acked} is still read after the load of bucket {index} returned "
-                "(an engine may hold back only the bucket it was just given, and the last "
-                "load must release every bucket)"
-            )
-        return ack
 
 
 class _Packer:
@@ -477,7 +431,6 @@ class WeightReceiver:
         await self._ack(version, -1)
         done = n_bytes = n_buckets = 0
         loaded_any = False
-        releases = Releases()
         try:
             try:
                 async with anyio.create_task_group() as loads:
@@ -502,9 +455,7 @@ class WeightReceiver:
                         )
                         loaded_any = True
                         finished = anyio.Event()
-                        loads.start_soon(
-                            self._load, backend, view, releases, previous, finished
-                        )
+                        loads.start_soon(self._load, backend, view, previous, finished)
                         previous = finished
                         n_buckets += 1
                         done += len(msg.entries)
@@ -535,33 +486,24 @@ class WeightReceiver:
         self,
         backend: GenerationBackend,
         view: WeightBucketView,
-        releases: Releases,
         previous: anyio.Event | None,
         finished: anyio.Event,
     ) -> None:
-        """Load one bucket, then acknowledge what the engine released, once the load before
-        it was answered (loads may overlap: the next bucket's load is queued in the engine
-        while this one runs, which hides one engine round trip per bucket; an engine may also
-        release a bucket one load late, see :class:`Releases`)."""
+        """Load one bucket, then acknowledge it once the bucket before it was (loads may
+        overlap: the next bucket's load is queued in the engine while this one runs, which hides
+        one engine round trip per bucket; the sender has two buffers, so at most two are in
+        flight)."""
         error: Exception | None = None
-        released: Sequence[int] | None = None
         try:
-            released = await backend.load_weight_bucket(view)
+            await backend.load_weight_bucket(view)
         except Exception as exc:
             error = exc
         if previous is not None:
             await previous.wait()
-        ack: list[int] = []
-        if error is None:
-            try:
-                ack = releases.answer(view.index, released, view.last)
-            except ValueError as exc:
-                error = exc
         if error is not None:
             await self._ack(view.version, view.index, f"{type(error).__name__}: {error}")
             raise RefitError(f"bucket {view.index} of v{view.version}: {error}") from error
-        for index in ack:
-            await self._ack(view.version, index)
+        await self._ack(view.version, view.index)
         finished.set()
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from asyncrl.codec import Codec
 from asyncrl.errors import RefitError
 from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
 from asyncrl.refit import (
-    Releases, WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
+    WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
 )
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir
@@ -101,40 +101,6 @@ class Engine:
     async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
         self.events.append(("finish", version, reset_prefix_cache))
         self.weights, self.staged = self.staged, {}
-
-
-class LateEngine(Engine):
-    """Releases each bucket one load late, as a GPU engine does whose copy is still running
-    when its call returns: the bytes are read only then (at release), so a sender that
-    refilled the buffer before the release would deliver the wrong bytes. ``hold`` keeps a
-    bucket past the next load too (breaking the rule)."""
-
-    def __init__(self, hold: int | None = None, bogus: bool = False) -> None:
-        super().__init__()
-        self.hold = hold
-        self.bogus = bogus
-        self.pending: list[WeightBucketView] = []
-        self.answers: list[list[int]] = []
-        self.lock = anyio.Lock()
-
-    async def load_weight_bucket(self, bucket: WeightBucketView) -> list[int]:
-        async with self.lock:  # an engine runs its calls one after the other
-            self.buckets.append([e.name for e in bucket.entries])
-            done = [b for b in self.pending if b.index != self.hold]
-            self.pending = [b for b in self.pending if b.index == self.hold] + [bucket]
-            if bucket.last:
-                done, self.pending = done + self.pending, []
-            # the copies of the buckets released now finish only here, well after the call
-            # that queued them returned: a sender that refilled a buffer on that return
-            # would have overwritten them by now
-            await anyio.sleep(0.05)
-            for b in done:
-                for e in b.entries:
-                    raw = read_bytes(b.handle, e.offset, e.nbytes)
-                    self.staged[e.name] = raw.view(np.float32).reshape(e.shape).copy()
-            answer = [b.index for b in done] + ([bucket.index + 5] if self.bogus else [])
-            self.answers.append(answer)
-            return answer
 
 
 class Pair:
@@ -435,59 +401,5 @@ async def test_data_that_does_not_match_its_declaration_is_refused(run_dir: str)
             tg.start_soon(send)
             tg.start_soon(receive)
         assert engine.weights == {}
-    finally:
-        pair.close()
-
-
-def test_releases_acknowledge_in_order_and_enforce_the_rule() -> None:
-    r = Releases()
-    assert r.answer(0, [], last=False) == []  # bucket 0's copy still runs
-    assert r.answer(1, [0], last=False) == [0]
-    assert r.answer(2, None, last=False) == [1, 2]  # None: this one and every one before
-    assert r.answer(3, [3], last=False) == [3]
-    assert r.answer(4, [4], last=True) == [4]
-    with pytest.raises(ValueError, match="bucket 0 is still read after the load of bucket 1"):
-        fresh = Releases()
-        fresh.answer(0, [], last=False)
-        fresh.answer(1, [1], last=False)  # bucket 0 held past the next load
-    with pytest.raises(ValueError, match="only buckets 0..1 were given"):
-        Releases().answer(1, [0, 2], last=False)
-    with pytest.raises(ValueError, match="last load must release every bucket"):
-        Releases().answer(0, [], last=True)
-
-
-async def test_an_engine_may_release_each_bucket_one_load_late(run_dir: str) -> None:
-    """A GPU engine answers a bucket's load while its copy still runs and releases it with
-    the next answer: the sender must refill a buffer only after that release, and the refit
-    still completes byte-exact (the engine reads the bytes at release time here)."""
-    pair, engine = Pair(run_dir), LateEngine()
-    try:
-        for version in (1, 2):
-            w = weights()
-            sent, received = await refit(pair, engine, w, version)
-            assert sent.num_buckets == received.num_buckets == 3
-            assert engine.answers[-3:] == [[], [0], [1, 2]]
-            for name, a in w.items():
-                np.testing.assert_array_equal(engine.weights[name], a)
-    finally:
-        pair.close()
-
-
-@pytest.mark.parametrize(("hold", "bogus", "why"), [
-    (0, False, "bucket 0 is still read after the load of bucket 1"),
-    (None, True, "only buckets 0..0 were given"),
-])
-async def test_an_engine_that_breaks_the_release_rule_fails_the_refit(
-    run_dir: str, hold: int | None, bogus: bool, why: str
-) -> None:
-    """Holding a bucket past the next load would stall the sender (it has two buffers), and
-    naming a bucket it was not given is nonsense: both fail the refit on both sides, with
-    the rule in the message, and the engine is told."""
-    pair, engine = Pair(run_dir), LateEngine(hold=hold, bogus=bogus)
-    try:
-        sent, received = await refit(pair, engine, weights())
-        assert isinstance(sent, RefitError) and why in str(sent)
-        assert isinstance(received, RefitError) and why in str(received)
-        assert engine.events[-1][0] == "abort"
     finally:
         pair.close()

@@ -212,7 +212,6 @@ class AsyncRLWorkerExtension:
         """Open a reload. ``mode``: ``auto``, ``layerwise``, ``plain`` or ``direct``. Returns the
         mode used (``auto``: ``direct`` on a GPU, ``layerwise`` on the CPU build).
         A reload left open by a failed refit is finalized first."""
-        self._asyncrl_release_pending()  # copies a failed refit left running
         if self._asyncrl_mode is not None:
             self.asyncrl_finish_reload()
         helpers = _reload_helpers()
@@ -298,7 +297,6 @@ class AsyncRLWorkerExtension:
         finish: bool = False,
         kv_scales: dict[str, float] | None = None,
         mirror: str = "auto",
-        index: int = 0,
     ) -> dict[str, Any]:
         """Load the tensors described by ``entries`` (``[name, dtype, shape, offset, nbytes]``,
         Hugging Face names) from the bucket behind ``handle`` (opened by the weight transfer
@@ -313,18 +311,12 @@ class AsyncRLWorkerExtension:
         batched copy; in the other modes through ``model.load_weights``, with private copies
         where the loader keeps references (layerwise) or the bucket is host memory on a GPU
         engine. A bucket on another GPU is first copied whole into a mirror buffer on this one
-        (``mirror``: the ``refit_mirror`` option, see :mod:`asyncrl_vllm.mirror`).
-
-        A replayed GPU bucket returns as soon as its copies are queued: the answer's
-        ``released`` names the buckets (``index``: this one's) whose memory is no longer read,
-        the earlier ones this call waited for, and this one only when it had to wait for it
-        anyway (the last bucket, or a path that synchronizes). So the engine's round trip of
-        the next call runs while this bucket's copy does, and the scatter out of a mirror
-        runs under the next bucket's copy."""
+        (``mirror``: the ``refit_mirror`` option, see :mod:`asyncrl_vllm.mirror`); a replayed
+        bucket then returns once that copy is done, and its scatter runs on under the next
+        bucket's copy (the reload's finish waits for it)."""
         start = time.perf_counter()
         if open_mode is not None:
             self.asyncrl_begin_reload(open_mode)
-        released = self._asyncrl_release_pending()
         mode = self._asyncrl_mode
         if mode is None:
             raise RuntimeError("asyncrl_load_bucket called without asyncrl_begin_reload")
@@ -351,16 +343,12 @@ class AsyncRLWorkerExtension:
             with self._asyncrl_config():
                 direct = self._asyncrl_plan(model).replay(key)
             if direct is not None:
-                reading = copied  # what reads the bucket's memory: the mirror's copy...
                 if copied is not None:
                     assert mirrored is not None
                     mirrored.reading(handle, torch.cuda.current_stream(device))
-                elif memory.device == device and device.type == "cuda":
-                    reading = torch.cuda.Event()  # ...or the scatter itself
-                    reading.record(torch.cuda.current_stream(device))
                 return self._asyncrl_loaded(start, memory, mode, len(entries), direct, True,
-                                            finish, kv_scales, released, index,
-                                            reading=reading, mirrored=copied is not None)
+                                            finish, kv_scales, copied,
+                                            overlap=copied is not None)
         weights: list[tuple[str, torch.Tensor]] = []
         for name, dtype_name, shape, offset, nbytes in entries:
             dtype = _dtype(dtype_name)
@@ -380,7 +368,7 @@ class AsyncRLWorkerExtension:
                 model.load_weights(iter(weights))  # type: ignore[operator]
         del weights
         return self._asyncrl_loaded(start, memory, mode, len(entries), direct, False, finish,
-                                    kv_scales, released, index, mirrored=copied is not None)
+                                    kv_scales, copied)
 
     def _asyncrl_loaded(
         self,
@@ -392,41 +380,30 @@ class AsyncRLWorkerExtension:
         batched: bool,
         finish: bool,
         kv_scales: dict[str, float] | None,
-        released: list[int],
-        index: int,
+        copied: Any = None,
         *,
-        reading: Any = None,
-        mirrored: bool = False,
+        overlap: bool = False,
     ) -> dict[str, Any]:
-        """Answer a bucket's load. ``reading``: the event after which nothing reads the
-        bucket's memory; the bucket is then released by the next call (or by this one if it
-        finishes the reload). Without it, wait until the memory is read now. Then close the
-        reload if ``finish``. ``batched``: the bucket was replayed as one batched copy."""
+        """Wait until the bucket's memory is read (it may be refilled once this returns),
+        then close the reload if ``finish``. ``batched``: the bucket was replayed as one
+        batched copy. ``copied``: the mirror's copy of the bucket (its completion event);
+        ``overlap``: only that copy read the bucket's memory, so waiting for it is enough
+        (the scatter out of the mirror runs on; finishing the reload waits for it)."""
         device = torch.device(self.device)  # type: ignore[attr-defined]
-        if reading is not None and not finish:
-            self.__dict__.setdefault("_asyncrl_pending", []).append((index, reading))
+        if overlap:
+            copied.synchronize()
         else:
             self._asyncrl_sync()
             if memory.device.type == "cuda" and memory.device != device:
                 # a copy across GPUs runs on the source GPU's stream: done before the ack
                 torch.cuda.synchronize(memory.device)
-            released.append(index)
         out: dict[str, Any] = {
             "mode": mode, "tensors": tensors, "direct": direct, "batched": int(batched),
-            "mirrored": int(mirrored), "released": released,
+            "mirrored": int(copied is not None),
         }
         if finish:
             out.update(self.asyncrl_finish_reload(kv_scales))
         out["seconds"] = time.perf_counter() - start
-        return out
-
-    def _asyncrl_release_pending(self) -> list[int]:
-        """Wait for the copies earlier calls left running; the indexes of their buckets."""
-        pending = self.__dict__.setdefault("_asyncrl_pending", [])
-        for _, event in pending:
-            event.synchronize()
-        out = [i for i, _ in pending]
-        pending.clear()
         return out
 
     def asyncrl_finish_reload(self, kv_scales: dict[str, float] | None = None) -> dict[str, Any]:
@@ -451,7 +428,6 @@ class AsyncRLWorkerExtension:
             self._asyncrl_gemm = None
         changed = self.asyncrl_set_kv_scales(kv_scales) if kv_scales else 0
         self._asyncrl_sync()
-        self._asyncrl_release_pending()  # done: the device is synchronized
         return {"mode": mode, "redispatched": redispatched, "kv_scales": changed}
 
     def asyncrl_idle_spin(self) -> float | None:

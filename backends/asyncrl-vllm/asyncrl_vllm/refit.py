@@ -9,9 +9,7 @@
     load_weight_bucket(b)             collective_rpc("asyncrl_load_bucket", ...), one per
                                       bucket: the first also opens the reload, the last also
                                       finalizes it and writes the scales (after the weights:
-                                      finalizing resets them to 1.0); answers the buckets
-                                      released (a GPU bucket's copies run on into the next
-                                      call, which releases it)
+                                      finalizing resets them to 1.0)
     finish_weight_update(v)           invalidate the prefix cache (a new cache salt, or a
                                       reset); label the version; resume
     abort_weight_update(v, loaded_any)  close the reload; resume on the old weights if nothing
@@ -161,13 +159,11 @@ class EngineWeights:
             version=version, mode="", started=started, kv_scales=scales, pause_s=paused - started
         )
 
-    async def load_weight_bucket(self, bucket: WeightBucketView) -> list[int]:
+    async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
         """Load every tensor of ``bucket`` (Hugging Face names) in one engine call, which also
         opens the reload (first bucket) and finalizes it and writes the KV-cache scales (last
-        bucket). The workers open the bucket through its transfer (:mod:`asyncrl.transfers`).
-        Returns the buckets they no longer read: a GPU bucket whose copies were only queued
-        is released by the next call (its round trip then runs under the copy), the last
-        call releases every bucket.
+        bucket). The workers open the bucket through its transfer (:mod:`asyncrl.transfers`)
+        and are done reading it when this returns, so the sender may reuse it.
 
         Raises:
             RefitError: no matching begin, or bad KV-cache scale names (last bucket).
@@ -188,7 +184,7 @@ class EngineWeights:
             (out,) = await self._rpc(
                 "asyncrl_load_bucket", bucket.transport, bucket.handle, entries, opening,
                 bucket.last, update.kv_scales if bucket.last else None,
-                self.options.refit_mirror, bucket.index,
+                self.options.refit_mirror,
             )
         except BaseException as exc:
             update.failed = True
@@ -208,7 +204,6 @@ class EngineWeights:
         update.loads_s = time.perf_counter() - update.first_load
         update.finished = bucket.last
         update.redispatched = out.get("redispatched", [])
-        return [int(i) for i in out["released"]]
 
     async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
         """Close the reload. Without any bucket loaded the old weights are intact: resume
