@@ -293,7 +293,6 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
         "refit_s_min": round(whole[0], 5),
         "engine_s_median": round(median([r[1]["seconds"] for r in rest]), 5),
         "mirrored": rest[-1][1].get("mirrored", 0),
-        "engine_calls": rest[-1][1].get("engine_calls", first[2].num_buckets),
         **parts,
         "gb_per_s": round(nbytes / med / 1e9, 1),
         "floor_s": round(floor_s, 5),
@@ -303,14 +302,13 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
     print(
         f"{case['size']:>5} {case['trainer']:>5} {case['placement']:>5} "
         f"{case.get('mirror', 'auto'):>6} {case.get('sender', 'inline'):>7} "
-        f"loop {case.get('loop', 'off'):>3} "
         f"{nbytes / 1e9:6.2f} GB {row['buckets']:3d} buckets | refit {med * 1e3:7.1f} ms "
         f"({row['gb_per_s']:6.1f} GB/s; first {first[0] * 1e3:7.1f} ms) | floor "
         f"{floor_s * 1e3:6.1f} ms ({row['floor_gb_per_s']:6.1f} GB/s) | {row['x_floor']:.2f}x"
         f" | {case['bucket_mb']} MiB buckets: pack {parts['pack_s'] * 1e3:.1f}, pause "
         f"{parts['pause_s'] * 1e3:.1f}, loads {parts['loads_s'] * 1e3:.1f} (worker "
         f"{parts['worker_s'] * 1e3:.1f}), resume {parts['resume_s'] * 1e3:.1f} ms; "
-        f"{row['mirrored']} mirrored, {row['engine_calls']} engine call(s)",
+        f"{row['mirrored']} mirrored",
         flush=True,
     )
     if out_path is not None:
@@ -343,12 +341,10 @@ async def one_gpu(args: argparse.Namespace) -> None:
                 device = "cpu" if cpu else f"cuda:{trainer_gpu}"
                 state = load_state(model_dir, device)
                 floor = None
-                cases = itertools.product(args.bucket_mb, args.mirror, args.sender, args.loop)
-                for bucket_mb, mirror, sender, loop in cases:
-                    # the options are read per refit: one engine serves every case
-                    backend.options = msgspec.structs.replace(
-                        backend.options, refit_mirror=mirror, refit_engine_loop=loop == "on"
-                    )
+                cases = itertools.product(args.bucket_mb, args.mirror, args.sender)
+                for bucket_mb, mirror, sender in cases:
+                    # the option is read per bucket: one engine serves every case
+                    backend.options = msgspec.structs.replace(backend.options, refit_mirror=mirror)
                     if sender == "process":
                         pair = ProcessRefit(args.transport, device, bucket_size=bucket_mb << 20,
                                             model_dir=model_dir)
@@ -366,8 +362,7 @@ async def one_gpu(args: argparse.Namespace) -> None:
                                            "cpu" if cpu else "cuda:0")
                     case = {"size": size, "trainer": "1gpu", "placement": placement,
                             "bucket_mb": bucket_mb, "transport": args.transport,
-                            "mirror": mirror, "sender": sender, "loop": loop,
-                            "device": args.device}
+                            "mirror": mirror, "sender": sender, "device": args.device}
                     report(case, results, floor, args.out)
                 state = {}
         finally:
@@ -474,16 +469,11 @@ def main() -> None:
                         help="1gpu: where trainer rank 0's sender runs, comma-separated cases: "
                              "process (a trainer process of its own, as in a run) or inline "
                              "(in this process, next to the engine's client)")
-    parser.add_argument("--loop", default="on", type=lambda s: s.split(","),
-                        help="1gpu: the engine's refit_engine_loop, comma-separated cases: on "
-                             "(one engine call per refit) or off (one per bucket)")
     parser.add_argument("--transport", default=None,
                         help="weight transfer (default: cuda_ipc on cuda, shm on cpu)")
     args = parser.parse_args()
     if bad := set(args.mirror) - {"auto", "always", "never"}:
         parser.error(f"--mirror: unknown {sorted(bad)}")
-    if bad := set(args.loop) - {"on", "off"}:
-        parser.error(f"--loop: unknown {sorted(bad)}")
     if bad := set(args.sender) - {"process", "inline"}:
         parser.error(f"--sender: unknown {sorted(bad)}")
     args.work.mkdir(parents=True, exist_ok=True)

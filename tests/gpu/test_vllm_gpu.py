@@ -188,7 +188,7 @@ async def test_refit_while_generating(
             stats = backend.last_refit
             print(f"{transport} from {device}: {sent.num_buckets} buckets, "
                   f"{stats['direct']}/{stats['tensors']} direct, {stats['batched']} batched, "
-                  f"{stats['mirrored']} mirrored, {stats['engine_calls']} engine call(s), "
+                  f"{stats['mirrored']} mirrored, "
                   f"{stats['seconds'] * 1e3:.1f} ms")
             assert stats["mode"] == "direct"
             after = await backend.score(batch_of(sequences), 1.0)
@@ -203,7 +203,6 @@ async def test_refit_while_generating(
         assert backend.last_refit["batched"] == batched, backend.last_refit
         crossing = transport == "cuda_ipc" and (trainer_gpu != 0 or mirror == "always")
         assert backend.last_refit["mirrored"] == (sent.num_buckets if crossing else 0)
-        assert backend.last_refit["engine_calls"] == 1  # the worker's loop took every bucket
     finally:
         backend.options = options
         pair.close()

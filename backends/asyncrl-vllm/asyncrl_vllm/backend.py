@@ -125,9 +125,6 @@ class VLLMBackend(EngineWeights):
         self._engine_shm: list[str] = []
         """Shared-memory segments the engine's processes mapped at start (vLLM's message
         queues); a killed engine cannot unlink them."""
-        self._refit_loop = None
-        """The backend's end of the engine's refit loop (``refit_engine_loop``)."""
-        self._zmq = None
         self._ipc_dir = ""
         """Private directory for the engine's ipc sockets (vLLM puts them in /tmp otherwise
         and leaves them there when its processes are killed)."""
@@ -260,7 +257,6 @@ class VLLMBackend(EngineWeights):
             llm, self._llm = self._llm, None
             reaper, self._reaper = self._reaper, None
             self._update = None
-            self._close_refit_loop()
             if llm is None and reaper is None:
                 return
             if reaper is not None and self._dead:

@@ -51,7 +51,6 @@ import torch
 from .copy_plan import CopyPlan
 from .kv_scales import resolve_kv_scales
 from .mirror import Mirror
-from .refit_loop import serve_buckets
 from .options import GEMM_ENV_VAR
 from .reaper import ENV_VAR
 
@@ -370,46 +369,6 @@ class AsyncRLWorkerExtension:
         del weights
         return self._asyncrl_loaded(start, memory, mode, len(entries), direct, False, finish,
                                     kv_scales, copied)
-
-    def asyncrl_load_loop(
-        self,
-        address: str,
-        version: int,
-        open_mode: str | None,
-        mirror: str = "auto",
-        timeout_s: float = 300.0,
-    ) -> dict[str, Any]:
-        """The whole refit to ``version`` in one engine call: take its buckets from the
-        backend's socket at ``address`` and load each as :meth:`asyncrl_load_bucket` does,
-        answering each on the socket, until the last (:mod:`asyncrl_vllm.refit_loop`). The
-        socket is connected once and kept for the worker's life."""
-        import zmq
-
-        if self.__dict__.get("_asyncrl_loop_address") != address:
-            old = self.__dict__.pop("_asyncrl_loop_socket", None)
-            if old is not None:
-                old.close(linger=0)
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            self.__dict__["_asyncrl_loop_socket"] = sock
-            self.__dict__["_asyncrl_loop_address"] = address
-
-        def load(
-            transport: str,
-            handle: bytes,
-            entries: list[list[Any]],
-            opening: str | None,
-            last: bool,
-            kv_scales: dict[str, float] | None,
-        ) -> dict[str, Any]:
-            return self.asyncrl_load_bucket(
-                transport, handle, entries, opening, last, kv_scales, mirror
-            )
-
-        return serve_buckets(
-            self.__dict__["_asyncrl_loop_socket"], version, load, open_mode, timeout_s
-        )
 
     def _asyncrl_loaded(
         self,

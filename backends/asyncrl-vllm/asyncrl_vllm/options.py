@@ -96,11 +96,6 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     where it is. ``never``: read every bucket where it is (saves that memory; a tensor per
     cross-GPU copy, ~25 µs each on an H200 pair). ``always``: mirror buckets on the same GPU
     too (no gain there; it runs the cross-GPU path on one GPU, for tests)."""
-    refit_engine_loop: bool = True
-    """Load a refit's buckets in one call into the engine's worker, which then reads them
-    from a socket of its own (``asyncrl_vllm.refit_loop``), instead of one engine call per
-    bucket (~1 ms of engine round trip each on an H200 host). Engines with
-    ``tensor_parallel_size`` > 1 always make one call per bucket."""
     prefix_cache_after_refit: Literal["salt", "reset"] = "salt"
     """How a refit keeps blocks computed by older weights from being reused. ``salt``: every
     request carries the served weight version as its ``cache_salt``, so older blocks never

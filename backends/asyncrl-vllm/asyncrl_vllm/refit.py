@@ -28,10 +28,7 @@ from asyncrl.backend import WeightBucketView
 from asyncrl.errors import RefitError
 from asyncrl.messages import TensorEntry
 
-from asyncrl.transport import DEALER, Context, ipc_address
-
 from .manifest import checkpoint_shapes, manifest_problems
-from .refit_loop import LoopClient
 
 __all__ = ["EngineWeights"]
 
@@ -43,15 +40,12 @@ class _Update:
     started: float
     tensors: int = 0
     nbytes: int = 0
-    buckets: int = 0
     direct: int = 0
     """Tensors written through the compiled copy plan (the rest went through load_weights)."""
     batched: int = 0
     """Buckets replayed as one batched copy (seen before in the same mapped buffer)."""
     mirrored: int = 0
     """Buckets copied whole into a mirror buffer on the engine's GPU first."""
-    looped: bool = False
-    """The buckets went through one engine call (``refit_engine_loop``)."""
     failed: bool = False
     finished: bool = False
     """The last bucket loaded: the reload is closed and the scales are set."""
@@ -67,9 +61,8 @@ class _Update:
 
 class EngineWeights:
     """Refit methods of the vLLM backend. Uses the backend's ``_require``, ``_rpc``,
-    ``_bounded``, ``options``, ``ctx``, ``_log``, ``_ipc_dir`` and its refit state
-    (``version``, ``last_refit``, ``_update``, ``_shapes``, ``_tied``, ``_salt``,
-    ``_refit_loop``, ``_zmq``)."""
+    ``_bounded``, ``options``, ``ctx``, ``_log`` and its refit state (``version``,
+    ``last_refit``, ``_update``, ``_shapes``, ``_tied``, ``_salt``)."""
 
     _require: Any
     _rpc: Any
@@ -83,31 +76,6 @@ class EngineWeights:
     _shapes: dict[str, list[int]] | None
     _tied: bool
     _salt: str | None
-    _ipc_dir: str
-    _refit_loop: LoopClient | None
-    _zmq: Context | None
-
-    def _loop_wanted(self) -> bool:
-        return self.options.refit_engine_loop and self.options.tensor_parallel_size == 1
-
-    def _loop_client(self) -> LoopClient:
-        """The backend's end of the engine's refit loop, bound on first use in the engine's
-        private ipc directory."""
-        if self._refit_loop is None:
-            if self._zmq is None:
-                self._zmq = Context()
-            address = ipc_address(self._ipc_dir, "refit")
-            sock = self._zmq.socket(DEALER, bind=address, copy=True)
-            self._refit_loop = LoopClient(sock, address, self.options.rpc_timeout_s)
-        return self._refit_loop
-
-    def _close_refit_loop(self) -> None:
-        if self._refit_loop is not None:
-            self._refit_loop.close()
-            self._refit_loop = None
-        if self._zmq is not None:
-            self._zmq.close()
-            self._zmq = None
 
     async def _invalidate_prefix_cache(self, version: int) -> None:
         """Make sure no block computed by older weights is reused (see the option
@@ -210,29 +178,14 @@ class EngineWeights:
             [e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)] for e in bucket.entries
         ]
         opening = self.options.weight_load_mode if bucket.index == 0 else None
-        kv_scales = update.kv_scales if bucket.last else None
         if update.first_load is None:
             update.first_load = time.perf_counter()
         try:
-            if self._loop_wanted():
-                loop = self._loop_client()
-                if bucket.index == 0:  # one engine call for the whole refit
-                    update.looped = True
-                    loop.open(bucket.version, self._rpc(
-                        "asyncrl_load_loop", loop.address, bucket.version, opening,
-                        self.options.refit_mirror, self.options.rpc_timeout_s,
-                    ))
-                out = await loop.load(
-                    bucket.index, bucket.transport, bucket.handle, entries, bucket.last,
-                    kv_scales,
-                )
-                if bucket.last:
-                    await loop.finish()
-            else:
-                (out,) = await self._rpc(
-                    "asyncrl_load_bucket", bucket.transport, bucket.handle, entries, opening,
-                    bucket.last, kv_scales, self.options.refit_mirror,
-                )
+            (out,) = await self._rpc(
+                "asyncrl_load_bucket", bucket.transport, bucket.handle, entries, opening,
+                bucket.last, update.kv_scales if bucket.last else None,
+                self.options.refit_mirror,
+            )
         except BaseException as exc:
             update.failed = True
             if bucket.last and update.kv_scales and "KV scale" in str(exc):
@@ -242,7 +195,6 @@ class EngineWeights:
             raise
         if opening is not None:
             update.mode = out["mode"]
-        update.buckets += 1
         update.tensors += len(entries)
         update.nbytes += sum(e.nbytes for e in bucket.entries)
         update.direct += out["direct"]
@@ -258,8 +210,6 @@ class EngineWeights:
         serving them. Otherwise stay paused (mixed weights must never serve)."""
         update, self._update = self._update, None
         try:
-            if self._refit_loop is not None:
-                await self._refit_loop.abort()  # the worker's loop ends before the call below
             await self._rpc("asyncrl_finish_reload")
         finally:
             if not loaded_any and (update is None or not update.failed):
@@ -301,7 +251,6 @@ class EngineWeights:
             "direct": update.direct,
             "batched": update.batched,
             "mirrored": update.mirrored,
-            "engine_calls": 1 if update.looped else update.buckets,
             "bytes": update.nbytes,
             "seconds": done - update.started,
             # where the time went: the pause, the bucket calls (wall, and inside the worker),
