@@ -14,8 +14,10 @@ The controller only says "version v" to both sides and waits for both to answer:
         ───────────── Bucket(v, 1, B, last) ─────►  backend.load_weight_bucket(B)
         ◄──────────── BucketAck(v, 1) ────────────  backend.finish_weight_update(v)
 
-Two staging buffers are used in turn, so the trainer packs bucket k+1 while generators load
-bucket k; a buffer is rewritten only after every receiver acknowledged it. Each bucket's entries
+The staging buffers (``refit.staging_buffers``, two by default) are used in turn, so the
+trainer packs bucket k+1 while generators load bucket k; a buffer is rewritten only after
+every receiver acknowledged its bucket, so n buffers let the trainer run up to n - 1 buckets
+ahead of the slowest generator. Each bucket's entries
 must be the next ones of the manifest (same names, dtypes and shapes, inside the bucket) or the
 receiver refuses it before loading. Every wait is bounded by ``refit.timeout_s``.
 
@@ -145,6 +147,7 @@ class _Packer:
         manifest: list[TensorEntry],
         stager: Any,
         bucket_size: int,
+        buffers: int = 2,
     ) -> None:
         self._it = tensors
         self._manifest = manifest
@@ -159,7 +162,7 @@ class _Packer:
         # small model gets small buffers; the sizes, hence the handles, stay the same from one
         # refit to the next, so a reader's per-bucket plans stay valid)
         ends = bucket_ends(self._sizes, bucket_size)
-        self._buffer_sizes = [max(ends[k::2], default=0) for k in (0, 1)]
+        self._buffer_sizes = [max(ends[k::buffers], default=0) for k in range(buffers)]
 
     def _next(self) -> WeightTensor | None:
         if self._carry is not None:
@@ -220,7 +223,8 @@ class _Packer:
 
 
 class WeightSender:
-    """Trainer rank 0's end: a bound ROUTER plus the transfer's two staging buffers.
+    """Trainer rank 0's end: a bound ROUTER plus the transfer's staging buffers
+    (``spec.buffers``, filled in turn).
 
     Args:
         ctx: the worker's ZeroMQ context.
@@ -233,6 +237,7 @@ class WeightSender:
         self, ctx: Context, address: str, transfer: WeightTransfer, spec: StagingSpec
     ) -> None:
         self.transfer = transfer
+        self._buffers = spec.buffers
         self._sock: AsyncSocket = ctx.socket(ROUTER, bind=address, router_mandatory=True)
         self._codec = Codec(WeightMessage)
         self.rejections = Rejections()
@@ -324,7 +329,8 @@ class WeightSender:
         outstanding[-1] = set(receivers)
         await self._send_all(receivers, Manifest(version, self.transfer.name, manifest))
         self._stager.begin(list(receivers))
-        packer = _Packer(iter(tensors), manifest, self._stager, bucket_size)
+        n = self._buffers
+        packer = _Packer(iter(tensors), manifest, self._stager, bucket_size, n)
         first: list[tuple[list[TensorEntry], int, bool]] = []
 
         async def pack_first() -> None:
@@ -340,9 +346,9 @@ class WeightSender:
             raise _first_refit_error(group) from None
         index = 0
         while True:
-            cur = index % 2
-            if index >= 2:  # buffer `cur` held bucket index-2: free before we refill it
-                await settle(index - 2, f"bucket {index - 2}")
+            cur = index % n
+            if index >= n:  # buffer `cur` held bucket index-n: free before we refill it
+                await settle(index - n, f"bucket {index - n}")
             entries, used, last = first.pop() if first else await run(packer.fill, cur)
             handle = self._stager.handle(cur)
             outstanding[index] = set(receivers)
@@ -350,7 +356,7 @@ class WeightSender:
             index += 1
             if last:
                 break
-        for i in range(max(0, index - 2), index):
+        for i in range(max(0, index - n), index):
             await settle(i, f"bucket {i}")
         return WeightsResult(
             version=version,
@@ -491,7 +497,7 @@ class WeightReceiver:
     ) -> None:
         """Load one bucket, then acknowledge it once the bucket before it was (loads may
         overlap: the next bucket's load is queued in the engine while this one runs, which hides
-        one engine round trip per bucket; the sender has two buffers, so at most two are in
+        one engine round trip per bucket; the sender's staging buffers bound how many are in
         flight)."""
         error: Exception | None = None
         try:

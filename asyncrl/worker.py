@@ -501,7 +501,10 @@ async def serve(
             caps = await runtime.thread.run(runtime.backend.start)
             if rank == 0 and init.transfer_address:
                 transfer = load_transfer(config.refit.transport)
-                spec = StagingSpec(init.run_id, rank, str(caps.get("device", "cpu")))
+                spec = StagingSpec(
+                    init.run_id, rank, str(caps.get("device", "cpu")),
+                    buffers=config.refit.staging_buffers,
+                )
                 runtime.sender = WeightSender(ctx, init.transfer_address, transfer, spec)
         # backends report whatever they like (e.g. torch's TorchVersion, a str subclass):
         # keep only plain JSON values on the wire

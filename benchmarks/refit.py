@@ -148,7 +148,7 @@ def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str, 
 
 
 def _trainer_process(conn, transport: str, device: str, bucket_size: int, model_dir: str,  # noqa: ANN001
-                     address: str, run_id: str) -> None:
+                     address: str, run_id: str, buffers: int) -> None:
     """Trainer rank 0 in a process of its own, as in a run: holds the model's tensors on
     ``device`` and sends the version the parent names, until it names none. The pipe carries
     msgpack (versions down, ``WeightsResult`` up), nothing pickled."""
@@ -170,7 +170,7 @@ def _trainer_process(conn, transport: str, device: str, bucket_size: int, model_
     async def serve() -> None:
         ctx = Context()
         sender = WeightSender(ctx, address, load_transfer(transport),
-                              StagingSpec(run_id, 0, device))
+                              StagingSpec(run_id, 0, device, buffers=buffers))
         try:
             conn.send_bytes(msgspec.msgpack.encode("ready"))
             while (version := msgspec.msgpack.decode(
@@ -191,7 +191,8 @@ class ProcessRefit:
     next to the engine's client: the processes of a run. (``refit_support.LocalRefit`` keeps
     both ends in this process, where packing competes with the engine's client for the GIL.)"""
 
-    def __init__(self, transport: str, device: str, *, bucket_size: int, model_dir: Path) -> None:
+    def __init__(self, transport: str, device: str, *, bucket_size: int, model_dir: Path,
+                 buffers: int = 2) -> None:
         import multiprocessing
         import tempfile
         import uuid
@@ -208,7 +209,8 @@ class ProcessRefit:
         self._conn, child = mp.Pipe()
         self._proc = mp.Process(
             target=_trainer_process,
-            args=(child, transport, device, bucket_size, str(model_dir), address, self.run_id),
+            args=(child, transport, device, bucket_size, str(model_dir), address, self.run_id,
+                  buffers),
             daemon=True,
         )
         self._proc.start()
@@ -302,6 +304,7 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
     print(
         f"{case['size']:>5} {case['trainer']:>5} {case['placement']:>5} "
         f"{case.get('mirror', 'auto'):>6} {case.get('sender', 'inline'):>7} "
+        f"{case.get('staging_buffers', 2)} buffers "
         f"{nbytes / 1e9:6.2f} GB {row['buckets']:3d} buckets | refit {med * 1e3:7.1f} ms "
         f"({row['gb_per_s']:6.1f} GB/s; first {first[0] * 1e3:7.1f} ms) | floor "
         f"{floor_s * 1e3:6.1f} ms ({row['floor_gb_per_s']:6.1f} GB/s) | {row['x_floor']:.2f}x"
@@ -341,15 +344,17 @@ async def one_gpu(args: argparse.Namespace) -> None:
                 device = "cpu" if cpu else f"cuda:{trainer_gpu}"
                 state = load_state(model_dir, device)
                 floor = None
-                cases = itertools.product(args.bucket_mb, args.mirror, args.sender)
-                for bucket_mb, mirror, sender in cases:
+                cases = itertools.product(args.bucket_mb, args.mirror, args.sender,
+                                          args.staging_buffers)
+                for bucket_mb, mirror, sender, buffers in cases:
                     # the option is read per bucket: one engine serves every case
                     backend.options = msgspec.structs.replace(backend.options, refit_mirror=mirror)
                     if sender == "process":
                         pair = ProcessRefit(args.transport, device, bucket_size=bucket_mb << 20,
-                                            model_dir=model_dir)
+                                            model_dir=model_dir, buffers=buffers)
                     else:
-                        pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20)
+                        pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20,
+                                          buffers=buffers)
                     try:
                         results = await timed_refits(
                             backend, pair, version, lambda: state.items(), None, args.repeats
@@ -362,7 +367,8 @@ async def one_gpu(args: argparse.Namespace) -> None:
                                            "cpu" if cpu else "cuda:0")
                     case = {"size": size, "trainer": "1gpu", "placement": placement,
                             "bucket_mb": bucket_mb, "transport": args.transport,
-                            "mirror": mirror, "sender": sender, "device": args.device}
+                            "mirror": mirror, "sender": sender, "staging_buffers": buffers,
+                            "device": args.device}
                     report(case, results, floor, args.out)
                 state = {}
         finally:
@@ -469,6 +475,9 @@ def main() -> None:
                         help="1gpu: where trainer rank 0's sender runs, comma-separated cases: "
                              "process (a trainer process of its own, as in a run) or inline "
                              "(in this process, next to the engine's client)")
+    parser.add_argument("--staging-buffers", default="2",
+                        type=lambda s: [int(x) for x in s.split(",")],
+                        help="1gpu: refit.staging_buffers, comma-separated cases")
     parser.add_argument("--transport", default=None,
                         help="weight transfer (default: cuda_ipc on cuda, shm on cpu)")
     args = parser.parse_args()

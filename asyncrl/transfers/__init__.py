@@ -56,10 +56,12 @@ class StagingSpec:
     device: str
     """The trainer's device (``cpu``, ``cuda:0``); device transfers allocate their buffers
     there."""
+    buffers: int = 2
+    """Staging buffers to keep, filled in turn (``refit.staging_buffers``)."""
 
 
 class Stager(Protocol):
-    """Sender side: two staging buffers."""
+    """Sender side: ``StagingSpec.buffers`` staging buffers, numbered from 0."""
 
     def begin(self, receivers: list[str]) -> None:
         """A refit to ``receivers`` (``rollout:<rank>`` identities) starts (before any
@@ -86,7 +88,7 @@ class Stager(Protocol):
         """Buffer ``k``'s handle, as its reader decodes it."""
 
     def close(self) -> None:
-        """Free both buffers. Idempotent."""
+        """Free every buffer. Idempotent."""
 
 
 class Opener(Protocol):

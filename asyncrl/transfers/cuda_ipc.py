@@ -1,9 +1,9 @@
 """The ``cuda_ipc`` weight transfer: buckets staged in device memory, shared by CUDA IPC.
 
-The sender allocates two ``uint8`` buffers on its GPU and exports each once (an IPC handle plus
-torch's reference counter), re-exporting only when a buffer grows. A reader opens a handle once
-and keeps the mapping for the rest of the run, so a refit costs the device-to-device copies and
-no handle traffic. The reader may run on another GPU of the node: the handle names the buffer's
+The sender allocates its ``uint8`` staging buffers (two by default) on its GPU and exports
+each once (an IPC handle plus torch's reference counter), re-exporting only when a buffer
+grows. A reader opens a handle once and keeps the mapping for the rest of the run, so a refit
+costs the device-to-device copies and no handle traffic. The reader may run on another GPU of the node: the handle names the buffer's
 GPU by UUID, and the reader maps it through its own index of that GPU (the reader's process
 must see that GPU; ``CUDA_VISIBLE_DEVICES`` order differs between processes).
 
@@ -89,14 +89,17 @@ class CudaIpcStager:
         if self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._id = f"{spec.run_id}/{spec.rank}/{uuid.uuid4().hex[:8]}"
-        self._buffers: list[Any] = [None, None]
-        self._handles: list[bytes | None] = [None, None]
+        self._n = spec.buffers
+        self._buffers: list[Any] = [None] * self._n
+        self._handles: list[bytes | None] = [None] * self._n
         # typed views of each buffer at (offset, dtype, shape): the same tensors land at the
         # same places every refit, and one cached view saves four tensor ops per tensor (the
         # per-tensor Python cost is most of packing a small model)
-        self._views: list[dict[tuple[Any, ...], Any]] = [{}, {}]
+        self._views: list[dict[tuple[Any, ...], Any]] = [{} for _ in range(self._n)]
         # stable tensors' small copies, per buffer and dtype, issued together at seal
-        self._deferred: list[dict[Any, tuple[list[Any], list[Any]]]] = [{}, {}]
+        self._deferred: list[dict[Any, tuple[list[Any], list[Any]]]] = [
+            {} for _ in range(self._n)
+        ]
 
     def begin(self, receivers: list[str]) -> None:
         """Readers map the buffers themselves: nothing to connect."""
@@ -167,10 +170,10 @@ class CudaIpcStager:
     def close(self) -> None:
         import torch
 
-        self._buffers = [None, None]
-        self._handles = [None, None]
-        self._views = [{}, {}]
-        self._deferred = [{}, {}]
+        self._buffers = [None] * self._n
+        self._handles = [None] * self._n
+        self._views = [{} for _ in range(self._n)]
+        self._deferred = [{} for _ in range(self._n)]
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
 

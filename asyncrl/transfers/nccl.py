@@ -128,7 +128,7 @@ _decode = msgspec.msgpack.Decoder(NcclHandle).decode
 
 
 class NcclStager:
-    """Sender side: two staging buffers on the trainer's device, broadcast by a sender thread.
+    """Sender side: staging buffers on the trainer's device, broadcast by a sender thread.
 
     Args:
         spec: the trainer's device picks the backend (``cuda…``: NCCL, ``cpu``: gloo).
@@ -160,13 +160,15 @@ class NcclStager:
             )
         self._device = device
         self._timeout_s = _timeout_s()
-        self._buffers: list[Any] = [None, None]
-        self._used = [0, 0]
+        n = spec.buffers
+        self._n = n
+        self._buffers: list[Any] = [None] * n
+        self._used = [0] * n
         """Bytes up to the last one written into each buffer (its broadcast's length)."""
-        self._sealed = [False, False]
+        self._sealed = [False] * n
         """Whether each buffer's bucket is sealed (its next reserve/pack starts a new one)."""
-        self._jobs: list[_Job | None] = [None, None]
-        self._handles: list[bytes | None] = [None, None]
+        self._jobs: list[_Job | None] = [None] * n
+        self._handles: list[bytes | None] = [None] * n
         self._seq = 0
         self._receivers: list[str] | None = None
         self._ranks: dict[str, int] = {}
@@ -332,9 +334,9 @@ class NcclStager:
             if thread.is_alive():  # a broadcast no reader takes part in: let it go
                 _shutdown(thread.group, graceful=False)
                 thread.join(1.0)
-        self._buffers = [None, None]
-        self._jobs = [None, None]
-        self._handles = [None, None]
+        self._buffers = [None] * self._n
+        self._jobs = [None] * self._n
+        self._handles = [None] * self._n
         self._store = None
 
 

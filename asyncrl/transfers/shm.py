@@ -85,7 +85,9 @@ def _host_bytes(data: Any) -> np.ndarray:
 class ShmStager:
     def __init__(self, spec: StagingSpec) -> None:
         directory = make_private_dir(shm_dir(spec.run_id))
-        self._files = [_File(os.path.join(directory, f"w{spec.rank}-{k}.bin")) for k in (0, 1)]
+        self._files = [
+            _File(os.path.join(directory, f"w{spec.rank}-{k}.bin")) for k in range(spec.buffers)
+        ]
 
     def begin(self, receivers: list[str]) -> None:
         """Readers map the buffers themselves: nothing to connect."""

@@ -28,13 +28,15 @@ class LocalRefit:
     """A trainer's sender (staging on ``device``) and a generator's receiver, kept across
     refits like a run keeps them (a transfer's staging buffers are reused)."""
 
-    def __init__(self, transport: str, device: str, *, bucket_size: int = 256 << 20) -> None:
+    def __init__(
+        self, transport: str, device: str, *, bucket_size: int = 256 << 20, buffers: int = 2
+    ) -> None:
         self._dir = tempfile.mkdtemp(prefix="asyncrl-lr-")
         os.chmod(self._dir, 0o700)
         self.run_id = uuid.uuid4().hex[:8]
         self.ctx = Context()
         address = ipc_address(self._dir, "w")
-        spec = StagingSpec(self.run_id, 0, device)
+        spec = StagingSpec(self.run_id, 0, device, buffers=buffers)
         self.transport = transport
         self.sender = WeightSender(self.ctx, address, load_transfer(transport), spec)
         self.receiver = WeightReceiver(self.ctx, address, "rollout:0")

@@ -153,24 +153,25 @@ def perturbed(model_dir: Path, seed: int, device: str) -> dict[str, torch.Tensor
 
 @module_loop
 @pytest.mark.parametrize(
-    ("transport", "trainer_gpu", "mirror"),
-    [("cuda_ipc", 0, "auto"), ("cuda_ipc", 0, "always"), ("cuda_ipc", 1, "auto"),
-     ("shm", 0, "auto")],
-    ids=["cuda_ipc-same-gpu", "cuda_ipc-same-gpu-mirrored", "cuda_ipc-other-gpu",
+    ("transport", "trainer_gpu", "mirror", "buffers"),
+    [("cuda_ipc", 0, "auto", 2), ("cuda_ipc", 0, "always", 3), ("cuda_ipc", 1, "auto", 2),
+     ("shm", 0, "auto", 2)],
+    ids=["cuda_ipc-same-gpu", "cuda_ipc-same-gpu-mirrored-3-buffers", "cuda_ipc-other-gpu",
          "shm-from-gpu"],
 )
 async def test_refit_while_generating(
-    backend, model_dir, sequences, transport, trainer_gpu, mirror
+    backend, model_dir, sequences, transport, trainer_gpu, mirror, buffers
 ) -> None:
     """Refits over the real protocol in several buckets, from trainer tensors on the engine's
     GPU, on the other GPU (CUDA IPC across GPUs), or through host shared memory; a request in
     flight is frozen, not lost; the first refit compiles the copy plan, the next replay it.
     Buckets from the other GPU go through the engine's two mirror buffers, the scatter of one
-    overlapping the copy of the next; ``refit_mirror = "always"`` runs that path on one GPU."""
+    overlapping the copy of the next; ``refit_mirror = "always"`` runs that path on one GPU
+    (with three staging buffers, so three mirror buffers)."""
     if trainer_gpu >= torch.cuda.device_count():
         pytest.skip("needs a second GPU")
     device = f"cuda:{trainer_gpu}"
-    pair = LocalRefit(transport, device, bucket_size=64 << 10)
+    pair = LocalRefit(transport, device, bucket_size=64 << 10, buffers=buffers)
     options = backend.options
     backend.options = msgspec.structs.replace(options, refit_mirror=mirror)  # read per bucket
     try:

@@ -7,6 +7,8 @@ weights after the last refit (and not the initial ones), and nothing left behind
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable
 
 import numpy as np
@@ -17,6 +19,7 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
+from asyncrl.transfers.shm import shm_dir  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.grpo import pack_tokens  # noqa: E402
 from asyncrl.messages import ComputeLogprobs, LogprobsResult, Score  # noqa: E402
@@ -138,15 +141,20 @@ async def test_lookahead_one_overlaps_generation_with_training(
 
 async def test_refit_verification_is_logged_on_schedule(make_config: Callable[..., Config]) -> None:
     """Versions 1-2 (the first refits) and every 3rd after are verified; each check is a
-    metrics record per generator, and a right refit agrees to float32 rounding."""
+    metrics record per generator, and a right refit agrees to float32 rounding. (With three
+    staging buffers: the trainer keeps the shm files ``refit.staging_buffers`` asks for.)"""
     cfg = make_config(
         run={"num_steps": 7},
         cluster={"rollout_ranks": 2},
-        refit={"verify_first_steps": 2, "verify_every_steps": 3, "verify_num_sequences": 5},
+        refit={"verify_first_steps": 2, "verify_every_steps": 3, "verify_num_sequences": 5,
+               "staging_buffers": 3},
         eval={"num_prompts": 0},
     )
     async with asyncrl.Controller(cfg) as ctl:
         await ctl.train()
+        assert ctl.addresses is not None
+        staged = sorted(os.listdir(shm_dir(ctl.addresses.run_id)))
+        assert staged == ["w0-0.bin", "w0-1.bin", "w0-2.bin"]
     checks = [r for r in read_metrics(cfg) if r["kind"] == "refit_verify"]
     assert sorted({r["version"] for r in checks}) == [1, 2, 3, 6]
     assert sorted(r["worker"] for r in checks if r["version"] == 6) == ["rollout:0", "rollout:1"]

@@ -1,5 +1,5 @@
 """The vLLM engine's mirror buffers (asyncrl_vllm.mirror), on the CPU: one buffer per sender
-buffer, kept across refits, refilled in place, the oldest replaced by a third handle. The
+buffer, kept across refits, refilled in place, dropped once a refit did not use it. The
 overlap of copies and scatters (CUDA streams and events) runs in tests/gpu."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncrl_vllm.mirror import SLOTS, Mirror  # noqa: E402
+from asyncrl_vllm.mirror import Mirror  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,18 +29,26 @@ def test_each_sender_buffer_gets_a_buffer_of_its_size_kept_across_refits() -> No
     assert mirror.nbytes == 96
 
 
-def test_a_third_handle_replaces_the_least_recently_used_buffer() -> None:
+def test_buffers_a_refit_did_not_use_are_dropped_at_the_next() -> None:
+    """Three staging buffers: three mirror buffers. The sender's buffer B grows (a new
+    handle, B2): B's mirror buffer is dropped when the refit after the one that stopped using
+    it begins, and B, should it come back, gets a fresh buffer (views of the old one must not
+    be replayed)."""
     mirror = Mirror(torch.device("cpu"))
     memory = torch.ones(8, dtype=torch.uint8)
-    mirror.fetch(b"A", memory, 8)
-    mirror.fetch(b"B", memory, 8)
-    mirror.fetch(b"A", memory, 8)  # B is now the oldest
-    mirror.fetch(b"C", memory, 8)  # e.g. the sender's buffer B grew: a new handle
-    assert mirror.nbytes == SLOTS * 8
-    _, _, fresh = mirror.fetch(b"A", memory, 8)
-    assert not fresh
+    for handle in (b"A", b"B", b"C"):
+        mirror.fetch(handle, memory, 8)
+    assert mirror.nbytes == 3 * 8
+    mirror.next_refit()
+    for handle in (b"A", b"B2", b"C"):
+        _, _, fresh = mirror.fetch(handle, torch.ones(16 if handle == b"B2" else 8,
+                                                      dtype=torch.uint8), 8)
+        assert fresh == (handle == b"B2")
+    assert mirror.nbytes == 8 + 8 + 16 + 8  # B is still held during this refit
+    mirror.next_refit()
+    assert mirror.nbytes == 8 + 16 + 8
     _, _, fresh = mirror.fetch(b"B", memory, 8)
-    assert fresh  # B's buffer was dropped: views of it must not be replayed
+    assert fresh
 
 
 def test_no_room_disables_the_mirror_and_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -104,11 +104,11 @@ class Engine:
 
 
 class Pair:
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, buffers: int = 2) -> None:
         self.ctx = Context()
         self.address = ipc_address(run_dir, "weights")
         self.run_id = uuid.uuid4().hex[:8]
-        spec = StagingSpec(self.run_id, 0, "cpu")
+        spec = StagingSpec(self.run_id, 0, "cpu", buffers=buffers)
         self.sender = WeightSender(self.ctx, self.address, load_transfer("shm"), spec)
         self.receiver = WeightReceiver(self.ctx, self.address, "rollout:0")
 
@@ -219,15 +219,18 @@ async def test_the_first_bucket_is_packed_while_the_engine_pauses(run_dir: str) 
 @given(
     sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=40),
     bucket=st.integers(1, 12000),
+    buffers=st.integers(2, 4),
 )
-def test_the_packer_fills_the_buckets_bucket_ends_predicts(sizes: list[int], bucket: int) -> None:
+def test_the_packer_fills_the_buckets_bucket_ends_predicts(
+    sizes: list[int], bucket: int, buffers: int
+) -> None:
     """The real packer, fed tensors of random sizes, closes its buckets exactly where
     ``bucket_ends`` (which sizes the staging buffers before packing) says: no buffer is ever
-    asked for more than it was given."""
+    asked for more than it was given, with any number of buffers used in turn."""
 
     class Stager:
         def __init__(self) -> None:
-            self.size = [0, 0]
+            self.size = [0] * buffers
 
         def reserve(self, k: int, n: int) -> None:
             self.size[k] = max(self.size[k], n)
@@ -240,10 +243,10 @@ def test_the_packer_fills_the_buckets_bucket_ends_predicts(sizes: list[int], buc
 
     specs_ = [WeightTensor(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
     data = (WeightTensor(s.name, "uint8", s.shape, np.zeros(s.shape, np.uint8)) for s in specs_)
-    packer = _Packer(data, _manifest(specs_), Stager(), bucket)
+    packer = _Packer(data, _manifest(specs_), Stager(), bucket, buffers)
     used, k, last = [], 0, False
     while not last:
-        _, n, last = packer.fill(k % 2)
+        _, n, last = packer.fill(k % buffers)
         used.append(n)
         k += 1
     assert used == bucket_ends(sizes, bucket)
@@ -401,5 +404,40 @@ async def test_data_that_does_not_match_its_declaration_is_refused(run_dir: str)
             tg.start_soon(send)
             tg.start_soon(receive)
         assert engine.weights == {}
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+async def test_n_staging_buffers_let_the_trainer_pack_n_minus_1_buckets_ahead(
+    run_dir: str, buffers: int
+) -> None:
+    """The engine holds bucket 0's load and watches which buckets arrive meanwhile: with n
+    staging buffers, buckets 1..n-1 (the trainer refills buffer 0 only after bucket 0 is
+    acknowledged), each in a buffer of its own; the refit is still byte-exact."""
+    pair = Pair(run_dir, buffers=buffers)
+
+    class Holding(Engine):
+        started: list[int] = []
+
+        async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
+            self.started.append(bucket.index)
+            if bucket.index == 0:
+                with anyio.move_on_after(1.0):
+                    while len(self.started) < 3:
+                        await anyio.sleep(0.01)
+                self.seen = list(self.started)
+            await super().load_weight_bucket(bucket)
+
+    engine = Holding()
+    engine.started = []
+    w = weights()
+    try:
+        sent, _ = await refit(pair, engine, w)
+        assert engine.seen == list(range(buffers))  # by hand: [a b] [c d] [e]
+        assert sent.num_buckets == 3
+        assert len({h for h, _ in engine.handles}) == buffers
+        for name, a in w.items():
+            np.testing.assert_array_equal(engine.weights[name], a)
     finally:
         pair.close()

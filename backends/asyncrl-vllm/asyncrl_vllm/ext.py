@@ -214,6 +214,9 @@ class AsyncRLWorkerExtension:
         A reload left open by a failed refit is finalized first."""
         if self._asyncrl_mode is not None:
             self.asyncrl_finish_reload()
+        mirror = self.__dict__.get("_asyncrl_mirror")
+        if mirror is not None:
+            mirror.next_refit()
         helpers = _reload_helpers()
         if mode == "auto":
             cuda = torch.device(self.device).type == "cuda"  # type: ignore[attr-defined]

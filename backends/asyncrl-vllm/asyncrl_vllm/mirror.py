@@ -7,7 +7,9 @@ tensors). So the engine copies the whole bucket over the link into a buffer on i
 
 Done one after the other, the link idles while the engine scatters: 7B in 15 buckets of 1 GiB
 took 55.8 ms of loads against a 38.8 ms link floor. A :class:`Mirror` keeps one buffer per
-sender buffer (the trainer stages in two, used in turn), copies on streams of its own, and
+sender buffer (the trainer stages in ``refit.staging_buffers`` of them, two by default, used
+in turn; a buffer not used during a refit is dropped at the next), copies on streams of its
+own, and
 lets the bucket be acknowledged as soon as *its copy* is done: the trainer refills its buffer
 while the engine scatters out of the mirror, and the scatter of bucket i runs under the copy
 of bucket i+1. A mirror buffer is refilled only after the scatter that read it ran (an event
@@ -25,9 +27,6 @@ import torch
 
 __all__ = ["Mirror"]
 
-SLOTS = 2
-"""Buffers kept: one per staging buffer of the sender (a third handle replaces the oldest)."""
-
 
 class Mirror:
     """Mirror buffers on ``device``, one per sender buffer (keyed by its handle)."""
@@ -36,7 +35,9 @@ class Mirror:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._slots: dict[bytes, torch.Tensor] = {}
-        """handle → buffer of the mapped memory's size; oldest first."""
+        """handle → buffer of the mapped memory's size."""
+        self._used: set[bytes] = set()
+        """Handles fetched since :meth:`next_refit`."""
         self._free: dict[bytes, Any] = {}
         """handle → event after the last scatter queued out of its buffer."""
         self._streams: dict[torch.device, Any] = {}
@@ -68,13 +69,9 @@ class Mirror:
             torch.OutOfMemoryError: no room for the buffer (``disabled`` is then set and no
                 buffer is kept).
         """
-        buf = self._slots.pop(handle, None)
+        buf = self._slots.get(handle)
         fresh = buf is None
         if buf is None:
-            while len(self._slots) >= SLOTS:
-                old = next(iter(self._slots))
-                del self._slots[old]
-                self._free.pop(old, None)
             try:
                 buf = torch.empty(memory.numel(), dtype=torch.uint8, device=self.device)
             except torch.OutOfMemoryError:
@@ -83,6 +80,7 @@ class Mirror:
                 self._free.clear()
                 raise
         self._slots[handle] = buf
+        self._used.add(handle)
         if not self._cuda:
             buf[:span].copy_(memory[:span])
             return buf, None, fresh
@@ -111,7 +109,10 @@ class Mirror:
             event.record(stream)
             self._free[handle] = event
 
-    def clear(self) -> None:
-        """Drop every buffer."""
-        self._slots.clear()
-        self._free.clear()
+    def next_refit(self) -> None:
+        """A refit begins: drop the buffers the previous one did not use (their sender
+        buffer was replaced: it grew, or the trainer restarted)."""
+        for handle in set(self._slots) - self._used:
+            del self._slots[handle]
+            self._free.pop(handle, None)
+        self._used = set()
