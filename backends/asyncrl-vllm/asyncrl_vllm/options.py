@@ -91,8 +91,8 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     refit_mirror: Literal["auto", "always", "never"] = "auto"
     """How ``direct`` mode reads a bucket staged on a GPU (``cuda_ipc``). ``auto``: a bucket
     on another GPU is copied whole into a buffer on the engine's GPU (one copy over the link,
-    overlapped with writing the previous bucket into the parameters; two buffers the size of
-    the trainer's staging buffers, 1 GiB each by default); one on the engine's GPU is read
+    overlapped with writing the previous bucket into the parameters; one buffer per staging
+    buffer of the trainer, of its size: 2 × 1 GiB by default); one on the engine's GPU is read
     where it is. ``never``: read every bucket where it is (saves that memory; a tensor per
     cross-GPU copy, ~25 µs each on an H200 pair). ``always``: mirror buckets on the same GPU
     too (no gain there; it runs the cross-GPU path on one GPU, for tests)."""
