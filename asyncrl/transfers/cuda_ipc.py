@@ -3,9 +3,10 @@
 The sender allocates its ``uint8`` staging buffers (two by default) on its GPU and exports
 each once (an IPC handle plus torch's reference counter), re-exporting only when a buffer
 grows. A reader opens a handle once and keeps the mapping for the rest of the run, so a refit
-costs the device-to-device copies and no handle traffic. The reader may run on another GPU of the node: the handle names the buffer's
-GPU by UUID, and the reader maps it through its own index of that GPU (the reader's process
-must see that GPU; ``CUDA_VISIBLE_DEVICES`` order differs between processes).
+costs the device-to-device copies and no handle traffic. The reader may run on another GPU of
+the node: the handle names the buffer's GPU by UUID, and the reader maps it through its own
+index of that GPU (the reader's process must see that GPU; ``CUDA_VISIBLE_DEVICES`` order
+differs between processes).
 
 Synchronisation: :meth:`CudaIpcStager.seal` issues the copies :meth:`CudaIpcStager.pack`
 deferred (small tensors the trainer called stable) and waits for every copy before the bucket
