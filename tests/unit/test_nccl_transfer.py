@@ -169,11 +169,15 @@ def _check(received: bytes, placed: list[tuple[int, bytes]]) -> None:
 
 
 def _send_buckets(
-    stager: NcclStager, readers: list[Reader], buckets: list[list[Any]], first_k: int = 0
+    stager: NcclStager,
+    readers: list[Reader],
+    buckets: list[list[Any]],
+    first_k: int = 0,
+    buffers: int = 2,
 ) -> list[bytes]:
-    """Stage ``buckets`` on alternating buffers, each handle to every reader; buffer k is
-    refilled only once every reader answered its previous bucket. Checks every bucket byte for
-    byte; returns the handles."""
+    """Stage ``buckets`` on ``buffers`` buffers in turn, each handle to every reader; buffer k
+    is refilled only once every reader answered its previous bucket. Checks every bucket byte
+    for byte; returns the handles."""
     pending: dict[int, list[tuple[int, bytes]]] = {}
     handles: list[bytes] = []
 
@@ -185,9 +189,9 @@ def _send_buckets(
         del pending[index]
 
     for index, tensors in enumerate(buckets):
-        k = (first_k + index) % 2
-        if index >= 2:
-            settle(index - 2)
+        k = (first_k + index) % buffers
+        if index >= buffers:
+            settle(index - buffers)
         pending[index] = _fill(stager, k, tensors)
         handle = stager.handle(k)
         handles.append(handle)
@@ -202,8 +206,8 @@ def _decode(handle: bytes) -> NcclHandle:
     return msgspec.msgpack.decode(handle, type=NcclHandle)
 
 
-def _stager() -> NcclStager:
-    return NcclStager(StagingSpec(run_id="t", rank=0, device="cpu"))
+def _stager(buffers: int = 2) -> NcclStager:
+    return NcclStager(StagingSpec(run_id="t", rank=0, device="cpu", buffers=buffers))
 
 
 # ---------------------------------------------------------------- tests
@@ -235,14 +239,19 @@ def test_one_reader_receives_every_bucket_byte_for_byte(
         stager.close()
 
 
-def test_two_readers_each_receive_every_bucket(readers: list[Reader], short_timeout: None) -> None:
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_two_readers_each_receive_every_bucket(
+    readers: list[Reader], short_timeout: None, buffers: int
+) -> None:
+    """With three staging buffers, three broadcasts are queued before the first answer."""
     # the list order gives the ranks: rollout:1 is rank 1, rollout:0 rank 2
     readers.extend([Reader("rollout:0"), Reader("rollout:1")])
-    stager = _stager()
+    stager = _stager(buffers)
     try:
         stager.begin(["rollout:1", "rollout:0"])
         buckets = [_bucket([512, 700]), _bucket([2000]), _bucket([9000, 300]), _bucket([64])]
-        handles = _send_buckets(stager, readers, buckets)
+        handles = _send_buckets(stager, readers, buckets, buffers=buffers)
+        assert [_decode(h).seq for h in handles] == [0, 1, 2, 3]
         h = _decode(handles[0])
         assert h.size == 3 and h.ranks == {"rollout:1": 1, "rollout:0": 2}
     finally:
