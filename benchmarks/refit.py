@@ -158,14 +158,14 @@ def _trainer_process(conn, transport: str, device: str, bucket_size: int, model_
     from asyncrl.refit import WeightSender
     from asyncrl.transfers import StagingSpec, load_transfer
     from asyncrl.transport import Context
+    from refit_support import dtype_name
 
     state = load_state(Path(model_dir), device)
-    dtype = {n: str(t.dtype).removeprefix("torch.") for n, t in state.items()}
-    specs = [WeightTensor(n, dtype[n], tuple(t.shape)) for n, t in state.items()]
+    specs = [WeightTensor(n, dtype_name(t), tuple(t.shape)) for n, t in state.items()]
 
     def tensors():  # noqa: ANN202
         for n, t in state.items():
-            yield WeightTensor(n, dtype[n], tuple(t.shape), t, stable=True)
+            yield WeightTensor(n, dtype_name(t), tuple(t.shape), t, stable=True)
 
     async def serve() -> None:
         ctx = Context()

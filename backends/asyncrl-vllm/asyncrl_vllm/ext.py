@@ -330,7 +330,6 @@ class AsyncRLWorkerExtension:
         source = memory
         copied = None
         if mode == "direct" and stable and memory.device.type == device.type:
-            key = (transport, handle, tuple((e[0], e[1], tuple(e[2]), e[3], e[4]) for e in entries))
             mirrored = self._asyncrl_mirror_for(memory, device, mirror)
             if mirrored is not None:
                 span = max((e[3] + e[4] for e in entries), default=0)
@@ -343,6 +342,9 @@ class AsyncRLWorkerExtension:
                         self._asyncrl_plan(model).forget_buckets(lambda k: k[1] == handle)
                 if copied is not None:
                     torch.cuda.current_stream(device).wait_event(copied)
+            # the key names what the program reads: the mapped bucket or its mirror
+            entry_key = tuple((e[0], e[1], tuple(e[2]), e[3], e[4]) for e in entries)
+            key = (transport, handle, entry_key, copied is not None)
             with self._asyncrl_config():
                 direct = self._asyncrl_plan(model).replay(key)
             if direct is not None:
@@ -350,8 +352,7 @@ class AsyncRLWorkerExtension:
                     assert mirrored is not None
                     mirrored.reading(handle, torch.cuda.current_stream(device))
                 return self._asyncrl_loaded(start, memory, mode, len(entries), direct, True,
-                                            finish, kv_scales, copied,
-                                            overlap=copied is not None)
+                                            finish, kv_scales, copied)
         weights: list[tuple[str, torch.Tensor]] = []
         for name, dtype_name, shape, offset, nbytes in entries:
             dtype = _dtype(dtype_name)
@@ -384,16 +385,15 @@ class AsyncRLWorkerExtension:
         finish: bool,
         kv_scales: dict[str, float] | None,
         copied: Any = None,
-        *,
-        overlap: bool = False,
     ) -> dict[str, Any]:
         """Wait until the bucket's memory is read (it may be refilled once this returns),
         then close the reload if ``finish``. ``batched``: the bucket was replayed as one
-        batched copy. ``copied``: the mirror's copy of the bucket (its completion event);
-        ``overlap``: only that copy read the bucket's memory, so waiting for it is enough
-        (the scatter out of the mirror runs on; finishing the reload waits for it)."""
+        batched copy. ``copied``: the bucket was mirrored, this event marks the end of the
+        mirror's copy. A replayed mirrored bucket is read by that copy alone, so waiting for
+        it is enough (the scatter out of the mirror runs on; finishing the reload waits for
+        it); any other path synchronizes."""
         device = torch.device(self.device)  # type: ignore[attr-defined]
-        if overlap:
+        if batched and copied is not None:
             copied.synchronize()
         else:
             self._asyncrl_sync()
