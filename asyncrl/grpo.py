@@ -1,6 +1,6 @@
 """GRPO math on the controller: group-relative advantages and packing of train batches.
 
-Pure numpy; the loss itself lives with the trainer (:mod:`asyncrl.loss`, torch).
+Pure numpy; the loss itself lives with the trainer (:mod:`asyncrl.training.loss`, torch).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import numpy as np
 
 from .buffer import Group
 from .messages import TokenBatch, TrainBatch
+from .packing import Layout
 
 __all__ = [
     "group_advantages",
@@ -81,10 +82,8 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
     Greedy longest-first assignment; sequence order inside a shard follows the batch. A shard
     may be empty (its rank then only takes part in the collectives).
     """
-    n = batch.seq_lens.size
-    offsets = np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int64)
-    resp_lens = batch.seq_lens - batch.prompt_lens
-    resp_offsets = np.concatenate([[0], np.cumsum(resp_lens)]).astype(np.int64)
+    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+    n = layout.num_sequences
     loads = [0] * num_shards
     members: list[list[int]] = [[] for _ in range(num_shards)]
     for i in sorted(range(n), key=lambda i: -int(batch.seq_lens[i])):
@@ -96,10 +95,12 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
         idx.sort()
         shards.append(
             TrainBatch(
-                tokens=_gather(batch.tokens, offsets, idx, np.int32),
+                tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
                 seq_lens=batch.seq_lens[idx].astype(np.int32),
                 prompt_lens=batch.prompt_lens[idx].astype(np.int32),
-                behaviour_logprobs=_gather(batch.behaviour_logprobs, resp_offsets, idx, np.float32),
+                behaviour_logprobs=layout.gather_responses(
+                    batch.behaviour_logprobs, idx, np.float32
+                ),
                 advantages=batch.advantages[idx].astype(np.float32),
             )
         )
@@ -109,22 +110,17 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
 def shard_tokens(batch: TokenBatch, num_shards: int) -> list[TokenBatch]:
     """Split a :class:`TokenBatch` into ``num_shards`` contiguous runs of sequences, so that
     concatenating the shards' per-token results restores the batch's order."""
-    offsets = np.concatenate([[0], np.cumsum(batch.seq_lens)]).astype(np.int64)
+    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
     bounds = np.linspace(0, batch.seq_lens.size, num_shards + 1).round().astype(int)
     shards = []
     for k in range(num_shards):
         idx = list(range(bounds[k], bounds[k + 1]))
         shards.append(
             TokenBatch(
-                tokens=_gather(batch.tokens, offsets, idx, np.int32),
+                tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
                 seq_lens=batch.seq_lens[idx].astype(np.int32),
                 prompt_lens=batch.prompt_lens[idx].astype(np.int32),
             )
         )
     return shards
 
-
-def _gather(values: np.ndarray, offsets: np.ndarray, idx: list[int], dtype: type) -> np.ndarray:
-    if not idx:
-        return np.zeros(0, dtype)
-    return np.concatenate([values[offsets[i] : offsets[i + 1]] for i in idx]).astype(dtype)

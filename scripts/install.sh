@@ -16,6 +16,7 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" -e ".[test]" \
   -e "backends/asyncrl-vllm[cpu]" \
   -e backends/asyncrl-fsdp \
+  -e backends/asyncrl-deepspeed \
   -e "plugins/asyncrl-arith[model]" \
   -e plugins/asyncrl-example-backend \
   -e plugins/asyncrl-sampler-dapo
@@ -23,4 +24,4 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # break `import transformers` ("operator torchvision::nms does not exist"); text-only RL does not
 # need them.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import asyncrl, vllm, torch, transformers; print('installed: asyncrl', asyncrl.__version__, '| vllm', vllm.__version__, '| torch', torch.__version__)"
+.venv/bin/python -c "import asyncrl, vllm, torch, transformers, deepspeed; print('installed: asyncrl', asyncrl.__version__, '| vllm', vllm.__version__, '| torch', torch.__version__, '| deepspeed', deepspeed.__version__)"

@@ -323,7 +323,7 @@ def main() -> None:
     rec["A_step1"] = run_step(a, 1, seqs, STEP1_CHUNKS, rank)
     del abandoned
     w2, _ = gather_weights(a, rank)
-    own = {n: p.full_tensor() for n, p in a._model.named_parameters()}  # noqa: SLF001
+    own = {n: p.full_tensor() for n, p in a._module.named_parameters()}  # noqa: SLF001
     if rank == 0:
         rec["A_w2_vs_own_params_max_abs"] = max_diff(w2, own)
     a.close()
@@ -407,7 +407,7 @@ def solo() -> None:
         attach_behaviour(seqs, [probe.logprobs(s) for s in seqs])
     run_step(a, 0, seqs, [(c[0] + c[1], []) for c in STEP0_CHUNKS], 0)  # both shares
     w1, _ = gather_weights(a, 0)
-    live = {n: p.full_tensor().detach().cpu() for n, p in a._model.named_parameters()}
+    live = {n: p.full_tensor().detach().cpu() for n, p in a._module.named_parameters()}
     rec["w1_vs_live_max_abs"] = max_diff(w1, live)
     rec["w1_moved"] = max_diff(w1, w0) > 0
     a.close()

@@ -1,6 +1,6 @@
 """The example ``bigram`` backends in-process: their math against independent references.
 
-The gradient is checked against torch autograd through :func:`asyncrl.loss.ppo_clip_loss`
+The gradient is checked against torch autograd through :func:`asyncrl.training.loss.ppo_clip_loss`
 (the loss every trainer must implement), sampling against the softmax it claims to sample
 from, and refit against a real bucket file.
 """
@@ -81,7 +81,7 @@ def test_response_tokens_follow_the_packing() -> None:
 
 def test_gradient_matches_torch_autograd_of_the_core_loss(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from asyncrl.loss import ppo_clip_loss
+    from asyncrl.training.loss import ppo_clip_loss
 
     cfg = _config(tmp_path)
     rng = np.random.default_rng(0)

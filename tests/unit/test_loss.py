@@ -1,4 +1,4 @@
-"""asyncrl.loss and asyncrl.torch_utils against hand computations in float64."""
+"""asyncrl.training.loss and asyncrl.training.batches against hand computations in float64."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncrl.loss import ppo_clip_loss  # noqa: E402
-from asyncrl.torch_utils import (  # noqa: E402
-    check_packed,
+from asyncrl.training.loss import ppo_clip_loss  # noqa: E402
+from asyncrl.packing import check_packed, micro_batch_bounds  # noqa: E402
+from asyncrl.training.batches import (  # noqa: E402
     dummy_micro_batch,
     make_micro_batch,
-    micro_batch_bounds,
     response_logprobs,
 )
 

@@ -16,6 +16,10 @@ from asyncrl.errors import PluginError
 def test_import_asyncrl_does_not_import_torch_or_engines() -> None:
     code = (
         "import sys, asyncrl, asyncrl.controller, asyncrl.pipeline, asyncrl.worker, asyncrl.launch;"
+        # what a training backend's check_config loads in the controller
+        "import asyncrl.packing, asyncrl.training, asyncrl.training.options, asyncrl_fsdp,"
+        " asyncrl_deepspeed, asyncrl_fsdp.options, asyncrl_deepspeed.options;"
+        "asyncrl.plugins.load('asyncrl.training_backends', 'deepspeed');"
         "print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -29,7 +33,7 @@ def test_public_exports() -> None:
 
 def test_first_party_plugins_are_registered() -> None:
     assert "vllm" in plugins.available("asyncrl.generation_backends")
-    assert "fsdp2" in plugins.available("asyncrl.training_backends")
+    assert {"fsdp2", "deepspeed"} <= set(plugins.available("asyncrl.training_backends"))
     assert "arithmetic" in plugins.available("asyncrl.environments")
     samplers = plugins.available("asyncrl.samplers")
     assert {"in_order", "gated", "oversampled", "ready_first", "dynamic"} <= set(samplers)

@@ -1,70 +1,37 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) training backend.
 
-One object per rank of a torch.distributed group; the worker runtime calls its blocking
-methods from one thread, the same sequence on every rank::
+The call sequence, lockstep micro-batching, the loss and the step ledger are
+:class:`asyncrl.training.DistributedTrainer`'s; this module shards the model, applies the
+step and gathers weights.
 
-    start -> (compute_logprobs | begin_step -> train_chunk* -> finish_step | iter_weights)* -> close
-
-Gradient normalization. A step's chunks stream in one by one and nobody knows the step's
-token count until :meth:`finish_step`, so every micro-batch back-propagates the raw *sum* of
-its token losses. FSDP2 reduce-scatters after every backward and by default *averages* over
-ranks (``ReduceOp.AVG``: a factor 1/world_size, measured); we switch every FSDP module to a
-plain sum (gradient divide factor 1, sum-only collectives), so after all chunks each rank's
-gradient shard holds the gradient of the global loss sum. :meth:`finish_step` multiplies it
+Gradient normalization. Every micro-batch back-propagates the raw *sum* of its token losses.
+FSDP2 reduce-scatters after every backward and by default *averages* over ranks
+(``ReduceOp.AVG``: a factor 1/world_size, measured); we switch every FSDP module to a plain sum
+(gradient divide factor 1, sum-only collectives), so after all chunks each rank's gradient
+shard holds the gradient of the global loss sum. :meth:`FSDPBackend._apply_step` multiplies it
 by ``1 / num_loss_tokens``: the update equals one big batch normalized by its token count.
-
-Lockstep. FSDP's all-gathers and reduce-scatters must line up across ranks, so every rank
-runs the same number of forwards (and backwards) per call: ranks agree on the largest local
-micro-batch count (one all-reduce, which also tells every rank whether some rank's batch is
-malformed) and pad with fully masked dummy micro-batches.
 """
 
 from __future__ import annotations
 
-import time
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
-import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from asyncrl.backend import WeightTensor, WorkerContext
-from asyncrl.loss import ppo_clip_loss
-from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
-from asyncrl.torch_utils import (
-    MicroBatch,
-    check_packed,
-    dummy_micro_batch,
-    make_micro_batch,
-    micro_batch_bounds,
-    response_logprobs,
-)
+from asyncrl.training import DistributedTrainer
 
-from .kv_calibration import all_reduce_max, calibrate_kv_scales
 from .options import FSDPOptions, parse_options
 
-__all__ = ["FSDPBackend", "StepStateError"]
-
-log = structlog.get_logger()
-
-
-class StepStateError(RuntimeError):
-    """A call arrived out of order (no open step, a second open step, a wrong step id)."""
-
-
-@dataclass
-class _OpenStep:
-    step: int
-    started: float
-    loss_tokens: int = 0
-    loss_sum: float = 0.0
-
+__all__ = ["FSDPBackend"]
 
 
 def _fsdp_owners(model: torch.nn.Module) -> dict[str, FSDPModule]:
@@ -80,90 +47,89 @@ def _fsdp_owners(model: torch.nn.Module) -> dict[str, FSDPModule]:
     return owners
 
 
-class FSDPBackend:
+class FSDPBackend(DistributedTrainer):
     """:class:`~asyncrl.backend.TrainingBackend` over FSDP2 (see the module docstring)."""
 
+    name = "fsdp2"
+
     def __init__(self, ctx: WorkerContext) -> None:
-        self._ctx = ctx
-        self._opts: FSDPOptions = parse_options(dict(ctx.config.trainer.options))
-        self._log = log.bind(group=ctx.group, rank=ctx.rank)
-        self._model: torch.nn.Module | None = None
+        self._fsdp_opts: FSDPOptions = parse_options(dict(ctx.config.trainer.options))
+        super().__init__(ctx, self._fsdp_opts)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._device = torch.device("cpu")
-        self._vocab_size = 0
-        self._owns_process_group = False
-        self._open: _OpenStep | None = None
-        self._closed = False
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> dict[str, Any]:
-        from transformers import AutoModelForCausalLM
-
-        ctx, opts = self._ctx, self._opts
-        if opts.num_threads:
-            torch.set_num_threads(opts.num_threads)
-        torch.manual_seed(ctx.config.run.seed if opts.seed is None else opts.seed)
-        if torch.cuda.is_available():
-            gpu = ctx.gpu if ctx.gpu is not None else ctx.local_rank  # cluster.trainer_gpus
-            self._device = torch.device(f"cuda:{gpu}")
-            torch.cuda.set_device(self._device)
-        self._init_process_group()
-
-        model = AutoModelForCausalLM.from_pretrained(
-            ctx.config.model.path,
-            dtype=torch.float32,
-            attn_implementation=opts.attn_implementation,
-        ).to(self._device)
-        # parameters() counts a tied embedding once
-        num_parameters = sum(p.numel() for p in model.parameters())
-        self._vocab_size = model.get_input_embeddings().num_embeddings
+    # ------------------------------------------------------------------ engine hooks
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self._shard(model)
-        self._model = model
         self._optimizer = self._build_optimizer(model)
-        caps = {
-            "backend_version": torch.__version__,
-            "device": str(self._device),
-            "num_parameters": num_parameters,
-        }
-        self._log.info("fsdp_backend_started", world_size=ctx.world_size, **caps)
-        return caps
+        return model
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._open = None
+    def _close_engine(self) -> None:
         self._optimizer = None
-        self._model = None
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._owns_process_group = False
 
-    def _init_process_group(self) -> None:
-        ctx = self._ctx
-        if dist.is_initialized():
-            # embedded in a process that already joined the group: use it, leave it open
-            if (dist.get_rank(), dist.get_world_size()) != (ctx.rank, ctx.world_size):
-                raise RuntimeError(
-                    f"torch.distributed is already initialized as rank {dist.get_rank()} of "
-                    f"{dist.get_world_size()}, but this worker is rank {ctx.rank} of "
-                    f"{ctx.world_size}"
-                )
-            return
-        backend = "nccl" if self._device.type == "cuda" else "gloo"
-        store = ctx.extra.get("dist_store")
-        if store is not None:
-            dist.init_process_group(
-                backend, store=store, rank=ctx.rank, world_size=ctx.world_size
-            )
-        else:
-            dist.init_process_group(
-                backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size
-            )
-        self._owns_process_group = True
+    def _backward(self, loss_sum: torch.Tensor) -> None:
+        loss_sum.backward()
+
+    def _zero_grad(self) -> None:
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+
+    def _apply_step(self, num_loss_tokens: int) -> float:
+        model, optimizer = self._started(), self._optimizer
+        assert optimizer is not None
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        for grad in grads:  # sums of the whole step on every shard -> the step's mean
+            grad.mul_(1.0 / num_loss_tokens)
+        total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()
+        grad_norm = float(total_norm)
+        if np.isfinite(grad_norm):
+            if self._opts.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self._opts.max_grad_norm, total_norm)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    # ------------------------------------------------------------------ state
+    def save_state(self, path: str) -> None:
+        """Model and optimizer state as a torch distributed checkpoint (each rank writes its
+        shards; loadable at another world size).
+
+        ``get_state_dict`` creates the state of an optimizer that has not stepped yet by
+        running a step with zero gradients and lr 0, which leaves the weights alone but counts
+        a step (AdamW's bias correction would then be one step off). The backend undoes that
+        and records in the checkpoint that the optimizer had not stepped, so that saving never
+        changes training and loading such a checkpoint restores a fresh optimizer.
+        """
+        model = self._started()
+        self._check_no_open_step("save_state")
+        optimizer = self._optimizer
+        assert optimizer is not None
+        fresh = not optimizer.state
+        os.makedirs(path, exist_ok=True)
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optimizer": osd, "fresh_optimizer": torch.tensor(int(fresh))}
+        dcp.save(state, checkpoint_id=path)
+        if fresh:
+            optimizer.state.clear()
+
+    def load_state(self, path: str) -> None:
+        model = self._started()
+        self._check_no_open_step("load_state")
+        optimizer = self._optimizer
+        assert optimizer is not None
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optimizer": osd, "fresh_optimizer": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        if int(state["fresh_optimizer"]):
+            optimizer.state.clear()
 
     def _shard(self, model: torch.nn.Module) -> None:
-        opts = self._opts
+        opts = self._fsdp_opts
         mesh = init_device_mesh(self._device.type, (self._ctx.world_size,))
         if opts.mixed_precision == "bf16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -185,7 +151,7 @@ class FSDPBackend:
                 module.set_force_sum_reduction_for_comms(True)
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        opts = self._opts
+        opts = self._fsdp_opts
         if opts.optimizer == "sgd":
             return torch.optim.SGD(
                 model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay
@@ -198,237 +164,7 @@ class FSDPBackend:
             weight_decay=opts.weight_decay,
         )
 
-    # ------------------------------------------------------------------ forward passes
-    def compute_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
-        model = self._started()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        problem = check_packed(
-            batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
-        )
-        bounds = self._bounds(batch, problem)
-        passes = self._agree(problem, len(bounds), "compute_logprobs")
-        out: list[torch.Tensor] = []
-        model.eval()
-        with torch.no_grad():
-            for i in range(passes):
-                mb = self._micro_batch(batch, bounds, i)
-                lp = response_logprobs(self._logits(mb), mb, temperature)
-                if i < len(bounds):
-                    out.append(lp)
-        if not out:
-            return np.zeros(0, dtype=np.float32)
-        return torch.cat(out).to("cpu", torch.float32).numpy()
-
-    def calibrate_kv_scales(
-        self, batch: TokenBatch, *, percentile: float, margin: float, include_q: bool
-    ) -> dict[str, float]:
-        """FP8 KV-cache scales of the current weights on this rank's ``batch`` (see
-        :mod:`asyncrl_fsdp.kv_calibration`); every rank returns the same, maxed across ranks."""
-        model = self._started()
-        problem = check_packed(
-            batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
-        )
-        bounds = self._bounds(batch, problem)
-        passes = self._agree(problem, len(bounds), "calibrate_kv_scales")
-        return calibrate_kv_scales(
-            model,
-            (self._micro_batch(batch, bounds, i) for i in range(passes)),
-            self._logits,
-            percentile=percentile,
-            margin=margin,
-            include_q=include_q,
-            reduce_max=all_reduce_max if self._ctx.world_size > 1 else None,
-        )
-
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        assert self._model is not None
-        return self._model(input_ids=mb.input_ids, use_cache=False).logits
-
-    def _bounds(self, batch: TokenBatch | TrainBatch, problem: str | None) -> list[tuple[int, int]]:
-        if problem is not None:
-            return []
-        return micro_batch_bounds(len(batch.seq_lens), self._ctx.config.trainer.micro_batch_size)
-
-    def _micro_batch(
-        self, batch: TokenBatch | TrainBatch, bounds: list[tuple[int, int]], i: int
-    ) -> MicroBatch:
-        if i >= len(bounds):
-            return dummy_micro_batch(device=self._device)
-        start, stop = bounds[i]
-        return make_micro_batch(
-            batch.tokens, batch.seq_lens, batch.prompt_lens, start, stop, device=self._device
-        )
-
-    def _agree(self, problem: str | None, local_passes: int, what: str) -> int:
-        """All ranks learn the largest micro-batch count, and whether any rank's batch is
-        malformed (then every rank raises, instead of one rank hanging in a collective)."""
-        flags = torch.tensor(
-            [local_passes, self._ctx.rank + 1 if problem else 0],
-            dtype=torch.int64,
-            device=self._device,
-        )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        passes, bad = int(flags[0]), int(flags[1])
-        if problem is not None:
-            raise ValueError(f"{what}: rank {self._ctx.rank} got a malformed batch: {problem}")
-        if bad:
-            raise ValueError(f"{what}: rank {bad - 1} got a malformed batch (see its error)")
-        return passes
-
-    # ------------------------------------------------------------------ optimizer step
-    def begin_step(self, step: int) -> None:
-        self._started()
-        if self._open is not None:
-            raise StepStateError(
-                f"begin_step({step}): step {self._open.step} is still open; finish it first"
-            )
-        assert self._optimizer is not None
-        self._optimizer.zero_grad(set_to_none=True)
-        self._open = _OpenStep(step=step, started=time.monotonic())
-
-    def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
-        model = self._started()
-        open_step = self._require_open(step, "train_chunk")
-        problem = check_packed(
-            batch.tokens,
-            batch.seq_lens,
-            batch.prompt_lens,
-            vocab_size=self._vocab_size,
-            per_token={"behaviour_logprobs": batch.behaviour_logprobs},
-            per_sequence={"advantages": batch.advantages},
-        )
-        bounds = self._bounds(batch, problem)
-        passes = self._agree(problem, len(bounds), f"train_chunk(step={step})")
-        try:
-            with torch.enable_grad():
-                sums = self._forward_backward(model, batch, bounds, passes)
-        except BaseException:
-            self._discard("train_chunk failed")
-            raise
-        num_tokens = int((batch.seq_lens.astype(np.int64) - batch.prompt_lens).sum())
-        open_step.loss_tokens += num_tokens
-        open_step.loss_sum += sums[0]
-        return ChunkResult(
-            num_sequences=len(batch.seq_lens),
-            num_loss_tokens=num_tokens,
-            loss_sum=sums[0],
-            clipped_tokens=int(sums[1]),
-            is_weight_sum=sums[2],
-            abs_logprob_diff_sum=sums[3],
-        )
-
-    def _forward_backward(
-        self,
-        model: torch.nn.Module,
-        batch: TrainBatch,
-        bounds: list[tuple[int, int]],
-        passes: int,
-    ) -> list[float]:
-        loss_cfg = self._ctx.config.loss
-        temperature = self._ctx.config.grpo.temperature
-        behaviour = torch.tensor(batch.behaviour_logprobs, dtype=torch.float32).to(self._device)
-        seq_adv = torch.tensor(batch.advantages, dtype=torch.float32).to(self._device)
-        sums = torch.zeros(4, dtype=torch.float64, device=self._device)
-        model.train()
-        for i in range(passes):
-            mb = self._micro_batch(batch, bounds, i)
-            if i < len(bounds):
-                start, stop = bounds[i]
-                beh = behaviour[mb.response_slice]
-                adv = torch.repeat_interleave(seq_adv[start:stop], mb.response_lens)
-                mask = torch.ones_like(beh, dtype=torch.bool)
-            else:  # padding pass: same collectives, no loss
-                beh = torch.zeros(len(mb.targets), device=self._device)
-                adv, mask = torch.zeros_like(beh), torch.zeros_like(beh, dtype=torch.bool)
-            lp = response_logprobs(self._logits(mb), mb, temperature)
-            prox = lp.detach() if self._opts.proximal_policy == "current" else None
-            loss_sum, stats = ppo_clip_loss(
-                lp,
-                beh,
-                adv,
-                mask,
-                clip_eps_low=loss_cfg.clip_eps_low,
-                clip_eps_high=loss_cfg.clip_eps_high,
-                is_cap=loss_cfg.is_cap,
-                proximal_logprobs=prox,
-            )
-            loss_sum.backward()
-            sums += torch.stack(
-                [
-                    loss_sum.detach(),
-                    stats.clipped_tokens,
-                    stats.is_weight_sum,
-                    stats.abs_logprob_diff_sum,
-                ]
-            ).to(torch.float64)
-        return sums.tolist()
-
-    def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
-        model = self._started()
-        open_step = self._require_open(step, "finish_step")
-        assert self._optimizer is not None
-        totals = torch.tensor(
-            [open_step.loss_tokens, open_step.loss_sum], dtype=torch.float64, device=self._device
-        )
-        dist.all_reduce(totals)
-        counted, loss_sum = int(round(float(totals[0]))), float(totals[1])
-        if counted != num_loss_tokens or counted == 0:
-            self._discard("bad num_loss_tokens")
-            raise ValueError(
-                f"finish_step({step}): the controller says the step has {num_loss_tokens} loss "
-                f"tokens but the trainer ranks received {counted}"
-                + (" (an empty step cannot be normalized)" if counted == 0 else "")
-                + "; the step was discarded (no update)"
-            )
-        params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        for grad in grads:  # sums of the whole step on every shard -> the step's mean
-            grad.mul_(1.0 / num_loss_tokens)
-        total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(total_norm, DTensor):
-            total_norm = total_norm.full_tensor()
-        grad_norm = float(total_norm)
-        if not np.isfinite(grad_norm):
-            # the same on every rank (the norm is all-reduced), so all ranks skip together
-            self._log.warning("step_skipped_nonfinite_grad_norm", step=step, grad_norm=grad_norm)
-        else:
-            if self._opts.max_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, self._opts.max_grad_norm, total_norm)
-            self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        self._open = None
-        return StepResult(
-            step=step,
-            loss=loss_sum / num_loss_tokens,
-            grad_norm=grad_norm,
-            num_loss_tokens=num_loss_tokens,
-            lr=float(self._optimizer.param_groups[0]["lr"]),
-            seconds=time.monotonic() - open_step.started,
-        )
-
-    def _require_open(self, step: int, what: str) -> _OpenStep:
-        if self._open is None:
-            raise StepStateError(f"{what}({step}): no optimizer step is open; call begin_step")
-        if self._open.step != step:
-            raise StepStateError(f"{what}({step}): the open step is {self._open.step}")
-        return self._open
-
-    def _discard(self, reason: str) -> None:
-        if self._open is not None:
-            self._log.warning("step_discarded", step=self._open.step, reason=reason)
-        self._open = None
-        if self._optimizer is not None:
-            self._optimizer.zero_grad(set_to_none=True)
-
     # ------------------------------------------------------------------ weights
-    def weight_specs(self) -> list[WeightTensor]:
-        """Name, ``model.dtype`` and full shape of every parameter, in :meth:`iter_weights`'
-        order (no collective: a DTensor knows its global shape)."""
-        model = self._started()
-        dtype = self._ctx.config.model.dtype
-        return [WeightTensor(n, dtype, tuple(p.shape)) for n, p in model.named_parameters()]
-
     def iter_weights(self) -> Iterator[WeightTensor]:
         """Yield every parameter, gathered, in HF naming and ``model.dtype``, on this rank's
         device.
@@ -511,10 +247,3 @@ class FSDPBackend:
             out = local.to(dtype).contiguous()
             # the live parameter (or a cast of its own): valid until the next step
             yield WeightTensor(name, name_dtype, tuple(out.shape), out, stable=True)
-
-    def _started(self) -> torch.nn.Module:
-        if self._closed:
-            raise RuntimeError("the FSDP backend is closed")
-        if self._model is None:
-            raise RuntimeError("the FSDP backend is not started; call start() first")
-        return self._model

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from asyncrl.messages import TokenBatch
+from asyncrl.packing import Layout, check_packed
 
 __all__ = ["response_logprobs", "split_batch"]
 
@@ -31,23 +32,15 @@ def split_batch(batch: TokenBatch) -> list[tuple[list[int], int]]:
         ValueError: inconsistent lengths, or a prompt shorter than one token (the first token
             has no context to be scored in).
     """
-    tokens = np.asarray(batch.tokens)
-    seq_lens = np.asarray(batch.seq_lens, dtype=np.int64)
-    prompt_lens = np.asarray(batch.prompt_lens, dtype=np.int64)
-    if seq_lens.shape != prompt_lens.shape or seq_lens.ndim != 1:
-        raise ValueError("TokenBatch: seq_lens and prompt_lens must be 1-D of equal length")
-    if int(seq_lens.sum()) != tokens.size:
-        raise ValueError(
-            f"TokenBatch: sum(seq_lens) = {int(seq_lens.sum())} but {tokens.size} tokens"
-        )
-    if np.any(prompt_lens < 1) or np.any(prompt_lens > seq_lens):
-        raise ValueError("TokenBatch: every prompt_len must be in [1, seq_len]")
-    offsets = np.concatenate([[0], np.cumsum(seq_lens)[:-1]]).astype(np.int64)
+    problem = check_packed(batch.tokens, batch.seq_lens, batch.prompt_lens)
+    if problem is not None:
+        raise ValueError(f"TokenBatch: {problem}")
+    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+    tokens = np.asarray(batch.tokens, dtype=np.int64)
     return [
-        (tokens[o : o + n].astype(np.int64).tolist(), int(p))
-        for o, n, p in zip(offsets.tolist(), seq_lens.tolist(), prompt_lens.tolist(), strict=True)
+        (tokens[layout.sequence(i)].tolist(), int(layout.prompt_lens[i]))
+        for i in range(layout.num_sequences)
     ]
-
 
 def response_logprobs(
     start_indices: Sequence[int],

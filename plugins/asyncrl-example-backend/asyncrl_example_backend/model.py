@@ -16,6 +16,7 @@ import numpy as np
 
 from asyncrl.errors import ConfigError
 from asyncrl.messages import TokenBatch
+from asyncrl.packing import Layout
 
 __all__ = [
     "TENSOR_NAME",
@@ -91,12 +92,9 @@ def response_tokens(batch: TokenBatch) -> tuple[np.ndarray, np.ndarray, np.ndarr
     prompt_lens = np.asarray(batch.prompt_lens, dtype=np.int64)
     if np.any((prompt_lens < 1) & (seq_lens > prompt_lens)):
         raise ValueError("every sequence needs at least one prompt token (the bigram's context)")
-    starts = np.concatenate([[0], np.cumsum(seq_lens)[:-1]])
-    resp_lens = seq_lens - prompt_lens
-    seq = np.repeat(np.arange(seq_lens.size), resp_lens)
-    # position of each response token inside the packed array
-    within = np.arange(resp_lens.sum()) - np.repeat(np.cumsum(resp_lens) - resp_lens, resp_lens)
-    pos = np.repeat(starts + prompt_lens, resp_lens) + within
+    layout = Layout.of(seq_lens, prompt_lens)
+    seq = np.repeat(np.arange(layout.num_sequences), layout.response_lens)
+    pos = layout.response_positions()
     tokens = np.asarray(batch.tokens, dtype=np.int64)
     return tokens[pos - 1], tokens[pos], seq
 

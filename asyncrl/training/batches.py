@@ -1,12 +1,9 @@
 """Packed batches to padded micro-batches, and response-token logprobs (torch).
 
-Shared by the training backends; not imported by ``import asyncrl``.
-
-A packed batch holds B sequences back to back: sequence i is
-``tokens[off_i : off_i + seq_lens[i]]``; its first ``prompt_lens[i]`` tokens are the prompt.
-The logprob of the response token at position p is read from the logits at p - 1, divided by
-the temperature before the log-softmax. Flat per-token arrays (behaviour logprobs, results)
-list the response tokens sequence by sequence, in position order.
+The layout of a packed batch is :class:`asyncrl.packing.Layout`'s. The logprob of the response
+token at position p is read from the logits at p - 1, divided by the temperature before the
+log-softmax. Flat per-token arrays (behaviour logprobs, results) list the response tokens
+sequence by sequence, in position order.
 """
 
 from __future__ import annotations
@@ -16,59 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncrl.packing import Layout
+
 __all__ = [
     "MicroBatch",
-    "check_packed",
     "dummy_micro_batch",
     "make_micro_batch",
-    "micro_batch_bounds",
     "response_logprobs",
 ]
-
-
-def check_packed(
-    tokens: np.ndarray,
-    seq_lens: np.ndarray,
-    prompt_lens: np.ndarray,
-    *,
-    vocab_size: int,
-    per_token: dict[str, np.ndarray] | None = None,
-    per_sequence: dict[str, np.ndarray] | None = None,
-) -> str | None:
-    """Describe what is wrong with a packed batch, or return ``None`` if it is well formed.
-
-    ``per_token`` arrays must hold one finite value per response token, ``per_sequence``
-    arrays one finite value per sequence. A problem is returned rather than raised so that a
-    distributed caller can first agree with its peers that some rank's batch is bad.
-    """
-    n = len(seq_lens)
-    if tokens.ndim != 1 or seq_lens.ndim != 1 or prompt_lens.shape != (n,):
-        return f"expected 1-d arrays with len(prompt_lens) == len(seq_lens) == {n}"
-    if int(seq_lens.sum()) != len(tokens):
-        return f"sum(seq_lens) = {int(seq_lens.sum())} but there are {len(tokens)} tokens"
-    if n and (prompt_lens.min() < 1 or (prompt_lens > seq_lens).any()):
-        return "every sequence needs 1 <= prompt_len <= seq_len"
-    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        return f"token ids must lie in [0, {vocab_size})"
-    num_response = int((seq_lens - prompt_lens).sum())
-    for name, expected, arrays in (
-        ("response token", num_response, per_token or {}),
-        ("sequence", n, per_sequence or {}),
-    ):
-        for key, values in arrays.items():
-            if values.shape != (expected,):
-                return f"{key} has shape {values.shape}; expected one value per {name} ({expected})"
-            if not np.isfinite(values).all():
-                return f"{key} holds non-finite values"
-    return None
-
-
-def micro_batch_bounds(num_sequences: int, micro_batch_size: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` sequence ranges of at most ``micro_batch_size`` sequences."""
-    return [
-        (start, min(start + micro_batch_size, num_sequences))
-        for start in range(0, num_sequences, micro_batch_size)
-    ]
 
 
 @dataclass(frozen=True)
@@ -104,17 +56,13 @@ def make_micro_batch(
     pad_id: int = 0,
 ) -> MicroBatch:
     """Sequences ``start:stop`` of a packed batch as a :class:`MicroBatch` on ``device``."""
-    seq_lens = seq_lens.astype(np.int64)
-    prompt_lens = prompt_lens.astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(seq_lens)])
-    resp_lens = seq_lens - prompt_lens
-    resp_offsets = np.concatenate([[0], np.cumsum(resp_lens)])
-    lens = seq_lens[start:stop]
+    layout = Layout.of(seq_lens, prompt_lens)
+    lens = layout.seq_lens[start:stop]
     ids = np.full((stop - start, int(lens.max())), pad_id, dtype=np.int64)
     rows, cols = [], []
     for row, i in enumerate(range(start, stop)):
-        ids[row, : lens[row]] = tokens[offsets[i] : offsets[i + 1]]
-        positions = np.arange(prompt_lens[i], seq_lens[i], dtype=np.int64)
+        ids[row, : lens[row]] = tokens[layout.sequence(i)]
+        positions = np.arange(layout.prompt_lens[i], layout.seq_lens[i], dtype=np.int64)
         rows.append(np.full(len(positions), row, dtype=np.int64))
         cols.append(positions - 1)
     rows_np, cols_np = np.concatenate(rows), np.concatenate(cols)
@@ -128,8 +76,8 @@ def make_micro_batch(
         rows=put(rows_np),
         cols=put(cols_np),
         targets=put(targets),
-        response_slice=slice(int(resp_offsets[start]), int(resp_offsets[stop])),
-        response_lens=put(resp_lens[start:stop]),
+        response_slice=layout.responses(start, stop),
+        response_lens=put(layout.response_lens[start:stop]),
     )
 
 

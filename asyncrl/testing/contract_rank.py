@@ -1,0 +1,256 @@
+"""One rank of the training-backend contract (:mod:`asyncrl.testing.training`).
+
+Run by the suite as ``torchrun --standalone --nproc-per-node W -m
+asyncrl.testing.contract_rank SPEC.json``. Each rank builds the backend named in the spec
+through its entry point, runs the scenario below, and writes what it saw to the spec's
+``out`` directory: ``rank{r}.json`` (step and chunk results, errors) and, on rank 0, ``.npy``
+arrays (logprobs, behaviour logprobs, exported weights as ``weights-{tag}.npz``). No pickle.
+
+Phase ``main``::
+
+    start; export "init"; logprobs of all sequences (uneven shards); save "s0"
+    step 0 streamed as three chunks (uneven, one rank empty in two of them); export "stream"
+    save "s1"; step 1 in one chunk; export "step1"
+    load "s0"; export "loaded"; a step discarded by a wrong token count
+    step 0 again in one chunk; export "one"
+    load "s1"; step 1; export "step1-reloaded"
+
+Phase ``resume`` (fresh processes): start; load "s1"; step 1; export "step1-resumed".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.messages import TokenBatch, TrainBatch
+from asyncrl.packing import Layout
+
+NUM_SEQUENCES = 16
+EMPTY_RESPONSE = 5  # this sequence has no response token
+STEP0_CHUNKS = [[0, 1, 2, 3], [4, 5, 6, 7, 15], [8, 9, 10]]
+STEP1 = [11, 12, 13, 14, 0]
+
+
+# --------------------------------------------------------------------------- data (shared)
+def contract_sequences(vocab_size: int) -> list[tuple[np.ndarray, int]]:
+    """``(tokens, prompt_len)`` of the contract's sequences (the same in every process)."""
+    rng = np.random.default_rng(1234)
+    seqs = []
+    for i in range(NUM_SEQUENCES):
+        prompt_len = int(rng.integers(1, 7))
+        response_len = 0 if i == EMPTY_RESPONSE else int(rng.integers(1, 9))
+        tokens = rng.integers(0, vocab_size, size=prompt_len + response_len).astype(np.int32)
+        seqs.append((tokens, prompt_len))
+    return seqs
+
+
+def behaviour_and_advantages(true_logprobs: np.ndarray, num_sequences: int) -> tuple:
+    """"Generator" logprobs (the true ones plus noise, so that ratios clip and IS weights
+    cap) and one advantage per sequence."""
+    rng = np.random.default_rng(99)
+    behaviour = (true_logprobs + rng.normal(0.0, 0.5, size=true_logprobs.shape)).astype(np.float32)
+    return behaviour, rng.normal(size=num_sequences).astype(np.float32)
+
+
+def shard_chunk(ids: list[int], chunk: int, world_size: int) -> list[list[int]]:
+    """Which sequences of a chunk each rank gets: round-robin for chunk 0, everything on the
+    last rank for chunk 1 and on rank 0 for chunk 2 (the other ranks get empty shards)."""
+    if chunk == 1:
+        return [[] for _ in range(world_size - 1)] + [list(ids)]
+    if chunk == 2:
+        return [list(ids)] + [[] for _ in range(world_size - 1)]
+    return [ids[r::world_size] for r in range(world_size)]
+
+
+def token_batch(seqs: list[tuple[np.ndarray, int]], ids: list[int]) -> TokenBatch:
+    return TokenBatch(
+        tokens=np.concatenate([seqs[i][0] for i in ids] or [np.zeros(0, np.int32)]),
+        seq_lens=np.array([len(seqs[i][0]) for i in ids], dtype=np.int32),
+        prompt_lens=np.array([seqs[i][1] for i in ids], dtype=np.int32),
+    )
+
+
+def train_batch(
+    seqs: list[tuple[np.ndarray, int]], ids: list[int], behaviour: np.ndarray, adv: np.ndarray
+) -> TrainBatch:
+    tb = token_batch(seqs, ids)
+    full = Layout.of(
+        np.array([len(t) for t, _ in seqs], np.int64), np.array([p for _, p in seqs], np.int64)
+    )
+    return TrainBatch(
+        tokens=tb.tokens,
+        seq_lens=tb.seq_lens,
+        prompt_lens=tb.prompt_lens,
+        behaviour_logprobs=full.gather_responses(behaviour, ids, np.float32),
+        advantages=adv[ids].astype(np.float32),
+    )
+
+
+def num_tokens(seqs: list[tuple[np.ndarray, int]], ids: list[int]) -> int:
+    return sum(len(seqs[i][0]) - seqs[i][1] for i in ids)
+
+
+# --------------------------------------------------------------------------- the rank
+class _Rank:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from asyncrl.backend import WorkerContext
+        from asyncrl.config import from_dict
+        from asyncrl.plugins import load
+
+        self.spec = spec
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.out = Path(spec["out"])
+        config = from_dict(spec["config"])
+        ctx = WorkerContext(
+            group="trainer",
+            rank=self.rank,
+            world_size=self.world,
+            local_rank=int(os.environ["LOCAL_RANK"]),
+            config=config,
+            run_dir=spec["run_dir"],
+        )
+        self.backend = load("asyncrl.training_backends", spec["backend"])(ctx)
+        self.report: dict[str, Any] = {"rank": self.rank, "world_size": self.world, "errors": {}}
+        self.seqs: list[tuple[np.ndarray, int]] = []
+        self.behaviour = np.zeros(0, np.float32)
+        self.adv = np.zeros(0, np.float32)
+
+    def start(self) -> None:
+        self.report["capabilities"] = {
+            k: v for k, v in self.backend.start().items() if isinstance(v, (int, float, str))
+        }
+        self.seqs = contract_sequences(int(self.spec["vocab_size"]))
+        every = list(range(NUM_SEQUENCES))
+        # every rank scores the whole batch once: the behaviour logprobs derive from it
+        full = self.backend.compute_logprobs(token_batch(self.seqs, every), self.temperature)
+        self.behaviour, self.adv = behaviour_and_advantages(
+            full.astype(np.float64), NUM_SEQUENCES
+        )
+        if self.rank == 0:
+            np.save(self.out / "behaviour.npy", self.behaviour)
+            np.save(self.out / "advantages.npy", self.adv)
+
+    @property
+    def temperature(self) -> float:
+        return float(self.spec["config"]["grpo"]["temperature"])
+
+    def logprobs_uneven(self) -> None:
+        """Rank 0 gets 11 sequences, the others share the rest (some may get none)."""
+        every = list(range(NUM_SEQUENCES))
+        head, tail = every[:11], every[11:]
+        shards = [head] + [tail[r::self.world - 1] for r in range(self.world - 1)]
+        if self.world == 1:
+            shards = [every]
+        lp = self.backend.compute_logprobs(
+            token_batch(self.seqs, shards[self.rank]), self.temperature
+        )
+        np.save(self.out / f"logprobs-rank{self.rank}.npy", lp)
+        self.report["logprob_shards"] = shards
+
+    def step(self, step: int, chunks: list[list[int]], tag: str) -> None:
+        """``chunks`` are the step's whole chunks; :func:`shard_chunk` says this rank's part."""
+        mine = [shard_chunk(ids, c, self.world)[self.rank] for c, ids in enumerate(chunks)]
+        self._run_step(step, mine, sum(num_tokens(self.seqs, c) for c in chunks), tag)
+
+    def one_chunk(self, step: int, ids: list[int], tag: str) -> None:
+        """The whole step as one chunk, sequences dealt round-robin."""
+        self._run_step(step, [ids[self.rank :: self.world]], num_tokens(self.seqs, ids), tag)
+
+    def _run_step(self, step: int, mine: list[list[int]], total: int, tag: str) -> None:
+        self.backend.begin_step(step)
+        results = []
+        for ids in mine:
+            batch = train_batch(self.seqs, ids, self.behaviour, self.adv)
+            res = self.backend.train_chunk(step, batch)
+            results.append({f: getattr(res, f) for f in res.__struct_fields__})
+        out = self.backend.finish_step(step, total)
+        self.report[tag] = {
+            "result": {f: getattr(out, f) for f in out.__struct_fields__},
+            "chunks": results,
+        }
+
+    def export(self, tag: str) -> None:
+        import torch
+
+        specs = self.backend.weight_specs()
+        names, arrays, meta = [], {}, []
+        for wt in self.backend.iter_weights():
+            names.append(wt.name)
+            meta.append({"name": wt.name, "dtype": wt.dtype, "shape": list(wt.shape),
+                         "has_data": wt.data is not None})  # fmt: skip
+            if self.rank == 0 and wt.data is not None:
+                # copy out before advancing (the tensor may alias gathered memory), and never
+                # hand the live tensor to numpy: that pins its storage, which FSDP2 resizes
+                arrays[wt.name] = wt.data.detach().to("cpu", torch.float32, copy=True).numpy()
+        self.report.setdefault("exports", {})[tag] = {
+            "specs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs],
+            "yielded": meta,
+        }
+        if self.rank == 0:
+            np.savez(self.out / f"weights-{tag}.npz", **arrays)
+
+    def discarded_step(self) -> None:
+        self.backend.begin_step(0)
+        ids = STEP0_CHUNKS[0]
+        self.backend.train_chunk(
+            0, train_batch(self.seqs, ids[self.rank :: self.world], self.behaviour, self.adv)
+        )
+        try:
+            self.backend.finish_step(0, num_tokens(self.seqs, ids) + 1)
+        except ValueError as exc:
+            self.report["errors"]["wrong_token_count"] = str(exc)
+        else:
+            self.report["errors"]["wrong_token_count"] = None
+
+    def write(self) -> None:
+        (self.out / f"rank{self.rank}.json").write_text(json.dumps(self.report, indent=1))
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[1]).read_text())
+    phase = spec["phase"]
+    rank = _Rank(spec)
+    states = Path(spec["states"])
+    try:
+        rank.start()
+        if phase == "main":
+            rank.export("init")
+            rank.logprobs_uneven()
+            rank.backend.save_state(str(states / "s0"))
+            rank.step(0, STEP0_CHUNKS, "stream")
+            rank.export("stream")
+            rank.backend.save_state(str(states / "s1"))
+            rank.one_chunk(1, STEP1, "step1")
+            rank.export("step1")
+            rank.backend.load_state(str(states / "s0"))
+            rank.export("loaded")
+            rank.discarded_step()
+            rank.one_chunk(0, [i for c in STEP0_CHUNKS for i in c], "one")
+            rank.export("one")
+            rank.backend.load_state(str(states / "s1"))
+            rank.one_chunk(1, STEP1, "step1-reloaded")
+            rank.export("step1-reloaded")
+        else:
+            rank.backend.load_state(str(states / "s1"))
+            rank.one_chunk(1, STEP1, "step1-resumed")
+            rank.export("step1-resumed")
+    except BaseException:
+        rank.report["failure"] = traceback.format_exc()
+        rank.write()
+        raise
+    finally:
+        rank.backend.close()
+    rank.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,435 @@
+"""The training-backend contract suite: run it against your backend with a few lines of pytest.
+
+::
+
+    from asyncrl.testing.training import TrainingBackendContract
+
+    class TestMyBackend(TrainingBackendContract):
+        backend = "my-backend"      # the asyncrl.training_backends entry-point name
+        world_size = 2              # ranks, started with torchrun (gloo on CPU)
+        options = {"my_knob": 3}    # extra [trainer.options]
+
+The suite builds a tiny random Qwen2 model, runs the backend under ``torchrun`` through
+:mod:`asyncrl.testing.contract_rank` (the scenario is in its docstring), and compares what the
+ranks saw with an independent single-process **float64** reference written here: plain
+transformers, one sequence per forward, the same loss written out token by token, the
+gradient clipped by hand and AdamW applied by hand. It checks that
+
+- logprobs equal the reference forward, also with uneven and empty shards;
+- loss and grad norm of a step streamed as three uneven chunks (some ranks empty) equal one
+  big batch of the reference (grad norm within 1e-4 relative: an engine that averages over
+  ranks or accumulation steps once too often is off by 2x and fails);
+- the updated weights equal the reference's AdamW step;
+- the same step sent as one chunk gives the same weights as the streamed one;
+- a step discarded by a wrong token count leaves no gradient behind;
+- exported weights (``iter_weights``) equal the model's, and ``weight_specs`` lists them;
+- save -> load -> step equals step, in the same processes and in fresh ones.
+
+The backend must accept the shared hyperparameter names of
+:class:`asyncrl.training.options.TrainerOptions` (``lr``, ``betas``, ``eps``, ``weight_decay``,
+``max_grad_norm``, ``attn_implementation``, ``num_threads``); override
+:meth:`TrainingBackendContract.backend_options` to map them onto other names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from .contract_rank import (
+    NUM_SEQUENCES,
+    STEP0_CHUNKS,
+    STEP1,
+    contract_sequences,
+    num_tokens,
+    shard_chunk,
+)
+
+__all__ = ["ContractRun", "Reference", "TrainingBackendContract", "build_tiny_qwen2"]
+
+HYPERPARAMETERS: dict[str, Any] = {
+    "lr": 2e-3,
+    "betas": [0.9, 0.999],
+    "eps": 1e-3,  # well above float32 gradient noise: the update stays well conditioned
+    "weight_decay": 0.01,
+    "max_grad_norm": 0.5,  # below the grad norm (~1.5): the clip is active
+    "attn_implementation": "eager",
+    "num_threads": 1,
+}
+LOSS = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "is_cap": 2.0}
+TEMPERATURE = 0.7
+MICRO_BATCH_SIZE = 2
+
+# Tolerances: about 3x the largest error measured over fsdp2 (1, 2 ranks) and deepspeed
+# ZeRO-2/3 (1, 2 ranks) on CPU, float32 against the float64 reference. A backend of another
+# numerical make may loosen them per class (see TrainingBackendContract), never the grad norm
+# beyond the 1e-4 that the suite promises.
+LOGPROB_ATOL = 1e-6  # measured 3.3e-7
+LOSS_RTOL = 5e-7  # measured 1.5e-7
+GRAD_NORM_RTOL = 5e-7  # measured 1.6e-7; a rank-averaging or accumulation bug is off by 2x
+# Weights after one and two AdamW steps (each moves a weight by up to lr = 2e-3; eps = 1e-3
+# keeps the update well conditioned where a gradient entry is near zero): measured 1.5e-7.
+WEIGHT_ATOL = 5e-7
+# Two float32 runs of the same step that differ only in chunking or in where the state came
+# from (summation order only): measured 7.5e-9 (and 0 after save/load).
+SAME_ATOL = 3e-8
+GRAD_NORM_RTOL_CEILING = 1e-4
+
+
+def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
+    """A random tiny Qwen2 causal LM (tied embeddings, 2 layers, vocab 48) at ``path``, with a
+    word-level ``tokenizer.json`` of the same vocabulary (a run config requires one)."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=48,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
+    return path
+
+
+# --------------------------------------------------------------------------- reference
+class Reference:
+    """One big batch in float64: plain transformers, one sequence per forward, the loss
+    written out per token, clipping and AdamW by hand (torch.optim.AdamW's update rule)."""
+
+    def __init__(self, model_dir: Path, hp: dict[str, Any]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float64, attn_implementation="eager"
+        )
+        self.hp = hp
+        self.moments: dict[str, tuple[Any, Any]] = {}
+        self.t = 0
+
+    def logprobs(self, tokens: np.ndarray, prompt_len: int) -> Any:
+        torch = self.torch
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        logits = self.model(input_ids=ids[None]).logits[0]
+        out = [
+            torch.log_softmax(logits[p - 1] / TEMPERATURE, dim=-1)[ids[p]]
+            for p in range(prompt_len, len(ids))
+        ]
+        return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+    def step(
+        self,
+        seqs: list[tuple[np.ndarray, int]],
+        ids: list[int],
+        behaviour: list[np.ndarray],
+        adv: np.ndarray,
+    ) -> dict[str, float]:
+        torch = self.torch
+        self.model.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)
+        lo, hi = 1 - LOSS["clip_eps_low"], 1 + LOSS["clip_eps_high"]
+        for i in ids:
+            lp = self.logprobs(*seqs[i])
+            beh = torch.as_tensor(behaviour[i], dtype=torch.float64)
+            r = torch.exp(lp - beh)  # proximal policy = behaviour: IS weight 1
+            a = float(adv[i])
+            total = total - torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
+        n = num_tokens(seqs, ids)
+        (total / n).backward()
+        params = [(k, p) for k, p in self.model.named_parameters() if p.grad is not None]
+        norm = math.sqrt(sum(float((p.grad**2).sum()) for _, p in params))
+        coef = min(1.0, self.hp["max_grad_norm"] / (norm + 1e-6))
+        self.t += 1
+        b1, b2 = self.hp["betas"]
+        lr, eps, wd = self.hp["lr"], self.hp["eps"], self.hp["weight_decay"]
+        with torch.no_grad():
+            for k, p in params:
+                g = p.grad * coef
+                m, v = self.moments.get(k, (torch.zeros_like(p), torch.zeros_like(p)))
+                m = b1 * m + (1 - b1) * g
+                v = b2 * v + (1 - b2) * g * g
+                self.moments[k] = (m, v)
+                p.mul_(1 - lr * wd)
+                m_hat, v_hat = m / (1 - b1**self.t), v / (1 - b2**self.t)
+                p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+        return {"loss": float(total.detach()) / n, "grad_norm": norm, "num_loss_tokens": n}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().numpy().copy() for k, v in self.model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- running it
+@dataclass
+class ContractRun:
+    """What the ranks wrote, and the reference's view of the same scenario."""
+
+    out: Path
+    ranks: list[dict[str, Any]]
+    resumed: list[dict[str, Any]]
+    model_dir: Path
+    behaviour: np.ndarray
+    advantages: np.ndarray
+    reference_logprobs: list[np.ndarray]
+    reference_steps: list[dict[str, float]]
+    reference_weights: list[dict[str, np.ndarray]]
+    initial_weights: dict[str, np.ndarray]
+
+    def weights(self, tag: str) -> dict[str, np.ndarray]:
+        with np.load(self.out / f"weights-{tag}.npz") as f:
+            return {k: f[k] for k in f.files}
+
+    def result(self, tag: str, rank: int = 0) -> dict[str, Any]:
+        source = self.resumed if tag.endswith("resumed") else self.ranks
+        return source[rank][tag]["result"]
+
+
+def _launch(spec: dict[str, Any], world_size: int, timeout: float) -> None:
+    spec_path = Path(spec["out"]) / f"spec-{spec['phase']}.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(world_size), "-m", "asyncrl.testing.contract_rank",
+        str(spec_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # own session: a rank hung in a collective is killed with the whole group
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"contract ranks timed out after {timeout} s (out of lockstep?):\n"
+                    f"{output[-6000:]}")  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"contract ranks failed (phase {spec['phase']}):\n{output[-8000:]}")
+
+
+def run_contract(
+    backend: str,
+    options: dict[str, Any],
+    world_size: int,
+    work: Path,
+    *,
+    model_dir: Path | None = None,
+    timeout: float = 300.0,
+) -> ContractRun:
+    """Run both phases of the scenario and the reference; see :class:`ContractRun`."""
+    import torch
+
+    model_dir = model_dir or build_tiny_qwen2(work / "model")
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    out, states, run_dir = work / "out", work / "states", work / "run"
+    for d in (out, states, run_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "environment": {"name": "contract"},
+        "grpo": {"temperature": TEMPERATURE},
+        "loss": LOSS,
+        "trainer": {"backend": backend, "micro_batch_size": MICRO_BATCH_SIZE, "options": options},
+    }
+    spec = {
+        "backend": backend, "config": config, "vocab_size": vocab_size, "out": str(out),
+        "states": str(states), "run_dir": str(run_dir),
+    }  # fmt: skip
+    _launch({**spec, "phase": "main"}, world_size, timeout)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    resumed_out = work / "resumed"
+    resumed_out.mkdir(exist_ok=True)
+    _launch({**spec, "phase": "resume", "out": str(resumed_out)}, world_size, timeout)
+    resumed = [json.loads((resumed_out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    for f in resumed_out.glob("weights-*.npz"):
+        f.rename(out / f.name)
+
+    hp = {**HYPERPARAMETERS, **{k: v for k, v in options.items() if k in HYPERPARAMETERS}}
+    seqs = contract_sequences(vocab_size)
+    behaviour_flat = np.load(out / "behaviour.npy")
+    advantages = np.load(out / "advantages.npy")
+    lens = [len(t) - p for t, p in seqs]
+    bounds = np.concatenate([[0], np.cumsum(lens)])
+    behaviour = [behaviour_flat[bounds[i] : bounds[i + 1]] for i in range(NUM_SEQUENCES)]
+    ref = Reference(model_dir, hp)
+    initial = ref.weights()
+    with torch.no_grad():
+        ref_lp = [ref.logprobs(t, p).numpy() for t, p in seqs]
+    steps, weights = [], []
+    for ids in ([i for c in STEP0_CHUNKS for i in c], STEP1):
+        steps.append(ref.step(seqs, ids, behaviour, advantages))
+        weights.append(ref.weights())
+    return ContractRun(
+        out=out, ranks=ranks, resumed=resumed, model_dir=model_dir, behaviour=behaviour_flat,
+        advantages=advantages, reference_logprobs=ref_lp, reference_steps=steps,
+        reference_weights=weights, initial_weights=initial,
+    )  # fmt: skip
+
+
+def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, str]:
+    assert sorted(a) == sorted(b), f"names differ: {sorted(set(a) ^ set(b))}"
+    worst = max(((float(np.abs(a[k] - b[k]).max()), k) for k in a), default=(0.0, ""))
+    return worst
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+# --------------------------------------------------------------------------- the suite
+class TrainingBackendContract:
+    """Subclass with ``backend`` (and optionally ``world_size``, ``options``) set."""
+
+    backend: ClassVar[str]
+    world_size: ClassVar[int] = 1
+    options: ClassVar[dict[str, Any]] = {}
+    timeout: ClassVar[float] = 300.0
+    # tolerances (see the module constants for what they were measured at)
+    logprob_atol: ClassVar[float] = LOGPROB_ATOL
+    loss_rtol: ClassVar[float] = LOSS_RTOL
+    grad_norm_rtol: ClassVar[float] = GRAD_NORM_RTOL
+    weight_atol: ClassVar[float] = WEIGHT_ATOL
+    same_atol: ClassVar[float] = SAME_ATOL
+
+    @classmethod
+    def backend_options(cls, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+        """``[trainer.options]`` for the contract's hyperparameters (override to rename)."""
+        return {**hyperparameters, **cls.options}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def contract(cls, tmp_path_factory: pytest.TempPathFactory) -> ContractRun:
+        if not 0 < cls.grad_norm_rtol <= GRAD_NORM_RTOL_CEILING:
+            raise ValueError(
+                f"grad_norm_rtol = {cls.grad_norm_rtol}: the contract allows at most "
+                f"{GRAD_NORM_RTOL_CEILING}"
+            )
+        work = tmp_path_factory.mktemp(f"contract-{cls.backend}-{cls.world_size}")
+        return run_contract(
+            cls.backend,
+            cls.backend_options(dict(HYPERPARAMETERS)),
+            cls.world_size,
+            work,
+            timeout=cls.timeout,
+        )
+
+    # ---------------------------------------------------------------- forward
+    def test_logprobs_match_float64_reference(self, contract: ContractRun) -> None:
+        rank0 = contract.ranks[0]
+        shards = rank0["logprob_shards"]
+        got = np.concatenate(
+            [np.load(contract.out / f"logprobs-rank{r}.npy") for r in range(len(shards))]
+        )
+        order = [i for shard in shards for i in shard]
+        want = np.concatenate([contract.reference_logprobs[i] for i in order])
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.abs(got - want).max() < self.logprob_atol, np.abs(got - want).max()
+        # the behaviour logprobs came from each rank scoring the whole batch itself
+        full = np.concatenate(contract.reference_logprobs)
+        assert np.abs(contract.behaviour - full).max() < 3.0  # noise of sd 0.5 on top
+
+    # ---------------------------------------------------------------- one step
+    def test_streamed_step_matches_float64_reference(self, contract: ContractRun) -> None:
+        got, want = contract.result("stream"), contract.reference_steps[0]
+        assert got["num_loss_tokens"] == want["num_loss_tokens"]
+        assert _rel(got["grad_norm"], want["grad_norm"]) < self.grad_norm_rtol, (got, want)
+        assert _rel(got["loss"], want["loss"]) < self.loss_rtol, (got, want)
+        assert want["grad_norm"] > HYPERPARAMETERS["max_grad_norm"]  # the clip mattered
+        diff, name = _max_diff(contract.weights("stream"), contract.reference_weights[0])
+        assert diff < self.weight_atol, f"{name} differs by {diff:.3g} from the reference update"
+
+    def test_second_step_matches_float64_reference(self, contract: ContractRun) -> None:
+        got, want = contract.result("step1"), contract.reference_steps[1]
+        assert _rel(got["grad_norm"], want["grad_norm"]) < self.grad_norm_rtol, (got, want)
+        assert _rel(got["loss"], want["loss"]) < self.loss_rtol, (got, want)
+        diff, name = _max_diff(contract.weights("step1"), contract.reference_weights[1])
+        assert diff < self.weight_atol, f"{name} differs by {diff:.3g} from the reference update"
+
+    def test_chunks_with_uneven_and_empty_shards_add_up(self, contract: ContractRun) -> None:
+        seqs = contract_sequences(len(contract.initial_weights["model.embed_tokens.weight"]))
+        for r, report in enumerate(contract.ranks):
+            for c, (ids, chunk) in enumerate(zip(STEP0_CHUNKS, report["stream"]["chunks"])):
+                mine = shard_chunk(ids, c, self.world_size)[r]
+                assert chunk["num_sequences"] == len(mine)
+                assert chunk["num_loss_tokens"] == num_tokens(seqs, mine)
+                if not mine:
+                    assert chunk["loss_sum"] == 0.0
+        total = sum(
+            c["loss_sum"] for report in contract.ranks for c in report["stream"]["chunks"]
+        )
+        want = contract.reference_steps[0]
+        assert _rel(total / want["num_loss_tokens"], want["loss"]) < self.loss_rtol
+
+    def test_every_rank_reports_the_same_step(self, contract: ContractRun) -> None:
+        for tag in ("stream", "step1", "one"):
+            first = contract.result(tag)
+            for r in range(1, self.world_size):
+                other = contract.result(tag, r)
+                for key in ("loss", "grad_norm", "num_loss_tokens"):
+                    assert other[key] == first[key], (tag, key, r)
+
+    def test_streamed_chunks_equal_one_chunk(self, contract: ContractRun) -> None:
+        one, stream = contract.result("one"), contract.result("stream")
+        assert _rel(one["grad_norm"], stream["grad_norm"]) < self.grad_norm_rtol
+        diff, name = _max_diff(contract.weights("one"), contract.weights("stream"))
+        assert diff < self.same_atol, f"{name}: one chunk vs three differ by {diff:.3g}"
+
+    def test_discarded_step_leaves_nothing_behind(self, contract: ContractRun) -> None:
+        for report in contract.ranks:
+            message = report["errors"]["wrong_token_count"]
+            assert message is not None, "finish_step accepted a wrong token count"
+            assert "discarded" in message
+        # the retried step after the discarded one equals the reference's first step
+        diff, name = _max_diff(contract.weights("one"), contract.reference_weights[0])
+        assert diff < self.weight_atol, f"{name} differs by {diff:.3g}: the discarded step leaked"
+
+    # ---------------------------------------------------------------- weights
+    def test_exported_weights_equal_the_model(self, contract: ContractRun) -> None:
+        diff, name = _max_diff(contract.weights("init"), contract.initial_weights)
+        assert diff == 0.0, f"{name} exported {diff:.3g} away from the model file"
+        for r, report in enumerate(contract.ranks):
+            export = report["exports"]["init"]
+            specs = [(s["name"], s["dtype"], s["shape"]) for s in export["specs"]]
+            yielded = [(y["name"], y["dtype"], y["shape"]) for y in export["yielded"]]
+            assert specs == yielded, "weight_specs() and iter_weights() disagree"
+            if r == 0:
+                assert all(y["has_data"] for y in export["yielded"])
+        shapes = {k: list(v.shape) for k, v in contract.initial_weights.items()}
+        assert {s["name"]: s["shape"] for s in contract.ranks[0]["exports"]["init"]["specs"]} == (
+            shapes
+        )
+
+    # ---------------------------------------------------------------- state
+    def test_load_restores_the_saved_weights(self, contract: ContractRun) -> None:
+        diff, name = _max_diff(contract.weights("loaded"), contract.weights("init"))
+        assert diff == 0.0, f"{name} differs by {diff:.3g} after load_state"
+
+    def test_save_load_step_equals_step(self, contract: ContractRun) -> None:
+        want = contract.result("step1")
+        for tag in ("step1-reloaded", "step1-resumed"):
+            got = contract.result(tag)
+            assert _rel(got["grad_norm"], want["grad_norm"]) < self.grad_norm_rtol, (tag, got)
+            diff, name = _max_diff(contract.weights(tag), contract.weights("step1"))
+            # a lost optimizer state (AdamW moments, step count) moves weights by ~lr
+            assert diff < self.same_atol, f"{tag}: {name} is {diff:.3g} off the uninterrupted step"

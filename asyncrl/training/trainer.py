@@ -1,0 +1,402 @@
+"""What every first-party training backend does the same way: :class:`DistributedTrainer`.
+
+A Hugging Face causal LM, one torch.distributed rank per object, driven by the worker runtime
+from one thread, the same sequence of calls on every rank::
+
+    start -> (compute_logprobs | begin_step -> train_chunk* -> finish_step | iter_weights
+              | save_state | load_state)* -> close
+
+This class owns the parts that must not differ between engines: joining the process group,
+loading the model, lockstep micro-batching with malformed-batch agreement, the loss, the step
+ledger, and the token-count check at the end of a step. A backend (FSDP2, DeepSpeed) fills in
+the engine-specific hooks: how the model is wrapped, how a loss is back-propagated, how the
+accumulated raw gradient is normalized, clipped and applied, how full weights are gathered,
+and how state is saved.
+
+Gradient normalization. A step's chunks stream in one by one and nobody knows the step's
+token count until :meth:`finish_step`, so every micro-batch back-propagates the raw *sum* of
+its token losses; after all chunks, every rank's gradient (shard) must hold the gradient of
+the global loss sum, and :meth:`_apply_step` divides it by ``num_loss_tokens`` exactly once.
+The contract suite (:mod:`asyncrl.testing.training`) checks the result against a float64
+single-process reference, so an engine's own averaging over ranks or accumulation steps
+cannot slip through.
+
+Lockstep. Sharded engines' collectives must line up across ranks, so every rank runs the same
+number of forwards (and backwards) per call: ranks agree on the largest local micro-batch
+count (one all-reduce, which also tells every rank whether some rank's batch is malformed)
+and pad with fully masked dummy micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+
+from asyncrl.backend import WeightTensor, WorkerContext
+from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
+from asyncrl.packing import check_packed, micro_batch_bounds
+
+from .batches import MicroBatch, dummy_micro_batch, make_micro_batch, response_logprobs
+from .kv_calibration import all_reduce_max, calibrate_kv_scales
+from .ledger import StepLedger
+from .loss import ppo_clip_loss
+from .options import TrainerOptions
+
+__all__ = ["DistributedTrainer"]
+
+log = structlog.get_logger()
+
+
+class DistributedTrainer:
+    """Base of a :class:`~asyncrl.backend.TrainingBackend` over an HF causal LM.
+
+    Subclasses implement :meth:`_wrap`, :meth:`_backward`, :meth:`_apply_step`,
+    :meth:`_zero_grad`, :meth:`iter_weights`, :meth:`save_state` and :meth:`load_state`;
+    they may override :meth:`_forward` and :meth:`_close_engine`.
+    """
+
+    name = "trainer"
+    """Used in log events and errors."""
+
+    def __init__(self, ctx: WorkerContext, options: TrainerOptions) -> None:
+        self._ctx = ctx
+        self._opts = options
+        self._log = log.bind(group=ctx.group, rank=ctx.rank, backend=self.name)
+        self._module: torch.nn.Module | None = None
+        self._device = torch.device("cpu")
+        self._vocab_size = 0
+        self._owns_process_group = False
+        self._ledger = StepLedger()
+        self._closed = False
+
+    # ------------------------------------------------------------------ engine hooks
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard ``model`` (float32, on this rank's device) and build the optimizer; return
+        the module that forwards."""
+        raise NotImplementedError
+
+    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        """Logits ``[b, L, V]`` of a micro-batch."""
+        assert self._module is not None
+        return self._module(input_ids=mb.input_ids, use_cache=False).logits
+
+    def _backward(self, loss_sum: torch.Tensor) -> None:
+        """Accumulate the gradient of ``loss_sum`` (a raw sum; no scaling of any kind)."""
+        raise NotImplementedError
+
+    def _apply_step(self, num_loss_tokens: int) -> float:
+        """Divide the accumulated gradient of the global loss sum by ``num_loss_tokens``, clip
+        it to ``max_grad_norm``, step the optimizer unless the norm is not finite, zero the
+        gradients. Returns the global gradient 2-norm before clipping (the same on every
+        rank)."""
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        """Drop the accumulated gradients (a discarded step)."""
+        raise NotImplementedError
+
+    def _close_engine(self) -> None:
+        """Free the engine's resources (before the process group goes)."""
+
+    def iter_weights(self) -> Iterator[WeightTensor]:
+        raise NotImplementedError
+
+    def save_state(self, path: str) -> None:
+        """Collective: write model and optimizer state under the directory ``path`` (every
+        rank writes its own part; ``path`` is the same on every rank and visible to all)."""
+        raise NotImplementedError
+
+    def load_state(self, path: str) -> None:
+        """Collective: restore what :meth:`save_state` wrote, into a started backend of the
+        same model, options and world size."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> dict[str, Any]:
+        from transformers import AutoModelForCausalLM
+
+        ctx, opts = self._ctx, self._opts
+        if opts.num_threads:
+            torch.set_num_threads(opts.num_threads)
+        torch.manual_seed(ctx.config.run.seed if opts.seed is None else opts.seed)
+        if torch.cuda.is_available():
+            gpu = ctx.gpu if ctx.gpu is not None else ctx.local_rank  # cluster.trainer_gpus
+            self._device = torch.device(f"cuda:{gpu}")
+            torch.cuda.set_device(self._device)
+        self._init_process_group()
+        model = AutoModelForCausalLM.from_pretrained(
+            ctx.config.model.path, dtype=torch.float32, attn_implementation=opts.attn_implementation
+        ).to(self._device)
+        num_parameters = sum(p.numel() for p in model.parameters())  # a tied weight once
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._module = self._wrap(model)
+        caps = {
+            "backend_version": self._engine_version(),
+            "device": str(self._device),
+            "num_parameters": num_parameters,
+        }
+        self._log.info("trainer_backend_started", world_size=ctx.world_size, **caps)
+        return caps
+
+    def _engine_version(self) -> str:
+        return torch.__version__
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ledger.close()
+        try:
+            self._close_engine()
+        finally:
+            self._module = None
+            if self._owns_process_group and dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_process_group = False
+
+    def _init_process_group(self) -> None:
+        ctx = self._ctx
+        if dist.is_initialized():
+            # embedded in a process that already joined the group: use it, leave it open
+            if (dist.get_rank(), dist.get_world_size()) != (ctx.rank, ctx.world_size):
+                raise RuntimeError(
+                    f"torch.distributed is already initialized as rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, but this worker is rank {ctx.rank} of "
+                    f"{ctx.world_size}"
+                )
+            return
+        backend = "nccl" if self._device.type == "cuda" else "gloo"
+        store = ctx.extra.get("dist_store")
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size)
+        else:
+            dist.init_process_group(
+                backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size
+            )
+        self._owns_process_group = True
+
+    def _started(self) -> torch.nn.Module:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} backend is closed")
+        if self._module is None:
+            raise RuntimeError(f"the {self.name} backend is not started; call start() first")
+        return self._module
+
+    # ------------------------------------------------------------------ forward passes
+    def compute_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        module = self._started()
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        problem = check_packed(
+            batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
+        )
+        bounds = self._bounds(batch, problem)
+        passes = self._agree(problem, len(bounds), "compute_logprobs")
+        out: list[torch.Tensor] = []
+        module.eval()
+        with torch.no_grad():
+            for i in range(passes):
+                mb = self._micro_batch(batch, bounds, i)
+                lp = response_logprobs(self._forward(mb), mb, temperature)
+                if i < len(bounds):
+                    out.append(lp)
+        if not out:
+            return np.zeros(0, dtype=np.float32)
+        return torch.cat(out).to("cpu", torch.float32).numpy()
+
+    def calibrate_kv_scales(
+        self, batch: TokenBatch, *, percentile: float, margin: float, include_q: bool
+    ) -> dict[str, float]:
+        """FP8 KV-cache scales of the current weights on this rank's ``batch`` (see
+        :mod:`asyncrl.training.kv_calibration`); every rank returns the same, maxed across
+        ranks."""
+        module = self._started()
+        problem = check_packed(
+            batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
+        )
+        bounds = self._bounds(batch, problem)
+        passes = self._agree(problem, len(bounds), "calibrate_kv_scales")
+        return calibrate_kv_scales(
+            module,
+            (self._micro_batch(batch, bounds, i) for i in range(passes)),
+            self._forward,
+            percentile=percentile,
+            margin=margin,
+            include_q=include_q,
+            reduce_max=all_reduce_max if self._ctx.world_size > 1 else None,
+        )
+
+    def _bounds(self, batch: TokenBatch | TrainBatch, problem: str | None) -> list[tuple[int, int]]:
+        if problem is not None:
+            return []
+        return micro_batch_bounds(len(batch.seq_lens), self._ctx.config.trainer.micro_batch_size)
+
+    def _micro_batch(
+        self, batch: TokenBatch | TrainBatch, bounds: list[tuple[int, int]], i: int
+    ) -> MicroBatch:
+        if i >= len(bounds):
+            return dummy_micro_batch(device=self._device)
+        start, stop = bounds[i]
+        return make_micro_batch(
+            batch.tokens, batch.seq_lens, batch.prompt_lens, start, stop, device=self._device
+        )
+
+    def _agree(self, problem: str | None, local_passes: int, what: str) -> int:
+        """All ranks learn the largest micro-batch count, and whether any rank's batch is
+        malformed (then every rank raises, instead of one rank hanging in a collective)."""
+        flags = torch.tensor(
+            [local_passes, self._ctx.rank + 1 if problem else 0],
+            dtype=torch.int64,
+            device=self._device,
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        passes, bad = int(flags[0]), int(flags[1])
+        if problem is not None:
+            raise ValueError(f"{what}: rank {self._ctx.rank} got a malformed batch: {problem}")
+        if bad:
+            raise ValueError(f"{what}: rank {bad - 1} got a malformed batch (see its error)")
+        return passes
+
+    # ------------------------------------------------------------------ optimizer step
+    def begin_step(self, step: int) -> None:
+        self._started()
+        self._ledger.begin(step)
+        self._zero_grad()
+
+    def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
+        self._started()
+        self._ledger.require(step, "train_chunk")
+        problem = check_packed(
+            batch.tokens,
+            batch.seq_lens,
+            batch.prompt_lens,
+            vocab_size=self._vocab_size,
+            per_token={"behaviour_logprobs": batch.behaviour_logprobs},
+            per_sequence={"advantages": batch.advantages},
+        )
+        bounds = self._bounds(batch, problem)
+        passes = self._agree(problem, len(bounds), f"train_chunk(step={step})")
+        try:
+            with torch.enable_grad():
+                sums = self._forward_backward(batch, bounds, passes)
+        except BaseException:
+            self._discard("train_chunk failed")
+            raise
+        num_tokens = int((batch.seq_lens.astype(np.int64) - batch.prompt_lens).sum())
+        self._ledger.add_chunk(step, num_tokens, sums[0])
+        return ChunkResult(
+            num_sequences=len(batch.seq_lens),
+            num_loss_tokens=num_tokens,
+            loss_sum=sums[0],
+            clipped_tokens=int(sums[1]),
+            is_weight_sum=sums[2],
+            abs_logprob_diff_sum=sums[3],
+        )
+
+    def _forward_backward(
+        self, batch: TrainBatch, bounds: list[tuple[int, int]], passes: int
+    ) -> list[float]:
+        assert self._module is not None
+        loss_cfg = self._ctx.config.loss
+        temperature = self._ctx.config.grpo.temperature
+        behaviour = torch.tensor(batch.behaviour_logprobs, dtype=torch.float32).to(self._device)
+        seq_adv = torch.tensor(batch.advantages, dtype=torch.float32).to(self._device)
+        sums = torch.zeros(4, dtype=torch.float64, device=self._device)
+        self._module.train()
+        for i in range(passes):
+            mb = self._micro_batch(batch, bounds, i)
+            if i < len(bounds):
+                start, stop = bounds[i]
+                beh = behaviour[mb.response_slice]
+                adv = torch.repeat_interleave(seq_adv[start:stop], mb.response_lens)
+                mask = torch.ones_like(beh, dtype=torch.bool)
+            else:  # padding pass: same collectives, no loss
+                beh = torch.zeros(len(mb.targets), device=self._device)
+                adv, mask = torch.zeros_like(beh), torch.zeros_like(beh, dtype=torch.bool)
+            lp = response_logprobs(self._forward(mb), mb, temperature)
+            prox = lp.detach() if self._opts.proximal_policy == "current" else None
+            loss_sum, stats = ppo_clip_loss(
+                lp,
+                beh,
+                adv,
+                mask,
+                clip_eps_low=loss_cfg.clip_eps_low,
+                clip_eps_high=loss_cfg.clip_eps_high,
+                is_cap=loss_cfg.is_cap,
+                proximal_logprobs=prox,
+            )
+            self._backward(loss_sum)
+            sums += torch.stack(
+                [
+                    loss_sum.detach(),
+                    stats.clipped_tokens,
+                    stats.is_weight_sum,
+                    stats.abs_logprob_diff_sum,
+                ]
+            ).to(torch.float64)
+        return sums.tolist()
+
+    def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
+        self._started()
+        open_step = self._ledger.require(step, "finish_step")
+        totals = torch.tensor(
+            [open_step.loss_tokens, open_step.loss_sum], dtype=torch.float64, device=self._device
+        )
+        dist.all_reduce(totals)
+        counted, loss_sum = int(round(float(totals[0]))), float(totals[1])
+        if counted != num_loss_tokens or counted == 0:
+            self._discard("bad num_loss_tokens")
+            raise ValueError(
+                f"finish_step({step}): the controller says the step has {num_loss_tokens} loss "
+                f"tokens but the trainer ranks received {counted}"
+                + (" (an empty step cannot be normalized)" if counted == 0 else "")
+                + "; the step was discarded (no update)"
+            )
+        try:
+            grad_norm = self._apply_step(num_loss_tokens)
+        finally:
+            self._ledger.close()
+        if not np.isfinite(grad_norm):
+            # the same on every rank (the norm is all-reduced), so all ranks skipped together
+            self._log.warning("step_skipped_nonfinite_grad_norm", step=step, grad_norm=grad_norm)
+        return StepResult(
+            step=step,
+            loss=loss_sum / num_loss_tokens,
+            grad_norm=grad_norm,
+            num_loss_tokens=num_loss_tokens,
+            lr=self._opts.lr,
+            seconds=time.monotonic() - open_step.started,
+        )
+
+    def _discard(self, reason: str) -> None:
+        open_step = self._ledger.close()
+        if open_step is not None:
+            self._log.warning("step_discarded", step=open_step.step, reason=reason)
+        if self._module is not None:
+            self._zero_grad()
+
+    def _check_no_open_step(self, what: str) -> None:
+        open_step = self._ledger.open
+        if open_step is not None:
+            raise RuntimeError(
+                f"{what}: step {open_step.step} is open; finish it before saving or loading state"
+            )
+
+    # ------------------------------------------------------------------ weights
+    def weight_specs(self) -> list[WeightTensor]:
+        """Name, ``model.dtype`` and full shape of every parameter, in :meth:`iter_weights`'
+        order (no collective)."""
+        self._started()
+        dtype = self._ctx.config.model.dtype
+        return [WeightTensor(n, dtype, shape) for n, shape in self._full_shapes()]
+
+    def _full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, full shape)`` of every parameter in HF naming, in export order."""
+        module = self._started()
+        return [(n, tuple(p.shape)) for n, p in module.named_parameters()]

@@ -1,0 +1,85 @@
+"""asyncrl.packing.Layout against sequences cut out by hand, and the step ledger."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from asyncrl.packing import Layout, check_packed
+from asyncrl.training.ledger import StepLedger, StepStateError
+from asyncrl.training.weights import byte_groups
+
+
+@st.composite
+def packed(draw) -> tuple[list[list[int]], list[int]]:
+    """Sequences as plain lists, and their prompt lengths."""
+    n = draw(st.integers(0, 6))
+    seqs, prompts = [], []
+    for _ in range(n):
+        prompt = draw(st.integers(1, 5))
+        response = draw(st.integers(0, 5))
+        seqs.append(draw(st.lists(st.integers(0, 99), min_size=prompt + response,
+                                  max_size=prompt + response)))  # fmt: skip
+        prompts.append(prompt)
+    return seqs, prompts
+
+
+@given(packed())
+def test_layout_matches_sequences_cut_by_hand(case) -> None:
+    seqs, prompts = case
+    tokens = np.array([t for s in seqs for t in s], dtype=np.int32)
+    layout = Layout.of(np.array([len(s) for s in seqs]), np.array(prompts))
+    # the per-response-token array a generator would send: (sequence, position) pairs
+    flat = [(i, p) for i, s in enumerate(seqs) for p in range(prompts[i], len(s))]
+    assert layout.num_sequences == len(seqs)
+    assert layout.num_response_tokens == len(flat)
+    for i, s in enumerate(seqs):
+        assert tokens[layout.sequence(i)].tolist() == s
+        assert [flat[k] for k in range(*layout.response(i).indices(len(flat)))] == [
+            (i, p) for p in range(prompts[i], len(s))
+        ]
+    positions = layout.response_positions()
+    starts = np.cumsum([0] + [len(s) for s in seqs])
+    assert positions.tolist() == [int(starts[i]) + p for i, p in flat]
+    idx = list(range(len(seqs)))[::-1]
+    assert layout.gather_tokens(tokens, idx, np.int32).tolist() == [t for i in idx for t in seqs[i]]
+    values = np.arange(len(flat), dtype=np.float32)
+    assert layout.gather_responses(values, idx, np.float32).tolist() == [
+        float(k) for i in idx for k, (j, _) in enumerate(flat) if j == i
+    ]
+    assert check_packed(tokens, layout.seq_lens, layout.prompt_lens, vocab_size=100) is None
+
+
+def test_ledger_one_step_at_a_time() -> None:
+    ledger = StepLedger()
+    with pytest.raises(StepStateError, match="no optimizer step is open"):
+        ledger.require(0, "train_chunk")
+    ledger.begin(3)
+    with pytest.raises(StepStateError, match="step 3 is still open"):
+        ledger.begin(4)
+    with pytest.raises(StepStateError, match="the open step is 3"):
+        ledger.add_chunk(4, 10, 1.0)
+    ledger.add_chunk(3, 10, 1.5)
+    ledger.add_chunk(3, 0, 0.0)  # an empty shard
+    ledger.add_chunk(3, 5, -0.5)
+    closed = ledger.close()
+    assert closed is not None and (closed.loss_tokens, closed.loss_sum, closed.chunks) == (
+        15,
+        1.0,
+        3,
+    )
+    assert ledger.open is None and ledger.close() is None
+    ledger.begin(4)  # a new step after the close
+
+
+@given(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 100))
+def test_byte_groups_are_consecutive_and_within_budget(sizes, budget) -> None:
+    groups = byte_groups(sizes, budget)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))
+    for g in groups:
+        total = sum(sizes[i] for i in g)
+        assert total <= budget or len(g) == 1  # only a lone oversized item may exceed it
+    for a, b in zip(groups, groups[1:]):  # greedy: the next item would not have fit
+        assert sum(sizes[i] for i in a) + sizes[b[0]] > budget
