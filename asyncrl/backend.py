@@ -262,6 +262,17 @@ class TrainingBackend(Protocol):
         device (the transfer copies it). Collective: all ranks iterate in lockstep; only rank
         0's ``data`` is used."""
 
+    def save_state(self, path: str) -> None:
+        """Write model and optimizer state under the directory ``path`` (created if missing;
+        the same path on every rank, visible to all). Collective: every rank writes its own
+        part. Only between steps (raise if a step is open). Saving must not change training:
+        save -> step equals step."""
+
+    def load_state(self, path: str) -> None:
+        """Restore what :meth:`save_state` wrote into this started backend (same model,
+        options and world size): load -> step equals the step the saving run took next.
+        Collective; only between steps."""
+
     def close(self) -> None:
         """Destroy the process group and free memory. Idempotent."""
 

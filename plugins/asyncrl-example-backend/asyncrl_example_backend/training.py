@@ -24,6 +24,7 @@ when the controller spawned the group) while a one-rank run stays numpy only.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,8 @@ from .model import token_logprobs
 from .options import TrainerOptions, mark_phase, parse_options
 
 __all__ = ["BigramTrainer", "ppo_gradient"]
+
+_STATE_FILE = "bigram-state.npz"
 
 
 
@@ -204,6 +207,31 @@ class BigramTrainer:
         mark_phase(self.options.phase_marker_dir, self.ctx, "refit")
         table = np.ascontiguousarray(self.weights, dtype=np.float32)
         yield WeightTensor(TENSOR_NAME, "float32", table.shape, table.reshape(-1).view(np.uint8))
+
+    def save_state(self, path: str) -> None:
+        """Weights and Adam state to ``path/bigram-state.npz`` (every rank holds the same, so
+        rank 0 writes it; written under a temporary name and renamed)."""
+        if self._open_step is not None:
+            raise RuntimeError(f"save_state: step {self._open_step} is open; finish it first")
+        if self.ctx.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            tmp = os.path.join(path, ".bigram-state.tmp.npz")
+            np.savez(tmp, weights=self.weights, m=self._m, v=self._v, adam_t=self._adam_t)
+            os.replace(tmp, os.path.join(path, _STATE_FILE))
+        if self._dist is not None:
+            self._dist.barrier()  # the file exists before any rank moves on
+
+    def load_state(self, path: str) -> None:
+        if self._open_step is not None:
+            raise RuntimeError(f"load_state: step {self._open_step} is open; finish it first")
+        with np.load(os.path.join(path, _STATE_FILE)) as f:
+            if f["weights"].shape != self.weights.shape:
+                raise ValueError(
+                    f"{path}: a {f['weights'].shape} table, but this model's is "
+                    f"{self.weights.shape}"
+                )
+            self.weights, self._m, self._v = (f[k].copy() for k in ("weights", "m", "v"))
+            self._adam_t = int(f["adam_t"])
 
     def close(self) -> None:
         """Leave the process group, if one was joined (no device memory to free)."""
