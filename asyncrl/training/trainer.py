@@ -86,6 +86,11 @@ class DistributedTrainer:
         assert self._module is not None
         return self._module(input_ids=mb.input_ids, use_cache=False).logits
 
+    def _hf_model(self) -> torch.nn.Module:
+        """The transformers model inside the forwarding module (its ``config``, its attention
+        modules); the same object unless the engine wraps it."""
+        return self._started()
+
     def _backward(self, loss_sum: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss_sum`` (a raw sum; no scaling of any kind)."""
         raise NotImplementedError
@@ -216,14 +221,14 @@ class DistributedTrainer:
         """FP8 KV-cache scales of the current weights on this rank's ``batch`` (see
         :mod:`asyncrl.training.kv_calibration`); every rank returns the same, maxed across
         ranks."""
-        module = self._started()
+        self._started()
         problem = check_packed(
             batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
         )
         bounds = self._bounds(batch, problem)
         passes = self._agree(problem, len(bounds), "calibrate_kv_scales")
         return calibrate_kv_scales(
-            module,
+            self._hf_model(),
             (self._micro_batch(batch, bounds, i) for i in range(passes)),
             self._forward,
             percentile=percentile,

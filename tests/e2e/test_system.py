@@ -1,4 +1,5 @@
-"""The whole system with real engines: vLLM CPU build + FSDP2, spawned as torchrun groups.
+"""The whole system with real engines: vLLM CPU build + FSDP2 or DeepSpeed, spawned as torchrun
+groups.
 
 For lookahead 0 (sync) and 1 (async): before training, vLLM's and the trainer's logprobs of
 fixed token sequences agree within bf16 noise; after two steps (two refits) they agree again
@@ -53,23 +54,35 @@ def fixed_sequences(rng: np.random.Generator, vocab: int = 40) -> object:
     return pack_tokens(prompts, responses)
 
 
+TRAINERS = {
+    "fsdp2": ("fsdp2", 1, {}),
+    # two ZeRO-3 ranks: every forward and every refit export gathers the partitions
+    "deepspeed-zero3-2ranks": ("deepspeed", 2, {"zero_stage": 3, "export_bucket_mb": 1}),
+    "deepspeed-zero2-2ranks": ("deepspeed", 2, {"zero_stage": 2}),
+}
+
+
 @pytest.mark.asyncio
-@pytest.mark.parametrize("lookahead", [0, 1])
+@pytest.mark.parametrize(
+    ("lookahead", "trainer"),
+    [(0, "fsdp2"), (1, "fsdp2"), (1, "deepspeed-zero3-2ranks")],
+)
 async def test_refit_keeps_generator_and_trainer_in_sync(
-    tmp_path: Path, qwen_dir: Path, lookahead: int
+    tmp_path: Path, qwen_dir: Path, lookahead: int, trainer: str
 ) -> None:
+    backend, ranks, options = TRAINERS[trainer]
     config = from_dict(
         {
             "run": {"output_dir": str(tmp_path / "out"), "seed": 3, "num_steps": 2},
             "model": {"path": str(qwen_dir)},
             "environment": {"name": "repeat-digit"},
-            "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "startup_timeout_s": 400},
+            "cluster": {"trainer_ranks": ranks, "rollout_ranks": 1, "startup_timeout_s": 400},
             "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
             "pipeline": {
                 "sampler": {"name": "in_order", "max_lookahead_versions": lookahead},
                 "min_groups_for_streaming_train": 4,
             },
-            "trainer": {"backend": "fsdp2", "options": {"lr": 0.02}},
+            "trainer": {"backend": backend, "options": {"lr": 0.02, **options}},
             "generator": {
                 "backend": "vllm",
                 "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True},
@@ -112,12 +125,14 @@ async def test_refit_keeps_generator_and_trainer_in_sync(
     reason="vLLM's CPU FP8 KV cache needs AVX-512 (the GPU run covers FP8 elsewhere)",
 )
 @pytest.mark.asyncio
+@pytest.mark.parametrize("trainer", ["fsdp2", "deepspeed-zero2-2ranks"])
 async def test_fp8_kv_cache_scales_are_calibrated_and_forwarded(
-    tmp_path: Path, qwen_dir: Path
+    tmp_path: Path, qwen_dir: Path, trainer: str
 ) -> None:
-    """An FP8 KV-cache engine with two FSDP2 trainer ranks: the trainers calibrate scales
-    before the first dispatch (v0) and after every step, every refit carries them, they change
-    as the weights do, and the generator still agrees with the trainer."""
+    """An FP8 KV-cache engine with two trainer ranks: the trainers calibrate scales before the
+    first dispatch (v0) and after every step, every refit carries them, they change as the
+    weights do, and the generator still agrees with the trainer."""
+    backend, _, options = TRAINERS[trainer]
     config = from_dict(
         {
             "run": {"output_dir": str(tmp_path / "out"), "seed": 3, "num_steps": 2},
@@ -127,7 +142,7 @@ async def test_fp8_kv_cache_scales_are_calibrated_and_forwarded(
             "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
             "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}},
             "refit": {"kv_calibration_sequences": 16},
-            "trainer": {"backend": "fsdp2", "options": {"lr": 0.02}},
+            "trainer": {"backend": backend, "options": {"lr": 0.02, **options}},
             "generator": {
                 "backend": "vllm",
                 "options": {

@@ -100,6 +100,9 @@ class DeepSpeedBackend(DistributedTrainer):
         self._engine = engine
         return engine
 
+    def _hf_model(self) -> torch.nn.Module:
+        return self._started().module  # the engine's own .config is DeepSpeed's
+
     def _close_engine(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
@@ -157,8 +160,7 @@ class DeepSpeedBackend(DistributedTrainer):
 
     # ------------------------------------------------------------------ weights
     def _full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        module = self._started()
-        return [(n, _full_shape(p)) for n, p in module.module.named_parameters()]
+        return [(n, _full_shape(p)) for n, p in self._hf_model().named_parameters()]
 
     def iter_weights(self) -> Iterator[WeightTensor]:
         """Every parameter in HF naming and ``model.dtype``, on this rank's device.
@@ -169,7 +171,7 @@ class DeepSpeedBackend(DistributedTrainer):
         group, :class:`deepspeed.zero.GatheredParameters`), and a group is partitioned again
         when the iteration moves past it; consume a yielded tensor before advancing.
         """
-        module = self._started().module
+        module = self._hf_model()
         name_dtype = self._ctx.config.model.dtype
         dtype = getattr(torch, name_dtype)
         sender = self._ctx.rank == 0
