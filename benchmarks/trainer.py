@@ -1,0 +1,283 @@
+"""Train-step throughput of each training backend through asyncrl against its bare loop.
+
+For every case, ``torchrun --nproc-per-node N`` runs one of:
+
+- ``asyncrl``: the backend as a trainer worker drives it (its entry point, a
+  :class:`~asyncrl.backend.WorkerContext`, ``begin_step -> train_chunk -> finish_step`` on a
+  packed :class:`~asyncrl.messages.TrainBatch`): lockstep micro-batches, the PPO loss as a token
+  sum, the step ledger, exact normalization at the end of the step;
+- ``bare``: the same engine written as a plain loop on the same model and batch: FSDP2
+  ``fully_shard`` per decoder layer + root (bf16 compute, float32 reduction), or
+  ``deepspeed.initialize`` with the same ZeRO stage; per micro-batch a forward, the next-token
+  logprobs of the response positions in float32, ``-(A * logprob).sum() / tokens``, backward;
+  then clipping and AdamW.
+
+Both use the same model (Qwen2.5-0.5B's shape, random weights, built once under ``--model``),
+the same batch (``--seqs`` sequences of ``--seq-len`` tokens per GPU, prompt ``--prompt-len``),
+micro-batch size, bf16 compute with float32 master weights, sdpa attention and
+``torch.optim.AdamW``. A step's time is taken between CUDA synchronizations on rank 0; tokens/s
+counts every token of every rank. Prints a table and appends JSON lines to ``--out``.
+
+    python benchmarks/trainer.py --gpus 1 --cases fsdp2,fsdp2-bare,ds2,ds2-bare,ds3,ds3-bare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = {
+    # name: (engine, zero stage, asyncrl?)
+    "fsdp2": ("fsdp2", 0, True),
+    "fsdp2-bare": ("fsdp2", 0, False),
+    "ds2": ("deepspeed", 2, True),
+    "ds2-bare": ("deepspeed", 2, False),
+    "ds3": ("deepspeed", 3, True),
+    "ds3-bare": ("deepspeed", 3, False),
+}
+LR = 1e-5
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        _sync()
+
+
+def build_model(path: Path, layers: int) -> None:
+    """Qwen2.5-0.5B's architecture with random weights (no download)."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
+
+
+# --------------------------------------------------------------------------- one rank
+def make_batch(args: argparse.Namespace, rank: int):
+    import numpy as np
+
+    from asyncrl.messages import TrainBatch
+
+    rng = np.random.default_rng(rank)
+    n, length, prompt = args.seqs, args.seq_len, args.prompt_len
+    tokens = rng.integers(0, 151936, size=n * length).astype(np.int32)
+    response = n * (length - prompt)
+    return TrainBatch(
+        tokens=tokens,
+        seq_lens=np.full(n, length, np.int32),
+        prompt_lens=np.full(n, prompt, np.int32),
+        behaviour_logprobs=rng.normal(-2.0, 0.5, size=response).astype(np.float32),
+        advantages=rng.normal(size=n).astype(np.float32),
+    )
+
+
+def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]:
+    import torch
+
+    from asyncrl.backend import WorkerContext
+    from asyncrl.config import from_dict
+    from asyncrl.plugins import load
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    options = {"lr": LR, "mixed_precision": "bf16", "attn_implementation": "sdpa",
+               "num_threads": 0}  # fmt: skip
+    if engine == "deepspeed":
+        options["zero_stage"] = stage
+    config = from_dict({
+        "model": {"path": args.model, "dtype": "bfloat16"},
+        "environment": {"name": "benchmark"},
+        "trainer": {"backend": engine, "micro_batch_size": args.micro_batch_size,
+                    "options": options},
+    })  # fmt: skip
+    ctx = WorkerContext(group="trainer", rank=rank, world_size=world,
+                        local_rank=int(os.environ["LOCAL_RANK"]), config=config,
+                        run_dir=tempfile.mkdtemp())  # fmt: skip
+    backend = load("asyncrl.training_backends", engine)(ctx)
+    backend.start()
+    batch = make_batch(args, rank)
+    total = world * int((batch.seq_lens - batch.prompt_lens).sum())
+    times = []
+    try:
+        for step in range(args.warmup + args.steps):
+            _sync()
+            t0 = time.perf_counter()
+            backend.begin_step(step)
+            backend.train_chunk(step, batch)
+            backend.finish_step(step, total)
+            _sync()
+            times.append(time.perf_counter() - t0)
+    finally:
+        backend.close()
+    return times[args.warmup :]
+
+
+def bare_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()  # the CPU path is for trying the script out
+    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.float32, attn_implementation="sdpa"
+    ).to(device)
+    if engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        module = model
+
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        if not cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": args.micro_batch_size,
+            "gradient_accumulation_steps": max(1, args.seqs // args.micro_batch_size),
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": True}, "steps_per_print": 2**62,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+        }  # fmt: skip
+        module, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config,
+            dist_init_required=False,
+        )  # fmt: skip
+
+        def backward(loss: torch.Tensor) -> None:
+            module.backward(loss)
+            module.step()  # an accumulation step; the boundary one updates
+
+        def step() -> None:
+            pass
+
+    batch = make_batch(args, rank)
+    ids = torch.as_tensor(batch.tokens, dtype=torch.long, device=device).view(args.seqs, -1)
+    adv = torch.as_tensor(batch.advantages, device=device)
+    p = args.prompt_len
+    tokens = world * args.seqs * (args.seq_len - p)
+    times = []
+    module.train()
+    for _ in range(args.warmup + args.steps):
+        _sync()
+        t0 = time.perf_counter()
+        for start in range(0, args.seqs, args.micro_batch_size):
+            mb = ids[start : start + args.micro_batch_size]
+            logits = module(input_ids=mb, use_cache=False).logits[:, p - 1 : -1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            picked = logp.gather(-1, mb[:, p:, None]).squeeze(-1)
+            a = adv[start : start + args.micro_batch_size, None]
+            backward(-(a * picked).sum() / tokens)
+        step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return times[args.warmup :]
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+
+    engine, stage, through_asyncrl = CASES[args.case]
+    run = asyncrl_steps if through_asyncrl else bare_steps
+    times = run(args, engine, stage)
+    if int(os.environ["RANK"]) == 0:
+        world = int(os.environ["WORLD_SIZE"])
+        tokens = world * args.seqs * args.seq_len
+        median = statistics.median(times)
+        print("RESULT " + json.dumps({
+            "case": args.case, "gpus": world, "seqs_per_gpu": args.seqs, "seq_len": args.seq_len,
+            "micro_batch_size": args.micro_batch_size, "step_s": [round(t, 4) for t in times],
+            "median_s": round(median, 4), "tok_per_s": round(tokens / median),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            if torch.cuda.is_available() else None,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        }), flush=True)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- orchestration
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--gpus", default="1", help="comma-separated GPU counts")
+    ap.add_argument("--seqs", type=int, default=8, help="sequences per GPU per step")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--model", default="/tmp/asyncrl-bench-qwen2-0.5b")
+    ap.add_argument("--out", default="benchmarks/results/trainer.jsonl")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # set on the ranks
+    args = ap.parse_args()
+    if args.case:
+        rank_main(args)
+        return
+    if not (Path(args.model) / "config.json").exists():
+        build_model(Path(args.model), args.layers)
+    rows = []
+    for gpus in [int(g) for g in args.gpus.split(",")]:
+        for case in args.cases.split(","):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(gpus), __file__, "--case", case,
+                   *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                     if k in ("seqs", "seq_len", "prompt_len", "micro_batch_size", "steps",
+                              "warmup", "model")]]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not found:
+                print(f"{case} on {gpus} GPU(s) failed (rc {proc.returncode}):\n"
+                      f"{(proc.stdout + proc.stderr)[-3000:]}", flush=True)  # fmt: skip
+                continue
+            row = json.loads(found[-1].removeprefix("RESULT "))
+            rows.append(row)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{case:>11} {gpus} GPU  {row['median_s']:.3f} s  {row['tok_per_s']:>7} tok/s "
+                  f" peak {row['peak_gib']} GiB  steps {row['step_s']}", flush=True)  # fmt: skip
+    bare = {(r["case"].removesuffix("-bare"), r["gpus"]): r for r in rows if "bare" in r["case"]}
+    for r in rows:
+        ref = bare.get((r["case"], r["gpus"]))
+        if ref and "bare" not in r["case"]:
+            print(f"{r['case']:>11} {r['gpus']} GPU  asyncrl/bare = "
+                  f"{r['tok_per_s'] / ref['tok_per_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
