@@ -49,7 +49,7 @@ def _sync() -> None:
     import torch
 
     if torch.cuda.is_available():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def build_model(path: Path, layers: int) -> None:
