@@ -114,18 +114,39 @@ def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[flo
     batch = make_batch(args, rank)
     total = world * int((batch.seq_lens - batch.prompt_lens).sum())
     times = []
+
+    def one(step: int) -> None:
+        backend.begin_step(step)
+        backend.train_chunk(step, batch)
+        backend.finish_step(step, total)
+
     try:
         for step in range(args.warmup + args.steps):
             _sync()
             t0 = time.perf_counter()
-            backend.begin_step(step)
-            backend.train_chunk(step, batch)
-            backend.finish_step(step, total)
+            one(step)
             _sync()
             times.append(time.perf_counter() - t0)
+        if args.profile:
+            _profile(lambda: one(args.warmup + args.steps))
     finally:
         backend.close()
     return times[args.warmup :]
+
+
+def _profile(fn) -> None:
+    """One more step under torch.profiler; rank 0 prints the top operators by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                           else [])  # fmt: skip
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    if int(os.environ["RANK"]) == 0:
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
 
 
 def bare_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]:
@@ -192,9 +213,8 @@ def bare_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]
     tokens = world * args.seqs * (args.seq_len - p)
     times = []
     module.train()
-    for _ in range(args.warmup + args.steps):
-        _sync()
-        t0 = time.perf_counter()
+
+    def one() -> None:
         for start in range(0, args.seqs, args.micro_batch_size):
             mb = ids[start : start + args.micro_batch_size]
             logits = module(input_ids=mb, use_cache=False).logits[:, p - 1 : -1]
@@ -203,8 +223,15 @@ def bare_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]
             a = adv[start : start + args.micro_batch_size, None]
             backward(-(a * picked).sum() / tokens)
         step()
+
+    for _ in range(args.warmup + args.steps):
+        _sync()
+        t0 = time.perf_counter()
+        one()
         _sync()
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        _profile(one)
     dist.destroy_process_group()
     return times[args.warmup :]
 
@@ -243,6 +270,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--model", default="/tmp/asyncrl-bench-qwen2-0.5b")
     ap.add_argument("--out", default="benchmarks/results/trainer.jsonl")
+    ap.add_argument("--profile", action="store_true", help="print the top operators of a step")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # set on the ranks
     args = ap.parse_args()
     if args.case:
@@ -257,13 +285,16 @@ def main() -> None:
                    "--nproc-per-node", str(gpus), __file__, "--case", case,
                    *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("seqs", "seq_len", "prompt_len", "micro_batch_size", "steps",
-                              "warmup", "model")]]  # fmt: skip
+                              "warmup", "model")],
+                   *(["--profile"] if args.profile else [])]  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True)
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not found:
                 print(f"{case} on {gpus} GPU(s) failed (rc {proc.returncode}):\n"
                       f"{(proc.stdout + proc.stderr)[-3000:]}", flush=True)  # fmt: skip
                 continue
+            if args.profile:
+                print(f"--- {case}, {gpus} GPU(s)\n" + proc.stdout.split("RESULT ")[0][-6000:])
             row = json.loads(found[-1].removeprefix("RESULT "))
             rows.append(row)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
