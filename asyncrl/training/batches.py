@@ -20,6 +20,7 @@ __all__ = [
     "dummy_micro_batch",
     "make_micro_batch",
     "response_logprobs",
+    "to_device",
 ]
 
 
@@ -73,7 +74,7 @@ def make_micro_batch(
     window = (int(cols_np.min()), int(cols_np.max()) + 1) if cols_np.size else (0, 0)
 
     def put(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device)
+        return to_device(a, device)
 
     return MicroBatch(
         input_ids=put(ids),
@@ -84,6 +85,15 @@ def make_micro_batch(
         response_lens=put(layout.response_lens[start:stop]),
         window=window,
     )
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` as a tensor on ``device``; to a GPU through pinned memory without blocking, so
+    the host never waits for the GPU's queue to drain."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def dummy_micro_batch(*, device: torch.device, pad_id: int = 0) -> MicroBatch:
@@ -109,11 +119,12 @@ def response_logprobs(
 ) -> torch.Tensor:
     """``[n]`` logprobs of ``mb``'s response tokens under ``logits`` (``[b, L, V]``).
 
-    ``z[t] / T - logsumexp(z / T)`` in float32 (float64 if the logits are float64) over the
-    window of positions that predict response tokens (:attr:`MicroBatch.window`, a view of the
-    logits: no gather of whole rows). Gathering the response rows first (``n x V``) would use
-    less memory under heavy padding, but its backward scatters whole vocabulary rows; on an
-    H200 it made a 0.5B model's train step 24 % slower than a plain loop (benchmarks/trainer.py).
+    ``log_softmax(z / T)`` in float32 (float64 if the logits are float64) over the window of
+    positions that predict response tokens (:attr:`MicroBatch.window`, a view of the logits),
+    then the targets are picked. Gathering the response rows first (``n x V``) would use less
+    memory under heavy padding, but its backward scatters whole vocabulary rows, and a
+    ``logsumexp`` formulation runs several passes where ``log_softmax`` runs one: on an H200
+    both made a 0.5B model's train step slower than a plain loop (benchmarks/trainer.py).
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
     lo, hi = mb.window
@@ -123,5 +134,4 @@ def response_logprobs(
     z = window.to(dtype)
     if temperature != 1.0:
         z = z.div_(temperature) if z is not window else z / temperature
-    rows, cols = mb.rows, mb.cols - lo
-    return z[rows, cols, mb.targets] - torch.logsumexp(z, dim=-1)[rows, cols]
+    return torch.log_softmax(z, dim=-1)[mb.rows, mb.cols - lo, mb.targets]

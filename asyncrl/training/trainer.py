@@ -40,9 +40,15 @@ import torch.distributed as dist
 
 from asyncrl.backend import WeightTensor, WorkerContext
 from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
-from asyncrl.packing import check_packed, micro_batch_bounds
+from asyncrl.packing import Layout, check_packed, micro_batch_bounds
 
-from .batches import MicroBatch, dummy_micro_batch, make_micro_batch, response_logprobs
+from .batches import (
+    MicroBatch,
+    dummy_micro_batch,
+    make_micro_batch,
+    response_logprobs,
+    to_device,
+)
 from .kv_calibration import all_reduce_max, calibrate_kv_scales
 from .ledger import StepLedger
 from .loss import ppo_clip_loss
@@ -310,16 +316,19 @@ class DistributedTrainer:
         assert self._module is not None
         loss_cfg = self._ctx.config.loss
         temperature = self._ctx.config.grpo.temperature
-        behaviour = torch.tensor(batch.behaviour_logprobs, dtype=torch.float32).to(self._device)
-        seq_adv = torch.tensor(batch.advantages, dtype=torch.float32).to(self._device)
+        # per-token tensors built on the host: no device sync (a repeat_interleave by a device
+        # tensor would wait for the GPU before every micro-batch)
+        layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+        behaviour = to_device(batch.behaviour_logprobs.astype(np.float32), self._device)
+        token_adv = np.repeat(batch.advantages.astype(np.float32), layout.response_lens)
+        advantages = to_device(token_adv, self._device)
         sums = torch.zeros(4, dtype=torch.float64, device=self._device)
         self._module.train()
         for i in range(passes):
             mb = self._micro_batch(batch, bounds, i)
             if i < len(bounds):
-                start, stop = bounds[i]
                 beh = behaviour[mb.response_slice]
-                adv = torch.repeat_interleave(seq_adv[start:stop], mb.response_lens)
+                adv = advantages[mb.response_slice]
                 mask = torch.ones_like(beh, dtype=torch.bool)
             else:  # padding pass: same collectives, no loss
                 beh = torch.zeros(len(mb.targets), device=self._device)

@@ -78,15 +78,18 @@ class FSDPBackend(DistributedTrainer):
         assert optimizer is not None
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        for grad in grads:  # sums of the whole step on every shard -> the step's mean
-            grad.mul_(1.0 / num_loss_tokens)
-        total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(total_norm, DTensor):
-            total_norm = total_norm.full_tensor()
-        grad_norm = float(total_norm)
+        # The shards hold the step's loss-sum gradient: its norm / num_loss_tokens is the mean's
+        # norm, and one multiply applies both 1 / num_loss_tokens and the clip (as
+        # clip_grads_with_norm_ does: max_norm / (norm + 1e-6), at most 1).
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) / num_loss_tokens
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        scale = torch.ones((), dtype=norm.dtype, device=norm.device)
+        if self._opts.max_grad_norm > 0:
+            scale = torch.clamp(self._opts.max_grad_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, scale / num_loss_tokens)
+        grad_norm = float(norm)  # the one wait for the GPU in a step
         if np.isfinite(grad_norm):
-            if self._opts.max_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, self._opts.max_grad_norm, total_norm)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -162,6 +165,7 @@ class FSDPBackend(DistributedTrainer):
             betas=opts.betas,
             eps=opts.eps,
             weight_decay=opts.weight_decay,
+            fused=self._device.type == "cuda",  # one kernel per step instead of a launch storm
         )
 
     # ------------------------------------------------------------------ weights
