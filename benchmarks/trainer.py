@@ -89,8 +89,6 @@ def make_batch(args: argparse.Namespace, rank: int):
 
 
 def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]:
-    import torch
-
     from asyncrl.backend import WorkerContext
     from asyncrl.config import from_dict
     from asyncrl.plugins import load

@@ -81,8 +81,9 @@ GRAD_NORM_RTOL = 5e-7  # measured 1.6e-7; a rank-averaging or accumulation bug i
 # keeps the update well conditioned where a gradient entry is near zero): measured 1.5e-7.
 WEIGHT_ATOL = 5e-7
 # Two float32 runs of the same step that differ only in chunking or in where the state came
-# from (summation order only): measured 7.5e-9 (and 0 after save/load).
-SAME_ATOL = 3e-8
+# from (summation order only): measured 7.5e-9 on CPU and 1.2e-7 on an H200 (one float32 ulp
+# of a layer-norm weight near 1); 0 after save/load on both.
+SAME_ATOL = 4e-7
 GRAD_NORM_RTOL_CEILING = 1e-4
 
 

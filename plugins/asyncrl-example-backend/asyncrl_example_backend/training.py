@@ -6,8 +6,8 @@ token, with ``lp = log softmax(W[prev] / T)[tok]`` and ``b`` the generator's log
     r    = exp(lp - b)
     loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)        (summed over tokens)
 
-which is :func:`asyncrl.training.loss.ppo_clip_loss` with the behaviour policy as proximal policy (so
-its importance weight is 1). Where the clip is inactive ``d loss / d lp = -A * r``; where it
+which is :func:`asyncrl.training.loss.ppo_clip_loss` with the behaviour policy as proximal
+policy (so its importance weight is 1). Where the clip is inactive ``d loss / d lp = -A * r``; where it
 binds (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``) the gradient is 0; and
 ``d lp / d W[prev, j] = (onehot(tok)_j - softmax(W[prev] / T)_j) / T``.
 
