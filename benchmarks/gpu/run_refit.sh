@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host, after vLLM 0.26 was staged into /tmp/site (shared/gpu/README.md):
-#   bash benchmarks/gpu/run_refit.sh tests            # tests/gpu (CUDA IPC refits, FP8 KV)
+#   bash benchmarks/gpu/run_refit.sh tests            # tests/gpu (CUDA IPC refits, FP8 KV, the
+#                                                     # training contract; carry .whl-trainer too)
 #   bash benchmarks/gpu/run_refit.sh 1gpu [ARGS]      # benchmarks/refit.py, one-GPU trainer
 #   bash benchmarks/gpu/run_refit.sh fsdp2 [ARGS]     # benchmarks/refit.py, 2-GPU FSDP2 trainer
 # Small wheels the image lacks travel in .whl/. Results under $OUT.
@@ -11,6 +12,8 @@ mkdir -p "$OUT"
 part=${1:-tests}
 shift || true
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+# DeepSpeed and its pure dependencies, for the training-contract classes of tests/gpu
+[ -d .whl-trainer ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-trainer/*.whl 2>/dev/null
 export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"

@@ -120,6 +120,11 @@ class FSDPBackend(DistributedTrainer):
     def load_state(self, path: str) -> None:
         model = self._started()
         self._check_no_open_step("load_state")
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise FileNotFoundError(
+                f"{path} holds no torch distributed checkpoint (no .metadata inside); "
+                "save_state writes one"
+            )
         optimizer = self._optimizer
         assert optimizer is not None
         msd, osd = get_state_dict(model, optimizer)

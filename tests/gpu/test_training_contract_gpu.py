@@ -1,0 +1,47 @@
+"""The training-backend contract on a GPU (NCCL, one rank per GPU; skipped without CUDA).
+
+The same suite as tests/contract, where the backends pick CUDA and NCCL themselves: cuBLAS and
+cuDNN kernels instead of the CPU's, the fused AdamW of the FSDP2 backend, pinned host copies.
+Two-rank classes run when the host has two GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from asyncrl.testing.training import TrainingBackendContract  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+
+
+class TestFSDP2OneGPU(TrainingBackendContract):
+    backend = "fsdp2"
+
+
+class TestDeepSpeedZero2OneGPU(TrainingBackendContract):
+    backend = "deepspeed"
+    options = {"zero_stage": 2}
+
+
+class TestDeepSpeedZero3OneGPU(TrainingBackendContract):
+    backend = "deepspeed"
+    options = {"zero_stage": 3}
+
+
+@two_gpus
+class TestFSDP2TwoGPUs(TrainingBackendContract):
+    backend = "fsdp2"
+    world_size = 2
+
+
+@two_gpus
+class TestDeepSpeedZero3TwoGPUs(TrainingBackendContract):
+    backend = "deepspeed"
+    world_size = 2
+    options = {"zero_stage": 3, "export_bucket_mb": 1}
