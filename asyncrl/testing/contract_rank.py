@@ -14,6 +14,7 @@ Phase ``main``::
     load "s0"; export "loaded"; a step discarded by a wrong token count
     step 0 again in one chunk; export "one"
     load "s1"; step 1; export "step1-reloaded"
+    a chunk malformed on the last rank only (every rank must raise), then a good one
 
 Phase ``resume`` (fresh processes): start; load "s1"; step 1; export "step1-resumed".
 """
@@ -210,6 +211,28 @@ class _Rank:
         else:
             self.report["errors"]["wrong_token_count"] = None
 
+    def malformed_batch(self) -> None:
+        """The last rank alone gets a token id outside the vocabulary: every rank must raise
+        (none may hang in a collective), and the open step must stay usable."""
+        self.backend.begin_step(7)
+        ids = STEP1[self.rank :: self.world]
+        batch = train_batch(self.seqs, ids, self.behaviour, self.adv)
+        if self.rank == self.world - 1:
+            tokens = batch.tokens.copy()
+            tokens[0] = int(self.spec["vocab_size"]) + 5
+            batch = TrainBatch(tokens, batch.seq_lens, batch.prompt_lens,
+                               batch.behaviour_logprobs, batch.advantages)  # fmt: skip
+        try:
+            self.backend.train_chunk(7, batch)
+        except ValueError as exc:
+            self.report["errors"]["malformed_batch"] = str(exc)
+        else:
+            self.report["errors"]["malformed_batch"] = None
+        good = train_batch(self.seqs, ids, self.behaviour, self.adv)
+        self.backend.train_chunk(7, good)
+        res = self.backend.finish_step(7, num_tokens(self.seqs, STEP1))
+        self.report["after_malformed"] = {"num_loss_tokens": res.num_loss_tokens}
+
     def write(self) -> None:
         (self.out / f"rank{self.rank}.json").write_text(json.dumps(self.report, indent=1))
 
@@ -238,6 +261,7 @@ def main(argv: list[str]) -> int:
             rank.backend.load_state(str(states / "s1"))
             rank.one_chunk(1, STEP1, "step1-reloaded")
             rank.export("step1-reloaded")
+            rank.malformed_batch()
         else:
             rank.backend.load_state(str(states / "s1"))
             rank.one_chunk(1, STEP1, "step1-resumed")

@@ -22,6 +22,8 @@ gradient clipped by hand and AdamW applied by hand. It checks that
 - the updated weights equal the reference's AdamW step;
 - the same step sent as one chunk gives the same weights as the streamed one;
 - a step discarded by a wrong token count leaves no gradient behind;
+- a batch malformed on one rank only makes every rank raise (none hangs in a collective),
+  and the open step stays usable;
 - exported weights (``iter_weights``) equal the model's, and ``weight_specs`` lists them;
 - save -> load -> step equals step, in the same processes and in fresh ones.
 
@@ -404,6 +406,14 @@ class TrainingBackendContract:
         # the retried step after the discarded one equals the reference's first step
         diff, name = _max_diff(contract.weights("one"), contract.reference_weights[0])
         assert diff < self.weight_atol, f"{name} differs by {diff:.3g}: the discarded step leaked"
+
+    def test_malformed_batch_on_one_rank_raises_on_every_rank(self, contract: ContractRun) -> None:
+        for r, report in enumerate(contract.ranks):
+            message = report["errors"]["malformed_batch"]
+            assert message is not None, f"rank {r} accepted a token id outside the vocabulary"
+            assert "malformed" in message, message
+            # the open step stayed usable: a good chunk after it trained and the step finished
+            assert report["after_malformed"]["num_loss_tokens"] > 0
 
     # ---------------------------------------------------------------- weights
     def test_exported_weights_equal_the_model(self, contract: ContractRun) -> None:
