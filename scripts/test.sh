@@ -13,8 +13,8 @@ bash scripts/install.sh
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-# stage budgets in minutes; measured on a 2-core machine: unit 0.8, contract 1.7 (+0.5 the first
-# time: DeepSpeed compiles its CPU shared-memory op once), integration 4.5, e2e 9
+# stage budgets in minutes; measured on a 2-core machine: unit 0.8, contract 2.1 (+0.5 the first
+# time: DeepSpeed compiles its CPU shared-memory op once), integration 4.8, e2e 10.4
 for stage in "5 tests/unit" "10 tests/contract" "25 tests/integration" "35 tests/e2e tests/gpu"; do
   set -- $stage
   budget=$1
