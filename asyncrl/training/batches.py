@@ -42,9 +42,7 @@ class MicroBatch:
     """int64 ``[n]``: the response token ids."""
     response_slice: slice
     """Where this micro-batch's response tokens lie in the batch's flat per-token arrays."""
-    response_lens: torch.Tensor
-    """int64 ``[b]``: response tokens per sequence (to repeat per-sequence values)."""
-    window: tuple[int, int] = (0, 0)
+    window: tuple[int, int]
     """``[lo, hi)``: the positions whose logits predict some response token (``cols`` lie in
     it), known on the host; empty when there is no response token."""
 
@@ -73,16 +71,12 @@ def make_micro_batch(
     targets = ids[rows_np, cols_np + 1]
     window = (int(cols_np.min()), int(cols_np.max()) + 1) if cols_np.size else (0, 0)
 
-    def put(a: np.ndarray) -> torch.Tensor:
-        return to_device(a, device)
-
     return MicroBatch(
-        input_ids=put(ids),
-        rows=put(rows_np),
-        cols=put(cols_np),
-        targets=put(targets),
+        input_ids=to_device(ids, device),
+        rows=to_device(rows_np, device),
+        cols=to_device(cols_np, device),
+        targets=to_device(targets, device),
         response_slice=layout.responses(start, stop),
-        response_lens=put(layout.response_lens[start:stop]),
         window=window,
     )
 
@@ -109,7 +103,6 @@ def dummy_micro_batch(*, device: torch.device, pad_id: int = 0) -> MicroBatch:
         cols=mb.cols,
         targets=mb.targets,
         response_slice=slice(0, 0),
-        response_lens=mb.response_lens,
         window=mb.window,
     )
 

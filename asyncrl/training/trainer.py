@@ -293,13 +293,14 @@ class DistributedTrainer:
         )
         bounds = self._bounds(batch, problem)
         passes = self._agree(problem, len(bounds), f"train_chunk(step={step})")
+        layout = Layout.of(batch.seq_lens, batch.prompt_lens)
         try:
             with torch.enable_grad():
-                sums = self._forward_backward(batch, bounds, passes)
+                sums = self._forward_backward(batch, layout, bounds, passes)
         except BaseException:
             self._discard("train_chunk failed")
             raise
-        num_tokens = int((batch.seq_lens.astype(np.int64) - batch.prompt_lens).sum())
+        num_tokens = layout.num_response_tokens
         self._ledger.add_chunk(step, num_tokens, sums[0])
         return ChunkResult(
             num_sequences=len(batch.seq_lens),
@@ -311,14 +312,13 @@ class DistributedTrainer:
         )
 
     def _forward_backward(
-        self, batch: TrainBatch, bounds: list[tuple[int, int]], passes: int
+        self, batch: TrainBatch, layout: Layout, bounds: list[tuple[int, int]], passes: int
     ) -> list[float]:
         assert self._module is not None
         loss_cfg = self._ctx.config.loss
         temperature = self._ctx.config.grpo.temperature
         # per-token tensors built on the host: no device sync (a repeat_interleave by a device
         # tensor would wait for the GPU before every micro-batch)
-        layout = Layout.of(batch.seq_lens, batch.prompt_lens)
         behaviour = to_device(batch.behaviour_logprobs.astype(np.float32), self._device)
         token_adv = np.repeat(batch.advantages.astype(np.float32), layout.response_lens)
         advantages = to_device(token_adv, self._device)

@@ -169,11 +169,13 @@ def test_micro_batch_layout_and_response_positions():
     assert mb.cols.tolist() == [1, 2, 3]
     assert mb.targets.tolist() == [8, 9, 2]
     assert mb.response_slice == slice(0, 3)
-    assert mb.response_lens.tolist() == [3, 0]
+    assert np.bincount(mb.rows.numpy(), minlength=2).tolist() == [3, 0]  # per sequence
+    assert mb.window == (1, 4)  # the positions whose logits predict a response token
     mb2 = make_micro_batch(tokens, seq_lens, prompt_lens, 2, 3, device=torch.device("cpu"))
     assert mb2.input_ids.tolist() == [[1, 6, 6, 2]]
     assert mb2.cols.tolist() == [0, 1, 2] and mb2.targets.tolist() == [6, 6, 2]
     assert mb2.response_slice == slice(3, 6)
+    assert mb2.window == (0, 3)
     dummy = dummy_micro_batch(device=torch.device("cpu"))
     assert dummy.input_ids.shape == (1, 2) and len(dummy.targets) == 1
     assert dummy.response_slice == slice(0, 0)

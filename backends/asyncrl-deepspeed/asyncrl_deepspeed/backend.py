@@ -76,11 +76,15 @@ class DeepSpeedBackend(DistributedTrainer):
     docstring)."""
 
     name = "deepspeed"
+    _opts: DeepSpeedOptions
 
     def __init__(self, ctx: WorkerContext) -> None:
-        self._ds_opts: DeepSpeedOptions = parse_options(dict(ctx.config.trainer.options))
-        super().__init__(ctx, self._ds_opts)
-        self._engine: Any = None
+        super().__init__(ctx, parse_options(dict(ctx.config.trainer.options)))
+
+    @property
+    def _engine(self) -> Any:
+        """The ``DeepSpeedEngine`` (the module that forwards)."""
+        return self._started()
 
     def _engine_version(self) -> str:
         return f"deepspeed {deepspeed.__version__}, torch {torch.__version__}"
@@ -88,7 +92,7 @@ class DeepSpeedBackend(DistributedTrainer):
     # ------------------------------------------------------------------ engine hooks
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         config = deepspeed_config(
-            self._ds_opts,
+            self._opts,
             micro_batch_size=self._ctx.config.trainer.micro_batch_size,
             world_size=self._ctx.world_size,
         )
@@ -97,16 +101,14 @@ class DeepSpeedBackend(DistributedTrainer):
             dist_init_required=False,
         )  # fmt: skip
         engine.optimizer.override_loss_scale(1.0)
-        self._engine = engine
         return engine
 
     def _hf_model(self) -> torch.nn.Module:
-        return self._started().module  # the engine's own .config is DeepSpeed's
+        return self._engine.module  # the engine's own .config is DeepSpeed's
 
     def _close_engine(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.destroy()
+        if self._module is not None:
+            self._module.destroy()
 
     def _backward(self, loss_sum: torch.Tensor) -> None:
         self._engine.backward(loss_sum, scale_wrt_gas=False)
@@ -119,7 +121,7 @@ class DeepSpeedBackend(DistributedTrainer):
         release = getattr(opt, "_release_preflattened_grad_buffers", None)
         if release is not None:
             release()
-        if self._ds_opts.zero_stage == 3:
+        if self._opts.zero_stage == 3:
             opt.averaged_gradients = {}
         else:
             for k in list(opt.averaged_gradients):
@@ -176,7 +178,7 @@ class DeepSpeedBackend(DistributedTrainer):
         dtype = getattr(torch, name_dtype)
         sender = self._ctx.rank == 0
         named = list(module.named_parameters())
-        if self._ds_opts.zero_stage < 3:
+        if self._opts.zero_stage < 3:
             for name, param in named:
                 if not sender:
                     yield WeightTensor(name, name_dtype, tuple(param.shape))
@@ -186,7 +188,7 @@ class DeepSpeedBackend(DistributedTrainer):
             return
         itemsize = torch.empty(0, dtype=dtype).element_size()
         sizes = [_full_numel(p) * itemsize for _, p in named]
-        for group in byte_groups(sizes, self._ds_opts.export_bucket_mb << 20):
+        for group in byte_groups(sizes, self._opts.export_bucket_mb << 20):
             params = [named[i][1] for i in group]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 for i in group:

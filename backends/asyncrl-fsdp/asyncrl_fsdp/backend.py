@@ -51,10 +51,10 @@ class FSDPBackend(DistributedTrainer):
     """:class:`~asyncrl.backend.TrainingBackend` over FSDP2 (see the module docstring)."""
 
     name = "fsdp2"
+    _opts: FSDPOptions
 
     def __init__(self, ctx: WorkerContext) -> None:
-        self._fsdp_opts: FSDPOptions = parse_options(dict(ctx.config.trainer.options))
-        super().__init__(ctx, self._fsdp_opts)
+        super().__init__(ctx, parse_options(dict(ctx.config.trainer.options)))
         self._optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ engine hooks
@@ -88,7 +88,7 @@ class FSDPBackend(DistributedTrainer):
         if self._opts.max_grad_norm > 0:
             scale = torch.clamp(self._opts.max_grad_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, scale / num_loss_tokens)
-        grad_norm = float(norm)  # the one wait for the GPU in a step
+        grad_norm = float(norm)  # the step's one wait for the GPU after the token count
         if np.isfinite(grad_norm):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -137,7 +137,7 @@ class FSDPBackend(DistributedTrainer):
             optimizer.state.clear()
 
     def _shard(self, model: torch.nn.Module) -> None:
-        opts = self._fsdp_opts
+        opts = self._opts
         mesh = init_device_mesh(self._device.type, (self._ctx.world_size,))
         if opts.mixed_precision == "bf16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -159,7 +159,7 @@ class FSDPBackend(DistributedTrainer):
                 module.set_force_sum_reduction_for_comms(True)
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        opts = self._fsdp_opts
+        opts = self._opts
         if opts.optimizer == "sgd":
             return torch.optim.SGD(
                 model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay

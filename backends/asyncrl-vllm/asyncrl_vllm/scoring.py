@@ -42,6 +42,7 @@ def split_batch(batch: TokenBatch) -> list[tuple[list[int], int]]:
         for i in range(layout.num_sequences)
     ]
 
+
 def response_logprobs(
     start_indices: Sequence[int],
     end_indices: Sequence[int],
