@@ -410,29 +410,50 @@ class Scheduler:
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume at a step boundary without losing or repeating a
-        prompt: versions, counters, the prompt-stream cursor, the sampler's state, and the
-        untrained groups (their prompts are dispatched again first on resume)."""
+        prompt: versions, counters, the prompt-stream cursor, the sampler's state, the ready
+        groups (kept as they are: the caller saves their samples) and the prompts of every
+        other untrained group (generating or being scored: dispatched again first on
+        resume)."""
         if self.taken or not self.gate_open:
             raise SchedulerError("state_dict() is taken between steps (no open step or refit)")
+        live = [s for s in self._slots.values() if s.state != ABORTING]
         return {
             "trainer_version": self.trainer_version,
             "next_index": self._next_index,
-            "dispatched": self.dispatched,
+            # the groups dispatched again on resume are counted when they are
+            "dispatched": self.dispatched - sum(1 for s in live if s.state != READY),
             "trained": self.trained,
             "evicted": self.evicted,
             "aborted": self.aborted,
             "wasted_samples": self.wasted_samples,
+            "ready": [
+                {
+                    "index": s.index,
+                    "start_version": s.start_version,
+                    "target_step": -1 if s.target_step is None else s.target_step,
+                    "ready_seq": s.ready_seq,
+                    "rewards": list(s.rewards),
+                }
+                for s in live
+                if s.state == READY
+            ],
             "redispatch": [
                 [s.index, -1 if s.target_step is None else s.target_step]
-                for s in self._slots.values()
-                if s.state != ABORTING
+                for s in live
+                if s.state != READY
             ]
             + [[i, -1 if t is None else t] for i, t in self._redispatch],
             "sampler": self.sampler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into a fresh scheduler (nothing dispatched yet)."""
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Restore :meth:`state_dict` into a fresh scheduler (nothing dispatched yet).
+
+        Returns the ids of the restored ready groups (the caller restores their samples).
+        Their start versions are kept, so the staleness bound holds for them exactly as it
+        would have without the interruption; the redispatched prompts start on the version
+        the generators serve after the resume's refit.
+        """
         if self._slots or self.dispatched:
             raise SchedulerError("load_state_dict() needs a fresh scheduler")
         self.trainer_version = self.generator_version = int(state["trainer_version"])
@@ -442,4 +463,31 @@ class Scheduler:
         self._redispatch = [
             (int(i), None if int(t) < 0 else int(t)) for i, t in state["redispatch"]
         ]
+        restored = []
+        for g in sorted(state.get("ready", []), key=lambda g: int(g["ready_seq"])):
+            target = int(g["target_step"])
+            slot = Slot(
+                f"g{int(g['index'])}",
+                int(g["index"]),
+                int(g["start_version"]),
+                None if target < 0 else target,
+                self.samples_per_prompt,
+                state=READY,
+                finished=self.samples_per_prompt,
+                ready_seq=self._ready_seq,
+                rewards=tuple(float(r) for r in g["rewards"]),
+            )
+            if slot.start_version > self.trainer_version:
+                raise SchedulerError(
+                    f"restored group {slot.group_id} started on version {slot.start_version}, "
+                    f"after the checkpoint's trainer version {self.trainer_version}"
+                )
+            self._ready_seq += 1
+            self._slots[slot.group_id] = slot
+            self._live_count += 1
+            self.start_version_counts[slot.start_version] += 1
+            restored.append(slot.group_id)
+        # dispatch order: the restored ready groups keep their places among the prompts
+        self._slots = dict(sorted(self._slots.items(), key=lambda kv: kv[1].index))
         self.sampler.load_state_dict(state["sampler"])
+        return restored

@@ -197,12 +197,13 @@ def test_state_dict_resumes_without_losing_or_repeating_a_prompt() -> None:
     more, _ = dispatch_all(s)  # step 2's batch: g4, g5
     state = s.state_dict()
     resumed = make(in_order(1), P=2, steps=4)
-    resumed.load_state_dict(state)
-    again, _ = dispatch_all(resumed)
-    assert [(d.index, d.target_step) for d in again] == [(2, 1), (3, 1), (4, 2), (5, 2)]
+    assert resumed.load_state_dict(state) == ["g3"]  # ready: kept, with its samples
+    assert resumed.slot("g3").ready and resumed.slot("g3").start_version == 0
+    again, _ = dispatch_all(resumed)  # what was generating is dispatched again, same steps
+    assert [(d.index, d.target_step) for d in again] == [(2, 1), (4, 2), (5, 2)]
     assert resumed.trainer_version == 1 and resumed.trained == 2
-    for d in again[:2]:
-        complete(resumed, d.group_id)
+    assert resumed.dispatched == s.dispatched  # each group counted once
+    complete(resumed, "g2")
     train_step(resumed, ["g2", "g3"])
     nxt, _ = dispatch_all(resumed)
     assert [d.index for d in nxt] == [6, 7]  # the stream continues where it stopped

@@ -13,7 +13,10 @@ its own ledger of what happened and checks it against the rules the modes promis
 * live groups and samples in flight stay within their caps;
 * every dispatched group ends exactly once as trained, evicted, aborted or unused, and the
   scheduler's counters (and wasted samples = N per wasted group) agree with the ledger;
-* ``gated`` and ``in_order`` waste nothing; the run never deadlocks.
+* ``gated`` and ``in_order`` waste nothing; the run never deadlocks;
+* with ``crashes``, the controller dies at random step boundaries: a fresh scheduler restores
+  the saved state, the samples in flight are lost, the ready groups survive, and every rule
+  above still holds for the whole run (each prompt trained once, none lost).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def run_schedule(
     extra_buffer: int,
     inflight_frac: float,
     chunk_frac: float,
+    crashes: int = 0,
 ) -> dict:
     rng = random.Random(seed)
     sampler = SAMPLERS[name](W, ratio)
@@ -74,15 +78,19 @@ def run_schedule(
     cap = sampler.required_buffer_capacity(P) + extra_buffer
     max_inflight = max(N, math.ceil(cap * N * inflight_frac))
     min_chunk = max(1, math.ceil(P * chunk_frac))
-    s = Scheduler(
-        sampler,
-        prompts_per_step=P,
-        samples_per_prompt=N,
-        num_steps=steps,
-        max_buffered_groups=cap,
-        max_inflight_samples=max_inflight,
-        min_chunk_groups=min_chunk,
-    )
+
+    def fresh() -> Scheduler:
+        return Scheduler(
+            SAMPLERS[name](W, ratio),
+            prompts_per_step=P,
+            samples_per_prompt=N,
+            num_steps=steps,
+            max_buffered_groups=cap,
+            max_inflight_samples=max_inflight,
+            min_chunk_groups=min_chunk,
+        )
+
+    s = fresh()
 
     start: dict[str, int] = {}
     index: dict[str, int] = {}
@@ -96,6 +104,27 @@ def run_schedule(
     per_step: Counter[int] = Counter()
     refit_pending = False
     actions = 0
+    resumes = 0
+
+    def crash_and_resume() -> Scheduler:
+        """The controller dies right after saving at this step boundary: what was generating
+        or being scored is gone (its prompts are dispatched again), ready groups survive."""
+        state = s.state_dict()
+        ready = {g for g in start if s.tracks(g) and s.slot(g).ready}
+        for gid, _ in running:  # the samples of aborting groups vanish with the engines
+            if gid in aborted_by_scheduler:
+                discarded.add(gid)
+        lost = {gid for gid, _ in running} | set(scoring)
+        for gid in lost - aborted_by_scheduler:
+            assert gid not in ready and gid not in trained
+            del start[gid], index[gid]
+            done_samples.pop(gid, None)
+        running.clear()
+        scoring.clear()
+        new = fresh()
+        assert set(new.load_state_dict(state)) == ready
+        assert new.num_live == len(ready) and new.inflight_samples == 0
+        return new
 
     def finish_one(i: int) -> None:
         gid, _ = running.pop(i)
@@ -143,6 +172,8 @@ def run_schedule(
             moves.append("end_refit")
         elif s.gate_open:
             moves.append("train")
+            if resumes < crashes and s.taken == 0:
+                moves.append("crash")
         move = rng.choice(moves)
         if move == "dispatch":
             for _ in range(rng.randint(1, 4)):
@@ -168,6 +199,9 @@ def run_schedule(
             refit_pending = False
         elif move == "train":
             refit_pending = record_chunk(s.next_chunk())
+        elif move == "crash":
+            s = crash_and_resume()
+            resumes += 1
         assert s.num_live <= cap
         assert s.inflight_samples == len(running) <= max_inflight
         if not running and not scoring and not refit_pending and s.gate_open:
@@ -231,6 +265,17 @@ def test_random_schedules_keep_every_invariant(
     name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
 ) -> None:
     run_schedule(name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac)
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(crashes=st.integers(1, 3), **params)
+def test_resumed_schedules_keep_every_invariant(
+    name, crashes, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
+) -> None:
+    run_schedule(
+        name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac, crashes
+    )
 
 
 def test_windowed_samplers_do_waste_when_stragglers_are_old() -> None:
