@@ -8,7 +8,6 @@ each plugin converts its own table with ``msgspec.convert``.
 
 from __future__ import annotations
 
-import difflib
 import os
 import tomllib
 from pathlib import Path
@@ -16,16 +15,20 @@ from typing import Any, Literal
 
 import msgspec
 
-from . import plugins, samplers
-from .errors import ConfigError, PluginError
+from . import plugins
+from .errors import ConfigError
+from .errors import config_error as _fail
 from .explain import explain
+from .sampler_config import make_sampler, resolve_sampler
 
 __all__ = [
     "explain",
+    "CheckpointConfig",
     "ClusterConfig",
     "Config",
     "EnvironmentConfig",
     "EvalConfig",
+    "ExportConfig",
     "GeneratorConfig",
     "GRPOConfig",
     "LossConfig",
@@ -34,6 +37,8 @@ __all__ = [
     "RunConfig",
     "TrainerConfig",
     "load_config",
+    "make_sampler",
+    "resolve_sampler",
     "validate",
 ]
 
@@ -241,6 +246,40 @@ class EvalConfig(_Base):
     """Evaluate the final policy after the last refit."""
 
 
+class CheckpointConfig(_Base):
+    dir: str = ""
+    """Where checkpoints go (``""``: ``<run.output_dir>/checkpoints``). Relative paths are
+    resolved against the directory of the config file. Every rank must see it (one host, or a
+    shared file system)."""
+    every_steps: int = 0
+    """Save after every this many optimizer steps (0: only at the end and on demand). A
+    checkpoint holds the trainer's model and optimizer state and the controller's whole state
+    (docs/checkpointing.md); saving blocks the trainer, not generation."""
+    at_end: bool = True
+    """Save after the last step (a finished run's checkpoint: exporting it, or resuming it
+    with a larger ``run.num_steps``)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints (older ones are deleted after a save succeeds;
+    the best one by held-out accuracy is kept too)."""
+    save_model: bool = True
+    """Also write the policy as a Hugging Face model directory (``model/``) into each
+    checkpoint, so that ``asyncrl export`` needs no trainer. Costs ``model.dtype`` bytes per
+    parameter on disk."""
+    max_failures: int = 3
+    """Failed saves in a row (a full disk, a trainer that cannot write) before the run stops;
+    a failed save leaves the previous checkpoint as it was."""
+
+
+class ExportConfig(_Base):
+    dir: str = ""
+    """Where exported Hugging Face models go (``""``: ``<run.output_dir>/hf``): the final
+    model in ``final/``, periodic ones in ``step-<N>/``."""
+    at_end: bool = True
+    """Export the final policy."""
+    every_steps: int = 0
+    """Also export every this many optimizer steps (0: never)."""
+
+
 class Config(_Base):
     model: ModelConfig
     environment: EnvironmentConfig
@@ -253,6 +292,8 @@ class Config(_Base):
     trainer: TrainerConfig = TrainerConfig()
     generator: GeneratorConfig = GeneratorConfig()
     eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    export: ExportConfig = ExportConfig()
 
     @property
     def min_groups_for_streaming_train(self) -> int:
@@ -273,95 +314,9 @@ class Config(_Base):
         return make_sampler(self.pipeline.sampler)
 
 
-def _sampler_plugin(name: Any) -> samplers.SamplerPlugin:
-    from . import plugins
-
-    if not isinstance(name, str) or not name:
-        raise _fail(
-            "pipeline.sampler.name",
-            "required but missing" if name is None else f"must be a string, got {name!r}",
-            'add it, e.g. name = "in_order" (or "gated", "oversampled", "ready_first"; '
-            "docs/modes.md)",
-        )
-    try:
-        plugin = plugins.load("asyncrl.samplers", name, "pipeline.sampler.name")
-    except PluginError as exc:
-        close = difflib.get_close_matches(name, list(plugins.available("asyncrl.samplers")), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{exc}. Fix: pick an installed sampler{hint}; docs/modes.md") from None
-    if not isinstance(plugin, samplers.SamplerPlugin):
-        raise ConfigError(
-            f"pipeline.sampler.name: the sampler {name!r} is registered as {plugin!r}, not an "
-            "asyncrl.samplers.SamplerPlugin. Fix: point its entry point at a SamplerPlugin"
-        )
-    return plugin
-
-
-def resolve_sampler(table: Any) -> msgspec.Struct:
-    """``[pipeline.sampler]`` as its sampler's own config struct (a struct passes through).
-
-    Raises:
-        ConfigError: no ``name``, an unknown sampler, or a knob it does not have or of the
-            wrong type (named as ``pipeline.sampler.<knob>``).
-    """
-    if isinstance(table, msgspec.Struct):
-        return table
-    if not isinstance(table, dict):
-        raise _fail(
-            "pipeline.sampler",
-            f"must be a table, got {table!r}",
-            'write [pipeline.sampler] with name = "in_order" and its knobs',
-        )
-    plugin = _sampler_plugin(table.get("name"))
-    try:
-        return msgspec.convert(table, plugin.config)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(explain(exc, plugin.config, "pipeline.sampler")) from None
-
-
-def make_sampler(table: Any) -> Any:
-    """Build the sampler ``[pipeline.sampler]`` names (a :class:`~asyncrl.samplers.Sampler`).
-
-    Raises:
-        ConfigError: as :func:`resolve_sampler`, or a knob value the sampler refuses.
-    """
-    struct = resolve_sampler(table)
-    plugin = _sampler_plugin(msgspec.inspect.type_info(type(struct)).tag)
-    try:
-        sampler = plugin.create(struct)
-    except ValueError as exc:
-        raise ConfigError(f"pipeline.sampler.{exc}") from None
-    missing = [
-        m
-        for m in (
-            "admit",
-            "select",
-            "evict",
-            "should_abort_inflight",
-            "required_buffer_capacity",
-            "state_dict",
-            "load_state_dict",
-            "max_staleness",
-            "over_dispatch",
-            "name",
-        )
-        if not hasattr(sampler, m)
-    ]
-    if missing:
-        raise ConfigError(
-            f"pipeline.sampler.name: the {struct.__class__.__name__} sampler lacks "
-            f"{', '.join(missing)} (asyncrl.samplers.Sampler). Fix: implement them"
-        )
-    return sampler
-
-
 def required_buffer_capacity(config: Config) -> int:
     """Groups the buffer must hold so that the pumps can never deadlock (the sampler's rule)."""
     return config.make_sampler().required_buffer_capacity(config.grpo.prompts_per_step)
-
-
-def _fail(field: str, problem: str, fix: str) -> ConfigError:
-    return ConfigError(f"{field}: {problem}. Fix: {fix}.")
 
 
 def validate(config: Config) -> Config:
@@ -498,6 +453,16 @@ def problems(config: Config) -> list[ConfigError]:
                     "use e.g. 0.03 (mean |logprob difference| in nats)",
                 )
             )
+    ck = config.checkpoint
+    for name in ("every_steps", "max_failures"):
+        if getattr(ck, name) < 0:
+            out.append(_fail(f"checkpoint.{name}", "must be >= 0", "use 0 to turn it off"))
+    if ck.keep_last < 1:
+        out.append(
+            _fail("checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}", "keep at least 1")
+        )
+    if config.export.every_steps < 0:
+        out.append(_fail("export.every_steps", "must be >= 0", "use 0 to turn it off"))
     if config.eval.num_prompts < 0:
         out.append(_fail("eval.num_prompts", "must be >= 0", "use 0 to disable evaluation"))
     model_dir = Path(config.model.path)
@@ -540,10 +505,18 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(exc, Config)) from None
     base = Path(base_dir)
+    output_dir = _resolve(base, config.run.output_dir)
     config = msgspec.structs.replace(
         config,
         model=msgspec.structs.replace(config.model, path=_resolve(base, config.model.path)),
-        run=msgspec.structs.replace(config.run, output_dir=_resolve(base, config.run.output_dir)),
+        run=msgspec.structs.replace(config.run, output_dir=output_dir),
+        checkpoint=msgspec.structs.replace(
+            config.checkpoint,
+            dir=_resolve(base, config.checkpoint.dir or os.path.join(output_dir, "checkpoints")),
+        ),
+        export=msgspec.structs.replace(
+            config.export, dir=_resolve(base, config.export.dir or os.path.join(output_dir, "hf"))
+        ),
     )
     return config
 

@@ -34,6 +34,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerStartupError",
+    "config_error",
     "flatten",
 ]
 
@@ -132,6 +133,11 @@ class RefitError(AsyncRLError):
 
 class RunError(AsyncRLError):
     """The run cannot continue for a reason that is not a worker failure."""
+
+
+def config_error(field: str, problem: str, fix: str) -> ConfigError:
+    """``<field>: <problem>. Fix: <fix>.``: the shape of every config error."""
+    return ConfigError(f"{field}: {problem}. Fix: {fix}.")
 
 
 def flatten(exc: BaseException) -> list[BaseException]:
