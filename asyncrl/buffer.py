@@ -35,3 +35,5 @@ class Group:
     end_version: int | None = None
     """The generators' version when the last sample came back."""
     committed_at: float | None = None
+    index: int = field(kw_only=True)
+    """The group's position in the prompt stream (what the prompt ledger records)."""

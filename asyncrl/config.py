@@ -266,8 +266,9 @@ class CheckpointConfig(_Base):
     checkpoint, so that ``asyncrl export`` needs no trainer. Costs ``model.dtype`` bytes per
     parameter on disk."""
     max_failures: int = 3
-    """Failed saves in a row (a full disk, a trainer that cannot write) before the run stops;
-    a failed save leaves the previous checkpoint as it was."""
+    """Failed periodic saves in a row the run tolerates (a full disk, a trainer that cannot
+    write); one more stops it, as does a failed final save. A failed save leaves the previous
+    checkpoint as it was."""
 
 
 class ExportConfig(_Base):

@@ -20,6 +20,7 @@ torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and att
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import getpass
 import json
@@ -37,13 +38,15 @@ import anyio.abc
 import numpy as np
 import structlog
 
+from . import checkpoint as ckpt
 from . import plugins
 from .backend import BackendPlugin
+from .checkpointing import model_config
 from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError, flatten
 from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
 from .log import MetricsWriter
-from .messages import Hello, Init, TokenBatch
+from .messages import Hello, Init, LoadState, TokenBatch
 from .pipeline import Pipeline
 from .process import exit_status, has_exited, stopped_by_signal
 from .prompts import Tokenizer
@@ -78,6 +81,13 @@ class RunSummary:
     metrics_path: str = ""
     rejected_frames: dict[str, int] = field(default_factory=dict)
     """Frames each socket refused (``control``, ``data``, ``weights``); see docs/protocol.md."""
+    resumed_from: int | None = None
+    """The step a resumed run started from (``None``: a fresh run)."""
+    checkpoint: str | None = None
+    """The last checkpoint this run saved."""
+    ledger: list[dict[str, Any]] = field(default_factory=list)
+    """Per epoch of the prompt stream: prompts trained, dropped (by reason), still live, lost
+    (always 0) and repeated (always 0); see :mod:`asyncrl.prompt_ledger`."""
 
 
 AttachHook = Callable[[Addresses, anyio.abc.TaskGroup], Awaitable[None]]
@@ -93,14 +103,24 @@ class Controller(anyio.AsyncContextManagerMixin):
             it must make the workers connect (``asyncrl.launch`` uses it to publish the
             addresses and to serve rank 0's own worker inside this task group).
 
+        resume: ``None`` for a fresh run; ``"latest"`` for the newest checkpoint in
+            ``checkpoint.dir``, or a checkpoint directory (or a directory of them). The run
+            goes on from that step boundary: trainer state, scheduler, ready groups, prompt
+            stream and ledger restored; the generators refitted before any dispatch.
+
     Entering raises :class:`~asyncrl.errors.WorkerStartupError` if a worker dies or the
-    handshake exceeds ``cluster.startup_timeout_s``; a worker dying later raises
-    :class:`~asyncrl.errors.WorkerDiedError` out of the ``async with`` block.
+    handshake exceeds ``cluster.startup_timeout_s``, and
+    :class:`~asyncrl.checkpoint.CheckpointError` (before anything starts) for a checkpoint
+    that is missing, corrupt, from another run or of a finished run; a worker dying later
+    raises :class:`~asyncrl.errors.WorkerDiedError` out of the ``async with`` block.
     """
 
-    def __init__(self, config: Config, *, attach: AttachHook | None = None) -> None:
+    def __init__(
+        self, config: Config, *, attach: AttachHook | None = None, resume: str | None = None
+    ) -> None:
         self.config = config
         self._attach = attach
+        self._resume = resume
         self._pipeline: Pipeline | None = None
         self._spawned: list[SpawnedGroup] = []
         self._tg: anyio.abc.TaskGroup | None = None
@@ -136,6 +156,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         # a context too short for the prompts...) come before anything exists on disk: nothing
         # is left to clean up when they raise
         environment, tokenizer = await _check_before_spawn(cfg)
+        resume = await anyio.to_thread.run_sync(_open_resume, cfg, self._resume)
         run_id = uuid.uuid4().hex[:12]
         base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
         make_private_dir(base)
@@ -198,6 +219,8 @@ class Controller(anyio.AsyncContextManagerMixin):
                         clock_origin=time.perf_counter(),
                         rejections=rejections,
                     )
+                    if resume is not None:
+                        await self._restore(self._pipeline, control, trainers, metrics, *resume)
                     yield
                 except BaseException:
                     # before anything is stopped: a rank that died is the root cause of the
@@ -282,6 +305,36 @@ class Controller(anyio.AsyncContextManagerMixin):
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers
 
+    async def _restore(
+        self,
+        pipe: Pipeline,
+        control: ControlPlane,
+        trainers: list[str],
+        metrics: MetricsWriter,
+        checkpoint: ckpt.Checkpoint,
+        state: ckpt.ControllerState,
+    ) -> None:
+        pipe.restore(state)
+        await control.call_each(
+            trainers,
+            [LoadState(path=str(checkpoint.trainer_dir))] * len(trainers),
+            timeout_s=self.config.cluster.call_timeout_s,
+        )
+        pipe.checkpointer.last = checkpoint.path
+        metrics.write({"kind": "resume", "step": state.step, "checkpoint": str(checkpoint.path)})
+        log.info("run_resumed", step=state.step, checkpoint=str(checkpoint.path),
+                 ready_groups=len(state.groups),
+                 redispatch=len(state.scheduler["redispatch"]))
+
+    async def save_checkpoint(self) -> str | None:
+        """Save a checkpoint at the next step boundary (or at the end of the run) and return
+        its directory once committed (``None`` if the save failed; the run goes on). For an
+        embedding application; ``asyncrl.launch`` does the same on SIGUSR1."""
+        event = self.pipeline.checkpointer.request()
+        await event.wait()
+        last = self.pipeline.checkpointer.last
+        return str(last) if last is not None else None
+
     async def generator_logprobs(
         self, batch: TokenBatch, *, temperature: float = 1.0, rank: int = 0
     ) -> np.ndarray:
@@ -313,8 +366,16 @@ class Controller(anyio.AsyncContextManagerMixin):
             await self._train(pipe, summary)
         summary.steps = list(pipe.history)
         summary.rejected_frames = dict(pipe.rejections.counts)
+        summary.resumed_from = pipe.resumed_from
+        last = pipe.checkpointer.last
+        summary.checkpoint = str(last) if last is not None else None
+        summary.ledger = [
+            dataclasses.asdict(e)
+            for e in pipe.ledger.report(pipe.sched.next_index, pipe.sched.redispatch_indices())
+        ]
         if pipe.metrics is not None:
             pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
+            pipe.metrics.write({"kind": "ledger", "epochs": summary.ledger})
         log.info(
             "run_finished", summary=json.dumps(summary.evals), rejected_frames=summary.rejected_frames
         )
@@ -324,8 +385,9 @@ class Controller(anyio.AsyncContextManagerMixin):
         async with anyio.create_task_group() as tg:
             tg.start_soon(pipe.feed_buffer, name="buffer-feeder")
             tg.start_soon(pipe.watch_loop_lag, name="loop-lag")
-            await pipe.calibrate_first()
-            if self.config.eval.num_prompts and self.config.eval.at_start:
+            await pipe.first_refit()
+            fresh = pipe.resumed_from is None
+            if self.config.eval.num_prompts and self.config.eval.at_start and fresh:
                 summary.evals.append(await pipe.evaluate("start"))
             async with anyio.create_task_group() as pumps:
                 pumps.start_soon(pipe.rollout_pump, name="rollout-pump")
@@ -441,6 +503,38 @@ def _eos_token_id(model_path: str) -> int | None:
         if eos is not None:
             return int(eos)
     return None
+
+
+def _open_resume(
+    cfg: Config, spec: str | None
+) -> tuple[ckpt.Checkpoint, ckpt.ControllerState] | None:
+    """The checkpoint to resume (checked: intact, this run's, not finished), or ``None``.
+    Saves that never finished are cleaned up first."""
+    ckpt.remove_stale(cfg.checkpoint.dir)
+    if spec is None:
+        return None
+    checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, cfg.checkpoint.dir))
+    errors, notes = ckpt.compare_configs(checkpoint.manifest["config"], to_dict(cfg))
+    saved_model = checkpoint.manifest.get("model_config")
+    if saved_model is not None and saved_model != model_config(cfg.model.path):
+        errors.append(f"model.path: {cfg.model.path} is not the model the checkpoint started from")
+    if errors:
+        raise ckpt.CheckpointError(
+            f"checkpoint {checkpoint.path} is from another run: "
+            + "; ".join(errors[:8])
+            + ". Fix: resume with the config the checkpoint was saved with (its manifest.json "
+            "holds it), or start a new run in another checkpoint.dir"
+        )
+    if checkpoint.step >= cfg.run.num_steps:
+        raise ckpt.CheckpointError(
+            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.num_steps is "
+            f"{cfg.run.num_steps}: the run is finished. Fix: to train further, raise "
+            f"run.num_steps (e.g. --set run.num_steps={checkpoint.step + cfg.run.num_steps}); "
+            "to export the model, run `asyncrl export` on the checkpoint"
+        )
+    if notes:
+        log.warning("resumed_with_changed_settings", changes=notes[:20])
+    return checkpoint, checkpoint.state()
 
 
 def make_scheduler(cfg: Config) -> Scheduler:

@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -143,6 +143,29 @@ class CalibrateKV(msgspec.Struct, tag="calib_kv", **_CTRL):
     include_q: bool = False
 
 
+class SaveState(msgspec.Struct, tag="save", **_CTRL):
+    """Trainer: write model and optimizer state under the directory ``path``
+    (``TrainingBackend.save_state``; collective, between steps)."""
+
+    path: str
+
+
+class LoadState(msgspec.Struct, tag="load", **_CTRL):
+    """Trainer: restore what :class:`SaveState` wrote (collective, before any step)."""
+
+    path: str
+
+
+class ExportModel(msgspec.Struct, tag="export", **_CTRL):
+    """Trainer: write the current weights as a Hugging Face directory at ``path`` (rank 0
+    writes; the others take part in the gathers), with the non-weight files of
+    ``source_dir``."""
+
+    path: str
+    source_dir: str
+    shard_bytes: int = 5 << 30
+
+
 class Health(msgspec.Struct, tag="health", **_CTRL):
     pass
 
@@ -159,6 +182,9 @@ Request = Union[
     FinishStep,
     SendWeights,
     CalibrateKV,
+    SaveState,
+    LoadState,
+    ExportModel,
     Health,
 ]
 

@@ -30,14 +30,16 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import numpy as np
 import structlog
 
 from .buffer import Group
+from .checkpoint import ControllerState
+from .checkpointing import Checkpointer, restore_state, snapshot_state
 from .codec import Codec
 from .config import Config
 from .environment import Environment
 from .errors import ProtocolError, RunError
+from .evaluation import Evaluator
 from .grpo import pack_groups, shard_batch
 from .intake import Generating, Scorer, Signal, malformed
 from .messages import (
@@ -55,6 +57,7 @@ from .messages import (
     TrainChunk,
 )
 from .probes import Probes
+from .prompt_ledger import PromptLedger
 from .prompts import PromptStream, Tokenizer, sample_seed
 from .refits import KVScales, RefitReport, refit_generators
 from .rpc import ControlPlane
@@ -139,6 +142,25 @@ class Pipeline:
                            timeout_s=config.cluster.call_timeout_s, metrics=metrics)
         self.prompts = PromptStream(
             environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
+        )
+        self.resumed_from: int | None = None
+        """The trainer version a resumed run started from (``None``: a fresh run)."""
+        train = environment.dataset("train")
+        per_step = config.grpo.prompts_per_step
+        self.ledger = PromptLedger(max(1, len(train) // per_step * per_step))
+        """Which prompt-stream positions were trained or dropped (saved in checkpoints)."""
+        self.checkpointer = Checkpointer(
+            config, control=control, trainers=trainers, metrics=metrics
+        )
+        self.evaluator = Evaluator(
+            config,
+            control=control,
+            environment=environment,
+            tokenizer=tokenizer,
+            rollouts=rollouts,
+            generating=self._generating,
+            metrics=metrics,
+            now=self.now,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -316,6 +338,7 @@ class Pipeline:
     def _commit(self, gid: str, pending: Generating, samples: list[Any]) -> None:
         if not self.sched.tracks(gid):
             return  # the run ended while it was scored (counted as unused)
+        index = self.sched.slot(gid).index
         self.sched.committed(gid, [s.reward for s in samples])
         self._ready[gid] = Group(
             gid,
@@ -327,6 +350,7 @@ class Pipeline:
             samples,
             end_version=self.sched.generator_version,
             committed_at=self.now(),
+            index=index,
         )
         self.committed.notify()
 
@@ -354,7 +378,7 @@ class Pipeline:
             while self.sched.taken < cfg.grpo.prompts_per_step:
                 chunk = self.sched.next_chunk()
                 for gid in chunk.evicted:
-                    self._ready.pop(gid)
+                    self.ledger.record_dropped([self._ready.pop(gid).index], "evicted")
                     log.info("group_evicted", group_id=gid, step=step)
                 if chunk.evicted or chunk.groups:
                     self.changed.notify()  # capacity freed: the rollout pump may dispatch
@@ -397,6 +421,7 @@ class Pipeline:
             # the version bump and the gate's closing are one scheduler event: no dispatch
             # can see version v+1 before the generators serve it
             self.sched.finish_step()
+            self.ledger.record_trained(g.index for g in rec.groups)
             self.changed.notify()
             refit_start = self.now()
             await self._abort(self.sched.begin_refit())
@@ -422,10 +447,13 @@ class Pipeline:
             del self.steps[step]
             for agreement in rec.verify:
                 agreement.check(*self.kv.verify_tolerance)
+            # a step boundary: no step open, the gate open, the trainer at step + 1
+            await self.checkpointer.after_step(step + 1, self.sched.finished, self.snapshot)
 
     async def _abort(self, group_ids: list[str]) -> None:
         """Tell each engine to abort its groups among ``group_ids`` (their samples still come
         back, cut short, and free their slots)."""
+        self.ledger.record_dropped((self.sched.slot(g).index for g in group_ids), "aborted")
         by_worker: dict[str, list[str]] = {}
         for gid in group_ids:
             pending = self._generating.get(gid)
@@ -455,11 +483,30 @@ class Pipeline:
                 timeout_s=self.config.refit.drain_timeout_s,
             )
 
-    async def calibrate_first(self) -> None:
-        """FP8 KV cache: refit the generators with calibrated scales (version 0) before the
-        first dispatch, so no step runs on scales of 1.0."""
-        if self.kv.enabled:
-            await self.refit(0, await self.kv.initial(self.prompts, self.tok))
+    async def first_refit(self) -> None:
+        """Before the first dispatch: a resumed run refits the generators from the restored
+        weights (the engines start from ``model.path``); with an FP8 KV cache, every run
+        refits with calibrated scales, so no step runs on scales of 1.0."""
+        version = self.sched.trainer_version
+        if self.resumed_from is not None or self.kv.enabled:
+            start = min([self.sched.next_index, *self.sched.redispatch_indices()])
+            await self.refit(version, await self.kv.initial(self.prompts, self.tok, start))
+
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self) -> ControllerState:
+        """The controller's state at a step boundary (synchronous: one consistent piece)."""
+        return snapshot_state(self.sched, self._ready, self.ledger)
+
+    def restore(self, state: ControllerState) -> None:
+        """Take over a checkpoint's state before anything is dispatched: the scheduler (its
+        ready groups with their samples, the prompts to dispatch again), the ledger, and the
+        prompt stream's position."""
+        self._ready, self.ledger = restore_state(state, self.sched)
+        again = {int(i) for i, _ in state.scheduler["redispatch"]}
+        frontier = self.sched.next_index
+        start = min(again | {frontier})
+        self.prompts.skip_to(start, skip=set(range(start, frontier)) - again)
+        self.resumed_from = state.step
 
     async def finish(self) -> None:
         """The last step is trained: abort what is still generating and wait (bounded) for
@@ -469,6 +516,7 @@ class Pipeline:
         with anyio.move_on_after(self.config.cluster.call_timeout_s):
             while not self.sched.drained:
                 await self.changed.wait()
+        self.ledger.record_dropped((g.index for g in self._ready.values()), "unused")
         self._ready.clear()
 
     async def refit(self, version: int, kv_scales: dict[str, float] | None = None) -> None:
@@ -535,58 +583,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ evaluation
     async def evaluate(self, label: str) -> dict[str, Any]:
-        """Greedy held-out accuracy of the generators' current weights (nothing else should
-        be generating). Cancellation: outstanding eval groups are abandoned."""
-        n = self.config.eval.num_prompts
-        prompts = list(self.env.dataset("eval"))[:n]
-        ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in prompts])
-        waits: list[Generating] = []
-        requests: dict[str, list[GenRequest]] = {w: [] for w in self.rollouts}
-        for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
-            gid = f"eval-{label}-{i}"
-            worker = self.rollouts[i % len(self.rollouts)]
-            version = self.sched.generator_version
-            pending = Generating(
-                prompt, prompt_ids, worker, 1, version, None, self.now(), eval_done=anyio.Event()
-            )
-            self._generating[gid] = pending
-            waits.append(pending)
-            requests[worker].append(
-                GenRequest(
-                    group_id=gid,
-                    prompt_ids=prompt_ids,
-                    n=1,
-                    max_tokens=self.config.grpo.max_new_tokens,
-                    temperature=0.0,
-                    greedy=True,
-                )
-            )
-        start = self.now()
-        timeout = self.config.cluster.call_timeout_s
-        try:
-            for worker, reqs in requests.items():
-                if reqs:
-                    await self.control.call(worker, Generate(requests=reqs), timeout_s=timeout)
-            with anyio.fail_after(timeout):
-                for pending in waits:
-                    assert pending.eval_done is not None
-                    await pending.eval_done.wait()
-        finally:
-            for i in range(len(prompts)):
-                self._generating.pop(f"eval-{label}-{i}", None)
-        correct = [s.correct for p in waits for s in p.samples]  # type: ignore[union-attr]
-        record = {
-            "kind": "eval",
-            "label": label,
-            "version": self.sched.generator_version,
-            "accuracy": float(np.mean(correct)) if correct else 0.0,
-            "num_prompts": len(prompts),
-            "seconds": self.now() - start,
-        }
-        if self.metrics is not None:
-            self.metrics.write(record)
-        log.info("eval_finished", **{k: v for k, v in record.items() if k != "kind"})
-        return record
+        """Greedy held-out accuracy of the generators' current weights
+        (:class:`~asyncrl.evaluation.Evaluator`)."""
+        return await self.evaluator.evaluate(label, self.sched.generator_version)
 
     # ------------------------------------------------------------------ loop health
     async def watch_loop_lag(self, interval_s: float = 0.01) -> None:

@@ -88,6 +88,18 @@ class PromptStream:
         self._batch = batch
         self._cached: dict[int, tuple[Prompt, list[int]]] = {}
         self._produced = 0  # prompts drawn from the batch iterator so far
+        self._skip: set[int] = set()
+
+    def skip_to(self, start: int, *, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """A resumed run: positions below ``start`` and those in ``skip`` will never be asked
+        for (trained, dropped, or restored with their samples); they are passed over without
+        tokenizing or caching them."""
+        if self._produced:
+            raise RunError("skip_to() must come before the first prefetch")
+        while self._produced + self._batch <= start:
+            next(self._batches)
+            self._produced += self._batch
+        self._skip = set(range(self._produced, start)) | {i for i in skip if i >= start}
 
     async def prefetch(self, upto: int, tokenizer: Tokenizer) -> None:
         """Make prompts ``< upto`` available to :meth:`get` (tokenized in a worker thread)."""
@@ -98,17 +110,20 @@ class PromptStream:
         new: list[tuple[int, Prompt]] = []
         while self._produced < upto:
             for p in next(self._batches):
-                new.append((self._produced, p))
+                if self._produced in self._skip:
+                    self._skip.discard(self._produced)
+                else:
+                    new.append((self._produced, p))
                 self._produced += 1
         ids = await anyio.to_thread.run_sync(tokenizer.encode_batch, [p.text for _, p in new])
         for (i, p), x in zip(new, ids):
             self._cached[i] = (p, x)
 
-    def peek(self, index: int) -> list[int]:
-        """Token ids of prompt ``index`` without taking it (it must have been prefetched)."""
-        if index not in self._cached:
-            raise RunError(f"prompt {index} was not prefetched (or was already taken)")
-        return self._cached[index][1]
+    async def peek_from(self, start: int, n: int, tokenizer: Tokenizer) -> list[list[int]]:
+        """Token ids of up to ``n`` prompts from position ``start`` on, without taking them
+        (positions a resumed run skips are passed over)."""
+        await self.prefetch(start + n, tokenizer)
+        return [self._cached[i][1] for i in sorted(self._cached) if i >= start][:n]
 
     def get(self, index: int) -> tuple[Prompt, list[int]]:
         """Prompt ``index`` and its token ids (it must have been prefetched)."""

@@ -212,6 +212,12 @@ class Scheduler:
         """No sample is being generated."""
         return self.inflight_samples == 0
 
+    def redispatch_indices(self) -> list[int]:
+        """Prompt-stream positions still in play: live groups and those waiting to be
+        dispatched again after a resume."""
+        live = [s.index for s in self._slots.values() if s.state != ABORTING]
+        return live + [i for i, _ in self._redispatch]
+
     def slot(self, group_id: str) -> Slot:
         try:
             return self._slots[group_id]

@@ -30,7 +30,7 @@ def test_constant_rewards_give_zero_advantage() -> None:
 
 
 def group(gid: str, prompt: list[int], rewards: list[float], lens: list[int]) -> Group:
-    g = Group(gid, gid, prompt, 0, 0, 0.0)
+    g = Group(gid, gid, prompt, 0, 0, 0.0, index=0)
     g.samples = [
         CompletedSample(
             np.arange(10, 10 + n, dtype=np.int32),

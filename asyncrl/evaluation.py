@@ -1,0 +1,110 @@
+"""Held-out evaluation: greedy samples of the eval split on the generators' current weights.
+
+Evaluation requests are tagged (group ids ``eval-<label>-<i>``) and go to the same engines as
+training; their samples come back on the data socket like any other, and the feeder hands
+them here instead of to the scheduler, so they never reach a training batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+
+from .config import Config
+from .environment import Environment
+from .intake import Generating
+from .messages import Generate, GenRequest
+from .prompts import Tokenizer
+from .rpc import ControlPlane
+
+__all__ = ["Evaluator"]
+
+log = structlog.get_logger("asyncrl.evaluation")
+
+
+class Evaluator:
+    """Runs held-out evaluations through the pipeline's engines.
+
+    ``generating`` is the pipeline's table of groups whose samples are coming back: an
+    evaluation registers its groups there for the feeder, which sets their ``eval_done``.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        control: ControlPlane,
+        environment: Environment,
+        tokenizer: Tokenizer,
+        rollouts: list[str],
+        generating: dict[str, Generating],
+        metrics: Any,
+        now: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.env = environment
+        self.tok = tokenizer
+        self.rollouts = rollouts
+        self.generating = generating
+        self.metrics = metrics
+        self.now = now
+
+    async def evaluate(self, label: str, version: int) -> dict[str, Any]:
+        """Greedy held-out accuracy of weights ``version``, which the generators serve
+        (nothing else should be generating). Cancellation: outstanding eval groups are
+        abandoned."""
+        n = self.config.eval.num_prompts
+        prompts = list(self.env.dataset("eval"))[:n]
+        ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in prompts])
+        waits: list[Generating] = []
+        requests: dict[str, list[GenRequest]] = {w: [] for w in self.rollouts}
+        for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+            gid = f"eval-{label}-{i}"
+            worker = self.rollouts[i % len(self.rollouts)]
+            pending = Generating(
+                prompt, prompt_ids, worker, 1, version, None, self.now(), eval_done=anyio.Event()
+            )
+            self.generating[gid] = pending
+            waits.append(pending)
+            requests[worker].append(
+                GenRequest(
+                    group_id=gid,
+                    prompt_ids=prompt_ids,
+                    n=1,
+                    max_tokens=self.config.grpo.max_new_tokens,
+                    temperature=0.0,
+                    greedy=True,
+                )
+            )
+        start = self.now()
+        timeout = self.config.cluster.call_timeout_s
+        try:
+            for worker, reqs in requests.items():
+                if reqs:
+                    await self.control.call(worker, Generate(requests=reqs), timeout_s=timeout)
+            with anyio.fail_after(timeout):
+                for pending in waits:
+                    assert pending.eval_done is not None
+                    await pending.eval_done.wait()
+        finally:
+            for i in range(len(prompts)):
+                self.generating.pop(f"eval-{label}-{i}", None)
+        correct = [s.correct for p in waits for s in p.samples]  # type: ignore[union-attr]
+        record = {
+            "kind": "eval",
+            "label": label,
+            "version": version,
+            "accuracy": float(np.mean(correct)) if correct else 0.0,
+            "num_prompts": len(prompts),
+            "seconds": self.now() - start,
+        }
+        if self.metrics is not None:
+            self.metrics.write(record)
+        log.info("eval_finished", **{k: v for k, v in record.items() if k != "kind"})
+        return record

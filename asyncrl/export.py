@@ -1,0 +1,181 @@
+"""The policy as a Hugging Face model directory: safetensors shards, config and tokenizer.
+
+Trainer rank 0 streams :meth:`TrainingBackend.iter_weights` into safetensors files written
+here (the other ranks only take part in the gathers), so an export needs no more host memory
+than one tensor, and works for any training backend. The header of each shard is computed
+from :meth:`TrainingBackend.weight_specs` before any tensor arrives.
+
+The safetensors layout (https://huggingface.co/docs/safetensors): an 8-byte little-endian
+header length, a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``
+padded with spaces to a multiple of 8, then the tensors' bytes back to back in header order.
+
+Everything but the weights (``config.json``, ``generation_config.json``, tokenizer files, a
+chat template...) is copied from the starting model directory; ``config.json`` gets the
+exported dtype as ``torch_dtype``. The directory is written under a temporary name and renamed,
+so a reader never sees half an export. No torch import at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .backend import WeightTensor
+
+__all__ = ["SAFETENSORS_DTYPES", "copy_model_dir", "plan_shards", "write_hf_model"]
+
+SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+             "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
+"""Files of the starting model directory that are weights, never copied into an export."""
+DEFAULT_SHARD_BYTES = 5 << 30
+
+
+def _nbytes(spec: WeightTensor) -> int:
+    return int(np.prod(spec.shape, dtype=np.int64)) * _ITEMSIZE[SAFETENSORS_DTYPES[spec.dtype]]
+
+
+def plan_shards(specs: list[WeightTensor], shard_bytes: int) -> list[list[WeightTensor]]:
+    """Consecutive tensors into shards of at most ``shard_bytes`` (a larger tensor alone)."""
+    shards: list[list[WeightTensor]] = [[]]
+    size = 0
+    for spec in specs:
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{spec.name}: dtype {spec.dtype} has no safetensors name")
+        n = _nbytes(spec)
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += n
+    return shards
+
+
+def _header(specs: list[WeightTensor]) -> bytes:
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        n = _nbytes(spec)
+        meta[spec.name] = {
+            "dtype": SAFETENSORS_DTYPES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _host_bytes(data: Any) -> memoryview:
+    """The tensor's bytes on the host (a torch tensor on any device, or a numpy array)."""
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data)).cast("B")
+    import torch  # a trainer's tensor: torch is there
+
+    flat = data.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return memoryview(flat.numpy()).cast("B")
+
+
+def write_hf_model(
+    out: str | os.PathLike[str],
+    specs: list[WeightTensor],
+    tensors: Iterable[WeightTensor],
+    *,
+    source_dir: str | os.PathLike[str],
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write ``tensors`` (in ``specs``' order, with data) as a Hugging Face directory at
+    ``out`` (replaced if it exists), with the other files of ``source_dir``. Returns ``out``.
+
+    Raises:
+        ValueError: a tensor that is not the next one of ``specs`` (name, dtype or size).
+    """
+    out = Path(out)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        shards = plan_shards(specs, shard_bytes)
+        names = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        it: Iterator[WeightTensor] = iter(tensors)
+        for name, shard in zip(names, shards):
+            with open(tmp / name, "wb") as f:
+                f.write(_header(shard))
+                for spec in shard:
+                    got = next(it, None)
+                    if got is None or got.name != spec.name or got.data is None:
+                        raise ValueError(
+                            f"export: expected tensor {spec.name}, got "
+                            f"{'the end' if got is None else got.name}"
+                        )
+                    data = _host_bytes(got.data)
+                    if data.nbytes != _nbytes(spec) or got.dtype != spec.dtype:
+                        raise ValueError(
+                            f"export: {spec.name} has {data.nbytes} bytes of {got.dtype}, the "
+                            f"manifest says {_nbytes(spec)} of {spec.dtype}"
+                        )
+                    f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        if next(it, None) is not None:
+            raise ValueError("export: more tensors than weight_specs listed")
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(_nbytes(s) for s in specs)},
+                "weight_map": {s.name: n for n, shard in zip(names, shards) for s in shard},
+            }
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        dtypes = {s.dtype for s in specs}
+        copy_model_dir(source_dir, tmp, torch_dtype=dtypes.pop() if len(dtypes) == 1 else None)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def copy_model_dir(
+    source: str | os.PathLike[str], dest: str | os.PathLike[str], *, torch_dtype: str | None
+) -> None:
+    """Copy every file of ``source`` but its weights into ``dest`` (config, generation
+    config, tokenizer, chat template...), setting ``torch_dtype`` in ``config.json``."""
+    source, dest = Path(source), Path(dest)
+    for p in source.iterdir():
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and not p.name.endswith(
+            (".safetensors.index.json", ".bin.index.json")
+        ):
+            shutil.copy2(p, dest / p.name)
+    config = dest / "config.json"
+    if torch_dtype is not None and config.is_file():
+        data = json.loads(config.read_text())
+        data["torch_dtype"] = torch_dtype
+        config.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,183 @@
+"""Checkpoint and resume through the embedded controller, with the bigram backends.
+
+What must hold: a run stopped at a step boundary and resumed trains the same prompts at the
+same steps and ends with the same weights as the uninterrupted run (synchronous mode, where
+the run is deterministic); every prompt position is trained exactly once across the
+interruption; a checkpoint that is corrupt, from another run or of a finished run is refused
+before anything starts, with the fix; a save that fails (a full disk) leaves the previous
+checkpoint usable and the run going.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
+)
+
+import asyncrl  # noqa: E402
+from asyncrl import checkpoint as ckpt  # noqa: E402
+from asyncrl.config import Config  # noqa: E402
+from asyncrl.errors import RunError  # noqa: E402
+from asyncrl.grpo import pack_tokens  # noqa: E402
+from asyncrl.messages import ComputeLogprobs, LogprobsResult  # noqa: E402
+from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
+
+PROMPTS = [[1, 4 + d] for d in range(10)]
+RESPONSES = [[4 + d, 4 + (d + 3) % 10, 2] for d in range(10)]
+SYNC = {"sampler": {"name": "in_order", "max_lookahead_versions": 0}}
+
+
+async def _trainer_logprobs(ctl: asyncrl.Controller) -> np.ndarray:
+    res = await ctl.pipeline.control.call(
+        "trainer:0", ComputeLogprobs(batch=pack_tokens(PROMPTS, RESPONSES)), timeout_s=30
+    )
+    assert isinstance(res, LogprobsResult)
+    return np.array(res.logprobs)
+
+
+async def _run(cfg: Config, resume: str | None = None) -> tuple[asyncrl.RunSummary, np.ndarray]:
+    async with asyncrl.Controller(cfg, resume=resume) as ctl:
+        pids = worker_pids(ctl)
+        summary = await ctl.train()
+        logprobs = await _trainer_logprobs(ctl)
+    assert_nothing_left(ctl, pids.values())
+    return summary, logprobs
+
+
+def _trained_positions(summary: asyncrl.RunSummary) -> int:
+    return sum(e["trained"] for e in summary.ledger)
+
+
+async def test_resumed_run_equals_the_uninterrupted_one(make_config: Callable[..., Config]) -> None:
+    """Synchronous training is deterministic (sampling seeds come from the group ids): a run
+    resumed from its step-3 checkpoint (the next batch in flight or ready at that boundary)
+    redoes steps 4-6 with the same batches and ends with the same weights, bit for bit."""
+    steps, P = 6, 4
+    cfg = make_config(
+        run={"num_steps": steps},
+        pipeline=SYNC,
+        trainer={"options": {"lr": 0.5, "optimizer": "adam"}},
+        generator={"options": {"token_delay_s": 0.002}},
+        checkpoint={"every_steps": 3, "keep_last": 3},
+    )
+    whole, whole_lp = await _run(cfg)
+    at3 = Path(cfg.checkpoint.dir) / "step-00000003"
+    state = ckpt.open_checkpoint(at3).state()
+    in_play = len(state.scheduler["redispatch"]) + len(state.groups)
+    assert in_play == P, "step 4's batch is generating or ready at the step-3 boundary"
+
+    resumed, resumed_lp = await _run(cfg, resume=str(at3))
+    assert resumed.resumed_from == 3
+    assert [s["step"] for s in resumed.steps] == [4, 5, 6]
+    # the same batches at the same steps: identical rewards, and identical final weights
+    assert [s["reward"] for s in resumed.steps] == [s["reward"] for s in whole.steps[3:]]
+    np.testing.assert_array_equal(resumed_lp, whole_lp)
+    # each prompt position trained once, none lost, across the interruption
+    assert [(e["trained"], e["lost"], e["repeated"]) for e in resumed.ledger] == [
+        (e["trained"], e["lost"], e["repeated"]) for e in whole.ledger
+    ]
+    assert _trained_positions(resumed) == steps * P
+    resumes = [r for r in read_metrics(cfg) if r["kind"] == "resume"]
+    assert [r["step"] for r in resumes] == [3]
+    # the start evaluation is not repeated by the resumed run
+    assert [e["label"] for e in resumed.evals] == ["end"]
+
+
+async def test_refusals_name_the_problem_and_the_fix(make_config: Callable[..., Config]) -> None:
+    cfg = make_config("run", run={"num_steps": 2}, pipeline=SYNC, eval={"num_prompts": 0})
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint in .*Fix"):
+        async with asyncrl.Controller(cfg, resume="latest"):
+            pass
+    summary, _ = await _run(cfg)
+    assert summary.checkpoint is not None
+    # finished: resuming it is an error that says how to train further
+    with pytest.raises(ckpt.CheckpointError, match=r"finished.*run.num_steps=4"):
+        async with asyncrl.Controller(cfg, resume="latest"):
+            pass
+    # another run's checkpoint: the differing strict field is named
+    other = make_config("run", run={"num_steps": 4, "seed": 7}, pipeline=SYNC)
+    with pytest.raises(ckpt.CheckpointError, match=r"another run: run.seed: 0 -> 7"):
+        async with asyncrl.Controller(other, resume=summary.checkpoint):
+            pass
+    # corrupt: the controller state no longer matches its hash
+    state = Path(summary.checkpoint) / "controller.msgpack"
+    state.write_bytes(state.read_bytes()[:-3] + b"xyz")
+    more = make_config("run", run={"num_steps": 4}, pipeline=SYNC)
+    with pytest.raises(ckpt.CheckpointError, match="corrupt: controller.msgpack does not match"):
+        async with asyncrl.Controller(more, resume="latest"):
+            pass
+
+
+async def test_a_full_disk_keeps_the_previous_checkpoint(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second save hits ENOSPC (its controller state goes to /dev/full): the run goes on,
+    the first checkpoint stays whole and resumable, nothing of the failed save remains."""
+    real_write = ckpt._write_durable
+    calls = {"n": 0}
+
+    def write(path: Path, data: bytes) -> None:
+        if path.name == ckpt.CONTROLLER_FILE:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                with open("/dev/full", "wb") as f:  # the kernel's own "no space left"
+                    f.write(data)
+                    f.flush()
+        real_write(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_durable", write)
+    cfg = make_config(
+        run={"num_steps": 3},
+        pipeline=SYNC,
+        checkpoint={"every_steps": 1, "at_end": False, "keep_last": 3},
+        eval={"num_prompts": 0},
+    )
+    summary, _ = await _run(cfg)
+    assert len(summary.steps) == 3
+    failed = [r for r in read_metrics(cfg) if r["kind"] == "checkpoint_failed"]
+    assert [r["step"] for r in failed] == [2] and "No space left" in failed[0]["error"]
+    root = Path(cfg.checkpoint.dir)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001", "step-00000003"]
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no partial save left
+    first = ckpt.open_checkpoint(root / "step-00000001")
+    assert first.state().step == 1
+
+    # with no failure allowed, the same fault stops the run with the fix
+    calls["n"] = 0
+    strict = make_config(
+        "strict",
+        run={"num_steps": 3},
+        pipeline=SYNC,
+        checkpoint={"every_steps": 1, "max_failures": 0},
+        eval={"num_prompts": 0},
+    )
+    with pytest.raises(RunError, match=r"checkpoint saves in a row failed.*Fix: free space"):
+        await _run(strict)
+
+
+async def test_checkpoint_on_demand(make_config: Callable[..., Config]) -> None:
+    import anyio
+
+    cfg = make_config(
+        run={"num_steps": 4},
+        generator={"options": {"token_delay_s": 0.005}},
+        checkpoint={"at_end": False},
+        eval={"num_prompts": 0},
+    )
+    async with asyncrl.Controller(cfg) as ctl:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ctl.train)
+            path = await ctl.save_checkpoint()
+    assert path is not None
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    assert 1 <= manifest["step"] <= 4 and manifest["finished"] is False
