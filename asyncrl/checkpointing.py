@@ -147,6 +147,7 @@ class Checkpointer:
         requests, self._requests = self._requests, []
         start = time.perf_counter()
         tmp: Path | None = None
+        log.debug("checkpoint_started", step=state.step)
         try:
             tmp = await anyio.to_thread.run_sync(ckpt.start_save, cfg.dir, state.step)
             await self._call_trainers(SaveState(path=str(tmp / ckpt.TRAINER_DIR)))

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -44,7 +45,14 @@ from .backend import BackendPlugin
 from .checkpointing import model_config
 from .config import Config, to_dict
 from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError, flatten
-from .launcher import SpawnedGroup, spawn_group, stop_processes, watch_peer
+from .launcher import (
+    CONTROLLER_PID_FILE,
+    SpawnedGroup,
+    reap_stale_runs,
+    spawn_group,
+    stop_processes,
+    watch_peer,
+)
 from .log import MetricsWriter
 from .messages import Hello, Init, LoadState, TokenBatch
 from .pipeline import Pipeline
@@ -160,7 +168,9 @@ class Controller(anyio.AsyncContextManagerMixin):
         run_id = uuid.uuid4().hex[:12]
         base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
         make_private_dir(base)
+        reap_stale_runs(base)
         run_dir = make_private_dir(os.path.join(base, run_id))
+        Path(run_dir, CONTROLLER_PID_FILE).write_text(str(os.getpid()))
         log_dir = os.path.join(cfg.run.output_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
         self.addresses = addr = Addresses(
@@ -196,7 +206,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             }
             control = ControlPlane(router, make_init, expected=expected, rejections=rejections)
             metrics.write({"kind": "config", "run_id": run_id, "config": config_dict})
-            log.info("run_started", run_id=run_id, output=cfg.run.output_dir)
+            log.info("run_started", run_id=run_id, output=cfg.run.output_dir, pid=os.getpid())
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(control.run, name="control-reader")

@@ -29,7 +29,13 @@ import numpy as np
 
 from .backend import WeightTensor
 
-__all__ = ["SAFETENSORS_DTYPES", "copy_model_dir", "plan_shards", "write_hf_model"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "copy_model_dir",
+    "export_model",
+    "plan_shards",
+    "write_hf_model",
+]
 
 SAFETENSORS_DTYPES = {
     "float64": "F64",
@@ -161,6 +167,34 @@ def write_hf_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def export_model(
+    backend: Any,
+    rank: int,
+    path: str | os.PathLike[str],
+    *,
+    source_dir: str | os.PathLike[str],
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """One trainer rank's part of an export (blocking; on the trainer's thread): every rank
+    iterates ``backend.iter_weights()`` (the gathers are collective), rank 0 writes them."""
+    it = backend.iter_weights()
+    if rank != 0:
+        for _ in it:
+            pass
+        return
+    try:
+        write_hf_model(
+            path, backend.weight_specs(), it, source_dir=source_dir, shard_bytes=shard_bytes
+        )
+    except BaseException:
+        try:  # the other ranks wait in the gathers otherwise
+            for _ in it:
+                pass
+        except Exception:  # noqa: BLE001 - the write's own error is the one reported
+            pass
+        raise
 
 
 def copy_model_dir(

@@ -3,6 +3,7 @@
 Three forms::
 
     torchrun --nproc-per-node N -m asyncrl.launch run.toml [--set grpo.prompts_per_step=8 ...]
+        [--resume [DIR|latest]]
         ranks [0, T) train, ranks [T, T+R) generate (T, R from [cluster]); global rank 0 also
         hosts the controller, and serves its own trainer role inside the controller's task
         group (its compute runs on a worker thread, off the event loop).
@@ -27,7 +28,13 @@ success                        eval lines, the metrics path                  0
 config mistake                 ``asyncrl: error: <field>: ... Fix: ...``     2
 a worker died / a run error    ``asyncrl: error: <root cause>`` (+ details)  1
 SIGTERM / SIGINT               ``asyncrl: stopped by SIGTERM ...``           143 / 130
+a checkpoint that cannot be    ``asyncrl: error: checkpoint ...: ... Fix:``  2
+resumed (corrupt, another run,
+finished)
 =============================  ============================================  ==========
+
+SIGUSR1 to rank 0 (the controller) saves a checkpoint at the next step boundary and goes on;
+the other ranks ignore it.
 
 A signal starts the same orderly shutdown as a run that ends (workers told to stop, engines
 closed, sockets and shared memory removed). When torchrun sends SIGTERM because another rank
@@ -49,6 +56,7 @@ import anyio
 import structlog
 
 from . import log as _log
+from .checkpoint import CheckpointError
 from .config import Config, load_config
 from .errors import AsyncRLError, ConfigError, ControllerLostError, WorkerDiedError, flatten
 from .process import exit_status, stopped_by_signal, wait_pid_exit
@@ -195,7 +203,7 @@ def _roles(config: Config, rank: int, world: int) -> tuple[str, int]:
     return ("trainer", rank) if rank < t else ("rollout", rank - t)
 
 
-def launch_main(config_path: str, overrides: dict[str, Any]) -> int:
+def launch_main(config_path: str, overrides: dict[str, Any], resume: str | None = None) -> int:
     """One rank of ``torchrun -m asyncrl.launch CONFIG``."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     try:
@@ -222,6 +230,7 @@ def launch_main(config_path: str, overrides: dict[str, Any]) -> int:
         startup_timeout_s=config.cluster.startup_timeout_s,
     )
     if rank != 0:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the controller's signal, not ours
         log_path = os.path.join(log_dir, f"{group}-{group_rank}.log")
         console = os.dup(2) if rank == 1 else None  # rank 1 speaks if rank 0 dies
         _redirect_output(log_path)
@@ -238,10 +247,12 @@ def launch_main(config_path: str, overrides: dict[str, Any]) -> int:
         )
 
     _log.configure(config.run.log_format)
-    return _run_controller(config, store, worker_kwargs)
+    return _run_controller(config, store, worker_kwargs, resume)
 
 
-def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any]) -> int:
+def _run_controller(
+    config: Config, store: Any, worker_kwargs: dict[str, Any], resume: str | None = None
+) -> int:
     """Rank 0: host the controller (and trainer rank 0) until the run ends or a signal."""
     from .controller import Addresses, Controller
     from .worker import serve
@@ -273,8 +284,11 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any]) -
                 tg.cancel_scope.cancel()
 
             tg.start_soon(on_signal, name="signals")
-            async with Controller(config, attach=attach) as ctl:
-                summary = await ctl.train()
+            async with Controller(config, attach=attach, resume=resume) as ctl:
+                async with anyio.create_task_group() as run_tg:
+                    run_tg.start_soon(_checkpoint_on_sigusr1, ctl, name="sigusr1")
+                    summary = await ctl.train()
+                    run_tg.cancel_scope.cancel()
             tg.cancel_scope.cancel()
         return summary if not stopped_by else None
 
@@ -286,7 +300,7 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any]) -
             raise
         if not (stopped_by and _stopped_by_signal(error)):
             print(f"asyncrl: error: {_one_line(error, config)}", file=sys.stderr, flush=True)
-            return 2 if isinstance(error, ConfigError) else 1
+            return 2 if isinstance(error, (ConfigError, CheckpointError)) else 1
         summary = None  # a rank that left because of the same signal: not a failure
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving in order; see above
@@ -306,6 +320,14 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any]) -
         print(f"rejected frames: {refused} (see the frame_rejected log lines)")
     print(f"metrics: {summary.metrics_path}")
     return 0
+
+
+async def _checkpoint_on_sigusr1(ctl: Any) -> None:
+    """Each SIGUSR1 asks for a checkpoint at the next step boundary (the run goes on)."""
+    with anyio.open_signal_receiver(signal.SIGUSR1) as signals:
+        async for _ in signals:
+            log.info("checkpoint_requested", by="SIGUSR1")
+            ctl.pipeline.checkpointer.request()
 
 
 def _stopped_by_signal(error: AsyncRLError) -> bool:
@@ -349,7 +371,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def self_launch(config_path: str, set_args: list[str]) -> int:
+def self_launch(config_path: str, set_args: list[str], resume: str | None = None) -> int:
     """``python -m asyncrl.launch CONFIG`` outside torchrun: check the config, then run
     torchrun's launcher in this process with one rank per trainer and rollout rank."""
     try:
@@ -369,6 +391,8 @@ def self_launch(config_path: str, set_args: list[str]) -> int:
     argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "asyncrl.launch", config_path]
     for item in set_args:
         argv += ["--set", item]
+    if resume is not None:
+        argv += ["--resume", resume]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         run(get_args_parser().parse_args(argv))
@@ -385,6 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.launch")
     parser.add_argument("config", nargs="?", help="run config (TOML)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="DIR|latest",
+        help="go on from a checkpoint: a checkpoint directory, a directory of them, or "
+        "'latest' (the default: the newest in checkpoint.dir)",
+    )
     parser.add_argument("--worker", choices=["trainer", "rollout"], help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", help=argparse.SUPPRESS)
@@ -394,14 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         parser.error("a config file is required")
     if "RANK" not in os.environ:
-        return self_launch(args.config, args.set)
+        return self_launch(args.config, args.set, args.resume)
     try:
         overrides = parse_overrides(args.set)
     except ConfigError as exc:
         if os.environ.get("RANK") == "0":
             print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
-    return launch_main(args.config, overrides)
+    return launch_main(args.config, overrides, args.resume)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -27,8 +28,20 @@ import structlog
 from .errors import WorkerDiedError
 from .process import exit_status, kill_process_group, wait_pid_exit
 from .rpc import Peer
+from .transfers.shm import shm_dir
 
-__all__ = ["SpawnedGroup", "parse_torchrun_exit", "spawn_group", "stop_processes", "watch_peer"]
+__all__ = [
+    "CONTROLLER_PID_FILE",
+    "SpawnedGroup",
+    "parse_torchrun_exit",
+    "reap_stale_runs",
+    "spawn_group",
+    "stop_processes",
+    "watch_peer",
+]
+
+CONTROLLER_PID_FILE = "controller.pid"
+"""In each run's private directory: the pid of the controller that owns it."""
 
 log = structlog.get_logger("asyncrl.launcher")
 
@@ -150,3 +163,37 @@ async def stop_processes(
         for g in spawned:
             kill_process_group(g.process.pid, signal.SIGKILL)
         await wait_all(5)
+
+
+def reap_stale_runs(base: str) -> list[str]:
+    """Remove the run directories under ``base`` (ipc sockets) and their shared-memory
+    directories whose controller is gone: what a run killed as a whole (SIGKILL to every
+    process, a lost machine) could not remove itself. Returns the run ids removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(base))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        try:
+            pid = int(Path(entry.path, CONTROLLER_PID_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not a run directory, or one being created
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        shutil.rmtree(shm_dir(entry.name), ignore_errors=True)
+        removed.append(entry.name)
+    if removed:
+        log.info("stale_run_files_removed", run_ids=removed)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

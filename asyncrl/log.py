@@ -19,10 +19,20 @@ import structlog.tracebacks
 __all__ = ["MetricsWriter", "configure"]
 
 
-def configure(fmt: Literal["auto", "console", "json"] = "auto", level: str = "info") -> None:
-    """Configure structlog for a process asyncrl owns. Leaves an existing setup alone."""
+def configure(fmt: Literal["auto", "console", "json"] = "auto", level: str = "") -> None:
+    """Configure structlog for a process asyncrl owns. Leaves an existing setup alone.
+
+    ``level``: ``debug``, ``info``, ``warning``... (default: the ``ASYNCRL_LOG_LEVEL``
+    environment variable, else ``info``). At ``debug`` the controller also logs each step's
+    phases (``step_started``, ``refit_started``, ``checkpoint_started``) and every call."""
     if structlog.is_configured():
         return
+    level = level or os.environ.get("ASYNCRL_LOG_LEVEL", "info")
+    levels = logging.getLevelNamesMapping()
+    if level.upper() not in levels:
+        raise ValueError(
+            f"log level {level!r} (ASYNCRL_LOG_LEVEL?) is not one of debug, info, warning, error"
+        )
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     renderer: Any = (
@@ -45,9 +55,7 @@ def configure(fmt: Literal["auto", "console", "json"] = "auto", level: str = "in
         )
     structlog.configure(
         processors=[*processors, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        wrapper_class=structlog.make_filtering_bound_logger(levels[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

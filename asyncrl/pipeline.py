@@ -390,6 +390,7 @@ class Pipeline:
                 groups = [self._ready.pop(gid) for gid in chunk.groups]
                 if not opened:
                     rec.train_start = self.now()
+                    log.debug("step_started", step=step)
                     await self.control.call_each(
                         self.trainers,
                         [BeginStep(step=step)] * len(self.trainers),
@@ -424,6 +425,7 @@ class Pipeline:
             self.ledger.record_trained(g.index for g in rec.groups)
             self.changed.notify()
             refit_start = self.now()
+            log.debug("refit_started", version=step + 1)
             await self._abort(self.sched.begin_refit())
             if cfg.refit.drain:
                 await self._drain(rec)

@@ -53,7 +53,7 @@ from .backend import (
 from .codec import Codec
 from .config import Config
 from .errors import ControllerLostError, ProtocolError, WorkerError, flatten
-from .export import write_hf_model
+from .export import export_model
 from .messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -337,31 +337,20 @@ class _Runtime:
             await self.thread.run(backend.load_state, req.path)
             return Empty()
         if isinstance(req, ExportModel):
-            await self.thread.run(self._export, req)
+            await self.thread.run(
+                functools.partial(
+                    export_model,
+                    backend,
+                    self.wctx.rank,
+                    req.path,
+                    source_dir=req.source_dir,
+                    shard_bytes=req.shard_bytes,
+                )
+            )
             return Empty()
         if isinstance(req, Health):
             return HealthResult(pid=os.getpid())
         raise ProtocolError(f"a trainer worker cannot serve {type(req).__name__}")
-
-    def _export(self, req: ExportModel) -> None:
-        """On the trainer thread: every rank iterates the weights (the gathers are
-        collective); rank 0 writes them."""
-        backend: TrainingBackend = self.backend
-        it = backend.iter_weights()
-        if self.wctx.rank != 0:
-            collections.deque(it, 0)
-            return
-        try:
-            write_hf_model(
-                req.path,
-                backend.weight_specs(),
-                it,
-                source_dir=req.source_dir,
-                shard_bytes=req.shard_bytes,
-            )
-        except BaseException:
-            _drain(it)  # the other ranks wait in the gathers otherwise
-            raise
 
     # ----------------------------------------------------------------- dispatch
     async def answer(self, call: Call, tg: anyio.abc.TaskGroup) -> None:

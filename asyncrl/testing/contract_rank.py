@@ -10,7 +10,8 @@ Phase ``main``::
 
     start; export "init"; logprobs of all sequences (uneven shards); save "s0"
     step 0 streamed as three chunks (uneven, one rank empty in two of them); export "stream"
-    save "s1"; step 1 in one chunk; export "step1"
+    save "s1"; step 1 in one chunk; export "step1"; Hugging Face export "hf-step1" (small
+    shards) and logprobs of all sequences "step1"
     load "s0"; export "loaded"; a step discarded by a wrong token count
     step 0 again in one chunk; export "one"
     load "s1"; step 1; export "step1-reloaded"
@@ -198,6 +199,25 @@ class _Rank:
         if self.rank == 0:
             np.savez(self.out / f"weights-{tag}.npz", **arrays)
 
+    def export_hf(self, tag: str) -> None:
+        """The current weights as a Hugging Face directory ``out/<tag>`` (shards of 64 KiB, so
+        a tiny model still gets several and an index)."""
+        from asyncrl.export import export_model
+
+        export_model(
+            self.backend,
+            self.rank,
+            self.out / tag,
+            source_dir=self.spec["config"]["model"]["path"],
+            shard_bytes=64 << 10,
+        )
+
+    def logprobs_all(self, tag: str) -> None:
+        """Logprobs of every sequence, dealt round-robin over the ranks (each saves its own)."""
+        ids = list(range(NUM_SEQUENCES))[self.rank :: self.world]
+        lp = self.backend.compute_logprobs(token_batch(self.seqs, ids), self.temperature)
+        np.save(self.out / f"logprobs-{tag}-rank{self.rank}.npy", lp)
+
     def discarded_step(self) -> None:
         self.backend.begin_step(0)
         ids = STEP0_CHUNKS[0]
@@ -253,6 +273,8 @@ def main(argv: list[str]) -> int:
             rank.backend.save_state(str(states / "s1"))
             rank.one_chunk(1, STEP1, "step1")
             rank.export("step1")
+            rank.export_hf("hf-step1")
+            rank.logprobs_all("step1")
             rank.backend.load_state(str(states / "s0"))
             rank.export("loaded")
             rank.discarded_step()

@@ -431,6 +431,46 @@ class TrainingBackendContract:
             shapes
         )
 
+    def test_hugging_face_export_loads_and_matches_the_trainer(
+        self, contract: ContractRun
+    ) -> None:
+        """The export after step 1 loads with transformers as it is (several shards and an
+        index); its weights are the trainer's bit for bit and its logprobs the trainer's."""
+        import torch
+        from safetensors.numpy import load_file
+        from transformers import AutoModelForCausalLM
+
+        export = contract.out / "hf-step1"
+        index = json.loads((export / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 1
+        saved = {k: v for shard in shards for k, v in load_file(str(export / shard)).items()}
+        diff, name = _max_diff(saved, contract.weights("step1"))
+        assert diff == 0.0, f"{name} is {diff:.3g} off the trainer's weights"
+        assert (export / "tokenizer.json").is_file()
+        model = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
+        model = model.to(torch.float64).eval()
+        seqs = contract_sequences(model.config.vocab_size)
+        world = len(contract.ranks)
+        trainer = {}
+        for r in range(world):
+            flat = np.load(contract.out / f"logprobs-step1-rank{r}.npy")
+            ids = list(range(NUM_SEQUENCES))[r::world]
+            lens = [len(seqs[i][0]) - seqs[i][1] for i in ids]
+            for i, part in zip(ids, np.split(flat, np.cumsum(lens)[:-1])):
+                trainer[i] = part
+        worst = 0.0
+        with torch.no_grad():
+            for i, (tokens, prompt_len) in enumerate(seqs):
+                if len(tokens) == prompt_len:
+                    continue
+                logits = model(torch.as_tensor(tokens[None], dtype=torch.long)).logits[0]
+                lp = torch.log_softmax(logits[:-1] / TEMPERATURE, dim=-1)
+                picked = lp[torch.arange(len(tokens) - 1), torch.as_tensor(tokens[1:])]
+                got = picked[prompt_len - 1 :].numpy()
+                worst = max(worst, float(np.abs(got - trainer[i]).max()))
+        assert worst < self.logprob_atol, f"export vs trainer logprobs: {worst:.3g}"
+
     # ---------------------------------------------------------------- state
     def test_load_restores_the_saved_weights(self, contract: ContractRun) -> None:
         diff, name = _max_diff(contract.weights("loaded"), contract.weights("init"))

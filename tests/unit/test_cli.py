@@ -107,3 +107,50 @@ def test_console_script_and_module_entry(with_model: list[str]) -> None:
         [str(exe), "check-config", "/nonexistent.toml"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2 and "does not exist" in proc.stdout
+
+
+def _checkpoint(root: Path, step: int, *, with_model: bool) -> Path:
+    from asyncrl import checkpoint as ckpt
+
+    tmp = ckpt.start_save(root, step)
+    if with_model:
+        (tmp / "model").mkdir()
+        (tmp / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+        (tmp / "model" / "model.safetensors").write_bytes(b"\0" * 16)
+    state = ckpt.ControllerState(step=step, finished=True, scheduler={}, ledger={}, groups=[])
+    return ckpt.commit(
+        tmp, state=ckpt.encode_state(state), step=step, finished=True, config={},
+        model_config=None, has_model=with_model,
+    )  # fmt: skip
+
+
+def test_export_through_the_console_script(tmp_path: Path) -> None:
+    exe = str(Path(sys.executable).parent / "asyncrl")
+    root = tmp_path / "checkpoints"
+    _checkpoint(root, 4, with_model=True)
+    _checkpoint(root, 9, with_model=True)
+    out = tmp_path / "exported"
+    proc = subprocess.run([exe, "export", str(root), str(out)], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "exported step 9" in proc.stdout  # a directory of checkpoints: its newest
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    again = subprocess.run([exe, "export", str(root), str(out)], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert again.returncode == 2 and "exists. Fix: pick another OUT or pass --force" in (
+        again.stderr
+    )
+    forced = subprocess.run([exe, "export", str(root / "step-00000004"), str(out), "--force"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert forced.returncode == 0 and "exported step 4" in forced.stdout
+
+
+def test_export_refusals(tmp_path: Path, capsys) -> None:
+    bare = _checkpoint(tmp_path / "bare", 2, with_model=False)
+    assert main(["export", str(bare), str(tmp_path / "o")]) == 2
+    assert "holds no model (it was saved with checkpoint.save_model = false). Fix" in (
+        capsys.readouterr().err
+    )
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "o")]) == 2
+    assert "no checkpoint there" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
