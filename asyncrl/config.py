@@ -259,8 +259,8 @@ class CheckpointConfig(_Base):
     """Save after the last step (a finished run's checkpoint: exporting it, or resuming it
     with a larger ``run.num_steps``)."""
     keep_last: int = 2
-    """Keep this many most recent checkpoints (older ones are deleted after a save succeeds;
-    the best one by held-out accuracy is kept too)."""
+    """Keep this many most recent checkpoints (older ones are deleted once a save
+    succeeded)."""
     save_model: bool = True
     """Also write the policy as a Hugging Face model directory (``model/``) into each
     checkpoint, so that ``asyncrl export`` needs no trainer. Costs ``model.dtype`` bytes per

@@ -65,6 +65,8 @@ log = structlog.get_logger("asyncrl.launch")
 
 _STORE_KEY = "asyncrl/control"
 _PID_KEY = "asyncrl/controller_pid"
+_EARLY_SIGUSR1: list[int] = []
+"""SIGUSR1s that arrived before the controller could take them (see :func:`main`)."""
 _SIGNAL_GRACE_S = 2.0
 """After a stop signal, how long rank 0 waits for a peer watcher to name a dead rank as the
 cause (torchrun SIGTERMs rank 0 within its monitor interval of another rank's death)."""
@@ -257,6 +259,7 @@ def _run_controller(
     from .controller import Addresses, Controller
     from .worker import serve
 
+
     async def attach(addresses: Addresses, tg: Any) -> None:
         store.set(_PID_KEY, str(os.getpid()))  # before the address other ranks wait for
         store.set(_STORE_KEY, addresses.control)
@@ -286,7 +289,8 @@ def _run_controller(
             tg.start_soon(on_signal, name="signals")
             async with Controller(config, attach=attach, resume=resume) as ctl:
                 async with anyio.create_task_group() as run_tg:
-                    run_tg.start_soon(_checkpoint_on_sigusr1, ctl, name="sigusr1")
+                    run_tg.start_soon(_checkpoint_on_sigusr1, ctl, bool(_EARLY_SIGUSR1),
+                                      name="sigusr1")
                     summary = await ctl.train()
                     run_tg.cancel_scope.cancel()
             tg.cancel_scope.cancel()
@@ -322,8 +326,12 @@ def _run_controller(
     return 0
 
 
-async def _checkpoint_on_sigusr1(ctl: Any) -> None:
-    """Each SIGUSR1 asks for a checkpoint at the next step boundary (the run goes on)."""
+async def _checkpoint_on_sigusr1(ctl: Any, early: bool) -> None:
+    """Each SIGUSR1 asks for a checkpoint at the next step boundary (the run goes on);
+    ``early``: one arrived while the run was starting."""
+    if early:
+        log.info("checkpoint_requested", by="SIGUSR1 (during start-up)")
+        ctl.pipeline.checkpointer.request()
     with anyio.open_signal_receiver(signal.SIGUSR1) as signals:
         async for _ in signals:
             log.info("checkpoint_requested", by="SIGUSR1")
@@ -406,6 +414,9 @@ def self_launch(config_path: str, set_args: list[str], resume: str | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGUSR1 asks rank 0 for a checkpoint; one that arrives while a rank is starting must
+    # neither kill it (the default action) nor be lost (rank 0 acts on it once it runs)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _EARLY_SIGUSR1.append(signum))
     parser = argparse.ArgumentParser(prog="python -m asyncrl.launch")
     parser.add_argument("config", nargs="?", help="run config (TOML)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -1,0 +1,141 @@
+"""Resume as users run it: ``python -m asyncrl.launch CONFIG --resume``, SIGKILLed at random
+moments (``benchmarks/kill_resume.py`` on the bigram backends), SIGUSR1 for a checkpoint on
+demand, and a checkpoint that cannot be resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
+)
+
+from integration_support import BASE, merge, to_toml  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("no_stray_processes")
+ROOT = Path(__file__).parents[2]
+TIMEOUT_S = 300
+
+
+def _config_file(tmp_path: Path, model_dir: Path, **over: dict) -> Path:
+    data = merge(BASE, over)
+    data["model"] = {"path": str(model_dir)}
+    data["run"]["output_dir"] = str(tmp_path / "out")
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(data) + "\n")
+    return path
+
+
+def test_killed_at_random_moments_every_prompt_is_trained_once(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Four SIGKILLs, in generation, training, refit and a checkpoint save, alternately of the
+    controller alone and of the whole run; each life resumes from the latest checkpoint. The
+    benchmark itself checks the ledger, the staleness bound and what is left behind."""
+    config = _config_file(
+        tmp_path,
+        model_dir,
+        run={"num_steps": 16},
+        pipeline={"sampler": {"name": "gated", "max_staleness_versions": 1}},
+        generator={"options": {"token_delay_s": 0.004}},
+        trainer={"options": {"step_delay_s": 0.05}},
+    )
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/kill_resume.py"), "--config", str(config),
+         "--kills", "4", "--workdir", str(tmp_path / "work"), "--out", str(out),
+         "--timeout", "120"],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())["report"]
+    assert report["ok"] and report["problems"] == []
+    assert report["kills"] >= 3  # a kill may miss when the run ends first
+    assert report["trained_positions"] == [[0, 16 * 4]]
+    assert report["staleness_max"] <= 1
+
+
+def _front_door(config: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.launch", str(config), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return out
+
+
+def test_sigusr1_saves_a_checkpoint_and_the_run_goes_on(tmp_path: Path, model_dir: Path) -> None:
+    config = _config_file(
+        tmp_path,
+        model_dir,
+        run={"num_steps": 12},
+        generator={"options": {"token_delay_s": 0.01}},
+        checkpoint={"at_end": False},
+        eval={"num_prompts": 0},
+    )
+    proc = _front_door(config)
+    # one SIGUSR1 while rank 0 is still starting (before the controller runs): it must not
+    # kill it (SIGUSR1's default action), and is honoured once the run is going
+    deadline = time.monotonic() + 120
+    rank1_log = tmp_path / "out" / "logs" / "rollout-0.log"  # rank 1 has read the config
+    while not rank1_log.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never started"
+        time.sleep(0.01)
+    os.kill(_controller_pid(proc), signal.SIGUSR1)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not (metrics.exists() and '"train"' in metrics.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "no step was trained"
+        time.sleep(0.05)
+    pid = _controller_pid(proc)  # the controller is global rank 0
+    os.kill(pid, signal.SIGUSR1)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    saved = [r for r in records if r["kind"] == "checkpoint"]
+    assert len(saved) == 2 and saved[0]["step"] == 1, saved  # the early one: the first boundary
+    assert saved[0]["step"] < saved[1]["step"] < 12 and not saved[1]["finished"]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
+    assert Path(saved[1]["path"], "manifest.json").is_file()
+
+
+def _controller_pid(launch: subprocess.Popen) -> int:
+    """Global rank 0 among the launch's descendants."""
+    import psutil
+
+    for p in psutil.Process(launch.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == "0":
+                return p.pid
+        except psutil.Error:
+            continue
+    raise AssertionError("the launch has no rank-0 process")
+
+
+def test_resume_refusal_exits_2_with_one_line(tmp_path: Path, model_dir: Path) -> None:
+    config = _config_file(tmp_path, model_dir, run={"num_steps": 2}, eval={"num_prompts": 0})
+    out = _finish(_front_door(config, "--resume"))
+    errors = [line for line in out.splitlines() if line.startswith("asyncrl: ")]
+    assert len(errors) == 1 and "no checkpoint in" in errors[0] and "Fix:" in errors[0], out
+    done = _front_door(config)
+    assert "metrics:" in _finish(done) and done.returncode == 0
+    again = _front_door(config, "--resume", "latest")
+    text = _finish(again)
+    assert again.returncode == 2
+    assert "the run is finished. Fix: to train further, raise run.num_steps" in text, text
