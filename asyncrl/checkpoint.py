@@ -165,9 +165,8 @@ class ControllerState(msgspec.Struct, kw_only=True):
     finished: bool
     scheduler: dict[str, Any]
     """:meth:`asyncrl.schedule.Scheduler.state_dict` (versions, counters, prompt-stream
-    cursor, the sampler's state, ready groups, prompts to dispatch again)."""
-    ledger: dict[str, Any]
-    """:meth:`asyncrl.prompt_ledger.PromptLedger.state_dict`."""
+    cursor, the sampler's state, the prompt ledger, ready groups, prompts to dispatch
+    again)."""
     groups: list[SavedGroup]
     """The ready groups' payloads, in the scheduler's order."""
     evals: list[dict[str, Any]] = []

@@ -29,7 +29,6 @@ from .buffer import Group
 from .config import Config, to_dict
 from .errors import RunError
 from .messages import ExportModel, SaveState
-from .prompt_ledger import PromptLedger
 from .rpc import ControlPlane
 from .schedule import Scheduler
 
@@ -46,26 +45,20 @@ def model_config(model_path: str) -> dict[str, Any] | None:
         return None
 
 
-def snapshot_state(
-    sched: Scheduler, ready: dict[str, Group], ledger: PromptLedger
-) -> ckpt.ControllerState:
-    """The controller's state at a step boundary: the scheduler's, the ready groups'
-    samples (in the scheduler's order) and the prompt ledger."""
+def snapshot_state(sched: Scheduler, ready: dict[str, Group]) -> ckpt.ControllerState:
+    """The controller's state at a step boundary: the scheduler's (with the prompt ledger)
+    and the ready groups' samples, in the scheduler's order."""
     scheduler = sched.state_dict()
     return ckpt.ControllerState(
         step=sched.trainer_version,
         finished=sched.finished,
         scheduler=scheduler,
-        ledger=ledger.state_dict(),
         groups=[ckpt.SavedGroup.of(ready[f"g{g['index']}"]) for g in scheduler["ready"]],
     )
 
 
-def restore_state(
-    state: ckpt.ControllerState, sched: Scheduler
-) -> tuple[dict[str, Group], PromptLedger]:
-    """Load ``state`` into the fresh ``sched``; returns the ready groups by id and the
-    ledger."""
+def restore_state(state: ckpt.ControllerState, sched: Scheduler) -> dict[str, Group]:
+    """Load ``state`` into the fresh ``sched``; returns the ready groups by id."""
     payloads = {g.group_id: g for g in state.groups}
     restored = sched.load_state_dict(state.scheduler)
     missing = [gid for gid in restored if gid not in payloads]
@@ -74,8 +67,7 @@ def restore_state(
             f"the checkpoint of step {state.step} lists ready groups {missing[:5]} without "
             "their samples. Fix: resume from an older checkpoint"
         )
-    ready = {gid: payloads[gid].group() for gid in restored}
-    return ready, PromptLedger.from_state_dict(state.ledger)
+    return {gid: payloads[gid].group() for gid in restored}
 
 
 class Checkpointer:
@@ -178,7 +170,7 @@ class Checkpointer:
 
     def _commit(self, tmp: Path, state: ckpt.ControllerState, finished: bool) -> Path:
         cfg = self.config.checkpoint
-        ledger = state.ledger
+        ledger = state.scheduler["ledger"]
         path = ckpt.commit(
             tmp,
             state=ckpt.encode_state(state),

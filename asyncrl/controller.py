@@ -221,7 +221,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                         data_socket=pull,
                         environment=environment,
                         tokenizer=tokenizer,
-                        scheduler=make_scheduler(cfg),
+                        scheduler=make_scheduler(cfg, len(environment.dataset("train"))),
                         trainers=trainers,
                         rollouts=rollouts,
                         transfer_address=addr.transfer,
@@ -381,7 +381,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         summary.checkpoint = str(last) if last is not None else None
         summary.ledger = [
             dataclasses.asdict(e)
-            for e in pipe.ledger.report(pipe.sched.next_index, pipe.sched.redispatch_indices())
+            for e in pipe.sched.ledger_report()
         ]
         if pipe.metrics is not None:
             pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
@@ -547,8 +547,11 @@ def _open_resume(
     return checkpoint, checkpoint.state()
 
 
-def make_scheduler(cfg: Config) -> Scheduler:
-    """The run's :class:`~asyncrl.schedule.Scheduler` with the configured sampler and caps."""
+def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
+    """The run's :class:`~asyncrl.schedule.Scheduler` with the configured sampler and caps
+    (``train_prompts``: the train split's size, for the ledger's epochs: each epoch drops the
+    remainder of a batch)."""
+    per_step = cfg.grpo.prompts_per_step
     return Scheduler(
         cfg.make_sampler(),
         prompts_per_step=cfg.grpo.prompts_per_step,
@@ -557,6 +560,7 @@ def make_scheduler(cfg: Config) -> Scheduler:
         max_buffered_groups=cfg.max_buffered_groups,
         max_inflight_samples=cfg.max_inflight_samples,
         min_chunk_groups=cfg.min_groups_for_streaming_train,
+        prompts_per_epoch=max(1, train_prompts // per_step * per_step),
     )
 
 

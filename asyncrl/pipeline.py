@@ -57,7 +57,6 @@ from .messages import (
     TrainChunk,
 )
 from .probes import Probes
-from .prompt_ledger import PromptLedger
 from .prompts import PromptStream, Tokenizer, sample_seed
 from .refits import KVScales, RefitReport, refit_generators
 from .rpc import ControlPlane
@@ -145,10 +144,6 @@ class Pipeline:
         )
         self.resumed_from: int | None = None
         """The trainer version a resumed run started from (``None``: a fresh run)."""
-        train = environment.dataset("train")
-        per_step = config.grpo.prompts_per_step
-        self.ledger = PromptLedger(max(1, len(train) // per_step * per_step))
-        """Which prompt-stream positions were trained or dropped (saved in checkpoints)."""
         self.checkpointer = Checkpointer(
             config, control=control, trainers=trainers, metrics=metrics
         )
@@ -378,7 +373,7 @@ class Pipeline:
             while self.sched.taken < cfg.grpo.prompts_per_step:
                 chunk = self.sched.next_chunk()
                 for gid in chunk.evicted:
-                    self.ledger.record_dropped([self._ready.pop(gid).index], "evicted")
+                    self._ready.pop(gid)
                     log.info("group_evicted", group_id=gid, step=step)
                 if chunk.evicted or chunk.groups:
                     self.changed.notify()  # capacity freed: the rollout pump may dispatch
@@ -422,7 +417,6 @@ class Pipeline:
             # the version bump and the gate's closing are one scheduler event: no dispatch
             # can see version v+1 before the generators serve it
             self.sched.finish_step()
-            self.ledger.record_trained(g.index for g in rec.groups)
             self.changed.notify()
             refit_start = self.now()
             log.debug("refit_started", version=step + 1)
@@ -455,7 +449,6 @@ class Pipeline:
     async def _abort(self, group_ids: list[str]) -> None:
         """Tell each engine to abort its groups among ``group_ids`` (their samples still come
         back, cut short, and free their slots)."""
-        self.ledger.record_dropped((self.sched.slot(g).index for g in group_ids), "aborted")
         by_worker: dict[str, list[str]] = {}
         for gid in group_ids:
             pending = self._generating.get(gid)
@@ -497,13 +490,13 @@ class Pipeline:
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self) -> ControllerState:
         """The controller's state at a step boundary (synchronous: one consistent piece)."""
-        return snapshot_state(self.sched, self._ready, self.ledger)
+        return snapshot_state(self.sched, self._ready)
 
     def restore(self, state: ControllerState) -> None:
         """Take over a checkpoint's state before anything is dispatched: the scheduler (its
-        ready groups with their samples, the prompts to dispatch again), the ledger, and the
-        prompt stream's position."""
-        self._ready, self.ledger = restore_state(state, self.sched)
+        ready groups with their samples, the prompts to dispatch again, the prompt ledger) and
+        the prompt stream's position."""
+        self._ready = restore_state(state, self.sched)
         again = {int(i) for i, _ in state.scheduler["redispatch"]}
         frontier = self.sched.next_index
         start = min(again | {frontier})
@@ -518,7 +511,6 @@ class Pipeline:
         with anyio.move_on_after(self.config.cluster.call_timeout_s):
             while not self.sched.drained:
                 await self.changed.wait()
-        self.ledger.record_dropped((g.index for g in self._ready.values()), "unused")
         self._ready.clear()
 
     async def refit(self, version: int, kv_scales: dict[str, float] | None = None) -> None:

@@ -14,18 +14,23 @@ here:
 * accounting: every dispatched group ends exactly once as trained, evicted (ready but too
   old), aborted (generating and hopeless, or still generating at the end) or unused (complete
   but untrained at the end), and its samples are counted;
-* a step trains exactly ``prompts_per_step`` groups.
+* a step trains exactly ``prompts_per_step`` groups;
+* the prompt ledger (:class:`~asyncrl.prompt_ledger.PromptLedger`) records each prompt-stream
+  position once, as trained or as dropped with its reason.
 
 Life of a group::
 
     dispatch() ──► GENERATING ──sample_finished() × n──► SCORING ──committed()──► READY
-                       │ begin_refit(): hopeless                                    │
-                       ▼                                                            ├─ next_chunk(): taken → trained
-                   ABORTING ──sample_finished() × rest──► gone (aborted)             └─ next_chunk(): evicted → gone
+       ▲              │ │ begin_refit(): hopeless                                 │
+       │ retry()      │ ▼                                                         ├─ next_chunk(): taken → trained
+    RETRYING ◄─failed()  ABORTING ──sample_finished() × rest──► gone (aborted)    │   (abort_step(): back to READY)
+                  │                                                             └─ next_chunk(): evicted → gone
+                  └─ failed(retry=False): gone (failed; a stamped step gets a fresh prompt)
 
 Events: :meth:`dispatch` (ask to dispatch one group), :meth:`sample_finished`,
-:meth:`committed`, :meth:`next_chunk` (evictions + a chunk for the open step),
-:meth:`finish_step`, :meth:`begin_refit`, :meth:`end_refit`, :meth:`close`.
+:meth:`committed`, :meth:`failed`, :meth:`retry`, :meth:`next_chunk` (evictions + a chunk for
+the open step), :meth:`abort_step`, :meth:`finish_step`, :meth:`begin_refit`,
+:meth:`end_refit`, :meth:`close`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .prompt_ledger import PromptLedger
 from .samplers import Sampler
 
 __all__ = [
@@ -49,6 +55,8 @@ __all__ = [
 ]
 
 GENERATING, SCORING, READY, ABORTING = "generating", "scoring", "ready", "aborting"
+RETRYING = "retrying"
+"""Generation failed and will be tried again (still live: it keeps its place and its step)."""
 
 
 class SchedulerError(RuntimeError):
@@ -127,6 +135,7 @@ class Scheduler:
         max_buffered_groups: live groups allowed (``>= sampler.required_buffer_capacity(P)``).
         max_inflight_samples: samples generating at once (``>= N``).
         min_chunk_groups: ready groups needed before a chunk goes to the trainer (``1..P``).
+        prompts_per_epoch: positions of the prompt stream per epoch (for the ledger's report).
     """
 
     def __init__(
@@ -139,6 +148,7 @@ class Scheduler:
         max_buffered_groups: int,
         max_inflight_samples: int,
         min_chunk_groups: int,
+        prompts_per_epoch: int = 1,
     ) -> None:
         need = sampler.required_buffer_capacity(prompts_per_step)
         if max_buffered_groups < need:
@@ -182,8 +192,14 @@ class Scheduler:
         self.wasted_samples = 0
         self.unused = 0
         """Complete groups left untrained when the run ended (:meth:`close`)."""
+        self.failed_groups = 0
+        """Groups dropped because their generation or scoring failed for good."""
         self.stats = StepStats()
-
+        self.ledger = PromptLedger(prompts_per_epoch)
+        self._taken: list[Slot] = []
+        """The open step's groups (given back to READY by :meth:`abort_step`)."""
+        self._retry: list[str] = []
+        """RETRYING groups whose retry is due, in order (served first by :meth:`dispatch`)."""
     # ------------------------------------------------------------------ views
     @property
     def live(self) -> list[Slot]:
@@ -212,6 +228,11 @@ class Scheduler:
         """No sample is being generated."""
         return self.inflight_samples == 0
 
+    def ledger_report(self) -> list[Any]:
+        """The prompt ledger per epoch (:meth:`PromptLedger.report`), with the positions still
+        in play as live."""
+        return self.ledger.report(self._next_index, self.redispatch_indices())
+
     def redispatch_indices(self) -> list[int]:
         """Prompt-stream positions still in play: live groups and those waiting to be
         dispatched again after a resume."""
@@ -234,6 +255,11 @@ class Scheduler:
             return Wait("finished")
         if not self.gate_open:
             return Wait("gate")
+        if self._retry:
+            # already live and admitted: only the samples in flight may hold it back
+            if self.inflight_samples + self.samples_per_prompt > self.max_inflight_samples:
+                return Wait("samples")
+            return self._redispatch_retry(self.slot(self._retry.pop(0)))
         need = self.num_steps * self.prompts_per_step - self.trained - self.taken
         if self._live_count >= math.ceil(self.sampler.over_dispatch * need):
             return Wait("enough")
@@ -291,6 +317,49 @@ class Scheduler:
         slot.state = SCORING
         return "commit"
 
+    def failed(self, group_id: str, *, retry: bool) -> None:
+        """Generation (or scoring) of ``group_id`` failed; its samples not yet back never
+        come. ``retry``: the group waits as RETRYING (still live, keeping its place and
+        its step) until :meth:`retry`; otherwise it is dropped and counted (``failed``), and
+        a group stamped for a step is replaced by a fresh prompt for that step, dispatched
+        first. A group being aborted is simply gone (already counted as aborted)."""
+        slot = self.slot(group_id)
+        if slot.state not in (GENERATING, SCORING, ABORTING):
+            raise SchedulerError(f"group {group_id} failed in state {slot.state}")
+        if slot.state != SCORING:
+            self.inflight_samples -= slot.n - slot.finished
+        if slot.state == ABORTING:
+            del self._slots[group_id]
+            return
+        if retry and slot.state == GENERATING:
+            slot.state, slot.finished = RETRYING, 0
+            return
+        self._forget(slot)
+        self.failed_groups += 1
+        self.wasted_samples += slot.n
+        self.stats.wasted_samples += slot.n
+        self.ledger.record_dropped([slot.index], "failed")
+        if slot.target_step is not None:
+            self._redispatch.insert(0, (self._next_index, slot.target_step))
+            self._next_index += 1
+
+    def retry(self, group_id: str) -> None:
+        """A RETRYING group's back-off is over: :meth:`dispatch` sends it again first (a
+        group dropped meanwhile, e.g. at the end of the run, is ignored)."""
+        if self.tracks(group_id) and self.slot(group_id).state == RETRYING:
+            self._retry.append(group_id)
+
+    def _redispatch_retry(self, slot: Slot) -> Dispatch:
+        self._count_start(slot.start_version, -1)
+        slot.start_version = self.generator_version
+        self._count_start(slot.start_version, +1)
+        slot.state = GENERATING
+        self.inflight_samples += slot.n
+        self.stats.inflight_samples_max = max(
+            self.stats.inflight_samples_max, self.inflight_samples
+        )
+        return Dispatch(slot.group_id, slot.index, slot.start_version, slot.target_step, slot.n)
+
     def committed(self, group_id: str, rewards: Sequence[float] = ()) -> None:
         """The group's samples are scored: it is ready to train."""
         slot = self.slot(group_id)
@@ -315,6 +384,7 @@ class Scheduler:
             if slot.state != READY:
                 raise SchedulerError(f"{self.sampler.name} evicted {slot.group_id} ({slot.state})")
             self._forget(slot)
+            self.ledger.record_dropped([slot.index], "evicted")
             self.evicted += 1
             self.stats.evicted_groups += 1
             self.wasted_samples += slot.n
@@ -344,6 +414,7 @@ class Scheduler:
                     f"{self.trainer_version}"
                 )
             self._forget(slot)
+            self._taken.append(slot)
             self.taken += 1
             self.stats.staleness[staleness] += 1
             ids.append(slot.group_id)
@@ -358,8 +429,26 @@ class Scheduler:
             )
         self.trainer_version += 1
         self.trained += self.taken
+        self.ledger.record_trained(s.index for s in self._taken)
+        self._taken = []
         self.taken = 0
         self.gate_open = False
+
+    def abort_step(self) -> list[str]:
+        """The open step failed on the trainer (which dropped its gradients): its groups are
+        ready again, in their order, and the step is assembled anew. Returns their ids."""
+        if not self.gate_open:
+            raise SchedulerError("abort_step() during a refit: the step was already taken")
+        for slot in self._taken:
+            self.stats.staleness[self.trainer_version - slot.start_version] -= 1
+            slot.state = READY
+            self._slots[slot.group_id] = slot
+            self._live_count += 1
+            self._count_start(slot.start_version, +1)
+        self.stats.staleness = +self.stats.staleness  # drop zero counts
+        self._slots = dict(sorted(self._slots.items(), key=lambda kv: kv[1].index))
+        back, self._taken, self.taken = [s.group_id for s in self._taken], [], 0
+        return back
 
     def begin_refit(self) -> list[str]:
         """Generating groups that can never be trained at the new trainer version: they are
@@ -370,7 +459,8 @@ class Scheduler:
         hopeless = [
             s
             for s in self._slots.values()
-            if s.state == GENERATING and self.sampler.should_abort_inflight(s, self.trainer_version)
+            if s.state in (GENERATING, RETRYING)
+            and self.sampler.should_abort_inflight(s, self.trainer_version)
         ]
         return [self._abort(s) for s in hopeless]
 
@@ -389,17 +479,24 @@ class Scheduler:
         and every complete but untrained one is counted as ``unused``."""
         for slot in [s for s in self._slots.values() if s.state in (SCORING, READY)]:
             self._forget(slot)
+            self.ledger.record_dropped([slot.index], "unused")
             self.unused += 1
             self.wasted_samples += slot.n
-        return [self._abort(s) for s in list(self._slots.values()) if s.state == GENERATING]
+        return [
+            self._abort(s) for s in list(self._slots.values()) if s.state in (GENERATING, RETRYING)
+        ]
 
     # ------------------------------------------------------------------ internals
     def _abort(self, slot: Slot) -> str:
+        retrying = slot.state == RETRYING
         slot.state = ABORTING
         self._live_count -= 1
-        self.start_version_counts[slot.start_version] -= 1
-        if not self.start_version_counts[slot.start_version]:
-            del self.start_version_counts[slot.start_version]
+        self._count_start(slot.start_version, -1)
+        if retrying:  # nothing of it is on an engine: gone at once
+            del self._slots[slot.group_id]
+            if slot.group_id in self._retry:
+                self._retry.remove(slot.group_id)
+        self.ledger.record_dropped([slot.index], "aborted")
         self.aborted += 1
         self.stats.aborted_groups += 1
         self.wasted_samples += slot.n
@@ -409,9 +506,12 @@ class Scheduler:
     def _forget(self, slot: Slot) -> None:
         del self._slots[slot.group_id]
         self._live_count -= 1
-        self.start_version_counts[slot.start_version] -= 1
-        if not self.start_version_counts[slot.start_version]:
-            del self.start_version_counts[slot.start_version]
+        self._count_start(slot.start_version, -1)
+
+    def _count_start(self, version: int, delta: int) -> None:
+        self.start_version_counts[version] += delta
+        if not self.start_version_counts[version]:
+            del self.start_version_counts[version]
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
@@ -432,6 +532,8 @@ class Scheduler:
             "evicted": self.evicted,
             "aborted": self.aborted,
             "wasted_samples": self.wasted_samples,
+            "failed_groups": self.failed_groups,
+            "ledger": self.ledger.state_dict(),
             "ready": [
                 {
                     "index": s.index,
@@ -466,6 +568,9 @@ class Scheduler:
         self._next_index = int(state["next_index"])
         for key in ("dispatched", "trained", "evicted", "aborted", "wasted_samples"):
             setattr(self, key, int(state[key]))
+        self.failed_groups = int(state.get("failed_groups", 0))
+        if "ledger" in state:
+            self.ledger = PromptLedger.from_state_dict(state["ledger"])
         self._redispatch = [
             (int(i), None if int(t) < 0 else int(t)) for i, t in state["redispatch"]
         ]

@@ -314,7 +314,7 @@ def check(config: Any, work: Path, lives: list[dict[str, Any]]) -> dict[str, Any
     else:
         c = ckpt.open_checkpoint(last)
         state = c.state()
-        ledger = state.ledger
+        ledger = state.scheduler["ledger"]
         if not (c.manifest["finished"] and c.step == steps):
             problems.append(f"the last checkpoint is step {c.step}, finished={c.manifest['finished']}")
         if ledger["trained"] != [[0, steps * per_step]]:

@@ -11,8 +11,8 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from asyncrl.explain import explain
 from asyncrl.errors import ConfigError
+from asyncrl.explain import explain
 
 __all__ = ["TrainerOptions", "option_error", "parse_options"]
 

@@ -35,8 +35,8 @@ def _state(step: int, groups: list[Group] = ()) -> ckpt.ControllerState:
     return ckpt.ControllerState(
         step=step,
         finished=False,
-        scheduler={"trainer_version": step, "redispatch": [[7, -1]], "ready": []},
-        ledger={"trained": [[0, 4 * step]], "num_repeated": 0},
+        scheduler={"trainer_version": step, "redispatch": [[7, -1]], "ready": [],
+                   "ledger": {"trained": [[0, 4 * step]], "num_repeated": 0}},
         groups=[ckpt.SavedGroup.of(g) for g in groups],
     )
 

@@ -117,7 +117,7 @@ def _checkpoint(root: Path, step: int, *, with_model: bool) -> Path:
         (tmp / "model").mkdir()
         (tmp / "model" / "config.json").write_text('{"model_type": "qwen2"}')
         (tmp / "model" / "model.safetensors").write_bytes(b"\0" * 16)
-    state = ckpt.ControllerState(step=step, finished=True, scheduler={}, ledger={}, groups=[])
+    state = ckpt.ControllerState(step=step, finished=True, scheduler={}, groups=[])
     return ckpt.commit(
         tmp, state=ckpt.encode_state(state), step=step, finished=True, config={},
         model_config=None, has_model=with_model,

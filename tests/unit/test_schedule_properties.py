@@ -16,7 +16,11 @@ its own ledger of what happened and checks it against the rules the modes promis
 * ``gated`` and ``in_order`` waste nothing; the run never deadlocks;
 * with ``crashes``, the controller dies at random step boundaries: a fresh scheduler restores
   the saved state, the samples in flight are lost, the ready groups survive, and every rule
-  above still holds for the whole run (each prompt trained once, none lost).
+  above still holds for the whole run (each prompt trained once, none lost);
+* with ``faults``, generations fail (retried after a while, or dropped; a group stamped for a
+  step then gets a fresh prompt), scoring fails, and open steps fail on the trainer (their
+  groups go back to ready): the rules still hold, and the scheduler's prompt ledger agrees
+  with the test's own, position by position.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def run_schedule(
     inflight_frac: float,
     chunk_frac: float,
     crashes: int = 0,
+    faults: bool = False,
 ) -> dict:
     rng = random.Random(seed)
     sampler = SAMPLERS[name](W, ratio)
@@ -105,6 +110,20 @@ def run_schedule(
     refit_pending = False
     actions = 0
     resumes = 0
+    target: dict[str, int | None] = {}
+    retrying: set[str] = set()  # failed, waiting for their retry
+    due: set[str] = set()  # retry() called, not dispatched again yet
+    failed: set[str] = set()
+    given_back = False  # a failed step gave its groups back: live may exceed the cap until
+    # enough of them train (dispatch waits meanwhile)
+
+    def note_aborted(ids: list[str]) -> None:
+        aborted_by_scheduler.update(ids)
+        for gid in ids:  # a retrying group has nothing on an engine: gone at once
+            if gid in retrying or gid in due:
+                retrying.discard(gid)
+                due.discard(gid)
+                discarded.add(gid)
 
     def crash_and_resume() -> Scheduler:
         """The controller dies right after saving at this step boundary: what was generating
@@ -114,13 +133,15 @@ def run_schedule(
         for gid, _ in running:  # the samples of aborting groups vanish with the engines
             if gid in aborted_by_scheduler:
                 discarded.add(gid)
-        lost = {gid for gid, _ in running} | set(scoring)
+        lost = {gid for gid, _ in running} | set(scoring) | retrying | due
         for gid in lost - aborted_by_scheduler:
             assert gid not in ready and gid not in trained
             del start[gid], index[gid]
             done_samples.pop(gid, None)
         running.clear()
         scoring.clear()
+        retrying.clear()
+        due.clear()
         new = fresh()
         assert set(new.load_state_dict(state)) == ready
         assert new.num_live == len(ready) and new.inflight_samples == 0
@@ -149,13 +170,15 @@ def run_schedule(
             staleness = s.trainer_version - start[gid]
             assert 0 <= staleness <= bound, (gid, staleness, bound)
             if name == "in_order":
-                assert s.trainer_version == index[gid] // P
+                assert s.trainer_version == target[gid]
+                if not faults:  # a dropped group's step gets a fresh prompt
+                    assert s.trainer_version == index[gid] // P
             trained[gid] = s.trainer_version
             per_step[s.trainer_version] += 1
         if per_step[s.trainer_version] < P:
             return False
         s.finish_step()
-        aborted_by_scheduler.update(s.begin_refit())
+        note_aborted(s.begin_refit())
         return True
 
     while not s.finished:
@@ -174,6 +197,14 @@ def run_schedule(
             moves.append("train")
             if resumes < crashes and s.taken == 0:
                 moves.append("crash")
+            if faults and s.taken:
+                moves.append("abort_step")
+        if faults and running:
+            moves.append("fail")
+        if faults and scoring:
+            moves.append("score_fail")
+        if retrying:
+            moves.append("retry")
         move = rng.choice(moves)
         if move == "dispatch":
             for _ in range(rng.randint(1, 4)):
@@ -181,8 +212,14 @@ def run_schedule(
                 if not isinstance(d, Dispatch):
                     break
                 assert not refit_pending
-                assert d.group_id not in start
+                if d.group_id in due:  # a retry: same group, same prompt, same step
+                    due.discard(d.group_id)
+                    assert (index[d.group_id], target[d.group_id]) == (d.index, d.target_step)
+                else:
+                    assert d.group_id not in start
+                    assert s.num_live <= cap  # a new group never takes live past the cap
                 start[d.group_id], index[d.group_id] = d.start_version, d.index
+                target[d.group_id] = d.target_step
                 assert (
                     d.start_version == s.trainer_version
                 )  # generators serve the trainer's version
@@ -202,13 +239,46 @@ def run_schedule(
         elif move == "crash":
             s = crash_and_resume()
             resumes += 1
-        assert s.num_live <= cap
+        elif move == "fail":
+            gid = rng.choice(running)[0]
+            running[:] = [(g, k) for g, k in running if g != gid]
+            again = rng.random() < 0.6
+            s.failed(gid, retry=again)
+            if gid in aborted_by_scheduler:
+                discarded.add(gid)  # it was being aborted: simply gone
+            elif again:
+                retrying.add(gid)
+                done_samples.pop(gid, None)
+            else:
+                failed.add(gid)
+        elif move == "score_fail":
+            gid = scoring.pop(rng.randrange(len(scoring)))
+            s.failed(gid, retry=True)  # nothing to retry once generated: dropped
+            failed.add(gid)
+        elif move == "retry":
+            gid = rng.choice(sorted(retrying))
+            retrying.discard(gid)
+            due.add(gid)
+            s.retry(gid)
+        elif move == "abort_step":
+            for gid in s.abort_step():
+                assert trained.pop(gid) == s.trainer_version
+                per_step[s.trainer_version] -= 1
+            given_back = True
+        given_back = given_back and s.num_live > cap
+        assert s.num_live <= cap or given_back
         assert s.inflight_samples == len(running) <= max_inflight
         if not running and not scoring and not refit_pending and s.gate_open:
             # nothing in flight: the pumps must be able to move, else it is a deadlock
+            if retrying:  # a back-off still running: the pump would wait for it
+                gid = retrying.pop()
+                due.add(gid)
+                s.retry(gid)
             probe = s.dispatch()
             if isinstance(probe, Dispatch):
+                due.discard(probe.group_id)
                 start[probe.group_id], index[probe.group_id] = probe.start_version, probe.index
+                target[probe.group_id] = probe.target_step
                 running += [(probe.group_id, k) for k in range(N)]
             else:
                 chunk = s.next_chunk()
@@ -218,10 +288,10 @@ def run_schedule(
                 refit_pending = record_chunk(chunk)  # into the ledger as a train move would
     if refit_pending:
         s.end_refit()
-    aborted_by_scheduler.update(s.close())
+    note_aborted(s.close())
     while running:
         finish_one(rng.randrange(len(running)))
-    unused = set(start) - set(trained) - evicted - aborted_by_scheduler
+    unused = set(start) - set(trained) - evicted - aborted_by_scheduler - failed
 
     assert all(per_step[k] == P for k in range(steps)), per_step
     assert len(trained) == steps * P
@@ -235,12 +305,30 @@ def run_schedule(
         len(aborted_by_scheduler),
         len(unused),
     )
-    assert s.wasted_samples == N * (len(evicted) + len(aborted_by_scheduler) + len(unused))
+    assert s.failed_groups == len(failed)
+    assert s.wasted_samples == N * (
+        len(evicted) + len(aborted_by_scheduler) + len(unused) + len(failed)
+    )
+    # the scheduler's ledger, position by position, against this test's
+    ledger = s.ledger.state_dict()
+    positions = {
+        "trained": {index[g] for g in trained},
+        "evicted": {index[g] for g in evicted},
+        "aborted": {index[g] for g in aborted_by_scheduler},
+        "unused": {index[g] for g in unused},
+        "failed": {index[g] for g in failed},
+    }
+    as_set = lambda runs: {i for a, b in runs for i in range(a, b)}  # noqa: E731
+    assert as_set(ledger["trained"]) == positions["trained"]
+    for reason in ("evicted", "aborted", "unused", "failed"):
+        assert as_set(ledger["dropped"][reason]) == positions[reason], reason
+    assert ledger["num_repeated"] == 0
+    assert all(e.lost == 0 for e in s.ledger_report())
     assert s.num_live == 0 and s.inflight_samples == 0
     if name in WASTE_FREE:
         # aborted here can only be what close() stopped at the very end
         assert not evicted
-    if name == "in_order":
+    if name == "in_order" and not faults:
         assert sorted(index[g] for g in trained) == list(range(steps * P))
     return {"evicted": len(evicted), "aborted": len(aborted_by_scheduler)}
 
@@ -275,6 +363,18 @@ def test_resumed_schedules_keep_every_invariant(
 ) -> None:
     run_schedule(
         name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac, crashes
+    )
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(crashes=st.integers(0, 2), **params)
+def test_schedules_with_failures_keep_every_invariant(
+    name, crashes, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
+) -> None:
+    run_schedule(
+        name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac, crashes,
+        faults=True,
     )
 
 
