@@ -241,7 +241,9 @@ class TrainingBackend(Protocol):
         """Logprobs (float32, flat) of the response tokens of this rank's ``batch``."""
 
     def begin_step(self, step: int) -> None:
-        """Open an optimizer step; zero gradients."""
+        """Open an optimizer step; zero gradients. Called for the step that is open, it starts
+        that step again from zero gradients (the controller retries a step whose train call
+        failed on some rank); called while another step is open, it raises."""
 
     def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
         """Accumulate raw (unnormalized) loss-sum gradients of ``batch`` into the open step.

@@ -29,6 +29,7 @@ __all__ = [
     "EnvironmentConfig",
     "EvalConfig",
     "ExportConfig",
+    "FailuresConfig",
     "GeneratorConfig",
     "GRPOConfig",
     "LossConfig",
@@ -281,6 +282,29 @@ class ExportConfig(_Base):
     """Also export every this many optimizer steps (0: never)."""
 
 
+class FailuresConfig(_Base):
+    generation_retries: int = 3
+    """Times a group whose generation failed in the engine or its worker is dispatched again
+    (same prompt, same step), each after a back-off; then it is dropped. A request that its own
+    data makes unservable (the backend raises ``RequestError``, e.g. a prompt longer than the
+    context) is dropped at once."""
+    retry_backoff_s: float = 1.0
+    """Wait before the first retry of a group; doubled for each further one."""
+    max_failed_groups: int = 16
+    """Groups dropped for good (see ``generation_retries``, ``on_reward_error``) that the run
+    tolerates; one more stops it with the last error. A dropped group stamped for a step is
+    replaced by a fresh prompt for that step; the ledger counts it as ``failed``."""
+    on_reward_error: Literal["fail_run", "drop_group"] = "fail_run"
+    """When the environment's ``score()`` raises or returns a non-finite reward:
+    ``fail_run`` stops the run with the prompt id, the completion and the error;
+    ``drop_group`` logs them and drops the group (counted against ``max_failed_groups``)."""
+    train_step_retries: int = 1
+    """Times an optimizer step whose training failed on a trainer rank (a ``TrainChunk`` or
+    ``FinishStep`` that raised there, e.g. out of memory in one micro-batch; the trainer drops
+    the step's gradients) is assembled again from the same groups and retried; then the run
+    stops. A trainer that died or hung is not retried."""
+
+
 class Config(_Base):
     model: ModelConfig
     environment: EnvironmentConfig
@@ -295,6 +319,7 @@ class Config(_Base):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
+    failures: FailuresConfig = FailuresConfig()
 
     @property
     def min_groups_for_streaming_train(self) -> int:
@@ -454,16 +479,19 @@ def problems(config: Config) -> list[ConfigError]:
                     "use e.g. 0.03 (mean |logprob difference| in nats)",
                 )
             )
-    ck = config.checkpoint
-    for name in ("every_steps", "max_failures"):
-        if getattr(ck, name) < 0:
-            out.append(_fail(f"checkpoint.{name}", "must be >= 0", "use 0 to turn it off"))
-    if ck.keep_last < 1:
-        out.append(
-            _fail("checkpoint.keep_last", f"must be >= 1, got {ck.keep_last}", "keep at least 1")
-        )
-    if config.export.every_steps < 0:
-        out.append(_fail("export.every_steps", "must be >= 0", "use 0 to turn it off"))
+    non_negative = {
+        "checkpoint.every_steps": config.checkpoint.every_steps,
+        "checkpoint.max_failures": config.checkpoint.max_failures,
+        "export.every_steps": config.export.every_steps,
+        **{f"failures.{k}": getattr(config.failures, k) for k in (
+            "generation_retries", "max_failed_groups", "train_step_retries", "retry_backoff_s"
+        )},
+    }  # fmt: skip
+    for name, value in non_negative.items():
+        if value < 0:
+            out.append(_fail(name, f"must be >= 0, got {value}", "use 0 to turn it off"))
+    if config.checkpoint.keep_last < 1:
+        out.append(_fail("checkpoint.keep_last", "must be >= 1", "keep at least 1"))
     if config.eval.num_prompts < 0:
         out.append(_fail("eval.num_prompts", "must be >= 0", "use 0 to disable evaluation"))
     model_dir = Path(config.model.path)

@@ -7,6 +7,7 @@ Catch at the level you can handle::
     ├── PluginError                 an entry point is missing, duplicated or fails to load
     ├── ProtocolError               a peer spoke a different protocol version or sent garbage
     ├── RemoteCallError             one RPC failed on a worker; the worker is still alive
+    ├── RequestError                (backend side) a request that its own data makes unservable
     ├── WorkerError                 a worker group can no longer serve (fatal for the run)
     │   ├── WorkerStartupError      a worker died or timed out before it was ready
     │   ├── WorkerDiedError         a worker process exited while the run was going
@@ -30,6 +31,7 @@ __all__ = [
     "ProtocolError",
     "RefitError",
     "RemoteCallError",
+    "RequestError",
     "RunError",
     "WorkerDiedError",
     "WorkerError",
@@ -77,6 +79,14 @@ class RemoteCallError(AsyncRLError):
         self.remote_type = remote_type
         self.remote_message = message
         self.remote_traceback = remote_traceback
+
+
+class RequestError(AsyncRLError):
+    """Raised by a generation backend for a request that cannot be served because of its own
+    data (a prompt longer than the engine's context, a token id outside the vocabulary):
+    retrying it would fail the same way, so the controller drops its group at once (counted
+    against ``failures.max_failed_groups``) instead of retrying it. Any other exception from
+    ``generate`` is taken for an engine or infrastructure failure and retried."""
 
 
 class WorkerError(AsyncRLError):

@@ -18,11 +18,15 @@ from .errors import RunError
 from .messages import Sample
 from .prompts import Tokenizer
 
-__all__ = ["Generating", "Scorer", "Signal", "malformed", "score_samples"]
+__all__ = ["Generating", "ScoreError", "Scorer", "Signal", "malformed", "score_samples"]
 
 INLINE_SCORE_MAX_S = 0.0005
 """Groups are scored on the event loop while scoring one costs less than this on average (a
 slow environment goes to worker threads, keeping the loop's lag in check)."""
+
+
+class ScoreError(RunError):
+    """The environment's ``score()`` raised or returned a non-finite reward."""
 
 
 class Signal:
@@ -87,8 +91,8 @@ def score_samples(
     """Decode and score each sample (runs in a worker thread).
 
     Raises:
-        RunError: ``score()`` raised or returned a non-finite reward (naming the environment,
-            the prompt and the completion).
+        ScoreError: ``score()`` raised or returned a non-finite reward (naming the
+            environment, the prompt and the completion).
     """
     out = []
     for s in samples:
@@ -97,13 +101,13 @@ def score_samples(
             score = env.score(prompt, completion)
             reward = float(score.reward)
         except Exception as exc:
-            raise RunError(
+            raise ScoreError(
                 f"environment {env_name!r} (environment.name): score() raised "
                 f"{type(exc).__name__}: {exc} for prompt {prompt.id!r} and completion "
                 f"{completion[:80]!r}"
             ) from exc
         if not math.isfinite(reward):
-            raise RunError(
+            raise ScoreError(
                 f"environment {env_name!r} (environment.name): score() returned a non-finite "
                 f"reward ({reward}) for prompt {prompt.id!r} and completion "
                 f"{completion[:80]!r}; rewards must be finite numbers"

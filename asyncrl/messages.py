@@ -333,10 +333,15 @@ class SampleDone(msgspec.Struct, tag="s", **_DATA):
 
 
 class GroupFailed(msgspec.Struct, tag="gf", **_DATA):
+    """Generation of a group failed on ``worker``; no more of its samples will come."""
+
     group_id: str
     worker: str
     error_type: str
     message: str
+    retryable: bool = True
+    """False when the request's own data made it fail (``RequestError``): a retry would fail
+    the same way. True for engine or infrastructure failures."""
 
 
 class DataBatch(msgspec.Struct, tag="db", **_DATA):

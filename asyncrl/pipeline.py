@@ -32,6 +32,7 @@ import anyio
 import anyio.lowlevel
 import structlog
 
+from .assembly import StepAssembler
 from .buffer import Group
 from .checkpoint import ControllerState
 from .checkpointing import Checkpointer, restore_state, snapshot_state
@@ -40,32 +41,30 @@ from .config import Config
 from .environment import Environment
 from .errors import ProtocolError, RunError
 from .evaluation import Evaluator
-from .grpo import pack_groups, shard_batch
-from .intake import Generating, Scorer, Signal, malformed
+from .failures import FailureBudget
+from .intake import Generating, ScoreError, Scorer, Signal, malformed
 from .messages import (
     Abort,
-    BeginStep,
     DataBatch,
     DataMessage,
-    FinishStep,
     Generate,
     GenRequest,
     GroupFailed,
     SampleDone,
     StepResult,
     TokenBatch,
-    TrainChunk,
 )
 from .probes import Probes
 from .prompts import PromptStream, Tokenizer, sample_seed
 from .refits import KVScales, RefitReport, refit_generators
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
-from .steps import StepRecord
+from .steps import StepRecord, log_step
 from .transport import AsyncSocket, Rejections, peer_name
 from .verify import make_probe, verification_due
 
 __all__ = ["Pipeline"]
+
 
 FEED_SLICE_S = 0.0005
 """The feeder takes queued samples for at most this long before it gives the loop back (with
@@ -142,6 +141,20 @@ class Pipeline:
         self.prompts = PromptStream(
             environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
         )
+        self.failures = FailureBudget(config.failures)
+        self.assembler = StepAssembler(
+            config,
+            control=control,
+            trainers=trainers,
+            scheduler=scheduler,
+            ready=self._ready,
+            committed=self.committed,
+            changed=self.changed,
+            failures=self.failures,
+            now=self.now,
+        )
+        self._retrying: dict[str, tuple[Any, list[int]]] = {}
+        """Prompts of groups waiting for a retry (their stream positions were taken)."""
         self.resumed_from: int | None = None
         """The trainer version a resumed run started from (``None``: a fresh run)."""
         self.checkpointer = Checkpointer(
@@ -204,7 +217,8 @@ class Pipeline:
         now = self.now()
         requests: dict[str, list[GenRequest]] = {}
         for d in decisions:
-            prompt, prompt_ids = self.prompts.get(d.index)
+            retried = self._retrying.pop(d.group_id, None)
+            prompt, prompt_ids = retried if retried else self.prompts.get(d.index)
             worker = self._pick_rollout()
             self._load[worker] += d.n
             self._generating[d.group_id] = Generating(
@@ -277,11 +291,34 @@ class Pipeline:
             )
             return
         if isinstance(msg, GroupFailed):
-            raise RunError(
-                f"generation of group {msg.group_id} failed on {msg.worker}: "
-                f"{msg.error_type}: {msg.message} (see that worker's log)"
-            )
+            self._group_failed(pending, msg, tg)
+            return
         self._take_sample(pending, msg, tg)
+
+    def _group_failed(self, pending: Generating, msg: GroupFailed, tg: Any) -> None:
+        """Retry the group after a back-off, or drop it (:mod:`asyncrl.failures`)."""
+        gid = msg.group_id
+        error = f"{msg.error_type}: {msg.message}"
+        if pending.eval_done is not None:
+            raise RunError(f"evaluation group {gid} failed on {msg.worker}: {error}")
+        del self._generating[gid]
+        self._load[pending.worker] -= sum(1 for s in pending.samples if s is None)
+        delay = self.failures.generation_failed(
+            gid, pending.prompt.id, retryable=msg.retryable, error=error, worker=msg.worker
+        )
+        self.sched.failed(gid, retry=delay is not None)
+        if delay is None:
+            self._record(self.sched.trainer_version).failed_groups += 1
+            self.failures.drop(f"group {gid} (prompt {pending.prompt.id}) on {msg.worker}: {error}")
+        else:
+            self._retrying[gid] = (pending.prompt, pending.prompt_ids)
+            tg.start_soon(self._retry_after, gid, delay)
+        self.changed.notify()
+
+    async def _retry_after(self, gid: str, delay: float) -> None:
+        await anyio.sleep(delay)
+        self.sched.retry(gid)
+        self.changed.notify()
 
     def _take_sample(self, pending: Generating, msg: SampleDone, tg: Any) -> None:
         gid = msg.group_id
@@ -323,16 +360,38 @@ class Pipeline:
             else:
                 tg.start_soon(self._score_eval, pending)
         elif self.scorer.cheap:
-            self._commit(gid, pending, self.scorer.inline(pending))
+            try:
+                samples = self.scorer.inline(pending)
+            except ScoreError as exc:
+                self._score_failed(gid, exc)
+            else:
+                self._commit(gid, pending, samples)
         else:
             tg.start_soon(self._score_and_commit, gid, pending)
 
     async def _score_and_commit(self, gid: str, pending: Generating) -> None:
-        self._commit(gid, pending, await self.scorer.threaded(pending))
+        try:
+            samples = await self.scorer.threaded(pending)
+        except ScoreError as exc:
+            self._score_failed(gid, exc)
+        else:
+            self._commit(gid, pending, samples)
+
+    def _score_failed(self, gid: str, exc: ScoreError) -> None:
+        """``failures.on_reward_error``: stop the run, or drop the group."""
+        if self.config.failures.on_reward_error == "fail_run":
+            raise exc
+        log.error("reward_failed", group_id=gid, error=str(exc), action="group dropped")
+        if self.sched.tracks(gid):
+            self.sched.failed(gid, retry=False)
+            self._record(self.sched.trainer_version).failed_groups += 1
+            self.changed.notify()
+            self.failures.drop(f"group {gid}: {exc}")
 
     def _commit(self, gid: str, pending: Generating, samples: list[Any]) -> None:
         if not self.sched.tracks(gid):
             return  # the run ended while it was scored (counted as unused)
+        self.failures.succeeded(gid)
         index = self.sched.slot(gid).index
         self.sched.committed(gid, [s.reward for s in samples])
         self._ready[gid] = Group(
@@ -365,55 +424,10 @@ class Pipeline:
         Cancellation: an open optimizer step is abandoned (the run is over).
         """
         cfg = self.config
-        timeout = cfg.cluster.call_timeout_s
         while not self.sched.finished:
             step = self.sched.trainer_version
             rec = self._record(step)
-            opened = False
-            while self.sched.taken < cfg.grpo.prompts_per_step:
-                chunk = self.sched.next_chunk()
-                for gid in chunk.evicted:
-                    self._ready.pop(gid)
-                    log.info("group_evicted", group_id=gid, step=step)
-                if chunk.evicted or chunk.groups:
-                    self.changed.notify()  # capacity freed: the rollout pump may dispatch
-                if not chunk.groups:
-                    t = self.now()
-                    await self.committed.wait()  # only a commit can make a chunk possible
-                    rec.wait_s += self.now() - t
-                    continue
-                groups = [self._ready.pop(gid) for gid in chunk.groups]
-                if not opened:
-                    rec.train_start = self.now()
-                    log.debug("step_started", step=step)
-                    await self.control.call_each(
-                        self.trainers,
-                        [BeginStep(step=step)] * len(self.trainers),
-                        timeout_s=timeout,
-                    )
-                    opened = True
-                batch = pack_groups(groups, normalize=cfg.grpo.normalize_advantages)
-                shards = shard_batch(batch, len(self.trainers))
-                await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
-                busy = self.now()
-                results = await self.control.call_each(
-                    self.trainers,
-                    [TrainChunk(step=step, batch=s) for s in shards],
-                    timeout_s=timeout,
-                )
-                rec.train_busy_s += self.now() - busy
-                rec.chunk_results += results  # type: ignore[arg-type]
-                rec.groups += groups
-                rec.chunks += 1
-            num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
-            busy = self.now()
-            finish = await self.control.call_each(
-                self.trainers,
-                [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers),
-                timeout_s=timeout,
-            )
-            rec.train_end = self.now()
-            rec.train_busy_s += rec.train_end - busy
+            finish = await self.assembler.train(step, rec)
             # the version bump and the gate's closing are one scheduler event: no dispatch
             # can see version v+1 before the generators serve it
             self.sched.finish_step()
@@ -496,7 +510,7 @@ class Pipeline:
         """Take over a checkpoint's state before anything is dispatched: the scheduler (its
         ready groups with their samples, the prompts to dispatch again, the prompt ledger) and
         the prompt stream's position."""
-        self._ready = restore_state(state, self.sched)
+        self._ready.update(restore_state(state, self.sched))
         again = {int(i) for i, _ in state.scheduler["redispatch"]}
         frontier = self.sched.next_index
         start = min(again | {frontier})
@@ -534,15 +548,7 @@ class Pipeline:
         self, rec: StepRecord, result: StepResult, refit_s: float, stats: StepStats
     ) -> None:
         rec.gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
-        served = self.control.take_served()
-        rec.trainer_compute_s = max(
-            served.get((t, "TrainChunk"), 0.0) + served.get((t, "FinishStep"), 0.0)
-            for t in self.trainers
-        )
-        rec.refit_work_s = max(
-            [v for (_, m), v in served.items() if m in ("SendWeights", "ReceiveWeights")],
-            default=0.0,
-        )
+        rec.take_served(self.control.take_served(), self.trainers)
         rec.engine_busy_s = self._refit_report.busy_s
         rec.refit_pack_s = self._refit_report.pack_s
         record = rec.metrics(
@@ -560,20 +566,7 @@ class Pipeline:
         self.history.append(record)
         if self.metrics is not None:
             self.metrics.write({"kind": "train", **record})
-        log.info(
-            "step_finished",
-            step=record["step"],
-            reward=round(record["reward"], 4),
-            accuracy=round(record["accuracy"], 4),
-            staleness=record["staleness_max"],
-            loss=round(result.loss, 5),
-            grad_norm=round(result.grad_norm, 4),
-            gen_s=round(record["gen_s"], 3),
-            train_s=round(record["train_s"], 3),
-            refit_s=round(refit_s, 3),
-            wait_s=round(rec.wait_s, 3),
-            **({"refit_verify": round(record["refit_verify_mean_abs"], 4)} if rec.verify else {}),
-        )
+        log_step(record, result, refit_s, rec)
 
     # ------------------------------------------------------------------ evaluation
     async def evaluate(self, label: str) -> dict[str, Any]:

@@ -21,11 +21,14 @@ here:
 Life of a group::
 
     dispatch() ──► GENERATING ──sample_finished() × n──► SCORING ──committed()──► READY
-       ▲              │ │ begin_refit(): hopeless                                 │
-       │ retry()      │ ▼                                                         ├─ next_chunk(): taken → trained
-    RETRYING ◄─failed()  ABORTING ──sample_finished() × rest──► gone (aborted)    │   (abort_step(): back to READY)
-                  │                                                             └─ next_chunk(): evicted → gone
-                  └─ failed(retry=False): gone (failed; a stamped step gets a fresh prompt)
+       ▲             │      │ begin_refit(): hopeless                           │
+       │ retry()     │      ▼                                                   │
+    RETRYING ◄──failed()  ABORTING ──sample_finished() × rest──► gone (aborted) │
+                     │                                                          │
+                     └─ failed(retry=False): gone (failed; a stamped step       │
+                        gets a fresh prompt)                                    │
+    next_chunk(): taken → trained at finish_step() (abort_step(): READY again) ◄┤
+    next_chunk(): evicted → gone ◄──────────────────────────────────────────────┘
 
 Events: :meth:`dispatch` (ask to dispatch one group), :meth:`sample_finished`,
 :meth:`committed`, :meth:`failed`, :meth:`retry`, :meth:`next_chunk` (evictions + a chunk for
@@ -38,11 +41,23 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from .prompt_ledger import PromptLedger
 from .samplers import Sampler
+from .schedule_types import (
+    ABORTING,
+    GENERATING,
+    READY,
+    RETRYING,
+    SCORING,
+    Chunk,
+    Dispatch,
+    SchedulerError,
+    Slot,
+    StepStats,
+    Wait,
+)
 
 __all__ = [
     "Chunk",
@@ -53,76 +68,6 @@ __all__ = [
     "StepStats",
     "Wait",
 ]
-
-GENERATING, SCORING, READY, ABORTING = "generating", "scoring", "ready", "aborting"
-RETRYING = "retrying"
-"""Generation failed and will be tried again (still live: it keeps its place and its step)."""
-
-
-class SchedulerError(RuntimeError):
-    """An event that the state does not allow (a bug in a pump or a sampler)."""
-
-
-@dataclass
-class Slot:
-    """A dispatched group the scheduler still tracks (what samplers see as a GroupView)."""
-
-    group_id: str
-    index: int
-    start_version: int
-    target_step: int | None
-    n: int
-    state: str = GENERATING
-    finished: int = 0
-    ready_seq: int = -1
-    rewards: tuple[float, ...] = ()
-
-    @property
-    def ready(self) -> bool:
-        return self.state == READY
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """Dispatch prompt ``index`` of the prompt stream as group ``group_id``."""
-
-    group_id: str
-    index: int
-    start_version: int
-    target_step: int | None
-    n: int
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Nothing to dispatch now, and why: ``gate`` (a refit is going on), ``buffer`` (live
-    groups at capacity), ``samples`` (samples in flight at capacity), ``sampler`` (the sampler
-    holds generation back), ``enough`` (the work in flight covers the rest of the run),
-    ``finished`` (the last step is trained)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """What :meth:`Scheduler.next_chunk` decided: groups to train now (empty: wait) and groups
-    evicted for good."""
-
-    step: int
-    groups: list[str]
-    evicted: list[str]
-
-
-@dataclass
-class StepStats:
-    """Counters of one step (from its first chunk to the end of its refit)."""
-
-    staleness: Counter[int] = field(default_factory=Counter)
-    evicted_groups: int = 0
-    aborted_groups: int = 0
-    wasted_samples: int = 0
-    inflight_samples_max: int = 0
-
 
 class Scheduler:
     """Versions, gate, capacity, step assembly, aborts and accounting for one run.

@@ -6,13 +6,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import structlog
 
 from .buffer import Group
 from .messages import ChunkResult, StepResult
 from .schedule import StepStats
 from .verify import Agreement
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "log_step"]
+
+log = structlog.get_logger("asyncrl.pipeline")
 
 
 @dataclass
@@ -28,6 +31,10 @@ class StepRecord:
     """Rollout pump time waiting for the gate (a refit) since the previous step's record."""
     drain_s: float = 0.0
     drain_timeouts: int = 0
+    failed_groups: int = 0
+    """Groups dropped for good while this step was open (:mod:`asyncrl.failures`)."""
+    step_retries: int = 0
+    """Times this step was assembled again after a train call failed on a trainer."""
     aborted_samples: int = 0
     """Samples the engines cut short (finish reason ``abort``) while this step was open."""
     trainer_compute_s: float = 0.0
@@ -49,6 +56,25 @@ class StepRecord:
     chunk_results: list[ChunkResult] = field(default_factory=list)
     verify: list[Agreement] = field(default_factory=list)
     verify_s: float = 0.0
+
+    def take_served(self, served: dict[tuple[str, str], float], trainers: list[str]) -> None:
+        """The workers' own time serving this step's calls (``ControlPlane.take_served``):
+        the slowest trainer's train calls, the longest refit call."""
+        self.trainer_compute_s = max(
+            served.get((t, "TrainChunk"), 0.0) + served.get((t, "FinishStep"), 0.0)
+            for t in trainers
+        )
+        self.refit_work_s = max(
+            [v for (_, m), v in served.items() if m in ("SendWeights", "ReceiveWeights")],
+            default=0.0,
+        )
+
+    def restart(self) -> None:
+        """The step failed on a trainer and is assembled again: forget its chunks (its
+        groups went back to the buffer)."""
+        self.groups, self.chunk_results, self.chunks = [], [], 0
+        self.train_start = None
+        self.step_retries += 1
 
     def metrics(
         self,
@@ -99,6 +125,8 @@ class StepRecord:
             "drain_s": self.drain_s,
             "drain_timeouts": self.drain_timeouts,
             "aborted_samples": self.aborted_samples,
+            "failed_groups": self.failed_groups,
+            "step_retries": self.step_retries,
             "inflight_at_refit": self.inflight_at_refit,
             "train_busy_s": self.train_busy_s,
             "trainer_compute_s": self.trainer_compute_s,
@@ -120,3 +148,23 @@ class StepRecord:
             record["refit_verify_mult_prob_error"] = max(a.mult_prob_error for a in self.verify)
             record["verify_s"] = self.verify_s
         return record
+
+
+def log_step(record: dict[str, Any], result: StepResult, refit_s: float, rec: StepRecord) -> None:
+    """The ``step_finished`` log line of a step's record."""
+    log.info(
+        "step_finished",
+        step=record["step"],
+        reward=round(record["reward"], 4),
+        accuracy=round(record["accuracy"], 4),
+        staleness=record["staleness_max"],
+        loss=round(result.loss, 5),
+        grad_norm=round(result.grad_norm, 4),
+        gen_s=round(record["gen_s"], 3),
+        train_s=round(record["train_s"], 3),
+        refit_s=round(refit_s, 3),
+        wait_s=round(rec.wait_s, 3),
+        **({"refit_verify": round(record["refit_verify_mean_abs"], 4)} if rec.verify else {}),
+        **({"step_retries": rec.step_retries} if rec.step_retries else {}),
+        **({"failed_groups": rec.failed_groups} if rec.failed_groups else {}),
+    )

@@ -52,7 +52,7 @@ from .backend import (
 )
 from .codec import Codec
 from .config import Config
-from .errors import ControllerLostError, ProtocolError, WorkerError, flatten
+from .errors import ControllerLostError, ProtocolError, RequestError, WorkerError, flatten
 from .export import export_model
 from .messages import (
     PROTOCOL_VERSION,
@@ -214,7 +214,13 @@ class _Runtime:
             log.exception("generation_failed", group_id=req.group_id)
             first = flatten(exc)[0]  # a task group's error says only "unhandled errors"
             await outbox.send(
-                GroupFailed(req.group_id, self.identity, type(first).__name__, str(first))
+                GroupFailed(
+                    req.group_id,
+                    self.identity,
+                    type(first).__name__,
+                    str(first),
+                    retryable=not isinstance(first, RequestError),
+                )
             )
         finally:
             self.busy.leave()

@@ -15,7 +15,7 @@ SECTIONS = {
     "LossConfig": "loss", "PipelineConfig": "pipeline",
     "RefitConfig": "refit", "TrainerConfig": "trainer", "GeneratorConfig": "generator",
     "EnvironmentConfig": "environment", "EvalConfig": "eval",
-    "CheckpointConfig": "checkpoint", "ExportConfig": "export",
+    "CheckpointConfig": "checkpoint", "ExportConfig": "export", "FailuresConfig": "failures",
 }
 
 

@@ -13,6 +13,7 @@ Phase ``main``::
     save "s1"; step 1 in one chunk; export "step1"; Hugging Face export "hf-step1" (small
     shards) and logprobs of all sequences "step1"
     load "s0"; export "loaded"; a step discarded by a wrong token count
+    step 0 begun, one chunk trained, then begun again (a retry: the chunk must not count)
     step 0 again in one chunk; export "one"
     load "s1"; step 1; export "step1-reloaded"
     a chunk malformed on the last rank only (every rank must raise), then a good one
@@ -231,6 +232,13 @@ class _Rank:
         else:
             self.report["errors"]["wrong_token_count"] = None
 
+    def restarted_step(self) -> None:
+        """Open step 0 and train a chunk, leaving it open: the next ``begin_step(0)`` (in
+        :meth:`one_chunk`) must start it again from zero gradients."""
+        self.backend.begin_step(0)
+        ids = STEP0_CHUNKS[0][self.rank :: self.world]
+        self.backend.train_chunk(0, train_batch(self.seqs, ids, self.behaviour, self.adv))
+
     def malformed_batch(self) -> None:
         """The last rank alone gets a token id outside the vocabulary: every rank must raise
         (none may hang in a collective), and the open step must stay usable."""
@@ -278,6 +286,7 @@ def main(argv: list[str]) -> int:
             rank.backend.load_state(str(states / "s0"))
             rank.export("loaded")
             rank.discarded_step()
+            rank.restarted_step()
             rank.one_chunk(0, [i for c in STEP0_CHUNKS for i in c], "one")
             rank.export("one")
             rank.backend.load_state(str(states / "s1"))

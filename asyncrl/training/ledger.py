@@ -37,7 +37,10 @@ class StepLedger:
         return self._open
 
     def begin(self, step: int) -> OpenStep:
-        if self._open is not None:
+        """Open ``step``. Opening the step that is open restarts it (what it had is dropped:
+        the controller retries a step that failed on some rank); another open step is an
+        error."""
+        if self._open is not None and self._open.step != step:
             raise StepStateError(
                 f"begin_step({step}): step {self._open.step} is still open; finish it first"
             )

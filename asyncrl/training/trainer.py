@@ -277,6 +277,8 @@ class DistributedTrainer:
     # ------------------------------------------------------------------ optimizer step
     def begin_step(self, step: int) -> None:
         self._started()
+        if self._ledger.open is not None:  # the same step (else begin() raises): a retry
+            self._log.warning("step_restarted", step=step)
         self._ledger.begin(step)
         self._zero_grad()
 

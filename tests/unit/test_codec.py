@@ -35,7 +35,7 @@ GOLDEN = {
     #  ext(frame 2, "<f4", [2]), "stop"]] (written out by hand from the msgpack spec)
     "sample_done": "95a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f70",
     # [tag "db", [SampleDone as above, GroupFailed ["gf", "b", "rollout:0", "E", "m"]]]
-    "data_batch": "92a264629295a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f7095a26766a162a9726f6c6c6f75743a30a145a16d",
+    "data_batch": "92a264629295a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f7096a26766a162a9726f6c6c6f75743a30a145a16dc3",
 }
 
 
@@ -43,10 +43,11 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_four() -> None:
+def test_protocol_version_is_five() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
-    # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch
-    assert PROTOCOL_VERSION == 4
+    # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
+    # LoadState, ExportModel, GroupFailed.retryable
+    assert PROTOCOL_VERSION == 5
 
 
 def test_golden_hello() -> None:

@@ -29,7 +29,7 @@ import numpy as np
 import structlog
 
 from asyncrl.backend import SampleSink, WorkerContext
-from asyncrl.errors import ConfigError, EngineDeadError, flatten
+from asyncrl.errors import ConfigError, EngineDeadError, RequestError, flatten
 from asyncrl.messages import GenRequest, Sample, TokenBatch
 from asyncrl.process import exit_code_after_exit, process_name, wait_pid_exit
 from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
@@ -357,11 +357,17 @@ class VLLMBackend(EngineWeights):
 
         llm = self._require()
         if not request.prompt_ids:
-            raise ValueError(f"group {request.group_id}: empty prompt")
+            raise RequestError(f"group {request.group_id}: empty prompt")
         if request.n < 1 or request.max_tokens < 1:
-            raise ValueError(f"group {request.group_id}: n and max_tokens must be >= 1")
+            raise RequestError(f"group {request.group_id}: n and max_tokens must be >= 1")
+        context = int(llm.model_config.max_model_len)
+        if len(request.prompt_ids) + request.max_tokens > context:
+            raise RequestError(
+                f"group {request.group_id}: a prompt of {len(request.prompt_ids)} tokens plus "
+                f"{request.max_tokens} new ones exceeds the context of {context} tokens"
+            )
         if not request.greedy and not request.temperature > 0:
-            raise ValueError(
+            raise RequestError(
                 f"group {request.group_id}: temperature must be > 0 (or set greedy), "
                 f"got {request.temperature}"
             )
