@@ -311,6 +311,7 @@ class Pipeline:
             self._record(self.sched.trainer_version).failed_groups += 1
             self.failures.drop(f"group {gid} (prompt {pending.prompt.id}) on {msg.worker}: {error}")
         else:
+            self._record(self.sched.trainer_version).generation_retries += 1
             self._retrying[gid] = (pending.prompt, pending.prompt_ids)
             tg.start_soon(self._retry_after, gid, delay)
         self.changed.notify()

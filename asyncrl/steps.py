@@ -33,6 +33,8 @@ class StepRecord:
     drain_timeouts: int = 0
     failed_groups: int = 0
     """Groups dropped for good while this step was open (:mod:`asyncrl.failures`)."""
+    generation_retries: int = 0
+    """Generations retried (after an engine failure) while this step was open."""
     step_retries: int = 0
     """Times this step was assembled again after a train call failed on a trainer."""
     aborted_samples: int = 0
@@ -127,6 +129,7 @@ class StepRecord:
             "aborted_samples": self.aborted_samples,
             "failed_groups": self.failed_groups,
             "step_retries": self.step_retries,
+            "generation_retries": self.generation_retries,
             "inflight_at_refit": self.inflight_at_refit,
             "train_busy_s": self.train_busy_s,
             "trainer_compute_s": self.trainer_compute_s,

@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 
 from asyncrl.backend import SampleSink, WeightBucketView, WorkerContext
+from asyncrl.errors import RequestError
 from asyncrl.messages import GenRequest, Sample, TensorEntry, TokenBatch
 from asyncrl.transfers.shm import read_bytes
 
@@ -56,6 +57,7 @@ class BigramGenerator:
         self._running: set[str] = set()
         self._aborted: set[str] = set()
         self._groups_done = 0
+        self._failed: dict[str, int] = {}  # testing knob fail_groups: failures so far
         self._slots: anyio.Semaphore | None = None
 
     async def start(self) -> dict[str, Any]:
@@ -81,6 +83,21 @@ class BigramGenerator:
         """
         if not request.prompt_ids:
             raise ValueError(f"group {request.group_id}: empty prompt")
+        opts = self.options
+        if opts.request_error_token in request.prompt_ids:  # testing knob
+            raise RequestError(
+                f"group {request.group_id}: token {opts.request_error_token} is refused "
+                "(generator.options.request_error_token, a testing knob)"
+            )
+        if request.group_id in opts.fail_groups:  # testing knob: an engine failure
+            done = self._failed.get(request.group_id, 0)
+            if done < opts.fail_times:
+                self._failed[request.group_id] = done + 1
+                await self._one(request, 0, emit)
+                raise RuntimeError(
+                    f"injected engine failure {done + 1} of group {request.group_id} "
+                    "(generator.options.fail_groups, a testing knob)"
+                )
         mark_phase(self.options.phase_marker_dir, self.ctx, "generate")
         self._running.add(request.group_id)
         try:

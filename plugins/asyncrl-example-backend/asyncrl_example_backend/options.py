@@ -46,6 +46,14 @@ class GeneratorOptions(_Options):
     """Testing knob: from this weight version on, acknowledge every refit but keep serving
     the weights it had (a generator that silently misses an update, as a stale kernel cache
     would); 0 never does. Tests refit verification."""
+    fail_groups: list[str] = []
+    """Testing knob: ``generate()`` of these group ids emits sample 0, then raises a
+    ``RuntimeError`` (an engine failure), the first ``fail_times`` times on this engine."""
+    fail_times: int = 1
+    """Testing knob: see ``fail_groups`` (a large number: the group always fails)."""
+    request_error_token: int = -1
+    """Testing knob: ``generate()`` of a prompt holding this token id raises
+    ``asyncrl.errors.RequestError`` (the request's own data is at fault); -1 never does."""
     max_concurrent_samples: int = 0
     """Samples this engine generates at once (its batch slots, as vLLM's ``max_num_seqs``);
     the others wait for a free slot. 0 = no limit."""
@@ -84,6 +92,11 @@ class TrainerOptions(_Options):
     ``train``) and the first weight export (``refit``) begin."""
     fail_at_start: bool = False
     """Testing knob: raise in ``start()``, to test start-up failure handling."""
+    fail_chunk_at_step: int = -1
+    """Testing knob: ``train_chunk`` of this step raises a ``RuntimeError`` (as an out of
+    memory would) the first ``fail_chunk_times`` times; -1 never does."""
+    fail_chunk_times: int = 1
+    """Testing knob: see ``fail_chunk_at_step``."""
 
 
 O = TypeVar("O", bound=_Options)
@@ -103,7 +116,7 @@ def parse_options(raw: dict[str, Any], cls: type[O], table: str) -> O:
     for name in (
         "token_delay_s", "step_delay_s", "crash_after_groups", "max_grad_norm",
         "stale_from_version", "load_delay_s", "close_delay_s", "max_concurrent_samples",
-        "length_median", "sequence_delay_s",
+        "length_median", "sequence_delay_s", "fail_times", "fail_chunk_times",
     ):
         value = getattr(opts, name, 0)
         if value < 0:

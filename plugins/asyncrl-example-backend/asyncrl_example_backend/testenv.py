@@ -37,6 +37,8 @@ class RepeatDigitOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
     (``raise``) or returns a NaN reward (``nan``), as a buggy reward function would."""
     score_fault_after: int = 0
     """Testing knob: how many scores come out right before ``score_fault`` strikes."""
+    score_fault_prompts: list[str] = []
+    """Testing knob: when set, ``score_fault`` strikes only for these prompt ids."""
 
 
 class RepeatDigitEnv:
@@ -62,6 +64,9 @@ class RepeatDigitEnv:
     def score(self, prompt: Prompt, completion: str) -> Score:
         self._scored += 1
         fault = self._options.score_fault
+        targets = self._options.score_fault_prompts
+        if targets and prompt.id not in targets:
+            fault = ""
         if fault and self._scored > self._options.score_fault_after:
             if fault == "raise":
                 raise ValueError(f"cannot parse {completion!r} (a testing knob)")

@@ -97,6 +97,7 @@ class BigramTrainer:
         self._adam_t = 0
         self._m = self._v = np.zeros((0, 0))
         self._dist: Any = None  # torch.distributed, once a group of several ranks is joined
+        self._chunk_failures = 0  # testing knob fail_chunk_at_step
 
     def start(self) -> dict[str, Any]:
         if self.options.fail_at_start:
@@ -122,6 +123,9 @@ class BigramTrainer:
         return token_logprobs(self.weights, prev, tok, temperature).astype(np.float32)
 
     def begin_step(self, step: int) -> None:
+        """Open ``step`` (again, from zero gradients, if it is the open one: a retry)."""
+        if self._open_step is not None and self._open_step != step:
+            raise RuntimeError(f"begin_step({step}): step {self._open_step} is still open")
         mark_phase(self.options.phase_marker_dir, self.ctx, "train")
         self.grad[...] = 0.0
         self._loss_sum = 0.0
@@ -129,6 +133,14 @@ class BigramTrainer:
 
     def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
         self._check_open(step)
+        if step == self.options.fail_chunk_at_step and self._chunk_failures < (
+            self.options.fail_chunk_times
+        ):  # testing knob: a recoverable failure (the controller restarts the step)
+            self._chunk_failures += 1
+            raise RuntimeError(
+                f"injected train_chunk failure {self._chunk_failures} at step {step} "
+                "(trainer.options.fail_chunk_at_step, a testing knob)"
+            )
         if self.options.sequence_delay_s:  # workload knob: time proportional to the data
             time.sleep(self.options.sequence_delay_s * int(batch.seq_lens.size))
         loss = self.ctx.config.loss
