@@ -60,6 +60,10 @@ class RunConfig(_Base):
     """Number of optimizer steps (= weight versions) to train."""
     log_format: Literal["auto", "console", "json"] = "auto"
     """Log rendering when asyncrl configures logging itself (CLI and workers)."""
+    stall_warning_s: float = 10.0
+    """A thread outside the controller's event loop logs every thread's stack (and writes it
+    to ``logs/stall-<time>.txt``) when the loop has not turned for this long: a blocking call
+    on the loop starves both pumps. 0 turns the watchdog off."""
     gc_freeze: bool = True
     """While training, exclude the objects alive at its start from the garbage collector's
     scans (``gc.freeze``; undone at the end): a full collection over the start-up heap stalled

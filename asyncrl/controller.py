@@ -62,6 +62,7 @@ from .refit import shm_dir
 from .rpc import ControlPlane
 from .schedule import Scheduler
 from .transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
+from .watchdog import LoopWatchdog
 
 __all__ = ["Addresses", "Controller", "RunSummary"]
 
@@ -395,6 +396,11 @@ class Controller(anyio.AsyncContextManagerMixin):
         async with anyio.create_task_group() as tg:
             tg.start_soon(pipe.feed_buffer, name="buffer-feeder")
             tg.start_soon(pipe.watch_loop_lag, name="loop-lag")
+            watchdog = LoopWatchdog(
+                self.config.run.stall_warning_s,
+                dump_dir=os.path.join(self.config.run.output_dir, "logs"),
+            )
+            tg.start_soon(watchdog.run, name="loop-watchdog")
             await pipe.first_refit()
             fresh = pipe.resumed_from is None
             if self.config.eval.num_prompts and self.config.eval.at_start and fresh:
