@@ -61,9 +61,8 @@ class RunConfig(_Base):
     log_format: Literal["auto", "console", "json"] = "auto"
     """Log rendering when asyncrl configures logging itself (CLI and workers)."""
     stall_warning_s: float = 10.0
-    """A thread outside the controller's event loop logs every thread's stack (and writes it
-    to ``logs/stall-<time>.txt``) when the loop has not turned for this long: a blocking call
-    on the loop starves both pumps. 0 turns the watchdog off."""
+    """When the controller's event loop has not turned for this long (a blocking call starves
+    both pumps), a watchdog thread logs every thread's stack (also ``logs/stall-*.txt``). 0: off."""
     gc_freeze: bool = True
     """While training, exclude the objects alive at its start from the garbage collector's
     scans (``gc.freeze``; undone at the end): a full collection over the start-up heap stalled
@@ -253,13 +252,11 @@ class EvalConfig(_Base):
 
 class CheckpointConfig(_Base):
     dir: str = ""
-    """Where checkpoints go (``""``: ``<run.output_dir>/checkpoints``). Relative paths are
-    resolved against the directory of the config file. Every rank must see it (one host, or a
-    shared file system)."""
+    """Where checkpoints go (``""``: ``<run.output_dir>/checkpoints``; relative to the config
+    file). Every rank must see it (one host, or a shared file system)."""
     every_steps: int = 0
-    """Save after every this many optimizer steps (0: only at the end and on demand). A
-    checkpoint holds the trainer's model and optimizer state and the controller's whole state
-    (docs/checkpointing.md); saving blocks the trainer, not generation."""
+    """Save after every this many optimizer steps (0: only at the end and on demand): the
+    trainer's and the controller's whole state (docs/checkpointing.md). Generation goes on."""
     at_end: bool = True
     """Save after the last step (a finished run's checkpoint: exporting it, or resuming it
     with a larger ``run.num_steps``)."""
@@ -288,25 +285,22 @@ class ExportConfig(_Base):
 
 class FailuresConfig(_Base):
     generation_retries: int = 3
-    """Times a group whose generation failed in the engine or its worker is dispatched again
-    (same prompt, same step), each after a back-off; then it is dropped. A request that its own
-    data makes unservable (the backend raises ``RequestError``, e.g. a prompt longer than the
-    context) is dropped at once."""
+    """Times a group whose generation failed in the engine is dispatched again (same prompt,
+    same step) after a back-off; then it is dropped. A request its own data makes unservable
+    (``RequestError``: a prompt longer than the context...) is dropped at once."""
     retry_backoff_s: float = 1.0
     """Wait before the first retry of a group; doubled for each further one."""
     max_failed_groups: int = 16
-    """Groups dropped for good (see ``generation_retries``, ``on_reward_error``) that the run
-    tolerates; one more stops it with the last error. A dropped group stamped for a step is
-    replaced by a fresh prompt for that step; the ledger counts it as ``failed``."""
+    """Groups dropped for good that the run tolerates; one more stops it with the last error.
+    A dropped group's step gets a fresh prompt; the ledger counts it as ``failed``."""
     on_reward_error: Literal["fail_run", "drop_group"] = "fail_run"
     """When the environment's ``score()`` raises or returns a non-finite reward:
     ``fail_run`` stops the run with the prompt id, the completion and the error;
     ``drop_group`` logs them and drops the group (counted against ``max_failed_groups``)."""
     train_step_retries: int = 1
-    """Times an optimizer step whose training failed on a trainer rank (a ``TrainChunk`` or
-    ``FinishStep`` that raised there, e.g. out of memory in one micro-batch; the trainer drops
-    the step's gradients) is assembled again from the same groups and retried; then the run
-    stops. A trainer that died or hung is not retried."""
+    """Times a step whose train call raised on a trainer rank (out of memory in one
+    micro-batch...; the trainer drops the step's gradients) is trained again from the same
+    groups; then the run stops. A trainer that died or hung is not retried."""
 
 
 class Config(_Base):
