@@ -54,6 +54,8 @@ __all__ = [
     "list_checkpoints",
     "open_checkpoint",
     "prune",
+    "read_best",
+    "write_best",
     "remove_stale",
     "resolve",
     "start_save",
@@ -401,6 +403,28 @@ def commit(
     tmp.rename(final)
     _fsync_dir(tmp.parent)
     return final
+
+
+BEST = "best.json"
+
+
+def read_best(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``<root>/best.json``: the best held-out evaluation so far (step, accuracy, checkpoint
+    or ``None``), or ``None`` before the first."""
+    try:
+        return json.loads((Path(root) / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_best(root: str | os.PathLike[str], entry: dict[str, Any]) -> None:
+    """Replace ``<root>/best.json`` atomically."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{BEST}.{os.getpid()}"
+    _write_durable(tmp, json.dumps(entry, indent=1).encode())
+    tmp.replace(root / BEST)
+    _fsync_dir(root)
 
 
 def prune(root: str | os.PathLike[str], keep_last: int, keep: Iterable[Path] = ()) -> list[Path]:

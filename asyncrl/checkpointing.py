@@ -168,6 +168,25 @@ class Checkpointer:
                 event.set()
         return path
 
+    def note_eval(self, record: dict[str, Any]) -> None:
+        """A held-out evaluation finished: if it is the best so far, record it in
+        ``<checkpoint.dir>/best.json`` (with its checkpoint, if one of its step exists; that
+        one is then kept by retention). Blocking: run it in a worker thread."""
+        best = ckpt.read_best(self.config.checkpoint.dir)
+        if best is not None and best["accuracy"] >= record["accuracy"]:
+            return
+        path = Path(self.config.checkpoint.dir) / ckpt.step_name(record["version"])
+        entry = {
+            "step": record["version"],
+            "accuracy": record["accuracy"],
+            "label": record["label"],
+            "checkpoint": str(path) if (path / ckpt.MANIFEST).is_file() else None,
+        }
+        ckpt.write_best(self.config.checkpoint.dir, entry)
+        log.info("best_so_far", **entry)
+        cfg = self.config.checkpoint  # a checkpoint kept only for the old best may go now
+        ckpt.prune(cfg.dir, cfg.keep_last, keep=[path] if entry["checkpoint"] else [])
+
     def _commit(self, tmp: Path, state: ckpt.ControllerState, finished: bool) -> Path:
         cfg = self.config.checkpoint
         ledger = state.scheduler["ledger"]
@@ -182,7 +201,9 @@ class Checkpointer:
             extra={"ledger": {"trained": sum(b - a for a, b in ledger["trained"]),
                               "repeated": ledger["num_repeated"]}},
         )
-        ckpt.prune(cfg.dir, cfg.keep_last, keep=[path])
+        best = ckpt.read_best(cfg.dir)
+        keep = [path] + ([Path(best["checkpoint"])] if best and best["checkpoint"] else [])
+        ckpt.prune(cfg.dir, cfg.keep_last, keep=keep)
         return path
 
     def _failed(self, step: int, exc: Exception, finished: bool) -> None:

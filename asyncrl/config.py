@@ -248,6 +248,9 @@ class EvalConfig(_Base):
     """Evaluate the starting policy before the first step."""
     at_end: bool = True
     """Evaluate the final policy after the last refit."""
+    every_steps: int = 0
+    """Also evaluate every this many steps, on the same engines while training goes on (the
+    next refit waits for it); the best result goes to ``<checkpoint.dir>/best.json``."""
 
 
 class CheckpointConfig(_Base):
@@ -258,15 +261,13 @@ class CheckpointConfig(_Base):
     """Save after every this many optimizer steps (0: only at the end and on demand): the
     trainer's and the controller's whole state (docs/checkpointing.md). Generation goes on."""
     at_end: bool = True
-    """Save after the last step (a finished run's checkpoint: exporting it, or resuming it
-    with a larger ``run.num_steps``)."""
+    """Save after the last step (to export it, or to resume with a larger run.num_steps)."""
     keep_last: int = 2
-    """Keep this many most recent checkpoints (older ones are deleted once a save
-    succeeded)."""
+    """Keep this many most recent checkpoints, and the best one (``best.json``); older ones
+    are deleted once a save succeeded."""
     save_model: bool = True
-    """Also write the policy as a Hugging Face model directory (``model/``) into each
-    checkpoint, so that ``asyncrl export`` needs no trainer. Costs ``model.dtype`` bytes per
-    parameter on disk."""
+    """Also write the policy as a Hugging Face directory (``model/``, ``model.dtype`` bytes a
+    parameter) into each checkpoint: ``asyncrl export`` needs no trainer."""
     max_failures: int = 3
     """Failed periodic saves in a row the run tolerates (a full disk, a trainer that cannot
     write); one more stops it, as does a failed final save. A failed save leaves the previous
@@ -275,8 +276,7 @@ class CheckpointConfig(_Base):
 
 class ExportConfig(_Base):
     dir: str = ""
-    """Where exported Hugging Face models go (``""``: ``<run.output_dir>/hf``): the final
-    model in ``final/``, periodic ones in ``step-<N>/``."""
+    """Where exported models go (``""``: ``<run.output_dir>/hf``): ``final/``, ``step-<N>/``."""
     at_end: bool = True
     """Export the final policy."""
     every_steps: int = 0
@@ -481,6 +481,7 @@ def problems(config: Config) -> list[ConfigError]:
         "checkpoint.every_steps": config.checkpoint.every_steps,
         "checkpoint.max_failures": config.checkpoint.max_failures,
         "export.every_steps": config.export.every_steps,
+        "eval.every_steps": config.eval.every_steps,
         **{f"failures.{k}": getattr(config.failures, k) for k in (
             "generation_retries", "max_failed_groups", "train_step_retries", "retry_backoff_s"
         )},

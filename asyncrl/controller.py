@@ -404,13 +404,14 @@ class Controller(anyio.AsyncContextManagerMixin):
             await pipe.first_refit()
             fresh = pipe.resumed_from is None
             if self.config.eval.num_prompts and self.config.eval.at_start and fresh:
-                summary.evals.append(await pipe.evaluate("start"))
+                await pipe.evaluate("start")
             async with anyio.create_task_group() as pumps:
                 pumps.start_soon(pipe.rollout_pump, name="rollout-pump")
                 pumps.start_soon(pipe.train_pump, name="train-pump")
             await pipe.finish()
             if self.config.eval.num_prompts and self.config.eval.at_end:
-                summary.evals.append(await pipe.evaluate("end"))
+                await pipe.evaluate("end")
+            summary.evals = list(pipe.evaluator.records)
             tg.cancel_scope.cancel()
 
     def _note_dead_peers(self, control: ControlPlane) -> None:

@@ -54,6 +54,9 @@ class Evaluator:
         self.generating = generating
         self.metrics = metrics
         self.now = now
+        self.records: list[dict[str, Any]] = []
+        """Every evaluation of the run, in order."""
+        self._running: anyio.Event | None = None
 
     async def evaluate(self, label: str, version: int) -> dict[str, Any]:
         """Greedy held-out accuracy of weights ``version``, which the generators serve
@@ -103,8 +106,35 @@ class Evaluator:
             "accuracy": float(np.mean(correct)) if correct else 0.0,
             "num_prompts": len(prompts),
             "seconds": self.now() - start,
+            "start": start,
+            "end": self.now(),
         }
         if self.metrics is not None:
             self.metrics.write(record)
         log.info("eval_finished", **{k: v for k, v in record.items() if k != "kind"})
+        self.records.append(record)
         return record
+
+    def start_validation(
+        self, tg: Any, version: int, on_record: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """Evaluate weights ``version`` in ``tg`` while training goes on (call
+        :meth:`wait_validation` before the generators' weights change); then hand the record
+        to ``on_record`` in a worker thread."""
+        done = self._running = anyio.Event()
+
+        async def validate() -> None:
+            try:
+                record = await self.evaluate(f"step-{version}", version)
+            finally:
+                done.set()
+                if self._running is done:
+                    self._running = None
+            await anyio.to_thread.run_sync(on_record, record)
+
+        tg.start_soon(validate, name=f"validation-{version}")
+
+    async def wait_validation(self) -> None:
+        """Until the evaluation started by :meth:`start_validation` is done (if one runs)."""
+        if self._running is not None:
+            await self._running.wait()

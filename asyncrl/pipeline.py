@@ -424,11 +424,18 @@ class Pipeline:
 
         Cancellation: an open optimizer step is abandoned (the run is over).
         """
+        async with anyio.create_task_group() as validations:
+            await self._train_steps(validations)
+
+    async def _train_steps(self, validations: anyio.abc.TaskGroup) -> None:
         cfg = self.config
         while not self.sched.finished:
             step = self.sched.trainer_version
             rec = self._record(step)
             finish = await self.assembler.train(step, rec)
+            t = self.now()  # a validation evaluates the weights the refit replaces
+            await self.evaluator.wait_validation()
+            rec.wait_s += self.now() - t
             # the version bump and the gate's closing are one scheduler event: no dispatch
             # can see version v+1 before the generators serve it
             self.sched.finish_step()
@@ -460,6 +467,9 @@ class Pipeline:
                 agreement.check(*self.kv.verify_tolerance)
             # a step boundary: no step open, the gate open, the trainer at step + 1
             await self.checkpointer.after_step(step + 1, self.sched.finished, self.snapshot)
+            every = cfg.eval.every_steps
+            if every and cfg.eval.num_prompts and (step + 1) % every == 0:
+                self.evaluator.start_validation(validations, step + 1, self.checkpointer.note_eval)
 
     async def _abort(self, group_ids: list[str]) -> None:
         """Tell each engine to abort its groups among ``group_ids`` (their samples still come
