@@ -100,7 +100,10 @@ def _host_bytes(data: Any) -> memoryview:
         return memoryview(np.ascontiguousarray(data)).cast("B")
     import torch  # a trainer's tensor: torch is there
 
-    flat = data.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    # always a copy of our own: numpy must never hold a trainer's live storage (FSDP2 resizes
+    # the storage of a gathered unit once the iteration moves on; .cpu() of a CPU tensor
+    # would be the same storage)
+    flat = data.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True)
     return memoryview(flat.numpy()).cast("B")
 
 
