@@ -39,6 +39,7 @@ import structlog
 
 from .buffer import CompletedSample, Group
 from .errors import AsyncRLError
+from .process import pid_exists
 
 __all__ = [
     "CheckpointError",
@@ -330,7 +331,7 @@ def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
         return removed
     for p in root.iterdir():
         tmp = _TMP_DIR.match(p.name)
-        stale = (tmp and not _alive(int(tmp.group(1)))) or (
+        stale = (tmp and not pid_exists(int(tmp.group(1)))) or (
             _STEP_DIR.match(p.name) and not (p / MANIFEST).exists()
         ) or p.name.startswith(".trash-")
         if stale:
@@ -340,14 +341,6 @@ def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
         log.info("stale_checkpoint_dirs_removed", paths=[str(p) for p in removed])
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -376,15 +369,13 @@ def commit(
     """Write the controller's state and the manifest into ``tmp``, make every file durable,
     and rename ``tmp`` to its final name (replacing a checkpoint of the same step). Blocking:
     run it in a worker thread."""
-    from . import __version__
-
     _write_durable(tmp / CONTROLLER_FILE, state)
     manifest = {
         "format": FORMAT,
         "step": step,
         "finished": finished,
         "created": time.time(),
-        "asyncrl_version": __version__,
+        "asyncrl_version": _asyncrl_version(),
         "controller_sha256": _sha256(state),
         "controller_bytes": len(state),
         "has_model": has_model,
@@ -425,6 +416,15 @@ def write_best(root: str | os.PathLike[str], entry: dict[str, Any]) -> None:
     _write_durable(tmp, json.dumps(entry, indent=1).encode())
     tmp.replace(root / BEST)
     _fsync_dir(root)
+
+
+def _asyncrl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("asyncrl")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "unknown"
 
 
 def prune(root: str | os.PathLike[str], keep_last: int, keep: Iterable[Path] = ()) -> list[Path]:

@@ -90,18 +90,30 @@ class Checkpointer:
         self.last: Path | None = None
         """The last checkpoint this run committed."""
         self._requests: list[anyio.Event] = []
+        self._closed = False
 
     # ------------------------------------------------------------------ on demand
     def request(self) -> anyio.Event:
         """Ask for a checkpoint at the next step boundary (the end of the run counts as one);
         the returned event is set once it is committed, or once a save failed."""
         event = anyio.Event()
-        self._requests.append(event)
+        if self._closed:
+            event.set()
+        else:
+            self._requests.append(event)
         return event
 
     @property
     def requested(self) -> bool:
         return bool(self._requests)
+
+    def close(self) -> None:
+        """The run is over: answer requests that no step boundary will serve any more (their
+        callers read :attr:`last`)."""
+        self._closed = True
+        requests, self._requests = self._requests, []
+        for event in requests:
+            event.set()
 
     # ------------------------------------------------------------------ the hook
     def due(self, version: int, finished: bool) -> tuple[bool, bool]:

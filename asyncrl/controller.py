@@ -339,8 +339,9 @@ class Controller(anyio.AsyncContextManagerMixin):
 
     async def save_checkpoint(self) -> str | None:
         """Save a checkpoint at the next step boundary (or at the end of the run) and return
-        its directory once committed (``None`` if the save failed; the run goes on). For an
-        embedding application; ``asyncrl.launch`` does the same on SIGUSR1."""
+        its directory once committed (``None`` if the save failed; the run goes on). Asked
+        after the last step boundary, it returns the run's last checkpoint (``None``: none).
+        For an embedding application; ``asyncrl.launch`` does the same on SIGUSR1."""
         event = self.pipeline.checkpointer.request()
         await event.wait()
         last = self.pipeline.checkpointer.last
@@ -373,8 +374,11 @@ class Controller(anyio.AsyncContextManagerMixin):
         """
         pipe = self.pipeline
         summary = RunSummary(metrics_path=os.path.join(self.config.run.output_dir, "metrics.jsonl"))
-        with _gc_frozen(self.config.run.gc_freeze):
-            await self._train(pipe, summary)
+        try:
+            with _gc_frozen(self.config.run.gc_freeze):
+                await self._train(pipe, summary)
+        finally:
+            pipe.checkpointer.close()
         summary.steps = list(pipe.history)
         summary.rejected_frames = dict(pipe.rejections.counts)
         summary.resumed_from = pipe.resumed_from

@@ -26,7 +26,7 @@ import anyio.abc
 import structlog
 
 from .errors import WorkerDiedError
-from .process import exit_status, kill_process_group, wait_pid_exit
+from .process import exit_status, kill_process_group, pid_exists, wait_pid_exit
 from .rpc import Peer
 from .transfers.shm import shm_dir
 
@@ -179,7 +179,7 @@ def reap_stale_runs(base: str) -> list[str]:
             pid = int(Path(entry.path, CONTROLLER_PID_FILE).read_text())
         except (OSError, ValueError):
             continue  # not a run directory, or one being created
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_exists(pid):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         shutil.rmtree(shm_dir(entry.name), ignore_errors=True)
@@ -188,12 +188,4 @@ def reap_stale_runs(base: str) -> list[str]:
         log.info("stale_run_files_removed", run_ids=removed)
     return removed
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

@@ -318,6 +318,9 @@ class Pipeline:
 
     async def _retry_after(self, gid: str, delay: float) -> None:
         await anyio.sleep(delay)
+        if not self.sched.tracks(gid):  # aborted meanwhile (hopeless after a refit, the end)
+            self._retrying.pop(gid, None)
+            return
         self.sched.retry(gid)
         self.changed.notify()
 

@@ -356,25 +356,14 @@ def test_random_schedules_keep_every_invariant(
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(crashes=st.integers(1, 3), **params)
-def test_resumed_schedules_keep_every_invariant(
-    name, crashes, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
-) -> None:
-    run_schedule(
-        name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac, crashes
-    )
-
-
-@pytest.mark.parametrize("name", list(SAMPLERS))
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(crashes=st.integers(0, 2), **params)
-def test_schedules_with_failures_keep_every_invariant(
-    name, crashes, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(crashes=st.integers(0, 3), faults=st.booleans(), **params)
+def test_crashes_and_failures_keep_every_invariant(
+    name, crashes, faults, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
 ) -> None:
     run_schedule(
         name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac, crashes,
-        faults=True,
+        faults=faults,
     )
 
 
