@@ -17,11 +17,13 @@ This module imports neither torch nor any engine.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+import structlog
 
 from .config import Config
 from .messages import (
@@ -44,8 +46,11 @@ __all__ = [
     "WeightBucketView",
     "WeightTensor",
     "WorkerContext",
+    "drain_weights",
     "generate_all",
 ]
+
+log = structlog.get_logger("asyncrl.backend")
 
 
 SampleSink = Callable[[int, Sample], Awaitable[None]]
@@ -277,6 +282,20 @@ class TrainingBackend(Protocol):
 
     def close(self) -> None:
         """Destroy the process group and free memory. Idempotent."""
+
+
+def drain_weights(weights: Iterator[WeightTensor], *, after_failure: bool = False) -> None:
+    """Run ``weights`` (an ``iter_weights()``) to its end, dropping what it yields: how a
+    rank that sends nothing, or one whose send or write failed, still takes part in every
+    gather (the other ranks wait in the collective otherwise). ``after_failure``: an error of
+    the iteration itself is logged, not raised (the failure's own error is the one reported)."""
+    try:
+        collections.deque(weights, 0)
+    except Exception as exc:
+        if not after_failure:
+            raise
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("weight_iteration_failed_while_draining", error=error)
 
 
 async def generate_all(backend: GenerationBackend, request: GenRequest) -> list[Sample]:

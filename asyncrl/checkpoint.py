@@ -341,8 +341,6 @@ def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
         log.info("stale_checkpoint_dirs_removed", paths=[str(p) for p in removed])
     return removed
 
-    return True
-
 
 def start_save(root: str | os.PathLike[str], step: int) -> Path:
     """Create the temporary directory a save of ``step`` writes into (with ``trainer/``)."""

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,8 @@ def restore_state(state: ckpt.ControllerState, sched: Scheduler) -> dict[str, Gr
 
 
 class Checkpointer:
-    """Saves checkpoints and exports for the pipeline; counts failed saves."""
+    """Saves checkpoints and exports for the pipeline; counts failed saves. ``ready`` is the
+    pipeline's table of complete, untrained groups (shared)."""
 
     def __init__(
         self,
@@ -79,9 +79,13 @@ class Checkpointer:
         *,
         control: ControlPlane,
         trainers: list[str],
+        scheduler: Scheduler,
+        ready: dict[str, Group],
         metrics: Any,
     ) -> None:
         self.config = config
+        self.sched = scheduler
+        self.ready = ready
         self.control = control
         self.trainers = trainers
         self.metrics = metrics
@@ -124,13 +128,13 @@ class Checkpointer:
         export = (ex.every_steps > 0 and version % ex.every_steps == 0) or (finished and ex.at_end)
         return save, export
 
-    async def after_step(
-        self, version: int, finished: bool, snapshot: Callable[[], ckpt.ControllerState]
-    ) -> None:
-        """Checkpoint and export as configured (or requested) after weights ``version``."""
+    async def after_step(self) -> None:
+        """At a step boundary (no step open, the gate open): checkpoint and export the
+        trainer's weights as configured or requested."""
+        version, finished = self.sched.trainer_version, self.sched.finished
         save, export = self.due(version, finished)
-        if save:
-            await self.save(snapshot(), finished=finished)
+        if save:  # the snapshot is one synchronous piece: it matches the weights
+            await self.save(snapshot_state(self.sched, self.ready), finished=finished)
         if export:
             name = "final" if finished else ckpt.step_name(version)
             await self.export(os.path.join(self.config.export.dir, name))
@@ -196,8 +200,7 @@ class Checkpointer:
         }
         ckpt.write_best(self.config.checkpoint.dir, entry)
         log.info("best_so_far", **entry)
-        cfg = self.config.checkpoint  # a checkpoint kept only for the old best may go now
-        ckpt.prune(cfg.dir, cfg.keep_last, keep=[path] if entry["checkpoint"] else [])
+        self._prune()  # a checkpoint kept only for the old best may go now
 
     def _commit(self, tmp: Path, state: ckpt.ControllerState, finished: bool) -> Path:
         cfg = self.config.checkpoint
@@ -213,10 +216,15 @@ class Checkpointer:
             extra={"ledger": {"trained": sum(b - a for a, b in ledger["trained"]),
                               "repeated": ledger["num_repeated"]}},
         )
-        best = ckpt.read_best(cfg.dir)
-        keep = [path] + ([Path(best["checkpoint"])] if best and best["checkpoint"] else [])
-        ckpt.prune(cfg.dir, cfg.keep_last, keep=keep)
+        self._prune()
         return path
+
+    def _prune(self) -> None:
+        """Keep the ``keep_last`` newest checkpoints and the best one (``best.json``)."""
+        cfg = self.config.checkpoint
+        best = ckpt.read_best(cfg.dir)
+        keep = [Path(best["checkpoint"])] if best and best["checkpoint"] else []
+        ckpt.prune(cfg.dir, cfg.keep_last, keep=keep)
 
     def _failed(self, step: int, exc: Exception, finished: bool) -> None:
         self.failures += 1

@@ -294,9 +294,8 @@ class FailuresConfig(_Base):
     """Groups dropped for good that the run tolerates; one more stops it with the last error.
     A dropped group's step gets a fresh prompt; the ledger counts it as ``failed``."""
     on_reward_error: Literal["fail_run", "drop_group"] = "fail_run"
-    """When the environment's ``score()`` raises or returns a non-finite reward:
-    ``fail_run`` stops the run with the prompt id, the completion and the error;
-    ``drop_group`` logs them and drops the group (counted against ``max_failed_groups``)."""
+    """``score()`` raised or returned a non-finite reward: ``fail_run`` stops the run naming the
+    prompt, the completion and the error; ``drop_group`` logs them and drops the group."""
     train_step_retries: int = 1
     """Times a step whose train call raised on a trainer rank (out of memory in one
     micro-batch...; the trainer drops the step's gradients) is trained again from the same

@@ -384,10 +384,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         summary.resumed_from = pipe.resumed_from
         last = pipe.checkpointer.last
         summary.checkpoint = str(last) if last is not None else None
-        summary.ledger = [
-            dataclasses.asdict(e)
-            for e in pipe.sched.ledger_report()
-        ]
+        summary.ledger = [dataclasses.asdict(e) for e in pipe.sched.ledger_report()]
         if pipe.metrics is not None:
             pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
             pipe.metrics.write({"kind": "ledger", "epochs": summary.ledger})

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .backend import WeightTensor
+from .backend import WeightTensor, drain_weights
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -184,19 +184,14 @@ def export_model(
     iterates ``backend.iter_weights()`` (the gathers are collective), rank 0 writes them."""
     it = backend.iter_weights()
     if rank != 0:
-        for _ in it:
-            pass
+        drain_weights(it)
         return
     try:
         write_hf_model(
             path, backend.weight_specs(), it, source_dir=source_dir, shard_bytes=shard_bytes
         )
     except BaseException:
-        try:  # the other ranks wait in the gathers otherwise
-            for _ in it:
-                pass
-        except Exception:  # noqa: BLE001 - the write's own error is the one reported
-            pass
+        drain_weights(it, after_failure=True)
         raise
 
 

@@ -43,8 +43,6 @@ class FailureBudget:
     config: FailuresConfig
     attempts: dict[str, int] = field(default_factory=dict)
     """Failed generation attempts per group still retried."""
-    dropped: int = 0
-    """Groups dropped for good."""
     step_failures: int = 0
     """Failures of the step being assembled now (reset when a step succeeds)."""
 
@@ -70,14 +68,13 @@ class FailureBudget:
     def succeeded(self, group_id: str) -> None:
         self.attempts.pop(group_id, None)
 
-    def drop(self, what: str) -> None:
-        """Count one group dropped for good (``what`` says which and why); raise once the
-        budget is spent."""
-        self.dropped += 1
+    def check_dropped(self, dropped: int, what: str) -> None:
+        """``dropped`` groups failed for good so far, the last ``what`` (which and why):
+        raise once the budget is spent."""
         limit = self.config.max_failed_groups
-        if self.dropped > limit:
+        if dropped > limit:
             raise RunError(
-                f"{self.dropped} groups failed for good (failures.max_failed_groups = "
+                f"{dropped} groups failed for good (failures.max_failed_groups = "
                 f"{limit}); the last: {what}. Fix: see the generation_failed / reward_failed "
                 "log lines for the cause; raise failures.max_failed_groups to tolerate more"
             )

@@ -289,8 +289,7 @@ def _run_controller(
             tg.start_soon(on_signal, name="signals")
             async with Controller(config, attach=attach, resume=resume) as ctl:
                 async with anyio.create_task_group() as run_tg:
-                    run_tg.start_soon(_checkpoint_on_sigusr1, ctl, bool(_EARLY_SIGUSR1),
-                                      name="sigusr1")
+                    run_tg.start_soon(_checkpoint_on_sigusr1, ctl, name="sigusr1")
                     summary = await ctl.train()
                     run_tg.cancel_scope.cancel()
             tg.cancel_scope.cancel()
@@ -326,13 +325,15 @@ def _run_controller(
     return 0
 
 
-async def _checkpoint_on_sigusr1(ctl: Any, early: bool) -> None:
-    """Each SIGUSR1 asks for a checkpoint at the next step boundary (the run goes on);
-    ``early``: one arrived while the run was starting."""
-    if early:
-        log.info("checkpoint_requested", by="SIGUSR1 (during start-up)")
-        ctl.pipeline.checkpointer.request()
+async def _checkpoint_on_sigusr1(ctl: Any) -> None:
+    """Each SIGUSR1 asks for a checkpoint at the next step boundary (the run goes on),
+    including one that arrived while the run was starting (looked at once the receiver is
+    installed, so none falls between the two)."""
     with anyio.open_signal_receiver(signal.SIGUSR1) as signals:
+        if _EARLY_SIGUSR1:
+            _EARLY_SIGUSR1.clear()
+            log.info("checkpoint_requested", by="SIGUSR1 (during start-up)")
+            ctl.pipeline.checkpointer.request()
         async for _ in signals:
             log.info("checkpoint_requested", by="SIGUSR1")
             ctl.pipeline.checkpointer.request()

@@ -179,7 +179,7 @@ def reap_stale_runs(base: str) -> list[str]:
             pid = int(Path(entry.path, CONTROLLER_PID_FILE).read_text())
         except (OSError, ValueError):
             continue  # not a run directory, or one being created
-        if pid == os.getpid() or pid_exists(pid):
+        if pid_exists(pid):  # this process's own directory included
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         shutil.rmtree(shm_dir(entry.name), ignore_errors=True)
@@ -187,5 +187,3 @@ def reap_stale_runs(base: str) -> list[str]:
     if removed:
         log.info("stale_run_files_removed", run_ids=removed)
     return removed
-
-    return True

@@ -35,7 +35,7 @@ import structlog
 from .assembly import StepAssembler
 from .buffer import Group
 from .checkpoint import ControllerState
-from .checkpointing import Checkpointer, restore_state, snapshot_state
+from .checkpointing import Checkpointer, restore_state
 from .codec import Codec
 from .config import Config
 from .environment import Environment
@@ -64,7 +64,6 @@ from .transport import AsyncSocket, Rejections, peer_name
 from .verify import make_probe, verification_due
 
 __all__ = ["Pipeline"]
-
 
 FEED_SLICE_S = 0.0005
 """The feeder takes queued samples for at most this long before it gives the loop back (with
@@ -104,7 +103,6 @@ class Pipeline:
         self.config = config
         self.control = control
         self.data = data_socket
-        self.env = environment
         self.tok = tokenizer
         self.sched = scheduler
         self.trainers = trainers
@@ -158,7 +156,12 @@ class Pipeline:
         self.resumed_from: int | None = None
         """The trainer version a resumed run started from (``None``: a fresh run)."""
         self.checkpointer = Checkpointer(
-            config, control=control, trainers=trainers, metrics=metrics
+            config,
+            control=control,
+            trainers=trainers,
+            scheduler=scheduler,
+            ready=self._ready,
+            metrics=metrics,
         )
         self.evaluator = Evaluator(
             config,
@@ -303,18 +306,26 @@ class Pipeline:
             raise RunError(f"evaluation group {gid} failed on {msg.worker}: {error}")
         del self._generating[gid]
         self._load[pending.worker] -= sum(1 for s in pending.samples if s is None)
+        if self.sched.aborting(gid):  # counted as aborted already: gone, nothing to retry
+            self.sched.failed(gid, retry=False)
+            self.changed.notify()
+            return
         delay = self.failures.generation_failed(
             gid, pending.prompt.id, retryable=msg.retryable, error=error, worker=msg.worker
         )
-        self.sched.failed(gid, retry=delay is not None)
         if delay is None:
-            self._record(self.sched.trainer_version).failed_groups += 1
-            self.failures.drop(f"group {gid} (prompt {pending.prompt.id}) on {msg.worker}: {error}")
-        else:
-            self._record(self.sched.trainer_version).generation_retries += 1
-            self._retrying[gid] = (pending.prompt, pending.prompt_ids)
-            tg.start_soon(self._retry_after, gid, delay)
+            self._drop(gid, f"group {gid} (prompt {pending.prompt.id}) on {msg.worker}: {error}")
+            return
+        self.sched.failed(gid, retry=True)
+        self._retrying[gid] = (pending.prompt, pending.prompt_ids)
+        tg.start_soon(self._retry_after, gid, delay)
         self.changed.notify()
+
+    def _drop(self, gid: str, what: str) -> None:
+        """Drop a failed group for good; the run stops once the failure budget is spent."""
+        self.sched.failed(gid, retry=False)
+        self.changed.notify()
+        self.failures.check_dropped(self.sched.failed_groups, what)
 
     async def _retry_after(self, gid: str, delay: float) -> None:
         await anyio.sleep(delay)
@@ -387,10 +398,7 @@ class Pipeline:
             raise exc
         log.error("reward_failed", group_id=gid, error=str(exc), action="group dropped")
         if self.sched.tracks(gid):
-            self.sched.failed(gid, retry=False)
-            self._record(self.sched.trainer_version).failed_groups += 1
-            self.changed.notify()
-            self.failures.drop(f"group {gid}: {exc}")
+            self._drop(gid, f"group {gid}: {exc}")
 
     def _commit(self, gid: str, pending: Generating, samples: list[Any]) -> None:
         if not self.sched.tracks(gid):
@@ -469,7 +477,7 @@ class Pipeline:
             for agreement in rec.verify:
                 agreement.check(*self.kv.verify_tolerance)
             # a step boundary: no step open, the gate open, the trainer at step + 1
-            await self.checkpointer.after_step(step + 1, self.sched.finished, self.snapshot)
+            await self.checkpointer.after_step()
             every = cfg.eval.every_steps
             if every and cfg.eval.num_prompts and (step + 1) % every == 0:
                 self.evaluator.start_validation(validations, step + 1, self.checkpointer.note_eval)
@@ -510,15 +518,9 @@ class Pipeline:
         """Before the first dispatch: a resumed run refits the generators from the restored
         weights (the engines start from ``model.path``); with an FP8 KV cache, every run
         refits with calibrated scales, so no step runs on scales of 1.0."""
-        version = self.sched.trainer_version
         if self.resumed_from is not None or self.kv.enabled:
-            start = min([self.sched.next_index, *self.sched.redispatch_indices()])
-            await self.refit(version, await self.kv.initial(self.prompts, self.tok, start))
-
-    # ------------------------------------------------------------------ checkpoints
-    def snapshot(self) -> ControllerState:
-        """The controller's state at a step boundary (synchronous: one consistent piece)."""
-        return snapshot_state(self.sched, self._ready)
+            kv_scales = await self.kv.initial(self.prompts, self.tok)
+            await self.refit(self.sched.trainer_version, kv_scales)
 
     def restore(self, state: ControllerState) -> None:
         """Take over a checkpoint's state before anything is dispatched: the scheduler (its

@@ -89,6 +89,7 @@ class PromptStream:
         self._cached: dict[int, tuple[Prompt, list[int]]] = {}
         self._produced = 0  # prompts drawn from the batch iterator so far
         self._skip: set[int] = set()
+        self._start = 0  # the first position a (resumed) run may ask for
 
     def skip_to(self, start: int, *, skip: set[int] | frozenset[int] = frozenset()) -> None:
         """A resumed run: positions below ``start`` and those in ``skip`` will never be asked
@@ -100,6 +101,7 @@ class PromptStream:
             next(self._batches)
             self._produced += self._batch
         self._skip = set(range(self._produced, start)) | {i for i in skip if i >= start}
+        self._start = start
 
     async def prefetch(self, upto: int, tokenizer: Tokenizer) -> None:
         """Make prompts ``< upto`` available to :meth:`get` (tokenized in a worker thread)."""
@@ -119,11 +121,11 @@ class PromptStream:
         for (i, p), x in zip(new, ids):
             self._cached[i] = (p, x)
 
-    async def peek_from(self, start: int, n: int, tokenizer: Tokenizer) -> list[list[int]]:
-        """Token ids of up to ``n`` prompts from position ``start`` on, without taking them
-        (positions a resumed run skips are passed over)."""
-        await self.prefetch(start + n, tokenizer)
-        return [self._cached[i][1] for i in sorted(self._cached) if i >= start][:n]
+    async def peek_first(self, n: int, tokenizer: Tokenizer) -> list[list[int]]:
+        """Token ids of up to ``n`` of the first prompts the run will dispatch (a resumed run's
+        skipped positions passed over), without taking them."""
+        await self.prefetch(self._start + n, tokenizer)
+        return [self._cached[i][1] for i in sorted(self._cached)[:n]]
 
     def get(self, index: int) -> tuple[Prompt, list[int]]:
         """Prompt ``index`` and its token ids (it must have been prefetched)."""

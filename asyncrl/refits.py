@@ -132,16 +132,13 @@ class KVScales:
             self._metrics.write(record)
         return scales
 
-    async def initial(
-        self, prompts: PromptStream, tokenizer: Tokenizer, start: int = 0
-    ) -> dict[str, float] | None:
-        """Scales of the starting (or restored) weights on the training prompts from stream
-        position ``start`` on (each token after the first counts: there are no responses
-        yet)."""
+    async def initial(self, prompts: PromptStream, tokenizer: Tokenizer) -> dict[str, float] | None:
+        """Scales of the starting (or restored) weights on the first training prompts the run
+        will dispatch (each token after the first counts: there are no responses yet)."""
         if not self.enabled:
             return None
         n = self._refit.kv_calibration_sequences
-        seqs = [p for p in await prompts.peek_from(start, n, tokenizer) if len(p) > 1]
+        seqs = [p for p in await prompts.peek_first(n, tokenizer) if len(p) > 1]
         batch = TokenBatch(
             tokens=np.asarray([t for s in seqs for t in s], np.int32),
             seq_lens=np.asarray([len(s) for s in seqs], np.int32),

@@ -69,6 +69,7 @@ __all__ = [
     "Wait",
 ]
 
+
 class Scheduler:
     """Versions, gate, capacity, step assembly, aborts and accounting for one run.
 
@@ -181,14 +182,17 @@ class Scheduler:
     def redispatch_indices(self) -> list[int]:
         """Prompt-stream positions still in play: live groups and those waiting to be
         dispatched again after a resume."""
-        live = [s.index for s in self._slots.values() if s.state != ABORTING]
-        return live + [i for i, _ in self._redispatch]
+        return [s.index for s in self.live] + [i for i, _ in self._redispatch]
 
     def slot(self, group_id: str) -> Slot:
         try:
             return self._slots[group_id]
         except KeyError:
             raise SchedulerError(f"unknown group {group_id!r}") from None
+
+    def aborting(self, group_id: str) -> bool:
+        """Whether ``group_id`` is being aborted (already counted; its samples still come)."""
+        return self.slot(group_id).state == ABORTING
 
     def tracks(self, group_id: str) -> bool:
         return group_id in self._slots
@@ -278,9 +282,11 @@ class Scheduler:
             return
         if retry and slot.state == GENERATING:
             slot.state, slot.finished = RETRYING, 0
+            self.stats.generation_retries += 1
             return
         self._forget(slot)
         self.failed_groups += 1
+        self.stats.failed_groups += 1
         self.wasted_samples += slot.n
         self.stats.wasted_samples += slot.n
         self.ledger.record_dropped([slot.index], "failed")
@@ -467,7 +473,7 @@ class Scheduler:
         resume)."""
         if self.taken or not self.gate_open:
             raise SchedulerError("state_dict() is taken between steps (no open step or refit)")
-        live = [s for s in self._slots.values() if s.state != ABORTING]
+        live = self.live
         return {
             "trainer_version": self.trainer_version,
             "next_index": self._next_index,
@@ -513,9 +519,8 @@ class Scheduler:
         self._next_index = int(state["next_index"])
         for key in ("dispatched", "trained", "evicted", "aborted", "wasted_samples"):
             setattr(self, key, int(state[key]))
-        self.failed_groups = int(state.get("failed_groups", 0))
-        if "ledger" in state:
-            self.ledger = PromptLedger.from_state_dict(state["ledger"])
+        self.failed_groups = int(state["failed_groups"])
+        self.ledger = PromptLedger.from_state_dict(state["ledger"])
         self._redispatch = [
             (int(i), None if int(t) < 0 else int(t)) for i, t in state["redispatch"]
         ]

@@ -88,3 +88,7 @@ class StepStats:
     aborted_groups: int = 0
     wasted_samples: int = 0
     inflight_samples_max: int = 0
+    failed_groups: int = 0
+    """Groups dropped because their generation or scoring failed for good."""
+    generation_retries: int = 0
+    """Failed generations that will be tried again."""

@@ -31,10 +31,6 @@ class StepRecord:
     """Rollout pump time waiting for the gate (a refit) since the previous step's record."""
     drain_s: float = 0.0
     drain_timeouts: int = 0
-    failed_groups: int = 0
-    """Groups dropped for good while this step was open (:mod:`asyncrl.failures`)."""
-    generation_retries: int = 0
-    """Generations retried (after an engine failure) while this step was open."""
     step_retries: int = 0
     """Times this step was assembled again after a train call failed on a trainer."""
     aborted_samples: int = 0
@@ -127,9 +123,9 @@ class StepRecord:
             "drain_s": self.drain_s,
             "drain_timeouts": self.drain_timeouts,
             "aborted_samples": self.aborted_samples,
-            "failed_groups": self.failed_groups,
+            "failed_groups": stats.failed_groups,
             "step_retries": self.step_retries,
-            "generation_retries": self.generation_retries,
+            "generation_retries": stats.generation_retries,
             "inflight_at_refit": self.inflight_at_refit,
             "train_busy_s": self.train_busy_s,
             "trainer_compute_s": self.trainer_compute_s,
@@ -169,5 +165,5 @@ def log_step(record: dict[str, Any], result: StepResult, refit_s: float, rec: St
         wait_s=round(rec.wait_s, 3),
         **({"refit_verify": round(record["refit_verify_mean_abs"], 4)} if rec.verify else {}),
         **({"step_retries": rec.step_retries} if rec.step_retries else {}),
-        **({"failed_groups": rec.failed_groups} if rec.failed_groups else {}),
+        **({"failed_groups": record["failed_groups"]} if record["failed_groups"] else {}),
     )

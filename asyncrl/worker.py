@@ -25,7 +25,6 @@ while a slow engine shuts down must not turn a clean exit into a failure (SIGKIL
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import os
@@ -49,6 +48,7 @@ from .backend import (
     GenerationBackend,
     TrainingBackend,
     WorkerContext,
+    drain_weights,
 )
 from .codec import Codec
 from .config import Config
@@ -110,14 +110,6 @@ go, and 16 samples (~0.5 ms of its loop) keep that slice short."""
 OUTBOX_SIZE = 1024
 """Finished samples waiting for the data socket before generations wait for it."""
 T = TypeVar("T")
-
-
-def _drain(it: Iterator[Any]) -> None:
-    """Run ``it`` to its end, ignoring what it yields or raises (after a failed send)."""
-    try:
-        collections.deque(it, 0)
-    except Exception as exc:  # the send's own error is the one reported
-        log.warning("weight_iteration_failed_while_draining", error=f"{type(exc).__name__}: {exc}")
 
 
 class _Thread:
@@ -327,14 +319,14 @@ class _Runtime:
         if isinstance(req, SendWeights):
             it = await self.thread.run(backend.iter_weights)
             if self.wctx.rank != 0:  # take part in the gathers, send nothing
-                await self.thread.run(collections.deque, it, 0)
+                await self.thread.run(drain_weights, it)
                 return Empty()
             try:
                 return await self._send_weights(req, it)
             except Exception:
                 # the other ranks gather with this one (an FSDP unit's all-gather): finish the
                 # iteration, or they wait in a collective until its timeout
-                await self.thread.run(_drain, it)
+                await self.thread.run(functools.partial(drain_weights, it, after_failure=True))
                 raise
         if isinstance(req, SaveState):
             await self.thread.run(backend.save_state, req.path)

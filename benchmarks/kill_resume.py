@@ -99,17 +99,16 @@ class Life:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         self.started = time.monotonic()
-        self._read = 0
+        self._reader = open(log_path, errors="replace")  # noqa: SIM115 - closed in close()
+        self._partial = ""  # a line not complete yet
         self.events: list[tuple[float, str, str]] = []  # (monotonic time seen, event, rest)
         self.controller_pid: int | None = None
         self.run_id: str | None = None
 
     def poll_events(self) -> list[tuple[float, str, str]]:
-        text = self.log_path.read_text(errors="replace")
-        new_lines = text[self._read :].split("\n")
-        # keep a partial last line for the next poll
-        complete, partial = new_lines[:-1], new_lines[-1]
-        self._read = len(text) - len(partial)
+        """The phase events written since the last poll (only the new bytes are read: this
+        runs every few milliseconds while the log grows)."""
+        *complete, self._partial = (self._partial + self._reader.read()).split("\n")
         now = time.monotonic()
         new = []
         for line in complete:
@@ -140,6 +139,7 @@ class Life:
 
     def close(self) -> None:
         self._log.close()
+        self._reader.close()
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -316,14 +316,16 @@ def check(config: Any, work: Path, lives: list[dict[str, Any]]) -> dict[str, Any
         state = c.state()
         ledger = state.scheduler["ledger"]
         if not (c.manifest["finished"] and c.step == steps):
-            problems.append(f"the last checkpoint is step {c.step}, finished={c.manifest['finished']}")
+            finished = c.manifest["finished"]
+            problems.append(f"the last checkpoint is step {c.step}, finished={finished}")
         if ledger["trained"] != [[0, steps * per_step]]:
             problems.append(f"trained positions {ledger['trained']} != [[0, {steps * per_step}]]")
         dropped = {k: v for k, v in ledger["dropped"].items() if v}
         if dropped:
             problems.append(f"dropped positions: {dropped}")
         if ledger["num_repeated"]:
-            problems.append(f"{ledger['num_repeated']} positions recorded twice: {ledger['repeated']}")
+            twice = ledger["repeated"]
+            problems.append(f"{ledger['num_repeated']} positions recorded twice: {twice}")
     records = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
     bound = _bound(config)
@@ -377,8 +379,9 @@ def print_report(report: dict[str, Any], lives: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|")
     for r in lives:
         if r["outcome"] == "killed":
+            save = "yes" if r["in_checkpoint_save"] else ""
             print(f"| {r['life']} | {r['target']} | {r['phase']} | {r['killed']} | "
-                  f"{r['last_step']} | {'yes' if r['in_checkpoint_save'] else ''} | {r['alive_s']} |")
+                  f"{r['last_step']} | {save} | {r['alive_s']} |")
         else:
             print(f"| {r['life']} | - | {r['outcome']} (exit {r.get('exit_code')}) | | | | |")
     print()

@@ -241,6 +241,7 @@ def run_schedule(
             resumes += 1
         elif move == "fail":
             gid = rng.choice(running)[0]
+            assert s.aborting(gid) == (gid in aborted_by_scheduler)
             running[:] = [(g, k) for g, k in running if g != gid]
             again = rng.random() < 0.6
             s.failed(gid, retry=again)
