@@ -14,7 +14,7 @@ assembled and trained again, within ``failures.train_step_retries`` (:mod:`async
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -61,6 +61,7 @@ class StepAssembler:
         changed: Signal,
         failures: FailureBudget,
         now: Callable[[], float],
+        weights: anyio.Lock,
     ) -> None:
         self.config = config
         self.control = control
@@ -71,13 +72,20 @@ class StepAssembler:
         self.changed = changed
         self.failures = failures
         self.now = now
+        self.weights = weights
 
-    async def train(self, step: int, rec: StepRecord) -> list[Any]:
+    async def train(
+        self, step: int, rec: StepRecord, before_finish: Callable[[StepRecord], Awaitable[None]]
+    ) -> list[Any]:
         """Train step ``step`` (retrying it as the failure budget allows); returns the
-        trainers' ``StepResult``s. The scheduler's step is complete, not yet finished."""
+        trainers' ``StepResult``s. The scheduler's step is complete, not yet finished.
+
+        ``before_finish(rec)`` is awaited before the ``FinishStep`` call and must take the
+        pipeline's weights lock: this releases it if ``FinishStep`` fails, the caller once
+        the new weights are published."""
         while True:
             try:
-                finish = await self._train_step(step, rec)
+                finish = await self._train_step(step, rec, before_finish)
                 break
             except _StepFailed as exc:
                 if not self.failures.step_failed(step, str(exc.error).splitlines()[0]):
@@ -95,7 +103,9 @@ class StepAssembler:
         self.failures.step_done()
         return finish
 
-    async def _train_step(self, step: int, rec: StepRecord) -> list[Any]:
+    async def _train_step(
+        self, step: int, rec: StepRecord, before_finish: Callable[[StepRecord], Awaitable[None]]
+    ) -> list[Any]:
         """Open step ``step`` on the trainers, train it chunk by chunk as the scheduler hands
         out groups, and take the optimizer step; returns the trainers' ``StepResult``s.
 
@@ -132,10 +142,15 @@ class StepAssembler:
             rec.chunk_results += results  # type: ignore[arg-type]
             rec.chunks += 1
         num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
+        await before_finish(rec)
         busy = self.now()
-        finish = await self._train_call(
-            [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers)
-        )
+        try:
+            finish = await self._train_call(
+                [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers)
+            )
+        except BaseException:
+            self.weights.release()
+            raise
         rec.train_end = self.now()
         rec.train_busy_s += rec.train_end - busy
         return finish

@@ -300,6 +300,11 @@ class FailuresConfig(_Base):
     """Times a step whose train call raised on a trainer rank (out of memory in one
     micro-batch...; the trainer drops the step's gradients) is trained again from the same
     groups; then the run stops. A trainer that died or hung is not retried."""
+    rollout_restarts: int = 3
+    """Times in a run a rollout worker that died (its process, or its engine) is started
+    again in place: its groups go to the other workers meanwhile (or wait for it), and it is
+    refitted before it gets new ones. One more death stops the run. ``0``: the first death
+    stops it. Not with ``refit.transport = "nccl"`` (its group cannot take a new member)."""
 
 
 class Config(_Base):
@@ -317,6 +322,11 @@ class Config(_Base):
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
     failures: FailuresConfig = FailuresConfig()
+
+    @property
+    def rollout_restarts(self) -> int:
+        """``failures.rollout_restarts``, or 0 over the ``nccl`` transfer (see there)."""
+        return 0 if self.refit.transport == "nccl" else self.failures.rollout_restarts
 
     @property
     def min_groups_for_streaming_train(self) -> int:
@@ -482,7 +492,8 @@ def problems(config: Config) -> list[ConfigError]:
         "export.every_steps": config.export.every_steps,
         "eval.every_steps": config.eval.every_steps,
         **{f"failures.{k}": getattr(config.failures, k) for k in (
-            "generation_retries", "max_failed_groups", "train_step_retries", "retry_backoff_s"
+            "generation_retries", "max_failed_groups", "train_step_retries", "retry_backoff_s",
+            "rollout_restarts",
         )},
     }  # fmt: skip
     for name, value in non_negative.items():

@@ -40,11 +40,15 @@ import numpy as np
 import structlog
 
 from . import checkpoint as ckpt
-from . import plugins
-from .backend import BackendPlugin
 from .checkpointing import model_config
 from .config import Config, to_dict
-from .errors import AsyncRLError, WorkerDiedError, WorkerStartupError, flatten
+from .errors import (
+    AsyncRLError,
+    WorkerDiedError,
+    WorkerRestarting,
+    WorkerStartupError,
+    flatten,
+)
 from .launcher import (
     CONTROLLER_PID_FILE,
     SpawnedGroup,
@@ -56,8 +60,14 @@ from .launcher import (
 from .log import MetricsWriter
 from .messages import Hello, Init, LoadState, TokenBatch
 from .pipeline import Pipeline
-from .process import exit_status, has_exited, stopped_by_signal
-from .prompts import Tokenizer
+from .preflight import check_before_spawn
+from .process import (
+    exit_status,
+    has_exited,
+    parent_pid,
+    stopped_by_signal,
+    wait_pid_exit,
+)
 from .refit import shm_dir
 from .rpc import ControlPlane
 from .schedule import Scheduler
@@ -164,7 +174,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         # plugin, option and tokenizer errors (a bad environment option, a generator option,
         # a context too short for the prompts...) come before anything exists on disk: nothing
         # is left to clean up when they raise
-        environment, tokenizer = await _check_before_spawn(cfg)
+        environment, tokenizer = await check_before_spawn(cfg)
         resume = await anyio.to_thread.run_sync(_open_resume, cfg, self._resume)
         run_id = uuid.uuid4().hex[:12]
         base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
@@ -205,7 +215,10 @@ class Controller(anyio.AsyncContextManagerMixin):
                 )
                 for rank in range(n)
             }
-            control = ControlPlane(router, make_init, expected=expected, rejections=rejections)
+            control = ControlPlane(
+                router, make_init, expected=expected, rejections=rejections,
+                survivable=self._survivable,
+            )
             metrics.write({"kind": "config", "run_id": run_id, "config": config_dict})
             log.info("run_started", run_id=run_id, output=cfg.run.output_dir, pid=os.getpid())
             async with anyio.create_task_group() as tg:
@@ -272,6 +285,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                     log_dir=addr.log_dir,
                     torchrun=cfg.torchrun,
                     env=_worker_env(self.config, group),
+                    args=_worker_args(self.config, group),
                 )
                 self._spawned.append(spawned)
         else:
@@ -301,20 +315,75 @@ class Controller(anyio.AsyncContextManagerMixin):
             ) from None
         finally:
             startup_watch.cancel()
-        by_group = {s.group: s for s in self._spawned}
+        # a supervised worker is no torchrun rank: its exit code comes from /proc alone
+        by_group = {s.group: s for s in self._spawned if _worker_args(self.config, s.group) == []}
 
         async def watch(peer: Any) -> None:
-            try:
-                await watch_peer(peer, by_group.get(peer.group))
-            except WorkerDiedError as exc:
-                self._deaths.append(exc)
-                raise
+            while True:
+                supervisor = parent_pid(peer.pid)  # read while it lives
+                try:
+                    await watch_peer(peer, by_group.get(peer.group))
+                except WorkerDiedError as exc:
+                    back = await self._restart(control, peer, exc, supervisor)
+                    if back is None:
+                        self._deaths.append(exc)
+                        raise (peer.last_words or exc) from None
+                    peer = back
 
         for peer in peers:
             if peer.pid != os.getpid():
                 watchers.start_soon(tg, watch, peer)
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers
+
+    def _survivable(self, peer: Any) -> bool:
+        """Whether ``peer``'s death would be outlived (a rollout worker, restarts left)."""
+        pool = self._pipeline.pool if self._pipeline is not None else None
+        return peer.group == "rollout" and pool is not None and pool.restarts < pool.max_restarts
+
+    async def _restart(
+        self, control: ControlPlane, peer: Any, died: WorkerDiedError, supervisor: int | None
+    ) -> Any:
+        """A rollout worker died: if the pool grants a restart, send its groups elsewhere,
+        wait for its new process (its ``supervisor`` starts it) and refit it; returns the new
+        peer. ``None``: no restart (not a rollout worker, no run yet, the budget spent)."""
+        pipe = self._pipeline
+        if peer.group != "rollout" or pipe is None or not pipe.pool.lost(peer.identity):
+            if pipe is not None and peer.group == "rollout" and pipe.pool.max_restarts:
+                died.args = (f"{died}\nrollout workers were restarted {pipe.pool.restarts} "
+                             "times in this run, all that failures.rollout_restarts allows",)
+            return None
+        start = time.perf_counter()
+        why = str(peer.last_words or died).splitlines()[0]
+        log.warning("worker_restarting", worker=peer.identity, error=why,
+                    restart=pipe.pool.restarts, of=pipe.pool.max_restarts)
+        control.forget(peer.identity, WorkerRestarting(f"{peer.identity} is restarting: {why}"))
+        await pipe.worker_lost(peer.identity)
+        timeout = self.config.cluster.startup_timeout_s
+        with anyio.move_on_after(timeout):
+            async with anyio.create_task_group() as tg:
+
+                async def supervisor_gone() -> None:
+                    if supervisor:
+                        await wait_pid_exit(supervisor)
+                        raise WorkerDiedError(peer.group, peer.rank, died.exit_code,
+                                              peer.log_path, "and its supervisor exited too")
+
+                tg.start_soon(supervisor_gone)
+                back = await control.wait_peer(peer.identity)
+                tg.cancel_scope.cancel()
+            await pipe.worker_back(peer.identity)
+            seconds = round(time.perf_counter() - start, 3)
+            if pipe.metrics is not None:
+                pipe.metrics.write({"kind": "worker_restarted", "worker": peer.identity,
+                                    "exit_code": died.exit_code, "error": why,
+                                    "restart": pipe.pool.restarts, "seconds": seconds})
+            log.info("worker_restarted", worker=peer.identity, seconds=seconds)
+            return back
+        raise WorkerStartupError(
+            f"{peer.identity} died ({why}) and its new process was not ready within "
+            f"{timeout:.0f} s (cluster.startup_timeout_s); see {peer.log_path}"
+        )
 
     async def _restore(
         self,
@@ -474,55 +543,6 @@ class _Scopes:
             scope.cancel()
 
 
-async def _check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
-    """Load the environment and the tokenizer, measure the prompts and run both backends'
-    ``check_config``: every mistake a plugin can see is a ``ConfigError`` (or
-    ``PluginError``) naming its field, raised before any process or file exists."""
-    trainer = BackendPlugin.of(
-        plugins.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
-    )
-    generator = BackendPlugin.of(
-        plugins.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
-    )
-    make_env = plugins.load("asyncrl.environments", cfg.environment.name, "environment.name")
-    environment = make_env(dict(cfg.environment.options), cfg.run.seed)
-    tokenizer = Tokenizer(
-        os.path.join(cfg.model.path, "tokenizer.json"), _eos_token_id(cfg.model.path)
-    )
-    longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
-    for plugin in (trainer, generator):
-        if plugin.check_config is not None:
-            plugin.check_config(cfg, max_prompt_tokens=longest)
-    return environment, tokenizer
-
-
-def _longest_prompt(environment: Any, tokenizer: Tokenizer, cfg: Config) -> int:
-    """Tokens in the longest prompt the run can send (the train split and the evaluated part
-    of the eval split)."""
-    texts = [p.text for p in environment.dataset("train")]
-    if cfg.eval.num_prompts:
-        texts += [p.text for p in list(environment.dataset("eval"))[: cfg.eval.num_prompts]]
-    longest = 0
-    for start in range(0, len(texts), 4096):
-        ids = tokenizer.encode_batch(texts[start : start + 4096])
-        longest = max([longest, *(len(x) for x in ids)])
-    return longest
-
-
-def _eos_token_id(model_path: str) -> int | None:
-    for name in ("generation_config.json", "config.json"):
-        try:
-            with open(os.path.join(model_path, name)) as f:
-                eos = json.load(f).get("eos_token_id")
-        except (OSError, ValueError):
-            continue
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return None
-
-
 def _open_resume(
     cfg: Config, spec: str | None
 ) -> tuple[ckpt.Checkpoint, ckpt.ControllerState] | None:
@@ -587,6 +607,12 @@ def _gc_frozen(enabled: bool) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def _worker_args(config: Config, group: str) -> list[str]:
+    """Rollout ranks supervise their worker when it may be restarted."""
+    restarts = config.rollout_restarts if group == "rollout" else 0
+    return ["--max-restarts", str(restarts)] if restarts else []
 
 
 def _worker_env(config: Config, group: str) -> dict[str, str]:

@@ -35,6 +35,7 @@ __all__ = [
     "RunError",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerRestarting",
     "WorkerStartupError",
     "config_error",
     "flatten",
@@ -125,6 +126,11 @@ class WorkerDiedError(WorkerError):
         self.rank = rank
         self.exit_code = exit_code
         self.log_path = log_path
+
+
+class WorkerRestarting(WorkerError):
+    """A call to a rollout worker that died and is being started again
+    (``failures.rollout_restarts``): the call is abandoned, its work goes elsewhere."""
 
 
 class EngineDeadError(WorkerError):

@@ -17,9 +17,11 @@ import structlog
 
 from .config import Config
 from .environment import Environment
+from .errors import WorkerRestarting
 from .intake import Generating
 from .messages import Generate, GenRequest
 from .prompts import Tokenizer
+from .rollout_pool import RolloutPool
 from .rpc import ControlPlane
 
 __all__ = ["Evaluator"]
@@ -41,7 +43,7 @@ class Evaluator:
         control: ControlPlane,
         environment: Environment,
         tokenizer: Tokenizer,
-        rollouts: list[str],
+        pool: RolloutPool,
         generating: dict[str, Generating],
         metrics: Any,
         now: Callable[[], float] = time.perf_counter,
@@ -50,13 +52,15 @@ class Evaluator:
         self.control = control
         self.env = environment
         self.tok = tokenizer
-        self.rollouts = rollouts
+        self.pool = pool
         self.generating = generating
         self.metrics = metrics
         self.now = now
         self.records: list[dict[str, Any]] = []
         """Every evaluation of the run, in order."""
         self._running: anyio.Event | None = None
+        self._waiting: list[tuple[str, Generating]] = []
+        """Groups whose worker died, waiting for a worker that serves."""
 
     async def evaluate(self, label: str, version: int) -> dict[str, Any]:
         """Greedy held-out accuracy of weights ``version``, which the generators serve
@@ -65,39 +69,25 @@ class Evaluator:
         n = self.config.eval.num_prompts
         prompts = list(self.env.dataset("eval"))[:n]
         ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in prompts])
-        waits: list[Generating] = []
-        requests: dict[str, list[GenRequest]] = {w: [] for w in self.rollouts}
+        groups = []
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
-            gid = f"eval-{label}-{i}"
-            worker = self.rollouts[i % len(self.rollouts)]
             pending = Generating(
-                prompt, prompt_ids, worker, 1, version, None, self.now(), eval_done=anyio.Event()
+                prompt, prompt_ids, "", 1, version, None, self.now(), eval_done=anyio.Event()
             )
-            self.generating[gid] = pending
-            waits.append(pending)
-            requests[worker].append(
-                GenRequest(
-                    group_id=gid,
-                    prompt_ids=prompt_ids,
-                    n=1,
-                    max_tokens=self.config.grpo.max_new_tokens,
-                    temperature=0.0,
-                    greedy=True,
-                )
-            )
+            groups.append((f"eval-{label}-{i}", pending))
+        waits = [pending for _, pending in groups]
         start = self.now()
         timeout = self.config.cluster.call_timeout_s
         try:
-            for worker, reqs in requests.items():
-                if reqs:
-                    await self.control.call(worker, Generate(requests=reqs), timeout_s=timeout)
+            await self.resend(groups)
             with anyio.fail_after(timeout):
                 for pending in waits:
                     assert pending.eval_done is not None
                     await pending.eval_done.wait()
         finally:
-            for i in range(len(prompts)):
-                self.generating.pop(f"eval-{label}-{i}", None)
+            for gid, _ in groups:
+                self.generating.pop(gid, None)
+            self._waiting = [g for g in self._waiting if g[0] not in dict(groups)]
         correct = [s.correct for p in waits for s in p.samples]  # type: ignore[union-attr]
         record = {
             "kind": "eval",
@@ -114,6 +104,35 @@ class Evaluator:
         log.info("eval_finished", **{k: v for k, v in record.items() if k != "kind"})
         self.records.append(record)
         return record
+
+    async def resend(self, groups: list[tuple[str, Generating]]) -> None:
+        """Send evaluation ``groups`` (by id) over the workers that serve, with those whose
+        worker died before; with none serving, they wait for the next call (a worker back)."""
+        self._waiting += groups
+        serving = self.pool.serving
+        if not serving or not self._waiting:
+            return
+        groups, self._waiting = self._waiting, []
+        requests: dict[str, list[GenRequest]] = {}
+        for i, (gid, pending) in enumerate(groups):
+            pending.worker = serving[i % len(serving)]
+            self.generating[gid] = pending
+            requests.setdefault(pending.worker, []).append(
+                GenRequest(
+                    group_id=gid,
+                    prompt_ids=pending.prompt_ids,
+                    n=1,
+                    max_tokens=self.config.grpo.max_new_tokens,
+                    temperature=0.0,
+                    greedy=True,
+                )
+            )
+        timeout = self.config.cluster.call_timeout_s
+        for worker, reqs in requests.items():
+            try:
+                await self.control.call(worker, Generate(requests=reqs), timeout_s=timeout)
+            except WorkerRestarting:
+                pass  # died meanwhile: its groups come back through worker_lost
 
     def start_validation(
         self, tg: Any, version: int, on_record: Callable[[dict[str, Any]], None]

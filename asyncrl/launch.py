@@ -16,6 +16,10 @@ Three forms::
     torchrun --standalone --nproc-per-node K -m asyncrl.launch --worker GROUP --control ADDR
         what an embedded Controller spawns: every rank is a worker of GROUP.
 
+With ``failures.rollout_restarts`` (the default), a rollout rank of either launch does not
+serve itself: it supervises its worker, a child process it starts again when it dies
+(:mod:`asyncrl.supervisor`).
+
 Trainer ranks of a mixed launch get a torch.distributed world of their own, built on
 torchrun's store under a private prefix; rollout ranks never join torch.distributed.
 
@@ -58,7 +62,13 @@ import structlog
 from . import log as _log
 from .checkpoint import CheckpointError
 from .config import Config, load_config
-from .errors import AsyncRLError, ConfigError, ControllerLostError, WorkerDiedError, flatten
+from .errors import (
+    AsyncRLError,
+    ConfigError,
+    ControllerLostError,
+    WorkerDiedError,
+    flatten,
+)
 from .process import exit_status, stopped_by_signal, wait_pid_exit
 
 log = structlog.get_logger("asyncrl.launch")
@@ -166,13 +176,28 @@ def _serve_rank(*, console: int | None = None, controller_pid: int = 0, **kwargs
     return 128 + int(ending.signal) if ending.signal is not None else 0
 
 
-def worker_main(group: str, control: str, log_dir: str) -> int:
-    """A rank of a group spawned by an embedded controller."""
-    rank = _env_int("RANK")
-    world = _env_int("WORLD_SIZE")
+def worker_main(
+    group: str,
+    control: str,
+    log_dir: str,
+    *,
+    max_restarts: int = 0,
+    rank: int | None = None,
+    world: int | None = None,
+) -> int:
+    """A rank of a group spawned by an embedded controller, or (``rank`` given) a rollout
+    worker its supervisor started. With ``max_restarts``, this rank supervises its worker
+    (:mod:`asyncrl.supervisor`) instead of serving itself."""
+    supervised = rank is not None
+    rank = _env_int("RANK") if rank is None else rank
+    world = _env_int("WORLD_SIZE") if world is None else world
     log_path = os.path.join(log_dir, f"{group}-{rank}.log")
     _redirect_output(log_path)
     _log.configure("json")
+    if max_restarts:
+        return _supervise(group, rank, world, control, log_dir, max_restarts)
+    if supervised:
+        _die_with_parent()
     return _serve_rank(
         control_address=control,
         group=group,
@@ -181,6 +206,29 @@ def worker_main(group: str, control: str, log_dir: str) -> int:
         local_rank=int(os.environ.get("LOCAL_RANK", rank)),
         log_path=log_path,
     )
+
+
+def _supervise(
+    group: str, rank: int, world: int, control: str, log_dir: str, max_restarts: int,
+    **kwargs: Any,
+) -> int:
+    from .supervisor import supervise
+
+    cmd = [
+        sys.executable, "-m", "asyncrl.launch", "--worker", group, "--control", control,
+        "--log-dir", log_dir, "--rank", str(rank), "--world-size", str(world),
+    ]  # fmt: skip
+    return supervise(cmd, max_restarts=max_restarts, **kwargs)
+
+
+def _die_with_parent() -> None:
+    """A supervised worker gets SIGTERM when its supervisor dies (Linux), and stops."""
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the call
+        raise SystemExit(1)
 
 
 def _agent_store() -> Any:
@@ -240,6 +288,11 @@ def launch_main(config_path: str, overrides: dict[str, Any], resume: str | None 
         store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
         control = store.get(_STORE_KEY).decode()
         controller_pid = int(store.get(_PID_KEY).decode())
+        if group == "rollout" and config.rollout_restarts:
+            return _supervise(
+                group, group_rank, group_size, control, log_dir, config.rollout_restarts,
+                controller_pid=controller_pid, console=console,
+            )
         return _serve_rank(
             console=console,
             controller_pid=controller_pid,
@@ -432,9 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", choices=["trainer", "rollout"], help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--max-restarts", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker_main(args.worker, args.control, args.log_dir)
+        return worker_main(
+            args.worker, args.control, args.log_dir, max_restarts=args.max_restarts,
+            rank=args.rank, world=args.world_size,
+        )
     if not args.config:
         parser.error("a config file is required")
     if "RANK" not in os.environ:

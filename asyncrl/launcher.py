@@ -76,11 +76,12 @@ async def spawn_group(
     log_dir: str,
     torchrun: str,
     env: dict[str, str] | None = None,
+    args: list[str] | None = None,
 ) -> SpawnedGroup:
     """Start ``torchrun --standalone --nproc-per-node nproc -m asyncrl.launch --worker group``.
 
     The agent's own output goes to ``<log_dir>/torchrun-<group>.log``; each rank writes
-    ``<log_dir>/<group>-<rank>.log``.
+    ``<log_dir>/<group>-<rank>.log``. ``args``: more arguments for ``asyncrl.launch``.
     """
     os.makedirs(log_dir, exist_ok=True)
     agent_log = os.path.join(log_dir, f"torchrun-{group}.log")
@@ -100,6 +101,7 @@ async def spawn_group(
         control_address,
         "--log-dir",
         log_dir,
+        *(args or []),
     ]
     full_env = dict(os.environ)
     full_env.update(env or {})

@@ -18,7 +18,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -124,10 +124,13 @@ class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
 
 
 class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
-    """Trainer: publish version ``version`` to ``receivers`` (``group:rank`` identities)."""
+    """Trainer: publish version ``version`` to ``receivers`` (``group:rank`` identities),
+    whose processes are ``receiver_pids`` (same order): the sender goes on without one that
+    exits meanwhile (a restarted rollout worker)."""
 
     version: int
     receivers: list[str]
+    receiver_pids: list[int] = []
     transport: str = "shm"
     bucket_size_bytes: int = 256 << 20
     timeout_s: float = 300.0

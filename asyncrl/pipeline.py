@@ -39,7 +39,7 @@ from .checkpointing import Checkpointer, restore_state
 from .codec import Codec
 from .config import Config
 from .environment import Environment
-from .errors import ProtocolError, RunError
+from .errors import ProtocolError, RunError, WorkerRestarting
 from .evaluation import Evaluator
 from .failures import FailureBudget
 from .intake import Generating, ScoreError, Scorer, Signal, malformed
@@ -56,7 +56,9 @@ from .messages import (
 )
 from .probes import Probes
 from .prompts import PromptStream, Tokenizer, sample_seed
+from .redispatch import Redispatcher
 from .refits import KVScales, RefitReport, refit_generators
+from .rollout_pool import RolloutPool
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord, log_step
@@ -107,6 +109,8 @@ class Pipeline:
         self.sched = scheduler
         self.trainers = trainers
         self.rollouts = rollouts
+        self.pool = RolloutPool(rollouts, config.rollout_restarts)
+        """Which rollout workers take work (a dead one is restarted in place)."""
         self.transfer_address = transfer_address
         self.metrics = metrics
         self.t0 = clock_origin
@@ -133,13 +137,16 @@ class Pipeline:
         self.history: list[dict[str, Any]] = []
         self.probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
-        self.probes = Probes(control, trainers, rollouts, config.cluster.call_timeout_s)
+        self.probes = Probes(control, trainers, self.pool, config.cluster.call_timeout_s)
         self.kv = KVScales(control, trainers, rollouts, config.refit,
                            timeout_s=config.cluster.call_timeout_s, metrics=metrics)
         self.prompts = PromptStream(
             environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
         )
         self.failures = FailureBudget(config.failures)
+        self._weights = anyio.Lock()
+        """Held from a step's ``FinishStep`` to the end of its refit (the trainer's weights
+        and the generators' differ), and by a restarted worker's own refit."""
         self.assembler = StepAssembler(
             config,
             control=control,
@@ -150,9 +157,14 @@ class Pipeline:
             changed=self.changed,
             failures=self.failures,
             now=self.now,
+            weights=self._weights,
         )
-        self._retrying: dict[str, tuple[Any, list[int]]] = {}
-        """Prompts of groups waiting for a retry (their stream positions were taken)."""
+        self.redispatch = Redispatcher(
+            scheduler, generating=self._generating, load=self._load, failures=self.failures,
+            changed=self.changed,
+        )
+        self._kv_scales: dict[str, float] | None = None
+        """The FP8 KV-cache scales of the last refit (a restarted worker gets them too)."""
         self.resumed_from: int | None = None
         """The trainer version a resumed run started from (``None``: a fresh run)."""
         self.checkpointer = Checkpointer(
@@ -168,7 +180,7 @@ class Pipeline:
             control=control,
             environment=environment,
             tokenizer=tokenizer,
-            rollouts=rollouts,
+            pool=self.pool,
             generating=self._generating,
             metrics=metrics,
             now=self.now,
@@ -182,8 +194,7 @@ class Pipeline:
         return self.steps.setdefault(step, StepRecord(step))
 
     def _pick_rollout(self) -> str:
-        worker = min(self.rollouts, key=self._load.__getitem__)
-        return worker
+        return min(self.pool.serving, key=self._load.__getitem__)
 
     # ------------------------------------------------------------------ rollout pump
     async def rollout_pump(self) -> None:
@@ -197,6 +208,9 @@ class Pipeline:
             # tokenize the next prompts off-loop before deciding: a decision and its
             # Generate must not be separated by a refit
             await self.prompts.prefetch(self.sched.next_index + ahead, self.tok)
+            if not self.pool.serving:  # every worker is restarting
+                await self.changed.wait()
+                continue
             decisions: list[Dispatch] = []
             # at most DISPATCH_ROUND groups per round: a first round of hundreds would hold
             # the loop for tens of milliseconds
@@ -220,7 +234,7 @@ class Pipeline:
         now = self.now()
         requests: dict[str, list[GenRequest]] = {}
         for d in decisions:
-            retried = self._retrying.pop(d.group_id, None)
+            retried = self.redispatch.take(d.group_id)
             prompt, prompt_ids = retried if retried else self.prompts.get(d.index)
             worker = self._pick_rollout()
             self._load[worker] += d.n
@@ -243,7 +257,10 @@ class Pipeline:
                 tg.start_soon(self._call, worker, Generate(requests=reqs), timeout)
 
     async def _call(self, worker: str, request: Any, timeout: float) -> None:
-        await self.control.call(worker, request, timeout_s=timeout)
+        try:
+            await self.control.call(worker, request, timeout_s=timeout)
+        except WorkerRestarting:
+            pass  # its groups were dispatched again (worker_lost)
 
     # ------------------------------------------------------------------ feeder
     async def feed_buffer(self) -> None:
@@ -294,46 +311,12 @@ class Pipeline:
             )
             return
         if isinstance(msg, GroupFailed):
-            self._group_failed(pending, msg, tg)
+            if pending.eval_done is not None:
+                error = f"{msg.error_type}: {msg.message}"
+                raise RunError(f"evaluation group {msg.group_id} failed on {msg.worker}: {error}")
+            self.redispatch.group_failed(pending, msg, tg)
             return
         self._take_sample(pending, msg, tg)
-
-    def _group_failed(self, pending: Generating, msg: GroupFailed, tg: Any) -> None:
-        """Retry the group after a back-off, or drop it (:mod:`asyncrl.failures`)."""
-        gid = msg.group_id
-        error = f"{msg.error_type}: {msg.message}"
-        if pending.eval_done is not None:
-            raise RunError(f"evaluation group {gid} failed on {msg.worker}: {error}")
-        del self._generating[gid]
-        self._load[pending.worker] -= sum(1 for s in pending.samples if s is None)
-        if self.sched.aborting(gid):  # counted as aborted already: gone, nothing to retry
-            self.sched.failed(gid, retry=False)
-            self.changed.notify()
-            return
-        delay = self.failures.generation_failed(
-            gid, pending.prompt.id, retryable=msg.retryable, error=error, worker=msg.worker
-        )
-        if delay is None:
-            self._drop(gid, f"group {gid} (prompt {pending.prompt.id}) on {msg.worker}: {error}")
-            return
-        self.sched.failed(gid, retry=True)
-        self._retrying[gid] = (pending.prompt, pending.prompt_ids)
-        tg.start_soon(self._retry_after, gid, delay)
-        self.changed.notify()
-
-    def _drop(self, gid: str, what: str) -> None:
-        """Drop a failed group for good; the run stops once the failure budget is spent."""
-        self.sched.failed(gid, retry=False)
-        self.changed.notify()
-        self.failures.check_dropped(self.sched.failed_groups, what)
-
-    async def _retry_after(self, gid: str, delay: float) -> None:
-        await anyio.sleep(delay)
-        if not self.sched.tracks(gid):  # aborted meanwhile (hopeless after a refit, the end)
-            self._retrying.pop(gid, None)
-            return
-        self.sched.retry(gid)
-        self.changed.notify()
 
     def _take_sample(self, pending: Generating, msg: SampleDone, tg: Any) -> None:
         gid = msg.group_id
@@ -398,7 +381,7 @@ class Pipeline:
             raise exc
         log.error("reward_failed", group_id=gid, error=str(exc), action="group dropped")
         if self.sched.tracks(gid):
-            self._drop(gid, f"group {gid}: {exc}")
+            self.redispatch.drop(gid, f"group {gid}: {exc}")
 
     def _commit(self, gid: str, pending: Generating, samples: list[Any]) -> None:
         if not self.sched.tracks(gid):
@@ -443,24 +426,11 @@ class Pipeline:
         while not self.sched.finished:
             step = self.sched.trainer_version
             rec = self._record(step)
-            finish = await self.assembler.train(step, rec)
-            t = self.now()  # a validation evaluates the weights the refit replaces
-            await self.evaluator.wait_validation()
-            rec.wait_s += self.now() - t
-            # the version bump and the gate's closing are one scheduler event: no dispatch
-            # can see version v+1 before the generators serve it
-            self.sched.finish_step()
-            self.changed.notify()
-            refit_start = self.now()
-            log.debug("refit_started", version=step + 1)
-            await self._abort(self.sched.begin_refit())
-            if cfg.refit.drain:
-                await self._drain(rec)
-            rec.inflight_at_refit = self.sched.inflight_samples
-            await self.refit(step + 1, await self.kv.after_step(rec.groups, step + 1))
-            refit_s = self.now() - refit_start
-            stats = self.sched.end_refit()
-            self.changed.notify()
+            finish = await self.assembler.train(step, rec, self._before_finish)
+            try:  # the assembler took self._weights for FinishStep
+                stats = await self._publish(step, rec)
+            finally:
+                self._weights.release()
             await anyio.lowlevel.checkpoint()  # the pumps go first: logging can wait
             if self.probe is None:
                 self.probe = make_probe(rec.groups, cfg.refit.verify_num_sequences)
@@ -472,7 +442,7 @@ class Pipeline:
                     self.probe, step + 1, self.metrics, self.now()
                 )
                 rec.verify_s = self.now() - start
-            self._log_step(rec, finish[0], refit_s, stats)  # type: ignore[arg-type]
+            self._log_step(rec, finish[0], rec.refit_s, stats)  # type: ignore[arg-type]
             del self.steps[step]
             for agreement in rec.verify:
                 agreement.check(*self.kv.verify_tolerance)
@@ -481,6 +451,33 @@ class Pipeline:
             every = cfg.eval.every_steps
             if every and cfg.eval.num_prompts and (step + 1) % every == 0:
                 self.evaluator.start_validation(validations, step + 1, self.checkpointer.note_eval)
+
+    async def _before_finish(self, rec: StepRecord) -> None:
+        """Before a step's ``FinishStep``: wait for a validation of the weights the refit
+        replaces, then hold the weights until the refit is done (not the other way round:
+        a validation may wait for a restarted worker, whose refit needs the weights)."""
+        t = self.now()
+        await self.evaluator.wait_validation()
+        rec.wait_s += self.now() - t
+        await self._weights.acquire()
+
+    async def _publish(self, step: int, rec: StepRecord) -> StepStats:
+        """The step is taken: bump the version, abort what became hopeless, refit."""
+        # the version bump and the gate's closing are one scheduler event: no dispatch
+        # can see version v+1 before the generators serve it
+        self.sched.finish_step()
+        self.changed.notify()
+        refit_start = self.now()
+        log.debug("refit_started", version=step + 1)
+        await self._abort(self.sched.begin_refit())
+        if self.config.refit.drain:
+            await self._drain(rec)
+        rec.inflight_at_refit = self.sched.inflight_samples
+        await self.refit(step + 1, await self.kv.after_step(rec.groups, step + 1))
+        rec.refit_s = self.now() - refit_start
+        stats = self.sched.end_refit()
+        self.changed.notify()
+        return stats
 
     async def _abort(self, group_ids: list[str]) -> None:
         """Tell each engine to abort its groups among ``group_ids`` (their samples still come
@@ -520,7 +517,8 @@ class Pipeline:
         refits with calibrated scales, so no step runs on scales of 1.0."""
         if self.resumed_from is not None or self.kv.enabled:
             kv_scales = await self.kv.initial(self.prompts, self.tok)
-            await self.refit(self.sched.trainer_version, kv_scales)
+            async with self._weights:
+                await self.refit(self.sched.trainer_version, kv_scales)
 
     def restore(self, state: ControllerState) -> None:
         """Take over a checkpoint's state before anything is dispatched: the scheduler (its
@@ -543,14 +541,41 @@ class Pipeline:
                 await self.changed.wait()
         self._ready.clear()
 
-    async def refit(self, version: int, kv_scales: dict[str, float] | None = None) -> None:
+    async def worker_lost(self, worker: str) -> None:
+        """Rollout ``worker`` died and is being restarted (the pool said so): its groups go
+        to the workers that serve, or wait for one."""
+        evals = self.redispatch.worker_lost(worker)
+        await self.evaluator.resend(evals)
+
+    async def worker_back(self, worker: str) -> None:
+        """Rollout ``worker``'s new process is ready: refit it to the trainer's weights (with
+        the last FP8 KV-cache scales), then it takes work again. While the weights are held,
+        the trainer's are those of ``trainer_version``, which the generators serve."""
+        self.pool.returned(worker)
+        async with self._weights:
+            version = self.sched.trainer_version
+            await self.refit(version, self._kv_scales, receivers=[worker])
+        self.pool.synced(worker)
+        self._load[worker] = 0
+        log.info("worker_back", worker=worker, version=version)
+        await self.evaluator.resend([])
+        self.changed.notify()
+
+    async def refit(
+        self,
+        version: int,
+        kv_scales: dict[str, float] | None = None,
+        receivers: list[str] | None = None,
+    ) -> None:
         """Send weights ``version`` (and FP8 KV-cache scales) from the trainers to every
-        generator; return when all generators serve them. Cancellation: abandons the
+        generator that serves (or ``receivers``); return when they serve them. A generator
+        that dies meanwhile is left out (it is restarted). Cancellation: abandons the
         transfer."""
+        self._kv_scales = kv_scales
         report = self._refit_report = await refit_generators(
             self.control,
             self.trainers,
-            self.rollouts,
+            self.pool.serving if receivers is None else receivers,
             version=version,
             transfer_address=self.transfer_address,
             refit=self.config.refit,

@@ -9,8 +9,10 @@ import anyio
 import numpy as np
 import structlog
 
+from .errors import WorkerRestarting
 from .grpo import shard_tokens
 from .messages import ComputeLogprobs, LogprobsResult, Score, TokenBatch
+from .rollout_pool import RolloutPool
 from .rpc import ControlPlane
 from .verify import Agreement, compare
 
@@ -23,11 +25,11 @@ class Probes:
     """Logprob queries over the control plane (each call bounded by ``timeout_s``)."""
 
     def __init__(
-        self, control: ControlPlane, trainers: list[str], rollouts: list[str], timeout_s: float
+        self, control: ControlPlane, trainers: list[str], pool: RolloutPool, timeout_s: float
     ) -> None:
         self.control = control
         self.trainers = trainers
-        self.rollouts = rollouts
+        self.pool = pool
         self.timeout_s = timeout_s
 
     async def generator_logprobs(
@@ -69,13 +71,18 @@ class Probes:
         results: dict[str, np.ndarray] = {}
 
         async def generator(worker: str) -> None:
-            results[worker] = await self.generator_logprobs(batch, worker=worker)
+            try:
+                results[worker] = await self.generator_logprobs(batch, worker=worker)
+            except WorkerRestarting:
+                pass  # it died meanwhile: verified again after its own refit, if due
 
         async def trainer() -> None:
             results[""] = await self.trainer_logprobs(batch)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)
-            for worker in self.rollouts:
+            for worker in self.pool.serving:
                 tg.start_soon(generator, worker)
-        return [compare(w, version, results[w], results[""]) for w in self.rollouts]
+        return [
+            compare(w, version, results[w], results[""]) for w in self.pool.workers if w in results
+        ]

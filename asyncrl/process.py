@@ -23,6 +23,7 @@ __all__ = [
     "exit_status",
     "has_exited",
     "kill_process_group",
+    "parent_pid",
     "pid_exists",
     "process_name",
     "stopped_by_signal",
@@ -84,6 +85,15 @@ async def exit_code_after_exit(pid: int, child: Any = None, within_s: float = 2.
         if child is None and not pid_exists(pid):  # reaped by a stranger: nobody to ask
             return None
         await anyio.sleep(0.01)
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (``None`` if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def pid_exists(pid: int) -> bool:

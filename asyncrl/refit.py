@@ -53,6 +53,7 @@ from .messages import (
     WeightsPull,
     WeightsResult,
 )
+from .process import wait_pid_exit
 from .transfers import StagingSpec, WeightTransfer
 from .transfers.shm import shm_dir
 from .transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, peer_name
@@ -283,8 +284,13 @@ class WeightSender:
         bucket_size: int,
         timeout_s: float,
         run: Callable[..., Awaitable[Any]] = anyio.to_thread.run_sync,
+        pids: Sequence[int] = (),
     ) -> WeightsResult:
         """Publish ``tensors`` (exactly ``specs``, in order) to all ``receivers``.
+
+        ``pids``: the receivers' processes (same order, same host). One that exits is left
+        out from then on (its acknowledgements are owed no more): a rollout worker that died
+        mid-refit is restarted and refitted on its own, the others get the version.
 
         ``run(fn, *args)`` runs blocking work where ``tensors`` may be advanced: the trainer's
         own thread (a training backend is called from one thread only). Each call fills one
@@ -300,14 +306,32 @@ class WeightSender:
         """
         start = time.perf_counter()
         expected = set(receivers)
+        live = list(receivers)
         # who still owes what: "pull", then -1 (the manifest), then each bucket's index
         outstanding: dict[str | int, set[str]] = {"pull": set(receivers)}
+        waiting: list[anyio.CancelScope] = []
+
+        async def watch(who: str, pid: int) -> None:
+            await wait_pid_exit(pid)
+            log.warning("receiver_gone", receiver=who, pid=pid, version=version)
+            live.remove(who)
+            for owed in outstanding.values():
+                owed.discard(who)
+            for scope in waiting:
+                scope.cancel()  # settle() looks again at what is still owed
 
         async def settle(key: str | int, what: str) -> None:
             """Wait (bounded) until every receiver has answered ``key``."""
             with anyio.move_on_after(timeout_s) as scope:
                 while outstanding.get(key):
-                    who, msg = await self._recv(expected, version)
+                    with anyio.CancelScope() as wait:
+                        waiting.append(wait)
+                        try:
+                            who, msg = await self._recv(expected, version)
+                        finally:
+                            waiting.remove(wait)
+                    if wait.cancelled_caught:
+                        continue
                     got = "pull" if isinstance(msg, WeightsPull) else getattr(msg, "index", None)
                     if who not in outstanding.get(got, ()):
                         self.rejections.reject("weights", who, f"unexpected {type(msg).__name__}")
@@ -324,6 +348,32 @@ class WeightSender:
                 )
             del outstanding[key]
 
+        try:
+            async with anyio.create_task_group() as watchers:
+                for who, pid in zip(receivers, pids):
+                    watchers.start_soon(watch, who, pid)
+                result = await self._publish(version, live, specs, tensors, settle,
+                                             outstanding, bucket_size=bucket_size, run=run)
+                watchers.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise _first_refit_error(group) from None
+        result.seconds = time.perf_counter() - start
+        return result
+
+    async def _publish(
+        self,
+        version: int,
+        receivers: list[str],
+        specs: Sequence[WeightTensor],
+        tensors: Iterable[WeightTensor],
+        settle: Callable[[str | int, str], Awaitable[None]],
+        outstanding: dict[str | int, set[str]],
+        *,
+        bucket_size: int,
+        run: Callable[..., Awaitable[Any]],
+    ) -> WeightsResult:
+        """The transfer itself, to ``receivers`` (the live ones: the list shrinks when one
+        exits), once they pulled; ``settle(key, what)`` waits until each answered ``key``."""
         await settle("pull", "the pull")
         manifest = _manifest(specs)
         outstanding[-1] = set(receivers)
@@ -363,7 +413,7 @@ class WeightSender:
             num_tensors=packer.count,
             num_bytes=packer.nbytes,
             num_buckets=index,
-            seconds=time.perf_counter() - start,
+            seconds=0.0,
             rejected_frames=self.rejections.total,
             pack_s=packer.seconds,
         )

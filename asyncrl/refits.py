@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 
 from .config import RefitConfig
-from .errors import RefitError
+from .errors import RefitError, WorkerRestarting
 from .grpo import shard_tokens
 from .messages import (
     CalibrateKV,
@@ -177,14 +177,20 @@ async def refit_generators(
     timeout_s: float,
     kv_scales: dict[str, float] | None = None,
 ) -> RefitReport:
-    """Weights ``version`` (and ``kv_scales``, applied after them) from the trainers to every
-    generator, with a prefix-cache reset (always: cached KV of old weights is stale).
+    """Weights ``version`` (and ``kv_scales``, applied after them) from the trainers to the
+    generators ``rollouts``, with a prefix-cache reset (always: cached KV of old weights is
+    stale). A generator that dies meanwhile and is being restarted is left out: the sender
+    watches the receivers' processes and goes on without it. Nothing to do without
+    generators.
 
     Cancellation: abandons the transfer.
     """
+    if not rollouts:
+        return RefitReport()
     send = SendWeights(
         version=version,
         receivers=list(rollouts),
+        receiver_pids=[control.peers[w].pid for w in rollouts],
         transport=refit.transport,
         bucket_size_bytes=refit.bucket_size_mb << 20,
         timeout_s=refit.timeout_s,
@@ -203,9 +209,16 @@ async def refit_generators(
     async def call_all(workers: list[str], request: Any, out: list[Any]) -> None:
         out.extend(await control.call_each(workers, [request] * len(workers), timeout_s=timeout_s))
 
+    async def receive(worker: str) -> None:
+        try:
+            received.append(await control.call(worker, recv, timeout_s=timeout_s))
+        except WorkerRestarting:
+            pass  # died meanwhile; refitted on its own once back
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(call_all, trainers, send, sent)
-        tg.start_soon(call_all, rollouts, recv, received)
+        for worker in rollouts:
+            tg.start_soon(receive, worker)
     senders = [r for r in sent if isinstance(r, WeightsResult)]
     return RefitReport(
         busy_s=max((r.busy_s for r in received if isinstance(r, WeightsResult)), default=0.0),

@@ -4,7 +4,9 @@ Workers connect DEALER sockets with identity ``group:rank`` and speak
 :data:`asyncrl.messages.FromWorker`. The reader task (:meth:`ControlPlane.run`) is the only
 task that reads the ROUTER; it answers ``Hello`` with ``Init``, marks ``Ready`` workers, and
 hands each ``Reply``/``Failure`` to the call waiting on its ``call_id``. A ``Dead`` message from
-a connected worker is fatal: the reader raises, which cancels the controller's task group.
+a connected worker is fatal: the reader raises, which cancels the controller's task group;
+unless ``survivable`` says the worker will be started again, in which case its last words are
+kept (:attr:`Peer.last_words`) for whoever watches its process (:meth:`forget`).
 
 Nothing a peer sends can end the run by itself being malformed: an undecodable frame, a
 ``Hello`` from an identity the run does not expect (or a second one), a ``Ready``/``Dead``
@@ -63,6 +65,8 @@ class Peer:
     capabilities: dict[str, Any] = field(default_factory=dict)
     backend: str = ""
     error: BaseException | None = None
+    last_words: BaseException | None = None
+    """What its ``Dead`` message said, when it was survivable (the run goes on)."""
 
 
 @dataclass
@@ -82,6 +86,8 @@ class ControlPlane:
         make_init: builds the :class:`Init` answer for a worker's :class:`Hello`.
         expected: the worker identities of the run (``None``: any ``group:rank``).
         rejections: where refused frames are counted (a fresh counter by default).
+        survivable: whether a ready peer's death can be outlived (it will be restarted):
+            its ``Dead`` message is then kept, not raised.
     """
 
     def __init__(
@@ -91,8 +97,12 @@ class ControlPlane:
         *,
         expected: set[str] | None = None,
         rejections: Rejections | None = None,
+        survivable: Callable[[Peer], bool] = lambda peer: False,
     ) -> None:
         self._sock = sock
+        self.survivable = survivable
+        self._gone: dict[str, BaseException] = {}
+        """Workers forgotten until their new process says ``Hello``: why calls to them fail."""
         self._make_init = make_init
         self._expected = expected
         self.rejections = rejections if rejections is not None else Rejections()
@@ -177,6 +187,10 @@ class ControlPlane:
                 f"--- remote traceback ---\n{msg.traceback}"
             )
             err.reported_by = identity  # type: ignore[attr-defined]  # its own last words
+            if peer.ready.is_set() and self.survivable(peer):
+                peer.last_words = err  # its process exits next: its watcher takes it from here
+                log.warning("worker_dead", worker=identity, reason=msg.reason)
+                return
             self.fail_peer(identity, err)
             raise err
 
@@ -195,6 +209,7 @@ class ControlPlane:
                 f"worker {identity} speaks protocol {hello.protocol_version}, this controller "
                 f"speaks {PROTOCOL_VERSION}; install the same asyncrl version everywhere"
             )
+        self._gone.pop(identity, None)
         self.peers[identity] = Peer(
             identity, hello.group, hello.rank, hello.world_size, hello.pid, hello.log_path
         )
@@ -218,6 +233,23 @@ class ControlPlane:
             await self.peers[n].ready.wait()
         return [self.peers[n] for n in names]
 
+    async def wait_peer(self, identity: str) -> Peer:
+        """Wait until ``identity`` is connected and ready (a restarted worker: its new
+        process). Cancellation: safe; callers bound it with a timeout."""
+        while identity not in self.peers:
+            await self._peer_joined.wait()
+        peer = self.peers[identity]
+        await peer.ready.wait()
+        return peer
+
+    def forget(self, identity: str, error: BaseException) -> None:
+        """Forget a worker whose process died and will start again: every call waiting on
+        it, and every call to it until its new process says ``Hello``, fails with ``error``;
+        that ``Hello`` is then welcome."""
+        self.fail_peer(identity, error)
+        self.peers.pop(identity, None)
+        self._gone[identity] = error
+
     def fail_peer(self, identity: str, error: BaseException) -> None:
         """Mark a worker dead: every call waiting on it fails with ``error``."""
         peer = self.peers.get(identity)
@@ -239,6 +271,8 @@ class ControlPlane:
         """
         peer = self.peers.get(identity)
         if peer is None:
+            if identity in self._gone:
+                raise self._gone[identity]
             raise WorkerError(f"no worker {identity} is connected")
         if peer.error is not None:
             raise peer.error

@@ -31,6 +31,8 @@ class StepRecord:
     """Rollout pump time waiting for the gate (a refit) since the previous step's record."""
     drain_s: float = 0.0
     drain_timeouts: int = 0
+    refit_s: float = 0.0
+    """From the version bump to the generators serving the new weights."""
     step_retries: int = 0
     """Times this step was assembled again after a train call failed on a trainer."""
     aborted_samples: int = 0

@@ -213,6 +213,10 @@ class Context:
             sock.setsockopt(zmq.IDENTITY, identity.encode())
         if router_mandatory:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if kind == ROUTER:
+            # a restarted worker connects again under its identity: the new connection takes
+            # it over, even if the dead one's has not been noticed yet
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             if bind is not None:
                 sock.bind(bind)

@@ -52,7 +52,13 @@ from .backend import (
 )
 from .codec import Codec
 from .config import Config
-from .errors import ControllerLostError, ProtocolError, RequestError, WorkerError, flatten
+from .errors import (
+    ControllerLostError,
+    ProtocolError,
+    RequestError,
+    WorkerError,
+    flatten,
+)
 from .export import export_model
 from .messages import (
     PROTOCOL_VERSION,
@@ -284,6 +290,7 @@ class _Runtime:
             bucket_size=req.bucket_size_bytes,
             timeout_s=req.timeout_s,
             run=self.thread.run,
+            pids=req.receiver_pids,
         )
 
     async def trainer_call(self, req: Request) -> Result:

@@ -65,7 +65,7 @@ class Outcome:
     lines: list[str]
 
 
-def _config(tmp_path: Path, model_dir: Path, markers: Path) -> Path:
+def _config(tmp_path: Path, model_dir: Path, markers: Path, restarts: int = 3) -> Path:
     data = merge(
         BASE,
         {
@@ -81,6 +81,8 @@ def _config(tmp_path: Path, model_dir: Path, markers: Path) -> Path:
             "trainer": {"options": {"step_delay_s": 2.0, "phase_marker_dir": str(markers)}},
             "refit": {"timeout_s": 60.0},
             "eval": {"num_prompts": 0},
+            # restarting a killed rollout worker: tests/integration/test_restarts.py
+            "failures": {"rollout_restarts": restarts},
         },
     )
     data["model"] = {"path": str(model_dir)}
@@ -148,7 +150,7 @@ def _strike(
     tmp_path: Path, model_dir: Path, mode: str, target: str, sig: signal.Signals, phase: str
 ) -> tuple[Outcome, str, Path]:
     markers = tmp_path / "markers"
-    config = _config(tmp_path, model_dir, markers)
+    config = _config(tmp_path, model_dir, markers, restarts=0 if ":" in target else 3)
     log = tmp_path / "console.log"
     proc = _start(mode, config, log)
     try:

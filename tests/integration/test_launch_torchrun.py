@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip(
@@ -181,3 +182,41 @@ def test_slow_engine_close_does_not_fail_a_finished_run(tmp_path: Path, model_di
     assert rc == 0, out[-4000:]
     assert "asyncrl: error" not in out
     assert "worker_stopping" in (tmp_path / "out" / "logs" / "rollout-0.log").read_text()
+
+
+def test_launch_restarts_a_killed_rollout_worker(tmp_path: Path, model_dir: Path) -> None:
+    """Under torchrun the rollout rank supervises its worker: SIGKILL to the worker (not the
+    rank) mid-run, and a new one serves within the run, which exits 0 with every step."""
+    num_steps = 30  # ~0.3 s a step; a restart takes ~3 s
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(_config(
+        model_dir, run={"num_steps": num_steps}, eval={"num_prompts": 0},
+        generator={"options": {"token_delay_s": 0.003}},
+    )) + "\n")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path),
+    ]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text().count('"train"') >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None, "no step was trained"
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "--rank" in p.cmdline() and "rollout" in p.cmdline()]
+        assert len(workers) == 1, workers  # the supervised worker, not its rank
+        workers[0].kill()
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-4000:]
+    assert session_processes(proc.pid) == []
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "train"]) == num_steps
+    restarted = [r for r in records if r["kind"] == "worker_restarted"]
+    assert [(r["worker"], r["exit_code"]) for r in restarted] == [("rollout:0", -signal.SIGKILL)]

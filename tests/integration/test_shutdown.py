@@ -123,6 +123,7 @@ async def test_worker_killing_itself_mid_run(make_config: Callable[..., Config])
     cfg = make_config(
         run={"num_steps": 1000}, eval={"num_prompts": 0},
         generator={"options": {"crash_after_groups": 6}},
+        failures={"rollout_restarts": 0},  # restarts: tests/integration/test_restarts.py
     )
     ctl = asyncrl.Controller(cfg)
     with pytest.raises(asyncrl.WorkerDiedError) as info:
@@ -142,7 +143,9 @@ async def test_worker_killed_by_the_host_mid_run(
 ) -> None:
     """The host SIGKILLs a worker it learned from the control plane's peers. With two rollout
     ranks, torchrun then stops the other one as well: still one error, for the victim."""
-    cfg = _slow(make_config, cluster={"rollout_ranks": rollout_ranks})
+    cfg = _slow(
+        make_config, cluster={"rollout_ranks": rollout_ranks}, failures={"rollout_restarts": 0}
+    )
     ctl = asyncrl.Controller(cfg)
     with pytest.raises(asyncrl.WorkerDiedError) as info:
         async with ctl:

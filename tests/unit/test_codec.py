@@ -43,11 +43,11 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_five() -> None:
+def test_protocol_version_is_six() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
-    # LoadState, ExportModel, GroupFailed.retryable
-    assert PROTOCOL_VERSION == 5
+    # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids
+    assert PROTOCOL_VERSION == 6
 
 
 def test_golden_hello() -> None:

@@ -1,0 +1,115 @@
+"""A rollout rank that outlives its worker: the torchrun rank starts the worker as a child
+process and starts it again, in place, when it dies (``failures.rollout_restarts``).
+
+::
+
+    torchrun agent ── rank (this supervisor: no engine, no torch) ── worker (own session)
+                                                                         └── engine processes
+
+torchrun stops the whole job when one of its ranks exits, so the rank itself must stay
+alive while its worker comes back. The worker runs in a session of its own: after it dies,
+whatever it left (an engine process holding GPU memory) is killed as a group before the next
+one starts. The controller watches the worker's pid, sends its groups elsewhere, takes the
+new process's ``Hello`` and refits it; it also holds the run's budget and stops the run when
+it is spent (this side's count only keeps a crash loop from going on forever).
+
+Exits: the worker's own code once it exits 0 (``Shutdown``), after a stop signal (forwarded
+to the worker, which cleans up: 128 + N), once the controller is gone (1), or once this
+rank's restarts are used up (the last code).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+import structlog
+
+from .process import has_exited, kill_process_group
+
+__all__ = ["supervise"]
+
+log = structlog.get_logger("asyncrl.supervisor")
+
+STATUS_READ_S = 0.3
+"""How long a dead worker stays a zombie before it is reaped, so the controller's watcher
+(woken by its pidfd) reads its exit code from ``/proc``."""
+GROUP_GONE_S = 10.0
+"""How long to wait for a dead worker's leftover processes to go after SIGKILL."""
+
+
+def supervise(
+    cmd: Sequence[str],
+    *,
+    max_restarts: int,
+    controller_pid: int = 0,
+    console: int | None = None,
+    backoff_s: float = 1.0,
+) -> int:
+    """Run ``cmd`` (a worker) until it exits 0 or a stop signal comes, starting it again up
+    to ``max_restarts`` times when it dies otherwise. ``controller_pid``: once it is gone,
+    stop (and, with ``console``, a descriptor of the launch's stderr, say so in one line).
+    Returns this rank's exit code."""
+    stopping: list[int] = []
+    child: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        if child:
+            kill_process_group(child[0].pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    restarts = 0
+    try:
+        while True:
+            child[:] = [subprocess.Popen(list(cmd), start_new_session=True)]
+            pid = child[0].pid
+            if stopping:  # a signal came while it was being started
+                kill_process_group(pid, stopping[0])
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            time.sleep(STATUS_READ_S)
+            code = child[0].wait()
+            _kill_group(pid)
+            if code == 0 or stopping:
+                return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
+            if controller_pid and has_exited(controller_pid):
+                if console is not None:
+                    os.write(console, _controller_lost_line(controller_pid).encode())
+                return 1
+            if restarts >= max_restarts:
+                log.error("worker_not_restarted", exit_code=code, restarts=restarts)
+                return _rank_code(code)
+            restarts += 1
+            log.warning("worker_restarting", exit_code=code, restart=restarts, of=max_restarts)
+            time.sleep(backoff_s)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _rank_code(code: int) -> int:
+    """A child's return code as a process exit code (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def _kill_group(pgid: int) -> None:
+    """Kill what the dead worker left in its session and wait (bounded) until it is gone."""
+    kill_process_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + GROUP_GONE_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+    log.warning("worker_leftovers_remain", pgid=pgid)
+
+
+def _controller_lost_line(pid: int) -> str:
+    return (
+        f"asyncrl: error: the controller (global rank 0, pid {pid}) died; the workers "
+        "stopped their engines and removed the run's files\n"
+    )

@@ -1,0 +1,121 @@
+"""A rollout worker that dies is started again in place (``failures.rollout_restarts``): its
+groups go to the other workers (or wait for it), it is refitted to the current weights, and
+the run finishes with every prompt trained once and the staleness bound kept. The budget
+spent, the next death stops the run with one error that says so.
+
+The victims are real processes: SIGKILL to the worker's pid (as the control plane saw it in
+``Hello``), at a moment marked by the bigram backend's phase markers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+pytest.importorskip(
+    "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
+)
+
+import asyncrl  # noqa: E402
+from asyncrl.config import Config  # noqa: E402
+from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.usefixtures("no_stray_processes"),
+    pytest.mark.timeout(240),
+]
+
+
+async def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    with anyio.fail_after(timeout_s):
+        while not path.exists():
+            await anyio.sleep(0.01)
+
+
+def _check_trained_once(summary: asyncrl.RunSummary, cfg: Config) -> None:
+    """Every step trained a full batch, no prompt lost or repeated, staleness within bound."""
+    assert len(summary.steps) == cfg.run.num_steps
+    trained = sum(e["trained"] for e in summary.ledger)
+    assert trained == cfg.run.num_steps * cfg.grpo.prompts_per_step
+    assert all(e["lost"] == 0 and e["repeated"] == 0 for e in summary.ledger), summary.ledger
+    bound = cfg.pipeline.sampler.max_lookahead_versions  # in_order: staleness <= lookahead
+    assert max(s["staleness_max"] for s in summary.steps) <= bound
+
+
+async def _kill_when(ctl: asyncrl.Controller, victim: str, marker: Path) -> int:
+    """SIGKILL ``victim`` once ``marker`` exists; returns its pid."""
+    await _wait_for(marker)
+    pid = worker_pids(ctl)[victim]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.parametrize(
+    ("rollout_ranks", "victim", "phase"),
+    [(2, "rollout:1", "generate"), (1, "rollout:0", "refit")],
+    ids=["one-of-two-mid-generation", "the-only-one-mid-refit"],
+)
+async def test_a_killed_rollout_worker_is_restarted_and_the_run_finishes(
+    make_config: Callable[..., Config], tmp_path: Path, rollout_ranks: int, victim: str,
+    phase: str,
+) -> None:
+    markers = tmp_path / "markers"
+    cfg = make_config(
+        run={"num_steps": 20},  # ~0.4 s a step; a restart takes ~3 s
+        cluster={"rollout_ranks": rollout_ranks},
+        generator={"options": {"token_delay_s": 0.003, "load_delay_s": 0.3,
+                               "phase_marker_dir": str(markers)}},
+        eval={"num_prompts": 8, "every_steps": 2},
+    )
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        async with anyio.create_task_group() as tg:
+            result: list[asyncrl.RunSummary] = []
+
+            async def train() -> None:
+                result.append(await ctl.train())
+
+            tg.start_soon(train)
+            while len(ctl.pipeline.history) < 2:  # a refit already happened
+                await anyio.sleep(0.01)
+            marker = markers / f"{victim.replace(':', '-')}.{phase}"
+            marker.unlink(missing_ok=True)  # the next one, not one seen before
+            killed = await _kill_when(ctl, victim, marker)
+        new_pid = worker_pids(ctl)[victim]
+    summary = result[0]
+    assert new_pid != killed and pids[victim] == killed
+    _check_trained_once(summary, cfg)
+    restarts = [r for r in read_metrics(cfg) if r["kind"] == "worker_restarted"]
+    assert [(r["worker"], r["exit_code"]) for r in restarts] == [(victim, -signal.SIGKILL)]
+    assert [e["label"] for e in summary.evals][-1] == "end"
+    assert_nothing_left(ctl, [killed, new_pid])
+
+
+async def test_a_crash_loop_spends_the_budget_and_stops_the_run(
+    make_config: Callable[..., Config],
+) -> None:
+    """The worker SIGKILLs itself after 3 groups, every time it is started: two restarts,
+    then the third death stops the run, naming the worker and the budget."""
+    cfg = make_config(
+        run={"num_steps": 1000},
+        eval={"num_prompts": 0},
+        generator={"options": {"crash_after_groups": 3}},
+        failures={"rollout_restarts": 2},
+    )
+    ctl = asyncrl.Controller(cfg)
+    with pytest.raises(asyncrl.WorkerDiedError) as info:
+        async with ctl:
+            await ctl.train()
+    err = info.value
+    assert (err.group, err.rank, err.exit_code) == ("rollout", 0, -signal.SIGKILL)
+    assert "restarted 2 times in this run" in str(err)
+    assert "failures.rollout_restarts" in str(err)
+    restarts = [r for r in read_metrics(cfg) if r["kind"] == "worker_restarted"]
+    assert [r["restart"] for r in restarts] == [1, 2]
+    assert_nothing_left(ctl)
