@@ -31,7 +31,7 @@ from .messages import ExportModel, SaveState
 from .rpc import ControlPlane
 from .schedule import Scheduler
 
-__all__ = ["Checkpointer", "model_config", "restore_state", "snapshot_state"]
+__all__ = ["Checkpointer", "model_config", "open_resume", "restore_state", "snapshot_state"]
 
 log = structlog.get_logger("asyncrl.checkpointing")
 
@@ -264,3 +264,35 @@ class Checkpointer:
 
 def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def open_resume(
+    cfg: Config, spec: str | None
+) -> tuple[ckpt.Checkpoint, ckpt.ControllerState] | None:
+    """The checkpoint to resume (checked: intact, this run's, not finished), or ``None``.
+    Saves that never finished are cleaned up first."""
+    ckpt.remove_stale(cfg.checkpoint.dir)
+    if spec is None:
+        return None
+    checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, cfg.checkpoint.dir))
+    errors, notes = ckpt.compare_configs(checkpoint.manifest["config"], to_dict(cfg))
+    saved_model = checkpoint.manifest.get("model_config")
+    if saved_model is not None and saved_model != model_config(cfg.model.path):
+        errors.append(f"model.path: {cfg.model.path} is not the model the checkpoint started from")
+    if errors:
+        raise ckpt.CheckpointError(
+            f"checkpoint {checkpoint.path} is from another run: "
+            + "; ".join(errors[:8])
+            + ". Fix: resume with the config the checkpoint was saved with (its manifest.json "
+            "holds it), or start a new run in another checkpoint.dir"
+        )
+    if checkpoint.step >= cfg.run.num_steps:
+        raise ckpt.CheckpointError(
+            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.num_steps is "
+            f"{cfg.run.num_steps}: the run is finished. Fix: to train further, raise "
+            f"run.num_steps (e.g. --set run.num_steps={checkpoint.step + cfg.run.num_steps}); "
+            "to export the model, run `asyncrl export` on the checkpoint"
+        )
+    if notes:
+        log.warning("resumed_with_changed_settings", changes=notes[:20])
+    return checkpoint, checkpoint.state()

@@ -40,7 +40,7 @@ import numpy as np
 import structlog
 
 from . import checkpoint as ckpt
-from .checkpointing import model_config
+from .checkpointing import open_resume
 from .config import Config, to_dict
 from .errors import (
     AsyncRLError,
@@ -175,7 +175,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         # a context too short for the prompts...) come before anything exists on disk: nothing
         # is left to clean up when they raise
         environment, tokenizer = await check_before_spawn(cfg)
-        resume = await anyio.to_thread.run_sync(_open_resume, cfg, self._resume)
+        resume = await anyio.to_thread.run_sync(open_resume, cfg, self._resume)
         run_id = uuid.uuid4().hex[:12]
         base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
         make_private_dir(base)
@@ -465,7 +465,7 @@ class Controller(anyio.AsyncContextManagerMixin):
     async def _train(self, pipe: Pipeline, summary: RunSummary) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(pipe.feed_buffer, name="buffer-feeder")
-            tg.start_soon(pipe.watch_loop_lag, name="loop-lag")
+            tg.start_soon(pipe.lag.run, name="loop-lag")
             watchdog = LoopWatchdog(
                 self.config.run.stall_warning_s,
                 dump_dir=os.path.join(self.config.run.output_dir, "logs"),
@@ -541,38 +541,6 @@ class _Scopes:
         self._cancelled = True
         for scope in self._scopes:
             scope.cancel()
-
-
-def _open_resume(
-    cfg: Config, spec: str | None
-) -> tuple[ckpt.Checkpoint, ckpt.ControllerState] | None:
-    """The checkpoint to resume (checked: intact, this run's, not finished), or ``None``.
-    Saves that never finished are cleaned up first."""
-    ckpt.remove_stale(cfg.checkpoint.dir)
-    if spec is None:
-        return None
-    checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, cfg.checkpoint.dir))
-    errors, notes = ckpt.compare_configs(checkpoint.manifest["config"], to_dict(cfg))
-    saved_model = checkpoint.manifest.get("model_config")
-    if saved_model is not None and saved_model != model_config(cfg.model.path):
-        errors.append(f"model.path: {cfg.model.path} is not the model the checkpoint started from")
-    if errors:
-        raise ckpt.CheckpointError(
-            f"checkpoint {checkpoint.path} is from another run: "
-            + "; ".join(errors[:8])
-            + ". Fix: resume with the config the checkpoint was saved with (its manifest.json "
-            "holds it), or start a new run in another checkpoint.dir"
-        )
-    if checkpoint.step >= cfg.run.num_steps:
-        raise ckpt.CheckpointError(
-            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.num_steps is "
-            f"{cfg.run.num_steps}: the run is finished. Fix: to train further, raise "
-            f"run.num_steps (e.g. --set run.num_steps={checkpoint.step + cfg.run.num_steps}); "
-            "to export the model, run `asyncrl export` on the checkpoint"
-        )
-    if notes:
-        log.warning("resumed_with_changed_settings", changes=notes[:20])
-    return checkpoint, checkpoint.state()
 
 
 def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:

@@ -25,7 +25,6 @@ scored in worker threads).
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 import anyio
@@ -64,6 +63,7 @@ from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord, log_step
 from .transport import AsyncSocket, Rejections, peer_name
 from .verify import make_probe, verification_due
+from .watchdog import LoopLag
 
 __all__ = ["Pipeline"]
 
@@ -132,8 +132,8 @@ class Pipeline:
         """Dispatch time spent waiting for a refit since the last step record."""
         self._refit_report = RefitReport()
         """What the last refit reported (the generators' busy time, the sender's packing)."""
-        self._lags: deque[float] = deque(maxlen=100_000)
-        """Event-loop wake-up delays since the last step was logged (bounded)."""
+        self.lag = LoopLag()
+        """Event-loop wake-up delays (the controller runs it; each step record takes them)."""
         self.history: list[dict[str, Any]] = []
         self.probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
@@ -571,8 +571,7 @@ class Pipeline:
         generator that serves (or ``receivers``); return when they serve them. A generator
         that dies meanwhile is left out (it is restarted). Cancellation: abandons the
         transfer."""
-        self._kv_scales = kv_scales
-        report = self._refit_report = await refit_generators(
+        report = await refit_generators(
             self.control,
             self.trainers,
             self.pool.serving if receivers is None else receivers,
@@ -582,6 +581,8 @@ class Pipeline:
             timeout_s=self.config.cluster.call_timeout_s,
             kv_scales=kv_scales,
         )
+        if receivers is None:  # a step's refit (not a restarted worker's): its figures count
+            self._refit_report, self._kv_scales = report, kv_scales
         if report.rejected_frames:  # the sender's count covers the whole run
             self.rejections.counts["weights"] = report.rejected_frames
 
@@ -599,11 +600,10 @@ class Pipeline:
             buffer_ready=self.sched.num_ready,
             buffer_live=self.sched.num_live,
             inflight_samples=self.sched.inflight_samples,
-            loop_lags=list(self._lags),
+            loop_lags=self.lag.take(),
             rejected_frames=self.rejections.total,
             now=self.now(),
         )
-        self._lags.clear()
         self.history.append(record)
         if self.metrics is not None:
             self.metrics.write({"kind": "train", **record})
@@ -614,12 +614,3 @@ class Pipeline:
         """Greedy held-out accuracy of the generators' current weights
         (:class:`~asyncrl.evaluation.Evaluator`)."""
         return await self.evaluator.evaluate(label, self.sched.generator_version)
-
-    # ------------------------------------------------------------------ loop health
-    async def watch_loop_lag(self, interval_s: float = 0.01) -> None:
-        """Measure how late the event loop wakes up from a short sleep, every ``interval_s``
-        (a blocked loop starves both pumps); each step's record gets the p99 and the max."""
-        while True:
-            t = time.perf_counter()
-            await anyio.sleep(interval_s)
-            self._lags.append(max(0.0, time.perf_counter() - t - interval_s))

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,3 +99,27 @@ class LoopWatchdog:
                   dump=str(path) if path else None)  # fmt: skip
         if self.on_stall is not None:
             self.on_stall(late, text)
+
+
+class LoopLag:
+    """How late the event loop wakes up from a short sleep, measured every ``interval_s``
+    (a blocked loop starves both pumps); each step's record takes the figures since the last
+    (bounded)."""
+
+    def __init__(self, interval_s: float = 0.01, keep: int = 100_000) -> None:
+        self.interval_s = interval_s
+        self._lags: deque[float] = deque(maxlen=keep)
+
+    async def run(self) -> None:
+        """Measure until cancelled."""
+        while True:
+            t = time.perf_counter()
+            await anyio.sleep(self.interval_s)
+            self._lags.append(max(0.0, time.perf_counter() - t - self.interval_s))
+
+    def take(self) -> list[float]:
+        """The delays measured since the last take."""
+        lags = list(self._lags)
+        self._lags.clear()
+        return lags
+

@@ -196,6 +196,8 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -
         "trainer": {"backend": "fsdp2", "options": {"lr": 1e-3}},
         "generator": {"backend": "vllm",
                       "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True}},
+        # the stop path; restarting it: test_launch_vllm_engine_death_is_outlived
+        "failures": {"rollout_restarts": 0},
     }
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config) + "\n")
@@ -243,3 +245,82 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -
     assert set(glob.glob("/tmp/asyncrl-vllm-*")) == ipc_before, "vLLM ipc directory left"
     leaked = [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")]
     assert leaked == [], f"vLLM shared memory left: {leaked}"
+
+
+def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) -> None:
+    """The same launch with ``failures.rollout_restarts`` (the default): vLLM's EngineCore is
+    SIGKILLed after the first step. The worker says why and exits, its rank (the supervisor)
+    kills what the engine left and starts a new worker, which is refitted to the trainer's
+    weights; the run trains every step and exits 0, leaving no process of any session."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+    from integration_support import (
+        free_port,
+        run_files,
+        run_processes,
+        session_processes,
+        to_toml,
+    )
+
+    num_steps = 4
+    config = {
+        "run": {"output_dir": str(tmp_path / "out"), "seed": 1, "num_steps": num_steps},
+        "model": {"path": str(qwen_dir)},
+        "environment": {"name": "repeat-digit"},
+        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "startup_timeout_s": 400},
+        "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
+        "trainer": {"backend": "fsdp2", "options": {"lr": 1e-3}},
+        "generator": {"backend": "vllm",
+                      "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True}},
+        "eval": {"num_prompts": 8},
+    }
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(config) + "\n")
+    log = tmp_path / "console.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path)],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    sessions = {proc.pid}
+    try:
+        deadline = time.monotonic() + 400
+        while not (metrics.exists() and '"train"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        run_id = json.loads(metrics.read_text().splitlines()[0])["run_id"]
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        sessions |= {os.getsid(p.pid) for p in tree if p.is_running()}
+        engine = [p for p in tree if "EngineCore" in p.name()]
+        assert engine, "no engine process found"
+        engine[0].send_signal(signal.SIGKILL)
+        while proc.poll() is None:
+            assert time.monotonic() < deadline + 400, log.read_text()[-3000:]
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    sessions.add(os.getsid(p.pid))
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while [s for s in sessions if session_processes(s)] or run_processes(run_id) \
+                or run_files(run_id):
+            assert time.monotonic() < deadline, [session_processes(s) for s in sessions]
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "train"]) == num_steps
+    (restart,) = [r for r in records if r["kind"] == "worker_restarted"]
+    assert restart["worker"] == "rollout:0" and "EngineDeadError" in restart["error"], restart
+    assert [r["label"] for r in records if r["kind"] == "eval"] == ["start", "end"]
+    print(f"\nRESTART | launch | vllm EngineCore SIGKILL | back in {restart['seconds']:.1f} s")

@@ -441,3 +441,69 @@ async def test_n_staging_buffers_let_the_trainer_pack_n_minus_1_buckets_ahead(
             np.testing.assert_array_equal(engine.weights[name], a)
     finally:
         pair.close()
+
+
+class StuckEngine(Engine):
+    """Hangs in its first bucket's load, like an engine whose process is being killed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loading = anyio.Event()
+
+    async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
+        self.loading.set()
+        await anyio.sleep_forever()
+
+
+async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the_version(
+    run_dir: str,
+) -> None:
+    """Two receivers; rollout:1 hangs in its first load and its process (a stand-in we own)
+    is killed then. The sender stops waiting for it at once and finishes the version for
+    rollout:0, byte-exact, well inside refit.timeout_s. Without the receivers' pids it would
+    wait for rollout:1's acknowledgement until the timeout."""
+    import subprocess
+    import sys
+
+    pair = Pair(run_dir)
+    other = WeightReceiver(pair.ctx, pair.address, "rollout:1")
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    w = weights()
+    good, stuck = Engine(), StuckEngine()
+    out: dict[str, Any] = {}
+    try:
+        async def send() -> None:
+            start = time.perf_counter()
+            out["sent"] = await pair.sender.send(
+                1, ["rollout:0", "rollout:1"], specs(), tensors(w), bucket_size=BUCKET,
+                timeout_s=30, pids=[os.getpid(), stand_in.pid],
+            )
+            out["seconds"] = time.perf_counter() - start
+
+        async def kill_when_stuck() -> None:
+            await stuck.loading.wait()
+            stand_in.kill()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(kill_when_stuck)
+            tg.start_soon(lambda: pair.receiver.receive(
+                1, good, transport="shm", reset_prefix_cache=True, kv_scales=None, timeout_s=30))
+            async with anyio.create_task_group() as hung:
+                hung.start_soon(lambda: other.receive(
+                    1, stuck, transport="shm", reset_prefix_cache=True, kv_scales=None,
+                    timeout_s=30))
+                while "sent" not in out:
+                    await anyio.sleep(0.01)
+                hung.cancel_scope.cancel()
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        other.close()
+        pair.close()
+    assert out["sent"].num_buckets == 3
+    assert out["seconds"] < 5  # measured ~0.1 s; the timeout it no longer waits for is 30 s
+    assert set(good.weights) == set(w)
+    for name, array in w.items():
+        np.testing.assert_array_equal(good.weights[name], array)
+

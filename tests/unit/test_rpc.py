@@ -20,6 +20,7 @@ from asyncrl.codec import Codec
 from asyncrl.errors import (
     RemoteCallError,
     WorkerError,
+    WorkerRestarting,
     WorkerStartupError,
 )
 from asyncrl.messages import (
@@ -328,3 +329,58 @@ async def test_unreachable_worker_is_a_worker_error_not_a_zmq_error(run_dir: str
             with pytest.raises(WorkerError) as info:
                 await control.call("trainer:0", Health(), timeout_s=5)
         assert info.value is died
+
+
+async def test_a_survivable_death_is_kept_and_its_restart_is_welcome(run_dir: str) -> None:
+    """A ready worker the run can restart says Dead: the reader goes on and keeps its last
+    words. forget() fails its pending call and later calls with the given error, until its
+    new process (same identity, a new socket) says Hello, which is welcome then."""
+    ctx = Context()
+    address = ipc_address(run_dir, "control")
+    router = ctx.socket(ROUTER, bind=address, router_mandatory=True)
+    control = ControlPlane(router, lambda h: Init(run_id="r", config={}, data_address=""),
+                           survivable=lambda peer: peer.group == "rollout")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(control.run)
+            old = FakeWorker(ctx, address, "rollout", 0)
+            await old.handshake()
+            with anyio.fail_after(5):
+                await control.wait_peer("rollout:0")
+            await old.say(Dead(reason="EngineDeadError: engine core exited", traceback="tb"))
+            with anyio.fail_after(5):
+                while control.peers["rollout:0"].last_words is None:
+                    await anyio.sleep(0.01)
+            assert "engine core exited" in str(control.peers["rollout:0"].last_words)
+            errors: list[BaseException] = []
+
+            async def caller() -> None:
+                try:
+                    await control.call("rollout:0", Health(), timeout_s=10)
+                except WorkerRestarting as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as calls:
+                calls.start_soon(caller)
+                await old.hear()  # the call reached the dying worker
+                control.forget("rollout:0", WorkerRestarting("rollout:0 is restarting"))
+            assert [str(e) for e in errors] == ["rollout:0 is restarting"]
+            with pytest.raises(WorkerRestarting):
+                await control.call("rollout:0", Health(), timeout_s=1)
+            old.sock.close()
+            new = FakeWorker(ctx, address, "rollout", 0)
+            await new.handshake()
+            with anyio.fail_after(5):
+                peer = await control.wait_peer("rollout:0")
+            assert peer.ready.is_set() and peer.last_words is None
+
+            async def answer() -> None:
+                call = await new.hear()
+                await new.say(Reply(call_id=call.call_id, result=HealthResult(pid=7)))
+
+            tg.start_soon(answer)
+            assert await control.call("rollout:0", Health(), timeout_s=5) == HealthResult(pid=7)
+            assert control.rejections.total == 0
+            tg.cancel_scope.cancel()
+    finally:
+        ctx.close()

@@ -1,0 +1,116 @@
+"""The rollout rank's supervisor (asyncrl.supervisor) with real child processes: restarts
+within its count, what a dead worker left is killed before the next starts, stop signals
+are forwarded, and a lost controller ends it with one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncrl.supervisor import supervise
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def child(tmp_path: Path, body: str) -> list[str]:
+    """A worker stand-in: counts its starts in ``runs`` (``n`` is this start's number)."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, subprocess, sys, time
+        from pathlib import Path
+        runs = Path({str(tmp_path / "runs")!r})
+        n = len(runs.read_text()) + 1 if runs.exists() else 1
+        runs.write_text("x" * n)
+    """) + textwrap.dedent(body))
+    return [sys.executable, str(script)]
+
+
+def runs(tmp_path: Path) -> int:
+    return len((tmp_path / "runs").read_text())
+
+
+def test_a_dying_worker_is_started_again_until_it_exits_0(tmp_path: Path) -> None:
+    cmd = child(tmp_path, "sys.exit(0 if n == 3 else 1)")
+    assert supervise(cmd, max_restarts=3, backoff_s=0) == 0
+    assert runs(tmp_path) == 3
+
+
+def test_the_count_spent_its_last_code_is_the_ranks(tmp_path: Path) -> None:
+    cmd = child(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
+    assert supervise(cmd, max_restarts=2, backoff_s=0) == 128 + signal.SIGKILL
+    assert runs(tmp_path) == 3  # the first start and two restarts
+
+
+def test_what_a_dead_worker_left_is_killed_before_the_next_starts(tmp_path: Path) -> None:
+    """The worker starts an 'engine' in its session and dies; the engine must be gone before
+    the second worker starts (it would hold the GPU's memory)."""
+    cmd = child(tmp_path, f"""
+        if n == 1:
+            engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            Path({str(tmp_path / "engine")!r}).write_text(str(engine.pid))
+            os._exit(1)
+        pid = int(Path({str(tmp_path / "engine")!r}).read_text())
+        alive = os.path.exists(f"/proc/{{pid}}") and "Z" not in open(f"/proc/{{pid}}/stat").read().split(")")[1][:3]
+        sys.exit(3 if alive else 0)
+    """)
+    assert supervise(cmd, max_restarts=1, backoff_s=0) == 0
+    assert runs(tmp_path) == 2
+
+
+def test_a_stop_signal_is_forwarded_and_not_restarted(tmp_path: Path) -> None:
+    cmd = child(tmp_path, f"""
+        def stop(signum, frame):
+            Path({str(tmp_path / "got")!r}).write_text(str(signum))
+            sys.exit(128 + signum)
+        signal.signal(signal.SIGTERM, stop)
+        Path({str(tmp_path / "up")!r}).write_text("")
+        time.sleep(60)
+    """)
+    code = f"import sys; from asyncrl.supervisor import supervise; sys.exit(supervise({cmd!r}, max_restarts=3, backoff_s=0))"
+    rank = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "up").exists():
+            assert time.monotonic() < deadline and rank.poll() is None
+            time.sleep(0.02)
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=20) == 128 + signal.SIGTERM
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    assert (tmp_path / "got").read_text() == str(int(signal.SIGTERM))
+    assert runs(tmp_path) == 1
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_a_lost_controller_ends_it_with_one_line(tmp_path: Path) -> None:
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cmd = child(tmp_path, f"""
+        pid = {controller.pid}
+        os.kill(pid, signal.SIGKILL)
+        while os.path.exists(f"/proc/{{pid}}") and "Z" not in open(f"/proc/{{pid}}/stat").read().split(")")[1][:3]:
+            time.sleep(0.01)
+        sys.exit(1)  # as a worker does when its controller dies
+    """)
+    read, write = os.pipe()
+    try:
+        code = supervise(cmd, max_restarts=3, controller_pid=controller.pid, console=write,
+                         backoff_s=0)
+    finally:
+        controller.wait()
+        os.close(write)
+    line = os.read(read, 4096).decode()
+    os.close(read)
+    assert code == 1 and runs(tmp_path) == 1
+    assert line == (f"asyncrl: error: the controller (global rank 0, pid {controller.pid}) died; "
+                    "the workers stopped their engines and removed the run's files\n")
