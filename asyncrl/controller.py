@@ -250,6 +250,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                     # before anything is stopped: a rank that died is the root cause of the
                     # collective errors its death caused on the other ranks
                     self._note_dead_peers(control)
+                    self._note_stop(metrics)
                     raise
                 finally:
                     watchers.cancel()
@@ -484,6 +485,26 @@ class Controller(anyio.AsyncContextManagerMixin):
             summary.evals = list(pipe.evaluator.records)
             tg.cancel_scope.cancel()
 
+    def _note_stop(self, metrics: MetricsWriter) -> None:
+        """A run that did not finish (a dead trainer, a run error, a signal): what can be
+        saved once the trainer's state is lost is the record of where it stood. The ledger,
+        and a ``stopped`` record naming the checkpoint a resume goes on from (the work after
+        it is done again: samples of newer weights cannot be trained on the older ones
+        within the staleness bound)."""
+        pipe = self._pipeline
+        if pipe is None:
+            return
+        last = pipe.checkpointer.last
+        ledger = [dataclasses.asdict(e) for e in pipe.sched.ledger_report()]
+        metrics.write({"kind": "ledger", "epochs": ledger})
+        metrics.write({
+            "kind": "stopped", "step": pipe.sched.trainer_version,
+            "checkpoint": str(last) if last is not None else None,
+            "deaths": [str(d).splitlines()[0] for d in self._deaths],
+        })  # fmt: skip
+        log.warning("run_stopped_early", step=pipe.sched.trainer_version,
+                    resume_from=str(last) if last is not None else None)
+
     def _note_dead_peers(self, control: ControlPlane) -> None:
         """Record workers whose process has exited but whose watcher has not fired yet."""
         seen = {(e.group, e.rank) for e in self._deaths}
@@ -580,7 +601,9 @@ def _gc_frozen(enabled: bool) -> Iterator[None]:
 def _worker_args(config: Config, group: str) -> list[str]:
     """Rollout ranks supervise their worker when it may be restarted."""
     restarts = config.rollout_restarts if group == "rollout" else 0
-    return ["--max-restarts", str(restarts)] if restarts else []
+    if not restarts:
+        return []
+    return ["--max-restarts", str(restarts), "--controller-pid", str(os.getpid())]
 
 
 def _worker_env(config: Config, group: str) -> dict[str, str]:

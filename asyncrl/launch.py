@@ -184,6 +184,7 @@ def worker_main(
     max_restarts: int = 0,
     rank: int | None = None,
     world: int | None = None,
+    controller_pid: int = 0,
 ) -> int:
     """A rank of a group spawned by an embedded controller, or (``rank`` given) a rollout
     worker its supervisor started. With ``max_restarts``, this rank supervises its worker
@@ -195,7 +196,8 @@ def worker_main(
     _redirect_output(log_path)
     _log.configure("json")
     if max_restarts:
-        return _supervise(group, rank, world, control, log_dir, max_restarts)
+        return _supervise(group, rank, world, control, log_dir, max_restarts,
+                          controller_pid=controller_pid)
     if supervised:
         _die_with_parent()
     return _serve_rank(
@@ -356,7 +358,10 @@ def _run_controller(
             raise
         if not (stopped_by and _stopped_by_signal(error)):
             print(f"asyncrl: error: {_one_line(error, config)}", file=sys.stderr, flush=True)
-            return 2 if isinstance(error, (ConfigError, CheckpointError)) else 1
+            if isinstance(error, (ConfigError, CheckpointError)):
+                return 2
+            _print_resume_hint(config)
+            return 1
         summary = None  # a rank that left because of the same signal: not a failure
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving in order; see above
@@ -368,6 +373,7 @@ def _run_controller(
             file=sys.stderr,
             flush=True,
         )
+        _print_resume_hint(config)
         return 128 + int(sig)
     for e in summary.evals:
         print(f"eval {e['label']}: accuracy {e['accuracy']:.3f} on {e['num_prompts']} prompts")
@@ -390,6 +396,16 @@ async def _checkpoint_on_sigusr1(ctl: Any) -> None:
         async for _ in signals:
             log.info("checkpoint_requested", by="SIGUSR1")
             ctl.pipeline.checkpointer.request()
+
+
+def _print_resume_hint(config: Config) -> None:
+    """After a run that did not finish: where ``--resume`` goes on from, if anywhere."""
+    from .checkpoint import latest
+
+    found = latest(config.checkpoint.dir)
+    if found is not None:
+        print(f"asyncrl: the newest checkpoint is {found}: add --resume to go on from it",
+              file=sys.stderr, flush=True)
 
 
 def _stopped_by_signal(error: AsyncRLError) -> bool:
@@ -488,11 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--controller-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(
             args.worker, args.control, args.log_dir, max_restarts=args.max_restarts,
-            rank=args.rank, world=args.world_size,
+            rank=args.rank, world=args.world_size, controller_pid=args.controller_pid,
         )
     if not args.config:
         parser.error("a config file is required")

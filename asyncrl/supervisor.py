@@ -21,6 +21,7 @@ rank's restarts are used up (the last code).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import time
@@ -37,6 +38,9 @@ log = structlog.get_logger("asyncrl.supervisor")
 STATUS_READ_S = 0.3
 """How long a dead worker stays a zombie before it is reaped, so the controller's watcher
 (woken by its pidfd) reads its exit code from ``/proc``."""
+LOST_GRACE_S = 10.0
+"""After the controller died: how long the worker has to clean up before SIGTERM, and then
+before SIGKILL."""
 GROUP_GONE_S = 10.0
 """How long to wait for a dead worker's leftover processes to go after SIGKILL."""
 
@@ -69,16 +73,18 @@ def supervise(
             pid = child[0].pid
             if stopping:  # a signal came while it was being started
                 kill_process_group(pid, stopping[0])
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            lost = _wait(pid, controller_pid)
+            if lost:  # the worker stops by itself once it sees it; a new one would hang
+                _stop(pid)
             time.sleep(STATUS_READ_S)
             code = child[0].wait()
             _kill_group(pid)
-            if code == 0 or stopping:
-                return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
-            if controller_pid and has_exited(controller_pid):
+            if lost or (controller_pid and has_exited(controller_pid)):
                 if console is not None:
                     os.write(console, _controller_lost_line(controller_pid).encode())
                 return 1
+            if code == 0 or stopping:
+                return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
             if restarts >= max_restarts:
                 log.error("worker_not_restarted", exit_code=code, restarts=restarts)
                 return _rank_code(code)
@@ -88,6 +94,40 @@ def supervise(
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def _wait(pid: int, controller_pid: int) -> bool:
+    """Until the worker exits (False, not reaped) or the controller does first (True)."""
+    fds = [os.pidfd_open(pid)]
+    try:
+        if controller_pid:
+            try:
+                fds.append(os.pidfd_open(controller_pid))
+            except ProcessLookupError:
+                return True
+        while True:
+            ready, _, _ = select.select(fds, [], [])  # a signal: handled, then waits again
+            if fds[0] in ready:
+                return False
+            if ready:
+                return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _stop(pid: int) -> None:
+    """The controller is gone: let the worker clean up and exit (it watches the controller),
+    then SIGTERM, then SIGKILL its session."""
+    fd = os.pidfd_open(pid)
+    try:
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                kill_process_group(pid, sig)
+            if select.select([fd], [], [], LOST_GRACE_S)[0]:
+                return
+    finally:
+        os.close(fd)
 
 
 def _rank_code(code: int) -> int:

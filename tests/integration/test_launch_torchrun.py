@@ -221,3 +221,17 @@ def test_launch_restarts_a_killed_rollout_worker(tmp_path: Path, model_dir: Path
     assert len([r for r in records if r["kind"] == "train"]) == num_steps
     restarted = [r for r in records if r["kind"] == "worker_restarted"]
     assert [(r["worker"], r["exit_code"]) for r in restarted] == [("rollout:0", -signal.SIGKILL)]
+
+
+def test_a_stopped_launch_says_where_resume_goes_on_from(tmp_path: Path, model_dir: Path) -> None:
+    """SIGTERM after a checkpoint was saved: after its stop line, the launch names the newest
+    checkpoint and the flag that goes on from it."""
+    slow = _config(model_dir, run={"num_steps": 1000}, eval={"num_prompts": 0},
+                   checkpoint={"every_steps": 1}, generator={"options": {"token_delay_s": 0.01}})
+    rc, out = _front_door(tmp_path, slow, stop_after_s=0)
+    assert rc == 128 + signal.SIGTERM, out[-4000:]
+    lines = [line for line in out.splitlines() if line.startswith("asyncrl: ")]
+    assert lines[0].startswith("asyncrl: stopped by SIGTERM"), out[-4000:]
+    newest = sorted((tmp_path / "out" / "checkpoints").glob("step-*"))[-1]
+    assert lines[1:] == [f"asyncrl: the newest checkpoint is {newest}: add --resume to go on "
+                         "from it"], out[-4000:]

@@ -22,13 +22,14 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
+from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+
 import asyncrl  # noqa: E402
 from asyncrl import checkpoint as ckpt  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import RunError  # noqa: E402
 from asyncrl.grpo import pack_tokens  # noqa: E402
 from asyncrl.messages import ComputeLogprobs, LogprobsResult  # noqa: E402
-from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 
@@ -184,3 +185,48 @@ async def test_checkpoint_on_demand(make_config: Callable[..., Config]) -> None:
     assert path is not None
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     assert 1 <= manifest["step"] <= 4 and manifest["finished"] is False
+
+
+async def test_a_dead_trainer_stops_the_run_and_resume_goes_on_losing_nothing(
+    make_config: Callable[..., Config],
+) -> None:
+    """trainer:0 is SIGKILLed after step 3 of 6 (a checkpoint every 2 steps): the run stops
+    with the error naming it and records where it stood (the ledger, a ``stopped`` record
+    naming the checkpoint of step 2); ``resume="latest"`` trains steps 3-6, and across both
+    runs every prompt position is trained exactly once."""
+    import os
+    import signal
+
+    import anyio
+
+    cfg = make_config(
+        run={"num_steps": 6},
+        eval={"num_prompts": 0},
+        checkpoint={"every_steps": 2},
+        generator={"options": {"token_delay_s": 0.002}},
+    )
+    ctl = asyncrl.Controller(cfg)
+    with pytest.raises(asyncrl.WorkerDiedError) as info:
+        async with ctl:
+            pids = worker_pids(ctl)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctl.train)
+                with anyio.fail_after(60):
+                    while len(ctl.pipeline.history) < 3:
+                        await anyio.sleep(0.005)
+                os.kill(pids["trainer:0"], signal.SIGKILL)
+                await anyio.sleep_forever()
+    assert (info.value.group, info.value.rank) == ("trainer", 0)
+    assert_nothing_left(ctl, pids.values())
+    records = read_metrics(cfg)
+    (stopped,) = [r for r in records if r["kind"] == "stopped"]
+    assert stopped["checkpoint"] == str(ckpt.latest(cfg.checkpoint.dir))
+    assert stopped["checkpoint"].endswith("step-00000002") and stopped["step"] >= 3
+    assert "worker trainer:0 died with exit code -9" in stopped["deaths"][0]
+    assert records[-1]["kind"] == "stopped" and records[-2]["kind"] == "ledger"
+
+    summary, _ = await _run(cfg, resume="latest")
+    assert summary.resumed_from == 2
+    assert [s["step"] for s in summary.steps] == [3, 4, 5, 6]
+    assert _trained_positions(summary) == 6 * cfg.grpo.prompts_per_step
+    assert all(e["lost"] == 0 and e["repeated"] == 0 for e in summary.ledger)

@@ -114,3 +114,37 @@ def test_a_lost_controller_ends_it_with_one_line(tmp_path: Path) -> None:
     assert code == 1 and runs(tmp_path) == 1
     assert line == (f"asyncrl: error: the controller (global rank 0, pid {controller.pid}) died; "
                     "the workers stopped their engines and removed the run's files\n")
+
+
+def test_a_worker_that_outlives_its_controller_is_stopped_not_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller dies while the worker still runs (a new one, before its handshake,
+    would wait for an Init that never comes): the supervisor stops the worker's session
+    after a grace and exits 1 without starting another."""
+    import threading
+
+    monkeypatch.setattr("asyncrl.supervisor.LOST_GRACE_S", 0.5)
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cmd = child(tmp_path, f"""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # deaf: only SIGKILL ends it
+        Path({str(tmp_path / "up")!r}).write_text(str(os.getpid()))
+        time.sleep(60)
+    """)
+
+    def kill_controller_once_up() -> None:
+        while not (tmp_path / "up").exists():
+            time.sleep(0.02)
+        controller.kill()
+
+    threading.Thread(target=kill_controller_once_up, daemon=True).start()
+    start = time.monotonic()
+    try:
+        code = supervise(cmd, max_restarts=3, controller_pid=controller.pid, backoff_s=0)
+    finally:
+        controller.kill()
+        controller.wait()
+    worker = int((tmp_path / "up").read_text())
+    assert code == 1 and runs(tmp_path) == 1
+    assert time.monotonic() - start < 10  # two graces of 0.5 s, then SIGKILL
+    assert not psutil.pid_exists(worker)

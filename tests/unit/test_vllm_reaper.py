@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from asyncrl_vllm.reaper import Reaper, descendants, proc_table
 
 pytestmark = pytest.mark.timeout(60)
