@@ -346,8 +346,9 @@ class Controller(anyio.AsyncContextManagerMixin):
         self, control: ControlPlane, peer: Any, died: WorkerDiedError, supervisor: int | None
     ) -> Any:
         """A rollout worker died: if the pool grants a restart, send its groups elsewhere,
-        wait for its new process (its ``supervisor`` starts it) and refit it; returns the new
-        peer. ``None``: no restart (not a rollout worker, no run yet, the budget spent)."""
+        wait for its new process (its ``supervisor`` starts it), start its refit and return
+        it (to be watched while it syncs). ``None``: no restart (not a rollout worker, no
+        run yet, the budget spent)."""
         pipe = self._pipeline
         if peer.group != "rollout" or pipe is None or not pipe.pool.lost(peer.identity):
             if pipe is not None and peer.group == "rollout" and pipe.pool.max_restarts:
@@ -373,13 +374,19 @@ class Controller(anyio.AsyncContextManagerMixin):
                 tg.start_soon(supervisor_gone)
                 back = await control.wait_peer(peer.identity)
                 tg.cancel_scope.cancel()
-            await pipe.worker_back(peer.identity)
-            seconds = round(time.perf_counter() - start, 3)
-            if pipe.metrics is not None:
-                pipe.metrics.write({"kind": "worker_restarted", "worker": peer.identity,
-                                    "exit_code": died.exit_code, "error": why,
-                                    "restart": pipe.pool.restarts, "seconds": seconds})
-            log.info("worker_restarted", worker=peer.identity, seconds=seconds)
+
+            async def sync() -> None:  # while the caller watches the new process
+                if not await pipe.worker_back(peer.identity):
+                    return  # it died again meanwhile: that death is being handled
+                seconds = round(time.perf_counter() - start, 3)
+                if pipe.metrics is not None:
+                    pipe.metrics.write({"kind": "worker_restarted", "worker": peer.identity,
+                                        "exit_code": died.exit_code, "error": why,
+                                        "restart": pipe.pool.restarts, "seconds": seconds})
+                log.info("worker_restarted", worker=peer.identity, seconds=seconds)
+
+            assert self._tg is not None
+            self._tg.start_soon(sync, name=f"sync-{peer.identity}")
             return back
         raise WorkerStartupError(
             f"{peer.identity} died ({why}) and its new process was not ready within "

@@ -57,7 +57,7 @@ from .probes import Probes
 from .prompts import PromptStream, Tokenizer, sample_seed
 from .redispatch import Redispatcher
 from .refits import KVScales, RefitReport, refit_generators
-from .rollout_pool import RolloutPool
+from .rollout_pool import SYNCING, RolloutPool
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord, log_step
@@ -547,19 +547,23 @@ class Pipeline:
         evals = self.redispatch.worker_lost(worker)
         await self.evaluator.resend(evals)
 
-    async def worker_back(self, worker: str) -> None:
+    async def worker_back(self, worker: str) -> bool:
         """Rollout ``worker``'s new process is ready: refit it to the trainer's weights (with
         the last FP8 KV-cache scales), then it takes work again. While the weights are held,
-        the trainer's are those of ``trainer_version``, which the generators serve."""
+        the trainer's are those of ``trainer_version``, which the generators serve. False:
+        it died again during its refit (it is restarting again, or the run stops)."""
         self.pool.returned(worker)
         async with self._weights:
             version = self.sched.trainer_version
             await self.refit(version, self._kv_scales, receivers=[worker])
+        if self.pool.state(worker) != SYNCING:
+            return False
         self.pool.synced(worker)
         self._load[worker] = 0
         log.info("worker_back", worker=worker, version=version)
         await self.evaluator.resend([])
         self.changed.notify()
+        return True
 
     async def refit(
         self,

@@ -3,7 +3,7 @@ process and starts it again, in place, when it dies (``failures.rollout_restarts
 
 ::
 
-    torchrun agent ── rank (this supervisor: no engine, no torch) ── worker (own session)
+    torchrun agent ── rank (this supervisor: no engine) ── worker (a session of its own)
                                                                          └── engine processes
 
 torchrun stops the whole job when one of its ranks exits, so the rank itself must stay
