@@ -38,9 +38,10 @@ log = structlog.get_logger("asyncrl.supervisor")
 STATUS_READ_S = 0.3
 """How long a dead worker stays a zombie before it is reaped, so the controller's watcher
 (woken by its pidfd) reads its exit code from ``/proc``."""
-LOST_GRACE_S = 10.0
-"""After the controller died: how long the worker has to clean up before SIGTERM, and then
-before SIGKILL."""
+LOST_GRACE_S = 40.0
+"""After the controller exited: how long the worker has to finish closing its engine (the
+worker runtime bounds that at 30 s) or to notice the loss and clean up, before SIGTERM, and
+then before SIGKILL."""
 GROUP_GONE_S = 10.0
 """How long to wait for a dead worker's leftover processes to go after SIGKILL."""
 
@@ -73,18 +74,20 @@ def supervise(
             pid = child[0].pid
             if stopping:  # a signal came while it was being started
                 kill_process_group(pid, stopping[0])
-            lost = _wait(pid, controller_pid)
-            if lost:  # the worker stops by itself once it sees it; a new one would hang
+            if _wait(pid, controller_pid):
+                # the controller exited first: after a Shutdown (the worker is still closing
+                # its engine, and exits 0) or dead (it stops too, once it sees it); either
+                # way no new worker, which would wait for an Init that never comes
                 _stop(pid)
             time.sleep(STATUS_READ_S)
             code = child[0].wait()
             _kill_group(pid)
-            if lost or (controller_pid and has_exited(controller_pid)):
+            if code == 0 or stopping:
+                return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
+            if controller_pid and has_exited(controller_pid):
                 if console is not None:
                     os.write(console, _controller_lost_line(controller_pid).encode())
                 return 1
-            if code == 0 or stopping:
-                return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
             if restarts >= max_restarts:
                 log.error("worker_not_restarted", exit_code=code, restarts=restarts)
                 return _rank_code(code)

@@ -47,19 +47,31 @@ def _records(metrics: Path) -> list[dict[str, Any]]:
 
 
 def _victim(launch: int, engine: bool) -> psutil.Process | None:
-    """The supervised rollout worker (``--worker rollout --rank``), or its engine process."""
+    """The supervised rollout worker (``--worker rollout --rank``), or its engine's process:
+    its child named like vLLM's engine core (``VLLM::EngineCore``, ``EngineCore_DP0``; the
+    name is cut at 15 characters), else its largest child that is not a helper (the
+    backend's reaper, multiprocessing's resource tracker)."""
     for p in psutil.Process(launch).children(recursive=True):
         try:
             cmd = p.cmdline()
         except psutil.Error:
             continue
-        if "--rank" in cmd and "rollout" in cmd:
-            if not engine:
-                return p
-            for c in p.children(recursive=True):
-                if "EngineCore" in c.name() or any("EngineCore" in a for a in c.cmdline()):
+        if "--rank" not in cmd or "rollout" not in cmd or "--worker" not in cmd:
+            continue
+        if not engine:
+            return p
+        candidates = []
+        for c in p.children():
+            try:
+                text = c.name() + " " + " ".join(c.cmdline())
+                if "reaper" in text or "resource_tracker" in text:
+                    continue
+                if "Engine" in text:
                     return c
-            return p  # the engine runs inside the worker
+                candidates.append((c.memory_info().rss, c))
+            except psutil.Error:
+                continue
+        return max(candidates, key=lambda x: x[0])[1] if candidates else p
     return None
 
 
@@ -110,7 +122,7 @@ def main() -> int:
             if victim is None:
                 raise SystemExit("no rollout worker found (failures.rollout_restarts = 0?)")
             step = len([r for r in _records(metrics) if r["kind"] == "train"])
-            name = victim.name()
+            name = " ".join(victim.cmdline())[:40] or victim.name()
             victim.send_signal(signal.SIGKILL)
             kills.append({"kill": k + 1, "victim": "engine" if engine else "worker",
                           "process": name, "after_step": step})

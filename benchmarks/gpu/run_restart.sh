@@ -19,7 +19,9 @@ fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/gpu-memory-before.csv" || true
 timeout ${LIMIT:-540} python3 benchmarks/restart.py --config examples/tiny_arith_gpu.toml \
   --kills "${KILLS:-2}" --set run.num_steps=60 --workdir "$PWD/runs/restart-gpu" \
-  --out "$OUT/restart-gpu.json" --timeout 480 "$@" 2>&1 | tee "$OUT/restart-gpu.txt" | tail -25
+  --out "$OUT/restart-gpu.json" --timeout 480 "$@" 2>&1 | tee "$OUT/restart-gpu.txt" | tail -25 \
+  && rc=0 || rc=$?
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/gpu-memory-after.csv" || true
 cp runs/restart-gpu/launch.log "$OUT/" 2>/dev/null || true
 cp runs/restart-gpu/logs/rollout-0.log "$OUT/" 2>/dev/null || true
+exit $rc

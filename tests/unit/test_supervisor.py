@@ -148,3 +148,25 @@ def test_a_worker_that_outlives_its_controller_is_stopped_not_restarted(
     assert code == 1 and runs(tmp_path) == 1
     assert time.monotonic() - start < 10  # two graces of 0.5 s, then SIGKILL
     assert not psutil.pid_exists(worker)
+
+
+def test_a_worker_still_closing_when_the_controller_ends_exits_0(tmp_path: Path) -> None:
+    """After Shutdown the controller may exit while the worker still closes a slow engine:
+    that is a normal end (0, no line), not a lost controller (it was, on an H200 with vLLM)."""
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cmd = child(tmp_path, f"""
+        pid = {controller.pid}
+        os.kill(pid, signal.SIGKILL)  # the controller ends first
+        time.sleep(1.0)  # closing the engine
+        sys.exit(0)
+    """)
+    read, write = os.pipe()
+    try:
+        code = supervise(cmd, max_restarts=3, controller_pid=controller.pid, console=write,
+                         backoff_s=0)
+    finally:
+        controller.wait()
+        os.close(write)
+    assert code == 0 and runs(tmp_path) == 1
+    assert os.read(read, 4096) == b""
+    os.close(read)
