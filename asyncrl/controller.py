@@ -327,8 +327,9 @@ class Controller(anyio.AsyncContextManagerMixin):
                 except WorkerDiedError as exc:
                     back = await self._restart(control, peer, exc, supervisor)
                     if back is None:
-                        self._deaths.append(exc)
-                        raise (peer.last_words or exc) from None
+                        died = self._budget_spent(peer, exc)
+                        self._deaths.append(died)
+                        raise (peer.last_words or died) from None
                     peer = back
 
         for peer in peers:
@@ -342,6 +343,17 @@ class Controller(anyio.AsyncContextManagerMixin):
         pool = self._pipeline.pool if self._pipeline is not None else None
         return peer.group == "rollout" and pool is not None and pool.restarts < pool.max_restarts
 
+    def _budget_spent(self, peer: Any, died: WorkerDiedError) -> WorkerDiedError:
+        """``died``, saying so when the restarts the run allowed were all used."""
+        pipe = self._pipeline
+        if pipe is None or peer.group != "rollout" or not pipe.pool.max_restarts:
+            return died
+        return WorkerDiedError(
+            died.group, died.rank, died.exit_code, died.log_path,
+            f"rollout workers were restarted {pipe.pool.restarts} times in this run, all "
+            "that failures.rollout_restarts allows",
+        )
+
     async def _restart(
         self, control: ControlPlane, peer: Any, died: WorkerDiedError, supervisor: int | None
     ) -> Any:
@@ -351,9 +363,6 @@ class Controller(anyio.AsyncContextManagerMixin):
         run yet, the budget spent)."""
         pipe = self._pipeline
         if peer.group != "rollout" or pipe is None or not pipe.pool.lost(peer.identity):
-            if pipe is not None and peer.group == "rollout" and pipe.pool.max_restarts:
-                died.args = (f"{died}\nrollout workers were restarted {pipe.pool.restarts} "
-                             "times in this run, all that failures.rollout_restarts allows",)
             return None
         start = time.perf_counter()
         why = str(peer.last_words or died).splitlines()[0]

@@ -115,6 +115,11 @@ DATA_BATCH = 16
 go, and 16 samples (~0.5 ms of its loop) keep that slice short."""
 OUTBOX_SIZE = 1024
 """Finished samples waiting for the data socket before generations wait for it."""
+ENGINE_GONE_GRACE_S = 1.0
+"""After a rollout call or a generation raised: how long to wait for the engine watch to say
+the engine died (a dying engine fails requests a moment before its processes are seen gone).
+If it does, the worker's ``Dead`` speaks for the failure; a ``Failure`` reply or a
+``GroupFailed`` would be taken for an error of that call or group, not of the engine."""
 T = TypeVar("T")
 
 
@@ -193,6 +198,8 @@ class _Runtime:
         self.running: dict[str, anyio.CancelScope] = {}
         self._outbox: Any = None
         """Rollout workers: where generations put their samples for :meth:`push_data`."""
+        self.engine_gone: anyio.Event | None = None
+        """Set when the backend's engine watch raised (``None``: the backend has none)."""
         self.busy = _Busy()
 
     async def send(self, msg: Any) -> None:
@@ -209,6 +216,8 @@ class _Runtime:
         except WorkerError:
             raise  # the engine is gone: fatal for this worker, not a failure of this group
         except Exception as exc:
+            if await self._engine_died():
+                return  # the worker's Dead says why; the controller sends the group elsewhere
             log.exception("generation_failed", group_id=req.group_id)
             first = flatten(exc)[0]  # a task group's error says only "unhandled errors"
             await outbox.send(
@@ -367,7 +376,11 @@ class _Runtime:
                 result = await self.trainer_call(call.request)
             seconds = time.perf_counter() - start
             await self.send(Reply(call_id=call.call_id, result=result, seconds=seconds))
+        except WorkerError:
+            raise  # its engine is gone: this worker is dying, its Dead message says why
         except Exception as exc:
+            if await self._engine_died():
+                return
             log.exception("call_failed", method=type(call.request).__name__)
             await self.send(
                 Failure(
@@ -420,7 +433,8 @@ class _Runtime:
                     tg.start_soon(self._watch_controller, pid, name="controller-watch")
                 watch = getattr(self.backend, "watch", None)
                 if watch is not None:
-                    tg.start_soon(watch, name="engine-watch")
+                    self.engine_gone = anyio.Event()
+                    tg.start_soon(self._watch_engine, watch, name="engine-watch")
                 await self.serve_calls()
                 tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
@@ -435,6 +449,23 @@ class _Runtime:
             if fatal and len({str(e) for e in fatal}) == 1:
                 raise fatal[0] from None
             raise
+
+    async def _watch_engine(self, watch: Callable[[], Any]) -> None:
+        try:
+            await watch()
+        except Exception:
+            assert self.engine_gone is not None
+            self.engine_gone.set()
+            raise
+
+    async def _engine_died(self) -> bool:
+        """Whether the engine watch reports the engine dead within ``ENGINE_GONE_GRACE_S``
+        (at once ``False`` without a watch). The watch's error cancels the caller anyway."""
+        if self.engine_gone is None:
+            return False
+        with anyio.move_on_after(ENGINE_GONE_GRACE_S):
+            await self.engine_gone.wait()
+        return self.engine_gone.is_set()
 
     async def _watch_controller(self, pid: int) -> None:
         await wait_pid_exit(pid)

@@ -14,12 +14,7 @@ from asyncrl.config import load_config
 from asyncrl.modes import describe
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from integration_support import (  # noqa: E402
-    assert_nothing_left,
-    mark_test_start,
-    read_metrics,
-    worker_pids,
-)
+from integration_support import assert_nothing_left, mark_test_start, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,

@@ -25,16 +25,12 @@ import pytest
 import pytest_asyncio
 
 from asyncrl import plugins
-from asyncrl.backend import (
-    GenerationBackend,
-    WeightBucketView,
-    WorkerContext,
-    generate_all,
-)
-from asyncrl.config import from_dict
+from asyncrl.backend import GenerationBackend, WeightBucketView, WorkerContext
 from asyncrl.errors import RefitError
-from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
 from asyncrl.transfers.shm import ShmHandle
+from asyncrl.config import from_dict
+from asyncrl.backend import generate_all
+from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")

@@ -19,8 +19,9 @@ import pytest
 import pytest_asyncio
 
 from asyncrl import plugins
-from asyncrl.backend import WorkerContext, generate_all
+from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
+from asyncrl.backend import generate_all
 from asyncrl.messages import GenRequest, TokenBatch
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,14 +17,9 @@ from typing import Any
 
 import psutil
 import pytest
-from integration_support import (
-    config_dict,
-    live_children,
-    mark_test_start,
-    write_model_dir,
-)
 
 from asyncrl.config import Config, from_dict
+from integration_support import config_dict, live_children, mark_test_start, write_model_dir
 
 
 @pytest.fixture(autouse=True)

@@ -17,12 +17,14 @@ from typing import Any
 
 import psutil
 
-# --------------------------------------------------------------------------- the model dir
-from asyncrl_example_backend.model import write_model_dir  # noqa: E402,F401  (re-exported)
-
 from asyncrl.config import Config
 from asyncrl.controller import Controller
 from asyncrl.refit import shm_dir
+
+
+# --------------------------------------------------------------------------- the model dir
+from asyncrl_example_backend.model import write_model_dir  # noqa: E402,F401  (re-exported)
+
 
 # --------------------------------------------------------------------------- configs
 BASE: dict[str, Any] = {

@@ -8,6 +8,7 @@ weights after the last refit (and not the initial ones), and nothing left behind
 from __future__ import annotations
 
 import os
+
 from collections.abc import Callable
 
 import numpy as np
@@ -17,18 +18,17 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
+import asyncrl  # noqa: E402
+from asyncrl.transfers.shm import shm_dir  # noqa: E402
+from asyncrl.config import Config  # noqa: E402
+from asyncrl.grpo import pack_tokens  # noqa: E402
+from asyncrl.messages import ComputeLogprobs, LogprobsResult, Score  # noqa: E402
 from asyncrl_example_backend.model import (  # noqa: E402
     initial_table,
     response_tokens,
     token_logprobs,
 )
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
-
-import asyncrl  # noqa: E402
-from asyncrl.config import Config  # noqa: E402
-from asyncrl.grpo import pack_tokens  # noqa: E402
-from asyncrl.messages import ComputeLogprobs, LogprobsResult, Score  # noqa: E402
-from asyncrl.transfers.shm import shm_dir  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 

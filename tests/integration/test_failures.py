@@ -16,11 +16,10 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
-from integration_support import read_metrics  # noqa: E402
-
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import RunError  # noqa: E402
+from integration_support import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 

@@ -22,6 +22,7 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
+from asyncrl.refit import shm_dir  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
     free_port,
@@ -29,8 +30,6 @@ from integration_support import (  # noqa: E402
     session_processes,
     to_toml,
 )
-
-from asyncrl.refit import shm_dir  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_stray_processes")
 TIMEOUT_S = 120

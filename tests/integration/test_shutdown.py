@@ -28,10 +28,9 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
-from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
-
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
+from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 

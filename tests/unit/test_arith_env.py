@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from asyncrl_arith.env import ArithmeticEnv, make_environment
 
 from asyncrl.environment import Environment, Prompt, Score
 from asyncrl.errors import ConfigError
+from asyncrl_arith.env import ArithmeticEnv, make_environment
 
 PROBLEM = re.compile(r"^(\d+)([-+*])(\d+)=$")
 

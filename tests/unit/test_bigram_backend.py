@@ -27,11 +27,11 @@ from asyncrl_example_backend.model import (  # noqa: E402
 from asyncrl_example_backend.training import BigramTrainer, ppo_gradient  # noqa: E402
 
 from asyncrl.backend import WeightBucketView, WorkerContext  # noqa: E402
+from asyncrl.transfers.shm import ShmHandle  # noqa: E402
 from asyncrl.config import Config, from_dict  # noqa: E402
 from asyncrl.errors import ConfigError  # noqa: E402
 from asyncrl.grpo import pack_tokens  # noqa: E402
 from asyncrl.messages import GenRequest, TensorEntry, TrainBatch  # noqa: E402
-from asyncrl.transfers.shm import ShmHandle  # noqa: E402
 
 V, EOS = 11, 2
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.errors import ConfigError
 from asyncrl.samplers import GatedConfig, InOrderConfig, OversampledConfig
+from asyncrl.errors import ConfigError
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from asyncrl_deepspeed.options import parse_options
 
 from asyncrl.errors import ConfigError
+from asyncrl_deepspeed.options import parse_options
 
 
 def test_defaults() -> None:

@@ -36,6 +36,7 @@ class _Backend:
 def _runtime(backend: object) -> _Runtime:
     rt = _Runtime.__new__(_Runtime)
     rt.backend, rt.identity, rt.busy = backend, "rollout:0", _Busy()
+    rt.engine_gone = None
     return rt
 
 
@@ -58,6 +59,43 @@ async def test_engine_death_is_fatal_not_a_group_failure() -> None:
     with send, recv, pytest.raises(EngineDeadError):
         await rt._generate_one(REQ, send)
     assert recv.statistics().current_buffer_used == 0
+
+
+async def test_a_failure_while_the_engine_dies_is_left_to_the_dead_message() -> None:
+    """A dying engine fails a generation and a call (a refit's ReceiveWeights) a moment
+    before the engine watch sees its process exit: neither becomes a GroupFailed or a
+    Failure reply (the controller would retry the group against its budget, or stop the
+    run on the refit's error); the worker's Dead says why, and the worker is restarted."""
+    from asyncrl.messages import Call, Health
+
+    rt = _runtime(_Backend(RuntimeError("EngineCore encountered an issue")))
+    rt.engine_gone = anyio.Event()
+    sent: list[object] = []
+
+    async def send(msg: object) -> None:
+        sent.append(msg)
+
+    async def failing_call(req: object, tg: object) -> object:
+        raise RuntimeError("EngineCore encountered an issue")
+
+    rt.send, rt.rollout_call = send, failing_call  # type: ignore[method-assign]
+    rt.wctx = type("W", (), {"group": "rollout"})()
+    out, inbox = anyio.create_memory_object_stream[object](4)
+    with out, inbox:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rt._generate_one, REQ, out)
+            tg.start_soon(rt.answer, Call(call_id=3, request=Health()), tg)
+            await anyio.sleep(0.1)
+            rt.engine_gone.set()  # the watch names the dead process
+        assert inbox.statistics().current_buffer_used == 0
+    assert sent == []
+
+    # the same failures with a live engine (the watch never fires): reported after the grace
+    rt.engine_gone = anyio.Event()
+    out, inbox = anyio.create_memory_object_stream[object](4)
+    with out, inbox:
+        await rt._generate_one(REQ, out)
+        assert isinstance(inbox.receive_nowait(), GroupFailed)
 
 
 class _Reaper:

@@ -10,9 +10,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-from asyncrl.training.batches import dummy_micro_batch, make_micro_batch
 from asyncrl.training.kv_calibration import (
     all_reduce_max,
     calibrate_kv_scales,
@@ -22,6 +19,9 @@ from asyncrl.training.kv_calibration import (
     scales_from_amax,
     valid_positions,
 )
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from asyncrl.training.batches import dummy_micro_batch, make_micro_batch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,13 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from asyncrl.training.loss import ppo_clip_loss  # noqa: E402
 from asyncrl.packing import check_packed, micro_batch_bounds  # noqa: E402
 from asyncrl.training.batches import (  # noqa: E402
     dummy_micro_batch,
     make_micro_batch,
     response_logprobs,
 )
-from asyncrl.training.loss import ppo_clip_loss  # noqa: E402
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.3, 2.0
 F64 = torch.float64

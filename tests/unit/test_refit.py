@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,12 +29,7 @@ from asyncrl.codec import Codec
 from asyncrl.errors import RefitError
 from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
 from asyncrl.refit import (
-    WeightReceiver,
-    WeightSender,
-    _manifest,
-    _Packer,
-    bucket_ends,
-    check_bucket,
+    WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
 )
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir

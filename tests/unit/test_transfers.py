@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncrl.config import RefitConfig
 from asyncrl.errors import ConfigError
+from asyncrl.config import RefitConfig
 from asyncrl.messages import KVScalesResult, TensorEntry, TokenBatch
 from asyncrl.refits import KVScales, fp8_kv_cache
 from asyncrl.transfers import StagingSpec, WeightTransfer, load_transfer

@@ -27,7 +27,6 @@ from asyncrl.transport import (
     peer_name,
 )
 
-
 def _bytes(frames: list) -> list[bytes]:
     return [bytes(f.buffer) if hasattr(f, "buffer") else bytes(f) for f in frames]
 

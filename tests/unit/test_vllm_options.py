@@ -7,12 +7,12 @@ import math
 import msgspec
 import numpy as np
 import pytest
-from asyncrl_vllm.kv_scales import resolve_kv_scales
-from asyncrl_vllm.options import VLLMOptions, parse_options
-from asyncrl_vllm.scoring import response_logprobs, split_batch
 
 from asyncrl.errors import ConfigError
 from asyncrl.messages import TokenBatch
+from asyncrl_vllm.kv_scales import resolve_kv_scales
+from asyncrl_vllm.options import VLLMOptions, parse_options
+from asyncrl_vllm.scoring import response_logprobs, split_batch
 
 
 # --------------------------------------------------------------------------- options
@@ -177,9 +177,8 @@ def test_context_length_is_checked_before_any_engine_starts(tmp_path) -> None:
     hold the longest prompt plus the completion, naming the field and the numbers."""
     import json
 
-    from asyncrl_vllm import check_config
-
     from asyncrl.config import from_dict
+    from asyncrl_vllm import check_config
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
     (tmp_path / "tokenizer.json").write_text("{}")

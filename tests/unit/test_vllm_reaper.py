@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from asyncrl_vllm.reaper import Reaper, descendants, proc_table
 
 pytestmark = pytest.mark.timeout(60)
