@@ -2,13 +2,22 @@
 
 ::
 
+    asyncrl run run.toml [--set key=value ...] [--resume [DIR|latest]]
     asyncrl check-config run.toml [--set key=value ...]
+    asyncrl plugins
     asyncrl export CHECKPOINT OUT [--force]
+
+``run`` starts a run on this node, as ``torchrun -m asyncrl.launch`` would with one process
+per trainer and rollout rank: the config is checked first (exit 2 on a mistake, before
+anything starts), the exit code is rank 0's (0, 1 for a failed run, 128 + N after signal N).
 
 ``check-config`` loads and validates the config without starting anything: it prints the
 resolved asynchrony mode in one line, the derived capacities, advice, and every broken
 invariant with its fix. Exit codes: 0 valid, 2 invalid (as ``asyncrl.launch`` uses for a
 config mistake).
+
+``plugins`` lists every installed plugin by entry-point group, with its distribution and
+version, importing each: one that fails to import is listed with its error (exit 1 then).
 
 ``export`` writes the policy of a checkpoint (a ``step-*`` directory, or a directory of them:
 its newest) as a Hugging Face model directory that transformers and vLLM load as they are.
@@ -56,6 +65,34 @@ def check_config(path: str, set_args: list[str], out: TextIO) -> int:
     return 0
 
 
+def list_plugins(out: TextIO) -> int:
+    from . import plugins
+
+    broken = 0
+    for group, kind in plugins.GROUPS.items():
+        print(f"{group} ({kind}s)", file=out)
+        try:
+            found = plugins.available(group)
+        except PluginError as exc:  # a name registered twice
+            print(f"  BROKEN: {exc}", file=out)
+            broken += 1
+            continue
+        if not found:
+            print("  (none)", file=out)
+        width = max((len(name) for name in found), default=0)
+        for name, info in sorted(found.items()):
+            line = f"  {name:<{width}}  {info.distribution} {info.version}  ({info.value})"
+            try:
+                plugins.load(group, name)
+            except PluginError as exc:
+                line += f"\n  {' ' * width}  BROKEN: {str(exc).split(' failed to import: ')[-1]}"
+                broken += 1
+            print(line, file=out)
+    if broken:
+        print(f"{broken} plugin{'s' * (broken > 1)} cannot be used (see BROKEN above)", file=out)
+    return 1 if broken else 0
+
+
 def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
     import shutil
     from pathlib import Path
@@ -95,6 +132,26 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="start a run on this node (torchrun -m asyncrl.launch, one process per rank)",
+        description="Check the config, then run torchrun in this process with "
+        "cluster.trainer_ranks + cluster.rollout_ranks processes. Exit code: 0, 2 for a "
+        "config or checkpoint mistake, 1 for a failed run, 128 + N after signal N. "
+        "SIGUSR1 to the controller saves a checkpoint.",
+    )
+    run.add_argument("config", help="the run's TOML file")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field, e.g. --set grpo.prompts_per_step=8")
+    run.add_argument("--resume", nargs="?", const="latest", metavar="DIR|latest",
+                     help="go on from a checkpoint: a checkpoint directory, a directory of "
+                     "them, or 'latest' (the default: the newest in checkpoint.dir)")
+    sub.add_parser(
+        "plugins",
+        help="list the installed plugins by group, with distribution and version",
+        description="Every entry point of the asyncrl.* groups, imported: one that fails to "
+        "import is shown with its error, and the exit code is 1.",
+    )
     check = sub.add_parser(
         "check-config",
         help="validate a run config and print its mode, capacities and broken invariants",
@@ -117,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("out", help="the model directory to create")
     exp.add_argument("--force", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from .launch import self_launch
+
+        return self_launch(args.config, args.set, args.resume)
+    if args.command == "plugins":
+        return list_plugins(sys.stdout)
     if args.command == "check-config":
         return check_config(args.config, args.set, sys.stdout)
     if args.command == "export":

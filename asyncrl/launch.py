@@ -52,6 +52,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,9 @@ _STORE_KEY = "asyncrl/control"
 _PID_KEY = "asyncrl/controller_pid"
 _EARLY_SIGUSR1: list[int] = []
 """SIGUSR1s that arrived before the controller could take them (see :func:`main`)."""
+_RANK0_FIRST_S = 5.0
+"""How long the other ranks wait before exiting on a config mistake, so that rank 0 has said
+it before torchrun stops the job (a rank that exited first got rank 0 SIGTERMed unheard)."""
 _SIGNAL_GRACE_S = 2.0
 """After a stop signal, how long rank 0 waits for a peer watcher to name a dead rank as the
 cause (torchrun SIGTERMs rank 0 within its monitor interval of another rank's death)."""
@@ -264,6 +268,8 @@ def launch_main(config_path: str, overrides: dict[str, Any], resume: str | None 
     except ConfigError as exc:
         if rank == 0:  # every rank finds the same mistake: one of them says it
             print(f"asyncrl: error: {exc}", file=sys.stderr, flush=True)
+        else:  # and leaves first: torchrun stops the others once one exits
+            time.sleep(_RANK0_FIRST_S)
         return 2
     group_size = config.cluster.trainer_ranks if group == "trainer" else config.cluster.rollout_ranks
     log_dir = os.path.join(config.run.output_dir, "logs")
@@ -519,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_overrides(args.set)
     except ConfigError as exc:
         if os.environ.get("RANK") == "0":
-            print(f"asyncrl: error: {exc}", file=sys.stderr)
+            print(f"asyncrl: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(_RANK0_FIRST_S)
         return 2
     return launch_main(args.config, overrides, args.resume)
 

@@ -7,14 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null || true
-[ -d .whl-trainer ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-trainer/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):$PYTHONPATH
-export VLLM_USE_FLASHINFER_SAMPLER=0
-if [ ! -f runs/tiny-arith/model/config.json ]; then
-  python3 -m asyncrl_arith.make_model runs/tiny-arith/model --threads 8 > "$OUT/make_model.json" 2> "$OUT/make_model.err" || { tail -30 "$OUT/make_model.err"; exit 1; }
-fi
+source benchmarks/gpu/demo_env.sh
 timeout ${LIMIT:-540} python3 benchmarks/kill_resume.py --config examples/tiny_arith_gpu.toml \
   --kills "${KILLS:-3}" --workdir "$PWD/runs/kill-resume-gpu" --out "$OUT/kill-resume-gpu.json" \
   --timeout 240 "$@" 2>&1 | tee "$OUT/kill-resume-gpu.txt" | tail -25

@@ -8,14 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null || true
-[ -d .whl-trainer ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-trainer/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):$PYTHONPATH
-export VLLM_USE_FLASHINFER_SAMPLER=0
-if [ ! -f runs/tiny-arith/model/config.json ]; then
-  python3 -m asyncrl_arith.make_model runs/tiny-arith/model --threads 8 > "$OUT/make_model.json" 2> "$OUT/make_model.err" || { tail -30 "$OUT/make_model.err"; exit 1; }
-fi
+source benchmarks/gpu/demo_env.sh
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/gpu-memory-before.csv" || true
 timeout ${LIMIT:-540} python3 benchmarks/restart.py --config examples/tiny_arith_gpu.toml \
   --kills "${KILLS:-2}" --set run.num_steps=60 --workdir "$PWD/runs/restart-gpu" \

@@ -172,6 +172,21 @@ async def test_fp8_kv_cache_scales_are_calibrated_and_forwarded(
     assert np.abs(gen - trn).max() < FP8_TOL
 
 
+def _launch_config(tmp_path: Path, qwen_dir: Path, num_steps: int, **more: dict) -> dict:
+    """FSDP2 + vLLM (CPU), one rank each, for the launch's fault tests."""
+    return {
+        "run": {"output_dir": str(tmp_path / "out"), "seed": 1, "num_steps": num_steps},
+        "model": {"path": str(qwen_dir)},
+        "environment": {"name": "repeat-digit"},
+        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "startup_timeout_s": 400},
+        "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
+        "trainer": {"backend": "fsdp2", "options": {"lr": 1e-3}},
+        "generator": {"backend": "vllm",
+                      "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True}},
+        **more,
+    }
+
+
 @pytest.mark.parametrize("victim", ["EngineCore", "Worker"])
 def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -> None:
     """``torchrun -m asyncrl.launch`` with vLLM + FSDP2; one of the engine's own processes is
@@ -187,18 +202,8 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -
     import psutil
     from integration_support import free_port, run_files, session_processes, to_toml
 
-    config = {
-        "run": {"output_dir": str(tmp_path / "out"), "seed": 1, "num_steps": 1000},
-        "model": {"path": str(qwen_dir)},
-        "environment": {"name": "repeat-digit"},
-        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "startup_timeout_s": 400},
-        "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
-        "trainer": {"backend": "fsdp2", "options": {"lr": 1e-3}},
-        "generator": {"backend": "vllm",
-                      "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True}},
-        # the stop path; restarting it: test_launch_vllm_engine_death_is_outlived
-        "failures": {"rollout_restarts": 0},
-    }
+    # the stop path; restarting it: test_launch_vllm_engine_death_is_outlived
+    config = _launch_config(tmp_path, qwen_dir, 1000, failures={"rollout_restarts": 0})
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config) + "\n")
     port = free_port()
@@ -267,17 +272,7 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) ->
     )
 
     num_steps = 4
-    config = {
-        "run": {"output_dir": str(tmp_path / "out"), "seed": 1, "num_steps": num_steps},
-        "model": {"path": str(qwen_dir)},
-        "environment": {"name": "repeat-digit"},
-        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "startup_timeout_s": 400},
-        "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
-        "trainer": {"backend": "fsdp2", "options": {"lr": 1e-3}},
-        "generator": {"backend": "vllm",
-                      "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True}},
-        "eval": {"num_prompts": 8},
-    }
+    config = _launch_config(tmp_path, qwen_dir, num_steps, eval={"num_prompts": 8})
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config) + "\n")
     log = tmp_path / "console.log"

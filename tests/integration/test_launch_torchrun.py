@@ -234,3 +234,23 @@ def test_a_stopped_launch_says_where_resume_goes_on_from(tmp_path: Path, model_d
     newest = sorted((tmp_path / "out" / "checkpoints").glob("step-*"))[-1]
     assert lines[1:] == [f"asyncrl: the newest checkpoint is {newest}: add --resume to go on "
                          "from it"], out[-4000:]
+
+
+def test_asyncrl_run_through_the_console_script(tmp_path: Path, model_dir: Path) -> None:
+    """``asyncrl run CONFIG --set ...`` is the one-node launch: a run to its end (exit 0),
+    and a config mistake (exit 2, one line naming the field, nothing started)."""
+    exe = str(Path(sys.executable).parent / "asyncrl")
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(_config(model_dir)) + "\n")
+    proc = subprocess.run([exe, "run", str(path), "--set", "run.num_steps=2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"metrics: {tmp_path / 'out' / 'metrics.jsonl'}" in proc.stdout
+    train = [line for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+             if '"kind": "train"' in line]
+    assert len(train) == 2
+    bad = subprocess.run([exe, "run", str(path), "--set", "grpo.prompts_per_step=0"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith(f"asyncrl: error: {path}: grpo.prompts_per_step: must be >= 1")
+    assert "Fix:" in bad.stderr and len(bad.stderr.splitlines()) == 1

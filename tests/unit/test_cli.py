@@ -154,3 +154,34 @@ def test_export_refusals(tmp_path: Path, capsys) -> None:
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "o")]) == 2
     assert "no checkpoint there" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_plugins_lists_every_group_and_names_a_broken_one(tmp_path: Path) -> None:
+    """``asyncrl plugins`` through the console script: the shipped plugins by group with
+    their distribution and version; an installed distribution whose target does not import
+    (a stand-in dist-info on the path) is shown with its error, and the exit code is 1."""
+    import os
+
+    exe = str(Path(sys.executable).parent / "asyncrl")
+    proc = subprocess.run([exe, "plugins"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "asyncrl.samplers (samplers)" in lines
+    assert any(line.split()[:2] == ["in_order", "asyncrl"] for line in lines)
+    assert any(line.split()[:2] == ["repeat-digit", "asyncrl-example-backend"] for line in lines)
+    assert "BROKEN" not in proc.stdout
+
+    dist = tmp_path / "broken_env-1.2.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-env\nVersion: 1.2\n")
+    (dist / "entry_points.txt").write_text(
+        "[asyncrl.environments]\nbroken = no_such_module_for_asyncrl:make\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([exe, "plugins"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 1
+    text = proc.stdout
+    (line,) = [x for x in text.splitlines() if x.split()[:1] == ["broken"]]
+    assert line.split() == ["broken", "broken-env", "1.2", "(no_such_module_for_asyncrl:make)"]
+    assert "BROKEN: ModuleNotFoundError: No module named 'no_such_module_for_asyncrl'" in text
+    assert text.rstrip().endswith("1 plugin cannot be used (see BROKEN above)")
