@@ -6,6 +6,7 @@
     asyncrl check-config run.toml [--set key=value ...]
     asyncrl plugins
     asyncrl export CHECKPOINT OUT [--force]
+    asyncrl plot RUN_DIR [--out DIR]
 
 ``run`` starts a run on this node, as ``torchrun -m asyncrl.launch`` would with one process
 per trainer and rollout rank: the config is checked first (exit 2 on a mistake, before
@@ -18,6 +19,10 @@ config mistake).
 
 ``plugins`` lists every installed plugin by entry-point group, with its distribution and
 version, importing each: one that fails to import is listed with its error (exit 1 then).
+
+``plot`` draws a run from its ``metrics.jsonl`` (:mod:`asyncrl.plot`): reward and accuracy,
+staleness, and a timeline of generation / training / refit (PNGs, and a Chrome trace for
+Perfetto); it works on a run that is still going. Exit codes: 0 done, 2 nothing to draw.
 
 ``export`` writes the policy of a checkpoint (a ``step-*`` directory, or a directory of them:
 its newest) as a Hugging Face model directory that transformers and vLLM load as they are.
@@ -91,6 +96,24 @@ def list_plugins(out: TextIO) -> int:
     if broken:
         print(f"{broken} plugin{'s' * (broken > 1)} cannot be used (see BROKEN above)", file=out)
     return 1 if broken else 0
+
+
+def plot(run_dir: str, out: str | None, stream: TextIO) -> int:
+    from .plot import plot_run
+
+    try:
+        result = plot_run(run_dir, out)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        print(f"asyncrl: error: {exc}", file=sys.stderr)
+        return 2
+    for path in [*result["pngs"], result["trace"]]:
+        print(path, file=stream)
+    print(
+        f"training {result['training_s']:.1f} s; generation ran beside it "
+        f"{result['overlap_s']:.1f} s ({result['overlap_frac']:.0%})",
+        file=stream,
+    )
+    return 0
 
 
 def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
@@ -173,7 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("checkpoint", help="a step-* checkpoint directory, or the directory of them")
     exp.add_argument("out", help="the model directory to create")
     exp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    drawing = sub.add_parser(
+        "plot",
+        help="draw a run: reward, staleness and a generation/training/refit timeline",
+        description="Read RUN_DIR/metrics.jsonl and write reward.png, staleness.png, "
+        "timeline.png (matplotlib: pip install 'asyncrl[plot]') and timeline.json (a Chrome "
+        "trace: open it in https://ui.perfetto.dev).",
+    )
+    drawing.add_argument("run_dir", help="the run's output directory (run.output_dir)")
+    drawing.add_argument("--out", help="where to write (default: RUN_DIR/plots)")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        return plot(args.run_dir, args.out, sys.stdout)
     if args.command == "run":
         from .launch import self_launch
 

@@ -193,7 +193,8 @@ class Controller(anyio.AsyncContextManagerMixin):
             log_dir=log_dir,
         )
         ctx = Context()
-        metrics = MetricsWriter(os.path.join(cfg.run.output_dir, "metrics.jsonl"))
+        t0 = time.perf_counter()  # the run's clock: metrics' "t", the timeline's spans
+        metrics = MetricsWriter(os.path.join(cfg.run.output_dir, "metrics.jsonl"), origin=t0)
         bound = structlog.contextvars.bound_contextvars(run_id=run_id)
         bound.__enter__()
         try:
@@ -240,7 +241,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                         rollouts=rollouts,
                         transfer_address=addr.transfer,
                         metrics=metrics,
-                        clock_origin=time.perf_counter(),
+                        clock_origin=t0,
                         rejections=rejections,
                     )
                     if resume is not None:

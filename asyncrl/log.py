@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any, Literal
 
 import structlog
@@ -62,14 +63,19 @@ def configure(fmt: Literal["auto", "console", "json"] = "auto", level: str = "")
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``path`` (flushed per record)."""
+    """Appends one JSON object per line to ``path`` (flushed per record). With ``origin`` (a
+    ``time.perf_counter()`` reading: the run's clock), each record is stamped ``t``: seconds
+    since then when it was written (the run timeline of ``asyncrl plot``)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, origin: float | None = None) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
+        self.origin = origin
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.origin is not None:
+            record = {**record, "t": round(time.perf_counter() - self.origin, 6)}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
 

@@ -467,14 +467,15 @@ class Pipeline:
         # can see version v+1 before the generators serve it
         self.sched.finish_step()
         self.changed.notify()
-        refit_start = self.now()
+        rec.refit_start = refit_start = self.now()
         log.debug("refit_started", version=step + 1)
         await self._abort(self.sched.begin_refit())
         if self.config.refit.drain:
             await self._drain(rec)
         rec.inflight_at_refit = self.sched.inflight_samples
         await self.refit(step + 1, await self.kv.after_step(rec.groups, step + 1))
-        rec.refit_s = self.now() - refit_start
+        rec.refit_end = self.now()
+        rec.refit_s = rec.refit_end - refit_start
         stats = self.sched.end_refit()
         self.changed.notify()
         return stats

@@ -33,6 +33,8 @@ class StepRecord:
     drain_timeouts: int = 0
     refit_s: float = 0.0
     """From the version bump to the generators serving the new weights."""
+    refit_start: float | None = None
+    refit_end: float | None = None
     step_retries: int = 0
     """Times this step was assembled again after a train call failed on a trainer."""
     aborted_samples: int = 0
@@ -138,6 +140,8 @@ class StepRecord:
             "gen_end": gen_end,
             "train_start": self.train_start,
             "train_end": self.train_end,
+            "refit_start": self.refit_start,
+            "refit_end": self.refit_end,
             "loop_lag_p99_s": float(np.quantile(loop_lags, 0.99)) if loop_lags else 0.0,
             "loop_lag_max_s": max(loop_lags, default=0.0),
             "rejected_frames": rejected_frames,

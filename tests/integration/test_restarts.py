@@ -23,6 +23,7 @@ pytest.importorskip(
 
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
+from asyncrl.timeline import read_records, spans  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [
@@ -95,6 +96,12 @@ async def test_a_killed_rollout_worker_is_restarted_and_the_run_finishes(
     assert [(r["worker"], r["exit_code"]) for r in restarts] == [(victim, -signal.SIGKILL)]
     assert [e["label"] for e in summary.evals][-1] == "end"
     assert_nothing_left(ctl, [killed, new_pid])
+    # the run's timeline (asyncrl plot) shows the restart and every step's refit
+    timeline = spans(read_records(cfg.run.output_dir))
+    (restart,) = [s for s in timeline if s.lane == "restart"]
+    assert restart.name == victim
+    assert restart.end - restart.start == pytest.approx(restarts[0]["seconds"])
+    assert len([s for s in timeline if s.lane == "refit"]) == cfg.run.num_steps
 
 
 async def test_a_crash_loop_spends_the_budget_and_stops_the_run(

@@ -1,0 +1,139 @@
+"""A run's timeline, read back from its ``metrics.jsonl`` (pure: no plotting here).
+
+Every time in the records is seconds on the run's clock (``time.perf_counter()`` since the
+controller started; :class:`~asyncrl.log.MetricsWriter` stamps each record's writing time as
+``t``). The spans, one lane each::
+
+    generation   a step's groups: first dispatch to last commit   (train: gen_start, gen_end)
+    training     the step open on the trainers to its FinishStep   (train: train_start, train_end)
+    refit        the version bump to the generators serving it     (train: refit_start, refit_end)
+    evaluation   a held-out evaluation                             (eval: start, end)
+    checkpoint   a save, from its snapshot to its commit           (checkpoint: t - seconds, t)
+    restart      a dead rollout worker until it serves again       (worker_restarted: idem)
+
+:func:`chrome_trace` writes them as a Chrome trace (``chrome://tracing``, Perfetto's UI);
+:func:`overlap` says how much of the training time generation ran beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LANES", "Span", "chrome_trace", "overlap", "read_records", "spans"]
+
+LANES = ("generation", "training", "refit", "evaluation", "checkpoint", "restart")
+
+
+@dataclass(frozen=True)
+class Span:
+    lane: str
+    name: str
+    start: float
+    end: float
+    args: dict[str, Any]
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a run directory, or the file), in order; a last
+    line cut short by a run that is still writing, or was killed, is left out.
+
+    Raises:
+        FileNotFoundError: no metrics file there.
+        ValueError: a line that is not JSON before the last one.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON record") from None
+    return records
+
+
+def spans(records: list[dict[str, Any]]) -> list[Span]:
+    """The timeline's spans, by lane then time. A run that resumed appends to the same file
+    on a new clock: only the records after the last ``config`` record (the last life) count."""
+    last = max((i for i, r in enumerate(records) if r.get("kind") == "config"), default=-1)
+    out: list[Span] = []
+    for r in records[last + 1 :]:
+        kind = r.get("kind")
+        if kind == "train":
+            step = r["step"]
+            for lane, a, b in (
+                ("generation", "gen_start", "gen_end"),
+                ("training", "train_start", "train_end"),
+                ("refit", "refit_start", "refit_end"),
+            ):
+                if r.get(a) is not None and r.get(b) is not None:
+                    args = {"step": step}
+                    if lane == "training":
+                        args.update(wait_s=r.get("wait_s"), reward=r.get("reward"))
+                    if lane == "generation":
+                        args.update(staleness_max=r.get("staleness_max"))
+                    out.append(Span(lane, f"step {step}", r[a], r[b], args))
+        elif kind == "eval" and "start" in r and "end" in r:
+            out.append(Span("evaluation", f"eval {r['label']}", r["start"], r["end"],
+                            {"accuracy": r.get("accuracy")}))
+        elif kind in ("checkpoint", "worker_restarted") and "t" in r and "seconds" in r:
+            lane = "checkpoint" if kind == "checkpoint" else "restart"
+            name = f"step {r.get('step')}" if kind == "checkpoint" else str(r.get("worker"))
+            out.append(Span(lane, name, r["t"] - r["seconds"], r["t"], {"seconds": r["seconds"]}))
+    return sorted(out, key=lambda s: (LANES.index(s.lane), s.start))
+
+
+def chrome_trace(timeline: list[Span]) -> dict[str, Any]:
+    """The spans as Chrome trace events (complete events, microseconds; one thread per
+    lane), which Perfetto and ``chrome://tracing`` open."""
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "asyncrl run"}}
+    ]
+    for tid, lane in enumerate(LANES, start=1):
+        events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
+                       "args": {"name": lane}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid,
+                       "args": {"sort_index": tid}})
+    for s in timeline:
+        events.append({
+            "ph": "X", "name": s.name, "cat": s.lane, "pid": 1, "tid": LANES.index(s.lane) + 1,
+            "ts": round(s.start * 1e6, 1), "dur": round(max(0.0, s.end - s.start) * 1e6, 1),
+            "args": s.args,
+        })  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def overlap(timeline: list[Span]) -> dict[str, float]:
+    """Seconds of training, of generation, and of training during which generation ran too
+    (its share: ``overlap_frac``; 0 in a synchronous run, near 1 when generation never stops
+    for training)."""
+    gen = _union([(s.start, s.end) for s in timeline if s.lane == "generation"])
+    train = _union([(s.start, s.end) for s in timeline if s.lane == "training"])
+    both = 0.0
+    for a, b in train:
+        for c, d in gen:
+            both += max(0.0, min(b, d) - max(a, c))
+    train_s = sum(b - a for a, b in train)
+    return {
+        "training_s": train_s,
+        "generation_s": sum(b - a for a, b in gen),
+        "overlap_s": both,
+        "overlap_frac": both / train_s if train_s else 0.0,
+    }
