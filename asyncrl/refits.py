@@ -185,6 +185,7 @@ async def refit_generators(
 
     Cancellation: abandons the transfer.
     """
+    rollouts = [w for w in rollouts if w in control.peers]  # one forgotten: restarting
     if not rollouts:
         return RefitReport()
     send = SendWeights(
