@@ -1,6 +1,7 @@
 """``asyncrl plot RUN_DIR``: pictures of a run from its ``metrics.jsonl``.
 
-Writes into ``OUT`` (default ``RUN_DIR/plots``):
+Draws the file's last run (with its resumed lives; a new run into the same directory starts
+over). Writes into ``OUT`` (default ``RUN_DIR/plots``):
 
 * ``reward.png``: reward and accuracy of each step's samples, and the held-out accuracy of
   each evaluation;
@@ -20,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .timeline import LANES, Span, chrome_trace, overlap, read_records, spans
+from .timeline import LANES, Span, chrome_trace, last_run, overlap, read_records, spans
 
 __all__ = ["plot_run"]
 
@@ -39,7 +40,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> dict[str, An
         ValueError: a run with no trained step yet, or an unreadable record.
         ImportError: matplotlib is missing (after the trace was written).
     """
-    records = read_records(run_dir)
+    records = last_run(read_records(run_dir))
     train = [r for r in records if r.get("kind") == "train"]
     if not train:
         raise ValueError(f"{run_dir}: no trained step in metrics.jsonl yet")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LANES", "Span", "chrome_trace", "overlap", "read_records", "spans"]
+__all__ = ["LANES", "Span", "chrome_trace", "last_run", "overlap", "read_records", "spans"]
 
 LANES = ("generation", "training", "refit", "evaluation", "checkpoint", "restart")
 
@@ -57,6 +57,19 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path}:{i + 1}: not a JSON record") from None
     return records
+
+
+def last_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the file's last run: from its last fresh start (a ``config`` record
+    whose life has no ``resume`` record), through every resumed life after it. A new run into
+    the same output directory appends to the file; its steps start from 1 again."""
+    lives = [i for i, r in enumerate(records) if r.get("kind") == "config"]
+    start = 0
+    for n, i in enumerate(lives):
+        end = lives[n + 1] if n + 1 < len(lives) else len(records)
+        if not any(r.get("kind") == "resume" for r in records[i:end]):
+            start = i
+    return records[start:]
 
 
 def spans(records: list[dict[str, Any]]) -> list[Span]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.timeline import chrome_trace, overlap, read_records, spans
+from asyncrl.timeline import chrome_trace, last_run, overlap, read_records, spans
 
 # two steps of an asynchronous run: step 2's groups generate while step 1 trains
 RECORDS = [
@@ -96,3 +96,14 @@ def test_asyncrl_plot_through_the_console_script(tmp_path: Path) -> None:
     (empty / "metrics.jsonl").write_text('{"kind": "config"}\n')
     proc = subprocess.run([exe, "plot", str(empty)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no trained step in metrics.jsonl yet" in proc.stderr
+
+
+def test_last_run_starts_at_the_last_fresh_start_and_keeps_its_resumed_lives() -> None:
+    records = [
+        {"kind": "config", "n": 1}, {"kind": "train", "step": 1},  # an older run
+        {"kind": "config", "n": 2}, {"kind": "train", "step": 1},  # the last fresh start
+        {"kind": "config", "n": 3}, {"kind": "resume", "step": 1}, {"kind": "train", "step": 2},
+    ]  # fmt: skip
+    assert last_run(records) == records[2:]
+    assert last_run(records[:2]) == records[:2]
+    assert last_run([]) == []
