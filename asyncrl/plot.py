@@ -76,14 +76,7 @@ def _reward(records: list[dict[str, Any]], train: list[dict[str, Any]], path: Pa
     if evals:
         ax.plot([e["version"] for e in evals], [e["accuracy"] for e in evals], "o--",
                 label="held-out accuracy (greedy)", color="black")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean over the step's samples")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return _per_step(fig, ax, "mean over the step's samples", path)
 
 
 def _staleness(records: list[dict[str, Any]], train: list[dict[str, Any]], path: Path) -> str:
@@ -96,8 +89,15 @@ def _staleness(records: list[dict[str, Any]], train: list[dict[str, Any]], path:
     bound = _bound(records)
     if bound is not None:
         ax.axhline(bound, color="red", ls=":", label=f"bound ({bound})")
+    return _per_step(fig, ax, "staleness (versions)", path)
+
+
+def _per_step(fig: Any, ax: Any, ylabel: str, path: Path) -> str:
+    """Label a per-step chart, save it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("staleness (versions)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
