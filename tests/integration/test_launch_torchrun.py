@@ -187,7 +187,7 @@ def test_slow_engine_close_does_not_fail_a_finished_run(tmp_path: Path, model_di
 def test_launch_restarts_a_killed_rollout_worker(tmp_path: Path, model_dir: Path) -> None:
     """Under torchrun the rollout rank supervises its worker: SIGKILL to the worker (not the
     rank) mid-run, and a new one serves within the run, which exits 0 with every step."""
-    num_steps = 30  # ~0.3 s a step; a restart takes ~3 s
+    num_steps = 30  # enough steps after the kill for the worker to come back (~2 s)
     path = tmp_path / "run.toml"
     path.write_text(to_toml(_config(
         model_dir, run={"num_steps": num_steps}, eval={"num_prompts": 0},

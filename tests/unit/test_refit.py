@@ -502,7 +502,8 @@ async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the
         other.close()
         pair.close()
     assert out["sent"].num_buckets == 3
-    assert out["seconds"] < 5  # measured ~0.1 s; the timeout it no longer waits for is 30 s
+    # measured 0.016-0.017 s (3 runs, 2 busy cores); the timeout it no longer waits for: 30 s
+    assert out["seconds"] < 5
     assert set(good.weights) == set(w)
     for name, array in w.items():
         np.testing.assert_array_equal(good.weights[name], array)
