@@ -363,7 +363,9 @@ class Controller(anyio.AsyncContextManagerMixin):
         it (to be watched while it syncs). ``None``: no restart (not a rollout worker, no
         run yet, the budget spent)."""
         pipe = self._pipeline
-        if peer.group != "rollout" or pipe is None or not pipe.pool.lost(peer.identity):
+        if peer.group != "rollout" or pipe is None or stopped_by_signal(died.exit_code):
+            return None  # not restartable, no run yet, or a stop signal's consequence
+        if not pipe.pool.lost(peer.identity):
             return None
         start = time.perf_counter()
         why = str(peer.last_words or died).splitlines()[0]

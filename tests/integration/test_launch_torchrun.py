@@ -226,7 +226,8 @@ def test_a_stopped_launch_says_where_resume_goes_on_from(tmp_path: Path, model_d
     """SIGTERM after a checkpoint was saved: after its stop line, the launch names the newest
     checkpoint and the flag that goes on from it."""
     slow = _config(model_dir, run={"num_steps": 1000}, eval={"num_prompts": 0},
-                   checkpoint={"every_steps": 1}, generator={"options": {"token_delay_s": 0.01}})
+                   checkpoint={"every_steps": 1}, generator={"options": {"token_delay_s": 0.01}},
+                   failures={"rollout_restarts": 0})  # the line, not restarts, is tested here
     rc, out = _front_door(tmp_path, slow, stop_after_s=0)
     assert rc == 128 + signal.SIGTERM, out[-4000:]
     lines = [line for line in out.splitlines() if line.startswith("asyncrl: ")]
