@@ -17,7 +17,6 @@ import structlog
 
 from .config import Config
 from .environment import Environment
-from .errors import WorkerRestarting
 from .intake import Generating
 from .messages import Generate, GenRequest
 from .prompts import Tokenizer
@@ -128,11 +127,10 @@ class Evaluator:
                 )
             )
         timeout = self.config.cluster.call_timeout_s
-        for worker, reqs in requests.items():
-            try:
-                await self.control.call(worker, Generate(requests=reqs), timeout_s=timeout)
-            except WorkerRestarting:
-                pass  # died meanwhile: its groups come back through worker_lost
+        for worker, reqs in requests.items():  # one that died: its groups come back (worker_lost)
+            await self.control.call_unless_restarting(
+                worker, Generate(requests=reqs), timeout_s=timeout
+            )
 
     def start_validation(
         self, tg: Any, version: int, on_record: Callable[[dict[str, Any]], None]

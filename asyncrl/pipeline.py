@@ -38,7 +38,7 @@ from .checkpointing import Checkpointer, restore_state
 from .codec import Codec
 from .config import Config
 from .environment import Environment
-from .errors import ProtocolError, RunError, WorkerRestarting
+from .errors import ProtocolError, RunError
 from .evaluation import Evaluator
 from .failures import FailureBudget
 from .intake import Generating, ScoreError, Scorer, Signal, malformed
@@ -257,10 +257,8 @@ class Pipeline:
                 tg.start_soon(self._call, worker, Generate(requests=reqs), timeout)
 
     async def _call(self, worker: str, request: Any, timeout: float) -> None:
-        try:
-            await self.control.call(worker, request, timeout_s=timeout)
-        except WorkerRestarting:
-            pass  # its groups were dispatched again (worker_lost)
+        # a worker that died: its groups were dispatched again (worker_lost)
+        await self.control.call_unless_restarting(worker, request, timeout_s=timeout)
 
     # ------------------------------------------------------------------ feeder
     async def feed_buffer(self) -> None:

@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 
 from .config import RefitConfig
-from .errors import RefitError, WorkerRestarting
+from .errors import RefitError
 from .grpo import shard_tokens
 from .messages import (
     CalibrateKV,
@@ -210,11 +210,8 @@ async def refit_generators(
     async def call_all(workers: list[str], request: Any, out: list[Any]) -> None:
         out.extend(await control.call_each(workers, [request] * len(workers), timeout_s=timeout_s))
 
-    async def receive(worker: str) -> None:
-        try:
-            received.append(await control.call(worker, recv, timeout_s=timeout_s))
-        except WorkerRestarting:
-            pass  # died meanwhile; refitted on its own once back
+    async def receive(worker: str) -> None:  # one that died: refitted on its own once back
+        received.append(await control.call_unless_restarting(worker, recv, timeout_s=timeout_s))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(call_all, trainers, send, sent)

@@ -28,7 +28,13 @@ import anyio
 import structlog
 
 from .codec import Codec
-from .errors import ProtocolError, RemoteCallError, WorkerError, WorkerStartupError
+from .errors import (
+    ProtocolError,
+    RemoteCallError,
+    WorkerError,
+    WorkerRestarting,
+    WorkerStartupError,
+)
 from .messages import (
     PROTOCOL_VERSION,
     Call,
@@ -312,6 +318,17 @@ class ControlPlane:
                   seconds=round(time.perf_counter() - start, 4))
         assert pending.result is not None
         return pending.result
+
+    async def call_unless_restarting(
+        self, identity: str, request: Request, *, timeout_s: float
+    ) -> Result | None:
+        """:meth:`call`, but ``None`` when the worker died and is being restarted
+        (:class:`~asyncrl.errors.WorkerRestarting`, at the send or while waiting): its work
+        goes elsewhere (its groups are dispatched again, it is refitted once back)."""
+        try:
+            return await self.call(identity, request, timeout_s=timeout_s)
+        except WorkerRestarting:
+            return None
 
     async def call_each(
         self, identities: Sequence[str], requests: Sequence[Request], *, timeout_s: float

@@ -367,6 +367,7 @@ async def test_a_survivable_death_is_kept_and_its_restart_is_welcome(run_dir: st
             assert [str(e) for e in errors] == ["rollout:0 is restarting"]
             with pytest.raises(WorkerRestarting):
                 await control.call("rollout:0", Health(), timeout_s=1)
+            assert await control.call_unless_restarting("rollout:0", Health(), timeout_s=1) is None
             old.sock.close()
             new = FakeWorker(ctx, address, "rollout", 0)
             await new.handshake()
