@@ -8,6 +8,7 @@ was trained, evicted or left unused.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ class CompletedSample:
     finish_reason: str
     reward: float
     correct: bool
+    components: Mapping[str, float] = field(default_factory=dict)
+    """The score's named parts (``Score.components``; empty when restored from a checkpoint)."""
 
 
 @dataclass
@@ -37,3 +40,7 @@ class Group:
     committed_at: float | None = None
     index: int = field(kw_only=True)
     """The group's position in the prompt stream (what the prompt ledger records)."""
+    worker: str = field(default="", kw_only=True)
+    """The rollout worker that generated it ("" for a group restored from a checkpoint)."""
+    prompt_text: str = field(default="", kw_only=True)
+    """The prompt as one line of text, for completion tables ("" when restored)."""

@@ -14,8 +14,10 @@ anything starts), the exit code is rank 0's (0, 1 for a failed run, 128 + N afte
 
 ``check-config`` loads and validates the config without starting anything: it prints the
 resolved asynchrony mode in one line, the derived capacities, advice, and every broken
-invariant with its fix. Exit codes: 0 valid, 2 invalid (as ``asyncrl.launch`` uses for a
-config mistake).
+invariant with its fix; then it runs what ``asyncrl run`` checks before it starts a process
+(the plugins load, the environment and the tokenizer load, the prompts fit, every plugin
+accepts its options; ``--config-only`` skips this). Exit codes: 0 valid, 2 invalid (as
+``asyncrl.launch`` uses for a config mistake).
 
 ``plugins`` lists every installed plugin by entry-point group, with its distribution and
 version, importing each: one that fails to import is listed with its error (exit 1 then).
@@ -40,7 +42,9 @@ from .errors import ConfigError, PluginError
 __all__ = ["main"]
 
 
-def check_config(path: str, set_args: list[str], out: TextIO) -> int:
+def check_config(
+    path: str, set_args: list[str], out: TextIO, *, config_only: bool = False
+) -> int:
     from . import config as cfgmod
     from .launch import parse_overrides
     from .modes import describe
@@ -58,6 +62,16 @@ def check_config(path: str, set_args: list[str], out: TextIO) -> int:
             print(f"  - {exc}", file=out)
         return 2
     config = cfgmod.validate(raw)
+    if not config_only:
+        import anyio
+
+        from .preflight import check_before_spawn
+
+        try:  # what `asyncrl run` checks before it starts a process
+            anyio.run(check_before_spawn, config)
+        except (ConfigError, PluginError) as exc:
+            print(f"invalid: {exc}", file=out)
+            return 2
     report = describe(config)
     print(f"mode: {report.mode}", file=out)
     print("capacities:", file=out)
@@ -66,7 +80,9 @@ def check_config(path: str, set_args: list[str], out: TextIO) -> int:
         print(f"  {key:<{width}}  {value}", file=out)
     for line in report.advice:
         print(f"advice: {line}", file=out)
-    print("ok: no invariant is broken", file=out)
+    print("ok: no invariant is broken" + (
+        "" if config_only else "; the plugins, the environment, the tokenizer and every "
+        "plugin's options are fine"), file=out)
     return 0
 
 
@@ -187,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a field, e.g. --set grpo.prompts_per_step=8",
     )
+    check.add_argument(
+        "--config-only",
+        action="store_true",
+        help="check the file alone: skip loading the plugins, the environment's data and the "
+        "tokenizer, and the plugins' checks of their options (what `asyncrl run` does before "
+        "it starts anything)",
+    )
     exp = sub.add_parser(
         "export",
         help="write a checkpoint's policy as a Hugging Face model directory",
@@ -215,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plugins":
         return list_plugins(sys.stdout)
     if args.command == "check-config":
-        return check_config(args.config, args.set, sys.stdout)
+        return check_config(args.config, args.set, sys.stdout, config_only=args.config_only)
     if args.command == "export":
         return export(args.checkpoint, args.out, args.force, sys.stderr)
     parser.error(f"unknown command {args.command!r}")

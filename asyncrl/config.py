@@ -79,6 +79,13 @@ class ModelConfig(_Base):
     default the two sides differ by bf16 rounding: measured mean |logprob difference| 0.006-0.015
     on the demo, which the loss's importance weights correct and refit verification bounds.
     ``float32`` makes the generator match the trainer at a cost in speed and memory."""
+    chat_template: str = "auto"
+    """How prompts given as chat messages are rendered (in the controller, once, to the exact
+    token ids the engine gets): ``"auto"`` uses the model directory's template
+    (``chat_template.jinja``, else ``chat_template.json``, else ``tokenizer_config.json``'s
+    ``chat_template``: a string, or the one named ``default``); a path to a
+    ``.jinja`` file (relative to the config file) uses that one. Plain-text prompts are encoded
+    as they are."""
 
 
 class ClusterConfig(_Base):
@@ -239,6 +246,9 @@ class EnvironmentConfig(_Base):
     """Environment plugin (entry point group ``asyncrl.environments``)."""
     options: dict[str, Any] = {}
     """Environment-specific options, validated by the environment."""
+    base_dir: str = ""
+    """The directory relative paths in ``options`` are taken from (``""``: the config file's
+    directory); given to a factory that takes a ``base_dir`` keyword."""
 
 
 class EvalConfig(_Base):
@@ -307,6 +317,25 @@ class FailuresConfig(_Base):
     stops it. Not with ``refit.transport = "nccl"`` (its group cannot take a new member)."""
 
 
+class MetricsConfig(_Base):
+    sinks: list[str] = msgspec.field(default_factory=lambda: ["jsonl"])
+    """Where step, evaluation and completion records go (entry point group
+    ``asyncrl.metrics_sinks``): ``jsonl`` (``<run.output_dir>/metrics.jsonl``, always written:
+    ``asyncrl plot`` and ``--resume`` read it), ``tensorboard``, ``wandb``, ``mlflow``, or a
+    plugin's name; several at once. Each gets the run's resolved config first."""
+    options: dict[str, dict[str, Any]] = {}
+    """Per-sink options, by sink name (``[metrics.options.wandb] project = "x"``), validated
+    by the sink before any process starts."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """A one-line progress bar (step, reward, accuracy, staleness, tokens/s, ETA) on stderr:
+    ``auto`` shows it only on an interactive terminal, so logs stay clean."""
+    completions_every: int = 10
+    """Every this many steps, a few of the step's completions with their rewards are printed
+    and sent to the sinks as a table (``completions`` records). 0: never."""
+    completions_count: int = 3
+    """Completions shown each time (one per group, the first groups of the step)."""
+
+
 class Config(_Base):
     model: ModelConfig
     environment: EnvironmentConfig
@@ -322,6 +351,7 @@ class Config(_Base):
     checkpoint: CheckpointConfig = CheckpointConfig()
     export: ExportConfig = ExportConfig()
     failures: FailuresConfig = FailuresConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @property
     def rollout_restarts(self) -> int:
@@ -392,6 +422,17 @@ def problems(config: Config) -> list[ConfigError]:
                 "refit.staging_buffers",
                 f"must be 2 to 8, got {config.refit.staging_buffers}",
                 "use 2 (the default) or 3",
+            )
+        )
+    m = config.metrics
+    if m.completions_every < 0:
+        out.append(_fail("metrics.completions_every", "must be >= 0", "use 0 to show none"))
+    if m.completions_every and m.completions_count < 1:
+        out.append(
+            _fail(
+                "metrics.completions_count",
+                f"must be >= 1 when metrics.completions_every is set, got {m.completions_count}",
+                "use e.g. 3, or set metrics.completions_every = 0",
             )
         )
     if g.samples_per_prompt < 2:
@@ -544,10 +585,18 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
         raise ConfigError(explain(exc, Config)) from None
     base = Path(base_dir)
     output_dir = _resolve(base, config.run.output_dir)
+    template = config.model.chat_template
+    if template != "auto":
+        template = _resolve(base, template)
     config = msgspec.structs.replace(
         config,
-        model=msgspec.structs.replace(config.model, path=_resolve(base, config.model.path)),
+        model=msgspec.structs.replace(
+            config.model, path=_resolve(base, config.model.path), chat_template=template
+        ),
         run=msgspec.structs.replace(config.run, output_dir=output_dir),
+        environment=msgspec.structs.replace(
+            config.environment, base_dir=_resolve(base, config.environment.base_dir or ".")
+        ),
         checkpoint=msgspec.structs.replace(
             config.checkpoint,
             dir=_resolve(base, config.checkpoint.dir or os.path.join(output_dir, "checkpoints")),

@@ -194,7 +194,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         )
         ctx = Context()
         t0 = time.perf_counter()  # the run's clock: metrics' "t", the timeline's spans
-        metrics = MetricsWriter(os.path.join(cfg.run.output_dir, "metrics.jsonl"), origin=t0)
+        metrics = MetricsWriter.open(cfg, run_id=run_id, origin=t0)
         bound = structlog.contextvars.bound_contextvars(run_id=run_id)
         bound.__enter__()
         try:
@@ -262,6 +262,8 @@ class Controller(anyio.AsyncContextManagerMixin):
                     tg.cancel_scope.cancel()
         finally:
             bound.__exit__(None, None, None)
+            if self._pipeline is not None:
+                self._pipeline.console.close()
             self._pipeline = None
             ctx.close()
             metrics.close()

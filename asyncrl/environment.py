@@ -5,9 +5,18 @@ An environment distribution registers a factory under ``asyncrl.environments``::
     [project.entry-points."asyncrl.environments"]
     arithmetic = "asyncrl_arith.env:make_environment"
 
-The factory is called as ``factory(options: dict, seed: int)`` in the controller process and
-returns an object implementing :class:`Environment`. Reward functions are plain blocking
-callables; the controller runs them off its event loop.
+The factory is called as ``factory(options: dict, seed: int)`` in the controller process (with
+``base_dir=``, the config file's directory, too when its signature takes it) and returns an
+object implementing :class:`Environment`. ``score`` is a plain blocking callable; the
+controller runs it off its event loop when it is not cheap.
+
+An environment whose rewards wait on I/O (a judge model, a sandbox) may also define
+``async def score_async(prompt, completion) -> Score`` (not part of the protocol: an optional
+extra). When it does, the controller awaits ``score_async`` on its event loop, for all the
+samples of a group at once (at most 64 calls in flight), and never calls ``score``; it must
+not block (run blocking parts with ``anyio.to_thread.run_sync``), and it is cancelled when the
+run stops. Errors are reported as for ``score``. Evaluation groups are scored the same way.
+The built-in ``dataset`` environment (:mod:`asyncrl.dataset_env`) needs no package at all.
 
 Multi-turn environments will get their own protocol next to this one; a single-turn
 environment will keep working unchanged.
@@ -15,8 +24,8 @@ environment will keep working unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 __all__ = ["Environment", "Prompt", "Score"]
@@ -24,14 +33,43 @@ __all__ = ["Environment", "Prompt", "Score"]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One task instance."""
+    """One task instance: plain ``text``, or chat ``messages``."""
 
     id: str
     """Stable across runs with the same seed and options (used for resume and logs)."""
-    text: str
-    """The prompt text, tokenized by the controller with the model's tokenizer."""
+    text: str = ""
+    """The prompt text, encoded as it is with the model's tokenizer (its special tokens, e.g.
+    a BOS, added as the tokenizer's post-processor says)."""
     answer: Any = None
     """Whatever the reward needs (JSON-like)."""
+    messages: Sequence[Mapping[str, Any]] | None = None
+    """Chat messages (``{"role": "system" | "user" | "assistant", "content": str}``, ...)
+    instead of ``text``: rendered once in the controller with the model's chat template
+    (``model.chat_template``) and a generation prompt, then encoded without adding special
+    tokens, exactly as transformers' ``apply_chat_template(..., tokenize=True)`` does."""
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (not self.text):
+            raise ValueError(
+                f"prompt {self.id!r}: give exactly one of text (a non-empty string) and "
+                "messages (a list of chat messages)"
+            )
+        if self.messages is not None:
+            if not self.messages or not all(
+                isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in self.messages
+            ):
+                raise ValueError(
+                    f"prompt {self.id!r}: messages must be a non-empty list of mappings with a "
+                    "'role' and a 'content'"
+                )
+
+    @property
+    def display(self) -> str:
+        """The prompt as one line of text for logs and completion tables (the last message
+        for a chat prompt)."""
+        if self.messages is None:
+            return self.text
+        return str(self.messages[-1].get("content", ""))
 
 
 @dataclass(frozen=True)
@@ -40,6 +78,9 @@ class Score:
     """The scalar reward used for advantages."""
     correct: bool = False
     """Whether the completion solved the task (for accuracy metrics)."""
+    components: Mapping[str, float] = field(default_factory=dict)
+    """Named parts of ``reward`` (e.g. each weighted reward function's raw value), averaged
+    per step into the ``train`` record as ``reward/<name>`` and sent to the metrics sinks."""
 
 
 @runtime_checkable
@@ -50,7 +91,8 @@ class Environment(Protocol):
 
     def score(self, prompt: Prompt, completion: str) -> Score:
         """Score one completion (blocking is fine: it runs in a worker thread, up to four at
-        once, so keep it thread-safe).
+        once, so keep it thread-safe; or inline on the event loop while it proves cheap).
+        Not called when the environment has ``score_async`` (see the module docstring).
 
         ``completion`` is the generated token ids decoded with the model's tokenizer, EOS
         tokens dropped and special tokens skipped; nothing else is stripped. An exception here,

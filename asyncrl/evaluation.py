@@ -67,7 +67,7 @@ class Evaluator:
         abandoned."""
         n = self.config.eval.num_prompts
         prompts = list(self.env.dataset("eval"))[:n]
-        ids = await anyio.to_thread.run_sync(self.tok.encode_batch, [p.text for p in prompts])
+        ids = await anyio.to_thread.run_sync(self.tok.encode_prompts, prompts)
         groups = []
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
             pending = Generating(

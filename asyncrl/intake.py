@@ -24,9 +24,13 @@ INLINE_SCORE_MAX_S = 0.0005
 """Groups are scored on the event loop while scoring one costs less than this on average (a
 slow environment goes to worker threads, keeping the loop's lag in check)."""
 
+ASYNC_SCORE_CONCURRENCY = 64
+"""``score_async`` calls in flight at once (over all groups) for an async environment."""
+
 
 class ScoreError(RunError):
-    """The environment's ``score()`` raised or returned a non-finite reward."""
+    """The environment's ``score()`` (or ``score_async()``) raised or returned a non-finite
+    reward."""
 
 
 class Signal:
@@ -88,7 +92,7 @@ def malformed(sample: Sample) -> str:
 def score_samples(
     env: Environment, tok: Tokenizer, env_name: str, prompt: Prompt, samples: list[Any]
 ) -> list[CompletedSample]:
-    """Decode and score each sample (runs in a worker thread).
+    """Decode and score each sample with ``score()`` (runs in a worker thread).
 
     Raises:
         ScoreError: ``score()`` raised or returned a non-finite reward (naming the
@@ -99,40 +103,70 @@ def score_samples(
         completion = tok.decode(s.token_ids)
         try:
             score = env.score(prompt, completion)
-            reward = float(score.reward)
         except Exception as exc:
-            raise ScoreError(
-                f"environment {env_name!r} (environment.name): score() raised "
-                f"{type(exc).__name__}: {exc} for prompt {prompt.id!r} and completion "
-                f"{completion[:80]!r}"
-            ) from exc
-        if not math.isfinite(reward):
-            raise ScoreError(
-                f"environment {env_name!r} (environment.name): score() returned a non-finite "
-                f"reward ({reward}) for prompt {prompt.id!r} and completion "
-                f"{completion[:80]!r}; rewards must be finite numbers"
-            )
-        out.append(
-            CompletedSample(s.token_ids, s.logprobs, s.finish_reason, reward, bool(score.correct))
-        )
+            raise _raised(env_name, "score", prompt, completion, exc) from exc
+        out.append(_completed(env_name, "score", prompt, completion, s, score))
     return out
+
+
+def _raised(
+    env_name: str, method: str, prompt: Prompt, completion: str, exc: Exception
+) -> ScoreError:
+    return ScoreError(
+        f"environment {env_name!r} (environment.name): {method}() raised "
+        f"{type(exc).__name__}: {exc} for prompt {prompt.id!r} and completion "
+        f"{completion[:80]!r}"
+    )
+
+
+def _completed(
+    env_name: str, method: str, prompt: Prompt, completion: str, sample: Any, score: Any
+) -> CompletedSample:
+    """The sample with its checked score (a ``ScoreError`` for a non-finite reward)."""
+    try:
+        reward = float(score.reward)
+        components = {str(k): float(v) for k, v in getattr(score, "components", {}).items()}
+    except Exception as exc:
+        raise _raised(env_name, method, prompt, completion, exc) from exc
+    if not math.isfinite(reward):
+        raise ScoreError(
+            f"environment {env_name!r} (environment.name): {method}() returned a non-finite "
+            f"reward ({reward}) for prompt {prompt.id!r} and completion "
+            f"{completion[:80]!r}; rewards must be finite numbers"
+        )
+    return CompletedSample(
+        sample.token_ids,
+        sample.logprobs,
+        sample.finish_reason,
+        reward,
+        bool(score.correct),
+        components,
+    )
 
 
 class Scorer:
     """Scores complete groups, on the event loop while the environment proves cheap (a thread
     hop costs 2-14 ms of latency on a loaded 2-core host for 0.06 ms of arithmetic scoring),
     else in worker threads. The choice follows a moving average of the measured cost of the
-    scoring itself (not of the hop)."""
+    scoring itself (not of the hop).
+
+    An environment with ``async def score_async(prompt, completion)`` is never cheap: its
+    groups go to :meth:`threaded`, which awaits ``score_async`` on the event loop for all of a
+    group's samples at once (at most :data:`ASYNC_SCORE_CONCURRENCY` calls in flight over all
+    groups) instead of calling ``score``."""
 
     def __init__(self, env: Environment, tok: Tokenizer, env_name: str) -> None:
         self._args = (env, tok, env_name)
         self._limiter = anyio.CapacityLimiter(4)
         self._cost_s = float("inf")  # unknown until measured: the first group uses a thread
         self._scored = 0
+        score_async = getattr(env, "score_async", None)
+        self._score_async = score_async if callable(score_async) else None
+        self._async_limiter = anyio.CapacityLimiter(ASYNC_SCORE_CONCURRENCY)
 
     @property
     def cheap(self) -> bool:
-        return self._cost_s < INLINE_SCORE_MAX_S
+        return self._score_async is None and self._cost_s < INLINE_SCORE_MAX_S
 
     def inline(self, pending: Generating) -> list[CompletedSample]:
         samples, cost = self._timed(pending)
@@ -140,11 +174,45 @@ class Scorer:
         return samples
 
     async def threaded(self, pending: Generating) -> list[CompletedSample]:
+        """Score a group off the inline path: ``score_async`` awaited for its samples
+        concurrently when the environment has it, else ``score`` in a worker thread.
+        Cancellation: awaited scores are cancelled; a thread finishes its group first.
+
+        Raises:
+            ScoreError: as :func:`score_samples` (the first failing sample's).
+        """
+        if self._score_async is not None:
+            return await self._awaited(pending)
         samples, cost = await anyio.to_thread.run_sync(
             self._timed, pending, limiter=self._limiter
         )
         self._note(cost)
         return samples
+
+    async def _awaited(self, pending: Generating) -> list[CompletedSample]:
+        env_name, prompt = self._args[2], pending.prompt
+        completions = [self._args[1].decode(s.token_ids) for s in pending.samples]
+        scores: list[Any] = [None] * len(completions)
+        failed: list[tuple[int, Exception]] = []
+
+        async def one(i: int) -> None:
+            async with self._async_limiter:
+                try:
+                    scores[i] = await self._score_async(prompt, completions[i])  # type: ignore[misc]
+                except Exception as exc:  # the first failing sample's is raised below
+                    failed.append((i, exc))
+                    tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(completions)):
+                tg.start_soon(one, i)
+        if failed:
+            i, exc = min(failed, key=lambda f: f[0])
+            raise _raised(env_name, "score_async", prompt, completions[i], exc) from exc
+        return [
+            _completed(env_name, "score_async", prompt, c, s, score)
+            for c, s, score in zip(completions, pending.samples, scores)
+        ]
 
     def _timed(self, pending: Generating) -> tuple[list[CompletedSample], float]:
         start = time.perf_counter()

@@ -29,7 +29,8 @@ Failures and signals (rank 0 speaks for the run; the other ranks write only to t
 what happened                  what rank 0 prints on stderr                  exit code
 =============================  ============================================  ==========
 success                        eval lines, the metrics path                  0
-config mistake                 ``asyncrl: error: <field>: ... Fix: ...``     2
+config mistake, or a plugin    ``asyncrl: error: <field>: ... Fix: ...``     2
+that is missing or broken
 a worker died / a run error    ``asyncrl: error: <root cause>`` (+ details)  1
 SIGTERM / SIGINT               ``asyncrl: stopped by SIGTERM ...``           143 / 130
 a checkpoint that cannot be    ``asyncrl: error: checkpoint ...: ... Fix:``  2
@@ -67,6 +68,7 @@ from .errors import (
     AsyncRLError,
     ConfigError,
     ControllerLostError,
+    PluginError,
     WorkerDiedError,
     flatten,
 )
@@ -364,8 +366,8 @@ def _run_controller(
             raise
         if not (stopped_by and _stopped_by_signal(error)):
             print(f"asyncrl: error: {_one_line(error, config)}", file=sys.stderr, flush=True)
-            if isinstance(error, (ConfigError, CheckpointError)):
-                return 2
+            if isinstance(error, (ConfigError, PluginError, CheckpointError)):
+                return 2  # a mistake in the config or the installation: nothing was started
             _print_resume_hint(config)
             return 1
         summary = None  # a rank that left because of the same signal: not a failure

@@ -37,6 +37,7 @@ from .checkpoint import ControllerState
 from .checkpointing import Checkpointer, restore_state
 from .codec import Codec
 from .config import Config
+from .console import Console
 from .environment import Environment
 from .errors import ProtocolError, RunError
 from .evaluation import Evaluator
@@ -61,6 +62,7 @@ from .rollout_pool import SYNCING, RolloutPool
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord, log_step
+from .timeline import worker_spans
 from .transport import AsyncSocket, Rejections, peer_name
 from .verify import make_probe, verification_due
 from .watchdog import LoopLag
@@ -113,6 +115,8 @@ class Pipeline:
         """Which rollout workers take work (a dead one is restarted in place)."""
         self.transfer_address = transfer_address
         self.metrics = metrics
+        self.console = Console.for_run(config, tokenizer.decode, metrics)
+        """The progress bar and sampled completions (closed by the controller)."""
         self.t0 = clock_origin
         self.scorer = Scorer(environment, tokenizer, config.environment.name)
         self.changed = Signal()
@@ -398,6 +402,8 @@ class Pipeline:
             end_version=self.sched.generator_version,
             committed_at=self.now(),
             index=index,
+            worker=pending.worker,
+            prompt_text=pending.prompt.display,
         )
         self.committed.notify()
 
@@ -607,10 +613,12 @@ class Pipeline:
             rejected_frames=self.rejections.total,
             now=self.now(),
         )
+        record["gen_by_worker"] = worker_spans(rec.groups)
         self.history.append(record)
         if self.metrics is not None:
             self.metrics.write({"kind": "train", **record})
         log_step(record, result, refit_s, rec)
+        self.console.step(record, rec.groups)
 
     # ------------------------------------------------------------------ evaluation
     async def evaluate(self, label: str) -> dict[str, Any]:

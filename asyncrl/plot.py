@@ -7,9 +7,9 @@ over). Writes into ``OUT`` (default ``RUN_DIR/plots``):
   each evaluation;
 * ``staleness.png``: the most and the mean staleness of each step's groups (versions between
   the weights that generated a sample and those it trains), with the sampler's bound;
-* ``timeline.png``: generation, training, refit, evaluation, checkpoints and restarts over the
-  run's wall time, one lane each (:mod:`asyncrl.timeline`), so overlap, or its absence, shows
-  at a glance;
+* ``timeline.png``: generation (the run's, and each rollout worker's), training, refit,
+  evaluation, checkpoints and restarts over the run's wall time, one lane each
+  (:mod:`asyncrl.timeline`), so overlap, or its absence, and an idle worker show at a glance;
 * ``timeline.json``: the same timeline as a Chrome trace (open it in https://ui.perfetto.dev).
 
 The PNGs need matplotlib (``pip install 'asyncrl[plot]'``); the trace does not.
@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .timeline import LANES, Span, chrome_trace, last_run, overlap, read_records, spans
+from .timeline import Span, chrome_trace, lanes, last_run, overlap, read_records, spans
 
 __all__ = ["plot_run"]
 
@@ -122,15 +122,16 @@ def _bound(records: list[dict[str, Any]]) -> int | None:
 def _timeline(timeline: list[Span], path: Path) -> str:
     import matplotlib.pyplot as plt
 
-    lanes = [lane for lane in LANES if any(s.lane == lane for s in timeline)]
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(lanes)))
-    for row, lane in enumerate(reversed(lanes)):
+    rows = lanes(timeline)
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(rows)))
+    for row, lane in enumerate(reversed(rows)):
         mine = [s for s in timeline if s.lane == lane]
         for i, s in enumerate(mine):
             # consecutive steps' generation spans overlap: alternate the shade to tell them apart
             ax.broken_barh([(s.start, max(s.end - s.start, 1e-4))], (row - 0.35, 0.7),
-                           color=_COLORS[lane], alpha=0.55 if i % 2 else 0.9, lw=0)
-    ax.set_yticks(range(len(lanes)), list(reversed(lanes)))
+                           color=_COLORS[lane.split(" ", 1)[0]], alpha=0.55 if i % 2 else 0.9,
+                           lw=0)
+    ax.set_yticks(range(len(rows)), list(reversed(rows)))
     ax.set_xlabel("seconds since the run started")
     ax.grid(axis="x", alpha=0.3)
     figures = overlap(timeline)

@@ -17,6 +17,10 @@ group                           loaded in             the entry point names
 ``asyncrl.weight_transfers``    trainer rank 0 +      a :class:`~asyncrl.transfers.WeightTransfer`
                                 the process that      (the sender's staging buffers and the
                                 loads weights         reader's opener)
+``asyncrl.metrics_sinks``       controller (check +   a :class:`~asyncrl.sinks.SinkPlugin` (or a
+                                the run's metrics     bare factory ``make(options, *, run_dir,
+                                writer)               run_name, run_id)``) making a
+                                                      :class:`~asyncrl.sinks.Sink`
 =============================== ===================== ===========================================
 
 Only groups something loads are listed; reward functions get their group when they become
@@ -48,6 +52,7 @@ GROUPS = MappingProxyType(
         "asyncrl.environments": "environment",
         "asyncrl.samplers": "sampler",
         "asyncrl.weight_transfers": "weight transfer",
+        "asyncrl.metrics_sinks": "metrics sink",
     }
 )
 
@@ -55,6 +60,9 @@ _HINTS = {
     ("asyncrl.generation_backends", "vllm"): "pip install -e backends/asyncrl-vllm[cpu]",
     ("asyncrl.training_backends", "fsdp2"): "pip install -e backends/asyncrl-fsdp",
     ("asyncrl.environments", "arithmetic"): "pip install -e plugins/asyncrl-arith",
+    ("asyncrl.metrics_sinks", "tensorboard"): "pip install 'asyncrl[tensorboard]'",
+    ("asyncrl.metrics_sinks", "wandb"): "pip install 'asyncrl[wandb]'",
+    ("asyncrl.metrics_sinks", "mlflow"): "pip install 'asyncrl[mlflow]'",
 }
 
 

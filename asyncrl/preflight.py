@@ -4,6 +4,7 @@ environment and the tokenizer load, the prompts fit, and both backends accept th
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from typing import Any
@@ -12,43 +13,83 @@ import anyio
 
 from . import plugins
 from .backend import BackendPlugin
+from .chat import ChatTemplate
 from .config import Config
+from .errors import AsyncRLError, ConfigError
 from .prompts import Tokenizer
+from .sinks import check_sinks
 
-__all__ = ["check_before_spawn"]
+__all__ = ["check_before_spawn", "make_environment"]
 
 
 async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
     """Load the environment and the tokenizer, measure the prompts and run both backends'
     ``check_config``: every mistake a plugin can see is a ``ConfigError`` (or
     ``PluginError``) naming its field, raised before any process or file exists."""
+    await anyio.to_thread.run_sync(check_sinks, cfg)  # imports the trackers' packages
     trainer = BackendPlugin.of(
         plugins.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
     )
     generator = BackendPlugin.of(
         plugins.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
     )
-    make_env = plugins.load("asyncrl.environments", cfg.environment.name, "environment.name")
-    environment = make_env(dict(cfg.environment.options), cfg.run.seed)
+    environment = make_environment(cfg)
     tokenizer = Tokenizer(
-        os.path.join(cfg.model.path, "tokenizer.json"), _eos_token_id(cfg.model.path)
+        os.path.join(cfg.model.path, "tokenizer.json"),
+        _eos_token_id(cfg.model.path),
+        ChatTemplate.from_model(cfg.model.path, cfg.model.chat_template),
     )
     longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
-    for plugin in (trainer, generator):
-        if plugin.check_config is not None:
+    for section, plugin in (("trainer", trainer), ("generator", generator)):
+        if plugin.check_config is None:
+            continue
+        try:
             plugin.check_config(cfg, max_prompt_tokens=longest)
+        except AsyncRLError:
+            raise
+        except Exception as exc:  # a plugin that raises its own kind: still one line, named
+            backend = getattr(cfg, section).backend
+            raise ConfigError(
+                f"{section}.options: the {section} backend {backend!r} refused the config: "
+                f"{type(exc).__name__}: {exc}. Fix: correct [{section}.options] "
+                "(docs/backends/ lists each backend's options)"
+            ) from exc
     return environment, tokenizer
+
+
+def make_environment(cfg: Config) -> Any:
+    """The configured environment, from its ``asyncrl.environments`` factory: called as
+    ``factory(options, seed)``, with ``base_dir=`` too when the factory takes it."""
+    make_env = plugins.load("asyncrl.environments", cfg.environment.name, "environment.name")
+    kwargs: dict[str, Any] = {}
+    try:
+        params = inspect.signature(make_env).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no keywords
+        params = {}
+    if "base_dir" in params:
+        kwargs["base_dir"] = cfg.environment.base_dir
+    try:
+        return make_env(dict(cfg.environment.options), cfg.run.seed, **kwargs)
+    except AsyncRLError:
+        raise
+    except Exception as exc:  # a plugin that raises its own kind: still one line, named
+        raise ConfigError(
+            f"environment.options: environment {cfg.environment.name!r} refused its options: "
+            f"{type(exc).__name__}: {exc}. Fix: correct [environment.options] (the "
+            "environment's own documentation lists them)"
+        ) from exc
 
 
 def _longest_prompt(environment: Any, tokenizer: Tokenizer, cfg: Config) -> int:
     """Tokens in the longest prompt the run can send (the train split and the evaluated part
-    of the eval split)."""
-    texts = [p.text for p in environment.dataset("train")]
+    of the eval split). Chat prompts are rendered here, so a chat prompt without a chat
+    template, or one the template rejects, is a ``ConfigError`` before any process starts."""
+    prompts = list(environment.dataset("train"))
     if cfg.eval.num_prompts:
-        texts += [p.text for p in list(environment.dataset("eval"))[: cfg.eval.num_prompts]]
+        prompts += list(environment.dataset("eval"))[: cfg.eval.num_prompts]
     longest = 0
-    for start in range(0, len(texts), 4096):
-        ids = tokenizer.encode_batch(texts[start : start + 4096])
+    for start in range(0, len(prompts), 4096):
+        ids = tokenizer.encode_prompts(prompts[start : start + 4096])
         longest = max([longest, *(len(x) for x in ids)])
     return longest
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 
 from .environment import Prompt
-from .errors import RunError
+from .errors import RunError, config_error
+
+if TYPE_CHECKING:
+    from .chat import ChatTemplate
 
 __all__ = ["PromptStream", "Tokenizer", "prompt_batches", "sample_seed"]
 
@@ -29,11 +33,17 @@ class Tokenizer:
     take for context, and a truncation setting would cut prompts silently. Both are switched
     off here (with a warning naming them).
 
+    Chat prompts are rendered with ``chat_template`` (the model's, see
+    :meth:`asyncrl.chat.ChatTemplate.from_model`) and encoded without adding special tokens
+    (the template writes them), as transformers' ``apply_chat_template`` does.
+
     Completions are decoded for ``Environment.score`` with EOS tokens dropped and special
     tokens skipped.
     """
 
-    def __init__(self, path: str, eos_token_id: int | None) -> None:
+    def __init__(
+        self, path: str, eos_token_id: int | None, chat_template: ChatTemplate | None = None
+    ) -> None:
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(path)
@@ -48,9 +58,43 @@ class Tokenizer:
             self._tok.no_padding()
             self._tok.no_truncation()
         self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Plain texts, special tokens added as the post-processor says."""
         return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+    def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """The token ids the engine gets for each prompt, in order: a text prompt as
+        :meth:`encode_batch`, a chat prompt rendered with a generation prompt and encoded
+        without adding special tokens.
+
+        Raises:
+            ConfigError: a chat prompt and no chat template, or the template failed on one
+                (naming ``model.chat_template`` and the prompt).
+        """
+        out: list[list[int]] = [[] for _ in prompts]
+        texts = [i for i, p in enumerate(prompts) if p.messages is None]
+        chats = [i for i, p in enumerate(prompts) if p.messages is not None]
+        if chats and self.chat_template is None:
+            raise config_error(
+                "model.chat_template",
+                f"prompt {prompts[chats[0]].id!r} is a list of chat messages, but the model "
+                "directory has no chat template",
+                "save one with the tokenizer, or set model.chat_template to a .jinja file",
+            )
+        for i, ids in zip(texts, self.encode_batch([prompts[i].text for i in texts])):
+            out[i] = ids
+        if chats:
+            assert self.chat_template is not None
+            rendered = [
+                self.chat_template.render(prompts[i].messages or (), prompt_id=prompts[i].id)
+                for i in chats
+            ]
+            encoded = self._tok.encode_batch(rendered, add_special_tokens=False)
+            for i, e in zip(chats, encoded):
+                out[i] = e.ids
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids if int(i) != self.eos_token_id]
@@ -117,7 +161,7 @@ class PromptStream:
                 else:
                     new.append((self._produced, p))
                 self._produced += 1
-        ids = await anyio.to_thread.run_sync(tokenizer.encode_batch, [p.text for _, p in new])
+        ids = await anyio.to_thread.run_sync(tokenizer.encode_prompts, [p for _, p in new])
         for (i, p), x in zip(new, ids):
             self._cached[i] = (p, x)
 

@@ -91,7 +91,8 @@ class StepRecord:
         rejected_frames: int,
         now: float,
     ) -> dict[str, Any]:
-        """The step's metrics record (one JSON line of ``metrics.jsonl``, kind ``train``)."""
+        """The step's metrics record (one JSON line of ``metrics.jsonl``, kind ``train``),
+        with ``reward/<name>`` the mean of each ``Score.components`` entry."""
         samples = [s for g in self.groups for s in g.samples]
         gen_start = min(g.dispatched_at for g in self.groups)
         gen_end = max(g.committed_at or g.dispatched_at for g in self.groups)
@@ -152,6 +153,11 @@ class StepRecord:
             record["refit_verify_max_abs"] = max(a.max_abs for a in self.verify)
             record["refit_verify_mult_prob_error"] = max(a.mult_prob_error for a in self.verify)
             record["verify_s"] = self.verify_s
+        # each reward component's mean over the samples that have it (a group restored from
+        # a checkpoint carries none)
+        for name in sorted({k for s in samples for k in s.components}):
+            values = [s.components[name] for s in samples if name in s.components]
+            record[f"reward/{name}"] = float(np.mean(values))
         return record
 
 

@@ -5,6 +5,7 @@ controller started; :class:`~asyncrl.log.MetricsWriter` stamps each record's wri
 ``t``). The spans, one lane each::
 
     generation   a step's groups: first dispatch to last commit   (train: gen_start, gen_end)
+    generation W rollout worker W generating that step's groups   (train: gen_by_worker[W])
     training     the step open on the trainers to its FinishStep   (train: train_start, train_end)
     refit        the version bump to the generators serving it     (train: refit_start, refit_end)
     evaluation   a held-out evaluation                             (eval: start, end)
@@ -18,11 +19,22 @@ controller started; :class:`~asyncrl.log.MetricsWriter` stamps each record's wri
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LANES", "Span", "chrome_trace", "last_run", "overlap", "read_records", "spans"]
+__all__ = [
+    "LANES",
+    "Span",
+    "chrome_trace",
+    "lanes",
+    "last_run",
+    "overlap",
+    "read_records",
+    "spans",
+    "worker_spans",
+]
 
 LANES = ("generation", "training", "refit", "evaluation", "checkpoint", "restart")
 
@@ -93,6 +105,10 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
                     if lane == "generation":
                         args.update(staleness_max=r.get("staleness_max"))
                     out.append(Span(lane, f"step {step}", r[a], r[b], args))
+            for worker, intervals in (r.get("gen_by_worker") or {}).items():
+                for a, b in intervals:
+                    out.append(Span(f"generation {worker}", f"step {step}", a, b,
+                                    {"step": step}))
         elif kind == "eval" and "start" in r and "end" in r:
             out.append(Span("evaluation", f"eval {r['label']}", r["start"], r["end"],
                             {"accuracy": r.get("accuracy")}))
@@ -100,7 +116,32 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
             lane = "checkpoint" if kind == "checkpoint" else "restart"
             name = f"step {r.get('step')}" if kind == "checkpoint" else str(r.get("worker"))
             out.append(Span(lane, name, r["t"] - r["seconds"], r["t"], {"seconds": r["seconds"]}))
-    return sorted(out, key=lambda s: (LANES.index(s.lane), s.start))
+    return sorted(out, key=lambda s: (_lane_key(s.lane), s.start))
+
+
+def _lane_key(lane: str) -> tuple[int, str]:
+    return LANES.index(lane.split(" ", 1)[0]), lane
+
+
+def lanes(timeline: list[Span]) -> list[str]:
+    """The lanes that have spans, in display order: the run's generation, each worker's,
+    training, refit, evaluation, checkpoint, restart."""
+    return sorted({s.lane for s in timeline}, key=_lane_key)
+
+
+def worker_spans(groups: Iterable[Any]) -> dict[str, list[list[float]]]:
+    """Each rollout worker's generation time for a step's groups (a step record's
+    ``gen_by_worker``): the union of its groups' spans from dispatch to commit, in seconds on
+    the run's clock (microsecond precision). Groups restored from a checkpoint (no worker,
+    no commit time) are left out."""
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for g in groups:
+        if g.worker and g.committed_at is not None:
+            by_worker.setdefault(g.worker, []).append((g.dispatched_at, g.committed_at))
+    return {
+        w: [[round(a, 6), round(b, 6)] for a, b in _union(intervals)]
+        for w, intervals in sorted(by_worker.items())
+    }
 
 
 def chrome_trace(timeline: list[Span]) -> dict[str, Any]:
@@ -109,14 +150,15 @@ def chrome_trace(timeline: list[Span]) -> dict[str, Any]:
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "asyncrl run"}}
     ]
-    for tid, lane in enumerate(LANES, start=1):
+    order = lanes(timeline)
+    for tid, lane in enumerate(order, start=1):
         events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
                        "args": {"name": lane}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid,
                        "args": {"sort_index": tid}})
     for s in timeline:
         events.append({
-            "ph": "X", "name": s.name, "cat": s.lane, "pid": 1, "tid": LANES.index(s.lane) + 1,
+            "ph": "X", "name": s.name, "cat": s.lane, "pid": 1, "tid": order.index(s.lane) + 1,
             "ts": round(s.start * 1e6, 1), "dur": round(max(0.0, s.end - s.start) * 1e6, 1),
             "args": s.args,
         })  # fmt: skip

@@ -74,7 +74,7 @@ class Agreement:
             f"> {key} = {tolerance:g}. The generator is not serving the "
             "trainer's weights (part of the engine kept old weights, a tensor was not sent, or "
             "the two sides use different models or dtypes), so training would go off-policy "
-            "without notice. Fix: find the cause in the generator's log (docs/backends/vllm.md, "
+            "without notice. Fix: find the cause in the generator's log (docs/architecture.md, "
             "'Refit verification'); only if this is plain numerical noise of your model and "
             f"dtypes, raise {key} (refit.verify_every_steps = 0 and "
             "refit.verify_first_steps = 0 turn the check off)"

@@ -13,7 +13,7 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
-"${PIP[@]}" -e ".[test,plot]" \
+"${PIP[@]}" -e ".[test,plot,data,trackers]" \
   -e "backends/asyncrl-vllm[cpu]" \
   -e backends/asyncrl-fsdp \
   -e backends/asyncrl-deepspeed \

@@ -10,6 +10,7 @@ import copy
 import getpass
 import json
 import os
+import struct
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -176,3 +177,59 @@ def run_files(run_id: str) -> list[str]:
     """The run's socket directory and shared-memory directory, where they still exist."""
     paths = [os.path.join("/tmp", f"asyncrl-{getpass.getuser()}", run_id), shm_dir(run_id)]
     return [p for p in paths if os.path.exists(p)]
+
+
+# --------------------------------------------------------------------------- TensorBoard files
+# An independent reader of TensorBoard's event files (TFRecord framing with masked CRC-32C),
+# written from the format, for the sink tests and the end-to-end run.
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked(crc: int) -> int:
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def tfrecords(path: str) -> list[bytes]:
+    """The records of a TFRecord file: u64 length, u32 masked crc32c of the length, the data,
+    u32 masked crc32c of the data (little-endian), each crc checked."""
+    out = []
+    with open(path, "rb") as f:
+        blob = f.read()
+    pos = 0
+    while pos < len(blob):
+        header = blob[pos : pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        (length_crc,) = struct.unpack("<I", blob[pos + 8 : pos + 12])
+        assert length_crc == _masked(_crc32c(header))
+        data = blob[pos + 12 : pos + 12 + length]
+        (data_crc,) = struct.unpack("<I", blob[pos + 12 + length : pos + 16 + length])
+        assert data_crc == _masked(_crc32c(data))
+        out.append(data)
+        pos += 16 + length
+    return out
+
+
+def read_tensorboard(directory: str | Path) -> tuple[dict[str, list[tuple[int, float]]],
+                                                     dict[str, list[tuple[int, str]]]]:
+    """Every scalar and text summary in ``directory``'s event files, by tag: (step, value)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    texts: dict[str, list[tuple[int, str]]] = {}
+    for path in sorted(Path(directory).glob("events.out.tfevents.*")):
+        for data in tfrecords(str(path)):
+            event = Event.FromString(data)
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+                elif value.tensor.string_val:
+                    texts.setdefault(value.tag, []).append(
+                        (event.step, value.tensor.string_val[0].decode())
+                    )
+    return scalars, texts

@@ -255,3 +255,9 @@ def test_asyncrl_run_through_the_console_script(tmp_path: Path, model_dir: Path)
     assert bad.returncode == 2
     assert bad.stderr.startswith(f"asyncrl: error: {path}: grpo.prompts_per_step: must be >= 1")
     assert "Fix:" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    # a plugin that is not installed is a mistake in the config too: exit 2, nothing started
+    missing = subprocess.run([exe, "run", str(path), "--set", "generator.backend=nope"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert missing.returncode == 2, missing.stderr[-2000:]
+    assert "asyncrl: error: generator.backend: no generation backend named 'nope'" in (
+        missing.stderr)

@@ -12,20 +12,19 @@ import pytest
 from asyncrl.cli import main
 
 ROOT = Path(__file__).parents[2]
-EXAMPLES = sorted((ROOT / "examples" / "modes").glob("*.toml")) + [
-    ROOT / "examples/tiny_arith.toml"
-]
+EXAMPLES = sorted((ROOT / "examples").rglob("*.toml"))  # every shipped config
 
 
 @pytest.fixture
 def with_model(tmp_path: Path) -> list[str]:
     """Overrides pointing the example configs at a model directory (config.json +
-    tokenizer.json are all validation looks at)."""
+    tokenizer.json are all the file's validation looks at; ``--config-only``: the plugins'
+    checks, which read the model, are tested below on a real one)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "tokenizer.json").write_text("{}")
-    return ["--set", f"model.path={model}"]
+    return ["--set", f"model.path={model}", "--config-only"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -185,3 +184,47 @@ def test_plugins_lists_every_group_and_names_a_broken_one(tmp_path: Path) -> Non
     assert line.split() == ["broken", "broken-env", "1.2", "(no_such_module_for_asyncrl:make)"]
     assert "BROKEN: ModuleNotFoundError: No module named 'no_such_module_for_asyncrl'" in text
     assert text.rstrip().endswith("1 plugin cannot be used (see BROKEN above)")
+
+
+def _bigram_config(tmp_path: Path, **environment: object) -> Path:
+    from asyncrl_example_backend.model import write_model_dir
+
+    model = write_model_dir(tmp_path / "model")
+    path = tmp_path / "run.toml"
+    options = ", ".join(f"{k} = {v!r}" for k, v in environment.items())
+    path.write_text(
+        f'[model]\npath = "{model}"\n[environment]\nname = "repeat-digit"\n'
+        f"options = {{ {options} }}\n"
+        '[trainer]\nbackend = "bigram"\n[generator]\nbackend = "bigram"\n'
+        '[grpo]\nprompts_per_step = 4\n'
+    )
+    return path
+
+
+def test_check_config_runs_the_plugins_checks_through_the_console_script(
+    tmp_path: Path,
+) -> None:
+    """What `asyncrl run` checks before it spawns (plugins, environment options, tokenizer,
+    backend options) is checked by `check-config` too, and a mistake there exits 2."""
+    exe = str(Path(sys.executable).parent / "asyncrl")
+    good = _bigram_config(tmp_path / "good")
+    proc = subprocess.run([exe, "check-config", str(good)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every plugin's options are fine" in proc.stdout
+    for args, named in (
+        (["--set", "generator.backend=nope"], "generator.backend: no generation backend named"),
+        (["--set", "trainer.options.lr=-1"], "trainer.options"),
+        (["--set", "metrics.sinks=['jsonl','nope']"], "metrics.sinks"),
+    ):
+        bad = subprocess.run([exe, "check-config", str(good), *args], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert bad.returncode == 2, (args, bad.stdout, bad.stderr)
+        assert named in bad.stdout, (args, bad.stdout)
+        ok = subprocess.run([exe, "check-config", str(good), *args, "--config-only"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert ok.returncode == 0, (args, ok.stdout)  # the file alone is fine
+    bad_env = _bigram_config(tmp_path / "bad", no_such_option=1)
+    proc = subprocess.run([exe, "check-config", str(bad_env)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "environment.options" in proc.stdout, proc.stdout

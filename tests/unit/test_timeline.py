@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.timeline import chrome_trace, last_run, overlap, read_records, spans
+from asyncrl.timeline import (
+    chrome_trace,
+    lanes,
+    last_run,
+    overlap,
+    read_records,
+    spans,
+    worker_spans,
+)
 
 # two steps of an asynchronous run: step 2's groups generate while step 1 trains
 RECORDS = [
@@ -107,3 +115,41 @@ def test_last_run_starts_at_the_last_fresh_start_and_keeps_its_resumed_lives() -
     assert last_run(records) == records[2:]
     assert last_run(records[:2]) == records[:2]
     assert last_run([]) == []
+
+
+def test_worker_spans_union_each_workers_groups_and_skip_restored_ones() -> None:
+    from types import SimpleNamespace as G
+
+    groups = [
+        G(worker="rollout:0", dispatched_at=1.0, committed_at=2.0),
+        G(worker="rollout:1", dispatched_at=1.0, committed_at=1.5),
+        G(worker="rollout:0", dispatched_at=1.5, committed_at=3.0),  # overlaps the first
+        G(worker="rollout:0", dispatched_at=4.0, committed_at=4.25),
+        G(worker="", dispatched_at=0.0, committed_at=None),  # restored from a checkpoint
+    ]
+    assert worker_spans(groups) == {
+        "rollout:0": [[1.0, 3.0], [4.0, 4.25]],
+        "rollout:1": [[1.0, 1.5]],
+    }
+
+
+def test_each_worker_gets_its_lane_after_the_runs_generation_lane() -> None:
+    records = [
+        {"kind": "config", "run_id": "r", "config": {}},
+        {"kind": "train", "step": 1, "gen_start": 1.0, "gen_end": 3.0, "train_start": 3.0,
+         "train_end": 4.0, "gen_by_worker": {"rollout:1": [[1.0, 2.0]],
+                                             "rollout:0": [[1.0, 3.0]]}},
+    ]  # fmt: skip
+    timeline = spans(records)
+    assert lanes(timeline) == [
+        "generation", "generation rollout:0", "generation rollout:1", "training"
+    ]
+    assert [(s.lane, s.start, s.end) for s in timeline if s.lane.startswith("generation ")] == [
+        ("generation rollout:0", 1.0, 3.0), ("generation rollout:1", 1.0, 2.0)
+    ]
+    trace = chrome_trace(timeline)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    assert names == {1: "generation", 2: "generation rollout:0", 3: "generation rollout:1",
+                     4: "training"}
+    # the overlap figures count the run's generation lane only (not each worker again)
+    assert overlap(timeline)["generation_s"] == 2.0

@@ -1,0 +1,278 @@
+"""Reward functions named in a config: imported once, called with the keywords they take.
+
+A reward is named ``"module:attr"`` (imported with the config's directory first on
+``sys.path``, so ``my_rewards.py`` beside the config works) or ``"path/to/file.py:attr"``
+(relative to the config's directory). It may be a plain or an ``async def`` function; it is
+called with the keyword arguments its signature names among ``completion`` (the decoded
+text), ``answer`` (the prompt's answer) and ``prompt`` (the :class:`~asyncrl.environment.Prompt`),
+and returns a number or a bool::
+
+    def exact(completion: str, answer: dict) -> bool:
+        return completion.strip() == str(answer["solution"])
+
+    async def judged(completion: str, prompt) -> float:
+        return await my_judge(prompt.display, completion)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+
+from .environment import Prompt
+from .errors import ConfigError
+
+__all__ = ["ARGUMENTS", "Reward", "RewardError", "RewardSpec", "load_rewards"]
+
+ARGUMENTS = ("completion", "answer", "prompt")
+"""The keyword arguments a reward function may take."""
+
+
+class RewardSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One reward function of a weighted sum (an item of ``rewards``)."""
+
+    function: str
+    """``"module:attr"`` or ``"path/to/file.py:attr"`` (relative to the config's directory)."""
+    weight: float = 1.0
+    """Its weight in the reward (the reward is the weighted sum of the raw values)."""
+    name: str | None = None
+    """Its name in ``Score.components`` and the ``reward/<name>`` metric (default: ``attr``)."""
+
+
+class RewardError(Exception):
+    """A reward function raised, or returned something other than a finite number or a bool
+    (the message names the reward)."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A loaded reward function, ready to call."""
+
+    name: str
+    weight: float
+    fn: Callable[..., Any]
+    takes: tuple[str, ...]
+    """The keywords of :data:`ARGUMENTS` it is called with."""
+    is_async: bool
+    origin: str
+    """The ``function`` string it was loaded from (named in errors)."""
+
+    def _kwargs(self, prompt: Prompt, completion: str) -> dict[str, Any]:
+        given = {"completion": completion, "answer": prompt.answer, "prompt": prompt}
+        return {k: given[k] for k in self.takes}
+
+    def _value(self, value: Any) -> float:
+        if isinstance(value, (bool, np.bool_, numbers.Real)) and math.isfinite(float(value)):
+            return float(value)
+        raise RewardError(
+            f"reward {self.name!r} ({self.origin}) returned {value!r}; a reward function "
+            "returns a finite number or a bool"
+        )
+
+    def _raised(self, exc: Exception) -> RewardError:
+        return RewardError(
+            f"reward {self.name!r} ({self.origin}) raised {type(exc).__name__}: {exc}"
+        )
+
+    def call(self, prompt: Prompt, completion: str) -> float:
+        """The raw value for one completion (a sync reward only).
+
+        Raises:
+            RewardError: the function raised or returned a bad value.
+        """
+        assert not self.is_async, "await acall() for an async reward"
+        try:
+            value = self.fn(**self._kwargs(prompt, completion))
+        except Exception as exc:
+            raise self._raised(exc) from exc
+        return self._value(value)
+
+    async def acall(self, prompt: Prompt, completion: str) -> float:
+        """The raw value for one completion: awaited for an async reward, run in a worker
+        thread for a sync one. Cancellation: an awaited reward is cancelled; a sync one in a
+        thread runs to its end first.
+
+        Raises:
+            RewardError: the function raised or returned a bad value.
+        """
+        try:
+            if self.is_async:
+                value = await self.fn(**self._kwargs(prompt, completion))
+            else:
+                value = await anyio.to_thread.run_sync(
+                    lambda: self.fn(**self._kwargs(prompt, completion))
+                )
+        except Exception as exc:
+            raise self._raised(exc) from exc
+        return self._value(value)
+
+
+def load_rewards(
+    specs: Sequence[RewardSpec], base_dir: str | os.PathLike[str], field: str
+) -> list[Reward]:
+    """Import each reward function of ``specs`` (``field`` is the option's name in errors,
+    e.g. ``environment.options.rewards``).
+
+    Raises:
+        ConfigError: an empty list, a malformed ``function``, an import failure, a missing
+            attribute, a signature asyncrl cannot call, a non-finite weight or two rewards
+            with one name (each naming ``<field>[i].<key>``).
+    """
+    if not specs:
+        raise ConfigError(
+            f"{field}: is empty. Fix: list at least one reward function, e.g. "
+            'rewards = [{ function = "my_rewards:exact" }]'
+        )
+    rewards: list[Reward] = []
+    for i, spec in enumerate(specs):
+        where = f"{field}[{i}]"
+        fn = _resolve(spec.function, Path(base_dir), f"{where}.function")
+        takes = _arguments(fn, spec.function, f"{where}.function")
+        if not math.isfinite(spec.weight):
+            raise ConfigError(f"{where}.weight: is {spec.weight}. Fix: use a finite number.")
+        name = spec.name if spec.name is not None else spec.function.rpartition(":")[2]
+        if not name:
+            raise ConfigError(f"{where}.name: is empty. Fix: give the reward a name.")
+        if any(r.name == name for r in rewards):
+            raise ConfigError(
+                f"{where}.name: a reward named {name!r} comes earlier in the list. Fix: give "
+                "each reward a distinct name (name = ...)."
+            )
+        rewards.append(Reward(name, spec.weight, fn, takes, _is_async(fn), spec.function))
+    return rewards
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # an instance with an async __call__
+    )
+
+
+def _arguments(fn: Callable[..., Any], origin: str, where: str) -> tuple[str, ...]:
+    """Which of :data:`ARGUMENTS` ``fn`` takes (all of them for ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{where}: {origin!r} has no signature asyncrl can read ({exc}). Fix: wrap it in "
+            "a Python function taking completion, answer and/or prompt."
+        ) from None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return ARGUMENTS
+    takes = tuple(a for a in ARGUMENTS if any(p.name == a and p.kind in keyword for p in params))
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    unfilled = [
+        p.name
+        for p in params
+        if p.name not in takes and p.default is inspect.Parameter.empty and p.kind not in variadic
+    ]
+    if unfilled or not takes:
+        problem = (
+            f"requires parameter(s) {', '.join(unfilled)}" if unfilled else "takes none of them"
+        )
+        raise ConfigError(
+            f"{where}: {origin!r} {problem}; a reward function is called with keyword "
+            f"arguments chosen among {', '.join(ARGUMENTS)}. Fix: take some of those (by "
+            "name) and give any other parameter a default."
+        )
+    return takes
+
+
+def _resolve(target: str, base_dir: Path, where: str) -> Callable[..., Any]:
+    """The callable ``target`` names (``module:attr`` or ``file.py:attr``)."""
+    source, _, attr = target.rpartition(":")
+    if not source or not attr:
+        raise ConfigError(
+            f"{where}: {target!r} is not 'module:attr' or 'path/to/file.py:attr'. Fix: write "
+            'e.g. "my_rewards:exact" (my_rewards.py beside the config) or '
+            '"rewards/math.py:exact".'
+        )
+    if source.endswith(".py") or "/" in source or os.sep in source:
+        module = _import_file(base_dir / source, where)
+    else:
+        module = _import_module(source, base_dir, where)
+    obj: Any = module
+    try:
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ConfigError(
+            f"{where}: {source!r} has no attribute {attr!r}. Fix: name a function defined "
+            f"in it (it defines: {', '.join(_public(module)) or 'nothing public'})."
+        ) from None
+    if not callable(obj):
+        raise ConfigError(
+            f"{where}: {target!r} is of type {type(obj).__name__!r}, not a function. Fix: name a "
+            "function (or a callable object)."
+        )
+    return obj
+
+
+def _public(module: ModuleType) -> list[str]:
+    return sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+
+
+def _import_failed(where: str, what: str, exc: BaseException) -> ConfigError:
+    return ConfigError(
+        f"{where}: importing {what} failed: {type(exc).__name__}: {exc}. Fix: correct the "
+        "module (or the name), or install what it imports into the controller's environment."
+    )
+
+
+def _import_module(name: str, base_dir: Path, where: str) -> ModuleType:
+    """Import module ``name`` with ``base_dir`` first on ``sys.path`` for the import."""
+    entry = str(base_dir)
+    sys.path.insert(0, entry)
+    try:
+        importlib.invalidate_caches()  # a file written since the last import is seen
+        return importlib.import_module(name)
+    except Exception as exc:
+        raise _import_failed(where, f"module {name!r} (searched {entry} first)", exc) from exc
+    finally:
+        sys.path.remove(entry)  # the first occurrence: ours
+
+
+def _import_file(path: Path, where: str) -> ModuleType:
+    """Run ``path`` as a module (once per file: a second reward from it reuses it), its
+    directory first on ``sys.path`` so that it can import its neighbours."""
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(
+            f"{where}: no file {str(path)!r}. Fix: give a path to a .py file, relative to the "
+            "config file's directory (or environment.base_dir)."
+        )
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    name = f"asyncrl_rewards_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{where}: {str(path)!r} cannot be imported. Fix: name a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and typing look a module up by name while it runs
+    entry = str(path.parent)
+    sys.path.insert(0, entry)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise _import_failed(where, str(path), exc) from exc
+    finally:
+        sys.path.remove(entry)
+    return module
