@@ -89,10 +89,14 @@ class Terminal:
             self._bar, self._shown = "", False
 
     def _draw(self) -> None:
-        width = shutil.get_terminal_size((100, 20)).columns
-        self.stream.write(self._bar[: max(20, width - 1)])
+        self.stream.write(self._bar[: max(20, columns() - 1)])
         self.stream.flush()
         self._shown = True
+
+
+def columns() -> int:
+    """The terminal's width (``COLUMNS``, else stderr's terminal, else 100)."""
+    return shutil.get_terminal_size((100, 20)).columns
 
 
 TERMINAL = Terminal()
@@ -260,7 +264,7 @@ class Console:
                     first_step=self._first[0],
                     elapsed_s=now - self._first[1],
                     tokens_per_s=tokens_per_s,
-                    columns=shutil.get_terminal_size((200, 20)).columns,
+                    columns=columns(),
                 )
             )
 

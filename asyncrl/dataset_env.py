@@ -32,8 +32,8 @@ The reward is ``sum(weight_i * value_i)`` over the reward functions (see
 raw values by name and ``correct`` is whether the value of ``correct_reward`` (default: the
 first) is > 0. When a reward function is ``async def`` the environment has ``score_async``
 (the controller awaits it, a group's samples concurrently, with the sync rewards in worker
-threads); its ``score`` then runs the rewards on a fresh event loop of its own, and raises
-``RuntimeError`` when called from a thread already running one (await ``score_async`` there).
+threads); its ``score`` then raises ``TypeError`` (the library never starts an event loop of
+its own: await ``score_async``).
 
 Parquet files and ``datasets`` directories are read with pyarrow alone (the ``datasets``
 library is not needed: a ``save_to_disk`` directory is a ``state.json`` listing Arrow stream

@@ -34,6 +34,13 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
         plugins.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
     )
     environment = make_environment(cfg)
+    train = len(environment.dataset("train"))
+    if train < cfg.grpo.prompts_per_step:
+        raise ConfigError(
+            f"grpo.prompts_per_step: the train split of environment {cfg.environment.name!r} "
+            f"has {train} prompts, fewer than one step's {cfg.grpo.prompts_per_step}. Fix: "
+            "give the environment more prompts, or lower grpo.prompts_per_step"
+        )
     tokenizer = Tokenizer(
         os.path.join(cfg.model.path, "tokenizer.json"),
         _eos_token_id(cfg.model.path),

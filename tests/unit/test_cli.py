@@ -216,6 +216,9 @@ def test_check_config_runs_the_plugins_checks_through_the_console_script(
         (["--set", "generator.backend=nope"], "generator.backend: no generation backend named"),
         (["--set", "trainer.options.lr=-1"], "trainer.options"),
         (["--set", "metrics.sinks=['jsonl','nope']"], "metrics.sinks"),
+        # repeat-digit has 64 train prompts by default
+        (["--set", "grpo.prompts_per_step=65"],
+         "grpo.prompts_per_step: the train split of environment 'repeat-digit' has 64 prompts"),
     ):
         bad = subprocess.run([exe, "check-config", str(good), *args], capture_output=True,
                              text=True, timeout=120)  # fmt: skip
