@@ -480,7 +480,9 @@ class Controller(anyio.AsyncContextManagerMixin):
             pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
             pipe.metrics.write({"kind": "ledger", "epochs": summary.ledger})
         log.info(
-            "run_finished", summary=json.dumps(summary.evals), rejected_frames=summary.rejected_frames
+            "run_finished",
+            summary=json.dumps(summary.evals),
+            rejected_frames=summary.rejected_frames,
         )
         return summary
 
@@ -554,7 +556,8 @@ def _root_cause(
     root = ranked[0] if ranked else (errors[0] if len(errors) == 1 else None)
     for other in errors:
         if other is not root and not (isinstance(other, AsyncRLError) and str(other) == str(root)):
-            log.warning("also_failed", error=str(other).splitlines()[0] if str(other) else repr(other))
+            first = str(other).splitlines()[0] if str(other) else repr(other)
+            log.warning("also_failed", error=first)
     return root
 
 

@@ -170,12 +170,11 @@ def _serve_rank(*, console: int | None = None, controller_pid: int = 0, **kwargs
     ending = anyio.run(lambda: _serve_until_signal(controller_pid, **kwargs))
     if ending.controller_exit is not None:
         if console is not None:
-            line = (
-                f"asyncrl: error: the controller (global rank 0, pid {controller_pid}) died "
-                f"with exit code {ending.controller_exit}; the workers stopped their engines "
-                f"and removed the run's files (this rank's log: {kwargs.get('log_path', '?')})\n"
-            )
-            os.write(console, line.encode())
+            from .supervisor import controller_lost_line
+
+            os.write(console, controller_lost_line(
+                controller_pid, ending.controller_exit, kwargs.get("log_path", "?")
+            ))
         return 1
     if ending.error is not None:
         return 1
@@ -226,7 +225,8 @@ def _supervise(
         sys.executable, "-m", "asyncrl.launch", "--worker", group, "--control", control,
         "--log-dir", log_dir, "--rank", str(rank), "--world-size", str(world),
     ]  # fmt: skip
-    return supervise(cmd, max_restarts=max_restarts, **kwargs)
+    log_path = os.path.join(log_dir, f"{group}-{rank}.log")
+    return supervise(cmd, max_restarts=max_restarts, log_path=log_path, **kwargs)
 
 
 def _die_with_parent() -> None:
@@ -273,7 +273,8 @@ def launch_main(config_path: str, overrides: dict[str, Any], resume: str | None 
         else:  # and leaves first: torchrun stops the others once one exits
             time.sleep(_RANK0_FIRST_S)
         return 2
-    group_size = config.cluster.trainer_ranks if group == "trainer" else config.cluster.rollout_ranks
+    c = config.cluster
+    group_size = c.trainer_ranks if group == "trainer" else c.rollout_ranks
     log_dir = os.path.join(config.run.output_dir, "logs")
     store = _agent_store()
     extra: dict[str, Any] = {}

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from .process import has_exited, kill_process_group
+from .process import exit_status, has_exited, kill_process_group, pid_exists, stopped_by_signal
 
 __all__ = ["supervise"]
 
@@ -53,11 +53,12 @@ def supervise(
     controller_pid: int = 0,
     console: int | None = None,
     backoff_s: float = 1.0,
+    log_path: str = "?",
 ) -> int:
     """Run ``cmd`` (a worker) until it exits 0 or a stop signal comes, starting it again up
     to ``max_restarts`` times when it dies otherwise. ``controller_pid``: once it is gone,
-    stop (and, with ``console``, a descriptor of the launch's stderr, say so in one line).
-    Returns this rank's exit code."""
+    stop (and, with ``console``, a descriptor of the launch's stderr, say so in one line,
+    naming ``log_path``, this rank's log). Returns this rank's exit code."""
     stopping: list[int] = []
     child: list[subprocess.Popen[bytes]] = []
 
@@ -68,6 +69,7 @@ def supervise(
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     restarts = 0
+    lost: int | None = None  # the controller's exit status, when it exited before the worker
     try:
         while True:
             child[:] = [subprocess.Popen(list(cmd), start_new_session=True)]
@@ -78,15 +80,24 @@ def supervise(
                 # the controller exited first: after a Shutdown (the worker is still closing
                 # its engine, and exits 0) or dead (it stops too, once it sees it); either
                 # way no new worker, which would wait for an Init that never comes
+                lost = _status_soon(controller_pid)
                 _stop(pid)
             time.sleep(STATUS_READ_S)
             code = child[0].wait()
             _kill_group(pid)
+            if code != 0 and lost is not None and lost < 0 and not stopped_by_signal(lost):
+                # the controller was killed (it could not say so itself). Before the stop
+                # signal is taken for the reason: torchrun sends this rank one right after
+                # the controller's death, while the worker is still cleaning up.
+                if console is not None:
+                    os.write(console, controller_lost_line(controller_pid, lost, log_path))
+                return 1
             if code == 0 or stopping:
                 return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
             if controller_pid and has_exited(controller_pid):
                 if console is not None:
-                    os.write(console, _controller_lost_line(controller_pid).encode())
+                    status = exit_status(controller_pid) if lost is None else lost
+                    os.write(console, controller_lost_line(controller_pid, status, log_path))
                 return 1
             if restarts >= max_restarts:
                 log.error("worker_not_restarted", exit_code=code, restarts=restarts)
@@ -151,8 +162,21 @@ def _kill_group(pgid: int) -> None:
     log.warning("worker_leftovers_remain", pgid=pgid)
 
 
-def _controller_lost_line(pid: int) -> str:
+def controller_lost_line(pid: int, status: int | str | None, log_path: str) -> bytes:
+    """The one line a worker rank prints when the controller (global rank 0) died."""
+    how = f" with exit code {status}" if status is not None else ""
     return (
-        f"asyncrl: error: the controller (global rank 0, pid {pid}) died; the workers "
-        "stopped their engines and removed the run's files\n"
-    )
+        f"asyncrl: error: the controller (global rank 0, pid {pid}) died{how}; the workers "
+        f"stopped their engines and removed the run's files (this rank's log: {log_path})\n"
+    ).encode()
+
+
+def _status_soon(pid: int, within_s: float = 0.5) -> int | None:
+    """``pid``'s exit status, read while it is a zombie: its pidfd fires a moment before
+    ``/proc`` shows the status (``None``: already reaped, or not readable in time)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        status = exit_status(pid)
+        if status is not None or not pid_exists(pid) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.01)

@@ -65,12 +65,14 @@ class Outcome:
     lines: list[str]
 
 
-def _config(tmp_path: Path, model_dir: Path, markers: Path, restarts: int = 3) -> Path:
+def _config(
+    tmp_path: Path, model_dir: Path, markers: Path, restarts: int = 3, trainers: int = 2
+) -> Path:
     data = merge(
         BASE,
         {
             "run": {"num_steps": 1000, "output_dir": str(tmp_path / "out")},
-            "cluster": {"trainer_ranks": 2, "rollout_ranks": 1, "shutdown_grace_s": 5.0},
+            "cluster": {"trainer_ranks": trainers, "rollout_ranks": 1, "shutdown_grace_s": 5.0},
             "generator": {
                 "options": {
                     "token_delay_s": 0.01,
@@ -92,10 +94,10 @@ def _config(tmp_path: Path, model_dir: Path, markers: Path, restarts: int = 3) -
 
 
 
-def _start(mode: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(mode: str, config: Path, log: Path, nproc: int = 3) -> subprocess.Popen[bytes]:
     if mode == "launch":
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--master-port", str(free_port()), "-m", "asyncrl.launch", str(config),
         ]
     else:
@@ -147,12 +149,14 @@ def _run_id(config: Path) -> str | None:
 
 
 def _strike(
-    tmp_path: Path, model_dir: Path, mode: str, target: str, sig: signal.Signals, phase: str
+    tmp_path: Path, model_dir: Path, mode: str, target: str, sig: signal.Signals, phase: str,
+    trainers: int = 2,
 ) -> tuple[Outcome, str, Path]:
     markers = tmp_path / "markers"
-    config = _config(tmp_path, model_dir, markers, restarts=0 if ":" in target else 3)
+    config = _config(tmp_path, model_dir, markers, restarts=0 if ":" in target else 3,
+                     trainers=trainers)  # fmt: skip
     log = tmp_path / "console.log"
-    proc = _start(mode, config, log)
+    proc = _start(mode, config, log, nproc=trainers + 1)
     try:
         _wait_for(markers / PHASE_MARKER[phase], proc, log)
         if phase != "generate":  # the slow part of the phase has begun
@@ -229,6 +233,19 @@ def test_launch_rank0_killed(tmp_path: Path, model_dir: Path, phase: str) -> Non
     assert out.lines[0].startswith("asyncrl: error: the controller (global rank 0, pid ")
     assert "exit code -9" in out.lines[0]
     assert str(config.parent / "out" / "logs" / "trainer-1.log") in out.lines[0]
+
+
+def test_launch_rank0_killed_with_a_supervised_rank1(tmp_path: Path, model_dir: Path) -> None:
+    """One trainer rank: rank 1 is the rollout rank, which supervises its worker (restarts
+    on). torchrun SIGTERMs it right after rank 0 died; it still says the controller died."""
+    out, _, config = _strike(tmp_path, model_dir, "launch", "rank0", signal.SIGKILL, "generate",
+                             trainers=1)  # fmt: skip
+    _report("launch", "rank0 (supervised rank 1)", signal.SIGKILL, "generate", out)
+    assert out.returncode != 0
+    assert len(out.lines) == 1, out.output[-4000:]
+    assert out.lines[0].startswith("asyncrl: error: the controller (global rank 0, pid ")
+    assert "exit code -9" in out.lines[0]
+    assert str(config.parent / "out" / "logs" / "rollout-0.log") in out.lines[0]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -105,15 +105,51 @@ def test_a_lost_controller_ends_it_with_one_line(tmp_path: Path) -> None:
     read, write = os.pipe()
     try:
         code = supervise(cmd, max_restarts=3, controller_pid=controller.pid, console=write,
-                         backoff_s=0)
+                         backoff_s=0, log_path="/x/rollout-0.log")
     finally:
         controller.wait()
         os.close(write)
     line = os.read(read, 4096).decode()
     os.close(read)
     assert code == 1 and runs(tmp_path) == 1
-    assert line == (f"asyncrl: error: the controller (global rank 0, pid {controller.pid}) died; "
-                    "the workers stopped their engines and removed the run's files\n")
+    assert line == (f"asyncrl: error: the controller (global rank 0, pid {controller.pid}) died "
+                    "with exit code -9; the workers stopped their engines and removed the run's "
+                    "files (this rank's log: /x/rollout-0.log)\n")
+
+
+def test_a_killed_controller_is_reported_though_a_stop_signal_follows(tmp_path: Path) -> None:
+    """torchrun SIGTERMs the other ranks right after rank 0 (the controller) was killed,
+    while the worker still cleans up: the supervisor says the controller died (what
+    happened), not that it was stopped (what followed)."""
+    import threading
+
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cmd = child(tmp_path, f"""
+        Path({str(tmp_path / "up")!r}).write_text("1")
+        time.sleep(60)  # cleaning up: only the stop signal ends it
+    """)
+
+    def kill_controller_then_stop_this_rank() -> None:
+        while not (tmp_path / "up").exists():
+            time.sleep(0.02)
+        controller.kill()  # stays a zombie until the test reaps it
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)  # what torchrun does next
+
+    read, write = os.pipe()
+    threading.Thread(target=kill_controller_then_stop_this_rank, daemon=True).start()
+    try:
+        code = supervise(cmd, max_restarts=3, controller_pid=controller.pid, console=write,
+                         backoff_s=0, log_path="/x/rollout-0.log")
+    finally:
+        controller.kill()
+        controller.wait()
+        os.close(write)
+    line = os.read(read, 4096).decode()
+    os.close(read)
+    assert code == 1 and runs(tmp_path) == 1
+    assert line.startswith(f"asyncrl: error: the controller (global rank 0, pid {controller.pid}) "
+                           "died with exit code -9;"), line
 
 
 def test_a_worker_that_outlives_its_controller_is_stopped_not_restarted(
