@@ -124,7 +124,7 @@ class StepAssembler:
             if not chunk.groups:
                 t = self.now()
                 await self.committed.wait()  # only a commit can make a chunk possible
-                rec.wait_s += self.now() - t
+                rec.waited(t, self.now())
                 continue
             groups = [self.ready.pop(gid) for gid in chunk.groups]
             rec.groups += groups  # before any await: a failed step gives them back

@@ -462,7 +462,7 @@ class Pipeline:
         a validation may wait for a restarted worker, whose refit needs the weights)."""
         t = self.now()
         await self.evaluator.wait_validation()
-        rec.wait_s += self.now() - t
+        rec.waited(t, self.now())
         await self._weights.acquire()
 
     async def _publish(self, step: int, rec: StepRecord) -> StepStats:

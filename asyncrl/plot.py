@@ -7,7 +7,8 @@ over). Writes into ``OUT`` (default ``RUN_DIR/plots``):
   each evaluation;
 * ``staleness.png``: the most and the mean staleness of each step's groups (versions between
   the weights that generated a sample and those it trains), with the sampler's bound;
-* ``timeline.png``: generation (the run's, and each rollout worker's), training, refit,
+* ``timeline.png``: generation (the run's, and each rollout worker's), training, the
+  trainers' waits inside a step, refit,
   evaluation, checkpoints and restarts over the run's wall time, one lane each
   (:mod:`asyncrl.timeline`), so overlap, or its absence, and an idle worker show at a glance;
 * ``timeline.json``: the same timeline as a Chrome trace (open it in https://ui.perfetto.dev).
@@ -26,7 +27,7 @@ from .timeline import Span, chrome_trace, lanes, last_run, overlap, read_records
 __all__ = ["plot_run"]
 
 _COLORS = {
-    "generation": "#4C72B0", "training": "#DD8452", "refit": "#55A868",
+    "generation": "#4C72B0", "training": "#DD8452", "waiting": "#BBBBBB", "refit": "#55A868",
     "evaluation": "#8172B3", "checkpoint": "#937860", "restart": "#C44E52",
 }  # fmt: skip
 

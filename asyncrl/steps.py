@@ -26,7 +26,10 @@ class StepRecord:
     train_start: float | None = None
     train_end: float | None = None
     wait_s: float = 0.0
-    """Trainer time waiting for data (no chunk ready) in this step."""
+    """Trainer time waiting in this step: for data (no chunk ready), or for a validation
+    before the step's ``FinishStep``."""
+    wait_spans: list[tuple[float, float]] = field(default_factory=list)
+    """The waits themselves (run clock), as the timeline's ``waiting`` lane draws them."""
     gate_wait_s: float = 0.0
     """Rollout pump time waiting for the gate (a refit) since the previous step's record."""
     drain_s: float = 0.0
@@ -70,6 +73,12 @@ class StepRecord:
             [v for (_, m), v in served.items() if m in ("SendWeights", "ReceiveWeights")],
             default=0.0,
         )
+
+    def waited(self, start: float, end: float) -> None:
+        """The trainer waited from ``start`` to ``end`` in this step."""
+        self.wait_s += end - start
+        if end > start:
+            self.wait_spans.append((start, end))
 
     def restart(self) -> None:
         """The step failed on a trainer and is assembled again: forget its chunks (its
@@ -116,6 +125,7 @@ class StepRecord:
             "train_s": (self.train_end or 0.0) - (self.train_start or 0.0),
             "refit_s": refit_s,
             "wait_s": self.wait_s,
+            "wait_spans": [[round(a, 6), round(b, 6)] for a, b in self.wait_spans],
             "gate_wait_s": self.gate_wait_s,
             "staleness_hist": {str(k): v for k, v in sorted(stats.staleness.items())},
             "evicted_groups": stats.evicted_groups,

@@ -7,6 +7,8 @@ controller started; :class:`~asyncrl.log.MetricsWriter` stamps each record's wri
     generation   a step's groups: first dispatch to last commit   (train: gen_start, gen_end)
     generation W rollout worker W generating that step's groups   (train: gen_by_worker[W])
     training     the step open on the trainers to its FinishStep   (train: train_start, train_end)
+    waiting      the trainers waiting for a step's data (no chunk     (train: wait_spans)
+                 ready) or for a validation before its FinishStep
     refit        the version bump to the generators serving it     (train: refit_start, refit_end)
     evaluation   a held-out evaluation                             (eval: start, end)
     checkpoint   a save, from its snapshot to its commit           (checkpoint: t - seconds, t)
@@ -36,7 +38,9 @@ __all__ = [
     "worker_spans",
 ]
 
-LANES = ("generation", "training", "refit", "evaluation", "checkpoint", "restart")
+LANES = (
+    "generation", "training", "waiting", "refit", "evaluation", "checkpoint", "restart"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,8 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
                     if lane == "generation":
                         args.update(staleness_max=r.get("staleness_max"))
                     out.append(Span(lane, f"step {step}", r[a], r[b], args))
+            for a, b in r.get("wait_spans") or []:
+                out.append(Span("waiting", f"step {step}", a, b, {"step": step}))
             for worker, intervals in (r.get("gen_by_worker") or {}).items():
                 for a, b in intervals:
                     out.append(Span(f"generation {worker}", f"step {step}", a, b,

@@ -113,3 +113,8 @@ def test_plain_logs_get_no_bar_and_completions_as_json(tmp_path: Path, model_dir
             for a, b in spans:  # inside the step's own generation span
                 assert r["gen_start"] - 1e-6 <= a <= b <= r["gen_end"] + 1e-6
     assert len(workers) == 2, workers
+    for r in train:  # the trainers' waits for the step's data end before it does; they add
+        for a, b in r["wait_spans"]:  # up to wait_s
+            assert a <= b <= r["train_end"] + 1e-6
+        total = sum(b - a for a, b in r["wait_spans"])
+        assert total == pytest.approx(r["wait_s"], abs=1e-5)  # spans rounded to 1 us

@@ -138,18 +138,21 @@ def test_each_worker_gets_its_lane_after_the_runs_generation_lane() -> None:
         {"kind": "config", "run_id": "r", "config": {}},
         {"kind": "train", "step": 1, "gen_start": 1.0, "gen_end": 3.0, "train_start": 3.0,
          "train_end": 4.0, "gen_by_worker": {"rollout:1": [[1.0, 2.0]],
-                                             "rollout:0": [[1.0, 3.0]]}},
+                                             "rollout:0": [[1.0, 3.0]]},
+         "wait_spans": [[3.0, 3.25], [3.5, 3.75]]},
     ]  # fmt: skip
     timeline = spans(records)
     assert lanes(timeline) == [
-        "generation", "generation rollout:0", "generation rollout:1", "training"
+        "generation", "generation rollout:0", "generation rollout:1", "training", "waiting"
     ]
+    assert [(s.start, s.end) for s in timeline if s.lane == "waiting"] == [(3.0, 3.25),
+                                                                             (3.5, 3.75)]
     assert [(s.lane, s.start, s.end) for s in timeline if s.lane.startswith("generation ")] == [
         ("generation rollout:0", 1.0, 3.0), ("generation rollout:1", 1.0, 2.0)
     ]
     trace = chrome_trace(timeline)["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     assert names == {1: "generation", 2: "generation rollout:0", 3: "generation rollout:1",
-                     4: "training"}
+                     4: "training", 5: "waiting"}
     # the overlap figures count the run's generation lane only (not each worker again)
     assert overlap(timeline)["generation_s"] == 2.0
