@@ -21,15 +21,14 @@ torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and att
 from __future__ import annotations
 
 import dataclasses
-import gc
 import getpass
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,9 +55,12 @@ from .launcher import (
     spawn_group,
     stop_processes,
     watch_peer,
+    worker_args,
+    worker_env,
 )
 from .log import MetricsWriter
 from .messages import Hello, Init, LoadState, TokenBatch
+from .modes import make_scheduler
 from .pipeline import Pipeline
 from .preflight import check_before_spawn
 from .process import (
@@ -70,9 +72,8 @@ from .process import (
 )
 from .refit import shm_dir
 from .rpc import ControlPlane
-from .schedule import Scheduler
 from .transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
-from .watchdog import LoopWatchdog
+from .watchdog import LoopWatchdog, gc_frozen
 
 __all__ = ["Addresses", "Controller", "RunSummary"]
 
@@ -288,8 +289,8 @@ class Controller(anyio.AsyncContextManagerMixin):
                     control_address=addr.control,
                     log_dir=addr.log_dir,
                     torchrun=cfg.torchrun,
-                    env=_worker_env(self.config, group),
-                    args=_worker_args(self.config, group),
+                    env=worker_env(group),
+                    args=worker_args(self._restarts(group)),
                 )
                 self._spawned.append(spawned)
         else:
@@ -320,7 +321,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         finally:
             startup_watch.cancel()
         # a supervised worker is no torchrun rank: its exit code comes from /proc alone
-        by_group = {s.group: s for s in self._spawned if _worker_args(self.config, s.group) == []}
+        by_group = {s.group: s for s in self._spawned if not self._restarts(s.group)}
 
         async def watch(peer: Any) -> None:
             while True:
@@ -340,6 +341,10 @@ class Controller(anyio.AsyncContextManagerMixin):
                 watchers.start_soon(tg, watch, peer)
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers
+
+    def _restarts(self, group: str) -> int:
+        """Times a rank of ``group`` may be restarted in place (its rank supervises it)."""
+        return self.config.rollout_restarts if group == "rollout" else 0
 
     def _survivable(self, peer: Any) -> bool:
         """Whether ``peer``'s death would be outlived (a rollout worker, restarts left)."""
@@ -466,7 +471,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         pipe = self.pipeline
         summary = RunSummary(metrics_path=os.path.join(self.config.run.output_dir, "metrics.jsonl"))
         try:
-            with _gc_frozen(self.config.run.gc_freeze):
+            with gc_frozen(self.config.run.gc_freeze):
                 await self._train(pipe, summary)
         finally:
             pipe.checkpointer.close()
@@ -586,54 +591,3 @@ class _Scopes:
         self._cancelled = True
         for scope in self._scopes:
             scope.cancel()
-
-
-def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
-    """The run's :class:`~asyncrl.schedule.Scheduler` with the configured sampler and caps
-    (``train_prompts``: the train split's size, for the ledger's epochs: each epoch drops the
-    remainder of a batch)."""
-    per_step = cfg.grpo.prompts_per_step
-    return Scheduler(
-        cfg.make_sampler(),
-        prompts_per_step=cfg.grpo.prompts_per_step,
-        samples_per_prompt=cfg.grpo.samples_per_prompt,
-        num_steps=cfg.run.num_steps,
-        max_buffered_groups=cfg.max_buffered_groups,
-        max_inflight_samples=cfg.max_inflight_samples,
-        min_chunk_groups=cfg.min_groups_for_streaming_train,
-        prompts_per_epoch=max(1, train_prompts // per_step * per_step),
-    )
-
-
-@contextmanager
-def _gc_frozen(enabled: bool) -> Iterator[None]:
-    """While training, keep the objects alive at its start out of the cyclic garbage
-    collector's scans (``gc.freeze``): a full collection over the start-up heap stalled the
-    event loop 20-30 ms (benchmarks/modes.py --part lag); with it the worst stall measured
-    5 ms. Unfrozen afterwards, so an embedding host gets its collector back."""
-    if not enabled:
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _worker_args(config: Config, group: str) -> list[str]:
-    """Rollout ranks supervise their worker when it may be restarted."""
-    restarts = config.rollout_restarts if group == "rollout" else 0
-    if not restarts:
-        return []
-    return ["--max-restarts", str(restarts), "--controller-pid", str(os.getpid())]
-
-
-def _worker_env(config: Config, group: str) -> dict[str, str]:
-    """Environment for spawned workers: nothing beyond what the process needs to start."""
-    env = {"ASYNCRL_GROUP": group, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-

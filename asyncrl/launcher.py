@@ -38,6 +38,8 @@ __all__ = [
     "spawn_group",
     "stop_processes",
     "watch_peer",
+    "worker_args",
+    "worker_env",
 ]
 
 CONTROLLER_PID_FILE = "controller.pid"
@@ -189,3 +191,18 @@ def reap_stale_runs(base: str) -> list[str]:
     if removed:
         log.info("stale_run_files_removed", run_ids=removed)
     return removed
+
+
+def worker_args(restarts: int) -> list[str]:
+    """The worker command's extra arguments: a rank whose worker may be restarted
+    ``restarts`` times supervises it (:mod:`asyncrl.supervisor`), watching this controller."""
+    if not restarts:
+        return []
+    return ["--max-restarts", str(restarts), "--controller-pid", str(os.getpid())]
+
+
+def worker_env(group: str) -> dict[str, str]:
+    """Environment for spawned workers: nothing beyond what the process needs to start."""
+    env = {"ASYNCRL_GROUP": group, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

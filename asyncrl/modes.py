@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Config
+from .schedule import Scheduler
 
-__all__ = ["ModeReport", "describe"]
+__all__ = ["ModeReport", "describe", "make_scheduler"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,20 @@ def describe(config: Config) -> ModeReport:
             "can run P * N samples at once"
         )
     return ModeReport(_line(sampler, P), capacities, advice)
+
+
+def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
+    """The run's :class:`~asyncrl.schedule.Scheduler` with the configured sampler and caps
+    (``train_prompts``: the train split's size, for the ledger's epochs: each epoch drops the
+    remainder of a batch)."""
+    per_step = cfg.grpo.prompts_per_step
+    return Scheduler(
+        cfg.make_sampler(),
+        prompts_per_step=cfg.grpo.prompts_per_step,
+        samples_per_prompt=cfg.grpo.samples_per_prompt,
+        num_steps=cfg.run.num_steps,
+        max_buffered_groups=cfg.max_buffered_groups,
+        max_inflight_samples=cfg.max_inflight_samples,
+        min_chunk_groups=cfg.min_groups_for_streaming_train,
+        prompts_per_epoch=max(1, train_prompts // per_step * per_step),
+    )
