@@ -169,7 +169,11 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="asyncrl",
+        description="Asynchronous GRPO post-training of LLMs. `asyncrl COMMAND --help` "
+        "documents each command; docs/ has the rest (docs/troubleshooting.md for errors).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
@@ -194,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser(
         "check-config",
         help="validate a run config and print its mode, capacities and broken invariants",
+        description="Validate CONFIG without starting anything: print the asynchrony mode it "
+        "resolves to, the derived capacities, advice, and every broken invariant with its "
+        "fix; then run what `asyncrl run` checks before it starts a process (the plugins "
+        "load, the environment and its data, the tokenizer and chat template, the prompts "
+        "fit the context, every plugin accepts its options). Exit code: 0 valid, 2 not.",
     )
     check.add_argument("config", help="the run's TOML file")
     check.add_argument(
