@@ -339,13 +339,18 @@ def _run_controller(
         async with anyio.create_task_group() as tg:
 
             async def on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for sig in signals:
-                        stopped_by.append(sig)
-                        break
-                # the receiver is gone: a second SIGTERM must not cut the shutdown short
-                # (a second Ctrl-C still interrupts it)
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                try:
+                    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                        async for sig in signals:
+                            stopped_by.append(sig)
+                            break
+                finally:
+                    # the receiver is gone, and leaving it restored SIGTERM's default action:
+                    # a SIGTERM now must not cut the shutdown short, nor kill this rank before
+                    # it prints the run's one line (torchrun sends one as soon as another rank
+                    # exits, e.g. a rollout worker whose engine died). A second Ctrl-C still
+                    # interrupts it.
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 log.warning("run_signalled", signal=stopped_by[0].name)
                 await anyio.sleep(_SIGNAL_GRACE_S)
                 tg.cancel_scope.cancel()
