@@ -16,6 +16,7 @@ SECTIONS = {
     "RefitConfig": "refit", "TrainerConfig": "trainer", "GeneratorConfig": "generator",
     "EnvironmentConfig": "environment", "EvalConfig": "eval",
     "CheckpointConfig": "checkpoint", "ExportConfig": "export", "FailuresConfig": "failures",
+    "MetricsConfig": "metrics",
 }
 
 
@@ -25,11 +26,23 @@ SAMPLERS = {
 }
 
 
+def _default(value: ast.expr | None) -> str:
+    """A field's default as written, or what a ``msgspec.field(default_factory=lambda: X)``
+    makes (``X``)."""
+    if value is None:
+        return "(required)"
+    if isinstance(value, ast.Call):
+        for kw in value.keywords:
+            if kw.arg == "default_factory" and isinstance(kw.value, ast.Lambda):
+                return ast.unparse(kw.value.body)
+    return ast.unparse(value)
+
+
 def fields(cls: ast.ClassDef) -> list[tuple[str, str, str]]:
     out, body = [], cls.body
     for i, node in enumerate(body):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            default = ast.unparse(node.value) if node.value is not None else "(required)"
+            default = _default(node.value)
             doc = ""
             nxt = body[i + 1] if i + 1 < len(body) else None
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
