@@ -246,9 +246,8 @@ class Console:
     def step(self, record: dict[str, Any], groups: Sequence[Any]) -> None:
         """A step finished: redraw the bar; show completions when the step is due."""
         step, now = int(record["step"]), float(record["time"])
-        if self._first is None:
-            start = now - float(record.get("gen_s") or 0.0)  # the first step's own span
-            self._first = (step - 1, min(start, now))
+        if self._first is None:  # this life starts with the first step's own generation
+            self._first = (step - 1, now - float(record.get("gen_s") or 0.0))
         tokens_per_s = None
         if self._last is not None and now > self._last[1]:
             tokens = record["response_len"] * record["groups"] * self.samples_per_prompt

@@ -57,7 +57,7 @@ import anyio
 import msgspec
 
 from .environment import Prompt, Score
-from .errors import ConfigError
+from .errors import ConfigError, config_error
 from .explain import explain
 from .rewards import Reward, RewardSpec, load_rewards
 
@@ -130,10 +130,8 @@ def make_environment(
     names = [r.name for r in rewards]
     correct = opts.correct_reward if opts.correct_reward is not None else names[0]
     if correct not in names:
-        raise ConfigError(
-            f"{OPT}.correct_reward: {correct!r} names no reward. Fix: use one of "
-            f"{', '.join(map(repr, names))}."
-        )
+        raise _fail("correct_reward", f"{correct!r} names no reward",
+                    f"use one of {', '.join(map(repr, names))}")
     train = _prompts(_read(opts.train, base, "train", opts.train_split, "train"), "train", opts)
     if opts.eval is not None:
         evals = _prompts(_read(opts.eval, base, "eval", opts.eval_split, "test"), "eval", opts)
@@ -144,7 +142,7 @@ def make_environment(
 
 
 def _fail(key: str, problem: str, fix: str) -> ConfigError:
-    return ConfigError(f"{OPT}.{key}: {problem}. Fix: {fix}.")
+    return config_error(f"{OPT}.{key}", problem, fix)
 
 
 def _validate(opts: DatasetOptions) -> None:

@@ -202,7 +202,7 @@ def worker_main(
     _log.configure("json")
     if max_restarts:
         return _supervise(group, rank, world, control, log_dir, max_restarts,
-                          controller_pid=controller_pid)
+                          controller_pid=controller_pid, log_path=log_path)
     if supervised:
         _die_with_parent()
     return _serve_rank(
@@ -225,8 +225,7 @@ def _supervise(
         sys.executable, "-m", "asyncrl.launch", "--worker", group, "--control", control,
         "--log-dir", log_dir, "--rank", str(rank), "--world-size", str(world),
     ]  # fmt: skip
-    log_path = os.path.join(log_dir, f"{group}-{rank}.log")
-    return supervise(cmd, max_restarts=max_restarts, log_path=log_path, **kwargs)
+    return supervise(cmd, max_restarts=max_restarts, **kwargs)
 
 
 def _die_with_parent() -> None:
@@ -302,7 +301,7 @@ def launch_main(config_path: str, overrides: dict[str, Any], resume: str | None 
         if group == "rollout" and config.rollout_restarts:
             return _supervise(
                 group, group_rank, group_size, control, log_dir, config.rollout_restarts,
-                controller_pid=controller_pid, console=console,
+                controller_pid=controller_pid, console=console, log_path=log_path,
             )
         return _serve_rank(
             console=console,

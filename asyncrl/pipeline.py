@@ -62,7 +62,6 @@ from .rollout_pool import SYNCING, RolloutPool
 from .rpc import ControlPlane
 from .schedule import Dispatch, Scheduler, StepStats, Wait
 from .steps import StepRecord, log_step
-from .timeline import worker_spans
 from .transport import AsyncSocket, Rejections, peer_name
 from .verify import make_probe, verification_due
 from .watchdog import LoopLag
@@ -613,7 +612,6 @@ class Pipeline:
             rejected_frames=self.rejections.total,
             now=self.now(),
         )
-        record["gen_by_worker"] = worker_spans(rec.groups)
         self.history.append(record)
         if self.metrics is not None:
             self.metrics.write({"kind": "train", **record})

@@ -7,6 +7,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -15,7 +17,7 @@ from . import plugins
 from .backend import BackendPlugin
 from .chat import ChatTemplate
 from .config import Config
-from .errors import AsyncRLError, ConfigError
+from .errors import AsyncRLError, config_error
 from .prompts import Tokenizer
 from .sinks import check_sinks
 
@@ -36,10 +38,11 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
     environment = make_environment(cfg)
     train = len(environment.dataset("train"))
     if train < cfg.grpo.prompts_per_step:
-        raise ConfigError(
-            f"grpo.prompts_per_step: the train split of environment {cfg.environment.name!r} "
-            f"has {train} prompts, fewer than one step's {cfg.grpo.prompts_per_step}. Fix: "
-            "give the environment more prompts, or lower grpo.prompts_per_step"
+        raise config_error(
+            "grpo.prompts_per_step",
+            f"the train split of environment {cfg.environment.name!r} has {train} prompts, "
+            f"fewer than one step's {cfg.grpo.prompts_per_step}",
+            "give the environment more prompts, or lower grpo.prompts_per_step",
         )
     tokenizer = Tokenizer(
         os.path.join(cfg.model.path, "tokenizer.json"),
@@ -48,20 +51,27 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
     )
     longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
     for section, plugin in (("trainer", trainer), ("generator", generator)):
-        if plugin.check_config is None:
-            continue
-        try:
-            plugin.check_config(cfg, max_prompt_tokens=longest)
-        except AsyncRLError:
-            raise
-        except Exception as exc:  # a plugin that raises its own kind: still one line, named
+        if plugin.check_config is not None:
             backend = getattr(cfg, section).backend
-            raise ConfigError(
-                f"{section}.options: the {section} backend {backend!r} refused the config: "
-                f"{type(exc).__name__}: {exc}. Fix: correct [{section}.options] "
-                "(docs/backends/ lists each backend's options)"
-            ) from exc
+            with _plugin_errors(
+                f"{section}.options",
+                f"the {section} backend {backend!r} refused the config",
+                f"correct [{section}.options] (docs/backends/ lists each backend's options)",
+            ):
+                plugin.check_config(cfg, max_prompt_tokens=longest)
     return environment, tokenizer
+
+
+@contextmanager
+def _plugin_errors(field: str, what: str, fix: str) -> Iterator[None]:
+    """A plugin that raises an exception of its own kind (not an asyncrl error): still one
+    ``ConfigError`` line naming ``field``, with the plugin's message."""
+    try:
+        yield
+    except AsyncRLError:
+        raise
+    except Exception as exc:
+        raise config_error(field, f"{what}: {type(exc).__name__}: {exc}", fix) from exc
 
 
 def make_environment(cfg: Config) -> Any:
@@ -75,16 +85,12 @@ def make_environment(cfg: Config) -> Any:
         params = {}
     if "base_dir" in params:
         kwargs["base_dir"] = cfg.environment.base_dir
-    try:
+    with _plugin_errors(
+        "environment.options",
+        f"environment {cfg.environment.name!r} refused its options",
+        "correct [environment.options] (the environment's own documentation lists them)",
+    ):
         return make_env(dict(cfg.environment.options), cfg.run.seed, **kwargs)
-    except AsyncRLError:
-        raise
-    except Exception as exc:  # a plugin that raises its own kind: still one line, named
-        raise ConfigError(
-            f"environment.options: environment {cfg.environment.name!r} refused its options: "
-            f"{type(exc).__name__}: {exc}. Fix: correct [environment.options] (the "
-            "environment's own documentation lists them)"
-        ) from exc
 
 
 def _longest_prompt(environment: Any, tokenizer: Tokenizer, cfg: Config) -> int:

@@ -35,7 +35,7 @@ import msgspec
 import numpy as np
 
 from .environment import Prompt
-from .errors import ConfigError
+from .errors import ConfigError, config_error
 
 __all__ = ["ARGUMENTS", "Reward", "RewardError", "RewardSpec", "load_rewards"]
 
@@ -134,9 +134,10 @@ def load_rewards(
             with one name (each naming ``<field>[i].<key>``).
     """
     if not specs:
-        raise ConfigError(
-            f"{field}: is empty. Fix: list at least one reward function, e.g. "
-            'rewards = [{ function = "my_rewards:exact" }]'
+        raise config_error(
+            field,
+            "is empty",
+            'list at least one reward function, e.g. rewards = [{ function = "my_rewards:exact" }]',
         )
     rewards: list[Reward] = []
     for i, spec in enumerate(specs):
@@ -144,14 +145,15 @@ def load_rewards(
         fn = _resolve(spec.function, Path(base_dir), f"{where}.function")
         takes = _arguments(fn, spec.function, f"{where}.function")
         if not math.isfinite(spec.weight):
-            raise ConfigError(f"{where}.weight: is {spec.weight}. Fix: use a finite number.")
+            raise config_error(f"{where}.weight", f"is {spec.weight}", "use a finite number")
         name = spec.name if spec.name is not None else spec.function.rpartition(":")[2]
         if not name:
-            raise ConfigError(f"{where}.name: is empty. Fix: give the reward a name.")
+            raise config_error(f"{where}.name", "is empty", "give the reward a name")
         if any(r.name == name for r in rewards):
-            raise ConfigError(
-                f"{where}.name: a reward named {name!r} comes earlier in the list. Fix: give "
-                "each reward a distinct name (name = ...)."
+            raise config_error(
+                f"{where}.name",
+                f"a reward named {name!r} comes earlier in the list",
+                "give each reward a distinct name (name = ...)",
             )
         rewards.append(Reward(name, spec.weight, fn, takes, _is_async(fn), spec.function))
     return rewards
@@ -168,9 +170,10 @@ def _arguments(fn: Callable[..., Any], origin: str, where: str) -> tuple[str, ..
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"{where}: {origin!r} has no signature asyncrl can read ({exc}). Fix: wrap it in "
-            "a Python function taking completion, answer and/or prompt."
+        raise config_error(
+            where,
+            f"{origin!r} has no signature asyncrl can read ({exc})",
+            "wrap it in a Python function taking completion, answer and/or prompt",
         ) from None
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
@@ -186,10 +189,11 @@ def _arguments(fn: Callable[..., Any], origin: str, where: str) -> tuple[str, ..
         problem = (
             f"requires parameter(s) {', '.join(unfilled)}" if unfilled else "takes none of them"
         )
-        raise ConfigError(
-            f"{where}: {origin!r} {problem}; a reward function is called with keyword "
-            f"arguments chosen among {', '.join(ARGUMENTS)}. Fix: take some of those (by "
-            "name) and give any other parameter a default."
+        raise config_error(
+            where,
+            f"{origin!r} {problem}; a reward function is called with keyword arguments "
+            f"chosen among {', '.join(ARGUMENTS)}",
+            "take some of those (by name) and give any other parameter a default",
         )
     return takes
 
@@ -198,10 +202,11 @@ def _resolve(target: str, base_dir: Path, where: str) -> Callable[..., Any]:
     """The callable ``target`` names (``module:attr`` or ``file.py:attr``)."""
     source, _, attr = target.rpartition(":")
     if not source or not attr:
-        raise ConfigError(
-            f"{where}: {target!r} is not 'module:attr' or 'path/to/file.py:attr'. Fix: write "
-            'e.g. "my_rewards:exact" (my_rewards.py beside the config) or '
-            '"rewards/math.py:exact".'
+        raise config_error(
+            where,
+            f"{target!r} is not 'module:attr' or 'path/to/file.py:attr'",
+            'write e.g. "my_rewards:exact" (my_rewards.py beside the config) or '
+            '"rewards/math.py:exact"',
         )
     if source.endswith(".py") or "/" in source or os.sep in source:
         module = _import_file(base_dir / source, where)
@@ -212,14 +217,17 @@ def _resolve(target: str, base_dir: Path, where: str) -> Callable[..., Any]:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except AttributeError:
-        raise ConfigError(
-            f"{where}: {source!r} has no attribute {attr!r}. Fix: name a function defined "
-            f"in it (it defines: {', '.join(_public(module)) or 'nothing public'})."
+        raise config_error(
+            where,
+            f"{source!r} has no attribute {attr!r}",
+            f"name a function defined in it (it defines: "
+            f"{', '.join(_public(module)) or 'nothing public'})",
         ) from None
     if not callable(obj):
-        raise ConfigError(
-            f"{where}: {target!r} is of type {type(obj).__name__!r}, not a function. Fix: name a "
-            "function (or a callable object)."
+        raise config_error(
+            where,
+            f"{target!r} is of type {type(obj).__name__!r}, not a function",
+            "name a function (or a callable object)",
         )
     return obj
 
@@ -229,9 +237,11 @@ def _public(module: ModuleType) -> list[str]:
 
 
 def _import_failed(where: str, what: str, exc: BaseException) -> ConfigError:
-    return ConfigError(
-        f"{where}: importing {what} failed: {type(exc).__name__}: {exc}. Fix: correct the "
-        "module (or the name), or install what it imports into the controller's environment."
+    return config_error(
+        where,
+        f"importing {what} failed: {type(exc).__name__}: {exc}",
+        "correct the module (or the name), or install what it imports into the controller's "
+        "environment",
     )
 
 
@@ -253,9 +263,11 @@ def _import_file(path: Path, where: str) -> ModuleType:
     directory first on ``sys.path`` so that it can import its neighbours."""
     path = path.resolve()
     if not path.is_file():
-        raise ConfigError(
-            f"{where}: no file {str(path)!r}. Fix: give a path to a .py file, relative to the "
-            "config file's directory (or environment.base_dir)."
+        raise config_error(
+            where,
+            f"no file {str(path)!r}",
+            "give a path to a .py file, relative to the config file's directory (or "
+            "environment.base_dir)",
         )
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
     name = f"asyncrl_rewards_{path.stem}_{digest}"
@@ -263,7 +275,7 @@ def _import_file(path: Path, where: str) -> ModuleType:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ConfigError(f"{where}: {str(path)!r} cannot be imported. Fix: name a .py file.")
+        raise config_error(where, f"{str(path)!r} cannot be imported", "name a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and typing look a module up by name while it runs
     entry = str(path.parent)

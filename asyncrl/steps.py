@@ -11,6 +11,7 @@ import structlog
 from .buffer import Group
 from .messages import ChunkResult, StepResult
 from .schedule import StepStats
+from .timeline import worker_spans
 from .verify import Agreement
 
 __all__ = ["StepRecord", "log_step"]
@@ -25,11 +26,9 @@ class StepRecord:
     step: int
     train_start: float | None = None
     train_end: float | None = None
-    wait_s: float = 0.0
-    """Trainer time waiting in this step: for data (no chunk ready), or for a validation
-    before the step's ``FinishStep``."""
     wait_spans: list[tuple[float, float]] = field(default_factory=list)
-    """The waits themselves (run clock), as the timeline's ``waiting`` lane draws them."""
+    """The trainer's waits in this step (run clock): for data (no chunk ready), or for a
+    validation before the step's ``FinishStep``; the timeline's ``waiting`` lane."""
     gate_wait_s: float = 0.0
     """Rollout pump time waiting for the gate (a refit) since the previous step's record."""
     drain_s: float = 0.0
@@ -74,9 +73,13 @@ class StepRecord:
             default=0.0,
         )
 
+    @property
+    def wait_s(self) -> float:
+        """Trainer time waiting in this step (the sum of :attr:`wait_spans`)."""
+        return sum(b - a for a, b in self.wait_spans)
+
     def waited(self, start: float, end: float) -> None:
         """The trainer waited from ``start`` to ``end`` in this step."""
-        self.wait_s += end - start
         if end > start:
             self.wait_spans.append((start, end))
 
@@ -126,6 +129,7 @@ class StepRecord:
             "refit_s": refit_s,
             "wait_s": self.wait_s,
             "wait_spans": [[round(a, 6), round(b, 6)] for a, b in self.wait_spans],
+            "gen_by_worker": worker_spans(self.groups),
             "gate_wait_s": self.gate_wait_s,
             "staleness_hist": {str(k): v for k, v in sorted(stats.staleness.items())},
             "evicted_groups": stats.evicted_groups,
