@@ -95,8 +95,9 @@ def supervise(
             if code == 0 or stopping:
                 return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
             if controller_pid and has_exited(controller_pid):
-                if console is not None:
-                    status = exit_status(controller_pid) if lost is None else lost
+                status = exit_status(controller_pid) if lost is None else lost
+                # a controller that exited by itself (status >= 0) printed its own line
+                if console is not None and (status is None or status < 0):
                     os.write(console, controller_lost_line(controller_pid, status, log_path))
                 return 1
             if restarts >= max_restarts:
