@@ -123,3 +123,49 @@ def test_make_model_cli_rejects_bad_env_options(tmp_path: Path):
     assert proc.returncode == 2
     assert "max_operand" in proc.stderr
     assert not (tmp_path / "m").exists()
+
+
+def test_default_build_installs_the_shipped_warm_start(tmp_path: Path):
+    """The demo's starting policy does not depend on this CPU's kernels: the default recipe
+    takes the package's shipped weights (checked by sha256, computed here independently), and
+    this machine's measured held-out greedy accuracy matches the figure recorded where they
+    were built."""
+    import hashlib
+
+    from asyncrl_arith.make_model import SHIPPED_DIR, SHIPPED_GREEDY_TOLERANCE
+
+    info = json.loads((SHIPPED_DIR / "warm_start.json").read_text())
+    shipped = (SHIPPED_DIR / "model.safetensors").read_bytes()
+    assert hashlib.sha256(shipped).hexdigest() == info["sha256"]
+    assert info["report"]["sft_reached_target"] is True
+
+    out = tmp_path / "model"
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl_arith.make_model", str(out), "--threads", "2"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    report = json.loads(proc.stdout)
+    assert report["warm_start"] == "shipped" and report["skipped"] is False
+    assert (out / "model.safetensors").read_bytes() == shipped
+    assert abs(report["eval_greedy_acc"] - info["report"]["eval_greedy_acc"]) <= (
+        SHIPPED_GREEDY_TOLERANCE
+    )
+    assert "warning" not in proc.stderr
+    # the model directory is whole: transformers loads it and the tokenizer prepends BOS
+    assert load_tokenizer(out).encode("12+34=").ids[0] == BOS_ID
+
+
+def test_damaged_shipped_warm_start_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import shutil
+
+    from asyncrl_arith import make_model as mm
+
+    damaged = tmp_path / "warm_start"
+    shutil.copytree(mm.SHIPPED_DIR, damaged)
+    data = bytearray((damaged / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "model.safetensors").write_bytes(bytes(data))
+    monkeypatch.setattr(mm, "SHIPPED_DIR", damaged)
+    with pytest.raises(RuntimeError, match="sha256.*damaged.*--from-scratch"):
+        mm.make_model(tmp_path / "model")
+    assert not (tmp_path / "model").exists()
