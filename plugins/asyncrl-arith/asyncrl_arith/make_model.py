@@ -55,8 +55,8 @@ SHIPPED_INFO = "warm_start.json"
 SHIPPED_GREEDY_TOLERANCE = 0.05
 """How far this machine's held-out greedy accuracy of the shipped weights may be from the
 figure recorded where they were built before ``make_model`` warns. The same weights measured
-float32 in transformers gave 0.580 on an AVX-512 machine (torch 2.13) and 0.580 on the AMX
-GPU host's CPU (torch 2.11): 0 of 200 prompts apart; 0.05 is 10 prompts."""
+float32 in transformers gave 0.580 on an AVX-512 machine without AMX and 0.580 on the GPU
+host's AMX CPU (both torch 2.13): 0 of 200 prompts apart; 0.05 is 10 prompts."""
 
 
 def _settings_key(
