@@ -14,6 +14,8 @@ from .controller import Controller, RunSummary
 from .errors import (
     AsyncRLError,
     ConfigError,
+    NoSpaceError,
+    NonFiniteError,
     PluginError,
     ProtocolError,
     RefitError,
@@ -33,6 +35,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "Controller",
+    "NoSpaceError",
+    "NonFiniteError",
     "PluginError",
     "ProtocolError",
     "RefitError",

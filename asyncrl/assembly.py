@@ -14,6 +14,7 @@ assembled and trained again, within ``failures.train_step_retries`` (:mod:`async
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,9 +24,9 @@ import structlog
 
 from .buffer import Group
 from .config import Config
-from .errors import RemoteCallError, RunError, flatten
+from .errors import NonFiniteError, RemoteCallError, RunError, flatten
 from .failures import FailureBudget
-from .grpo import pack_groups, shard_batch
+from .grpo import nonfinite_cause, pack_groups, shard_batch
 from .intake import Signal
 from .messages import BeginStep, FinishStep, TrainChunk
 from .rpc import ControlPlane
@@ -101,7 +102,31 @@ class StepAssembler:
                 rec.restart()
                 self.committed.notify()
         self.failures.step_done()
+        self._check_finite(step, rec, finish)
         return finish
+
+    def _check_finite(self, step: int, rec: StepRecord, finish: list[Any]) -> None:
+        """A step whose loss or gradient norm is not finite was not applied by the trainers:
+        skip it within ``failures.max_nonfinite_steps``, else stop the run naming the likely
+        cause (the weights lock ``FinishStep`` took is released: no refit follows)."""
+        bad = [r for r in finish if not (math.isfinite(r.loss) and math.isfinite(r.grad_norm))]
+        if not bad:
+            return
+        loss, grad_norm = bad[0].loss, bad[0].grad_norm
+        if self.failures.nonfinite_step(step, loss, grad_norm):
+            rec.nonfinite_skipped = True
+            return
+        self.weights.release()
+        budget = (
+            f"; {self.failures.nonfinite_steps} such steps, failures.max_nonfinite_steps = "
+            f"{self.config.failures.max_nonfinite_steps}"
+        )
+        raise NonFiniteError(
+            nonfinite_cause(
+                step, loss, grad_norm, rec.groups,
+                normalize=self.config.grpo.normalize_advantages, budget=budget,
+            )
+        )  # fmt: skip
 
     async def _train_step(
         self, step: int, rec: StepRecord, before_finish: Callable[[StepRecord], Awaitable[None]]
@@ -133,7 +158,9 @@ class StepAssembler:
                 log.debug("step_started", step=step)
                 await self._train_call([BeginStep(step=step)] * len(self.trainers))
                 opened = True
-            batch = pack_groups(groups, normalize=cfg.grpo.normalize_advantages)
+            batch = pack_groups(
+                groups, normalize=cfg.grpo.normalize_advantages, environment=cfg.environment.name
+            )
             shards = shard_batch(batch, len(self.trainers))
             await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
             busy = self.now()

@@ -93,6 +93,11 @@ class BackendPlugin:
     would refuse (its ``options`` table, limits such as a context length shorter than the
     longest prompt (``max_prompt_tokens``, in tokens) plus ``grpo.max_new_tokens``). Called by
     the controller before any worker is spawned; must be cheap and import no engine."""
+    shm_bytes: Callable[[Any], int] | None = None
+    """``shm_bytes(config)``: bytes one rank of the backend needs free in ``/dev/shm`` when it
+    starts (an engine's shared-memory queues), added to the ``shm`` transfer's own by the
+    controller's check before any worker is spawned (:mod:`asyncrl.space`). Cheap; imports
+    no engine."""
 
     def __call__(self, ctx: WorkerContext) -> Any:
         """Same as :attr:`create` (so a plugin can be used where a factory is expected)."""
@@ -257,7 +262,9 @@ class TrainingBackend(Protocol):
 
     def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
         """Scale gradients by 1/num_loss_tokens (the step's global count), clip, step the
-        optimizer. The result equals one big batch of all the step's chunks."""
+        optimizer. The result equals one big batch of all the step's chunks. A step whose loss
+        or gradient norm is not finite is not applied (on any rank): the result carries the
+        non-finite value, and the controller skips the step or stops the run."""
 
     def weight_specs(self) -> list[WeightTensor]:
         """What :meth:`iter_weights` yields, in order, with ``data=None`` (name, dtype, shape):
@@ -273,12 +280,14 @@ class TrainingBackend(Protocol):
         """Write model and optimizer state under the directory ``path`` (created if missing;
         the same path on every rank, visible to all). Collective: every rank writes its own
         part. Only between steps (raise if a step is open). Saving must not change training:
-        save -> step equals step."""
+        save -> step equals step. Weights holding a NaN or an infinity are refused
+        (:class:`~asyncrl.errors.NonFiniteError`), nothing written."""
 
     def load_state(self, path: str) -> None:
         """Restore what :meth:`save_state` wrote into this started backend (same model,
         options and world size): load -> step equals the step the saving run took next.
-        Collective; only between steps."""
+        Collective; only between steps. Loaded weights holding a NaN or an infinity are
+        refused (:class:`~asyncrl.errors.NonFiniteError`, naming ``path``)."""
 
     def close(self) -> None:
         """Destroy the process group and free memory. Idempotent."""

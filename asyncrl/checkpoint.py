@@ -4,7 +4,8 @@
 
     <checkpoint.dir>/
         step-00000020/              one checkpoint, named by the trainer version it holds
-            manifest.json           written last: format, step, config, hashes (below)
+            manifest.json           written last: format, step, config, fingerprints, and the
+                                    size and SHA-256 of every other file (and of itself)
             controller.msgpack      the controller's state (ControllerState, msgpack)
             trainer/                TrainingBackend.save_state (every rank writes its part)
             model/                  the policy as a Hugging Face directory (optional)
@@ -17,18 +18,21 @@ either the new checkpoint whole or no trace of it, and the older ones untouched.
 without a manifest is never taken for a checkpoint. Retention deletes a checkpoint's manifest
 first, so a half-deleted directory is no checkpoint either.
 
+Every file is hashed while it is made durable (:func:`asyncrl.checksums.seal_tree`), and
+:meth:`Checkpoint.verify` checks them all before a resume loads anything: a flipped bit in a
+trainer shard is refused with the file's name, never trained on.
+
 This module does file I/O only (no sockets, no torch); the pipeline decides when to save.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ import numpy as np
 import structlog
 
 from .buffer import CompletedSample, Group
+from .checksums import HASH, digest_bytes, seal_tree, verify_tree
 from .errors import AsyncRLError
 from .process import pid_exists
 
@@ -47,7 +52,6 @@ __all__ = [
     "ControllerState",
     "FORMAT",
     "SavedGroup",
-    "compare_configs",
     "commit",
     "decode_state",
     "encode_state",
@@ -64,29 +68,19 @@ __all__ = [
 
 log = structlog.get_logger("asyncrl.checkpoint")
 
-FORMAT = 1
-"""Bump when a checkpoint written by this version cannot be read by an older one."""
+FORMAT = 2
+"""Bump when a checkpoint written by this version cannot be read by an older one, or the
+reverse. 2: a checksum of every file and fingerprints of the model and data (1 had a hash of
+``controller.msgpack`` only). From 2 on, every format keeps ``manifest_sha256``: the SHA-256
+of the manifest's other keys as compact JSON with sorted keys, checked before the format."""
 MANIFEST = "manifest.json"
+_SELF = f"manifest_{HASH}"
+"""The manifest's own digest: of its other keys, as compact JSON with sorted keys."""
 CONTROLLER_FILE = "controller.msgpack"
 TRAINER_DIR = "trainer"
 MODEL_DIR = "model"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-\d{8}-(\d+)$")
-
-STRICT_FIELDS = (
-    "run.seed",
-    "grpo.prompts_per_step",
-    "grpo.samples_per_prompt",
-    "pipeline.sampler",
-    "environment.name",
-    "environment.options",
-    "trainer.backend",
-    "trainer.options",
-    "cluster.trainer_ranks",
-)
-"""Settings a resumed run must share with the checkpoint: the prompt stream's order and
-grouping, the staleness policy whose state is saved, and the trainer state's layout."""
-
 
 class CheckpointError(AsyncRLError):
     """A checkpoint cannot be resumed or exported (missing, corrupt, from another run or
@@ -204,16 +198,49 @@ class Checkpoint:
     def model_dir(self) -> Path | None:
         return self.path / MODEL_DIR if self.manifest.get("has_model") else None
 
+    def verify(self) -> None:
+        """Check every file against the manifest's sizes and digests, and that no other file
+        is there. Blocking: it reads every byte (docs/checkpointing.md has the speed); run it
+        in a worker thread.
+
+        Raises:
+            CheckpointError: the first files that differ, named, with the fix.
+        """
+        self._check(lambda: verify_tree(self.path, self.manifest["files"], exclude=(MANIFEST,)))
+
+    def verify_copy(self, part: str, copy: str | os.PathLike[str]) -> None:
+        """Check ``copy``, a copy of the checkpoint's directory ``part`` (e.g. ``model``),
+        against the manifest: what an export hands out is what the save wrote.
+
+        Raises:
+            CheckpointError: the first files that differ, named, with the fix (an older
+                checkpoint to export).
+        """
+        prefix = part.rstrip("/") + "/"
+        files = self.manifest["files"]
+        listed = {k[len(prefix):]: v for k, v in files.items() if k.startswith(prefix)}
+        self._check(lambda: [prefix + p for p in verify_tree(copy, listed)], export=True)
+
+    def _check(self, problems_of: Callable[[], list[str]], *, export: bool = False) -> None:
+        try:
+            problems = problems_of()
+        except OSError as exc:
+            raise _corrupt(self.path, f"a file cannot be read: {exc}", export=export) from None
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise _corrupt(self.path, "; ".join(problems[:3]) + more, export=export)
+
     def state(self) -> ControllerState:
-        """The controller's state, checked against the manifest's size and hash."""
+        """The controller's state, checked against the manifest's size and digest."""
         file = self.path / CONTROLLER_FILE
         try:
             data = file.read_bytes()
         except OSError as exc:
             raise _corrupt(self.path, f"cannot read {CONTROLLER_FILE}: {exc}") from None
-        want = self.manifest.get("controller_sha256")
-        if len(data) != self.manifest.get("controller_bytes") or _sha256(data) != want:
-            raise _corrupt(self.path, f"{CONTROLLER_FILE} does not match its manifest hash")
+        want = self.manifest["files"].get(CONTROLLER_FILE) or {}
+        if len(data) != want.get("bytes") or digest_bytes(data) != want.get(HASH):
+            raise _corrupt(self.path, f"{CONTROLLER_FILE} does not match its {HASH} in the "
+                           "manifest")  # fmt: skip
         try:
             state = decode_state(data)
         except msgspec.DecodeError as exc:
@@ -278,10 +305,12 @@ def resolve(spec: str, root: str | os.PathLike[str]) -> Path:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read and check a checkpoint's manifest (format, fields, the controller file's size).
+    """Read and check a checkpoint's manifest (format, fields, its own digest) and that its
+    parts are there; :meth:`Checkpoint.verify` checks the files' contents.
 
     Raises:
-        CheckpointError: missing or unreadable manifest, another format, a missing part.
+        CheckpointError: missing, unreadable or altered manifest, another format, a missing
+            part.
     """
     path = Path(path)
     try:
@@ -290,16 +319,21 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise _corrupt(path, f"it has no {MANIFEST}") from None
     except (OSError, ValueError) as exc:
         raise _corrupt(path, f"{MANIFEST} is unreadable: {exc}") from None
-    need = ("format", "step", "finished", "config", "controller_sha256", "controller_bytes")
-    missing = [k for k in need if k not in manifest] if isinstance(manifest, dict) else need
-    if missing:
-        raise _corrupt(path, f"{MANIFEST} lacks {', '.join(missing)}")
-    if manifest["format"] != FORMAT:
+    if not isinstance(manifest, dict):
+        raise _corrupt(path, f"{MANIFEST} is not a JSON object")
+    if _SELF in manifest and _self_digest(manifest) != manifest[_SELF]:
+        raise _corrupt(path, f"{MANIFEST} does not match its own {HASH} (it was altered)")
+    if "format" in manifest and manifest["format"] != FORMAT:
         raise CheckpointError(
             f"checkpoint {path} has format {manifest['format']}; this asyncrl reads format "
-            f"{FORMAT}. Fix: resume it with the asyncrl version that wrote it "
-            f"({manifest.get('asyncrl_version', 'unknown')})"
+            f"{FORMAT} (format 2 added a checksum of every file and the model's and data's "
+            "fingerprints). Fix: resume or export it with the asyncrl version that wrote it "
+            f"({manifest.get('asyncrl_version', 'unknown')}), or start the run again"
         )
+    need = ("format", "step", "finished", "config", "fingerprints", "files", _SELF)
+    missing = [k for k in need if k not in manifest]
+    if missing:
+        raise _corrupt(path, f"{MANIFEST} lacks {', '.join(missing)}")
     parts = (CONTROLLER_FILE, TRAINER_DIR) + ((MODEL_DIR,) if manifest.get("has_model") else ())
     for part in parts:
         if not (path / part).exists():
@@ -307,18 +341,21 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(path, manifest)
 
 
-def _corrupt(path: Path, problem: str) -> CheckpointError:
+def _corrupt(path: Path, problem: str, *, export: bool = False) -> CheckpointError:
     older = [p for p in list_checkpoints(path.parent) if p != path]
-    fix = (
-        f"resume from an older checkpoint, e.g. --resume {older[-1]}"
-        if older
-        else "start the run again without --resume"
-    )
+    if export:
+        fix = (f"export an older checkpoint, e.g. asyncrl export {older[-1]} OUT" if older
+               else "export the model at the end of a run again (export.at_end)")  # fmt: skip
+    elif older:
+        fix = f"resume from an older checkpoint, e.g. --resume {older[-1]}"
+    else:
+        fix = "start the run again without --resume"
     return CheckpointError(f"checkpoint {path} is corrupt: {problem}. Fix: {fix}")
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _self_digest(manifest: dict[str, Any]) -> str:
+    rest = {k: v for k, v in manifest.items() if k != _SELF}
+    return digest_bytes(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
 
 
 # --------------------------------------------------------------------------- saving
@@ -360,28 +397,30 @@ def commit(
     step: int,
     finished: bool,
     config: dict[str, Any],
-    model_config: dict[str, Any] | None,
+    fingerprints: dict[str, Any] | None = None,
     has_model: bool,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the controller's state and the manifest into ``tmp``, make every file durable,
-    and rename ``tmp`` to its final name (replacing a checkpoint of the same step). Blocking:
-    run it in a worker thread."""
+    """Write the controller's state into ``tmp``; hash every file and make it durable (the
+    trainer's and the model's were written by other processes); write the manifest with the
+    files' digests, ``fingerprints`` (:func:`asyncrl.resume_rule.fingerprints`) and its own
+    digest; rename ``tmp`` to its final name (replacing a checkpoint of the same step).
+    Blocking: run it in a worker thread."""
     _write_durable(tmp / CONTROLLER_FILE, state)
+    files = seal_tree(tmp, exclude=(MANIFEST,))
     manifest = {
         "format": FORMAT,
         "step": step,
         "finished": finished,
         "created": time.time(),
         "asyncrl_version": _asyncrl_version(),
-        "controller_sha256": _sha256(state),
-        "controller_bytes": len(state),
         "has_model": has_model,
-        "model_config": model_config,
         "config": config,
+        "fingerprints": fingerprints or {},
+        "files": files,
         **(extra or {}),
     }
-    _fsync_tree(tmp)  # the trainer's and the model's files, written by other processes
+    manifest[_SELF] = _self_digest(manifest)
     _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     final = tmp.parent / step_name(step)
     if final.exists():  # e.g. an on-demand save at the step the periodic one also saved
@@ -445,46 +484,9 @@ def _write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# --------------------------------------------------------------------------- resuming
-def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(errors, notes)``: the strict fields (:data:`STRICT_FIELDS`) that differ, and every
-    other setting that differs (allowed: timeouts, logging, ``run.num_steps``...), each as
-    ``field: saved -> current``."""
-    errors, notes = [], []
-    old, new = _leaves(saved), _leaves(current)
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
-        if a == b:
-            continue
-        line = f"{key}: {a!r} -> {b!r}"
-        strict = any(key == f or key.startswith(f + ".") for f in STRICT_FIELDS)
-        (errors if strict else notes).append(line)
-    return errors, notes
-
-
-def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: tree}

@@ -6,17 +6,20 @@ piece, so it matches the trainer's weights exactly; the trainer ranks then write
 while generation goes on (only the next step waits), and the controller commits the
 checkpoint atomically (:mod:`asyncrl.checkpoint`).
 
-A save that fails (a full disk, a trainer that cannot write) leaves the previous checkpoint as
-it was, is logged and counted, and the run goes on; ``checkpoint.max_failures`` failures in a
-row stop it.
+A save that fails (a trainer that cannot write) leaves the previous checkpoint as it was, is
+logged and counted, and the run goes on; ``checkpoint.max_failures`` failures in a row stop
+it. A full disk (ENOSPC) stops the run at once with a :class:`~asyncrl.errors.NoSpaceError`
+(the previous checkpoint is still whole): it does not empty itself between saves, and every
+step trained after it would be lost to the next crash.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +27,23 @@ import anyio
 import structlog
 
 from . import checkpoint as ckpt
+from . import resume_rule, space
 from .buffer import Group
 from .config import Config, to_dict
-from .errors import RunError
+from .errors import NonFiniteError, NoSpaceError, RunError, flatten
 from .messages import ExportModel, SaveState
 from .rpc import ControlPlane
 from .schedule import Scheduler
 
-__all__ = ["Checkpointer", "model_config", "open_resume", "restore_state", "snapshot_state"]
+__all__ = ["Checkpointer", "Resume", "open_resume", "restore_state", "snapshot_state"]
 
 log = structlog.get_logger("asyncrl.checkpointing")
 
 
-def model_config(model_path: str) -> dict[str, Any] | None:
-    """The starting model's ``config.json`` (what a resumed run must start from too)."""
-    try:
-        return json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+def run_fingerprints(cfg: Config, train_prompts: Sequence[Any]) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the run beyond its config (the model's files,
+    the chat template's text, the train split): :func:`asyncrl.resume_rule.fingerprints`."""
+    return resume_rule.fingerprints(cfg.model.path, cfg.model.chat_template, train_prompts)
 
 
 def snapshot_state(sched: Scheduler, ready: dict[str, Group]) -> ckpt.ControllerState:
@@ -71,7 +73,8 @@ def restore_state(state: ckpt.ControllerState, sched: Scheduler) -> dict[str, Gr
 
 class Checkpointer:
     """Saves checkpoints and exports for the pipeline; counts failed saves. ``ready`` is the
-    pipeline's table of complete, untrained groups (shared)."""
+    pipeline's table of complete, untrained groups (shared); ``train_prompts`` the
+    environment's train split (its fingerprint goes into each manifest)."""
 
     def __init__(
         self,
@@ -82,8 +85,12 @@ class Checkpointer:
         scheduler: Scheduler,
         ready: dict[str, Group],
         metrics: Any,
+        train_prompts: Sequence[Any],
     ) -> None:
         self.config = config
+        self._train_prompts = train_prompts
+        self._fingerprints: dict[str, Any] | None = None
+        """Computed once, at the first save (the run's model and data do not change)."""
         self.sched = scheduler
         self.ready = ready
         self.control = control
@@ -142,7 +149,19 @@ class Checkpointer:
     async def export(self, path: str) -> None:
         """The trainer's current weights as a Hugging Face directory at ``path``."""
         start = time.perf_counter()
-        await self._call_trainers(ExportModel(path=path, source_dir=self.config.model.path))
+        try:
+            await self._call_trainers(ExportModel(path=path, source_dir=self.config.model.path))
+        except Exception as exc:
+            leaf = space.full_leaf(exc)
+            if leaf is None:
+                raise
+            size = space.model_size(self.config.model.path)
+            raise space.no_space(
+                space.failed_path(leaf, path),
+                size.served_bytes(self.config.model.dtype) if size is not None else None,
+                "the model export in", "free space there, or point export.dir at a file system "
+                "with more room (or set export.at_end = false and export.every_steps = 0)",
+            ) from leaf
         seconds = time.perf_counter() - start
         log.info("model_exported", path=path, seconds=round(seconds, 3))
         if self.metrics is not None:
@@ -165,9 +184,10 @@ class Checkpointer:
                 )
             path = await anyio.to_thread.run_sync(self._commit, tmp, state, finished)
         except Exception as exc:  # noqa: BLE001 - a failed save is counted, not fatal
+            written = 0
             if tmp is not None:
-                await anyio.to_thread.run_sync(_remove, tmp)
-            self._failed(state.step, exc, finished)
+                written = await anyio.to_thread.run_sync(_remove, tmp)
+            self._failed(state.step, exc, finished, written, tmp)
             path = None
         else:
             self.failures = 0
@@ -205,13 +225,15 @@ class Checkpointer:
     def _commit(self, tmp: Path, state: ckpt.ControllerState, finished: bool) -> Path:
         cfg = self.config.checkpoint
         ledger = state.scheduler["ledger"]
+        if self._fingerprints is None:
+            self._fingerprints = run_fingerprints(self.config, self._train_prompts)
         path = ckpt.commit(
             tmp,
             state=ckpt.encode_state(state),
             step=state.step,
             finished=finished,
             config=to_dict(self.config),
-            model_config=model_config(self.config.model.path),
+            fingerprints=self._fingerprints,
             has_model=cfg.save_model,
             extra={"ledger": {"trained": sum(b - a for a, b in ledger["trained"]),
                               "repeated": ledger["num_repeated"]}},
@@ -226,9 +248,14 @@ class Checkpointer:
         keep = [Path(best["checkpoint"])] if best and best["checkpoint"] else []
         ckpt.prune(cfg.dir, cfg.keep_last, keep=keep)
 
-    def _failed(self, step: int, exc: Exception, finished: bool) -> None:
+    def _failed(
+        self, step: int, exc: Exception, finished: bool, written: int = 0,
+        tmp: Path | None = None,
+    ) -> None:
         self.failures += 1
         limit = self.config.checkpoint.max_failures
+        full = self._no_space(step, exc, written, tmp)
+        exc = space.full_leaf(exc) or flatten(exc)[0]  # what a group of trainer calls hides
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.error(
             "checkpoint_failed",
@@ -240,7 +267,15 @@ class Checkpointer:
         )
         if self.metrics is not None:
             error = f"{type(exc).__name__}: {first}"
-            self.metrics.write({"kind": "checkpoint_failed", "step": step, "error": error})
+            try:
+                self.metrics.write({"kind": "checkpoint_failed", "step": step, "error": error})
+            except NoSpaceError:
+                if full is None:
+                    raise
+        if full is not None:  # a full disk does not empty itself: stop now (docs/failures.md)
+            raise full from exc
+        if getattr(exc, "remote_type", "") == "NonFiniteError":  # weights do not heal either
+            raise NonFiniteError(f"the checkpoint of step {step} was not saved: {first}") from exc
         if self.failures > limit or finished:
             what = (
                 "the final checkpoint could not be saved"
@@ -249,10 +284,34 @@ class Checkpointer:
                 f" = {limit})"
             )
             raise RunError(
-                f"{what}; the last: {type(exc).__name__}: {first}. Fix: free space in "
-                f"{self.config.checkpoint.dir} (or point checkpoint.dir elsewhere) and resume "
-                "from the last checkpoint"
+                f"{what}; the last: {type(exc).__name__}: {first}. Fix: make "
+                f"{self.config.checkpoint.dir} writable (or point checkpoint.dir elsewhere) and "
+                "resume from the last checkpoint"
             ) from exc
+
+    def _no_space(
+        self, step: int, exc: BaseException, written: int, tmp: Path | None
+    ) -> NoSpaceError | None:
+        """``exc`` as a ``NoSpaceError`` if it is a full disk (else ``None``), naming the file
+        that failed (else the save's directory, ``tmp``): the bytes needed are about the last
+        checkpoint's size, at least one checkpoint of the model
+        (:func:`asyncrl.space.checkpoint_need`) and more than the failed save wrote."""
+        leaf = space.full_leaf(exc)
+        if leaf is None:
+            return None
+        cfg = self.config
+        last = self.last or ckpt.latest(cfg.checkpoint.dir)
+        size = space.model_size(cfg.model.path)
+        previous = space.tree_bytes(last) if last else 0
+        needed = max(previous, space.checkpoint_need(cfg, size), written + 1 if written else 0)
+        resume = f"resume from {last}" if last else "start again (no checkpoint was saved)"
+        return space.no_space(
+            space.failed_path(leaf, str(tmp or cfg.checkpoint.dir)), needed or None,
+            f"the checkpoint of step {step} in",
+            f"free space in {cfg.checkpoint.dir}, or point checkpoint.dir at a file system with "
+            f"more room, then {resume}",
+            at_least=needed > previous,  # no checkpoint to size it by: lower bounds only
+        )
 
     async def _call_trainers(self, request: Any) -> None:
         await self.control.call_each(
@@ -262,30 +321,54 @@ class Checkpointer:
         )
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> int:
+    """Remove ``path``; returns the bytes it held."""
+    held = space.tree_bytes(path)
     shutil.rmtree(path, ignore_errors=True)
+    return held
+
+
+@dataclass
+class Resume:
+    """A checkpoint accepted for a resume: verified, its state read, the changes logged."""
+
+    checkpoint: ckpt.Checkpoint
+    state: ckpt.ControllerState
+    changes: resume_rule.Changes
 
 
 def open_resume(
-    cfg: Config, spec: str | None
-) -> tuple[ckpt.Checkpoint, ckpt.ControllerState] | None:
-    """The checkpoint to resume (checked: intact, this run's, not finished), or ``None``.
-    Saves that never finished are cleaned up first."""
+    cfg: Config,
+    spec: str | None,
+    *,
+    train_prompts: Sequence[Any],
+    allow_changed: Iterable[str] = (),
+) -> Resume | None:
+    """The checkpoint to resume, or ``None`` (``spec`` is ``None``). Checked before anything
+    loads it: this run's settings against the checkpoint's (:mod:`asyncrl.resume_rule`;
+    ``allow_changed`` names the strict changes accepted), not finished, every file's size and
+    digest. Saves that never finished are cleaned up first. Blocking: run it in a worker
+    thread.
+
+    Raises:
+        CheckpointError: missing, corrupt (naming the file), saved with settings that change
+            what it means (naming each, ``saved -> current``), or finished; each with the fix.
+    """
     ckpt.remove_stale(cfg.checkpoint.dir)
+    allow = [a.strip() for item in allow_changed for a in item.split(",") if a.strip()]
     if spec is None:
+        if allow:
+            raise ckpt.CheckpointError(
+                f"--allow-changed {','.join(allow)} without --resume: it only applies to a "
+                "resumed run. Fix: add --resume, or drop --allow-changed"
+            )
         return None
     checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, cfg.checkpoint.dir))
-    errors, notes = ckpt.compare_configs(checkpoint.manifest["config"], to_dict(cfg))
-    saved_model = checkpoint.manifest.get("model_config")
-    if saved_model is not None and saved_model != model_config(cfg.model.path):
-        errors.append(f"model.path: {cfg.model.path} is not the model the checkpoint started from")
-    if errors:
-        raise ckpt.CheckpointError(
-            f"checkpoint {checkpoint.path} is from another run: "
-            + "; ".join(errors[:8])
-            + ". Fix: resume with the config the checkpoint was saved with (its manifest.json "
-            "holds it), or start a new run in another checkpoint.dir"
-        )
+    saved = {"config": checkpoint.manifest["config"],
+             "fingerprints": checkpoint.manifest["fingerprints"]}  # fmt: skip
+    current = {"config": to_dict(cfg), "fingerprints": run_fingerprints(cfg, train_prompts)}
+    changes = resume_rule.compare(saved, current, allow)
+    _refuse_changes(checkpoint, changes)
     if checkpoint.step >= cfg.run.num_steps:
         raise ckpt.CheckpointError(
             f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.num_steps is "
@@ -293,6 +376,36 @@ def open_resume(
             f"run.num_steps (e.g. --set run.num_steps={checkpoint.step + cfg.run.num_steps}); "
             "to export the model, run `asyncrl export` on the checkpoint"
         )
-    if notes:
-        log.warning("resumed_with_changed_settings", changes=notes[:20])
-    return checkpoint, checkpoint.state()
+    start = time.perf_counter()
+    checkpoint.verify()
+    size = sum(f["bytes"] for f in checkpoint.manifest["files"].values())
+    log.info("checkpoint_verified", path=str(checkpoint.path), files=len(
+        checkpoint.manifest["files"]), bytes=size, seconds=round(time.perf_counter() - start, 3))
+    if changes.allowed:
+        log.warning("resumed_with_allowed_changes", changes=changes.allowed)
+    if changes.harmless:
+        log.info("resumed_with_changed_settings", changes=changes.harmless[:20])
+    return Resume(checkpoint, checkpoint.state(), changes)
+
+
+def _refuse_changes(checkpoint: ckpt.Checkpoint, changes: resume_rule.Changes) -> None:
+    if changes.unknown:
+        raise ckpt.CheckpointError(
+            f"--allow-changed {','.join(changes.unknown)}: no setting of that name. Fix: name "
+            "fields or sections as the config spells them (loss.clip_eps_low, loss, "
+            f"trainer.options.lr), or one of {', '.join(resume_rule.FINGERPRINT_FIELDS)}, or "
+            "all"
+        )
+    if not changes.refused:
+        return
+    more = len(changes.refused) - 8
+    raise ckpt.CheckpointError(
+        f"checkpoint {checkpoint.path} is from another run: "
+        + "; ".join(changes.refused[:8])
+        + (f"; and {more} more" if more > 0 else "")
+        + ". These settings change what the checkpoint means (docs/checkpointing.md, "
+        "'Resuming with changed settings'). Fix: restore them (the checkpoint's manifest.json "
+        "holds its config), or accept the change with --allow-changed "
+        f"{','.join(changes.names)} (allow_changed= when embedded), or start a new run in "
+        "another checkpoint.dir"
+    )

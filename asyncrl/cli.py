@@ -2,7 +2,7 @@
 
 ::
 
-    asyncrl run run.toml [--set key=value ...] [--resume [DIR|latest]]
+    asyncrl run run.toml [--set key=value ...] [--resume [DIR|latest]] [--allow-changed F,...]
     asyncrl check-config run.toml [--set key=value ...]
     asyncrl plugins
     asyncrl export CHECKPOINT OUT [--force]
@@ -27,7 +27,8 @@ staleness, and a timeline of generation / training / refit (PNGs, and a Chrome t
 Perfetto); it works on a run that is still going. Exit codes: 0 done, 2 nothing to draw.
 
 ``export`` writes the policy of a checkpoint (a ``step-*`` directory, or a directory of them:
-its newest) as a Hugging Face model directory that transformers and vLLM load as they are.
+its newest) as a Hugging Face model directory that transformers and vLLM load as they are,
+once its copy matched the manifest's checksums file for file.
 Exit codes: 0 done, 2 a checkpoint that cannot be exported or an existing OUT.
 """
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from .errors import ConfigError, PluginError
 
@@ -161,11 +162,35 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(model, tmp)
+    try:  # what is handed out is what the save wrote, byte for byte, and finite
+        checkpoint.verify_copy(ckpt.MODEL_DIR, tmp)
+        _refuse_nonfinite(checkpoint.path, tmp)
+    except ckpt.CheckpointError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"asyncrl: error: {exc}", file=stream)
+        return 2
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)
     print(f"exported step {checkpoint.step} of {checkpoint.path} to {dest}")
     return 0
+
+
+def _refuse_nonfinite(checkpoint: Any, model: Any) -> None:
+    """A checkpoint whose model holds NaNs or infinities (one written before asyncrl refused to
+    save such weights) is not exported."""
+    from . import checkpoint as ckpt
+    from .export import nonfinite_tensors
+
+    for path in sorted(model.glob("*.safetensors")):
+        bad = nonfinite_tensors(path)
+        if bad:
+            name, count = next(iter(sorted(bad.items())))
+            raise ckpt.CheckpointError(
+                f"checkpoint {checkpoint} holds non-finite weights: {count} NaN or infinite "
+                f"values in {name} ({path.name}; tensors affected: {len(bad)}). Fix: export an "
+                "older checkpoint, from before the training diverged"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--resume", nargs="?", const="latest", metavar="DIR|latest",
                      help="go on from a checkpoint: a checkpoint directory, a directory of "
                      "them, or 'latest' (the default: the newest in checkpoint.dir)")
+    run.add_argument("--allow-changed", action="append", default=[], metavar="FIELD,...",
+                     help="with --resume: accept these changes of settings that change what "
+                     "the checkpoint means (fields or sections: loss.clip_eps_low, loss, "
+                     "grpo.temperature, model.tokenizer; or 'all'); other changes are refused "
+                     "with their names (docs/checkpointing.md)")
     sub.add_parser(
         "plugins",
         help="list the installed plugins by group, with distribution and version",
@@ -243,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from .launch import self_launch
 
-        return self_launch(args.config, args.set, args.resume)
+        return self_launch(args.config, args.set, args.resume, args.allow_changed)
     if args.command == "plugins":
         return list_plugins(sys.stdout)
     if args.command == "check-config":

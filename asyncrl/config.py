@@ -304,12 +304,25 @@ class FailuresConfig(_Base):
     """Groups dropped for good that the run tolerates; one more stops it with the last error.
     A dropped group's step gets a fresh prompt; the ledger counts it as ``failed``."""
     on_reward_error: Literal["fail_run", "drop_group"] = "fail_run"
-    """``score()`` raised or returned a non-finite reward: ``fail_run`` stops the run naming the
-    prompt, the completion and the error; ``drop_group`` logs them and drops the group."""
+    """``score()`` raised, returned a non-finite reward or ran past ``reward_timeout_s``:
+    ``fail_run`` stops the run naming the prompt, the completion and the error; ``drop_group``
+    logs them and drops the group."""
+    reward_timeout_s: float = 60.0
+    """Deadline of each reward call: an environment's ``score()`` (per completion) or
+    ``score_async()``, and so each reward function of the ``dataset`` environment. A call past
+    it fails its group under ``on_reward_error``, naming the function, the prompt and the
+    deadline; an async call is cancelled, a sync one's thread abandoned (it cannot be stopped;
+    at most 16 such threads may still be running, then the run stops)."""
     train_step_retries: int = 1
     """Times a step whose train call raised on a trainer rank (out of memory in one
     micro-batch...; the trainer drops the step's gradients) is trained again from the same
     groups; then the run stops. A trainer that died or hung is not retried."""
+    max_nonfinite_steps: int = 0
+    """Steps whose loss or gradient norm is not finite (NaN or infinite) that the run skips:
+    the trainer never applies such a step (the weights stay as they were) and its groups are
+    used up. One more stops the run, naming the likely cause (the step's rewards and
+    advantages, or the weights). ``0``: the first stops it. Counted from the start of the
+    process (a resumed run counts afresh)."""
     rollout_restarts: int = 3
     """Times in a run a rollout worker that died (its process, or its engine) is started
     again in place: its groups go to the other workers meanwhile (or wait for it), and it is
@@ -509,6 +522,8 @@ def problems(config: Config) -> list[ConfigError]:
         out.append(_fail("refit.kv_calibration_margin", "must be >= 1", "use e.g. 1.05"))
     if not config.refit.drain_timeout_s > 0:
         out.append(_fail("refit.drain_timeout_s", "must be > 0", "use e.g. 60"))
+    if not 0 < config.failures.reward_timeout_s < float("inf"):
+        out.append(_fail("failures.reward_timeout_s", "must be > 0 and finite", "use e.g. 60"))
     if not 0 <= config.loss.clip_eps_low < 1:
         out.append(_fail("loss.clip_eps_low", "must be in [0, 1)", "use e.g. 0.2"))
     if config.loss.clip_eps_high < 0:
@@ -534,7 +549,7 @@ def problems(config: Config) -> list[ConfigError]:
         "eval.every_steps": config.eval.every_steps,
         **{f"failures.{k}": getattr(config.failures, k) for k in (
             "generation_retries", "max_failed_groups", "train_step_retries", "retry_backoff_s",
-            "rollout_restarts",
+            "rollout_restarts", "max_nonfinite_steps",
         )},
     }  # fmt: skip
     for name, value in non_negative.items():

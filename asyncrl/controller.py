@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +38,11 @@ import anyio.abc
 import numpy as np
 import structlog
 
-from . import checkpoint as ckpt
-from .checkpointing import open_resume
+from .checkpointing import Resume, open_resume
 from .config import Config, to_dict
 from .errors import (
     AsyncRLError,
+    NoSpaceError,
     WorkerDiedError,
     WorkerRestarting,
     WorkerStartupError,
@@ -72,6 +72,8 @@ from .process import (
 )
 from .refit import shm_dir
 from .rpc import ControlPlane
+from .runlock import lock_run
+from .space import no_space_in
 from .transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
 from .watchdog import LoopWatchdog, gc_frozen
 
@@ -127,20 +129,33 @@ class Controller(anyio.AsyncContextManagerMixin):
             ``checkpoint.dir``, or a checkpoint directory (or a directory of them). The run
             goes on from that step boundary: trainer state, scheduler, ready groups, prompt
             stream and ledger restored; the generators refitted before any dispatch.
+        allow_changed: with ``resume``, the settings that change what the checkpoint means
+            (docs/checkpointing.md, "Resuming with changed settings") that may still differ
+            from the checkpoint's: fields or sections (``["loss.clip_eps_low",
+            "grpo.temperature"]``, ``["loss"]``, ``["model.tokenizer"]``) or ``["all"]``;
+            what ``--allow-changed`` gives on the command line.
 
     Entering raises :class:`~asyncrl.errors.WorkerStartupError` if a worker dies or the
     handshake exceeds ``cluster.startup_timeout_s``, and
     :class:`~asyncrl.checkpoint.CheckpointError` (before anything starts) for a checkpoint
-    that is missing, corrupt, from another run or of a finished run; a worker dying later
-    raises :class:`~asyncrl.errors.WorkerDiedError` out of the ``async with`` block.
+    that is missing, corrupt, from another run or of a finished run, and
+    :class:`~asyncrl.errors.RunDirectoryInUseError` while another live run holds
+    ``run.output_dir``, ``checkpoint.dir`` or ``export.dir`` (held until the block is left);
+    a worker dying later raises :class:`~asyncrl.errors.WorkerDiedError` out of the block.
     """
 
     def __init__(
-        self, config: Config, *, attach: AttachHook | None = None, resume: str | None = None
+        self,
+        config: Config,
+        *,
+        attach: AttachHook | None = None,
+        resume: str | None = None,
+        allow_changed: Sequence[str] = (),
     ) -> None:
         self.config = config
         self._attach = attach
         self._resume = resume
+        self._allow_changed = list(allow_changed)
         self._pipeline: Pipeline | None = None
         self._spawned: list[SpawnedGroup] = []
         self._tg: anyio.abc.TaskGroup | None = None
@@ -176,7 +191,22 @@ class Controller(anyio.AsyncContextManagerMixin):
         # a context too short for the prompts...) come before anything exists on disk: nothing
         # is left to clean up when they raise
         environment, tokenizer = await check_before_spawn(cfg)
-        resume = await anyio.to_thread.run_sync(open_resume, cfg, self._resume)
+        # one run per directory: a second one is refused here, before anything of it exists
+        lock = lock_run(cfg)
+        try:
+            async with self._owning(environment, tokenizer):
+                yield
+        finally:
+            lock.release()
+
+    @asynccontextmanager
+    async def _owning(self, environment: Any, tokenizer: Any) -> AsyncIterator[None]:
+        """The run proper, once it owns its directories."""
+        cfg = self.config
+        resume = await anyio.to_thread.run_sync(lambda: open_resume(
+            cfg, self._resume, train_prompts=environment.dataset("train"),
+            allow_changed=self._allow_changed,
+        ))  # fmt: skip
         run_id = uuid.uuid4().hex[:12]
         base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
         make_private_dir(base)
@@ -246,7 +276,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                         rejections=rejections,
                     )
                     if resume is not None:
-                        await self._restore(self._pipeline, control, trainers, metrics, *resume)
+                        await self._restore(self._pipeline, control, trainers, metrics, resume)
                     yield
                 except BaseException:
                     # before anything is stopped: a rank that died is the root cause of the
@@ -418,9 +448,9 @@ class Controller(anyio.AsyncContextManagerMixin):
         control: ControlPlane,
         trainers: list[str],
         metrics: MetricsWriter,
-        checkpoint: ckpt.Checkpoint,
-        state: ckpt.ControllerState,
+        resume: Resume,
     ) -> None:
+        checkpoint, state = resume.checkpoint, resume.state
         pipe.restore(state)
         await control.call_each(
             trainers,
@@ -428,7 +458,9 @@ class Controller(anyio.AsyncContextManagerMixin):
             timeout_s=self.config.cluster.call_timeout_s,
         )
         pipe.checkpointer.last = checkpoint.path
-        metrics.write({"kind": "resume", "step": state.step, "checkpoint": str(checkpoint.path)})
+        metrics.write({"kind": "resume", "step": state.step, "checkpoint": str(checkpoint.path),
+                       "allowed_changes": resume.changes.allowed,
+                       "changed_settings": resume.changes.harmless})
         log.info("run_resumed", step=state.step, checkpoint=str(checkpoint.path),
                  ready_groups=len(state.groups),
                  redispatch=len(state.scheduler["redispatch"]))
@@ -524,12 +556,15 @@ class Controller(anyio.AsyncContextManagerMixin):
             return
         last = pipe.checkpointer.last
         ledger = [dataclasses.asdict(e) for e in pipe.sched.ledger_report()]
-        metrics.write({"kind": "ledger", "epochs": ledger})
-        metrics.write({
-            "kind": "stopped", "step": pipe.sched.trainer_version,
-            "checkpoint": str(last) if last is not None else None,
-            "deaths": [str(d).splitlines()[0] for d in self._deaths],
-        })  # fmt: skip
+        try:
+            metrics.write({"kind": "ledger", "epochs": ledger})
+            metrics.write({
+                "kind": "stopped", "step": pipe.sched.trainer_version,
+                "checkpoint": str(last) if last is not None else None,
+                "deaths": [str(d).splitlines()[0] for d in self._deaths],
+            })  # fmt: skip
+        except NoSpaceError as exc:  # the disk that stops the run, likely: keep its error
+            log.warning("stop_not_recorded", error=str(exc).splitlines()[0])
         log.warning("run_stopped_early", step=pipe.sched.trainer_version,
                     resume_from=str(last) if last is not None else None)
 
@@ -553,13 +588,18 @@ def _root_cause(
     message says why, e.g. which engine process died), then the first worker death not caused
     by a stop signal (a rank that torchrun or we stopped with SIGTERM/SIGINT is a consequence:
     it dies of the signal or exits 128 + N after cleaning up), then the first death, else the
-    only error."""
+    only error. Before all of them, a full file system (a ``NoSpaceError``, here or on a
+    worker): what fails after it (a worker that cannot write its log) is its consequence."""
+    full = no_space_in(errors)
     reported = [e for e in errors if getattr(e, "reported_by", None)]
     died = deaths + [e for e in errors if isinstance(e, WorkerDiedError) and e not in deaths]
     killed = [e for e in died if not stopped_by_signal(e.exit_code)]
     ranked = reported + killed + died + [e for e in errors if isinstance(e, AsyncRLError)]
+    ranked = ([full] if full is not None else []) + ranked
     root = ranked[0] if ranked else (errors[0] if len(errors) == 1 else None)
     for other in errors:
+        if other is getattr(root, "__cause__", None):
+            continue  # the worker's error that root reports
         if other is not root and not (isinstance(other, AsyncRLError) and str(other) == str(root)):
             first = str(other).splitlines()[0] if str(other) else repr(other)
             log.warning("also_failed", error=first)

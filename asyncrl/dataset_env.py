@@ -33,29 +33,33 @@ raw values by name and ``correct`` is whether the value of ``correct_reward`` (d
 first) is > 0. When a reward function is ``async def`` the environment has ``score_async``
 (the controller awaits it, a group's samples concurrently, with the sync rewards in worker
 threads); its ``score`` then raises ``TypeError`` (the library never starts an event loop of
-its own: await ``score_async``).
+its own: await ``score_async``). Under the controller every call has a deadline
+(``failures.reward_timeout_s``): a reward function that does not return by then fails its
+group, and the error names it (``reward 'exact' (my_rewards:exact)``), the prompt and the
+deadline.
 
 Parquet files and ``datasets`` directories are read with pyarrow alone (the ``datasets``
 library is not needed: a ``save_to_disk`` directory is a ``state.json`` listing Arrow stream
 files, or a ``dataset_dict.json`` listing split directories); install it with
-``pip install 'asyncrl[data]'``. Every row is read when the environment is made, so a missing
-file, an empty split or a row lacking a field is a ``ConfigError`` before any process starts.
+``pip install 'asyncrl[data]'``. Every row is read when the environment is made
+(:mod:`asyncrl.dataset_files`), so a missing file, an empty split, a row lacking a field or a
+file that does not decode (named with its line or row and the byte offset in the file) is a
+``ConfigError`` before any process starts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 import msgspec
 
+from .dataset_files import OPT, Source, read_source
 from .environment import Prompt, Score
 from .errors import ConfigError, config_error
 from .explain import explain
@@ -67,9 +71,6 @@ __all__ = [
     "DatasetOptions",
     "make_environment",
 ]
-
-OPT = "environment.options"
-INSTALL = "pip install 'asyncrl[data]' (or pip install pyarrow)"
 
 
 class DatasetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -132,9 +133,11 @@ def make_environment(
     if correct not in names:
         raise _fail("correct_reward", f"{correct!r} names no reward",
                     f"use one of {', '.join(map(repr, names))}")
-    train = _prompts(_read(opts.train, base, "train", opts.train_split, "train"), "train", opts)
+    train_rows = read_source(opts.train, base, "train", opts.train_split, "train")
+    train = _prompts(train_rows, "train", opts)
     if opts.eval is not None:
-        evals = _prompts(_read(opts.eval, base, "eval", opts.eval_split, "test"), "eval", opts)
+        eval_rows = read_source(opts.eval, base, "eval", opts.eval_split, "test")
+        evals = _prompts(eval_rows, "eval", opts)
     else:
         train, evals = _hold_out(train, opts.eval_size, seed)
     cls = AsyncDatasetEnvironment if any(r.is_async for r in rewards) else DatasetEnvironment
@@ -190,141 +193,8 @@ def _template_fields(template: str) -> list[str]:
     return fields
 
 
-# ---------------------------------------------------------------------------------- reading
-@dataclass
-class _Source:
-    """Rows read from one file (or one split of a directory)."""
-
-    key: str
-    """The option it came from (``train`` / ``eval``)."""
-    label: str
-    """The path, and the split of a DatasetDict, for messages."""
-    rows: list[dict[str, Any]]
-    lines: list[int] | None = None
-    """A JSONL file's line number of each row."""
-
-    def at(self, i: int) -> str:
-        where = f"line {self.lines[i]}" if self.lines is not None else f"row {i}"
-        return f"{self.label} {where}"
-
-
-def _read(text: str, base: Path, key: str, split: str | None, default_split: str) -> _Source:
-    path = base / text
-    if path.is_dir():
-        return _read_saved(path, key, split, default_split)
-    if split is not None:
-        raise _fail(
-            f"{key}_split",
-            f"applies to a DatasetDict directory, not {str(path)!r}",
-            f"remove {key}_split",
-        )
-    if not path.exists():
-        raise _fail(
-            key,
-            f"no file {str(path)!r}",
-            "give a .jsonl or .parquet file or a datasets directory, relative to the config "
-            "file's directory (or environment.base_dir)",
-        )
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path, key)
-    if path.suffix == ".parquet":
-        pa = _pyarrow(key, str(path))
-        try:
-            table = pa.parquet.read_table(path)
-        except (OSError, pa.ArrowException) as exc:
-            raise _fail(
-                key, f"cannot read {str(path)!r} as Parquet ({exc})", "check the file"
-            ) from None
-        return _Source(key, str(path), table.to_pylist())
-    raise _fail(
-        key,
-        f"{str(path)!r} is not a .jsonl or .parquet file or a directory",
-        "convert it to JSON Lines (one object per line) or Parquet",
-    )
-
-
-def _read_jsonl(path: Path, key: str) -> _Source:
-    rows, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise _fail(
-                    key, f"{path} line {lineno} is not JSON ({exc})", "fix that line"
-                ) from None
-            if not isinstance(row, dict):
-                raise _fail(
-                    key,
-                    f"{path} line {lineno} is a JSON {type(row).__name__}, not an object",
-                    'write one object per line, e.g. {"question": "...", "answer": "..."}',
-                )
-            rows.append(row)
-            lines.append(lineno)
-    return _Source(key, str(path), rows, lines)
-
-
-def _pyarrow(key: str, path: str) -> Any:
-    try:
-        import pyarrow
-        import pyarrow.ipc
-        import pyarrow.parquet
-    except ImportError:
-        raise _fail(
-            key, f"reading {path!r} needs pyarrow, which is not installed", INSTALL
-        ) from None
-    return pyarrow
-
-
-def _read_saved(path: Path, key: str, split: str | None, default_split: str) -> _Source:
-    """A ``save_to_disk`` directory: a Dataset, or a DatasetDict's ``split``."""
-    listing = path / "dataset_dict.json"
-    label = str(path)
-    if listing.is_file():
-        try:
-            splits = list(json.loads(listing.read_text())["splits"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise _fail(key, f"cannot read {str(listing)!r} ({exc})", "save it again") from None
-        pick = split if split is not None else default_split
-        if pick not in splits:
-            raise _fail(
-                f"{key}_split",
-                f"{label!r} has no split {pick!r} (its splits: {', '.join(splits)})",
-                f'set {key}_split = "<one of them>"',
-            )
-        path, label = path / pick, f"{label} (split {pick!r})"
-    elif split is not None:
-        raise _fail(
-            f"{key}_split", f"{label!r} is not a DatasetDict directory", f"remove {key}_split"
-        )
-    state = path / "state.json"
-    if not state.is_file():
-        raise _fail(
-            key,
-            f"{label!r} is a directory without state.json or dataset_dict.json",
-            "give a directory written by datasets' save_to_disk, or a .jsonl/.parquet file",
-        )
-    pa = _pyarrow(key, label)
-    tables = []
-    try:
-        for entry in json.loads(state.read_text())["_data_files"]:
-            with pa.OSFile(str(path / entry["filename"])) as f:
-                tables.append(pa.ipc.open_stream(f).read_all())
-        rows = pa.concat_tables(tables).to_pylist() if tables else []
-    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as exc:
-        raise _fail(
-            key,
-            f"cannot read {label!r} as a datasets save_to_disk directory "
-            f"({type(exc).__name__}: {exc})",
-            "save it again with save_to_disk, or export it to .parquet",
-        ) from None
-    return _Source(key, label, rows)
-
-
 # ---------------------------------------------------------------------------------- prompts
-def _prompts(src: _Source, split: str, opts: DatasetOptions) -> list[Prompt]:
+def _prompts(src: Source, split: str, opts: DatasetOptions) -> list[Prompt]:
     """One Prompt per row of ``src`` (each row checked for the fields the options name)."""
     if not src.rows:
         raise _fail(src.key, f"{src.label} has no rows", "give a file with at least one row")
@@ -387,7 +257,7 @@ def _prompts(src: _Source, split: str, opts: DatasetOptions) -> list[Prompt]:
     return prompts
 
 
-def _messages(value: Any, src: _Source, i: int, field: str) -> list[dict[str, Any]]:
+def _messages(value: Any, src: Source, i: int, field: str) -> list[dict[str, Any]]:
     ok = isinstance(value, list) and value
     ok = ok and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -493,8 +363,9 @@ class AsyncDatasetEnvironment(DatasetEnvironment):
 
     async def score_async(self, prompt: Prompt, completion: str) -> Score:
         """The weighted sum of the reward functions' values, all of them at once (sync ones
-        in worker threads). Cancellation: the rewards are cancelled (a sync one in a thread
-        runs to its end first).
+        in worker threads). Cancellation: the async rewards are cancelled; a sync one's
+        thread is abandoned (a thread cannot be stopped; it never holds up the process's
+        exit).
 
         Raises:
             RewardError: a reward function raised or returned a bad value (named).

@@ -8,15 +8,22 @@ An environment distribution registers a factory under ``asyncrl.environments``::
 The factory is called as ``factory(options: dict, seed: int)`` in the controller process (with
 ``base_dir=``, the config file's directory, too when its signature takes it) and returns an
 object implementing :class:`Environment`. ``score`` is a plain blocking callable; the
-controller runs it off its event loop when it is not cheap.
+controller runs it on a worker thread, each call under a deadline
+(``failures.reward_timeout_s``: a call past it fails its group, and its thread is abandoned).
+An environment whose ``score`` is pure arithmetic on the completion and always returns at once
+(no I/O, no locks, no user code) may set ``score_on_loop = True`` (an optional attribute):
+the controller then calls it on its event loop while it measures cheap (under 0.5 ms a group),
+saving a thread hop per group, where no deadline can stop it and a hang stops the controller.
 
 An environment whose rewards wait on I/O (a judge model, a sandbox) may also define
 ``async def score_async(prompt, completion) -> Score`` (not part of the protocol: an optional
 extra). When it does, the controller awaits ``score_async`` on its event loop, for all the
 samples of a group at once (at most 64 calls in flight), and never calls ``score``; it must
-not block (run blocking parts with ``anyio.to_thread.run_sync``), and it is cancelled when the
-run stops. Errors are reported as for ``score``. Evaluation groups are scored the same way.
-The built-in ``dataset`` environment (:mod:`asyncrl.dataset_env`) needs no package at all.
+not block (run blocking parts with :func:`asyncrl.deadlines.in_thread`, which a cancellation
+does not wait for, as it waits for ``anyio.to_thread.run_sync``), and it is cancelled when the
+run stops, or past its deadline. Errors are reported as for ``score``. Evaluation groups are
+scored the same way. The built-in ``dataset`` environment (:mod:`asyncrl.dataset_env`) needs
+no package at all.
 
 Multi-turn environments will get their own protocol next to this one; a single-turn
 environment will keep working unchanged.
@@ -91,7 +98,9 @@ class Environment(Protocol):
 
     def score(self, prompt: Prompt, completion: str) -> Score:
         """Score one completion (blocking is fine: it runs in a worker thread, up to four at
-        once, so keep it thread-safe; or inline on the event loop while it proves cheap).
+        once, so keep it thread-safe; or, with ``score_on_loop = True``, inline on the event
+        loop while it proves cheap). A call that runs past ``failures.reward_timeout_s`` is
+        abandoned and fails its group.
         Not called when the environment has ``score_async`` (see the module docstring).
 
         ``completion`` is the generated token ids decoded with the model's tokenizer, EOS

@@ -4,6 +4,7 @@ Catch at the level you can handle::
 
     AsyncRLError
     ├── ConfigError                 bad or inconsistent configuration (raised before any spawn)
+    │   └── RunDirectoryInUseError  a live run holds run.output_dir, checkpoint.dir or export.dir
     ├── PluginError                 an entry point is missing, duplicated or fails to load
     ├── ProtocolError               a peer spoke a different protocol version or sent garbage
     ├── RemoteCallError             one RPC failed on a worker; the worker is still alive
@@ -14,7 +15,9 @@ Catch at the level you can handle::
     │   ├── EngineDeadError         (worker side) the backend's engine processes died
     │   └── ControllerLostError     (worker side) the controller process is gone
     ├── RefitError                  a weight transfer did not complete
+    ├── NoSpaceError                a file system the run writes to is full (ENOSPC)
     └── RunError                    the run cannot go on (e.g. rollouts exhausted mid-step)
+        └── NonFiniteError          a reward, loss, gradient or weight that is not finite
 
 ``RemoteCallError`` is the recoverable kind ("a call failed"), ``WorkerError`` the fatal kind
 ("a worker died"), as vLLM separates ``EngineGenerateError`` from ``EngineDeadError``.
@@ -27,11 +30,14 @@ __all__ = [
     "ConfigError",
     "ControllerLostError",
     "EngineDeadError",
+    "NoSpaceError",
+    "NonFiniteError",
     "PluginError",
     "ProtocolError",
     "RefitError",
     "RemoteCallError",
     "RequestError",
+    "RunDirectoryInUseError",
     "RunError",
     "WorkerDiedError",
     "WorkerError",
@@ -48,6 +54,12 @@ class AsyncRLError(Exception):
 
 class ConfigError(AsyncRLError):
     """The configuration is invalid. The message names the field and the fix."""
+
+
+class RunDirectoryInUseError(ConfigError):
+    """Another live run holds the run's ``run.output_dir``, ``checkpoint.dir`` or ``export.dir``
+    (one writer per directory: :mod:`asyncrl.runlock`). The message names its pid, host and
+    start time, and the fix; raised before anything of this run is started or written."""
 
 
 class PluginError(AsyncRLError):
@@ -147,8 +159,39 @@ class RefitError(AsyncRLError):
     """A weight transfer to the generators did not complete."""
 
 
+class NoSpaceError(AsyncRLError):
+    """A write found its file system full (ENOSPC): shared memory (``/dev/shm``), the
+    checkpoint directory, the output directory. The message names the path, the bytes free
+    and the bytes needed, and the fix; nothing was left half-written. A worker raises it too
+    (the controller reports it as its own, naming the worker).
+
+    Attributes:
+        path: the file or directory that could not be written.
+        free_bytes: bytes free on its file system when the write failed (``None``: unknown).
+        needed_bytes: bytes the write needed (an estimate where the writer could not say).
+    """
+
+    def __init__(
+        self, message: str, *, path: str = "", free_bytes: int | None = None,
+        needed_bytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.free_bytes = free_bytes
+        self.needed_bytes = needed_bytes
+
+
 class RunError(AsyncRLError):
     """The run cannot continue for a reason that is not a worker failure."""
+
+
+class NonFiniteError(RunError):
+    """A value that must be finite is not, or would overflow: a reward too large for the
+    advantage math, a step's loss or gradient norm, the weights loaded from a checkpoint or
+    about to be saved. Raised before the value is committed (no optimizer step, checkpoint,
+    export or refit is made from it); the message names the likely cause and the fix. A
+    trainer raises it too (the controller then sees a ``RemoteCallError`` whose
+    ``remote_type`` is ``"NonFiniteError"``)."""
 
 
 def config_error(field: str, problem: str, fix: str) -> ConfigError:

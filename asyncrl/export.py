@@ -12,7 +12,9 @@ padded with spaces to a multiple of 8, then the tensors' bytes back to back in h
 Everything but the weights (``config.json``, ``generation_config.json``, tokenizer files, a
 chat template...) is copied from the starting model directory; ``config.json`` gets the
 exported dtype as ``torch_dtype``. The directory is written under a temporary name and renamed,
-so a reader never sees half an export. No torch import at module level.
+so a reader never sees half an export. A floating-point tensor holding a NaN or an infinity
+stops the export (:class:`~asyncrl.errors.NonFiniteError`, nothing is left behind): the last
+line of defence after the trainer's own checks. No torch import at module level.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ from typing import Any
 import numpy as np
 
 from .backend import WeightTensor, drain_weights
+from .errors import NonFiniteError
 
 __all__ = [
     "SAFETENSORS_DTYPES",
     "copy_model_dir",
+    "count_nonfinite",
     "export_model",
+    "nonfinite_tensors",
     "plan_shards",
+    "read_safetensors_header",
     "write_hf_model",
 ]
 
@@ -53,6 +59,16 @@ SAFETENSORS_DTYPES = {
 }
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
              "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_NONFINITE_BITS = {
+    "F64": (np.uint64, 0x7FF0000000000000),
+    "F32": (np.uint32, 0x7F800000),
+    "F16": (np.uint16, 0x7C00),
+    "BF16": (np.uint16, 0x7F80),
+    "F8_E5M2": (np.uint8, 0x7C),
+    "F8_E4M3": (np.uint8, 0x7F),  # no infinities; NaN is S.1111.111
+}
+"""Per float dtype: the unsigned view and the bits that are all ones in a NaN or an infinity
+(the exponent; for float8_e4m3fn the exponent and mantissa)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
 """Files of the starting model directory that are weights, never copied into an export."""
 DEFAULT_SHARD_BYTES = 5 << 30
@@ -94,6 +110,50 @@ def _header(specs: list[WeightTensor]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def count_nonfinite(data: memoryview, dtype: str) -> int:
+    """NaNs and infinities among the little-endian values of safetensors dtype ``dtype`` in
+    ``data`` (0 for an integer dtype), read from the bits."""
+    if dtype not in _NONFINITE_BITS:
+        return 0
+    view, mask = _NONFINITE_BITS[dtype]
+    bits = np.frombuffer(data, dtype=np.dtype(view).newbyteorder("<"))
+    return int(np.count_nonzero((bits & view(mask)) == view(mask)))
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header and the offset of its data section.
+
+    Raises:
+        ValueError: the file is not safetensors (a header length no real file has, or no JSON).
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {len(head)} bytes, shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > 100 << 20:  # no real header is this large: not a safetensors file
+            raise ValueError(f"{path}: a {length}-byte header")
+        return json.loads(f.read(length)), 8 + length
+
+
+def nonfinite_tensors(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The tensors of the safetensors file at ``path`` that hold NaNs or infinities, with how
+    many (read from the bits through a read-only map, so a large file costs no memory)."""
+    header, start = read_safetensors_header(path)
+    if os.path.getsize(path) == start:
+        return {}
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start)
+    found = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        bad = count_nonfinite(memoryview(data[begin:end]), info["dtype"])
+        if bad:
+            found[name] = bad
+    return found
+
+
 def _host_bytes(data: Any) -> memoryview:
     """The tensor's bytes on the host (a torch tensor on any device, or a numpy array)."""
     if isinstance(data, np.ndarray):
@@ -120,6 +180,7 @@ def write_hf_model(
 
     Raises:
         ValueError: a tensor that is not the next one of ``specs`` (name, dtype or size).
+        NonFiniteError: a tensor holds a NaN or an infinity (nothing is written at ``out``).
     """
     out = Path(out)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
@@ -150,6 +211,7 @@ def write_hf_model(
                             f"export: {spec.name} has {data.nbytes} bytes of {got.dtype}, the "
                             f"manifest says {_nbytes(spec)} of {spec.dtype}"
                         )
+                    _check_finite(data, spec, out)
                     f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -170,6 +232,16 @@ def write_hf_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_finite(data: memoryview, spec: WeightTensor, out: Path) -> None:
+    bad = count_nonfinite(data, SAFETENSORS_DTYPES[spec.dtype])
+    if bad:
+        raise NonFiniteError(
+            f"export to {out}: {spec.name} holds {bad} NaN or infinite values, so nothing was "
+            "exported; the trainer's weights are not finite (a corrupted checkpoint or a "
+            "diverged step). Fix: resume or export from an older checkpoint"
+        )
 
 
 def export_model(

@@ -10,10 +10,15 @@ worker (any exception from ``generate``)   doubled each time), the same prompt f
 a generation fails because of the request  dropped at once (a retry would fail the same way)
 itself (the backend raises ``RequestError``)
 ``score()`` raises or returns a            ``on_reward_error``: stop the run, or drop the group
-non-finite reward
+non-finite reward, or a reward call runs
+past ``reward_timeout_s``
 a train call raises on a trainer rank      the step's groups go back to the buffer and the step
 (``TrainChunk`` / ``FinishStep``; the      is assembled and trained again, up to
 trainer drops the step's gradients)        ``train_step_retries`` times; then the run stops
+a step's loss or gradient norm is not      the trainer did not apply it (the weights are
+finite                                     unchanged); skipped, up to ``max_nonfinite_steps``
+                                           times in the run; then the run stops naming the
+                                           likely cause (:func:`asyncrl.grpo.nonfinite_cause`)
 =========================================  ===================================================
 
 Every drop is logged with the group, its prompt id and the error, counted in the prompt ledger
@@ -45,6 +50,9 @@ class FailureBudget:
     """Failed generation attempts per group still retried."""
     step_failures: int = 0
     """Failures of the step being assembled now (reset when a step succeeds)."""
+    nonfinite_steps: int = 0
+    """Steps skipped (or about to stop the run) because their loss or grad norm was not
+    finite."""
 
     def generation_failed(
         self, group_id: str, prompt_id: str, *, retryable: bool, error: str, worker: str
@@ -91,3 +99,20 @@ class FailureBudget:
 
     def step_done(self) -> None:
         self.step_failures = 0
+
+    def nonfinite_step(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Step ``step``'s loss or gradient norm is not finite (the trainer did not apply the
+        update): whether the run skips it (``True``) or stops."""
+        self.nonfinite_steps += 1
+        limit = self.config.max_nonfinite_steps
+        skip = self.nonfinite_steps <= limit
+        log.error(
+            "step_not_finite",
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            nonfinite_steps=self.nonfinite_steps,
+            max_nonfinite_steps=limit,
+            action="skipped (the weights are unchanged)" if skip else "stop",
+        )
+        return skip

@@ -13,16 +13,26 @@ import anyio
 import numpy as np
 
 from .buffer import CompletedSample
+from .deadlines import AbandonedThreadsError, CallClock, Overdue, clocked, in_thread
 from .environment import Environment, Prompt
 from .errors import RunError
 from .messages import Sample
 from .prompts import Tokenizer
 
-__all__ = ["Generating", "ScoreError", "Scorer", "Signal", "malformed", "score_samples"]
+__all__ = [
+    "Generating",
+    "ScoreError",
+    "ScoreTimeout",
+    "Scorer",
+    "Signal",
+    "malformed",
+    "score_samples",
+]
 
 INLINE_SCORE_MAX_S = 0.0005
-"""Groups are scored on the event loop while scoring one costs less than this on average (a
-slow environment goes to worker threads, keeping the loop's lag in check)."""
+"""An environment with ``score_on_loop = True`` has its groups scored on the event loop while
+scoring one costs less than this on average (a slow environment goes to worker threads,
+keeping the loop's lag in check)."""
 
 ASYNC_SCORE_CONCURRENCY = 64
 """``score_async`` calls in flight at once (over all groups) for an async environment."""
@@ -31,6 +41,12 @@ ASYNC_SCORE_CONCURRENCY = 64
 class ScoreError(RunError):
     """The environment's ``score()`` (or ``score_async()``) raised or returned a non-finite
     reward."""
+
+
+class ScoreTimeout(ScoreError):
+    """A ``score()`` / ``score_async()`` call did not return within
+    ``failures.reward_timeout_s`` (the message names the call, what ran inside it, the prompt
+    and the deadline)."""
 
 
 class Signal:
@@ -90,17 +106,25 @@ def malformed(sample: Sample) -> str:
 
 
 def score_samples(
-    env: Environment, tok: Tokenizer, env_name: str, prompt: Prompt, samples: list[Any]
+    env: Environment,
+    tok: Tokenizer,
+    env_name: str,
+    prompt: Prompt,
+    samples: list[Any],
+    clock: CallClock | None = None,
 ) -> list[CompletedSample]:
-    """Decode and score each sample with ``score()`` (runs in a worker thread).
+    """Decode and score each sample with ``score()`` (in a worker thread, or inline); each
+    ``score()`` call restarts ``clock`` (its deadline counts from then).
 
     Raises:
         ScoreError: ``score()`` raised or returned a non-finite reward (naming the
             environment, the prompt and the completion).
     """
     out = []
-    for s in samples:
+    for i, s in enumerate(samples):
         completion = tok.decode(s.token_ids)
+        if clock is not None:
+            clock.restart(i)
         try:
             score = env.score(prompt, completion)
         except Exception as exc:
@@ -116,6 +140,18 @@ def _raised(
         f"environment {env_name!r} (environment.name): {method}() raised "
         f"{type(exc).__name__}: {exc} for prompt {prompt.id!r} and completion "
         f"{completion[:80]!r}"
+    )
+
+
+def _late(
+    env_name: str, method: str, prompt: Prompt, completion: str, late: Overdue, fate: str
+) -> ScoreTimeout:
+    inside = f", stuck in {', '.join(late.running)}" if late.running else ""
+    return ScoreTimeout(
+        f"environment {env_name!r} (environment.name): {method}() did not return within "
+        f"{late.timeout_s:g} s (failures.reward_timeout_s) for prompt {prompt.id!r} and "
+        f"completion {completion[:80]!r}{inside}; {fate}. Fix: make it return (a timeout on "
+        "its network calls, a bound on its loops), or raise failures.reward_timeout_s"
     )
 
 
@@ -145,47 +181,75 @@ def _completed(
 
 
 class Scorer:
-    """Scores complete groups, on the event loop while the environment proves cheap (a thread
-    hop costs 2-14 ms of latency on a loaded 2-core host for 0.06 ms of arithmetic scoring),
-    else in worker threads. The choice follows a moving average of the measured cost of the
-    scoring itself (not of the hop).
+    """Scores complete groups, each ``score()`` / ``score_async()`` call under a deadline
+    (``timeout_s``, ``failures.reward_timeout_s``): a call past it fails its group with a
+    :class:`ScoreTimeout`.
+
+    ``score()`` runs on a daemon thread (:func:`asyncrl.deadlines.in_thread`; the thread of a
+    call past its deadline is abandoned), or on the event loop itself while the environment
+    proves cheap *and* says that is safe (``score_on_loop = True``): a thread hop costs 2-14
+    ms of latency on a loaded 2-core host for 0.06 ms of arithmetic scoring. No deadline can
+    stop a call on the loop, and one that hangs there stops the whole controller, so only an
+    environment that promises its ``score()`` always returns at once (pure arithmetic on the
+    completion: no I/O, no locks, no user code) is called there, never the ``dataset``
+    environment's reward functions. The choice follows a moving average of the measured cost
+    of the scoring itself (not of the hop); the first group always goes to a thread.
 
     An environment with ``async def score_async(prompt, completion)`` is never cheap: its
     groups go to :meth:`threaded`, which awaits ``score_async`` on the event loop for all of a
     group's samples at once (at most :data:`ASYNC_SCORE_CONCURRENCY` calls in flight over all
-    groups) instead of calling ``score``."""
+    groups, each cancelled at its deadline) instead of calling ``score``."""
 
-    def __init__(self, env: Environment, tok: Tokenizer, env_name: str) -> None:
+    def __init__(
+        self, env: Environment, tok: Tokenizer, env_name: str, *, timeout_s: float
+    ) -> None:
         self._args = (env, tok, env_name)
+        self._timeout_s = timeout_s
         self._limiter = anyio.CapacityLimiter(4)
         self._cost_s = float("inf")  # unknown until measured: the first group uses a thread
         self._scored = 0
+        self._on_loop = getattr(env, "score_on_loop", False) is True
         score_async = getattr(env, "score_async", None)
         self._score_async = score_async if callable(score_async) else None
         self._async_limiter = anyio.CapacityLimiter(ASYNC_SCORE_CONCURRENCY)
 
     @property
     def cheap(self) -> bool:
-        return self._score_async is None and self._cost_s < INLINE_SCORE_MAX_S
+        return self._on_loop and self._score_async is None and self._cost_s < INLINE_SCORE_MAX_S
 
     def inline(self, pending: Generating) -> list[CompletedSample]:
-        samples, cost = self._timed(pending)
+        """Score a group on the calling thread, with no deadline (see the class docstring)."""
+        samples, cost = self._timed(pending, None)
         self._note(cost)
         return samples
 
     async def threaded(self, pending: Generating) -> list[CompletedSample]:
         """Score a group off the inline path: ``score_async`` awaited for its samples
-        concurrently when the environment has it, else ``score`` in a worker thread.
-        Cancellation: awaited scores are cancelled; a thread finishes its group first.
+        concurrently when the environment has it, else ``score`` on a daemon thread, each
+        call under the deadline. Cancellation: awaited scores are cancelled; a thread is
+        abandoned.
 
         Raises:
             ScoreError: as :func:`score_samples` (the first failing sample's).
+            ScoreTimeout: a call did not return within ``timeout_s``.
+            AbandonedThreadsError: too many calls abandoned past their deadline still run.
         """
         if self._score_async is not None:
             return await self._awaited(pending)
-        samples, cost = await anyio.to_thread.run_sync(
-            self._timed, pending, limiter=self._limiter
-        )
+        clock = CallClock()
+        try:
+            samples, cost = await in_thread(
+                self._timed,
+                pending,
+                clock,
+                limiter=self._limiter,
+                clock=clock,
+                timeout_s=self._timeout_s,
+            )
+        except Overdue as late:
+            completion = self._args[1].decode(pending.samples[late.call].token_ids)
+            fate = "its thread was abandoned (a thread cannot be stopped)"
+            raise _late(self._args[2], "score", pending.prompt, completion, late, fate) from None
         self._note(cost)
         return samples
 
@@ -197,10 +261,19 @@ class Scorer:
 
         async def one(i: int) -> None:
             async with self._async_limiter:
+                clock = CallClock()  # its deadline counts from here, not from the queue
                 try:
-                    scores[i] = await self._score_async(prompt, completions[i])  # type: ignore[misc]
+                    with clocked(clock), anyio.move_on_after(self._timeout_s) as deadline:
+                        score = self._score_async(prompt, completions[i])  # type: ignore[misc]
+                        scores[i] = await score
                 except Exception as exc:  # the first failing sample's is raised below
                     failed.append((i, exc))
+                    tg.cancel_scope.cancel()
+                    return
+                if deadline.cancelled_caught:
+                    late = clock.overdue(self._timeout_s)
+                    args = ("score_async", prompt, completions[i], late, "it was cancelled")
+                    failed.append((i, _late(env_name, *args)))
                     tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
@@ -208,15 +281,19 @@ class Scorer:
                 tg.start_soon(one, i)
         if failed:
             i, exc = min(failed, key=lambda f: f[0])
+            if isinstance(exc, (ScoreTimeout, AbandonedThreadsError)):
+                raise exc
             raise _raised(env_name, "score_async", prompt, completions[i], exc) from exc
         return [
             _completed(env_name, "score_async", prompt, c, s, score)
             for c, s, score in zip(completions, pending.samples, scores)
         ]
 
-    def _timed(self, pending: Generating) -> tuple[list[CompletedSample], float]:
+    def _timed(
+        self, pending: Generating, clock: CallClock | None
+    ) -> tuple[list[CompletedSample], float]:
         start = time.perf_counter()
-        samples = score_samples(*self._args, pending.prompt, pending.samples)
+        samples = score_samples(*self._args, pending.prompt, pending.samples, clock)
         return samples, time.perf_counter() - start
 
     def _note(self, cost: float) -> None:

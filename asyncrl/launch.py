@@ -3,7 +3,7 @@
 Three forms::
 
     torchrun --nproc-per-node N -m asyncrl.launch run.toml [--set grpo.prompts_per_step=8 ...]
-        [--resume [DIR|latest]]
+        [--resume [DIR|latest] [--allow-changed FIELD,...]]
         ranks [0, T) train, ranks [T, T+R) generate (T, R from [cluster]); global rank 0 also
         hosts the controller, and serves its own trainer role inside the controller's task
         group (its compute runs on a worker thread, off the event loop).
@@ -72,7 +72,16 @@ from .errors import (
     WorkerDiedError,
     flatten,
 )
-from .process import exit_status, stopped_by_signal, wait_pid_exit
+from .process import (
+    PARENT_ENV,
+    die_with_parent,
+    exit_status,
+    lost_owner,
+    stopped_by_signal,
+    wait_pid_exit,
+)
+from .runlock import check_free
+from .space import no_space_in
 
 log = structlog.get_logger("asyncrl.launch")
 
@@ -194,17 +203,17 @@ def worker_main(
     """A rank of a group spawned by an embedded controller, or (``rank`` given) a rollout
     worker its supervisor started. With ``max_restarts``, this rank supervises its worker
     (:mod:`asyncrl.supervisor`) instead of serving itself."""
-    supervised = rank is not None
     rank = _env_int("RANK") if rank is None else rank
     world = _env_int("WORLD_SIZE") if world is None else world
     log_path = os.path.join(log_dir, f"{group}-{rank}.log")
     _redirect_output(log_path)
     _log.configure("json")
+    # stop with the torchrun agent or the supervisor, and with the embedding controller even
+    # before Init names it (the runtime's own watch starts after the handshake)
+    die_with_parent(also=controller_pid)
     if max_restarts:
         return _supervise(group, rank, world, control, log_dir, max_restarts,
                           controller_pid=controller_pid, log_path=log_path)
-    if supervised:
-        _die_with_parent()
     return _serve_rank(
         control_address=control,
         group=group,
@@ -226,16 +235,6 @@ def _supervise(
         "--log-dir", log_dir, "--rank", str(rank), "--world-size", str(world),
     ]  # fmt: skip
     return supervise(cmd, max_restarts=max_restarts, **kwargs)
-
-
-def _die_with_parent() -> None:
-    """A supervised worker gets SIGTERM when its supervisor dies (Linux), and stops."""
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before the call
-        raise SystemExit(1)
 
 
 def _agent_store() -> Any:
@@ -260,9 +259,15 @@ def _roles(config: Config, rank: int, world: int) -> tuple[str, int]:
     return ("trainer", rank) if rank < t else ("rollout", rank - t)
 
 
-def launch_main(config_path: str, overrides: dict[str, Any], resume: str | None = None) -> int:
+def launch_main(
+    config_path: str,
+    overrides: dict[str, Any],
+    resume: str | None = None,
+    allow_changed: list[str] | None = None,
+) -> int:
     """One rank of ``torchrun -m asyncrl.launch CONFIG``."""
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    die_with_parent()  # the agent (or `asyncrl run`) killed outright: no rank trains on
     try:
         config = load_config(config_path, overrides)
         group, group_rank = _roles(config, rank, world)
@@ -312,11 +317,15 @@ def launch_main(config_path: str, overrides: dict[str, Any], resume: str | None 
         )
 
     _log.configure(config.run.log_format)
-    return _run_controller(config, store, worker_kwargs, resume)
+    return _run_controller(config, store, worker_kwargs, resume, allow_changed or [])
 
 
 def _run_controller(
-    config: Config, store: Any, worker_kwargs: dict[str, Any], resume: str | None = None
+    config: Config,
+    store: Any,
+    worker_kwargs: dict[str, Any],
+    resume: str | None = None,
+    allow_changed: list[str] | None = None,
 ) -> int:
     """Rank 0: host the controller (and trainer rank 0) until the run ends or a signal."""
     from .controller import Addresses, Controller
@@ -355,7 +364,9 @@ def _run_controller(
                 tg.cancel_scope.cancel()
 
             tg.start_soon(on_signal, name="signals")
-            async with Controller(config, attach=attach, resume=resume) as ctl:
+            async with Controller(
+                config, attach=attach, resume=resume, allow_changed=allow_changed or ()
+            ) as ctl:
                 async with anyio.create_task_group() as run_tg:
                     run_tg.start_soon(_checkpoint_on_sigusr1, ctl, name="sigusr1")
                     summary = await ctl.train()
@@ -380,8 +391,10 @@ def _run_controller(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving in order; see above
     if summary is None:
         sig = stopped_by[0]
+        owner = lost_owner()
+        why = f"because its launcher (pid {owner}) exited" if owner else f"by {sig.name}"
         print(
-            f"asyncrl: stopped by {sig.name}: the run was shut down in order "
+            f"asyncrl: stopped {why}: the run was shut down in order "
             f"(metrics so far: {os.path.join(config.run.output_dir, 'metrics.jsonl')})",
             file=sys.stderr,
             flush=True,
@@ -427,8 +440,10 @@ def _stopped_by_signal(error: AsyncRLError) -> bool:
 
 
 def _asyncrl_error(exc: BaseException) -> AsyncRLError | None:
-    """The first asyncrl error inside ``exc`` (possibly an exception group), if there is one."""
-    return next((e for e in flatten(exc) if isinstance(e, AsyncRLError)), None)
+    """The first asyncrl error inside ``exc`` (possibly an exception group), if there is one;
+    else a full file system (a bare ENOSPC) as a ``NoSpaceError``."""
+    found = next((e for e in flatten(exc) if isinstance(e, AsyncRLError)), None)
+    return found if found is not None else no_space_in([exc])
 
 
 def _one_line(error: AsyncRLError, config: Config) -> str:
@@ -462,11 +477,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def self_launch(config_path: str, set_args: list[str], resume: str | None = None) -> int:
+def self_launch(
+    config_path: str,
+    set_args: list[str],
+    resume: str | None = None,
+    allow_changed: list[str] | None = None,
+) -> int:
     """``python -m asyncrl.launch CONFIG`` outside torchrun: check the config, then run
     torchrun's launcher in this process with one rank per trainer and rollout rank."""
     try:
         config = load_config(config_path, parse_overrides(set_args))
+        check_free(config)  # a live run's directory: refused before any process starts
     except ConfigError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
@@ -484,7 +505,10 @@ def self_launch(config_path: str, set_args: list[str], resume: str | None = None
         argv += ["--set", item]
     if resume is not None:
         argv += ["--resume", resume]
+    for item in allow_changed or []:
+        argv += ["--allow-changed", item]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[PARENT_ENV] = str(os.getpid())  # a rank orphaned while it starts stops at once
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
@@ -511,6 +535,15 @@ def main(argv: list[str] | None = None) -> int:
         help="go on from a checkpoint: a checkpoint directory, a directory of them, or "
         "'latest' (the default: the newest in checkpoint.dir)",
     )
+    parser.add_argument(
+        "--allow-changed",
+        action="append",
+        default=[],
+        metavar="FIELD,...",
+        help="with --resume: accept these changes of settings that change what the checkpoint "
+        "means (fields or sections: loss.clip_eps_low, loss, model.tokenizer; or 'all'); "
+        "docs/checkpointing.md",
+    )
     parser.add_argument("--worker", choices=["trainer", "rollout"], help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", help=argparse.SUPPRESS)
@@ -527,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         parser.error("a config file is required")
     if "RANK" not in os.environ:
-        return self_launch(args.config, args.set, args.resume)
+        return self_launch(args.config, args.set, args.resume, args.allow_changed)
     try:
         overrides = parse_overrides(args.set)
     except ConfigError as exc:
@@ -536,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(_RANK0_FIRST_S)
         return 2
-    return launch_main(args.config, overrides, args.resume)
+    return launch_main(args.config, overrides, args.resume, args.allow_changed)
 
 
 if __name__ == "__main__":

@@ -194,11 +194,11 @@ def reap_stale_runs(base: str) -> list[str]:
 
 
 def worker_args(restarts: int) -> list[str]:
-    """The worker command's extra arguments: a rank whose worker may be restarted
-    ``restarts`` times supervises it (:mod:`asyncrl.supervisor`), watching this controller."""
-    if not restarts:
-        return []
-    return ["--max-restarts", str(restarts), "--controller-pid", str(os.getpid())]
+    """The worker command's extra arguments: every rank watches this controller from its
+    start (it stops once the controller is gone, even before the handshake); a rank whose
+    worker may be restarted ``restarts`` times supervises it (:mod:`asyncrl.supervisor`)."""
+    pid = ["--controller-pid", str(os.getpid())]
+    return ["--max-restarts", str(restarts), *pid] if restarts else pid
 
 
 def worker_env(group: str) -> dict[str, str]:

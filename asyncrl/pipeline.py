@@ -117,7 +117,8 @@ class Pipeline:
         self.console = Console.for_run(config, tokenizer.decode, metrics)
         """The progress bar and sampled completions (closed by the controller)."""
         self.t0 = clock_origin
-        self.scorer = Scorer(environment, tokenizer, config.environment.name)
+        deadline_s = config.failures.reward_timeout_s
+        self.scorer = Scorer(environment, tokenizer, config.environment.name, timeout_s=deadline_s)
         self.changed = Signal()
         """Fired on every scheduler change the rollout pump (or a drain) may wait for."""
         self.committed = Signal()
@@ -177,6 +178,7 @@ class Pipeline:
             scheduler=scheduler,
             ready=self._ready,
             metrics=metrics,
+            train_prompts=environment.dataset("train"),
         )
         self.evaluator = Evaluator(
             config,

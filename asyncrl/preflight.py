@@ -1,6 +1,7 @@
 """What the controller checks before any process or file exists: the plugins load, the
-environment and the tokenizer load, the prompts fit, and both backends accept their config
-(each mistake a ``ConfigError`` naming its field)."""
+environment and the tokenizer load, the prompts fit, both backends accept their config, and
+``/dev/shm`` and the run's directories have room enough (:mod:`asyncrl.space`); each mistake
+a ``ConfigError`` naming its field."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .config import Config
 from .errors import AsyncRLError, config_error
 from .prompts import Tokenizer
 from .sinks import check_sinks
+from .space import check_space
 
 __all__ = ["check_before_spawn", "make_environment"]
 
@@ -59,6 +61,12 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
                 f"correct [{section}.options] (docs/backends/ lists each backend's options)",
             ):
                 plugin.check_config(cfg, max_prompt_tokens=longest)
+    engines = {
+        f"{section}.backend": plugin.shm_bytes(cfg)
+        for section, plugin in (("trainer", trainer), ("generator", generator))
+        if plugin.shm_bytes is not None
+    }
+    await anyio.to_thread.run_sync(check_space, cfg, engines)  # /dev/shm, disks: room enough
     return environment, tokenizer
 
 

@@ -30,10 +30,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import anyio
 import msgspec
 import numpy as np
 
+from .deadlines import AbandonedThreadsError, in_thread, running
 from .environment import Prompt
 from .errors import ConfigError, config_error
 
@@ -85,38 +85,47 @@ class Reward:
         )
 
     def _raised(self, exc: Exception) -> RewardError:
-        return RewardError(
-            f"reward {self.name!r} ({self.origin}) raised {type(exc).__name__}: {exc}"
-        )
+        return RewardError(f"{self.label} raised {type(exc).__name__}: {exc}")
+
+    @property
+    def label(self) -> str:
+        """``reward 'name' (origin)``: how errors name it."""
+        return f"reward {self.name!r} ({self.origin})"
 
     def call(self, prompt: Prompt, completion: str) -> float:
-        """The raw value for one completion (a sync reward only).
+        """The raw value for one completion (a sync reward only). Under the controller's
+        deadline (:mod:`asyncrl.deadlines`) a timeout names this reward.
 
         Raises:
             RewardError: the function raised or returned a bad value.
         """
         assert not self.is_async, "await acall() for an async reward"
         try:
-            value = self.fn(**self._kwargs(prompt, completion))
+            with running(self.label):
+                value = self.fn(**self._kwargs(prompt, completion))
         except Exception as exc:
             raise self._raised(exc) from exc
         return self._value(value)
 
     async def acall(self, prompt: Prompt, completion: str) -> float:
-        """The raw value for one completion: awaited for an async reward, run in a worker
-        thread for a sync one. Cancellation: an awaited reward is cancelled; a sync one in a
-        thread runs to its end first.
+        """The raw value for one completion: awaited for an async reward, run on a daemon
+        thread for a sync one (:func:`asyncrl.deadlines.in_thread`). Cancellation: an awaited
+        reward is cancelled; a sync one's thread is abandoned (it cannot be stopped; it runs
+        on until the function returns, and never holds up the process's exit).
 
         Raises:
             RewardError: the function raised or returned a bad value.
+            AbandonedThreadsError: too many abandoned reward threads still run.
         """
+        kwargs = self._kwargs(prompt, completion)
         try:
-            if self.is_async:
-                value = await self.fn(**self._kwargs(prompt, completion))
-            else:
-                value = await anyio.to_thread.run_sync(
-                    lambda: self.fn(**self._kwargs(prompt, completion))
-                )
+            with running(self.label):
+                if self.is_async:
+                    value = await self.fn(**kwargs)
+                else:
+                    value = await in_thread(lambda: self.fn(**kwargs))
+        except AbandonedThreadsError:
+            raise  # not the reward's own error
         except Exception as exc:
             raise self._raised(exc) from exc
         return self._value(value)

@@ -39,6 +39,9 @@ class StepRecord:
     refit_end: float | None = None
     step_retries: int = 0
     """Times this step was assembled again after a train call failed on a trainer."""
+    nonfinite_skipped: bool = False
+    """The step's loss or gradient norm was not finite: the trainer did not apply it
+    (``failures.max_nonfinite_steps``)."""
     aborted_samples: int = 0
     """Samples the engines cut short (finish reason ``abort``) while this step was open."""
     trainer_compute_s: float = 0.0
@@ -144,6 +147,7 @@ class StepRecord:
             "aborted_samples": self.aborted_samples,
             "failed_groups": stats.failed_groups,
             "step_retries": self.step_retries,
+            "nonfinite_skipped": self.nonfinite_skipped,
             "generation_retries": stats.generation_retries,
             "inflight_at_refit": self.inflight_at_refit,
             "train_busy_s": self.train_busy_s,

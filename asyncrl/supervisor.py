@@ -29,7 +29,14 @@ from collections.abc import Sequence
 
 import structlog
 
-from .process import exit_status, has_exited, kill_process_group, pid_exists, stopped_by_signal
+from .process import (
+    PARENT_ENV,
+    exit_status,
+    has_exited,
+    kill_process_group,
+    pid_exists,
+    stopped_by_signal,
+)
 
 __all__ = ["supervise"]
 
@@ -72,7 +79,8 @@ def supervise(
     lost: int | None = None  # the controller's exit status, when it exited before the worker
     try:
         while True:
-            child[:] = [subprocess.Popen(list(cmd), start_new_session=True)]
+            env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})  # see die_with_parent
+            child[:] = [subprocess.Popen(list(cmd), start_new_session=True, env=env)]
             pid = child[0].pid
             if stopping:  # a signal came while it was being started
                 kill_process_group(pid, stopping[0])

@@ -8,10 +8,19 @@ from one thread, the same sequence of calls on every rank::
 
 This class owns the parts that must not differ between engines: joining the process group,
 loading the model, lockstep micro-batching with malformed-batch agreement, the loss, the step
-ledger, and the token-count check at the end of a step. A backend (FSDP2, DeepSpeed) fills in
-the engine-specific hooks: how the model is wrapped, how a loss is back-propagated, how the
-accumulated raw gradient is normalized, clipped and applied, how full weights are gathered,
-and how state is saved.
+ledger, the token-count check at the end of a step, and the finite checks. A backend (FSDP2,
+DeepSpeed) fills in the engine-specific hooks: how the model is wrapped, how a loss is
+back-propagated, how the accumulated raw gradient is normalized, clipped and applied, how full
+weights are gathered, and how state is saved.
+
+Nothing non-finite is committed. A step whose (all-reduced) loss is not finite is dropped
+before the engine sees it; one whose gradient norm is not finite is not applied by the engine
+(:meth:`_apply_step`); either way the weights stay as they were and the returned
+:class:`StepResult` carries the non-finite value, so the controller skips the step or stops
+(``failures.max_nonfinite_steps``). The weights are checked for NaN and infinities when the
+model is loaded, after :meth:`load_state` (a corrupted checkpoint) and before
+:meth:`save_state` (one ``aminmax`` per local shard and one all-reduce: every rank raises the
+same :class:`~asyncrl.errors.NonFiniteError`).
 
 Gradient normalization. A step's chunks stream in one by one and nobody knows the step's
 token count until :meth:`finish_step`, so every micro-batch back-propagates the raw *sum* of
@@ -29,6 +38,7 @@ and pad with fully masked dummy micro-batches.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -37,8 +47,10 @@ import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from asyncrl.backend import WeightTensor, WorkerContext
+from asyncrl.errors import NonFiniteError
 from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
 from asyncrl.packing import Layout, check_packed, micro_batch_bounds
 
@@ -63,8 +75,8 @@ class DistributedTrainer:
     """Base of a :class:`~asyncrl.backend.TrainingBackend` over an HF causal LM.
 
     Subclasses implement :meth:`_wrap`, :meth:`_backward`, :meth:`_apply_step`,
-    :meth:`_zero_grad`, :meth:`iter_weights`, :meth:`save_state` and :meth:`load_state`;
-    they may override :meth:`_forward` and :meth:`_close_engine`.
+    :meth:`_zero_grad`, :meth:`iter_weights`, :meth:`_save_state` and :meth:`_load_state`;
+    they may override :meth:`_forward`, :meth:`_local_parameters` and :meth:`_close_engine`.
     """
 
     name = "trainer"
@@ -118,15 +130,23 @@ class DistributedTrainer:
     def iter_weights(self) -> Iterator[WeightTensor]:
         raise NotImplementedError
 
-    def save_state(self, path: str) -> None:
+    def _save_state(self, path: str) -> None:
         """Collective: write model and optimizer state under the directory ``path`` (every
         rank writes its own part; ``path`` is the same on every rank and visible to all)."""
         raise NotImplementedError
 
-    def load_state(self, path: str) -> None:
-        """Collective: restore what :meth:`save_state` wrote, into a started backend of the
+    def _load_state(self, path: str) -> None:
+        """Collective: restore what :meth:`_save_state` wrote, into a started backend of the
         same model, options and world size."""
         raise NotImplementedError
+
+    def _local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, this rank's part)`` of every parameter (a name may come twice, for two
+        copies), the same names in the same order on every rank: what the finite checks
+        read."""
+        for name, param in self._hf_model().named_parameters():
+            data = param.detach()
+            yield name, data.to_local() if isinstance(data, DTensor) else data
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> dict[str, Any]:
@@ -147,6 +167,12 @@ class DistributedTrainer:
         num_parameters = sum(p.numel() for p in model.parameters())  # a tied weight once
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._module = self._wrap(model)
+        self._check_finite_weights(
+            f"the weights of the model at {ctx.config.model.path} (model.path)",
+            "its weight files are damaged, or it was saved from diverged training",
+            "download or export the model again",
+            consequence="the run does not start",
+        )
         caps = {
             "backend_version": self._engine_version(),
             "device": str(self._device),
@@ -374,13 +400,21 @@ class DistributedTrainer:
                 + (" (an empty step cannot be normalized)" if counted == 0 else "")
                 + "; the step was discarded (no update)"
             )
-        try:
-            grad_norm = self._apply_step(num_loss_tokens)
-        finally:
-            self._ledger.close()
-        if not np.isfinite(grad_norm):
-            # the same on every rank (the norm is all-reduced), so all ranks skipped together
-            self._log.warning("step_skipped_nonfinite_grad_norm", step=step, grad_norm=grad_norm)
+        if not math.isfinite(loss_sum):
+            # the same on every rank (all-reduced): every rank drops the step before the
+            # engine sees it, so the weights stay as they are
+            self._discard("non-finite loss")
+            grad_norm = float("nan")  # not computed
+        else:
+            try:
+                grad_norm = self._apply_step(num_loss_tokens)
+            finally:
+                self._ledger.close()
+        if not (math.isfinite(grad_norm) and math.isfinite(loss_sum)):
+            # the norm is all-reduced too, so all ranks skipped the update together
+            self._log.warning(
+                "step_not_applied_nonfinite", step=step, loss_sum=loss_sum, grad_norm=grad_norm
+            )
         return StepResult(
             step=step,
             loss=loss_sum / num_loss_tokens,
@@ -396,6 +430,71 @@ class DistributedTrainer:
             self._log.warning("step_discarded", step=open_step.step, reason=reason)
         if self._module is not None:
             self._zero_grad()
+
+    # ------------------------------------------------------------------ state
+    def save_state(self, path: str) -> None:
+        """Collective: write model and optimizer state under the directory ``path`` (every
+        rank writes its own part; ``path`` is the same on every rank and visible to all).
+
+        Raises:
+            NonFiniteError: a weight holds a NaN or an infinity (nothing is written).
+        """
+        self._started()
+        self._check_no_open_step("save_state")
+        self._check_finite_weights(
+            "the weights to save",
+            "a step applied although it was not finite (a backend fault)",
+            "resume from the last checkpoint (the previous one is intact)",
+            consequence="nothing was written",
+        )
+        self._save_state(path)
+
+    def load_state(self, path: str) -> None:
+        """Collective: restore what :meth:`save_state` wrote, into a started backend of the
+        same model, options and world size.
+
+        Raises:
+            NonFiniteError: a loaded weight holds a NaN or an infinity (a corrupted
+                checkpoint); the message names ``path``.
+        """
+        self._started()
+        self._check_no_open_step("load_state")
+        self._load_state(path)
+        self._check_finite_weights(
+            f"the weights loaded from {path}",
+            "the checkpoint is corrupted (a damaged file), or it was saved from diverged "
+            "training",
+            "resume from an older checkpoint (--resume <checkpoint.dir>/step-N)",
+            consequence="the run does not go on from them",
+        )
+
+    def _nonfinite_parameters(self) -> list[str]:
+        """Collective: the names of the parameters that hold a NaN or an infinity on some
+        rank, the same list on every rank. One ``aminmax`` per local shard (no copy of it),
+        one all-reduce and one wait for the device."""
+        self._started()
+        names, extremes = [], []
+        for name, data in self._local_parameters():
+            names.append(name)
+            if data.numel() == 0:
+                extremes.append(torch.zeros(2, dtype=torch.float64, device=self._device))
+            else:
+                lo, hi = torch.aminmax(data)
+                extremes.append(torch.stack([lo, hi]).to(self._device, torch.float64))
+        if not names:
+            return []
+        bad = (~torch.isfinite(torch.stack(extremes)).all(dim=1)).to(torch.int32)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return list(dict.fromkeys(n for n, flag in zip(names, bad.tolist()) if flag))
+
+    def _check_finite_weights(self, what: str, cause: str, fix: str, *, consequence: str) -> None:
+        bad = self._nonfinite_parameters()
+        if bad:
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            raise NonFiniteError(
+                f"{what} hold NaN or infinite values ({len(bad)} tensors: {shown}), so "
+                f"{consequence}; likely {cause}. Fix: {fix}"
+            )
 
     def _check_no_open_step(self, what: str) -> None:
         open_step = self._ledger.open

@@ -16,10 +16,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ..space import is_no_space, no_space, shm_fix
 from ..transport import make_private_dir
 from . import StagingSpec, WeightTransfer
 
-__all__ = ["SHM", "ShmHandle", "read_bytes", "shm_dir"]
+__all__ = ["SHM", "ShmHandle", "read_bytes", "shm_base", "shm_dir"]
 
 
 class ShmHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -32,9 +33,13 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(ShmHandle).decode
 
 
+def shm_base() -> str:
+    """Where the run's shared-memory directory goes: ``/dev/shm``, else ``/tmp``."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
 def shm_dir(run_id: str) -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    return os.path.join(base, f"asyncrl-{run_id}")
+    return os.path.join(shm_base(), f"asyncrl-{run_id}")
 
 
 class _File:
@@ -46,8 +51,21 @@ class _File:
         self.array = np.empty(0, np.uint8)
 
     def reserve(self, size: int) -> None:
+        """Grow the file to ``size`` bytes, every page allocated now: a tmpfs page first
+        touched through the mapping when the file system is full kills the process with
+        SIGBUS, where ``posix_fallocate`` fails with ENOSPC (raised as a ``NoSpaceError``;
+        the file and its mapping stay as they were)."""
         if size <= self.size:
             return
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            raise no_space(
+                self.path, size - self.size, "a refit staging buffer in",
+                shm_fix(os.path.dirname(os.path.dirname(self.path))),
+            ) from None
         self.array = np.empty(0, np.uint8)
         if self._map is not None:
             self._map.close()

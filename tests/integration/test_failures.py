@@ -1,15 +1,17 @@
 """Failures the run survives, injected through the bigram backends' and the repeat-digit
 environment's testing knobs (docs/testing.md): an engine that fails on one request (retried
 with back-off), one that keeps failing (dropped, its step gets a fresh prompt), a request the
-engine refuses for its own data (dropped at once), a reward function that raises (the run
-stops naming the prompt, or drops the group), and a train step that fails on the trainer
-(its groups go back and the step is trained again). Each budget, once spent, stops the run
-with an error that names the cause and the fix."""
+engine refuses for its own data (dropped at once), a reward function that raises or hangs
+(the run stops naming the prompt, or drops the group), and a train step that fails on the
+trainer (its groups go back and the step is trained again). Each budget, once spent, stops the
+run with an error that names the cause and the fix."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+import anyio
 import pytest
 
 pytest.importorskip(
@@ -18,7 +20,9 @@ pytest.importorskip(
 
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
+from asyncrl.deadlines import abandoned_threads  # noqa: E402
 from asyncrl.errors import RunError  # noqa: E402
+from asyncrl.intake import ScoreTimeout  # noqa: E402
 from integration_support import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
@@ -127,6 +131,39 @@ async def test_a_reward_function_that_raises(
     trained, dropped, lost, _ = _ledger(summary)
     assert trained == STEPS * P and dropped["failed"] >= 1 and lost == 0
     assert _sum(cfg, "failed_groups") == dropped["failed"]
+
+
+@pytest.mark.parametrize("policy", ["fail_run", "drop_group"])
+async def test_a_reward_function_that_hangs(
+    make_config: Callable[..., Config], policy: str
+) -> None:
+    """``score()`` hangs (for 2 s) on a quarter of the prompts: each such call is abandoned at
+    its 0.3 s deadline; the run stops naming the prompt and the deadline, or drops the groups
+    and trains on. The abandoned threads return by themselves afterwards."""
+    cfg = make_config(
+        run={"num_steps": STEPS},
+        environment={"options": {"score_fault": "hang", "score_fault_prompts": FAULTY,
+                                 "score_fault_hang_s": 2.0}},
+        failures={"on_reward_error": policy, "reward_timeout_s": 0.3, "max_failed_groups": 100},
+        eval={"num_prompts": 0},
+    )  # fmt: skip
+    try:
+        if policy == "fail_run":
+            expected = (r"^environment 'repeat-digit' \(environment.name\): score\(\) did not "
+                        r"return within 0.3 s \(failures.reward_timeout_s\) for prompt "
+                        r"'train:\d+'")  # fmt: skip
+            with pytest.raises(ScoreTimeout, match=expected):
+                await _train(cfg)
+            return
+        summary = await _train(cfg)
+        trained, dropped, lost, _ = _ledger(summary)
+        assert trained == STEPS * P and dropped["failed"] >= 1 and lost == 0
+        assert _sum(cfg, "failed_groups") == dropped["failed"]
+    finally:
+        deadline = time.monotonic() + 10  # each thread sleeps 2 s from its call's start
+        while abandoned_threads():
+            assert time.monotonic() < deadline, "an abandoned reward thread did not return"
+            await anyio.sleep(0.05)
 
 
 async def test_a_failed_train_step_is_trained_again(make_config: Callable[..., Config]) -> None:

@@ -139,3 +139,34 @@ def test_resume_refusal_exits_2_with_one_line(tmp_path: Path, model_dir: Path) -
     text = _finish(again)
     assert again.returncode == 2
     assert "the run is finished. Fix: to train further, raise run.num_steps" in text, text
+
+
+def test_a_changed_setting_needs_allow_changed_on_the_command_line(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """``--resume`` with another temperature: refused with one line naming it and the flag
+    (``python -m asyncrl.launch``); ``asyncrl run ... --allow-changed grpo.temperature`` goes
+    on (through torchrun's ranks to the controller), and its ``resume`` record lists it."""
+    config = _config_file(tmp_path, model_dir, run={"num_steps": 2}, eval={"num_prompts": 0})
+    done = _front_door(config)
+    assert "metrics:" in _finish(done) and done.returncode == 0
+    change = ["--set", "grpo.temperature=3.0", "--set", "run.num_steps=3"]
+    refused = _front_door(config, *change, "--resume")
+    text = _finish(refused)
+    errors = [line for line in text.splitlines() if line.startswith("asyncrl: ")]
+    assert refused.returncode == 2 and len(errors) == 1, text
+    assert "is from another run: grpo.temperature: 1.0 -> 3.0." in errors[0]
+    assert "--allow-changed grpo.temperature " in errors[0]
+    exe = Path(sys.executable).parent / "asyncrl"
+    allowed = subprocess.Popen(
+        [str(exe), "run", str(config), *change, "--resume", "--allow-changed",
+         "grpo.temperature"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    text = _finish(allowed)
+    assert allowed.returncode == 0, text[-4000:]
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    (resume,) = [r for r in records if r["kind"] == "resume"]
+    assert resume["step"] == 2 and resume["allowed_changes"] == ["grpo.temperature: 1.0 -> 3.0"]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]

@@ -5,7 +5,7 @@ same steps and ends with the same weights as the uninterrupted run (synchronous 
 the run is deterministic); every prompt position is trained exactly once across the
 interruption; a checkpoint that is corrupt, from another run or of a finished run is refused
 before anything starts, with the fix; a save that fails (a full disk) leaves the previous
-checkpoint usable and the run going.
+checkpoint usable and the run going, unless the disk is full (the run stops at once).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ pytest.importorskip(
 
 import asyncrl  # noqa: E402
 from asyncrl import checkpoint as ckpt  # noqa: E402
+from asyncrl import space  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
-from asyncrl.errors import RunError  # noqa: E402
+from asyncrl.errors import NoSpaceError, RunError  # noqa: E402
 from asyncrl.grpo import pack_tokens  # noqa: E402
 from asyncrl.messages import ComputeLogprobs, LogprobsResult  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
@@ -118,21 +119,26 @@ async def test_refusals_name_the_problem_and_the_fix(make_config: Callable[..., 
             pass
 
 
-async def test_a_full_disk_keeps_the_previous_checkpoint(
+async def test_a_failed_save_keeps_the_previous_checkpoint(
     make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The second save hits ENOSPC (its controller state goes to /dev/full): the run goes on,
-    the first checkpoint stays whole and resumable, nothing of the failed save remains."""
+    """The second save fails with an I/O error: the run goes on (checkpoint.max_failures),
+    the first checkpoint stays whole and resumable, nothing of the failed save remains. The
+    same save hitting ENOSPC (its controller state goes to /dev/full) stops the run at once
+    with a NoSpaceError (docs/failures.md), the first checkpoint still whole."""
     real_write = ckpt._write_durable
     calls = {"n": 0}
+    fault = {"full": False}
 
     def write(path: Path, data: bytes) -> None:
         if path.name == ckpt.CONTROLLER_FILE:
             calls["n"] += 1
-            if calls["n"] == 2:
+            if calls["n"] == 2 and fault["full"]:
                 with open("/dev/full", "wb") as f:  # the kernel's own "no space left"
                     f.write(data)
                     f.flush()
+            if calls["n"] == 2:
+                raise OSError(errno.EIO, "Input/output error", str(path))
         real_write(path, data)
 
     monkeypatch.setattr(ckpt, "_write_durable", write)
@@ -145,7 +151,7 @@ async def test_a_full_disk_keeps_the_previous_checkpoint(
     summary, _ = await _run(cfg)
     assert len(summary.steps) == 3
     failed = [r for r in read_metrics(cfg) if r["kind"] == "checkpoint_failed"]
-    assert [r["step"] for r in failed] == [2] and "No space left" in failed[0]["error"]
+    assert [r["step"] for r in failed] == [2] and "Input/output error" in failed[0]["error"]
     root = Path(cfg.checkpoint.dir)
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001", "step-00000003"]
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no partial save left
@@ -161,8 +167,38 @@ async def test_a_full_disk_keeps_the_previous_checkpoint(
         checkpoint={"every_steps": 1, "max_failures": 0},
         eval={"num_prompts": 0},
     )
-    with pytest.raises(RunError, match=r"checkpoint saves in a row failed.*Fix: free space"):
+    with pytest.raises(RunError, match=r"checkpoint saves in a row failed.*Fix: make "):
         await _run(strict)
+
+    # a full disk uses no budget: the run stops at the failed save, naming it (the disk is
+    # not full, /dev/full is: it is said to have no byte free, as a full one would)
+    calls["n"], fault["full"] = 0, True
+    full = make_config(
+        "full",
+        run={"num_steps": 3},
+        pipeline=SYNC,
+        checkpoint={"every_steps": 1, "at_end": False, "keep_last": 3},
+        eval={"num_prompts": 0},
+    )
+    real_free = space.free_bytes
+    monkeypatch.setattr(space, "free_bytes", lambda path: 0 if path.startswith(
+        full.checkpoint.dir) and calls["n"] >= 2 else real_free(path))
+    with pytest.raises(NoSpaceError) as err:
+        await _run(full)
+    text = str(err.value)
+    assert text.startswith("no space left on device (ENOSPC) for the checkpoint of step 2 in ")
+    # /dev/full's error names no file: the save's directory stands for it
+    assert err.value.path.startswith(f"{full.checkpoint.dir}/.tmp-step-00000002-")
+    # needed: about the size of the last checkpoint (the bigram names no weight files)
+    last = Path(full.checkpoint.dir) / "step-00000001"
+    size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
+    assert err.value.needed_bytes == size and err.value.free_bytes == 0
+    assert f": 0 bytes free, {size} bytes" in text and " needed. Fix: free space in " in text
+    assert f"resume from {Path(full.checkpoint.dir) / 'step-00000001'}" in text
+    assert [r["step"] for r in read_metrics(full) if r["kind"] == "train"] == [1, 2]
+    root = Path(full.checkpoint.dir)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001"]
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
 
 
 async def test_checkpoint_on_demand(make_config: Callable[..., Config]) -> None:

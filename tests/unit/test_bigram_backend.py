@@ -29,7 +29,7 @@ from asyncrl_example_backend.training import BigramTrainer, ppo_gradient  # noqa
 from asyncrl.backend import WeightBucketView, WorkerContext  # noqa: E402
 from asyncrl.transfers.shm import ShmHandle  # noqa: E402
 from asyncrl.config import Config, from_dict  # noqa: E402
-from asyncrl.errors import ConfigError  # noqa: E402
+from asyncrl.errors import ConfigError, NonFiniteError  # noqa: E402
 from asyncrl.grpo import pack_tokens  # noqa: E402
 from asyncrl.messages import GenRequest, TensorEntry, TrainBatch  # noqa: E402
 
@@ -176,6 +176,58 @@ def test_save_load_step_equals_step(tmp_path: Path) -> None:
     resumed.begin_step(2)
     with pytest.raises(RuntimeError, match="step 2 is open"):
         resumed.save_state(str(tmp_path / "other"))
+
+
+def test_a_nonfinite_step_is_not_applied(tmp_path: Path) -> None:
+    """A NaN gradient (the testing knob) leaves the weights and Adam's state as they were,
+    and the result says so; the next ordinary step applies. (Its float64 math cannot overflow
+    on a float32 batch.)"""
+    cfg = _config(tmp_path, trainer={"options": {"lr": 0.1, "optimizer": "adam",
+                                                 "nan_grad_at_steps": [0]}})
+    t = BigramTrainer(_ctx(cfg))
+    t.start()
+    w0 = t.weights.copy()
+    batch = _batch(np.random.default_rng(4), 6)
+    t.begin_step(0)
+    t.train_chunk(0, batch)
+    res = t.finish_step(0, 10)
+    assert np.isnan(res.grad_norm) and np.isfinite(res.loss)
+    np.testing.assert_array_equal(t.weights, w0)
+    t.begin_step(1)
+    t.train_chunk(1, batch)
+    assert np.isfinite(t.finish_step(1, 10).grad_norm)
+    # Adam's first step (bias-corrected m_hat = g, v_hat = g^2): the skipped step left no
+    # trace in its moments or step count
+    g, _ = ppo_gradient(w0, batch, temperature=0.7, eps_low=0.2, eps_high=0.28)
+    g = g / 10
+    g = g * min(1.0, 1.0 / (np.linalg.norm(g) + 1e-6))
+    np.testing.assert_allclose(t.weights, w0 - 0.1 * g / (np.abs(g) + 1e-8), rtol=0, atol=1e-12)
+
+
+def test_nonfinite_weights_are_never_saved_nor_loaded(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    t = BigramTrainer(_ctx(cfg))
+    t.start()
+    t.save_state(str(tmp_path / "good"))
+    t.weights[1, 2] = np.inf
+    with pytest.raises(NonFiniteError, match=r"weights to save hold NaN or infinite values "
+                       r"\(1 of 121 entries.*nothing was written"):  # fmt: skip
+        t.save_state(str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()
+    # a checkpoint whose weights are NaN (written here with numpy, as a damaged file reads)
+    with np.load(tmp_path / "good" / "bigram-state.npz") as f:
+        state = {k: f[k] for k in f.files}
+    state["weights"][3, :] = np.nan
+    (tmp_path / "nan").mkdir()
+    np.savez(tmp_path / "nan" / "bigram-state.npz", **state)
+    fresh = BigramTrainer(_ctx(cfg))
+    fresh.start()
+    before = fresh.weights.copy()
+    with pytest.raises(NonFiniteError, match=r"loaded from .*nan hold NaN.*11 of 121 entries"
+                       r".*Fix: resume from an older checkpoint"):  # fmt: skip
+        fresh.load_state(str(tmp_path / "nan"))
+    np.testing.assert_array_equal(fresh.weights, before)  # nothing taken from it
+    fresh.load_state(str(tmp_path / "good"))
 
 
 def test_trainer_refuses_bad_options(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""Checkpoints on disk (:mod:`asyncrl.checkpoint`): atomic commit, retention, resolution and
-every way a checkpoint is refused, each with the fix."""
+"""Checkpoints on disk (:mod:`asyncrl.checkpoint`): atomic commit, retention, resolution,
+checksums of every file, and every way a checkpoint is refused, each with the fix."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +52,7 @@ def _save(root: Path, step: int, groups: list[Group] = (), **config: object) -> 
         step=step,
         finished=False,
         config={"run": {"seed": 0}, **config},
-        model_config=None,
+        fingerprints=None,
         has_model=False,
     )
 
@@ -144,16 +146,133 @@ def test_a_corrupt_checkpoint_is_refused_and_an_older_one_suggested(
 def test_another_format_is_refused(tmp_path: Path) -> None:
     path = _save(tmp_path, 1)
     manifest = json.loads((path / "manifest.json").read_text())
-    (path / "manifest.json").write_text(json.dumps({**manifest, "format": 99}))
-    with pytest.raises(ckpt.CheckpointError, match="format 99; this asyncrl reads format 1"):
+    # a later format keeps the manifest's own digest: of the other keys, as compact sorted JSON
+    future = {k: v for k, v in manifest.items() if k != "manifest_sha256"} | {"format": 99}
+    canonical = json.dumps(future, sort_keys=True, separators=(",", ":")).encode()
+    future["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(future))
+    with pytest.raises(ckpt.CheckpointError, match="format 99; this asyncrl reads format 2"):
         ckpt.open_checkpoint(path)
 
 
-def test_compare_configs_separates_what_must_match() -> None:
-    saved = {"run": {"seed": 0, "num_steps": 10}, "trainer": {"options": {"lr": 1e-4}},
-             "cluster": {"call_timeout_s": 900.0}}  # fmt: skip
-    now = {"run": {"seed": 0, "num_steps": 20}, "trainer": {"options": {"lr": 3e-4}},
-           "cluster": {"call_timeout_s": 60.0}}  # fmt: skip
-    errors, notes = ckpt.compare_configs(saved, now)
-    assert errors == ["trainer.options.lr: 0.0001 -> 0.0003"]
-    assert notes == ["cluster.call_timeout_s: 900.0 -> 60.0", "run.num_steps: 10 -> 20"]
+def test_a_format_1_checkpoint_is_refused_naming_the_version_that_reads_it(
+    tmp_path: Path,
+) -> None:
+    """What asyncrl before per-file checksums wrote (the keys of its manifest)."""
+    path = tmp_path / "step-00000003"
+    (path / "trainer").mkdir(parents=True)
+    (path / "controller.msgpack").write_bytes(b"x")
+    old = {"format": 1, "step": 3, "finished": False, "asyncrl_version": "0.0.9",
+           "controller_sha256": "0" * 64, "controller_bytes": 1, "has_model": False,
+           "model_config": None, "config": {}}  # fmt: skip
+    (path / "manifest.json").write_text(json.dumps(old))
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"format 1; this asyncrl reads format 2 \(format 2 added a checksum of every "
+        r"file.*Fix: resume or export it with the asyncrl version that wrote it \(0\.0\.9\)",
+    ):
+        ckpt.open_checkpoint(path)
+
+
+def _full_checkpoint(root: Path, step: int) -> Path:
+    """A checkpoint with every kind of part: two trainer ranks' files (one in a
+    subdirectory, as DeepSpeed writes them) and a model directory."""
+    tmp = ckpt.start_save(root, step)
+    trainer = tmp / ckpt.TRAINER_DIR
+    (trainer / "__0_0.distcp").write_bytes(np.arange(3000, dtype=np.float32).tobytes())
+    (trainer / "global_step3").mkdir()
+    (trainer / "global_step3" / "rank1_states.pt").write_bytes(bytes(range(256)) * 40)
+    (trainer / ".metadata").write_bytes(b"dcp-metadata" * 10)
+    model = tmp / ckpt.MODEL_DIR
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    (model / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    (model / "model.safetensors").write_bytes(b"\x08" + b"\0" * 4095)
+    return ckpt.commit(
+        tmp, state=ckpt.encode_state(_state(step)), step=step, finished=False,
+        config={"run": {"seed": 0}}, fingerprints={"environment": {"data": "x"}},
+        has_model=True,
+    )  # fmt: skip
+
+
+def _flip(path: Path, offset: int | None = None) -> bytes:
+    """Flip every bit of one byte (the middle one by default); returns the old contents."""
+    data = path.read_bytes()
+    at = len(data) // 2 if offset is None else offset
+    path.write_bytes(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :])
+    return data
+
+
+def test_every_file_has_a_checksum_and_a_flipped_byte_in_any_is_refused(tmp_path: Path) -> None:
+    older = _full_checkpoint(tmp_path, 2)
+    path = _full_checkpoint(tmp_path, 3)
+    checkpoint = ckpt.open_checkpoint(path)
+    on_disk = sorted(
+        str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()
+    )
+    # every file but the manifest (which carries its own digest) is listed, with its digest
+    assert sorted(checkpoint.manifest["files"]) == [f for f in on_disk if f != "manifest.json"]
+    for rel, entry in checkpoint.manifest["files"].items():
+        data = (path / rel).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, rel
+    checkpoint.verify()  # intact
+    for rel in checkpoint.manifest["files"]:
+        original = _flip(path / rel)
+        with pytest.raises(
+            ckpt.CheckpointError,
+            match=rf"corrupt: {re.escape(rel)} does not match its sha256 in the manifest\. "
+            rf"Fix: resume from an older checkpoint, e\.g\. --resume {re.escape(str(older))}$",
+        ):
+            ckpt.open_checkpoint(path).verify()
+        (path / rel).write_bytes(original)
+    # the controller's state is checked on its own too (read without verify())
+    original = _flip(path / "controller.msgpack")
+    with pytest.raises(ckpt.CheckpointError, match="controller.msgpack does not match"):
+        checkpoint.state()
+    (path / "controller.msgpack").write_bytes(original)
+    # the manifest: a flipped byte inside a value, and one that leaves it valid JSON
+    text = (path / "manifest.json").read_text()
+    at = text.index('"step": 3') + len('"step": ')
+    (path / "manifest.json").write_text(text[:at] + "4" + text[at + 1 :])
+    with pytest.raises(ckpt.CheckpointError, match="corrupt: manifest.json does not match its "
+                       "own sha256"):  # fmt: skip
+        ckpt.open_checkpoint(path)
+    _flip(path / "manifest.json", offset=0)  # "{" is no more
+    with pytest.raises(ckpt.CheckpointError, match="corrupt: manifest.json is unreadable"):
+        ckpt.open_checkpoint(path)
+
+
+def test_missing_truncated_and_extra_files_are_refused(tmp_path: Path) -> None:
+    path = _full_checkpoint(tmp_path, 3)
+    shard = path / "trainer" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-4096])
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer/__0_0.distcp has 7904 bytes, the "
+                       r"manifest 12000"):  # fmt: skip
+        ckpt.open_checkpoint(path).verify()
+    shard.unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer/__0_0.distcp is missing\. Fix"):
+        ckpt.open_checkpoint(path).verify()
+    shard.write_bytes(data)
+    (path / "trainer" / "global_step3" / "stray.pt").write_bytes(b"?")
+    with pytest.raises(ckpt.CheckpointError, match="trainer/global_step3/stray.pt is not in "
+                       "the manifest"):  # fmt: skip
+        ckpt.open_checkpoint(path).verify()
+
+
+def test_a_copy_of_the_model_is_checked_against_the_manifest(tmp_path: Path) -> None:
+    import shutil
+
+    older = _full_checkpoint(tmp_path, 2)
+    path = _full_checkpoint(tmp_path, 3)
+    checkpoint = ckpt.open_checkpoint(path)
+    copy = tmp_path / "copy"
+    shutil.copytree(path / "model", copy)
+    checkpoint.verify_copy("model", copy)
+    _flip(copy / "model.safetensors")
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=rf"corrupt: model/model.safetensors does not match its sha256 in the manifest\. "
+        rf"Fix: export an older checkpoint, e\.g\. asyncrl export {re.escape(str(older))} OUT",
+    ):
+        checkpoint.verify_copy("model", copy)

@@ -108,18 +108,31 @@ def test_console_script_and_module_entry(with_model: list[str]) -> None:
     assert proc.returncode == 2 and "does not exist" in proc.stdout
 
 
-def _checkpoint(root: Path, step: int, *, with_model: bool) -> Path:
+def _safetensors(values: list[float]) -> bytes:
+    """A one-tensor float32 safetensors file, built by hand from the format's definition."""
+    import json
+    import struct
+
+    data = struct.pack(f"<{len(values)}f", *values)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [len(values)],
+                               "data_offsets": [0, len(data)]}}).encode()  # fmt: skip
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _checkpoint(
+    root: Path, step: int, *, with_model: bool, weights: list[float] = [0.0, 1.5, -2.0, 0.25]
+) -> Path:
     from asyncrl import checkpoint as ckpt
 
     tmp = ckpt.start_save(root, step)
     if with_model:
         (tmp / "model").mkdir()
         (tmp / "model" / "config.json").write_text('{"model_type": "qwen2"}')
-        (tmp / "model" / "model.safetensors").write_bytes(b"\0" * 16)
+        (tmp / "model" / "model.safetensors").write_bytes(_safetensors(weights))
     state = ckpt.ControllerState(step=step, finished=True, scheduler={}, groups=[])
     return ckpt.commit(
         tmp, state=ckpt.encode_state(state), step=step, finished=True, config={},
-        model_config=None, has_model=with_model,
+        has_model=with_model,
     )  # fmt: skip
 
 
@@ -153,6 +166,33 @@ def test_export_refusals(tmp_path: Path, capsys) -> None:
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "o")]) == 2
     assert "no checkpoint there" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_export_of_a_corrupted_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
+    """A flipped byte in the saved model, or one file too many: nothing is exported, the
+    message names the file and an older checkpoint to export."""
+    root = tmp_path / "checkpoints"
+    older = _checkpoint(root, 4, with_model=True)
+    newest = _checkpoint(root, 9, with_model=True)
+    weights = newest / "model" / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:7] + b"\x01" + intact[8:])
+    out = tmp_path / "o"
+    assert main(["export", str(root), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncrl: error: ") and err.count("\n") == 1, err
+    assert (
+        f"checkpoint {newest} is corrupt: model/model.safetensors does not match its sha256 in "
+        f"the manifest. Fix: export an older checkpoint, e.g. asyncrl export {older} OUT"
+    ) in err
+    assert not out.exists() and not (tmp_path / ".tmp-o").exists()
+    weights.write_bytes(intact)
+    (newest / "model" / "extra.bin").write_bytes(b"?")
+    assert main(["export", str(root), str(out)]) == 2
+    assert "model/extra.bin is not in the manifest" in capsys.readouterr().err
+    (newest / "model" / "extra.bin").unlink()
+    assert main(["export", str(root), str(out)]) == 0  # intact again: exported
+    assert (out / "model.safetensors").read_bytes() == intact
 
 
 def test_plugins_lists_every_group_and_names_a_broken_one(tmp_path: Path) -> None:
@@ -231,3 +271,22 @@ def test_check_config_runs_the_plugins_checks_through_the_console_script(
     proc = subprocess.run([exe, "check-config", str(bad_env)], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "environment.options" in proc.stdout, proc.stdout
+
+
+def test_export_of_non_finite_weights_is_refused(tmp_path: Path, capsys) -> None:
+    """A checkpoint whose model holds a NaN and an infinity (as one written before saves were
+    checked could): its checksums hold, and nothing is exported all the same."""
+    root = tmp_path / "checkpoints"
+    older = _checkpoint(root, 4, with_model=True)
+    newest = _checkpoint(root, 9, with_model=True,
+                         weights=[0.0, float("nan"), 1.0, float("-inf")])  # fmt: skip
+    out = tmp_path / "o"
+    assert main(["export", str(root), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncrl: error: ") and err.count("\n") == 1, err
+    assert (
+        f"checkpoint {newest} holds non-finite weights: 2 NaN or infinite values in w "
+        "(model.safetensors; tensors affected: 1). Fix: export an older checkpoint"
+    ) in err
+    assert not out.exists() and not (tmp_path / ".tmp-o").exists()
+    assert main(["export", str(older), str(out)]) == 0

@@ -144,6 +144,8 @@ def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
         ("[loss]\nclip_eps_low = 1.5\n", "loss.clip_eps_low", "0.2"),
         ("[refit]\nstaging_buffers = 1\n", "refit.staging_buffers", "2 (the default)"),
         ("[refit]\nstaging_buffers = 9\n", "refit.staging_buffers", "or 3"),
+        ("[failures]\nreward_timeout_s = 0\n", "failures.reward_timeout_s", "use e.g. 60"),
+        ("[failures]\nreward_timeout_s = inf\n", "failures.reward_timeout_s", "use e.g. 60"),
     ],
 )
 def test_invariants_name_field_and_fix(

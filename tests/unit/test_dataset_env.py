@@ -622,7 +622,7 @@ async def test_scorer_awaits_score_async_concurrently(tmp_path: Path, rewards_mo
         ],
         correct_reward="exact",
     )
-    scorer = Scorer(env, DigitsTokenizer(), "dataset")  # type: ignore[arg-type]
+    scorer = Scorer(env, DigitsTokenizer(), "dataset", timeout_s=60.0)  # type: ignore[arg-type]
     assert not scorer.cheap  # an async environment never scores inline
     pending = group_of(env.dataset("train")[0], [[2], [3], [2], [1, 2]])
     start = time.perf_counter()
@@ -669,7 +669,7 @@ class CountingEnv:
 @pytest.mark.anyio
 async def test_scorer_bounds_concurrency() -> None:
     env = CountingEnv()
-    scorer = Scorer(env, DigitsTokenizer(), "judge")  # type: ignore[arg-type]
+    scorer = Scorer(env, DigitsTokenizer(), "judge", timeout_s=60.0)  # type: ignore[arg-type]
     prompt = Prompt(id="p", text="x")
     groups = [group_of(prompt, [[i % 10]] * 50) for i in range(3)]
     results: list[list[CompletedSample]] = []
@@ -687,7 +687,8 @@ async def test_scorer_bounds_concurrency() -> None:
 
 @pytest.mark.anyio
 async def test_scorer_errors_name_environment_prompt_and_completion() -> None:
-    scorer = Scorer(CountingEnv(fail_on="7"), DigitsTokenizer(), "judge")  # type: ignore[arg-type]
+    env = CountingEnv(fail_on="7")
+    scorer = Scorer(env, DigitsTokenizer(), "judge", timeout_s=60.0)  # type: ignore[arg-type]
     prompt = Prompt(id="p-3", text="x")
     with pytest.raises(ScoreError) as err:
         await scorer.threaded(group_of(prompt, [[1], [7], [2]]))
@@ -708,7 +709,7 @@ async def test_sync_scorer_carries_components(tmp_path: Path, rewards_module: st
         prompt_field="question",
         rewards=[{"function": f"{rewards_module}:exact"}, {"function": f"{rewards_module}:length"}],
     )
-    scorer = Scorer(env, DigitsTokenizer(), "dataset")  # type: ignore[arg-type]
+    scorer = Scorer(env, DigitsTokenizer(), "dataset", timeout_s=60.0)  # type: ignore[arg-type]
     pending = group_of(env.dataset("train")[0], [[2], [2, 2]])
     threaded = await scorer.threaded(pending)
     inline = scorer.inline(pending)

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
 from asyncrl.backend import WeightTensor
+from asyncrl.errors import NonFiniteError
 from asyncrl.export import copy_model_dir, plan_shards, write_hf_model
 
 
@@ -97,6 +98,43 @@ def test_a_stream_that_breaks_the_manifest_leaves_nothing(
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=message):
         write_hf_model(out, specs, mutate(tensors), source_dir=source)
+    assert list(tmp_path.iterdir()) == [source]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
+     torch.float8_e4m3fn],
+    ids=str,
+)
+def test_nonfinite_values_are_counted_from_the_bits(dtype) -> None:
+    """Against torch's own isfinite, over every bit pattern of the small dtypes."""
+    from asyncrl.export import SAFETENSORS_DTYPES, count_nonfinite
+
+    if dtype.itemsize <= 2:  # every pattern: NaNs of every payload, both infinities
+        bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)
+        values = bits.to(torch.int16 if dtype.itemsize == 2 else torch.uint8).view(dtype)
+    else:
+        values = torch.tensor([1.0, -0.0, float("nan"), float("inf"), -float("inf"), 3e38,
+                               -1e-45, float("nan")]).to(dtype)  # fmt: skip
+    want = int((~torch.isfinite(values.to(torch.float64))).sum())
+    assert want > 0
+    data = memoryview(values.contiguous().view(torch.uint8).numpy()).cast("B")
+    name = SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")]
+    assert count_nonfinite(data, name) == want
+    assert count_nonfinite(memoryview(np.arange(256, dtype=np.uint8)), "U8") == 0
+
+
+def test_a_nonfinite_tensor_stops_the_export_and_leaves_nothing(
+    tmp_path: Path, source: Path
+) -> None:
+    specs, tensors = _specs_and_tensors(torch.bfloat16)
+    tensors[3].data[5, 7] = float("nan")
+    tensors[3].data[0, 0] = -float("inf")
+    out = tmp_path / "out"
+    with pytest.raises(NonFiniteError, match=r"export to .*out: d.big holds 2 NaN or infinite "
+                       r"values, so nothing was exported.*Fix: resume or export from an older"):
+        write_hf_model(out, specs, tensors, source_dir=source)
     assert list(tmp_path.iterdir()) == [source]
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from asyncrl.buffer import CompletedSample, Group
-from asyncrl.grpo import group_advantages, pack_groups, pack_tokens, shard_batch
+from asyncrl.errors import NonFiniteError
+from asyncrl.grpo import group_advantages, nonfinite_cause, pack_groups, pack_tokens, shard_batch
 
 
 def test_advantages_hand_computed() -> None:
@@ -99,3 +101,57 @@ def test_shard_tokens_are_contiguous_runs_in_order() -> None:
         assert np.concatenate([s.seq_lens for s in shards]).tolist() == [3, 3, 4, 3]
         assert np.concatenate([s.prompt_lens for s in shards]).tolist() == [2, 1, 3, 1]
         assert sum(s.seq_lens.size == 0 for s in shards) == max(0, k - 4)
+
+
+# --------------------------------------------------------------------------- overflow
+def test_rewards_that_overflow_the_advantage_math_are_refused() -> None:
+    # 1e150 still works, and gives the advantages of [1, 0, 0, 0] (the math scales):
+    # mean 1/4, std sqrt(3)/4, so (1 - 1/4) / (sqrt(3)/4) = sqrt(3) and -1/sqrt(3)
+    big = group_advantages([1e150, 0.0, 0.0, 0.0], eps=0.0)
+    assert big == pytest.approx([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3),
+                                 -1 / math.sqrt(3)], rel=1e-12)  # fmt: skip
+    # 1e308 squared overflows float64: the std is inf and the advantages would be all 0
+    with pytest.raises(OverflowError, match="standard deviation overflows float64"):
+        group_advantages([1e308, 0.0, 0.0, 0.0])
+    with pytest.raises(OverflowError, match="mean overflows float64"):  # 2e308 / 4
+        group_advantages([1e308, 1e308, 0.0, 0.0])
+    # unnormalized, 1e39 - mean does not fit the trainer's float32
+    assert group_advantages([1e38, 0.0], normalize=False).tolist() == [5e37, -5e37]
+    with pytest.raises(OverflowError, match="exceeds float32"):
+        group_advantages([1e39, 0.0], normalize=False)
+
+
+def test_pack_groups_names_the_reward_that_overflows() -> None:
+    ok = group("g1", [1], [1.0, 0.0], [1, 1])
+    bad = group("g7", [1], [0.0, 1e308, 0.0, 1.0], [1, 1, 1, 1])
+    bad.prompt_id = "train-12"
+    bad.samples[1] = dataclasses.replace(bad.samples[1], components={"exact": 1.0, "judge": 1e308})
+    with pytest.raises(NonFiniteError) as err:
+        pack_groups([ok, bad], normalize=True, environment="dataset")
+    msg = str(err.value)
+    assert "group g7 (prompt 'train-12')" in msg
+    assert "the largest is 1e+308, given by environment 'dataset' (environment.name), " \
+           "reward function 'judge' (which returned 1e+308)" in msg
+    assert "No step was trained on them. Fix: make the reward return values" in msg
+    # an environment's own score(): no components
+    bad.samples[1] = dataclasses.replace(bad.samples[1], components={})
+    with pytest.raises(NonFiniteError, match=r"given by environment 'repeat-digit' "
+                       r"\(environment.name\)\. No step"):  # fmt: skip
+        pack_groups([bad], normalize=False, environment="repeat-digit")
+
+
+def test_nonfinite_cause_blames_the_rewards_or_the_weights() -> None:
+    sane = [group("g1", [1], [1.0, 0.0, 0.0, 1.0], [1] * 4)]
+    huge = [group("g2", [1], [3e30, 0.0, 1.0, 0.0], [1] * 4)]
+    nan = float("nan")
+    # unnormalized, the reward of 3e30 gives an advantage of 3e30 - 7.5e29 = 2.25e30
+    msg = nonfinite_cause(4, nan, nan, huge, normalize=False, budget="; 1 such steps")
+    assert msg.startswith("step 4: the trainer's loss is nan and its gradient norm nan; the "
+                          "update was not applied (the weights are unchanged); 1 such steps. ")
+    assert "rewards' magnitude: the step's advantages reach 2.25e+30, from a reward of 3e+30 " \
+           "in group g2, prompt 'g2': enough to overflow" in msg
+    # normalized, the same rewards give advantages of at most sqrt(3): not the rewards
+    for groups, normalize in ((huge, True), (sane, False)):
+        msg = nonfinite_cause(4, 1.0, math.inf, groups, normalize=normalize)
+        assert "likely cause is the model's state" in msg
+        assert "Fix: resume from an older checkpoint" in msg

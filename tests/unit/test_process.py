@@ -7,6 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +94,135 @@ async def test_exit_code_after_exit_of_a_killed_child_and_of_a_reaped_one() -> N
     start = time.monotonic()
     assert await exit_code_after_exit(proc.pid) is None
     assert time.monotonic() - start < 0.5
+
+
+# ------------------------------------------------------------------ die_with_parent
+# A "launcher" starts a "rank" in a session of its own (as torchrun does), then is killed;
+# the rank must stop by itself. The rank writes what happened to a file.
+_RANK = r"""
+import os, signal, subprocess, sys, time
+from asyncrl.process import PARENT_ENV, die_with_parent, lost_owner
+
+out, mode, also = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def on_term(signum, frame):
+    with open(out + ".term", "w") as f:
+        f.write(str(lost_owner()))
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "ignore" else on_term)
+if mode == "orphan":  # its launcher dies before it starts watching
+    while os.getppid() == int(os.environ[PARENT_ENV]):
+        time.sleep(0.01)
+die_with_parent(also=also, kill_after_s=0.2)
+with open(out + ".ready", "w") as f:
+    if mode == "ignore":  # something it started, in its process group
+        f.write(str(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid))
+time.sleep(60)
+"""
+_LAUNCHER = r"""
+import os, subprocess, sys, time
+env = dict(os.environ, ASYNCRL_PARENT_PID=str(os.getpid()))
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]],
+                        start_new_session=True, env=env)
+print(rank.pid, flush=True)
+if sys.argv[3] != "orphan":
+    time.sleep(60)
+"""
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30  # a hang guard, not a bound: it takes well under 1 s
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if not _gone(p)]}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def _rank(tmp_path: Path, mode: str, also: int = 0) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
+    """A launcher and its rank (started as above); both killed at the end if still there."""
+    out = tmp_path / "rank"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, _RANK, str(out), mode, str(also)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    rank = 0
+    try:
+        assert launcher.stdout is not None
+        rank = int(launcher.stdout.readline())
+        yield launcher, rank, out
+    finally:
+        for pid in (launcher.pid, rank):
+            try:
+                if pid:
+                    os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.communicate()
+
+
+def _file(path: Path) -> str:
+    deadline = time.monotonic() + 30  # a hang guard
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path.name} never written"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def _ready(out: Path) -> None:
+    deadline = time.monotonic() + 30  # a hang guard
+    while not out.with_suffix(".ready").exists():
+        assert time.monotonic() < deadline, "the rank never started watching"
+        time.sleep(0.02)
+
+
+def test_a_rank_whose_launcher_is_killed_gets_sigterm(tmp_path: Path) -> None:
+    with _rank(tmp_path, "term") as (launcher, rank, out):
+        _ready(out)
+        launcher.kill()
+        launcher.wait()
+        assert _file(out.with_suffix(".term")) == str(launcher.pid)  # its orderly path ran
+        _wait_gone([rank])
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_with_its_group(tmp_path: Path) -> None:
+    with _rank(tmp_path, "ignore") as (launcher, rank, out):
+        _ready(out)
+        child = int(_file(out.with_suffix(".ready")))
+        try:
+            launcher.kill()
+            launcher.wait()
+            _wait_gone([rank, child])  # SIGKILL to the rank's group, kill_after_s later
+        finally:
+            if not _gone(child):
+                os.kill(child, signal.SIGKILL)
+        assert not out.with_suffix(".term").exists()
+
+
+def test_a_rank_stops_when_the_controller_it_watches_exits(tmp_path: Path) -> None:
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as controller:
+        with _rank(tmp_path, "term", also=controller.pid) as (launcher, rank, out):
+            _ready(out)
+            controller.kill()
+            controller.wait()
+            assert _file(out.with_suffix(".term")) == str(controller.pid)
+            _wait_gone([rank])
+            assert launcher.poll() is None  # its parent lives: the controller was the cause
+
+
+def test_a_rank_orphaned_while_it_started_stops_at_once(tmp_path: Path) -> None:
+    """Its launcher exited before the rank called die_with_parent: its parent now (init, a
+    subreaper) is not the launcher ASYNCRL_PARENT_PID names, so it stops at once."""
+    with _rank(tmp_path, "orphan") as (launcher, rank, out):
+        launcher.wait()
+        assert _file(out.with_suffix(".term")) == str(launcher.pid)
+        _wait_gone([rank])

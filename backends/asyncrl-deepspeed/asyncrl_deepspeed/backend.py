@@ -136,19 +136,16 @@ class DeepSpeedBackend(DistributedTrainer):
         finally:
             opt.override_loss_scale(1.0)
         norm = self._engine.get_global_grad_norm()
-        # a non-finite norm makes ZeRO skip the update on every rank (its overflow check)
+        # A non-finite norm makes ZeRO skip the update on every rank (its overflow check: on
+        # for fp32, and for bf16 by default, bf16.check_grad_overflow); it then reports inf.
         return float(norm) if norm is not None else float("nan")
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: str) -> None:
+    def _save_state(self, path: str) -> None:
         """DeepSpeed's own checkpoint (model, ZeRO-partitioned optimizer state per rank)."""
-        self._started()
-        self._check_no_open_step("save_state")
         self._engine.save_checkpoint(path, tag=_TAG, save_latest=False)
 
-    def load_state(self, path: str) -> None:
-        self._started()
-        self._check_no_open_step("load_state")
+    def _load_state(self, path: str) -> None:
         if not os.path.isdir(os.path.join(path, _TAG)):
             raise FileNotFoundError(
                 f"{path} holds no DeepSpeed state saved by this backend (no {_TAG}/ inside)"
@@ -159,6 +156,21 @@ class DeepSpeedBackend(DistributedTrainer):
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the state under {path}")
         self._engine.optimizer.override_loss_scale(1.0)
+
+    def _local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """ZeRO-2 keeps whole parameters. ZeRO-3 keeps a parameter's partition in
+        ``ds_tensor`` (without its padding: ZeRO-3 leaves the padding of the last partitions
+        uninitialized), and ``data`` is empty between gathers, except for a small parameter
+        kept whole on every rank (``stage3_param_persistence_threshold``), which exports and
+        refits read from ``data``: both are yielded then."""
+        for name, param in self._hf_model().named_parameters():
+            part = getattr(param, "ds_tensor", None)
+            if part is not None:
+                size = part.numel()
+                valid = min(max(int(param.ds_numel) - self._ctx.rank * size, 0), size)
+                yield name, part.detach().view(-1)[:valid]
+            if part is None or param.data.numel():
+                yield name, param.detach()
 
     # ------------------------------------------------------------------ weights
     def _full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

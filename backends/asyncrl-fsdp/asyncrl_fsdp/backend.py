@@ -14,11 +14,11 @@ by ``1 / num_loss_tokens``: the update equals one big batch normalized by its to
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -89,13 +89,13 @@ class FSDPBackend(DistributedTrainer):
             scale = torch.clamp(self._opts.max_grad_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, scale / num_loss_tokens)
         grad_norm = float(norm)  # the step's one wait for the GPU after the token count
-        if np.isfinite(grad_norm):
+        if math.isfinite(grad_norm):  # the same on every rank: the norm is all-reduced
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # a non-finite step is dropped whole
         return grad_norm
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: str) -> None:
+    def _save_state(self, path: str) -> None:
         """Model and optimizer state as a torch distributed checkpoint (each rank writes its
         shards; loadable at another world size).
 
@@ -106,7 +106,6 @@ class FSDPBackend(DistributedTrainer):
         changes training and loading such a checkpoint restores a fresh optimizer.
         """
         model = self._started()
-        self._check_no_open_step("save_state")
         optimizer = self._optimizer
         assert optimizer is not None
         fresh = not optimizer.state
@@ -117,9 +116,8 @@ class FSDPBackend(DistributedTrainer):
         if fresh:
             optimizer.state.clear()
 
-    def load_state(self, path: str) -> None:
+    def _load_state(self, path: str) -> None:
         model = self._started()
-        self._check_no_open_step("load_state")
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise FileNotFoundError(
                 f"{path} holds no torch distributed checkpoint (no .metadata inside); "

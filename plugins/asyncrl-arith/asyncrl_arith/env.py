@@ -129,6 +129,9 @@ def _decode(index: int, opts: ArithmeticOptions) -> Problem:
 class ArithmeticEnv:
     """The arithmetic environment; see the module docstring."""
 
+    score_on_loop = True
+    """``score`` is one string comparison: the controller may call it on its event loop."""
+
     def __init__(self, options: ArithmeticOptions, seed: int) -> None:
         self.options = options
         self.seed = seed

@@ -97,6 +97,10 @@ class TrainerOptions(_Options):
     memory would) the first ``fail_chunk_times`` times; -1 never does."""
     fail_chunk_times: int = 1
     """Testing knob: see ``fail_chunk_at_step``."""
+    nan_grad_at_steps: list[int] = []
+    """Testing knob: the gradient of these steps is NaN, as an overflow in a backward pass
+    would make it; ``finish_step`` then reports a NaN grad norm and, as every trainer must,
+    leaves the weights as they were."""
 
 
 O = TypeVar("O", bound=_Options)

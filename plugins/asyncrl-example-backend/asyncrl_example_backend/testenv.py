@@ -8,13 +8,15 @@ are non-zero and the weights really move; a bigram can learn it (``d -> d`` tran
 ``correct`` means a non-empty completion made only of that digit.
 
 Options (``[environment.options]``): ``num_train`` (default 64), ``num_eval`` (default 8);
-testing knobs ``score_fault`` and ``score_fault_after`` make ``score()`` misbehave. The eval
+testing knobs ``score_fault`` and ``score_fault_after`` make ``score()`` misbehave (raise, return
+NaN, or hang). The eval
 split has its own ids; with ten possible prompts the texts necessarily repeat.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -32,9 +34,13 @@ class RepeatDigitOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
     """Prompts in the train split."""
     num_eval: int = 8
     """Prompts in the eval split."""
-    score_fault: Literal["", "raise", "nan"] = ""
+    score_fault: Literal["", "raise", "nan", "hang"] = ""
     """Testing knob: after ``score_fault_after`` scores, ``score()`` raises a ``ValueError``
-    (``raise``) or returns a NaN reward (``nan``), as a buggy reward function would."""
+    (``raise``), returns a NaN reward (``nan``) or hangs (``hang``: blocks for
+    ``score_fault_hang_s``), as a buggy reward function would."""
+    score_fault_hang_s: float = 3600.0
+    """Testing knob: how long ``score_fault = "hang"`` blocks ``score()`` (by default longer
+    than any test run: the call never returns in it)."""
     score_fault_after: int = 0
     """Testing knob: how many scores come out right before ``score_fault`` strikes."""
     score_fault_prompts: list[str] = []
@@ -57,6 +63,9 @@ class RepeatDigitEnv:
         }
         self._options = options
         self._scored = 0
+        # Arithmetic on the completion, safe on the controller's event loop, unless it is
+        # told to hang (the loop would stop, and no deadline could end the call there).
+        self.score_on_loop = options.score_fault != "hang"
 
     def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
         return self._splits[split]
@@ -70,6 +79,8 @@ class RepeatDigitEnv:
         if fault and self._scored > self._options.score_fault_after:
             if fault == "raise":
                 raise ValueError(f"cannot parse {completion!r} (a testing knob)")
+            if fault == "hang":
+                time.sleep(self._options.score_fault_hang_s)
             return Score(reward=float("nan"))
         text = completion.strip()
         correct = bool(text) and set(text) == {prompt.answer}

@@ -13,7 +13,10 @@ binds (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``) the gradient i
 
 ``train_chunk`` adds the *sum* over the chunk's tokens into one gradient buffer;
 ``finish_step`` divides by the step's token count, clips the norm and updates: streaming a step
-in chunks equals one big batch. The runtime calls these methods on one thread, in order.
+in chunks equals one big batch. The runtime calls these methods on one thread, in order. A
+step whose loss or gradient norm is not finite is not applied (the weights and Adam's moments
+stay as they were), and weights that are not finite are never saved nor taken from a
+checkpoint (:class:`~asyncrl.errors.NonFiniteError`).
 
 Several ranks (``cluster.trainer_ranks > 1``) train data-parallel: each rank gets its share of
 every chunk, and ``finish_step`` sums the gradient buffers over ranks (one gloo all-reduce)
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.backend import WeightTensor, WorkerContext
+from asyncrl.errors import NonFiniteError
 from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
 
 from . import __version__
@@ -80,6 +84,20 @@ def ppo_gradient(
         "abs_logprob_diff_sum": float(np.abs(lp - behaviour).sum()),
     }
     return grad, stats
+
+
+_LOADED = "the run does not go on from them; likely a corrupted checkpoint"
+_SAVED = "nothing was written; likely a step applied although it was not finite (a bug)"
+
+
+def _check_finite(weights: np.ndarray, what: str, why: str) -> None:
+    bad = int(np.count_nonzero(~np.isfinite(weights)))
+    if bad:
+        raise NonFiniteError(
+            f"{what} hold NaN or infinite values ({bad} of {weights.size} entries of "
+            f"{TENSOR_NAME}), so {why}. Fix: resume from an older checkpoint "
+            "(--resume <checkpoint.dir>/step-N)"
+        )
 
 
 class BigramTrainer:
@@ -171,7 +189,25 @@ class BigramTrainer:
         if self._dist is not None:
             self._all_reduce_grad()
         g = self.grad / max(1, num_loss_tokens)
-        norm = float(np.sqrt(np.sum(g * g)))
+        if step in opts.nan_grad_at_steps:  # testing knob: an overflow in the backward
+            g[0, 0] = np.nan
+        with np.errstate(over="ignore", invalid="ignore"):
+            norm = float(np.sqrt(np.sum(g * g)))
+        loss = self._loss_sum / max(1, num_loss_tokens)
+        if np.isfinite(norm) and np.isfinite(loss):  # else the step is not applied
+            self._update(g, norm)
+        self._open_step = None
+        return StepResult(
+            step=step,
+            loss=loss,
+            grad_norm=norm,
+            num_loss_tokens=num_loss_tokens,
+            lr=opts.lr,
+            seconds=time.perf_counter() - start,
+        )
+
+    def _update(self, g: np.ndarray, norm: float) -> None:
+        opts = self.options
         if opts.max_grad_norm and norm > opts.max_grad_norm:
             g = g * (opts.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if opts.optimizer == "sgd":
@@ -184,15 +220,6 @@ class BigramTrainer:
             m_hat = self._m / (1 - b1**self._adam_t)
             v_hat = self._v / (1 - b2**self._adam_t)
             self.weights -= opts.lr * m_hat / (np.sqrt(v_hat) + opts.eps)
-        self._open_step = None
-        return StepResult(
-            step=step,
-            loss=self._loss_sum / max(1, num_loss_tokens),
-            grad_norm=norm,
-            num_loss_tokens=num_loss_tokens,
-            lr=opts.lr,
-            seconds=time.perf_counter() - start,
-        )
 
     def _check_open(self, step: int) -> None:
         if step != self._open_step:
@@ -225,6 +252,7 @@ class BigramTrainer:
         rank 0 writes it; written under a temporary name and renamed)."""
         if self._open_step is not None:
             raise RuntimeError(f"save_state: step {self._open_step} is open; finish it first")
+        _check_finite(self.weights, "the weights to save", _SAVED)
         if self.ctx.rank == 0:
             os.makedirs(path, exist_ok=True)
             tmp = os.path.join(path, ".bigram-state.tmp.npz")
@@ -242,7 +270,9 @@ class BigramTrainer:
                     f"{path}: a {f['weights'].shape} table, but this model's is "
                     f"{self.weights.shape}"
                 )
-            self.weights, self._m, self._v = (f[k].copy() for k in ("weights", "m", "v"))
+            weights = f["weights"].copy()
+            _check_finite(weights, f"the weights loaded from {path}", _LOADED)
+            self.weights, self._m, self._v = weights, f["m"].copy(), f["v"].copy()
             self._adam_t = int(f["adam_t"])
 
     def close(self) -> None:

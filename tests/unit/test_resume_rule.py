@@ -1,0 +1,230 @@
+"""The rule for resuming with changed settings (:mod:`asyncrl.resume_rule`): which settings
+are strict, which are harmless, what ``--allow-changed`` lets through, and the fingerprints
+that compare the model directory, the chat template and the data by content."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from asyncrl.config import Config, EnvironmentConfig, ModelConfig, to_dict
+from asyncrl.environment import Prompt
+from asyncrl.resume_rule import FINGERPRINT_FIELDS, HARMLESS, compare, fingerprints
+
+PROMPTS = [Prompt(id=f"p{i}", text=f"{i} + 1 =", answer=i + 1) for i in range(5)]
+
+
+def _config(**sections: dict) -> dict:
+    """A whole default config as the manifest stores it, with ``sections`` merged in."""
+    base = Config(model=ModelConfig(path="/m"), environment=EnvironmentConfig(name="arith"))
+    data = to_dict(base)
+    for section, values in sections.items():
+        data[section] = {**data[section], **values}
+    return data
+
+
+def _side(config: dict, fp: dict | None = None) -> dict:
+    return {"config": config, "fingerprints": fp or {}}
+
+
+# The brief's list, written out independently of HARMLESS: what changes the meaning of the
+# saved state, and what only changes how the run is executed, observed or saved.
+STRICT_CHANGES = [
+    ("trainer", {"options": {"lr": 3e-4}}, "trainer.options.lr"),
+    ("trainer", {"backend": "deepspeed"}, "trainer.backend"),
+    ("loss", {"clip_eps_low": 0.9}, "loss.clip_eps_low"),
+    ("loss", {"is_cap": 3.0}, "loss.is_cap"),
+    ("grpo", {"temperature": 3.0}, "grpo.temperature"),
+    ("grpo", {"max_new_tokens": 64}, "grpo.max_new_tokens"),
+    ("grpo", {"normalize_advantages": False}, "grpo.normalize_advantages"),
+    ("grpo", {"samples_per_prompt": 4}, "grpo.samples_per_prompt"),
+    ("run", {"seed": 7}, "run.seed"),
+    ("model", {"dtype": "float32"}, "model.dtype"),
+    ("environment", {"name": "other"}, "environment.name"),
+    ("environment", {"options": {"train_file": "b.jsonl"}}, "environment.options.train_file"),
+    ("pipeline", {"sampler": {"name": "gated", "max_staleness_versions": 1}}, "pipeline.sampler"),
+    ("cluster", {"trainer_ranks": 2}, "cluster.trainer_ranks"),
+    ("generator", {"options": {"quantization": "fp8"}}, "generator.options.quantization"),
+]
+HARMLESS_CHANGES = [
+    ("run", {"num_steps": 99}), ("run", {"log_format": "json"}), ("run", {"name": "x"}),
+    ("eval", {"every_steps": 5, "num_prompts": 100}), ("checkpoint", {"every_steps": 3}),
+    ("checkpoint", {"keep_last": 5}), ("export", {"every_steps": 2}),
+    ("metrics", {"sinks": ["jsonl", "tensorboard"]}), ("cluster", {"call_timeout_s": 60.0}),
+    ("cluster", {"rollout_ranks": 4}), ("refit", {"bucket_size_mb": 64}),
+    ("failures", {"max_failed_groups": 0}), ("trainer", {"micro_batch_size": 2}),
+    ("model", {"path": "/elsewhere"}), ("run", {"output_dir": "/runs/b"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("section", "values", "field"), STRICT_CHANGES,
+                         ids=[c[2] for c in STRICT_CHANGES])  # fmt: skip
+def test_what_changes_the_meaning_is_refused_and_named(section, values, field) -> None:
+    changes = compare(_side(_config()), _side(_config(**{section: values})))
+    assert changes.refused and all(line.startswith(field) for line in changes.refused), changes
+    assert changes.allowed == [] and changes.harmless == []
+    assert changes.names and all(
+        n == field or n.startswith(field + ".") for n in changes.names
+    ), changes.names
+    # named explicitly, the same change passes, listed as allowed
+    allowed = compare(_side(_config()), _side(_config(**{section: values})), [field])
+    assert allowed.refused == [] and allowed.allowed == changes.refused
+
+
+@pytest.mark.parametrize(("section", "values"), HARMLESS_CHANGES,
+                         ids=[f"{s}.{next(iter(v))}" for s, v in HARMLESS_CHANGES])  # fmt: skip
+def test_harmless_changes_are_only_listed(section, values) -> None:
+    changes = compare(_side(_config()), _side(_config(**{section: values})))
+    assert changes.refused == [] and changes.allowed == []
+    assert changes.harmless and all(line.startswith(section) for line in changes.harmless)
+
+
+def test_the_issue_s_changes_and_the_allow_forms() -> None:
+    saved = _side(_config(trainer={"options": {"lr": 1e-4}}, run={"num_steps": 10}))
+    now = _side(_config(trainer={"options": {"lr": 1e-4}}, run={"num_steps": 20},
+                        loss={"clip_eps_low": 0.9}, grpo={"temperature": 3.0}))  # fmt: skip
+    changes = compare(saved, now)
+    assert changes.refused == ["grpo.temperature: 1.0 -> 3.0", "loss.clip_eps_low: 0.2 -> 0.9"]
+    assert changes.names == ["grpo.temperature", "loss.clip_eps_low"]
+    assert changes.harmless == ["run.num_steps: 10 -> 20"]
+    # one allowed, the other still refused
+    part = compare(saved, now, ["loss.clip_eps_low"])
+    assert part.refused == ["grpo.temperature: 1.0 -> 3.0"]
+    assert part.allowed == ["loss.clip_eps_low: 0.2 -> 0.9"]
+    # a section, several names, or all
+    for allow in (["loss", "grpo"], ["grpo.temperature", "loss.clip_eps_low"], ["all"]):
+        full = compare(saved, now, allow)
+        assert full.refused == [] and len(full.allowed) == 2, allow
+    # a misspelt name is reported, not silently ignored
+    assert compare(saved, now, ["loss.clip_eps_lw"]).unknown == ["loss.clip_eps_lw"]
+    assert compare(saved, now, ["loss"]).unknown == []
+    # a setting a checkpoint lacks (or the run lacks) is a change too
+    lr_dropped = compare(saved, _side(_config(trainer={"options": {}})))
+    assert lr_dropped.refused == ["trainer.options.lr: 0.0001 -> '(unset)'"]
+
+
+def test_harmless_names_only_existing_settings() -> None:
+    """A typo in HARMLESS would make a harmless setting strict (or worse, hide one)."""
+    leaves = _leaves(_config())
+    for name in HARMLESS:
+        assert any(k == name or k.startswith(name + ".") for k in leaves), name
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        out += _leaves(v, key) if isinstance(v, dict) and v else [key]
+    return out
+
+
+# --------------------------------------------------------------------------- fingerprints
+def _model_dir(path: Path, template: str | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 8}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    tok_config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if template is not None:
+        tok_config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (path / "model.safetensors").write_bytes(b"\1" * (3 << 20))
+    (path / "README.md").write_text("a model")
+    return path
+
+
+def _fp(model: Path, prompts=PROMPTS, template: str = "auto") -> dict:
+    return {"config": _config(model={"path": str(model), "chat_template": template}),
+            "fingerprints": fingerprints(str(model), template, prompts)}  # fmt: skip
+
+
+def test_another_tokenizer_is_refused_and_a_moved_model_is_not(tmp_path: Path) -> None:
+    first = _model_dir(tmp_path / "a", template="{{ messages[0]['content'] }}")
+    saved = _fp(first)
+    moved = tmp_path / "b"
+    shutil.copytree(first, moved)
+    (moved / "README.md").write_text("edited: not compared")
+    same = compare(saved, _fp(moved))
+    assert same.refused == [] and same.harmless == [f"model.path: {str(first)!r} -> {str(moved)!r}"]
+
+    vocab = json.loads((moved / "tokenizer.json").read_text())
+    vocab["model"]["vocab"]["c"] = 2
+    (moved / "tokenizer.json").write_text(json.dumps(vocab))
+    other = compare(saved, _fp(moved))
+    assert len(other.refused) == 1, other.refused
+    assert other.refused[0].startswith("model.tokenizer.tokenizer.json: sha256 ")
+    assert other.names == ["model.tokenizer"]
+    assert compare(saved, _fp(moved), ["model.tokenizer"]).refused == []
+
+
+def test_the_chat_template_is_compared_by_its_text(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = _model_dir(tmp_path / "m", template=template)
+    saved = _fp(model)
+    # the same text from a file given as model.chat_template: the same template
+    file = tmp_path / "t.jinja"
+    file.write_text(template)
+    same = compare(saved, _fp(model, template=str(file)))
+    assert same.refused == []
+    assert same.harmless == [f"model.chat_template: 'auto' -> {str(file)!r} (the same template "
+                             "text)"]  # fmt: skip
+    # another text in tokenizer_config.json: only the template differs, not the tokenizer
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[-1]['content'] }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    other = compare(saved, _fp(model))
+    assert [line.split(":")[0] for line in other.refused] == ["model.chat_template"]
+    assert other.names == ["model.chat_template"]
+
+
+def test_weights_config_and_data_are_compared(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path / "m")
+    saved = _fp(model)
+    assert compare(saved, _fp(model)).refused == []
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:100] + b"\2" + data[101:])  # the first MiB (the header's place)
+    changed = compare(saved, _fp(model))
+    assert [c.split(":")[0] for c in changed.refused] == ["model.weights.model.safetensors"]
+    weights.write_bytes(data + b"\0" * 8)  # another size
+    assert compare(saved, _fp(model)).names == ["model.weights"]
+    weights.write_bytes(data)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert compare(saved, _fp(model)).names == ["model.config"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    # the data: one answer changed, or one prompt more
+    edited = [*PROMPTS[:4], Prompt(id="p4", text="4 + 1 =", answer=6)]
+    data_change = compare(saved, _fp(model, prompts=edited))
+    assert data_change.names == ["environment.data"]
+    assert data_change.refused[0].startswith("environment.data: '5 prompts, ")
+    more = compare(saved, _fp(model, prompts=[*PROMPTS, Prompt(id="p5", text="5 + 1 =")]))
+    assert "'6 prompts, " in more.refused[0]
+    assert set(FINGERPRINT_FIELDS) >= {"model.weights", "model.config", "environment.data"}
+
+
+class Answer:
+    """An answer of the environment's own class: compared by its attributes."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_fingerprints_are_plain_json_and_stable(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path / "m", template="{{ x }}")
+    chat = [Prompt(id="c", messages=({"role": "user", "content": "hi"},), answer={"b": 1, "a": 2}),
+            Prompt(id="d", text="x", answer=Answer(3))]  # fmt: skip
+    fp = fingerprints(str(model), "auto", chat)
+    assert json.loads(json.dumps(fp)) == fp == fingerprints(str(model), "auto", chat)
+    # another instance of the same answer (another address) is the same data; another value not
+    again = [chat[0], Prompt(id="d", text="x", answer=Answer(3))]
+    assert fingerprints(str(model), "auto", again) == fp
+    other = [chat[0], Prompt(id="d", text="x", answer=Answer(4))]
+    assert fingerprints(str(model), "auto", other)["environment"] != fp["environment"]
+    assert msgspec.json.decode(msgspec.json.encode(fp)) == fp
+    assert sorted(fp["model"]) == ["chat_template", "config", "tokenizer", "weights"]
+    assert sorted(fp["model"]["tokenizer"]) == ["tokenizer.json", "tokenizer_config.json"]
+    assert "README.md" not in json.dumps(fp)
