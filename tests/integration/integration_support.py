@@ -10,7 +10,10 @@ import copy
 import getpass
 import json
 import os
+import signal
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -159,6 +162,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_torchrun_driver(driver: Path, args: list[str], ranks: int, timeout_s: float = 240.0) -> None:
+    """``torchrun --standalone --nproc-per-node RANKS DRIVER ARGS...`` on the CPU (one thread a
+    rank), in a session of its own: a hung collective is killed with the whole process group,
+    and ranks torchrun may have put in sessions of their own too. Fails the test, with the
+    output's tail, if it times out or exits non-zero."""
+    import pytest
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(ranks), str(driver), *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        ranks_left = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+        for rank in ranks_left:
+            rank.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"{driver.name} timed out (ranks out of lockstep?):\n{output[-6000:]}")
+    assert proc.returncode == 0, f"{driver.name} failed:\n{output[-8000:]}"
 
 
 def session_processes(sid: int) -> list[psutil.Process]:

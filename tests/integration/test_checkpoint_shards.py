@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +31,7 @@ from asyncrl import checkpoint as ckpt  # noqa: E402
 from asyncrl.checkpointing import open_resume, run_fingerprints  # noqa: E402
 from asyncrl.config import from_dict, to_dict  # noqa: E402
 from asyncrl.preflight import make_environment  # noqa: E402
+from integration_support import run_torchrun_driver  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 
@@ -56,19 +53,7 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _write_trainer_state(spec: dict, tmp_path: Path) -> None:
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "1", str(DRIVER), str(spec_path)]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the save-state driver timed out:\n{output[-6000:]}")
-    assert proc.returncode == 0, f"the save-state driver failed:\n{output[-8000:]}"
+    run_torchrun_driver(DRIVER, [str(spec_path)], ranks=1)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ pytest.importorskip("transformers")
 from asyncrl.backend import WorkerContext  # noqa: E402
 from asyncrl.config import from_dict  # noqa: E402
 from asyncrl.errors import ConfigError  # noqa: E402
+from integration_support import run_torchrun_driver  # noqa: E402
 
 DRIVER = Path(__file__).with_name("_fsdp_driver.py")
 NUM_RANKS = 2
@@ -37,23 +37,7 @@ def qwen_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def ranks(qwen_dir, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp_out")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(NUM_RANKS), str(DRIVER), qwen_dir, str(out),
-    ]  # fmt: skip
-    # own session: a hung collective is killed with the whole process group, ranks included
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"driver timed out (ranks out of lockstep?):\n{output[-6000:]}")
-    assert proc.returncode == 0, f"driver failed:\n{output[-8000:]}"
+    run_torchrun_driver(DRIVER, [qwen_dir, str(out)], NUM_RANKS)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(NUM_RANKS)]
 
 

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+
+from integration_support import run_torchrun_driver  # noqa: E402
 
 DRIVER = Path(__file__).with_name("_nonfinite_driver.py")
 BASE = {"lr": 1e-3, "num_threads": 1}
@@ -30,27 +27,7 @@ def qwen_dir(tmp_path_factory) -> str:
 
 
 def _run(backend: str, options: dict, ranks: int, model: str, out: Path) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(ranks), str(DRIVER), backend, json.dumps(options), model,
-        str(out),
-    ]  # fmt: skip
-    # own session: a hung collective is killed with the whole process group, ranks included
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        ranks_left = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for rank in ranks_left:  # torchrun may have put them in sessions of their own
-            rank.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"driver timed out (ranks out of lockstep?):\n{output[-6000:]}")
-    assert proc.returncode == 0, f"driver failed:\n{output[-8000:]}"
+    run_torchrun_driver(DRIVER, [backend, json.dumps(options), model, str(out)], ranks)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
