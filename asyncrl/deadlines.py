@@ -138,7 +138,9 @@ def running(what: str) -> Iterator[None]:
 class _Pool:
     """Daemon threads that take calls from one queue; an idle one exits after
     :data:`IDLE_EXIT_S`. ``_idle`` counts the waiting threads no queued call is meant for
-    (puts happen under the lock, so a thread that times out sees whether a call came)."""
+    (puts happen under the lock, so a thread that times out sees whether a call came). The
+    queue is bounded by its callers: :func:`in_thread` holds a limiter token while its call is
+    queued or runs. (Not ``concurrent.futures``: its threads are joined at exit too.)"""
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
