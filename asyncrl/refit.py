@@ -25,6 +25,9 @@ On a failure the receiver acknowledges with the error and calls
 ``backend.abort_weight_update``: a generator that has not loaded any bucket resumes on its
 previous weights; one that has stays paused (its weights are mixed). The sender raises
 :class:`~asyncrl.errors.RefitError` with the receiver's reason, and the run stops with it.
+A receiver whose engine died (the backend raised a :class:`~asyncrl.errors.WorkerError`)
+refuses nothing: its worker exits, and the sender, watching the receivers' processes, leaves
+it out (it is restarted and refitted on its own under ``failures.rollout_restarts``).
 
 The sender's socket accepts only the receivers named for the refit: an undecodable frame, a
 frame from another peer, or a message of another version is rejected and counted (socket
@@ -43,7 +46,7 @@ import structlog
 
 from .backend import GenerationBackend, WeightBucketView, WeightTensor
 from .codec import Codec
-from .errors import ProtocolError, RefitError
+from .errors import ProtocolError, RefitError, WorkerError
 from .messages import (
     Bucket,
     BucketAck,
@@ -481,6 +484,8 @@ class WeightReceiver:
             await backend.begin_weight_update(
                 version, list(manifest.entries), kv_scales=kv_scales
             )
+        except WorkerError:
+            raise  # the engine died: no refusal, this worker exits and the sender leaves it out
         except Exception as exc:
             await self._ack(version, -1, f"{type(exc).__name__}: {exc}")
             raise RefitError(f"the weights of v{version} do not fit this generator: {exc}") from exc
@@ -552,6 +557,8 @@ class WeightReceiver:
         error: Exception | None = None
         try:
             await backend.load_weight_bucket(view)
+        except WorkerError:
+            raise  # the engine died: no refusal (see receive)
         except Exception as exc:
             error = exc
         if previous is not None:

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from asyncrl.backend import WeightBucketView, WeightTensor
 from asyncrl.codec import Codec
-from asyncrl.errors import RefitError
+from asyncrl.errors import EngineDeadError, RefitError
 from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
 from asyncrl.refit import (
     WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
@@ -508,3 +508,59 @@ async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the
     for name, array in w.items():
         np.testing.assert_array_equal(good.weights[name], array)
 
+
+
+class DeadEngine(Engine):
+    """Its engine process died just before the manifest came: begin_weight_update says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dying = anyio.Event()
+
+    async def begin_weight_update(self, version: int, manifest: Any, **kw: Any) -> None:
+        self.dying.set()
+        raise EngineDeadError("vLLM engine process EngineCore (pid 1) exited with code -9")
+
+
+async def test_a_receiver_whose_engine_died_refuses_nothing_and_is_left_out(run_dir: str) -> None:
+    """CI saw a run stop when vLLM's engine was SIGKILLed during a refit: the receiver refused
+    the manifest with the engine's death, and the trainer's SendWeights failed, though the
+    rollout worker was about to be restarted. Now a receiver whose backend raises a
+    WorkerError sends no refusal and raises it (its worker exits); the sender leaves it out
+    once its process is gone and finishes the version for the other receiver."""
+    import subprocess
+    import sys
+
+    pair = Pair(run_dir)
+    other = WeightReceiver(pair.ctx, pair.address, "rollout:1")
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    w = weights()
+    good, dead = Engine(), DeadEngine()
+    out: dict[str, Any] = {}
+    try:
+        async def send() -> None:
+            out["sent"] = await pair.sender.send(
+                1, ["rollout:0", "rollout:1"], specs(), tensors(w), bucket_size=BUCKET,
+                timeout_s=30, pids=[os.getpid(), stand_in.pid],
+            )
+
+        async def dying_receiver() -> None:
+            with pytest.raises(EngineDeadError):
+                await other.receive(1, dead, transport="shm", reset_prefix_cache=True,
+                                    kv_scales=None, timeout_s=30)
+            stand_in.kill()  # what the worker does next: exit
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(dying_receiver)
+            tg.start_soon(lambda: pair.receiver.receive(
+                1, good, transport="shm", reset_prefix_cache=True, kv_scales=None, timeout_s=30))
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        other.close()
+        pair.close()
+    assert dead.dying.is_set()
+    assert out["sent"].num_buckets == 3
+    for name, array in w.items():
+        np.testing.assert_array_equal(good.weights[name], array)

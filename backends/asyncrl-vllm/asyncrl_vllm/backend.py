@@ -296,11 +296,14 @@ class VLLMBackend(EngineWeights):
 
     async def _bounded(self, what: str, call: Any) -> Any:
         """Await one call into the engine, at most ``rpc_timeout_s`` (a dead or wedged engine
-        can leave vLLM's front end waiting forever, e.g. in ``pause_generation``)."""
+        can leave vLLM's front end waiting forever, e.g. in ``pause_generation``). A failure
+        the engine's death caused is raised as :class:`EngineDeadError`, so a refit receiver
+        does not refuse the version for a reason the trainer cannot act on."""
         limit = self.options.rpc_timeout_s
         try:
-            with anyio.fail_after(limit):
-                return await call
+            async with self._engine_errors():
+                with anyio.fail_after(limit):
+                    return await call
         except TimeoutError:
             reason = f" (engine dead: {self._dead})" if self._dead else ""
             raise RuntimeError(
@@ -433,6 +436,8 @@ class VLLMBackend(EngineWeights):
         """
         try:
             yield
+        except EngineDeadError:
+            raise  # translated already (nested engine calls)
         except Exception as exc:
             if not self._engine_lost(exc):
                 raise
