@@ -9,9 +9,9 @@ Embedding::
         summary = await ctl.train()
 """
 
-from .config import Config, load_config
-from .controller import Controller, RunSummary
-from .errors import (
+from asyncrl.config import Config, load_config
+from asyncrl.run.controller import Controller, RunSummary
+from asyncrl.errors import (
     AsyncRLError,
     ConfigError,
     NoSpaceError,
@@ -25,7 +25,7 @@ from .errors import (
     WorkerError,
     WorkerStartupError,
 )
-from .messages import PROTOCOL_VERSION
+from asyncrl.wire.messages import PROTOCOL_VERSION
 
 __version__ = "0.1.0.dev0"
 

@@ -5,7 +5,7 @@ A backend distribution registers, under ``asyncrl.generation_backends`` or
 check of its config section that the controller runs before any worker is spawned) or a bare
 factory. The factory is called with a :class:`WorkerContext` in the worker and returns an
 object implementing :class:`GenerationBackend` or :class:`TrainingBackend`. The worker runtime
-(:mod:`asyncrl.worker`) owns the sockets and calls these methods; backends never see ZeroMQ.
+(:mod:`asyncrl.worker.runtime`) owns the sockets and calls these methods; backends never see ZeroMQ.
 
 Generation backends are asyncio-native (vLLM's ``AsyncLLM`` is): their methods are coroutines
 run on the worker's event loop. Training backends are blocking torch code: the runtime calls
@@ -25,8 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import structlog
 
-from .config import Config
-from .messages import (
+from asyncrl.config import Config
+from asyncrl.wire.messages import (
     ChunkResult,
     GenRequest,
     Sample,
@@ -96,7 +96,7 @@ class BackendPlugin:
     shm_bytes: Callable[[Any], int] | None = None
     """``shm_bytes(config)``: bytes one rank of the backend needs free in ``/dev/shm`` when it
     starts (an engine's shared-memory queues), added to the ``shm`` transfer's own by the
-    controller's check before any worker is spawned (:mod:`asyncrl.space`). Cheap; imports
+    controller's check before any worker is spawned (:mod:`asyncrl.procs.space`). Cheap; imports
     no engine."""
 
     def __call__(self, ctx: WorkerContext) -> Any:

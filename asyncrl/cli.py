@@ -22,7 +22,7 @@ accepts its options; ``--config-only`` skips this). Exit codes: 0 valid, 2 inval
 ``plugins`` lists every installed plugin by entry-point group, with its distribution and
 version, importing each: one that fails to import is listed with its error (exit 1 then).
 
-``plot`` draws a run from its ``metrics.jsonl`` (:mod:`asyncrl.plot`): reward and accuracy,
+``plot`` draws a run from its ``metrics.jsonl`` (:mod:`asyncrl.obs.plot`): reward and accuracy,
 staleness, and a timeline of generation / training / refit (PNGs, and a Chrome trace for
 Perfetto); it works on a run that is still going. Exit codes: 0 done, 2 nothing to draw.
 
@@ -38,7 +38,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from .errors import ConfigError, PluginError
+from asyncrl.errors import ConfigError, PluginError
 
 __all__ = ["main"]
 
@@ -46,9 +46,9 @@ __all__ = ["main"]
 def check_config(
     path: str, set_args: list[str], out: TextIO, *, config_only: bool = False
 ) -> int:
-    from . import config as cfgmod
-    from .launch import parse_overrides
-    from .modes import describe
+    from asyncrl import config as cfgmod
+    from asyncrl.launch import parse_overrides
+    from asyncrl.policy.modes import describe
 
     try:
         overrides = parse_overrides(set_args)
@@ -66,7 +66,7 @@ def check_config(
     if not config_only:
         import anyio
 
-        from .preflight import check_before_spawn
+        from asyncrl.run.preflight import check_before_spawn
 
         try:  # what `asyncrl run` checks before it starts a process
             anyio.run(check_before_spawn, config)
@@ -88,7 +88,7 @@ def check_config(
 
 
 def list_plugins(out: TextIO) -> int:
-    from . import plugins
+    from asyncrl import plugins
 
     broken = 0
     for group, kind in plugins.GROUPS.items():
@@ -116,7 +116,7 @@ def list_plugins(out: TextIO) -> int:
 
 
 def plot(run_dir: str, out: str | None, stream: TextIO) -> int:
-    from .plot import plot_run
+    from asyncrl.obs.plot import plot_run
 
     try:
         result = plot_run(run_dir, out)
@@ -137,7 +137,7 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
     import shutil
     from pathlib import Path
 
-    from . import checkpoint as ckpt
+    from asyncrl.run import checkpoint_dir as ckpt
 
     try:
         checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, spec))
@@ -179,8 +179,8 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
 def _refuse_nonfinite(checkpoint: Any, model: Any) -> None:
     """A checkpoint whose model holds NaNs or infinities (one written before asyncrl refused to
     save such weights) is not exported."""
-    from . import checkpoint as ckpt
-    from .export import nonfinite_tensors
+    from asyncrl.run import checkpoint_dir as ckpt
+    from asyncrl.worker.export import nonfinite_tensors
 
     for path in sorted(model.glob("*.safetensors")):
         bad = nonfinite_tensors(path)
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         return plot(args.run_dir, args.out, sys.stdout)
     if args.command == "run":
-        from .launch import self_launch
+        from asyncrl.launch import self_launch
 
         return self_launch(args.config, args.set, args.resume, args.allow_changed)
     if args.command == "plugins":

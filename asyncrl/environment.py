@@ -19,10 +19,10 @@ An environment whose rewards wait on I/O (a judge model, a sandbox) may also def
 ``async def score_async(prompt, completion) -> Score`` (not part of the protocol: an optional
 extra). When it does, the controller awaits ``score_async`` on its event loop, for all the
 samples of a group at once (at most 64 calls in flight), and never calls ``score``; it must
-not block (run blocking parts with :func:`asyncrl.deadlines.in_thread`, which a cancellation
+not block (run blocking parts with :func:`asyncrl.data.deadlines.in_thread`, which a cancellation
 does not wait for, as it waits for ``anyio.to_thread.run_sync``), and it is cancelled when the
 run stops, or past its deadline. Errors are reported as for ``score``. Evaluation groups are
-scored the same way. The built-in ``dataset`` environment (:mod:`asyncrl.dataset_env`) needs
+scored the same way. The built-in ``dataset`` environment (:mod:`asyncrl.data.dataset`) needs
 no package at all.
 
 Multi-turn environments will get their own protocol next to this one; a single-turn

@@ -18,7 +18,7 @@ Three forms::
 
 With ``failures.rollout_restarts`` (the default), a rollout rank of either launch does not
 serve itself: it supervises its worker, a child process it starts again when it dies
-(:mod:`asyncrl.supervisor`).
+(:mod:`asyncrl.procs.supervisor`).
 
 Trainer ranks of a mixed launch get a torch.distributed world of their own, built on
 torchrun's store under a private prefix; rollout ranks never join torch.distributed.
@@ -61,10 +61,10 @@ from typing import Any
 import anyio
 import structlog
 
-from . import log as _log
-from .checkpoint import CheckpointError
-from .config import Config, load_config
-from .errors import (
+from asyncrl.obs import log as _log
+from asyncrl.run.checkpoint_dir import CheckpointError
+from asyncrl.config import Config, load_config
+from asyncrl.errors import (
     AsyncRLError,
     ConfigError,
     ControllerLostError,
@@ -72,7 +72,7 @@ from .errors import (
     WorkerDiedError,
     flatten,
 )
-from .process import (
+from asyncrl.procs.process import (
     PARENT_ENV,
     die_with_parent,
     exit_status,
@@ -80,8 +80,8 @@ from .process import (
     stopped_by_signal,
     wait_pid_exit,
 )
-from .runlock import check_free
-from .space import no_space_in
+from asyncrl.procs.runlock import check_free
+from asyncrl.procs.space import no_space_in
 
 log = structlog.get_logger("asyncrl.launch")
 
@@ -128,7 +128,7 @@ class _Ending:
 async def _serve_until_signal(controller_pid: int = 0, **kwargs: Any) -> _Ending:
     """Serve as a worker until ``Shutdown``, SIGTERM/SIGINT, a failure or the controller's
     death (``controller_pid`` given). Either way the worker closes its backend first."""
-    from .worker import serve
+    from asyncrl.worker.runtime import serve
 
     ending = _Ending()
     async with anyio.create_task_group() as tg:
@@ -179,7 +179,7 @@ def _serve_rank(*, console: int | None = None, controller_pid: int = 0, **kwargs
     ending = anyio.run(lambda: _serve_until_signal(controller_pid, **kwargs))
     if ending.controller_exit is not None:
         if console is not None:
-            from .supervisor import controller_lost_line
+            from asyncrl.procs.supervisor import controller_lost_line
 
             os.write(console, controller_lost_line(
                 controller_pid, ending.controller_exit, kwargs.get("log_path", "?")
@@ -202,7 +202,7 @@ def worker_main(
 ) -> int:
     """A rank of a group spawned by an embedded controller, or (``rank`` given) a rollout
     worker its supervisor started. With ``max_restarts``, this rank supervises its worker
-    (:mod:`asyncrl.supervisor`) instead of serving itself."""
+    (:mod:`asyncrl.procs.supervisor`) instead of serving itself."""
     rank = _env_int("RANK") if rank is None else rank
     world = _env_int("WORLD_SIZE") if world is None else world
     log_path = os.path.join(log_dir, f"{group}-{rank}.log")
@@ -228,7 +228,7 @@ def _supervise(
     group: str, rank: int, world: int, control: str, log_dir: str, max_restarts: int,
     **kwargs: Any,
 ) -> int:
-    from .supervisor import supervise
+    from asyncrl.procs.supervisor import supervise
 
     cmd = [
         sys.executable, "-m", "asyncrl.launch", "--worker", group, "--control", control,
@@ -328,8 +328,8 @@ def _run_controller(
     allow_changed: list[str] | None = None,
 ) -> int:
     """Rank 0: host the controller (and trainer rank 0) until the run ends or a signal."""
-    from .controller import Addresses, Controller
-    from .worker import serve
+    from asyncrl.run.controller import Addresses, Controller
+    from asyncrl.worker.runtime import serve
 
 
     async def attach(addresses: Addresses, tg: Any) -> None:
@@ -426,7 +426,7 @@ async def _checkpoint_on_sigusr1(ctl: Any) -> None:
 
 def _print_resume_hint(config: Config) -> None:
     """After a run that did not finish: where ``--resume`` goes on from, if anywhere."""
-    from .checkpoint import latest
+    from asyncrl.run.checkpoint_dir import latest
 
     found = latest(config.checkpoint.dir)
     if found is not None:

@@ -12,7 +12,7 @@ group                           loaded in             the entry point names
 ``asyncrl.environments``        controller            ``factory(options: dict, seed: int)``
                                                       returning an
                                                       :class:`~asyncrl.environment.Environment`
-``asyncrl.samplers``            controller (config    a :class:`~asyncrl.samplers.SamplerPlugin`
+``asyncrl.samplers``            controller (config    a :class:`~asyncrl.policy.samplers.SamplerPlugin`
                                 validation + run)     (its config struct and a factory)
 ``asyncrl.weight_transfers``    trainer rank 0 +      a :class:`~asyncrl.transfers.WeightTransfer`
                                 the process that      (the sender's staging buffers and the
@@ -41,7 +41,7 @@ from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
 from typing import Any
 
-from .errors import PluginError
+from asyncrl.errors import PluginError
 
 __all__ = ["GROUPS", "PluginInfo", "available", "load", "require"]
 

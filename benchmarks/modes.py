@@ -44,7 +44,7 @@ import anyio
 import numpy as np
 
 import asyncrl
-import asyncrl.log
+import asyncrl.obs.log
 from asyncrl.config import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -317,7 +317,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 async def main(args: argparse.Namespace) -> None:
     from asyncrl_example_backend.model import write_model_dir
 
-    asyncrl.log.configure(
+    asyncrl.obs.log.configure(
         "console", level="warning"
     )  # a program's choice; asyncrl never logs on import
     mean_sample_s = args.median * math.exp(0.5) * args.token_delay

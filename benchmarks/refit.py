@@ -1,7 +1,7 @@
 """Whole-refit time on GPUs, next to the device-to-device copy floor measured in the same run.
 
 A refit here is what a run does after each optimizer step, over the real protocol
-(:mod:`asyncrl.refit`) and a real weight transfer: the trainer's tensors are staged into its
+(:mod:`asyncrl.worker.weights`) and a real weight transfer: the trainer's tensors are staged into its
 buffers, every bucket is announced, the vLLM engine (a real ``AsyncLLM``, its own processes)
 maps it and writes it into its parameters, and the engine resumes. Timed from the pull to the
 resume ("whole refit"); the first refit of an engine (handle opening, plan compilation) is
@@ -155,9 +155,9 @@ def _trainer_process(conn, transport: str, device: str, bucket_size: int, model_
     import anyio
 
     from asyncrl.backend import WeightTensor
-    from asyncrl.refit import WeightSender
+    from asyncrl.worker.weights import WeightSender
     from asyncrl.transfers import StagingSpec, load_transfer
-    from asyncrl.transport import Context
+    from asyncrl.wire.transport import Context
     from refit_support import dtype_name
 
     state = load_state(Path(model_dir), device)
@@ -197,8 +197,8 @@ class ProcessRefit:
         import tempfile
         import uuid
 
-        from asyncrl.refit import WeightReceiver
-        from asyncrl.transport import Context, ipc_address
+        from asyncrl.worker.weights import WeightReceiver
+        from asyncrl.wire.transport import Context, ipc_address
 
         self._dir = tempfile.mkdtemp(prefix="asyncrl-pr-")
         os.chmod(self._dir, 0o700)
@@ -225,7 +225,7 @@ class ProcessRefit:
     async def push(self, backend, version: int, *_: object, **__: object):  # noqa: ANN001, ANN201
         import anyio
 
-        from asyncrl.messages import WeightsResult
+        from asyncrl.wire.messages import WeightsResult
 
         self._conn.send_bytes(msgspec.msgpack.encode(version))
         received = await self.receiver.receive(

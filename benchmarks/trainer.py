@@ -4,7 +4,7 @@ For every case, ``torchrun --nproc-per-node N`` runs one of:
 
 - ``asyncrl``: the backend as a trainer worker drives it (its entry point, a
   :class:`~asyncrl.backend.WorkerContext`, ``begin_step -> train_chunk -> finish_step`` on a
-  packed :class:`~asyncrl.messages.TrainBatch`): lockstep micro-batches, the PPO loss as a token
+  packed :class:`~asyncrl.wire.messages.TrainBatch`): lockstep micro-batches, the PPO loss as a token
   sum, the step ledger, exact normalization at the end of the step;
 - ``bare``: the same engine written as a plain loop on the same model and batch: FSDP2
   ``fully_shard`` per decoder layer + root (bf16 compute, float32 reduction), or
@@ -73,7 +73,7 @@ def build_model(path: Path, layers: int) -> None:
 def make_batch(args: argparse.Namespace, rank: int):
     import numpy as np
 
-    from asyncrl.messages import TrainBatch
+    from asyncrl.wire.messages import TrainBatch
 
     rng = np.random.default_rng(rank)
     n, length, prompt = args.seqs, args.seq_len, args.prompt_len

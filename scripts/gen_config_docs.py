@@ -1,5 +1,5 @@
-"""Write docs/configuration.md from the field docstrings in asyncrl/config.py (and, for the
-built-in samplers' ``[pipeline.sampler]`` knobs, asyncrl/samplers.py).
+"""Write docs/configuration.md from the field docstrings in asyncrl/config/__init__.py (and, for the
+built-in samplers' ``[pipeline.sampler]`` knobs, asyncrl/policy/samplers.py).
 
     .venv/bin/python scripts/gen_config_docs.py
 """
@@ -52,12 +52,12 @@ def fields(cls: ast.ClassDef) -> list[tuple[str, str, str]]:
 
 
 def render() -> str:
-    """The reference page as it should read for the current asyncrl/config.py."""
-    tree = ast.parse((ROOT / "asyncrl/config.py").read_text())
+    """The reference page as it should read for the current asyncrl/config/__init__.py."""
+    tree = ast.parse((ROOT / "asyncrl/config/__init__.py").read_text())
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `asyncrl/config.py` by `scripts/gen_config_docs.py`. Unknown keys are",
+        "Generated from `asyncrl/config/__init__.py` by `scripts/gen_config_docs.py`. Unknown keys are",
         "errors; relative paths resolve against the config file's directory. Backend and",
         "environment `options` tables are validated by the plugin (see docs/backends/).",
         "",
@@ -80,7 +80,7 @@ def table(node: ast.ClassDef) -> list[str]:
 
 def sampler_sections() -> list[str]:
     """One table per built-in sampler (docs/modes.md says which mode each one is)."""
-    tree = ast.parse((ROOT / "asyncrl/samplers.py").read_text())
+    tree = ast.parse((ROOT / "asyncrl/policy/samplers.py").read_text())
     lines: list[str] = []
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name in SAMPLERS:

@@ -1,6 +1,6 @@
 """Metrics sinks: where the run's records go (``metrics.sinks``), as plugins.
 
-Every record the controller writes (:class:`~asyncrl.log.MetricsWriter`) goes to each sink
+Every record the controller writes (:class:`~asyncrl.obs.log.MetricsWriter`) goes to each sink
 the config lists; ``jsonl`` (``<run.output_dir>/metrics.jsonl``, read by ``asyncrl plot`` and
 ``--resume``) is always one of them. The built-ins:
 
@@ -59,9 +59,9 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from .. import plugins
-from ..errors import ConfigError, PluginError, config_error
-from ..explain import explain
+from asyncrl import plugins
+from asyncrl.errors import ConfigError, PluginError, config_error
+from asyncrl.config.explain import explain
 
 __all__ = [
     "GROUP",

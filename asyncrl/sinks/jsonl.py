@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 import structlog
 
-from ..space import is_no_space, no_space
-from . import SinkPlugin, parse_options
+from asyncrl.procs.space import is_no_space, no_space
+from asyncrl.sinks import SinkPlugin, parse_options
 
 __all__ = ["PLUGIN", "JsonlSink", "cut_torn_line"]
 

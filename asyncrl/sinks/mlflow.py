@@ -31,9 +31,9 @@ from typing import Any
 
 import msgspec
 
-from ..errors import PluginError
-from . import SinkPlugin, parse_options
-from .mapping import config_params, scalars, table
+from asyncrl.errors import PluginError
+from asyncrl.sinks import SinkPlugin, parse_options
+from asyncrl.sinks.mapping import config_params, scalars, table
 
 try:
     import mlflow  # noqa: F401 - the package itself first: its submodules may be cached

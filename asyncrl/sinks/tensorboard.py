@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from ..errors import PluginError
-from . import SinkPlugin, parse_options
-from .mapping import config_text, markdown_table, scalars, table
+from asyncrl.errors import PluginError
+from asyncrl.sinks import SinkPlugin, parse_options
+from asyncrl.sinks.mapping import config_text, markdown_table, scalars, table
 
 try:
     from tensorboardX import SummaryWriter

@@ -1,5 +1,5 @@
 """One sink on its own thread, fed by a bounded queue (used by
-:class:`~asyncrl.log.MetricsWriter` for every sink that is not synchronous).
+:class:`~asyncrl.obs.log.MetricsWriter` for every sink that is not synchronous).
 
 ::
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from . import Sink, SinkPlugin
+from asyncrl.sinks import Sink, SinkPlugin
 
 __all__ = ["SinkThread", "deliver"]
 

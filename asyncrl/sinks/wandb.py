@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import PluginError
-from . import SinkPlugin, parse_options
-from .mapping import scalars, table
+from asyncrl.errors import PluginError
+from asyncrl.sinks import SinkPlugin, parse_options
+from asyncrl.sinks.mapping import scalars, table
 
 try:
     import wandb

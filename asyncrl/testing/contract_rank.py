@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.messages import TokenBatch, TrainBatch
-from asyncrl.packing import Layout
+from asyncrl.wire.messages import TokenBatch, TrainBatch
+from asyncrl.policy.packing import Layout
 
 NUM_SEQUENCES = 16
 EMPTY_RESPONSE = 5  # this sequence has no response token
@@ -203,7 +203,7 @@ class _Rank:
     def export_hf(self, tag: str) -> None:
         """The current weights as a Hugging Face directory ``out/<tag>`` (shards of 64 KiB, so
         a tiny model still gets several and an index)."""
-        from asyncrl.export import export_model
+        from asyncrl.worker.export import export_model
 
         export_model(
             self.backend,

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from .contract_rank import (
+from asyncrl.testing.contract_rank import (
     NUM_SEQUENCES,
     STEP0_CHUNKS,
     STEP1,

@@ -7,7 +7,7 @@ loss, batching and step bookkeeping:
 
 - :mod:`.loss`: the clipped-surrogate loss as a token *sum* (:func:`ppo_clip_loss`);
 - :mod:`.batches`: packed batches to right-padded micro-batches and response logprobs (the
-  layout itself is :class:`asyncrl.packing.Layout`);
+  layout itself is :class:`asyncrl.policy.packing.Layout`);
 - :mod:`.trainer`: :class:`DistributedTrainer`, the base class of the ``fsdp2`` and
   ``deepspeed`` backends (lockstep micro-batching, the step ledger, exact normalization);
 - :mod:`.kv_calibration`: FP8 KV-cache scales from the trainer's own forwards;
@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["DistributedTrainer", "StepStateError"]
 
 if TYPE_CHECKING:
-    from .ledger import StepStateError
-    from .trainer import DistributedTrainer
+    from asyncrl.training.ledger import StepStateError
+    from asyncrl.training.trainer import DistributedTrainer
 
 
 def __getattr__(name: str) -> Any:
     # lazy, so that asyncrl.training.options stays importable without torch
     if name == "DistributedTrainer":
-        from .trainer import DistributedTrainer
+        from asyncrl.training.trainer import DistributedTrainer
 
         return DistributedTrainer
     if name == "StepStateError":
-        from .ledger import StepStateError
+        from asyncrl.training.ledger import StepStateError
 
         return StepStateError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Packed batches to padded micro-batches, and response-token logprobs (torch).
 
-The layout of a packed batch is :class:`asyncrl.packing.Layout`'s. The logprob of the response
+The layout of a packed batch is :class:`asyncrl.policy.packing.Layout`'s. The logprob of the response
 token at position p is read from the logits at p - 1, divided by the temperature before the
 log-softmax. Flat per-token arrays (behaviour logprobs, results) list the response tokens
 sequence by sequence, in position order.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.packing import Layout
+from asyncrl.policy.packing import Layout
 
 __all__ = [
     "MicroBatch",

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .batches import MicroBatch
+from asyncrl.training.batches import MicroBatch
 
 __all__ = [
     "FP8_E4M3_MAX",

@@ -51,20 +51,20 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.backend import WeightTensor, WorkerContext
 from asyncrl.errors import NonFiniteError
-from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
-from asyncrl.packing import Layout, check_packed, micro_batch_bounds
+from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
+from asyncrl.policy.packing import Layout, check_packed, micro_batch_bounds
 
-from .batches import (
+from asyncrl.training.batches import (
     MicroBatch,
     dummy_micro_batch,
     make_micro_batch,
     response_logprobs,
     to_device,
 )
-from .kv_calibration import all_reduce_max, calibrate_kv_scales
-from .ledger import StepLedger
-from .loss import ppo_clip_loss
-from .options import TrainerOptions
+from asyncrl.training.kv_calibration import all_reduce_max, calibrate_kv_scales
+from asyncrl.training.ledger import StepLedger
+from asyncrl.training.loss import ppo_clip_loss
+from asyncrl.training.options import TrainerOptions
 
 __all__ = ["DistributedTrainer"]
 

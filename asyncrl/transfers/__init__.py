@@ -3,7 +3,7 @@
 A transfer is a plugin in the entry-point group ``asyncrl.weight_transfers``, chosen by
 ``refit.transport``; each entry point names a :class:`WeightTransfer`. The protocol around it
 (pull, manifest, buckets, acknowledgements, timeouts, rejection of foreign frames) is the same
-for every transfer and lives in :mod:`asyncrl.refit`; a transfer only says where a bucket's
+for every transfer and lives in :mod:`asyncrl.worker.weights`; a transfer only says where a bucket's
 bytes are staged and how a reader maps them::
 
     sender (trainer rank 0)                       reader (the generator's engine process)
@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import ConfigError, PluginError
-from ..plugins import available, load
+from asyncrl.errors import ConfigError, PluginError
+from asyncrl.plugins import available, load
 
 __all__ = [
     "Opener",

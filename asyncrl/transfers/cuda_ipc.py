@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from . import StagingSpec, WeightTransfer
+from asyncrl.transfers import StagingSpec, WeightTransfer
 
 __all__ = ["CUDA_IPC", "DEFER_BELOW_BYTES", "CudaIpcHandle", "device_index_by_uuid"]
 

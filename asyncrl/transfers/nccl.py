@@ -29,7 +29,7 @@ into a buffer on its own GPU (``device``), and the sender broadcasts from its GP
 
 **No blocking on the sender.** Building the group and the first NCCL collective are
 rendezvous with every reader, and a reader only joins once it got a ``Bucket`` message, which
-:mod:`asyncrl.refit` sends after :meth:`NcclStager.seal` and :meth:`NcclStager.handle`
+:mod:`asyncrl.worker.weights` sends after :meth:`NcclStager.seal` and :meth:`NcclStager.handle`
 return. So the group lives in a sender thread: ``begin`` starts it (it builds the group,
 waiting for the readers), ``seal`` queues the bucket's broadcast and returns at once, and the
 thread runs the broadcasts in order. Before buffer ``k`` is refilled (the next
@@ -73,8 +73,8 @@ from typing import Any
 
 import msgspec
 
-from . import StagingSpec, WeightTransfer
-from .collective import (
+from asyncrl.transfers import StagingSpec, WeightTransfer
+from asyncrl.transfers.collective import (
     _PREFIX,
     CLOSE_GRACE_S,
     HOST_ENV_VAR,

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..space import is_no_space, no_space, shm_fix
-from ..transport import make_private_dir
-from . import StagingSpec, WeightTransfer
+from asyncrl.procs.space import is_no_space, no_space, shm_fix
+from asyncrl.wire.transport import make_private_dir
+from asyncrl.transfers import StagingSpec, WeightTransfer
 
 __all__ = ["SHM", "ShmHandle", "read_bytes", "shm_base", "shm_dir"]
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from refit import model_config  # noqa: E402
 
 from asyncrl.backend import WeightTensor  # noqa: E402
-from asyncrl.refit import _manifest, _Packer  # noqa: E402
+from asyncrl.worker.weights import _manifest, _Packer  # noqa: E402
 from asyncrl.transfers import StagingSpec  # noqa: E402
 from asyncrl.transfers.cuda_ipc import CudaIpcStager  # noqa: E402
 

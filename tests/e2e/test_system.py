@@ -19,7 +19,7 @@ import pytest
 
 from asyncrl import Controller
 from asyncrl.config import from_dict
-from asyncrl.grpo import pack_tokens
+from asyncrl.policy.grpo import pack_tokens
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from integration_support import (  # noqa: E402

@@ -30,7 +30,7 @@ from asyncrl.errors import RefitError
 from asyncrl.transfers.shm import ShmHandle
 from asyncrl.config import from_dict
 from asyncrl.backend import generate_all
-from asyncrl.messages import GenRequest, TensorEntry, TokenBatch
+from asyncrl.wire.messages import GenRequest, TensorEntry, TokenBatch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -492,7 +492,7 @@ async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_pat
 async def test_refits_over_the_real_protocol(
     backend, model_dir, sequences, transport
 ) -> None:
-    """Sender and receiver of asyncrl.refit with a real transfer into the running engine:
+    """Sender and receiver of asyncrl.worker.weights with a real transfer into the running engine:
     ``shm``, and ``nccl``, whose collective group is gloo on a CPU trainer (the engine's worker
     process joins it and receives every bucket's broadcast). Many small buckets, two refits."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))

@@ -117,7 +117,7 @@ async def test_a_fresh_engines_first_short_prompt_on_amx(
     with exit code -4 on an AMX host before asyncrl_vllm.ext requested it). A fresh engine
     whose first request is such a prompt must serve it."""
     from asyncrl.backend import generate_all
-    from asyncrl.messages import GenRequest
+    from asyncrl.wire.messages import GenRequest
 
     if torch.cuda.is_available():
         pytest.skip("CPU GEMM kernels exist on the CPU build only")

@@ -25,7 +25,7 @@ import transformers  # noqa: E402
 
 from asyncrl import plugins  # noqa: E402
 from asyncrl.errors import EngineDeadError  # noqa: E402
-from asyncrl.messages import TensorEntry  # noqa: E402
+from asyncrl.wire.messages import TensorEntry  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))

@@ -1,4 +1,4 @@
-"""Both ends of a refit in one process, over the real protocol (asyncrl.refit) and a real
+"""Both ends of a refit in one process, over the real protocol (asyncrl.worker.weights) and a real
 weight transfer: the trainer's tensors are staged here, the engine's worker process opens
 them. Used by the GPU tests and benchmarks/refit.py."""
 
@@ -14,10 +14,10 @@ from typing import Any
 import anyio
 
 from asyncrl.backend import WeightTensor
-from asyncrl.refit import WeightReceiver, WeightSender
+from asyncrl.worker.weights import WeightReceiver, WeightSender
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.transfers.shm import shm_dir
-from asyncrl.transport import Context, ipc_address
+from asyncrl.wire.transport import Context, ipc_address
 
 
 def dtype_name(t: Any) -> str:

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from asyncrl.refit import _align  # noqa: E402
+from asyncrl.worker.weights import _align  # noqa: E402
 from asyncrl.transfers import StagingSpec  # noqa: E402
 from asyncrl.transfers.cuda_ipc import DEFER_BELOW_BYTES, CudaIpcStager  # noqa: E402
 

@@ -22,7 +22,7 @@ from asyncrl import plugins
 from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
 from asyncrl.backend import generate_all
-from asyncrl.messages import GenRequest, TokenBatch
+from asyncrl.wire.messages import GenRequest, TokenBatch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch = pytest.importorskip("torch")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
-from asyncrl.messages import TokenBatch, TrainBatch
+from asyncrl.wire.messages import TokenBatch, TrainBatch
 from asyncrl.plugins import load
 
 TEMPERATURE = 0.7

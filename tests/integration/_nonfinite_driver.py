@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from asyncrl.backend import WorkerContext, drain_weights
 from asyncrl.config import from_dict
-from asyncrl.export import export_model
-from asyncrl.messages import TokenBatch, TrainBatch
+from asyncrl.worker.export import export_model
+from asyncrl.wire.messages import TokenBatch, TrainBatch
 from asyncrl.plugins import load
 
 TEMPERATURE = 0.7

@@ -20,8 +20,8 @@ import numpy as np
 
 from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
-from asyncrl.export import export_model
-from asyncrl.messages import TrainBatch
+from asyncrl.worker.export import export_model
+from asyncrl.wire.messages import TrainBatch
 from asyncrl.plugins import load
 
 

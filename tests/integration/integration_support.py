@@ -22,8 +22,8 @@ from typing import Any
 import psutil
 
 from asyncrl.config import Config
-from asyncrl.controller import Controller
-from asyncrl.refit import shm_dir
+from asyncrl.run.controller import Controller
+from asyncrl.worker.weights import shm_dir
 
 
 # --------------------------------------------------------------------------- the model dir

@@ -21,8 +21,8 @@ pytest.importorskip(
 import asyncrl  # noqa: E402
 from asyncrl.transfers.shm import shm_dir  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
-from asyncrl.grpo import pack_tokens  # noqa: E402
-from asyncrl.messages import ComputeLogprobs, LogprobsResult, Score  # noqa: E402
+from asyncrl.policy.grpo import pack_tokens  # noqa: E402
+from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score  # noqa: E402
 from asyncrl_example_backend.model import (  # noqa: E402
     initial_table,
     response_tokens,

@@ -20,9 +20,9 @@ pytest.importorskip(
 
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
-from asyncrl.deadlines import abandoned_threads  # noqa: E402
+from asyncrl.data.deadlines import abandoned_threads  # noqa: E402
 from asyncrl.errors import RunError  # noqa: E402
-from asyncrl.intake import ScoreTimeout  # noqa: E402
+from asyncrl.run.intake import ScoreTimeout  # noqa: E402
 from integration_support import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]

@@ -24,9 +24,9 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl.codec import Codec  # noqa: E402
+from asyncrl.wire.codec import Codec  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
-from asyncrl.messages import (  # noqa: E402
+from asyncrl.wire.messages import (  # noqa: E402
     PROTOCOL_VERSION,
     BucketAck,
     DataBatch,
@@ -42,7 +42,7 @@ from asyncrl.messages import (  # noqa: E402
     WeightMessage,
     WeightsPull,
 )
-from asyncrl.transport import DEALER, PUSH, Context  # noqa: E402
+from asyncrl.wire.transport import DEALER, PUSH, Context  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]

@@ -23,7 +23,7 @@ pytest.importorskip(
 
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
-from asyncrl.timeline import read_records, spans  # noqa: E402
+from asyncrl.obs.timeline import read_records, spans  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [

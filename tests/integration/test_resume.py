@@ -23,12 +23,12 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl import checkpoint as ckpt  # noqa: E402
-from asyncrl import space  # noqa: E402
+from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
+from asyncrl.procs import space  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import NoSpaceError, RunError  # noqa: E402
-from asyncrl.grpo import pack_tokens  # noqa: E402
-from asyncrl.messages import ComputeLogprobs, LogprobsResult  # noqa: E402
+from asyncrl.policy.grpo import pack_tokens  # noqa: E402
+from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]

@@ -30,8 +30,8 @@ from asyncrl.backend import WeightBucketView, WorkerContext  # noqa: E402
 from asyncrl.transfers.shm import ShmHandle  # noqa: E402
 from asyncrl.config import Config, from_dict  # noqa: E402
 from asyncrl.errors import ConfigError, NonFiniteError  # noqa: E402
-from asyncrl.grpo import pack_tokens  # noqa: E402
-from asyncrl.messages import GenRequest, TensorEntry, TrainBatch  # noqa: E402
+from asyncrl.policy.grpo import pack_tokens  # noqa: E402
+from asyncrl.wire.messages import GenRequest, TensorEntry, TrainBatch  # noqa: E402
 
 V, EOS = 11, 2
 

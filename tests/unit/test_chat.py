@@ -22,11 +22,11 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from asyncrl.chat import ChatTemplate
+from asyncrl.data.chat import ChatTemplate
 from asyncrl.environment import Prompt
 from asyncrl.errors import ConfigError
-from asyncrl.preflight import _longest_prompt
-from asyncrl.prompts import PromptStream, Tokenizer
+from asyncrl.run.preflight import _longest_prompt
+from asyncrl.data.prompts import PromptStream, Tokenizer
 
 transformers = pytest.importorskip("transformers")  # the reference (the `training` extra)
 jinja2 = pytest.importorskip("jinja2")
@@ -433,7 +433,7 @@ def test_preflight_measures_chat_prompts_and_needs_a_template(tmp_path: Path) ->
 
 def test_chat_module_imports_no_torch_or_transformers() -> None:
     code = (
-        "import sys, asyncrl.chat, asyncrl.prompts, asyncrl.preflight;"
+        "import sys, asyncrl.data.chat, asyncrl.data.prompts, asyncrl.run.preflight;"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

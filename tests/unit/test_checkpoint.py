@@ -1,4 +1,4 @@
-"""Checkpoints on disk (:mod:`asyncrl.checkpoint`): atomic commit, retention, resolution,
+"""Checkpoints on disk (:mod:`asyncrl.run.checkpoint_dir`): atomic commit, retention, resolution,
 checksums of every file, and every way a checkpoint is refused, each with the fix."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncrl import checkpoint as ckpt
-from asyncrl.buffer import CompletedSample, Group
+from asyncrl.run import checkpoint_dir as ckpt
+from asyncrl.run.groups import CompletedSample, Group
 
 
 def _group(index: int) -> Group:

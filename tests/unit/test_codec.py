@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.codec import Codec
+from asyncrl.wire.codec import Codec
 from asyncrl.errors import ProtocolError
-from asyncrl.messages import (
+from asyncrl.wire.messages import (
     PROTOCOL_VERSION,
     Call,
     DataBatch,

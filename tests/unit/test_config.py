@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.samplers import GatedConfig, InOrderConfig, OversampledConfig
+from asyncrl.policy.samplers import GatedConfig, InOrderConfig, OversampledConfig
 from asyncrl.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The terminal beside the logs (asyncrl.console): the progress bar's line and how it shares
+"""The terminal beside the logs (asyncrl.obs.console): the progress bar's line and how it shares
 stderr with log lines, and the sampled completions, against hand-written expectations."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import asyncrl.console as console_mod
+import asyncrl.obs.console as console_mod
 
-from asyncrl.console import Console, Terminal, pick_completions, progress_line
+from asyncrl.obs.console import Console, Terminal, pick_completions, progress_line
 
 
 class _Tty(io.StringIO):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 
 from asyncrl.config import make_sampler
-from asyncrl.schedule import Dispatch, Scheduler
+from asyncrl.policy.schedule import Dispatch, Scheduler
 
 
 def run(rewards_of: dict[int, list[float]], fraction: float = 0.9) -> tuple[Scheduler, list[str]]:

@@ -9,10 +9,10 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncrl.codec import Codec
-from asyncrl.messages import DataBatch, DataMessage, GroupFailed, Sample, SampleDone
-from asyncrl.transport import PULL, PUSH, Context
-from asyncrl.worker import DATA_BATCH, _Runtime
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, Sample, SampleDone
+from asyncrl.wire.transport import PULL, PUSH, Context
+from asyncrl.worker.runtime import DATA_BATCH, _Runtime
 
 pytestmark = pytest.mark.asyncio
 

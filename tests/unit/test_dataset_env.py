@@ -21,16 +21,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl import preflight
-from asyncrl.buffer import CompletedSample, Group
-from asyncrl.dataset_env import AsyncDatasetEnvironment, DatasetEnvironment, make_environment
+from asyncrl.run import preflight
+from asyncrl.run.groups import CompletedSample, Group
+from asyncrl.data.dataset import AsyncDatasetEnvironment, DatasetEnvironment, make_environment
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError
-from asyncrl.intake import ASYNC_SCORE_CONCURRENCY, Generating, ScoreError, Scorer
-from asyncrl.messages import Sample, StepResult
-from asyncrl.rewards import RewardError
-from asyncrl.schedule_types import StepStats
-from asyncrl.steps import StepRecord
+from asyncrl.run.intake import ASYNC_SCORE_CONCURRENCY, Generating, ScoreError, Scorer
+from asyncrl.wire.messages import Sample, StepResult
+from asyncrl.data.rewards import RewardError
+from asyncrl.policy.slots import StepStats
+from asyncrl.obs.steps import StepRecord
 
 pytestmark = pytest.mark.timeout(60)
 

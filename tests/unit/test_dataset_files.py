@@ -16,7 +16,7 @@ import pyarrow.ipc  # noqa: F401  (pa.ipc)
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.dataset_env import make_environment
+from asyncrl.data.dataset import make_environment
 from asyncrl.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

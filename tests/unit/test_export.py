@@ -1,4 +1,4 @@
-"""The safetensors writer (:mod:`asyncrl.export`) against the ``safetensors`` library's own
+"""The safetensors writer (:mod:`asyncrl.worker.export`) against the ``safetensors`` library's own
 reader, and the directory it produces."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from safetensors.torch import load_file as load_torch
 
 from asyncrl.backend import WeightTensor
 from asyncrl.errors import NonFiniteError
-from asyncrl.export import copy_model_dir, plan_shards, write_hf_model
+from asyncrl.worker.export import copy_model_dir, plan_shards, write_hf_model
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_a_stream_that_breaks_the_manifest_leaves_nothing(
 )
 def test_nonfinite_values_are_counted_from_the_bits(dtype) -> None:
     """Against torch's own isfinite, over every bit pattern of the small dtypes."""
-    from asyncrl.export import SAFETENSORS_DTYPES, count_nonfinite
+    from asyncrl.worker.export import SAFETENSORS_DTYPES, count_nonfinite
 
     if dtype.itemsize <= 2:  # every pattern: NaNs of every payload, both infinities
         bits = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int32)

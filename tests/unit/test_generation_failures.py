@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from asyncrl.errors import EngineDeadError
-from asyncrl.messages import GenRequest, GroupFailed
-from asyncrl.worker import _Busy, _Runtime
+from asyncrl.wire.messages import GenRequest, GroupFailed
+from asyncrl.worker.runtime import _Busy, _Runtime
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -66,7 +66,7 @@ async def test_a_failure_while_the_engine_dies_is_left_to_the_dead_message() -> 
     before the engine watch sees its process exit: neither becomes a GroupFailed or a
     Failure reply (the controller would retry the group against its budget, or stop the
     run on the refit's error); the worker's Dead says why, and the worker is restarted."""
-    from asyncrl.messages import Call, Health
+    from asyncrl.wire.messages import Call, Health
 
     rt = _runtime(_Backend(RuntimeError("EngineCore encountered an issue")))
     rt.engine_gone = anyio.Event()
@@ -155,8 +155,8 @@ class _Calibrating:
 
 async def test_calibrate_kv_reaches_the_trainer_backend_and_refuses_one_without_it() -> None:
     from asyncrl.errors import ProtocolError
-    from asyncrl.messages import CalibrateKV, KVScalesResult, TokenBatch
-    from asyncrl.worker import _Thread
+    from asyncrl.wire.messages import CalibrateKV, KVScalesResult, TokenBatch
+    from asyncrl.worker.runtime import _Thread
 
     batch = TokenBatch(np.array([1, 2, 3], np.int32), np.array([3], np.int32),
                        np.array([1], np.int32))
@@ -204,8 +204,8 @@ async def test_a_failed_send_still_runs_the_gathers_to_their_end() -> None:
     from types import SimpleNamespace
 
     from asyncrl.errors import ProtocolError
-    from asyncrl.messages import SendWeights
-    from asyncrl.worker import _Thread
+    from asyncrl.wire.messages import SendWeights
+    from asyncrl.worker.runtime import _Thread
 
     rt = _Runtime.__new__(_Runtime)
     rt.thread = _Thread()

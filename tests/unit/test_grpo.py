@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from asyncrl.buffer import CompletedSample, Group
+from asyncrl.run.groups import CompletedSample, Group
 from asyncrl.errors import NonFiniteError
-from asyncrl.grpo import group_advantages, nonfinite_cause, pack_groups, pack_tokens, shard_batch
+from asyncrl.policy.grpo import group_advantages, nonfinite_cause, pack_groups, pack_tokens, shard_batch
 
 
 def test_advantages_hand_computed() -> None:
@@ -91,7 +91,7 @@ def test_pack_tokens() -> None:
 
 
 def test_shard_tokens_are_contiguous_runs_in_order() -> None:
-    from asyncrl.grpo import shard_tokens
+    from asyncrl.policy.grpo import shard_tokens
 
     t = pack_tokens([[1, 2], [3], [4, 5, 6], [7]], [[8], [9, 10], [11], [12, 13]])
     for k in (1, 2, 3, 5):

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from asyncrl.training.loss import ppo_clip_loss  # noqa: E402
-from asyncrl.packing import check_packed, micro_batch_bounds  # noqa: E402
+from asyncrl.policy.packing import check_packed, micro_batch_bounds  # noqa: E402
 from asyncrl.training.batches import (  # noqa: E402
     dummy_micro_batch,
     make_micro_batch,

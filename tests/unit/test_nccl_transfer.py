@@ -1,7 +1,7 @@
 """The ``nccl`` weight transfer (asyncrl.transfers.nccl) over gloo on the CPU, with real
 processes: this process is the sender (trainer rank 0), spawned processes are the readers.
 
-The sender drives the stager the way :mod:`asyncrl.refit` does (begin, then per bucket
+The sender drives the stager the way :mod:`asyncrl.worker.weights` does (begin, then per bucket
 reserve/pack/seal/handle on alternating buffers, a buffer refilled only once every reader
 answered the bucket that used it) and hands each handle to the readers through a pipe (bytes
 only); a reader opens it and sends back the bytes it received, compared byte for byte.

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from asyncrl.checkpointing import Checkpointer
+from asyncrl.run.saving import Checkpointer
 from asyncrl.config import from_dict
 from asyncrl.errors import NonFiniteError, RemoteCallError
-from asyncrl.messages import SaveState
+from asyncrl.wire.messages import SaveState
 
 MESSAGE = (
     "the weights to save hold NaN or infinite values (1 tensors: model.norm.weight), so "

@@ -1,4 +1,4 @@
-"""asyncrl.packing.Layout against sequences cut out by hand, and the step ledger."""
+"""asyncrl.policy.packing.Layout against sequences cut out by hand, and the step ledger."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncrl.packing import Layout, check_packed
+from asyncrl.policy.packing import Layout, check_packed
 from asyncrl.training.ledger import StepLedger, StepStateError
 from asyncrl.training.weights import byte_groups
 

@@ -15,9 +15,9 @@ from asyncrl.errors import PluginError
 
 def test_import_asyncrl_does_not_import_torch_or_engines() -> None:
     code = (
-        "import sys, asyncrl, asyncrl.controller, asyncrl.pipeline, asyncrl.worker, asyncrl.launch;"
+        "import sys, asyncrl, asyncrl.run.controller, asyncrl.run.loops, asyncrl.worker.runtime, asyncrl.launch;"
         # what a training backend's check_config loads in the controller
-        "import asyncrl.packing, asyncrl.training, asyncrl.training.options, asyncrl_fsdp,"
+        "import asyncrl.policy.packing, asyncrl.training, asyncrl.training.options, asyncrl_fsdp,"
         " asyncrl_deepspeed, asyncrl_fsdp.options, asyncrl_deepspeed.options;"
         "asyncrl.plugins.load('asyncrl.training_backends', 'deepspeed');"
         "print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'transformers') if m in sys.modules))"
@@ -37,7 +37,7 @@ def test_first_party_plugins_are_registered() -> None:
     assert "arithmetic" in plugins.available("asyncrl.environments")
     samplers = plugins.available("asyncrl.samplers")
     assert {"in_order", "gated", "oversampled", "ready_first", "dynamic"} <= set(samplers)
-    from asyncrl.samplers import SamplerPlugin
+    from asyncrl.policy.samplers import SamplerPlugin
 
     for name in samplers:  # every registered sampler loads and names its own struct's tag
         plugin = plugins.load("asyncrl.samplers", name)

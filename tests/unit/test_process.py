@@ -1,4 +1,4 @@
-"""Process helpers (asyncrl.process) and error flattening, against real child processes."""
+"""Process helpers (asyncrl.procs.process) and error flattening, against real child processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.errors import RunError, flatten
-from asyncrl.process import exit_status, has_exited, stopped_by_signal
+from asyncrl.procs.process import exit_status, has_exited, stopped_by_signal
 
 
 def _wait_zombie(proc: subprocess.Popen[bytes]) -> None:
@@ -73,7 +73,7 @@ async def test_exit_code_after_exit_of_a_killed_child_and_of_a_reaped_one() -> N
 
     import anyio
 
-    from asyncrl.process import exit_code_after_exit, wait_pid_exit
+    from asyncrl.procs.process import exit_code_after_exit, wait_pid_exit
 
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_sleep_forever)
@@ -101,7 +101,7 @@ async def test_exit_code_after_exit_of_a_killed_child_and_of_a_reaped_one() -> N
 # the rank must stop by itself. The rank writes what happened to a file.
 _RANK = r"""
 import os, signal, subprocess, sys, time
-from asyncrl.process import PARENT_ENV, die_with_parent, lost_owner
+from asyncrl.procs.process import PARENT_ENV, die_with_parent, lost_owner
 
 out, mode, also = sys.argv[1], sys.argv[2], int(sys.argv[3])
 

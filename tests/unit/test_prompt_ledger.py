@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.prompt_ledger import PromptLedger, Runs
+from asyncrl.policy.ledger import PromptLedger, Runs
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,4 +1,4 @@
-"""The refit protocol (asyncrl.refit) end to end in one process: a real WeightSender and
+"""The refit protocol (asyncrl.worker.weights) end to end in one process: a real WeightSender and
 WeightReceiver over ipc:// with the ``shm`` transfer and a recording generation backend.
 
 Several buckets (with both staging buffers reused), byte-exact delivery, the manifest check
@@ -25,15 +25,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.backend import WeightBucketView, WeightTensor
-from asyncrl.codec import Codec
+from asyncrl.wire.codec import Codec
 from asyncrl.errors import EngineDeadError, RefitError
-from asyncrl.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
-from asyncrl.refit import (
+from asyncrl.wire.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
+from asyncrl.worker.weights import (
     WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
 )
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir
-from asyncrl.transport import Context, ipc_address
+from asyncrl.wire.transport import Context, ipc_address
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -280,7 +280,7 @@ async def test_a_bucket_that_breaks_the_manifest_is_refused_before_loading(run_d
     """A hand-driven sender announces a manifest, then a bucket whose tensor has another shape:
     the receiver refuses it without loading, and the engine goes on with its old weights."""
     ctx = Context()
-    from asyncrl.transport import ROUTER
+    from asyncrl.wire.transport import ROUTER
 
     router = ctx.socket(ROUTER, bind=ipc_address(run_dir, "w"))
     receiver = WeightReceiver(ctx, ipc_address(run_dir, "w"), "rollout:0")

@@ -1,4 +1,4 @@
-"""The rule for resuming with changed settings (:mod:`asyncrl.resume_rule`): which settings
+"""The rule for resuming with changed settings (:mod:`asyncrl.run.resume_rule`): which settings
 are strict, which are harmless, what ``--allow-changed`` lets through, and the fingerprints
 that compare the model directory, the chat template and the data by content."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from asyncrl.config import Config, EnvironmentConfig, ModelConfig, to_dict
 from asyncrl.environment import Prompt
-from asyncrl.resume_rule import FINGERPRINT_FIELDS, HARMLESS, compare, fingerprints
+from asyncrl.run.resume_rule import FINGERPRINT_FIELDS, HARMLESS, compare, fingerprints
 
 PROMPTS = [Prompt(id=f"p{i}", text=f"{i} + 1 =", answer=i + 1) for i in range(5)]
 

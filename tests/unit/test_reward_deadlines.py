@@ -22,12 +22,14 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncrl import deadlines, intake
-from asyncrl.dataset_env import AsyncDatasetEnvironment, make_environment
-from asyncrl.deadlines import AbandonedThreadsError, abandoned_threads
+from asyncrl.data import deadlines
+
+from asyncrl.run import intake
+from asyncrl.data.dataset import AsyncDatasetEnvironment, make_environment
+from asyncrl.data.deadlines import AbandonedThreadsError, abandoned_threads
 from asyncrl.environment import Prompt, Score
-from asyncrl.intake import Generating, ScoreError, ScoreTimeout, Scorer
-from asyncrl.messages import Sample
+from asyncrl.run.intake import Generating, ScoreError, ScoreTimeout, Scorer
+from asyncrl.wire.messages import Sample
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]
 
@@ -305,8 +307,8 @@ def test_a_process_with_an_abandoned_thread_exits(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent("""
         import threading, anyio, numpy as np
         from asyncrl.environment import Prompt, Score
-        from asyncrl.intake import Generating, ScoreTimeout, Scorer
-        from asyncrl.messages import Sample
+        from asyncrl.run.intake import Generating, ScoreTimeout, Scorer
+        from asyncrl.wire.messages import Sample
 
         class Env:
             def dataset(self, split): return []

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.rollout_pool import RESTARTING, SERVING, SYNCING, PoolError, RolloutPool
+from asyncrl.policy.pool import RESTARTING, SERVING, SYNCING, PoolError, RolloutPool
 
 WORKERS = ["rollout:0", "rollout:1", "rollout:2"]
 EVENTS = st.lists(

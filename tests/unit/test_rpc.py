@@ -16,14 +16,14 @@ import anyio.abc
 import msgspec
 import pytest
 
-from asyncrl.codec import Codec
+from asyncrl.wire.codec import Codec
 from asyncrl.errors import (
     RemoteCallError,
     WorkerError,
     WorkerRestarting,
     WorkerStartupError,
 )
-from asyncrl.messages import (
+from asyncrl.wire.messages import (
     PROTOCOL_VERSION,
     Call,
     Dead,
@@ -39,8 +39,8 @@ from asyncrl.messages import (
     Shutdown,
     ToWorker,
 )
-from asyncrl.rpc import ControlPlane
-from asyncrl.transport import DEALER, ROUTER, AsyncSocket, Context, ipc_address
+from asyncrl.wire.rpc import ControlPlane
+from asyncrl.wire.transport import DEALER, ROUTER, AsyncSocket, Context, ipc_address
 
 pytestmark = pytest.mark.asyncio
 

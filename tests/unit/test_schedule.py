@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.samplers import (
+from asyncrl.policy.samplers import (
     GatedConfig,
     GatedSampler,
     InOrderConfig,
@@ -17,7 +17,7 @@ from asyncrl.samplers import (
     Sampler,
     slack,
 )
-from asyncrl.schedule import Dispatch, Scheduler, SchedulerError, Wait
+from asyncrl.policy.schedule import Dispatch, Scheduler, SchedulerError, Wait
 
 
 def make(sampler, P=2, N=2, steps=4, cap=None, inflight=None, min_chunk=1) -> Scheduler:

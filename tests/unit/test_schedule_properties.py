@@ -1,4 +1,4 @@
-"""Property tests of the real :class:`asyncrl.schedule.Scheduler` with every built-in sampler.
+"""Property tests of the real :class:`asyncrl.policy.schedule.Scheduler` with every built-in sampler.
 
 Each example is one random run: random capacities, window, chunk size, completion order of
 individual samples (a long sample holds its slot, not its group's admission), refit timing
@@ -34,7 +34,7 @@ from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.samplers import (
+from asyncrl.policy.samplers import (
     GatedConfig,
     GatedSampler,
     InOrderConfig,
@@ -44,7 +44,7 @@ from asyncrl.samplers import (
     ReadyFirstConfig,
     ReadyFirstSampler,
 )
-from asyncrl.schedule import Dispatch, Scheduler, SchedulerError
+from asyncrl.policy.schedule import Dispatch, Scheduler, SchedulerError
 
 SAMPLERS = {
     "in_order": lambda w, r: InOrderSampler(InOrderConfig(max_lookahead_versions=w)),

@@ -22,7 +22,7 @@ from integration_support import tfrecords  # noqa: E402
 
 from asyncrl import plugins
 from asyncrl.errors import ConfigError, PluginError
-from asyncrl.log import MetricsWriter
+from asyncrl.obs.log import MetricsWriter
 from asyncrl.sinks import GROUP, SinkPlugin, check_sinks, load_sinks, sink_names
 from asyncrl.sinks.mapping import (
     Scalars,

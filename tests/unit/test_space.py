@@ -1,4 +1,4 @@
-"""Room on the file systems a run writes to (:mod:`asyncrl.space`): the model's size read
+"""Room on the file systems a run writes to (:mod:`asyncrl.procs.space`): the model's size read
 from safetensors headers, the shared memory the ``shm`` transfer stages, the pre-spawn check
 and its message, full-disk errors recognised here and on workers, and ``metrics.jsonl``
 written whole (a torn last line cut, a failed write truncated away)."""
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl import space
+from asyncrl.procs import space
 from asyncrl.config import from_dict
 from asyncrl.errors import ConfigError, NoSpaceError, RemoteCallError
 from asyncrl.sinks import jsonl

@@ -1,4 +1,4 @@
-"""The rollout rank's supervisor (asyncrl.supervisor) with real child processes: restarts
+"""The rollout rank's supervisor (asyncrl.procs.supervisor) with real child processes: restarts
 within its count, what a dead worker left is killed before the next starts, stop signals
 are forwarded, and a lost controller ends it with one line."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl.supervisor import supervise
+from asyncrl.procs.supervisor import supervise
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,7 +74,7 @@ def test_a_stop_signal_is_forwarded_and_not_restarted(tmp_path: Path) -> None:
         Path({str(tmp_path / "up")!r}).write_text("")
         time.sleep(60)
     """)
-    code = f"import sys; from asyncrl.supervisor import supervise; sys.exit(supervise({cmd!r}, max_restarts=3, backoff_s=0))"
+    code = f"import sys; from asyncrl.procs.supervisor import supervise; sys.exit(supervise({cmd!r}, max_restarts=3, backoff_s=0))"
     rank = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 30
@@ -160,7 +160,7 @@ def test_a_worker_that_outlives_its_controller_is_stopped_not_restarted(
     after a grace and exits 1 without starting another."""
     import threading
 
-    monkeypatch.setattr("asyncrl.supervisor.LOST_GRACE_S", 0.5)
+    monkeypatch.setattr("asyncrl.procs.supervisor.LOST_GRACE_S", 0.5)
     controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     cmd = child(tmp_path, f"""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # deaf: only SIGKILL ends it

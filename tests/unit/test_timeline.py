@@ -1,4 +1,4 @@
-"""The run timeline (asyncrl.timeline) from hand-written records, and ``asyncrl plot``
+"""The run timeline (asyncrl.obs.timeline) from hand-written records, and ``asyncrl plot``
 through the console script."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.timeline import (
+from asyncrl.obs.timeline import (
     chrome_trace,
     lanes,
     last_run,

@@ -8,7 +8,7 @@ import pytest
 import structlog
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from asyncrl.prompts import Tokenizer as PromptTokenizer
+from asyncrl.data.prompts import Tokenizer as PromptTokenizer
 
 VOCAB = ["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+="]
 

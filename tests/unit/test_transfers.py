@@ -15,8 +15,8 @@ import pytest
 
 from asyncrl.errors import ConfigError
 from asyncrl.config import RefitConfig
-from asyncrl.messages import KVScalesResult, TensorEntry, TokenBatch
-from asyncrl.refits import KVScales, fp8_kv_cache
+from asyncrl.wire.messages import KVScalesResult, TensorEntry, TokenBatch
+from asyncrl.run.refit import KVScales, fp8_kv_cache
 from asyncrl.transfers import StagingSpec, WeightTransfer, load_transfer
 from asyncrl.transfers.shm import read_bytes, shm_dir
 

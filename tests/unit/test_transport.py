@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncrl.transport import (
+from asyncrl.wire.transport import (
     DEALER,
     PULL,
     PUSH,

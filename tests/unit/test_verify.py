@@ -1,4 +1,4 @@
-"""Refit verification logic (asyncrl.verify) against hand computations."""
+"""Refit verification logic (asyncrl.policy.verify) against hand computations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from asyncrl.errors import RefitError
-from asyncrl.verify import compare, probe_sequences, verification_due
+from asyncrl.policy.verify import compare, probe_sequences, verification_due
 
 
 def test_schedule_first_then_every() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncrl.errors import ConfigError
-from asyncrl.messages import TokenBatch
+from asyncrl.wire.messages import TokenBatch
 from asyncrl_vllm.kv_scales import resolve_kv_scales
 from asyncrl_vllm.options import VLLMOptions, parse_options
 from asyncrl_vllm.scoring import response_logprobs, split_batch

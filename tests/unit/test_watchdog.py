@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncrl.watchdog import LoopWatchdog
+from asyncrl.obs.watchdog import LoopWatchdog
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 

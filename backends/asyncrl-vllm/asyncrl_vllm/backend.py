@@ -30,8 +30,8 @@ import structlog
 
 from asyncrl.backend import SampleSink, WorkerContext
 from asyncrl.errors import ConfigError, EngineDeadError, RequestError, flatten
-from asyncrl.messages import GenRequest, Sample, TokenBatch
-from asyncrl.process import exit_code_after_exit, process_name, wait_pid_exit
+from asyncrl.wire.messages import GenRequest, Sample, TokenBatch
+from asyncrl.procs.process import exit_code_after_exit, process_name, wait_pid_exit
 from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 
 from .idle import ENV_VAR as IDLE_ENV_VAR

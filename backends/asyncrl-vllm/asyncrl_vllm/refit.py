@@ -26,7 +26,7 @@ from typing import Any
 
 from asyncrl.backend import WeightBucketView
 from asyncrl.errors import RefitError
-from asyncrl.messages import TensorEntry
+from asyncrl.wire.messages import TensorEntry
 
 from .manifest import checkpoint_shapes, manifest_problems
 

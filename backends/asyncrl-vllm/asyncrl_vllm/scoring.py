@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from asyncrl.messages import TokenBatch
-from asyncrl.packing import Layout, check_packed
+from asyncrl.wire.messages import TokenBatch
+from asyncrl.policy.packing import Layout, check_packed
 
 __all__ = ["response_logprobs", "split_batch"]
 

@@ -20,7 +20,7 @@ import structlog
 
 from asyncrl.backend import SampleSink, WeightBucketView, WorkerContext
 from asyncrl.errors import RequestError
-from asyncrl.messages import GenRequest, Sample, TensorEntry, TokenBatch
+from asyncrl.wire.messages import GenRequest, Sample, TensorEntry, TokenBatch
 from asyncrl.transfers.shm import read_bytes
 
 from . import __version__

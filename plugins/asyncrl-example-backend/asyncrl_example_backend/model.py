@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.errors import ConfigError
-from asyncrl.messages import TokenBatch
-from asyncrl.packing import Layout
+from asyncrl.wire.messages import TokenBatch
+from asyncrl.policy.packing import Layout
 
 __all__ = [
     "TENSOR_NAME",

@@ -36,7 +36,7 @@ import numpy as np
 
 from asyncrl.backend import WeightTensor, WorkerContext
 from asyncrl.errors import NonFiniteError
-from asyncrl.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
+from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
 
 from . import __version__
 from .model import TENSOR_NAME, ModelSpec, initial_table, log_softmax, response_tokens

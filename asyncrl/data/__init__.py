@@ -1,0 +1,1 @@
+"""Where prompts and rewards come from: the dataset environment, files, rewards, prompts."""

@@ -1,0 +1,1 @@
+"""Observability: logging and metrics, the terminal, the timeline and plots, the watchdog."""

@@ -1,0 +1,199 @@
+"""One optimizer step's timing and counters, and the metrics record made from them (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from asyncrl.run.groups import Group
+from asyncrl.wire.messages import ChunkResult, StepResult
+from asyncrl.policy.schedule import StepStats
+from asyncrl.obs.timeline import worker_spans
+from asyncrl.policy.verify import Agreement
+
+__all__ = ["StepRecord", "log_step"]
+
+log = structlog.get_logger("asyncrl.run.loops")
+
+
+@dataclass
+class StepRecord:
+    """Timing and counters of one step (one batch: generation, training, refit)."""
+
+    step: int
+    train_start: float | None = None
+    train_end: float | None = None
+    wait_spans: list[tuple[float, float]] = field(default_factory=list)
+    """The trainer's waits in this step (run clock): for data (no chunk ready), or for a
+    validation before the step's ``FinishStep``; the timeline's ``waiting`` lane."""
+    gate_wait_s: float = 0.0
+    """Rollout pump time waiting for the gate (a refit) since the previous step's record."""
+    drain_s: float = 0.0
+    drain_timeouts: int = 0
+    refit_s: float = 0.0
+    """From the version bump to the generators serving the new weights."""
+    refit_start: float | None = None
+    refit_end: float | None = None
+    step_retries: int = 0
+    """Times this step was assembled again after a train call failed on a trainer."""
+    nonfinite_skipped: bool = False
+    """The step's loss or gradient norm was not finite: the trainer did not apply it
+    (``failures.max_nonfinite_steps``)."""
+    aborted_samples: int = 0
+    """Samples the engines cut short (finish reason ``abort``) while this step was open."""
+    trainer_compute_s: float = 0.0
+    """The trainer's own time serving this step's TrainChunk and FinishStep calls (slowest
+    rank), as the worker measured it."""
+    engine_busy_s: float = 0.0
+    """Time the generators were generating since the previous refit (slowest rank)."""
+    refit_work_s: float = 0.0
+    """The workers' own time in this step's refit (the longest SendWeights/ReceiveWeights)."""
+    refit_pack_s: float = 0.0
+    """Trainer rank 0's time producing and packing this step's refit buckets (gathers
+    included): the part of ``refit_work_s`` spent on the trainer's side of the transfer."""
+    train_busy_s: float = 0.0
+    """Time the trainer ranks spent on this step's TrainChunk and FinishStep calls."""
+    inflight_at_refit: int = 0
+    """Samples still generating when the weights were swapped (0 after a complete drain)."""
+    chunks: int = 0
+    groups: list[Group] = field(default_factory=list)
+    chunk_results: list[ChunkResult] = field(default_factory=list)
+    verify: list[Agreement] = field(default_factory=list)
+    verify_s: float = 0.0
+
+    def take_served(self, served: dict[tuple[str, str], float], trainers: list[str]) -> None:
+        """The workers' own time serving this step's calls (``ControlPlane.take_served``):
+        the slowest trainer's train calls, the longest refit call."""
+        self.trainer_compute_s = max(
+            served.get((t, "TrainChunk"), 0.0) + served.get((t, "FinishStep"), 0.0)
+            for t in trainers
+        )
+        self.refit_work_s = max(
+            [v for (_, m), v in served.items() if m in ("SendWeights", "ReceiveWeights")],
+            default=0.0,
+        )
+
+    @property
+    def wait_s(self) -> float:
+        """Trainer time waiting in this step (the sum of :attr:`wait_spans`)."""
+        return sum(b - a for a, b in self.wait_spans)
+
+    def waited(self, start: float, end: float) -> None:
+        """The trainer waited from ``start`` to ``end`` in this step."""
+        if end > start:
+            self.wait_spans.append((start, end))
+
+    def restart(self) -> None:
+        """The step failed on a trainer and is assembled again: forget its chunks (its
+        groups went back to the buffer)."""
+        self.groups, self.chunk_results, self.chunks = [], [], 0
+        self.train_start = None
+        self.step_retries += 1
+
+    def metrics(
+        self,
+        result: StepResult,
+        refit_s: float,
+        stats: StepStats,
+        *,
+        buffer_ready: int,
+        buffer_live: int,
+        inflight_samples: int,
+        loop_lags: list[float],
+        rejected_frames: int,
+        now: float,
+    ) -> dict[str, Any]:
+        """The step's metrics record (one JSON line of ``metrics.jsonl``, kind ``train``),
+        with ``reward/<name>`` the mean of each ``Score.components`` entry."""
+        samples = [s for g in self.groups for s in g.samples]
+        gen_start = min(g.dispatched_at for g in self.groups)
+        gen_end = max(g.committed_at or g.dispatched_at for g in self.groups)
+        stale = [self.step - g.start_version for g in self.groups]
+        n_tok = max(1, sum(r.num_loss_tokens for r in self.chunk_results))
+        record: dict[str, Any] = {
+            "step": self.step + 1,
+            "reward": float(np.mean([s.reward for s in samples])),
+            "accuracy": float(np.mean([s.correct for s in samples])),
+            "staleness_max": int(max(stale)),
+            "staleness_mean": float(np.mean(stale)),
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "clip_frac": sum(r.clipped_tokens for r in self.chunk_results) / n_tok,
+            "logprob_diff": sum(r.abs_logprob_diff_sum for r in self.chunk_results) / n_tok,
+            "response_len": float(np.mean([len(s.token_ids) for s in samples])),
+            "chunks": self.chunks,
+            "groups": len(self.groups),
+            # the generation span of this step's own groups: first dispatch to last commit
+            "gen_s": gen_end - gen_start,
+            "train_s": (self.train_end or 0.0) - (self.train_start or 0.0),
+            "refit_s": refit_s,
+            "wait_s": self.wait_s,
+            "wait_spans": [[round(a, 6), round(b, 6)] for a, b in self.wait_spans],
+            "gen_by_worker": worker_spans(self.groups),
+            "gate_wait_s": self.gate_wait_s,
+            "staleness_hist": {str(k): v for k, v in sorted(stats.staleness.items())},
+            "evicted_groups": stats.evicted_groups,
+            "aborted_groups": stats.aborted_groups,
+            "wasted_samples": stats.wasted_samples,
+            "buffer_ready": buffer_ready,
+            "buffer_live": buffer_live,
+            "inflight_samples": inflight_samples,
+            "inflight_samples_max": stats.inflight_samples_max,
+            "drain_s": self.drain_s,
+            "drain_timeouts": self.drain_timeouts,
+            "aborted_samples": self.aborted_samples,
+            "failed_groups": stats.failed_groups,
+            "step_retries": self.step_retries,
+            "nonfinite_skipped": self.nonfinite_skipped,
+            "generation_retries": stats.generation_retries,
+            "inflight_at_refit": self.inflight_at_refit,
+            "train_busy_s": self.train_busy_s,
+            "trainer_compute_s": self.trainer_compute_s,
+            "engine_busy_s": self.engine_busy_s,
+            "refit_work_s": self.refit_work_s,
+            "refit_pack_s": self.refit_pack_s,
+            "gen_start": gen_start,
+            "gen_end": gen_end,
+            "train_start": self.train_start,
+            "train_end": self.train_end,
+            "refit_start": self.refit_start,
+            "refit_end": self.refit_end,
+            "loop_lag_p99_s": float(np.quantile(loop_lags, 0.99)) if loop_lags else 0.0,
+            "loop_lag_max_s": max(loop_lags, default=0.0),
+            "rejected_frames": rejected_frames,
+            "time": now,
+        }
+        if self.verify:
+            record["refit_verify_mean_abs"] = max(a.mean_abs for a in self.verify)
+            record["refit_verify_max_abs"] = max(a.max_abs for a in self.verify)
+            record["refit_verify_mult_prob_error"] = max(a.mult_prob_error for a in self.verify)
+            record["verify_s"] = self.verify_s
+        # each reward component's mean over the samples that have it (a group restored from
+        # a checkpoint carries none)
+        for name in sorted({k for s in samples for k in s.components}):
+            values = [s.components[name] for s in samples if name in s.components]
+            record[f"reward/{name}"] = float(np.mean(values))
+        return record
+
+
+def log_step(record: dict[str, Any], result: StepResult, refit_s: float, rec: StepRecord) -> None:
+    """The ``step_finished`` log line of a step's record."""
+    log.info(
+        "step_finished",
+        step=record["step"],
+        reward=round(record["reward"], 4),
+        accuracy=round(record["accuracy"], 4),
+        staleness=record["staleness_max"],
+        loss=round(result.loss, 5),
+        grad_norm=round(result.grad_norm, 4),
+        gen_s=round(record["gen_s"], 3),
+        train_s=round(record["train_s"], 3),
+        refit_s=round(refit_s, 3),
+        wait_s=round(rec.wait_s, 3),
+        **({"refit_verify": round(record["refit_verify_mean_abs"], 4)} if rec.verify else {}),
+        **({"step_retries": rec.step_retries} if rec.step_retries else {}),
+        **({"failed_groups": record["failed_groups"]} if record["failed_groups"] else {}),
+    )

@@ -1,0 +1,1 @@
+"""Pure rules (no I/O): scheduling and staleness, samplers, failures, GRPO math, packing."""

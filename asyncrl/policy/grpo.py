@@ -1,0 +1,224 @@
+"""GRPO math on the controller: group-relative advantages and packing of train batches.
+
+Pure numpy; the loss itself lives with the trainer (:mod:`asyncrl.training.loss`, torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from asyncrl.run.groups import Group
+from asyncrl.errors import NonFiniteError
+from asyncrl.wire.messages import TokenBatch, TrainBatch
+from asyncrl.policy.packing import Layout
+
+__all__ = [
+    "group_advantages",
+    "nonfinite_cause",
+    "pack_groups",
+    "pack_tokens",
+    "reward_overflow",
+    "shard_batch",
+    "shard_tokens",
+]
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest advantage a :class:`TrainBatch` can carry (it holds float32)."""
+
+
+def group_advantages(
+    rewards: Sequence[float], *, normalize: bool = True, eps: float = 1e-6
+) -> np.ndarray:
+    """Advantages of one group: ``r_i - mean(r)``, divided by ``std(r) + eps`` when
+    ``normalize`` and the group's (population) standard deviation is positive.
+
+    A group whose rewards are all equal gets zero advantages (it carries no signal).
+
+    Raises:
+        OverflowError: the rewards are too large for this math: their mean or their spread
+            overflows float64 (the variance squares them: a reward of 1e155 or more, like
+            1e308, makes it infinite, and the advantages would silently be 0 or NaN), or an
+            advantage does not fit the float32 the trainer gets.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size < 2:
+        raise ValueError("a GRPO group needs at least 2 samples")
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = r.mean()
+        centred = r - mean
+        std = r.std()
+        if normalize and std > 0:
+            centred = centred / (std + eps)
+    if not np.isfinite(mean):
+        raise OverflowError("their mean overflows float64")
+    if normalize and not np.isfinite(std):
+        raise OverflowError("their standard deviation overflows float64 (their squares do)")
+    if not np.all(np.abs(centred) <= FLOAT32_MAX):
+        raise OverflowError(f"an advantage (r - mean) exceeds float32's {FLOAT32_MAX:.3g}")
+    return centred
+
+
+def pack_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> TokenBatch:
+    """Pack prompt+response pairs into a :class:`TokenBatch`."""
+    if len(prompts) != len(responses):
+        raise ValueError("prompts and responses differ in length")
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    return TokenBatch(
+        tokens=np.asarray([t for s in seqs for t in s], dtype=np.int32),
+        seq_lens=np.asarray([len(s) for s in seqs], dtype=np.int32),
+        prompt_lens=np.asarray([len(p) for p in prompts], dtype=np.int32),
+    )
+
+
+def pack_groups(
+    groups: Sequence[Group], *, normalize: bool, environment: str = "?"
+) -> TrainBatch:
+    """One :class:`TrainBatch` holding every sample of complete ``groups``.
+
+    Raises:
+        NonFiniteError: a group's rewards are too large for the advantage math
+            (:func:`group_advantages`); the message names the group, its prompt, the largest
+            reward and the reward function that gave it (``environment``'s, when the score
+            has no components).
+    """
+    tokens: list[np.ndarray] = []
+    seq_lens, prompt_lens, adv = [], [], []
+    behaviour: list[np.ndarray] = []
+    for g in groups:
+        try:
+            a = group_advantages([s.reward for s in g.samples], normalize=normalize)
+        except OverflowError as exc:
+            raise NonFiniteError(reward_overflow(g, str(exc), environment)) from None
+        prompt = np.asarray(g.prompt_ids, dtype=np.int32)
+        for s, a_i in zip(g.samples, a):
+            resp = np.asarray(s.token_ids, dtype=np.int32)
+            tokens += [prompt, resp]
+            seq_lens.append(prompt.size + resp.size)
+            prompt_lens.append(prompt.size)
+            behaviour.append(np.asarray(s.logprobs, dtype=np.float32))
+            adv.append(a_i)
+    return TrainBatch(
+        tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+        seq_lens=np.asarray(seq_lens, dtype=np.int32),
+        prompt_lens=np.asarray(prompt_lens, dtype=np.int32),
+        behaviour_logprobs=np.concatenate(behaviour) if behaviour else np.zeros(0, np.float32),
+        advantages=np.asarray(adv, dtype=np.float32),
+    )
+
+
+def reward_overflow(group: Group, problem: str, environment: str) -> str:
+    """The error message of a group whose rewards overflow the advantage math: the largest
+    reward, who gave it (the reward function with the largest component, else the
+    environment's ``score()``), and the fix."""
+    sample = max(group.samples, key=lambda s: abs(s.reward) if math.isfinite(s.reward) else 0.0)
+    by = f"environment {environment!r} (environment.name)"
+    if sample.components:
+        name, value = max(sample.components.items(), key=lambda kv: abs(kv[1]))
+        by += f", reward function {name!r} (which returned {value:.6g})"
+    return (
+        f"the rewards of group {group.group_id} (prompt {group.prompt_id!r}) are too large "
+        f"for GRPO's advantages: {problem}; the largest is {sample.reward:.6g}, given by {by}. "
+        "No step was trained on them. Fix: make the reward return values of a moderate size "
+        "(scale or clip it; rewards within +-1e6 are safe)"
+    )
+
+
+SANE_ADVANTAGE = 1e6
+"""Advantages beyond this size make a float32 loss or gradient overflow plausible (with
+``grpo.normalize_advantages`` they are at most sqrt(samples per prompt))."""
+
+
+def nonfinite_cause(
+    step: int,
+    loss: float,
+    grad_norm: float,
+    groups: Sequence[Group],
+    *,
+    normalize: bool,
+    budget: str = "",
+) -> str:
+    """Why step ``step``'s loss or gradient norm is likely not finite, for the error that
+    stops the run: the rewards' magnitude when the step's advantages are huge, else the
+    model's state (corrupted or diverging weights). ``budget`` (the skip budget, spent) goes
+    after the facts; the message ends with the fix."""
+    worst: tuple[float, float, Group | None] = (0.0, 0.0, None)  # |advantage|, reward, group
+    for g in groups:
+        a = group_advantages([s.reward for s in g.samples], normalize=normalize)
+        i = int(np.argmax(np.abs(a)))
+        if abs(a[i]) >= worst[0]:
+            worst = (float(abs(a[i])), g.samples[i].reward, g)
+    top, reward, group = worst
+    where = f" in group {group.group_id}, prompt {group.prompt_id!r}" if group else ""
+    head = (
+        f"step {step}: the trainer's loss is {loss:.6g} and its gradient norm "
+        f"{grad_norm:.6g}; the update was not applied (the weights are unchanged){budget}. "
+    )
+    if top > SANE_ADVANTAGE:
+        return head + (
+            f"The likely cause is the rewards' magnitude: the step's advantages reach {top:.3g}"
+            f", from a reward of {reward:.6g}{where}: enough to overflow the trainer's "
+            "float32 loss or gradient. Fix: "
+            "make the reward return values of a moderate size (scale or clip it; within "
+            "+-1e6 is safe), or set grpo.normalize_advantages = true"
+        )
+    return head + (
+        f"The step's advantages are of a sane size (at most {top:.3g}{where}), so the likely "
+        "cause is the model's state: weights that are corrupted (a damaged checkpoint) or "
+        "diverging (a learning rate too high). Fix: resume from an older checkpoint "
+        "(--resume <checkpoint.dir>/step-N), or lower the learning rate "
+        "(trainer.options.lr); failures.max_nonfinite_steps > 0 skips such steps"
+    )
+
+
+def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
+    """Split ``batch`` by sequences into ``num_shards`` parts of similar token counts.
+
+    Greedy longest-first assignment; sequence order inside a shard follows the batch. A shard
+    may be empty (its rank then only takes part in the collectives).
+    """
+    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+    n = layout.num_sequences
+    loads = [0] * num_shards
+    members: list[list[int]] = [[] for _ in range(num_shards)]
+    for i in sorted(range(n), key=lambda i: -int(batch.seq_lens[i])):
+        k = min(range(num_shards), key=lambda k: (loads[k], k))
+        loads[k] += int(batch.seq_lens[i])
+        members[k].append(i)
+    shards = []
+    for idx in members:
+        idx.sort()
+        shards.append(
+            TrainBatch(
+                tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
+                seq_lens=batch.seq_lens[idx].astype(np.int32),
+                prompt_lens=batch.prompt_lens[idx].astype(np.int32),
+                behaviour_logprobs=layout.gather_responses(
+                    batch.behaviour_logprobs, idx, np.float32
+                ),
+                advantages=batch.advantages[idx].astype(np.float32),
+            )
+        )
+    return shards
+
+
+def shard_tokens(batch: TokenBatch, num_shards: int) -> list[TokenBatch]:
+    """Split a :class:`TokenBatch` into ``num_shards`` contiguous runs of sequences, so that
+    concatenating the shards' per-token results restores the batch's order."""
+    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+    bounds = np.linspace(0, batch.seq_lens.size, num_shards + 1).round().astype(int)
+    shards = []
+    for k in range(num_shards):
+        idx = list(range(bounds[k], bounds[k + 1]))
+        shards.append(
+            TokenBatch(
+                tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
+                seq_lens=batch.seq_lens[idx].astype(np.int32),
+                prompt_lens=batch.prompt_lens[idx].astype(np.int32),
+            )
+        )
+    return shards
+

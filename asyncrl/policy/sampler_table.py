@@ -1,0 +1,101 @@
+"""``[pipeline.sampler]``: from the config's table to a sampler (its plugin, its knobs).
+
+Kept apart from :mod:`asyncrl.config` so that the config's structs stay one short module;
+:mod:`asyncrl.config` re-exports :func:`make_sampler` and :func:`resolve_sampler`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import msgspec
+
+from asyncrl import plugins
+
+from asyncrl.policy import samplers
+from asyncrl.errors import ConfigError, PluginError
+from asyncrl.errors import config_error as _fail
+from asyncrl.config.explain import explain
+
+__all__ = ["make_sampler", "resolve_sampler"]
+
+
+def _sampler_plugin(name: Any) -> samplers.SamplerPlugin:
+    if not isinstance(name, str) or not name:
+        raise _fail(
+            "pipeline.sampler.name",
+            "required but missing" if name is None else f"must be a string, got {name!r}",
+            'add it, e.g. name = "in_order" (or "gated", "oversampled", "ready_first"; '
+            "docs/modes.md)",
+        )
+    try:
+        plugin = plugins.load("asyncrl.samplers", name, "pipeline.sampler.name")
+    except PluginError as exc:
+        close = difflib.get_close_matches(name, list(plugins.available("asyncrl.samplers")), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{exc}. Fix: pick an installed sampler{hint}; docs/modes.md") from None
+    if not isinstance(plugin, samplers.SamplerPlugin):
+        raise ConfigError(
+            f"pipeline.sampler.name: the sampler {name!r} is registered as {plugin!r}, not an "
+            "asyncrl.policy.samplers.SamplerPlugin. Fix: point its entry point at a SamplerPlugin"
+        )
+    return plugin
+
+
+def resolve_sampler(table: Any) -> msgspec.Struct:
+    """``[pipeline.sampler]`` as its sampler's own config struct (a struct passes through).
+
+    Raises:
+        ConfigError: no ``name``, an unknown sampler, or a knob it does not have or of the
+            wrong type (named as ``pipeline.sampler.<knob>``).
+    """
+    if isinstance(table, msgspec.Struct):
+        return table
+    if not isinstance(table, dict):
+        raise _fail(
+            "pipeline.sampler",
+            f"must be a table, got {table!r}",
+            'write [pipeline.sampler] with name = "in_order" and its knobs',
+        )
+    plugin = _sampler_plugin(table.get("name"))
+    try:
+        return msgspec.convert(table, plugin.config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(explain(exc, plugin.config, "pipeline.sampler")) from None
+
+
+def make_sampler(table: Any) -> Any:
+    """Build the sampler ``[pipeline.sampler]`` names (a :class:`~asyncrl.policy.samplers.Sampler`).
+
+    Raises:
+        ConfigError: as :func:`resolve_sampler`, or a knob value the sampler refuses.
+    """
+    struct = resolve_sampler(table)
+    plugin = _sampler_plugin(msgspec.inspect.type_info(type(struct)).tag)
+    try:
+        sampler = plugin.create(struct)
+    except ValueError as exc:
+        raise ConfigError(f"pipeline.sampler.{exc}") from None
+    missing = [
+        m
+        for m in (
+            "admit",
+            "select",
+            "evict",
+            "should_abort_inflight",
+            "required_buffer_capacity",
+            "state_dict",
+            "load_state_dict",
+            "max_staleness",
+            "over_dispatch",
+            "name",
+        )
+        if not hasattr(sampler, m)
+    ]
+    if missing:
+        raise ConfigError(
+            f"pipeline.sampler.name: the {struct.__class__.__name__} sampler lacks "
+            f"{', '.join(missing)} (asyncrl.policy.samplers.Sampler). Fix: implement them"
+        )
+    return sampler

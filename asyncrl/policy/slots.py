@@ -1,0 +1,94 @@
+"""The scheduler's vocabulary: group states, the slot it keeps per group, and the decisions
+and counters it hands to the pumps (:mod:`asyncrl.policy.schedule`). Pure data."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ABORTING",
+    "GENERATING",
+    "READY",
+    "RETRYING",
+    "SCORING",
+    "Chunk",
+    "Dispatch",
+    "SchedulerError",
+    "Slot",
+    "StepStats",
+    "Wait",
+]
+
+GENERATING, SCORING, READY, ABORTING = "generating", "scoring", "ready", "aborting"
+RETRYING = "retrying"
+"""Generation failed and will be tried again (still live: it keeps its place and its step)."""
+
+
+class SchedulerError(RuntimeError):
+    """An event that the state does not allow (a bug in a pump or a sampler)."""
+
+
+@dataclass
+class Slot:
+    """A dispatched group the scheduler still tracks (what samplers see as a GroupView)."""
+
+    group_id: str
+    index: int
+    start_version: int
+    target_step: int | None
+    n: int
+    state: str = GENERATING
+    finished: int = 0
+    ready_seq: int = -1
+    rewards: tuple[float, ...] = ()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Dispatch prompt ``index`` of the prompt stream as group ``group_id``."""
+
+    group_id: str
+    index: int
+    start_version: int
+    target_step: int | None
+    n: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to dispatch now, and why: ``gate`` (a refit is going on), ``buffer`` (live
+    groups at capacity), ``samples`` (samples in flight at capacity), ``sampler`` (the sampler
+    holds generation back), ``enough`` (the work in flight covers the rest of the run),
+    ``finished`` (the last step is trained)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What :meth:`Scheduler.next_chunk` decided: groups to train now (empty: wait) and groups
+    evicted for good."""
+
+    step: int
+    groups: list[str]
+    evicted: list[str]
+
+
+@dataclass
+class StepStats:
+    """Counters of one step (from its first chunk to the end of its refit)."""
+
+    staleness: Counter[int] = field(default_factory=Counter)
+    evicted_groups: int = 0
+    aborted_groups: int = 0
+    wasted_samples: int = 0
+    inflight_samples_max: int = 0
+    failed_groups: int = 0
+    """Groups dropped because their generation or scoring failed for good."""
+    generation_retries: int = 0
+    """Failed generations that will be tried again."""

@@ -1,0 +1,1 @@
+"""Processes and their files: spawning, supervising, watching, run locks, disk space."""

@@ -1,0 +1,221 @@
+"""Watching and stopping processes that are not necessarily our children (Linux).
+
+* :func:`wait_pid_exit` waits on a *pidfd*, which becomes readable the moment the process
+  exits, whoever its parent is (torchrun's ranks are siblings of rank 0; the controller of an
+  embedded run is no parent of the ranks either).
+* :func:`exit_status` reads the exit status of a process that has exited but not been reaped
+  yet (a zombie keeps it in ``/proc/<pid>/stat``, field 52). Read right after the pidfd fires
+  it usually beats the parent's ``waitpid`` (torchrun polls every 0.1-0.5 s), so a rank's
+  death can be reported with its exit code even when we are not its parent.
+* :func:`die_with_parent` makes a rank stop when its launcher dies (``kill -9`` of
+  ``asyncrl run`` or of the torchrun agent, the embedding host): torchrun puts every rank in
+  a session of its own, so nothing else would reach it and it would train on headless.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+import anyio
+import structlog
+
+__all__ = [
+    "ORPHAN_KILL_S",
+    "PARENT_ENV",
+    "die_with_parent",
+    "exit_code_after_exit",
+    "exit_status",
+    "has_exited",
+    "kill_process_group",
+    "lost_owner",
+    "parent_pid",
+    "pid_exists",
+    "process_name",
+    "stopped_by_signal",
+    "wait_pid_exit",
+]
+
+log = structlog.get_logger("asyncrl.procs.process")
+
+ORPHAN_KILL_S = 60.0
+"""After its launcher died, how long a rank has to stop in order (SIGTERM's path: workers told
+to stop, engines closed, files removed) before it SIGKILLs its own process group. Longer than
+the orderly stop's own bounds at their defaults (an engine close 30 s; the controller's 2 s
+for a peer to name a cause, then a worker's grace); the bigram runs of
+``tests/integration/test_orphans.py`` are gone 1.1-7 s after the kill, in order."""
+PARENT_ENV = "ASYNCRL_PARENT_PID"
+"""Set by a launcher in its children's environment (its own pid): a child whose parent is
+already another process when it starts watching was orphaned while it started."""
+_LOST: list[int] = []
+"""The owner whose exit stopped this process (see :func:`die_with_parent`)."""
+
+_STOP_EXITS = frozenset(
+    {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+)
+
+
+async def wait_pid_exit(pid: int) -> None:
+    """Wait until process ``pid`` (not necessarily our child) has exited.
+
+    Cancellation: stops waiting.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await anyio.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+def exit_status(pid: int) -> int | None:
+    """The exit status of an exited, not yet reaped process: ``-N`` when signal ``N`` killed
+    it, else its exit code. ``None`` when it is still running or already reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    # fields[0] is field 3 (the state); the exit code is field 52 (Linux >= 3.5)
+    if len(fields) < 50 or fields[0] not in (b"Z", b"X"):
+        return None
+    status = int(fields[49])
+    if status & 0x7F:
+        return -(status & 0x7F)
+    return (status >> 8) & 0xFF
+
+
+async def exit_code_after_exit(pid: int, child: Any = None, within_s: float = 2.0) -> int | None:
+    """The exit status of ``pid``, which :func:`wait_pid_exit` saw exit, read until known for
+    up to ``within_s``: a killed multithreaded process signals its pidfd (and closes its
+    pipes) a moment before it is the zombie whose status ``/proc`` shows. ``child``: its
+    ``multiprocessing.Process`` when it is ours, which keeps the code when another waiter of
+    that object reaped it (a ``join`` in another thread stores the code a moment after its
+    ``waitpid`` took the zombie: keep asking). ``None`` once someone else reaped it without
+    telling us, or after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        code = exit_status(pid)
+        if code is None and child is not None:
+            code = child.exitcode  # polls (waitpid WNOHANG) or returns what a join stored
+        if code is not None or time.monotonic() > deadline:
+            return code
+        if child is None and not pid_exists(pid):  # reaped by a stranger: nobody to ask
+            return None
+        await anyio.sleep(0.01)
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (``None`` if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts: it has not been reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def has_exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, or already reaped)."""
+    return exit_status(pid) is not None or not pid_exists(pid)
+
+
+def stopped_by_signal(exit_code: int | None) -> bool:
+    """Whether an exit code says a stop signal ended the process: it died of SIGTERM/SIGINT
+    (``-15``/``-2``) or exited ``128 + N`` after cleaning up on it."""
+    return exit_code in _STOP_EXITS
+
+
+def process_name(pid: int) -> str:
+    """The process's name (``comm``), or ``"?"`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def kill_process_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
+    """Signal a process group; False when it is already gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def die_with_parent(*, also: int = 0, kill_after_s: float = ORPHAN_KILL_S) -> None:
+    """From now on, stop this process when its parent exits (its launcher: torchrun's agent,
+    the ``asyncrl run`` process, a supervisor), or when process ``also`` does (the controller
+    of an embedded run, which is not the parent): SIGTERM to itself, which is the orderly stop
+    a launcher's own SIGTERM would start, and SIGKILL to its process group (itself and what it
+    started there) if it still lives ``kill_after_s`` later.
+
+    A thread waits on the owners' pidfds. ``PR_SET_PDEATHSIG`` would fire when the parent
+    *thread* that forked this process exits, not the parent process (torch 2.13's agent forks
+    from its main thread, but nothing promises it), and gives no last resort. An owner that
+    is already gone stops it at once: ``also`` (no such process), or the parent named by
+    :data:`PARENT_ENV` (this process was orphaned while it started; the variable is taken out
+    of the environment, so that this process's own children do not inherit it).
+    """
+    parent = os.getppid()
+    launcher = int(os.environ.pop(PARENT_ENV, "0") or 0)
+    fds: dict[int, int] = {}
+    if launcher and launcher != parent:  # reparented already: the launcher is gone
+        fds[_gone()] = launcher
+    else:
+        try:
+            for pid in dict.fromkeys(p for p in (parent, also) if p):
+                fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            fds[_gone()] = pid
+        if os.getppid() != parent:  # reparented between the two calls: the parent is gone
+            fds[_gone()] = parent
+    threading.Thread(
+        target=_stop_when_gone, args=(fds, kill_after_s), name="asyncrl-owner-watch", daemon=True
+    ).start()
+
+
+def lost_owner() -> int | None:
+    """The pid of the owner whose exit stopped this process (:func:`die_with_parent`), if any."""
+    return _LOST[0] if _LOST else None
+
+
+def _gone() -> int:
+    """A descriptor that is readable at once: stands for an owner that already exited."""
+    r, w = os.pipe()
+    os.close(w)
+    return r
+
+
+def _stop_when_gone(fds: dict[int, int], kill_after_s: float) -> None:
+    ready, _, _ = select.select(list(fds), [], [])
+    pid = fds[ready[0]]
+    for fd in fds:
+        os.close(fd)
+    _LOST.append(pid)
+    log.warning("owner_lost", owner_pid=pid, kill_after_s=kill_after_s)
+    # to the main thread: a signal the kernel hands to this thread would not interrupt a
+    # blocking call there (the supervisor's select), so its handler would wait for that call
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+    time.sleep(kill_after_s)
+    log.error("owner_lost_kill", owner_pid=pid, after_s=kill_after_s)
+    if os.getpgrp() == os.getpid():  # a session or group of its own: take what it started
+        kill_process_group(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

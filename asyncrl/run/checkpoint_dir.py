@@ -1,0 +1,492 @@
+"""Checkpoints on disk: layout, atomic commit, retention, and the checks before a resume.
+
+::
+
+    <checkpoint.dir>/
+        step-00000020/              one checkpoint, named by the trainer version it holds
+            manifest.json           written last: format, step, config, fingerprints, and the
+                                    size and SHA-256 of every other file (and of itself)
+            controller.msgpack      the controller's state (ControllerState, msgpack)
+            trainer/                TrainingBackend.save_state (every rank writes its part)
+            model/                  the policy as a Hugging Face directory (optional)
+        step-00000030/
+        .tmp-step-00000040-<pid>/   a save in progress (or a crashed one: removed on start)
+
+A save writes everything into ``.tmp-...``, fsyncs every file, writes ``manifest.json`` last,
+renames the directory to ``step-...`` and fsyncs the parent: a crash at any moment leaves
+either the new checkpoint whole or no trace of it, and the older ones untouched. A directory
+without a manifest is never taken for a checkpoint. Retention deletes a checkpoint's manifest
+first, so a half-deleted directory is no checkpoint either.
+
+Every file is hashed while it is made durable (:func:`asyncrl.run.checksums.seal_tree`), and
+:meth:`Checkpoint.verify` checks them all before a resume loads anything: a flipped bit in a
+trainer shard is refused with the file's name, never trained on.
+
+This module does file I/O only (no sockets, no torch); the pipeline decides when to save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import structlog
+
+from asyncrl.run.groups import CompletedSample, Group
+from asyncrl.run.checksums import HASH, digest_bytes, seal_tree, verify_tree
+from asyncrl.errors import AsyncRLError
+from asyncrl.procs.process import pid_exists
+
+__all__ = [
+    "CheckpointError",
+    "Checkpoint",
+    "ControllerState",
+    "FORMAT",
+    "SavedGroup",
+    "commit",
+    "decode_state",
+    "encode_state",
+    "latest",
+    "list_checkpoints",
+    "open_checkpoint",
+    "prune",
+    "read_best",
+    "write_best",
+    "remove_stale",
+    "resolve",
+    "start_save",
+]
+
+log = structlog.get_logger("asyncrl.run.checkpoint_dir")
+
+FORMAT = 2
+"""Bump when a checkpoint written by this version cannot be read by an older one, or the
+reverse. 2: a checksum of every file and fingerprints of the model and data (1 had a hash of
+``controller.msgpack`` only). From 2 on, every format keeps ``manifest_sha256``: the SHA-256
+of the manifest's other keys as compact JSON with sorted keys, checked before the format."""
+MANIFEST = "manifest.json"
+_SELF = f"manifest_{HASH}"
+"""The manifest's own digest: of its other keys, as compact JSON with sorted keys."""
+CONTROLLER_FILE = "controller.msgpack"
+TRAINER_DIR = "trainer"
+MODEL_DIR = "model"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_TMP_DIR = re.compile(r"^\.tmp-step-\d{8}-(\d+)$")
+
+class CheckpointError(AsyncRLError):
+    """A checkpoint cannot be resumed or exported (missing, corrupt, from another run or
+    finished). The message names the checkpoint, the problem and the fix."""
+
+
+# --------------------------------------------------------------------------- controller state
+class SavedSample(msgspec.Struct, array_like=True, gc=False):
+    token_ids: bytes  # int32
+    logprobs: bytes  # float32
+    finish_reason: str
+    reward: float
+    correct: bool
+
+
+class SavedGroup(msgspec.Struct, array_like=True, gc=False):
+    """A complete, untrained group with its samples, logprobs and rewards."""
+
+    group_id: str
+    index: int
+    prompt_id: str
+    prompt_ids: list[int]
+    start_version: int
+    target_step: int | None
+    end_version: int | None
+    samples: list[SavedSample]
+
+    @classmethod
+    def of(cls, group: Group) -> SavedGroup:
+        return cls(
+            group.group_id,
+            group.index,
+            group.prompt_id,
+            list(group.prompt_ids),
+            group.start_version,
+            group.target_step,
+            group.end_version,
+            [
+                SavedSample(
+                    np.ascontiguousarray(s.token_ids, dtype=np.int32).tobytes(),
+                    np.ascontiguousarray(s.logprobs, dtype=np.float32).tobytes(),
+                    s.finish_reason,
+                    float(s.reward),
+                    bool(s.correct),
+                )
+                for s in group.samples
+            ],
+        )
+
+    def group(self) -> Group:
+        return Group(
+            self.group_id,
+            self.prompt_id,
+            self.prompt_ids,
+            self.start_version,
+            self.target_step,
+            dispatched_at=0.0,
+            samples=[
+                CompletedSample(
+                    np.frombuffer(s.token_ids, dtype=np.int32).copy(),
+                    np.frombuffer(s.logprobs, dtype=np.float32).copy(),
+                    s.finish_reason,
+                    s.reward,
+                    s.correct,
+                )
+                for s in self.samples
+            ],
+            end_version=self.end_version,
+            index=self.index,
+        )
+
+
+class ControllerState(msgspec.Struct, kw_only=True):
+    """Everything the controller needs to go on from a step boundary."""
+
+    format: int = FORMAT
+    step: int
+    """The trainer version: optimizer steps taken."""
+    finished: bool
+    scheduler: dict[str, Any]
+    """:meth:`asyncrl.policy.schedule.Scheduler.state_dict` (versions, counters, prompt-stream
+    cursor, the sampler's state, the prompt ledger, ready groups, prompts to dispatch
+    again)."""
+    groups: list[SavedGroup]
+    """The ready groups' payloads, in the scheduler's order."""
+    evals: list[dict[str, Any]] = []
+    """Held-out evaluations so far."""
+
+
+def encode_state(state: ControllerState) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+def decode_state(data: bytes) -> ControllerState:
+    return msgspec.msgpack.decode(data, type=ControllerState)
+
+
+# --------------------------------------------------------------------------- on disk
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint directory and its manifest."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def trainer_dir(self) -> Path:
+        return self.path / TRAINER_DIR
+
+    @property
+    def model_dir(self) -> Path | None:
+        return self.path / MODEL_DIR if self.manifest.get("has_model") else None
+
+    def verify(self) -> None:
+        """Check every file against the manifest's sizes and digests, and that no other file
+        is there. Blocking: it reads every byte (docs/checkpointing.md has the speed); run it
+        in a worker thread.
+
+        Raises:
+            CheckpointError: the first files that differ, named, with the fix.
+        """
+        self._check(lambda: verify_tree(self.path, self.manifest["files"], exclude=(MANIFEST,)))
+
+    def verify_copy(self, part: str, copy: str | os.PathLike[str]) -> None:
+        """Check ``copy``, a copy of the checkpoint's directory ``part`` (e.g. ``model``),
+        against the manifest: what an export hands out is what the save wrote.
+
+        Raises:
+            CheckpointError: the first files that differ, named, with the fix (an older
+                checkpoint to export).
+        """
+        prefix = part.rstrip("/") + "/"
+        files = self.manifest["files"]
+        listed = {k[len(prefix):]: v for k, v in files.items() if k.startswith(prefix)}
+        self._check(lambda: [prefix + p for p in verify_tree(copy, listed)], export=True)
+
+    def _check(self, problems_of: Callable[[], list[str]], *, export: bool = False) -> None:
+        try:
+            problems = problems_of()
+        except OSError as exc:
+            raise _corrupt(self.path, f"a file cannot be read: {exc}", export=export) from None
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise _corrupt(self.path, "; ".join(problems[:3]) + more, export=export)
+
+    def state(self) -> ControllerState:
+        """The controller's state, checked against the manifest's size and digest."""
+        file = self.path / CONTROLLER_FILE
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            raise _corrupt(self.path, f"cannot read {CONTROLLER_FILE}: {exc}") from None
+        want = self.manifest["files"].get(CONTROLLER_FILE) or {}
+        if len(data) != want.get("bytes") or digest_bytes(data) != want.get(HASH):
+            raise _corrupt(self.path, f"{CONTROLLER_FILE} does not match its {HASH} in the "
+                           "manifest")  # fmt: skip
+        try:
+            state = decode_state(data)
+        except msgspec.DecodeError as exc:
+            raise _corrupt(self.path, f"{CONTROLLER_FILE} does not decode: {exc}") from None
+        if state.step != self.step:
+            raise _corrupt(
+                self.path, f"the state is of step {state.step}, the manifest's {self.step}"
+            )
+        return state
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """Committed checkpoint directories under ``root`` (those with a manifest), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve(spec: str, root: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``spec`` names: ``latest`` (the newest under ``root``), a checkpoint
+    directory, or a directory of checkpoints (its newest).
+
+    Raises:
+        CheckpointError: nothing there, naming what was looked at and the fix.
+    """
+    if spec == "latest":
+        found = latest(root)
+        if found is None:
+            raise CheckpointError(
+                f"--resume latest: no checkpoint in {root}. Fix: point --resume at a "
+                "checkpoint directory, or start without --resume (checkpoints are saved every "
+                "checkpoint.every_steps steps and at the end)"
+            )
+        return found
+    path = Path(spec).expanduser().resolve()
+    if (path / MANIFEST).is_file():
+        return path
+    inside = latest(path)
+    if inside is not None:
+        return inside
+    if path.is_dir() and _STEP_DIR.match(path.name):
+        raise _corrupt(path, f"it has no {MANIFEST} (a save that never finished)")
+    raise CheckpointError(
+        f"{spec}: no checkpoint there (no {MANIFEST}, and no step-* checkpoint inside). Fix: "
+        "pass a checkpoint directory (step-NNNNNNNN) or the directory that holds them"
+    )
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read and check a checkpoint's manifest (format, fields, its own digest) and that its
+    parts are there; :meth:`Checkpoint.verify` checks the files' contents.
+
+    Raises:
+        CheckpointError: missing, unreadable or altered manifest, another format, a missing
+            part.
+    """
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise _corrupt(path, f"it has no {MANIFEST}") from None
+    except (OSError, ValueError) as exc:
+        raise _corrupt(path, f"{MANIFEST} is unreadable: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise _corrupt(path, f"{MANIFEST} is not a JSON object")
+    if _SELF in manifest and _self_digest(manifest) != manifest[_SELF]:
+        raise _corrupt(path, f"{MANIFEST} does not match its own {HASH} (it was altered)")
+    if "format" in manifest and manifest["format"] != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} has format {manifest['format']}; this asyncrl reads format "
+            f"{FORMAT} (format 2 added a checksum of every file and the model's and data's "
+            "fingerprints). Fix: resume or export it with the asyncrl version that wrote it "
+            f"({manifest.get('asyncrl_version', 'unknown')}), or start the run again"
+        )
+    need = ("format", "step", "finished", "config", "fingerprints", "files", _SELF)
+    missing = [k for k in need if k not in manifest]
+    if missing:
+        raise _corrupt(path, f"{MANIFEST} lacks {', '.join(missing)}")
+    parts = (CONTROLLER_FILE, TRAINER_DIR) + ((MODEL_DIR,) if manifest.get("has_model") else ())
+    for part in parts:
+        if not (path / part).exists():
+            raise _corrupt(path, f"{part} is missing")
+    return Checkpoint(path, manifest)
+
+
+def _corrupt(path: Path, problem: str, *, export: bool = False) -> CheckpointError:
+    older = [p for p in list_checkpoints(path.parent) if p != path]
+    if export:
+        fix = (f"export an older checkpoint, e.g. asyncrl export {older[-1]} OUT" if older
+               else "export the model at the end of a run again (export.at_end)")  # fmt: skip
+    elif older:
+        fix = f"resume from an older checkpoint, e.g. --resume {older[-1]}"
+    else:
+        fix = "start the run again without --resume"
+    return CheckpointError(f"checkpoint {path} is corrupt: {problem}. Fix: {fix}")
+
+
+def _self_digest(manifest: dict[str, Any]) -> str:
+    rest = {k: v for k, v in manifest.items() if k != _SELF}
+    return digest_bytes(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
+
+
+# --------------------------------------------------------------------------- saving
+def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
+    """Remove saves that never finished (``.tmp-*`` of a process that is gone) and
+    half-deleted checkpoints (no manifest); returns what was removed."""
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for p in root.iterdir():
+        tmp = _TMP_DIR.match(p.name)
+        stale = (tmp and not pid_exists(int(tmp.group(1)))) or (
+            _STEP_DIR.match(p.name) and not (p / MANIFEST).exists()
+        ) or p.name.startswith(".trash-")
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    if removed:
+        log.info("stale_checkpoint_dirs_removed", paths=[str(p) for p in removed])
+    return removed
+
+
+def start_save(root: str | os.PathLike[str], step: int) -> Path:
+    """Create the temporary directory a save of ``step`` writes into (with ``trainer/``)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{step_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / TRAINER_DIR).mkdir(parents=True)
+    return tmp
+
+
+def commit(
+    tmp: Path,
+    *,
+    state: bytes,
+    step: int,
+    finished: bool,
+    config: dict[str, Any],
+    fingerprints: dict[str, Any] | None = None,
+    has_model: bool,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write the controller's state into ``tmp``; hash every file and make it durable (the
+    trainer's and the model's were written by other processes); write the manifest with the
+    files' digests, ``fingerprints`` (:func:`asyncrl.run.resume_rule.fingerprints`) and its own
+    digest; rename ``tmp`` to its final name (replacing a checkpoint of the same step).
+    Blocking: run it in a worker thread."""
+    _write_durable(tmp / CONTROLLER_FILE, state)
+    files = seal_tree(tmp, exclude=(MANIFEST,))
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "finished": finished,
+        "created": time.time(),
+        "asyncrl_version": _asyncrl_version(),
+        "has_model": has_model,
+        "config": config,
+        "fingerprints": fingerprints or {},
+        "files": files,
+        **(extra or {}),
+    }
+    manifest[_SELF] = _self_digest(manifest)
+    _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    final = tmp.parent / step_name(step)
+    if final.exists():  # e.g. an on-demand save at the step the periodic one also saved
+        trash = tmp.parent / f".trash-{final.name}-{os.getpid()}"
+        (final / MANIFEST).unlink(missing_ok=True)
+        final.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    tmp.rename(final)
+    _fsync_dir(tmp.parent)
+    return final
+
+
+BEST = "best.json"
+
+
+def read_best(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``<root>/best.json``: the best held-out evaluation so far (step, accuracy, checkpoint
+    or ``None``), or ``None`` before the first."""
+    try:
+        return json.loads((Path(root) / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_best(root: str | os.PathLike[str], entry: dict[str, Any]) -> None:
+    """Replace ``<root>/best.json`` atomically."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{BEST}.{os.getpid()}"
+    _write_durable(tmp, json.dumps(entry, indent=1).encode())
+    tmp.replace(root / BEST)
+    _fsync_dir(root)
+
+
+def _asyncrl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("asyncrl")
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "unknown"
+
+
+def prune(root: str | os.PathLike[str], keep_last: int, keep: Iterable[Path] = ()) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints (and those in ``keep``); the
+    manifest goes first, so an interrupted deletion leaves no checkpoint-looking directory."""
+    protect = {Path(p).resolve() for p in keep}
+    found = list_checkpoints(root)
+    doomed = [p for p in found[: max(0, len(found) - keep_last)] if p.resolve() not in protect]
+    for p in doomed:
+        (p / MANIFEST).unlink(missing_ok=True)
+        _fsync_dir(p)
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

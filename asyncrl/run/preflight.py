@@ -1,0 +1,129 @@
+"""What the controller checks before any process or file exists: the plugins load, the
+environment and the tokenizer load, the prompts fit, both backends accept their config, and
+``/dev/shm`` and the run's directories have room enough (:mod:`asyncrl.procs.space`); each mistake
+a ``ConfigError`` naming its field."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+
+from asyncrl import plugins
+from asyncrl.backend import BackendPlugin
+from asyncrl.data.chat import ChatTemplate
+from asyncrl.config import Config
+from asyncrl.errors import AsyncRLError, config_error
+from asyncrl.data.prompts import Tokenizer
+from asyncrl.sinks import check_sinks
+from asyncrl.procs.space import check_space
+
+__all__ = ["check_before_spawn", "make_environment"]
+
+
+async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
+    """Load the environment and the tokenizer, measure the prompts and run both backends'
+    ``check_config``: every mistake a plugin can see is a ``ConfigError`` (or
+    ``PluginError``) naming its field, raised before any process or file exists."""
+    await anyio.to_thread.run_sync(check_sinks, cfg)  # imports the trackers' packages
+    trainer = BackendPlugin.of(
+        plugins.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
+    )
+    generator = BackendPlugin.of(
+        plugins.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
+    )
+    environment = make_environment(cfg)
+    train = len(environment.dataset("train"))
+    if train < cfg.grpo.prompts_per_step:
+        raise config_error(
+            "grpo.prompts_per_step",
+            f"the train split of environment {cfg.environment.name!r} has {train} prompts, "
+            f"fewer than one step's {cfg.grpo.prompts_per_step}",
+            "give the environment more prompts, or lower grpo.prompts_per_step",
+        )
+    tokenizer = Tokenizer(
+        os.path.join(cfg.model.path, "tokenizer.json"),
+        _eos_token_id(cfg.model.path),
+        ChatTemplate.from_model(cfg.model.path, cfg.model.chat_template),
+    )
+    longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
+    for section, plugin in (("trainer", trainer), ("generator", generator)):
+        if plugin.check_config is not None:
+            backend = getattr(cfg, section).backend
+            with _plugin_errors(
+                f"{section}.options",
+                f"the {section} backend {backend!r} refused the config",
+                f"correct [{section}.options] (docs/backends/ lists each backend's options)",
+            ):
+                plugin.check_config(cfg, max_prompt_tokens=longest)
+    engines = {
+        f"{section}.backend": plugin.shm_bytes(cfg)
+        for section, plugin in (("trainer", trainer), ("generator", generator))
+        if plugin.shm_bytes is not None
+    }
+    await anyio.to_thread.run_sync(check_space, cfg, engines)  # /dev/shm, disks: room enough
+    return environment, tokenizer
+
+
+@contextmanager
+def _plugin_errors(field: str, what: str, fix: str) -> Iterator[None]:
+    """A plugin that raises an exception of its own kind (not an asyncrl error): still one
+    ``ConfigError`` line naming ``field``, with the plugin's message."""
+    try:
+        yield
+    except AsyncRLError:
+        raise
+    except Exception as exc:
+        raise config_error(field, f"{what}: {type(exc).__name__}: {exc}", fix) from exc
+
+
+def make_environment(cfg: Config) -> Any:
+    """The configured environment, from its ``asyncrl.environments`` factory: called as
+    ``factory(options, seed)``, with ``base_dir=`` too when the factory takes it."""
+    make_env = plugins.load("asyncrl.environments", cfg.environment.name, "environment.name")
+    kwargs: dict[str, Any] = {}
+    try:
+        params = inspect.signature(make_env).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no keywords
+        params = {}
+    if "base_dir" in params:
+        kwargs["base_dir"] = cfg.environment.base_dir
+    with _plugin_errors(
+        "environment.options",
+        f"environment {cfg.environment.name!r} refused its options",
+        "correct [environment.options] (the environment's own documentation lists them)",
+    ):
+        return make_env(dict(cfg.environment.options), cfg.run.seed, **kwargs)
+
+
+def _longest_prompt(environment: Any, tokenizer: Tokenizer, cfg: Config) -> int:
+    """Tokens in the longest prompt the run can send (the train split and the evaluated part
+    of the eval split). Chat prompts are rendered here, so a chat prompt without a chat
+    template, or one the template rejects, is a ``ConfigError`` before any process starts."""
+    prompts = list(environment.dataset("train"))
+    if cfg.eval.num_prompts:
+        prompts += list(environment.dataset("eval"))[: cfg.eval.num_prompts]
+    longest = 0
+    for start in range(0, len(prompts), 4096):
+        ids = tokenizer.encode_prompts(prompts[start : start + 4096])
+        longest = max([longest, *(len(x) for x in ids)])
+    return longest
+
+
+def _eos_token_id(model_path: str) -> int | None:
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_path, name)) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return None

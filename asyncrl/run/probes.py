@@ -1,0 +1,88 @@
+"""Score fixed token sequences on the engines and on the trainer: the logprobs behind refit
+verification and behind ``Controller.generator_logprobs`` / ``trainer_logprobs``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+
+from asyncrl.errors import WorkerRestarting
+from asyncrl.policy.grpo import shard_tokens
+from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score, TokenBatch
+from asyncrl.policy.pool import RolloutPool
+from asyncrl.wire.rpc import ControlPlane
+from asyncrl.policy.verify import Agreement, compare
+
+log = structlog.get_logger("asyncrl.run.probes")
+
+__all__ = ["Probes"]
+
+
+class Probes:
+    """Logprob queries over the control plane (each call bounded by ``timeout_s``)."""
+
+    def __init__(
+        self, control: ControlPlane, trainers: list[str], pool: RolloutPool, timeout_s: float
+    ) -> None:
+        self.control = control
+        self.trainers = trainers
+        self.pool = pool
+        self.timeout_s = timeout_s
+
+    async def generator_logprobs(
+        self, batch: TokenBatch, *, worker: str, temperature: float = 1.0
+    ) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under one generator's current weights."""
+        result = await self.control.call(
+            worker, Score(batch=batch, temperature=temperature), timeout_s=self.timeout_s
+        )
+        assert isinstance(result, LogprobsResult)
+        return np.asarray(result.logprobs, np.float32)
+
+    async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under the trainer's current weights
+        (sequences are sharded over the trainer ranks and reassembled in order)."""
+        shards = shard_tokens(batch, len(self.trainers))
+        results = await self.control.call_each(
+            self.trainers,
+            [ComputeLogprobs(batch=shard, temperature=temperature) for shard in shards],
+            timeout_s=self.timeout_s,
+        )
+        return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
+
+    async def verify(
+        self, batch: TokenBatch, version: int, metrics: Any, now: float
+    ) -> list[Agreement]:
+        """:meth:`agreement`, each result written to ``metrics`` (a ``refit_verify`` record)
+        and logged."""
+        agreements = await self.agreement(batch, version)
+        for a in agreements:
+            if metrics is not None:
+                metrics.write({"kind": "refit_verify", **a.metrics(), "time": now})
+            log.info("refit_verified", **a.metrics())
+        return agreements
+
+    async def agreement(self, batch: TokenBatch, version: int) -> list[Agreement]:
+        """Every generator's logprobs of ``batch`` against the trainer's, scored concurrently.
+        Cancellation: the outstanding calls are abandoned."""
+        results: dict[str, np.ndarray] = {}
+
+        async def generator(worker: str) -> None:
+            try:
+                results[worker] = await self.generator_logprobs(batch, worker=worker)
+            except WorkerRestarting:
+                pass  # it died meanwhile: verified again after its own refit, if due
+
+        async def trainer() -> None:
+            results[""] = await self.trainer_logprobs(batch)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer)
+            for worker in self.pool.serving:
+                tg.start_soon(generator, worker)
+        return [
+            compare(w, version, results[w], results[""]) for w in self.pool.workers if w in results
+        ]

@@ -1,0 +1,289 @@
+"""The one rule for resuming with changed settings (docs/checkpointing.md, "Resuming with
+changed settings").
+
+A checkpoint means: these weights and optimizer state, trained from this model with this
+tokenizer and chat template, by this optimizer and loss, on samples of this data drawn in
+this order at this temperature, under this staleness policy, by this many trainer ranks. A
+resumed run that changes any of it is refused, naming each field (``saved -> current``) and
+the fix, unless the user names the field in ``--allow-changed`` (``Controller(...,
+allow_changed=...)``). The settings in :data:`HARMLESS` (how the run is executed, observed and
+saved) are only logged. **Everything else is strict**: a field added later is refused until
+someone judges it harmless and lists it here.
+
+What the config does not say is compared by content (:func:`fingerprints`, saved in each
+manifest): the model directory's files (``model.config``, ``model.tokenizer``,
+``model.weights``), the chat template's text (``model.chat_template``) and the train split
+(``environment.data``). So ``model.path`` may move, and ``model.chat_template`` may point
+elsewhere, as long as what they hold is the same.
+
+File I/O only (no sockets, no torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from asyncrl.data.chat import ChatTemplate
+from asyncrl.worker.export import WEIGHT_SUFFIXES
+
+__all__ = ["ALL", "FINGERPRINT_FIELDS", "HARMLESS", "Changes", "compare", "fingerprints"]
+
+ALL = "all"
+"""``--allow-changed all``: every change is accepted (and logged)."""
+
+HARMLESS = (
+    # how long, where to, how it is logged
+    "run.name", "run.output_dir", "run.num_steps", "run.log_format", "run.stall_warning_s",
+    "run.gc_freeze",
+    # where the model and the data are: what they hold is compared (fingerprints)
+    "model.path", "environment.base_dir",
+    # placement, time limits and capacities: the same computation, elsewhere or faster
+    "cluster.rollout_ranks", "cluster.startup_timeout_s", "cluster.call_timeout_s",
+    "cluster.shutdown_grace_s", "cluster.torchrun", "cluster.trainer_gpus",
+    "cluster.rollout_gpus", "pipeline.min_groups_for_streaming_train",
+    "pipeline.max_inflight_samples", "pipeline.max_buffered_groups", "trainer.micro_batch_size",
+    # moving the same weights to the generators, and checking them
+    "refit",
+    # evaluation, saving, exporting, failure budgets, metrics
+    "eval", "checkpoint", "export", "failures", "metrics",
+)  # fmt: skip
+"""Settings a resumed run may change freely (each change is logged); every other setting
+must match the checkpoint's unless allowed. A prefix covers its whole section."""
+
+FINGERPRINT_FIELDS = (
+    "model.config", "model.tokenizer", "model.chat_template", "model.weights", "environment.data",
+)  # fmt: skip
+"""What is compared by content, by the names ``--allow-changed`` takes."""
+
+_TOKENIZER_NAMES = frozenset({
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+})  # fmt: skip
+_TEMPLATE_FILES = frozenset({"chat_template.jinja", "chat_template.json"})
+_WEIGHT_SAMPLE = 1 << 20
+
+
+# --------------------------------------------------------------------------- fingerprints
+def fingerprints(
+    model_path: str, chat_template: str, train_prompts: Sequence[Any]
+) -> dict[str, Any]:
+    """What the config does not say about a run, by content: ``{"model": {"config",
+    "tokenizer", "weights": {file: digest}, "chat_template": digest}, "environment":
+    {"data": digest}}``. Blocking (reads the model directory's small files whole, each weight
+    file's size and first and last MiB, and every train prompt): run it in a worker thread."""
+    files = _model_files(model_path)
+    return {
+        "model": {**files, "chat_template": _template_digest(model_path, chat_template)},
+        "environment": {"data": _data_digest(train_prompts)},
+    }
+
+
+def _model_files(model_path: str) -> dict[str, dict[str, str]]:
+    """The top-level files of the model directory by kind (what ``from_pretrained``, the
+    tokenizer and an export read): configs and code, tokenizer, weights. Chat template files
+    are left to :func:`_template_digest`; documentation and hidden files are not compared."""
+    groups: dict[str, dict[str, str]] = {"config": {}, "tokenizer": {}, "weights": {}}
+    try:
+        names = sorted(os.listdir(model_path))
+    except OSError:
+        return groups
+    for name in names:
+        path = os.path.join(model_path, name)
+        if not os.path.isfile(path) or _ignored(name) or name in _TEMPLATE_FILES:
+            continue
+        if name.endswith(WEIGHT_SUFFIXES):
+            groups["weights"][name] = _sampled_digest(path)
+        elif name.endswith(".index.json"):
+            groups["weights"][name] = _digest(path)
+        elif name == "tokenizer_config.json":  # its chat_template is compared as the template
+            groups["tokenizer"][name] = _json_digest(path, drop="chat_template")
+        elif name.startswith("tokenizer") or name in _TOKENIZER_NAMES or name.endswith(
+            (".model", ".tiktoken")
+        ):
+            groups["tokenizer"][name] = _digest(path)
+        else:
+            groups["config"][name] = _digest(path)
+    return groups
+
+
+def _ignored(name: str) -> bool:
+    upper = name.upper()
+    return name.startswith(".") or name.endswith(".md") or upper.startswith(
+        ("README", "LICENSE", "NOTICE", "USE_POLICY")
+    )
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _json_digest(path: str, *, drop: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return _digest(path)
+    if isinstance(data, dict):
+        data.pop(drop, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _sampled_digest(path: str) -> str:
+    """A weight file by its size and the SHA-256 of its first and last MiB (a safetensors
+    file's header, with every tensor's name, dtype and shape, is at its start): constant
+    cost, where hashing a 15 GB model whole would take ~9 s at 1.7 GB/s on every start. The
+    checkpoint's trainer state replaces these weights on resume, so only *which* model it is
+    matters here, not every byte."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(_WEIGHT_SAMPLE))
+        if size > 2 * _WEIGHT_SAMPLE:
+            f.seek(size - _WEIGHT_SAMPLE)
+        h.update(f.read(_WEIGHT_SAMPLE))
+    return f"{size} bytes, sha256 of the first and last MiB {h.hexdigest()}"
+
+
+def _template_digest(model_path: str, setting: str) -> str | None:
+    template = ChatTemplate.from_model(model_path, setting)
+    if template is None:
+        return None
+    return hashlib.sha256(template.source.encode()).hexdigest()
+
+
+def _data_digest(prompts: Sequence[Any]) -> str:
+    """The train split: its size and the SHA-256 of every prompt (id, text or messages,
+    answer) in order."""
+    h = hashlib.sha256()
+    encoder = msgspec.json.Encoder(enc_hook=_plain, order="deterministic")
+    it = iter(prompts)
+    while chunk := list(itertools.islice(it, 4096)):
+        h.update(encoder.encode(chunk))
+    return f"{len(prompts)} prompts, sha256 {h.hexdigest()}"
+
+
+def _plain(obj: Any) -> Any:
+    """What msgspec cannot encode by itself, as something stable across processes (never
+    an object's address)."""
+    if hasattr(obj, "tolist"):  # a numpy array or scalar
+        return obj.tolist()
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        return list(obj)
+    if hasattr(obj, "__dict__"):
+        return {"__type__": type(obj).__qualname__, **vars(obj)}
+    return _ADDRESS.sub("", repr(obj))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+# --------------------------------------------------------------------------- the rule
+@dataclass
+class Changes:
+    """How a resumed run's settings differ from its checkpoint's, each as
+    ``field: saved -> current``."""
+
+    refused: list[str] = field(default_factory=list)
+    """Strict settings that differ and were not allowed."""
+    allowed: list[str] = field(default_factory=list)
+    """Strict settings that differ, accepted by ``--allow-changed``."""
+    harmless: list[str] = field(default_factory=list)
+    """Settings in :data:`HARMLESS` that differ."""
+    names: list[str] = field(default_factory=list)
+    """For the refusal's fix: what ``--allow-changed`` would need."""
+    unknown: list[str] = field(default_factory=list)
+    """Names given to ``--allow-changed`` that match no setting."""
+
+
+def compare(
+    saved: Mapping[str, Any], current: Mapping[str, Any], allow: Iterable[str] = ()
+) -> Changes:
+    """Apply the rule to two ``{"config": ..., "fingerprints": ...}``: the checkpoint's and
+    this run's. ``allow``: fields or sections (``loss``, ``grpo.temperature``,
+    ``model.tokenizer``) whose changes are accepted, or ``all``."""
+    allow = [a.strip() for a in allow if a.strip()]
+    old, new = _compared(saved), _compared(current)
+    changes = Changes()
+    changes.unknown = [
+        name for name in allow if name != ALL and not any(_covers(name, k) for k in (*old, *new))
+    ]
+    fingerprinted = set(_leaves(saved.get("fingerprints") or {})) | set(
+        _leaves(current.get("fingerprints") or {})
+    )
+    # the config's settings first, then what was compared by content
+    for key in sorted(set(old) | set(new), key=lambda k: (k in fingerprinted, k)):
+        was, now = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if was == now:
+            continue
+        line = f"{key}: {_show(was)} -> {_show(now)}"
+        if any(_covers(h, key) for h in HARMLESS):
+            changes.harmless.append(line)
+        elif ALL in allow or any(_covers(name, key) for name in allow):
+            changes.allowed.append(line)
+        else:
+            changes.refused.append(line)
+            name = next((f for f in FINGERPRINT_FIELDS if _covers(f, key)), key)
+            if name not in changes.names:
+                changes.names.append(name)
+    setting = (_setting(saved), _setting(current))
+    if setting[0] != setting[1] and old.get("model.chat_template") == new.get(
+        "model.chat_template"
+    ):
+        changes.harmless.append(f"model.chat_template: {setting[0]!r} -> {setting[1]!r} "
+                                "(the same template text)")  # fmt: skip
+    return changes
+
+
+def _covers(name: str, key: str) -> bool:
+    return key == name or key.startswith(name + ".")
+
+
+def _compared(side: Mapping[str, Any]) -> dict[str, Any]:
+    """The leaves compared: the config's (but the chat template's setting, whose text is
+    compared instead) and the fingerprints'."""
+    leaves = _leaves(side.get("config") or {})
+    leaves.pop("model.chat_template", None)
+    for key, value in _leaves(side.get("fingerprints") or {}).items():
+        leaves[key] = value
+    return leaves
+
+
+def _setting(side: Mapping[str, Any]) -> Any:
+    return (side.get("config") or {}).get("model", {}).get("chat_template")
+
+
+def _show(value: Any) -> str:
+    """A value for a message: digests shortened to their first 12 hex digits."""
+    if not isinstance(value, str):
+        return repr(value)
+    if _DIGEST.fullmatch(value):
+        return f"sha256 {value[:12]}..."
+    return repr(_DIGEST.sub(lambda m: m.group()[:12] + "...", value))
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` for every value that is not a table; an empty table has none (so
+    ``{}`` -> ``{"lr": 1e-4}`` is the one change ``trainer.options.lr``)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: tree}

@@ -1,0 +1,412 @@
+"""When and how the run saves itself: checkpoints and Hugging Face exports at step boundaries.
+
+The train pump calls :meth:`Checkpointer.after_step` once each step's refit is done (no step
+open, the rollout gate open). The controller's state is snapshotted there, in one synchronous
+piece, so it matches the trainer's weights exactly; the trainer ranks then write their state
+while generation goes on (only the next step waits), and the controller commits the
+checkpoint atomically (:mod:`asyncrl.run.checkpoint_dir`).
+
+A save that fails (a trainer that cannot write) leaves the previous checkpoint as it was, is
+logged and counted, and the run goes on; ``checkpoint.max_failures`` failures in a row stop
+it. A full disk (ENOSPC) stops the run at once with a :class:`~asyncrl.errors.NoSpaceError`
+(the previous checkpoint is still whole): it does not empty itself between saves, and every
+step trained after it would be lost to the next crash.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from asyncrl.run import checkpoint_dir as ckpt
+from asyncrl.run import resume_rule
+from asyncrl.procs import space
+from asyncrl.run.groups import Group
+from asyncrl.config import Config, to_dict
+from asyncrl.errors import NonFiniteError, NoSpaceError, RunError, flatten
+from asyncrl.wire.messages import ExportModel, SaveState
+from asyncrl.wire.rpc import ControlPlane
+from asyncrl.policy.schedule import Scheduler
+
+__all__ = ["Checkpointer", "Resume", "open_resume", "restore_state", "snapshot_state"]
+
+log = structlog.get_logger("asyncrl.run.saving")
+
+
+def run_fingerprints(cfg: Config, train_prompts: Sequence[Any]) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the run beyond its config (the model's files,
+    the chat template's text, the train split): :func:`asyncrl.run.resume_rule.fingerprints`."""
+    return resume_rule.fingerprints(cfg.model.path, cfg.model.chat_template, train_prompts)
+
+
+def snapshot_state(sched: Scheduler, ready: dict[str, Group]) -> ckpt.ControllerState:
+    """The controller's state at a step boundary: the scheduler's (with the prompt ledger)
+    and the ready groups' samples, in the scheduler's order."""
+    scheduler = sched.state_dict()
+    return ckpt.ControllerState(
+        step=sched.trainer_version,
+        finished=sched.finished,
+        scheduler=scheduler,
+        groups=[ckpt.SavedGroup.of(ready[f"g{g['index']}"]) for g in scheduler["ready"]],
+    )
+
+
+def restore_state(state: ckpt.ControllerState, sched: Scheduler) -> dict[str, Group]:
+    """Load ``state`` into the fresh ``sched``; returns the ready groups by id."""
+    payloads = {g.group_id: g for g in state.groups}
+    restored = sched.load_state_dict(state.scheduler)
+    missing = [gid for gid in restored if gid not in payloads]
+    if missing or len(payloads) != len(restored):
+        raise ckpt.CheckpointError(
+            f"the checkpoint of step {state.step} lists ready groups {missing[:5]} without "
+            "their samples. Fix: resume from an older checkpoint"
+        )
+    return {gid: payloads[gid].group() for gid in restored}
+
+
+class Checkpointer:
+    """Saves checkpoints and exports for the pipeline; counts failed saves. ``ready`` is the
+    pipeline's table of complete, untrained groups (shared); ``train_prompts`` the
+    environment's train split (its fingerprint goes into each manifest)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        control: ControlPlane,
+        trainers: list[str],
+        scheduler: Scheduler,
+        ready: dict[str, Group],
+        metrics: Any,
+        train_prompts: Sequence[Any],
+    ) -> None:
+        self.config = config
+        self._train_prompts = train_prompts
+        self._fingerprints: dict[str, Any] | None = None
+        """Computed once, at the first save (the run's model and data do not change)."""
+        self.sched = scheduler
+        self.ready = ready
+        self.control = control
+        self.trainers = trainers
+        self.metrics = metrics
+        self.failures = 0
+        """Failed saves in a row."""
+        self.last: Path | None = None
+        """The last checkpoint this run committed."""
+        self._requests: list[anyio.Event] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ on demand
+    def request(self) -> anyio.Event:
+        """Ask for a checkpoint at the next step boundary (the end of the run counts as one);
+        the returned event is set once it is committed, or once a save failed."""
+        event = anyio.Event()
+        if self._closed:
+            event.set()
+        else:
+            self._requests.append(event)
+        return event
+
+    @property
+    def requested(self) -> bool:
+        return bool(self._requests)
+
+    def close(self) -> None:
+        """The run is over: answer requests that no step boundary will serve any more (their
+        callers read :attr:`last`)."""
+        self._closed = True
+        requests, self._requests = self._requests, []
+        for event in requests:
+            event.set()
+
+    # ------------------------------------------------------------------ the hook
+    def due(self, version: int, finished: bool) -> tuple[bool, bool]:
+        """``(checkpoint, export)``: what to write after weights ``version``."""
+        ck, ex = self.config.checkpoint, self.config.export
+        save = self.requested or (ck.every_steps > 0 and version % ck.every_steps == 0)
+        save = save or (finished and ck.at_end)
+        export = (ex.every_steps > 0 and version % ex.every_steps == 0) or (finished and ex.at_end)
+        return save, export
+
+    async def after_step(self) -> None:
+        """At a step boundary (no step open, the gate open): checkpoint and export the
+        trainer's weights as configured or requested."""
+        version, finished = self.sched.trainer_version, self.sched.finished
+        save, export = self.due(version, finished)
+        if save:  # the snapshot is one synchronous piece: it matches the weights
+            await self.save(snapshot_state(self.sched, self.ready), finished=finished)
+        if export:
+            name = "final" if finished else ckpt.step_name(version)
+            await self.export(os.path.join(self.config.export.dir, name))
+
+    async def export(self, path: str) -> None:
+        """The trainer's current weights as a Hugging Face directory at ``path``."""
+        start = time.perf_counter()
+        try:
+            await self._call_trainers(ExportModel(path=path, source_dir=self.config.model.path))
+        except Exception as exc:
+            leaf = space.full_leaf(exc)
+            if leaf is None:
+                raise
+            size = space.model_size(self.config.model.path)
+            raise space.no_space(
+                space.failed_path(leaf, path),
+                size.served_bytes(self.config.model.dtype) if size is not None else None,
+                "the model export in", "free space there, or point export.dir at a file system "
+                "with more room (or set export.at_end = false and export.every_steps = 0)",
+            ) from leaf
+        seconds = time.perf_counter() - start
+        log.info("model_exported", path=path, seconds=round(seconds, 3))
+        if self.metrics is not None:
+            self.metrics.write({"kind": "export", "path": path, "seconds": seconds})
+
+    async def save(self, state: ckpt.ControllerState, *, finished: bool) -> Path | None:
+        """Write one checkpoint of ``state`` and the trainer's state; returns its directory,
+        or ``None`` when the save failed (and the run may go on)."""
+        cfg = self.config.checkpoint
+        requests, self._requests = self._requests, []
+        start = time.perf_counter()
+        tmp: Path | None = None
+        log.debug("checkpoint_started", step=state.step)
+        try:
+            tmp = await anyio.to_thread.run_sync(ckpt.start_save, cfg.dir, state.step)
+            await self._call_trainers(SaveState(path=str(tmp / ckpt.TRAINER_DIR)))
+            if cfg.save_model:
+                await self._call_trainers(
+                    ExportModel(path=str(tmp / ckpt.MODEL_DIR), source_dir=self.config.model.path)
+                )
+            path = await anyio.to_thread.run_sync(self._commit, tmp, state, finished)
+        except Exception as exc:  # noqa: BLE001 - a failed save is counted, not fatal
+            written = 0
+            if tmp is not None:
+                written = await anyio.to_thread.run_sync(_remove, tmp)
+            self._failed(state.step, exc, finished, written, tmp)
+            path = None
+        else:
+            self.failures = 0
+            self.last = path
+            seconds = time.perf_counter() - start
+            log.info("checkpoint_saved", path=str(path), step=state.step, seconds=round(seconds, 3))
+            if self.metrics is not None:
+                self.metrics.write(
+                    {"kind": "checkpoint", "step": state.step, "path": str(path),
+                     "seconds": seconds, "finished": finished}
+                )
+        finally:
+            for event in requests:
+                event.set()
+        return path
+
+    def note_eval(self, record: dict[str, Any]) -> None:
+        """A held-out evaluation finished: if it is the best so far, record it in
+        ``<checkpoint.dir>/best.json`` (with its checkpoint, if one of its step exists; that
+        one is then kept by retention). Blocking: run it in a worker thread."""
+        best = ckpt.read_best(self.config.checkpoint.dir)
+        if best is not None and best["accuracy"] >= record["accuracy"]:
+            return
+        path = Path(self.config.checkpoint.dir) / ckpt.step_name(record["version"])
+        entry = {
+            "step": record["version"],
+            "accuracy": record["accuracy"],
+            "label": record["label"],
+            "checkpoint": str(path) if (path / ckpt.MANIFEST).is_file() else None,
+        }
+        ckpt.write_best(self.config.checkpoint.dir, entry)
+        log.info("best_so_far", **entry)
+        self._prune()  # a checkpoint kept only for the old best may go now
+
+    def _commit(self, tmp: Path, state: ckpt.ControllerState, finished: bool) -> Path:
+        cfg = self.config.checkpoint
+        ledger = state.scheduler["ledger"]
+        if self._fingerprints is None:
+            self._fingerprints = run_fingerprints(self.config, self._train_prompts)
+        path = ckpt.commit(
+            tmp,
+            state=ckpt.encode_state(state),
+            step=state.step,
+            finished=finished,
+            config=to_dict(self.config),
+            fingerprints=self._fingerprints,
+            has_model=cfg.save_model,
+            extra={"ledger": {"trained": sum(b - a for a, b in ledger["trained"]),
+                              "repeated": ledger["num_repeated"]}},
+        )
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
+        """Keep the ``keep_last`` newest checkpoints and the best one (``best.json``)."""
+        cfg = self.config.checkpoint
+        best = ckpt.read_best(cfg.dir)
+        keep = [Path(best["checkpoint"])] if best and best["checkpoint"] else []
+        ckpt.prune(cfg.dir, cfg.keep_last, keep=keep)
+
+    def _failed(
+        self, step: int, exc: Exception, finished: bool, written: int = 0,
+        tmp: Path | None = None,
+    ) -> None:
+        self.failures += 1
+        limit = self.config.checkpoint.max_failures
+        full = self._no_space(step, exc, written, tmp)
+        exc = space.full_leaf(exc) or flatten(exc)[0]  # what a group of trainer calls hides
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.error(
+            "checkpoint_failed",
+            step=step,
+            error=f"{type(exc).__name__}: {first}",
+            failures_in_a_row=self.failures,
+            max_failures=limit,
+            previous=str(self.last or ckpt.latest(self.config.checkpoint.dir) or "none"),
+        )
+        if self.metrics is not None:
+            error = f"{type(exc).__name__}: {first}"
+            try:
+                self.metrics.write({"kind": "checkpoint_failed", "step": step, "error": error})
+            except NoSpaceError:
+                if full is None:
+                    raise
+        if full is not None:  # a full disk does not empty itself: stop now (docs/failures.md)
+            raise full from exc
+        if getattr(exc, "remote_type", "") == "NonFiniteError":  # weights do not heal either
+            raise NonFiniteError(f"the checkpoint of step {step} was not saved: {first}") from exc
+        if self.failures > limit or finished:
+            what = (
+                "the final checkpoint could not be saved"
+                if finished
+                else f"{self.failures} checkpoint saves in a row failed (checkpoint.max_failures"
+                f" = {limit})"
+            )
+            raise RunError(
+                f"{what}; the last: {type(exc).__name__}: {first}. Fix: make "
+                f"{self.config.checkpoint.dir} writable (or point checkpoint.dir elsewhere) and "
+                "resume from the last checkpoint"
+            ) from exc
+
+    def _no_space(
+        self, step: int, exc: BaseException, written: int, tmp: Path | None
+    ) -> NoSpaceError | None:
+        """``exc`` as a ``NoSpaceError`` if it is a full disk (else ``None``), naming the file
+        that failed (else the save's directory, ``tmp``): the bytes needed are about the last
+        checkpoint's size, at least one checkpoint of the model
+        (:func:`asyncrl.procs.space.checkpoint_need`) and more than the failed save wrote."""
+        leaf = space.full_leaf(exc)
+        if leaf is None:
+            return None
+        cfg = self.config
+        last = self.last or ckpt.latest(cfg.checkpoint.dir)
+        size = space.model_size(cfg.model.path)
+        previous = space.tree_bytes(last) if last else 0
+        needed = max(previous, space.checkpoint_need(cfg, size), written + 1 if written else 0)
+        resume = f"resume from {last}" if last else "start again (no checkpoint was saved)"
+        return space.no_space(
+            space.failed_path(leaf, str(tmp or cfg.checkpoint.dir)), needed or None,
+            f"the checkpoint of step {step} in",
+            f"free space in {cfg.checkpoint.dir}, or point checkpoint.dir at a file system with "
+            f"more room, then {resume}",
+            at_least=needed > previous,  # no checkpoint to size it by: lower bounds only
+        )
+
+    async def _call_trainers(self, request: Any) -> None:
+        await self.control.call_each(
+            self.trainers,
+            [request] * len(self.trainers),
+            timeout_s=self.config.cluster.call_timeout_s,
+        )
+
+
+def _remove(path: Path) -> int:
+    """Remove ``path``; returns the bytes it held."""
+    held = space.tree_bytes(path)
+    shutil.rmtree(path, ignore_errors=True)
+    return held
+
+
+@dataclass
+class Resume:
+    """A checkpoint accepted for a resume: verified, its state read, the changes logged."""
+
+    checkpoint: ckpt.Checkpoint
+    state: ckpt.ControllerState
+    changes: resume_rule.Changes
+
+
+def open_resume(
+    cfg: Config,
+    spec: str | None,
+    *,
+    train_prompts: Sequence[Any],
+    allow_changed: Iterable[str] = (),
+) -> Resume | None:
+    """The checkpoint to resume, or ``None`` (``spec`` is ``None``). Checked before anything
+    loads it: this run's settings against the checkpoint's (:mod:`asyncrl.run.resume_rule`;
+    ``allow_changed`` names the strict changes accepted), not finished, every file's size and
+    digest. Saves that never finished are cleaned up first. Blocking: run it in a worker
+    thread.
+
+    Raises:
+        CheckpointError: missing, corrupt (naming the file), saved with settings that change
+            what it means (naming each, ``saved -> current``), or finished; each with the fix.
+    """
+    ckpt.remove_stale(cfg.checkpoint.dir)
+    allow = [a.strip() for item in allow_changed for a in item.split(",") if a.strip()]
+    if spec is None:
+        if allow:
+            raise ckpt.CheckpointError(
+                f"--allow-changed {','.join(allow)} without --resume: it only applies to a "
+                "resumed run. Fix: add --resume, or drop --allow-changed"
+            )
+        return None
+    checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, cfg.checkpoint.dir))
+    saved = {"config": checkpoint.manifest["config"],
+             "fingerprints": checkpoint.manifest["fingerprints"]}  # fmt: skip
+    current = {"config": to_dict(cfg), "fingerprints": run_fingerprints(cfg, train_prompts)}
+    changes = resume_rule.compare(saved, current, allow)
+    _refuse_changes(checkpoint, changes)
+    if checkpoint.step >= cfg.run.num_steps:
+        raise ckpt.CheckpointError(
+            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.num_steps is "
+            f"{cfg.run.num_steps}: the run is finished. Fix: to train further, raise "
+            f"run.num_steps (e.g. --set run.num_steps={checkpoint.step + cfg.run.num_steps}); "
+            "to export the model, run `asyncrl export` on the checkpoint"
+        )
+    start = time.perf_counter()
+    checkpoint.verify()
+    size = sum(f["bytes"] for f in checkpoint.manifest["files"].values())
+    log.info("checkpoint_verified", path=str(checkpoint.path), files=len(
+        checkpoint.manifest["files"]), bytes=size, seconds=round(time.perf_counter() - start, 3))
+    if changes.allowed:
+        log.warning("resumed_with_allowed_changes", changes=changes.allowed)
+    if changes.harmless:
+        log.info("resumed_with_changed_settings", changes=changes.harmless[:20])
+    return Resume(checkpoint, checkpoint.state(), changes)
+
+
+def _refuse_changes(checkpoint: ckpt.Checkpoint, changes: resume_rule.Changes) -> None:
+    if changes.unknown:
+        raise ckpt.CheckpointError(
+            f"--allow-changed {','.join(changes.unknown)}: no setting of that name. Fix: name "
+            "fields or sections as the config spells them (loss.clip_eps_low, loss, "
+            f"trainer.options.lr), or one of {', '.join(resume_rule.FINGERPRINT_FIELDS)}, or "
+            "all"
+        )
+    if not changes.refused:
+        return
+    more = len(changes.refused) - 8
+    raise ckpt.CheckpointError(
+        f"checkpoint {checkpoint.path} is from another run: "
+        + "; ".join(changes.refused[:8])
+        + (f"; and {more} more" if more > 0 else "")
+        + ". These settings change what the checkpoint means (docs/checkpointing.md, "
+        "'Resuming with changed settings'). Fix: restore them (the checkpoint's manifest.json "
+        "holds its config), or accept the change with --allow-changed "
+        f"{','.join(changes.names)} (allow_changed= when embedded), or start a new run in "
+        "another checkpoint.dir"
+    )

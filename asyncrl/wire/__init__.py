@@ -1,0 +1,1 @@
+"""The wire: every message, its codec, the ZeroMQ sockets and the controller's RPC plane."""

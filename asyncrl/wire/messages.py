@@ -1,0 +1,412 @@
+"""Every message that crosses a socket, as msgspec structs.
+
+Rules (see docs/protocol.md):
+
+* Control messages are tagged unions with explicit short tags (``tag_field="k"``). A tag is
+  never reused; fields are only ever appended, with defaults.
+* Data messages (rollouts, batches, weight buckets) are ``array_like=True, gc=False``.
+* Numeric arrays are ``numpy.ndarray`` fields; :mod:`asyncrl.wire.codec` moves them as separate
+  zero-copy frames described by (dtype, shape). Nothing is ever pickled.
+* :data:`PROTOCOL_VERSION` is checked once, in the :class:`Hello` handshake. Bump it on any
+  change that an older peer could misread, and say so in CHANGELOG.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 6
+
+_CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
+_DATA = dict(tag_field="k", array_like=True, gc=False)
+
+
+# --------------------------------------------------------------------------- batches
+class TokenBatch(msgspec.Struct, array_like=True, gc=False):
+    """B packed sequences: ``tokens[offsets[i]:offsets[i]+seq_lens[i]]`` is sequence i.
+
+    The first ``prompt_lens[i]`` tokens of a sequence are the prompt; the rest is the response.
+    """
+
+    tokens: np.ndarray  # int32 [sum(seq_lens)]
+    seq_lens: np.ndarray  # int32 [B]
+    prompt_lens: np.ndarray  # int32 [B]
+
+
+class TrainBatch(msgspec.Struct, array_like=True, gc=False):
+    """A :class:`TokenBatch` with what the loss needs, per response token and per sequence."""
+
+    tokens: np.ndarray  # int32 [sum(seq_lens)]
+    seq_lens: np.ndarray  # int32 [B]
+    prompt_lens: np.ndarray  # int32 [B]
+    behaviour_logprobs: np.ndarray  # float32 [sum(seq_lens - prompt_lens)]
+    advantages: np.ndarray  # float32 [B]
+
+
+# --------------------------------------------------------------------------- requests
+class GenRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One prompt group: ``n`` samples of ``prompt_ids``."""
+
+    group_id: str
+    prompt_ids: list[int]
+    n: int
+    max_tokens: int
+    temperature: float = 1.0
+    greedy: bool = False
+    seed: int | None = None
+
+
+class Generate(msgspec.Struct, tag="gen", **_CTRL):
+    """Start generating these groups; each sample is pushed on the data socket
+    (:class:`SampleDone`) as soon as it finishes."""
+
+    requests: list[GenRequest]
+
+
+class Abort(msgspec.Struct, tag="abort", **_CTRL):
+    """Abort these groups; every sample not yet pushed still comes back, cut short, with
+    ``finish_reason == "abort"``."""
+
+    group_ids: list[str]
+
+
+class Score(msgspec.Struct, tag="score", **_CTRL):
+    """Return the engine's logprobs of the response tokens of fixed sequences."""
+
+    batch: TokenBatch
+    temperature: float = 1.0
+
+
+class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
+    """Pull weight version ``version`` from the trainer's transfer socket and load it (the
+    controller always asks for the prefix-cache reset: cached KV of old weights is stale)."""
+
+    version: int
+    address: str
+    transport: str = "shm"
+    reset_prefix_cache: bool = True
+    kv_scales: dict[str, float] | None = None
+    timeout_s: float = 300.0
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_pc", **_CTRL):
+    pass
+
+
+class ComputeLogprobs(msgspec.Struct, tag="logprobs", **_CTRL):
+    """Trainer: logprobs of the response tokens under the current weights."""
+
+    batch: TokenBatch
+    temperature: float = 1.0
+
+
+class BeginStep(msgspec.Struct, tag="begin", **_CTRL):
+    """Open optimizer step ``step``; chunks accumulate gradients until :class:`FinishStep`."""
+
+    step: int
+
+
+class TrainChunk(msgspec.Struct, tag="chunk", **_CTRL):
+    """Forward/backward this rank's share of a chunk into the open step (no optimizer step)."""
+
+    step: int
+    batch: TrainBatch
+
+
+class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
+    """Normalize gradients by the step's loss tokens, clip, take one optimizer step."""
+
+    step: int
+    num_loss_tokens: int
+
+
+class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
+    """Trainer: publish version ``version`` to ``receivers`` (``group:rank`` identities),
+    whose processes are ``receiver_pids`` (same order): the sender goes on without one that
+    exits meanwhile (a restarted rollout worker)."""
+
+    version: int
+    receivers: list[str]
+    receiver_pids: list[int] = []
+    transport: str = "shm"
+    bucket_size_bytes: int = 256 << 20
+    timeout_s: float = 300.0
+
+
+class CalibrateKV(msgspec.Struct, tag="calib_kv", **_CTRL):
+    """Trainer: FP8 KV-cache scales of the current weights on ``batch`` (this rank's share;
+    every rank answers with the same scales, maxed across ranks)."""
+
+    batch: TokenBatch
+    percentile: float = 99.9
+    margin: float = 1.05
+    include_q: bool = False
+
+
+class SaveState(msgspec.Struct, tag="save", **_CTRL):
+    """Trainer: write model and optimizer state under the directory ``path``
+    (``TrainingBackend.save_state``; collective, between steps)."""
+
+    path: str
+
+
+class LoadState(msgspec.Struct, tag="load", **_CTRL):
+    """Trainer: restore what :class:`SaveState` wrote (collective, before any step)."""
+
+    path: str
+
+
+class ExportModel(msgspec.Struct, tag="export", **_CTRL):
+    """Trainer: write the current weights as a Hugging Face directory at ``path`` (rank 0
+    writes; the others take part in the gathers), with the non-weight files of
+    ``source_dir``."""
+
+    path: str
+    source_dir: str
+    shard_bytes: int = 5 << 30
+
+
+class Health(msgspec.Struct, tag="health", **_CTRL):
+    pass
+
+
+Request = Union[
+    Generate,
+    Abort,
+    Score,
+    ReceiveWeights,
+    ResetPrefixCache,
+    ComputeLogprobs,
+    BeginStep,
+    TrainChunk,
+    FinishStep,
+    SendWeights,
+    CalibrateKV,
+    SaveState,
+    LoadState,
+    ExportModel,
+    Health,
+]
+
+
+# --------------------------------------------------------------------------- results
+class Empty(msgspec.Struct, tag="empty", **_CTRL):
+    pass
+
+
+class LogprobsResult(msgspec.Struct, tag="lp", **_CTRL):
+    logprobs: np.ndarray  # float32 [sum(seq_lens - prompt_lens)]
+
+
+class ChunkResult(msgspec.Struct, tag="chunk_r", **_CTRL):
+    """Local sums over this rank's share of a chunk."""
+
+    num_sequences: int
+    num_loss_tokens: int
+    loss_sum: float
+    clipped_tokens: int
+    is_weight_sum: float
+    abs_logprob_diff_sum: float
+
+
+class StepResult(msgspec.Struct, tag="step_r", **_CTRL):
+    step: int
+    loss: float
+    grad_norm: float
+    num_loss_tokens: int
+    lr: float
+    seconds: float
+
+
+class WeightsResult(msgspec.Struct, tag="w_r", **_CTRL):
+    version: int
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+    rejected_frames: int = 0
+    """Sender only: frames its transfer socket refused so far in this run (all refits)."""
+    busy_s: float = 0.0
+    """Receiver only: seconds since its previous refit during which it was generating (at
+    least one sample in flight)."""
+    pack_s: float = 0.0
+    """Sender only: seconds in the trainer's thread producing the tensors and packing them
+    into the staging buffers (an FSDP trainer's gathers included)."""
+
+
+class KVScalesResult(msgspec.Struct, tag="kv_r", **_CTRL):
+    scales: dict[str, float]
+    """``{"model.layers.{i}.self_attn.{k,v,q}_scale": scale}`` (dequantisation multipliers)."""
+
+
+class HealthResult(msgspec.Struct, tag="health_r", **_CTRL):
+    pid: int
+    busy: bool = False
+
+
+Result = Union[
+    Empty, LogprobsResult, ChunkResult, StepResult, WeightsResult, KVScalesResult, HealthResult
+]
+
+
+# --------------------------------------------------------------------------- control
+class Hello(msgspec.Struct, tag="hello", **_CTRL):
+    """First message of a worker. The controller refuses any other protocol version."""
+
+    protocol_version: int
+    group: str
+    rank: int
+    world_size: int
+    pid: int
+    log_path: str = ""
+
+
+class Init(msgspec.Struct, tag="init", **_CTRL):
+    """Controller's answer to :class:`Hello`: everything the worker needs to start."""
+
+    run_id: str
+    config: dict[str, Any]
+    data_address: str
+    transfer_address: str = ""
+    controller_pid: int = 0
+    """The controller's process: workers on the same host watch it and exit when it is gone
+    (0: do not watch)."""
+
+
+class Ready(msgspec.Struct, tag="ready", **_CTRL):
+    backend: str
+    backend_version: str = ""
+    capabilities: dict[str, Any] = {}
+
+
+class Call(msgspec.Struct, tag="call", **_CTRL):
+    call_id: int
+    request: Request
+
+
+class Reply(msgspec.Struct, tag="reply", **_CTRL):
+    call_id: int
+    result: Result
+    seconds: float = 0.0
+    """How long the worker spent serving the call (its own time, without the wire)."""
+
+
+class Failure(msgspec.Struct, tag="fail", **_CTRL):
+    """A call raised on the worker; the worker keeps serving."""
+
+    call_id: int
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
+class Shutdown(msgspec.Struct, tag="bye", **_CTRL):
+    pass
+
+
+class Dead(msgspec.Struct, tag="dead", **_CTRL):
+    """A worker's last words before it exits with an error."""
+
+    reason: str
+    traceback: str = ""
+
+
+ToWorker = Union[Init, Call, Shutdown]
+FromWorker = Union[Hello, Ready, Reply, Failure, Dead]
+
+
+# --------------------------------------------------------------------------- data plane
+class Sample(msgspec.Struct, array_like=True, gc=False):
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T], sampled-token logprobs after temperature
+    finish_reason: str
+
+
+class SampleDone(msgspec.Struct, tag="s", **_DATA):
+    """Sample ``index`` (0 .. n-1) of a prompt group, pushed by a rollout worker as soon as it
+    finished (or was aborted). A group is complete with its n-th sample."""
+
+    group_id: str
+    worker: str
+    index: int
+    sample: Sample
+
+
+class GroupFailed(msgspec.Struct, tag="gf", **_DATA):
+    """Generation of a group failed on ``worker``; no more of its samples will come."""
+
+    group_id: str
+    worker: str
+    error_type: str
+    message: str
+    retryable: bool = True
+    """False when the request's own data made it fail (``RequestError``): a retry would fail
+    the same way. True for engine or infrastructure failures."""
+
+
+class DataBatch(msgspec.Struct, tag="db", **_DATA):
+    """Several data messages that were ready together on one rollout worker, in the order they
+    were produced: one message (one receive, one decode on the controller's loop) instead of
+    one each. Each item is taken as if it had come alone."""
+
+    items: list[Union[SampleDone, GroupFailed]]
+
+
+DataMessage = Union[SampleDone, GroupFailed, DataBatch]
+
+
+# --------------------------------------------------------------------------- weight transfer
+class TensorEntry(msgspec.Struct, array_like=True, gc=False):
+    """Where one tensor lies in a bucket: ``nbytes`` bytes at ``offset``."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class WeightsPull(msgspec.Struct, tag="wpull", **_DATA):
+    """Receiver → sender: ready for version ``version``."""
+
+    version: int
+    receiver: str
+
+
+class Manifest(msgspec.Struct, tag="wman", **_DATA):
+    """Sender → receiver, before any bucket: every tensor of ``version`` in sending order
+    (``offset`` and ``nbytes`` of each entry are 0 here), and the transfer that carries them.
+    The receiver checks it against its model before touching a weight and answers with a
+    :class:`BucketAck` of index -1."""
+
+    version: int
+    transport: str
+    entries: list[TensorEntry]
+
+
+class Bucket(msgspec.Struct, tag="wbkt", **_DATA):
+    """Sender → receiver: bucket ``index`` of ``version`` is filled and readable through
+    ``handle`` (the transfer's own struct, encoded; see :mod:`asyncrl.transfers`)."""
+
+    version: int
+    index: int
+    handle: bytes
+    nbytes: int
+    entries: list[TensorEntry]
+    last: bool
+
+
+class BucketAck(msgspec.Struct, tag="wack", **_DATA):
+    """Receiver → sender: done with bucket ``index`` (-1: the manifest is accepted); ``error``
+    set if checking or loading failed."""
+
+    version: int
+    index: int
+    receiver: str
+    error: str | None = None
+
+
+WeightMessage = Union[WeightsPull, Manifest, Bucket, BucketAck]

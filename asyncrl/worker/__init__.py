@@ -1,0 +1,1 @@
+"""The worker processes: the runtime that serves calls, weight transfer, export."""
