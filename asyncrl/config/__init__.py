@@ -328,6 +328,14 @@ class FailuresConfig(_Base):
     again in place: its groups go to the other workers meanwhile (or wait for it), and it is
     refitted before it gets new ones. One more death stops the run. ``0``: the first death
     stops it. Not with ``refit.transport = "nccl"`` (its group cannot take a new member)."""
+    heartbeat_interval_s: float = 5.0
+    """Every worker is sent a health probe this often; its event loop answers it at once,
+    whatever call it is serving."""
+    heartbeat_timeout_s: float = 60.0
+    """A worker that answers no probe for this long while its process lives (stopped,
+    deadlocked, its loop blocked) is hung: it is named (group, rank, last answer, log file)
+    and handled as a death, so a rollout worker is restarted under ``rollout_restarts`` and a
+    trainer stops the run. ``0``: no heartbeat."""
 
 
 class MetricsConfig(_Base):
@@ -524,6 +532,16 @@ def problems(config: Config) -> list[ConfigError]:
         out.append(_fail("refit.drain_timeout_s", "must be > 0", "use e.g. 60"))
     if not 0 < config.failures.reward_timeout_s < float("inf"):
         out.append(_fail("failures.reward_timeout_s", "must be > 0 and finite", "use e.g. 60"))
+    beat = config.failures
+    if beat.heartbeat_timeout_s and not 0 < beat.heartbeat_interval_s < beat.heartbeat_timeout_s:
+        out.append(_fail(
+            "failures.heartbeat_interval_s",
+            f"must be > 0 and below heartbeat_timeout_s ({beat.heartbeat_timeout_s})",
+            "use e.g. 5 (a few probes fit in the timeout)",
+        ))
+    if not 0 <= beat.heartbeat_timeout_s < float("inf"):
+        out.append(_fail("failures.heartbeat_timeout_s", "must be >= 0 and finite",
+                         "use e.g. 60, or 0 to turn the heartbeat off"))
     if not 0 <= config.loss.clip_eps_low < 1:
         out.append(_fail("loss.clip_eps_low", "must be in [0, 1)", "use e.g. 0.2"))
     if config.loss.clip_eps_high < 0:
