@@ -47,6 +47,7 @@ __all__ = [
     "model_size",
     "no_space",
     "no_space_in",
+    "shm_base",
     "shm_fix",
     "shm_need",
     "size_text",
@@ -72,6 +73,11 @@ _SAFETENSORS_BYTES = {
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _PAGE = 4096
 _ALIGN = 256  # asyncrl.worker.weights.ALIGN: every tensor of a bucket starts on this boundary
+
+
+def shm_base() -> str:
+    """Where the run's shared-memory directory goes: ``/dev/shm``, else ``/tmp``."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
 def size_text(n: int) -> str:
@@ -311,8 +317,6 @@ def shm_need(cfg: Any, size: ModelSize | None) -> int:
 
 
 def _check_shm(cfg: Any, size: ModelSize | None, engines: Mapping[str, int]) -> None:
-    from asyncrl.transfers.shm import shm_base  # (that module raises this one's errors)
-
     parts: list[tuple[int, str]] = []
     transfer = cfg.refit.transport == "shm"
     if transfer:

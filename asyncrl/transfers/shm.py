@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from asyncrl.procs.space import is_no_space, no_space, shm_fix
+from asyncrl.procs.space import is_no_space, no_space, shm_base, shm_fix
 from asyncrl.wire.transport import make_private_dir
 from asyncrl.transfers import StagingSpec, WeightTransfer
 
@@ -31,11 +31,6 @@ class ShmHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(ShmHandle).decode
-
-
-def shm_base() -> str:
-    """Where the run's shared-memory directory goes: ``/dev/shm``, else ``/tmp``."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
 def shm_dir(run_id: str) -> str:
