@@ -23,6 +23,7 @@ from asyncrl.errors import (
     RunError,
     WorkerDiedError,
     WorkerError,
+    WorkerHungError,
     WorkerStartupError,
 )
 from asyncrl.wire.messages import PROTOCOL_VERSION
@@ -45,6 +46,7 @@ __all__ = [
     "RunSummary",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerHungError",
     "WorkerStartupError",
     "load_config",
 ]

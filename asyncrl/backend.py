@@ -5,12 +5,18 @@ A backend distribution registers, under ``asyncrl.generation_backends`` or
 check of its config section that the controller runs before any worker is spawned) or a bare
 factory. The factory is called with a :class:`WorkerContext` in the worker and returns an
 object implementing :class:`GenerationBackend` or :class:`TrainingBackend`. The worker runtime
-(:mod:`asyncrl.worker.runtime`) owns the sockets and calls these methods; backends never see ZeroMQ.
+(:mod:`asyncrl.worker.rollout`, :mod:`asyncrl.worker.trainer`) owns the sockets and calls these
+methods; backends never see ZeroMQ.
 
 Generation backends are asyncio-native (vLLM's ``AsyncLLM`` is): their methods are coroutines
 run on the worker's event loop. Training backends are blocking torch code: the runtime calls
 them in one dedicated thread, one call at a time, in the order the controller sent them, so
 collectives line up across ranks.
+
+The worker checks a backend against its protocol once, when it is created
+(:func:`check_backend`): a missing, misspelt or wrongly ``async`` method is one
+:class:`~asyncrl.errors.PluginError` before the engine starts, and the runtime then calls the
+methods directly.
 
 This module imports neither torch nor any engine.
 """
@@ -18,7 +24,9 @@ This module imports neither torch nor any engine.
 from __future__ import annotations
 
 import collections
-from collections.abc import Awaitable, Callable, Iterator
+import difflib
+import inspect
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,6 +34,8 @@ import numpy as np
 import structlog
 
 from asyncrl.config import Config
+from asyncrl.errors import PluginError
+from asyncrl.plugins import GROUPS
 from asyncrl.wire.messages import (
     ChunkResult,
     GenRequest,
@@ -46,6 +56,7 @@ __all__ = [
     "WeightBucketView",
     "WeightTensor",
     "WorkerContext",
+    "check_backend",
     "drain_weights",
     "generate_all",
 ]
@@ -208,8 +219,6 @@ class GenerationBackend(Protocol):
         """Every bucket is loaded: finalize, make sure nothing cached from older weights is
         reused (``reset_prefix_cache``; the controller always asks) and resume scheduling."""
 
-    async def reset_prefix_cache(self) -> None: ...
-
     async def close(self) -> None:
         """Shut the engine down and reap its processes. Idempotent."""
 
@@ -291,6 +300,83 @@ class TrainingBackend(Protocol):
 
     def close(self) -> None:
         """Destroy the process group and free memory. Idempotent."""
+
+
+def check_backend(
+    backend: Any,
+    protocol: type,
+    *,
+    plugin: str,
+    group: str,
+    optional: Sequence[type] = (),
+) -> dict[str, Callable[..., Any] | None]:
+    """Check a just-created backend against the protocol of its group, once, before it starts.
+
+    Every method ``protocol`` declares must be present, callable, and ``async def`` exactly
+    where the protocol's is. The methods of the ``optional`` protocols may be absent; present,
+    they are checked the same way. Checked here rather than on first use, a misspelt method
+    is one error at start-up instead of a failed call in the middle of a run, and the runtime
+    calls methods directly instead of probing with ``getattr`` on every call.
+
+    Args:
+        backend: what the plugin's factory returned.
+        protocol: :class:`GenerationBackend` or :class:`TrainingBackend`.
+        plugin: the backend's entry point name (``generator.backend`` / ``trainer.backend``).
+        group: its entry point group, e.g. ``asyncrl.generation_backends``.
+        optional: protocols whose methods the backend may have (:class:`EngineWatch`,
+            :class:`KVCalibration`).
+
+    Returns:
+        Each optional method by name: the backend's bound method, or ``None`` without one.
+
+    Raises:
+        PluginError: naming the plugin, its group and every method that is missing (with a
+            did-you-mean for a near name the backend has), not callable, or of the wrong kind.
+    """
+    required = _declared(protocol)
+    extra = {name: is_async for proto in optional for name, is_async in _declared(proto).items()}
+    spare = [n for n in dir(backend) if not n.startswith("_") and n not in required | extra]
+    problems = [_problem(backend, name, is_async, spare) for name, is_async in required.items()]
+    found = {name: getattr(backend, name, None) for name in extra}
+    problems += [
+        _problem(backend, name, is_async, spare)
+        for name, is_async in extra.items()
+        if found[name] is not None
+    ]
+    wrong = [p for p in problems if p]
+    if wrong:
+        cls = backend if isinstance(backend, type) else type(backend)
+        raise PluginError(
+            f"{GROUPS.get(group, group)} {plugin!r} ({group}: {cls.__module__}.{cls.__qualname__})"
+            f" does not implement {protocol.__name__}: {'; '.join(wrong)}. Fix: define "
+            f"{'them' if len(wrong) > 1 else 'it'} as asyncrl.backend.{protocol.__name__} says"
+        )
+    return found
+
+
+def _declared(protocol: type) -> dict[str, bool]:
+    """The public methods ``protocol`` declares, each with whether it is ``async def``."""
+    return {
+        name: inspect.iscoroutinefunction(fn)
+        for name, fn in vars(protocol).items()
+        if inspect.isfunction(fn) and not name.startswith("_")
+    }
+
+
+def _problem(backend: Any, name: str, is_async: bool, spare: Sequence[str]) -> str:
+    """What is wrong with ``backend``'s method ``name`` ('' when nothing is); ``spare``: the
+    backend's other public names, where a misspelt method would be."""
+    method = getattr(backend, name, None)
+    if method is None:
+        near = difflib.get_close_matches(name, spare, n=1, cutoff=0.7)
+        return f"no method {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+    if not callable(method):
+        return f"{name!r} is not callable (it is a {type(method).__name__})"
+    if is_async and not inspect.iscoroutinefunction(method):
+        return f"{name!r} must be `async def` (the worker awaits it on its event loop)"
+    if not is_async and inspect.iscoroutinefunction(method):
+        return f"{name!r} must be a plain method, not `async def` (it runs in the trainer's thread)"
+    return ""
 
 
 def drain_weights(weights: Iterator[WeightTensor], *, after_failure: bool = False) -> None:

@@ -12,6 +12,7 @@ Catch at the level you can handle::
     ├── WorkerError                 a worker group can no longer serve (fatal for the run)
     │   ├── WorkerStartupError      a worker died or timed out before it was ready
     │   ├── WorkerDiedError         a worker process exited while the run was going
+    │   │   └── WorkerHungError     it answered no health probe, alive, and was killed
     │   ├── EngineDeadError         (worker side) the backend's engine processes died
     │   └── ControllerLostError     (worker side) the controller process is gone
     ├── RefitError                  a weight transfer did not complete
@@ -24,6 +25,8 @@ Catch at the level you can handle::
 """
 
 from __future__ import annotations
+
+import time
 
 __all__ = [
     "AsyncRLError",
@@ -41,6 +44,7 @@ __all__ = [
     "RunError",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerHungError",
     "WorkerRestarting",
     "WorkerStartupError",
     "config_error",
@@ -63,7 +67,8 @@ class RunDirectoryInUseError(ConfigError):
 
 
 class PluginError(AsyncRLError):
-    """A plugin entry point is missing, ambiguous or failed to import."""
+    """A plugin entry point is missing, ambiguous or failed to import, or the backend it made
+    does not implement its protocol (:func:`asyncrl.backend.check_backend`)."""
 
 
 class ProtocolError(AsyncRLError):
@@ -138,6 +143,58 @@ class WorkerDiedError(WorkerError):
         self.rank = rank
         self.exit_code = exit_code
         self.log_path = log_path
+
+
+class WorkerHungError(WorkerDiedError):
+    """A worker answered no health probe for ``failures.heartbeat_timeout_s`` while its
+    process lived (stopped, deadlocked, its event loop blocked), so the controller killed it
+    (SIGKILL) and handled it as a death: a rollout worker is restarted under
+    ``failures.rollout_restarts``, a trainer stops the run (docs/failures.md, "Hung
+    workers"). The message names the worker, its pid, how long it was silent, when it last
+    answered and its log file.
+
+    Attributes (besides :class:`WorkerDiedError`'s):
+        pid: the process that was killed.
+        silent_s: seconds from its last answer (from when it was first probed, if it never
+            answered) to the kill.
+        last_answer: when it last answered (seconds since the epoch; ``None``: never).
+        timeout_s: the ``failures.heartbeat_timeout_s`` it outlasted.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        log_path: str | None,
+        *,
+        pid: int,
+        silent_s: float,
+        last_answer: float | None,
+        timeout_s: float,
+        exit_code: int | None = -9,
+        detail: str = "",
+    ) -> None:
+        if last_answer is None:
+            last = "it never answered one since it was ready"
+        else:
+            clock = time.strftime("%H:%M:%S", time.localtime(last_answer))
+            last = f"its last answer came at {clock}"
+        text = (
+            f"worker {group}:{rank} hung: it answered no health probe for {silent_s:.1f} s "
+            f"(failures.heartbeat_timeout_s = {timeout_s:g} s) and {last}; its process (pid "
+            f"{pid}) lived on (stopped, deadlocked or its event loop blocked), so it was "
+            f"killed (SIGKILL); its log: {log_path or 'n/a'}"
+        )
+        # not WorkerDiedError's "died with exit code -9": the kill is ours, the hang the cause
+        AsyncRLError.__init__(self, text + (f"\n{detail}" if detail else ""))
+        self.group = group
+        self.rank: int | None = rank
+        self.exit_code = exit_code
+        self.log_path = log_path
+        self.pid = pid
+        self.silent_s = silent_s
+        self.last_answer = last_answer
+        self.timeout_s = timeout_s
 
 
 class WorkerRestarting(WorkerError):

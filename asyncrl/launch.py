@@ -389,6 +389,12 @@ def _run_controller(
         summary = None  # a rank that left because of the same signal: not a failure
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving in order; see above
+    return _report_end(config, summary, stopped_by)
+
+
+def _report_end(config: Config, summary: Any, stopped_by: list[signal.Signals]) -> int:
+    """Rank 0's last words on a run that ended (``summary``) or was stopped by a signal
+    (``summary`` is ``None``): what it printed, and its exit code."""
     if summary is None:
         sig = stopped_by[0]
         owner = lost_owner()
@@ -418,10 +424,10 @@ async def _checkpoint_on_sigusr1(ctl: Any) -> None:
         if _EARLY_SIGUSR1:
             _EARLY_SIGUSR1.clear()
             log.info("checkpoint_requested", by="SIGUSR1 (during start-up)")
-            ctl.pipeline.checkpointer.request()
+            ctl.request_checkpoint()
         async for _ in signals:
             log.info("checkpoint_requested", by="SIGUSR1")
-            ctl.pipeline.checkpointer.request()
+            ctl.request_checkpoint()
 
 
 def _print_resume_hint(config: Config) -> None:

@@ -370,7 +370,7 @@ def check(config: Any, work: Path, lives: list[dict[str, Any]]) -> dict[str, Any
 
 
 def _bound(config: Any) -> int:
-    sampler = config.make_sampler()
+    sampler = config.sampler
     return int(sampler.max_staleness)
 
 

@@ -154,7 +154,7 @@ def check(config: Any, metrics: Path, kills: list[dict[str, Any]], code: int,
     for kill, rec in zip(kills, restarts):
         kill.update(back_s=rec["seconds"], exit_code=rec["exit_code"],
                     error=rec["error"][:100])
-    bound = config.make_sampler().max_staleness
+    bound = config.sampler.max_staleness
     evals = [r for r in records if r["kind"] == "eval"]
     report = {
         "config": str(config.run.name), "exit_code": code, "seconds": round(seconds, 1),

@@ -1,5 +1,6 @@
-"""Write docs/configuration.md from the field docstrings in asyncrl/config/__init__.py (and, for the
-built-in samplers' ``[pipeline.sampler]`` knobs, asyncrl/policy/samplers.py).
+"""Write docs/configuration.md from the field docstrings of the section structs in asyncrl/config/
+(one module per theme; and, for the built-in samplers' ``[pipeline.sampler]`` knobs,
+asyncrl/policy/samplers.py).
 
     .venv/bin/python scripts/gen_config_docs.py
 """
@@ -10,7 +11,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {
+CONFIG = ROOT / "asyncrl/config"
+SECTIONS = {  # in the page's order
     "RunConfig": "run", "ModelConfig": "model", "ClusterConfig": "cluster", "GRPOConfig": "grpo",
     "LossConfig": "loss", "PipelineConfig": "pipeline",
     "RefitConfig": "refit", "TrainerConfig": "trainer", "GeneratorConfig": "generator",
@@ -51,23 +53,42 @@ def fields(cls: ast.ClassDef) -> list[tuple[str, str, str]]:
     return out
 
 
+def section_classes() -> dict[str, ast.ClassDef]:
+    """Every section struct of asyncrl/config/, by class name.
+
+    Raises:
+        SystemExit: a section of :data:`SECTIONS` is in no module, or in two.
+    """
+    found: dict[str, ast.ClassDef] = {}
+    for path in sorted(CONFIG.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name in SECTIONS:
+                if node.name in found:
+                    raise SystemExit(f"{node.name} is defined twice under {CONFIG}")
+                found[node.name] = node
+    missing = sorted(set(SECTIONS) - set(found))
+    if missing:
+        raise SystemExit(f"no module under {CONFIG} defines {', '.join(missing)}")
+    return found
+
+
 def render() -> str:
-    """The reference page as it should read for the current asyncrl/config/__init__.py."""
-    tree = ast.parse((ROOT / "asyncrl/config/__init__.py").read_text())
+    """The reference page as it should read for the current asyncrl/config/ modules."""
+    classes = section_classes()
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `asyncrl/config/__init__.py` by `scripts/gen_config_docs.py`. Unknown keys are",
-        "errors; relative paths resolve against the config file's directory. Backend and",
-        "environment `options` tables are validated by the plugin (see docs/backends/).",
+        "Generated from the section structs in `asyncrl/config/` by `scripts/gen_config_docs.py`.",
+        "Unknown keys are errors; relative paths resolve against the config file's directory.",
+        "Backend and environment `options` tables are validated by the plugin (see "
+        "docs/backends/).",
         "",
     ]
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name in SECTIONS:
-            lines += [f"## `[{SECTIONS[node.name]}]`", ""]
-            lines += table(node)
-            if node.name == "PipelineConfig":
-                lines += sampler_sections()
+    for name, section in SECTIONS.items():
+        lines += [f"## `[{section}]`", ""]
+        lines += table(classes[name])
+        if name == "PipelineConfig":
+            lines += sampler_sections()
     return "\n".join(lines)
 
 
@@ -85,7 +106,8 @@ def sampler_sections() -> list[str]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name in SAMPLERS:
             doc = " ".join((ast.get_docstring(node) or "").split())
-            lines += [f'### `[pipeline.sampler]` with `name = "{SAMPLERS[node.name]}"`', "", doc, ""]
+            heading = f'### `[pipeline.sampler]` with `name = "{SAMPLERS[node.name]}"`'
+            lines += [heading, "", doc, ""]
             lines += table(node)
     return lines
 

@@ -115,7 +115,7 @@ def _bound(records: list[dict[str, Any]]) -> int | None:
     try:
         from asyncrl.config import from_dict
 
-        return int(from_dict(config).make_sampler().max_staleness)
+        return int(from_dict(config).sampler.max_staleness)
     except Exception:  # noqa: BLE001 - a config of another version, a missing sampler plugin
         return None
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.policy.samplers import DescribesMode
 from asyncrl.policy.schedule import Scheduler
 
 __all__ = ["ModeReport", "describe", "make_scheduler"]
@@ -23,42 +24,21 @@ class ModeReport:
     """Settings that are legal but probably not what was meant (each with its fix)."""
 
 
-def _line(sampler: Any, P: int) -> str:
-    name = sampler.name
-    if name == "in_order":
-        L = sampler.lookahead
-        if L == 0:
-            return (
-                "sync on-policy (in_order, max_lookahead_versions=0): every sample is "
-                "trained against the weights that generated it"
-            )
-        return (
-            f"async, exact batch->step (in_order, max_lookahead_versions={L}): batch k "
-            f"trains at step k; staleness <= {L}; nothing wasted"
-        )
-    W = sampler.max_staleness
-    if name == "gated":
-        return (
-            f"streaming, gated dispatch (gated, max_staleness_versions={W}): any complete "
-            f"groups, oldest first; staleness <= {W}; nothing wasted"
-        )
-    if name == "oversampled":
-        return (
-            f"streaming, over-sampled (oversampled, max_staleness_versions={W}, "
-            f"over_sampling_ratio={sampler.ratio:g}): dispatch never waits for the "
-            f"trainer; staleness <= {W}; groups that fall out of the window are wasted"
-        )
-    if name == "ready_first":
-        return (
-            f"streaming, ready first (ready_first, max_staleness_versions={W}): whatever "
-            f"completes first; staleness <= {W}; stragglers past the window are wasted"
-        )
-    return f"custom sampler {name!r}: staleness <= {W} (its own documentation says more)"
+def _line(sampler: Any) -> str:
+    """The sampler's own account of its mode, or a custom sampler's bound."""
+    if isinstance(sampler, DescribesMode):
+        return sampler.describe()
+    return (
+        f"custom sampler {sampler.name!r}: staleness <= {sampler.max_staleness} (its own "
+        "documentation says more)"
+    )
 
 
 def describe(config: Config) -> ModeReport:
-    """The mode, capacities and advice for a validated config."""
-    sampler = config.make_sampler()
+    """The mode, capacities and advice for a validated config (its sampler describes the
+    mode and its capacity; no sampler is singled out by name)."""
+    sampler = config.sampler
+    sync = sampler.max_staleness == 0  # on-policy (sync), whichever sampler keeps it
     P, N = config.grpo.prompts_per_step, config.grpo.samples_per_prompt
     chunk = config.min_groups_for_streaming_train
     need = sampler.required_buffer_capacity(P)
@@ -80,25 +60,21 @@ def describe(config: Config) -> ModeReport:
         f"({config.refit.bucket_size_mb} MiB buckets), invalidate the prefix cache",
     }
     advice = []
-    if chunk < P and sampler.name == "in_order" and sampler.max_staleness == 0:
+    if chunk < P and sync:
         advice.append(
             "pipeline.min_groups_for_streaming_train: in sync mode the whole batch is "
             "generated before training can start anyway, so chunks only add trainer round "
             f"trips. Fix: set it to prompts_per_step ({P}) or 0"
         )
-    if config.refit.drain and sampler.name == "in_order" and sampler.max_staleness == 0:
+    if config.refit.drain and sync:
         advice.append("refit.drain: sync mode has nothing in flight at a refit. Fix: remove it")
-    if (
-        config.max_inflight_samples < P * N
-        and sampler.name == "in_order"
-        and sampler.max_staleness == 0
-    ):
+    if config.max_inflight_samples < P * N and sync:
         advice.append(
             f"pipeline.max_inflight_samples: {config.max_inflight_samples} < P * N = {P * N}, "
             "so a sync step generates its batch in several waves. Fix: raise it if the engines "
             "can run P * N samples at once"
         )
-    return ModeReport(_line(sampler, P), capacities, advice)
+    return ModeReport(_line(sampler), capacities, advice)
 
 
 def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:

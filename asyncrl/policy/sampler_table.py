@@ -1,7 +1,10 @@
 """``[pipeline.sampler]``: from the config's table to a sampler (its plugin, its knobs).
 
-Kept apart from :mod:`asyncrl.config` so that the config's structs stay one short module;
-:mod:`asyncrl.config` re-exports :func:`make_sampler` and :func:`resolve_sampler`.
+The core config carries the table opaquely: its ``name`` picks a plugin of the
+``asyncrl.samplers`` group, which converts the other keys to its own struct and builds the
+sampler; the config asks the sampler for its capacities and the mode line
+(:attr:`asyncrl.config.Config.sampler`). :mod:`asyncrl.config` re-exports :func:`make_sampler`
+and :func:`resolve_sampler`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from asyncrl.errors import ConfigError, PluginError
 from asyncrl.errors import config_error as _fail
 from asyncrl.config.explain import explain
 
-__all__ = ["make_sampler", "resolve_sampler"]
+__all__ = ["default_table", "make_sampler", "resolve_sampler"]
+
+
+def default_table() -> dict[str, Any]:
+    """``[pipeline.sampler]`` when a config has none: ``in_order`` with its defaults (async,
+    one version of lookahead)."""
+    return msgspec.to_builtins(samplers.InOrderConfig())
 
 
 def _sampler_plugin(name: Any) -> samplers.SamplerPlugin:

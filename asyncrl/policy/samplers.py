@@ -32,7 +32,9 @@ Built in (entry points in the ``asyncrl.samplers`` group; docs/modes.md maps the
 ============== ==================================================================================
 
 A custom sampler is a distribution with an entry point in ``asyncrl.samplers`` naming a
-:class:`SamplerPlugin` (see ``plugins/asyncrl-sampler-dapo``).
+:class:`SamplerPlugin` (see ``plugins/asyncrl-sampler-dapo``). Each sampler also describes its
+own mode (:class:`DescribesMode`) and capacity (:meth:`Sampler.required_buffer_capacity`), so
+the core never switches on a sampler's name.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 __all__ = [
+    "DescribesMode",
     "GatedConfig",
     "GatedSampler",
     "GroupView",
@@ -132,6 +135,18 @@ class Sampler(Protocol):
     def load_state_dict(self, state: dict[str, int]) -> None: ...
 
 
+@runtime_checkable
+class DescribesMode(Protocol):
+    """What a sampler may add to :class:`Sampler`: its mode in words. Every built-in sampler
+    has it; without it ``asyncrl check-config`` shows a custom sampler with its staleness
+    bound."""
+
+    def describe(self) -> str:
+        """One line: the mode, the sampler's name and knobs, and what it guarantees (the
+        staleness bound as ``staleness <= W``, and what is wasted), for ``asyncrl
+        check-config`` (:func:`asyncrl.policy.modes.describe`; docs/modes.md)."""
+
+
 @dataclass(frozen=True)
 class SamplerPlugin:
     """What an ``asyncrl.samplers`` entry point names.
@@ -175,6 +190,18 @@ class InOrderSampler:
         self.lookahead = config.max_lookahead_versions
         self.max_staleness = self.lookahead
         self._admitted = 0
+
+    def describe(self) -> str:
+        L = self.lookahead
+        if L == 0:
+            return (
+                f"sync on-policy ({self.name}, max_lookahead_versions=0): every sample is "
+                "trained against the weights that generated it"
+            )
+        return (
+            f"async, exact batch->step ({self.name}, max_lookahead_versions={L}): batch k "
+            f"trains at step k; staleness <= {L}; nothing wasted"
+        )
 
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * (self.lookahead + 1)
@@ -268,6 +295,13 @@ class GatedSampler:
 
     def __init__(self, config: GatedConfig) -> None:
         self.window = self.max_staleness = _window(config.max_staleness_versions)
+
+    def describe(self) -> str:
+        W = self.window
+        return (
+            f"streaming, gated dispatch ({self.name}, max_staleness_versions={W}): any "
+            f"complete groups, oldest first; staleness <= {W}; nothing wasted"
+        )
 
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * (self.window + 1)
@@ -369,6 +403,14 @@ class OversampledSampler(_Windowed):
             )
         self.ratio = self.over_dispatch = float(config.over_sampling_ratio)
 
+    def describe(self) -> str:
+        W = self.window
+        return (
+            f"streaming, over-sampled ({self.name}, max_staleness_versions={W}, "
+            f"over_sampling_ratio={self.ratio:g}): dispatch never waits for the trainer; "
+            f"staleness <= {W}; groups that fall out of the window are wasted"
+        )
+
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return math.ceil(self.ratio * prompts_per_step * (self.window + 1))
 
@@ -398,6 +440,13 @@ class ReadyFirstSampler(_Windowed):
 
     def __init__(self, config: ReadyFirstConfig) -> None:
         self.window = self.max_staleness = _window(config.max_staleness_versions)
+
+    def describe(self) -> str:
+        W = self.window
+        return (
+            f"streaming, ready first ({self.name}, max_staleness_versions={W}): whatever "
+            f"completes first; staleness <= {W}; stragglers past the window are wasted"
+        )
 
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * (self.window + 1)

@@ -190,6 +190,16 @@ class Scheduler:
         except KeyError:
             raise SchedulerError(f"unknown group {group_id!r}") from None
 
+    def state_of(self, group_id: str) -> str | None:
+        """``group_id``'s state (``None``: not tracked), without raising: the hot path's
+        question for each sample that arrives."""
+        slot = self._slots.get(group_id)
+        return None if slot is None else slot.state
+
+    def states(self) -> dict[str, str]:
+        """Every tracked group's state, by id in dispatch order (for consistency checks)."""
+        return {gid: s.state for gid, s in self._slots.items()}
+
     def aborting(self, group_id: str) -> bool:
         """Whether ``group_id`` is being aborted (already counted; its samples still come)."""
         return self.slot(group_id).state == ABORTING
@@ -312,13 +322,14 @@ class Scheduler:
         return Dispatch(slot.group_id, slot.index, slot.start_version, slot.target_step, slot.n)
 
     def committed(self, group_id: str, rewards: Sequence[float] = ()) -> None:
-        """The group's samples are scored: it is ready to train."""
+        """The group's samples are scored: it is ready to train. ``rewards`` is kept as given,
+        not copied (the rollout book hands a view of the scored samples' rewards)."""
         slot = self.slot(group_id)
         if slot.state != SCORING:
             raise SchedulerError(f"group {group_id} committed in state {slot.state}")
         slot.state = READY
         slot.ready_seq = self._ready_seq
-        slot.rewards = tuple(rewards)
+        slot.rewards = rewards
         self._ready_seq += 1
 
     # ------------------------------------------------------------------ train side
@@ -509,9 +520,10 @@ class Scheduler:
         """Restore :meth:`state_dict` into a fresh scheduler (nothing dispatched yet).
 
         Returns the ids of the restored ready groups (the caller restores their samples).
-        Their start versions are kept, so the staleness bound holds for them exactly as it
-        would have without the interruption; the redispatched prompts start on the version
-        the generators serve after the resume's refit.
+        Their start versions and completion order (``ready_seq``) are kept, so the staleness
+        bound holds for them exactly as it would have without the interruption and a state
+        saved again at once equals the one restored; the redispatched prompts start on the
+        version the generators serve after the resume's refit.
         """
         if self._slots or self.dispatched:
             raise SchedulerError("load_state_dict() needs a fresh scheduler")
@@ -535,7 +547,7 @@ class Scheduler:
                 self.samples_per_prompt,
                 state=READY,
                 finished=self.samples_per_prompt,
-                ready_seq=self._ready_seq,
+                ready_seq=int(g["ready_seq"]),
                 rewards=tuple(float(r) for r in g["rewards"]),
             )
             if slot.start_version > self.trainer_version:
@@ -543,7 +555,7 @@ class Scheduler:
                     f"restored group {slot.group_id} started on version {slot.start_version}, "
                     f"after the checkpoint's trainer version {self.trainer_version}"
                 )
-            self._ready_seq += 1
+            self._ready_seq = max(self._ready_seq, slot.ready_seq + 1)
             self._slots[slot.group_id] = slot
             self._live_count += 1
             self.start_version_counts[slot.start_version] += 1

@@ -4,6 +4,7 @@ and counters it hands to the pumps (:mod:`asyncrl.policy.schedule`). Pure data."
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -41,7 +42,7 @@ class Slot:
     state: str = GENERATING
     finished: int = 0
     ready_seq: int = -1
-    rewards: tuple[float, ...] = ()
+    rewards: Sequence[float] = ()
 
     @property
     def ready(self) -> bool:
@@ -64,7 +65,8 @@ class Wait:
     """Nothing to dispatch now, and why: ``gate`` (a refit is going on), ``buffer`` (live
     groups at capacity), ``samples`` (samples in flight at capacity), ``sampler`` (the sampler
     holds generation back), ``enough`` (the work in flight covers the rest of the run),
-    ``finished`` (the last step is trained)."""
+    ``finished`` (the last step is trained), ``workers`` (no rollout worker serves: the
+    rollout book's answer while every one is restarting)."""
 
     reason: str
 

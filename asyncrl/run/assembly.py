@@ -1,12 +1,19 @@
-"""One optimizer step on the trainer ranks, assembled from the scheduler's chunks.
+"""One optimizer step on the trainer ranks, assembled from the rollout book's chunks, then
+published to the generators.
 
 ::
 
-    next_chunk() ─► evictions ─► ready groups ─► BeginStep (first chunk) ─► TrainChunk per chunk
-                                                                          ─► FinishStep
+    StepAssembler.train():  book.next_chunk() ─► evictions ─► ready groups ─► BeginStep (first
+                            chunk) ─► TrainChunk per chunk
+    ── the caller takes the weights lock ──
+    StepAssembler.finish(): FinishStep
+    Publisher.publish():    book.finish_step() (gate closes) ─► Abort hopeless groups ─► drain
+                            (optional) ─► KV scales ─► SendWeights ∥ ReceiveWeights ─►
+                            book.end_refit() (gate reopens)
+    ── the caller releases it ──
 
 The step streams in: each chunk is packed, sharded over the trainer ranks and trained as soon
-as the scheduler hands it out; gradients are normalized once, by the step's token count, at
+as the book hands it out; gradients are normalized once, by the step's token count, at
 ``FinishStep``. A train call that raises on a trainer rank (the worker lives on; the trainer
 drops the step's gradients) gives the step's groups back to the buffer and the step is
 assembled and trained again, within ``failures.train_step_retries`` (:mod:`asyncrl.policy.failures`).
@@ -15,25 +22,30 @@ assembled and trained again, within ``failures.train_step_retries`` (:mod:`async
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import structlog
 
-from asyncrl.run.groups import Group
 from asyncrl.config import Config
+from asyncrl.data.prompts import PromptStream, Tokenizer
 from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, flatten
+from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.grpo import nonfinite_cause, pack_groups, shard_batch
+from asyncrl.policy.schedule import StepStats
+from asyncrl.policy.verify import make_probe, verification_due
+from asyncrl.run.book import Aborts, RolloutBook
 from asyncrl.run.intake import Signal
-from asyncrl.wire.messages import BeginStep, FinishStep, TrainChunk
+from asyncrl.run.probes import Probes
+from asyncrl.run.refit import KVScales, RefitReport, refit_generators
+from asyncrl.wire.messages import Abort, BeginStep, FinishStep, TokenBatch, TrainChunk
 from asyncrl.wire.rpc import ControlPlane
-from asyncrl.policy.schedule import Scheduler
-from asyncrl.obs.steps import StepRecord
+from asyncrl.wire.transport import Rejections
 
-__all__ = ["StepAssembler"]
+__all__ = ["Publisher", "StepAssembler"]
 
 log = structlog.get_logger("asyncrl.run.assembly")
 
@@ -47,8 +59,7 @@ class _StepFailed(Exception):
 
 
 class StepAssembler:
-    """Trains steps for the train pump. ``ready`` is the pipeline's table of complete,
-    scored groups by id (shared: groups leave it when trained, come back if a step fails)."""
+    """Trains steps for the train pump from the rollout book's chunks."""
 
     def __init__(
         self,
@@ -56,59 +67,78 @@ class StepAssembler:
         *,
         control: ControlPlane,
         trainers: list[str],
-        scheduler: Scheduler,
-        ready: dict[str, Group],
+        book: RolloutBook,
         committed: Signal,
         changed: Signal,
         failures: FailureBudget,
         now: Callable[[], float],
-        weights: anyio.Lock,
     ) -> None:
         self.config = config
         self.control = control
         self.trainers = trainers
-        self.sched = scheduler
-        self.ready = ready
+        self.book = book
         self.committed = committed
         self.changed = changed
         self.failures = failures
         self.now = now
-        self.weights = weights
 
-    async def train(
-        self, step: int, rec: StepRecord, before_finish: Callable[[StepRecord], Awaitable[None]]
-    ) -> list[Any]:
-        """Train step ``step`` (retrying it as the failure budget allows); returns the
-        trainers' ``StepResult``s. The scheduler's step is complete, not yet finished.
+    async def train(self, step: int, rec: StepRecord) -> None:
+        """Train step ``step`` chunk by chunk until it has all its groups (not yet
+        finished); a step that fails on a trainer is assembled again.
 
-        ``before_finish(rec)`` is awaited before the ``FinishStep`` call and must take the
-        pipeline's weights lock: this releases it if ``FinishStep`` fails, the caller once
-        the new weights are published."""
+        Raises:
+            RunError: the step failed more often than ``failures.train_step_retries``.
+        """
         while True:
             try:
-                finish = await self._train_step(step, rec, before_finish)
-                break
+                await self._train_chunks(step, rec)
+                return
             except _StepFailed as exc:
-                if not self.failures.step_failed(step, str(exc.error).splitlines()[0]):
-                    raise RunError(
-                        f"step {step} failed {self.failures.step_failures} times "
-                        f"(failures.train_step_retries = "
-                        f"{self.config.failures.train_step_retries}); the last: {exc.error}"
-                    ) from exc.error
-                # the trainers dropped the step's gradients; its groups are ready again
-                taken = {g.group_id: g for g in rec.groups}
-                for gid in self.sched.abort_step():
-                    self.ready[gid] = taken[gid]
-                rec.restart()
-                self.committed.notify()
+                self._give_back(step, rec, exc)
+
+    async def finish(self, step: int, rec: StepRecord) -> list[Any] | None:
+        """Take the optimizer step of the trained step ``step`` (``FinishStep``); the caller
+        holds the weights. Returns the trainers' ``StepResult``s, or ``None`` when the call
+        failed on a trainer: the step's groups are ready again and the step must be trained
+        again (:meth:`train`, then this).
+
+        Raises:
+            RunError: the step failed more often than ``failures.train_step_retries``.
+            NonFiniteError: a loss or gradient norm that is not finite, once
+                ``failures.max_nonfinite_steps`` such steps were skipped.
+        """
+        num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
+        busy = self.now()
+        try:
+            finish = await self._train_call(
+                [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers)
+            )
+        except _StepFailed as exc:
+            self._give_back(step, rec, exc)
+            return None
+        rec.train_end = self.now()
+        rec.train_busy_s += rec.train_end - busy
         self.failures.step_done()
         self._check_finite(step, rec, finish)
         return finish
 
+    def _give_back(self, step: int, rec: StepRecord, exc: _StepFailed) -> None:
+        """A train call failed: the trainers dropped the step's gradients, so its groups are
+        ready again (or the run stops, the retries spent)."""
+        if not self.failures.step_failed(step, str(exc.error).splitlines()[0]):
+            raise RunError(
+                f"step {step} failed {self.failures.step_failures} times "
+                f"(failures.train_step_retries = "
+                f"{self.config.failures.train_step_retries}); the last: {exc.error}"
+            ) from exc.error
+        self.book.abort_step()
+        rec.restart()
+        self.committed.notify()
+
     def _check_finite(self, step: int, rec: StepRecord, finish: list[Any]) -> None:
         """A step whose loss or gradient norm is not finite was not applied by the trainers:
         skip it within ``failures.max_nonfinite_steps``, else stop the run naming the likely
-        cause (the weights lock ``FinishStep`` took is released: no refit follows)."""
+        cause."""
         bad = [r for r in finish if not (math.isfinite(r.loss) and math.isfinite(r.grad_norm))]
         if not bad:
             return
@@ -116,7 +146,6 @@ class StepAssembler:
         if self.failures.nonfinite_step(step, loss, grad_norm):
             rec.nonfinite_skipped = True
             return
-        self.weights.release()
         budget = (
             f"; {self.failures.nonfinite_steps} such steps, failures.max_nonfinite_steps = "
             f"{self.config.failures.max_nonfinite_steps}"
@@ -128,21 +157,18 @@ class StepAssembler:
             )
         )  # fmt: skip
 
-    async def _train_step(
-        self, step: int, rec: StepRecord, before_finish: Callable[[StepRecord], Awaitable[None]]
-    ) -> list[Any]:
-        """Open step ``step`` on the trainers, train it chunk by chunk as the scheduler hands
-        out groups, and take the optimizer step; returns the trainers' ``StepResult``s.
+    async def _train_chunks(self, step: int, rec: StepRecord) -> None:
+        """Open step ``step`` on the trainers and train it chunk by chunk as the book hands
+        out groups, until it has ``grpo.prompts_per_step``.
 
         Raises:
             _StepFailed: a train call raised on a trainer (the worker lives on).
         """
         cfg = self.config
         opened = False
-        while self.sched.taken < cfg.grpo.prompts_per_step:
-            chunk = self.sched.next_chunk()
+        while self.book.taken < cfg.grpo.prompts_per_step:
+            chunk = self.book.next_chunk()
             for gid in chunk.evicted:
-                self.ready.pop(gid)
                 log.info("group_evicted", group_id=gid, step=step)
             if chunk.evicted or chunk.groups:
                 self.changed.notify()  # capacity freed: the rollout pump may dispatch
@@ -151,16 +177,16 @@ class StepAssembler:
                 await self.committed.wait()  # only a commit can make a chunk possible
                 rec.waited(t, self.now())
                 continue
-            groups = [self.ready.pop(gid) for gid in chunk.groups]
-            rec.groups += groups  # before any await: a failed step gives them back
+            rec.groups += chunk.groups  # before any await: a failed step gives them back
             if not opened:
                 rec.train_start = self.now()
                 log.debug("step_started", step=step)
                 await self._train_call([BeginStep(step=step)] * len(self.trainers))
                 opened = True
             batch = pack_groups(
-                groups, normalize=cfg.grpo.normalize_advantages, environment=cfg.environment.name
-            )
+                chunk.groups, normalize=cfg.grpo.normalize_advantages,
+                environment=cfg.environment.name,
+            )  # fmt: skip
             shards = shard_batch(batch, len(self.trainers))
             await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
             busy = self.now()
@@ -168,19 +194,6 @@ class StepAssembler:
             rec.train_busy_s += self.now() - busy
             rec.chunk_results += results  # type: ignore[arg-type]
             rec.chunks += 1
-        num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
-        await before_finish(rec)
-        busy = self.now()
-        try:
-            finish = await self._train_call(
-                [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers)
-            )
-        except BaseException:
-            self.weights.release()
-            raise
-        rec.train_end = self.now()
-        rec.train_busy_s += rec.train_end - busy
-        return finish
 
     async def _train_call(self, requests: list[Any]) -> list[Any]:
         """One request to each trainer rank; a call that raised there is a :class:`_StepFailed`
@@ -194,3 +207,155 @@ class StepAssembler:
             if leaves and all(isinstance(e, RemoteCallError) for e in leaves):
                 raise _StepFailed(leaves[0]) from exc
             raise
+
+
+class Publisher:
+    """Publishes the trainer's weights to the generators. Every method but :meth:`verify`
+    expects the caller to hold the weights lock: the trainer's weights are those sent, and
+    the generators serve them when it returns.
+
+    ``serving()``: the rollout workers that serve now (a refit goes to them; one that dies
+    meanwhile is left out, it is restarted).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        control: ControlPlane,
+        trainers: list[str],
+        book: RolloutBook,
+        serving: Callable[[], list[str]],
+        kv: KVScales,
+        probes: Probes,
+        transfer_address: str,
+        changed: Signal,
+        rejections: Rejections,
+        metrics: Any,
+        now: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.trainers = trainers
+        self.book = book
+        self.serving = serving
+        self.kv = kv
+        self.probes = probes
+        self.transfer_address = transfer_address
+        self.changed = changed
+        self.rejections = rejections
+        self.metrics = metrics
+        self.now = now
+        self.report = RefitReport()
+        """What the last step's refit reported (the generators' busy time, the packing)."""
+        self._kv_scales: dict[str, float] | None = None
+        """The FP8 KV-cache scales of the last refit (a restarted worker gets them too)."""
+        self._probe: TokenBatch | None = None
+        """The refit-verification probe batch, frozen from the first trained step."""
+
+    async def publish(self, step: int, rec: StepRecord) -> StepStats:
+        """Step ``step`` took its optimizer step: bump the version, abort what became
+        hopeless, refit. Returns the step's counters. Cancellation: the refit is abandoned
+        (the run is over)."""
+        # the version bump and the gate's closing are one book event: no dispatch can see
+        # version v+1 before the generators serve it
+        self.book.finish_step()
+        self.changed.notify()
+        rec.refit_start = refit_start = self.now()
+        log.debug("refit_started", version=step + 1)
+        await self.abort(self.book.begin_refit())
+        if self.config.refit.drain:
+            await self._drain(rec)
+        rec.inflight_at_refit = self.book.inflight_samples
+        kv_scales = await self.kv.after_step(rec.groups, step + 1)
+        self.report = await self._refit(step + 1, kv_scales, self.serving())
+        self._kv_scales = kv_scales
+        rec.refit_end = self.now()
+        rec.refit_s = rec.refit_end - refit_start
+        stats = self.book.end_refit()
+        self.changed.notify()
+        return stats
+
+    async def abort(self, aborts: Aborts) -> None:
+        """Tell each engine to abort its groups (their samples still come back, cut short,
+        and free their slots)."""
+        if aborts.count:
+            log.info("groups_aborted", count=aborts.count, trainer_version=self.book.trainer_version)
+        async with anyio.create_task_group() as tg:
+            for worker, gids in aborts.by_worker.items():
+                tg.start_soon(self._abort_on, worker, gids)
+
+    async def _abort_on(self, worker: str, group_ids: list[str]) -> None:
+        # a worker that died: its groups were dispatched again (worker_lost)
+        await self.control.call_unless_restarting(
+            worker, Abort(group_ids=group_ids), timeout_s=self.config.cluster.call_timeout_s
+        )
+
+    async def _drain(self, rec: StepRecord) -> None:
+        """Wait until no sample is generating, at most ``refit.drain_timeout_s``."""
+        start = self.now()
+        with anyio.move_on_after(self.config.refit.drain_timeout_s) as scope:
+            while not self.book.drained:
+                await self.changed.wait()
+        rec.drain_s = self.now() - start
+        if scope.cancelled_caught:
+            rec.drain_timeouts += 1
+            log.warning(
+                "drain_timed_out",
+                inflight_samples=self.book.inflight_samples,
+                timeout_s=self.config.refit.drain_timeout_s,
+            )
+
+    async def first(self, resumed: bool, prompts: PromptStream, tokenizer: Tokenizer) -> None:
+        """Before the first dispatch: a resumed run refits the generators from the restored
+        weights (the engines start from ``model.path``); with an FP8 KV cache, every run
+        refits with calibrated scales, so no step runs on scales of 1.0."""
+        if resumed or self.kv.enabled:
+            kv_scales = await self.kv.initial(prompts, tokenizer)
+            self.report = await self._refit(self.book.trainer_version, kv_scales, self.serving())
+            self._kv_scales = kv_scales
+
+    async def refit_worker(self, worker: str) -> int:
+        """Refit restarted ``worker`` alone to the trainer's weights, with the last FP8
+        KV-cache scales; returns their version."""
+        version = self.book.trainer_version
+        await self._refit(version, self._kv_scales, [worker])
+        return version
+
+    async def _refit(
+        self, version: int, kv_scales: dict[str, float] | None, receivers: list[str]
+    ) -> RefitReport:
+        """Send weights ``version`` (and FP8 KV-cache scales) from the trainers to
+        ``receivers``; return when they serve them. Cancellation: abandons the transfer."""
+        report = await refit_generators(
+            self.control,
+            self.trainers,
+            receivers,
+            version=version,
+            transfer_address=self.transfer_address,
+            refit=self.config.refit,
+            timeout_s=self.config.cluster.call_timeout_s,
+            kv_scales=kv_scales,
+        )
+        if report.rejected_frames:  # the sender's count covers the whole run
+            self.rejections.counts["weights"] = report.rejected_frames
+        return report
+
+    async def verify(self, step: int, rec: StepRecord) -> None:
+        """After step ``step``'s refit, when due (``refit.verify_first_steps``,
+        ``verify_every_steps``): every generator's logprobs of a fixed probe batch (frozen
+        from the first trained step) against the trainer's, into ``rec.verify``."""
+        cfg = self.config.refit
+        if self._probe is None:
+            self._probe = make_probe(rec.groups, cfg.verify_num_sequences)
+        if self._probe is not None and verification_due(
+            step + 1, cfg.verify_first_steps, cfg.verify_every_steps
+        ):
+            start = self.now()
+            rec.verify = await self.probes.verify(self._probe, step + 1, self.metrics, self.now())
+            rec.verify_s = self.now() - start
+
+    def check_verified(self, rec: StepRecord) -> None:
+        """Stop the run if a generator disagreed with the trainer in ``rec.verify``."""
+        for agreement in rec.verify:
+            agreement.check(*self.kv.verify_tolerance)

@@ -11,8 +11,14 @@ Tasks in the controller's task group and what ends them:
 
     control reader   ROUTER → replies / Ready / Dead (raises on Dead)      cancelled at exit
     watchers         one per worker: pidfd / torchrun agent exit → WorkerDiedError
-    feeder, lag      started by train(): PULL → buffer commits             cancelled when done
-    rollout, train   started by train(): finish after ``run.num_steps``
+    heartbeat        Health to each worker every interval; kills a hung one (run/heartbeat.py)
+    sync-<worker>    a restarted rollout worker's refit (run/restarts.py)
+    the loops        train() runs them (run/loops.py: feeder, pumps, lag, watchdog); they
+                     finish after ``run.num_steps``
+
+The controller asks the loops (:class:`~asyncrl.run.loops.Pipeline`) for a handful of things:
+``resume``, ``run``, ``request_checkpoint`` / ``save_checkpoint``, ``status``, the two
+logprob probes and ``close``; restarts go through :class:`~asyncrl.run.restarts.Restarts`.
 
 Embedded in an asyncio application, the controller spawns its worker groups itself with
 torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and attach.
@@ -20,16 +26,15 @@ torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and att
 
 from __future__ import annotations
 
-import dataclasses
 import getpass
-import json
 import os
 import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,44 +43,31 @@ import anyio.abc
 import numpy as np
 import structlog
 
-from asyncrl.run.saving import Resume, open_resume
+from asyncrl.run.saving import open_resume
 from asyncrl.config import Config, to_dict
-from asyncrl.errors import (
-    AsyncRLError,
-    NoSpaceError,
-    WorkerDiedError,
-    WorkerRestarting,
-    WorkerStartupError,
-    flatten,
-)
+from asyncrl.errors import AsyncRLError, NoSpaceError, WorkerDiedError, WorkerStartupError, flatten
 from asyncrl.procs.spawn import (
     CONTROLLER_PID_FILE,
     SpawnedGroup,
     reap_stale_runs,
     spawn_group,
     stop_processes,
-    watch_peer,
     worker_args,
     worker_env,
 )
 from asyncrl.obs.log import MetricsWriter
-from asyncrl.wire.messages import Hello, Init, LoadState, TokenBatch
+from asyncrl.wire.messages import Hello, Init, TokenBatch
 from asyncrl.policy.modes import make_scheduler
-from asyncrl.run.loops import Pipeline
+from asyncrl.run.loops import Pipeline, RunSummary
+from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
-from asyncrl.procs.process import (
-    exit_status,
-    has_exited,
-    parent_pid,
-    stopped_by_signal,
-    wait_pid_exit,
-)
+from asyncrl.run.restarts import Restarts
+from asyncrl.procs.process import exit_status, has_exited, stopped_by_signal
 from asyncrl.worker.weights import shm_dir
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.procs.runlock import lock_run
 from asyncrl.procs.space import no_space_in
 from asyncrl.wire.transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
-from asyncrl.obs.watchdog import LoopWatchdog, gc_frozen
 
 __all__ = ["Addresses", "Controller", "RunSummary"]
 
@@ -93,23 +85,20 @@ class Addresses:
     transfer: str
     log_dir: str
 
-
-@dataclass
-class RunSummary:
-    """What :meth:`Controller.train` returns."""
-
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    metrics_path: str = ""
-    rejected_frames: dict[str, int] = field(default_factory=dict)
-    """Frames each socket refused (``control``, ``data``, ``weights``); see docs/protocol.md."""
-    resumed_from: int | None = None
-    """The step a resumed run started from (``None``: a fresh run)."""
-    checkpoint: str | None = None
-    """The last checkpoint this run saved."""
-    ledger: list[dict[str, Any]] = field(default_factory=list)
-    """Per epoch of the prompt stream: prompts trained, dropped (by reason), still live, lost
-    (always 0) and repeated (always 0); see :mod:`asyncrl.policy.ledger`."""
+    @classmethod
+    def make(cls, config: Config) -> Addresses:
+        """A fresh run's: a private directory for its sockets under ``/tmp`` (those of dead
+        runs reaped first), and its log directory."""
+        run_id = uuid.uuid4().hex[:12]
+        base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
+        make_private_dir(base)
+        reap_stale_runs(base)
+        run_dir = make_private_dir(os.path.join(base, run_id))
+        Path(run_dir, CONTROLLER_PID_FILE).write_text(str(os.getpid()))
+        log_dir = os.path.join(config.run.output_dir, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        sockets = [ipc_address(run_dir, name) for name in ("control", "data", "weights-0")]
+        return cls(run_id, run_dir, *sockets, log_dir)
 
 
 AttachHook = Callable[[Addresses, anyio.abc.TaskGroup], Awaitable[None]]
@@ -158,7 +147,9 @@ class Controller(anyio.AsyncContextManagerMixin):
         self._allow_changed = list(allow_changed)
         self._pipeline: Pipeline | None = None
         self._spawned: list[SpawnedGroup] = []
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._restarts = Restarts(config)
+        """The rollout workers that serve, and their restarts in place (run/restarts.py)."""
+        self._heartbeat = Heartbeat(config.failures)
         self._deaths: list[WorkerDiedError] = []
         """Worker deaths in the order they were seen (the first is the root cause)."""
         self.addresses: Addresses | None = None
@@ -201,106 +192,103 @@ class Controller(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def _owning(self, environment: Any, tokenizer: Any) -> AsyncIterator[None]:
-        """The run proper, once it owns its directories."""
+        """The run proper, once it owns its directories: its sockets, clock and metrics file,
+        its workers, its loops; all closed and removed on the way out."""
         cfg = self.config
         resume = await anyio.to_thread.run_sync(lambda: open_resume(
             cfg, self._resume, train_prompts=environment.dataset("train"),
             allow_changed=self._allow_changed,
         ))  # fmt: skip
-        run_id = uuid.uuid4().hex[:12]
-        base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
-        make_private_dir(base)
-        reap_stale_runs(base)
-        run_dir = make_private_dir(os.path.join(base, run_id))
-        Path(run_dir, CONTROLLER_PID_FILE).write_text(str(os.getpid()))
-        log_dir = os.path.join(cfg.run.output_dir, "logs")
-        os.makedirs(log_dir, exist_ok=True)
-        self.addresses = addr = Addresses(
-            run_id=run_id,
-            run_dir=run_dir,
-            control=ipc_address(run_dir, "control"),
-            data=ipc_address(run_dir, "data"),
-            transfer=ipc_address(run_dir, "weights-0"),
-            log_dir=log_dir,
-        )
+        self.addresses = addr = Addresses.make(cfg)
         ctx = Context()
         t0 = time.perf_counter()  # the run's clock: metrics' "t", the timeline's spans
-        metrics = MetricsWriter.open(cfg, run_id=run_id, origin=t0)
-        bound = structlog.contextvars.bound_contextvars(run_id=run_id)
+        metrics = MetricsWriter.open(cfg, run_id=addr.run_id, origin=t0)
+        bound = structlog.contextvars.bound_contextvars(run_id=addr.run_id)
         bound.__enter__()
         try:
             router = ctx.socket(ROUTER, bind=addr.control, router_mandatory=True)
             pull = ctx.socket(PULL, bind=addr.data, hwm=1000, copy=True)  # small messages
-            config_dict = to_dict(cfg)
-
-            def make_init(hello: Hello) -> Init:
-                transfer = addr.transfer if (hello.group, hello.rank) == ("trainer", 0) else ""
-                return Init(run_id=run_id, config=config_dict, data_address=addr.data,
-                            transfer_address=transfer, controller_pid=os.getpid())
-
             rejections = Rejections()
-            expected = {
-                f"{group}:{rank}"
-                for group, n in (
-                    ("trainer", cfg.cluster.trainer_ranks),
-                    ("rollout", cfg.cluster.rollout_ranks),
-                )
-                for rank in range(n)
-            }
-            control = ControlPlane(
-                router, make_init, expected=expected, rejections=rejections,
-                survivable=self._survivable,
-            )
-            metrics.write({"kind": "config", "run_id": run_id, "config": config_dict})
-            log.info("run_started", run_id=run_id, output=cfg.run.output_dir, pid=os.getpid())
+            control = self._control_plane(router, addr, rejections, metrics)
             async with anyio.create_task_group() as tg:
-                self._tg = tg
                 tg.start_soon(control.run, name="control-reader")
-                watchers = _Scopes()
-                try:
-                    peers = await self._start_workers(tg, control, addr, watchers)
-                    trainers = [p.identity for p in peers if p.group == "trainer"]
-                    rollouts = [p.identity for p in peers if p.group == "rollout"]
+                async with self._workers(tg, control, addr, metrics) as trainers:
                     self._pipeline = Pipeline(
-                        cfg,
-                        control=control,
-                        data_socket=pull,
-                        environment=environment,
+                        cfg, control=control, data_socket=pull, environment=environment,
                         tokenizer=tokenizer,
                         scheduler=make_scheduler(cfg, len(environment.dataset("train"))),
-                        trainers=trainers,
-                        rollouts=rollouts,
-                        transfer_address=addr.transfer,
-                        metrics=metrics,
-                        clock_origin=t0,
+                        trainers=trainers, restarts=self._restarts,
+                        transfer_address=addr.transfer, metrics=metrics, clock_origin=t0,
                         rejections=rejections,
-                    )
+                    )  # fmt: skip
+                    self._restarts.bind(self._pipeline, metrics)
                     if resume is not None:
-                        await self._restore(self._pipeline, control, trainers, metrics, resume)
+                        await self._pipeline.resume(resume)
                     yield
-                except BaseException:
-                    # before anything is stopped: a rank that died is the root cause of the
-                    # collective errors its death caused on the other ranks
-                    self._note_dead_peers(control)
-                    self._note_stop(metrics)
-                    raise
-                finally:
-                    watchers.cancel()
-                    with anyio.CancelScope(shield=True):
-                        await control.shutdown_all()
-                        pids = [p.pid for p in control.peers.values() if p.pid != os.getpid()]
-                        await stop_processes(self._spawned, pids, cfg.cluster.shutdown_grace_s)
-                    tg.cancel_scope.cancel()
         finally:
             bound.__exit__(None, None, None)
+            self._restarts.bind(None)
             if self._pipeline is not None:
-                self._pipeline.console.close()
+                self._pipeline.close()
             self._pipeline = None
             ctx.close()
             metrics.close()
-            shutil.rmtree(run_dir, ignore_errors=True)
-            shutil.rmtree(shm_dir(run_id), ignore_errors=True)
-            log.info("run_stopped", run_id=run_id)
+            shutil.rmtree(addr.run_dir, ignore_errors=True)
+            shutil.rmtree(shm_dir(addr.run_id), ignore_errors=True)
+            log.info("run_stopped", run_id=addr.run_id)
+
+    def _control_plane(
+        self, router: Any, addr: Addresses, rejections: Rejections, metrics: MetricsWriter
+    ) -> ControlPlane:
+        """The control plane on ``router``: it expects every rank of both groups and hands
+        each its ``Init`` (trainer rank 0 the weights address too)."""
+        cfg = self.config
+        config_dict = to_dict(cfg)
+
+        def make_init(hello: Hello) -> Init:
+            transfer = addr.transfer if (hello.group, hello.rank) == ("trainer", 0) else ""
+            return Init(run_id=addr.run_id, config=config_dict, data_address=addr.data,
+                        transfer_address=transfer, controller_pid=os.getpid())  # fmt: skip
+
+        groups = (("trainer", cfg.cluster.trainer_ranks), ("rollout", cfg.cluster.rollout_ranks))
+        expected = {f"{group}:{rank}" for group, n in groups for rank in range(n)}
+        control = ControlPlane(
+            router, make_init, expected=expected, rejections=rejections,
+            survivable=self._restarts.survivable,
+        )  # fmt: skip
+        metrics.write({"kind": "config", "run_id": addr.run_id, "config": config_dict})
+        log.info("run_started", run_id=addr.run_id, output=cfg.run.output_dir, pid=os.getpid())
+        return control
+
+    @asynccontextmanager
+    async def _workers(
+        self,
+        tg: anyio.abc.TaskGroup,
+        control: ControlPlane,
+        addr: Addresses,
+        metrics: MetricsWriter,
+    ) -> AsyncIterator[list[str]]:
+        """The run's workers, started (or attached), watched and probed for the block; yields
+        the trainers' identities. On the way out every worker is told to stop, its process
+        stopped (grace, SIGTERM, SIGKILL), and ``tg`` cancelled."""
+        watchers = _Scopes()
+        try:
+            peers = await self._start_workers(tg, control, addr, watchers)
+            watchers.start_soon(tg, self._heartbeat.run, control)
+            yield [p.identity for p in peers if p.group == "trainer"]
+        except BaseException:
+            # before anything is stopped: a rank that died is the root cause of the
+            # collective errors its death caused on the other ranks
+            self._note_dead_peers(control)
+            self._note_stop(metrics)
+            raise
+        finally:
+            watchers.cancel()
+            with anyio.CancelScope(shield=True):
+                await control.shutdown_all()
+                pids = [p.pid for p in control.peers.values() if p.pid != os.getpid()]
+                await stop_processes(self._spawned, pids, self.config.cluster.shutdown_grace_s)
+            tg.cancel_scope.cancel()
 
     async def _start_workers(
         self,
@@ -314,14 +302,10 @@ class Controller(anyio.AsyncContextManagerMixin):
         if self._attach is None:
             for group, n in groups.items():
                 spawned = await spawn_group(
-                    group=group,
-                    nproc=n,
-                    control_address=addr.control,
-                    log_dir=addr.log_dir,
-                    torchrun=cfg.torchrun,
-                    env=worker_env(group),
-                    args=worker_args(self._restarts(group)),
-                )
+                    group=group, nproc=n, control_address=addr.control, log_dir=addr.log_dir,
+                    torchrun=cfg.torchrun, env=worker_env(group),
+                    args=worker_args(self._restarts.of_group(group)),
+                )  # fmt: skip
                 self._spawned.append(spawned)
         else:
             await self._attach(addr, tg)
@@ -351,129 +335,25 @@ class Controller(anyio.AsyncContextManagerMixin):
         finally:
             startup_watch.cancel()
         # a supervised worker is no torchrun rank: its exit code comes from /proc alone
-        by_group = {s.group: s for s in self._spawned if not self._restarts(s.group)}
-
-        async def watch(peer: Any) -> None:
-            while True:
-                supervisor = parent_pid(peer.pid)  # read while it lives
-                try:
-                    await watch_peer(peer, by_group.get(peer.group))
-                except WorkerDiedError as exc:
-                    back = await self._restart(control, peer, exc, supervisor)
-                    if back is None:
-                        died = self._budget_spent(peer, exc)
-                        self._deaths.append(died)
-                        raise (peer.last_words or died) from None
-                    peer = back
-
+        agents = {s.group: s for s in self._spawned if not self._restarts.of_group(s.group)}
+        watch = partial(self._restarts.watch, named=self._heartbeat.named, fatal=self._deaths.append)
         for peer in peers:
             if peer.pid != os.getpid():
-                watchers.start_soon(tg, watch, peer)
+                watchers.start_soon(tg, watch, control, peer, agents.get(peer.group), tg)
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers
 
-    def _restarts(self, group: str) -> int:
-        """Times a rank of ``group`` may be restarted in place (its rank supervises it)."""
-        return self.config.rollout_restarts if group == "rollout" else 0
-
-    def _survivable(self, peer: Any) -> bool:
-        """Whether ``peer``'s death would be outlived (a rollout worker, restarts left)."""
-        pool = self._pipeline.pool if self._pipeline is not None else None
-        return peer.group == "rollout" and pool is not None and pool.restarts < pool.max_restarts
-
-    def _budget_spent(self, peer: Any, died: WorkerDiedError) -> WorkerDiedError:
-        """``died``, saying so when the restarts the run allowed were all used."""
-        pipe = self._pipeline
-        if pipe is None or peer.group != "rollout" or not pipe.pool.max_restarts:
-            return died
-        return WorkerDiedError(
-            died.group, died.rank, died.exit_code, died.log_path,
-            f"rollout workers were restarted {pipe.pool.restarts} times in this run, all "
-            "that failures.rollout_restarts allows",
-        )
-
-    async def _restart(
-        self, control: ControlPlane, peer: Any, died: WorkerDiedError, supervisor: int | None
-    ) -> Any:
-        """A rollout worker died: if the pool grants a restart, send its groups elsewhere,
-        wait for its new process (its ``supervisor`` starts it), start its refit and return
-        it (to be watched while it syncs). ``None``: no restart (not a rollout worker, no
-        run yet, the budget spent)."""
-        pipe = self._pipeline
-        if peer.group != "rollout" or pipe is None or stopped_by_signal(died.exit_code):
-            return None  # not restartable, no run yet, or a stop signal's consequence
-        if not pipe.pool.lost(peer.identity):
-            return None
-        start = time.perf_counter()
-        why = str(peer.last_words or died).splitlines()[0]
-        log.warning("worker_restarting", worker=peer.identity, error=why,
-                    restart=pipe.pool.restarts, of=pipe.pool.max_restarts)
-        control.forget(peer.identity, WorkerRestarting(f"{peer.identity} is restarting: {why}"))
-        await pipe.worker_lost(peer.identity)
-        timeout = self.config.cluster.startup_timeout_s
-        with anyio.move_on_after(timeout):
-            async with anyio.create_task_group() as tg:
-
-                async def supervisor_gone() -> None:
-                    if supervisor:
-                        await wait_pid_exit(supervisor)
-                        raise WorkerDiedError(peer.group, peer.rank, died.exit_code,
-                                              peer.log_path, "and its supervisor exited too")
-
-                tg.start_soon(supervisor_gone)
-                back = await control.wait_peer(peer.identity)
-                tg.cancel_scope.cancel()
-
-            async def sync() -> None:  # while the caller watches the new process
-                if not await pipe.worker_back(peer.identity):
-                    return  # it died again meanwhile: that death is being handled
-                seconds = round(time.perf_counter() - start, 3)
-                if pipe.metrics is not None:
-                    pipe.metrics.write({"kind": "worker_restarted", "worker": peer.identity,
-                                        "exit_code": died.exit_code, "error": why,
-                                        "restart": pipe.pool.restarts, "seconds": seconds})
-                log.info("worker_restarted", worker=peer.identity, seconds=seconds)
-
-            assert self._tg is not None
-            self._tg.start_soon(sync, name=f"sync-{peer.identity}")
-            return back
-        raise WorkerStartupError(
-            f"{peer.identity} died ({why}) and its new process was not ready within "
-            f"{timeout:.0f} s (cluster.startup_timeout_s); see {peer.log_path}"
-        )
-
-    async def _restore(
-        self,
-        pipe: Pipeline,
-        control: ControlPlane,
-        trainers: list[str],
-        metrics: MetricsWriter,
-        resume: Resume,
-    ) -> None:
-        checkpoint, state = resume.checkpoint, resume.state
-        pipe.restore(state)
-        await control.call_each(
-            trainers,
-            [LoadState(path=str(checkpoint.trainer_dir))] * len(trainers),
-            timeout_s=self.config.cluster.call_timeout_s,
-        )
-        pipe.checkpointer.last = checkpoint.path
-        metrics.write({"kind": "resume", "step": state.step, "checkpoint": str(checkpoint.path),
-                       "allowed_changes": resume.changes.allowed,
-                       "changed_settings": resume.changes.harmless})
-        log.info("run_resumed", step=state.step, checkpoint=str(checkpoint.path),
-                 ready_groups=len(state.groups),
-                 redispatch=len(state.scheduler["redispatch"]))
+    def request_checkpoint(self) -> None:
+        """Ask for a checkpoint at the next step boundary (or at the end of the run), without
+        waiting for it (``asyncrl.launch`` does it on SIGUSR1)."""
+        self.pipeline.request_checkpoint()
 
     async def save_checkpoint(self) -> str | None:
         """Save a checkpoint at the next step boundary (or at the end of the run) and return
         its directory once committed (``None`` if the save failed; the run goes on). Asked
         after the last step boundary, it returns the run's last checkpoint (``None``: none).
         For an embedding application; ``asyncrl.launch`` does the same on SIGUSR1."""
-        event = self.pipeline.checkpointer.request()
-        await event.wait()
-        last = self.pipeline.checkpointer.last
-        return str(last) if last is not None else None
+        return await self.pipeline.save_checkpoint()
 
     async def generator_logprobs(
         self, batch: TokenBatch, *, temperature: float = 1.0, rank: int = 0
@@ -483,15 +363,12 @@ class Controller(anyio.AsyncContextManagerMixin):
         With :meth:`trainer_logprobs` this measures the trainer/generator mismatch (it should
         be within bf16 noise right after a refit). Cancellation: the reply is dropped.
         """
-        pipe = self.pipeline
-        return await pipe.probes.generator_logprobs(
-            batch, worker=pipe.rollouts[rank], temperature=temperature
-        )
+        return await self.pipeline.generator_logprobs(batch, rank=rank, temperature=temperature)
 
     async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
         """Logprobs of ``batch``'s response tokens under the trainer's current weights
         (sequences are sharded over the trainer ranks and reassembled in order)."""
-        return await self.pipeline.probes.trainer_logprobs(batch, temperature=temperature)
+        return await self.pipeline.trainer_logprobs(batch, temperature=temperature)
 
     async def train(self) -> RunSummary:
         """Run ``run.num_steps`` optimizer steps (with the configured evaluations).
@@ -500,50 +377,7 @@ class Controller(anyio.AsyncContextManagerMixin):
 
         Cancellation: the pumps stop; leaving the ``async with`` block cleans up.
         """
-        pipe = self.pipeline
-        summary = RunSummary(metrics_path=os.path.join(self.config.run.output_dir, "metrics.jsonl"))
-        try:
-            with gc_frozen(self.config.run.gc_freeze):
-                await self._train(pipe, summary)
-        finally:
-            pipe.checkpointer.close()
-        summary.steps = list(pipe.history)
-        summary.rejected_frames = dict(pipe.rejections.counts)
-        summary.resumed_from = pipe.resumed_from
-        last = pipe.checkpointer.last
-        summary.checkpoint = str(last) if last is not None else None
-        summary.ledger = [dataclasses.asdict(e) for e in pipe.sched.ledger_report()]
-        if pipe.metrics is not None:
-            pipe.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
-            pipe.metrics.write({"kind": "ledger", "epochs": summary.ledger})
-        log.info(
-            "run_finished",
-            summary=json.dumps(summary.evals),
-            rejected_frames=summary.rejected_frames,
-        )
-        return summary
-
-    async def _train(self, pipe: Pipeline, summary: RunSummary) -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pipe.feed_buffer, name="buffer-feeder")
-            tg.start_soon(pipe.lag.run, name="loop-lag")
-            watchdog = LoopWatchdog(
-                self.config.run.stall_warning_s,
-                dump_dir=os.path.join(self.config.run.output_dir, "logs"),
-            )
-            tg.start_soon(watchdog.run, name="loop-watchdog")
-            await pipe.first_refit()
-            fresh = pipe.resumed_from is None
-            if self.config.eval.num_prompts and self.config.eval.at_start and fresh:
-                await pipe.evaluate("start")
-            async with anyio.create_task_group() as pumps:
-                pumps.start_soon(pipe.rollout_pump, name="rollout-pump")
-                pumps.start_soon(pipe.train_pump, name="train-pump")
-            await pipe.finish()
-            if self.config.eval.num_prompts and self.config.eval.at_end:
-                await pipe.evaluate("end")
-            summary.evals = list(pipe.evaluator.records)
-            tg.cancel_scope.cancel()
+        return await self.pipeline.run()
 
     def _note_stop(self, metrics: MetricsWriter) -> None:
         """A run that did not finish (a dead trainer, a run error, a signal): what can be
@@ -551,22 +385,18 @@ class Controller(anyio.AsyncContextManagerMixin):
         and a ``stopped`` record naming the checkpoint a resume goes on from (the work after
         it is done again: samples of newer weights cannot be trained on the older ones
         within the staleness bound)."""
-        pipe = self._pipeline
-        if pipe is None:
+        if self._pipeline is None:
             return
-        last = pipe.checkpointer.last
-        ledger = [dataclasses.asdict(e) for e in pipe.sched.ledger_report()]
+        status = self._pipeline.status()
         try:
-            metrics.write({"kind": "ledger", "epochs": ledger})
+            metrics.write({"kind": "ledger", "epochs": status.ledger})
             metrics.write({
-                "kind": "stopped", "step": pipe.sched.trainer_version,
-                "checkpoint": str(last) if last is not None else None,
+                "kind": "stopped", "step": status.step, "checkpoint": status.checkpoint,
                 "deaths": [str(d).splitlines()[0] for d in self._deaths],
             })  # fmt: skip
         except NoSpaceError as exc:  # the disk that stops the run, likely: keep its error
             log.warning("stop_not_recorded", error=str(exc).splitlines()[0])
-        log.warning("run_stopped_early", step=pipe.sched.trainer_version,
-                    resume_from=str(last) if last is not None else None)
+        log.warning("run_stopped_early", step=status.step, resume_from=status.checkpoint)
 
     def _note_dead_peers(self, control: ControlPlane) -> None:
         """Record workers whose process has exited but whose watcher has not fired yet."""

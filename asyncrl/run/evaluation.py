@@ -1,8 +1,10 @@
 """Held-out evaluation: greedy samples of the eval split on the generators' current weights.
 
 Evaluation requests are tagged (group ids ``eval-<label>-<i>``) and go to the same engines as
-training; their samples come back on the data socket like any other, and the feeder hands
-them here instead of to the scheduler, so they never reach a training batch.
+training; the rollout book keeps them (:meth:`~asyncrl.run.book.RolloutBook.add_evals`), their
+samples come back on the data socket like any other, and the feeder hands each scored group
+here (:meth:`Evaluator.scored`) instead of to the scheduler, so they never reach a training
+batch.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import structlog
 
 from asyncrl.config import Config
 from asyncrl.environment import Environment
-from asyncrl.run.intake import Generating
-from asyncrl.wire.messages import Generate, GenRequest
 from asyncrl.data.prompts import Tokenizer
-from asyncrl.policy.pool import RolloutPool
+from asyncrl.run.book import RolloutBook
+from asyncrl.wire.messages import Generate, GenRequest
 from asyncrl.wire.rpc import ControlPlane
 
 __all__ = ["Evaluator"]
@@ -28,12 +29,25 @@ __all__ = ["Evaluator"]
 log = structlog.get_logger("asyncrl.run.evaluation")
 
 
-class Evaluator:
-    """Runs held-out evaluations through the pipeline's engines.
+class _Results:
+    """One evaluation's scored groups as they come in."""
 
-    ``generating`` is the pipeline's table of groups whose samples are coming back: an
-    evaluation registers its groups there for the feeder, which sets their ``eval_done``.
-    """
+    def __init__(self, group_ids: list[str]) -> None:
+        self.samples: dict[str, list[Any]] = {}
+        self._expected = len(group_ids)
+        self.done = anyio.Event()
+        if not group_ids:
+            self.done.set()
+
+    def add(self, group_id: str, samples: list[Any]) -> None:
+        self.samples[group_id] = samples
+        if len(self.samples) == self._expected:
+            self.done.set()
+
+
+class Evaluator:
+    """Runs held-out evaluations through the run's engines; the rollout book keeps their
+    requests, ``serving()`` says which workers serve."""
 
     def __init__(
         self,
@@ -42,8 +56,8 @@ class Evaluator:
         control: ControlPlane,
         environment: Environment,
         tokenizer: Tokenizer,
-        pool: RolloutPool,
-        generating: dict[str, Generating],
+        book: RolloutBook,
+        serving: Callable[[], list[str]],
         metrics: Any,
         now: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -51,15 +65,15 @@ class Evaluator:
         self.control = control
         self.env = environment
         self.tok = tokenizer
-        self.pool = pool
-        self.generating = generating
+        self.book = book
+        self.serving = serving
         self.metrics = metrics
         self.now = now
         self.records: list[dict[str, Any]] = []
         """Every evaluation of the run, in order."""
         self._running: anyio.Event | None = None
-        self._waiting: list[tuple[str, Generating]] = []
-        """Groups whose worker died, waiting for a worker that serves."""
+        self._open: dict[str, _Results] = {}
+        """The evaluation waiting for each evaluation group, by id."""
 
     async def evaluate(self, label: str, version: int) -> dict[str, Any]:
         """Greedy held-out accuracy of weights ``version``, which the generators serve
@@ -68,26 +82,19 @@ class Evaluator:
         n = self.config.eval.num_prompts
         prompts = list(self.env.dataset("eval"))[:n]
         ids = await anyio.to_thread.run_sync(self.tok.encode_prompts, prompts)
-        groups = []
-        for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
-            pending = Generating(
-                prompt, prompt_ids, "", 1, version, None, self.now(), eval_done=anyio.Event()
-            )
-            groups.append((f"eval-{label}-{i}", pending))
-        waits = [pending for _, pending in groups]
+        gids = self.book.add_evals(label, list(zip(prompts, ids)), version, self.now())
+        results = _Results(gids)
+        self._open.update(dict.fromkeys(gids, results))
         start = self.now()
-        timeout = self.config.cluster.call_timeout_s
         try:
-            await self.resend(groups)
-            with anyio.fail_after(timeout):
-                for pending in waits:
-                    assert pending.eval_done is not None
-                    await pending.eval_done.wait()
+            await self.resend()
+            with anyio.fail_after(self.config.cluster.call_timeout_s):
+                await results.done.wait()
         finally:
-            for gid, _ in groups:
-                self.generating.pop(gid, None)
-            self._waiting = [g for g in self._waiting if g[0] not in dict(groups)]
-        correct = [s.correct for p in waits for s in p.samples]  # type: ignore[union-attr]
+            self.book.drop_evals(gids)
+            for gid in gids:
+                self._open.pop(gid, None)
+        correct = [s.correct for gid in gids for s in results.samples[gid]]
         record = {
             "kind": "eval",
             "label": label,
@@ -104,32 +111,32 @@ class Evaluator:
         self.records.append(record)
         return record
 
-    async def resend(self, groups: list[tuple[str, Generating]]) -> None:
-        """Send evaluation ``groups`` (by id) over the workers that serve, with those whose
-        worker died before; with none serving, they wait for the next call (a worker back)."""
-        self._waiting += groups
-        serving = self.pool.serving
-        if not serving or not self._waiting:
-            return
-        groups, self._waiting = self._waiting, []
-        requests: dict[str, list[GenRequest]] = {}
-        for i, (gid, pending) in enumerate(groups):
-            pending.worker = serving[i % len(serving)]
-            self.generating[gid] = pending
-            requests.setdefault(pending.worker, []).append(
+    def scored(self, group_id: str, samples: list[Any]) -> None:
+        """An evaluation group's samples are scored (the feeder's call; one whose
+        evaluation was abandoned is ignored)."""
+        results = self._open.pop(group_id, None)
+        if results is not None:
+            results.add(group_id, samples)
+
+    async def resend(self) -> None:
+        """Send the evaluation groups waiting for a worker over the workers that serve (with
+        none serving, they wait for the next call: a worker back)."""
+        placed = self.book.place_evals(self.serving())
+        timeout = self.config.cluster.call_timeout_s
+        for worker, sent in placed.items():  # one that died: its groups come back (worker_lost)
+            requests = [
                 GenRequest(
-                    group_id=gid,
-                    prompt_ids=pending.prompt_ids,
-                    n=1,
+                    group_id=s.group_id,
+                    prompt_ids=s.prompt_ids,
+                    n=s.n,
                     max_tokens=self.config.grpo.max_new_tokens,
                     temperature=0.0,
                     greedy=True,
                 )
-            )
-        timeout = self.config.cluster.call_timeout_s
-        for worker, reqs in requests.items():  # one that died: its groups come back (worker_lost)
+                for s in sent
+            ]
             await self.control.call_unless_restarting(
-                worker, Generate(requests=reqs), timeout_s=timeout
+                worker, Generate(requests=requests), timeout_s=timeout
             )
 
     def start_validation(

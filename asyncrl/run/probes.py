@@ -12,7 +12,7 @@ import structlog
 from asyncrl.errors import WorkerRestarting
 from asyncrl.policy.grpo import shard_tokens
 from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score, TokenBatch
-from asyncrl.policy.pool import RolloutPool
+from asyncrl.run.restarts import Restarts
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.policy.verify import Agreement, compare
 
@@ -25,7 +25,7 @@ class Probes:
     """Logprob queries over the control plane (each call bounded by ``timeout_s``)."""
 
     def __init__(
-        self, control: ControlPlane, trainers: list[str], pool: RolloutPool, timeout_s: float
+        self, control: ControlPlane, trainers: list[str], pool: Restarts, timeout_s: float
     ) -> None:
         self.control = control
         self.trainers = trainers

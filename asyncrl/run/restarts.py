@@ -1,109 +1,264 @@
-"""Groups that must be generated again: a generation that failed (retried after a back-off,
-or dropped within the failure budget) and the groups of a rollout worker that died (sent
-again at once, to the workers that serve). The scheduler decides each group's fate
-(:meth:`~asyncrl.policy.schedule.Scheduler.failed`, :meth:`~asyncrl.policy.schedule.Scheduler.retry`);
-this keeps their prompts until they are dispatched again."""
+"""Restart and redispatch: what happens to work whose worker or whose generation failed.
+
+* A rollout worker that dies is restarted in place while the run's budget allows
+  (``failures.rollout_restarts``; its rank supervises it, :mod:`asyncrl.procs.supervisor`):
+  :class:`Restarts` owns the pool of rollout workers (which serve, the restarts left,
+  :class:`~asyncrl.policy.pool.RolloutPool`) and carries a restart through::
+
+      watch(): WorkerDiedError ─► restart: pool.lost() ─► the control plane forgets it
+        ─► loops.worker_lost() (its groups to the workers that serve) ─► its new process
+        ready (its supervisor watched) ─► sync task: pool.returned() ─► loops.refit_worker()
+        ─► pool.synced() ─► loops.worker_serves() (it takes work again); watch() goes on
+        with the new process. No restart granted: watch() raises the death.
+
+* A generation that fails is retried after a back-off, or dropped within the failure budget;
+  a group whose scoring fails is dropped; a lost worker's groups are sent again at once:
+  :class:`Redispatcher`. The failure budget decides (:mod:`asyncrl.policy.failures`); the
+  rollout book keeps the groups and their prompts (:mod:`asyncrl.run.book`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import anyio
+import anyio.abc
 import structlog
 
-from asyncrl.environment import Prompt
+from asyncrl.config import Config
+from asyncrl.errors import WorkerDiedError, WorkerRestarting, WorkerStartupError
 from asyncrl.policy.failures import FailureBudget
-from asyncrl.run.intake import Generating, Signal
+from asyncrl.policy.pool import SYNCING, RolloutPool
+from asyncrl.procs.process import parent_pid, stopped_by_signal, wait_pid_exit
+from asyncrl.procs.spawn import SpawnedGroup, watch_peer
+from asyncrl.run.book import RolloutBook
+from asyncrl.run.groups import Group
+from asyncrl.run.intake import Signal
 from asyncrl.wire.messages import GroupFailed
-from asyncrl.policy.schedule import Scheduler
+from asyncrl.wire.rpc import ControlPlane
 
-__all__ = ["Redispatcher"]
+__all__ = ["Redispatcher", "Restarts", "WorkerLoops"]
 
 log = structlog.get_logger("asyncrl.run.restarts")
 
 
-class Redispatcher:
-    """Owns the prompts of groups waiting to be dispatched again.
+class WorkerLoops(Protocol):
+    """What a restart asks of the run's loops (:class:`~asyncrl.run.loops.Pipeline`)."""
 
-    ``generating`` and ``load`` are the pipeline's tables (groups whose samples are coming
-    back; samples in flight per worker); ``changed`` wakes the rollout pump.
+    async def worker_lost(self, worker: str) -> None:
+        """Send ``worker``'s groups to the workers that serve (or let them wait for one)."""
+
+    async def refit_worker(self, worker: str) -> int:
+        """Refit ``worker`` alone to the trainer's weights; returns their version."""
+
+    async def worker_serves(self, worker: str) -> None:
+        """``worker`` takes work again."""
+
+
+class Restarts:
+    """The rollout workers, which of them serve, and their restarts in place.
+
+    Built with the controller; :meth:`bind` hands it the run's loops once they exist (before
+    that, a death is fatal: the run has not started).
     """
 
-    def __init__(
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        rollouts = [f"rollout:{rank}" for rank in range(config.cluster.rollout_ranks)]
+        self._pool = RolloutPool(rollouts, config.rollout_restarts)
+        self._loops: WorkerLoops | None = None
+        self._metrics: Any = None
+
+    def bind(self, loops: WorkerLoops | None, metrics: Any = None) -> None:
+        """The run's loops (and metrics writer) that restarts act on; ``None``: the run is
+        over, a death is fatal again (and a next run starts with the whole budget)."""
+        self._loops, self._metrics = loops, metrics
+        if loops is None:
+            self._pool = RolloutPool(self._pool.workers, self._pool.max_restarts)
+
+    @property
+    def serving(self) -> list[str]:
+        """The rollout workers that take work now, in rank order."""
+        return self._pool.serving
+
+    @property
+    def workers(self) -> list[str]:
+        """Every rollout worker, in rank order."""
+        return self._pool.workers
+
+    def of_group(self, group: str) -> int:
+        """Times a rank of ``group`` may be restarted in place (its rank supervises it)."""
+        return self.config.rollout_restarts if group == "rollout" else 0
+
+    def survivable(self, peer: Any) -> bool:
+        """Whether ``peer``'s death would be outlived (a rollout worker, restarts left)."""
+        pool = self._pool
+        return peer.group == "rollout" and self._loops is not None and (
+            pool.restarts < pool.max_restarts
+        )
+
+    async def watch(
         self,
-        scheduler: Scheduler,
+        control: ControlPlane,
+        peer: Any,
+        agent: SpawnedGroup | None,
+        tg: anyio.abc.TaskGroup,
         *,
-        generating: dict[str, Generating],
-        load: dict[str, int],
-        failures: FailureBudget,
-        changed: Signal,
+        named: Callable[[Any, WorkerDiedError], WorkerDiedError],
+        fatal: Callable[[WorkerDiedError], None],
     ) -> None:
-        self.sched = scheduler
-        self.generating = generating
-        self.load = load
+        """Watch ``peer``'s process (and its torchrun ``agent``, for a rank of one) until it
+        dies; restart it in place while the pool grants it, and watch its new process.
+        ``named(peer, died)`` says what a death was (a hang the heartbeat killed it for);
+        ``fatal(died)`` records a death the run does not outlive, before it is raised.
+
+        Raises:
+            WorkerDiedError: a death the run does not outlive (or the worker's own last
+                words, a ``WorkerError``), or a supervisor that exited too.
+            WorkerStartupError: a restarted worker not ready in time.
+
+        Cancellation: stops watching (the run is over; a sync task belongs to ``tg``).
+        """
+        while True:
+            supervisor = parent_pid(peer.pid)  # read while it lives
+            try:
+                await watch_peer(peer, agent)
+            except WorkerDiedError as exc:
+                exc = named(peer, exc)  # a hang it was killed for, if so
+                back = await self._restart(control, peer, exc, supervisor, tg)
+                if back is None:
+                    died = named(peer, self._budget_spent(peer, exc))
+                    fatal(died)
+                    raise (peer.last_words or died) from None
+                peer = back
+
+    def _budget_spent(self, peer: Any, died: WorkerDiedError) -> WorkerDiedError:
+        """``died``, saying so when the restarts the run allowed were all used."""
+        if self._loops is None or peer.group != "rollout" or not self._pool.max_restarts:
+            return died
+        return WorkerDiedError(
+            died.group, died.rank, died.exit_code, died.log_path,
+            f"rollout workers were restarted {self._pool.restarts} times in this run, all "
+            "that failures.rollout_restarts allows",
+        )
+
+    async def _restart(
+        self,
+        control: ControlPlane,
+        peer: Any,
+        died: WorkerDiedError,
+        supervisor: int | None,
+        tg: anyio.abc.TaskGroup,
+    ) -> Any:
+        """``peer`` died: if the pool grants a restart, send its groups elsewhere, wait for
+        its new process (its ``supervisor`` starts it), start its refit in ``tg`` and return
+        it (to be watched while it syncs). ``None``: no restart (not a rollout worker, no run
+        yet, a stop signal's consequence, the budget spent).
+
+        Raises:
+            WorkerDiedError: its supervisor exited too.
+            WorkerStartupError: its new process was not ready within
+                ``cluster.startup_timeout_s``.
+        """
+        loops = self._loops
+        if peer.group != "rollout" or loops is None or stopped_by_signal(died.exit_code):
+            return None
+        if not self._pool.lost(peer.identity):
+            return None
+        start = time.perf_counter()
+        why = str(peer.last_words or died).splitlines()[0]
+        log.warning("worker_restarting", worker=peer.identity, error=why,
+                    restart=self._pool.restarts, of=self._pool.max_restarts)  # fmt: skip
+        control.forget(peer.identity, WorkerRestarting(f"{peer.identity} is restarting: {why}"))
+        await loops.worker_lost(peer.identity)
+        timeout = self.config.cluster.startup_timeout_s
+        with anyio.move_on_after(timeout):
+            async with anyio.create_task_group() as watch:
+
+                async def supervisor_gone() -> None:
+                    if supervisor:
+                        await wait_pid_exit(supervisor)
+                        raise WorkerDiedError(peer.group, peer.rank, died.exit_code,
+                                              peer.log_path, "and its supervisor exited too")
+
+                watch.start_soon(supervisor_gone)
+                back = await control.wait_peer(peer.identity)
+                watch.cancel_scope.cancel()
+            restarted = {"kind": "worker_restarted", "worker": peer.identity,
+                         "exit_code": died.exit_code, "error": why}  # fmt: skip
+            tg.start_soon(self._sync, loops, restarted, start, name=f"sync-{peer.identity}")
+            return back
+        raise WorkerStartupError(
+            f"{peer.identity} died ({why}) and its new process was not ready within "
+            f"{timeout:.0f} s (cluster.startup_timeout_s); see {peer.log_path}"
+        )
+
+    async def _sync(self, loops: WorkerLoops, restarted: dict[str, Any], start: float) -> None:
+        """The restarted worker's new process is ready (and watched): refit it to the
+        trainer's weights, then it takes work again; unless it died again meanwhile (that
+        death is being handled)."""
+        worker = restarted["worker"]
+        self._pool.returned(worker)
+        version = await loops.refit_worker(worker)
+        if self._pool.state(worker) != SYNCING:
+            return
+        self._pool.synced(worker)
+        log.info("worker_back", worker=worker, version=version)
+        await loops.worker_serves(worker)
+        seconds = round(time.perf_counter() - start, 3)
+        if self._metrics is not None:
+            self._metrics.write({**restarted, "restart": self._pool.restarts, "seconds": seconds})
+        log.info("worker_restarted", worker=worker, seconds=seconds)
+
+
+class Redispatcher:
+    """Failed and lost groups' fates. ``changed`` wakes the rollout pump."""
+
+    def __init__(self, book: RolloutBook, *, failures: FailureBudget, changed: Signal) -> None:
+        self.book = book
         self.failures = failures
         self.changed = changed
-        self._prompts: dict[str, tuple[Prompt, list[int]]] = {}
 
-    def take(self, group_id: str) -> tuple[Prompt, list[int]] | None:
-        """The prompt of a group dispatched again (``None``: a group dispatched first)."""
-        return self._prompts.pop(group_id, None)
-
-    def group_failed(self, pending: Generating, msg: GroupFailed, tg: Any) -> None:
-        """Retry the group after a back-off (in ``tg``), or drop it (:mod:`asyncrl.policy.failures`)."""
+    def group_failed(
+        self, group: Group, msg: GroupFailed, aborting: bool, tg: anyio.abc.TaskGroup
+    ) -> None:
+        """Retry the group after a back-off (in ``tg``), or drop it (:mod:`asyncrl.policy.failures`);
+        one being aborted is simply gone."""
         gid = msg.group_id
-        error = f"{msg.error_type}: {msg.message}"
-        del self.generating[gid]
-        self.load[pending.worker] -= sum(1 for s in pending.samples if s is None)
-        if self.sched.aborting(gid):  # counted as aborted already: gone, nothing to retry
-            self.sched.failed(gid, retry=False)
+        if aborting:  # counted as aborted already: gone, nothing to retry
+            self.book.failed(gid, retry=False)
             self.changed.notify()
             return
+        error = f"{msg.error_type}: {msg.message}"
         delay = self.failures.generation_failed(
-            gid, pending.prompt.id, retryable=msg.retryable, error=error, worker=msg.worker
+            gid, group.prompt_id, retryable=msg.retryable, error=error, worker=msg.worker
         )
+        self.book.failed(gid, retry=delay is not None)
+        self.changed.notify()
         if delay is None:
-            self.drop(gid, f"group {gid} (prompt {pending.prompt.id}) on {msg.worker}: {error}")
+            what = f"group {gid} (prompt {group.prompt_id}) on {msg.worker}: {error}"
+            self.failures.check_dropped(self.book.failed_groups, what)
             return
-        self.sched.failed(gid, retry=True)
-        self._prompts[gid] = (pending.prompt, pending.prompt_ids)
         tg.start_soon(self._retry_after, gid, delay)
-        self.changed.notify()
 
-    def drop(self, gid: str, what: str) -> None:
-        """Drop a failed group for good; the run stops once the failure budget is spent."""
-        self.sched.failed(gid, retry=False)
-        self.changed.notify()
-        self.failures.check_dropped(self.sched.failed_groups, what)
+    def score_failed(self, gid: str, what: str) -> None:
+        """Drop a group whose scoring failed; the run stops once the failure budget is spent
+        (a group the end of the run left unused is not counted)."""
+        if self.book.score_failed(gid):
+            self.changed.notify()
+            self.failures.check_dropped(self.book.failed_groups, what)
 
     async def _retry_after(self, gid: str, delay: float) -> None:
         await anyio.sleep(delay)
-        if not self.sched.tracks(gid):  # aborted meanwhile (hopeless after a refit, the end)
-            self._prompts.pop(gid, None)
-            return
-        self.sched.retry(gid)
+        self.book.retry(gid)  # ignored if it was aborted meanwhile (hopeless, the end)
         self.changed.notify()
 
-    def worker_lost(self, worker: str) -> list[tuple[str, Generating]]:
+    def worker_lost(self, worker: str) -> None:
         """``worker`` died: its training groups are dispatched again first (same prompt, same
-        step, no back-off, outside the failure budget; those being aborted are simply gone).
-        Returns its evaluation groups (by id), for the evaluator to send again."""
-        evals, again = [], 0
-        for gid, pending in list(self.generating.items()):
-            if pending.worker != worker:
-                continue
-            del self.generating[gid]
-            if pending.eval_done is not None:
-                pending.samples = [None] * pending.n
-                evals.append((gid, pending))
-            elif self.sched.aborting(gid):
-                self.sched.failed(gid, retry=False)
-            else:
-                self.sched.failed(gid, retry=True)
-                self._prompts[gid] = (pending.prompt, pending.prompt_ids)
-                self.sched.retry(gid)
-                again += 1
-        self.load[worker] = 0
-        log.info("groups_redispatched", worker=worker, groups=again, evaluation_groups=len(evals))
+        step, no back-off, outside the failure budget) and its evaluation groups wait for a
+        worker that serves."""
+        again, evals = self.book.worker_lost(worker)
+        log.info("groups_redispatched", worker=worker, groups=again, evaluation_groups=evals)
         self.changed.notify()
-        return evals

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,14 +29,12 @@ import structlog
 from asyncrl.run import checkpoint_dir as ckpt
 from asyncrl.run import resume_rule
 from asyncrl.procs import space
-from asyncrl.run.groups import Group
 from asyncrl.config import Config, to_dict
 from asyncrl.errors import NonFiniteError, NoSpaceError, RunError, flatten
-from asyncrl.wire.messages import ExportModel, SaveState
+from asyncrl.wire.messages import ExportModel, LoadState, SaveState
 from asyncrl.wire.rpc import ControlPlane
-from asyncrl.policy.schedule import Scheduler
 
-__all__ = ["Checkpointer", "Resume", "open_resume", "restore_state", "snapshot_state"]
+__all__ = ["Checkpointer", "Resume", "open_resume"]
 
 log = structlog.get_logger("asyncrl.run.saving")
 
@@ -47,35 +45,9 @@ def run_fingerprints(cfg: Config, train_prompts: Sequence[Any]) -> dict[str, Any
     return resume_rule.fingerprints(cfg.model.path, cfg.model.chat_template, train_prompts)
 
 
-def snapshot_state(sched: Scheduler, ready: dict[str, Group]) -> ckpt.ControllerState:
-    """The controller's state at a step boundary: the scheduler's (with the prompt ledger)
-    and the ready groups' samples, in the scheduler's order."""
-    scheduler = sched.state_dict()
-    return ckpt.ControllerState(
-        step=sched.trainer_version,
-        finished=sched.finished,
-        scheduler=scheduler,
-        groups=[ckpt.SavedGroup.of(ready[f"g{g['index']}"]) for g in scheduler["ready"]],
-    )
-
-
-def restore_state(state: ckpt.ControllerState, sched: Scheduler) -> dict[str, Group]:
-    """Load ``state`` into the fresh ``sched``; returns the ready groups by id."""
-    payloads = {g.group_id: g for g in state.groups}
-    restored = sched.load_state_dict(state.scheduler)
-    missing = [gid for gid in restored if gid not in payloads]
-    if missing or len(payloads) != len(restored):
-        raise ckpt.CheckpointError(
-            f"the checkpoint of step {state.step} lists ready groups {missing[:5]} without "
-            "their samples. Fix: resume from an older checkpoint"
-        )
-    return {gid: payloads[gid].group() for gid in restored}
-
-
 class Checkpointer:
-    """Saves checkpoints and exports for the pipeline; counts failed saves. ``ready`` is the
-    pipeline's table of complete, untrained groups (shared); ``train_prompts`` the
-    environment's train split (its fingerprint goes into each manifest)."""
+    """Saves checkpoints and exports for the loops; counts failed saves. ``train_prompts``:
+    the environment's train split (its fingerprint goes into each manifest)."""
 
     def __init__(
         self,
@@ -83,8 +55,6 @@ class Checkpointer:
         *,
         control: ControlPlane,
         trainers: list[str],
-        scheduler: Scheduler,
-        ready: dict[str, Group],
         metrics: Any,
         train_prompts: Sequence[Any],
     ) -> None:
@@ -92,8 +62,6 @@ class Checkpointer:
         self._train_prompts = train_prompts
         self._fingerprints: dict[str, Any] | None = None
         """Computed once, at the first save (the run's model and data do not change)."""
-        self.sched = scheduler
-        self.ready = ready
         self.control = control
         self.trainers = trainers
         self.metrics = metrics
@@ -103,6 +71,20 @@ class Checkpointer:
         """The last checkpoint this run committed."""
         self._requests: list[anyio.Event] = []
         self._closed = False
+
+    async def resume(self, resume: Resume) -> None:
+        """A resumed run: the trainers load the checkpoint's state, which is this run's last
+        checkpoint until it saves one (recorded in the metrics file)."""
+        checkpoint, state = resume.checkpoint, resume.state
+        await self._call_trainers(LoadState(path=str(checkpoint.trainer_dir)))
+        self.last = checkpoint.path
+        if self.metrics is not None:
+            self.metrics.write({"kind": "resume", "step": state.step,
+                                "checkpoint": str(checkpoint.path),
+                                "allowed_changes": resume.changes.allowed,
+                                "changed_settings": resume.changes.harmless})  # fmt: skip
+        log.info("run_resumed", step=state.step, checkpoint=str(checkpoint.path),
+                 ready_groups=len(state.groups), redispatch=len(state.scheduler["redispatch"]))
 
     # ------------------------------------------------------------------ on demand
     def request(self) -> anyio.Event:
@@ -136,13 +118,15 @@ class Checkpointer:
         export = (ex.every_steps > 0 and version % ex.every_steps == 0) or (finished and ex.at_end)
         return save, export
 
-    async def after_step(self) -> None:
-        """At a step boundary (no step open, the gate open): checkpoint and export the
-        trainer's weights as configured or requested."""
-        version, finished = self.sched.trainer_version, self.sched.finished
+    async def after_step(
+        self, version: int, finished: bool, snapshot: Callable[[], ckpt.ControllerState]
+    ) -> None:
+        """At a step boundary (no step open, the gate open; the trainer at ``version``):
+        checkpoint (the controller's state from ``snapshot()``) and export the trainer's
+        weights as configured or requested."""
         save, export = self.due(version, finished)
         if save:  # the snapshot is one synchronous piece: it matches the weights
-            await self.save(snapshot_state(self.sched, self.ready), finished=finished)
+            await self.save(snapshot(), finished=finished)
         if export:
             name = "final" if finished else ckpt.step_name(version)
             await self.export(os.path.join(self.config.export.dir, name))

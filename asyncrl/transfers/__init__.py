@@ -118,6 +118,12 @@ class WeightTransfer:
     """A handle names the same memory on every refit while the reader keeps it open (the
     sender refills its buffers in place): a reader may keep views of it across refits (the
     vLLM backend compiles each bucket's copies once). ``False`` when each handle is new."""
+    takes_new_readers: bool = True
+    """A reader that joins in the middle of a run can be refitted: a rollout worker that died
+    is then started again in place (``failures.rollout_restarts``). ``False`` when the sender
+    and its readers are bound for the whole run (a collective group formed at the first
+    refit cannot take a new member), so the first death stops the run; the config asks this
+    (``Config.rollout_restarts``), never the transfer's name."""
 
 
 def load_transfer(name: str, field: str = "refit.transport") -> WeightTransfer:

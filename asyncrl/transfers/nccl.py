@@ -38,6 +38,8 @@ buffer's broadcast; by then every reader acknowledged the bucket, so it is compl
 
 **Fixed group.** The group is made on the first ``begin`` for exactly those receivers (rank
 ``i + 1`` for ``receivers[i]``) and kept for the run; a later refit to other receivers raises.
+So the transfer declares ``takes_new_readers=False``: a rollout worker that died is not
+restarted in place (``failures.rollout_restarts`` counts as 0) and its death stops the run.
 Every member takes part in every broadcast: each reader must open every bucket handle once,
 in order. Each broadcast carries a sequence number (from 0, one per bucket, across refits); a
 reader refuses a handle that skips or repeats one (opening the very same handle again returns
@@ -473,5 +475,11 @@ class NcclOpener:
         self._broken = self._broken or "closed"
 
 
-NCCL = WeightTransfer(name="nccl", stager=NcclStager, opener=NcclOpener, devices=("cpu", "cuda"))
+NCCL = WeightTransfer(
+    name="nccl",
+    stager=NcclStager,
+    opener=NcclOpener,
+    devices=("cpu", "cuda"),
+    takes_new_readers=False,  # the group is formed once, at the first refit
+)
 """Entry point ``nccl``."""

@@ -3,7 +3,8 @@
 Rules (see docs/protocol.md):
 
 * Control messages are tagged unions with explicit short tags (``tag_field="k"``). A tag is
-  never reused; fields are only ever appended, with defaults.
+  never reused, also after its message is gone (retired: ``reset_pc``, protocol 7); fields
+  are only ever appended, with defaults.
 * Data messages (rollouts, batches, weight buckets) are ``array_like=True, gc=False``.
 * Numeric arrays are ``numpy.ndarray`` fields; :mod:`asyncrl.wire.codec` moves them as separate
   zero-copy frames described by (dtype, shape). Nothing is ever pickled.
@@ -18,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -90,10 +91,6 @@ class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
     reset_prefix_cache: bool = True
     kv_scales: dict[str, float] | None = None
     timeout_s: float = 300.0
-
-
-class ResetPrefixCache(msgspec.Struct, tag="reset_pc", **_CTRL):
-    pass
 
 
 class ComputeLogprobs(msgspec.Struct, tag="logprobs", **_CTRL):
@@ -170,7 +167,8 @@ class ExportModel(msgspec.Struct, tag="export", **_CTRL):
 
 
 class Health(msgspec.Struct, tag="health", **_CTRL):
-    pass
+    """Either group: answered at once from the worker's event loop, never queued behind a
+    call, so an answer says the worker's loop turns (the controller's heartbeat)."""
 
 
 Request = Union[
@@ -178,7 +176,6 @@ Request = Union[
     Abort,
     Score,
     ReceiveWeights,
-    ResetPrefixCache,
     ComputeLogprobs,
     BeginStep,
     TrainChunk,

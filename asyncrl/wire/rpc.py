@@ -248,6 +248,11 @@ class ControlPlane:
         await peer.ready.wait()
         return peer
 
+    def serving(self) -> list[Peer]:
+        """The workers that take calls now: connected, ready and not marked dead (one being
+        restarted is absent until its new process is ready)."""
+        return [p for p in self.peers.values() if p.ready.is_set() and p.error is None]
+
     def forget(self, identity: str, error: BaseException) -> None:
         """Forget a worker whose process died and will start again: every call waiting on
         it, and every call to it until its new process says ``Hello``, fails with ``error``;

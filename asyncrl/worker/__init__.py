@@ -1,1 +1,2 @@
-"""The worker processes: the runtime that serves calls, weight transfer, export."""
+"""The worker processes: ``runtime.serve`` (the entry point), a runtime per role on a shared
+base (``rollout``, ``trainer``, ``base``), weight transfer, export."""

@@ -43,11 +43,12 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_six() -> None:
+def test_protocol_version_is_seven() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
-    # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids
-    assert PROTOCOL_VERSION == 6
+    # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
+    # 7: ResetPrefixCache (tag reset_pc, never sent) left the Request union
+    assert PROTOCOL_VERSION == 7
 
 
 def test_golden_hello() -> None:

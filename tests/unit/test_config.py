@@ -189,3 +189,146 @@ def test_configuration_reference_is_up_to_date() -> None:
     assert (root / "docs/configuration.md").read_text() == module.render(), (
         "docs/configuration.md is stale: run python scripts/gen_config_docs.py"
     )
+
+
+def _counting_samplers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Route every sampler plugin's factory through a counter; returns the list of built
+    samplers' names (one entry per factory call)."""
+    from asyncrl import plugins
+    from asyncrl.policy.samplers import SamplerPlugin
+
+    built: list[str] = []
+    real_load = plugins.load
+
+    def load(group: str, name: str, *args: object, **kwargs: object) -> object:
+        obj = real_load(group, name, *args, **kwargs)
+        if group != "asyncrl.samplers":
+            return obj
+
+        def create(config: object) -> object:
+            built.append(name)
+            return obj.create(config)
+
+        return SamplerPlugin(obj.config, create)
+
+    monkeypatch.setattr(plugins, "load", load)
+    return built
+
+
+def test_the_sampler_is_built_once_per_config(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading checks the sampler; every later question (capacities, the staleness bound,
+    the mode) asks that same sampler. Only a scheduler gets a fresh one (it drives it)."""
+    from asyncrl.policy.modes import describe, make_scheduler
+
+    built = _counting_samplers(monkeypatch)
+    cfg = load_config(write(tmp_path, BASE + "[pipeline.sampler]\nname = 'gated'\n"))
+    assert built == ["gated"]
+    for _ in range(5):
+        assert (cfg.max_buffered_groups, cfg.max_inflight_samples) == (32, 256)
+    assert cfg.sampler is cfg.sampler and cfg.sampler.max_staleness == 1
+    assert "staleness <= 1" in describe(cfg).mode
+    assert built == ["gated"]
+    scheduler = make_scheduler(cfg)
+    assert built == ["gated", "gated"] and scheduler.sampler is not cfg.sampler
+
+
+def test_a_config_without_its_sampler_built_still_derives_it(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``Config`` made directly (no load) builds its sampler on the first question, once;
+    a replaced config builds its own (its table may differ)."""
+    import msgspec
+
+    from asyncrl.config import Config, EnvironmentConfig, ModelConfig, PipelineConfig
+
+    built = _counting_samplers(monkeypatch)
+    cfg = Config(model=ModelConfig(path=str(model_dir)), environment=EnvironmentConfig(name="x"))
+    assert built == []
+    assert cfg.max_buffered_groups == 32 and cfg.max_inflight_samples == 256
+    assert built == ["in_order"]
+    table = {"name": "oversampled", "over_sampling_ratio": 2.0}
+    other = msgspec.structs.replace(cfg, pipeline=PipelineConfig(sampler=table))
+    assert other.max_buffered_groups == 64 and cfg.max_buffered_groups == 32  # ceil(2*16*2)
+    assert built == ["in_order", "oversampled"]
+    assert msgspec.to_builtins(other)["pipeline"]["sampler"] == table  # nothing cached leaks
+
+
+def test_rollout_restarts_ask_the_transfer_not_its_name(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``nccl`` declares that it takes no new reader, so a rollout worker is not restarted
+    over it; any transfer declaring the same gets the same, whatever it is called."""
+    import dataclasses
+
+    from asyncrl.config import root
+    from asyncrl.transfers import load_transfer
+
+    restarts = "[failures]\nrollout_restarts = 2\n"
+    assert load_config(write(tmp_path, BASE + restarts)).rollout_restarts == 2
+    nccl = load_config(write(tmp_path, BASE + restarts + "[refit]\ntransport = 'nccl'\n"))
+    assert nccl.rollout_restarts == 0 and nccl.failures.rollout_restarts == 2
+    shm = load_transfer("shm")
+    monkeypatch.setattr(
+        root, "load_transfer",
+        lambda name: dataclasses.replace(shm, takes_new_readers=False),
+    )  # fmt: skip
+    assert load_config(write(tmp_path, BASE + restarts)).rollout_restarts == 0
+
+
+def test_asking_the_transfer_imports_no_torch(tmp_path: Path, model_dir: Path) -> None:
+    """The config and its questions stay torch-free: a controller host needs no torch to
+    load a config and ask whether the nccl transfer takes a restarted worker."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path, BASE + "[refit]\ntransport = 'nccl'\n")
+    code = (
+        "import sys; from asyncrl.config import load_config;"
+        f"cfg = load_config({str(path)!r}); print(cfg.rollout_restarts, cfg.max_buffered_groups,"
+        "'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "32", "False"]
+
+
+def test_each_section_checks_its_own_fields(tmp_path: Path, model_dir: Path) -> None:
+    """One broken field in every section: problems() lists each, named by its section, in the
+    order of the reference (the model directory, read from disk, last)."""
+    from asyncrl.config import load_unvalidated, problems
+
+    body = BASE.replace('path = "model"', 'path = "nowhere"') + """
+[run]
+num_steps = 0
+[cluster]
+rollout_gpus = [0, 1]
+[grpo]
+temperature = 0
+[loss]
+is_cap = 0.5
+[pipeline]
+max_buffered_groups = 1
+[refit]
+staging_buffers = 1
+[trainer]
+micro_batch_size = 0
+[eval]
+num_prompts = -1
+[checkpoint]
+keep_last = 0
+[export]
+every_steps = -1
+[failures]
+reward_timeout_s = 0
+[metrics]
+completions_every = -1
+"""
+    found = problems(load_unvalidated(write(tmp_path, body)))
+    assert [str(exc).split(":")[0] for exc in found] == [
+        "run.num_steps", "cluster.rollout_gpus", "grpo.temperature", "loss.is_cap",
+        "pipeline.max_buffered_groups", "refit.staging_buffers", "trainer.micro_batch_size",
+        "eval.num_prompts", "checkpoint.keep_last", "export.every_steps",
+        "failures.reward_timeout_s", "metrics.completions_every", "model.path", "model.path",
+    ]  # fmt: skip
+    assert all("Fix:" in str(exc) for exc in found)

@@ -1,5 +1,5 @@
 """A rollout worker pushes what is ready together as one DataBatch (the real
-``_Runtime.push_data`` over a real PUSH/PULL pair), and the controller's codec reads it."""
+``RolloutRuntime.push_data`` over a real PUSH/PULL pair), and the controller's codec reads it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, Sample, SampleDone
 from asyncrl.wire.transport import PULL, PUSH, Context
-from asyncrl.worker.runtime import DATA_BATCH, _Runtime
+from asyncrl.worker.rollout import DATA_BATCH, RolloutRuntime
 
 pytestmark = pytest.mark.asyncio
 
@@ -36,7 +36,7 @@ async def test_ready_items_go_together_in_order_and_nothing_waits(tmp_path) -> N
         async with anyio.create_task_group() as tg, send:
             for item in items:  # all ready before the pusher runs
                 send.send_nowait(item)
-            tg.start_soon(_Runtime.push_data, runtime, recv)
+            tg.start_soon(RolloutRuntime.push_data, runtime, recv)
             with anyio.fail_after(5):
                 first = rx.decode(await pull.recv())
                 second = rx.decode(await pull.recv())

@@ -26,7 +26,7 @@ from asyncrl.run.groups import CompletedSample, Group
 from asyncrl.data.dataset import AsyncDatasetEnvironment, DatasetEnvironment, make_environment
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError
-from asyncrl.run.intake import ASYNC_SCORE_CONCURRENCY, Generating, ScoreError, Scorer
+from asyncrl.run.intake import ASYNC_SCORE_CONCURRENCY, ScoreError, Scorer
 from asyncrl.wire.messages import Sample, StepResult
 from asyncrl.data.rewards import RewardError
 from asyncrl.policy.slots import StepStats
@@ -599,8 +599,8 @@ class DigitsTokenizer:
         return "".join(str(int(i)) for i in ids)
 
 
-def group_of(prompt: Prompt, completions: list[list[int]]) -> Generating:
-    pending = Generating(prompt, [1], "rollout:0", len(completions), 0, None, 0.0)
+def group_of(prompt: Prompt, completions: list[list[int]]) -> Group:
+    pending = Group("g0", prompt.id, [1], 0, None, 0.0, index=0, worker="rollout:0", prompt=prompt)
     pending.samples = [
         Sample(np.array(c, dtype=np.int32), np.full(len(c), -0.5, dtype=np.float32), "stop")
         for c in completions
@@ -674,7 +674,7 @@ async def test_scorer_bounds_concurrency() -> None:
     groups = [group_of(prompt, [[i % 10]] * 50) for i in range(3)]
     results: list[list[CompletedSample]] = []
 
-    async def score(g: Generating) -> None:
+    async def score(g: Group) -> None:
         results.append(await scorer.threaded(g))
 
     async with anyio.create_task_group() as tg:

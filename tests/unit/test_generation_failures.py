@@ -13,9 +13,12 @@ import anyio
 import numpy as np
 import pytest
 
+from asyncrl.backend import WorkerContext
 from asyncrl.errors import EngineDeadError
-from asyncrl.wire.messages import GenRequest, GroupFailed
-from asyncrl.worker.runtime import _Busy, _Runtime
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import FromWorker, GenRequest, GroupFailed, Init, TokenBatch
+from asyncrl.worker.rollout import RolloutRuntime
+from asyncrl.worker.trainer import TrainerRuntime
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -26,20 +29,44 @@ def anyio_backend() -> str:
 
 
 class _Backend:
+    """A generation engine whose requests fail with ``exc``."""
+
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
     async def generate(self, request: GenRequest, emit: object) -> None:
         raise self.exc
 
+    async def score(self, batch: object, temperature: float) -> object:
+        raise self.exc
 
-def _runtime(backend: object) -> _Runtime:
-    rt = _Runtime.__new__(_Runtime)
-    rt.backend, rt.identity, rt.busy = backend, "rollout:0", _Busy()
-    rt.engine_gone = None
+
+class _Control:
+    """The worker's control socket: what the runtime sends, decoded."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+        self._rx = Codec(FromWorker)
+
+    async def send(self, frames: list) -> None:
+        self.sent.append(self._rx.decode(frames))
+
+
+INIT = Init(run_id="r", config={}, data_address="")
+
+
+def _wctx(group: str) -> WorkerContext:
+    return WorkerContext(group=group, rank=0, world_size=1, local_rank=0, config=None,  # type: ignore[arg-type]
+                         run_dir="")
+
+
+def _runtime(backend: object) -> RolloutRuntime:
+    rt = RolloutRuntime(None, _Control(), INIT, _wctx("rollout"))
+    rt.backend = backend  # type: ignore[assignment]  # only what these tests call
     return rt
 
 
+BATCH = TokenBatch(np.array([1, 2, 3], np.int32), np.array([3], np.int32), np.array([1], np.int32))
 REQ = GenRequest(group_id="g7", prompt_ids=[1, 2], n=2, max_tokens=4)
 
 
@@ -66,29 +93,19 @@ async def test_a_failure_while_the_engine_dies_is_left_to_the_dead_message() -> 
     before the engine watch sees its process exit: neither becomes a GroupFailed or a
     Failure reply (the controller would retry the group against its budget, or stop the
     run on the refit's error); the worker's Dead says why, and the worker is restarted."""
-    from asyncrl.wire.messages import Call, Health
+    from asyncrl.wire.messages import Call, Score
 
     rt = _runtime(_Backend(RuntimeError("EngineCore encountered an issue")))
     rt.engine_gone = anyio.Event()
-    sent: list[object] = []
-
-    async def send(msg: object) -> None:
-        sent.append(msg)
-
-    async def failing_call(req: object, tg: object) -> object:
-        raise RuntimeError("EngineCore encountered an issue")
-
-    rt.send, rt.rollout_call = send, failing_call  # type: ignore[method-assign]
-    rt.wctx = type("W", (), {"group": "rollout"})()
     out, inbox = anyio.create_memory_object_stream[object](4)
     with out, inbox:
         async with anyio.create_task_group() as tg:
             tg.start_soon(rt._generate_one, REQ, out)
-            tg.start_soon(rt.answer, Call(call_id=3, request=Health()), tg)
+            tg.start_soon(rt.answer, Call(call_id=3, request=Score(batch=BATCH)))
             await anyio.sleep(0.1)
             rt.engine_gone.set()  # the watch names the dead process
         assert inbox.statistics().current_buffer_used == 0
-    assert sent == []
+    assert rt.control.sent == []
 
     # the same failures with a live engine (the watch never fires): reported after the grace
     rt.engine_gone = anyio.Event()
@@ -96,6 +113,9 @@ async def test_a_failure_while_the_engine_dies_is_left_to_the_dead_message() -> 
     with out, inbox:
         await rt._generate_one(REQ, out)
         assert isinstance(inbox.receive_nowait(), GroupFailed)
+        await rt.answer(Call(call_id=4, request=Score(batch=BATCH)))
+    (failure,) = rt.control.sent
+    assert (failure.call_id, failure.error_type) == (4, "RuntimeError")
 
 
 class _Reaper:
@@ -144,7 +164,41 @@ async def test_vllm_engine_dead_error_without_a_watch_still_fatal() -> None:
             raise ExceptionGroup("x", [VLLMEngineDead()])
 
 
-class _Calibrating:
+class _Trainer:
+    """Every method of a TrainingBackend; none of them is called here."""
+
+    def start(self):  # noqa: ANN201
+        return {}
+
+    def compute_logprobs(self, batch, temperature):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def begin_step(self, step):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def train_chunk(self, step, batch):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def finish_step(self, step, num_loss_tokens):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def weight_specs(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def iter_weights(self):  # noqa: ANN201
+        raise NotImplementedError
+
+    def save_state(self, path):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def load_state(self, path):  # noqa: ANN001, ANN201
+        raise NotImplementedError
+
+    def close(self):  # noqa: ANN201
+        pass
+
+
+class _Calibrating(_Trainer):
     def __init__(self) -> None:
         self.seen: dict[str, object] = {}
 
@@ -154,30 +208,30 @@ class _Calibrating:
 
 
 async def test_calibrate_kv_reaches_the_trainer_backend_and_refuses_one_without_it() -> None:
-    from asyncrl.errors import ProtocolError
-    from asyncrl.wire.messages import CalibrateKV, KVScalesResult, TokenBatch
-    from asyncrl.worker.runtime import _Thread
+    """The optional method is found once, when the backend is adopted; a backend without it
+    gets a Failure naming what it lacks, and the worker goes on."""
+    from asyncrl.wire.messages import CalibrateKV, Call, Failure, KVScalesResult, Reply
 
-    batch = TokenBatch(np.array([1, 2, 3], np.int32), np.array([3], np.int32),
-                       np.array([1], np.int32))
-    rt = _Runtime.__new__(_Runtime)
-    rt.thread = _Thread()
-    try:
-        rt.backend = _Calibrating()
-        result = await rt.trainer_call(CalibrateKV(batch=batch, percentile=99.0, margin=1.1,
-                                                   include_q=True))
-        assert isinstance(result, KVScalesResult)
-        assert result.scales == {"model.layers.0.self_attn.k_scale": 0.25}
-        assert type(result.scales["model.layers.0.self_attn.k_scale"]) is float  # msgpack-able
-        assert rt.backend.seen == {"n": 1, "p": 99.0, "m": 1.1, "q": True}
-        rt.backend = object()
-        with pytest.raises(ProtocolError, match="cannot calibrate FP8 KV-cache scales"):
-            await rt.trainer_call(CalibrateKV(batch=batch))
-    finally:
-        rt.thread.close()
+    backend = _Calibrating()
+    for adopted in (backend, _Trainer()):
+        rt = TrainerRuntime(None, _Control(), INIT, _wctx("trainer"))
+        try:
+            rt.adopt(adopted, plugin="fake")
+            request = CalibrateKV(batch=BATCH, percentile=99.0, margin=1.1, include_q=True)
+            await rt.answer(Call(call_id=1, request=request))
+        finally:
+            rt.thread.close()
+        (answer,) = rt.control.sent
+        if adopted is backend:  # a Reply that encoded: the np.float32 became a float
+            assert isinstance(answer, Reply) and isinstance(answer.result, KVScalesResult)
+            assert answer.result.scales == {"model.layers.0.self_attn.k_scale": 0.25}
+            assert backend.seen == {"n": 1, "p": 99.0, "m": 1.1, "q": True}
+        else:
+            assert isinstance(answer, Failure) and answer.error_type == "ProtocolError"
+            assert "cannot calibrate FP8 KV-cache scales" in answer.message
 
 
-class _Gathering:
+class _Gathering(_Trainer):
     """A trainer rank 0 whose iter_weights stands for FSDP's: every item is a collective the
     other ranks take part in, so a send that fails must still run it to its end."""
 
@@ -205,18 +259,15 @@ async def test_a_failed_send_still_runs_the_gathers_to_their_end() -> None:
 
     from asyncrl.errors import ProtocolError
     from asyncrl.wire.messages import SendWeights
-    from asyncrl.worker.runtime import _Thread
 
-    rt = _Runtime.__new__(_Runtime)
-    rt.thread = _Thread()
-    rt.wctx = SimpleNamespace(rank=0)
-    rt.sender = SimpleNamespace(transfer=SimpleNamespace(name="shm"))
-    rt.backend = _Gathering()
+    rt = TrainerRuntime(None, _Control(), INIT, _wctx("trainer"))
+    rt.sender = SimpleNamespace(transfer=SimpleNamespace(name="shm"))  # type: ignore[assignment]
+    rt.adopt(_Gathering(), plugin="fake")
     try:
         with pytest.raises(ProtocolError, match="SendWeights over 'cuda_ipc'"):
-            await rt.trainer_call(SendWeights(version=1, receivers=["rollout:0"],
-                                              transport="cuda_ipc", bucket_size_bytes=1 << 20,
-                                              timeout_s=5.0))
+            await rt._send_weights(SendWeights(version=1, receivers=["rollout:0"],
+                                               transport="cuda_ipc", bucket_size_bytes=1 << 20,
+                                               timeout_s=5.0))
         assert rt.backend.pulled == 5
     finally:
         rt.thread.close()

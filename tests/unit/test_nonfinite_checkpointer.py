@@ -50,8 +50,7 @@ async def test_a_refused_save_stops_the_run_at_once(tmp_path: Path) -> None:
     control = RefusingTrainers()
     saver = Checkpointer(
         config, control=control, trainers=["trainer:0"],  # type: ignore[arg-type]
-        scheduler=SimpleNamespace(), ready={}, metrics=None,  # type: ignore[arg-type]
-        train_prompts=(),
+        metrics=None, train_prompts=(),
     )  # fmt: skip
     with pytest.raises(NonFiniteError) as err:
         await saver.save(SimpleNamespace(step=7), finished=False)  # type: ignore[arg-type]

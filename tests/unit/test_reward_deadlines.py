@@ -28,7 +28,8 @@ from asyncrl.run import intake
 from asyncrl.data.dataset import AsyncDatasetEnvironment, make_environment
 from asyncrl.data.deadlines import AbandonedThreadsError, abandoned_threads
 from asyncrl.environment import Prompt, Score
-from asyncrl.run.intake import Generating, ScoreError, ScoreTimeout, Scorer
+from asyncrl.run.groups import Group
+from asyncrl.run.intake import ScoreError, ScoreTimeout, Scorer
 from asyncrl.wire.messages import Sample
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]
@@ -101,8 +102,8 @@ class DigitsTokenizer:
         return "".join(str(int(i)) for i in ids)
 
 
-def group_of(prompt: Prompt, completions: list[list[int]]) -> Generating:
-    pending = Generating(prompt, [1], "rollout:0", len(completions), 0, None, 0.0)
+def group_of(prompt: Prompt, completions: list[list[int]]) -> Group:
+    pending = Group("g0", prompt.id, [1], 0, None, 0.0, index=0, worker="rollout:0", prompt=prompt)
     pending.samples = [
         Sample(np.array(c, dtype=np.int32), np.full(len(c), -0.5, dtype=np.float32), "stop")
         for c in completions
@@ -307,7 +308,8 @@ def test_a_process_with_an_abandoned_thread_exits(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent("""
         import threading, anyio, numpy as np
         from asyncrl.environment import Prompt, Score
-        from asyncrl.run.intake import Generating, ScoreTimeout, Scorer
+        from asyncrl.run.groups import Group
+        from asyncrl.run.intake import ScoreTimeout, Scorer
         from asyncrl.wire.messages import Sample
 
         class Env:
@@ -319,7 +321,7 @@ def test_a_process_with_an_abandoned_thread_exits(tmp_path: Path) -> None:
             def decode(self, ids): return "x"
 
         async def main():
-            pending = Generating(Prompt(id="p", text="x"), [1], "r", 1, 0, None, 0.0)
+            pending = Group("g0", "p", [1], 0, None, 0.0, index=0, prompt=Prompt(id="p", text="x"))
             pending.samples = [Sample(np.array([1]), np.array([-0.5]), "stop")]
             try:
                 await Scorer(Env(), Tok(), "env", timeout_s=0.2).threaded(pending)

@@ -96,15 +96,6 @@ class EngineWeights:
             )
         )
 
-    async def reset_prefix_cache(self) -> None:
-        """Drop every cached prefix; running requests are preempted and re-prefilled.
-
-        Raises:
-            RuntimeError: vLLM reported that the reset did not happen.
-        """
-        if not await self._reset_prefix_cache():
-            raise RuntimeError("vLLM did not reset the prefix cache (reset_prefix_cache -> False)")
-
     # ------------------------------------------------------------------ refit
     async def begin_weight_update(
         self,

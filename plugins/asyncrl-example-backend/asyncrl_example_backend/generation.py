@@ -229,9 +229,6 @@ class BigramGenerator:
         self._resumed.set()
         log.info("weights_loaded", version=version)
 
-    async def reset_prefix_cache(self) -> None:
-        """Nothing is cached between requests."""
-
     async def close(self) -> None:
         if self._resumed is not None:
             self._resumed.set()

@@ -13,7 +13,12 @@ import statistics
 from collections import deque
 from typing import Any
 
-from asyncrl.policy.samplers import OversampledConfig, OversampledSampler, SamplerPlugin, SchedulerView
+from asyncrl.policy.samplers import (
+    OversampledConfig,
+    OversampledSampler,
+    SamplerPlugin,
+    SchedulerView,
+)
 
 __all__ = ["DynamicConfig", "DynamicSampler", "plugin"]
 
@@ -52,6 +57,16 @@ class DynamicSampler(OversampledSampler):
         self._recent: deque[bool] = deque(maxlen=config.window_groups)
         self._judged: set[str] = set()
         self.filtered = 0
+
+    def describe(self) -> str:
+        """The mode line ``asyncrl check-config`` prints (``DescribesMode``)."""
+        W = self.window
+        return (
+            f"DAPO dynamic sampling ({self.name}, max_staleness_versions={W}, "
+            f"over_sampling_ratio={self.ratio:g}, min_reward_std={self.min_std:g}): over-sampled "
+            f"streaming that drops groups whose rewards are all equal; staleness <= {W}; "
+            "dropped groups and groups that fall out of the window are wasted"
+        )
 
     def _uninformative(self, rewards: Any) -> bool:
         return len(rewards) < 2 or statistics.pstdev(rewards) <= self.min_std

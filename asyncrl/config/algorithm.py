@@ -1,0 +1,144 @@
+"""``[grpo]``, ``[loss]`` and ``[pipeline]``: the algorithm and the staleness policy.
+
+``[pipeline.sampler]`` stays an opaque table here: its ``name`` picks a sampler plugin, which
+converts the rest to its own struct (:mod:`asyncrl.policy.sampler_table`) and answers for its
+capacities. Each section's checks sit with it; :func:`asyncrl.config.problems` gathers them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from asyncrl.config.section import Section, at_least_one, fail
+from asyncrl.errors import ConfigError
+from asyncrl.policy.sampler_table import default_table
+
+if TYPE_CHECKING:
+    from asyncrl.config.root import Config
+
+__all__ = ["GRPOConfig", "LossConfig", "PipelineConfig", "pipeline_problems"]
+
+
+class GRPOConfig(Section):
+    prompts_per_step: int = 16
+    """P: prompt groups trained in one optimizer step."""
+    samples_per_prompt: int = 8
+    """N: completions generated per prompt (the GRPO group size)."""
+    max_new_tokens: int = 16
+    """Generation length limit per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by the same value."""
+    normalize_advantages: bool = True
+    """Divide group-centred rewards by the group's standard deviation (when > 0)."""
+
+    def problems(self) -> list[ConfigError]:
+        """Every broken invariant of ``[grpo]``."""
+        out = at_least_one({
+            "grpo.prompts_per_step": self.prompts_per_step,
+            "grpo.max_new_tokens": self.max_new_tokens,
+        })  # fmt: skip
+        if self.samples_per_prompt < 2:
+            out.append(
+                fail(
+                    "grpo.samples_per_prompt",
+                    f"GRPO needs at least 2 samples per prompt to form a baseline, got "
+                    f"{self.samples_per_prompt}",
+                    "set grpo.samples_per_prompt >= 2",
+                )
+            )
+        if not self.temperature > 0:
+            out.append(
+                fail("grpo.temperature", f"must be > 0, got {self.temperature}", "use e.g. 1.0")
+            )
+        return out
+
+
+class LossConfig(Section):
+    clip_eps_low: float = 0.2
+    """PPO ratio lower clip: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO ratio upper clip: ratio <= 1 + clip_eps_high (DAPO's clip-higher when larger)."""
+    is_cap: float = 2.0
+    """Truncation of the importance weight between proximal and behaviour policy (TIS)."""
+
+    def problems(self) -> list[ConfigError]:
+        """Every broken invariant of ``[loss]``."""
+        out: list[ConfigError] = []
+        if not 0 <= self.clip_eps_low < 1:
+            out.append(fail("loss.clip_eps_low", "must be in [0, 1)", "use e.g. 0.2"))
+        if self.clip_eps_high < 0:
+            out.append(fail("loss.clip_eps_high", "must be >= 0", "use e.g. 0.2 or 0.28"))
+        if self.is_cap < 1:
+            out.append(fail("loss.is_cap", "must be >= 1", "use e.g. 2.0"))
+        return out
+
+
+def _default_sampler() -> dict[str, Any]:
+    return default_table()
+
+
+class PipelineConfig(Section):
+    sampler: Any = msgspec.field(default_factory=_default_sampler)
+    """The staleness policy shared by both pumps: a table whose ``name`` picks a sampler
+    (entry point group ``asyncrl.samplers``: ``in_order``, ``gated``, ``oversampled``,
+    ``ready_first`` or a plugin's) and whose other keys are that sampler's knobs
+    (docs/modes.md). Loading converts it to the sampler's own config struct."""
+    min_groups_for_streaming_train: int = 0
+    """Complete groups needed before a chunk is sent to the trainer (0 = prompts_per_step).
+    Smaller values stream chunks into the open optimizer step sooner."""
+    max_inflight_samples: int = 0
+    """Samples generating at once, over all rollout ranks (0 = max_buffered_groups *
+    samples_per_prompt: no cap beyond the buffer's). Set it to what the engines can run
+    concurrently (e.g. vLLM's max_num_seqs times rollout_ranks): a long sample then holds one
+    slot, not the admission of a whole group."""
+    max_buffered_groups: int = 0
+    """Groups generating or waiting to train (0 = the sampler's required capacity)."""
+
+
+def pipeline_problems(config: Config) -> list[ConfigError]:
+    """Every broken invariant of ``[pipeline]``: its sampler (the table names an installed one
+    with knobs it accepts) and the capacities, which need ``[grpo]`` and the sampler's rule."""
+    g, p = config.grpo, config.pipeline
+    out: list[ConfigError] = []
+    try:
+        sampler = config.sampler
+    except ConfigError as exc:
+        out.append(exc)
+        sampler = None
+    for name in ("min_groups_for_streaming_train", "max_inflight_samples", "max_buffered_groups"):
+        if getattr(p, name) < 0:
+            out.append(fail(f"pipeline.{name}", "must be >= 0", "use 0 for the default"))
+            sampler = None  # the capacity checks below would only repeat it
+    if sampler is None:
+        return out
+    if config.min_groups_for_streaming_train > g.prompts_per_step:
+        out.append(
+            fail(
+                "pipeline.min_groups_for_streaming_train",
+                f"{p.min_groups_for_streaming_train} exceeds grpo.prompts_per_step "
+                f"({g.prompts_per_step}); a step could never start",
+                f"set it to at most {g.prompts_per_step}",
+            )
+        )
+    need = sampler.required_buffer_capacity(g.prompts_per_step)
+    if config.max_buffered_groups < need:
+        out.append(
+            fail(
+                "pipeline.max_buffered_groups",
+                f"{p.max_buffered_groups} is below what the {sampler.name} sampler needs "
+                f"({need} groups for prompts_per_step={g.prompts_per_step}; docs/modes.md); "
+                "the pumps would deadlock",
+                f"set pipeline.max_buffered_groups >= {need} (or 0 for the default)",
+            )
+        )
+    if config.max_inflight_samples < g.samples_per_prompt:
+        out.append(
+            fail(
+                "pipeline.max_inflight_samples",
+                f"{p.max_inflight_samples} cannot hold one group ({g.samples_per_prompt} samples)",
+                f"set it to at least grpo.samples_per_prompt ({g.samples_per_prompt}), or 0",
+            )
+        )
+    return out

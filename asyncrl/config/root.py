@@ -1,0 +1,145 @@
+"""The whole run configuration: :class:`Config`, the values derived from it, and its checks.
+
+Each section checks itself (``problems()`` next to its fields); :func:`problems` gathers them
+and :func:`validate` raises the first. Plugin answers the core needs are asked of the plugin,
+never decided by its name here: the sampler says what capacity it needs, the weight transfer
+whether a restarted rollout worker can join it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+
+from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig, pipeline_problems
+from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
+from asyncrl.config.operations import (
+    CheckpointConfig,
+    EvalConfig,
+    ExportConfig,
+    FailuresConfig,
+    MetricsConfig,
+)
+from asyncrl.config.section import Section
+from asyncrl.config.setup import ClusterConfig, EnvironmentConfig, ModelConfig, RunConfig
+from asyncrl.errors import ConfigError
+from asyncrl.policy.sampler_table import make_sampler, resolve_sampler
+from asyncrl.policy.samplers import Sampler
+from asyncrl.transfers import load_transfer
+
+__all__ = ["Config", "problems", "required_buffer_capacity", "validate"]
+
+
+class Config(Section, dict=True):
+    """The run's configuration, one section per TOML table (docs/configuration.md).
+
+    ``dict=True`` gives each instance room for what is derived from it once
+    (:attr:`sampler`, :attr:`rollout_restarts`); it is never encoded, compared or copied
+    (``msgspec.structs.replace`` makes a config that derives its own).
+    """
+
+    model: ModelConfig
+    environment: EnvironmentConfig
+    run: RunConfig = RunConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    loss: LossConfig = LossConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    refit: RefitConfig = RefitConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    export: ExportConfig = ExportConfig()
+    failures: FailuresConfig = FailuresConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @functools.cached_property
+    def sampler(self) -> Sampler:
+        """The sampler ``[pipeline.sampler]`` names, built once for this config: it answers
+        for the run's capacities, staleness bound and mode (``asyncrl check-config``). Ask it,
+        never drive it: a sampler keeps state, so a run's scheduler gets one of its own from
+        :meth:`make_sampler`.
+
+        Raises:
+            ConfigError: as :func:`~asyncrl.policy.sampler_table.make_sampler` (nothing is
+                kept, so each read raises again).
+        """
+        return make_sampler(self.pipeline.sampler)
+
+    @functools.cached_property
+    def rollout_restarts(self) -> int:
+        """``failures.rollout_restarts``, or 0 when the ``refit.transport`` cannot take a
+        restarted rollout worker (its ``WeightTransfer.takes_new_readers`` is false: a
+        collective group formed once for the run). Loads the transfer's module, which imports
+        no torch."""
+        transfer = load_transfer(self.refit.transport)
+        return self.failures.rollout_restarts if transfer.takes_new_readers else 0
+
+    @property
+    def min_groups_for_streaming_train(self) -> int:
+        return self.pipeline.min_groups_for_streaming_train or self.grpo.prompts_per_step
+
+    @property
+    def max_buffered_groups(self) -> int:
+        return self.pipeline.max_buffered_groups or required_buffer_capacity(self)
+
+    @property
+    def max_inflight_samples(self) -> int:
+        return self.pipeline.max_inflight_samples or (
+            self.max_buffered_groups * self.grpo.samples_per_prompt
+        )
+
+    def make_sampler(self) -> Sampler:
+        """A fresh :class:`~asyncrl.policy.samplers.Sampler` for this run's scheduler, which
+        owns its state (questions about the policy go to :attr:`sampler`)."""
+        return make_sampler(self.pipeline.sampler)
+
+
+def required_buffer_capacity(config: Config) -> int:
+    """Groups the buffer must hold so that the pumps can never deadlock (the sampler's rule)."""
+    return config.sampler.required_buffer_capacity(config.grpo.prompts_per_step)
+
+
+def problems(config: Config) -> list[ConfigError]:
+    """Every broken cross-field invariant, each a :class:`ConfigError` naming the field and
+    the fix (``asyncrl check-config`` prints them all): each section's own checks in the order
+    of the reference (docs/configuration.md), then the model directory's files."""
+    out: list[ConfigError] = []
+    for section in (config.run, config.cluster, config.grpo, config.loss):
+        out += section.problems()
+    out += pipeline_problems(config)
+    for section in (
+        config.refit, config.trainer, config.generator, config.environment, config.eval,
+        config.checkpoint, config.export, config.failures, config.metrics,
+    ):  # fmt: skip
+        out += section.problems()
+    return out + config.model.problems()
+
+
+def validate(config: Config) -> Config:
+    """Check cross-field invariants; raise :class:`ConfigError` naming the field and the fix
+    of the first one broken. Returns the config with ``[pipeline.sampler]`` resolved to its
+    sampler's struct (and that config's :attr:`Config.sampler` already built by the checks).
+
+    Raises:
+        ConfigError: the first of :func:`problems`.
+    """
+    try:
+        config = _with_sampler_struct(config)
+    except ConfigError:
+        pass  # problems() names it, with every other broken invariant
+    found = problems(config)
+    if found:
+        raise found[0]
+    return config
+
+
+def _with_sampler_struct(config: Config) -> Config:
+    """``config`` with ``[pipeline.sampler]`` as its sampler's struct (itself if it is one)."""
+    p = config.pipeline
+    struct = resolve_sampler(p.sampler)
+    if struct is p.sampler:
+        return config
+    return msgspec.structs.replace(config, pipeline=msgspec.structs.replace(p, sampler=struct))

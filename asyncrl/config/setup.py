@@ -1,0 +1,142 @@
+"""``[run]``, ``[model]``, ``[cluster]`` and ``[environment]``: what runs, where, on what.
+
+Each section's checks sit with it (``problems()``); :func:`asyncrl.config.problems` gathers
+every section's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from asyncrl.config.section import Section, at_least_one, fail
+from asyncrl.errors import ConfigError
+
+__all__ = ["ClusterConfig", "EnvironmentConfig", "ModelConfig", "RunConfig"]
+
+
+class RunConfig(Section):
+    name: str = "asyncrl"
+    """A label for logs and the metrics file."""
+    output_dir: str = "runs/asyncrl"
+    """Where metrics (``metrics.jsonl``) and worker logs go. Relative paths are resolved
+    against the directory of the config file."""
+    seed: int = 0
+    """Seed for the dataloader order, sampling seeds and trainer initialisation."""
+    num_steps: int = 10
+    """Number of optimizer steps (= weight versions) to train."""
+    log_format: Literal["auto", "console", "json"] = "auto"
+    """Log rendering when asyncrl configures logging itself (CLI and workers)."""
+    stall_warning_s: float = 10.0
+    """When the controller's event loop has not turned for this long (a blocking call starves
+    both pumps), a watchdog thread logs every thread's stack (also ``logs/stall-*.txt``). 0: off."""
+    gc_freeze: bool = True
+    """While training, exclude the objects alive at its start from the garbage collector's
+    scans (``gc.freeze``; undone at the end): a full collection over the start-up heap stalled
+    the controller's event loop 20-30 ms, 5 ms with it."""
+
+    def problems(self) -> list[ConfigError]:
+        """Every broken invariant of ``[run]``."""
+        return at_least_one({"run.num_steps": self.num_steps})
+
+
+class ModelConfig(Section):
+    path: str
+    """A Hugging Face causal-LM directory (``config.json``, weights, ``tokenizer.json``).
+    Relative paths are resolved against the directory of the config file."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """The generators' weight and compute dtype. The trainer keeps float32 master weights and
+    computes in float32 (FSDP2's ``mixed_precision = "bf16"`` option computes in bf16), so by
+    default the two sides differ by bf16 rounding: measured mean |logprob difference| 0.006-0.015
+    on the demo, which the loss's importance weights correct and refit verification bounds.
+    ``float32`` makes the generator match the trainer at a cost in speed and memory."""
+    chat_template: str = "auto"
+    """How prompts given as chat messages are rendered (in the controller, once, to the exact
+    token ids the engine gets): ``"auto"`` uses the model directory's template
+    (``chat_template.jinja``, else ``chat_template.json``, else ``tokenizer_config.json``'s
+    ``chat_template``: a string, or the one named ``default``); a path to a
+    ``.jinja`` file (relative to the config file) uses that one. Plain-text prompts are encoded
+    as they are."""
+
+    def problems(self) -> list[ConfigError]:
+        """What is missing from the model directory (the config's only look at files)."""
+        out: list[ConfigError] = []
+        model_dir = Path(self.path)
+        if not (model_dir / "config.json").is_file():
+            out.append(
+                fail(
+                    "model.path",
+                    f"{model_dir} is not a Hugging Face model directory (no config.json)",
+                    "point model.path at a directory made by save_pretrained (for the tiny demo "
+                    "run `python -m asyncrl_arith.make_model DIR` first)",
+                )
+            )
+        if not (model_dir / "tokenizer.json").is_file():
+            out.append(
+                fail(
+                    "model.path",
+                    f"{model_dir} has no tokenizer.json (the controller tokenizes prompts with it)",
+                    "save a fast tokenizer into the model directory (tokenizer.save_pretrained)",
+                )
+            )
+        return out
+
+
+class ClusterConfig(Section):
+    trainer_ranks: int = 1
+    """Training ranks (one torch.distributed group)."""
+    rollout_ranks: int = 1
+    """Generation ranks, one engine each."""
+    startup_timeout_s: float = 600.0
+    """How long workers may take to connect and report ready (engine start included)."""
+    call_timeout_s: float = 900.0
+    """Upper bound on any single RPC (a train chunk, a refit)."""
+    shutdown_grace_s: float = 20.0
+    """After asking workers to stop, wait this long before SIGTERM, and again before SIGKILL.
+    A vLLM engine takes 5-10 s to close on a small CPU host; a worker that is leaving in order
+    ignores the SIGTERM (it cannot turn a clean exit into a failure), so only a hung one is
+    killed, after twice this."""
+    torchrun: str = "torchrun"
+    """The torchrun executable used when the controller spawns worker groups itself."""
+    trainer_gpus: list[int] = []
+    """GPU of each trainer rank, as indexes of the GPUs its node shows (``[0]``). Empty: rank
+    r uses the GPU of its local rank."""
+    rollout_gpus: list[int] = []
+    """GPU of each rollout rank's engine (``[1]``: the engine on GPU 1, e.g. next to a trainer
+    on GPU 0; ``[0]`` with ``trainer_gpus = [0]``: both share GPU 0). The engine still sees
+    the node's other GPUs, after its own, so that it can map a trainer's CUDA IPC buffers.
+    Empty: vLLM's default, the first visible GPU."""
+
+    def problems(self) -> list[ConfigError]:
+        """Every broken invariant of ``[cluster]``."""
+        out = at_least_one({
+            "cluster.trainer_ranks": self.trainer_ranks,
+            "cluster.rollout_ranks": self.rollout_ranks,
+        })  # fmt: skip
+        for name, gpus, ranks in (
+            ("trainer", self.trainer_gpus, self.trainer_ranks),
+            ("rollout", self.rollout_gpus, self.rollout_ranks),
+        ):
+            if gpus and (len(gpus) != ranks or min(gpus) < 0):
+                out.append(
+                    fail(
+                        f"cluster.{name}_gpus",
+                        f"{gpus} must list one GPU index (>= 0) per {name} rank ({ranks})",
+                        f"give {ranks} indexes, or leave it empty for the default placement",
+                    )
+                )
+        return out
+
+
+class EnvironmentConfig(Section):
+    name: str
+    """Environment plugin (entry point group ``asyncrl.environments``)."""
+    options: dict[str, Any] = {}
+    """Environment-specific options, validated by the environment."""
+    base_dir: str = ""
+    """The directory relative paths in ``options`` are taken from (``""``: the config file's
+    directory); given to a factory that takes a ``base_dir`` keyword."""
+
+    def problems(self) -> list[ConfigError]:
+        """None: the environment checks its own options (``asyncrl run``'s preflight)."""
+        return []

@@ -1,0 +1,326 @@
+"""What both worker roles share: the backend's loading, calls in and replies out, the watchers.
+
+::
+
+    control DEALER ─► serve_calls ─┬─ Health ──────► answer, at once (a task of its own)
+                                   ├─ another Call ─► the role's _submit ─► answer
+                                   │                    rollout: a task each (concurrent)
+                                   │                    trainer: a bounded queue (in order)
+                                   └─ Shutdown ────► stop serving; SIGTERM ignored from now
+    answer: the role's call table (request type → method) → Reply, or Failure if it raised
+
+While it serves, two watchers run beside the calls::
+
+    controller watch   pidfd of Init.controller_pid → ControllerLostError: stop the engine,
+                       remove the run's socket and shm directories, exit non-zero
+    engine watch       the backend's watch() (a rollout backend that has one)
+                       → EngineDeadError → Dead
+
+A role (:class:`~asyncrl.worker.rollout.RolloutRuntime`,
+:class:`~asyncrl.worker.trainer.TrainerRuntime`) names its backend's entry-point group and
+protocol, and says how its backend is created, started and closed and how its calls are
+served. :func:`asyncrl.worker.runtime.serve` picks the role once, from the worker's group;
+nothing here asks which role it is.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import anyio
+import anyio.abc
+import structlog
+
+from asyncrl import plugins
+from asyncrl.backend import BackendPlugin, WorkerContext, check_backend
+from asyncrl.config import Config
+from asyncrl.errors import ControllerLostError, ProtocolError, WorkerError, flatten
+from asyncrl.procs.process import wait_pid_exit
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import (
+    Call,
+    Failure,
+    FromWorker,
+    Health,
+    HealthResult,
+    Init,
+    Reply,
+    Result,
+    Shutdown,
+    ToWorker,
+)
+
+__all__ = ["ENGINE_GONE_GRACE_S", "Handler", "WorkerRuntime"]
+
+log = structlog.get_logger("asyncrl.worker.runtime")
+
+ENGINE_GONE_GRACE_S = 1.0
+"""After a call or a generation raised: how long to wait for the engine watch to say the
+engine died (a dying engine fails requests a moment before its processes are seen gone). If
+it does, the worker's ``Dead`` speaks for the failure; a ``Failure`` reply or a
+``GroupFailed`` would be taken for an error of that call or group, not of the engine."""
+
+Handler = Callable[[Any], Awaitable[Result]]
+"""One entry of a role's call table: serves one request, returns its result."""
+
+
+class WorkerRuntime(abc.ABC):
+    """One worker after the handshake: its backend, its calls, its watchers.
+
+    A role subclass sets the class attributes and implements the hooks (the abstract
+    methods); the base never branches on the role.
+    """
+
+    ROLE: ClassVar[str]
+    """The worker group this role serves (``rollout`` / ``trainer``)."""
+    PLUGIN_GROUP: ClassVar[str]
+    """The entry-point group its backends come from."""
+    PROTOCOL: ClassVar[type]
+    """The protocol its backend is checked against when it loads."""
+    OPTIONAL: ClassVar[tuple[type, ...]] = ()
+    """Protocols of optional backend methods, resolved once when the backend loads."""
+    QUEUE_SIZE: ClassVar[int]
+    """Capacity of the memory stream :meth:`serve_calls` opens for the role (what it queues
+    is the role's to say)."""
+
+    def __init__(self, ctx: Any, control: Any, init: Init, wctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.control = control
+        self.init = init
+        self.wctx = wctx
+        self.identity = f"{wctx.group}:{wctx.rank}"
+        self.tx = Codec(FromWorker)
+        self.backend: Any = None
+        self.engine_gone: anyio.Event | None = None
+        """Set when the backend's engine watch raised (``None``: the backend has none)."""
+        self._engine_watch: Callable[[], Awaitable[None]] | None = None
+        self._calls: dict[type, Handler] = {Health: self._health, **self._call_table()}
+
+    # ----------------------------------------------------------------- role hooks
+    @staticmethod
+    @abc.abstractmethod
+    def backend_name(config: Config) -> str:
+        """The backend's entry-point name in ``config``."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def gpus(config: Config) -> list[int]:
+        """The GPU of each rank of the role (empty: the backend's default)."""
+
+    @abc.abstractmethod
+    def _call_table(self) -> dict[type, Handler]:
+        """Request type → the method that serves it (``Health`` is the base's)."""
+
+    @abc.abstractmethod
+    async def _create(self, plugin: BackendPlugin) -> Any:
+        """Call the plugin's factory where the role's backend lives."""
+
+    @abc.abstractmethod
+    def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
+        """Keep the optional methods :func:`~asyncrl.backend.check_backend` resolved."""
+
+    @abc.abstractmethod
+    async def _start(self) -> dict[str, Any]:
+        """Start the backend (and what the role needs beside it); its capabilities."""
+
+    @abc.abstractmethod
+    def _start_serving(
+        self, tg: anyio.abc.TaskGroup, send: Any, recv: Any
+    ) -> None:
+        """Serving begins: start the role's helper tasks in ``tg`` on the stream's ends."""
+
+    @abc.abstractmethod
+    async def _submit(self, call: Call, tg: anyio.abc.TaskGroup) -> None:
+        """Hand ``call`` (not a ``Health``) to be answered."""
+
+    @abc.abstractmethod
+    async def _close_backend(self) -> None:
+        """Close the backend, bounded."""
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Close what the role opened beside the backend (sockets, threads)."""
+
+    # ----------------------------------------------------------------- loading
+    async def load(self) -> dict[str, Any]:
+        """Create the backend through its entry point, check it, start it.
+
+        Returns:
+            The backend's capabilities as plain JSON values (for ``Ready``).
+
+        Raises:
+            PluginError: the plugin is missing, fails to import, or does not implement the
+                role's protocol (naming the plugin, its group and each method).
+            Exception: whatever the plugin's factory or ``start`` raised.
+        """
+        name = self.backend_name(self.wctx.config)
+        plugin = BackendPlugin.of(plugins.load(self.PLUGIN_GROUP, name))
+        self.adopt(await self._create(plugin), plugin=name)
+        caps = await self._start()
+        # backends report whatever they like (e.g. torch's TorchVersion, a str subclass):
+        # keep only plain JSON values on the wire
+        return json.loads(json.dumps(caps, default=str))
+
+    def adopt(self, backend: Any, *, plugin: str) -> None:
+        """Take ``backend`` (just created, not started) as this worker's, once it passed the
+        check against :attr:`PROTOCOL`.
+
+        Raises:
+            PluginError: it does not implement the protocol (it is not kept).
+        """
+        optional = check_backend(
+            backend, self.PROTOCOL, plugin=plugin, group=self.PLUGIN_GROUP, optional=self.OPTIONAL
+        )
+        self.backend = backend
+        self._use_optional(optional)
+
+    # ----------------------------------------------------------------- calls
+    async def send(self, msg: Any) -> None:
+        await self.control.send(self.tx.encode(msg))
+
+    async def _health(self, req: Health) -> Result:
+        return HealthResult(pid=os.getpid())
+
+    async def answer(self, call: Call) -> None:
+        """Serve one call; send its ``Reply``, or a ``Failure`` if it raised (the worker
+        keeps serving), or nothing if the engine died meanwhile (its ``Dead`` says why).
+
+        Raises:
+            WorkerError: the engine is gone: this worker is dying.
+        """
+        try:
+            start = time.perf_counter()
+            handler = self._calls.get(type(call.request))
+            if handler is None:
+                raise ProtocolError(
+                    f"a {self.ROLE} worker cannot serve {type(call.request).__name__}"
+                )
+            result = await handler(call.request)
+            seconds = time.perf_counter() - start
+            await self.send(Reply(call_id=call.call_id, result=result, seconds=seconds))
+        except WorkerError:
+            raise  # its engine is gone: this worker is dying, its Dead message says why
+        except Exception as exc:
+            if await self._engine_died():
+                return
+            log.exception("call_failed", method=type(call.request).__name__)
+            await self.send(
+                Failure(
+                    call_id=call.call_id,
+                    error_type=type(exc).__name__,
+                    message=str(exc),
+                    traceback=traceback.format_exc(),
+                )
+            )
+
+    async def serve_calls(self) -> None:
+        """Receive calls and hand them on until ``Shutdown``. A ``Health`` probe is answered
+        at once, never queued behind a call: its answer says this loop turns (the
+        controller's heartbeat).
+
+        Raises:
+            ProtocolError: the controller sent something else than a call.
+
+        Cancellation: calls in progress are cancelled (a backend call already running in a
+        thread finishes first).
+        """
+        rx = Codec(ToWorker)
+        send, recv = anyio.create_memory_object_stream[Any](self.QUEUE_SIZE)
+        with send:
+            async with anyio.create_task_group() as tg:
+                self._start_serving(tg, send, recv)
+                while True:
+                    msg = rx.decode(await self.control.recv())
+                    if isinstance(msg, Shutdown):
+                        log.info("worker_stopping", worker=self.identity)
+                        if self.init.controller_pid != os.getpid():  # not the controller's rank
+                            _ignore_sigterm()
+                        tg.cancel_scope.cancel()
+                        return
+                    if not isinstance(msg, Call):
+                        raise ProtocolError(f"unexpected {type(msg).__name__} after Init")
+                    if isinstance(msg.request, Health):
+                        tg.start_soon(self.answer, msg)
+                    else:
+                        await self._submit(msg, tg)
+
+    # ----------------------------------------------------------------- watchers
+    async def run(self) -> None:
+        """Serve calls until ``Shutdown``, with the controller and engine watchers beside.
+
+        Raises:
+            ControllerLostError: the controller's process exited.
+            EngineDeadError: the backend's ``watch()`` saw its engine die.
+        """
+        try:
+            async with anyio.create_task_group() as tg:
+                pid = self.init.controller_pid
+                if pid and pid != os.getpid():
+                    tg.start_soon(self._watch_controller, pid, name="controller-watch")
+                if self._engine_watch is not None:
+                    self.engine_gone = anyio.Event()
+                    tg.start_soon(self._watch_engine, self._engine_watch, name="engine-watch")
+                await self.serve_calls()
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # one watcher (or the call loop) failed and the rest were cancelled: report that
+            # one error itself, so the Dead message says what happened
+            cancelled = anyio.get_cancelled_exc_class()
+            leaves = [e for e in flatten(group) if not isinstance(e, cancelled)]
+            if len(leaves) == 1 and isinstance(leaves[0], Exception):
+                raise leaves[0] from None
+            # a dying engine can fail a generation and the engine watch at once: same cause
+            fatal = [e for e in leaves if isinstance(e, WorkerError)]
+            if fatal and len({str(e) for e in fatal}) == 1:
+                raise fatal[0] from None
+            raise
+
+    async def _watch_engine(self, watch: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await watch()
+        except Exception:
+            assert self.engine_gone is not None
+            self.engine_gone.set()
+            raise
+
+    async def _engine_died(self) -> bool:
+        """Whether the engine watch reports the engine dead within ``ENGINE_GONE_GRACE_S``
+        (at once ``False`` without a watch). The watch's error cancels the caller anyway."""
+        if self.engine_gone is None:
+            return False
+        with anyio.move_on_after(ENGINE_GONE_GRACE_S):
+            await self.engine_gone.wait()
+        return self.engine_gone.is_set()
+
+    async def _watch_controller(self, pid: int) -> None:
+        await wait_pid_exit(pid)
+        raise ControllerLostError(
+            f"the controller (pid {pid}) exited without telling worker {self.identity} to stop"
+        )
+
+    async def close(self) -> None:
+        """Close the backend (an error is logged) and what the role opened.
+
+        Cancellation: shielded; runs to its end.
+        """
+        with anyio.CancelScope(shield=True):
+            if self.backend is not None:
+                try:
+                    await self._close_backend()
+                except Exception:
+                    log.exception("backend_close_failed")
+            self._release()
+
+
+def _ignore_sigterm() -> None:
+    """From now on SIGTERM cannot kill this process (it is leaving in order already)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,258 @@
+"""A trainer worker: one rank of the training group, its calls run in order on one thread.
+
+::
+
+    controller ROUTER ◄── DEALER ── TrainerRuntime ── queue (bounded, arrival order)
+                                         │
+                                    _sequential ── backend thread ── TrainingBackend (blocking)
+    trainer rank 0 only: ROUTER ◄── rollout DEALERs (weight buckets, asyncrl.worker.weights)
+
+Calls run strictly in arrival order on one dedicated thread, so torch collectives line up
+across ranks and CUDA's per-thread device stays put. A running backend call cannot be
+interrupted: cancellation waits for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from asyncrl.backend import (
+    BackendPlugin,
+    KVCalibration,
+    TrainingBackend,
+    WorkerContext,
+    drain_weights,
+)
+from asyncrl.config import Config
+from asyncrl.errors import ProtocolError
+from asyncrl.transfers import StagingSpec, load_transfer
+from asyncrl.wire.messages import (
+    BeginStep,
+    CalibrateKV,
+    Call,
+    ComputeLogprobs,
+    Empty,
+    ExportModel,
+    FinishStep,
+    Init,
+    KVScalesResult,
+    LoadState,
+    LogprobsResult,
+    Result,
+    SaveState,
+    SendWeights,
+    TrainChunk,
+)
+from asyncrl.worker.base import Handler, WorkerRuntime
+from asyncrl.worker.export import export_model
+from asyncrl.worker.weights import WeightSender
+
+__all__ = ["CALL_QUEUE_SIZE", "TrainerRuntime"]
+
+CALL_QUEUE_SIZE = 16
+"""Calls received and waiting for the backend's thread (the controller sends a trainer a few
+at a time; a full queue holds the receiving loop, never a ``Health`` probe)."""
+T = TypeVar("T")
+
+
+class _Thread:
+    """One dedicated thread; ``run`` awaits a blocking call made on it."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-backend")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the thread, after the calls submitted before it.
+
+        Cancellation: shielded; waits for the call to return (a running torch call cannot be
+        interrupted).
+        """
+        done = anyio.Event()
+        token = anyio.lowlevel.current_token()
+        loop_thread = threading.get_ident()
+
+        def notify(_: object) -> None:
+            # A future that is already done runs its callback right here, on the loop thread,
+            # where from_thread.run_sync would block the loop forever.
+            if threading.get_ident() == loop_thread:
+                done.set()
+            else:
+                anyio.from_thread.run_sync(done.set, token=token)
+
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(notify)
+        with anyio.CancelScope(shield=True):  # a running torch call cannot be interrupted
+            await done.wait()
+        return future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class TrainerRuntime(WorkerRuntime):
+    """The runtime of a trainer rank: a :class:`~asyncrl.backend.TrainingBackend`."""
+
+    ROLE = "trainer"
+    PLUGIN_GROUP = "asyncrl.training_backends"
+    PROTOCOL = TrainingBackend
+    OPTIONAL = (KVCalibration,)
+    QUEUE_SIZE = CALL_QUEUE_SIZE  # calls waiting for the backend's thread
+
+    backend: TrainingBackend
+
+    def __init__(self, ctx: Any, control: Any, init: Init, wctx: WorkerContext) -> None:
+        super().__init__(ctx, control, init, wctx)
+        self.thread = _Thread()
+        self.sender: WeightSender | None = None
+        """Rank 0 of a run with rollout workers: publishes each refit's weights."""
+        self._calibrate: Callable[..., dict[str, float]] | None = None
+        self._queue: Any = None
+
+    @staticmethod
+    def backend_name(config: Config) -> str:
+        return config.trainer.backend
+
+    @staticmethod
+    def gpus(config: Config) -> list[int]:
+        return list(config.cluster.trainer_gpus)
+
+    def _call_table(self) -> dict[type, Handler]:
+        return {
+            ComputeLogprobs: self._compute_logprobs,
+            BeginStep: self._begin_step,
+            TrainChunk: self._train_chunk,
+            FinishStep: self._finish_step,
+            CalibrateKV: self._calibrate_kv,
+            SendWeights: self._send_weights,
+            SaveState: self._save_state,
+            LoadState: self._load_state,
+            ExportModel: self._export,
+        }
+
+    # ----------------------------------------------------------------- lifecycle
+    async def _create(self, plugin: BackendPlugin) -> Any:
+        return await self.thread.run(plugin.create, self.wctx)
+
+    def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
+        self._calibrate = methods["calibrate_kv_scales"]
+
+    async def _start(self) -> dict[str, Any]:
+        caps = await self.thread.run(self.backend.start)
+        if self.wctx.rank == 0 and self.init.transfer_address:
+            config = self.wctx.config
+            spec = StagingSpec(
+                self.init.run_id, self.wctx.rank, str(caps.get("device", "cpu")),
+                buffers=config.refit.staging_buffers,
+            )
+            transfer = load_transfer(config.refit.transport)
+            self.sender = WeightSender(self.ctx, self.init.transfer_address, transfer, spec)
+        return caps
+
+    def _start_serving(self, tg: anyio.abc.TaskGroup, send: Any, recv: Any) -> None:
+        self._queue = send
+        tg.start_soon(self._sequential, recv)
+
+    async def _submit(self, call: Call, tg: anyio.abc.TaskGroup) -> None:
+        await self._queue.send(call)
+
+    async def _sequential(self, calls: Any) -> None:
+        async with calls:
+            async for call in calls:
+                await self.answer(call)
+
+    async def _close_backend(self) -> None:
+        await self.thread.run(self.backend.close)
+
+    def _release(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.thread.close()
+
+    # ----------------------------------------------------------------- calls
+    async def _compute_logprobs(self, req: ComputeLogprobs) -> Result:
+        lp = await self.thread.run(self.backend.compute_logprobs, req.batch, req.temperature)
+        return LogprobsResult(logprobs=lp)
+
+    async def _begin_step(self, req: BeginStep) -> Result:
+        await self.thread.run(self.backend.begin_step, req.step)
+        return Empty()
+
+    async def _train_chunk(self, req: TrainChunk) -> Result:
+        return await self.thread.run(self.backend.train_chunk, req.step, req.batch)
+
+    async def _finish_step(self, req: FinishStep) -> Result:
+        return await self.thread.run(self.backend.finish_step, req.step, req.num_loss_tokens)
+
+    async def _calibrate_kv(self, req: CalibrateKV) -> Result:
+        if self._calibrate is None:
+            raise ProtocolError(
+                f"training backend {type(self.backend).__name__} cannot calibrate FP8 KV-cache "
+                "scales (it has no calibrate_kv_scales)"
+            )
+        calibrate = functools.partial(
+            self._calibrate, req.batch,
+            percentile=req.percentile, margin=req.margin, include_q=req.include_q,
+        )
+        scales = await self.thread.run(calibrate)
+        return KVScalesResult(scales={k: float(v) for k, v in scales.items()})
+
+    async def _send_weights(self, req: SendWeights) -> Result:
+        it = await self.thread.run(self.backend.iter_weights)
+        if self.wctx.rank != 0:  # take part in the gathers, send nothing
+            await self.thread.run(drain_weights, it)
+            return Empty()
+        try:
+            return await self._publish(req, it)
+        except Exception:
+            # the other ranks gather with this one (an FSDP unit's all-gather): finish the
+            # iteration, or they wait in a collective until its timeout
+            await self.thread.run(functools.partial(drain_weights, it, after_failure=True))
+            raise
+
+    async def _publish(self, req: SendWeights, it: Iterator[Any]) -> Result:
+        """Rank 0: send the version ``it`` yields to the rollout workers.
+
+        Raises:
+            ProtocolError: the call names another transfer than this trainer stages for.
+        """
+        assert self.sender is not None
+        if req.transport != self.sender.transfer.name:
+            raise ProtocolError(
+                f"SendWeights over {req.transport!r}, but this trainer stages for "
+                f"{self.sender.transfer.name!r}"
+            )
+        specs = await self.thread.run(self.backend.weight_specs)
+        return await self.sender.send(
+            req.version,
+            list(req.receivers),
+            specs,
+            it,
+            bucket_size=req.bucket_size_bytes,
+            timeout_s=req.timeout_s,
+            run=self.thread.run,
+            pids=req.receiver_pids,
+        )
+
+    async def _save_state(self, req: SaveState) -> Result:
+        await self.thread.run(self.backend.save_state, req.path)
+        return Empty()
+
+    async def _load_state(self, req: LoadState) -> Result:
+        await self.thread.run(self.backend.load_state, req.path)
+        return Empty()
+
+    async def _export(self, req: ExportModel) -> Result:
+        export = functools.partial(
+            export_model, self.backend, self.wctx.rank, req.path,
+            source_dir=req.source_dir, shard_bytes=req.shard_bytes,
+        )
+        await self.thread.run(export)
+        return Empty()

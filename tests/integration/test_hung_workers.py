@@ -1,0 +1,313 @@
+"""A worker that stops answering without dying (SIGSTOP) is found by the heartbeat, named
+and killed, and its death takes the retry policy's path: a rollout worker is restarted and
+the run finishes every step; a trainer stops the run with a ``WorkerHungError`` naming it.
+Each through the embedded controller and under ``torchrun -m asyncrl.launch``; after each,
+no process of the run and no run file is left.
+
+The heartbeat here probes every 0.5 s and calls a worker hung after 3 s of silence; the
+times from the SIGSTOP to the kill and to the named error are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+import structlog
+
+pytest.importorskip(
+    "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
+)
+
+import asyncrl  # noqa: E402
+from asyncrl.config import Config  # noqa: E402
+from asyncrl.errors import WorkerHungError  # noqa: E402
+from asyncrl.procs.process import has_exited  # noqa: E402
+from integration_support import (  # noqa: E402
+    BASE,
+    assert_nothing_left,
+    free_port,
+    merge,
+    read_metrics,
+    run_files,
+    session_processes,
+    to_toml,
+    worker_pids,
+)
+
+pytestmark = [pytest.mark.usefixtures("no_stray_processes"), pytest.mark.timeout(240)]
+
+INTERVAL_S, TIMEOUT_S = 0.5, 3.0
+BEAT = {"heartbeat_interval_s": INTERVAL_S, "heartbeat_timeout_s": TIMEOUT_S}
+DETECT_S = TIMEOUT_S + INTERVAL_S + 1.0
+"""SIGSTOP → kill, at most: the timeout, a tick, and slack for a loaded 2-core machine."""
+EARLIEST_S = TIMEOUT_S - INTERVAL_S
+"""SIGSTOP → kill, at least: the last answer may have come up to a tick before the stop."""
+LAUNCH_S = 180
+
+
+def _report(what: str, seconds: float) -> None:
+    print(f"\nheartbeat: {what}: {seconds:.2f} s (interval {INTERVAL_S} s, timeout {TIMEOUT_S} s)")
+
+
+async def _until_exited(pid: int, within_s: float) -> float:
+    """Seconds until ``pid`` has exited (a zombie counts), polled."""
+    start = time.monotonic()
+    with anyio.fail_after(within_s):
+        while not has_exited(pid):
+            await anyio.sleep(0.02)
+    return time.monotonic() - start
+
+
+# --------------------------------------------------------------------------- embedded
+@pytest.mark.asyncio
+async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_finishes(
+    make_config: Callable[..., Config],
+) -> None:
+    cfg = make_config(
+        run={"num_steps": 60},  # enough after the stop for the restart (3 s + 2 s)
+        cluster={"rollout_ranks": 2},
+        eval={"num_prompts": 0},
+        generator={"options": {"token_delay_s": 0.003}},
+        failures=BEAT,
+    )
+    result: list[asyncrl.RunSummary] = []
+    with structlog.testing.capture_logs() as logs:
+        async with asyncrl.Controller(cfg) as ctl:
+            async with anyio.create_task_group() as tg:
+
+                async def train() -> None:
+                    result.append(await ctl.train())
+
+                tg.start_soon(train)
+                while len(ctl.pipeline.history) < 2:
+                    await anyio.sleep(0.01)
+                stopped = worker_pids(ctl)["rollout:1"]
+                os.kill(stopped, signal.SIGSTOP)
+                killed_after = await _until_exited(stopped, DETECT_S + 5)
+                with anyio.fail_after(60):  # its rank starts a new one (about 2 s)
+                    while worker_pids(ctl).get("rollout:1") in (None, stopped):
+                        await anyio.sleep(0.05)
+            new_pid = worker_pids(ctl)["rollout:1"]
+    _report("embedded rollout worker, SIGSTOP → killed", killed_after)
+    assert EARLIEST_S <= killed_after < DETECT_S + 2, killed_after
+    summary = result[0]
+    assert new_pid != stopped
+    assert len(summary.steps) == cfg.run.num_steps
+    trained = sum(e["trained"] for e in summary.ledger)
+    assert trained == cfg.run.num_steps * cfg.grpo.prompts_per_step
+    assert all(e["lost"] == 0 and e["repeated"] == 0 for e in summary.ledger), summary.ledger
+    (hung,) = [e for e in logs if e["event"] == "worker_hung"]
+    assert (hung["group"], hung["rank"], hung["pid"]) == ("rollout", 1, stopped)
+    assert hung["log"].endswith("rollout-1.log") and hung["silent_s"] >= TIMEOUT_S
+    assert hung["last_answer"] is not None  # it had answered before it was stopped
+    (restarted,) = [r for r in read_metrics(cfg) if r["kind"] == "worker_restarted"]
+    assert (restarted["worker"], restarted["exit_code"]) == ("rollout:1", -signal.SIGKILL)
+    assert restarted["error"].startswith("worker rollout:1 hung: it answered no health probe")
+    assert_nothing_left(ctl, [stopped, new_pid])
+
+
+@pytest.mark.asyncio
+async def test_embedded_a_stopped_trainer_stops_the_run_with_a_named_hung_error(
+    make_config: Callable[..., Config],
+) -> None:
+    cfg = make_config(
+        run={"num_steps": 1000},
+        eval={"num_prompts": 0},
+        generator={"options": {"token_delay_s": 0.003}},
+        failures=BEAT,
+    )
+    ctl = asyncrl.Controller(cfg)
+    pids: dict[str, int] = {}
+    start = time.monotonic()
+    with pytest.raises(WorkerHungError) as info:
+        async with ctl:
+            pids.update(worker_pids(ctl))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctl.train)
+                while len(ctl.pipeline.history) < 2:
+                    await anyio.sleep(0.01)
+                os.kill(pids["trainer:0"], signal.SIGSTOP)
+                start = time.monotonic()
+    named_after = time.monotonic() - start
+    _report("embedded trainer, SIGSTOP → WorkerHungError out of the controller", named_after)
+    err = info.value
+    assert (err.group, err.rank, err.pid, err.exit_code) == (
+        "trainer", 0, pids["trainer:0"], -signal.SIGKILL)
+    assert err.log_path is not None and err.log_path.endswith("trainer-0.log")
+    assert TIMEOUT_S <= err.silent_s < DETECT_S and err.last_answer is not None
+    text = str(err)
+    assert text.startswith("worker trainer:0 hung: it answered no health probe for ")
+    assert "its last answer came at " in text and f"its log: {err.log_path}" in text
+    assert EARLIEST_S <= named_after < DETECT_S + 10, named_after  # + the orderly shutdown
+    stopped = [r for r in read_metrics(cfg) if r["kind"] == "stopped"]
+    assert len(stopped) == 1 and "trainer:0 hung" in stopped[0]["deaths"][0]
+    assert_nothing_left(ctl, pids.values())
+
+
+@pytest.mark.asyncio
+async def test_embedded_a_stopped_rollout_worker_without_restarts_stops_the_run(
+    make_config: Callable[..., Config],
+) -> None:
+    """``failures.rollout_restarts = 0``: the hung rollout worker's death stops the run, and
+    the error says it hung."""
+    cfg = make_config(
+        run={"num_steps": 1000},
+        eval={"num_prompts": 0},
+        generator={"options": {"token_delay_s": 0.003}},
+        failures={**BEAT, "rollout_restarts": 0},
+    )
+    ctl = asyncrl.Controller(cfg)
+    pids: dict[str, int] = {}
+    with pytest.raises(WorkerHungError) as info:
+        async with ctl:
+            pids.update(worker_pids(ctl))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctl.train)
+                while len(ctl.pipeline.history) < 2:
+                    await anyio.sleep(0.01)
+                os.kill(pids["rollout:0"], signal.SIGSTOP)
+    err = info.value
+    assert (err.group, err.rank, err.pid) == ("rollout", 0, pids["rollout:0"])
+    assert str(err).startswith("worker rollout:0 hung: it answered no health probe for ")
+    assert not [r for r in read_metrics(cfg) if r["kind"] == "worker_restarted"]
+    assert_nothing_left(ctl, pids.values())
+
+
+# --------------------------------------------------------------------------- launch
+class _Launch:
+    """``torchrun --nproc-per-node N -m asyncrl.launch run.toml`` in a session of its own,
+    its output read line by line with the time each line came."""
+
+    def __init__(self, tmp_path: Path, model_dir: Path, nproc: int, **over: dict) -> None:
+        data = merge(BASE, over)
+        data["model"] = {"path": str(model_dir)}
+        data["run"]["output_dir"] = "out"
+        path = tmp_path / "run.toml"
+        path.write_text(to_toml(data) + "\n")
+        self.metrics = tmp_path / "out" / "metrics.jsonl"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.metrics.read_text().splitlines()]
+
+    def wait_steps(self, n: int) -> None:
+        deadline = time.monotonic() + LAUNCH_S
+        while not (self.metrics.exists() and self.metrics.read_text().count('"train"') >= n):
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.output()
+            time.sleep(0.05)
+
+    def process(self, match: Callable[[psutil.Process], bool]) -> psutil.Process:
+        found = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if match(p)]
+        assert len(found) == 1, found
+        return found[0]
+
+    def finish(self) -> int:
+        try:
+            self.proc.wait(timeout=LAUNCH_S)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self._reader.join(10)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        assert session_processes(self.proc.pid) == [], "processes of the launch outlived it"
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)[-6000:]
+
+    def first(self, text: str) -> float:
+        return next(t for t, line in self.lines if text in line)
+
+
+def _environ_rank(p: psutil.Process) -> str | None:
+    try:
+        return p.environ().get("RANK") if "asyncrl.launch" in " ".join(p.cmdline()) else None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def test_launch_a_stopped_rollout_worker_is_named_restarted_and_the_run_finishes(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Rank 1 (rollout 0) supervises its worker: the worker is stopped, found hung, killed,
+    and its rank starts a new one; the launch exits 0 with every step."""
+    num_steps = 30
+    run = _Launch(tmp_path, model_dir, 2, run={"num_steps": num_steps}, eval={"num_prompts": 0},
+                  generator={"options": {"token_delay_s": 0.003}}, failures=BEAT)
+    try:
+        run.wait_steps(2)
+        worker = run.process(lambda p: "--rank" in p.cmdline() and "rollout" in p.cmdline())
+        worker.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        worker.wait(DETECT_S + 5)  # its supervisor reaps it
+        killed_after = time.monotonic() - start
+    finally:
+        rc = run.finish()
+    _report("launch rollout worker, SIGSTOP → killed", killed_after)
+    assert rc == 0, run.output()
+    assert EARLIEST_S <= killed_after < DETECT_S + 2, killed_after
+    records = run.records()
+    assert len([r for r in records if r["kind"] == "train"]) == num_steps
+    (restarted,) = [r for r in records if r["kind"] == "worker_restarted"]
+    assert (restarted["worker"], restarted["exit_code"]) == ("rollout:0", -signal.SIGKILL)
+    assert restarted["error"].startswith("worker rollout:0 hung: it answered no health probe")
+    assert any("worker_hung" in line for _, line in run.lines), run.output()  # rank 0's log
+    run_id = next(r["run_id"] for r in records if r["kind"] == "config")
+    assert run_files(run_id) == []
+
+
+def test_launch_a_stopped_trainer_rank_stops_the_run_with_a_named_hung_error(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Three ranks: trainer 0 (with the controller), trainer 1, rollout 0. Trainer rank 1 is
+    stopped; it is named hung and killed, and rank 0 prints one ``asyncrl: error:`` line
+    naming it; every rank exits and nothing of the run is left."""
+    run = _Launch(tmp_path, model_dir, 3, run={"num_steps": 1000}, eval={"num_prompts": 0},
+                  cluster={"trainer_ranks": 2}, failures=BEAT,
+                  generator={"options": {"token_delay_s": 0.003}})
+    try:
+        run.wait_steps(2)
+        trainer1 = run.process(lambda p: _environ_rank(p) == "1")
+        trainer1.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+    finally:
+        rc = run.finish()
+    errors = [(t, line) for t, line in run.lines if line.startswith("asyncrl: ")]
+    assert rc != 0 and len(errors) == 1, run.output()
+    named_after = errors[0][0] - start
+    _report("launch trainer rank 1, SIGSTOP → the asyncrl: error line", named_after)
+    line = errors[0][1]
+    assert line.startswith(
+        "asyncrl: error: worker trainer:1 hung: it answered no health probe for "), line
+    assert f"(pid {trainer1.pid})" in line and "trainer-1.log" in line, line
+    assert "its last answer came at " in line, line
+    assert EARLIEST_S <= named_after < DETECT_S + 10, named_after
+    run_id = next(r["run_id"] for r in run.records() if r["kind"] == "config")
+    assert run_files(run_id) == []

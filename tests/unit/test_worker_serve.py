@@ -1,0 +1,264 @@
+"""The two worker runtimes serving calls, seen from the control socket.
+
+A trainer runs its calls in arrival order on one thread, but answers ``Health`` at once while
+a call holds that thread; a rollout worker serves calls concurrently, streams samples to the
+data socket, and refuses a trainer's request with a ``Failure`` (it keeps serving). A
+backend that breaks its protocol is the worker's ``Dead`` message, through the real
+``serve`` over real sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncrl.backend import WorkerContext
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import (
+    Abort,
+    BeginStep,
+    Call,
+    DataBatch,
+    DataMessage,
+    Empty,
+    Failure,
+    FromWorker,
+    Generate,
+    GenRequest,
+    Health,
+    HealthResult,
+    Init,
+    LogprobsResult,
+    Reply,
+    Sample,
+    SampleDone,
+    Score,
+    Shutdown,
+    TokenBatch,
+    ToWorker,
+)
+from asyncrl.worker.rollout import RolloutRuntime
+from asyncrl.worker.trainer import TrainerRuntime
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+# the controller's pid is this process's: Shutdown must not make pytest ignore SIGTERM
+INIT = Init(run_id="r", config={}, data_address="", controller_pid=os.getpid())
+BATCH = TokenBatch(np.array([1, 2, 3], np.int32), np.array([3], np.int32), np.array([1], np.int32))
+
+
+def _wctx(group: str) -> WorkerContext:
+    return WorkerContext(group=group, rank=0, world_size=1, local_rank=0,
+                         config=None, run_dir="")  # type: ignore[arg-type]
+
+
+class _Control:
+    """The controller's end of a worker's control socket, in memory, through the real codec."""
+
+    def __init__(self) -> None:
+        self._to_send, self._to_recv = anyio.create_memory_object_stream[Any](16)
+        self._from_send, self._from_recv = anyio.create_memory_object_stream[Any](16)
+        self._tx, self._rx = Codec(ToWorker), Codec(FromWorker)
+
+    def close(self) -> None:
+        for end in (self._to_send, self._to_recv, self._from_send, self._from_recv):
+            end.close()
+
+    async def recv(self) -> list[Any]:  # the worker receives
+        return await self._to_recv.receive()
+
+    async def send(self, frames: list[Any]) -> None:  # the worker sends
+        await self._from_send.send(self._rx.decode(frames))
+
+    def call(self, call_id: int, request: Any) -> None:
+        self._to_send.send_nowait(self._tx.encode(Call(call_id=call_id, request=request)))
+
+    def shutdown(self) -> None:
+        self._to_send.send_nowait(self._tx.encode(Shutdown()))
+
+    async def answer(self) -> Any:
+        with anyio.fail_after(10):
+            return await self._from_recv.receive()
+
+
+class _Trainer:
+    """A training backend whose ``begin_step`` waits for the test's gate."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.steps: list[int] = []
+        self.threads: set[int] = set()
+
+    def begin_step(self, step: int) -> None:
+        self.threads.add(threading.get_ident())
+        assert self.gate.wait(10)
+        self.steps.append(step)
+
+    def start(self) -> dict[str, Any]:
+        return {}
+
+    def compute_logprobs(self, batch: Any, temperature: float) -> Any: ...
+    def train_chunk(self, step: int, batch: Any) -> Any: ...
+    def finish_step(self, step: int, num_loss_tokens: int) -> Any: ...
+    def weight_specs(self) -> Any: ...
+    def iter_weights(self) -> Any: ...
+    def save_state(self, path: str) -> None: ...
+    def load_state(self, path: str) -> None: ...
+    def close(self) -> None: ...
+
+
+async def test_trainer_calls_run_in_order_and_health_never_waits_behind_them() -> None:
+    control, backend = _Control(), _Trainer()
+    rt = TrainerRuntime(None, control, INIT, _wctx("trainer"))
+    rt.adopt(backend, plugin="fake")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rt.serve_calls)
+            control.call(1, BeginStep(step=1))
+            control.call(2, BeginStep(step=2))
+            control.call(3, Health())
+            first = await control.answer()  # step 1 holds the backend's thread meanwhile
+            assert first == Reply(call_id=3, result=HealthResult(pid=os.getpid()),
+                                  seconds=first.seconds)
+            assert backend.steps == []
+            backend.gate.set()
+            replies = [await control.answer(), await control.answer()]
+            assert [(r.call_id, r.result) for r in replies] == [(1, Empty()), (2, Empty())]
+            assert backend.steps == [1, 2]
+            assert len(backend.threads) == 1 and threading.get_ident() not in backend.threads
+            control.shutdown()  # serve_calls returns: the task group can end
+    finally:
+        await rt.close()
+        control.close()
+
+
+class _Generator:
+    """A generation backend: ``score`` waits until an ``abort`` arrives; ``generate`` emits
+    ``n`` one-token samples."""
+
+    def __init__(self) -> None:
+        self.aborted = anyio.Event()
+
+    async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        await self.aborted.wait()
+        return np.full(2, -0.5, np.float32)
+
+    async def abort(self, group_ids: list[str]) -> None:
+        self.aborted.set()
+
+    async def generate(self, request: GenRequest, emit: Any) -> None:
+        for i in range(request.n):
+            await emit(i, Sample(np.array([i], np.int32), np.array([-1.0], np.float32), "stop"))
+
+    async def start(self) -> dict[str, Any]:
+        return {}
+
+    async def begin_weight_update(self, version: int, manifest: Any, *, kv_scales: Any = None) -> None: ...
+    async def load_weight_bucket(self, bucket: Any) -> None: ...
+    async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None: ...
+    async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None: ...
+    async def close(self) -> None: ...
+
+
+class _Data:
+    """The data PUSH socket: what the worker pushes, decoded, one item per sample."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.got = anyio.Event()
+        self._rx = Codec(DataMessage)
+
+    async def send(self, frames: list[Any]) -> None:
+        msg = self._rx.decode(frames)
+        self.items += msg.items if isinstance(msg, DataBatch) else [msg]
+        self.got.set()
+
+
+async def test_rollout_calls_overlap_and_a_trainer_request_is_a_failure() -> None:
+    control, backend, data = _Control(), _Generator(), _Data()
+    rt = RolloutRuntime(None, control, INIT, _wctx("rollout"))
+    rt.adopt(backend, plugin="fake")
+    rt.data = data
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rt.serve_calls)
+            control.call(1, Score(batch=BATCH))  # waits for the abort: served concurrently
+            control.call(2, Abort(group_ids=["g0"]))
+            answers = [await control.answer(), await control.answer()]
+            assert [a.call_id for a in answers] == [2, 1]
+            assert isinstance(answers[1].result, LogprobsResult)
+            control.call(3, BeginStep(step=1))
+            refused = await control.answer()
+            assert isinstance(refused, Failure) and refused.call_id == 3
+            assert (refused.error_type, refused.message) == (
+                "ProtocolError", "a rollout worker cannot serve BeginStep")
+            control.call(4, Generate(requests=[GenRequest(group_id="g1", prompt_ids=[1], n=3,
+                                                          max_tokens=1)]))
+            assert (await control.answer()).result == Empty()
+            with anyio.fail_after(10):
+                while len(data.items) < 3:
+                    data.got = anyio.Event()
+                    await data.got.wait()
+            assert all(isinstance(m, SampleDone) for m in data.items)
+            assert sorted((m.group_id, m.worker, m.index) for m in data.items) == [
+                ("g1", "rollout:0", 0), ("g1", "rollout:0", 1), ("g1", "rollout:0", 2)]
+            control.shutdown()
+    finally:
+        await rt.close()
+        control.close()
+
+
+async def test_a_backend_that_breaks_its_protocol_is_the_workers_dead_message(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through ``serve`` over a real ROUTER: the worker says ``Hello``, gets ``Init``, and its
+    backend (missing ``score``) is refused before it starts: ``Dead`` names the plugin, its
+    group and the method, and ``serve`` raises the same ``PluginError``."""
+    from asyncrl import plugins
+    from asyncrl.errors import PluginError
+    from asyncrl.wire.messages import Dead, Hello
+    from asyncrl.wire.transport import ROUTER, Context
+    from asyncrl.worker.runtime import serve
+
+    class NoScore(_Generator):
+        score = None  # type: ignore[assignment]
+
+    monkeypatch.setattr(plugins, "load", lambda group, name: lambda ctx: NoScore())
+    config = {"model": {"path": str(tmp_path)}, "environment": {"name": "repeat-digit"},
+              "trainer": {"backend": "bigram"}, "generator": {"backend": "scoreless"}}
+    ctx = Context()
+    try:
+        address = f"ipc://{tmp_path}/control.sock"
+        router = ctx.socket(ROUTER, bind=address)
+        tx, rx = Codec(ToWorker), Codec(FromWorker)
+        failed: list[BaseException] = []
+
+        async def worker() -> None:
+            try:
+                await serve(control_address=address, group="rollout", rank=0, world_size=1,
+                            local_rank=0, startup_timeout_s=10)
+            except PluginError as exc:
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker)
+            with anyio.fail_after(10):
+                peer, *frames = await router.recv()
+                assert isinstance(rx.decode(frames), Hello)
+                init = Init(run_id="r", config=config, data_address=f"ipc://{tmp_path}/d.sock",
+                            controller_pid=os.getpid())
+                await router.send([peer, *tx.encode(init)])
+                peer, *frames = await router.recv()
+        dead = rx.decode(frames)
+        assert isinstance(dead, Dead)
+        assert dead.reason.startswith("PluginError: generation backend 'scoreless' "
+                                      "(asyncrl.generation_backends: ")
+        assert "no method 'score'" in dead.reason
+        assert len(failed) == 1 and str(failed[0]) == dead.reason.removeprefix("PluginError: ")
+    finally:
+        ctx.close()
