@@ -48,7 +48,7 @@ def check_config(
 ) -> int:
     from asyncrl import config as cfgmod
     from asyncrl.launch import parse_overrides
-    from asyncrl.policy.modes import describe
+    from asyncrl.config.modes import describe
 
     try:
         overrides = parse_overrides(set_args)

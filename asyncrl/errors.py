@@ -62,7 +62,7 @@ class ConfigError(AsyncRLError):
 
 class RunDirectoryInUseError(ConfigError):
     """Another live run holds the run's ``run.output_dir``, ``checkpoint.dir`` or ``export.dir``
-    (one writer per directory: :mod:`asyncrl.procs.runlock`). The message names its pid, host and
+    (one writer per directory: :mod:`asyncrl.run.runlock`). The message names its pid, host and
     start time, and the fix; raised before anything of this run is started or written."""
 
 

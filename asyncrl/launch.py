@@ -80,7 +80,7 @@ from asyncrl.procs.process import (
     stopped_by_signal,
     wait_pid_exit,
 )
-from asyncrl.procs.runlock import check_free
+from asyncrl.run.runlock import check_free
 from asyncrl.procs.space import no_space_in
 
 log = structlog.get_logger("asyncrl.launch")

@@ -238,7 +238,7 @@ class ProcessRefit:
     def close(self) -> None:
         import shutil
 
-        from asyncrl.transfers.shm import shm_dir
+        from asyncrl.procs.space import shm_dir
 
         try:
             self._conn.send_bytes(msgspec.msgpack.encode(None))

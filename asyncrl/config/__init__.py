@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
-from asyncrl.config.explain import explain
+from asyncrl.explain import explain
 from asyncrl.config.loading import from_dict, load_config, load_unvalidated, to_dict
 from asyncrl.config.operations import (
     CheckpointConfig,

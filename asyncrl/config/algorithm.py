@@ -7,7 +7,7 @@ capacities. Each section's checks sit with it; :func:`asyncrl.config.problems` g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -15,10 +15,8 @@ from asyncrl.config.section import Section, at_least_one, fail
 from asyncrl.errors import ConfigError
 from asyncrl.policy.sampler_table import default_table
 
-if TYPE_CHECKING:
-    from asyncrl.config.root import Config
 
-__all__ = ["GRPOConfig", "LossConfig", "PipelineConfig", "pipeline_problems"]
+__all__ = ["GRPOConfig", "LossConfig", "PipelineConfig"]
 
 
 class GRPOConfig(Section):
@@ -95,50 +93,3 @@ class PipelineConfig(Section):
     slot, not the admission of a whole group."""
     max_buffered_groups: int = 0
     """Groups generating or waiting to train (0 = the sampler's required capacity)."""
-
-
-def pipeline_problems(config: Config) -> list[ConfigError]:
-    """Every broken invariant of ``[pipeline]``: its sampler (the table names an installed one
-    with knobs it accepts) and the capacities, which need ``[grpo]`` and the sampler's rule."""
-    g, p = config.grpo, config.pipeline
-    out: list[ConfigError] = []
-    try:
-        sampler = config.sampler
-    except ConfigError as exc:
-        out.append(exc)
-        sampler = None
-    for name in ("min_groups_for_streaming_train", "max_inflight_samples", "max_buffered_groups"):
-        if getattr(p, name) < 0:
-            out.append(fail(f"pipeline.{name}", "must be >= 0", "use 0 for the default"))
-            sampler = None  # the capacity checks below would only repeat it
-    if sampler is None:
-        return out
-    if config.min_groups_for_streaming_train > g.prompts_per_step:
-        out.append(
-            fail(
-                "pipeline.min_groups_for_streaming_train",
-                f"{p.min_groups_for_streaming_train} exceeds grpo.prompts_per_step "
-                f"({g.prompts_per_step}); a step could never start",
-                f"set it to at most {g.prompts_per_step}",
-            )
-        )
-    need = sampler.required_buffer_capacity(g.prompts_per_step)
-    if config.max_buffered_groups < need:
-        out.append(
-            fail(
-                "pipeline.max_buffered_groups",
-                f"{p.max_buffered_groups} is below what the {sampler.name} sampler needs "
-                f"({need} groups for prompts_per_step={g.prompts_per_step}; docs/modes.md); "
-                "the pumps would deadlock",
-                f"set pipeline.max_buffered_groups >= {need} (or 0 for the default)",
-            )
-        )
-    if config.max_inflight_samples < g.samples_per_prompt:
-        out.append(
-            fail(
-                "pipeline.max_inflight_samples",
-                f"{p.max_inflight_samples} cannot hold one group ({g.samples_per_prompt} samples)",
-                f"set it to at least grpo.samples_per_prompt ({g.samples_per_prompt}), or 0",
-            )
-        )
-    return out

@@ -2,7 +2,7 @@
 plain builtins.
 
 Loading is two steps: the typed struct (unknown keys and wrong types are named by
-:func:`~asyncrl.config.explain.explain`; relative paths resolved against the config file's
+:func:`~asyncrl.explain.explain`; relative paths resolved against the config file's
 directory), then :func:`~asyncrl.config.root.validate` (cross-field invariants).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config.explain import explain
+from asyncrl.explain import explain
 from asyncrl.config.root import Config, validate
 from asyncrl.errors import ConfigError
 

@@ -12,7 +12,7 @@ import functools
 
 import msgspec
 
-from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig, pipeline_problems
+from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
 from asyncrl.config.operations import (
     CheckpointConfig,
@@ -21,7 +21,7 @@ from asyncrl.config.operations import (
     FailuresConfig,
     MetricsConfig,
 )
-from asyncrl.config.section import Section
+from asyncrl.config.section import Section, fail
 from asyncrl.config.setup import ClusterConfig, EnvironmentConfig, ModelConfig, RunConfig
 from asyncrl.errors import ConfigError
 from asyncrl.policy.sampler_table import make_sampler, resolve_sampler
@@ -109,7 +109,7 @@ def problems(config: Config) -> list[ConfigError]:
     out: list[ConfigError] = []
     for section in (config.run, config.cluster, config.grpo, config.loss):
         out += section.problems()
-    out += pipeline_problems(config)
+    out += _pipeline_problems(config)
     for section in (
         config.refit, config.trainer, config.generator, config.environment, config.eval,
         config.checkpoint, config.export, config.failures, config.metrics,
@@ -143,3 +143,51 @@ def _with_sampler_struct(config: Config) -> Config:
     if struct is p.sampler:
         return config
     return msgspec.structs.replace(config, pipeline=msgspec.structs.replace(p, sampler=struct))
+
+
+def _pipeline_problems(config: Config) -> list[ConfigError]:
+    """Every broken invariant of ``[pipeline]`` (here, not in ``algorithm.py``: it needs the
+    whole config): its sampler (the table names an installed one
+    with knobs it accepts) and the capacities, which need ``[grpo]`` and the sampler's rule."""
+    g, p = config.grpo, config.pipeline
+    out: list[ConfigError] = []
+    try:
+        sampler = config.sampler
+    except ConfigError as exc:
+        out.append(exc)
+        sampler = None
+    for name in ("min_groups_for_streaming_train", "max_inflight_samples", "max_buffered_groups"):
+        if getattr(p, name) < 0:
+            out.append(fail(f"pipeline.{name}", "must be >= 0", "use 0 for the default"))
+            sampler = None  # the capacity checks below would only repeat it
+    if sampler is None:
+        return out
+    if config.min_groups_for_streaming_train > g.prompts_per_step:
+        out.append(
+            fail(
+                "pipeline.min_groups_for_streaming_train",
+                f"{p.min_groups_for_streaming_train} exceeds grpo.prompts_per_step "
+                f"({g.prompts_per_step}); a step could never start",
+                f"set it to at most {g.prompts_per_step}",
+            )
+        )
+    need = sampler.required_buffer_capacity(g.prompts_per_step)
+    if config.max_buffered_groups < need:
+        out.append(
+            fail(
+                "pipeline.max_buffered_groups",
+                f"{p.max_buffered_groups} is below what the {sampler.name} sampler needs "
+                f"({need} groups for prompts_per_step={g.prompts_per_step}; docs/modes.md); "
+                "the pumps would deadlock",
+                f"set pipeline.max_buffered_groups >= {need} (or 0 for the default)",
+            )
+        )
+    if config.max_inflight_samples < g.samples_per_prompt:
+        out.append(
+            fail(
+                "pipeline.max_inflight_samples",
+                f"{p.max_inflight_samples} cannot hold one group ({g.samples_per_prompt} samples)",
+                f"set it to at least grpo.samples_per_prompt ({g.samples_per_prompt}), or 0",
+            )
+        )
+    return out

@@ -62,7 +62,7 @@ import msgspec
 from asyncrl.data.files import OPT, Source, read_source
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError, config_error
-from asyncrl.config.explain import explain
+from asyncrl.explain import explain
 from asyncrl.data.rewards import Reward, RewardSpec, load_rewards
 
 __all__ = [

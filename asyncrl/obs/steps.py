@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from asyncrl.run.groups import Group
+from asyncrl.policy.groups import Group
 from asyncrl.wire.messages import ChunkResult, StepResult
 from asyncrl.policy.schedule import StepStats
 from asyncrl.obs.timeline import worker_spans

@@ -30,22 +30,38 @@ controller stops the run (and the run resumes from its last checkpoint).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
-from asyncrl.config import FailuresConfig
 from asyncrl.errors import RunError
 
-__all__ = ["FailureBudget"]
+__all__ = ["FailureBudget", "Limits"]
 
 log = structlog.get_logger("asyncrl.policy.failures")
+
+
+class Limits(Protocol):
+    """What the budget reads of ``[failures]`` (:class:`asyncrl.config.FailuresConfig` is one:
+    the policy states what it needs rather than importing the config above it)."""
+
+    @property
+    def generation_retries(self) -> int: ...
+    @property
+    def retry_backoff_s(self) -> float: ...
+    @property
+    def max_failed_groups(self) -> int: ...
+    @property
+    def train_step_retries(self) -> int: ...
+    @property
+    def max_nonfinite_steps(self) -> int: ...
 
 
 @dataclass
 class FailureBudget:
     """Retry decisions and counts for one run."""
 
-    config: FailuresConfig
+    config: Limits
     attempts: dict[str, int] = field(default_factory=dict)
     """Failed generation attempts per group still retried."""
     step_failures: int = 0

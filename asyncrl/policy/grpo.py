@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from asyncrl.run.groups import Group
+from asyncrl.policy.groups import Group
 from asyncrl.errors import NonFiniteError
 from asyncrl.wire.messages import TokenBatch, TrainBatch
 from asyncrl.policy.packing import Layout

@@ -19,7 +19,7 @@ from asyncrl import plugins
 from asyncrl.policy import samplers
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.errors import config_error as _fail
-from asyncrl.config.explain import explain
+from asyncrl.explain import explain
 
 __all__ = ["default_table", "make_sampler", "resolve_sampler"]
 

@@ -144,7 +144,7 @@ class DescribesMode(Protocol):
     def describe(self) -> str:
         """One line: the mode, the sampler's name and knobs, and what it guarantees (the
         staleness bound as ``staleness <= W``, and what is wasted), for ``asyncrl
-        check-config`` (:func:`asyncrl.policy.modes.describe`; docs/modes.md)."""
+        check-config`` (:func:`asyncrl.config.modes.describe`; docs/modes.md)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ During the run, a write that finds no room raises :class:`~asyncrl.errors.NoSpac
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
@@ -33,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.errors import ConfigError, NoSpaceError, RemoteCallError, flatten
-from asyncrl.worker.export import read_safetensors_header
 
 __all__ = [
     "OUTPUT_FLOOR_BYTES",
@@ -45,9 +45,11 @@ __all__ = [
     "full_leaf",
     "is_no_space",
     "model_size",
+    "read_safetensors_header",
     "no_space",
     "no_space_in",
     "shm_base",
+    "shm_dir",
     "shm_fix",
     "shm_need",
     "size_text",
@@ -78,6 +80,11 @@ _ALIGN = 256  # asyncrl.worker.weights.ALIGN: every tensor of a bucket starts on
 def shm_base() -> str:
     """Where the run's shared-memory directory goes: ``/dev/shm``, else ``/tmp``."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def shm_dir(run_id: str) -> str:
+    """The run's shared-memory directory (staged weights; removed when the run ends)."""
+    return os.path.join(shm_base(), f"asyncrl-{run_id}")
 
 
 def size_text(n: int) -> str:
@@ -241,6 +248,23 @@ class ModelSize:
         if self.elements:
             return self.elements * _DTYPE_BYTES[dtype]
         return self.stored_bytes * _DTYPE_BYTES[dtype] // 2
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header and the offset of its data section (the layout:
+    :mod:`asyncrl.worker.export`, which writes them).
+
+    Raises:
+        ValueError: the file is not safetensors (a header length no real file has, or no JSON).
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {len(head)} bytes, shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > 100 << 20:  # no real header is this large: not a safetensors file
+            raise ValueError(f"{path}: a {length}-byte header")
+        return json.loads(f.read(length)), 8 + length
 
 
 def model_size(model_path: str) -> ModelSize | None:

@@ -28,7 +28,7 @@ import structlog
 from asyncrl.errors import WorkerDiedError
 from asyncrl.procs.process import exit_status, kill_process_group, pid_exists, wait_pid_exit
 from asyncrl.wire.rpc import Peer
-from asyncrl.transfers.shm import shm_dir
+from asyncrl.procs.space import shm_dir
 
 __all__ = [
     "CONTROLLER_PID_FILE",

@@ -3,7 +3,7 @@
 :class:`RolloutBook` is pure (no anyio, no sockets): the loops ask it and carry out what it
 says. It wraps the :class:`~asyncrl.policy.schedule.Scheduler`, which keeps each group's
 state and every scheduling rule (gate, capacities, staleness, accounting), and keeps what the
-scheduler does not: each group's payload (a :class:`~asyncrl.run.groups.Group`: prompt,
+scheduler does not: each group's payload (a :class:`~asyncrl.policy.groups.Group`: prompt,
 worker, samples), the samples in flight per rollout worker, and the evaluation requests.
 Nothing else holds a reference to its tables.
 
@@ -41,7 +41,7 @@ import numpy as np
 from asyncrl.policy.schedule import Scheduler, StepStats, Wait
 from asyncrl.policy.slots import ABORTING, GENERATING, READY, SCORING
 from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run.groups import Group
+from asyncrl.policy.groups import Group
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from asyncrl.run.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.run.checksums import HASH, digest_bytes, seal_tree, verify_tree
 from asyncrl.errors import AsyncRLError
 from asyncrl.procs.process import pid_exists

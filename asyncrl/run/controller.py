@@ -57,15 +57,15 @@ from asyncrl.procs.spawn import (
 )
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.wire.messages import Hello, Init, TokenBatch
-from asyncrl.policy.modes import make_scheduler
+from asyncrl.config.modes import make_scheduler
 from asyncrl.run.loops import Pipeline, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
 from asyncrl.run.restarts import Restarts
 from asyncrl.procs.process import exit_status, has_exited, stopped_by_signal
-from asyncrl.worker.weights import shm_dir
+from asyncrl.procs.space import shm_dir
 from asyncrl.wire.rpc import ControlPlane
-from asyncrl.procs.runlock import lock_run
+from asyncrl.run.runlock import lock_run
 from asyncrl.procs.space import no_space_in
 from asyncrl.wire.transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
 

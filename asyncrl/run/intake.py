@@ -29,7 +29,7 @@ from asyncrl.environment import Environment, Prompt
 from asyncrl.errors import ProtocolError, RunError
 from asyncrl.obs.steps import StepRecord
 from asyncrl.run import book as bk
-from asyncrl.run.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, SampleDone
 from asyncrl.wire.transport import AsyncSocket, Rejections, peer_name

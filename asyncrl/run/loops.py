@@ -160,7 +160,7 @@ class Pipeline:
             transfer_address=transfer, changed=self.changed,
             rejections=self.rejections, metrics=metrics, now=self.now,
         )  # fmt: skip
-        self.redispatch = Redispatcher(self.book, failures=self.failures, changed=self.changed)
+        self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
         self.checkpointer = Checkpointer(
             cfg, control=control, trainers=trainers, metrics=metrics,
             train_prompts=environment.dataset("train"),

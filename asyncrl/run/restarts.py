@@ -34,8 +34,7 @@ from asyncrl.policy.pool import SYNCING, RolloutPool
 from asyncrl.procs.process import parent_pid, stopped_by_signal, wait_pid_exit
 from asyncrl.procs.spawn import SpawnedGroup, watch_peer
 from asyncrl.run.book import RolloutBook
-from asyncrl.run.groups import Group
-from asyncrl.run.intake import Signal
+from asyncrl.policy.groups import Group
 from asyncrl.wire.messages import GroupFailed
 from asyncrl.wire.rpc import ControlPlane
 
@@ -214,12 +213,14 @@ class Restarts:
 
 
 class Redispatcher:
-    """Failed and lost groups' fates. ``changed`` wakes the rollout pump."""
+    """Failed and lost groups' fates. ``wake`` wakes the rollout pump."""
 
-    def __init__(self, book: RolloutBook, *, failures: FailureBudget, changed: Signal) -> None:
+    def __init__(
+        self, book: RolloutBook, *, failures: FailureBudget, wake: Callable[[], None]
+    ) -> None:
         self.book = book
         self.failures = failures
-        self.changed = changed
+        self._wake = wake
 
     def group_failed(
         self, group: Group, msg: GroupFailed, aborting: bool, tg: anyio.abc.TaskGroup
@@ -229,14 +230,14 @@ class Redispatcher:
         gid = msg.group_id
         if aborting:  # counted as aborted already: gone, nothing to retry
             self.book.failed(gid, retry=False)
-            self.changed.notify()
+            self._wake()
             return
         error = f"{msg.error_type}: {msg.message}"
         delay = self.failures.generation_failed(
             gid, group.prompt_id, retryable=msg.retryable, error=error, worker=msg.worker
         )
         self.book.failed(gid, retry=delay is not None)
-        self.changed.notify()
+        self._wake()
         if delay is None:
             what = f"group {gid} (prompt {group.prompt_id}) on {msg.worker}: {error}"
             self.failures.check_dropped(self.book.failed_groups, what)
@@ -247,13 +248,13 @@ class Redispatcher:
         """Drop a group whose scoring failed; the run stops once the failure budget is spent
         (a group the end of the run left unused is not counted)."""
         if self.book.score_failed(gid):
-            self.changed.notify()
+            self._wake()
             self.failures.check_dropped(self.book.failed_groups, what)
 
     async def _retry_after(self, gid: str, delay: float) -> None:
         await anyio.sleep(delay)
         self.book.retry(gid)  # ignored if it was aborted meanwhile (hopeless, the end)
-        self.changed.notify()
+        self._wake()
 
     def worker_lost(self, worker: str) -> None:
         """``worker`` died: its training groups are dispatched again first (same prompt, same
@@ -261,4 +262,4 @@ class Redispatcher:
         worker that serves."""
         again, evals = self.book.worker_lost(worker)
         log.info("groups_redispatched", worker=worker, groups=again, evaluation_groups=evals)
-        self.changed.notify()
+        self._wake()

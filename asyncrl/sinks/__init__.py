@@ -61,7 +61,7 @@ import msgspec
 
 from asyncrl import plugins
 from asyncrl.errors import ConfigError, PluginError, config_error
-from asyncrl.config.explain import explain
+from asyncrl.explain import explain
 
 __all__ = [
     "GROUP",

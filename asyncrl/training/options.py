@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from asyncrl.errors import ConfigError
-from asyncrl.config.explain import explain
+from asyncrl.explain import explain
 
 __all__ = ["TrainerOptions", "option_error", "parse_options"]
 

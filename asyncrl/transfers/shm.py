@@ -16,11 +16,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from asyncrl.procs.space import is_no_space, no_space, shm_base, shm_fix
+from asyncrl.procs.space import is_no_space, no_space, shm_dir, shm_fix
 from asyncrl.wire.transport import make_private_dir
 from asyncrl.transfers import StagingSpec, WeightTransfer
 
-__all__ = ["SHM", "ShmHandle", "read_bytes", "shm_base", "shm_dir"]
+__all__ = ["SHM", "ShmHandle", "read_bytes"]
 
 
 class ShmHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -31,10 +31,6 @@ class ShmHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(ShmHandle).decode
-
-
-def shm_dir(run_id: str) -> str:
-    return os.path.join(shm_base(), f"asyncrl-{run_id}")
 
 
 class _File:

@@ -31,6 +31,7 @@ import numpy as np
 
 from asyncrl.backend import WeightTensor, drain_weights
 from asyncrl.errors import NonFiniteError
+from asyncrl.procs.space import read_safetensors_header
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -39,7 +40,6 @@ __all__ = [
     "export_model",
     "nonfinite_tensors",
     "plan_shards",
-    "read_safetensors_header",
     "write_hf_model",
 ]
 
@@ -118,22 +118,6 @@ def count_nonfinite(data: memoryview, dtype: str) -> int:
     view, mask = _NONFINITE_BITS[dtype]
     bits = np.frombuffer(data, dtype=np.dtype(view).newbyteorder("<"))
     return int(np.count_nonzero((bits & view(mask)) == view(mask)))
-
-
-def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
-    """A safetensors file's JSON header and the offset of its data section.
-
-    Raises:
-        ValueError: the file is not safetensors (a header length no real file has, or no JSON).
-    """
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: {len(head)} bytes, shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > 100 << 20:  # no real header is this large: not a safetensors file
-            raise ValueError(f"{path}: a {length}-byte header")
-        return json.loads(f.read(length)), 8 + length
 
 
 def nonfinite_tensors(path: str | os.PathLike[str]) -> dict[str, int]:

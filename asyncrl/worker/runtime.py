@@ -41,7 +41,7 @@ from asyncrl.wire.transport import DEALER, Context
 from asyncrl.worker.base import WorkerRuntime
 from asyncrl.worker.rollout import RolloutRuntime
 from asyncrl.worker.trainer import TrainerRuntime
-from asyncrl.worker.weights import shm_dir
+from asyncrl.procs.space import shm_dir
 
 __all__ = ["serve"]
 

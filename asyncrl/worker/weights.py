@@ -58,10 +58,9 @@ from asyncrl.wire.messages import (
 )
 from asyncrl.procs.process import wait_pid_exit
 from asyncrl.transfers import StagingSpec, WeightTransfer
-from asyncrl.transfers.shm import shm_dir
 from asyncrl.wire.transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, peer_name
 
-__all__ = ["DTYPE_SIZES", "WeightReceiver", "WeightSender", "check_bucket", "shm_dir"]
+__all__ = ["DTYPE_SIZES", "WeightReceiver", "WeightSender", "check_bucket"]
 
 log = structlog.get_logger("asyncrl.worker.weights")
 ALIGN = 256

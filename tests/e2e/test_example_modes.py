@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl import Controller
 from asyncrl.config import load_config
-from asyncrl.policy.modes import describe
+from asyncrl.config.modes import describe
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from integration_support import assert_nothing_left, mark_test_start, read_metrics, worker_pids  # noqa: E402

@@ -16,7 +16,7 @@ import anyio
 from asyncrl.backend import WeightTensor
 from asyncrl.worker.weights import WeightReceiver, WeightSender
 from asyncrl.transfers import StagingSpec, load_transfer
-from asyncrl.transfers.shm import shm_dir
+from asyncrl.procs.space import shm_dir
 from asyncrl.wire.transport import Context, ipc_address
 
 

@@ -23,7 +23,7 @@ import psutil
 
 from asyncrl.config import Config
 from asyncrl.run.controller import Controller
-from asyncrl.worker.weights import shm_dir
+from asyncrl.procs.space import shm_dir
 
 
 # --------------------------------------------------------------------------- the model dir

@@ -19,7 +19,7 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl.transfers.shm import shm_dir  # noqa: E402
+from asyncrl.procs.space import shm_dir  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
 from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score  # noqa: E402

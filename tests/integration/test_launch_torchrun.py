@@ -22,7 +22,7 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
-from asyncrl.worker.weights import shm_dir  # noqa: E402
+from asyncrl.procs.space import shm_dir  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
     free_port,

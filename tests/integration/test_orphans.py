@@ -35,7 +35,7 @@ pytest.importorskip(
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import RunDirectoryInUseError  # noqa: E402
-from asyncrl.procs.runlock import LOCK_FILE, check_free  # noqa: E402
+from asyncrl.run.runlock import LOCK_FILE, check_free  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
     free_port,
@@ -259,7 +259,7 @@ async def test_two_embedded_controllers_on_one_directory(
 _HOLD_AND_DIE = r"""
 import os, sys
 from asyncrl.config import load_config
-from asyncrl.procs.runlock import lock_run
+from asyncrl.run.runlock import lock_run
 lock_run(load_config(sys.argv[1]))
 os.kill(os.getpid(), 9)
 """

@@ -53,7 +53,7 @@ from asyncrl.policy.schedule import Scheduler, Wait
 from asyncrl.run import book as bk
 from asyncrl.run.book import RolloutBook, Sent
 from asyncrl.run.checkpoint_dir import ControllerState
-from asyncrl.run.groups import CompletedSample
+from asyncrl.policy.groups import CompletedSample
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 
 SAMPLERS = {

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group
 
 
 def _group(index: int) -> Group:

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.run import preflight
-from asyncrl.run.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.data.dataset import AsyncDatasetEnvironment, DatasetEnvironment, make_environment
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from asyncrl.run.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.errors import NonFiniteError
 from asyncrl.policy.grpo import group_advantages, nonfinite_cause, pack_groups, pack_tokens, shard_batch
 

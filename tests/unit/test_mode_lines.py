@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from asyncrl.config import Config, EnvironmentConfig, ModelConfig, PipelineConfig, RefitConfig
-from asyncrl.policy.modes import describe
+from asyncrl.config.modes import describe
 from asyncrl.policy.samplers import DescribesMode, OversampledConfig, OversampledSampler
 
 

@@ -32,7 +32,8 @@ from asyncrl.worker.weights import (
     WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
 )
 from asyncrl.transfers import StagingSpec, load_transfer
-from asyncrl.transfers.shm import read_bytes, shm_dir
+from asyncrl.procs.space import shm_dir
+from asyncrl.transfers.shm import read_bytes
 from asyncrl.wire.transport import Context, ipc_address
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]

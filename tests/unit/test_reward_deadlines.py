@@ -28,7 +28,7 @@ from asyncrl.run import intake
 from asyncrl.data.dataset import AsyncDatasetEnvironment, make_environment
 from asyncrl.data.deadlines import AbandonedThreadsError, abandoned_threads
 from asyncrl.environment import Prompt, Score
-from asyncrl.run.groups import Group
+from asyncrl.policy.groups import Group
 from asyncrl.run.intake import ScoreError, ScoreTimeout, Scorer
 from asyncrl.wire.messages import Sample
 
@@ -308,7 +308,7 @@ def test_a_process_with_an_abandoned_thread_exits(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent("""
         import threading, anyio, numpy as np
         from asyncrl.environment import Prompt, Score
-        from asyncrl.run.groups import Group
+        from asyncrl.policy.groups import Group
         from asyncrl.run.intake import ScoreTimeout, Scorer
         from asyncrl.wire.messages import Sample
 

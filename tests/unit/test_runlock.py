@@ -1,4 +1,4 @@
-"""One writer per run directory (asyncrl.procs.runlock), against real holder processes."""
+"""One writer per run directory (asyncrl.run.runlock), against real holder processes."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import structlog
 
 from asyncrl.config import Config, from_dict
 from asyncrl.errors import ConfigError, RunDirectoryInUseError
-from asyncrl.procs.runlock import LOCK_FILE, check_free, lock_run
+from asyncrl.run.runlock import LOCK_FILE, check_free, lock_run
 
 _HOLD = r"""
 import sys
 from asyncrl.config import from_dict
-from asyncrl.procs.runlock import lock_run
+from asyncrl.run.runlock import lock_run
 import json
 lock = lock_run(from_dict(json.loads(sys.argv[1])))
 print("locked", flush=True)

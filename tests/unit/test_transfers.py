@@ -18,7 +18,8 @@ from asyncrl.config import RefitConfig
 from asyncrl.wire.messages import KVScalesResult, TensorEntry, TokenBatch
 from asyncrl.run.refit import KVScales, fp8_kv_cache
 from asyncrl.transfers import StagingSpec, WeightTransfer, load_transfer
-from asyncrl.transfers.shm import read_bytes, shm_dir
+from asyncrl.procs.space import shm_dir
+from asyncrl.transfers.shm import read_bytes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.config import explain
+from asyncrl.explain import explain
 from asyncrl.errors import ConfigError
 
 __all__ = ["GEMM_ENV_VAR", "RESERVED_ENGINE_ARGS", "VLLMOptions", "parse_options"]

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from asyncrl.config import explain
+from asyncrl.explain import explain
 from asyncrl.errors import ConfigError
 
 __all__ = ["GeneratorOptions", "TrainerOptions", "mark_phase", "parse_options"]

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.config import explain
+from asyncrl.explain import explain
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError
 

@@ -47,7 +47,7 @@ from asyncrl.errors import RunDirectoryInUseError
 
 __all__ = ["LOCK_FILE", "RunLock", "check_free", "lock_run"]
 
-log = structlog.get_logger("asyncrl.procs.runlock")
+log = structlog.get_logger("asyncrl.run.runlock")
 
 LOCK_FILE = "run.lock"
 _FLOCK = struct.Struct("hhqqi4x")
