@@ -39,6 +39,7 @@ import sys
 from typing import Any, TextIO
 
 from asyncrl.errors import ConfigError, PluginError
+from asyncrl.launch import add_resume_args
 
 __all__ = ["main"]
 
@@ -47,7 +48,7 @@ def check_config(
     path: str, set_args: list[str], out: TextIO, *, config_only: bool = False
 ) -> int:
     from asyncrl import config as cfgmod
-    from asyncrl.launch import parse_overrides
+    from asyncrl.config import parse_overrides
     from asyncrl.config.modes import describe
 
     try:
@@ -194,12 +195,43 @@ def _refuse_nonfinite(checkpoint: Any, model: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``asyncrl`` command and return its exit code (see the module docstring)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "plot":
+        return plot(args.run_dir, args.out, sys.stdout)
+    if args.command == "run":
+        from asyncrl.launch import self_launch
+
+        return self_launch(args.config, args.set, args.resume, args.allow_changed)
+    if args.command == "plugins":
+        return list_plugins(sys.stdout)
+    if args.command == "check-config":
+        return check_config(args.config, args.set, sys.stdout, config_only=args.config_only)
+    if args.command == "export":
+        return export(args.checkpoint, args.out, args.force, sys.stderr)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``asyncrl`` parser, its commands added in the order ``--help`` lists them."""
     parser = argparse.ArgumentParser(
         prog="asyncrl",
         description="Asynchronous GRPO post-training of LLMs. `asyncrl COMMAND --help` "
         "documents each command; docs/ has the rest (docs/troubleshooting.md for errors).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_plugins(sub)
+    _add_check_config(sub)
+    _add_export(sub)
+    _add_plot(sub)
+    return parser
+
+
+def _add_run(sub: Any) -> None:
+    """``asyncrl run CONFIG [--set ...] [--resume [DIR|latest]] [--allow-changed ...]``."""
     run = sub.add_parser(
         "run",
         help="start a run on this node (torchrun -m asyncrl.launch, one process per rank)",
@@ -211,20 +243,21 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", help="the run's TOML file")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field, e.g. --set grpo.prompts_per_step=8")
-    run.add_argument("--resume", nargs="?", const="latest", metavar="DIR|latest",
-                     help="go on from a checkpoint: a checkpoint directory, a directory of "
-                     "them, or 'latest' (the default: the newest in checkpoint.dir)")
-    run.add_argument("--allow-changed", action="append", default=[], metavar="FIELD,...",
-                     help="with --resume: accept these changes of settings that change what "
-                     "the checkpoint means (fields or sections: loss.clip_eps_low, loss, "
-                     "grpo.temperature, model.tokenizer; or 'all'); other changes are refused "
-                     "with their names (docs/checkpointing.md)")
+    add_resume_args(run)
+
+
+def _add_plugins(sub: Any) -> None:
+    """``asyncrl plugins``."""
     sub.add_parser(
         "plugins",
         help="list the installed plugins by group, with distribution and version",
         description="Every entry point of the asyncrl.* groups, imported: one that fails to "
         "import is shown with its error, and the exit code is 1.",
     )
+
+
+def _add_check_config(sub: Any) -> None:
+    """``asyncrl check-config CONFIG [--set ...] [--config-only]``."""
     check = sub.add_parser(
         "check-config",
         help="validate a run config and print its mode, capacities and broken invariants",
@@ -249,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer, and the plugins' checks of their options (what `asyncrl run` does before "
         "it starts anything)",
     )
+
+
+def _add_export(sub: Any) -> None:
+    """``asyncrl export CHECKPOINT OUT [--force]``."""
     exp = sub.add_parser(
         "export",
         help="write a checkpoint's policy as a Hugging Face model directory",
@@ -258,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("checkpoint", help="a step-* checkpoint directory, or the directory of them")
     exp.add_argument("out", help="the model directory to create")
     exp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
+def _add_plot(sub: Any) -> None:
+    """``asyncrl plot RUN_DIR [--out DIR]``."""
     drawing = sub.add_parser(
         "plot",
         help="draw a run: reward, staleness and a generation/training/refit timeline",
@@ -267,21 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     drawing.add_argument("run_dir", help="the run's output directory (run.output_dir)")
     drawing.add_argument("--out", help="where to write (default: RUN_DIR/plots)")
-    args = parser.parse_args(argv)
-    if args.command == "plot":
-        return plot(args.run_dir, args.out, sys.stdout)
-    if args.command == "run":
-        from asyncrl.launch import self_launch
-
-        return self_launch(args.config, args.set, args.resume, args.allow_changed)
-    if args.command == "plugins":
-        return list_plugins(sys.stdout)
-    if args.command == "check-config":
-        return check_config(args.config, args.set, sys.stdout, config_only=args.config_only)
-    if args.command == "export":
-        return export(args.checkpoint, args.out, args.force, sys.stderr)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
 
 
 if __name__ == "__main__":

@@ -53,17 +53,19 @@ import datetime
 import os
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
 
 from asyncrl.obs import log as _log
 from asyncrl.run.checkpoint_dir import CheckpointError
-from asyncrl.config import Config, load_config
+from asyncrl.config import Config, load_config, parse_overrides
 from asyncrl.errors import (
     AsyncRLError,
     ConfigError,
@@ -82,6 +84,9 @@ from asyncrl.procs.process import (
 )
 from asyncrl.run.runlock import check_free
 from asyncrl.procs.space import no_space_in
+
+if TYPE_CHECKING:
+    from asyncrl.run.controller import AttachHook
 
 log = structlog.get_logger("asyncrl.launch")
 
@@ -240,12 +245,8 @@ def _supervise(
 def _agent_store() -> Any:
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        use_libuv=True,
-    )
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(addr, port, is_master=False, use_libuv=True)
 
 
 def _roles(config: Config, rank: int, world: int) -> tuple[str, int]:
@@ -320,17 +321,58 @@ def launch_main(
     return _run_controller(config, store, worker_kwargs, resume, allow_changed or [])
 
 
-def _run_controller(
-    config: Config,
-    store: Any,
-    worker_kwargs: dict[str, Any],
-    resume: str | None = None,
-    allow_changed: list[str] | None = None,
-) -> int:
+def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any],
+                    resume: str | None = None, allow_changed: list[str] | None = None) -> int:
     """Rank 0: host the controller (and trainer rank 0) until the run ends or a signal."""
-    from asyncrl.run.controller import Addresses, Controller
-    from asyncrl.worker.runtime import serve
+    stop = _StopSignal()
+    attach = _attacher(store, worker_kwargs)
+    try:
+        summary = anyio.run(_host, config, attach, resume, allow_changed or (), stop)
+    except BaseException as exc:  # noqa: BLE001 - every way out gets its one line
+        error = _asyncrl_error(exc)
+        if error is None:
+            raise
+        if not (stop.signal is not None and _stopped_by_signal(error)):
+            return _report_failure(config, error)
+        summary = None  # a rank that left because of the same signal: not a failure
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving in order: see _StopSignal
+    return _report_end(config, summary, stop.signal)
 
+
+class _StopSignal:
+    """The SIGTERM or SIGINT that stopped rank 0's run, if one did."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+
+    async def watch(self, run_scope: anyio.CancelScope) -> None:
+        """At the first SIGTERM or SIGINT, keep it and cancel ``run_scope`` after
+        ``_SIGNAL_GRACE_S``, so that a peer watcher can name a dead rank as the cause first.
+
+        Cancellation: when the run ends first, it stops waiting; SIGTERM is ignored from then.
+        """
+        try:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for sig in signals:
+                    self.signal = sig
+                    break
+        finally:
+            # the receiver is gone, and leaving it restored SIGTERM's default action: a
+            # SIGTERM now must not cut the shutdown short, nor kill this rank before it prints
+            # the run's one line (torchrun sends one as soon as another rank exits, e.g. a
+            # rollout worker whose engine died). A second Ctrl-C still interrupts it.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log.warning("run_signalled", signal=sig.name)
+        await anyio.sleep(_SIGNAL_GRACE_S)
+        run_scope.cancel()
+
+
+def _attacher(store: Any, worker_kwargs: dict[str, Any]) -> AttachHook:
+    """Rank 0's attach hook: publish the controller's pid and address in torchrun's store,
+    where the other ranks wait for them, and serve trainer rank 0 in the controller's tasks."""
+    from asyncrl.run.controller import Addresses
+    from asyncrl.worker.runtime import serve
 
     async def attach(addresses: Addresses, tg: Any) -> None:
         store.set(_PID_KEY, str(os.getpid()))  # before the address other ranks wait for
@@ -341,72 +383,53 @@ def _run_controller(
             name="rank0-worker",
         )
 
-    stopped_by: list[signal.Signals] = []
-
-    async def run() -> Any:
-        async with anyio.create_task_group() as tg:
-
-            async def on_signal() -> None:
-                try:
-                    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                        async for sig in signals:
-                            stopped_by.append(sig)
-                            break
-                finally:
-                    # the receiver is gone, and leaving it restored SIGTERM's default action:
-                    # a SIGTERM now must not cut the shutdown short, nor kill this rank before
-                    # it prints the run's one line (torchrun sends one as soon as another rank
-                    # exits, e.g. a rollout worker whose engine died). A second Ctrl-C still
-                    # interrupts it.
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                log.warning("run_signalled", signal=stopped_by[0].name)
-                await anyio.sleep(_SIGNAL_GRACE_S)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(on_signal, name="signals")
-            async with Controller(
-                config, attach=attach, resume=resume, allow_changed=allow_changed or ()
-            ) as ctl:
-                async with anyio.create_task_group() as run_tg:
-                    run_tg.start_soon(_checkpoint_on_sigusr1, ctl, name="sigusr1")
-                    summary = await ctl.train()
-                    run_tg.cancel_scope.cancel()
-            tg.cancel_scope.cancel()
-        return summary if not stopped_by else None
-
-    try:
-        summary = anyio.run(run)
-    except BaseException as exc:  # noqa: BLE001 - every way out gets its one line
-        error = _asyncrl_error(exc)
-        if error is None:
-            raise
-        if not (stopped_by and _stopped_by_signal(error)):
-            print(f"asyncrl: error: {_one_line(error, config)}", file=sys.stderr, flush=True)
-            if isinstance(error, (ConfigError, PluginError, CheckpointError)):
-                return 2  # a mistake in the config or the installation: nothing was started
-            _print_resume_hint(config)
-            return 1
-        summary = None  # a rank that left because of the same signal: not a failure
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving in order; see above
-    return _report_end(config, summary, stopped_by)
+    return attach
 
 
-def _report_end(config: Config, summary: Any, stopped_by: list[signal.Signals]) -> int:
-    """Rank 0's last words on a run that ended (``summary``) or was stopped by a signal
-    (``summary`` is ``None``): what it printed, and its exit code."""
+async def _host(
+    config: Config, attach: AttachHook, resume: str | None, allow_changed: Sequence[str],
+    stop: _StopSignal,
+) -> Any:
+    """Run the controller to the run's end beside the watch of stop signals: the summary, or
+    ``None`` when a signal stopped it (the controller then shut down in order). Raises what
+    the controller raises; :func:`_run_controller` turns it into the run's one line."""
+    from asyncrl.run.controller import Controller
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop.watch, tg.cancel_scope, name="signals")
+        async with Controller(
+            config, attach=attach, resume=resume, allow_changed=allow_changed
+        ) as ctl:
+            async with anyio.create_task_group() as run_tg:
+                run_tg.start_soon(_checkpoint_on_sigusr1, ctl, name="sigusr1")
+                summary = await ctl.train()
+                run_tg.cancel_scope.cancel()
+        tg.cancel_scope.cancel()
+    return summary if stop.signal is None else None
+
+
+def _report_failure(config: Config, error: AsyncRLError) -> int:
+    """Rank 0's one line on a failed run, and its exit code: 2 for a mistake in the config or
+    the installation (nothing was started), else 1 (and where ``--resume`` goes on from)."""
+    print(f"asyncrl: error: {_one_line(error, config)}", file=sys.stderr, flush=True)
+    if isinstance(error, (ConfigError, PluginError, CheckpointError)):
+        return 2
+    _print_resume_hint(config)
+    return 1
+
+
+def _report_end(config: Config, summary: Any, stopped_by: signal.Signals | None) -> int:
+    """Rank 0's last words on a run that ended (``summary``) or was stopped by the signal
+    ``stopped_by`` (``summary`` is ``None``): what it printed, and its exit code."""
     if summary is None:
-        sig = stopped_by[0]
+        assert stopped_by is not None  # a run without a summary was stopped by a signal
         owner = lost_owner()
-        why = f"because its launcher (pid {owner}) exited" if owner else f"by {sig.name}"
-        print(
-            f"asyncrl: stopped {why}: the run was shut down in order "
-            f"(metrics so far: {os.path.join(config.run.output_dir, 'metrics.jsonl')})",
-            file=sys.stderr,
-            flush=True,
-        )
+        why = f"because its launcher (pid {owner}) exited" if owner else f"by {stopped_by.name}"
+        metrics = os.path.join(config.run.output_dir, "metrics.jsonl")
+        print(f"asyncrl: stopped {why}: the run was shut down in order (metrics so far: "
+              f"{metrics})", file=sys.stderr, flush=True)
         _print_resume_hint(config)
-        return 128 + int(sig)
+        return 128 + int(stopped_by)
     for e in summary.evals:
         print(f"eval {e['label']}: accuracy {e['accuracy']:.3f} on {e['num_prompts']} prompts")
     if summary.rejected_frames:
@@ -467,22 +490,6 @@ def _one_line(error: AsyncRLError, config: Config) -> str:
     return f"{first} (details: {path})"
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs; values are parsed as TOML scalars when possible."""
-    import tomllib
-
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. grpo.prompts_per_step=8")
-        key, value = item.split("=", 1)
-        try:
-            out[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = value
-    return out
-
-
 def self_launch(
     config_path: str,
     set_args: list[str],
@@ -515,8 +522,9 @@ def self_launch(
         argv += ["--allow-changed", item]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[PARENT_ENV] = str(os.getpid())  # a rank orphaned while it starts stops at once
-    try:
-        run(get_args_parser().parse_args(argv))
+    try:  # torchrun's per-attempt directories: in one it removes (else /tmp/torchelastic_*)
+        with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
+            run(get_args_parser().parse_args([f"--log-dir={scratch}", *argv]))
     except ChildFailedError as exc:
         failure = exc.failures.get(0) or exc.get_first_failure()[1]
         code = failure.exitcode
@@ -526,6 +534,19 @@ def self_launch(
     return 0
 
 
+def add_resume_args(parser: argparse.ArgumentParser) -> None:
+    """``--resume`` and ``--allow-changed``, as ``asyncrl run`` and ``python -m asyncrl.launch``
+    both take them."""
+    parser.add_argument("--resume", nargs="?", const="latest", metavar="DIR|latest",
+                        help="go on from a checkpoint: a checkpoint directory, a directory of "
+                        "them, or 'latest' (the default: the newest in checkpoint.dir)")
+    parser.add_argument("--allow-changed", action="append", default=[], metavar="FIELD,...",
+                        help="with --resume: accept these changes of settings that change what "
+                        "the checkpoint means (fields or sections: loss.clip_eps_low, loss, "
+                        "grpo.temperature, model.tokenizer; or 'all'); other changes are refused "
+                        "with their names (docs/checkpointing.md)")
+
+
 def main(argv: list[str] | None = None) -> int:
     # SIGUSR1 asks rank 0 for a checkpoint; one that arrives while a rank is starting must
     # neither kill it (the default action) nor be lost (rank 0 acts on it once it runs)
@@ -533,23 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.launch")
     parser.add_argument("config", nargs="?", help="run config (TOML)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        metavar="DIR|latest",
-        help="go on from a checkpoint: a checkpoint directory, a directory of them, or "
-        "'latest' (the default: the newest in checkpoint.dir)",
-    )
-    parser.add_argument(
-        "--allow-changed",
-        action="append",
-        default=[],
-        metavar="FIELD,...",
-        help="with --resume: accept these changes of settings that change what the checkpoint "
-        "means (fields or sections: loss.clip_eps_low, loss, model.tokenizer; or 'all'); "
-        "docs/checkpointing.md",
-    )
+    add_resume_args(parser)
     parser.add_argument("--worker", choices=["trainer", "rollout"], help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", help=argparse.SUPPRESS)

@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
-from asyncrl.launch import parse_overrides  # noqa: E402
+from asyncrl.config import parse_overrides  # noqa: E402
 from asyncrl.procs.space import shm_dir  # noqa: E402
 
 PHASES = ("generation", "training", "refit", "checkpoint")

@@ -89,7 +89,7 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from asyncrl.config import load_config
-    from asyncrl.launch import parse_overrides
+    from asyncrl.config import parse_overrides
 
     work = Path(args.workdir)
     sets = args.set + [f"run.output_dir={work}", "checkpoint.every_steps=0",

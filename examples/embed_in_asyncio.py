@@ -23,7 +23,7 @@ import signal
 import sys
 
 import asyncrl
-from asyncrl.launch import parse_overrides
+from asyncrl.config import parse_overrides
 
 
 async def heartbeat(period_s: float) -> None:

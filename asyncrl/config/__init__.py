@@ -27,7 +27,13 @@ from __future__ import annotations
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
 from asyncrl.explain import explain
-from asyncrl.config.loading import from_dict, load_config, load_unvalidated, to_dict
+from asyncrl.config.loading import (
+    from_dict,
+    load_config,
+    load_unvalidated,
+    parse_overrides,
+    to_dict,
+)
 from asyncrl.config.operations import (
     CheckpointConfig,
     EvalConfig,
@@ -61,6 +67,7 @@ __all__ = [
     "load_config",
     "load_unvalidated",
     "make_sampler",
+    "parse_overrides",
     "problems",
     "required_buffer_capacity",
     "resolve_sampler",

@@ -19,7 +19,7 @@ from asyncrl.explain import explain
 from asyncrl.config.root import Config, validate
 from asyncrl.errors import ConfigError
 
-__all__ = ["from_dict", "load_config", "load_unvalidated", "to_dict"]
+__all__ = ["from_dict", "load_config", "load_unvalidated", "parse_overrides", "to_dict"]
 
 
 def _resolve(base: Path, value: str) -> str:
@@ -115,3 +115,18 @@ def load_unvalidated(
 def to_dict(config: Config) -> dict[str, Any]:
     """The config as plain builtins (for logging and for handing to workers)."""
     return msgspec.to_builtins(config)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set key=value`` pairs as overrides for :func:`load_config`; values are parsed as
+    TOML scalars when possible (``8``, ``true``, ``"x"``), else kept as strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. grpo.prompts_per_step=8")
+        key, value = item.split("=", 1)
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value
+    return out

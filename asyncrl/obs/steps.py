@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from asyncrl.policy.groups import Group
+from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.wire.messages import ChunkResult, StepResult
 from asyncrl.policy.schedule import StepStats
 from asyncrl.obs.timeline import worker_spans
@@ -107,14 +107,42 @@ class StepRecord:
         now: float,
     ) -> dict[str, Any]:
         """The step's metrics record (one JSON line of ``metrics.jsonl``, kind ``train``),
-        with ``reward/<name>`` the mean of each ``Score.components`` entry."""
+        with ``reward/<name>`` the mean of each ``Score.components`` entry.
+
+        Built from the parts below in a fixed key order (the line's column order).
+
+        Raises:
+            ValueError: The step has no groups (a record is made only after a step trained).
+        """
         samples = [s for g in self.groups for s in g.samples]
         gen_start = min(g.dispatched_at for g in self.groups)
         gen_end = max(g.committed_at or g.dispatched_at for g in self.groups)
-        stale = [self.step - g.start_version for g in self.groups]
-        n_tok = max(1, sum(r.num_loss_tokens for r in self.chunk_results))
         record: dict[str, Any] = {
             "step": self.step + 1,
+            **self._learning(result, samples),
+            **self._durations(refit_s, gen_start, gen_end),
+            **self._flow(
+                stats,
+                buffer_ready=buffer_ready,
+                buffer_live=buffer_live,
+                inflight_samples=inflight_samples,
+            ),
+            **self._where_time_went(gen_start, gen_end),
+            "loop_lag_p99_s": float(np.quantile(loop_lags, 0.99)) if loop_lags else 0.0,
+            "loop_lag_max_s": max(loop_lags, default=0.0),
+            "rejected_frames": rejected_frames,
+            "time": now,
+        }
+        if self.verify:
+            record.update(self._verify_metrics())
+        record.update(_reward_components(samples))
+        return record
+
+    def _learning(self, result: StepResult, samples: list[CompletedSample]) -> dict[str, Any]:
+        """What the step learned from: rewards, staleness, the trainer's loss and ratios."""
+        stale = [self.step - g.start_version for g in self.groups]
+        n_tok = max(1, sum(r.num_loss_tokens for r in self.chunk_results))
+        return {
             "reward": float(np.mean([s.reward for s in samples])),
             "accuracy": float(np.mean([s.correct for s in samples])),
             "staleness_max": int(max(stale)),
@@ -126,6 +154,11 @@ class StepRecord:
             "response_len": float(np.mean([len(s.token_ids) for s in samples])),
             "chunks": self.chunks,
             "groups": len(self.groups),
+        }
+
+    def _durations(self, refit_s: float, gen_start: float, gen_end: float) -> dict[str, Any]:
+        """How long each phase took, and the trainer's and the pump's waits."""
+        return {
             # the generation span of this step's own groups: first dispatch to last commit
             "gen_s": gen_end - gen_start,
             "train_s": (self.train_end or 0.0) - (self.train_start or 0.0),
@@ -134,6 +167,13 @@ class StepRecord:
             "wait_spans": [[round(a, 6), round(b, 6)] for a, b in self.wait_spans],
             "gen_by_worker": worker_spans(self.groups),
             "gate_wait_s": self.gate_wait_s,
+        }
+
+    def _flow(
+        self, stats: StepStats, *, buffer_ready: int, buffer_live: int, inflight_samples: int
+    ) -> dict[str, Any]:
+        """The scheduler's counters, the buffer's fill, the drain and the failures."""
+        return {
             "staleness_hist": {str(k): v for k, v in sorted(stats.staleness.items())},
             "evicted_groups": stats.evicted_groups,
             "aborted_groups": stats.aborted_groups,
@@ -150,6 +190,11 @@ class StepRecord:
             "nonfinite_skipped": self.nonfinite_skipped,
             "generation_retries": stats.generation_retries,
             "inflight_at_refit": self.inflight_at_refit,
+        }
+
+    def _where_time_went(self, gen_start: float, gen_end: float) -> dict[str, Any]:
+        """Each side's own busy time and the phases' timestamps (run clock)."""
+        return {
             "train_busy_s": self.train_busy_s,
             "trainer_compute_s": self.trainer_compute_s,
             "engine_busy_s": self.engine_busy_s,
@@ -161,23 +206,26 @@ class StepRecord:
             "train_end": self.train_end,
             "refit_start": self.refit_start,
             "refit_end": self.refit_end,
-            "loop_lag_p99_s": float(np.quantile(loop_lags, 0.99)) if loop_lags else 0.0,
-            "loop_lag_max_s": max(loop_lags, default=0.0),
-            "rejected_frames": rejected_frames,
-            "time": now,
         }
-        if self.verify:
-            record["refit_verify_mean_abs"] = max(a.mean_abs for a in self.verify)
-            record["refit_verify_max_abs"] = max(a.max_abs for a in self.verify)
-            record["refit_verify_mult_prob_error"] = max(a.mult_prob_error for a in self.verify)
-            record["verify_s"] = self.verify_s
-        # each reward component's mean over the samples that have it (a group restored from
-        # a checkpoint carries none)
-        for name in sorted({k for s in samples for k in s.components}):
-            values = [s.components[name] for s in samples if name in s.components]
-            record[f"reward/{name}"] = float(np.mean(values))
-        return record
 
+    def _verify_metrics(self) -> dict[str, Any]:
+        """The worst generator's agreement with the trainer after this step's refit."""
+        return {
+            "refit_verify_mean_abs": max(a.mean_abs for a in self.verify),
+            "refit_verify_max_abs": max(a.max_abs for a in self.verify),
+            "refit_verify_mult_prob_error": max(a.mult_prob_error for a in self.verify),
+            "verify_s": self.verify_s,
+        }
+
+
+def _reward_components(samples: list[CompletedSample]) -> dict[str, float]:
+    """``reward/<name>``: each reward component's mean over the samples that have it (a
+    group restored from a checkpoint carries none), in name order."""
+    record: dict[str, float] = {}
+    for name in sorted({k for s in samples for k in s.components}):
+        values = [s.components[name] for s in samples if name in s.components]
+        record[f"reward/{name}"] = float(np.mean(values))
+    return record
 
 def log_step(record: dict[str, Any], result: StepResult, refit_s: float, rec: StepRecord) -> None:
     """The ``step_finished`` log line of a step's record."""

@@ -9,8 +9,10 @@
     lost() with the budget spent (``failures.rollout_restarts``): False, the run stops
 
 Only SERVING workers get groups, evaluations, refits and probes. A worker lost while
-SYNCING restarts again (if the budget allows). The pipeline does the I/O: it re-dispatches
-the lost worker's groups and refits the returned one (:mod:`asyncrl.run.loops`).
+SYNCING restarts again (if the budget allows). This module does no I/O and imports nothing
+of the run; its user, the run's restart handling (``Restarts`` in ``asyncrl.run.restarts``),
+holds the pool and does the I/O: it has the lost worker's groups dispatched again and the
+returned one refitted.
 """
 
 from __future__ import annotations

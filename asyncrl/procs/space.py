@@ -74,7 +74,7 @@ _SAFETENSORS_BYTES = {
 }  # fmt: skip
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _PAGE = 4096
-_ALIGN = 256  # asyncrl.worker.weights.ALIGN: every tensor of a bucket starts on this boundary
+_ALIGN = 256  # asyncrl.worker.buckets.ALIGN: every tensor of a bucket starts on this boundary
 
 
 def shm_base() -> str:

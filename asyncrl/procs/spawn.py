@@ -76,6 +76,7 @@ async def spawn_group(
     nproc: int,
     control_address: str,
     log_dir: str,
+    scratch_dir: str,
     torchrun: str,
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
@@ -84,6 +85,9 @@ async def spawn_group(
 
     The agent's own output goes to ``<log_dir>/torchrun-<group>.log``; each rank writes
     ``<log_dir>/<group>-<rank>.log``. ``args``: more arguments for ``asyncrl.launch``.
+    torchrun's own (empty) per-attempt directories go under ``scratch_dir``, the run's private
+    directory that goes with the run: left to itself, torchrun makes a ``/tmp/torchelastic_*``
+    directory per launch and never removes it.
     """
     os.makedirs(log_dir, exist_ok=True)
     agent_log = os.path.join(log_dir, f"torchrun-{group}.log")
@@ -95,6 +99,7 @@ async def spawn_group(
         "--standalone",
         f"--nproc-per-node={nproc}",
         "--monitor-interval=0.5",
+        f"--log-dir={os.path.join(scratch_dir, f'torchelastic-{group}')}",
         "-m",
         "asyncrl.launch",
         "--worker",

@@ -303,7 +303,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             for group, n in groups.items():
                 spawned = await spawn_group(
                     group=group, nproc=n, control_address=addr.control, log_dir=addr.log_dir,
-                    torchrun=cfg.torchrun, env=worker_env(group),
+                    scratch_dir=addr.run_dir, torchrun=cfg.torchrun, env=worker_env(group),
                     args=worker_args(self._restarts.of_group(group)),
                 )  # fmt: skip
                 self._spawned.append(spawned)

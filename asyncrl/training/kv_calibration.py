@@ -45,13 +45,16 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from asyncrl.training.batches import MicroBatch
+
+if TYPE_CHECKING:
+    from transformers.modeling_utils import AttentionInterface
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -288,8 +291,24 @@ def record_qkv_amax(
         TypeError: An attention module's config names no attention implementation.
         KeyError: The configured implementation is not registered.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    attn = _attention_modules(model)
+    if num_layers is None:
+        config = model.config
+        num_layers = int(config.get_text_config().num_hidden_layers)
+    kinds = ("k", "v", "q") if include_q else ("k", "v")
+    recorder = QKVAmaxRecorder(kinds, num_layers, {id(m) for m in attn})
+    targets = _override_targets(attn)
+    with _overridden(targets, lambda fn: _recording_wrapper(recorder, include_q, fn)):
+        yield recorder
 
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s attention modules: those with an int ``layer_idx``, a config naming an
+    attention implementation and a k/q projection.
+
+    Raises:
+        ValueError: There is none.
+    """
     attn = [
         m
         for m in model.modules()
@@ -299,14 +318,18 @@ def record_qkv_amax(
     ]
     if not attn:
         raise ValueError("no attention modules (with layer_idx, config and k/q projections)")
-    if num_layers is None:
-        config = model.config
-        num_layers = int(config.get_text_config().num_hidden_layers)
-    kinds = ("k", "v", "q") if include_q else ("k", "v")
-    recorder = QKVAmaxRecorder(kinds, num_layers, {id(m) for m in attn})
+    return attn
 
-    # (interface, implementation key) pairs to override, from each attention module's own
-    # modeling file (a model may declare its own AttentionInterface instance).
+
+def _override_targets(attn: list[torch.nn.Module]) -> list[tuple[AttentionInterface, str]]:
+    """The distinct (interface, implementation key) pairs to override, from each attention
+    module's own modeling file (a model may declare its own AttentionInterface instance).
+
+    Raises:
+        TypeError: A module's config names no attention implementation.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
     targets: dict[tuple[int, str], tuple[AttentionInterface, str]] = {}
     for m in attn:
         impl = m.config._attn_implementation
@@ -318,35 +341,26 @@ def record_qkv_amax(
         if not isinstance(iface, AttentionInterface):
             iface = ALL_ATTENTION_FUNCTIONS
         targets[(id(iface), impl)] = (iface, impl)
+    return list(targets.values())
 
-    def make_wrapper(original: AttentionFn | None) -> AttentionFn:
-        eager: dict[type, AttentionFn] = {}
 
-        def wrapper(
-            module: torch.nn.Module,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            attention_mask: torch.Tensor | None,
-            *args: Any,
-            **kwargs: Any,
-        ) -> Any:
-            recorder._record(module, (key, value, query) if include_q else (key, value))
-            fn = original
-            if fn is None:  # "eager": the default the call site passes, from its modeling file
-                fn = eager.get(type(module))
-                if fn is None:
-                    fn = _from_class_modules(module, "eager_attention_forward")
-                    if fn is None:
-                        raise RuntimeError(f"no eager_attention_forward for {type(module)}")
-                    eager[type(module)] = fn
-            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+@contextlib.contextmanager
+def _overridden(
+    targets: list[tuple[AttentionInterface, str]],
+    wrap: Callable[[AttentionFn | None], AttentionFn],
+) -> Iterator[None]:
+    """Put ``wrap(original)`` into each interface under its key as an instance-local
+    override for the block, then restore each key's previous local entry (or none), in
+    reverse order, also on exceptions. ``original`` is ``None`` for an unregistered
+    ``"eager"`` (the call site's own default).
 
-        return wrapper
-
+    Raises:
+        KeyError: An implementation other than ``"eager"`` is not registered (the
+            overrides installed before it are removed).
+    """
     installed: list[tuple[AttentionInterface, str, bool, AttentionFn | None]] = []
     try:
-        for iface, impl in targets.values():
+        for iface, impl in targets:
             had_local = impl in iface._local_mapping
             previous = iface._local_mapping.get(impl)
             if impl in iface:
@@ -355,15 +369,45 @@ def record_qkv_amax(
                 original = None
             else:
                 raise KeyError(f"attention implementation {impl!r} is not registered")
-            iface[impl] = make_wrapper(original)  # instance-local override
+            iface[impl] = wrap(original)  # instance-local override
             installed.append((iface, impl, had_local, previous))
-        yield recorder
+        yield
     finally:
         for iface, impl, had_local, previous in reversed(installed):
             if had_local:
                 iface[impl] = previous
             else:
                 del iface[impl]
+
+
+def _recording_wrapper(
+    recorder: QKVAmaxRecorder, include_q: bool, original: AttentionFn | None
+) -> AttentionFn:
+    """An attention function that shows k, v (and q) to ``recorder``, then calls
+    ``original``, or for ``None`` the module's own modeling file's eager attention."""
+    eager: dict[type, AttentionFn] = {}
+
+    def wrapper(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        recorder._record(module, (key, value, query) if include_q else (key, value))
+        fn = original
+        if fn is None:  # "eager": the default the call site passes, from its modeling file
+            fn = eager.get(type(module))
+            if fn is None:
+                fn = _from_class_modules(module, "eager_attention_forward")
+                if fn is None:
+                    raise RuntimeError(f"no eager_attention_forward for {type(module)}")
+                eager[type(module)] = fn
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return wrapper
 
 
 # ---------------------------------------------------------------------- end to end
@@ -405,6 +449,26 @@ def calibrate_kv_scales(
         ValueError: Some scale would not be finite and > 0 (raised on every rank alike when
             ``reduce_max`` is used, since non-finite amaxes are reduced as +inf).
     """
+    samples, kinds, num_layers = _amax_samples(model, micro_batches, forward, include_q)
+    if len(samples):
+        amax = combine_amax(samples, percentile)
+    else:
+        amax = np.zeros((len(kinds), num_layers))
+    if reduce_max is not None:
+        amax = _reduce_on_model_device(amax, model, reduce_max)
+    scales = scales_from_amax(amax, margin)
+    return dict(zip(scale_names(num_layers, kinds), scales.reshape(-1).tolist(), strict=True))
+
+
+def _amax_samples(
+    model: torch.nn.Module,
+    micro_batches: Iterable[MicroBatch],
+    forward: Callable[[MicroBatch], Any],
+    include_q: bool,
+) -> tuple[np.ndarray, tuple[str, ...], int]:
+    """The recorder's samples, kinds and layer count after ``forward`` over each
+    micro-batch, in eval mode without gradients (each module's training flag restored);
+    one sample per micro-batch with response tokens, the others forwarded unrecorded."""
     flags = {m: m.training for m in model.modules()}
     model.eval()
     try:
@@ -418,16 +482,16 @@ def calibrate_kv_scales(
     finally:
         for m, was_training in flags.items():
             m.training = was_training
-    kinds, num_layers = rec.kinds, rec.num_layers
-    if len(samples):
-        amax = combine_amax(samples, percentile)
-    else:
-        amax = np.zeros((len(kinds), num_layers))
-    if reduce_max is not None:
-        amax = np.where(np.isnan(amax), np.inf, amax)  # a NaN must win the max on all ranks
-        param = next(iter(model.parameters()), None)
-        device = param.device if param is not None else torch.device("cpu")
-        t = torch.as_tensor(amax, dtype=torch.float64, device=device)
-        amax = reduce_max(t).to("cpu").numpy()
-    scales = scales_from_amax(amax, margin)
-    return dict(zip(scale_names(num_layers, kinds), scales.reshape(-1).tolist(), strict=True))
+    return samples, rec.kinds, rec.num_layers
+
+
+def _reduce_on_model_device(
+    amax: np.ndarray, model: torch.nn.Module, reduce_max: Callable[[torch.Tensor], torch.Tensor]
+) -> np.ndarray:
+    """``reduce_max`` of ``amax`` as a float64 tensor on the model's device (CPU without
+    parameters), NaN sent as +inf so that it wins the max on every rank."""
+    amax = np.where(np.isnan(amax), np.inf, amax)  # a NaN must win the max on all ranks
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    t = torch.as_tensor(amax, dtype=torch.float64, device=device)
+    return reduce_max(t).to("cpu").numpy()

@@ -51,6 +51,29 @@ RUNTIMES: dict[str, type[WorkerRuntime]] = {"rollout": RolloutRuntime, "trainer"
 """The runtime of each worker group."""
 
 
+def _context(
+    role: type[WorkerRuntime],
+    init: Init,
+    hello: Hello,
+    local_rank: int,
+    control_address: str,
+    extra: dict[str, Any] | None,
+) -> WorkerContext:
+    """What the backend is told about where it runs, from the controller's ``Init``."""
+    config = msgspec.convert(init.config, Config)
+    gpus = role.gpus(config)
+    return WorkerContext(
+        group=hello.group,
+        rank=hello.rank,
+        world_size=hello.world_size,
+        local_rank=local_rank,
+        config=config,
+        run_dir=os.path.dirname(control_address.removeprefix("ipc://")),
+        extra=dict(extra or {}, run_id=init.run_id),
+        gpu=gpus[hello.rank] if gpus else None,
+    )
+
+
 async def serve(
     *,
     control_address: str,
@@ -84,21 +107,10 @@ async def serve(
         hello = Hello(protocol_version=PROTOCOL_VERSION, group=group, rank=rank,
                       world_size=world_size, pid=os.getpid(), log_path=log_path)
         init = await _handshake(control, tx, hello, startup_timeout_s)
-        config = msgspec.convert(init.config, Config)
-        gpus = role.gpus(config)
-        wctx = WorkerContext(
-            group=group,
-            rank=rank,
-            world_size=world_size,
-            local_rank=local_rank,
-            config=config,
-            run_dir=os.path.dirname(control_address.removeprefix("ipc://")),
-            extra=dict(extra or {}, run_id=init.run_id),
-            gpu=gpus[rank] if gpus else None,
-        )
+        wctx = _context(role, init, hello, local_rank, control_address, extra)
         runtime = role(ctx, control, init, wctx)
         structlog.contextvars.bind_contextvars(worker=identity)
-        await _ready(control, tx, role.backend_name(config), await runtime.load())
+        await _ready(control, tx, role.backend_name(wctx.config), await runtime.load())
         await runtime.run()
     except ControllerLostError:
         log.error("controller_lost", worker=identity)

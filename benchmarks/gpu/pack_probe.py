@@ -4,7 +4,7 @@
     python benchmarks/gpu/pack_probe.py --size 0.5b       # on a GPU host (torch only)
 
 Prints, per variant, the median time of filling every bucket of one refit (the sender's
-``_Packer``: the trainer's iterator, the checks against the specs, the staging copies and the
+``Packer``: the trainer's iterator, the checks against the specs, the staging copies and the
 seal, which waits for them), next to one ``copy_`` of the same bytes; then the functions
 cProfile finds most expensive in the stable variant.
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from refit import model_config  # noqa: E402
 
 from asyncrl.backend import WeightTensor  # noqa: E402
-from asyncrl.worker.weights import _manifest, _Packer  # noqa: E402
+from asyncrl.worker.buckets import Packer, manifest_of  # noqa: E402
 from asyncrl.transfers import StagingSpec  # noqa: E402
 from asyncrl.transfers.cuda_ipc import CudaIpcStager  # noqa: E402
 
@@ -49,7 +49,7 @@ def main() -> None:
     device = "cuda:0"
     state = state_of(args.size, device)
     specs = [WeightTensor(n, "bfloat16", tuple(t.shape)) for n, t in state.items()]
-    manifest = _manifest(specs)
+    manifest = manifest_of(specs)
     stager = CudaIpcStager(StagingSpec("probe", 0, device))
     nbytes = sum(t.numel() * 2 for t in state.values())
 
@@ -58,7 +58,7 @@ def main() -> None:
             for n, t in state.items():
                 yield WeightTensor(n, "bfloat16", tuple(t.shape), t, stable=stable)
 
-        packer = _Packer(stream(), manifest, stager, args.bucket_mb << 20)
+        packer = Packer(stream(), manifest, stager, args.bucket_mb << 20)
         k, last = 0, False
         start = time.perf_counter()
         while not last:

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from asyncrl.worker.weights import _align  # noqa: E402
+from asyncrl.worker.buckets import align  # noqa: E402
 from asyncrl.transfers import StagingSpec  # noqa: E402
 from asyncrl.transfers.cuda_ipc import DEFER_BELOW_BYTES, CudaIpcStager  # noqa: E402
 
@@ -31,13 +31,13 @@ def test_deferred_and_direct_copies_land_byte_for_byte() -> None:
     try:
         for k in (0, 1):  # both buffers, refilled once to reuse cached views
             for _ in range(2):
-                total = sum(_align(t.nbytes) for t, _ in tensors)
+                total = sum(align(t.nbytes) for t, _ in tensors)
                 stager.reserve(k, total)
                 offsets, used = [], 0
                 for t, stable in tensors:
                     stager.pack(k, used, t, stable)
                     offsets.append(used)
-                    used += _align(t.nbytes)
+                    used += align(t.nbytes)
                 deferred = {d: len(v[0]) for d, v in stager._deferred[k].items()}
                 assert deferred == {torch.bfloat16: 1, torch.float32: 1, torch.int64: 1}
                 stager.seal(k)

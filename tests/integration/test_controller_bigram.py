@@ -155,6 +155,9 @@ async def test_refit_verification_is_logged_on_schedule(make_config: Callable[..
         assert ctl.addresses is not None
         staged = sorted(os.listdir(shm_dir(ctl.addresses.run_id)))
         assert staged == ["w0-0.bin", "w0-1.bin", "w0-2.bin"]
+        # torchrun's own directories live in the run's private one (gone with it), not /tmp
+        scratch = sorted(os.listdir(ctl.addresses.run_dir))
+        assert {"torchelastic-trainer", "torchelastic-rollout"} <= set(scratch), scratch
     checks = [r for r in read_metrics(cfg) if r["kind"] == "refit_verify"]
     assert sorted({r["version"] for r in checks}) == [1, 2, 3, 6]
     assert sorted(r["worker"] for r in checks if r["version"] == 6) == ["rollout:0", "rollout:1"]

@@ -54,6 +54,8 @@ DETECT_S = TIMEOUT_S + INTERVAL_S + 1.0
 EARLIEST_S = TIMEOUT_S - INTERVAL_S
 """SIGSTOP → kill, at least: the last answer may have come up to a tick before the stop."""
 LAUNCH_S = 180
+RUN = {"eval": {"num_prompts": 0}, "generator": {"options": {"token_delay_s": 0.003}}}
+"""Every run here: no evaluation, and generation slow enough to be going on at the stop."""
 
 
 def _report(what: str, seconds: float) -> None:
@@ -69,6 +71,33 @@ async def _until_exited(pid: int, within_s: float) -> float:
     return time.monotonic() - start
 
 
+async def _stop_until_hung(
+    cfg: Config, worker: str
+) -> tuple[WorkerHungError, dict[str, int], float]:
+    """Run ``cfg`` embedded, SIGSTOP ``worker`` after two steps, and return the
+    :class:`WorkerHungError` the controller raised, every worker's pid and the seconds from
+    the stop to the error. After it, nothing of the run is left.
+
+    Raises:
+        Failed: the controller raised no WorkerHungError.
+    """
+    ctl = asyncrl.Controller(cfg)
+    pids: dict[str, int] = {}
+    start = time.monotonic()
+    with pytest.raises(WorkerHungError) as info:
+        async with ctl:
+            pids.update(worker_pids(ctl))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctl.train)
+                while len(ctl.pipeline.history) < 2:
+                    await anyio.sleep(0.01)
+                os.kill(pids[worker], signal.SIGSTOP)
+                start = time.monotonic()
+    named_after = time.monotonic() - start
+    assert_nothing_left(ctl, pids.values())
+    return info.value, pids, named_after
+
+
 # --------------------------------------------------------------------------- embedded
 @pytest.mark.asyncio
 async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_finishes(
@@ -77,9 +106,8 @@ async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_
     cfg = make_config(
         run={"num_steps": 60},  # enough after the stop for the restart (3 s + 2 s)
         cluster={"rollout_ranks": 2},
-        eval={"num_prompts": 0},
-        generator={"options": {"token_delay_s": 0.003}},
         failures=BEAT,
+        **RUN,
     )
     result: list[asyncrl.RunSummary] = []
     with structlog.testing.capture_logs() as logs:
@@ -121,27 +149,9 @@ async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_
 async def test_embedded_a_stopped_trainer_stops_the_run_with_a_named_hung_error(
     make_config: Callable[..., Config],
 ) -> None:
-    cfg = make_config(
-        run={"num_steps": 1000},
-        eval={"num_prompts": 0},
-        generator={"options": {"token_delay_s": 0.003}},
-        failures=BEAT,
-    )
-    ctl = asyncrl.Controller(cfg)
-    pids: dict[str, int] = {}
-    start = time.monotonic()
-    with pytest.raises(WorkerHungError) as info:
-        async with ctl:
-            pids.update(worker_pids(ctl))
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ctl.train)
-                while len(ctl.pipeline.history) < 2:
-                    await anyio.sleep(0.01)
-                os.kill(pids["trainer:0"], signal.SIGSTOP)
-                start = time.monotonic()
-    named_after = time.monotonic() - start
+    cfg = make_config(run={"num_steps": 1000}, failures=BEAT, **RUN)
+    err, pids, named_after = await _stop_until_hung(cfg, "trainer:0")
     _report("embedded trainer, SIGSTOP → WorkerHungError out of the controller", named_after)
-    err = info.value
     assert (err.group, err.rank, err.pid, err.exit_code) == (
         "trainer", 0, pids["trainer:0"], -signal.SIGKILL)
     assert err.log_path is not None and err.log_path.endswith("trainer-0.log")
@@ -152,7 +162,6 @@ async def test_embedded_a_stopped_trainer_stops_the_run_with_a_named_hung_error(
     assert EARLIEST_S <= named_after < DETECT_S + 10, named_after  # + the orderly shutdown
     stopped = [r for r in read_metrics(cfg) if r["kind"] == "stopped"]
     assert len(stopped) == 1 and "trainer:0 hung" in stopped[0]["deaths"][0]
-    assert_nothing_left(ctl, pids.values())
 
 
 @pytest.mark.asyncio
@@ -161,27 +170,11 @@ async def test_embedded_a_stopped_rollout_worker_without_restarts_stops_the_run(
 ) -> None:
     """``failures.rollout_restarts = 0``: the hung rollout worker's death stops the run, and
     the error says it hung."""
-    cfg = make_config(
-        run={"num_steps": 1000},
-        eval={"num_prompts": 0},
-        generator={"options": {"token_delay_s": 0.003}},
-        failures={**BEAT, "rollout_restarts": 0},
-    )
-    ctl = asyncrl.Controller(cfg)
-    pids: dict[str, int] = {}
-    with pytest.raises(WorkerHungError) as info:
-        async with ctl:
-            pids.update(worker_pids(ctl))
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ctl.train)
-                while len(ctl.pipeline.history) < 2:
-                    await anyio.sleep(0.01)
-                os.kill(pids["rollout:0"], signal.SIGSTOP)
-    err = info.value
+    cfg = make_config(run={"num_steps": 1000}, failures={**BEAT, "rollout_restarts": 0}, **RUN)
+    err, pids, _ = await _stop_until_hung(cfg, "rollout:0")
     assert (err.group, err.rank, err.pid) == ("rollout", 0, pids["rollout:0"])
     assert str(err).startswith("worker rollout:0 hung: it answered no health probe for ")
     assert not [r for r in read_metrics(cfg) if r["kind"] == "worker_restarted"]
-    assert_nothing_left(ctl, pids.values())
 
 
 # --------------------------------------------------------------------------- launch
@@ -215,6 +208,10 @@ class _Launch:
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self.metrics.read_text().splitlines()]
 
+    def files_left(self) -> list[str]:
+        """The run's socket and shared-memory directories that still exist."""
+        return run_files(next(r["run_id"] for r in self.records() if r["kind"] == "config"))
+
     def wait_steps(self, n: int) -> None:
         deadline = time.monotonic() + LAUNCH_S
         while not (self.metrics.exists() and self.metrics.read_text().count('"train"') >= n):
@@ -225,6 +222,13 @@ class _Launch:
         found = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if match(p)]
         assert len(found) == 1, found
         return found[0]
+
+    def stop(self, match: Callable[[psutil.Process], bool]) -> tuple[psutil.Process, float]:
+        """After two steps, SIGSTOP the one process ``match`` picks: it, and when it stopped."""
+        self.wait_steps(2)
+        proc = self.process(match)
+        proc.send_signal(signal.SIGSTOP)
+        return proc, time.monotonic()
 
     def finish(self) -> int:
         try:
@@ -259,13 +263,9 @@ def test_launch_a_stopped_rollout_worker_is_named_restarted_and_the_run_finishes
     """Rank 1 (rollout 0) supervises its worker: the worker is stopped, found hung, killed,
     and its rank starts a new one; the launch exits 0 with every step."""
     num_steps = 30
-    run = _Launch(tmp_path, model_dir, 2, run={"num_steps": num_steps}, eval={"num_prompts": 0},
-                  generator={"options": {"token_delay_s": 0.003}}, failures=BEAT)
+    run = _Launch(tmp_path, model_dir, 2, run={"num_steps": num_steps}, failures=BEAT, **RUN)
     try:
-        run.wait_steps(2)
-        worker = run.process(lambda p: "--rank" in p.cmdline() and "rollout" in p.cmdline())
-        worker.send_signal(signal.SIGSTOP)
-        start = time.monotonic()
+        worker, start = run.stop(lambda p: "--rank" in p.cmdline() and "rollout" in p.cmdline())
         worker.wait(DETECT_S + 5)  # its supervisor reaps it
         killed_after = time.monotonic() - start
     finally:
@@ -279,8 +279,7 @@ def test_launch_a_stopped_rollout_worker_is_named_restarted_and_the_run_finishes
     assert (restarted["worker"], restarted["exit_code"]) == ("rollout:0", -signal.SIGKILL)
     assert restarted["error"].startswith("worker rollout:0 hung: it answered no health probe")
     assert any("worker_hung" in line for _, line in run.lines), run.output()  # rank 0's log
-    run_id = next(r["run_id"] for r in records if r["kind"] == "config")
-    assert run_files(run_id) == []
+    assert run.files_left() == []
 
 
 def test_launch_a_stopped_trainer_rank_stops_the_run_with_a_named_hung_error(
@@ -289,14 +288,10 @@ def test_launch_a_stopped_trainer_rank_stops_the_run_with_a_named_hung_error(
     """Three ranks: trainer 0 (with the controller), trainer 1, rollout 0. Trainer rank 1 is
     stopped; it is named hung and killed, and rank 0 prints one ``asyncrl: error:`` line
     naming it; every rank exits and nothing of the run is left."""
-    run = _Launch(tmp_path, model_dir, 3, run={"num_steps": 1000}, eval={"num_prompts": 0},
-                  cluster={"trainer_ranks": 2}, failures=BEAT,
-                  generator={"options": {"token_delay_s": 0.003}})
+    run = _Launch(tmp_path, model_dir, 3, run={"num_steps": 1000},
+                  cluster={"trainer_ranks": 2}, failures=BEAT, **RUN)
     try:
-        run.wait_steps(2)
-        trainer1 = run.process(lambda p: _environ_rank(p) == "1")
-        trainer1.send_signal(signal.SIGSTOP)
-        start = time.monotonic()
+        trainer1, start = run.stop(lambda p: _environ_rank(p) == "1")
     finally:
         rc = run.finish()
     errors = [(t, line) for t, line in run.lines if line.startswith("asyncrl: ")]
@@ -309,5 +304,4 @@ def test_launch_a_stopped_trainer_rank_stops_the_run_with_a_named_hung_error(
     assert f"(pid {trainer1.pid})" in line and "trainer-1.log" in line, line
     assert "its last answer came at " in line, line
     assert EARLIEST_S <= named_after < DETECT_S + 10, named_after
-    run_id = next(r["run_id"] for r in run.records() if r["kind"] == "config")
-    assert run_files(run_id) == []
+    assert run.files_left() == []

@@ -26,7 +26,6 @@ logic, and after every action checks:
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections import Counter
@@ -39,33 +38,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.environment import Prompt
-from asyncrl.policy.samplers import (
-    GatedConfig,
-    GatedSampler,
-    InOrderConfig,
-    InOrderSampler,
-    OversampledConfig,
-    OversampledSampler,
-    ReadyFirstConfig,
-    ReadyFirstSampler,
-)
-from asyncrl.policy.schedule import Scheduler, Wait
+from asyncrl.policy.groups import CompletedSample
+from asyncrl.policy.schedule import Wait
 from asyncrl.run import book as bk
 from asyncrl.run.book import RolloutBook, Sent
 from asyncrl.run.checkpoint_dir import ControllerState
-from asyncrl.policy.groups import CompletedSample
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
+from schedule_support import SAMPLERS, caps, scheduler, shape_strategies
 
-SAMPLERS = {
-    "in_order": lambda w, r: InOrderSampler(InOrderConfig(max_lookahead_versions=w)),
-    "gated": lambda w, r: GatedSampler(GatedConfig(max_staleness_versions=max(1, w))),
-    "oversampled": lambda w, r: OversampledSampler(
-        OversampledConfig(max_staleness_versions=max(1, w), over_sampling_ratio=r)
-    ),
-    "ready_first": lambda w, r: ReadyFirstSampler(
-        ReadyFirstConfig(max_staleness_versions=max(1, w))
-    ),
-}
 TOKENS = np.array([3, 1, 4], dtype=np.int32)
 LOGPROBS = np.full(3, -0.5, dtype=np.float32)
 DONE = Sample(TOKENS, LOGPROBS, "stop")
@@ -114,15 +94,9 @@ class World:
 
     def fresh_book(self) -> RolloutBook:
         c = self.cfg
-        sched = Scheduler(
-            SAMPLERS[c["sampler"]](c["W"], c["ratio"]),
-            prompts_per_step=c["P"],
-            samples_per_prompt=c["N"],
-            num_steps=c["steps"],
-            max_buffered_groups=c["cap"],
-            max_inflight_samples=c["max_inflight"],
-            min_chunk_groups=c["min_chunk"],
-        )
+        sched = scheduler(SAMPLERS[c["sampler"]](c["W"], c["ratio"]), P=c["P"], N=c["N"],
+                          steps=c["steps"], cap=c["cap"], inflight=c["max_inflight"],
+                          min_chunk=c["min_chunk"])  # fmt: skip
         return RolloutBook(sched, self.workers)
 
     # ------------------------------------------------------------------ ledger helpers
@@ -517,26 +491,15 @@ def unstick(world: World) -> bool:
 
 def config(sampler: str, P: int, N: int, W: int, steps: int, ratio: float,
            extra: int, inflight_frac: float, chunk_frac: float, workers: int) -> dict[str, Any]:  # fmt: skip
-    cap = SAMPLERS[sampler](W, ratio).required_buffer_capacity(P) + extra
-    return dict(
-        sampler=sampler, P=P, N=N, W=W, steps=steps, ratio=ratio, cap=cap,
-        max_inflight=max(N, math.ceil(cap * N * inflight_frac)),
-        min_chunk=max(1, math.ceil(P * chunk_frac)), workers=workers,
-    )  # fmt: skip
+    c = caps(SAMPLERS[sampler](W, ratio), P, N, extra, inflight_frac, chunk_frac)
+    return dict(sampler=sampler, P=P, N=N, W=W, steps=steps, ratio=ratio, workers=workers,
+                **c._asdict())  # fmt: skip
 
 
 PARAMS = dict(
-    seed=st.integers(0, 2**32 - 1),
     sampler=st.sampled_from(sorted(SAMPLERS)),
-    P=st.integers(1, 4),
-    N=st.integers(1, 3),
-    W=st.integers(0, 2),
-    steps=st.integers(1, 5),
-    ratio=st.floats(1.0, 2.0),
-    extra=st.integers(0, 2),
-    inflight_frac=st.floats(0.05, 1.0),
-    chunk_frac=st.floats(0.01, 1.0),
     workers=st.integers(1, 3),
+    **shape_strategies(max_W=2, max_steps=5, max_ratio=2.0, max_extra=2),
 )
 
 

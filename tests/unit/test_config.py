@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -11,14 +10,7 @@ from asyncrl.config import load_config
 from asyncrl.policy.samplers import GatedConfig, InOrderConfig, OversampledConfig
 from asyncrl.errors import ConfigError
 
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"vocab_size": 8}))
-    (d / "tokenizer.json").write_text("{}")
-    return d
+# model_dir: the fixture in conftest.py
 
 
 def write(tmp_path: Path, body: str) -> Path:

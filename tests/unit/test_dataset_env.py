@@ -27,10 +27,11 @@ from asyncrl.data.dataset import AsyncDatasetEnvironment, DatasetEnvironment, ma
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError
 from asyncrl.run.intake import ASYNC_SCORE_CONCURRENCY, ScoreError, Scorer
-from asyncrl.wire.messages import Sample, StepResult
+from asyncrl.wire.messages import StepResult
 from asyncrl.data.rewards import RewardError
 from asyncrl.policy.slots import StepStats
 from asyncrl.obs.steps import StepRecord
+from scoring_support import DigitsTokenizer, group_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -592,22 +593,6 @@ def test_entry_point_gets_base_dir(tmp_path: Path, rewards_module: str) -> None:
 
 
 # --------------------------------------------------------------------------------- Scorer
-class DigitsTokenizer:
-    """Token ids are digits: decode([1, 2]) == "12"."""
-
-    def decode(self, ids: Any) -> str:
-        return "".join(str(int(i)) for i in ids)
-
-
-def group_of(prompt: Prompt, completions: list[list[int]]) -> Group:
-    pending = Group("g0", prompt.id, [1], 0, None, 0.0, index=0, worker="rollout:0", prompt=prompt)
-    pending.samples = [
-        Sample(np.array(c, dtype=np.int32), np.full(len(c), -0.5, dtype=np.float32), "stop")
-        for c in completions
-    ]
-    return pending
-
-
 @pytest.mark.anyio
 async def test_scorer_awaits_score_async_concurrently(tmp_path: Path, rewards_module: str) -> None:
     write_jsonl(tmp_path / "t.jsonl", ROWS[:1])

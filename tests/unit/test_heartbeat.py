@@ -1,6 +1,6 @@
 """The heartbeat: the pure tracker under a fake clock, checked against a reference computed
 from the answer times alone; then the heartbeat task against a real control plane whose fake
-workers are real processes (``sleep``), one answering, one silent."""
+workers (fake_workers.py) name real processes (``sleep``), one answering, one silent."""
 
 from __future__ import annotations
 
@@ -9,33 +9,17 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
-import anyio.abc
 import pytest
 import structlog
 
 from asyncrl.config import FailuresConfig
 from asyncrl.errors import WorkerDiedError, WorkerHungError
 from asyncrl.run.heartbeat import Heartbeat, HeartbeatTracker, Watched
-from asyncrl.wire.codec import Codec
-from asyncrl.wire.messages import (
-    PROTOCOL_VERSION,
-    Call,
-    FromWorker,
-    Health,
-    HealthResult,
-    Hello,
-    Init,
-    Ready,
-    Reply,
-    ToWorker,
-)
-from asyncrl.wire.rpc import ControlPlane
-from asyncrl.wire.transport import DEALER, ROUTER, Context, ipc_address
+from fake_workers import FakeWorker, control_plane
 
 
 def _who(name: str = "rollout:0", pid: int = 100) -> Watched:
@@ -177,34 +161,6 @@ def test_random_answer_times_match_the_reference(seed: int) -> None:
 
 
 # --------------------------------------------------------------------------- the task
-class _FakeWorker:
-    """A DEALER speaking the wire protocol by hand, whose Hello names a real process."""
-
-    def __init__(self, ctx: Context, address: str, name: str, pid: int) -> None:
-        self.group, rank = name.split(":")
-        self.rank = int(rank)
-        self.pid = pid
-        self.sock = ctx.socket(DEALER, connect=address, identity=name)
-        self.tx, self.rx = Codec(FromWorker), Codec(ToWorker)
-
-    async def handshake(self) -> None:
-        await self.sock.send(self.tx.encode(Hello(
-            protocol_version=PROTOCOL_VERSION, group=self.group, rank=self.rank, world_size=1,
-            pid=self.pid, log_path=f"/logs/{self.group}-{self.rank}.log",
-        )))  # fmt: skip
-        with anyio.fail_after(5):
-            assert isinstance(self.rx.decode(await self.sock.recv()), Init)
-        await self.sock.send(self.tx.encode(Ready(backend="fake")))
-
-    async def answer_forever(self) -> None:
-        while True:
-            call = self.rx.decode(await self.sock.recv())
-            assert isinstance(call, Call) and isinstance(call.request, Health)
-            await self.sock.send(
-                self.tx.encode(Reply(call_id=call.call_id, result=HealthResult(pid=self.pid)))
-            )
-
-
 @pytest.fixture
 def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
@@ -216,37 +172,21 @@ def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait()
 
 
-@asynccontextmanager
-async def _plane(run_dir: str) -> AsyncIterator[tuple[ControlPlane, Context, str,
-                                                      anyio.abc.TaskGroup]]:
-    ctx = Context()
-    address = ipc_address(run_dir, "control")
-    router = ctx.socket(ROUTER, bind=address, router_mandatory=True)
-    control = ControlPlane(router, lambda hello: Init(run_id="r", config={}, data_address="x"))
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(control.run)
-            yield control, ctx, address, tg
-            tg.cancel_scope.cancel()
-    finally:
-        ctx.close()
-
-
 @pytest.mark.asyncio
 async def test_the_silent_worker_is_killed_and_named_and_the_answering_one_lives(
     run_dir: str, sleepers: list[subprocess.Popen[bytes]]
 ) -> None:
     beat = Heartbeat(FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6))
     talker, silent = sleepers
-    async with _plane(run_dir) as (control, ctx, address, tg):
-        good = _FakeWorker(ctx, address, "rollout:0", talker.pid)
-        bad = _FakeWorker(ctx, address, "trainer:0", silent.pid)
+    async with control_plane(run_dir) as (control, ctx, address, tg):
+        good = FakeWorker(ctx, address, "rollout", 0, talker.pid)
+        bad = FakeWorker(ctx, address, "trainer", 0, silent.pid)
         await good.handshake()
         await bad.handshake()
         with anyio.fail_after(5):
             await control.wait_peer("rollout:0")
             await control.wait_peer("trainer:0")
-        tg.start_soon(good.answer_forever)
+        tg.start_soon(good.answer_health)
         with structlog.testing.capture_logs() as logs:
             start = time.monotonic()
             tg.start_soon(beat.run, control)
@@ -285,8 +225,8 @@ async def test_the_controllers_own_process_is_not_probed(
     sent: list[Any] = []
     monkeypatch.setattr(signal, "pidfd_send_signal", lambda *args: sent.append(args))
     beat = Heartbeat(FailuresConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.2))
-    async with _plane(run_dir) as (control, ctx, address, tg):
-        await _FakeWorker(ctx, address, "trainer:0", os.getpid()).handshake()
+    async with control_plane(run_dir) as (control, ctx, address, tg):
+        await FakeWorker(ctx, address, "trainer", 0, os.getpid()).handshake()
         with anyio.fail_after(5):
             await control.wait_peer("trainer:0")
         with structlog.testing.capture_logs() as logs:
@@ -298,6 +238,6 @@ async def test_the_controllers_own_process_is_not_probed(
 @pytest.mark.asyncio
 async def test_a_timeout_of_zero_turns_it_off(run_dir: str) -> None:
     beat = Heartbeat(FailuresConfig(heartbeat_timeout_s=0.0))
-    async with _plane(run_dir) as (control, _, _, _):
+    async with control_plane(run_dir) as (control, _, _, _):
         with anyio.fail_after(1):
             await beat.run(control)  # returns at once

@@ -3,7 +3,6 @@ the report singles out no sampler by name."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,7 @@ from asyncrl.config import Config, EnvironmentConfig, ModelConfig, PipelineConfi
 from asyncrl.config.modes import describe
 from asyncrl.policy.samplers import DescribesMode, OversampledConfig, OversampledSampler
 
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"vocab_size": 8}))
-    (d / "tokenizer.json").write_text("{}")
-    return d
+# model_dir: the fixture in conftest.py
 
 
 def config(model_dir: Path, sampler: Any, **sections: Any) -> Config:

@@ -3,8 +3,9 @@ WeightReceiver over ipc:// with the ``shm`` transfer and a recording generation 
 
 Several buckets (with both staging buffers reused), byte-exact delivery, the manifest check
 before any weight is touched, a refused bucket that leaves the previous weights serving, a
-failed load that leaves the engine paused, a trainer that breaks its own manifest, and a
-receiver that never pulls.
+failed load that leaves the engine paused, a trainer that breaks its own manifest, a
+receiver that never pulls, and receivers whose processes exit mid-refit (left out; the others
+still get every message).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from asyncrl.backend import WeightBucketView, WeightTensor
 from asyncrl.wire.codec import Codec
 from asyncrl.errors import EngineDeadError, RefitError
 from asyncrl.wire.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
-from asyncrl.worker.weights import (
-    WeightReceiver, WeightSender, _manifest, _Packer, bucket_ends, check_bucket,
-)
+from asyncrl.worker.buckets import Packer, bucket_ends, check_bucket, manifest_of
+from asyncrl.worker.weights import WeightReceiver, WeightSender
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.procs.space import shm_dir
 from asyncrl.transfers.shm import read_bytes
@@ -244,7 +244,7 @@ def test_the_packer_fills_the_buckets_bucket_ends_predicts(
 
     specs_ = [WeightTensor(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
     data = (WeightTensor(s.name, "uint8", s.shape, np.zeros(s.shape, np.uint8)) for s in specs_)
-    packer = _Packer(data, _manifest(specs_), Stager(), bucket, buffers)
+    packer = Packer(data, manifest_of(specs_), Stager(), bucket, buffers)
     used, k, last = [], 0, False
     while not last:
         _, n, last = packer.fill(k % buffers)
@@ -510,7 +510,6 @@ async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the
         np.testing.assert_array_equal(good.weights[name], array)
 
 
-
 class DeadEngine(Engine):
     """Its engine process died just before the manifest came: begin_weight_update says so."""
 
@@ -565,3 +564,85 @@ async def test_a_receiver_whose_engine_died_refuses_nothing_and_is_left_out(run_
     assert out["sent"].num_buckets == 3
     for name, array in w.items():
         np.testing.assert_array_equal(good.weights[name], array)
+
+
+
+class ExitsDuringSend:
+    """The sender's socket, counting what each receiver is sent; sending the first message to
+    ``trigger`` (the manifest) is when the processes ``exits`` stands for exit, and their
+    watchers have run (left those receivers out) before that send goes on."""
+
+    def __init__(self, sock: Any, trigger: str, exits: list[anyio.Event]) -> None:
+        self._sock, self._trigger, self._exits = sock, trigger, exits
+        self.sent: dict[str, int] = {}
+
+    async def recv(self) -> Any:
+        return await self._sock.recv()
+
+    async def send(self, frames: list[Any]) -> None:
+        who = bytes(frames[0]).decode()
+        self.sent[who] = self.sent.get(who, 0) + 1
+        if who == self._trigger and self.sent[who] == 1:
+            for exited in self._exits:
+                exited.set()
+            await anyio.wait_all_tasks_blocked()  # the watchers are done
+        await self._sock.send(frames)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+async def test_a_receiver_left_out_during_a_send_makes_the_sender_skip_no_other(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review found that the sender sent each message by walking the live receivers' list
+    itself while a watcher may shrink it: rollout:0 and rollout:2 exit while the manifest goes
+    to rollout:1, so the loop skipped rollout:3, which never got the manifest and was waited
+    for until refit.timeout_s. Now every live receiver gets every message, and one left out
+    gets nothing more. Process ``i`` stands for rollout:i; its exit is staged (a stand-in for
+    ``wait_pid_exit``), so the watchers run exactly during that send."""
+    from asyncrl.worker import weights as weights_module
+
+    names = [f"rollout:{i}" for i in range(4)]
+    exits = [anyio.Event() for _ in names]
+
+    async def staged_exit(pid: int) -> None:
+        await exits[pid].wait()
+
+    pair = Pair(run_dir)
+    watched = ExitsDuringSend(pair.sender._sock, "rollout:1", [exits[0], exits[2]])
+    monkeypatch.setattr(weights_module, "wait_pid_exit", staged_exit)
+    monkeypatch.setattr(pair.sender, "_sock", watched)
+    receivers = {n: WeightReceiver(pair.ctx, pair.address, n) for n in names[1:]}
+    receivers["rollout:0"] = pair.receiver
+    engines = {n: Engine() for n in names}
+    w = weights()
+
+    async def receive(name: str) -> None:
+        await receivers[name].receive(1, engines[name], transport="shm",
+                                      reset_prefix_cache=True, kv_scales=None, timeout_s=10)
+
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receive, "rollout:1")
+                tg.start_soon(receive, "rollout:3")
+                async with anyio.create_task_group() as gone:  # they wait for more, in vain
+                    gone.start_soon(receive, "rollout:0")
+                    gone.start_soon(receive, "rollout:2")
+                    sent = await pair.sender.send(
+                        1, names, specs(), tensors(w), bucket_size=BUCKET, timeout_s=3,
+                        pids=list(range(4)),
+                    )
+                    gone.cancel_scope.cancel()
+    finally:
+        for r in receivers.values():
+            r.close()
+        pair.close()
+    assert sent.num_buckets == 3
+    # by hand: the manifest and buckets [a b] [c d] [e] to each of the two left; rollout:0
+    # had the manifest before it exited, rollout:2 nothing
+    assert watched.sent == {"rollout:0": 1, "rollout:1": 4, "rollout:3": 4}
+    for name in ("rollout:1", "rollout:3"):
+        for tensor, array in w.items():
+            np.testing.assert_array_equal(engines[name].weights[tensor], array)

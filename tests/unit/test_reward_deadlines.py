@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 import pytest
 
 from asyncrl.data import deadlines
@@ -28,9 +27,8 @@ from asyncrl.run import intake
 from asyncrl.data.dataset import AsyncDatasetEnvironment, make_environment
 from asyncrl.data.deadlines import AbandonedThreadsError, abandoned_threads
 from asyncrl.environment import Prompt, Score
-from asyncrl.policy.groups import Group
 from asyncrl.run.intake import ScoreError, ScoreTimeout, Scorer
-from asyncrl.wire.messages import Sample
+from scoring_support import DigitsTokenizer, group_of
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]
 
@@ -95,20 +93,6 @@ def env_with(tmp_path: Path, module: Any, *functions: str) -> Any:
     return make_environment(
         {"train": "t.jsonl", "prompt_field": "question", "rewards": specs}, 0, base_dir=tmp_path
     )
-
-
-class DigitsTokenizer:
-    def decode(self, ids: Any) -> str:
-        return "".join(str(int(i)) for i in ids)
-
-
-def group_of(prompt: Prompt, completions: list[list[int]]) -> Group:
-    pending = Group("g0", prompt.id, [1], 0, None, 0.0, index=0, worker="rollout:0", prompt=prompt)
-    pending.samples = [
-        Sample(np.array(c, dtype=np.int32), np.full(len(c), -0.5, dtype=np.float32), "stop")
-        for c in completions
-    ]
-    return pending
 
 
 # ----------------------------------------------------------------- the dataset environment

@@ -1,22 +1,16 @@
-"""The controller's control plane against scripted fake workers (real ZeroMQ over ipc://).
-
-A fake worker is a DEALER speaking the wire protocol by hand, so each test decides exactly
-what the worker says and when.
+"""The controller's control plane against scripted fake workers (real ZeroMQ over ipc://;
+the fake workers are in fake_workers.py): each test decides exactly what the worker says and
+when.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
-import anyio.abc
 import msgspec
 import pytest
 
-from asyncrl.wire.codec import Codec
 from asyncrl.errors import (
     RemoteCallError,
     WorkerError,
@@ -25,71 +19,20 @@ from asyncrl.errors import (
 )
 from asyncrl.wire.messages import (
     PROTOCOL_VERSION,
-    Call,
     Dead,
     Empty,
     Failure,
-    FromWorker,
     Health,
     HealthResult,
     Hello,
-    Init,
     Ready,
     Reply,
     Shutdown,
-    ToWorker,
 )
-from asyncrl.wire.rpc import ControlPlane
-from asyncrl.wire.transport import DEALER, ROUTER, AsyncSocket, Context, ipc_address
+from asyncrl.wire.transport import DEALER
+from fake_workers import FakeWorker, bind_plane, control_plane
 
 pytestmark = pytest.mark.asyncio
-
-
-class FakeWorker:
-    def __init__(self, ctx: Context, address: str, group: str, rank: int) -> None:
-        self.identity = f"{group}:{rank}"
-        self.group, self.rank = group, rank
-        self.sock: AsyncSocket = ctx.socket(DEALER, connect=address, identity=self.identity)
-        self.tx = Codec(FromWorker)
-        self.rx = Codec(ToWorker)
-
-    async def say(self, msg: Any) -> None:
-        await self.sock.send(self.tx.encode(msg))
-
-    async def hear(self) -> Any:
-        with anyio.fail_after(5):
-            return self.rx.decode(await self.sock.recv())
-
-    async def handshake(self, *, version: int = PROTOCOL_VERSION, ready: bool = True) -> Init:
-        await self.say(
-            Hello(protocol_version=version, group=self.group, rank=self.rank, world_size=1,
-                  pid=os.getpid(), log_path=f"/logs/{self.group}-{self.rank}.log")
-        )
-        init = await self.hear()
-        assert isinstance(init, Init)
-        if ready:
-            await self.say(Ready(backend="fake", capabilities={"x": 1}))
-        return init
-
-
-@asynccontextmanager
-async def control_plane(
-    run_dir: str,
-) -> AsyncIterator[tuple[ControlPlane, Context, str, anyio.abc.TaskGroup]]:
-    ctx = Context()
-    address = ipc_address(run_dir, "control")
-    router = ctx.socket(ROUTER, bind=address, router_mandatory=True)
-    control = ControlPlane(
-        router,
-        lambda hello: Init(run_id="r1", config={"who": hello.group}, data_address="ipc://data"),
-    )
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(control.run)
-            yield control, ctx, address, tg
-            tg.cancel_scope.cancel()
-    finally:
-        ctx.close()
 
 
 async def test_handshake_and_calls(run_dir: str) -> None:
@@ -104,15 +47,9 @@ async def test_handshake_and_calls(run_dir: str) -> None:
         assert peers[0].pid == os.getpid() and peers[0].log_path == "/logs/rollout-0.log"
         assert peers[0].capabilities == {"x": 1} and peers[0].backend == "fake"
 
-        async def serve(w: FakeWorker, answers: int) -> None:
-            for _ in range(answers):
-                call = await w.hear()
-                assert isinstance(call, Call) and isinstance(call.request, Health)
-                await w.say(Reply(call_id=call.call_id, result=HealthResult(pid=w.rank)))
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve, w0, 2)
-            tg.start_soon(serve, w1, 1)
+            tg.start_soon(lambda: w0.answer_health(2, pid=w0.rank))
+            tg.start_soon(lambda: w1.answer_health(1, pid=w1.rank))
             results = await control.call_each(["rollout:1", "rollout:0"], [Health(), Health()],
                                               timeout_s=5)
             assert [r.pid for r in results] == [1, 0]  # in the order asked, not answered
@@ -160,13 +97,8 @@ async def test_late_reply_is_dropped(run_dir: str) -> None:
             await control.call("trainer:0", Health(), timeout_s=0.1)
         late = await w.hear()
         await w.say(Reply(call_id=late.call_id, result=Empty()))  # nobody waits any more
-
-        async def serve() -> None:
-            call = await w.hear()
-            await w.say(Reply(call_id=call.call_id, result=HealthResult(pid=7)))
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve)
+            tg.start_soon(lambda: w.answer_health(1, pid=7))
             assert await control.call("trainer:0", Health(), timeout_s=5) == HealthResult(pid=7)
 
 
@@ -174,10 +106,7 @@ async def test_late_reply_is_dropped(run_dir: str) -> None:
 async def test_dead_worker_fails_the_reader_and_pending_calls(
     run_dir: str, ready: bool, expected: type[Exception]
 ) -> None:
-    ctx = Context()
-    address = ipc_address(run_dir, "control")
-    router = ctx.socket(ROUTER, bind=address)
-    control = ControlPlane(router, lambda h: Init(run_id="r", config={}, data_address=""))
+    control, ctx, address = bind_plane(run_dir, router_mandatory=False)
     pending_error: list[BaseException] = []
     try:
         with pytest.raises(BaseExceptionGroup) as info:
@@ -213,10 +142,7 @@ async def test_dead_worker_fails_the_reader_and_pending_calls(
 
 
 async def test_protocol_version_mismatch_is_refused(run_dir: str) -> None:
-    ctx = Context()
-    address = ipc_address(run_dir, "control")
-    control = ControlPlane(ctx.socket(ROUTER, bind=address),
-                           lambda h: Init(run_id="r", config={}, data_address=""))
+    control, ctx, address = bind_plane(run_dir, router_mandatory=False)
     try:
         with pytest.raises(BaseExceptionGroup) as info:
             async with anyio.create_task_group() as tg:
@@ -235,47 +161,31 @@ async def test_protocol_version_mismatch_is_refused(run_dir: str) -> None:
 async def test_hostile_control_messages_are_rejected_and_counted(run_dir: str) -> None:
     """Every message a stranger (or a confused worker) can send is refused without ending
     the reader: the real worker still completes its handshake and calls afterwards."""
-    ctx = Context()
-    address = ipc_address(run_dir, "control")
-    control = ControlPlane(
-        ctx.socket(ROUTER, bind=address, router_mandatory=True),
-        lambda h: Init(run_id="r", config={}, data_address=""),
-        expected={"trainer:0"},
-    )
     hello = dict(protocol_version=PROTOCOL_VERSION, world_size=1, pid=1)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(control.run)
-            liar = FakeWorker(ctx, address, "rollout", 0)
-            stranger = FakeWorker(ctx, address, "rollout", 9)
-            anonymous = ctx.socket(DEALER, connect=address)  # ZeroMQ gives it a binary id
-            await liar.say(Hello(group="trainer", rank=0, **hello))  # identity mismatch
-            await stranger.say(Hello(group="rollout", rank=9, **hello))  # not in this run
-            await stranger.say(Ready(backend="x"))  # no Hello accepted
-            await stranger.say(Dead(reason="I am not here"))  # a stranger's Dead
-            await stranger.say(Reply(call_id=1, result=Empty()))  # no such call
-            await anonymous.send([b"\x92\x01"])  # truncated msgpack
-            real = FakeWorker(ctx, address, "trainer", 0)
-            await real.handshake()
-            await real.say(Hello(group="trainer", rank=0, **hello))  # a second Hello
-            await real.say(Ready(backend="fake"))  # a second Ready
-            with anyio.fail_after(5):
-                await control.wait_ready("trainer", 1)
-                while control.rejections.total < 8:
-                    await anyio.sleep(0.01)
-            assert control.rejections.counts == {"control": 8}
-            assert set(control.peers) == {"trainer:0"}
-
-            async def serve_one() -> None:
-                call = await real.hear()
-                await real.say(Reply(call_id=call.call_id, result=HealthResult(pid=7)))
-
-            tg.start_soon(serve_one)
-            result = await control.call("trainer:0", Health(), timeout_s=5)
-            assert isinstance(result, HealthResult) and result.pid == 7
-            tg.cancel_scope.cancel()
-    finally:
-        ctx.close()
+    plane = control_plane(run_dir, expected={"trainer:0"})
+    async with plane as (control, ctx, address, tg):
+        liar = FakeWorker(ctx, address, "rollout", 0)
+        stranger = FakeWorker(ctx, address, "rollout", 9)
+        anonymous = ctx.socket(DEALER, connect=address)  # ZeroMQ gives it a binary id
+        await liar.say(Hello(group="trainer", rank=0, **hello))  # identity mismatch
+        await stranger.say(Hello(group="rollout", rank=9, **hello))  # not in this run
+        await stranger.say(Ready(backend="x"))  # no Hello accepted
+        await stranger.say(Dead(reason="I am not here"))  # a stranger's Dead
+        await stranger.say(Reply(call_id=1, result=Empty()))  # no such call
+        await anonymous.send([b"\x92\x01"])  # truncated msgpack
+        real = FakeWorker(ctx, address, "trainer", 0)
+        await real.handshake()
+        await real.say(Hello(group="trainer", rank=0, **hello))  # a second Hello
+        await real.say(Ready(backend="fake"))  # a second Ready
+        with anyio.fail_after(5):
+            await control.wait_ready("trainer", 1)
+            while control.rejections.total < 8:
+                await anyio.sleep(0.01)
+        assert control.rejections.counts == {"control": 8}
+        assert set(control.peers) == {"trainer:0"}
+        tg.start_soon(lambda: real.answer_health(1, pid=7))
+        result = await control.call("trainer:0", Health(), timeout_s=5)
+        assert isinstance(result, HealthResult) and result.pid == 7
 
 
 async def test_garbage_is_rejected_and_reading_goes_on(run_dir: str) -> None:
@@ -335,53 +245,39 @@ async def test_a_survivable_death_is_kept_and_its_restart_is_welcome(run_dir: st
     """A ready worker the run can restart says Dead: the reader goes on and keeps its last
     words. forget() fails its pending call and later calls with the given error, until its
     new process (same identity, a new socket) says Hello, which is welcome then."""
-    ctx = Context()
-    address = ipc_address(run_dir, "control")
-    router = ctx.socket(ROUTER, bind=address, router_mandatory=True)
-    control = ControlPlane(router, lambda h: Init(run_id="r", config={}, data_address=""),
-                           survivable=lambda peer: peer.group == "rollout")
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(control.run)
-            old = FakeWorker(ctx, address, "rollout", 0)
-            await old.handshake()
-            with anyio.fail_after(5):
-                await control.wait_peer("rollout:0")
-            await old.say(Dead(reason="EngineDeadError: engine core exited", traceback="tb"))
-            with anyio.fail_after(5):
-                while control.peers["rollout:0"].last_words is None:
-                    await anyio.sleep(0.01)
-            assert "engine core exited" in str(control.peers["rollout:0"].last_words)
-            errors: list[BaseException] = []
+    plane = control_plane(run_dir, survivable=lambda peer: peer.group == "rollout")
+    async with plane as (control, ctx, address, tg):
+        old = FakeWorker(ctx, address, "rollout", 0)
+        await old.handshake()
+        with anyio.fail_after(5):
+            await control.wait_peer("rollout:0")
+        await old.say(Dead(reason="EngineDeadError: engine core exited", traceback="tb"))
+        with anyio.fail_after(5):
+            while control.peers["rollout:0"].last_words is None:
+                await anyio.sleep(0.01)
+        assert "engine core exited" in str(control.peers["rollout:0"].last_words)
+        errors: list[BaseException] = []
 
-            async def caller() -> None:
-                try:
-                    await control.call("rollout:0", Health(), timeout_s=10)
-                except WorkerRestarting as exc:
-                    errors.append(exc)
+        async def caller() -> None:
+            try:
+                await control.call("rollout:0", Health(), timeout_s=10)
+            except WorkerRestarting as exc:
+                errors.append(exc)
 
-            async with anyio.create_task_group() as calls:
-                calls.start_soon(caller)
-                await old.hear()  # the call reached the dying worker
-                control.forget("rollout:0", WorkerRestarting("rollout:0 is restarting"))
-            assert [str(e) for e in errors] == ["rollout:0 is restarting"]
-            with pytest.raises(WorkerRestarting):
-                await control.call("rollout:0", Health(), timeout_s=1)
-            assert await control.call_unless_restarting("rollout:0", Health(), timeout_s=1) is None
-            old.sock.close()
-            new = FakeWorker(ctx, address, "rollout", 0)
-            await new.handshake()
-            with anyio.fail_after(5):
-                peer = await control.wait_peer("rollout:0")
-            assert peer.ready.is_set() and peer.last_words is None
-
-            async def answer() -> None:
-                call = await new.hear()
-                await new.say(Reply(call_id=call.call_id, result=HealthResult(pid=7)))
-
-            tg.start_soon(answer)
-            assert await control.call("rollout:0", Health(), timeout_s=5) == HealthResult(pid=7)
-            assert control.rejections.total == 0
-            tg.cancel_scope.cancel()
-    finally:
-        ctx.close()
+        async with anyio.create_task_group() as calls:
+            calls.start_soon(caller)
+            await old.hear()  # the call reached the dying worker
+            control.forget("rollout:0", WorkerRestarting("rollout:0 is restarting"))
+        assert [str(e) for e in errors] == ["rollout:0 is restarting"]
+        with pytest.raises(WorkerRestarting):
+            await control.call("rollout:0", Health(), timeout_s=1)
+        assert await control.call_unless_restarting("rollout:0", Health(), timeout_s=1) is None
+        old.sock.close()
+        new = FakeWorker(ctx, address, "rollout", 0)
+        await new.handshake()
+        with anyio.fail_after(5):
+            peer = await control.wait_peer("rollout:0")
+        assert peer.ready.is_set() and peer.last_words is None
+        tg.start_soon(lambda: new.answer_health(1, pid=7))
+        assert await control.call("rollout:0", Health(), timeout_s=5) == HealthResult(pid=7)
+        assert control.rejections.total == 0

@@ -18,19 +18,12 @@ from asyncrl.policy.samplers import (
     slack,
 )
 from asyncrl.policy.schedule import Dispatch, Scheduler, SchedulerError, Wait
+from schedule_support import scheduler
 
 
-def make(sampler, P=2, N=2, steps=4, cap=None, inflight=None, min_chunk=1) -> Scheduler:
-    cap = cap or sampler.required_buffer_capacity(P)
-    return Scheduler(
-        sampler,
-        prompts_per_step=P,
-        samples_per_prompt=N,
-        num_steps=steps,
-        max_buffered_groups=cap,
-        max_inflight_samples=inflight or cap * N,
-        min_chunk_groups=min_chunk,
-    )
+def make(sampler: Sampler, P: int = 2, N: int = 2, steps: int = 4, **caps: int) -> Scheduler:
+    """A scheduler with this file's defaults (two prompts of two samples, four steps)."""
+    return scheduler(sampler, P=P, N=N, steps=steps, **caps)
 
 
 def dispatch_all(s: Scheduler) -> tuple[list[Dispatch], Wait]:

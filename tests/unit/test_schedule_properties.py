@@ -25,36 +25,22 @@ its own ledger of what happened and checks it against the rules the modes promis
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.policy.samplers import (
-    GatedConfig,
-    GatedSampler,
-    InOrderConfig,
-    InOrderSampler,
-    OversampledConfig,
-    OversampledSampler,
-    ReadyFirstConfig,
-    ReadyFirstSampler,
-)
+from asyncrl.policy.samplers import OversampledConfig, OversampledSampler
 from asyncrl.policy.schedule import Dispatch, Scheduler, SchedulerError
+from schedule_support import SAMPLERS as BUILT_IN
+from schedule_support import caps, scheduler, shape_strategies
 
 SAMPLERS = {
-    "in_order": lambda w, r: InOrderSampler(InOrderConfig(max_lookahead_versions=w)),
-    "gated": lambda w, r: GatedSampler(GatedConfig(max_staleness_versions=max(1, w))),
-    "oversampled": lambda w, r: OversampledSampler(
-        OversampledConfig(max_staleness_versions=max(1, w), over_sampling_ratio=r)
-    ),
-    "ready_first": lambda w, r: ReadyFirstSampler(
-        ReadyFirstConfig(max_staleness_versions=max(1, w))
-    ),
+    **BUILT_IN,
     # the example plugin (plugins/asyncrl-sampler-dapo): drops groups without reward variance
     "dynamic": lambda w, r: DynamicSampler(
         DynamicConfig(max_staleness_versions=max(1, w), over_sampling_ratio=r, window_groups=8)
@@ -71,7 +57,7 @@ def run_schedule(
     W: int,
     steps: int,
     ratio: float,
-    extra_buffer: int,
+    extra: int,
     inflight_frac: float,
     chunk_frac: float,
     crashes: int = 0,
@@ -80,20 +66,11 @@ def run_schedule(
     rng = random.Random(seed)
     sampler = SAMPLERS[name](W, ratio)
     bound = W if name == "in_order" else max(1, W)
-    cap = sampler.required_buffer_capacity(P) + extra_buffer
-    max_inflight = max(N, math.ceil(cap * N * inflight_frac))
-    min_chunk = max(1, math.ceil(P * chunk_frac))
+    cap, max_inflight, min_chunk = caps(sampler, P, N, extra, inflight_frac, chunk_frac)
 
     def fresh() -> Scheduler:
-        return Scheduler(
-            SAMPLERS[name](W, ratio),
-            prompts_per_step=P,
-            samples_per_prompt=N,
-            num_steps=steps,
-            max_buffered_groups=cap,
-            max_inflight_samples=max_inflight,
-            min_chunk_groups=min_chunk,
-        )
+        return scheduler(SAMPLERS[name](W, ratio), P=P, N=N, steps=steps, cap=cap,
+                         inflight=max_inflight, min_chunk=min_chunk)  # fmt: skip
 
     s = fresh()
 
@@ -334,38 +311,21 @@ def run_schedule(
     return {"evicted": len(evicted), "aborted": len(aborted_by_scheduler)}
 
 
-params = dict(
-    seed=st.integers(0, 2**32 - 1),
-    P=st.integers(1, 4),
-    N=st.integers(1, 3),
-    W=st.integers(0, 3),
-    steps=st.integers(1, 6),
-    ratio=st.floats(1.0, 2.5),
-    extra_buffer=st.integers(0, 3),
-    inflight_frac=st.floats(0.05, 1.0),
-    chunk_frac=st.floats(0.01, 1.0),
-)
+SHAPES = shape_strategies(max_W=3, max_steps=6, max_ratio=2.5, max_extra=3)
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(**params)
-def test_random_schedules_keep_every_invariant(
-    name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
-) -> None:
-    run_schedule(name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac)
+@given(**SHAPES)
+def test_random_schedules_keep_every_invariant(name: str, **shape: Any) -> None:
+    run_schedule(name, **shape)
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(crashes=st.integers(0, 3), faults=st.booleans(), **params)
-def test_crashes_and_failures_keep_every_invariant(
-    name, crashes, faults, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac
-) -> None:
-    run_schedule(
-        name, seed, P, N, W, steps, ratio, extra_buffer, inflight_frac, chunk_frac, crashes,
-        faults=faults,
-    )
+@given(crashes=st.integers(0, 3), faults=st.booleans(), **SHAPES)
+def test_crashes_and_failures_keep_every_invariant(name: str, **shape: Any) -> None:
+    run_schedule(name, **shape)
 
 
 def test_windowed_samplers_do_waste_when_stragglers_are_old() -> None:
@@ -393,15 +353,8 @@ def test_a_sampler_breaking_the_bound_is_refused() -> None:
         def should_abort_inflight(self, group, trainer_version):
             return False
 
-    s = Scheduler(
-        Greedy(OversampledConfig(max_staleness_versions=1)),
-        prompts_per_step=1,
-        samples_per_prompt=1,
-        num_steps=5,
-        max_buffered_groups=4,
-        max_inflight_samples=4,
-        min_chunk_groups=1,
-    )
+    s = scheduler(Greedy(OversampledConfig(max_staleness_versions=1)), P=1, N=1, steps=5,
+                  cap=4, inflight=4)  # fmt: skip
     first = s.dispatch()
     assert isinstance(first, Dispatch)
     for _ in range(2):  # two steps trained by other groups while `first` waits

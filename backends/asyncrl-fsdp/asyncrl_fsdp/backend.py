@@ -47,6 +47,70 @@ def _fsdp_owners(model: torch.nn.Module) -> dict[str, FSDPModule]:
     return owners
 
 
+def _unit_order(
+    model: torch.nn.Module, names: list[str], owner: dict[str, FSDPModule]
+) -> list[FSDPModule]:
+    """The non-root FSDP units of ``model``, in the order the parameters ``names`` (owned as
+    ``owner`` says) reach them."""
+    order: list[FSDPModule] = []
+    for name in names:
+        unit = owner.get(name)
+        if unit is not None and unit is not model and unit not in order:
+            order.append(unit)
+    return order
+
+
+class _Gathered:
+    """Which FSDP units one :meth:`FSDPBackend.iter_weights` pass holds gathered: the root
+    (gathered at its first parameter, kept until the end), the non-root unit being sent, and
+    the all-gathers started ahead for the units after it. The iteration owns one and closes
+    it however it ends."""
+
+    def __init__(self, model: torch.nn.Module, order: list[FSDPModule]) -> None:
+        self._model = model
+        self._order = order  # the non-root units, in the order their tensors come
+        self._prefetched: dict[int, Any] = {}  # unit index -> its pending all-gather
+        self._root_open = False
+        self._opened = -1  # index in `order` of the non-root unit gathered now
+
+    def enter(self, unit: FSDPModule | None) -> None:
+        """Make sure ``unit`` (the owner of the next parameter; ``None``: no unit) is
+        gathered: the root is unsharded once; a new non-root unit reshards the previous one,
+        waits for its own prefetched all-gather (or unshards now) and starts the next unit's.
+        """
+        model, order = self._model, self._order
+        if unit is model:
+            if not self._root_open:  # the root's few tensors stay gathered until the end
+                model.unshard()
+                self._root_open = True
+        elif unit is not None and (self._opened < 0 or unit is not order[self._opened]):
+            if self._opened >= 0:
+                order[self._opened].reshard()
+            self._opened = order.index(unit)
+            handle = self._prefetched.pop(self._opened, None)
+            if handle is not None:
+                handle.wait()
+            else:
+                unit.unshard()
+            if self._opened + 1 < len(order):  # the next unit gathers while this one is sent
+                self._prefetched[self._opened + 1] = order[self._opened + 1].unshard(
+                    async_op=True
+                )
+
+    def close(self) -> None:
+        """Reshard everything still gathered, waiting first for prefetched all-gathers the
+        iteration was abandoned before reaching."""
+        order = self._order
+        for index, handle in self._prefetched.items():  # abandoned before reaching them
+            if handle is not None:
+                handle.wait()
+            order[index].reshard()
+        if self._opened >= 0:
+            order[self._opened].reshard()
+        if self._root_open:
+            self._model.reshard()  # type: ignore[operator]
+
+
 class FSDPBackend(DistributedTrainer):
     """:class:`~asyncrl.backend.TrainingBackend` over FSDP2 (see the module docstring)."""
 
@@ -194,32 +258,10 @@ class FSDPBackend(DistributedTrainer):
         sender = self._ctx.rank == 0
         names = [n for n, _ in model.named_parameters()]
         owner = _fsdp_owners(model)
-        order: list[FSDPModule] = []  # the non-root units, in the order their tensors come
-        for name in names:
-            unit = owner.get(name)
-            if unit is not None and unit is not model and unit not in order:
-                order.append(unit)
-        prefetched: dict[int, Any] = {}  # unit index -> its pending all-gather
-        root_open = False
-        opened = -1  # index in `order` of the non-root unit gathered now
+        gathered = _Gathered(model, _unit_order(model, names, owner))
         try:
             for name in names:
-                unit = owner.get(name)
-                if unit is model:
-                    if not root_open:  # the root's few tensors stay gathered until the end
-                        model.unshard()
-                        root_open = True
-                elif unit is not None and (opened < 0 or unit is not order[opened]):
-                    if opened >= 0:
-                        order[opened].reshard()
-                    opened = order.index(unit)
-                    handle = prefetched.pop(opened, None)
-                    if handle is not None:
-                        handle.wait()
-                    else:
-                        unit.unshard()
-                    if opened + 1 < len(order):  # the next unit gathers while this one is sent
-                        prefetched[opened + 1] = order[opened + 1].unshard(async_op=True)
+                gathered.enter(owner.get(name))
                 param = model.get_parameter(name).detach()
                 # detach() instead of a no_grad() block: grad mode is thread-local and a block
                 # would stay entered while the generator is suspended between items.
@@ -231,14 +273,7 @@ class FSDPBackend(DistributedTrainer):
                 out = param.to(dtype).contiguous()
                 yield WeightTensor(name, self._ctx.config.model.dtype, tuple(out.shape), out)
         finally:
-            for index, handle in prefetched.items():  # abandoned before reaching them
-                if handle is not None:
-                    handle.wait()
-                order[index].reshard()
-            if opened >= 0:
-                order[opened].reshard()
-            if root_open:
-                model.reshard()  # type: ignore[operator]
+            gathered.close()
 
     def _iter_local(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[WeightTensor]:
         """One rank holds every parameter whole (its shard is the tensor): no unit is gathered.

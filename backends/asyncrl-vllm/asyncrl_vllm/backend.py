@@ -96,6 +96,52 @@ def _sample(completion: Any) -> Sample:
     return Sample(tokens, values, str(completion.finish_reason or "abort"))
 
 
+def _check_request(request: GenRequest, llm: Any) -> None:
+    """Refuse a request the engine cannot serve as asked.
+
+    Raises:
+        RequestError: an empty prompt, ``n`` or ``max_tokens`` below 1, a prompt plus
+            ``max_tokens`` longer than the engine's context, or a temperature that is not
+            positive on a sampled (not greedy) request.
+    """
+    if not request.prompt_ids:
+        raise RequestError(f"group {request.group_id}: empty prompt")
+    if request.n < 1 or request.max_tokens < 1:
+        raise RequestError(f"group {request.group_id}: n and max_tokens must be >= 1")
+    context = int(llm.model_config.max_model_len)
+    if len(request.prompt_ids) + request.max_tokens > context:
+        raise RequestError(
+            f"group {request.group_id}: a prompt of {len(request.prompt_ids)} tokens plus "
+            f"{request.max_tokens} new ones exceeds the context of {context} tokens"
+        )
+    if not request.greedy and not request.temperature > 0:
+        raise RequestError(
+            f"group {request.group_id}: temperature must be > 0 (or set greedy), "
+            f"got {request.temperature}"
+        )
+
+
+def _sampling_params(request: GenRequest, i: int, eos: list[int]) -> Any:
+    """vLLM's ``SamplingParams`` for sample ``i`` of ``request``: seed ``seed + i``, the
+    sampled tokens' logprobs (flat), stop at ``eos``, only the final output."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        temperature=0.0 if request.greedy else request.temperature,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=request.max_tokens,
+        logprobs=0,
+        seed=None if request.seed is None else (request.seed + i) & 0x7FFFFFFF,
+        detokenize=False,
+        stop_token_ids=list(eos),
+        flat_logprobs=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
 class VLLMBackend(EngineWeights):
     """:class:`~asyncrl.backend.GenerationBackend` on a vLLM ``AsyncLLM``."""
 
@@ -197,15 +243,7 @@ class VLLMBackend(EngineWeights):
         import torch
 
         cuda = torch.cuda.is_available()
-        if (
-            not cuda
-            and self.options.cpu_gemm_kernel == "sgl"
-            and not torch.cpu._is_amx_tile_supported()
-        ):
-            raise ConfigError(
-                "generator.options.cpu_gemm_kernel: 'sgl' needs a CPU with AMX, and this one has "
-                "none. Fix: use 'auto' (or 'onednn' / 'torch')"
-            )
+        self._check_cpu_gemm(cuda)
         # Start multiprocessing's resource tracker now, so the reaper's baseline counts it as
         # this process's helper and not as one of the engine's processes.
         multiprocessing.resource_tracker.ensure_running()
@@ -232,8 +270,44 @@ class VLLMBackend(EngineWeights):
             await self.close()
             raise
         seconds = time.perf_counter() - begin
-        caps = {
-            "backend_version": vllm.__version__,
+        caps = self._engine_facts(vllm.__version__, cuda, info, kernels, idle_spin, seconds)
+        self._log.info("engine_started", **caps)
+        return caps
+
+    def _check_cpu_gemm(self, cuda: bool) -> None:
+        """Refuse ``cpu_gemm_kernel = "sgl"`` on a CPU build without AMX before the engine is
+        built (vLLM would fail deep inside its workers).
+
+        Raises:
+            ConfigError: ``sgl`` was asked for on a CPU without AMX.
+        """
+        import torch
+
+        if (
+            not cuda
+            and self.options.cpu_gemm_kernel == "sgl"
+            and not torch.cpu._is_amx_tile_supported()
+        ):
+            raise ConfigError(
+                "generator.options.cpu_gemm_kernel: 'sgl' needs a CPU with AMX, and this one has "
+                "none. Fix: use 'auto' (or 'onednn' / 'torch')"
+            )
+
+    def _engine_facts(
+        self,
+        version: str,
+        cuda: bool,
+        info: dict[str, Any],
+        kernels: dict[str, str],
+        idle_spin: float | None,
+        seconds: float,
+    ) -> dict[str, Any]:
+        """What :meth:`start` returns and logs about the engine just built: vLLM's
+        ``version``, the platform, the engine's limits and what its workers reported
+        (``info`` from ``asyncrl_info``, ``kernels`` from ``asyncrl_gemm_kernels``,
+        ``idle_spin`` from ``asyncrl_idle_spin``), and the build time in ``seconds``."""
+        return {
+            "backend_version": version,
             "kv_cache_dtype": str(self._llm.vllm_config.cache_config.cache_dtype),
             "platform": "cuda" if cuda else "cpu",
             "max_model_len": int(self._llm.model_config.max_model_len),
@@ -247,8 +321,6 @@ class VLLMBackend(EngineWeights):
             # CPU build: the engine worker's idle poll (None: vLLM's 1 s; asyncrl_vllm.idle)
             "idle_spin_s": idle_spin,
         }
-        self._log.info("engine_started", **caps)
-        return caps
 
     async def close(self) -> None:
         """Shut the engine down and reap its processes; whatever survives the grace period is
@@ -353,76 +425,63 @@ class VLLMBackend(EngineWeights):
         one engine slot. Logprobs are of the sampled tokens after temperature (greedy: the
         plain log-softmax). A greedy group is generated once and emitted n times.
 
+        Raises:
+            RequestError: the engine cannot serve the request as asked (see
+                :func:`_check_request`).
+
         Cancellation: vLLM aborts the requests in the engine; the cancellation propagates.
         """
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         llm = self._require()
-        if not request.prompt_ids:
-            raise RequestError(f"group {request.group_id}: empty prompt")
-        if request.n < 1 or request.max_tokens < 1:
-            raise RequestError(f"group {request.group_id}: n and max_tokens must be >= 1")
-        context = int(llm.model_config.max_model_len)
-        if len(request.prompt_ids) + request.max_tokens > context:
-            raise RequestError(
-                f"group {request.group_id}: a prompt of {len(request.prompt_ids)} tokens plus "
-                f"{request.max_tokens} new ones exceeds the context of {context} tokens"
-            )
-        if not request.greedy and not request.temperature > 0:
-            raise RequestError(
-                f"group {request.group_id}: temperature must be > 0 (or set greedy), "
-                f"got {request.temperature}"
-            )
+        _check_request(request, llm)
         prompt = self._prompt(request.prompt_ids)
 
-        async def one(i: int) -> Sample:
-            rid = f"{request.group_id}/{i}"
-            params = SamplingParams(
-                n=1,
-                temperature=0.0 if request.greedy else request.temperature,
-                top_p=1.0,
-                top_k=0,
-                max_tokens=request.max_tokens,
-                logprobs=0,
-                seed=None if request.seed is None else (request.seed + i) & 0x7FFFFFFF,
-                detokenize=False,
-                stop_token_ids=list(self._eos),
-                flat_logprobs=True,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            final = None
-            self._requests.setdefault(request.group_id, set()).add(rid)
-            try:
-                async with contextlib.aclosing(llm.generate(prompt, params, request_id=rid)) as out:
-                    async for item in out:
-                        final = item
-            finally:
-                running = self._requests.get(request.group_id)
-                if running is not None:
-                    running.discard(rid)
-                    if not running:
-                        del self._requests[request.group_id]
-            aborted = rid in self._aborted
-            self._aborted.discard(rid)
-            if final is None or not final.outputs:
-                if aborted:  # aborted before vLLM produced anything
-                    return Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort")
-                raise RuntimeError(f"group {request.group_id}: vLLM returned no output for {rid}")
-            return _sample(final.outputs[0])
-
         async def run(i: int) -> None:
-            await emit(i, await one(i))
+            await emit(i, await self._generate_sample(llm, request, prompt, i))
 
         if request.greedy:
             async with self._engine_errors():
-                s = await one(0)
+                s = await self._generate_sample(llm, request, prompt, 0)
             for i in range(request.n):
                 await emit(i, Sample(s.token_ids.copy(), s.logprobs.copy(), s.finish_reason))
             return
         async with self._engine_errors(), anyio.create_task_group() as tg:
             for i in range(request.n):
                 tg.start_soon(run, i)
+
+    async def _generate_sample(
+        self, llm: Any, request: GenRequest, prompt: dict[str, Any], i: int
+    ) -> Sample:
+        """Sample ``i`` of ``request``: one vLLM request (id ``<group>/<i>``) run to its end,
+        tracked in ``_requests`` while it runs so that :meth:`abort` can reach it. A request
+        aborted before vLLM produced anything is an empty sample with ``finish_reason ==
+        "abort"``.
+
+        Raises:
+            RuntimeError: vLLM ended the request without an output, and it was not aborted.
+
+        Cancellation: vLLM aborts the request in the engine; the cancellation propagates.
+        """
+        rid = f"{request.group_id}/{i}"
+        params = _sampling_params(request, i, self._eos)
+        final = None
+        self._requests.setdefault(request.group_id, set()).add(rid)
+        try:
+            async with contextlib.aclosing(llm.generate(prompt, params, request_id=rid)) as out:
+                async for item in out:
+                    final = item
+        finally:
+            running = self._requests.get(request.group_id)
+            if running is not None:
+                running.discard(rid)
+                if not running:
+                    del self._requests[request.group_id]
+        aborted = rid in self._aborted
+        self._aborted.discard(rid)
+        if final is None or not final.outputs:
+            if aborted:  # aborted before vLLM produced anything
+                return Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort")
+            raise RuntimeError(f"group {request.group_id}: vLLM returned no output for {rid}")
+        return _sample(final.outputs[0])
 
     @contextlib.asynccontextmanager
     async def _engine_errors(self) -> AsyncIterator[None]:

@@ -31,8 +31,8 @@ served the old embedding after a refit and logprobs were off by up to 1.6).
 Importing this module in a worker also arms ``PR_SET_PDEATHSIG`` (SIGKILL) when the worker
 belongs to an asyncrl engine, so a worker dies with the process that spawned it (the engine
 core on the CPU build, the backend process itself with vLLM's in-process executor), requests
-AMX tile state on AMX CPUs (see :func:`_request_amx`), and applies a forced CPU GEMM kernel (``ASYNCRL_VLLM_CPU_GEMM``, from the ``cpu_gemm_kernel`` option)
-before vLLM loads the model.
+AMX tile state on AMX CPUs (see :func:`_request_amx`), and applies a forced CPU GEMM kernel
+(``ASYNCRL_VLLM_CPU_GEMM``, from the ``cpu_gemm_kernel`` option) before vLLM loads the model.
 """
 
 from __future__ import annotations
@@ -181,6 +181,36 @@ def _reload_helpers() -> tuple[Any, Any] | None:
 
 def _is_attention(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("_k_scale", "_v_scale", "_k_scale_float"))
+
+
+def _bucket_weights(
+    entries: list[list[Any]],
+    memory: torch.Tensor,
+    source: torch.Tensor,
+    device: torch.device,
+    mode: str,
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for each of ``entries`` (``[name, dtype, shape, offset, nbytes]``):
+    a view of ``source`` (the bucket's ``memory`` or its mirror), or a private copy on
+    ``device`` where the bucket is on another device type or the loader keeps references
+    (``layerwise``).
+
+    Raises:
+        ValueError: an entry's byte count does not match its dtype and shape, or its bytes
+            lie outside the bucket.
+    """
+    weights: list[tuple[str, torch.Tensor]] = []
+    for name, dtype_name, shape, offset, nbytes in entries:
+        dtype = _dtype(dtype_name)
+        if nbytes != math.prod(shape) * dtype.itemsize or offset < 0:
+            raise ValueError(f"{name}: {nbytes} bytes do not hold {dtype_name}{list(shape)}")
+        if offset + nbytes > memory.numel():
+            raise ValueError(f"{name}: bytes {offset}+{nbytes} outside the bucket")
+        tensor = source[offset : offset + nbytes].view(dtype).view(shape)
+        if source.device.type != device.type or mode == "layerwise":
+            tensor = tensor.to(device, copy=True)
+        weights.append((name, tensor))
+    return weights
 
 
 class AsyncRLWorkerExtension:
@@ -334,7 +364,13 @@ class AsyncRLWorkerExtension:
         engine. A bucket on another GPU is first copied whole into a mirror buffer on this one
         (``mirror``: the ``refit_mirror`` option, see :mod:`asyncrl_vllm.mirror`); a replayed
         bucket then returns once that copy is done, and its scatter runs on under the next
-        bucket's copy (the reload's finish waits for it)."""
+        bucket's copy (the reload's finish waits for it).
+
+        Raises:
+            RuntimeError: no reload is open and ``open_mode`` is ``None``.
+            ValueError: an entry's bytes do not hold its dtype and shape, or lie outside the
+                bucket.
+        """
         start = time.perf_counter()
         if open_mode is not None:
             self.asyncrl_begin_reload(open_mode)
@@ -344,53 +380,101 @@ class AsyncRLWorkerExtension:
         memory, stable = self._asyncrl_open(transport, handle)
         device = torch.device(self.device)  # type: ignore[attr-defined]
         model = self._asyncrl_model()
-        key = None
+        key: tuple[Any, ...] | None = None
         source = memory
         copied = None
         if mode == "direct" and stable and memory.device.type == device.type:
-            mirrored = self._asyncrl_mirror_for(memory, device, mirror)
-            if mirrored is not None:
-                span = max((e[3] + e[4] for e in entries), default=0)
-                try:
-                    source, copied, fresh = mirrored.fetch(handle, memory, span)
-                except torch.OutOfMemoryError:  # read it where it is from now on
-                    self._asyncrl_plan(model).forget_buckets()  # some read a dropped buffer
-                else:
-                    if fresh:  # kept buckets of this handle read a buffer that was dropped
-                        self._asyncrl_plan(model).forget_buckets(lambda k: k[1] == handle)
-                if copied is not None:
-                    torch.cuda.current_stream(device).wait_event(copied)
-            # the key names what the program reads: the mapped bucket or its mirror
-            entry_key = tuple((e[0], e[1], tuple(e[2]), e[3], e[4]) for e in entries)
-            key = (transport, handle, entry_key, copied is not None)
-            with self._asyncrl_config():
-                direct = self._asyncrl_plan(model).replay(key)
+            source, copied, key, direct = self._asyncrl_replay(
+                model, transport, handle, entries, memory, device, mirror
+            )
             if direct is not None:
-                if copied is not None:
-                    assert mirrored is not None
-                    mirrored.reading(handle, torch.cuda.current_stream(device))
                 return self._asyncrl_loaded(start, memory, mode, len(entries), direct, True,
                                             finish, kv_scales, copied)
-        weights: list[tuple[str, torch.Tensor]] = []
-        for name, dtype_name, shape, offset, nbytes in entries:
-            dtype = _dtype(dtype_name)
-            if nbytes != math.prod(shape) * dtype.itemsize or offset < 0:
-                raise ValueError(f"{name}: {nbytes} bytes do not hold {dtype_name}{list(shape)}")
-            if offset + nbytes > memory.numel():
-                raise ValueError(f"{name}: bytes {offset}+{nbytes} outside the bucket")
-            tensor = source[offset : offset + nbytes].view(dtype).view(shape)
-            if source.device.type != device.type or mode == "layerwise":
-                tensor = tensor.to(device, copy=True)
-            weights.append((name, tensor))
+        weights = _bucket_weights(entries, memory, source, device, mode)
+        direct = self._asyncrl_load_weights(model, mode, weights, key)
+        del weights
+        return self._asyncrl_loaded(start, memory, mode, len(entries), direct, False, finish,
+                                    kv_scales, copied)
+
+    def _asyncrl_replay(
+        self,
+        model: torch.nn.Module,
+        transport: str,
+        handle: bytes,
+        entries: list[list[Any]],
+        memory: torch.Tensor,
+        device: torch.device,
+        policy: str,
+    ) -> tuple[torch.Tensor, Any, tuple[Any, ...], int | None]:
+        """Direct mode on a stable handle: mirror the bucket if ``policy`` says so
+        (:meth:`_asyncrl_mirror_bucket`), then replay the copy plan's batched copy of it if the
+        plan has seen it. Returns the memory to read the tensors from (the mirror or
+        ``memory``), the mirror copy's CUDA event (``None``: not mirrored), the plan's key for
+        the bucket, and how many tensors the replay loaded (``None``: not replayed, load the
+        tensors one by one). A replayed mirrored bucket's scatter is registered with the
+        mirror as reading its buffer."""
+        mirrored, source, copied = self._asyncrl_mirror_bucket(
+            model, handle, entries, memory, device, policy
+        )
+        # the key names what the program reads: the mapped bucket or its mirror
+        entry_key = tuple((e[0], e[1], tuple(e[2]), e[3], e[4]) for e in entries)
+        key = (transport, handle, entry_key, copied is not None)
+        with self._asyncrl_config():
+            direct = self._asyncrl_plan(model).replay(key)
+        if direct is not None:
+            if copied is not None:
+                assert mirrored is not None
+                mirrored.reading(handle, torch.cuda.current_stream(device))
+        return source, copied, key, direct
+
+    def _asyncrl_mirror_bucket(
+        self,
+        model: torch.nn.Module,
+        handle: bytes,
+        entries: list[list[Any]],
+        memory: torch.Tensor,
+        device: torch.device,
+        policy: str,
+    ) -> tuple[Mirror | None, torch.Tensor, Any]:
+        """Copy the bucket in ``memory`` whole into this GPU's mirror buffer where ``policy``
+        (the ``refit_mirror`` option) asks for it, and make the current stream wait for that
+        copy. Returns the mirror (``None``: none applies), the memory to read (the mirror's
+        buffer, or ``memory`` when not mirrored or the mirror ran out of memory) and the copy's
+        CUDA event (``None``: nothing was copied). Kept copy-plan buckets that read a dropped
+        mirror buffer are forgotten."""
+        source = memory
+        copied = None
+        mirrored = self._asyncrl_mirror_for(memory, device, policy)
+        if mirrored is not None:
+            span = max((e[3] + e[4] for e in entries), default=0)
+            try:
+                source, copied, fresh = mirrored.fetch(handle, memory, span)
+            except torch.OutOfMemoryError:  # read it where it is from now on
+                self._asyncrl_plan(model).forget_buckets()  # some read a dropped buffer
+            else:
+                if fresh:  # kept buckets of this handle read a buffer that was dropped
+                    self._asyncrl_plan(model).forget_buckets(lambda k: k[1] == handle)
+            if copied is not None:
+                torch.cuda.current_stream(device).wait_event(copied)
+        return mirrored, source, copied
+
+    def _asyncrl_load_weights(
+        self,
+        model: torch.nn.Module,
+        mode: str,
+        weights: list[tuple[str, torch.Tensor]],
+        key: tuple[Any, ...] | None,
+    ) -> int:
+        """Load ``weights`` into ``model``: through the copy plan (compiled and kept under
+        ``key``) in ``direct`` mode, else through ``model.load_weights``. Returns how many
+        tensors went through a compiled plan (0 outside ``direct`` mode)."""
         direct = 0
         with self._asyncrl_config():
             if mode == "direct":
                 direct = self._asyncrl_plan(model).load(weights, key)
             else:
                 model.load_weights(iter(weights))  # type: ignore[operator]
-        del weights
-        return self._asyncrl_loaded(start, memory, mode, len(entries), direct, False, finish,
-                                    kv_scales, copied)
+        return direct
 
     def _asyncrl_loaded(
         self,

@@ -164,7 +164,6 @@ def make_model(
             settings.
     """
     from .model import build_model
-    from .sft import train_sft
 
     out = Path(out_dir)
     env_options = dict(env_options or {})
@@ -184,22 +183,7 @@ def make_model(
     tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
     try:
         build_model(tmp, seed=seed)
-        if shipped is not None:
-            _install_shipped(shipped, tmp)
-            built = shipped["report"]
-            warm = {k: built[k] for k in _SFT_FIELDS}
-            warm["shipped_eval_greedy_acc"] = built["eval_greedy_acc"]
-            warm["shipped_built_on"] = shipped["built_on"]
-        else:
-            result = train_sft(tmp, env, sft)
-            warm = {
-                "sft_steps": result.steps,
-                "sft_phase1_steps": result.phase1_steps,
-                "sft_reached_target": result.reached_target,
-                "sft_seconds": round(result.seconds, 1),
-                "train_loss_first": round(result.losses[0], 4),
-                "train_loss_last": round(result.losses[-1], 4),
-            }
+        warm = _warm_start(tmp, env, sft, shipped)
         report = {
             "out_dir": str(out),
             "seed": seed,
@@ -211,13 +195,51 @@ def make_model(
             "total_seconds": round(time.perf_counter() - start, 1),
             "skipped": False,
         }
-        (tmp / STAMP).write_text(json.dumps({"settings": key, "report": report}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _swap_in(tmp, out, {"settings": key, "report": report})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def _warm_start(
+    model_dir: Path, env: Any, sft: SFTSettings, shipped: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Warm-start the model just built in ``model_dir``: install the ``shipped`` weights
+    (their record, see :func:`shipped_warm_start`) or, without them, train with ``sft`` on
+    ``env``. Returns the warm start's figures for the report (for shipped weights, those
+    recorded where they were built).
+
+    Raises:
+        RuntimeError: the shipped weights are not the bytes that were measured.
+    """
+    from .sft import train_sft
+
+    if shipped is not None:
+        _install_shipped(shipped, model_dir)
+        built = shipped["report"]
+        warm = {k: built[k] for k in _SFT_FIELDS}
+        warm["shipped_eval_greedy_acc"] = built["eval_greedy_acc"]
+        warm["shipped_built_on"] = shipped["built_on"]
+    else:
+        result = train_sft(model_dir, env, sft)
+        warm = {
+            "sft_steps": result.steps,
+            "sft_phase1_steps": result.phase1_steps,
+            "sft_reached_target": result.reached_target,
+            "sft_seconds": round(result.seconds, 1),
+            "train_loss_first": round(result.losses[0], 4),
+            "train_loss_last": round(result.losses[-1], 4),
+        }
+    return warm
+
+
+def _swap_in(tmp: Path, out: Path, stamp: dict[str, Any]) -> None:
+    """Finish the build in ``tmp``: write its ``stamp`` (settings and report), then put it
+    in place of ``out`` (whatever was there is removed first)."""
+    (tmp / STAMP).write_text(json.dumps(stamp, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 _SFT_FIELDS = (
@@ -303,22 +325,11 @@ def _parser(defaults: SFTSettings) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring): build the model, print its report as
+    one JSON line. Returns the exit status (2: the environment options were refused); bad
+    arguments exit through argparse with status 2 and a message naming the option."""
     defaults = SFTSettings()
-    p = _parser(defaults)
-    args = p.parse_args(argv)
-
-    try:
-        env_options = json.loads(args.env_options)
-    except json.JSONDecodeError as exc:
-        p.error(f"--env-options is not JSON: {exc}")
-    if not isinstance(env_options, dict):
-        p.error("--env-options must be a JSON object")
-    if args.sft_steps < 1:
-        p.error("--sft-steps must be >= 1")
-    if args.slip_steps < 0 or not 0.0 <= args.slip_rate <= 1.0:
-        p.error("--slip-steps must be >= 0 and --slip-rate within [0, 1]")
-    if args.ship and not args.from_scratch:
-        p.error("--ship needs --from-scratch (it ships weights trained by this run)")
+    args, env_options = _parse_args(defaults, argv)
 
     import transformers
 
@@ -349,6 +360,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.ship:
         ship(Path(args.out_dir), report, _settings_key(
             args.seed, args.env_seed, env_options, sft))  # fmt: skip
+    _warn_weak(report, sft)
+    print(json.dumps(report))
+    return 0
+
+
+def _parse_args(
+    defaults: SFTSettings, argv: list[str] | None
+) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The parsed command line and its ``--env-options`` object. Bad arguments exit through
+    ``ArgumentParser.error`` (status 2, a message naming the option)."""
+    p = _parser(defaults)
+    args = p.parse_args(argv)
+
+    try:
+        env_options = json.loads(args.env_options)
+    except json.JSONDecodeError as exc:
+        p.error(f"--env-options is not JSON: {exc}")
+    if not isinstance(env_options, dict):
+        p.error("--env-options must be a JSON object")
+    if args.sft_steps < 1:
+        p.error("--sft-steps must be >= 1")
+    if args.slip_steps < 0 or not 0.0 <= args.slip_rate <= 1.0:
+        p.error("--slip-steps must be >= 0 and --slip-rate within [0, 1]")
+    if args.ship and not args.from_scratch:
+        p.error("--ship needs --from-scratch (it ships weights trained by this run)")
+    return args, env_options
+
+
+def _warn_weak(report: dict[str, Any], sft: SFTSettings) -> None:
+    """Warn on stderr when the model may be too weak for the demo: the shipped weights
+    measured off their recorded accuracy here, or the trained warm start stopped before its
+    target."""
     shipped_acc = report.get("shipped_eval_greedy_acc")
     if shipped_acc is not None and (
         abs(report["eval_greedy_acc"] - shipped_acc) > SHIPPED_GREEDY_TOLERANCE
@@ -369,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
             "show a clear rise (try another --seed or more --sft-steps)",
             file=sys.stderr,
         )
-    print(json.dumps(report))
-    return 0
 
 
 if __name__ == "__main__":
