@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/ab.py --base a9059ce              # modes + lag, 2 rounds
     .venv/bin/python benchmarks/ab.py --base a9059ce --part lag --rounds 3
+    python3 benchmarks/ab.py --base-dir ../old-checkout      # where there is no git
 
 The base revision is checked out into a temporary git worktree (removed at the end); the work
 tree is the other side. Rounds run in ABBA order (base, work, work, base, ...) so that a machine
 that drifts (thermal, page cache, another job) weighs on both sides alike. Each side runs its
-own ``benchmarks/modes.py`` with its own code: ``PYTHONPATH`` puts the side's tree and its
-plugins and backends first, and a metadata folder made from the side's ``pyproject.toml`` files,
-so ``importlib.metadata`` finds the side's entry points (those installed in the venv are the work
-tree's, and a restructure moves the modules they name). The worker processes inherit both.
+own ``benchmarks/modes.py`` with its own code: ``PYTHONPATH`` puts first a metadata folder
+made from the side's ``pyproject.toml`` files (``benchmarks/gpu/register_plugins.py``), so that
+``importlib.metadata`` finds the side's entry points (those installed in the venv are the work
+tree's, and a restructure moves the modules they name), then the side's tree, plugins and
+backends. The worker processes inherit both.
 
 The table gives, per mode, the median over rounds of s/step for each side and work/base; then
 the loop-lag p99 (steady state) the same way. Results go to ``--out`` (JSON, default
@@ -19,51 +21,35 @@ the loop-lag p99 (steady state) the same way. Results go to ``--out`` (JSON, def
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _projects(tree: Path) -> list[Path]:
-    """The tree's ``pyproject.toml`` files: the core, then each plugin and backend."""
-    return [tree / "pyproject.toml"] + sorted(tree.glob("plugins/*/pyproject.toml")) + sorted(
-        tree.glob("backends/*/pyproject.toml")
+def _register() -> Any:
+    """``benchmarks/gpu/register_plugins.py``'s ``register`` (the same job on the GPU host)."""
+    spec = importlib.util.spec_from_file_location(
+        "register_plugins", ROOT / "benchmarks" / "gpu" / "register_plugins.py"
     )
-
-
-def write_metadata(tree: Path, into: Path) -> None:
-    """One ``<name>-<version>.dist-info`` per project of ``tree`` with its entry points."""
-    for pyproject in _projects(tree):
-        project = tomllib.loads(pyproject.read_text())["project"]
-        name = project["name"].replace("-", "_")
-        info = into / f"{name}-{project.get('version', '0')}.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project.get('version', '0')}\n"
-        )
-        groups = dict(project.get("entry-points", {}))
-        if project.get("scripts"):
-            groups["console_scripts"] = project["scripts"]
-        lines = []
-        for group, entries in groups.items():
-            lines.append(f"[{group}]")
-            lines += [f"{key} = {value}" for key, value in entries.items()]
-            lines.append("")
-        (info / "entry_points.txt").write_text("\n".join(lines))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.register
 
 
 def side_env(tree: Path, metadata: Path) -> dict[str, str]:
-    paths = [metadata, tree] + [p.parent for p in _projects(tree)[1:]]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
+    """``PYTHONPATH`` for one side: its dist-infos (written into ``metadata``), then its tree,
+    plugins and backends."""
+    paths = [str(metadata), *_register()(tree, metadata)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def run_side(tree: Path, metadata: Path, part: str, extra: list[str], out: Path) -> dict[str, Any]:
@@ -118,49 +104,54 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def _revision(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def compare(base: Path, args: argparse.Namespace, extra: list[str], tmp: Path) -> dict[str, Any]:
+    """The ABBA rounds: each side's ``modes.py`` results, in the order they ran."""
+    trees = {"base": base, "work": ROOT}
+    order = (["base", "work", "work", "base"] * args.rounds)[: 2 * args.rounds]
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "work": []}
+    for i, side in enumerate(order):
+        print(f"round {i + 1}/{len(order)}: {side}", flush=True)
+        out = tmp / "out" / f"{i}-{side}.json"
+        out.parent.mkdir(exist_ok=True)
+        runs[side].append(run_side(trees[side], tmp / f"meta-{side}", args.part, extra, out))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="the revision to compare against")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--base", help="the revision to compare against (a git worktree of it)")
+    which.add_argument("--base-dir", type=Path, help="a checkout to compare against (no git)")
     parser.add_argument("--part", choices=["modes", "lag", "all"], default="all")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side (ABBA order)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "ab.json")
     args, extra = parser.parse_known_args()
-    base_rev = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()
-    work_rev = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="asyncrl-ab-") as tmp_name:
         tmp = Path(tmp_name)
-        base = tmp / "base"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), base_rev],
-            check=True, capture_output=True,
-        )
-        try:
-            trees = {"base": base, "work": ROOT}
-            for side, tree in trees.items():
-                write_metadata(tree, tmp / f"meta-{side}")
-            order = (["base", "work", "work", "base"] * args.rounds)[: 2 * args.rounds]
-            runs: dict[str, list[dict[str, Any]]] = {"base": [], "work": []}
-            for i, side in enumerate(order):
-                print(f"round {i + 1}/{len(order)}: {side}", flush=True)
-                out = tmp / "out" / f"{i}-{side}.json"
-                out.parent.mkdir(exist_ok=True)
-                runs[side].append(run_side(trees[side], tmp / f"meta-{side}", args.part, extra, out))
-        finally:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False
-            )
-            shutil.rmtree(base, ignore_errors=True)
-    print(f"\nbase {base_rev}, work {work_rev}, {args.rounds} round(s) a side, ABBA order\n")
+        if args.base_dir is not None:
+            base_name, work_name = str(args.base_dir), "work tree"
+            runs = compare(args.base_dir.resolve(), args, extra, tmp)
+        else:
+            base_name = _revision("rev-parse", "--short", args.base)
+            work_name = _revision("describe", "--always", "--dirty")
+            base = tmp / "base"
+            _revision("worktree", "add", "--detach", str(base), base_name)
+            try:
+                runs = compare(base, args, extra, tmp)
+            finally:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(base)], check=False)
+    print(f"\nbase {base_name}, work {work_name}, {args.rounds} round(s) a side, ABBA order\n")
     print(report(runs))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"base": base_rev, "work": work_rev, "extra": extra, "runs": runs}, indent=2)
+        json.dumps({"base": base_name, "work": work_name, "extra": extra, "runs": runs}, indent=2)
     )
     print(f"\nwrote {args.out}")
 

@@ -16,15 +16,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main(target: str) -> None:
-    out = Path(target)
-    out.mkdir(parents=True, exist_ok=True)
+def register(tree: Path, target: Path) -> list[str]:
+    """Write the dist-infos of ``tree``'s projects into ``target``; return the folders to put
+    on ``PYTHONPATH`` (each project's root, where its package lives)."""
+    target.mkdir(parents=True, exist_ok=True)
     paths = []
-    for pyproject in [ROOT / "pyproject.toml", *ROOT.glob("backends/*/pyproject.toml"),
-                      *ROOT.glob("plugins/*/pyproject.toml")]:
+    for pyproject in [tree / "pyproject.toml", *sorted(tree.glob("backends/*/pyproject.toml")),
+                      *sorted(tree.glob("plugins/*/pyproject.toml"))]:
         project = tomllib.loads(pyproject.read_text())["project"]
         name, version = project["name"], project["version"]
-        info = out / f"{name.replace('-', '_')}-{version}.dist-info"
+        info = target / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir(exist_ok=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         lines = []
@@ -33,7 +34,11 @@ def main(target: str) -> None:
             lines += [f"{k} = {v}" for k, v in eps.items()]
         (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
         paths.append(str(pyproject.parent))
-    print(":".join(paths))
+    return paths
+
+
+def main(target: str) -> None:
+    print(":".join(register(ROOT, Path(target))))
 
 
 if __name__ == "__main__":
