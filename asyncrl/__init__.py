@@ -10,7 +10,7 @@ Embedding::
 """
 
 from asyncrl.config import Config, load_config
-from asyncrl.run.controller import Controller, RunSummary
+from asyncrl.run.controller import Controller, RunStatus, RunSummary
 from asyncrl.errors import (
     AsyncRLError,
     ConfigError,
@@ -43,6 +43,7 @@ __all__ = [
     "RefitError",
     "RemoteCallError",
     "RunError",
+    "RunStatus",
     "RunSummary",
     "WorkerDiedError",
     "WorkerError",

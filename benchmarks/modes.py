@@ -177,7 +177,7 @@ async def part_lag(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str
         tg.start_soon(probe)
         config = from_dict(data)
         async with asyncrl.Controller(config) as ctl:
-            t0 = ctl.pipeline.t0
+            t0 = ctl.status().clock_origin
             steps = (await ctl.train()).steps
         tg.cancel_scope.cancel()
     window = steps[-1]["time"] - steps[1]["time"]

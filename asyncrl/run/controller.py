@@ -58,7 +58,7 @@ from asyncrl.procs.spawn import (
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.wire.messages import Hello, Init, TokenBatch
 from asyncrl.config.modes import make_scheduler
-from asyncrl.run.loops import Pipeline, RunSummary
+from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
 from asyncrl.run.restarts import Restarts
@@ -69,7 +69,7 @@ from asyncrl.run.runlock import lock_run
 from asyncrl.procs.space import no_space_in
 from asyncrl.wire.transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
 
-__all__ = ["Addresses", "Controller", "RunSummary"]
+__all__ = ["Addresses", "Controller", "RunStatus", "RunSummary"]
 
 log = structlog.get_logger("asyncrl.run.controller")
 
@@ -154,10 +154,11 @@ class Controller(anyio.AsyncContextManagerMixin):
         """Worker deaths in the order they were seen (the first is the root cause)."""
         self.addresses: Addresses | None = None
 
-    @property
-    def pipeline(self) -> Pipeline:
+    def _running_pipeline(self) -> Pipeline:
         if self._pipeline is None:
-            raise RuntimeError("the controller is not running")
+            raise RuntimeError(
+                "the controller is not running: call this inside `async with Controller(...)`"
+            )
         return self._pipeline
 
     @asynccontextmanager
@@ -346,14 +347,14 @@ class Controller(anyio.AsyncContextManagerMixin):
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next step boundary (or at the end of the run), without
         waiting for it (``asyncrl.launch`` does it on SIGUSR1)."""
-        self.pipeline.request_checkpoint()
+        self._running_pipeline().request_checkpoint()
 
     async def save_checkpoint(self) -> str | None:
         """Save a checkpoint at the next step boundary (or at the end of the run) and return
         its directory once committed (``None`` if the save failed; the run goes on). Asked
         after the last step boundary, it returns the run's last checkpoint (``None``: none).
         For an embedding application; ``asyncrl.launch`` does the same on SIGUSR1."""
-        return await self.pipeline.save_checkpoint()
+        return await self._running_pipeline().save_checkpoint()
 
     async def generator_logprobs(
         self, batch: TokenBatch, *, temperature: float = 1.0, rank: int = 0
@@ -363,12 +364,17 @@ class Controller(anyio.AsyncContextManagerMixin):
         With :meth:`trainer_logprobs` this measures the trainer/generator mismatch (it should
         be within bf16 noise right after a refit). Cancellation: the reply is dropped.
         """
-        return await self.pipeline.generator_logprobs(batch, rank=rank, temperature=temperature)
+        return await self._running_pipeline().generator_logprobs(batch, rank=rank, temperature=temperature)
 
     async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
         """Logprobs of ``batch``'s response tokens under the trainer's current weights
         (sequences are sharded over the trainer ranks and reassembled in order)."""
-        return await self.pipeline.trainer_logprobs(batch, temperature=temperature)
+        return await self._running_pipeline().trainer_logprobs(batch, temperature=temperature)
+
+    def status(self) -> RunStatus:
+        """Where the run stands now: optimizer steps taken, the last checkpoint committed, the
+        prompt ledger, the workers' pids and the clock origin of the metrics records."""
+        return self._running_pipeline().status()
 
     async def train(self) -> RunSummary:
         """Run ``run.num_steps`` optimizer steps (with the configured evaluations).
@@ -377,7 +383,7 @@ class Controller(anyio.AsyncContextManagerMixin):
 
         Cancellation: the pumps stop; leaving the ``async with`` block cleans up.
         """
-        return await self.pipeline.run()
+        return await self._running_pipeline().run()
 
     def _note_stop(self, metrics: MetricsWriter) -> None:
         """A run that did not finish (a dead trainer, a run error, a signal): what can be

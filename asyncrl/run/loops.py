@@ -97,6 +97,11 @@ class RunStatus:
     step: int
     checkpoint: str | None
     ledger: list[dict[str, Any]]
+    workers: dict[str, int] = field(default_factory=dict)
+    """The worker processes the controller knows now: pid by name (``rollout:0``...)."""
+    clock_origin: float = 0.0
+    """``time.perf_counter()`` at the run's time zero: the ``time`` of every metrics record
+    counts from it."""
 
 
 class Pipeline:
@@ -252,6 +257,8 @@ class Pipeline:
             step=self.book.trainer_version,
             checkpoint=str(last) if last is not None else None,
             ledger=[dataclasses.asdict(e) for e in self.book.ledger_report()],
+            workers=self.control.pids(),
+            clock_origin=self.t0,
         )
 
     async def generator_logprobs(

@@ -253,6 +253,10 @@ class ControlPlane:
         restarted is absent until its new process is ready)."""
         return [p for p in self.peers.values() if p.ready.is_set() and p.error is None]
 
+    def pids(self) -> dict[str, int]:
+        """The connected workers' processes: pid by name."""
+        return {name: peer.pid for name, peer in self.peers.items()}
+
     def forget(self, identity: str, error: BaseException) -> None:
         """Forget a worker whose process died and will start again: every call waiting on
         it, and every call to it until its new process says ``Hello``, fails with ``error``;

@@ -152,7 +152,7 @@ def assert_nothing_left(ctl: Controller, worker_pids: Iterable[int] = ()) -> Non
 
 def worker_pids(ctl: Controller) -> dict[str, int]:
     """``{"group:rank": pid}`` of the connected workers (call inside the ``async with``)."""
-    return {name: peer.pid for name, peer in ctl.pipeline.control.peers.items()}
+    return ctl.status().workers
 
 
 def free_port() -> int:

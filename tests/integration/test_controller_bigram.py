@@ -22,7 +22,6 @@ import asyncrl  # noqa: E402
 from asyncrl.procs.space import shm_dir  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
-from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score  # noqa: E402
 from asyncrl_example_backend.model import (  # noqa: E402
     initial_table,
     response_tokens,
@@ -39,17 +38,8 @@ RESPONSES = [[4 + d, 4 + (d + 3) % 10, 2] for d in range(10)]
 
 async def _logprobs_everywhere(ctl: asyncrl.Controller, rollouts: int) -> dict[str, np.ndarray]:
     batch = pack_tokens(PROMPTS, RESPONSES)
-    timeout = 30.0
-    out = {}
-    for r in range(rollouts):
-        res = await ctl.pipeline.control.call(f"rollout:{r}", Score(batch=batch), timeout_s=timeout)
-        assert isinstance(res, LogprobsResult)
-        out[f"rollout:{r}"] = np.array(res.logprobs)
-    res = await ctl.pipeline.control.call(
-        "trainer:0", ComputeLogprobs(batch=batch), timeout_s=timeout
-    )
-    assert isinstance(res, LogprobsResult)
-    out["trainer:0"] = np.array(res.logprobs)
+    out = {f"rollout:{r}": await ctl.generator_logprobs(batch, rank=r) for r in range(rollouts)}
+    out["trainer:0"] = await ctl.trainer_logprobs(batch)
     return out
 
 

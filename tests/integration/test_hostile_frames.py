@@ -127,7 +127,7 @@ async def test_hostile_frames_change_nothing_but_a_counter(
 
             tg.start_soon(train)
             with anyio.fail_after(60):
-                while len(ctl.pipeline.history) < 2:
+                while ctl.status().step < 2:
                     await anyio.sleep(0.02)
             sent = await _attack(ctl)
     assert_nothing_left(ctl, pids.values())

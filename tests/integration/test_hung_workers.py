@@ -89,7 +89,7 @@ async def _stop_until_hung(
             pids.update(worker_pids(ctl))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ctl.train)
-                while len(ctl.pipeline.history) < 2:
+                while ctl.status().step < 2:
                     await anyio.sleep(0.01)
                 os.kill(pids[worker], signal.SIGSTOP)
                 start = time.monotonic()
@@ -118,7 +118,7 @@ async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_
                     result.append(await ctl.train())
 
                 tg.start_soon(train)
-                while len(ctl.pipeline.history) < 2:
+                while ctl.status().step < 2:
                     await anyio.sleep(0.01)
                 stopped = worker_pids(ctl)["rollout:1"]
                 os.kill(stopped, signal.SIGSTOP)

@@ -83,7 +83,7 @@ async def test_a_killed_rollout_worker_is_restarted_and_the_run_finishes(
                 result.append(await ctl.train())
 
             tg.start_soon(train)
-            while len(ctl.pipeline.history) < 2:  # a refit already happened
+            while ctl.status().step < 2:  # a refit already happened
                 await anyio.sleep(0.01)
             marker = markers / f"{victim.replace(':', '-')}.{phase}"
             marker.unlink(missing_ok=True)  # the next one, not one seen before

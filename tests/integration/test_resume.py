@@ -28,7 +28,6 @@ from asyncrl.procs import space  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import NoSpaceError, RunError  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
-from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
@@ -39,11 +38,7 @@ SYNC = {"sampler": {"name": "in_order", "max_lookahead_versions": 0}}
 
 
 async def _trainer_logprobs(ctl: asyncrl.Controller) -> np.ndarray:
-    res = await ctl.pipeline.control.call(
-        "trainer:0", ComputeLogprobs(batch=pack_tokens(PROMPTS, RESPONSES)), timeout_s=30
-    )
-    assert isinstance(res, LogprobsResult)
-    return np.array(res.logprobs)
+    return await ctl.trainer_logprobs(pack_tokens(PROMPTS, RESPONSES))
 
 
 async def _run(cfg: Config, resume: str | None = None) -> tuple[asyncrl.RunSummary, np.ndarray]:
@@ -247,7 +242,7 @@ async def test_a_dead_trainer_stops_the_run_and_resume_goes_on_losing_nothing(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ctl.train)
                 with anyio.fail_after(60):
-                    while len(ctl.pipeline.history) < 3:
+                    while ctl.status().step < 3:
                         await anyio.sleep(0.005)
                 os.kill(pids["trainer:0"], signal.SIGKILL)
                 await anyio.sleep_forever()

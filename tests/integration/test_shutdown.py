@@ -41,7 +41,7 @@ class HostError(Exception):
 
 async def _wait_for_steps(ctl: asyncrl.Controller, n: int) -> None:
     with anyio.fail_after(60):
-        while len(ctl.pipeline.history) < n:
+        while ctl.status().step < n:
             await anyio.sleep(0.02)
 
 

@@ -324,3 +324,16 @@ completions_every = -1
         "failures.reward_timeout_s", "metrics.completions_every", "model.path", "model.path",
     ]  # fmt: skip
     assert all("Fix:" in str(exc) for exc in found)
+
+
+@pytest.mark.anyio
+async def test_a_controller_not_running_says_where_to_ask(tmp_path: Path, model_dir: Path) -> None:
+    """What the controller answers needs a run: outside ``async with`` each call says so."""
+    import asyncrl
+
+    ctl = asyncrl.Controller(load_config(write(tmp_path, BASE)))
+    for ask in (ctl.status, ctl.request_checkpoint):
+        with pytest.raises(RuntimeError, match="inside `async with Controller"):
+            ask()
+    with pytest.raises(RuntimeError, match="not running"):
+        await ctl.save_checkpoint()
