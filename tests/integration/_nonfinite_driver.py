@@ -229,3 +229,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # every result is on disk and the backend closed: skip the interpreter's teardown, where a
+    # rank's C++ side sometimes aborted (see the barrier above; asyncrl.testing.contract_rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
