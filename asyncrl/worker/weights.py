@@ -345,8 +345,12 @@ class WeightReceiver:
         try:
             await self._stream(backend, arrivals, version, timeout_s)
         except BaseException:
+            # the error that stopped the refit is what the worker reports, not the abort's
             with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
-                await backend.abort_weight_update(version, loaded_any=arrivals.buckets > 0)
+                try:
+                    await backend.abort_weight_update(version, loaded_any=arrivals.buckets > 0)
+                except Exception as exc:  # noqa: BLE001 - e.g. the engine died meanwhile
+                    log.warning("weight_update_abort_failed", version=version, error=str(exc))
             raise
         await backend.finish_weight_update(version, reset_prefix_cache=reset_prefix_cache)
         return WeightsResult(

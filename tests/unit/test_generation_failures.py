@@ -119,18 +119,35 @@ async def test_a_failure_while_the_engine_dies_is_left_to_the_dead_message() -> 
 
 
 class _Reaper:
-    def __init__(self, lost: bool) -> None:
-        self._lost = lost
+    def __init__(self, lost: bool, pids: list[int] = ()) -> None:
+        self._lost, self._pids = lost, list(pids)
 
     def lost(self) -> bool:
         return self._lost
 
+    def alive(self) -> list[int]:
+        return self._pids
 
-def _vllm_backend(lost: bool) -> object:
+
+class _WedgedLLM:
+    """vLLM's front end over a dead engine: a ``collective_rpc`` never returns."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+
+    async def collective_rpc(self, method: str, timeout: float, args: tuple) -> list:
+        self.entered += 1
+        await anyio.sleep_forever()
+
+
+def _vllm_backend(lost: bool, pids: list[int] = ()) -> object:
     from asyncrl_vllm.backend import VLLMBackend
+    from asyncrl_vllm.death import EngineDeath
+    from asyncrl_vllm.options import VLLMOptions
 
     b = VLLMBackend.__new__(VLLMBackend)
-    b._dead, b._reaper = None, _Reaper(lost)
+    b._death, b._reaper = EngineDeath(), _Reaper(lost, pids)
+    b.options, b._llm = VLLMOptions(rpc_timeout_s=300.0), _WedgedLLM()
     return b
 
 
@@ -146,7 +163,7 @@ async def test_vllm_request_error_waits_for_the_watch_to_name_the_process() -> N
 
     async def watch_names_it() -> None:
         await anyio.sleep(0.05)
-        b._dead = "VLLM::EngineCore (pid 42) exited with code -9"
+        b._death.declare("VLLM::EngineCore (pid 42) exited with code -9")
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch_names_it)
@@ -162,6 +179,70 @@ async def test_vllm_engine_dead_error_without_a_watch_still_fatal() -> None:
     with pytest.raises(EngineDeadError, match="has not named it"):
         async with b._engine_errors():
             raise ExceptionGroup("x", [VLLMEngineDead()])
+
+
+async def test_a_call_into_the_engine_ends_when_the_watch_sees_it_die() -> None:
+    """The engine core is SIGKILLed during a refit: the watch cancels the worker, and the
+    refit's abort, shielded, calls into the dead engine, which never answers. That call ends
+    at once with the watch's verdict, not after rpc_timeout_s (300 s here): a worker held
+    that long answers no heartbeat and is killed as hung, its Dead never sent (CI, once).
+    A call made after the death never reaches the engine."""
+    import subprocess
+
+    engine = subprocess.Popen(["sleep", "60"])
+    b = _vllm_backend(lost=False, pids=[engine.pid])
+    verdict = rf"sleep \(pid {engine.pid}\) exited with code -9"
+    try:
+        with anyio.fail_after(10):  # the watch answered within 0.11 s of a SIGKILL (2 cores)
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    with pytest.raises(EngineDeadError, match=verdict):
+                        await b.watch()
+
+                tg.start_soon(watch)
+                await anyio.sleep(0.05)
+                engine.kill()
+                with anyio.CancelScope(shield=True), pytest.raises(EngineDeadError, match=verdict):
+                    await b._rpc("asyncrl_finish_reload")
+            with pytest.raises(EngineDeadError, match=verdict):
+                await b._rpc("asyncrl_finish_reload")
+    finally:
+        engine.kill()
+        engine.wait()
+    assert b._llm.entered == 1
+
+
+async def test_engine_death_race_returns_results_and_passes_errors() -> None:
+    from asyncrl_vllm.death import EngineDeath
+
+    death = EngineDeath()
+
+    async def answer() -> int:
+        await anyio.sleep(0.01)
+        return 7
+
+    async def refuse() -> None:
+        raise ValueError("bad bucket")
+
+    assert await death.race(answer()) == 7
+    with pytest.raises(ValueError, match="bad bucket"):  # the call's own error, not a group
+        await death.race(refuse())
+    ended: list[BaseException] = []
+
+    async def wedged() -> None:
+        try:
+            await death.race(anyio.sleep_forever())
+        except EngineDeadError as exc:
+            ended.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wedged)
+        await anyio.sleep(0.01)
+        death.declare("EngineCore (pid 8) exited with code -9")
+    assert "EngineCore (pid 8) exited with code -9" in str(ended[0])
+    death.declare("Worker (pid 9) exited with code 1")  # the first verdict stays
+    assert death.reason == "EngineCore (pid 8) exited with code -9"
 
 
 class _Trainer:

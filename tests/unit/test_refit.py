@@ -277,6 +277,23 @@ async def test_a_failed_load_is_reported_and_the_engine_told(run_dir: str) -> No
         pair.close()
 
 
+async def test_a_failing_abort_does_not_hide_why_the_refit_stopped(run_dir: str) -> None:
+    """The engine dies mid-refit: its abort fails too (a dead engine answers nothing). The
+    receiver still reports the bucket's error, not the abort's."""
+
+    class DyingEngine(Engine):
+        async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
+            raise EngineDeadError("vLLM engine process EngineCore (pid 7) exited with code -9")
+
+    pair, engine = Pair(run_dir), DyingEngine(fail_load_at=1)
+    try:
+        sent, received = await refit(pair, engine, weights())
+        assert isinstance(received, RefitError) and "bucket 1 of v1" in str(received)
+        assert "out of device memory" in str(sent)
+    finally:
+        pair.close()
+
+
 async def test_a_bucket_that_breaks_the_manifest_is_refused_before_loading(run_dir: str) -> None:
     """A hand-driven sender announces a manifest, then a bucket whose tensor has another shape:
     the receiver refuses it without loading, and the engine goes on with its old weights."""

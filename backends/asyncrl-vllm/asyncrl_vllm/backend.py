@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import multiprocessing
 import multiprocessing.resource_tracker
 import os
 import shutil
@@ -31,12 +30,12 @@ import structlog
 from asyncrl.backend import SampleSink, WorkerContext
 from asyncrl.errors import ConfigError, EngineDeadError, RequestError, flatten
 from asyncrl.wire.messages import GenRequest, Sample, TokenBatch
-from asyncrl.procs.process import exit_code_after_exit, process_name, wait_pid_exit
 from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 
 from .idle import ENV_VAR as IDLE_ENV_VAR
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
 from .processes import TORCHRUN_VARS, environ, gpu_first, mapped_shm, unlink_shm
+from .death import EngineDeath
 from .reaper import Reaper
 from .refit import EngineWeights, _Update
 from .scoring import response_logprobs, split_batch
@@ -163,7 +162,8 @@ class VLLMBackend(EngineWeights):
         self._llm: Any = None
         self._reaper: Reaper | None = None
         self._update: _Update | None = None
-        self._dead: str | None = None
+        self._death = EngineDeath()
+        """Why the engine can no longer serve (declared by :meth:`watch`)."""
         self._requests: dict[str, set[str]] = {}
         """vLLM request ids still running, by group (one request per sample)."""
         self._aborted: set[str] = set()
@@ -174,7 +174,6 @@ class VLLMBackend(EngineWeights):
         self._ipc_dir = ""
         """Private directory for the engine's ipc sockets (vLLM puts them in /tmp otherwise
         and leaves them there when its processes are killed)."""
-        """Why the engine can no longer serve (set by :meth:`watch`)."""
         self._log = log.bind(rank=ctx.rank)
 
     # ------------------------------------------------------------------ lifecycle
@@ -331,15 +330,16 @@ class VLLMBackend(EngineWeights):
             self._update = None
             if llm is None and reaper is None:
                 return
-            if reaper is not None and self._dead:
+            dead = self._death.reason
+            if reaper is not None and dead:
                 # a dead engine cannot shut down in order: kill what is left of it first
                 killed = await anyio.to_thread.run_sync(reaper.close)
                 reaper = None
-                self._log.warning("engine_processes_killed", pids=killed, reason=self._dead)
+                self._log.warning("engine_processes_killed", pids=killed, reason=dead)
             if llm is not None:
                 try:
                     # Synchronous on purpose: it closes asyncio ZMQ sockets of this loop.
-                    llm.shutdown(timeout=1.0 if self._dead else self.options.shutdown_timeout_s)
+                    llm.shutdown(timeout=1.0 if dead else self.options.shutdown_timeout_s)
                 except Exception:
                     self._log.exception("engine_shutdown_failed")
                 # AsyncLLM.__del__ shuts down again; let it run now, not at interpreter exit.
@@ -367,17 +367,19 @@ class VLLMBackend(EngineWeights):
         )
 
     async def _bounded(self, what: str, call: Any) -> Any:
-        """Await one call into the engine, at most ``rpc_timeout_s`` (a dead or wedged engine
-        can leave vLLM's front end waiting forever, e.g. in ``pause_generation``). A failure
-        the engine's death caused is raised as :class:`EngineDeadError`, so a refit receiver
-        does not refuse the version for a reason the trainer cannot act on."""
+        """Await one call into the engine, at most ``rpc_timeout_s`` (a wedged engine can
+        leave vLLM's front end waiting forever, e.g. in ``pause_generation``), and not past
+        the engine's death: :class:`EngineDeadError` then, at once, also for a call made after
+        it (a refit's abort); a failure the death caused is raised as that too, so a refit
+        receiver does not refuse the version for a reason the trainer cannot act on."""
         limit = self.options.rpc_timeout_s
         try:
             async with self._engine_errors():
                 with anyio.fail_after(limit):
-                    return await call
+                    return await self._death.race(call)
         except TimeoutError:
-            reason = f" (engine dead: {self._dead})" if self._dead else ""
+            dead = self._death.reason
+            reason = f" (engine dead: {dead})" if dead else ""
             raise RuntimeError(
                 f"vLLM did not answer {what} within {limit:.0f} s "
                 f"(generator.options.rpc_timeout_s){reason}"
@@ -386,33 +388,9 @@ class VLLMBackend(EngineWeights):
     async def watch(self) -> None:
         """Never return while the engine's processes run; raise
         :class:`~asyncrl.errors.EngineDeadError` naming the first one that exits (its exit code
-        when we can read it), so the worker stops at once. vLLM's own front end notices a
-        dead engine core only on its next request, and ``pause_generation`` on a dead engine
-        never returns. Cancellation: stops watching."""
-        pids = self.engine_pids()
-        if not pids:
-            raise EngineDeadError("the vLLM engine has no running process (was it started?)")
-        names = {pid: process_name(pid) for pid in pids}
-        # the engine core is our multiprocessing child: vLLM's monitor may reap it before we
-        # read its status from /proc, but its Process object keeps the exit code
-        children = {p.pid: p for p in multiprocessing.active_children() if p.pid in names}
-        dead: list[str] = []
-
-        async def one(pid: int, scope: anyio.CancelScope) -> None:
-            await wait_pid_exit(pid)
-            code = await exit_code_after_exit(pid, children.get(pid))
-            how = "unknown" if code is None else str(code)
-            dead.append(f"{names[pid]} (pid {pid}) exited with code {how}")
-            scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for pid in pids:
-                tg.start_soon(one, pid, tg.cancel_scope)
-        self._dead = dead[0]
-        raise EngineDeadError(
-            f"vLLM engine process {self._dead}; the engine cannot serve any more "
-            "(this worker's log shows the engine's last words)"
-        )
+        when we can read it), so the worker stops at once. Every call into the engine ends
+        then too (:class:`~asyncrl_vllm.death.EngineDeath`). Cancellation: stops watching."""
+        await self._death.watch(self.engine_pids())
 
     def engine_pids(self) -> list[int]:
         """PIDs of this engine's processes (engine core, workers) alive now."""
@@ -501,18 +479,13 @@ class VLLMBackend(EngineWeights):
             if not self._engine_lost(exc):
                 raise
             with anyio.move_on_after(DEATH_VERDICT_S):
-                while self._dead is None:
-                    await anyio.sleep(0.01)
-            what = self._dead or "a process is gone (the engine watch has not named it)"
-            raise EngineDeadError(
-                f"vLLM engine process {what}; the engine cannot serve any more "
-                "(this worker's log shows the engine's last words)"
-            ) from exc
+                await self._death.wait()
+            raise self._death.error() from exc
 
     def _engine_lost(self, exc: BaseException) -> bool:
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
-        if self._dead is not None or any(isinstance(e, VLLMEngineDead) for e in flatten(exc)):
+        if self._death.reason is not None or any(isinstance(e, VLLMEngineDead) for e in flatten(exc)):
             return True
         return self._reaper is not None and self._reaper.lost()
 

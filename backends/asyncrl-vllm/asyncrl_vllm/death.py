@@ -1,0 +1,115 @@
+"""The engine's death: seen once, by the watch on its processes; known to every call into it.
+
+vLLM's front end notices a dead engine core only on its next request, and some calls into a
+dead engine never return (``pause_generation``, a ``collective_rpc`` into a killed worker).
+:class:`EngineDeath` owns the verdict: :meth:`~EngineDeath.watch` declares it the moment one
+of the engine's processes exits, and :meth:`~EngineDeath.race` ends any call into the engine
+with :class:`~asyncrl.errors.EngineDeadError` then, also a call made in a shielded scope (a
+refit's abort after the watch cancelled the worker), which would otherwise hold the worker
+until ``rpc_timeout_s`` while its heartbeat goes unanswered.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import anyio
+
+from asyncrl.errors import EngineDeadError
+from asyncrl.procs.process import exit_code_after_exit, process_name, wait_pid_exit
+
+__all__ = ["EngineDeath"]
+
+T = TypeVar("T")
+
+
+class EngineDeath:
+    """Why the engine can no longer serve (``reason``: ``None`` while it can)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._declared: anyio.Event | None = None  # made in the event loop, on first wait
+
+    def declare(self, reason: str) -> None:
+        """The engine is dead: ``reason`` names the process and its exit code. The first
+        reason stays."""
+        if self.reason is None:
+            self.reason = reason
+        if self._declared is not None:
+            self._declared.set()
+
+    async def wait(self) -> None:
+        """Return once the engine is declared dead."""
+        if self.reason is not None:
+            return
+        if self._declared is None:
+            self._declared = anyio.Event()
+        await self._declared.wait()
+
+    def error(self) -> EngineDeadError:
+        """The error a call into the dead engine raises (names the process when known)."""
+        what = self.reason or "a process is gone (the engine watch has not named it)"
+        return EngineDeadError(
+            f"vLLM engine process {what}; the engine cannot serve any more "
+            "(this worker's log shows the engine's last words)"
+        )
+
+    async def race(self, call: Coroutine[Any, Any, T]) -> T:
+        """``await call``, unless the engine is declared dead first (or was already): then
+        ``call`` is cancelled (or never started) and :meth:`error` raised. Errors of ``call``
+        pass as they are.
+
+        Cancellation: ``call`` is cancelled.
+        """
+        if self.reason is not None:
+            call.close()
+            raise self.error()
+        result: list[T] = []
+        failure: list[Exception] = []
+
+        async def run(scope: anyio.CancelScope) -> None:
+            try:
+                result.append(await call)
+            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                failure.append(exc)
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, tg.cancel_scope)
+            await self.wait()
+            tg.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+        if result:
+            return result[0]
+        raise self.error()
+
+    async def watch(self, pids: list[int]) -> None:
+        """Never return while every process in ``pids`` runs; declare the first one that exits
+        (its name, and its exit code when it can be read) and raise :meth:`error`.
+
+        Raises:
+            EngineDeadError: a process exited, or ``pids`` is empty.
+
+        Cancellation: stops watching.
+        """
+        if not pids:
+            raise EngineDeadError("the vLLM engine has no running process (was it started?)")
+        names = {pid: process_name(pid) for pid in pids}
+        # the engine core is our multiprocessing child: vLLM's monitor may reap it before we
+        # read its status from /proc, but its Process object keeps the exit code
+        children = {p.pid: p for p in multiprocessing.active_children() if p.pid in names}
+
+        async def one(pid: int, scope: anyio.CancelScope) -> None:
+            await wait_pid_exit(pid)
+            code = await exit_code_after_exit(pid, children.get(pid))
+            how = "unknown" if code is None else str(code)
+            self.declare(f"{names[pid]} (pid {pid}) exited with code {how}")
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for pid in pids:
+                tg.start_soon(one, pid, tg.cancel_scope)
+        raise self.error()
