@@ -17,7 +17,6 @@ to another worker are each rejected, logged with a printable peer name and count
 
 from __future__ import annotations
 
-import errno
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +49,7 @@ from asyncrl.wire.messages import (
     Shutdown,
     ToWorker,
 )
-from asyncrl.wire.transport import AsyncSocket, HostUnreachable, Rejections, peer_name
+from asyncrl.wire.transport import AsyncSocket, PeerGone, Rejections, peer_name
 
 __all__ = ["ControlPlane", "Peer"]
 
@@ -299,9 +298,7 @@ class ControlPlane:
         try:
             try:
                 await self._send(identity, Call(call_id=call_id, request=request))
-            except HostUnreachable as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
+            except PeerGone:
                 # The worker's socket is gone: its process exited or is exiting. Its watcher
                 # reports the death (with the exit code) and ends the run; until then this
                 # call waits like any call whose reply never comes.

@@ -15,6 +15,7 @@ exit waiting to flush), except where a caller asks for a bounded linger.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import string
@@ -30,6 +31,7 @@ log = structlog.get_logger("asyncrl.wire.transport")
 __all__ = [
     "AsyncSocket",
     "Context",
+    "PeerGone",
     "Rejections",
     "ipc_address",
     "make_private_dir",
@@ -130,7 +132,9 @@ class AsyncSocket:
                         await anyio.wait_readable(self._fd)
                     finally:
                         self._fd_scope = None
-                self._poke()
+                        # also when cancelled from outside: a task parked on _changed must
+                        # take over the fd wait
+                        self._poke()
             else:
                 if self._changed is None:
                     self._changed = anyio.Event()
@@ -153,20 +157,33 @@ class AsyncSocket:
         return frames
 
     async def send(self, frames: Sequence[Any]) -> None:
-        """Send one multipart message; waits (without blocking the loop) at the HWM."""
+        """Send one multipart message; waits (without blocking the loop) at the HWM.
+
+        Raises:
+            PeerGone: a ROUTER made with ``router_mandatory`` has no connected peer named by
+                the first frame (its socket closed: its process exited or is exiting).
+        """
         async with self._send_lock:
             while True:
                 try:
-                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    self._send_now(frames)
                 except zmq.Again:
                     await self._wait(zmq.POLLOUT)
                     continue
-                self._poke()
                 return
 
     def send_nowait(self, frames: Sequence[Any]) -> None:
-        """Send without waiting; raises ``zmq.Again`` at the high-water mark."""
-        self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        """Send without waiting; raises ``zmq.Again`` at the high-water mark, and
+        :class:`PeerGone` as :meth:`send` does."""
+        self._send_now(frames)
+
+    def _send_now(self, frames: Sequence[Any]) -> None:
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            raise PeerGone(f"peer {peer_name(bytes(frames[0]))!r} is not connected") from None
         self._poke()
 
     def close(self, linger_ms: int = 0) -> None:
@@ -237,5 +254,9 @@ class Context:
         self._ctx.term()
 
 
-HostUnreachable = zmq.ZMQError
 Again = zmq.Again
+
+
+class PeerGone(Exception):
+    """A ROUTER (``router_mandatory``) sent to a peer that is not connected: its socket is
+    closed, so its process exited or is exiting."""

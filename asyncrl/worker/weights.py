@@ -58,7 +58,15 @@ from asyncrl.wire.messages import (
 )
 from asyncrl.procs.process import wait_pid_exit
 from asyncrl.transfers import StagingSpec, WeightTransfer
-from asyncrl.wire.transport import DEALER, ROUTER, AsyncSocket, Context, Rejections, peer_name
+from asyncrl.wire.transport import (
+    DEALER,
+    ROUTER,
+    AsyncSocket,
+    Context,
+    PeerGone,
+    Rejections,
+    peer_name,
+)
 from asyncrl.worker.buckets import DTYPE_SIZES, Arrivals, Packer, check_bucket, manifest_of
 
 # DTYPE_SIZES and check_bucket live in asyncrl.worker.buckets; they stay importable from here
@@ -100,7 +108,13 @@ class _Owed:
         """Once receiver ``who``'s process ``pid`` exits, leave it out: it owes nothing more.
         Cancellation: stops watching."""
         await wait_pid_exit(pid)
-        log.warning("receiver_gone", receiver=who, pid=pid, version=self.version)
+        self.leave(who, f"its process {pid} exited")
+
+    def leave(self, who: str, why: str) -> None:
+        """Leave receiver ``who`` out (it is gone: ``why``); it owes nothing more. Idempotent."""
+        if who not in self._live:
+            return
+        log.warning("receiver_gone", receiver=who, why=why, version=self.version)
         self._live.remove(who)
         for owed in self._outstanding.values():
             owed.discard(who)
@@ -192,9 +206,14 @@ class WeightSender:
         # receiver out while a send awaits. Walking the live list itself would then skip the
         # receiver after a removed one (never sent this message, it would be waited for until
         # refit.timeout_s); and one already left out is sent nothing more (its peer is gone).
+        # A receiver whose socket closed before its process exit was seen (SIGKILL, or its
+        # teardown) is gone too: the send says so at once.
         for r in owed.live():
             if owed.is_live(r):
-                await self._sock.send([r.encode(), *frames])
+                try:
+                    await self._sock.send([r.encode(), *frames])
+                except PeerGone:
+                    owed.leave(r, "its socket is closed")
 
     async def send(
         self,

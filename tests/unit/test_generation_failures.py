@@ -179,6 +179,10 @@ async def test_vllm_engine_dead_error_without_a_watch_still_fatal() -> None:
     with pytest.raises(EngineDeadError, match="has not named it"):
         async with b._engine_errors():
             raise ExceptionGroup("x", [VLLMEngineDead()])
+    # the verdict stays: a later call (a refit's abort) never reaches the dead engine
+    with anyio.fail_after(5), pytest.raises(EngineDeadError, match="has not named it"):
+        await b._rpc("asyncrl_finish_reload")
+    assert b._llm.entered == 0
 
 
 async def test_a_call_into_the_engine_ends_when_the_watch_sees_it_die() -> None:

@@ -527,6 +527,31 @@ async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the
         np.testing.assert_array_equal(good.weights[name], array)
 
 
+async def test_a_send_to_a_receiver_whose_socket_is_gone_leaves_it_out(run_dir: str) -> None:
+    """A receiver's socket closes before its process exit is seen (the kernel closes a
+    SIGKILLed process's sockets first; a dying worker closes its own in teardown). The send to
+    it fails at once (the ROUTER is router_mandatory): it is left out as gone, owing nothing,
+    and the others still get the message, instead of the refit failing with a bare ZMQError.
+    rollout:9 stands for it: its socket is never connected."""
+    from asyncrl.worker.weights import _Owed
+
+    pair = Pair(run_dir)
+    try:
+        sender, codec = pair.sender, Codec(WeightMessage)
+        await pair.receiver._sock.send(codec.encode(WeightsPull(1, "rollout:0")))
+        with anyio.fail_after(5):
+            await sender._sock.recv()  # the ROUTER knows rollout:0 now
+        owed = _Owed(sender._recv, sender.rejections.reject, 1, ["rollout:9", "rollout:0"], 5.0)
+        owed.expect(-1)
+        await sender._send_all(owed, Manifest(1, "shm", []))
+        assert owed.live() == ["rollout:0"]
+        with anyio.fail_after(5):
+            got = codec.decode(await pair.receiver._sock.recv())
+        assert isinstance(got, Manifest) and got.version == 1
+    finally:
+        pair.close()
+
+
 class DeadEngine(Engine):
     """Its engine process died just before the manifest came: begin_weight_update says so."""
 

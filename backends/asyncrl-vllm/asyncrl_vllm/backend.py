@@ -35,7 +35,7 @@ from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 from .idle import ENV_VAR as IDLE_ENV_VAR
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
 from .processes import TORCHRUN_VARS, environ, gpu_first, mapped_shm, unlink_shm
-from .death import EngineDeath
+from .death import UNNAMED, EngineDeath
 from .reaper import Reaper
 from .refit import EngineWeights, _Update
 from .scoring import response_logprobs, split_batch
@@ -390,6 +390,9 @@ class VLLMBackend(EngineWeights):
         :class:`~asyncrl.errors.EngineDeadError` naming the first one that exits (its exit code
         when we can read it), so the worker stops at once. Every call into the engine ends
         then too (:class:`~asyncrl_vllm.death.EngineDeath`). Cancellation: stops watching."""
+        if self._reaper is not None and self._reaper.lost():  # gone before we could watch it
+            self._death.declare("exited before the engine watch began")
+            raise self._death.error()
         await self._death.watch(self.engine_pids())
 
     def engine_pids(self) -> list[int]:
@@ -480,6 +483,7 @@ class VLLMBackend(EngineWeights):
                 raise
             with anyio.move_on_after(DEATH_VERDICT_S):
                 await self._death.wait()
+            self._death.declare(UNNAMED)  # unless the watch named it: later calls end at once
             raise self._death.error() from exc
 
     def _engine_lost(self, exc: BaseException) -> bool:
@@ -548,7 +552,7 @@ class VLLMBackend(EngineWeights):
                 self._vocab_size if full_vocab else None,
             )
 
-        async with anyio.create_task_group() as tg:
+        async with self._engine_errors(), anyio.create_task_group() as tg:
             for i, (tokens, prompt_len) in enumerate(sequences):
                 if prompt_len < len(tokens):
                     tg.start_soon(one, i, tokens, prompt_len)

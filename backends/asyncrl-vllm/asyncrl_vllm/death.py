@@ -3,10 +3,13 @@
 vLLM's front end notices a dead engine core only on its next request, and some calls into a
 dead engine never return (``pause_generation``, a ``collective_rpc`` into a killed worker).
 :class:`EngineDeath` owns the verdict: :meth:`~EngineDeath.watch` declares it the moment one
-of the engine's processes exits, and :meth:`~EngineDeath.race` ends any call into the engine
-with :class:`~asyncrl.errors.EngineDeadError` then, also a call made in a shielded scope (a
-refit's abort after the watch cancelled the worker), which would otherwise hold the worker
-until ``rpc_timeout_s`` while its heartbeat goes unanswered.
+of the engine's processes exits (the backend also declares it when vLLM's own errors say the
+engine is gone first), and :meth:`~EngineDeath.race` ends a call into the engine's workers
+(the backend's ``_bounded`` calls: pause, resume, loads, aborts) with
+:class:`~asyncrl.errors.EngineDeadError` then, also one made in a shielded scope (a refit's
+abort after the watch cancelled the worker), which would otherwise hold the worker until
+``rpc_timeout_s`` while its heartbeat goes unanswered. Generation and scoring requests need
+no race: vLLM's front end fails them itself when the engine dies.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from asyncrl.procs.process import exit_code_after_exit, process_name, wait_pid_e
 __all__ = ["EngineDeath"]
 
 T = TypeVar("T")
+
+UNNAMED = "a process is gone (the engine watch has not named it)"
+"""The reason when vLLM's front end saw the death before the watch could name the process."""
 
 
 class EngineDeath:
@@ -50,7 +56,7 @@ class EngineDeath:
 
     def error(self) -> EngineDeadError:
         """The error a call into the dead engine raises (names the process when known)."""
-        what = self.reason or "a process is gone (the engine watch has not named it)"
+        what = self.reason or UNNAMED
         return EngineDeadError(
             f"vLLM engine process {what}; the engine cannot serve any more "
             "(this worker's log shows the engine's last words)"
@@ -96,7 +102,8 @@ class EngineDeath:
         Cancellation: stops watching.
         """
         if not pids:
-            raise EngineDeadError("the vLLM engine has no running process (was it started?)")
+            self.declare("missing: none was running when the watch began (was it started?)")
+            raise self.error()
         names = {pid: process_name(pid) for pid in pids}
         # the engine core is our multiprocessing child: vLLM's monitor may reap it before we
         # read its status from /proc, but its Process object keeps the exit code
