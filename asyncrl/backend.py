@@ -239,7 +239,13 @@ class KVCalibration(Protocol):
 
 class EngineWatch(Protocol):
     """Optional for a :class:`GenerationBackend` whose engine runs in processes of its own (vLLM
-    does). The worker runtime runs :meth:`watch` next to its calls once :meth:`start` returned."""
+    does). The worker runtime runs :meth:`watch` next to its calls once :meth:`start` returned.
+
+    A backend with a watch also raises :class:`~asyncrl.errors.EngineDeadError` itself from a
+    call (``generate``, ``score``, the weight loads, ``abort``) that failed because its engine
+    died, even before :meth:`watch` has seen the process exit: the worker reports any other
+    error at once as that call's or that group's own (a ``Failure``, a ``GroupFailed`` the
+    controller retries or drops), and waits for no verdict."""
 
     async def watch(self) -> None:
         """Never return while the engine can serve; raise
@@ -266,8 +272,10 @@ class TrainingBackend(Protocol):
 
     def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
         """Accumulate raw (unnormalized) loss-sum gradients of ``batch`` into the open step.
-        Every rank runs the same number of forward/backward passes (ranks with less data pad
-        with fully masked micro-batches) because FSDP's collectives must line up."""
+        Only the tokens ``batch.loss_mask`` marks train (the others add no loss, no gradient,
+        no stats); ``num_loss_tokens`` counts them. Every rank runs the same number of
+        forward/backward passes (ranks with less data pad with fully masked micro-batches)
+        because FSDP's collectives must line up."""
 
     def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
         """Scale gradients by 1/num_loss_tokens (the step's global count), clip, step the

@@ -11,6 +11,7 @@
 ``run`` starts a run on this node, as ``torchrun -m asyncrl.launch`` would with one process
 per trainer and rollout rank: the config is checked first (exit 2 on a mistake, before
 anything starts), the exit code is rank 0's (0, 1 for a failed run, 128 + N after signal N).
+``kill -USR1`` on its pid saves a checkpoint at the next step boundary (passed on to rank 0).
 
 ``check-config`` loads and validates the config without starting anything: it prints the
 resolved asynchrony mode in one line, the derived capacities, advice, and every broken
@@ -238,7 +239,8 @@ def _add_run(sub: Any) -> None:
         description="Check the config, then run torchrun in this process with "
         "cluster.trainer_ranks + cluster.rollout_ranks processes. Exit code: 0, 2 for a "
         "config or checkpoint mistake, 1 for a failed run, 128 + N after signal N. "
-        "SIGUSR1 to the controller saves a checkpoint.",
+        "SIGUSR1 to this process (it passes it on to global rank 0, the controller) saves a "
+        "checkpoint at the next step boundary; the run goes on.",
     )
     run.add_argument("config", help="the run's TOML file")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -123,6 +123,11 @@ class WorkerDiedError(WorkerError):
         rank: the rank within the group, or ``None`` when it could not be attributed.
         exit_code: the exit status (negative: killed by that signal), ``None`` if unknown.
         log_path: the file holding that worker's output.
+
+    Args (besides the attributes):
+        detail: further lines of the message (what else is known: a spent restart budget).
+        message: the first line, instead of "worker ... died with exit code ...; its log:
+            ..." (a subclass that knows more about the death).
     """
 
     def __init__(
@@ -132,17 +137,23 @@ class WorkerDiedError(WorkerError):
         exit_code: int | None,
         log_path: str | None,
         detail: str = "",
+        *,
+        message: str | None = None,
     ) -> None:
-        who = f"{group}:{rank}" if rank is not None else f"{group} (rank unknown)"
-        code = "unknown" if exit_code is None else str(exit_code)
-        msg = f"worker {who} died with exit code {code}; its log: {log_path or 'n/a'}"
-        if detail:
-            msg += f"\n{detail}"
-        super().__init__(msg)
+        if message is None:
+            who = f"{group}:{rank}" if rank is not None else f"{group} (rank unknown)"
+            code = "unknown" if exit_code is None else str(exit_code)
+            message = f"worker {who} died with exit code {code}; its log: {log_path or 'n/a'}"
+        super().__init__(message + (f"\n{detail}" if detail else ""))
         self.group = group
         self.rank = rank
         self.exit_code = exit_code
         self.log_path = log_path
+
+    def add_detail(self, line: str) -> None:
+        """Append ``line`` to the message: something learnt about the death after it was
+        raised (the restart budget it spent)."""
+        self.args = (f"{self.args[0]}\n{line}", *self.args[1:])
 
 
 class WorkerHungError(WorkerDiedError):
@@ -186,11 +197,7 @@ class WorkerHungError(WorkerDiedError):
             f"killed (SIGKILL); its log: {log_path or 'n/a'}"
         )
         # not WorkerDiedError's "died with exit code -9": the kill is ours, the hang the cause
-        AsyncRLError.__init__(self, text + (f"\n{detail}" if detail else ""))
-        self.group = group
-        self.rank: int | None = rank
-        self.exit_code = exit_code
-        self.log_path = log_path
+        super().__init__(group, rank, exit_code, log_path, detail, message=text)
         self.pid = pid
         self.silent_s = silent_s
         self.last_answer = last_answer

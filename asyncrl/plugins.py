@@ -21,6 +21,9 @@ group                           loaded in             the entry point names
                                 the run's metrics     bare factory ``make(options, *, run_dir,
                                 writer)               run_name, run_id)``) making a
                                                       :class:`~asyncrl.sinks.Sink`
+``asyncrl.tool_parsers``        controller (the       a :class:`~asyncrl.env.tool_parsers.ToolCallParser`
+                                episodes that parse   (or a class making one with no arguments)
+                                tool calls)           reading the tool calls in a turn's text
 =============================== ===================== ===========================================
 
 Only groups something loads are listed; reward functions get their group when they become
@@ -53,6 +56,7 @@ GROUPS = MappingProxyType(
         "asyncrl.samplers": "sampler",
         "asyncrl.weight_transfers": "weight transfer",
         "asyncrl.metrics_sinks": "metrics sink",
+        "asyncrl.tool_parsers": "tool-call parser",
     }
 )
 

@@ -13,9 +13,14 @@ made from the side's ``pyproject.toml`` files (``benchmarks/gpu/register_plugins
 tree's, and a restructure moves the modules they name), then the side's tree, plugins and
 backends. The worker processes inherit both.
 
+Before each run, every package of the side's projects (``asyncrl``, ``asyncrl_example_backend``
+that ``modes.py`` runs, the other plugins and backends) and the dist-info of ``asyncrl`` must be
+found inside that side's tree and metadata folder, or the comparison stops.
+
 The table gives, per mode, the median over rounds of s/step for each side and work/base; then
-the loop-lag p99 (steady state) the same way. Results go to ``--out`` (JSON, default
-``runs/benchmarks/ab.json``, ignored by git).
+the loop-lag p99 (steady state) the same way (``-`` where one side has no figure). Results go to
+``--out`` (JSON, default ``runs/benchmarks/ab.json``, ignored by git), rewritten after every
+round.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,62 +51,96 @@ def _register() -> Any:
     return module.register
 
 
-def side_env(tree: Path, metadata: Path) -> dict[str, str]:
+def side_env(tree: Path, metadata: Path) -> tuple[dict[str, str], list[str]]:
     """``PYTHONPATH`` for one side: its dist-infos (written into ``metadata``), then its tree,
-    plugins and backends."""
-    paths = [str(metadata), *_register()(tree, metadata)]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    plugins and backends; and the packages those project roots hold (``asyncrl``,
+    ``asyncrl_example_backend``...), which the side must import from its own tree."""
+    roots = _register()(tree, metadata)
+    packages = [p.name for root in roots for p in sorted(Path(root).iterdir())
+                if (p / "__init__.py").is_file()]  # fmt: skip
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(metadata), *roots])}, packages
+
+
+_PROBE = """
+import importlib.metadata, importlib.util, json, sys
+specs = {name: importlib.util.find_spec(name) for name in sys.argv[1:]}
+found = {name: (s and s.origin) or "(not found)" for name, s in specs.items()}
+found["dist-info of asyncrl"] = str(importlib.metadata.distribution("asyncrl")._path)
+print(json.dumps(found))
+"""
+
+
+def foreign_imports(tree: Path, metadata: Path, env: dict[str, str], packages: list[str],
+                    cwd: Path) -> dict[str, str]:
+    """What one side would take from outside its own tree (a package) or its own ``metadata``
+    (the dist-info of ``asyncrl``, hence every entry point): ``{what: path}``, empty when all
+    is its own. Found without importing anything but ``importlib``."""
+    found = json.loads(subprocess.run(
+        [sys.executable, "-c", _PROBE, *packages], env=env, cwd=cwd, capture_output=True,
+        text=True, check=True,
+    ).stdout)  # fmt: skip
+    owner = {name: tree for name in packages} | {"dist-info of asyncrl": metadata}
+    return {
+        name: path for name, path in found.items()
+        if not (Path(path).is_absolute()  # else "(not found)"
+                and Path(path).resolve().is_relative_to(owner[name].resolve()))
+    }  # fmt: skip
 
 
 def run_side(tree: Path, metadata: Path, part: str, extra: list[str], out: Path) -> dict[str, Any]:
     """One run of ``tree``'s ``benchmarks/modes.py`` (from a neutral directory, so the current
-    directory on ``sys.path`` cannot pick the other side's package)."""
-    env = side_env(tree, metadata)
-    probe = "import asyncrl, importlib.metadata as m; print(asyncrl.__file__); " \
-        "print(m.distribution('asyncrl')._path)"
-    found = subprocess.run(
-        [sys.executable, "-c", probe], env=env, cwd=out.parent, capture_output=True, text=True,
-        check=True,
-    ).stdout.split()
-    if not (found[0].startswith(str(tree)) and found[1].startswith(str(metadata))):
-        raise SystemExit(f"{tree}: this side would import {found} (not its own code): stopping")
+    directory on ``sys.path`` cannot pick the other side's package), once every package and
+    the entry points are seen to come from the side itself."""
+    env, packages = side_env(tree, metadata)
+    foreign = foreign_imports(tree, metadata, env, packages, out.parent)
+    if foreign:
+        raise SystemExit(f"{tree}: this side would import {foreign} (not its own code): stopping")
     cmd = [sys.executable, str(tree / "benchmarks" / "modes.py"), "--part", part, "--out", str(out)]
     subprocess.run(cmd + extra, env=env, cwd=out.parent, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
-def _ratio(work: float, base: float) -> str:
-    return f"{work / base:.3f}" if base else "-"
+def _ratio(work: float | None, base: float | None) -> str:
+    return f"{work / base:.3f}" if work is not None and base else "-"
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def report(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """The markdown tables: per mode, each side's median s/step over its rounds and
+    work/base; then the loop lag the same way. A mode or a figure one side lacks is ``-``."""
     lines = ["| mode | base s/step | work s/step | work/base |", "| --- | --- | --- | --- |"]
-    modes = [r["mode"] for r in runs["base"][0].get("modes", [])]
+    modes = list(dict.fromkeys(
+        r["mode"] for rs in runs.values() for run in rs for r in run.get("modes", [])
+    ))  # fmt: skip
     for mode in modes:
         per = {
-            side: statistics.median(
-                next(r["s_per_step"] for r in run["modes"] if r["mode"] == mode) for run in rs
-            )
+            side: _median([r["s_per_step"] for run in rs for r in run.get("modes", [])
+                           if r["mode"] == mode])  # fmt: skip
             for side, rs in runs.items()
         }
         lines.append(
-            f"| {mode} | {per['base']:.3f} | {per['work']:.3f} | "
+            f"| {mode} | {_num(per['base'], 3)} | {_num(per['work'], 3)} | "
             f"{_ratio(per['work'], per['base'])} |"
         )
-    if "lag" in runs["base"][0]:
-        lag = {s: [run["lag"] for run in rs] for s, rs in runs.items()}
-        lines.append("")
-        lines.append("| loop lag (steady state) | base | work | work/base |")
-        lines.append("| --- | --- | --- | --- |")
+    if any("lag" in run for rs in runs.values() for run in rs):
+        lines += ["", "| loop lag (steady state) | base | work | work/base |",
+                  "| --- | --- | --- | --- |"]  # fmt: skip
         for key, label in (
             ("loop_lag_p50_ms", "p50 ms"),
             ("loop_lag_p99_ms", "p99 ms"),
             ("loop_lag_p99_median_step_ms", "per-step p99, median ms"),
             ("samples_per_s", "samples/s"),
         ):
-            b = statistics.median(x[key] for x in lag["base"])
-            w = statistics.median(x[key] for x in lag["work"])
-            lines.append(f"| {label} | {b:.2f} | {w:.2f} | {_ratio(w, b)} |")
+            b, w = (_median([run["lag"][key] for run in runs[side] if "lag" in run])
+                    for side in ("base", "work"))  # fmt: skip
+            lines.append(f"| {label} | {_num(b, 2)} | {_num(w, 2)} | {_ratio(w, b)} |")
     return "\n".join(lines)
 
 
@@ -110,16 +150,25 @@ def _revision(*args: str) -> str:
     ).stdout.strip()
 
 
-def compare(base: Path, args: argparse.Namespace, extra: list[str], tmp: Path) -> dict[str, Any]:
-    """The ABBA rounds: each side's ``modes.py`` results, in the order they ran."""
-    trees = {"base": base, "work": ROOT}
-    order = (["base", "work", "work", "base"] * args.rounds)[: 2 * args.rounds]
+def abba(rounds: int) -> list[str]:
+    """The order the sides run in: base, work, work, base, ... (``rounds`` runs a side)."""
+    return (["base", "work", "work", "base"] * rounds)[: 2 * rounds]
+
+
+def compare(
+    trees: dict[str, Path], args: argparse.Namespace, extra: list[str], tmp: Path,
+    save: Callable[[dict[str, list[dict[str, Any]]]], None],
+) -> dict[str, list[dict[str, Any]]]:
+    """The ABBA rounds: each side's ``modes.py`` results, in the order they ran; ``save``
+    gets them after every round (a run stopped halfway keeps what it measured)."""
+    order = abba(args.rounds)
     runs: dict[str, list[dict[str, Any]]] = {"base": [], "work": []}
     for i, side in enumerate(order):
         print(f"round {i + 1}/{len(order)}: {side}", flush=True)
         out = tmp / "out" / f"{i}-{side}.json"
         out.parent.mkdir(exist_ok=True)
         runs[side].append(run_side(trees[side], tmp / f"meta-{side}", args.part, extra, out))
+        save(runs)
     return runs
 
 
@@ -132,27 +181,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs per side (ABBA order)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / "ab.json")
     args, extra = parser.parse_known_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="asyncrl-ab-") as tmp_name:
         tmp = Path(tmp_name)
         if args.base_dir is not None:
             base_name, work_name = str(args.base_dir), "work tree"
-            runs = compare(args.base_dir.resolve(), args, extra, tmp)
+            base = args.base_dir.resolve()
         else:
             base_name = _revision("rev-parse", "--short", args.base)
             work_name = _revision("describe", "--always", "--dirty")
             base = tmp / "base"
             _revision("worktree", "add", "--detach", str(base), base_name)
-            try:
-                runs = compare(base, args, extra, tmp)
-            finally:
+
+        def save(runs: dict[str, list[dict[str, Any]]]) -> None:
+            record = {"base": base_name, "work": work_name, "extra": extra, "runs": runs}
+            args.out.write_text(json.dumps(record, indent=2))
+
+        try:
+            runs = compare({"base": base, "work": ROOT}, args, extra, tmp, save)
+        finally:
+            if args.base_dir is None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                                 str(base)], check=False)
     print(f"\nbase {base_name}, work {work_name}, {args.rounds} round(s) a side, ABBA order\n")
     print(report(runs))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"base": base_name, "work": work_name, "extra": extra, "runs": runs}, indent=2)
-    )
     print(f"\nwrote {args.out}")
 
 

@@ -85,6 +85,7 @@ def make_batch(args: argparse.Namespace, rank: int):
         prompt_lens=np.full(n, prompt, np.int32),
         behaviour_logprobs=rng.normal(-2.0, 0.5, size=response).astype(np.float32),
         advantages=rng.normal(size=n).astype(np.float32),
+        loss_mask=np.ones(response, np.uint8),
     )
 
 

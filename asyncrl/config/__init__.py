@@ -15,8 +15,11 @@ their field docstrings by ``scripts/gen_config_docs.py``):
 ``operations`` ``[eval]``, ``[checkpoint]``, ``[export]``, ``[failures]``, ``[metrics]``
 ``root``       :class:`Config`, what derives from it, :func:`problems`, :func:`validate`
 ``loading``    :func:`load_config`, :func:`from_dict`, :func:`to_dict`
-``explain``    msgspec's validation errors as ``<field>: <problem>. Fix: <fix>.``
+``modes``      what the asynchrony settings amount to (``asyncrl check-config``'s report)
 ============== ===========================================================================
+
+:func:`explain` (msgspec's validation errors as ``<field>: <problem>. Fix: <fix>.``) lives in
+:mod:`asyncrl.explain`, at the bottom of the package; it is re-exported here.
 
 Import names from here (``from asyncrl.config import Config, load_config``); the modules are
 the layout, not the API.

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config.section import Section, at_least_one, fail
+from asyncrl.config.section import Section, at_least_one, fail, not_negative
 from asyncrl.errors import ConfigError
 from asyncrl.policy.sampler_table import default_table
 
@@ -93,3 +93,16 @@ class PipelineConfig(Section):
     slot, not the admission of a whole group."""
     max_buffered_groups: int = 0
     """Groups generating or waiting to train (0 = the sampler's required capacity)."""
+
+    def problems(self) -> list[ConfigError]:
+        """The broken invariants of ``[pipeline]`` alone (a capacity below 0); what needs
+        ``[grpo]`` and the sampler's rule is checked with the whole config
+        (:func:`asyncrl.config.problems`)."""
+        return not_negative(
+            {
+                "pipeline.min_groups_for_streaming_train": self.min_groups_for_streaming_train,
+                "pipeline.max_inflight_samples": self.max_inflight_samples,
+                "pipeline.max_buffered_groups": self.max_buffered_groups,
+            },
+            fix="use 0 for the default",
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl import plugins
-from asyncrl.config.section import Section, at_least_one, fail
+from asyncrl.config.section import Section, at_least_one, fail, not_negative
 from asyncrl.errors import ConfigError
 
 __all__ = ["GeneratorConfig", "RefitConfig", "TrainerConfig"]
@@ -116,10 +116,10 @@ class RefitConfig(Section):
         return out + self._verify_problems()
 
     def _verify_problems(self) -> list[ConfigError]:
-        out: list[ConfigError] = []
-        for name in ("verify_first_steps", "verify_every_steps"):
-            if getattr(self, name) < 0:
-                out.append(fail(f"refit.{name}", "must be >= 0", "use 0 to turn it off"))
+        out = not_negative({
+            "refit.verify_first_steps": self.verify_first_steps,
+            "refit.verify_every_steps": self.verify_every_steps,
+        })  # fmt: skip
         for name in ("verify_tolerance", "verify_tolerance_fp8_kv"):
             if not getattr(self, name) > 0:
                 out.append(

@@ -1,5 +1,6 @@
 """What a config's asynchrony settings amount to: the mode in one line, the derived
 capacities, and advice (pure; ``asyncrl check-config`` prints it, docs/modes.md explains it).
+The run's scheduler is built from the same settings in :mod:`asyncrl.run.scheduling`.
 """
 
 from __future__ import annotations
@@ -8,11 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.config import Config
+from asyncrl.config import Config, required_buffer_capacity
 from asyncrl.policy.samplers import DescribesMode
-from asyncrl.policy.schedule import Scheduler
 
-__all__ = ["ModeReport", "describe", "make_scheduler"]
+__all__ = ["ModeReport", "describe"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def describe(config: Config) -> ModeReport:
     sync = sampler.max_staleness == 0  # on-policy (sync), whichever sampler keeps it
     P, N = config.grpo.prompts_per_step, config.grpo.samples_per_prompt
     chunk = config.min_groups_for_streaming_train
-    need = sampler.required_buffer_capacity(P)
+    need = required_buffer_capacity(config)
     capacities: dict[str, Any] = {
         "prompts_per_step (P)": P,
         "samples_per_prompt (N)": N,
@@ -75,20 +75,3 @@ def describe(config: Config) -> ModeReport:
             "can run P * N samples at once"
         )
     return ModeReport(_line(sampler), capacities, advice)
-
-
-def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
-    """The run's :class:`~asyncrl.policy.schedule.Scheduler` with the configured sampler and caps
-    (``train_prompts``: the train split's size, for the ledger's epochs: each epoch drops the
-    remainder of a batch)."""
-    per_step = cfg.grpo.prompts_per_step
-    return Scheduler(
-        cfg.make_sampler(),
-        prompts_per_step=cfg.grpo.prompts_per_step,
-        samples_per_prompt=cfg.grpo.samples_per_prompt,
-        num_steps=cfg.run.num_steps,
-        max_buffered_groups=cfg.max_buffered_groups,
-        max_inflight_samples=cfg.max_inflight_samples,
-        min_chunk_groups=cfg.min_groups_for_streaming_train,
-        prompts_per_epoch=max(1, train_prompts // per_step * per_step),
-    )

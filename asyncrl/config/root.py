@@ -14,6 +14,7 @@ import msgspec
 
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
+from asyncrl.config.episodes import EpisodeConfig
 from asyncrl.config.operations import (
     CheckpointConfig,
     EvalConfig,
@@ -54,6 +55,7 @@ class Config(Section, dict=True):
     export: ExportConfig = ExportConfig()
     failures: FailuresConfig = FailuresConfig()
     metrics: MetricsConfig = MetricsConfig()
+    episode: EpisodeConfig = EpisodeConfig()
 
     @functools.cached_property
     def sampler(self) -> Sampler:
@@ -112,7 +114,7 @@ def problems(config: Config) -> list[ConfigError]:
     out += _pipeline_problems(config)
     for section in (
         config.refit, config.trainer, config.generator, config.environment, config.eval,
-        config.checkpoint, config.export, config.failures, config.metrics,
+        config.checkpoint, config.export, config.failures, config.metrics, config.episode,
     ):  # fmt: skip
         out += section.problems()
     return out + config.model.problems()
@@ -146,21 +148,17 @@ def _with_sampler_struct(config: Config) -> Config:
 
 
 def _pipeline_problems(config: Config) -> list[ConfigError]:
-    """Every broken invariant of ``[pipeline]`` (here, not in ``algorithm.py``: it needs the
-    whole config): its sampler (the table names an installed one
-    with knobs it accepts) and the capacities, which need ``[grpo]`` and the sampler's rule."""
+    """``[pipeline]``'s own checks, its sampler (the table names an installed one with knobs
+    it accepts) and the checks that need the whole config: the capacities against
+    ``[grpo]`` and the sampler's rule (skipped when a capacity or the sampler is broken: they
+    would only repeat it)."""
     g, p = config.grpo, config.pipeline
-    out: list[ConfigError] = []
+    out = p.problems()
     try:
         sampler = config.sampler
     except ConfigError as exc:
-        out.append(exc)
-        sampler = None
-    for name in ("min_groups_for_streaming_train", "max_inflight_samples", "max_buffered_groups"):
-        if getattr(p, name) < 0:
-            out.append(fail(f"pipeline.{name}", "must be >= 0", "use 0 for the default"))
-            sampler = None  # the capacity checks below would only repeat it
-    if sampler is None:
+        return out + [exc]
+    if out:
         return out
     if config.min_groups_for_streaming_train > g.prompts_per_step:
         out.append(
@@ -171,7 +169,7 @@ def _pipeline_problems(config: Config) -> list[ConfigError]:
                 f"set it to at most {g.prompts_per_step}",
             )
         )
-    need = sampler.required_buffer_capacity(g.prompts_per_step)
+    need = required_buffer_capacity(config)
     if config.max_buffered_groups < need:
         out.append(
             fail(

@@ -29,10 +29,13 @@ def at_least_one(values: Mapping[str, int]) -> list[ConfigError]:
     ]
 
 
-def not_negative(values: Mapping[str, float]) -> list[ConfigError]:
-    """A problem for each ``{"section.field": value}`` below 0 (0 turns the feature off)."""
+def not_negative(
+    values: Mapping[str, float], fix: str = "use 0 to turn it off"
+) -> list[ConfigError]:
+    """A problem for each ``{"section.field": value}`` below 0; ``fix``: what 0 means for
+    these fields (by default it turns the feature off)."""
     return [
-        fail(name, f"must be >= 0, got {value}", "use 0 to turn it off")
+        fail(name, f"must be >= 0, got {value}", fix)
         for name, value in values.items()
         if value < 0
     ]

@@ -6,8 +6,9 @@ in a sandboxed jinja2 environment set up the way transformers sets up its own: b
 and left-stripped, ``break``/``continue``, ``raise_exception(message)``, ``strftime_now(fmt)``,
 a ``tojson`` filter that writes plain ``json.dumps`` (non-ASCII kept, no HTML escaping), and
 ``{% generation %}`` blocks rendered as their body. A render sees the same variables as
-``apply_chat_template``: ``messages``, ``add_generation_prompt``, ``tools`` and ``documents``
-(both ``None``) and the tokenizer's named special tokens (``bos_token``, ``eos_token``...).
+``apply_chat_template``: ``messages``, ``add_generation_prompt``, ``tools`` (OpenAI-style
+function definitions, or ``None``), ``documents`` (``None``) and the tokenizer's named special
+tokens (``bos_token``, ``eos_token``...).
 The rendered text is then encoded without adding special tokens (``Tokenizer.encode_prompts``),
 so the ids equal ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``.
 """
@@ -126,9 +127,14 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         *,
         prompt_id: str = "?",
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The conversation as text, special tokens included, ready to encode without adding
         special tokens.
+
+        ``tools`` are the tool definitions the template may list (OpenAI-style JSON schemas,
+        ``{"type": "function", "function": {"name", "description", "parameters"}}``), given to
+        it as ``tools`` as transformers gives them; ``None`` (the default) for none.
 
         Raises:
             ConfigError: the template raised (``raise_exception`` for a bad role order, an
@@ -137,7 +143,7 @@ class ChatTemplate:
         context: dict[str, Any] = {
             **self.special_tokens,
             "messages": [dict(m) for m in messages],
-            "tools": None,
+            "tools": None if tools is None else [dict(t) for t in tools],
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }

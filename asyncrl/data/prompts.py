@@ -59,6 +59,7 @@ class Tokenizer:
             self._tok.no_truncation()
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
+        self._vocab_size: int | None = None
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Plain texts, special tokens added as the post-processor says."""
@@ -99,6 +100,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids if int(i) != self.eos_token_id]
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Text a chat template rendered (it writes its own special tokens), encoded without
+        adding any, as :meth:`encode_prompts` encodes a chat prompt."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode_verbatim(self, ids: Sequence[int]) -> str:
+        """Token ids as text with every special token written out (none skipped, EOS kept):
+        the text a chat template must render for these ids to stay in place (multi-turn
+        episodes, :mod:`asyncrl.env.trajectory`). Ids outside the vocabulary decode to nothing
+        (check them against :attr:`vocab_size` first)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest token id the tokenizer knows (added tokens included)."""
+        if self._vocab_size is None:
+            self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        return self._vocab_size
 
 
 def sample_seed(*parts: object) -> int:

@@ -23,13 +23,18 @@ finite                                     unchanged); skipped, up to ``max_nonf
 
 Every drop is logged with the group, its prompt id and the error, counted in the prompt ledger
 (``failed``) and in the step's metrics; ``max_failed_groups`` drops are tolerated, one more
-stops the run with the last error. A worker that dies is not a failure of this kind: the
-controller stops the run (and the run resumes from its last checkpoint).
+stops the run with the last error. A worker that dies is not a failure of this kind: a rollout
+worker is restarted in place and its groups are sent again outside this budget
+(``failures.rollout_restarts``, :mod:`asyncrl.run.restarts`); a trainer's death stops the run
+(which resumes from its last checkpoint).
+
+The budget keeps no table of groups: how many times a group's generation was retried is the
+scheduler's to count, with the group (:class:`~asyncrl.policy.slots.Slot`), and is handed in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -62,8 +67,6 @@ class FailureBudget:
     """Retry decisions and counts for one run."""
 
     config: Limits
-    attempts: dict[str, int] = field(default_factory=dict)
-    """Failed generation attempts per group still retried."""
     step_failures: int = 0
     """Failures of the step being assembled now (reset when a step succeeds)."""
     nonfinite_steps: int = 0
@@ -71,26 +74,29 @@ class FailureBudget:
     finite."""
 
     def generation_failed(
-        self, group_id: str, prompt_id: str, *, retryable: bool, error: str, worker: str
+        self,
+        group_id: str,
+        prompt_id: str,
+        *,
+        retries: int,
+        retryable: bool,
+        error: str,
+        worker: str,
     ) -> float | None:
-        """A group's generation failed: seconds to wait before it is retried, or ``None`` to
-        drop it (then :meth:`drop` counts it)."""
-        attempt = self.attempts.get(group_id, 0) + 1
+        """A group's generation failed, after ``retries`` earlier failures that were retried:
+        seconds to wait before it is retried, or ``None`` to drop it (the caller drops it,
+        and then asks :meth:`check_dropped`)."""
+        attempt = retries + 1
         retry = retryable and attempt <= self.config.generation_retries
         fields = dict(group_id=group_id, prompt_id=prompt_id, worker=worker, error=error,
                       attempt=attempt)  # fmt: skip
         if not retry:
-            self.attempts.pop(group_id, None)
             why = "retries spent" if retryable else "the request itself is at fault"
             log.error("generation_failed", action=f"dropped ({why})", **fields)
             return None
-        self.attempts[group_id] = attempt
         delay = self.config.retry_backoff_s * 2 ** (attempt - 1)
         log.warning("generation_failed", action=f"retry in {delay:g} s", **fields)
         return delay
-
-    def succeeded(self, group_id: str) -> None:
-        self.attempts.pop(group_id, None)
 
     def check_dropped(self, dropped: int, what: str) -> None:
         """``dropped`` groups failed for good so far, the last ``what`` (which and why):

@@ -12,10 +12,52 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
+import numpy as np
+
 if TYPE_CHECKING:
     from asyncrl.environment import Prompt
 
-__all__ = ["CompletedSample", "Group", "Rewards"]
+__all__ = ["CompletedSample", "Group", "Part", "Rewards", "aligned_mask"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A training sequence an episode's chat template split off before its last one (its
+    own prompt; it trains with its episode's advantage)."""
+
+    prompt_ids: Any  # int32 array
+    token_ids: Any  # int32 array: the response
+    logprobs: Any  # float32 array, aligned with token_ids
+    loss_mask: Any  # uint8 array, aligned with token_ids
+    finish_reason: str
+
+    def trained_mask(self) -> np.ndarray:
+        """:func:`aligned_mask` of this part.
+
+        Raises:
+            ValueError: the mask is not one 0 or 1 per token.
+        """
+        return aligned_mask(self.token_ids, self.loss_mask)
+
+
+def aligned_mask(token_ids: Any, loss_mask: Any) -> np.ndarray:
+    """``loss_mask`` as a uint8 array aligned with ``token_ids`` (all ones for ``None``).
+
+    Raises:
+        ValueError: the mask is not aligned with ``token_ids`` or holds values other than 0
+            and 1 (the code that built the sample is wrong).
+    """
+    n = len(token_ids)
+    if loss_mask is None:
+        return np.ones(n, np.uint8)
+    mask = np.asarray(loss_mask)
+    if mask.shape != (n,) or (mask.size and not np.isin(mask, (0, 1)).all()):
+        raise ValueError(
+            f"a sample's loss_mask must hold one 0 or 1 per token ({n} tokens), got shape "
+            f"{mask.shape} with values {np.unique(mask)[:5].tolist()}; fix the code that "
+            "built the CompletedSample (an episode's trajectory)"
+        )
+    return mask.astype(np.uint8, copy=False)
 
 
 @dataclass(frozen=True)
@@ -27,6 +69,35 @@ class CompletedSample:
     correct: bool
     components: Mapping[str, float] = field(default_factory=dict)
     """The score's named parts (``Score.components``; empty when restored from a checkpoint)."""
+    loss_mask: Any = None
+    """uint8 array aligned with ``token_ids``: 1 where the token trains (generated), 0 where
+    it does not (an observation the controller inserted; its logprob is a placeholder).
+    ``None``: every token trains (a single-turn sample)."""
+    prompt_ids: Any = None
+    """int32 array: this sample's own prompt (an episode's: the chat template's render, tools
+    included); ``None``: its group's ``prompt_ids``."""
+    earlier: tuple[Part, ...] = ()
+    """An episode's sequences its chat template split off before this one (each trains with
+    this sample's reward and advantage; docs/environments.md)."""
+
+    def trained_mask(self) -> np.ndarray:
+        """:func:`aligned_mask` of this sample's own sequence (all ones for ``None``).
+
+        Raises:
+            ValueError: the mask is not one 0 or 1 per token.
+        """
+        return aligned_mask(self.token_ids, self.loss_mask)
+
+    def parts(self, group_prompt_ids: Any) -> tuple[Part, ...]:
+        """Every sequence this sample trains, in order: those split off earlier, then its own
+        (after its own prompt, else ``group_prompt_ids``).
+
+        Raises:
+            ValueError: its loss mask is not one 0 or 1 per token.
+        """
+        prompt = group_prompt_ids if self.prompt_ids is None else self.prompt_ids
+        own = Part(prompt, self.token_ids, self.logprobs, self.trained_mask(), self.finish_reason)
+        return (*self.earlier, own)
 
 
 class Rewards(Sequence[float]):

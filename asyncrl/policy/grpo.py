@@ -77,36 +77,45 @@ def pack_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
 def pack_groups(
     groups: Sequence[Group], *, normalize: bool, environment: str = "?"
 ) -> TrainBatch:
-    """One :class:`TrainBatch` holding every sample of complete ``groups``.
+    """One :class:`TrainBatch` holding every sample of complete ``groups``: each sequence a
+    sample trains (:meth:`CompletedSample.parts`: an episode's split-off sequences, then its
+    own, each after its own prompt) with the sample's advantage, and its loss mask (all ones
+    for a single-turn sample) as its part of the batch's ``loss_mask``.
 
     Raises:
         NonFiniteError: a group's rewards are too large for the advantage math
             (:func:`group_advantages`); the message names the group, its prompt, the largest
             reward and the reward function that gave it (``environment``'s, when the score
             has no components).
+        ValueError: a sample's loss mask is not one 0 or 1 per token.
     """
     tokens: list[np.ndarray] = []
     seq_lens, prompt_lens, adv = [], [], []
     behaviour: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
     for g in groups:
         try:
             a = group_advantages([s.reward for s in g.samples], normalize=normalize)
         except OverflowError as exc:
             raise NonFiniteError(reward_overflow(g, str(exc), environment)) from None
-        prompt = np.asarray(g.prompt_ids, dtype=np.int32)
+        group_prompt = np.asarray(g.prompt_ids, dtype=np.int32)
         for s, a_i in zip(g.samples, a):
-            resp = np.asarray(s.token_ids, dtype=np.int32)
-            tokens += [prompt, resp]
-            seq_lens.append(prompt.size + resp.size)
-            prompt_lens.append(prompt.size)
-            behaviour.append(np.asarray(s.logprobs, dtype=np.float32))
-            adv.append(a_i)
+            for part in s.parts(group_prompt):
+                prompt = np.asarray(part.prompt_ids, dtype=np.int32)
+                resp = np.asarray(part.token_ids, dtype=np.int32)
+                tokens += [prompt, resp]
+                seq_lens.append(prompt.size + resp.size)
+                prompt_lens.append(prompt.size)
+                behaviour.append(np.asarray(part.logprobs, dtype=np.float32))
+                masks.append(part.trained_mask())
+                adv.append(a_i)
     return TrainBatch(
         tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
         seq_lens=np.asarray(seq_lens, dtype=np.int32),
         prompt_lens=np.asarray(prompt_lens, dtype=np.int32),
         behaviour_logprobs=np.concatenate(behaviour) if behaviour else np.zeros(0, np.float32),
         advantages=np.asarray(adv, dtype=np.float32),
+        loss_mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
     )
 
 
@@ -177,8 +186,10 @@ def nonfinite_cause(
 def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
     """Split ``batch`` by sequences into ``num_shards`` parts of similar token counts.
 
-    Greedy longest-first assignment; sequence order inside a shard follows the batch. A shard
-    may be empty (its rank then only takes part in the collectives).
+    Greedy longest-first assignment (by tokens, masked or not: every token costs a forward);
+    sequence order inside a shard follows the batch, and each sequence's per-token values
+    (behaviour logprobs, loss mask) go with it. A shard may be empty (its rank then only takes
+    part in the collectives), and a shard's mask may train no token.
     """
     layout = Layout.of(batch.seq_lens, batch.prompt_lens)
     n = layout.num_sequences
@@ -200,6 +211,7 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
                     batch.behaviour_logprobs, idx, np.float32
                 ),
                 advantages=batch.advantages[idx].astype(np.float32),
+                loss_mask=layout.gather_responses(batch.loss_mask, idx, np.uint8),
             )
         )
     return shards

@@ -2,10 +2,12 @@
 
 A packed batch (:class:`~asyncrl.wire.messages.TokenBatch`, :class:`~asyncrl.wire.messages.TrainBatch`)
 holds B sequences back to back: sequence i is ``tokens[offsets[i] : offsets[i + 1]]`` and its
-first ``prompt_lens[i]`` tokens are the prompt. Per-token arrays (behaviour logprobs, scored
-logprobs) hold one value per *response* token, sequence by sequence in position order:
-sequence i's are ``values[response_offsets[i] : response_offsets[i + 1]]``. The response token
-at position p is predicted by the logits at p - 1, so a prompt needs at least one token.
+first ``prompt_lens[i]`` tokens are the prompt. Per-token arrays (behaviour logprobs, the loss
+mask, scored logprobs) hold one value per *response* token, sequence by sequence in position
+order: sequence i's are ``values[response_offsets[i] : response_offsets[i + 1]]``. The response
+token at position p is predicted by the logits at p - 1, so a prompt needs at least one token.
+A response may mix tokens that train (generated) and tokens that do not (observations the
+controller inserted): the loss mask says which.
 
 The controller (sharding), the training backends (micro-batches) and the generation backends
 (scoring) all read batches through :class:`Layout`.
@@ -101,13 +103,17 @@ def check_packed(
     vocab_size: int | None = None,
     per_token: dict[str, np.ndarray] | None = None,
     per_sequence: dict[str, np.ndarray] | None = None,
+    loss_mask: np.ndarray | None = None,
 ) -> str | None:
     """Describe what is wrong with a packed batch, or return ``None`` if it is well formed.
 
     ``per_token`` arrays must hold one finite value per response token, ``per_sequence``
     arrays one finite value per sequence; token ids must lie in ``[0, vocab_size)`` when a
-    vocabulary size is given. A problem is returned rather than raised so that a distributed
-    caller can first agree with its peers that some rank's batch is bad.
+    vocabulary size is given; a ``loss_mask`` must be uint8, one 0 or 1 per response token. A
+    mask that trains no token at all is well formed (a chunk of observations only, or a
+    rank's share of one); a *step* without a trained token is refused at its end, where the
+    count is known. A problem is returned rather than raised so that a distributed caller can
+    first agree with its peers that some rank's batch is bad.
     """
     tokens, seq_lens, prompt_lens = (np.asarray(a) for a in (tokens, seq_lens, prompt_lens))
     n = len(seq_lens)
@@ -129,6 +135,24 @@ def check_packed(
                 return f"{key} has shape {values.shape}; expected one value per {name} ({expected})"
             if not np.isfinite(values).all():
                 return f"{key} holds non-finite values"
+    if loss_mask is not None:
+        return _check_mask(np.asarray(loss_mask), num_response)
+    return None
+
+
+def _check_mask(mask: np.ndarray, num_response: int) -> str | None:
+    if mask.shape != (num_response,):
+        return (
+            f"loss_mask has shape {mask.shape}; expected one value per response token "
+            f"({num_response})"
+        )
+    if mask.dtype != np.uint8:
+        return f"loss_mask has dtype {mask.dtype}; expected uint8 (1: the token trains, 0: not)"
+    if mask.size and int(mask.max()) > 1:
+        return (
+            f"loss_mask holds {int(mask.max())}; expected only 0 (the token does not train) "
+            "and 1 (it trains)"
+        )
     return None
 
 

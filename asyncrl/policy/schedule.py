@@ -30,10 +30,13 @@ Life of a group::
     next_chunk(): taken → trained at finish_step() (abort_step(): READY again) ◄┤
     next_chunk(): evicted → gone ◄──────────────────────────────────────────────┘
 
+A group whose worker died goes from GENERATING back to RETRYING by :meth:`requeue`, due at
+once: not a failure of its own (no retry counted).
+
 Events: :meth:`dispatch` (ask to dispatch one group), :meth:`sample_finished`,
-:meth:`committed`, :meth:`failed`, :meth:`retry`, :meth:`next_chunk` (evictions + a chunk for
-the open step), :meth:`abort_step`, :meth:`finish_step`, :meth:`begin_refit`,
-:meth:`end_refit`, :meth:`close`.
+:meth:`committed`, :meth:`failed`, :meth:`retry`, :meth:`requeue`, :meth:`next_chunk`
+(evictions + a chunk for the open step), :meth:`abort_step`, :meth:`finish_step`,
+:meth:`begin_refit`, :meth:`end_refit`, :meth:`close`.
 """
 
 from __future__ import annotations
@@ -292,6 +295,7 @@ class Scheduler:
             return
         if retry and slot.state == GENERATING:
             slot.state, slot.finished = RETRYING, 0
+            slot.retries += 1
             self.stats.generation_retries += 1
             return
         self._forget(slot)
@@ -309,6 +313,17 @@ class Scheduler:
         group dropped meanwhile, e.g. at the end of the run, is ignored)."""
         if self.tracks(group_id) and self.slot(group_id).state == RETRYING:
             self._retry.append(group_id)
+
+    def requeue(self, group_id: str) -> None:
+        """``group_id`` (generating) was lost with its worker: its samples not yet back never
+        come, and :meth:`dispatch` sends it again first (same prompt, same step). Not a
+        failure of the group: no retry is counted (``StepStats.generation_retries``)."""
+        slot = self.slot(group_id)
+        if slot.state != GENERATING:
+            raise SchedulerError(f"group {group_id} requeued in state {slot.state}")
+        self.inflight_samples -= slot.n - slot.finished
+        slot.state, slot.finished = RETRYING, 0
+        self._retry.append(group_id)
 
     def _redispatch_retry(self, slot: Slot) -> Dispatch:
         self._count_start(slot.start_version, -1)

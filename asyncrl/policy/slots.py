@@ -43,6 +43,8 @@ class Slot:
     finished: int = 0
     ready_seq: int = -1
     rewards: Sequence[float] = ()
+    retries: int = 0
+    """Times its generation failed and was retried (a worker's death is not counted)."""
 
     @property
     def ready(self) -> bool:

@@ -23,17 +23,16 @@ During the run, a write that finds no room raises :class:`~asyncrl.errors.NoSpac
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import re
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncrl.errors import ConfigError, NoSpaceError, RemoteCallError, flatten
+from asyncrl.safetensors import read_safetensors_header
 
 __all__ = [
     "OUTPUT_FLOOR_BYTES",
@@ -45,7 +44,6 @@ __all__ = [
     "full_leaf",
     "is_no_space",
     "model_size",
-    "read_safetensors_header",
     "no_space",
     "no_space_in",
     "shm_base",
@@ -250,23 +248,6 @@ class ModelSize:
         return self.stored_bytes * _DTYPE_BYTES[dtype] // 2
 
 
-def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
-    """A safetensors file's JSON header and the offset of its data section (the layout:
-    :mod:`asyncrl.worker.export`, which writes them).
-
-    Raises:
-        ValueError: the file is not safetensors (a header length no real file has, or no JSON).
-    """
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: {len(head)} bytes, shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > 100 << 20:  # no real header is this large: not a safetensors file
-            raise ValueError(f"{path}: a {length}-byte header")
-        return json.loads(f.read(length)), 8 + length
-
-
 def model_size(model_path: str) -> ModelSize | None:
     """The weights in ``model_path``: from the safetensors headers (elements, largest tensor)
     when there are any, else from the sizes of its other weight files; ``None`` when it holds
@@ -280,7 +261,7 @@ def model_size(model_path: str) -> ModelSize | None:
         try:
             header, _ = read_safetensors_header(path)
             stored += path.stat().st_size
-        except (OSError, ValueError, struct.error):
+        except (OSError, ValueError):
             continue
         for name, entry in header.items():
             if name == "__metadata__" or not isinstance(entry, dict):

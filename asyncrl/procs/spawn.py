@@ -37,6 +37,7 @@ __all__ = [
     "reap_stale_runs",
     "spawn_group",
     "stop_processes",
+    "torchrun_log_args",
     "watch_peer",
     "worker_args",
     "worker_env",
@@ -70,6 +71,14 @@ def parse_torchrun_exit(text: str) -> dict[int, int]:
     return {int(r): int(c) for r, c in _EXIT_RE.findall(text)}
 
 
+def torchrun_log_args(scratch_dir: str) -> list[str]:
+    """torchrun's ``--log-dir``, pointed at ``scratch_dir``: a directory that goes with the
+    run. torchrun makes (empty) per-attempt directories there; left to itself, it makes a
+    ``/tmp/torchelastic_*`` directory per launch and never removes it. Every torchrun that
+    asyncrl starts passes this."""
+    return [f"--log-dir={scratch_dir}"]
+
+
 async def spawn_group(
     *,
     group: str,
@@ -85,9 +94,8 @@ async def spawn_group(
 
     The agent's own output goes to ``<log_dir>/torchrun-<group>.log``; each rank writes
     ``<log_dir>/<group>-<rank>.log``. ``args``: more arguments for ``asyncrl.launch``.
-    torchrun's own (empty) per-attempt directories go under ``scratch_dir``, the run's private
-    directory that goes with the run: left to itself, torchrun makes a ``/tmp/torchelastic_*``
-    directory per launch and never removes it.
+    torchrun's own per-attempt directories go under ``scratch_dir``, the run's private
+    directory (:func:`torchrun_log_args`).
     """
     os.makedirs(log_dir, exist_ok=True)
     agent_log = os.path.join(log_dir, f"torchrun-{group}.log")
@@ -99,7 +107,7 @@ async def spawn_group(
         "--standalone",
         f"--nproc-per-node={nproc}",
         "--monitor-interval=0.5",
-        f"--log-dir={os.path.join(scratch_dir, f'torchelastic-{group}')}",
+        *torchrun_log_args(os.path.join(scratch_dir, f"torchelastic-{group}")),
         "-m",
         "asyncrl.launch",
         "--worker",

@@ -13,10 +13,12 @@ published to the generators.
     ── the caller releases it ──
 
 The step streams in: each chunk is packed, sharded over the trainer ranks and trained as soon
-as the book hands it out; gradients are normalized once, by the step's token count, at
-``FinishStep``. A train call that raises on a trainer rank (the worker lives on; the trainer
-drops the step's gradients) gives the step's groups back to the buffer and the step is
-assembled and trained again, within ``failures.train_step_retries`` (:mod:`asyncrl.policy.failures`).
+as the book hands it out; gradients are normalized once, by the step's count of trained
+tokens (those its batches' ``loss_mask`` selects, as the trainers counted them in their
+``ChunkResult`` s), at ``FinishStep``. A train call that raises on a trainer rank (the worker
+lives on; the trainer drops the step's gradients) gives the step's groups back to the buffer
+and the step is assembled and trained again, within ``failures.train_step_retries``
+(:mod:`asyncrl.policy.failures`).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class StepAssembler:
             NonFiniteError: a loss or gradient norm that is not finite, once
                 ``failures.max_nonfinite_steps`` such steps were skipped.
         """
-        num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)
+        num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)  # trained tokens only
         busy = self.now()
         try:
             finish = await self._train_call(
@@ -210,9 +212,11 @@ class StepAssembler:
 
 
 class Publisher:
-    """Publishes the trainer's weights to the generators. Every method but :meth:`verify`
-    expects the caller to hold the weights lock: the trainer's weights are those sent, and
-    the generators serve them when it returns.
+    """Publishes the trainer's weights to the generators. Every method that refits
+    (:meth:`publish`, :meth:`first`, :meth:`refit_worker`) expects the caller to hold the
+    weights lock: the trainer's weights are those sent, and the generators serve them when
+    it returns. :meth:`abort` (engines told to drop groups), :meth:`verify` and
+    :meth:`check_verified` need no lock.
 
     ``serving()``: the rollout workers that serve now (a refit goes to them; one that dies
     meanwhile is left out, it is restarted).
@@ -233,11 +237,14 @@ class Publisher:
         rejections: Rejections,
         metrics: Any,
         now: Callable[[], float],
+        cancel_episodes: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.config = config
         self.control = control
         self.trainers = trainers
         self.book = book
+        self._cancel_episodes = cancel_episodes
+        """Cancels the episodes of aborted groups (a multi-turn environment's runner)."""
         self.serving = serving
         self.kv = kv
         self.probes = probes
@@ -277,10 +284,13 @@ class Publisher:
         return stats
 
     async def abort(self, aborts: Aborts) -> None:
-        """Tell each engine to abort its groups (their samples still come back, cut short,
-        and free their slots)."""
+        """Tell each engine to abort its groups and episodes' turns (their samples still come
+        back, cut short, and free their slots), and cancel the aborted groups' episodes."""
         if aborts.count:
             log.info("groups_aborted", count=aborts.count, trainer_version=self.book.trainer_version)
+        if aborts.episodes:
+            assert self._cancel_episodes is not None
+            self._cancel_episodes(aborts.episodes)
         async with anyio.create_task_group() as tg:
             for worker, gids in aborts.by_worker.items():
                 tg.start_soon(self._abort_on, worker, gids)

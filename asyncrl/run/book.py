@@ -17,6 +17,16 @@ Life of a group in the book (the scheduler's states in capitals)::
     next_chunk(): evicted ──► gone;  taken ──finish_step()──► trained (the trainer's) ◄───┘
                               abort_step(): READY again
 
+A group of a multi-turn environment is a group of ``n`` *episodes* (:mod:`asyncrl.run.episodes`
+runs them). It is not bound to a worker: each episode asks for one turn at a time
+(:meth:`start_turn`), each turn one request on the least loaded worker (the one that served the
+episode's last turn while it is not much busier, so its prefix cache serves the growing
+context); the turns in flight are the book's :class:`~asyncrl.run.turns.TurnTable`. A turn's
+sample comes back through :meth:`sample_arrived` (``TURN``) and goes to its episode; an episode
+that ends hands its scored sample to :meth:`episode_ended`, and the group is complete with its
+``n``-th. Aborting such a group lists its turns under their workers and the group under
+``Aborts.episodes`` (the runner cancels the episodes, each then ends with no sample).
+
 Evaluation groups (``eval-<label>-<i>``) are not the scheduler's: :meth:`add_evals` queues
 them, :meth:`place_evals` spreads them over the workers that serve, their samples come back
 through :meth:`sample_arrived` like any other, and a worker lost sends them back to the queue.
@@ -24,24 +34,26 @@ through :meth:`sample_arrived` like any other, and a worker lost sends them back
 Invariants, written once in :meth:`problems` (tests/unit/test_book.py drives the real class
 through random schedules and checks them after every action, against a ledger of its own):
 a payload for exactly the groups the scheduler tracks (and for the open step's); the load of
-each worker equals the samples still to come of the groups in flight on it; the loads add up
-to the scheduler's samples in flight, which stay within ``max_inflight_samples``; a scored or
-ready group has all its samples.
+each worker equals the samples still to come of the groups in flight on it plus its turns in
+flight; the samples (episodes) still to come add up to the scheduler's samples in flight,
+which stay within ``max_inflight_samples``; a turn belongs to an episode still running in a
+group in flight; a scored or ready group has all its samples.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from asyncrl.policy.schedule import Scheduler, StepStats, Wait
 from asyncrl.policy.slots import ABORTING, GENERATING, READY, SCORING
+from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.policy.groups import Group
+from asyncrl.run.turns import Turn, TurnTable
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 
 if TYPE_CHECKING:
@@ -51,6 +63,7 @@ __all__ = [
     "Aborts",
     "Arrival",
     "BookError",
+    "Lost",
     "RolloutBook",
     "Sent",
     "Taken",
@@ -76,6 +89,18 @@ IN_FLIGHT = "in_flight"
 """``GroupFailed`` for a training group in flight: decide, then :meth:`RolloutBook.failed`."""
 EVALUATION = "evaluation"
 """``GroupFailed`` for an evaluation group."""
+TURN = "turn"
+"""The sample of an episode's turn: hand it to the episode waiting for it."""
+TURN_FAILED = "turn_failed"
+"""``GroupFailed`` for an episode's turn (the turn is gone): tell the episode waiting for it."""
+
+STICKY_TURNS = 4
+"""An episode's next turn stays on the worker that served its last one (whose prefix cache
+holds the conversation) while that worker has at most this many more requests in flight than
+the least loaded one."""
+
+ENDED = "ended"
+"""The sample slot of an episode that ended without a sample (cancelled by an abort)."""
 
 _IN_FLIGHT = (GENERATING, ABORTING)
 
@@ -96,6 +121,10 @@ class Arrival:
     """``REJECTED`` / ``MALFORMED``: what is wrong."""
     aborting: bool = False
     """``IN_FLIGHT``: the group is being aborted (already counted; nothing to retry)."""
+    turn: Turn | None = None
+    """``TURN`` / ``TURN_FAILED``: the turn (no longer in flight)."""
+    sample: Sample | None = None
+    """``TURN``: its sample."""
 
 
 _PENDING = Arrival(PENDING)
@@ -109,8 +138,11 @@ class Sent:
 
     group_id: str
     worker: str
+    """``""`` for a group of episodes (each turn picks its worker)."""
     prompt_ids: list[int]
     n: int
+    prompt: Prompt | None = None
+    """The prompt itself (what an episode starts from)."""
 
 
 @dataclass(frozen=True)
@@ -123,18 +155,36 @@ class Taken:
 
 
 @dataclass(frozen=True)
+class Lost:
+    """What :meth:`RolloutBook.worker_lost` did."""
+
+    again: int
+    """Training groups dispatched again."""
+    evals: int
+    """Evaluation groups waiting for a worker again."""
+    turns: list[Turn]
+    """Episodes' turns that were on the worker (tell their episodes)."""
+
+
+@dataclass(frozen=True)
 class Aborts:
     """Groups aborted at a refit or at the end of the run."""
 
     by_worker: dict[str, list[str]]
-    """Groups on an engine, by worker: each must abort its own (their samples still come
-    back, cut short, and then the group is gone)."""
+    """Groups (and episodes' turns) on an engine, by worker: each must abort its own (their
+    samples still come back, cut short, and then the group is gone)."""
     gone: list[str]
     """Groups that were waiting for their retry: nothing of theirs is on an engine; gone."""
+    episodes: list[str] = field(default_factory=list)
+    """Groups of episodes: cancel their episodes (each ends with no sample)."""
+    turns: int = 0
+    """How many of the ids in ``by_worker`` are episodes' turns."""
 
     @property
     def count(self) -> int:
-        return len(self.gone) + sum(len(g) for g in self.by_worker.values())
+        """Groups aborted."""
+        on_engines = sum(map(len, self.by_worker.values())) - self.turns
+        return len(self.gone) + len(self.episodes) + on_engines
 
 
 def malformed(sample: Sample) -> str:
@@ -176,15 +226,22 @@ class RolloutBook:
         workers: the rollout workers' identities (their load starts at 0).
     """
 
-    def __init__(self, scheduler: Scheduler, workers: Sequence[str]) -> None:
+    def __init__(
+        self, scheduler: Scheduler, workers: Sequence[str], *, episodes: bool = False
+    ) -> None:
         self._sched = scheduler
+        self._episodes = episodes
+        """Whether the run's groups are groups of episodes (a multi-turn environment)."""
+        self._turns = TurnTable()
+        """The episodes' turns in flight (counted in ``_load`` too)."""
         self._groups: dict[str, Group] = {}
         """The payload of every group the scheduler tracks, by id, in dispatch order."""
         self._taken: list[Group] = []
         """The open step's groups (the scheduler no longer tracks them; a failed step gives
         them back)."""
         self._load = dict.fromkeys(workers, 0)
-        """Samples still to come per rollout worker (dispatch goes to the least loaded)."""
+        """Samples still to come and turns in flight per rollout worker (dispatch goes to the
+        least loaded)."""
         self._evals: dict[str, Group] = {}
         """Evaluation groups on a worker, by id."""
         self._evals_waiting: list[Group] = []
@@ -210,8 +267,13 @@ class RolloutBook:
         return self._sched.ledger_report()
 
     def load(self, worker: str) -> int:
-        """Samples still to come from ``worker``."""
+        """Samples still to come from ``worker``, and its turns in flight."""
         return self._load[worker]
+
+    @property
+    def turns_in_flight(self) -> int:
+        """Episodes' turns being generated."""
+        return len(self._turns)
 
     # ------------------------------------------------------------------ rollout side
     def dispatch(
@@ -234,19 +296,95 @@ class RolloutBook:
             prompt, prompt_ids = before.prompt, before.prompt_ids
         else:
             prompt, prompt_ids = prompt_of(d.index)
-        worker = min(serving, key=self._load.__getitem__)
-        self._load[worker] += d.n
+        worker = ""  # a group of episodes: each turn picks its worker
+        if not self._episodes:
+            worker = min(serving, key=self._load.__getitem__)
+            self._load[worker] += d.n
         self._groups[d.group_id] = Group(
             d.group_id, prompt.id, prompt_ids, d.start_version, d.target_step, now, [None] * d.n,
             index=d.index, worker=worker, prompt_text=prompt.display, prompt=prompt,
         )  # fmt: skip
-        return Sent(d.group_id, worker, prompt_ids, d.n)
+        return Sent(d.group_id, worker, prompt_ids, d.n, prompt)
+
+    def start_turn(
+        self, turn: str, group_id: str, index: int, serving: Sequence[str], previous: str = ""
+    ) -> str | None:
+        """Episode ``index`` of ``group_id`` asks for a turn (request id ``turn``): the worker
+        to send it to, charged with it, or ``None`` when the group is no longer generating
+        (being aborted: the episode stops) or no worker serves (ask again once one does).
+        ``previous``: the worker of the episode's last turn, kept while it is at most
+        ``STICKY_TURNS`` busier than the least loaded."""
+        group = self._groups.get(group_id)
+        if group is None or self._sched.state_of(group_id) != GENERATING or not serving:
+            return None
+        if not 0 <= index < len(group.samples) or group.samples[index] is not None:
+            raise BookError(f"episode {index} of {group_id} is not running")
+        return self._place_turn(turn, group_id, index, serving, previous, evaluation=False)
+
+    def start_eval_turn(
+        self, turn: str, episode: str, serving: Sequence[str], previous: str = ""
+    ) -> str | None:
+        """A turn of evaluation episode ``episode`` (not the scheduler's: its evaluation
+        waits for it), placed as :meth:`start_turn` places one; ``None`` while no worker
+        serves."""
+        if not serving:
+            return None
+        return self._place_turn(turn, episode, 0, serving, previous, evaluation=True)
+
+    def _place_turn(
+        self, turn: str, group_id: str, index: int, serving: Sequence[str], previous: str,
+        *, evaluation: bool,
+    ) -> str:
+        worker = min(serving, key=self._load.__getitem__)
+        if previous in serving and self._load[previous] <= self._load[worker] + STICKY_TURNS:
+            worker = previous
+        self._turns.start(turn, group_id, index, worker, evaluation=evaluation)
+        self._load[worker] += 1
+        return worker
+
+    def generating(self, group_id: str) -> bool:
+        """Whether ``group_id`` is generating (not being aborted, failed or done)."""
+        return self._sched.state_of(group_id) == GENERATING
+
+    def abandon_turn(self, turn: str) -> str | None:
+        """The episode waiting for ``turn`` stopped (cancelled): its sample is discarded when it
+        comes. Returns the worker to tell to abort it, ``None`` when it is not in flight or
+        abandoned already (an abort of its group told the worker)."""
+        entry = self._turns.get(turn)
+        if entry is None or not self._turns.abandon(turn):
+            return None
+        return entry.worker
+
+    def episode_ended(self, group_id: str, index: int, sample: CompletedSample | None) -> Arrival:
+        """Episode ``index`` of ``group_id`` ended: with its scored ``sample``, or with none
+        (cancelled because its group is being aborted). ``COMPLETE`` with the group's last:
+        :meth:`commit` it (its samples are scored already); ``DISCARDED`` with the last of a
+        group being aborted; else ``PENDING``.
+
+        Raises:
+            BookError: no such episode running, or no sample from a group still generating.
+        """
+        group = self._in_flight(group_id)
+        if not 0 <= index < len(group.samples) or group.samples[index] is not None:
+            raise BookError(f"episode {index} of {group_id} is not running")
+        if sample is None and self._sched.state_of(group_id) != ABORTING:
+            raise BookError(f"episode {index} of {group_id} ended without a sample")
+        group.samples[index] = sample if sample is not None else ENDED
+        outcome = self._sched.sample_finished(group_id)
+        if outcome is None:
+            return _PENDING
+        if outcome == "discard":
+            del self._groups[group_id]
+            return _DISCARDED
+        return Arrival(COMPLETE, group)
 
     def sample_arrived(self, msg: SampleDone) -> Arrival:
         """Take one sample (complete, or cut short by an abort) from a rollout worker. Only
         a sample of a group in flight on that worker, at an index not yet received, and well
         formed is taken; anything else changes nothing."""
         gid = msg.group_id
+        if gid in self._turns:
+            return self._turn_sample(msg)
         group = self._groups.get(gid)
         if group is None or self._sched.state_of(gid) not in _IN_FLIGHT:
             return self._eval_sample(msg)
@@ -264,6 +402,23 @@ class RolloutBook:
             return _DISCARDED
         return Arrival(COMPLETE, group)
 
+    def _turn_sample(self, msg: SampleDone) -> Arrival:
+        entry = self._turns.get(msg.group_id)
+        assert entry is not None
+        if entry.worker != msg.worker or msg.index != 0:
+            return _stranger(msg, on_worker=True)
+        problem = malformed(msg.sample)
+        if problem:
+            return Arrival(MALFORMED, detail=problem)
+        self._end_turn(entry)
+        if entry.abandoned:
+            return _DISCARDED
+        return Arrival(TURN, turn=entry, sample=msg.sample)
+
+    def _end_turn(self, entry: Turn) -> None:
+        self._turns.end(entry.turn_id)
+        self._load[entry.worker] -= 1
+
     def _eval_sample(self, msg: SampleDone) -> Arrival:
         group = self._evals.get(msg.group_id)
         if group is None or group.worker != msg.worker:
@@ -277,9 +432,17 @@ class RolloutBook:
         return Arrival(EVAL_COMPLETE, group)
 
     def check_failure(self, msg: GroupFailed) -> Arrival:
-        """Which group a ``GroupFailed`` is about (changes nothing): ``REJECTED`` (a
-        stranger's), ``EVALUATION``, or ``IN_FLIGHT`` (then call :meth:`failed`)."""
+        """Which group a ``GroupFailed`` is about: ``REJECTED`` (a stranger's),
+        ``EVALUATION``, or ``IN_FLIGHT`` (then call :meth:`failed`); these change nothing. For
+        an episode's turn: ``TURN_FAILED`` (tell its episode), or ``DISCARDED`` (abandoned);
+        the turn is gone."""
         gid = msg.group_id
+        turn = self._turns.get(gid)
+        if turn is not None:  # an episode's turn: it is gone
+            if turn.worker != msg.worker:
+                return _stranger(msg, on_worker=True)
+            self._end_turn(turn)
+            return _DISCARDED if turn.abandoned else Arrival(TURN_FAILED, turn=turn)
         group = self._groups.get(gid)
         state = self._sched.state_of(gid)
         if group is not None and state in _IN_FLIGHT:
@@ -291,20 +454,35 @@ class RolloutBook:
             return _stranger(msg, on_worker=group is not None)
         return Arrival(EVALUATION, group)
 
-    def failed(self, group_id: str, *, retry: bool) -> None:
+    def failed(self, group_id: str, *, retry: bool) -> dict[str, list[str]]:
         """Generation of ``group_id`` (in flight) failed; its samples still to come never
         will. ``retry``: it waits (keeping its prompt) until :meth:`retry`; otherwise it is
-        dropped and counted. A group being aborted is simply gone."""
+        dropped and counted. A group being aborted is simply gone. A group of episodes: the
+        turns its episodes still wait for are abandoned and returned by worker (tell each to
+        abort them); the caller cancels the episodes, which then end unreported."""
         group = self._in_flight(group_id)
-        self._load[group.worker] -= sum(1 for s in group.samples if s is None)
+        turns: dict[str, list[str]] = {}
+        if group.worker:
+            self._load[group.worker] -= sum(1 for s in group.samples if s is None)
+        for turn in self._turns.of_group(group_id):
+            if self._turns.abandon(turn.turn_id):
+                turns.setdefault(turn.worker, []).append(turn.turn_id)
         self._sched.failed(group_id, retry=retry)
         if not self._sched.tracks(group_id):
             del self._groups[group_id]
+        elif not group.worker:  # waits for its retry: its episodes start afresh
+            group.samples = [None] * len(group.samples)
+        return turns
 
     def retry(self, group_id: str) -> None:
         """A failed group's back-off is over: :meth:`dispatch` sends it again first (one
         aborted or dropped meanwhile is ignored)."""
         self._sched.retry(group_id)
+
+    def retries(self, group_id: str) -> int:
+        """Times ``group_id``'s generation failed and was retried (its worker's death is not
+        one): what the failure budget decides on."""
+        return self._sched.slot(group_id).retries
 
     def score_failed(self, group_id: str) -> bool:
         """Scoring ``group_id`` failed: drop it (counted as failed). False: the run ended
@@ -329,28 +507,30 @@ class RolloutBook:
         self._sched.committed(group_id, group.rewards)
         return True
 
-    def worker_lost(self, worker: str) -> tuple[int, int]:
+    def worker_lost(self, worker: str) -> Lost:
         """``worker`` died: its training groups are dispatched again first (same prompt, same
-        step, no back-off; those being aborted are simply gone) and its evaluation groups
-        wait for a worker that serves. Returns how many of each."""
+        step, no back-off; those being aborted are simply gone), its evaluation groups
+        wait for a worker that serves, and the episodes' turns on it are gone (their
+        episodes ask another worker; abandoned ones are simply forgotten)."""
         again = 0
         for gid, group in list(self._groups.items()):
             state = self._sched.state_of(gid)
             if group.worker != worker or state not in _IN_FLIGHT:
                 continue
-            self._sched.failed(gid, retry=state == GENERATING)
             if state == ABORTING:
+                self._sched.failed(gid, retry=False)  # already counted as aborted: gone
                 del self._groups[gid]
             else:
-                self._sched.retry(gid)
+                self._sched.requeue(gid)  # not a failure of the group: no retry counted
                 again += 1
         lost = [g for g in self._evals.values() if g.worker == worker]
         for group in lost:
             del self._evals[group.group_id]
             group.samples, group.worker = [None] * len(group.samples), ""
         self._evals_waiting += lost
+        turns = [t for t in self._turns.lose(worker) if not t.abandoned]
         self._load[worker] = 0
-        return again, len(lost)
+        return Lost(again, len(lost), turns)
 
     # ------------------------------------------------------------------ train side
     def next_chunk(self) -> Taken:
@@ -398,14 +578,21 @@ class RolloutBook:
         return aborts
 
     def _aborted(self, group_ids: list[str]) -> Aborts:
-        aborts = Aborts({}, [])
+        by_worker: dict[str, list[str]] = {}
+        gone, episodes, turns = [], [], 0
         for gid in group_ids:
-            if self._sched.tracks(gid):  # on an engine: its samples still come back
-                aborts.by_worker.setdefault(self._groups[gid].worker, []).append(gid)
-            else:  # it was waiting for its retry: gone at once
+            if not self._sched.tracks(gid):  # it was waiting for its retry: gone at once
                 del self._groups[gid]
-                aborts.gone.append(gid)
-        return aborts
+                gone.append(gid)
+            elif self._groups[gid].worker:  # on an engine: its samples still come back
+                by_worker.setdefault(self._groups[gid].worker, []).append(gid)
+            else:  # episodes: cancel them; their turns' samples still come back
+                episodes.append(gid)
+                for turn in self._turns.of_group(gid):
+                    if self._turns.abandon(turn.turn_id):
+                        by_worker.setdefault(turn.worker, []).append(turn.turn_id)
+                        turns += 1
+        return Aborts(by_worker, gone, episodes, turns)
 
     def _in_flight(self, group_id: str) -> Group:
         group = self._groups.get(group_id)
@@ -505,19 +692,32 @@ class RolloutBook:
         if len(self._taken) != self._sched.taken:
             out.append(f"{len(self._taken)} payloads for the {self._sched.taken} groups taken")
         load = dict.fromkeys(self._load, 0)
+        to_come, running = 0, set()
         for gid, group in self._groups.items():
             state, missing = states.get(gid), sum(1 for s in group.samples if s is None)
             if state in _IN_FLIGHT:
-                if group.worker not in load:
+                to_come += missing
+                if not group.worker:  # episodes: their turns are counted below
+                    running |= {(gid, i) for i, s in enumerate(group.samples) if s is None}
+                elif group.worker not in load:
                     out.append(f"{gid} is in flight on unknown worker {group.worker!r}")
-                    continue
-                load[group.worker] += missing
+                else:
+                    load[group.worker] += missing
             elif state in (SCORING, READY) and missing:
                 out.append(f"{gid} is {state} with {missing} samples missing")
+        for turn in self._turns:
+            if turn.worker not in load:
+                out.append(f"turn {turn.turn_id} is in flight on unknown worker {turn.worker!r}")
+                continue
+            load[turn.worker] += 1
+            if turn.evaluation:
+                continue
+            if not turn.abandoned and (turn.group_id, turn.index) not in running:
+                out.append(f"turn {turn.turn_id} belongs to no running episode")
         if load != self._load:
-            out.append(f"load per worker {self._load}, samples to come {load}")
-        if sum(self._load.values()) != self._sched.inflight_samples:
-            out.append(f"loads add up to {sum(self._load.values())}, the scheduler has "
+            out.append(f"load per worker {self._load}, samples and turns to come {load}")
+        if to_come != self._sched.inflight_samples:
+            out.append(f"{to_come} samples to come, the scheduler has "
                        f"{self._sched.inflight_samples} samples in flight")  # fmt: skip
         if self._sched.inflight_samples > self._sched.max_inflight_samples:
             out.append(f"{self._sched.inflight_samples} samples in flight, above the cap")

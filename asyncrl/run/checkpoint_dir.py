@@ -41,7 +41,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from asyncrl.policy.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group, Part
 from asyncrl.run.checksums import HASH, digest_bytes, seal_tree, verify_tree
 from asyncrl.errors import AsyncRLError
 from asyncrl.procs.process import pid_exists
@@ -51,6 +51,7 @@ __all__ = [
     "Checkpoint",
     "ControllerState",
     "FORMAT",
+    "READABLE_FORMATS",
     "SavedGroup",
     "commit",
     "decode_state",
@@ -68,11 +69,16 @@ __all__ = [
 
 log = structlog.get_logger("asyncrl.run.checkpoint_dir")
 
-FORMAT = 2
+FORMAT = 3
 """Bump when a checkpoint written by this version cannot be read by an older one, or the
 reverse. 2: a checksum of every file and fingerprints of the model and data (1 had a hash of
-``controller.msgpack`` only). From 2 on, every format keeps ``manifest_sha256``: the SHA-256
-of the manifest's other keys as compact JSON with sorted keys, checked before the format."""
+``controller.msgpack`` only). 3: a saved sample may carry a per-token loss mask, its own
+prompt and the sequences an episode split off (an older asyncrl would drop them silently and
+train inserted observation tokens after the wrong prompt, so it must refuse format 3). From
+2 on, every format keeps ``manifest_sha256``: the SHA-256 of the manifest's other keys as
+compact JSON with sorted keys, checked before the format."""
+READABLE_FORMATS = (2, 3)
+"""What this version resumes: a format-2 checkpoint's samples have no masks (all train)."""
 MANIFEST = "manifest.json"
 _SELF = f"manifest_{HASH}"
 """The manifest's own digest: of its other keys, as compact JSON with sorted keys."""
@@ -88,16 +94,77 @@ class CheckpointError(AsyncRLError):
 
 
 # --------------------------------------------------------------------------- controller state
+def _i32(a: Any) -> bytes:
+    return np.ascontiguousarray(a, dtype=np.int32).tobytes()
+
+
+def _f32(a: Any) -> bytes:
+    return np.ascontiguousarray(a, dtype=np.float32).tobytes()
+
+
+def _array(data: bytes, dtype: type) -> np.ndarray:
+    return np.frombuffer(data, dtype=dtype).copy()
+
+
+class SavedPart(msgspec.Struct, array_like=True, gc=False):
+    """An episode's sequence split off before its sample's own (format 3)."""
+
+    prompt_ids: bytes  # int32
+    token_ids: bytes  # int32
+    logprobs: bytes  # float32
+    loss_mask: bytes  # uint8
+    finish_reason: str
+
+    @classmethod
+    def of(cls, part: Part) -> SavedPart:
+        mask = part.trained_mask().tobytes()
+        args = (_i32(part.prompt_ids), _i32(part.token_ids), _f32(part.logprobs), mask)
+        return cls(*args, part.finish_reason)
+
+    def part(self) -> Part:
+        return Part(
+            _array(self.prompt_ids, np.int32), _array(self.token_ids, np.int32),
+            _array(self.logprobs, np.float32), _array(self.loss_mask, np.uint8),
+            self.finish_reason,
+        )  # fmt: skip
+
+
 class SavedSample(msgspec.Struct, array_like=True, gc=False):
     token_ids: bytes  # int32
     logprobs: bytes  # float32
     finish_reason: str
     reward: float
     correct: bool
+    loss_mask: bytes | None = None
+    """uint8, one per token (format 3); ``None``: every token trains (format 2 had none)."""
+    prompt_ids: bytes | None = None
+    """int32: the sample's own prompt (format 3); ``None``: its group's."""
+    earlier: list[SavedPart] = []
+    """The episode's sequences split off before this one (format 3)."""
+
+    @classmethod
+    def of(cls, sample: CompletedSample) -> SavedSample:
+        mask = None if sample.loss_mask is None else sample.trained_mask().tobytes()
+        prompt = None if sample.prompt_ids is None else _i32(sample.prompt_ids)
+        return cls(
+            _i32(sample.token_ids), _f32(sample.logprobs), sample.finish_reason,
+            float(sample.reward), bool(sample.correct), mask, prompt,
+            [SavedPart.of(p) for p in sample.earlier],
+        )  # fmt: skip
+
+    def sample(self) -> CompletedSample:
+        mask, prompt = self.loss_mask, self.prompt_ids
+        return CompletedSample(
+            _array(self.token_ids, np.int32), _array(self.logprobs, np.float32),
+            self.finish_reason, self.reward, self.correct,
+            loss_mask=None if mask is None else _array(mask, np.uint8),
+            prompt_ids=None if prompt is None else _array(prompt, np.int32),
+            earlier=tuple(p.part() for p in self.earlier),
+        )  # fmt: skip
 
 
 class SavedGroup(msgspec.Struct, array_like=True, gc=False):
-    """A complete, untrained group with its samples, logprobs and rewards."""
+    """A complete, untrained group with its samples, logprobs, loss masks and rewards."""
 
     group_id: str
     index: int
@@ -118,16 +185,7 @@ class SavedGroup(msgspec.Struct, array_like=True, gc=False):
             group.start_version,
             group.target_step,
             group.end_version,
-            [
-                SavedSample(
-                    np.ascontiguousarray(s.token_ids, dtype=np.int32).tobytes(),
-                    np.ascontiguousarray(s.logprobs, dtype=np.float32).tobytes(),
-                    s.finish_reason,
-                    float(s.reward),
-                    bool(s.correct),
-                )
-                for s in group.samples
-            ],
+            [SavedSample.of(s) for s in group.samples],
         )
 
     def group(self) -> Group:
@@ -138,16 +196,7 @@ class SavedGroup(msgspec.Struct, array_like=True, gc=False):
             self.start_version,
             self.target_step,
             dispatched_at=0.0,
-            samples=[
-                CompletedSample(
-                    np.frombuffer(s.token_ids, dtype=np.int32).copy(),
-                    np.frombuffer(s.logprobs, dtype=np.float32).copy(),
-                    s.finish_reason,
-                    s.reward,
-                    s.correct,
-                )
-                for s in self.samples
-            ],
+            samples=[s.sample() for s in self.samples],
             end_version=self.end_version,
             index=self.index,
         )
@@ -323,11 +372,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise _corrupt(path, f"{MANIFEST} is not a JSON object")
     if _SELF in manifest and _self_digest(manifest) != manifest[_SELF]:
         raise _corrupt(path, f"{MANIFEST} does not match its own {HASH} (it was altered)")
-    if "format" in manifest and manifest["format"] != FORMAT:
+    if "format" in manifest and manifest["format"] not in READABLE_FORMATS:
         raise CheckpointError(
-            f"checkpoint {path} has format {manifest['format']}; this asyncrl reads format "
-            f"{FORMAT} (format 2 added a checksum of every file and the model's and data's "
-            "fingerprints). Fix: resume or export it with the asyncrl version that wrote it "
+            f"checkpoint {path} has format {manifest['format']}; this asyncrl reads formats "
+            f"{' and '.join(map(str, READABLE_FORMATS))} (format 2 added a checksum of every "
+            "file and the model's and data's fingerprints, 3 the loss masks and episode "
+            "prompts of saved samples). Fix: resume or export it with the asyncrl version that "
+            "wrote it "
             f"({manifest.get('asyncrl_version', 'unknown')}), or start the run again"
         )
     need = ("format", "step", "finished", "config", "fingerprints", "files", _SELF)

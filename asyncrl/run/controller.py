@@ -12,7 +12,8 @@ Tasks in the controller's task group and what ends them:
     control reader   ROUTER → replies / Ready / Dead (raises on Dead)      cancelled at exit
     watchers         one per worker: pidfd / torchrun agent exit → WorkerDiedError
     heartbeat        Health to each worker every interval; kills a hung one (run/heartbeat.py)
-    sync-<worker>    a restarted rollout worker's refit (run/restarts.py)
+    sync-<worker>    a restarted rollout worker's refit (run/restarts.py); cancelled with
+                     the watchers, before the workers are stopped
     the loops        train() runs them (run/loops.py: feeder, pumps, lag, watchdog); they
                      finish after ``run.num_steps``
 
@@ -57,7 +58,7 @@ from asyncrl.procs.spawn import (
 )
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.wire.messages import Hello, Init, TokenBatch
-from asyncrl.config.modes import make_scheduler
+from asyncrl.run.scheduling import make_scheduler
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
@@ -146,13 +147,19 @@ class Controller(anyio.AsyncContextManagerMixin):
         self._resume = resume
         self._allow_changed = list(allow_changed)
         self._pipeline: Pipeline | None = None
+        self._new_run()
+        self.addresses: Addresses | None = None
+
+    def _new_run(self) -> None:
+        """The state of one run, fresh for each ``async with`` (a second run of this
+        controller sees nothing of the first's: its agents, its hung workers, its restarts)."""
         self._spawned: list[SpawnedGroup] = []
-        self._restarts = Restarts(config)
+        """The torchrun agents this run spawned."""
+        self._restarts = Restarts(self.config)
         """The rollout workers that serve, and their restarts in place (run/restarts.py)."""
-        self._heartbeat = Heartbeat(config.failures)
+        self._heartbeat = Heartbeat(self.config.failures)
         self._deaths: list[WorkerDiedError] = []
         """Worker deaths in the order they were seen (the first is the root cause)."""
-        self.addresses: Addresses | None = None
 
     def _running_pipeline(self) -> Pipeline:
         if self._pipeline is None:
@@ -163,7 +170,7 @@ class Controller(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncIterator[Controller]:
-        self._deaths = []
+        self._new_run()
         try:
             async with self._running():
                 yield self
@@ -228,7 +235,6 @@ class Controller(anyio.AsyncContextManagerMixin):
                     yield
         finally:
             bound.__exit__(None, None, None)
-            self._restarts.bind(None)
             if self._pipeline is not None:
                 self._pipeline.close()
             self._pipeline = None
@@ -285,6 +291,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             raise
         finally:
             watchers.cancel()
+            self._restarts.close()  # its sync tasks: no refit while the workers stop
             with anyio.CancelScope(shield=True):
                 await control.shutdown_all()
                 pids = [p.pid for p in control.peers.values() if p.pid != os.getpid()]

@@ -4,14 +4,15 @@ Evaluation requests are tagged (group ids ``eval-<label>-<i>``) and go to the sa
 training; the rollout book keeps them (:meth:`~asyncrl.run.book.RolloutBook.add_evals`), their
 samples come back on the data socket like any other, and the feeder hands each scored group
 here (:meth:`Evaluator.scored`) instead of to the scheduler, so they never reach a training
-batch.
+batch. The book owns the requests (which wait for a worker, which are on one); the evaluator
+owns the results (which groups of each evaluation are scored, which were correct).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -20,8 +21,13 @@ import structlog
 from asyncrl.config import Config
 from asyncrl.environment import Environment
 from asyncrl.data.prompts import Tokenizer
+from asyncrl.errors import RunError
 from asyncrl.run.book import RolloutBook
-from asyncrl.wire.messages import Generate, GenRequest
+
+if TYPE_CHECKING:
+    from asyncrl.run.episodes import EpisodeRunner
+from asyncrl.run.restarts import send_generate
+from asyncrl.wire.messages import GenRequest
 from asyncrl.wire.rpc import ControlPlane
 
 __all__ = ["Evaluator"]
@@ -30,19 +36,28 @@ log = structlog.get_logger("asyncrl.run.evaluation")
 
 
 class _Results:
-    """One evaluation's scored groups as they come in."""
+    """One evaluation's results as its groups are scored: which are outstanding, whether
+    each sample was correct, how many groups failed to score."""
 
     def __init__(self, group_ids: list[str]) -> None:
-        self.samples: dict[str, list[Any]] = {}
-        self._expected = len(group_ids)
+        self.outstanding = set(group_ids)
+        self.correct: list[bool] = []
+        self.failed = 0
         self.done = anyio.Event()
         if not group_ids:
             self.done.set()
 
-    def add(self, group_id: str, samples: list[Any]) -> None:
-        self.samples[group_id] = samples
-        if len(self.samples) == self._expected:
+    def add(self, group_id: str, correct: list[bool], *, failed: bool = False) -> bool:
+        """``group_id``'s samples' correctness (``failed``: its scoring failed), if it is one
+        of this evaluation's groups still outstanding (whether it was)."""
+        if group_id not in self.outstanding:
+            return False
+        self.outstanding.remove(group_id)
+        self.correct += correct
+        self.failed += failed
+        if not self.outstanding:
             self.done.set()
+        return True
 
 
 class Evaluator:
@@ -60,8 +75,11 @@ class Evaluator:
         serving: Callable[[], list[str]],
         metrics: Any,
         now: Callable[[], float] = time.perf_counter,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.config = config
+        self.episodes = episodes
+        """A multi-turn environment's runner: it evaluates by running greedy episodes."""
         self.control = control
         self.env = environment
         self.tok = tokenizer
@@ -73,34 +91,66 @@ class Evaluator:
         """Every evaluation of the run, in order."""
         self._running: anyio.Event | None = None
         self._open: dict[str, _Results] = {}
-        """The evaluation waiting for each evaluation group, by id."""
+        """The results of each evaluation under way, by label."""
 
     async def evaluate(self, label: str, version: int) -> dict[str, Any]:
         """Greedy held-out accuracy of weights ``version``, which the generators serve
-        (nothing else should be generating). Cancellation: outstanding eval groups are
-        abandoned."""
+        (nothing else should be generating). A group whose scoring failed under
+        ``failures.on_reward_error = "drop_group"`` counts as incorrect.
+
+        Raises:
+            RunError: its groups were not all scored within ``cluster.call_timeout_s``.
+
+        Cancellation: outstanding eval groups are abandoned.
+        """
         n = self.config.eval.num_prompts
         prompts = list(self.env.dataset("eval"))[:n]
+        if self.episodes is not None:
+            return self._record(label, version, len(prompts),
+                                *await self._episodes(label, prompts))  # fmt: skip
         ids = await anyio.to_thread.run_sync(self.tok.encode_prompts, prompts)
         gids = self.book.add_evals(label, list(zip(prompts, ids)), version, self.now())
-        results = _Results(gids)
-        self._open.update(dict.fromkeys(gids, results))
+        results = self._open[label] = _Results(gids)
         start = self.now()
         try:
-            await self.resend()
-            with anyio.fail_after(self.config.cluster.call_timeout_s):
+            with anyio.move_on_after(self.config.cluster.call_timeout_s):
+                await self.resend()
                 await results.done.wait()
+            if not results.done.is_set():
+                raise self._timed_out(label, results, len(gids))
         finally:
             self.book.drop_evals(gids)
-            for gid in gids:
-                self._open.pop(gid, None)
-        correct = [s.correct for gid in gids for s in results.samples[gid]]
+            del self._open[label]
+        return self._record(label, version, len(prompts), results.correct, results.failed, start)
+
+    async def _episodes(self, label: str, prompts: list[Any]) -> tuple[list[bool], int, float]:
+        """One greedy episode per prompt (a failed one counts as incorrect), bounded as the
+        single-turn evaluation is: correctness, failures, and when it started."""
+        assert self.episodes is not None
+        start = self.now()
+        with anyio.move_on_after(self.config.cluster.call_timeout_s) as scope:
+            scores = await self.episodes.evaluate(label, prompts)
+        if scope.cancelled_caught:
+            raise RunError(
+                f"evaluation {label!r}: its {len(prompts)} episodes did not end within "
+                f"{self.config.cluster.call_timeout_s:g} s (cluster.call_timeout_s); workers "
+                f"serving: {', '.join(self.serving()) or 'none'}. Fix: raise "
+                "cluster.call_timeout_s, or lower eval.num_prompts or episode.deadline_s"
+            )
+        correct = [s is not None and bool(s.correct) for s in scores]
+        return correct, sum(s is None for s in scores), start
+
+    def _record(
+        self, label: str, version: int, num_prompts: int, correct: list[bool], failed: int,
+        start: float,
+    ) -> dict[str, Any]:
         record = {
             "kind": "eval",
             "label": label,
             "version": version,
             "accuracy": float(np.mean(correct)) if correct else 0.0,
-            "num_prompts": len(prompts),
+            "num_prompts": num_prompts,
+            "failed_groups": failed,
             "seconds": self.now() - start,
             "start": start,
             "end": self.now(),
@@ -111,33 +161,51 @@ class Evaluator:
         self.records.append(record)
         return record
 
+    def _timed_out(self, label: str, results: _Results, total: int) -> RunError:
+        """The error of an evaluation not finished in time: which, what is missing, who
+        serves, and the setting."""
+        missing = sorted(results.outstanding)
+        serving = self.serving()
+        return RunError(
+            f"evaluation {label!r}: {len(missing)} of its {total} groups were not generated "
+            f"and scored within {self.config.cluster.call_timeout_s:g} s "
+            f"(cluster.call_timeout_s); outstanding: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; rollout workers serving: "
+            f"{', '.join(serving) if serving else 'none (every one is restarting)'}. Fix: see "
+            "the rollout workers' logs; raise cluster.call_timeout_s if the engines are just "
+            "slow, or lower eval.num_prompts"
+        )
+
     def scored(self, group_id: str, samples: list[Any]) -> None:
         """An evaluation group's samples are scored (the feeder's call; one whose
         evaluation was abandoned is ignored)."""
-        results = self._open.pop(group_id, None)
-        if results is not None:
-            results.add(group_id, samples)
+        self._add(group_id, [s.correct for s in samples], failed=False)
+
+    def score_failed(self, group_id: str, n: int) -> None:
+        """Scoring an evaluation group of ``n`` samples failed (``failures.on_reward_error =
+        "drop_group"``): its samples count as incorrect."""
+        self._add(group_id, [False] * n, failed=True)
+
+    def _add(self, group_id: str, correct: list[bool], *, failed: bool) -> None:
+        for results in self._open.values():  # one or two evaluations at most
+            if results.add(group_id, correct, failed=failed):
+                return
 
     async def resend(self) -> None:
-        """Send the evaluation groups waiting for a worker over the workers that serve (with
-        none serving, they wait for the next call: a worker back)."""
+        """Send the evaluation groups waiting for a worker over the workers that serve, to
+        all of them at once (with none serving, they wait for the next call: a worker back).
+        Cancellation: the calls are abandoned; the groups stay placed."""
         placed = self.book.place_evals(self.serving())
-        timeout = self.config.cluster.call_timeout_s
-        for worker, sent in placed.items():  # one that died: its groups come back (worker_lost)
-            requests = [
-                GenRequest(
-                    group_id=s.group_id,
-                    prompt_ids=s.prompt_ids,
-                    n=s.n,
-                    max_tokens=self.config.grpo.max_new_tokens,
-                    temperature=0.0,
-                    greedy=True,
-                )
+        cfg = self.config
+        by_worker = {
+            worker: [
+                GenRequest(group_id=s.group_id, prompt_ids=s.prompt_ids, n=s.n,
+                           max_tokens=cfg.grpo.max_new_tokens, temperature=0.0, greedy=True)
                 for s in sent
-            ]
-            await self.control.call_unless_restarting(
-                worker, Generate(requests=requests), timeout_s=timeout
-            )
+            ]  # fmt: skip
+            for worker, sent in placed.items()
+        }
+        await send_generate(self.control, by_worker, cfg.cluster.call_timeout_s)
 
     def start_validation(
         self, tg: Any, version: int, on_record: Callable[[dict[str, Any]], None]

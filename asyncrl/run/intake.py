@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.abc
@@ -31,11 +31,11 @@ from asyncrl.obs.steps import StepRecord
 from asyncrl.run import book as bk
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.wire.codec import Codec
-from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, SampleDone
+from asyncrl.run.turns import Turn
+from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, Sample, SampleDone
 from asyncrl.wire.transport import AsyncSocket, Rejections, peer_name
 
 if TYPE_CHECKING:
-    from asyncrl.policy.failures import FailureBudget
     from asyncrl.run.evaluation import Evaluator
     from asyncrl.run.restarts import Redispatcher
 
@@ -74,6 +74,14 @@ class ScoreTimeout(ScoreError):
     """A ``score()`` / ``score_async()`` call did not return within
     ``failures.reward_timeout_s`` (the message names the call, what ran inside it, the prompt
     and the deadline)."""
+
+
+class TurnReceiver(Protocol):
+    """Where episodes' turns go (:class:`~asyncrl.run.episodes.EpisodeRunner`)."""
+
+    def turn_arrived(self, turn: Turn, sample: Sample) -> None: ...
+
+    def turn_failed(self, turn: Turn, error: str, retryable: bool) -> None: ...
 
 
 class Signal:
@@ -308,20 +316,21 @@ class Feeder:
         scorer: Scorer,
         evaluator: Evaluator,
         redispatch: Redispatcher,
-        failures: FailureBudget,
         rejections: Rejections,
         changed: Signal,
         committed: Signal,
         now: Callable[[], float],
         step_record: Callable[[], StepRecord],
+        turns: TurnReceiver | None = None,
     ) -> None:
         self.config = config
+        self.turns = turns
+        """Where an episode's turn goes (the episode runner; ``None``: single-turn)."""
         self.data = data
         self.book = book
         self.scorer = scorer
         self.evaluator = evaluator
         self.redispatch = redispatch
-        self.failures = failures
         self.rejections = rejections
         self.changed = changed
         self.committed = committed
@@ -336,7 +345,9 @@ class Feeder:
         run. A malformed sample from the worker the group was sent to, a generation failure
         of an evaluation group, or an environment whose ``score()`` raises or returns a
         non-finite reward (``failures.on_reward_error = "fail_run"``) ends it with a
-        :class:`~asyncrl.errors.RunError` naming the culprit.
+        :class:`~asyncrl.errors.RunError` naming the culprit. Under ``"drop_group"`` such a
+        training group is dropped (within ``failures.max_failed_groups``) and such an
+        evaluation group counted as incorrect.
 
         Cancellation: stops reading; scoring tasks in flight are cancelled with it.
         """
@@ -375,7 +386,11 @@ class Feeder:
         elif arrival.kind == bk.EVALUATION:
             error = f"{msg.error_type}: {msg.message}"
             raise RunError(f"evaluation group {msg.group_id} failed on {msg.worker}: {error}")
-        else:
+        elif arrival.kind == bk.TURN_FAILED:
+            assert self.turns is not None and arrival.turn is not None
+            error = f"{msg.error_type}: {msg.message}"
+            self.turns.turn_failed(arrival.turn, error, msg.retryable)
+        elif arrival.kind != bk.DISCARDED:  # DISCARDED: an abandoned turn's; nobody waits
             assert arrival.group is not None
             self.redispatch.group_failed(arrival.group, msg, arrival.aborting, tg)
 
@@ -390,6 +405,9 @@ class Feeder:
                 f"{msg.group_id}: {arrival.detail}; the generation backend "
                 f"{self.config.generator.backend!r} broke its contract"
             )
+        elif kind == bk.TURN:
+            assert self.turns is not None and arrival.turn is not None
+            self.turns.turn_arrived(arrival.turn, msg.sample)
         elif kind == bk.EVAL_COMPLETE:
             assert arrival.group is not None
             self._score_eval(arrival.group, tg)
@@ -401,44 +419,62 @@ class Feeder:
                 self._complete(arrival.group, tg)
 
     def _complete(self, group: Group, tg: anyio.abc.TaskGroup) -> None:
-        """A group's last sample arrived: score and commit it now (cheap environment) or in
-        a task (scoring in a thread)."""
+        """A group's last sample arrived: score and commit it."""
+        self._score(group, tg, self._commit, self._score_failed)
+
+    def _score_eval(self, group: Group, tg: anyio.abc.TaskGroup) -> None:
+        """An evaluation group's sample arrived: score it for its evaluation."""
+        self._score(group, tg, self.evaluator.scored, self._eval_score_failed)
+
+    def _score(
+        self,
+        group: Group,
+        tg: anyio.abc.TaskGroup,
+        scored: Callable[[str, list[CompletedSample]], None],
+        failed: Callable[[Group, ScoreError], None],
+    ) -> None:
+        """Score ``group`` now (a cheap environment) or in a task (scoring in a thread), then
+        ``scored(group_id, samples)``, or ``failed(group, error)``."""
         if not self.scorer.cheap:
-            tg.start_soon(self._score_and_commit, group)
+            tg.start_soon(self._score_threaded, group, scored, failed)
             return
         try:
             samples = self.scorer.inline(group)
         except ScoreError as exc:
-            self._score_failed(group.group_id, exc)
+            failed(group, exc)
         else:
-            self._commit(group.group_id, samples)
+            scored(group.group_id, samples)
 
-    async def _score_and_commit(self, group: Group) -> None:
+    async def _score_threaded(
+        self,
+        group: Group,
+        scored: Callable[[str, list[CompletedSample]], None],
+        failed: Callable[[Group, ScoreError], None],
+    ) -> None:
         try:
             samples = await self.scorer.threaded(group)
         except ScoreError as exc:
-            self._score_failed(group.group_id, exc)
+            failed(group, exc)
         else:
-            self._commit(group.group_id, samples)
+            scored(group.group_id, samples)
 
-    def _score_failed(self, gid: str, exc: ScoreError) -> None:
+    def _score_failed(self, group: Group, exc: ScoreError) -> None:
         """``failures.on_reward_error``: stop the run, or drop the group."""
         if self.config.failures.on_reward_error == "fail_run":
             raise exc
+        gid = group.group_id
         log.error("reward_failed", group_id=gid, error=str(exc), action="group dropped")
         self.redispatch.score_failed(gid, f"group {gid}: {exc}")
 
+    def _eval_score_failed(self, group: Group, exc: ScoreError) -> None:
+        """``failures.on_reward_error``: stop the run, or count the evaluation group as
+        incorrect (it is not the run's to drop; the evaluation goes on)."""
+        if self.config.failures.on_reward_error == "fail_run":
+            raise exc
+        gid = group.group_id
+        log.error("reward_failed", group_id=gid, error=str(exc), action="counted as incorrect")
+        self.evaluator.score_failed(gid, len(group.samples))
+
     def _commit(self, gid: str, samples: list[CompletedSample]) -> None:
-        if not self.book.commit(gid, samples, self.now()):
-            return  # the run ended while it was scored (counted as unused)
-        self.failures.succeeded(gid)
-        self.committed.notify()
-
-    def _score_eval(self, group: Group, tg: anyio.abc.TaskGroup) -> None:
-        if self.scorer.cheap:
-            self.evaluator.scored(group.group_id, self.scorer.inline(group))
-        else:
-            tg.start_soon(self._score_eval_threaded, group)
-
-    async def _score_eval_threaded(self, group: Group) -> None:
-        self.evaluator.scored(group.group_id, await self.scorer.threaded(group))
+        if self.book.commit(gid, samples, self.now()):  # False: the run ended meanwhile
+            self.committed.notify()

@@ -33,7 +33,6 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import anyio
@@ -51,14 +50,16 @@ from asyncrl.obs.watchdog import LoopLag, LoopWatchdog, gc_frozen
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.schedule import Scheduler, StepStats
 from asyncrl.run.assembly import Publisher, StepAssembler
+from asyncrl.env.episode import EpisodeEnvironment
 from asyncrl.run.book import RolloutBook, Sent
+from asyncrl.run.episodes import EpisodeRunner, build_runner
 from asyncrl.run.evaluation import Evaluator
 from asyncrl.run.intake import Feeder, Scorer, Signal
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales
-from asyncrl.run.restarts import Redispatcher, Restarts
+from asyncrl.run.restarts import Redispatcher, Restarts, send_generate
 from asyncrl.run.saving import Checkpointer, Resume
-from asyncrl.wire.messages import Generate, GenRequest, StepResult, TokenBatch
+from asyncrl.wire.messages import GenRequest, StepResult, TokenBatch
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.wire.transport import AsyncSocket, Rejections
 
@@ -128,7 +129,9 @@ class Pipeline:
         self.config, self.control, self.tok = config, control, tokenizer
         self.trainers, self.restarts, self.metrics = trainers, restarts, metrics
         self.rollouts = restarts.workers
-        self.book = RolloutBook(scheduler, self.rollouts)
+        self.episodic = isinstance(environment, EpisodeEnvironment)
+        """A multi-turn environment: each group is ``n`` episodes (:mod:`asyncrl.run.episodes`)."""
+        self.book = RolloutBook(scheduler, self.rollouts, episodes=self.episodic)
         self.console = Console.for_run(config, tokenizer.decode, metrics)  # progress, samples
         self.t0 = clock_origin
         self.changed = Signal()  # a book change the rollout pump (or a drain) may wait for
@@ -138,7 +141,8 @@ class Pipeline:
         self._gate_wait_s = 0.0  # dispatch time spent waiting for a refit, since the last step
         self.lag = LoopLag()  # event-loop wake-up delays (each step record takes them)
         self.history: list[dict[str, Any]] = []
-        self.probes = Probes(control, trainers, restarts, config.cluster.call_timeout_s)
+        self.probes = Probes(control, trainers, serving=lambda: restarts.serving,
+                             workers=self.rollouts, timeout_s=config.cluster.call_timeout_s)  # fmt: skip
         self.prompts = PromptStream(
             environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
         )
@@ -164,8 +168,16 @@ class Pipeline:
             serving=lambda: self.restarts.serving, kv=kv, probes=self.probes,
             transfer_address=transfer, changed=self.changed,
             rejections=self.rejections, metrics=metrics, now=self.now,
+            cancel_episodes=self._cancel_episodes,
         )  # fmt: skip
         self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
+        self.episodes: EpisodeRunner | None = None
+        if self.episodic:
+            self.episodes = build_runner(
+                cfg, environment, tokenizer=tokenizer, book=self.book, control=control,
+                serving=lambda: self.restarts.serving, changed=self.changed,
+                committed=self.committed, now=self.now, fail_group=self.redispatch.episode_failed,
+            )  # fmt: skip
         self.checkpointer = Checkpointer(
             cfg, control=control, trainers=trainers, metrics=metrics,
             train_prompts=environment.dataset("train"),
@@ -173,14 +185,15 @@ class Pipeline:
         self.evaluator = Evaluator(
             cfg, control=control, environment=environment, tokenizer=tokenizer,
             book=self.book, serving=lambda: self.restarts.serving, metrics=metrics, now=self.now,
+            episodes=self.episodes,
         )  # fmt: skip
         scorer = Scorer(environment, tokenizer, cfg.environment.name,
                         timeout_s=cfg.failures.reward_timeout_s)  # fmt: skip
         self.feeder = Feeder(
             cfg, data=data, book=self.book, scorer=scorer, evaluator=self.evaluator,
-            redispatch=self.redispatch, failures=self.failures, rejections=self.rejections,
+            redispatch=self.redispatch, rejections=self.rejections,
             changed=self.changed, committed=self.committed, now=self.now,
-            step_record=lambda: self._record(self.book.trainer_version),
+            step_record=lambda: self._record(self.book.trainer_version), turns=self.episodes,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the controller's API
@@ -211,6 +224,8 @@ class Pipeline:
         cfg = self.config
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.feeder.run, name="buffer-feeder")
+            if self.episodes is not None:
+                await tg.start(self.episodes.run, name="episodes")
             tg.start_soon(self.lag.run, name="loop-lag")
             dump_dir = os.path.join(cfg.run.output_dir, "logs")
             tg.start_soon(LoopWatchdog(cfg.run.stall_warning_s, dump_dir=dump_dir).run,
@@ -280,7 +295,9 @@ class Pipeline:
     async def worker_lost(self, worker: str) -> None:
         """Rollout ``worker`` died and is being restarted: its groups go to the workers that
         serve, or wait for one."""
-        self.redispatch.worker_lost(worker)
+        turns = self.redispatch.worker_lost(worker)
+        if self.episodes is not None:
+            self.episodes.turns_lost(turns)
         await self.evaluator.resend()
 
     async def refit_worker(self, worker: str) -> int:
@@ -296,6 +313,10 @@ class Pipeline:
         self.changed.notify()
 
     # ------------------------------------------------------------------ helpers
+    def _cancel_episodes(self, group_ids: list[str]) -> None:
+        assert self.episodes is not None  # only a multi-turn run has groups of episodes
+        self.episodes.cancel(group_ids)
+
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
@@ -322,6 +343,10 @@ class Pipeline:
                 d := self.book.dispatch(serving, self.prompts.get, now), Sent
             ):
                 sent.append(d)
+            if sent and self.episodes is not None:
+                for s in sent:
+                    self.episodes.start(s)
+                continue
             if sent:
                 await self._send_generate(sent)
                 continue
@@ -341,12 +366,7 @@ class Pipeline:
                 group_id=s.group_id, prompt_ids=s.prompt_ids, n=s.n,
                 max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
             ))  # fmt: skip
-        # a worker that died meanwhile: its groups were dispatched again (worker_lost)
-        call = partial(self.control.call_unless_restarting,
-                       timeout_s=self.config.cluster.call_timeout_s)  # fmt: skip
-        async with anyio.create_task_group() as tg:
-            for worker, reqs in requests.items():
-                tg.start_soon(call, worker, Generate(requests=reqs))
+        await send_generate(self.control, requests, self.config.cluster.call_timeout_s)
 
     # ------------------------------------------------------------------ train pump
     async def train_pump(self) -> None:
@@ -412,6 +432,8 @@ class Pipeline:
             inflight_samples=book.inflight_samples, loop_lags=self.lag.take(),
             rejected_frames=self.rejections.total, now=self.now(),
         )  # fmt: skip
+        if self.episodes is not None:
+            record.update(self.episodes.take_metrics())
         self.history.append(record)
         if self.metrics is not None:
             self.metrics.write({"kind": "train", **record})

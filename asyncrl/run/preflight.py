@@ -23,7 +23,7 @@ from asyncrl.data.prompts import Tokenizer
 from asyncrl.sinks import check_sinks
 from asyncrl.procs.space import check_space
 
-__all__ = ["check_before_spawn", "make_environment"]
+__all__ = ["check_before_spawn", "end_token_ids", "make_environment"]
 
 
 async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
@@ -116,14 +116,21 @@ def _longest_prompt(environment: Any, tokenizer: Tokenizer, cfg: Config) -> int:
 
 
 def _eos_token_id(model_path: str) -> int | None:
+    ids = end_token_ids(model_path)
+    return ids[0] if ids else None
+
+
+def end_token_ids(model_path: str) -> list[int]:
+    """The ids that end a generation (what the engine stops on): the model's generation
+    config's ``eos_token_id`` (one or a list), else its config's; ``[]`` when neither says."""
     for name in ("generation_config.json", "config.json"):
         try:
             with open(os.path.join(model_path, name)) as f:
                 eos = json.load(f).get("eos_token_id")
         except (OSError, ValueError):
             continue
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return None
+        ids = eos if isinstance(eos, list) else [eos]
+        ids = [int(i) for i in ids if i is not None]
+        if ids:
+            return ids
+    return []

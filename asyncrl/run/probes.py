@@ -3,6 +3,7 @@ verification and behind ``Controller.generator_logprobs`` / ``trainer_logprobs``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -12,7 +13,6 @@ import structlog
 from asyncrl.errors import WorkerRestarting
 from asyncrl.policy.grpo import shard_tokens
 from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score, TokenBatch
-from asyncrl.run.restarts import Restarts
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.policy.verify import Agreement, compare
 
@@ -22,14 +22,25 @@ __all__ = ["Probes"]
 
 
 class Probes:
-    """Logprob queries over the control plane (each call bounded by ``timeout_s``)."""
+    """Logprob queries over the control plane (each call bounded by ``timeout_s``).
+
+    ``serving()``: the rollout workers that serve now (those :meth:`agreement` scores);
+    ``workers``: every rollout worker, in rank order (the order of its results).
+    """
 
     def __init__(
-        self, control: ControlPlane, trainers: list[str], pool: Restarts, timeout_s: float
+        self,
+        control: ControlPlane,
+        trainers: list[str],
+        *,
+        serving: Callable[[], list[str]],
+        workers: list[str],
+        timeout_s: float,
     ) -> None:
         self.control = control
         self.trainers = trainers
-        self.pool = pool
+        self.serving = serving
+        self.workers = workers
         self.timeout_s = timeout_s
 
     async def generator_logprobs(
@@ -66,23 +77,23 @@ class Probes:
         return agreements
 
     async def agreement(self, batch: TokenBatch, version: int) -> list[Agreement]:
-        """Every generator's logprobs of ``batch`` against the trainer's, scored concurrently.
-        Cancellation: the outstanding calls are abandoned."""
+        """Every serving generator's logprobs of ``batch`` against the trainer's, scored
+        concurrently (one restarting, or that dies meanwhile, is left out: a restarted worker
+        is refitted alone and not verified). Cancellation: the outstanding calls are
+        abandoned."""
         results: dict[str, np.ndarray] = {}
 
         async def generator(worker: str) -> None:
             try:
                 results[worker] = await self.generator_logprobs(batch, worker=worker)
             except WorkerRestarting:
-                pass  # it died meanwhile: verified again after its own refit, if due
+                pass  # it died meanwhile: left out (its restart refits it, unverified)
 
         async def trainer() -> None:
             results[""] = await self.trainer_logprobs(batch)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)
-            for worker in self.pool.serving:
+            for worker in self.serving():
                 tg.start_soon(generator, worker)
-        return [
-            compare(w, version, results[w], results[""]) for w in self.pool.workers if w in results
-        ]
+        return [compare(w, version, results[w], results[""]) for w in self.workers if w in results]

@@ -7,20 +7,26 @@
 
       watch(): WorkerDiedError ─► restart: pool.lost() ─► the control plane forgets it
         ─► loops.worker_lost() (its groups to the workers that serve) ─► its new process
-        ready (its supervisor watched) ─► sync task: pool.returned() ─► loops.refit_worker()
+        ready (its supervisor watched) ─► pool.returned() ─► sync task: loops.refit_worker()
         ─► pool.synced() ─► loops.worker_serves() (it takes work again); watch() goes on
-        with the new process. No restart granted: watch() raises the death.
+        with the new process at once (a death while it syncs is a new restart). No restart
+        granted: watch() raises the death. The sync tasks are :class:`Restarts`' own:
+        :meth:`Restarts.close` cancels them when the run ends, before the workers stop.
 
 * A generation that fails is retried after a back-off, or dropped within the failure budget;
   a group whose scoring fails is dropped; a lost worker's groups are sent again at once:
   :class:`Redispatcher`. The failure budget decides (:mod:`asyncrl.policy.failures`); the
   rollout book keeps the groups and their prompts (:mod:`asyncrl.run.book`).
+
+* Requests go out with :func:`send_generate` (the rollout pump's and the evaluations'): a
+  worker found restarting is skipped, its groups come back through ``worker_lost``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -34,13 +40,29 @@ from asyncrl.policy.pool import SYNCING, RolloutPool
 from asyncrl.procs.process import parent_pid, stopped_by_signal, wait_pid_exit
 from asyncrl.procs.spawn import SpawnedGroup, watch_peer
 from asyncrl.run.book import RolloutBook
+from asyncrl.run.turns import Turn
 from asyncrl.policy.groups import Group
-from asyncrl.wire.messages import GroupFailed
+from asyncrl.wire.messages import Generate, GenRequest, GroupFailed
 from asyncrl.wire.rpc import ControlPlane
 
-__all__ = ["Redispatcher", "Restarts", "WorkerLoops"]
+__all__ = ["Redispatcher", "Restarts", "WorkerLoops", "send_generate"]
 
 log = structlog.get_logger("asyncrl.run.restarts")
+
+
+async def send_generate(
+    control: ControlPlane, by_worker: dict[str, list[GenRequest]], timeout_s: float
+) -> None:
+    """One ``Generate`` to each worker of ``by_worker`` with its requests, all at once (a
+    slow reply holds up no other worker's). A worker that died meanwhile and is restarting
+    is skipped: its groups were sent again already, or will be (``worker_lost``).
+
+    Cancellation: the calls are abandoned (the requests may still have reached the engines).
+    """
+    async with anyio.create_task_group() as tg:
+        for worker, requests in by_worker.items():
+            tg.start_soon(partial(control.call_unless_restarting, timeout_s=timeout_s),
+                          worker, Generate(requests=requests))  # fmt: skip
 
 
 class WorkerLoops(Protocol):
@@ -57,10 +79,11 @@ class WorkerLoops(Protocol):
 
 
 class Restarts:
-    """The rollout workers, which of them serve, and their restarts in place.
+    """The rollout workers, which of them serve, and their restarts in place, for one run.
 
-    Built with the controller; :meth:`bind` hands it the run's loops once they exist (before
-    that, a death is fatal: the run has not started).
+    Built with the run (a controller builds one per ``async with``); :meth:`bind` hands it
+    the run's loops once they exist (before that, a death is fatal: the run has not
+    started), :meth:`close` ends it.
     """
 
     def __init__(self, config: Config) -> None:
@@ -69,13 +92,21 @@ class Restarts:
         self._pool = RolloutPool(rollouts, config.rollout_restarts)
         self._loops: WorkerLoops | None = None
         self._metrics: Any = None
+        self._syncs: set[anyio.CancelScope] = set()
+        """The sync tasks under way (a restarted worker's refit), cancelled by :meth:`close`."""
+        self._closed = False
 
-    def bind(self, loops: WorkerLoops | None, metrics: Any = None) -> None:
-        """The run's loops (and metrics writer) that restarts act on; ``None``: the run is
-        over, a death is fatal again (and a next run starts with the whole budget)."""
+    def bind(self, loops: WorkerLoops, metrics: Any = None) -> None:
+        """The run's loops (and metrics writer) that restarts act on."""
         self._loops, self._metrics = loops, metrics
-        if loops is None:
-            self._pool = RolloutPool(self._pool.workers, self._pool.max_restarts)
+
+    def close(self) -> None:
+        """The run is over (called with the watchers' end, before the workers are stopped):
+        the sync tasks still under way are cancelled and no more start (a refit then would
+        race the trainers' shutdown)."""
+        self._closed = True
+        for scope in self._syncs:
+            scope.cancel()
 
     @property
     def serving(self) -> list[str]:
@@ -118,30 +149,28 @@ class Restarts:
                 words, a ``WorkerError``), or a supervisor that exited too.
             WorkerStartupError: a restarted worker not ready in time.
 
-        Cancellation: stops watching (the run is over; a sync task belongs to ``tg``).
+        Cancellation: stops watching (a sync task runs in ``tg`` until :meth:`close`).
         """
         while True:
             supervisor = parent_pid(peer.pid)  # read while it lives
             try:
                 await watch_peer(peer, agent)
             except WorkerDiedError as exc:
-                exc = named(peer, exc)  # a hang it was killed for, if so
-                back = await self._restart(control, peer, exc, supervisor, tg)
+                died = named(peer, exc)  # a hang it was killed for, if so
+                back = await self._restart(control, peer, died, supervisor, tg)
                 if back is None:
-                    died = named(peer, self._budget_spent(peer, exc))
+                    self._budget_spent(peer, died)
                     fatal(died)
                     raise (peer.last_words or died) from None
                 peer = back
 
-    def _budget_spent(self, peer: Any, died: WorkerDiedError) -> WorkerDiedError:
-        """``died``, saying so when the restarts the run allowed were all used."""
-        if self._loops is None or peer.group != "rollout" or not self._pool.max_restarts:
-            return died
-        return WorkerDiedError(
-            died.group, died.rank, died.exit_code, died.log_path,
-            f"rollout workers were restarted {self._pool.restarts} times in this run, all "
-            "that failures.rollout_restarts allows",
-        )
+    def _budget_spent(self, peer: Any, died: WorkerDiedError) -> None:
+        """Add a line to ``died`` when the restarts the run allowed were all used."""
+        if self._loops is not None and peer.group == "rollout" and self._pool.max_restarts:
+            died.add_detail(
+                f"rollout workers were restarted {self._pool.restarts} times in this run, "
+                "all that failures.rollout_restarts allows"
+            )
 
     async def _restart(
         self,
@@ -152,9 +181,9 @@ class Restarts:
         tg: anyio.abc.TaskGroup,
     ) -> Any:
         """``peer`` died: if the pool grants a restart, send its groups elsewhere, wait for
-        its new process (its ``supervisor`` starts it), start its refit in ``tg`` and return
-        it (to be watched while it syncs). ``None``: no restart (not a rollout worker, no run
-        yet, a stop signal's consequence, the budget spent).
+        its new process (its ``supervisor`` starts it), mark it returned, start its refit in
+        ``tg`` and return it (to be watched while it syncs). ``None``: no restart (not a
+        rollout worker, no run, a stop signal's consequence, the budget spent).
 
         Raises:
             WorkerDiedError: its supervisor exited too.
@@ -185,21 +214,43 @@ class Restarts:
                 watch.start_soon(supervisor_gone)
                 back = await control.wait_peer(peer.identity)
                 watch.cancel_scope.cancel()
+            # before its new process is watched: a death seen at once finds it SYNCING
+            self._pool.returned(peer.identity)
             restarted = {"kind": "worker_restarted", "worker": peer.identity,
                          "exit_code": died.exit_code, "error": why}  # fmt: skip
-            tg.start_soon(self._sync, loops, restarted, start, name=f"sync-{peer.identity}")
+            self._start_sync(tg, loops, restarted, start)
             return back
         raise WorkerStartupError(
             f"{peer.identity} died ({why}) and its new process was not ready within "
             f"{timeout:.0f} s (cluster.startup_timeout_s); see {peer.log_path}"
         )
 
+    def _start_sync(
+        self, tg: anyio.abc.TaskGroup, loops: WorkerLoops, restarted: dict[str, Any],
+        start: float,
+    ) -> None:
+        """:meth:`_sync` in ``tg``, under a cancel scope of this object's (see :meth:`close`)."""
+        if self._closed:
+            return
+        scope = anyio.CancelScope()
+        self._syncs.add(scope)
+
+        async def sync() -> None:
+            try:
+                with scope:
+                    await self._sync(loops, restarted, start)
+            finally:
+                self._syncs.discard(scope)
+
+        tg.start_soon(sync, name=f"sync-{restarted['worker']}")
+
     async def _sync(self, loops: WorkerLoops, restarted: dict[str, Any], start: float) -> None:
         """The restarted worker's new process is ready (and watched): refit it to the
         trainer's weights, then it takes work again; unless it died again meanwhile (that
-        death is being handled)."""
+        death is being handled: its own sync follows)."""
         worker = restarted["worker"]
-        self._pool.returned(worker)
+        if self._pool.state(worker) != SYNCING:
+            return
         version = await loops.refit_worker(worker)
         if self._pool.state(worker) != SYNCING:
             return
@@ -227,22 +278,41 @@ class Redispatcher:
     ) -> None:
         """Retry the group after a back-off (in ``tg``), or drop it (:mod:`asyncrl.policy.failures`);
         one being aborted is simply gone."""
-        gid = msg.group_id
-        if aborting:  # counted as aborted already: gone, nothing to retry
-            self.book.failed(gid, retry=False)
-            self._wake()
-            return
         error = f"{msg.error_type}: {msg.message}"
+        self._failed(group.group_id, group.prompt_id, error, msg.retryable, aborting,
+                     msg.worker, tg)  # fmt: skip
+
+    def episode_failed(
+        self, gid: str, prompt_id: str, error: str, retryable: bool, tg: anyio.abc.TaskGroup
+    ) -> dict[str, list[str]]:
+        """An episode of group ``gid`` failed (``error`` names it): the group fails as
+        :meth:`group_failed` says. Returns the turns its other episodes still wait for, by
+        worker (abandoned: tell each worker to abort them)."""
+        aborting = not self.book.generating(gid)
+        return self._failed(gid, prompt_id, error, retryable, aborting, "", tg)
+
+    def _failed(
+        self, gid: str, prompt_id: str, error: str, retryable: bool, aborting: bool,
+        worker: str, tg: anyio.abc.TaskGroup,
+    ) -> dict[str, list[str]]:
+        if aborting:  # counted as aborted already: gone, nothing to retry
+            turns = self.book.failed(gid, retry=False)
+            self._wake()
+            return turns
         delay = self.failures.generation_failed(
-            gid, group.prompt_id, retryable=msg.retryable, error=error, worker=msg.worker
-        )
-        self.book.failed(gid, retry=delay is not None)
+            gid, prompt_id, retries=self.book.retries(gid), retryable=retryable,
+            error=error, worker=worker or "an episode",
+        )  # fmt: skip
+        turns = self.book.failed(gid, retry=delay is not None)
         self._wake()
         if delay is None:
-            what = f"group {gid} (prompt {group.prompt_id}) on {msg.worker}: {error}"
-            self.failures.check_dropped(self.book.failed_groups, what)
-            return
-        tg.start_soon(self._retry_after, gid, delay)
+            where = f" on {worker}" if worker else ""
+            self.failures.check_dropped(
+                self.book.failed_groups, f"group {gid} (prompt {prompt_id}){where}: {error}"
+            )
+        else:
+            tg.start_soon(self._retry_after, gid, delay)
+        return turns
 
     def score_failed(self, gid: str, what: str) -> None:
         """Drop a group whose scoring failed; the run stops once the failure budget is spent
@@ -256,10 +326,13 @@ class Redispatcher:
         self.book.retry(gid)  # ignored if it was aborted meanwhile (hopeless, the end)
         self._wake()
 
-    def worker_lost(self, worker: str) -> None:
+    def worker_lost(self, worker: str) -> list[Turn]:
         """``worker`` died: its training groups are dispatched again first (same prompt, same
         step, no back-off, outside the failure budget) and its evaluation groups wait for a
-        worker that serves."""
-        again, evals = self.book.worker_lost(worker)
-        log.info("groups_redispatched", worker=worker, groups=again, evaluation_groups=evals)
+        worker that serves. Returns the episodes' turns it was generating (each episode asks
+        another worker)."""
+        lost = self.book.worker_lost(worker)
+        log.info("groups_redispatched", worker=worker, groups=lost.again,
+                 evaluation_groups=lost.evals, turns=len(lost.turns))  # fmt: skip
         self._wake()
+        return lost.turns

@@ -17,6 +17,8 @@ Phase ``main``::
     step 0 again in one chunk; export "one"
     load "s1"; step 1; export "step1-reloaded"
     a chunk malformed on the last rank only (every rank must raise), then a good one
+    load "s1"; step 1 with a loss mask, placeholders 0.0 at masked tokens; export "masked"
+    load "s1"; the same with huge placeholders and advantages there; export "masked-garbage"
 
 Phase ``resume`` (fresh processes): start; load "s1"; step 1; export "step1-resumed".
 """
@@ -39,6 +41,9 @@ NUM_SEQUENCES = 16
 EMPTY_RESPONSE = 5  # this sequence has no response token
 STEP0_CHUNKS = [[0, 1, 2, 3], [4, 5, 6, 7, 15], [8, 9, 10]]
 STEP1 = [11, 12, 13, 14, 0]
+FULLY_MASKED = 11  # in the masked step, no response token of this sequence trains
+MASKED_CHUNKS = [[FULLY_MASKED], [12, 13, 14, 0]]  # the masked step (STEP1), two chunks
+GARBAGE = 1e30  # placeholder behaviour logprobs (+-) and advantage where nothing trains
 
 
 # --------------------------------------------------------------------------- data (shared)
@@ -62,6 +67,40 @@ def behaviour_and_advantages(true_logprobs: np.ndarray, num_sequences: int) -> t
     return behaviour, rng.normal(size=num_sequences).astype(np.float32)
 
 
+def contract_loss_mask(seqs: list[tuple[np.ndarray, int]]) -> np.ndarray:
+    """uint8 per response token of every sequence (flat, like the behaviour logprobs): runs of
+    trained and masked tokens, as a multi-turn episode's generated turns and inserted
+    observations; nothing of :data:`FULLY_MASKED` trains."""
+    rng = np.random.default_rng(7)
+    parts = []
+    for i, (tokens, prompt_len) in enumerate(seqs):
+        n = len(tokens) - prompt_len
+        mask = np.ones(n, np.uint8)
+        if i == FULLY_MASKED:
+            mask[:] = 0
+        elif n > 1:
+            start = int(rng.integers(0, n))
+            mask[start : start + int(rng.integers(1, n))] = 0  # an inserted observation
+        parts.append(mask)
+    return np.concatenate(parts)
+
+
+def masked_inputs(
+    mask: np.ndarray, behaviour: np.ndarray, adv: np.ndarray, *, garbage: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Behaviour logprobs and advantages of the masked step: the contract's at trained
+    tokens; at masked ones 0.0 (a placeholder, as the controller writes), or with ``garbage``
+    huge values of both signs, and a huge advantage for :data:`FULLY_MASKED`."""
+    placeholder = np.zeros(len(mask), np.float32)
+    if garbage:
+        placeholder = np.where(np.arange(len(mask)) % 2 == 0, GARBAGE, -GARBAGE)
+    beh = np.where(mask == 1, behaviour, placeholder).astype(np.float32)
+    adv = adv.copy()
+    if garbage:
+        adv[FULLY_MASKED] = GARBAGE
+    return beh, adv
+
+
 def shard_chunk(ids: list[int], chunk: int, world_size: int) -> list[list[int]]:
     """Which sequences of a chunk each rank gets: round-robin for chunk 0, everything on the
     last rank for chunk 1 and on rank 0 for chunk 2 (the other ranks get empty shards)."""
@@ -81,23 +120,41 @@ def token_batch(seqs: list[tuple[np.ndarray, int]], ids: list[int]) -> TokenBatc
 
 
 def train_batch(
-    seqs: list[tuple[np.ndarray, int]], ids: list[int], behaviour: np.ndarray, adv: np.ndarray
+    seqs: list[tuple[np.ndarray, int]],
+    ids: list[int],
+    behaviour: np.ndarray,
+    adv: np.ndarray,
+    mask: np.ndarray | None = None,
 ) -> TrainBatch:
+    """Sequences ``ids``; ``behaviour`` and ``mask`` are flat over every sequence (``None``:
+    every response token trains)."""
     tb = token_batch(seqs, ids)
-    full = Layout.of(
-        np.array([len(t) for t, _ in seqs], np.int64), np.array([p for _, p in seqs], np.int64)
-    )
+    full = _full_layout(seqs)
+    if mask is None:
+        mask = np.ones(full.num_response_tokens, np.uint8)
     return TrainBatch(
         tokens=tb.tokens,
         seq_lens=tb.seq_lens,
         prompt_lens=tb.prompt_lens,
         behaviour_logprobs=full.gather_responses(behaviour, ids, np.float32),
         advantages=adv[ids].astype(np.float32),
+        loss_mask=full.gather_responses(mask, ids, np.uint8),
     )
 
 
-def num_tokens(seqs: list[tuple[np.ndarray, int]], ids: list[int]) -> int:
-    return sum(len(seqs[i][0]) - seqs[i][1] for i in ids)
+def _full_layout(seqs: list[tuple[np.ndarray, int]]) -> Layout:
+    return Layout.of(
+        np.array([len(t) for t, _ in seqs], np.int64), np.array([p for _, p in seqs], np.int64)
+    )
+
+
+def num_tokens(
+    seqs: list[tuple[np.ndarray, int]], ids: list[int], mask: np.ndarray | None = None
+) -> int:
+    """Response tokens of sequences ``ids``; with ``mask``, those that train."""
+    if mask is None:
+        return sum(len(seqs[i][0]) - seqs[i][1] for i in ids)
+    return int(_full_layout(seqs).gather_responses(mask, ids, np.int64).sum())
 
 
 # --------------------------------------------------------------------------- the rank
@@ -249,7 +306,8 @@ class _Rank:
             tokens = batch.tokens.copy()
             tokens[0] = int(self.spec["vocab_size"]) + 5
             batch = TrainBatch(tokens, batch.seq_lens, batch.prompt_lens,
-                               batch.behaviour_logprobs, batch.advantages)  # fmt: skip
+                               batch.behaviour_logprobs, batch.advantages,
+                               batch.loss_mask)  # fmt: skip
         try:
             self.backend.train_chunk(7, batch)
         except ValueError as exc:
@@ -260,6 +318,27 @@ class _Rank:
         self.backend.train_chunk(7, good)
         res = self.backend.finish_step(7, num_tokens(self.seqs, STEP1))
         self.report["after_malformed"] = {"num_loss_tokens": res.num_loss_tokens}
+
+    def masked_step(self, tag: str, *, garbage: bool) -> None:
+        """Step 1 (:data:`MASKED_CHUNKS`) with :func:`contract_loss_mask`: the first chunk,
+        which trains no token, on the last rank alone; the second dealt round-robin."""
+        mask = contract_loss_mask(self.seqs)
+        beh, adv = masked_inputs(mask, self.behaviour, self.adv, garbage=garbage)
+        shares = [
+            [] if self.rank != self.world - 1 else list(MASKED_CHUNKS[0]),
+            MASKED_CHUNKS[1][self.rank :: self.world],
+        ]
+        self.backend.begin_step(1)
+        results = []
+        for ids in shares:
+            res = self.backend.train_chunk(1, train_batch(self.seqs, ids, beh, adv, mask))
+            results.append({f: getattr(res, f) for f in res.__struct_fields__})
+        out = self.backend.finish_step(1, num_tokens(self.seqs, STEP1, mask))
+        self.report[tag] = {
+            "result": {f: getattr(out, f) for f in out.__struct_fields__},
+            "chunks": results,
+            "shares": shares,
+        }
 
     def write(self) -> None:
         (self.out / f"rank{self.rank}.json").write_text(json.dumps(self.report, indent=1))
@@ -293,6 +372,10 @@ def main(argv: list[str]) -> int:
             rank.one_chunk(1, STEP1, "step1-reloaded")
             rank.export("step1-reloaded")
             rank.malformed_batch()
+            for tag, garbage in (("masked", False), ("masked-garbage", True)):
+                rank.backend.load_state(str(states / "s1"))
+                rank.masked_step(tag, garbage=garbage)
+                rank.export(tag)
         else:
             rank.backend.load_state(str(states / "s1"))
             rank.one_chunk(1, STEP1, "step1-resumed")

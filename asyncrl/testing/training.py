@@ -25,7 +25,13 @@ gradient clipped by hand and AdamW applied by hand. It checks that
 - a batch malformed on one rank only makes every rank raise (none hangs in a collective),
   and the open step stays usable;
 - exported weights (``iter_weights``) equal the model's, and ``weight_specs`` lists them;
-- save -> load -> step equals step, in the same processes and in fresh ones.
+- save -> load -> step equals step, in the same processes and in fresh ones;
+- the ``loss_mask``: a step whose mask leaves tokens out (a whole sequence, runs inside
+  others; a chunk that trains nothing) equals the reference's step over the trained tokens
+  alone, normalized by their count, and ``num_loss_tokens`` is that count; the same step with
+  huge placeholder behaviour logprobs and advantages where nothing trains gives the same
+  result and weights. Every other step sends a mask of all ones, against the unmasked
+  reference: a mask of all ones is the step without a mask.
 
 The backend must accept the shared hyperparameter names of
 :class:`asyncrl.training.options.TrainerOptions` (``lr``, ``betas``, ``eps``, ``weight_decay``,
@@ -49,9 +55,12 @@ import numpy as np
 import pytest
 
 from asyncrl.testing.contract_rank import (
+    FULLY_MASKED,
+    MASKED_CHUNKS,
     NUM_SEQUENCES,
     STEP0_CHUNKS,
     STEP1,
+    contract_loss_mask,
     contract_sequences,
     num_tokens,
     shard_chunk,
@@ -146,18 +155,23 @@ class Reference:
         ids: list[int],
         behaviour: list[np.ndarray],
         adv: np.ndarray,
+        masks: list[np.ndarray] | None = None,
     ) -> dict[str, float]:
+        """One step over sequences ``ids``; with ``masks`` (per sequence, as ``behaviour``)
+        only the tokens whose mask is 1 enter the loss and the count."""
         torch = self.torch
         self.model.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         lo, hi = 1 - LOSS["clip_eps_low"], 1 + LOSS["clip_eps_high"]
+        n = 0
         for i in ids:
-            lp = self.logprobs(*seqs[i])
-            beh = torch.as_tensor(behaviour[i], dtype=torch.float64)
+            keep = np.ones(len(behaviour[i]), bool) if masks is None else masks[i] == 1
+            n += int(keep.sum())
+            lp = self.logprobs(*seqs[i])[torch.as_tensor(keep)]
+            beh = torch.as_tensor(behaviour[i][keep], dtype=torch.float64)
             r = torch.exp(lp - beh)  # proximal policy = behaviour: IS weight 1
             a = float(adv[i])
             total = total - torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
-        n = num_tokens(seqs, ids)
         (total / n).backward()
         params = [(k, p) for k, p in self.model.named_parameters() if p.grad is not None]
         norm = math.sqrt(sum(float((p.grad**2).sum()) for _, p in params))
@@ -196,6 +210,11 @@ class ContractRun:
     reference_steps: list[dict[str, float]]
     reference_weights: list[dict[str, np.ndarray]]
     initial_weights: dict[str, np.ndarray]
+    loss_mask: np.ndarray
+    """The masked step's mask, flat over every sequence's response tokens."""
+    reference_masked_step: dict[str, float]
+    """Step 1 from the state after step 0, over the trained tokens only."""
+    reference_masked_weights: dict[str, np.ndarray]
 
     def weights(self, tag: str) -> dict[str, np.ndarray]:
         with np.load(self.out / f"weights-{tag}.npz") as f:
@@ -275,6 +294,8 @@ def run_contract(
     lens = [len(t) - p for t, p in seqs]
     bounds = np.concatenate([[0], np.cumsum(lens)])
     behaviour = [behaviour_flat[bounds[i] : bounds[i + 1]] for i in range(NUM_SEQUENCES)]
+    mask_flat = contract_loss_mask(seqs)
+    masks = [mask_flat[bounds[i] : bounds[i + 1]] for i in range(NUM_SEQUENCES)]
     ref = Reference(model_dir, hp)
     initial = ref.weights()
     with torch.no_grad():
@@ -283,10 +304,14 @@ def run_contract(
     for ids in ([i for c in STEP0_CHUNKS for i in c], STEP1):
         steps.append(ref.step(seqs, ids, behaviour, advantages))
         weights.append(ref.weights())
+    masked_ref = Reference(model_dir, hp)  # the masked step starts where step 1 does
+    masked_ref.step(seqs, [i for c in STEP0_CHUNKS for i in c], behaviour, advantages)
+    masked_step = masked_ref.step(seqs, STEP1, behaviour, advantages, masks)
     return ContractRun(
         out=out, ranks=ranks, resumed=resumed, model_dir=model_dir, behaviour=behaviour_flat,
         advantages=advantages, reference_logprobs=ref_lp, reference_steps=steps,
-        reference_weights=weights, initial_weights=initial,
+        reference_weights=weights, initial_weights=initial, loss_mask=mask_flat,
+        reference_masked_step=masked_step, reference_masked_weights=masked_ref.weights(),
     )  # fmt: skip
 
 
@@ -484,3 +509,43 @@ class TrainingBackendContract:
             diff, name = _max_diff(contract.weights(tag), contract.weights("step1"))
             # a lost optimizer state (AdamW moments, step count) moves weights by ~lr
             assert diff < self.same_atol, f"{tag}: {name} is {diff:.3g} off the uninterrupted step"
+
+    # ---------------------------------------------------------------- loss mask
+    def test_masked_step_matches_float64_reference(self, contract: ContractRun) -> None:
+        """Only the tokens the mask selects train, and the step is normalized by their count
+        (with 0.0 placeholders at the masked ones, as the controller writes them)."""
+        seqs = contract_sequences(len(contract.initial_weights["model.embed_tokens.weight"]))
+        got, want = contract.result("masked"), contract.reference_masked_step
+        trained = num_tokens(seqs, STEP1, contract.loss_mask)
+        assert 0 < trained < num_tokens(seqs, STEP1)  # the mask leaves tokens out
+        assert got["num_loss_tokens"] == want["num_loss_tokens"] == trained
+        assert _rel(got["grad_norm"], want["grad_norm"]) < self.grad_norm_rtol, (got, want)
+        assert _rel(got["loss"], want["loss"]) < self.loss_rtol, (got, want)
+        diff, name = _max_diff(contract.weights("masked"), contract.reference_masked_weights)
+        assert diff < self.weight_atol, f"{name} differs by {diff:.3g} from the masked reference"
+
+    def test_masked_chunks_count_trained_tokens_only(self, contract: ContractRun) -> None:
+        """Each rank's ``ChunkResult`` counts its share's trained tokens; a chunk whose mask
+        trains nothing (a fully masked sequence) is accepted and adds nothing."""
+        seqs = contract_sequences(len(contract.initial_weights["model.embed_tokens.weight"]))
+        for report in contract.ranks:
+            for tag in ("masked", "masked-garbage"):
+                for ids, chunk in zip(report[tag]["shares"], report[tag]["chunks"]):
+                    assert chunk["num_loss_tokens"] == num_tokens(seqs, ids, contract.loss_mask)
+                    if ids == [FULLY_MASKED]:
+                        assert chunk["num_loss_tokens"] == 0 and chunk["loss_sum"] == 0.0
+                        assert chunk["clipped_tokens"] == 0 and chunk["is_weight_sum"] == 0.0
+        assert MASKED_CHUNKS[0] == [FULLY_MASKED]
+
+    def test_masked_tokens_change_nothing(self, contract: ContractRun) -> None:
+        """Huge placeholder behaviour logprobs (+-1e30) and a huge advantage where nothing
+        trains give the step of 0.0 placeholders: same result, same weights (a backend that
+        let them in would get an infinite or NaN loss)."""
+        for r in range(self.world_size):
+            calm, wild = contract.result("masked", r), contract.result("masked-garbage", r)
+            assert wild["num_loss_tokens"] == calm["num_loss_tokens"]
+            for key in ("loss", "grad_norm"):
+                assert math.isfinite(wild[key]), (key, wild)
+                assert _rel(wild[key], calm[key]) < self.grad_norm_rtol, (key, wild, calm)
+        diff, name = _max_diff(contract.weights("masked-garbage"), contract.weights("masked"))
+        assert diff < self.same_atol, f"{name}: masked placeholders moved it by {diff:.3g}"

@@ -1,8 +1,8 @@
 """The open optimizer step of a training backend: a pure state machine (no torch, no I/O).
 
 ``begin -> add_chunk* -> close`` (or ``discard``), one step at a time. It holds the rank's own
-token count and loss sum of the step, which the backend all-reduces at ``finish_step`` and
-checks against the controller's count.
+count of trained tokens (those the batches' ``loss_mask`` selects) and loss sum of the step,
+which the backend all-reduces at ``finish_step`` and checks against the controller's count.
 """
 
 from __future__ import annotations

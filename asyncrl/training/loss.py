@@ -9,9 +9,10 @@ policy's, i.e. the generator's)::
     w        = min(exp(prox - behaviour), is_cap)          (no gradient)
     loss_tok = -w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
 
-The loss is returned as a *sum* over the masked tokens: the caller divides by the step's
-global token count once all chunks of the step are in, so that streaming chunks into one
-optimizer step gives exactly the gradient of one big batch.
+The loss is returned as a *sum* over the tokens the mask selects (the tokens that train, a
+batch's ``loss_mask``): the caller divides by the step's global count of such tokens once all
+chunks of the step are in, so that streaming chunks into one optimizer step gives exactly the
+gradient of one big batch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ __all__ = ["LossStats", "ppo_clip_loss"]
 
 @dataclass(frozen=True)
 class LossStats:
-    """Sums over the masked tokens (0-d tensors, detached, so no device sync is forced)."""
+    """Sums over the tokens the mask selects (0-d tensors, detached, so no device sync is
+    forced)."""
 
     clipped_tokens: torch.Tensor
     """Tokens whose gradient the clip removed: ``A > 0`` with ``r > 1 + eps_high`` or
@@ -49,11 +51,16 @@ def ppo_clip_loss(
 ) -> tuple[torch.Tensor, LossStats]:
     """Sum of the per-token clipped surrogate loss over the tokens where ``mask`` is set.
 
+    A token where ``mask`` is not set adds exactly nothing: no loss, a gradient of exactly
+    zero, nothing to the stats; its behaviour and proximal logprobs and its advantage may
+    hold anything, even infinities or NaN (placeholders of inserted observation tokens, or
+    padding), and cannot leak into the result through ``0 * inf``.
+
     Args:
         logprobs: ``[T]`` current policy logprobs (carry the gradient).
         behaviour_logprobs: ``[T]`` logprobs of the policy that generated the tokens.
         advantages: ``[T]`` per-token advantages (a sequence's advantage repeated).
-        mask: ``[T]`` bool or 0/1; unmasked tokens contribute neither loss nor gradient.
+        mask: ``[T]`` bool or 0/1: 1 where the token trains.
         clip_eps_low: ``r`` is clipped below at ``1 - clip_eps_low``.
         clip_eps_high: ``r`` is clipped above at ``1 + clip_eps_high``.
         is_cap: upper bound of the importance weight ``w``.

@@ -26,6 +26,9 @@ Gradient normalization. A step's chunks stream in one by one and nobody knows th
 token count until :meth:`finish_step`, so every micro-batch back-propagates the raw *sum* of
 its token losses; after all chunks, every rank's gradient (shard) must hold the gradient of
 the global loss sum, and :meth:`_apply_step` divides it by ``num_loss_tokens`` exactly once.
+Only the tokens a batch's ``loss_mask`` marks train: the others (observations the controller
+inserted into a multi-turn sequence) are forwarded as context but add neither loss, nor
+gradient, nor statistics, and are not counted in ``num_loss_tokens``.
 The contract suite (:mod:`asyncrl.testing.training`) checks the result against a float64
 single-process reference, so an engine's own averaging over ranks or accumulation steps
 cannot slip through.
@@ -318,6 +321,7 @@ class DistributedTrainer:
             vocab_size=self._vocab_size,
             per_token={"behaviour_logprobs": batch.behaviour_logprobs},
             per_sequence={"advantages": batch.advantages},
+            loss_mask=batch.loss_mask,
         )
         bounds = self._bounds(batch, problem)
         passes = self._agree(problem, len(bounds), f"train_chunk(step={step})")
@@ -328,7 +332,7 @@ class DistributedTrainer:
         except BaseException:
             self._discard("train_chunk failed")
             raise
-        num_tokens = layout.num_response_tokens
+        num_tokens = int(np.count_nonzero(batch.loss_mask))  # trained tokens only
         self._ledger.add_chunk(step, num_tokens, sums[0])
         return ChunkResult(
             num_sequences=len(batch.seq_lens),
@@ -350,6 +354,7 @@ class DistributedTrainer:
         behaviour = to_device(batch.behaviour_logprobs.astype(np.float32), self._device)
         token_adv = np.repeat(batch.advantages.astype(np.float32), layout.response_lens)
         advantages = to_device(token_adv, self._device)
+        trains = to_device(batch.loss_mask.astype(np.bool_), self._device)
         sums = torch.zeros(4, dtype=torch.float64, device=self._device)
         self._module.train()
         for i in range(passes):
@@ -357,7 +362,7 @@ class DistributedTrainer:
             if i < len(bounds):
                 beh = behaviour[mb.response_slice]
                 adv = advantages[mb.response_slice]
-                mask = torch.ones_like(beh, dtype=torch.bool)
+                mask = trains[mb.response_slice]
             else:  # padding pass: same collectives, no loss
                 beh = torch.zeros(len(mb.targets), device=self._device)
                 adv, mask = torch.zeros_like(beh), torch.zeros_like(beh, dtype=torch.bool)
@@ -397,7 +402,12 @@ class DistributedTrainer:
             raise ValueError(
                 f"finish_step({step}): the controller says the step has {num_loss_tokens} loss "
                 f"tokens but the trainer ranks received {counted}"
-                + (" (an empty step cannot be normalized)" if counted == 0 else "")
+                + (
+                    " (a step without a trained token cannot be normalized: its responses are "
+                    "empty or fully masked by loss_mask)"
+                    if counted == 0
+                    else ""
+                )
                 + "; the step was discarded (no update)"
             )
         if not math.isfinite(loss_sum):

@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -38,13 +38,20 @@ class TokenBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 class TrainBatch(msgspec.Struct, array_like=True, gc=False):
-    """A :class:`TokenBatch` with what the loss needs, per response token and per sequence."""
+    """A :class:`TokenBatch` with what the loss needs, per response token and per sequence.
+
+    ``loss_mask`` (protocol 8) says which response tokens train: 1 for a generated token, 0
+    for one the controller inserted (a tool result, a user turn), whose behaviour logprob is
+    a placeholder. Masked tokens add neither loss nor gradient nor statistics, and the step
+    is normalized by the trained tokens only. A single-turn batch is all ones.
+    """
 
     tokens: np.ndarray  # int32 [sum(seq_lens)]
     seq_lens: np.ndarray  # int32 [B]
     prompt_lens: np.ndarray  # int32 [B]
     behaviour_logprobs: np.ndarray  # float32 [sum(seq_lens - prompt_lens)]
     advantages: np.ndarray  # float32 [B]
+    loss_mask: np.ndarray  # uint8 [sum(seq_lens - prompt_lens)], 1 = the token trains
 
 
 # --------------------------------------------------------------------------- requests

@@ -16,6 +16,11 @@ While it serves, two watchers run beside the calls::
     engine watch       the backend's watch() (a rollout backend that has one)
                        → EngineDeadError → Dead
 
+A call or a generation that raised is reported (``Failure``, ``GroupFailed``) unless the
+engine's death caused it (:meth:`WorkerRuntime._own_failure`): a backend raises
+``EngineDeadError`` itself for a failure its engine's death caused (the ``EngineWatch``
+contract); then the worker dies and its ``Dead`` says why.
+
 A role (:class:`~asyncrl.worker.rollout.RolloutRuntime`,
 :class:`~asyncrl.worker.trainer.TrainerRuntime`) names its backend's entry-point group and
 protocol, and says how its backend is created, started and closed and how its calls are
@@ -58,15 +63,9 @@ from asyncrl.wire.messages import (
     ToWorker,
 )
 
-__all__ = ["ENGINE_GONE_GRACE_S", "Handler", "WorkerRuntime"]
+__all__ = ["Handler", "WorkerRuntime"]
 
 log = structlog.get_logger("asyncrl.worker.runtime")
-
-ENGINE_GONE_GRACE_S = 1.0
-"""After a call or a generation raised: how long to wait for the engine watch to say the
-engine died (a dying engine fails requests a moment before its processes are seen gone). If
-it does, the worker's ``Dead`` speaks for the failure; a ``Failure`` reply or a
-``GroupFailed`` would be taken for an error of that call or group, not of the engine."""
 
 Handler = Callable[[Any], Awaitable[Result]]
 """One entry of a role's call table: serves one request, returns its result."""
@@ -87,9 +86,6 @@ class WorkerRuntime(abc.ABC):
     """The protocol its backend is checked against when it loads."""
     OPTIONAL: ClassVar[tuple[type, ...]] = ()
     """Protocols of optional backend methods, resolved once when the backend loads."""
-    QUEUE_SIZE: ClassVar[int]
-    """Capacity of the memory stream :meth:`serve_calls` opens for the role (what it queues
-    is the role's to say)."""
 
     def __init__(self, ctx: Any, control: Any, init: Init, wctx: WorkerContext) -> None:
         self.ctx = ctx
@@ -132,10 +128,9 @@ class WorkerRuntime(abc.ABC):
         """Start the backend (and what the role needs beside it); its capabilities."""
 
     @abc.abstractmethod
-    def _start_serving(
-        self, tg: anyio.abc.TaskGroup, send: Any, recv: Any
-    ) -> None:
-        """Serving begins: start the role's helper tasks in ``tg`` on the stream's ends."""
+    def _start_serving(self, tg: anyio.abc.TaskGroup) -> None:
+        """Serving begins: start the role's helper tasks in ``tg`` (they are cancelled when
+        serving ends), with the streams they need."""
 
     @abc.abstractmethod
     async def _submit(self, call: Call, tg: anyio.abc.TaskGroup) -> None:
@@ -143,7 +138,9 @@ class WorkerRuntime(abc.ABC):
 
     @abc.abstractmethod
     async def _close_backend(self) -> None:
-        """Close the backend, bounded."""
+        """Close the backend (called shielded, by :meth:`close`). How long it may take is the
+        role's to say; nothing here bounds it: the last bound is the controller's SIGKILL
+        after ``cluster.shutdown_grace_s`` (:func:`asyncrl.procs.spawn.stop_processes`)."""
 
     @abc.abstractmethod
     def _release(self) -> None:
@@ -206,11 +203,9 @@ class WorkerRuntime(abc.ABC):
             result = await handler(call.request)
             seconds = time.perf_counter() - start
             await self.send(Reply(call_id=call.call_id, result=result, seconds=seconds))
-        except WorkerError:
-            raise  # its engine is gone: this worker is dying, its Dead message says why
         except Exception as exc:
-            if await self._engine_died():
-                return
+            if not self._own_failure(exc):
+                return  # the engine is gone: this worker's Dead says why
             log.exception("call_failed", method=type(call.request).__name__)
             await self.send(
                 Failure(
@@ -233,24 +228,22 @@ class WorkerRuntime(abc.ABC):
         thread finishes first).
         """
         rx = Codec(ToWorker)
-        send, recv = anyio.create_memory_object_stream[Any](self.QUEUE_SIZE)
-        with send:
-            async with anyio.create_task_group() as tg:
-                self._start_serving(tg, send, recv)
-                while True:
-                    msg = rx.decode(await self.control.recv())
-                    if isinstance(msg, Shutdown):
-                        log.info("worker_stopping", worker=self.identity)
-                        if self.init.controller_pid != os.getpid():  # not the controller's rank
-                            _ignore_sigterm()
-                        tg.cancel_scope.cancel()
-                        return
-                    if not isinstance(msg, Call):
-                        raise ProtocolError(f"unexpected {type(msg).__name__} after Init")
-                    if isinstance(msg.request, Health):
-                        tg.start_soon(self.answer, msg)
-                    else:
-                        await self._submit(msg, tg)
+        async with anyio.create_task_group() as tg:
+            self._start_serving(tg)
+            while True:
+                msg = rx.decode(await self.control.recv())
+                if isinstance(msg, Shutdown):
+                    log.info("worker_stopping", worker=self.identity)
+                    if self.init.controller_pid != os.getpid():  # not the controller's rank
+                        _ignore_sigterm()
+                    tg.cancel_scope.cancel()
+                    return
+                if not isinstance(msg, Call):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} after Init")
+                if isinstance(msg.request, Health):
+                    tg.start_soon(self.answer, msg)
+                else:
+                    await self._submit(msg, tg)
 
     # ----------------------------------------------------------------- watchers
     async def run(self) -> None:
@@ -291,14 +284,23 @@ class WorkerRuntime(abc.ABC):
             self.engine_gone.set()
             raise
 
-    async def _engine_died(self) -> bool:
-        """Whether the engine watch reports the engine dead within ``ENGINE_GONE_GRACE_S``
-        (at once ``False`` without a watch). The watch's error cancels the caller anyway."""
-        if self.engine_gone is None:
-            return False
-        with anyio.move_on_after(ENGINE_GONE_GRACE_S):
-            await self.engine_gone.wait()
-        return self.engine_gone.is_set()
+    def _own_failure(self, exc: Exception) -> bool:
+        """Whether ``exc``, raised by a call or a generation, is a failure of that call or
+        group, to be reported (``Failure``, ``GroupFailed``) at once; ``False`` when the engine
+        watch has already seen the engine die (the worker's ``Dead`` speaks for it, and the
+        watch's error cancels the caller).
+
+        The engine's death is not waited for: a backend with an engine watch raises
+        ``EngineDeadError`` itself for a failure its engine's death caused (vLLM's does, after
+        its own short wait for the verdict), so what else it raises is the call's own.
+
+        Raises:
+            WorkerError: ``exc`` itself, or an exception group holding one: the engine is
+                gone, this worker is dying.
+        """
+        if any(isinstance(e, WorkerError) for e in flatten(exc)):
+            raise exc
+        return self.engine_gone is None or not self.engine_gone.is_set()
 
     async def _watch_controller(self, pid: int) -> None:
         await wait_pid_exit(pid)

@@ -5,10 +5,10 @@ A version travels as a manifest (every tensor's name, dtype and shape, in the tr
 ``weight_specs()`` order) and then buckets. A bucket holds the manifest's next tensors side by
 side, each starting on an ``ALIGN``-byte boundary; it closes before the tensor that would take
 it past the bucket size, and a tensor larger than that travels alone in a bucket of its size.
-:func:`bucket_ends` computes that layout from the sizes alone (the sender sizes its staging
-buffers with it before the first tensor exists); :class:`Packer` produces it from the
-trainer's tensors; :func:`check_manifest`, :func:`check_bucket` and :class:`Arrivals` check
-what a receiver is sent against it.
+:func:`bucket_layout` computes that layout from the sizes alone, the one place of the rule:
+:class:`Packer` sizes its staging buffers with it before the first tensor exists and puts in
+each bucket exactly the tensors it says; :func:`check_manifest`, :func:`check_bucket` and
+:class:`Arrivals` check what a receiver is sent against it.
 
 Pure: no sockets, no event loop, no threads, no torch (a stager is whatever the transfer
 plugin gave; a tensor's data is only asked for its size and dtype), so every rule here is
@@ -33,7 +33,7 @@ __all__ = [
     "Arrivals",
     "Packer",
     "align",
-    "bucket_ends",
+    "bucket_layout",
     "check_bucket",
     "check_manifest",
     "manifest_of",
@@ -104,21 +104,22 @@ def manifest_of(specs: Sequence[WeightTensor]) -> list[TensorEntry]:
     return [TensorEntry(t.name, t.dtype, list(t.shape), 0, 0) for t in specs]
 
 
-def bucket_ends(sizes: Sequence[int], bucket_size: int) -> list[int]:
-    """The bytes each bucket of a refit uses (what its ``Bucket.nbytes`` says), for tensors of
-    ``sizes`` (in order) packed ``ALIGN``-aligned: a bucket closes before the tensor that would
-    take it past ``bucket_size``; a larger tensor travels alone in a bucket of its size."""
-    ends: list[int] = []
+def bucket_layout(sizes: Sequence[int], bucket_size: int) -> list[tuple[int, int]]:
+    """Each bucket of a refit as ``(tensors, bytes used)`` (the bytes are what its
+    ``Bucket.nbytes`` says), for tensors of ``sizes`` (in order) packed ``ALIGN``-aligned: a
+    bucket closes before the tensor that would take it past ``bucket_size``; a larger tensor
+    travels alone in a bucket of its size. No tensors: one empty bucket (the version still
+    ends with a ``last`` one)."""
+    layout: list[tuple[int, int]] = []
     used = count = 0
     for size in sizes:
         if count and used + size > bucket_size:
-            ends.append(used)
+            layout.append((count, used))
             used = count = 0
         used += align(size)
         count += 1
-    if count:
-        ends.append(used)
-    return ends
+    layout.append((count, used))
+    return layout
 
 
 class Packer:
@@ -144,22 +145,26 @@ class Packer:
         self._it = tensors
         self._manifest = manifest
         self._stager = stager
-        self._bucket_size = bucket_size
-        self._carry: WeightTensor | None = None
         self.count = 0
         self.nbytes = 0
         self.seconds = 0.0
         self._sizes = [_nbytes(e) for e in manifest]
+        self._layout = bucket_layout(self._sizes, bucket_size)
+        self._bucket = 0
+        """The next bucket to fill."""
         # each buffer is sized once, for the largest bucket it will hold in this version (a
         # small model gets small buffers; the sizes, hence the handles, stay the same from one
         # refit to the next, so a reader's per-bucket plans stay valid)
-        ends = bucket_ends(self._sizes, bucket_size)
-        self._buffer_sizes = [max(ends[k::buffers], default=0) for k in range(buffers)]
+        used = [n for _, n in self._layout]
+        self._buffer_sizes = [max(used[k::buffers], default=0) for k in range(buffers)]
 
     def _next(self) -> WeightTensor | None:
-        if self._carry is not None:
-            t, self._carry = self._carry, None
-            return t
+        """The trainer's next tensor, checked against the manifest (``None``: it has no more).
+
+        Raises:
+            RefitError: another tensor than the manifest's next, or data of another size or
+                dtype.
+        """
         t = next(self._it, None)
         if t is None:
             return None
@@ -187,35 +192,38 @@ class Packer:
         return t
 
     def fill(self, k: int) -> tuple[list[TensorEntry], int, bool]:
-        """Pack buffer ``k`` up to the bucket size (a larger tensor travels alone in a bucket
-        of its size). Returns its entries, bytes used, and whether it is the last bucket.
+        """Pack the next bucket into buffer ``k``: exactly the tensors :func:`bucket_layout`
+        gives it (the iterator is advanced no further: a sharded trainer may still hold the
+        next tensor). Returns its entries, bytes used, and whether it is the last bucket.
 
         Raises:
             RefitError: the trainer yielded another tensor than its manifest promised, data of
-                another size or dtype, or fewer tensors.
+                another size or dtype, fewer tensors, or more.
         """
         start = time.perf_counter()
         entries: list[TensorEntry] = []
         used = 0
         self._stager.reserve(k, self._buffer_sizes[k])
-        while (t := self._next()) is not None:
+        count, _ = self._layout[self._bucket]
+        for _ in range(count):
+            t = self._next()
+            if t is None:
+                raise RefitError(
+                    f"the trainer yielded {self.count} tensors; weight_specs() promised "
+                    f"{len(self._manifest)}"
+                )
             size = self._sizes[self.count]  # checked against the data in _next
-            if entries and used + size > self._bucket_size:
-                self._carry = t  # not advanced past it: a sharded trainer still holds it
-                break
             self._stager.pack(k, used, t.data, t.stable)
             entries.append(TensorEntry(t.name, t.dtype, list(t.shape), used, size))
             used += align(size)
             self.count += 1
             self.nbytes += size
         self._stager.seal(k)
+        self._bucket += 1
+        last = self._bucket == len(self._layout)
+        if last:
+            self._next()  # raises if the trainer yields more than it promised
         self.seconds += time.perf_counter() - start
-        last = self._carry is None
-        if last and self.count != len(self._manifest):
-            raise RefitError(
-                f"the trainer yielded {self.count} tensors; weight_specs() promised "
-                f"{len(self._manifest)}"
-            )
         return entries, used, last
 
 

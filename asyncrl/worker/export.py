@@ -31,7 +31,7 @@ import numpy as np
 
 from asyncrl.backend import WeightTensor, drain_weights
 from asyncrl.errors import NonFiniteError
-from asyncrl.procs.space import read_safetensors_header
+from asyncrl.safetensors import read_safetensors_header
 
 __all__ = [
     "SAFETENSORS_DTYPES",

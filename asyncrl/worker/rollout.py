@@ -26,7 +26,7 @@ import structlog
 
 from asyncrl.backend import BackendPlugin, EngineWatch, GenerationBackend, WorkerContext
 from asyncrl.config import Config
-from asyncrl.errors import RequestError, WorkerError, flatten
+from asyncrl.errors import RequestError, flatten
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
     Abort,
@@ -59,7 +59,10 @@ go, and 16 samples (~0.5 ms of its loop) keep that slice short."""
 OUTBOX_SIZE = 1024
 """Finished samples waiting for the data socket before generations wait for it."""
 CLOSE_TIMEOUT_S = 30.0
-"""How long the engine may take to shut down before the worker leaves without it."""
+"""How long the worker waits for a backend's ``close`` before it leaves without it. It cuts a
+close only at an await the close lets be cancelled: one that shields itself or blocks the
+event loop (vLLM's, which bounds its engine's shutdown by ``shutdown_timeout_s`` and reaps
+what is left) runs to its end."""
 
 
 class _Busy:
@@ -97,7 +100,6 @@ class RolloutRuntime(WorkerRuntime):
     PLUGIN_GROUP = "asyncrl.generation_backends"
     PROTOCOL = GenerationBackend
     OPTIONAL = (EngineWatch,)
-    QUEUE_SIZE = OUTBOX_SIZE  # the outbox: finished samples on their way to the data socket
 
     backend: GenerationBackend
 
@@ -108,7 +110,9 @@ class RolloutRuntime(WorkerRuntime):
         self.receiver: WeightReceiver | None = None
         self.busy = _Busy()
         self._outbox: Any = None
-        """Where generations put what they emit for :meth:`push_data` (while serving)."""
+        """Where generations put what they emit for :meth:`push_data` (the send end of a
+        stream of ``OUTBOX_SIZE``, opened by :meth:`_start_serving`, closed when serving
+        ends)."""
         self._tasks: anyio.abc.TaskGroup | None = None
         """The serving task group: generations run in it (while serving)."""
 
@@ -139,14 +143,24 @@ class RolloutRuntime(WorkerRuntime):
         self.data = self.ctx.socket(PUSH, connect=self.init.data_address, hwm=256)
         return await self.backend.start()
 
-    def _start_serving(self, tg: anyio.abc.TaskGroup, send: Any, recv: Any) -> None:
-        self._outbox, self._tasks = send, tg
-        tg.start_soon(self.push_data, recv, name="data-push")
+    def _start_serving(self, tg: anyio.abc.TaskGroup) -> None:
+        """Open the outbox (finished samples on their way to the data socket) and start
+        :meth:`push_data` on it; generations run in ``tg``."""
+        outbox, items = anyio.create_memory_object_stream[DataMessage](OUTBOX_SIZE)
+        self._outbox, self._tasks = outbox, tg
+        tg.start_soon(self._push_outbox, outbox, items, name="data-push")
+
+    async def _push_outbox(self, outbox: Any, items: Any) -> None:
+        """:meth:`push_data` until serving ends (cancelled), then close the outbox."""
+        with outbox:
+            await self.push_data(items)
 
     async def _submit(self, call: Call, tg: anyio.abc.TaskGroup) -> None:
         tg.start_soon(self.answer, call)
 
     async def _close_backend(self) -> None:
+        """The backend's ``close``, given up after ``CLOSE_TIMEOUT_S`` where it can be cut
+        (see there): a close that shields itself is bounded only by its own timeouts."""
         with anyio.move_on_after(CLOSE_TIMEOUT_S):
             await self.backend.close()
 
@@ -197,10 +211,8 @@ class RolloutRuntime(WorkerRuntime):
         self.busy.enter()
         try:
             await self.backend.generate(req, emit)
-        except WorkerError:
-            raise  # the engine is gone: fatal for this worker, not a failure of this group
         except Exception as exc:
-            if await self._engine_died():
+            if not self._own_failure(exc):
                 return  # the worker's Dead says why; the controller sends the group elsewhere
             log.exception("generation_failed", group_id=req.group_id)
             first = flatten(exc)[0]  # a task group's error says only "unhandled errors"

@@ -104,7 +104,6 @@ class TrainerRuntime(WorkerRuntime):
     PLUGIN_GROUP = "asyncrl.training_backends"
     PROTOCOL = TrainingBackend
     OPTIONAL = (KVCalibration,)
-    QUEUE_SIZE = CALL_QUEUE_SIZE  # calls waiting for the backend's thread
 
     backend: TrainingBackend
 
@@ -115,6 +114,8 @@ class TrainerRuntime(WorkerRuntime):
         """Rank 0 of a run with rollout workers: publishes each refit's weights."""
         self._calibrate: Callable[..., dict[str, float]] | None = None
         self._queue: Any = None
+        """Calls waiting for the backend's thread, in arrival order (the send end of a stream
+        of ``CALL_QUEUE_SIZE``, opened by :meth:`_start_serving`, closed when serving ends)."""
 
     @staticmethod
     def backend_name(config: Config) -> str:
@@ -156,19 +157,29 @@ class TrainerRuntime(WorkerRuntime):
             self.sender = WeightSender(self.ctx, self.init.transfer_address, transfer, spec)
         return caps
 
-    def _start_serving(self, tg: anyio.abc.TaskGroup, send: Any, recv: Any) -> None:
-        self._queue = send
-        tg.start_soon(self._sequential, recv)
+    def _start_serving(self, tg: anyio.abc.TaskGroup) -> None:
+        """Open the call queue and start :meth:`_sequential` on it."""
+        self._queue, calls = anyio.create_memory_object_stream[Call](CALL_QUEUE_SIZE)
+        tg.start_soon(self._sequential, self._queue, calls, name="calls-in-order")
 
     async def _submit(self, call: Call, tg: anyio.abc.TaskGroup) -> None:
         await self._queue.send(call)
 
-    async def _sequential(self, calls: Any) -> None:
-        async with calls:
+    async def _sequential(self, queue: Any, calls: Any) -> None:
+        """Answer the queued calls one at a time, in arrival order, until serving ends.
+
+        Cancellation: the queue is closed; the calls still in it are dropped (a call already
+        on the backend's thread finishes first).
+        """
+        with queue, calls:
             async for call in calls:
                 await self.answer(call)
 
     async def _close_backend(self) -> None:
+        """The backend's ``close`` on its thread, after the calls submitted before it: a call
+        stuck there (a collective waiting for a dead rank) holds it until the call returns
+        (the collective's timeout) or the controller's SIGKILL. Not bounded here: a running
+        torch call cannot be interrupted."""
         await self.thread.run(self.backend.close)
 
     def _release(self) -> None:

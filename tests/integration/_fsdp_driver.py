@@ -87,6 +87,7 @@ def train_batch(seqs: list[dict], ids: list[int]) -> TrainBatch:
             [s["behaviour"] for s in chosen] or [np.zeros(0, np.float32)]
         ),
         advantages=np.array([s["advantage"] for s in chosen], dtype=np.float32),
+        loss_mask=np.ones(num_response_tokens(seqs, ids), np.uint8),
     )
 
 
@@ -298,7 +299,7 @@ def main() -> None:
     bad = train_batch(seqs, [1, 2])
     if rank == 1:  # malformed on rank 1 only: behaviour logprobs one short
         bad = TrainBatch(bad.tokens, bad.seq_lens, bad.prompt_lens,
-                         bad.behaviour_logprobs[:-1], bad.advantages)
+                         bad.behaviour_logprobs[:-1], bad.advantages, bad.loss_mask)
     expect_error(lambda: a.train_chunk(0, bad), errs, "malformed_on_rank1")
     expect_error(lambda: a.compute_logprobs(token_batch(seqs, [0]), 0.0), errs, "zero_temperature")
     rec["A_errors"] = errs

@@ -88,6 +88,7 @@ def train_step(backend, step: int, tokens: TokenBatch, behaviour, advantage: flo
         prompt_lens=tokens.prompt_lens,
         behaviour_logprobs=behaviour,
         advantages=np.full(len(tokens.seq_lens), advantage, dtype=np.float32),
+        loss_mask=np.ones(len(behaviour), np.uint8),
     )
     local = np.array([len(behaviour)], dtype=np.int64)
     total = torch.from_numpy(local.copy())

@@ -37,6 +37,7 @@ def _step(backend, vocab_size: int, rank: int) -> None:
         prompt_lens=prompt_lens,
         behaviour_logprobs=np.full(responses, -3.0, np.float32),
         advantages=np.array([1.0, -1.0], np.float32),
+        loss_mask=np.ones(responses, np.uint8),
     )
     backend.begin_step(0)
     backend.train_chunk(0, batch)

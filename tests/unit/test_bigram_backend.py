@@ -70,7 +70,88 @@ def _batch(rng: np.random.Generator, n: int = 6) -> TrainBatch:
         # behaviour logprobs far enough from the current ones that both clips bind somewhere
         behaviour_logprobs=(-np.abs(rng.normal(1.5, 1.0, n_resp))).astype(np.float32),
         advantages=rng.normal(0, 1, n).astype(np.float32),
+        loss_mask=np.ones(n_resp, np.uint8),
     )
+
+
+def _masked(batch: TrainBatch, rng: np.random.Generator, placeholder: float) -> TrainBatch:
+    """``batch`` with about a third of its response tokens masked (inserted observations),
+    their behaviour logprobs set to ``placeholder``, and the advantage of a sequence whose
+    tokens are all masked set to ``placeholder`` too."""
+    mask = (rng.random(batch.behaviour_logprobs.size) > 0.35).astype(np.uint8)
+    beh = np.where(mask == 1, batch.behaviour_logprobs, placeholder).astype(np.float32)
+    seq = response_tokens(batch)[2]
+    trains = np.bincount(seq, weights=mask, minlength=batch.seq_lens.size)
+    adv = np.where(trains == 0, placeholder, batch.advantages).astype(np.float32)
+    return TrainBatch(batch.tokens, batch.seq_lens, batch.prompt_lens, beh, adv, mask)
+
+
+def _hand_gradient(table: np.ndarray, batch: TrainBatch, t: float) -> tuple[np.ndarray, float]:
+    """The summed loss and its gradient over the trained tokens, one token at a time in
+    float64 (the module docstring's formulas; masked tokens skipped)."""
+    grad, loss = np.zeros_like(table), 0.0
+    lo, hi = 1 - 0.2, 1 + 0.28
+    k = 0
+    for i in range(batch.seq_lens.size):
+        start = int(batch.seq_lens[:i].sum())
+        seq = batch.tokens[start : start + int(batch.seq_lens[i])]
+        for pos in range(int(batch.prompt_lens[i]), int(batch.seq_lens[i])):
+            k += 1
+            if batch.loss_mask[k - 1] == 0:
+                continue
+            prev, tok = int(seq[pos - 1]), int(seq[pos])
+            z = table[prev] / t
+            p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            r = p[tok] / np.exp(float(batch.behaviour_logprobs[k - 1]))
+            a = float(batch.advantages[i])
+            loss -= min(r * a, min(max(r, lo), hi) * a)
+            clipped = (a > 0 and r > hi) or (a < 0 and r < lo)
+            dlp = 0.0 if clipped else -a * r
+            onehot = np.eye(len(p))[tok]
+            grad[prev] += dlp * (onehot - p) / t
+    return grad, loss
+
+
+def test_masked_tokens_leave_the_update_unaffected(tmp_path: Path) -> None:
+    """A step on a batch with masked tokens is the hand-computed step over its trained tokens
+    alone, normalized by their count; huge placeholders (+1e30 behaviour logprobs and
+    advantages) at the masked tokens give the same weights as 0.0, bit for bit."""
+    cfg = _config(tmp_path, trainer={"options": {"lr": 0.3, "max_grad_norm": 0.0}})
+    base = _batch(np.random.default_rng(5), 12)
+    calm = _masked(base, np.random.default_rng(6), 0.0)
+    wild = _masked(base, np.random.default_rng(6), 1e30)
+    trained = int(calm.loss_mask.sum())
+    assert 0 < trained < calm.loss_mask.size
+    results, weights = [], []
+    for batch in (calm, wild):
+        t = BigramTrainer(_ctx(cfg))
+        t.start()
+        w0 = t.weights.copy()
+        t.begin_step(0)
+        chunk = t.train_chunk(0, batch)
+        assert chunk.num_loss_tokens == trained and chunk.is_weight_sum == trained
+        results.append(t.finish_step(0, trained))
+        weights.append(t.weights)
+    g, loss = _hand_gradient(w0, calm, 0.7)
+    np.testing.assert_allclose(weights[0], w0 - 0.3 * g / trained, rtol=0, atol=1e-14)
+    assert results[0].loss == pytest.approx(loss / trained, rel=1e-12)
+    assert results[0].grad_norm == pytest.approx(np.linalg.norm(g / trained), rel=1e-12)
+    np.testing.assert_array_equal(weights[1], weights[0])
+    assert (results[1].loss, results[1].grad_norm) == (results[0].loss, results[0].grad_norm)
+    # the masked tokens did matter: training them too moves the weights elsewhere
+    g_all, _ = _hand_gradient(w0, base, 0.7)
+    assert np.abs(g_all / base.loss_mask.size - g / trained).max() > 1e-3
+
+
+def test_a_bad_loss_mask_is_refused(tmp_path: Path) -> None:
+    t = BigramTrainer(_ctx(_config(tmp_path)))
+    t.start()
+    b = _batch(np.random.default_rng(7), 4)
+    bad = TrainBatch(b.tokens, b.seq_lens, b.prompt_lens, b.behaviour_logprobs, b.advantages,
+                     b.loss_mask * 2)  # fmt: skip
+    t.begin_step(0)
+    with pytest.raises(ValueError, match="malformed batch: loss_mask holds 2; expected only 0"):
+        t.train_chunk(0, bad)
 
 
 def test_response_tokens_follow_the_packing() -> None:

@@ -91,6 +91,9 @@ class World:
         """Evaluation groups: waiting, or on a worker."""
         self.eval_label = 0
         self.counts: Counter[str] = Counter()
+        self.retries = 0
+        """Generation failures retried since the last refit's end (a worker's death is
+        not one): the step stats' ``generation_retries``."""
 
     def fresh_book(self) -> RolloutBook:
         c = self.cfg
@@ -231,6 +234,7 @@ class World:
         self.end(gid, "failed", group_too=not retry)
         if retry:
             self.state[gid] = "retrying"
+            self.retries += 1
 
     def retry(self) -> None:
         gid = self.rng.choice(sorted(g for g, s in self.state.items() if s == "retrying"))
@@ -239,7 +243,8 @@ class World:
 
     def worker_dies(self) -> None:
         w = self.rng.choice(self.serving)
-        again, evals = self.book.worker_lost(w)
+        lost = self.book.worker_lost(w)
+        again, evals = lost.again, lost.evals
         expect_again = 0
         for gid in [g for g, s in self.state.items() if s in ("flight", "aborting")]:
             if self.worker_of[gid] != w:
@@ -332,8 +337,8 @@ class World:
         assert aborts.count == len(aborts.gone) + sum(map(len, aborts.by_worker.values()))
 
     def end_refit(self) -> None:
-        self.book.end_refit()
-        self.refit_pending = False
+        assert self.book.end_refit().generation_retries == self.retries
+        self.refit_pending, self.retries = False, 0
 
     def abort_step(self) -> None:
         back = self.book.abort_step()
@@ -371,7 +376,7 @@ class World:
                 self.end(gid, "crashed")
             elif state in ("retrying", "due"):
                 del self.state[gid]  # its last attempt ended already (failed or lost)
-        self.book, self.serving = fresh, list(self.workers)
+        self.book, self.serving, self.retries = fresh, list(self.workers), 0
         self.owed = {w: [] for w in self.workers}
         self.evals.clear()
         self.counts["crashes"] += 1

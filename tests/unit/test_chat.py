@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from asyncrl.data.chat import ChatTemplate
 from asyncrl.environment import Prompt
 from asyncrl.errors import ConfigError
 from asyncrl.run.preflight import _longest_prompt
 from asyncrl.data.prompts import PromptStream, Tokenizer
+import chat_support
 
 transformers = pytest.importorskip("transformers")  # the reference (the `training` extra)
 jinja2 = pytest.importorskip("jinja2")
@@ -141,11 +141,8 @@ TOKENS: dict[str, dict[str, Any]] = {
 }
 OWN = {"chatml": CHATML_QWEN, "llama3": LLAMA3, "alternating": ALTERNATING}
 
-_SPECIAL = re.compile(r"<\|[^|\s]+?\|>|\[/?INST\]")
-
-
-def _text(token: Any) -> str | None:
-    return token["content"] if isinstance(token, dict) else token
+CORPUS = [str(m["content"]) for c in (ONE_USER, MULTI_TURN, BAD_ORDER) for m in c]
+_SPECIAL = chat_support.SPECIAL
 
 
 def _model_dir(
@@ -156,39 +153,9 @@ def _model_dir(
     where: str = "config",
     extra_config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """A model directory: tokenizer.json (byte-level BPE; BOS added to plain text by the
-    post-processor when there is one) and tokenizer_config.json; the template in
-    tokenizer_config.json (``where="config"``) or in chat_template.jinja (``"jinja"``)."""
-    path.mkdir(parents=True, exist_ok=True)
-    source = template if isinstance(template, str) else json.dumps(template)
-    named = [t for t in (_text(v) for v in tokens.values()) if t]
-    specials = sorted({*named, *_SPECIAL.findall(source)})
-    corpus = [str(m["content"]) for c in (ONE_USER, MULTI_TURN, BAD_ORDER) for m in c]
-    corpus += [source, "system user assistant Answer Question"]
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    return chat_support.model_dir(
+        path, template, tokens, corpus=CORPUS, where=where, extra_config=extra_config
     )
-    tok.train_from_iterator(corpus, trainer)
-    bos = _text(tokens.get("bos_token"))
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
-        )
-    tok.save(str(path / "tokenizer.json"))
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens}
-    config.update(extra_config or {})
-    if where == "config":
-        config["chat_template"] = template
-    else:
-        (path / "chat_template.jinja").write_text(template, encoding="utf-8")
-    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    return path
 
 
 def _reference(model_dir: Path, messages: Messages, add_generation_prompt: bool = True) -> Any:

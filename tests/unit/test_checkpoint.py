@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.policy.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group, Part
+
+
+def _part(rng: np.random.Generator) -> Part:
+    return Part(
+        rng.integers(0, 50, size=4).astype(np.int32), rng.integers(0, 50, size=3).astype(np.int32),
+        -rng.random(3).astype(np.float32), np.array([1, 0, 1], np.uint8), "stop",
+    )  # fmt: skip
 
 
 def _group(index: int) -> Group:
@@ -26,6 +33,11 @@ def _group(index: int) -> Group:
             "stop",
             float(k),
             bool(k % 2),
+            # sample 1 is multi-turn: tokens 1-2 were an inserted observation; sample 2 an
+            # episode with its own prompt and a sequence its template split off before
+            loss_mask=np.array([1, 0, 0, 1, 1], np.uint8) if k == 1 else None,
+            prompt_ids=np.array([9, 8, 7], np.int32) if k == 2 else None,
+            earlier=(_part(rng),) if k == 2 else (),
         )
         for k in range(3)
     ]
@@ -74,6 +86,48 @@ def test_commit_round_trips_the_state_and_leaves_no_temporary(tmp_path: Path) ->
             np.testing.assert_array_equal(a.token_ids, b.token_ids)
             np.testing.assert_array_equal(a.logprobs, b.logprobs)
             assert (a.reward, a.correct, a.finish_reason) == (b.reward, b.correct, b.finish_reason)
+            for field in ("loss_mask", "prompt_ids"):
+                got_array, want_array = getattr(a, field), getattr(b, field)
+                if want_array is None:
+                    assert got_array is None
+                else:
+                    assert got_array.dtype == want_array.dtype
+                    np.testing.assert_array_equal(got_array, want_array)
+            assert len(a.earlier) == len(b.earlier)
+            for p, q in zip(a.earlier, b.earlier):
+                for field in ("prompt_ids", "token_ids", "logprobs", "loss_mask"):
+                    got_array, want_array = getattr(p, field), getattr(q, field)
+                    assert got_array.dtype == want_array.dtype
+                    np.testing.assert_array_equal(got_array, want_array)
+                assert p.finish_reason == q.finish_reason
+
+
+def test_a_format_2_state_without_loss_masks_loads_with_every_token_training(
+    tmp_path: Path,
+) -> None:
+    """What format 2 wrote: each saved sample an array of five (no loss mask). Rebuilt here
+    from the msgpack of a current state by dropping the sixth element of every sample."""
+    import msgspec
+
+    from asyncrl.policy.grpo import pack_groups
+
+    raw = msgspec.msgpack.decode(ckpt.encode_state(_state(4, [_group(3)])))
+    raw["format"] = 2
+    for group in raw["groups"]:
+        group[-1] = [sample[:5] for sample in group[-1]]
+    state = ckpt.decode_state(msgspec.msgpack.encode(raw))
+    restored = state.groups[0].group()
+    assert [(s.loss_mask, s.prompt_ids, s.earlier) for s in restored.samples] == [
+        (None, None, ())] * 3
+    assert pack_groups([restored], normalize=True).loss_mask.tolist() == [1] * 15
+    # and a format-2 manifest is still resumed
+    path = _save(tmp_path, 1)
+    manifest = json.loads((path / "manifest.json").read_text())
+    old = {k: v for k, v in manifest.items() if k != "manifest_sha256"} | {"format": 2}
+    canonical = json.dumps(old, sort_keys=True, separators=(",", ":")).encode()
+    old["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(old))
+    assert ckpt.open_checkpoint(path).manifest["format"] == 2
 
 
 def test_a_save_without_manifest_is_no_checkpoint_and_is_cleaned_up(tmp_path: Path) -> None:
@@ -151,7 +205,7 @@ def test_another_format_is_refused(tmp_path: Path) -> None:
     canonical = json.dumps(future, sort_keys=True, separators=(",", ":")).encode()
     future["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
     (path / "manifest.json").write_text(json.dumps(future))
-    with pytest.raises(ckpt.CheckpointError, match="format 99; this asyncrl reads format 2"):
+    with pytest.raises(ckpt.CheckpointError, match="format 99; this asyncrl reads formats 2 and 3"):
         ckpt.open_checkpoint(path)
 
 
@@ -168,8 +222,9 @@ def test_a_format_1_checkpoint_is_refused_naming_the_version_that_reads_it(
     (path / "manifest.json").write_text(json.dumps(old))
     with pytest.raises(
         ckpt.CheckpointError,
-        match=r"format 1; this asyncrl reads format 2 \(format 2 added a checksum of every "
-        r"file.*Fix: resume or export it with the asyncrl version that wrote it \(0\.0\.9\)",
+        match=r"format 1; this asyncrl reads formats 2 and 3 \(format 2 added a checksum of "
+        r"every file.*3 the loss masks.*Fix: resume or export it with the asyncrl version that "
+        r"wrote it \(0\.0\.9\)",
     ):
         ckpt.open_checkpoint(path)
 

@@ -43,12 +43,13 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_seven() -> None:
+def test_protocol_version_is_eight() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
     # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
-    # 7: ResetPrefixCache (tag reset_pc, never sent) left the Request union
-    assert PROTOCOL_VERSION == 7
+    # 7: ResetPrefixCache (tag reset_pc, never sent) left the Request union;
+    # 8: TrainBatch.loss_mask
+    assert PROTOCOL_VERSION == 8
 
 
 def test_golden_hello() -> None:
@@ -101,14 +102,19 @@ def test_round_trip_nested_request() -> None:
         prompt_lens=np.array([1, 2], np.int32),
         behaviour_logprobs=np.array([-1, -2, -3, -4], np.float32),
         advantages=np.array([0.5, -0.5], np.float32),
+        loss_mask=np.array([1, 0, 0, 1], np.uint8),
     )
     msg = Call(call_id=9, request=TrainChunk(step=2, batch=batch))
     codec = Codec(ToWorker)
-    back = codec.decode(codec.encode(msg))
+    frames = codec.encode(msg)
+    assert len(frames) == 1 + 6  # the body and one frame per array, the mask's among them
+    back = codec.decode(frames)
     assert isinstance(back.request, TrainChunk)
-    for name in ("tokens", "seq_lens", "prompt_lens", "behaviour_logprobs", "advantages"):
+    assert list(TrainBatch.__struct_fields__)[-1] == "loss_mask"  # appended (array-like)
+    for name in TrainBatch.__struct_fields__:
         a, b = getattr(batch, name), getattr(back.request.batch, name)
-        assert a.dtype == b.dtype and np.array_equal(a, b)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert back.request.batch.loss_mask.tolist() == [1, 0, 0, 1]
     gen = Call(call_id=1, request=Generate(requests=[GenRequest(group_id="g", prompt_ids=[1, 2], n=4, max_tokens=8)]))
     assert codec.decode(codec.encode(gen)) == gen
 

@@ -138,6 +138,10 @@ def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
         ("[refit]\nstaging_buffers = 9\n", "refit.staging_buffers", "or 3"),
         ("[failures]\nreward_timeout_s = 0\n", "failures.reward_timeout_s", "use e.g. 60"),
         ("[failures]\nreward_timeout_s = inf\n", "failures.reward_timeout_s", "use e.g. 60"),
+        ("[pipeline]\nmax_buffered_groups = -1\n", "pipeline.max_buffered_groups",
+         "got -1. Fix: use 0 for the default"),
+        ("[refit]\nverify_every_steps = -2\n", "refit.verify_every_steps",
+         "got -2. Fix: use 0 to turn it off"),
     ],
 )
 def test_invariants_name_field_and_fix(
@@ -212,7 +216,8 @@ def test_the_sampler_is_built_once_per_config(
 ) -> None:
     """Loading checks the sampler; every later question (capacities, the staleness bound,
     the mode) asks that same sampler. Only a scheduler gets a fresh one (it drives it)."""
-    from asyncrl.config.modes import describe, make_scheduler
+    from asyncrl.config.modes import describe
+    from asyncrl.run.scheduling import make_scheduler
 
     built = _counting_samplers(monkeypatch)
     cfg = load_config(write(tmp_path, BASE + "[pipeline.sampler]\nname = 'gated'\n"))
@@ -337,3 +342,17 @@ async def test_a_controller_not_running_says_where_to_ask(tmp_path: Path, model_
             ask()
     with pytest.raises(RuntimeError, match="not running"):
         await ctl.save_checkpoint()
+
+
+def test_a_negative_capacity_is_named_once(tmp_path: Path, model_dir: Path) -> None:
+    """A capacity below 0 is ``[pipeline]``'s own problem; the checks against ``[grpo]`` and
+    the sampler's rule, which would only repeat it, are skipped."""
+    from asyncrl.config import load_unvalidated, problems
+
+    body = BASE + "[pipeline]\nmax_inflight_samples = -1\nmin_groups_for_streaming_train = -3\n"
+    found = [str(e) for e in problems(load_unvalidated(write(tmp_path, body)))]
+    assert found == [
+        "pipeline.min_groups_for_streaming_train: must be >= 0, got -3. Fix: use 0 for the "
+        "default.",
+        "pipeline.max_inflight_samples: must be >= 0, got -1. Fix: use 0 for the default.",
+    ]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from asyncrl.backend import WorkerContext
-from asyncrl.errors import EngineDeadError
+from asyncrl.errors import EngineDeadError, RequestError
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import FromWorker, GenRequest, GroupFailed, Init, TokenBatch
 from asyncrl.worker.rollout import RolloutRuntime
@@ -88,34 +88,66 @@ async def test_engine_death_is_fatal_not_a_group_failure() -> None:
     assert recv.statistics().current_buffer_used == 0
 
 
-async def test_a_failure_while_the_engine_dies_is_left_to_the_dead_message() -> None:
-    """A dying engine fails a generation and a call (a refit's ReceiveWeights) a moment
-    before the engine watch sees its process exit: neither becomes a GroupFailed or a
-    Failure reply (the controller would retry the group against its budget, or stop the
-    run on the refit's error); the worker's Dead says why, and the worker is restarted."""
+async def test_a_failure_after_the_watch_saw_the_engine_die_is_left_to_the_dead_message() -> None:
+    """Once the engine watch has seen the engine die, a generation or a call that fails (a
+    refit's ReceiveWeights) becomes no GroupFailed and no Failure reply (the controller would
+    retry the group against its budget, or stop the run on the refit's error): the worker's
+    Dead says why, and the worker is restarted."""
     from asyncrl.wire.messages import Call, Score
 
     rt = _runtime(_Backend(RuntimeError("EngineCore encountered an issue")))
     rt.engine_gone = anyio.Event()
-    out, inbox = anyio.create_memory_object_stream[object](4)
-    with out, inbox:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(rt._generate_one, REQ, out)
-            tg.start_soon(rt.answer, Call(call_id=3, request=Score(batch=BATCH)))
-            await anyio.sleep(0.1)
-            rt.engine_gone.set()  # the watch names the dead process
-        assert inbox.statistics().current_buffer_used == 0
-    assert rt.control.sent == []
-
-    # the same failures with a live engine (the watch never fires): reported after the grace
-    rt.engine_gone = anyio.Event()
+    rt.engine_gone.set()  # the watch named the dead process
     out, inbox = anyio.create_memory_object_stream[object](4)
     with out, inbox:
         await rt._generate_one(REQ, out)
-        assert isinstance(inbox.receive_nowait(), GroupFailed)
+        await rt.answer(Call(call_id=3, request=Score(batch=BATCH)))
+        assert inbox.statistics().current_buffer_used == 0
+    assert rt.control.sent == []
+
+
+@pytest.mark.parametrize(
+    "exc", [RuntimeError("EngineCore encountered an issue"), RequestError("prompt too long")]
+)
+async def test_a_failure_with_a_live_engine_is_reported_at_once(exc: Exception) -> None:
+    """A backend with an engine watch raises EngineDeadError itself for what its engine's
+    death caused (the EngineWatch contract), so any other failure is the group's or the
+    call's own: reported without waiting for a verdict (it once waited 1 s for every one,
+    a prompt too long included)."""
+    from asyncrl.wire.messages import Call, Score
+
+    class Alive:
+        """A watch that runs, over an engine that lives: no verdict ever comes."""
+
+        waited = 0
+
+        def is_set(self) -> bool:
+            return False
+
+        async def wait(self) -> None:
+            self.waited += 1
+            await anyio.sleep_forever()
+
+    rt = _runtime(_Backend(exc))
+    rt.engine_gone = alive = Alive()  # type: ignore[assignment]
+    out, inbox = anyio.create_memory_object_stream[object](4)
+    with out, inbox:
+        await rt._generate_one(REQ, out)
+        failed = inbox.receive_nowait()
         await rt.answer(Call(call_id=4, request=Score(batch=BATCH)))
+    assert alive.waited == 0
+    assert isinstance(failed, GroupFailed) and failed.error_type == type(exc).__name__
+    assert failed.retryable == (not isinstance(exc, RequestError))
     (failure,) = rt.control.sent
-    assert (failure.call_id, failure.error_type) == (4, "RuntimeError")
+    assert (failure.call_id, failure.error_type) == (4, type(exc).__name__)
+
+
+async def test_an_engine_death_inside_a_group_of_errors_is_fatal() -> None:
+    rt = _runtime(_Backend(ExceptionGroup("x", [EngineDeadError("EngineCore (pid 8) exited")])))
+    out, inbox = anyio.create_memory_object_stream[object](4)
+    with out, inbox, pytest.raises(ExceptionGroup):
+        await rt._generate_one(REQ, out)
+    assert rt.control.sent == [] and inbox.statistics().current_buffer_used == 0
 
 
 class _Reaper:
@@ -195,7 +227,8 @@ async def test_a_call_into_the_engine_ends_when_the_watch_sees_it_die() -> None:
 
     engine = subprocess.Popen(["sleep", "60"])
     b = _vllm_backend(lost=False, pids=[engine.pid])
-    verdict = rf"sleep \(pid {engine.pid}\) exited with code -9"
+    # named "sleep", or "python" when read before the child's exec
+    verdict = rf"\(pid {engine.pid}\) exited with code -9"
     try:
         with anyio.fail_after(10):  # the watch answered within 0.11 s of a SIGKILL (2 cores)
             async with anyio.create_task_group() as tg:

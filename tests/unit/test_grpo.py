@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from asyncrl.policy.groups import CompletedSample, Group
+from asyncrl.policy.groups import CompletedSample, Group, Part
 from asyncrl.errors import NonFiniteError
 from asyncrl.policy.grpo import group_advantages, nonfinite_cause, pack_groups, pack_tokens, shard_batch
 
@@ -31,7 +31,9 @@ def test_constant_rewards_give_zero_advantage() -> None:
         group_advantages([1.0])
 
 
-def group(gid: str, prompt: list[int], rewards: list[float], lens: list[int]) -> Group:
+def group(
+    gid: str, prompt: list[int], rewards: list[float], lens: list[int], masks: list | None = None
+) -> Group:
     g = Group(gid, gid, prompt, 0, 0, 0.0, index=0)
     g.samples = [
         CompletedSample(
@@ -40,8 +42,9 @@ def group(gid: str, prompt: list[int], rewards: list[float], lens: list[int]) ->
             "stop",
             r,
             r > 0,
+            loss_mask=None if masks is None or masks[i] is None else np.array(masks[i], np.uint8),
         )
-        for r, n in zip(rewards, lens)
+        for i, (r, n) in enumerate(zip(rewards, lens))
     ]
     g.end_version = 0
     return g
@@ -54,16 +57,63 @@ def test_pack_groups_layout() -> None:
     assert b.tokens.tolist() == [1, 2, 10, 11, 1, 2, 10, 11, 12, 1, 10, 1, 10]
     assert b.behaviour_logprobs.size == 2 + 3 + 1 + 1
     assert b.advantages.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
+    assert b.loss_mask.dtype == np.uint8 and b.loss_mask.tolist() == [1] * 7  # no masks: all train
+
+
+def test_pack_groups_concatenates_loss_masks_in_sample_order() -> None:
+    """A multi-turn sample's mask (0 at inserted observation tokens) lands beside its own
+    behaviour logprobs; a sample without one trains every token."""
+    masks = [[1, 0], [1, 0, 1]]
+    b = pack_groups(
+        [group("a", [1, 2], [1.0, 0.0], [2, 3], masks), group("b", [1], [0.0, 0.0], [1, 1])],
+        normalize=True,
+    )
+    assert b.loss_mask.dtype == np.uint8
+    assert b.loss_mask.tolist() == [1, 0, 1, 0, 1, 1, 1]
+    assert b.loss_mask.size == b.behaviour_logprobs.size
+
+
+def test_pack_groups_trains_an_episodes_parts_after_their_own_prompts() -> None:
+    """A sample with its own prompt (an episode's render) and a sequence its template split
+    off before: both sequences, in order, each after its own prompt, with its mask and the
+    sample's advantage."""
+    g = group("a", [1, 2], [1.0, 0.0], [2, 1])
+    first = Part(np.array([7, 7, 7], np.int32), np.array([20, 21], np.int32),
+                 np.array([-0.5, 0.0], np.float32), np.array([1, 0], np.uint8), "stop")
+    g.samples[0] = dataclasses.replace(
+        g.samples[0], prompt_ids=np.array([5, 6, 7, 8], np.int32), earlier=(first,),
+        loss_mask=np.array([0, 1], np.uint8),
+    )  # fmt: skip
+    b = pack_groups([g], normalize=True)
+    assert b.seq_lens.tolist() == [5, 6, 3] and b.prompt_lens.tolist() == [3, 4, 2]
+    assert b.tokens.tolist() == [7, 7, 7, 20, 21, 5, 6, 7, 8, 10, 11, 1, 2, 10]
+    assert b.behaviour_logprobs.tolist() == pytest.approx([-0.5, 0.0, -0.1, -0.2, -0.1])
+    assert b.loss_mask.tolist() == [1, 0, 0, 1, 1]
+    assert b.advantages.tolist() == pytest.approx([1.0, 1.0, -1.0], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mask, problem",
+    [([1, 0, 1], "shape (3,)"), ([1, 2], "values [1, 2]"), ([[1, 1]], "shape (1, 2)")],
+)
+def test_pack_groups_refuses_a_misaligned_loss_mask(mask, problem) -> None:
+    with pytest.raises(ValueError, match=r"one 0 or 1 per token \(2 tokens\)") as err:
+        pack_groups([group("a", [1], [1.0, 0.0], [2, 2], [mask, None])], normalize=True)
+    assert problem in str(err.value) and "CompletedSample" in str(err.value)
 
 
 def test_shard_batch_partitions_sequences_exactly() -> None:
+    masks = [[1, 0, 0, 1, 1], [0], [1, 1, 0]]  # each sequence's own pattern
     b = pack_groups(
-        [group("a", [1, 2], [1.0, 0.0, 0.0], [5, 1, 3]), group("b", [3], [1.0, 0.0], [2, 4])],
+        [group("a", [1, 2], [1.0, 0.0, 0.0], [5, 1, 3], masks),
+         group("b", [3], [1.0, 0.0], [2, 4], [[0, 1], None])],
         normalize=False,
-    )
+    )  # fmt: skip
     for k in (1, 2, 3, 7):
         shards = shard_batch(b, k)
         assert len(shards) == k
+        assert all(s.loss_mask.dtype == np.uint8 for s in shards)
+        assert sum(int(s.loss_mask.sum()) for s in shards) == int(b.loss_mask.sum()) == 10
         assert sum(s.seq_lens.size for s in shards) == b.seq_lens.size
         # every sequence appears exactly once with its own tokens/logprobs/advantage
         seen = []
@@ -71,13 +121,13 @@ def test_shard_batch_partitions_sequences_exactly() -> None:
             off = roff = 0
             for i in range(s.seq_lens.size):
                 n, p = int(s.seq_lens[i]), int(s.prompt_lens[i])
-                seen.append((tuple(s.tokens[off : off + n]), tuple(s.behaviour_logprobs[roff : roff + n - p]), float(s.advantages[i])))
+                seen.append((tuple(s.tokens[off : off + n]), tuple(s.behaviour_logprobs[roff : roff + n - p]), float(s.advantages[i]), tuple(s.loss_mask[roff : roff + n - p])))
                 off, roff = off + n, roff + n - p
         orig = []
         off = roff = 0
         for i in range(b.seq_lens.size):
             n, p = int(b.seq_lens[i]), int(b.prompt_lens[i])
-            orig.append((tuple(b.tokens[off : off + n]), tuple(b.behaviour_logprobs[roff : roff + n - p]), float(b.advantages[i])))
+            orig.append((tuple(b.tokens[off : off + n]), tuple(b.behaviour_logprobs[roff : roff + n - p]), float(b.advantages[i]), tuple(b.loss_mask[roff : roff + n - p])))
             off, roff = off + n, roff + n - p
         assert sorted(seen) == sorted(orig)
     loads = [int(s.seq_lens.sum()) for s in shard_batch(b, 2)]

@@ -118,6 +118,89 @@ def test_masked_garbage_cannot_poison_loss_or_gradient():
     assert lp.grad.tolist() == pytest.approx([want_grad, 0.0], abs=1e-15)
 
 
+def _numpy_reference(lp, beh, adv, prox, mask):
+    """Loss sum and d loss / d lp in numpy float64 over the tokens where ``mask`` is 1 only
+    (the others are left out before any arithmetic), written from the formula."""
+    keep = np.asarray(mask) == 1
+    lp, beh, adv, prox = (np.asarray(a, np.float64)[keep] for a in (lp, beh, adv, prox))
+    w = np.minimum(np.exp(prox - beh), CAP)
+    r = np.exp(lp - prox)
+    lo, hi = 1 - EPS_LOW, 1 + EPS_HIGH
+    unclipped, clipped = r * adv, np.clip(r, lo, hi) * adv
+    takes_clipped = clipped < unclipped
+    loss = -(w * np.where(takes_clipped, clipped, unclipped)).sum()
+    grad = np.zeros(keep.size)
+    grad[keep] = np.where(takes_clipped, 0.0, -w * adv * r)
+    return loss, grad, int(takes_clipped.sum())
+
+
+def _masked_batch(dtype, seed=3, n=64):
+    """Random tokens, a mask with runs of masked tokens (inserted observations), and huge
+    placeholder behaviour logprobs, proximal logprobs and advantages at the masked ones."""
+    rng = np.random.default_rng(seed)
+    lp = -rng.uniform(0.1, 4.0, n)
+    beh = lp + rng.normal(0, 0.05, n)  # near lp: few clips, so most trained grads are nonzero
+    prox = lp + rng.normal(0, 0.05, n)
+    adv = np.repeat(rng.normal(0, 1, n // 8), 8)
+    mask = np.ones(n, np.uint8)
+    for start in rng.choice(n - 5, size=5, replace=False):
+        mask[start : start + int(rng.integers(1, 5))] = 0
+    garbage = np.where(np.arange(n) % 2 == 0, 1e30, -1e30)
+    beh, prox, adv = (np.where(mask == 1, a, garbage) for a in (beh, prox, adv))
+    as_t = lambda a: torch.tensor(a, dtype=dtype)  # noqa: E731
+    return lp, beh, adv, prox, mask, as_t
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("with_prox", [False, True])
+def test_masked_loss_matches_numpy_float64_and_masked_grads_are_exactly_zero(dtype, with_prox):
+    lp, beh, adv, prox, mask, as_t = _masked_batch(dtype)
+    assert 0 < mask.sum() < mask.size
+    x = as_t(lp).requires_grad_(True)
+    loss, stats = ppo_clip_loss(
+        x, as_t(beh), as_t(adv), torch.as_tensor(mask),
+        clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, is_cap=CAP,
+        proximal_logprobs=as_t(prox) if with_prox else None,
+    )  # fmt: skip
+    loss.backward()
+    want_loss, want_grad, want_clipped = _numpy_reference(
+        x.detach().numpy(), as_t(beh).numpy(), as_t(adv).numpy(),
+        as_t(prox if with_prox else beh).numpy(), mask,
+    )  # fmt: skip
+    grad = x.grad.numpy()
+    masked, trained = mask == 0, mask == 1
+    assert np.all(grad[masked] == 0.0)  # exactly, not approximately
+    assert np.count_nonzero(grad[trained]) == trained.sum() - want_clipped > 0
+    assert int(stats.clipped_tokens) == want_clipped
+    # relative errors measured over 20 seeds: float64 1.0e-15 (loss) and 4e-16 (gradient);
+    # float32 5.0e-7 (the loss, a sum with cancellation) and 1.6e-7 (gradient)
+    loss_rtol, grad_rtol = (3e-15, 1.2e-15) if dtype == torch.float64 else (1.5e-6, 5e-7)
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=loss_rtol)
+    np.testing.assert_allclose(grad, want_grad, rtol=grad_rtol, atol=0)
+    assert math.isfinite(float(stats.is_weight_sum)) and math.isfinite(
+        float(stats.abs_logprob_diff_sum)
+    )
+
+
+def test_masked_placeholders_change_nothing_bit_for_bit():
+    """The same tokens with other placeholders at the masked positions (0.0 instead of
+    +-1e30): the loss, its gradient and the stats are identical, bit for bit."""
+    lp, beh, adv, prox, mask, as_t = _masked_batch(torch.float32)
+    calm = [np.where(mask == 1, a, 0.0) for a in (beh, adv, prox)]
+    out = []
+    for b, a, p in ((beh, adv, prox), calm):
+        x = as_t(lp).requires_grad_(True)
+        loss, stats = ppo_clip_loss(
+            x, as_t(b), as_t(a), torch.as_tensor(mask), clip_eps_low=EPS_LOW,
+            clip_eps_high=EPS_HIGH, is_cap=CAP, proximal_logprobs=as_t(p),
+        )  # fmt: skip
+        loss.backward()
+        out.append((float(loss.detach()), x.grad.clone(), float(stats.is_weight_sum),
+                    float(stats.abs_logprob_diff_sum), int(stats.clipped_tokens)))  # fmt: skip
+    (l1, g1, *s1), (l2, g2, *s2) = out
+    assert l1 == l2 and torch.equal(g1, g2) and s1 == s2
+
+
 def test_gradcheck_against_finite_differences():
     gen = torch.Generator().manual_seed(0)
     n = 12
@@ -226,3 +309,25 @@ def test_check_packed_names_the_problem(change, message):
         t, s, p, vocab_size=10, per_token={"behaviour_logprobs": b}, per_sequence={"advantages": a}
     )
     assert problem is not None and message in problem
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (np.ones(5, np.uint8), "loss_mask has shape (5,); expected one value per response token"),
+        (np.ones(6, np.float32), "loss_mask has dtype float32; expected uint8"),
+        (np.ones(6, np.bool_), "loss_mask has dtype bool; expected uint8"),
+        (np.array([1, 0, 2, 1, 1, 1], np.uint8), "loss_mask holds 2; expected only 0"),
+    ],
+)
+def test_check_packed_refuses_a_bad_loss_mask(mask, message):
+    tokens, seq_lens, prompt_lens = _packed()
+    problem = check_packed(tokens, seq_lens, prompt_lens, loss_mask=mask)
+    assert problem is not None and message in problem, problem
+
+
+def test_check_packed_accepts_masks_that_train_some_or_no_token():
+    tokens, seq_lens, prompt_lens = _packed()
+    for mask in ([1] * 6, [0, 1, 1, 0, 0, 1], [0] * 6):
+        mask = np.array(mask, np.uint8)
+        assert check_packed(tokens, seq_lens, prompt_lens, loss_mask=mask) is None

@@ -29,7 +29,7 @@ from asyncrl.backend import WeightBucketView, WeightTensor
 from asyncrl.wire.codec import Codec
 from asyncrl.errors import EngineDeadError, RefitError
 from asyncrl.wire.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
-from asyncrl.worker.buckets import Packer, bucket_ends, check_bucket, manifest_of
+from asyncrl.worker.buckets import Packer, bucket_layout, check_bucket, manifest_of
 from asyncrl.worker.weights import WeightReceiver, WeightSender
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.procs.space import shm_dir
@@ -180,7 +180,7 @@ async def test_buffers_are_sized_once_so_handles_repeat_across_refits(run_dir: s
         kib = 1 << 10
         assert [n for _, n in first] == [64 * kib, 72 * kib, 100 * kib]  # by hand
         sizes = [4 * math.prod(s) for s in SHAPES.values()]
-        assert bucket_ends(sizes, BUCKET) == [64 * kib, 72 * kib, 100 * kib]
+        assert bucket_layout(sizes, BUCKET) == [(2, 64 * kib), (2, 72 * kib), (1, 100 * kib)]
         assert len({h for h, _ in first}) == 2  # two buffers, each announced with one handle
     finally:
         pair.close()
@@ -222,12 +222,13 @@ async def test_the_first_bucket_is_packed_while_the_engine_pauses(run_dir: str) 
     bucket=st.integers(1, 12000),
     buffers=st.integers(2, 4),
 )
-def test_the_packer_fills_the_buckets_bucket_ends_predicts(
+def test_the_packer_fills_the_buckets_bucket_layout_gives(
     sizes: list[int], bucket: int, buffers: int
 ) -> None:
     """The real packer, fed tensors of random sizes, closes its buckets exactly where
-    ``bucket_ends`` (which sizes the staging buffers before packing) says: no buffer is ever
-    asked for more than it was given, with any number of buffers used in turn."""
+    ``bucket_layout`` (which sizes the staging buffers before packing) says, each holding the
+    tensors a hand-written packing puts there: no buffer is ever asked for more than it was
+    given, with any number of buffers used in turn."""
 
     class Stager:
         def __init__(self) -> None:
@@ -245,13 +246,70 @@ def test_the_packer_fills_the_buckets_bucket_ends_predicts(
     specs_ = [WeightTensor(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
     data = (WeightTensor(s.name, "uint8", s.shape, np.zeros(s.shape, np.uint8)) for s in specs_)
     packer = Packer(data, manifest_of(specs_), Stager(), bucket, buffers)
-    used, k, last = [], 0, False
+    filled, k, last = [], 0, False
     while not last:
-        _, n, last = packer.fill(k % buffers)
-        used.append(n)
+        entries, n, last = packer.fill(k % buffers)
+        filled.append((len(entries), n))
         k += 1
-    assert used == bucket_ends(sizes, bucket)
+    assert filled == bucket_layout(sizes, bucket) == _by_hand(sizes, bucket)
     assert packer.count == len(sizes)
+
+
+def _by_hand(sizes: list[int], bucket: int) -> list[tuple[int, int]]:
+    """The rule in words: a bucket takes the next tensors while the next one still fits (its
+    unaligned size added to the aligned sizes before it); a bucket always takes one tensor."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(sizes):
+        taken = [sizes[i]]
+        i += 1
+        while i < len(sizes) and sum(-(-s // 256) * 256 for s in taken) + sizes[i] <= bucket:
+            taken.append(sizes[i])
+            i += 1
+        out.append((len(taken), sum(-(-s // 256) * 256 for s in taken)))
+    return out
+
+
+class _NullStager:
+    def reserve(self, k: int, n: int) -> None:
+        pass
+
+    def pack(self, k: int, offset: int, data: Any, stable: bool = False) -> None:
+        pass
+
+    def seal(self, k: int) -> None:
+        pass
+
+
+def test_the_packer_takes_no_tensor_of_the_next_bucket_and_counts_what_it_gets() -> None:
+    """A bucket takes exactly its tensors: the trainer is not asked for the next bucket's
+    first one (a sharded trainer gathers it only when asked); a trainer that yields fewer or
+    more tensors than it promised is named."""
+    sizes = [100, 100, 300]  # bucket 400: [100 at 0, 100 at 256: 512 used] [300 alone]
+    promised = [WeightTensor(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
+    asked: list[str] = []
+
+    def tensors(n: int) -> Iterator[WeightTensor]:
+        for s in (promised * 2)[:n]:
+            asked.append(s.name)
+            yield WeightTensor(s.name if len(asked) <= 3 else "extra", "uint8", s.shape,
+                               np.zeros(s.shape, np.uint8))  # fmt: skip
+
+    packer = Packer(tensors(3), manifest_of(promised), _NullStager(), 400, 2)
+    entries, used, last = packer.fill(0)
+    assert ([e.name for e in entries], used, last) == (["t0", "t1"], 512, False)
+    assert asked == ["t0", "t1"]
+    assert packer.fill(1)[2] is True and packer.count == 3
+    asked.clear()
+    with pytest.raises(RefitError, match="yielded 2 tensors; weight_specs\\(\\) promised 3"):
+        packer = Packer(tensors(2), manifest_of(promised), _NullStager(), 400, 2)
+        packer.fill(0)
+        packer.fill(1)
+    asked.clear()
+    with pytest.raises(RefitError, match="yielded extra .* promised no more"):
+        packer = Packer(tensors(4), manifest_of(promised), _NullStager(), 400, 2)
+        packer.fill(0)
+        packer.fill(1)
 
 
 async def test_a_refused_manifest_touches_nothing(run_dir: str) -> None:

@@ -93,6 +93,8 @@ def run_schedule(
     failed: set[str] = set()
     given_back = False  # a failed step gave its groups back: live may exceed the cap until
     # enough of them train (dispatch waits meanwhile)
+    retries = 0  # generation failures retried: counted in the step stats, unlike worker deaths
+    counted = 0  # the step stats' generation_retries, summed
 
     def note_aborted(ids: list[str]) -> None:
         aborted_by_scheduler.update(ids)
@@ -105,6 +107,8 @@ def run_schedule(
     def crash_and_resume() -> Scheduler:
         """The controller dies right after saving at this step boundary: what was generating
         or being scored is gone (its prompts are dispatched again), ready groups survive."""
+        nonlocal counted
+        counted += s.stats.generation_retries  # the open step's, lost with the controller
         state = s.state_dict()
         ready = {g for g in start if s.tracks(g) and s.slot(g).ready}
         for gid, _ in running:  # the samples of aborting groups vanish with the engines
@@ -178,6 +182,8 @@ def run_schedule(
                 moves.append("abort_step")
         if faults and running:
             moves.append("fail")
+            if {g for g, _ in running} - aborted_by_scheduler:
+                moves.append("lost")
         if faults and scoring:
             moves.append("score_fail")
         if retrying:
@@ -209,7 +215,7 @@ def run_schedule(
             assert done_samples[gid] == N
             s.committed(gid, [float(rng.random() < 0.5) for _ in range(N)])
         elif move == "end_refit":
-            s.end_refit()
+            counted += s.end_refit().generation_retries
             refit_pending = False
         elif move == "train":
             refit_pending = record_chunk(s.next_chunk())
@@ -227,8 +233,15 @@ def run_schedule(
             elif again:
                 retrying.add(gid)
                 done_samples.pop(gid, None)
+                retries += 1
             else:
                 failed.add(gid)
+        elif move == "lost":  # its worker died: sent again first, not a retry of its own
+            gid = rng.choice(sorted({g for g, _ in running} - aborted_by_scheduler))
+            running[:] = [(g, k) for g, k in running if g != gid]
+            s.requeue(gid)
+            done_samples.pop(gid, None)
+            due.add(gid)
         elif move == "score_fail":
             gid = scoring.pop(rng.randrange(len(scoring)))
             s.failed(gid, retry=True)  # nothing to retry once generated: dropped
@@ -265,7 +278,9 @@ def run_schedule(
                 )
                 refit_pending = record_chunk(chunk)  # into the ledger as a train move would
     if refit_pending:
-        s.end_refit()
+        counted += s.end_refit().generation_retries
+    counted += s.stats.generation_retries
+    assert counted == retries, (counted, retries)
     note_aborted(s.close())
     while running:
         finish_one(rng.randrange(len(running)))

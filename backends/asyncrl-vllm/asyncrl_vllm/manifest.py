@@ -1,5 +1,5 @@
-"""Check a refit's manifest against the checkpoint the engine was started from (standard
-library only: the controller-side check and unit tests import it without vLLM).
+"""Check a refit's manifest against the checkpoint the engine was started from (no vLLM, no
+torch: the controller-side check and unit tests import it without them).
 
 The engine's own parameters are fused and renamed (``qkv_proj``, ``gate_up_proj``), so the
 reference is the checkpoint itself: the names and shapes in the safetensors headers of
@@ -9,11 +9,11 @@ checkpoint's shape; a tied ``lm_head.weight`` may be left out (vLLM ties it itse
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from asyncrl.safetensors import read_safetensors_header
 
 __all__ = ["checkpoint_shapes", "manifest_problems"]
 
@@ -27,18 +27,14 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, list[int]]:
 
     Raises:
         FileNotFoundError: the directory has no safetensors file.
-        ValueError: a header is malformed.
+        ValueError: a file is not safetensors (too short, a malformed header).
     """
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors file to check refits against")
     shapes: dict[str, list[int]] = {}
     for path in files:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 << 20:
-                raise ValueError(f"{path}: implausible safetensors header size {size}")
-            header = json.loads(f.read(size))
+        header, _ = read_safetensors_header(path)
         for name, info in header.items():
             if name != "__metadata__":
                 shapes[name] = [int(d) for d in info["shape"]]

@@ -133,4 +133,10 @@ def write_model_dir(path: Path) -> Path:
         "pad_token_id": PAD_ID,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    # a message's content as it is, an assistant's followed by <eos>; no generation prompt, so
+    # a turn's context ends with the last message's content (the repeat-digit-turns task)
+    (path / "chat_template.jinja").write_text(
+        "{%- for m in messages -%}{{ m.content }}{%- if m.role == 'assistant' -%}<eos>"
+        "{%- endif -%}{%- endfor -%}"
+    )
     return path

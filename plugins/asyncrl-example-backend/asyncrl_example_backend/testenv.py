@@ -26,7 +26,7 @@ from asyncrl.explain import explain
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError
 
-__all__ = ["RepeatDigitEnv", "make_environment"]
+__all__ = ["RepeatDigitEnv", "RepeatDigitTurnsEnv", "make_environment", "make_turns_environment"]
 
 
 class RepeatDigitOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -95,3 +95,61 @@ def make_environment(options: dict[str, Any], seed: int) -> RepeatDigitEnv:
     if opts.num_train < 1 or opts.num_eval < 0:
         raise ConfigError("environment.options: num_train must be >= 1 and num_eval >= 0")
     return RepeatDigitEnv(opts, seed)
+
+
+class RepeatDigitTurnsEnv:
+    """``repeat-digit-turns``: the same task as two turns (a *testing* multi-turn environment,
+    entry point ``asyncrl.environments:repeat-digit-turns``). The prompt is one chat message,
+    the digit; the model answers; the environment says the digit again (a user turn: the
+    feedback); the model answers again. The reward is the share of the two turns that contain
+    the digit; ``correct``: both are made only of it. The bigram model directory's chat
+    template writes a message's content as it is and an assistant's followed by ``<eos>``
+    (:func:`asyncrl_example_backend.model.write_model_dir`), so each turn's context ends with
+    the digit, as the single-turn task's does.
+
+    Options: ``num_train``, ``num_eval`` (as ``repeat-digit``); ``fail_digits``: the digits
+    whose episodes raise after their first turn (a testing knob: a broken agent)."""
+
+    def __init__(self, options: RepeatDigitTurnsOptions, seed: int) -> None:
+        base = RepeatDigitEnv(RepeatDigitOptions(num_train=options.num_train,
+                                                 num_eval=options.num_eval), seed)  # fmt: skip
+        self._splits = {
+            split: tuple(Prompt(id=p.id, messages=[{"role": "user", "content": p.text}],
+                                answer=p.answer) for p in base.dataset(split))  # fmt: skip
+            for split in ("train", "eval")
+        }
+        self._fail = set(options.fail_digits)
+
+    def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
+        return self._splits[split]
+
+    async def run_episode(self, prompt: Prompt, episode: Any) -> Score:
+        first = await episode.generate()
+        if prompt.answer in self._fail:
+            raise RuntimeError(f"a broken agent (fail_digits: {prompt.answer})")
+        episode.add_messages({"role": "user", "content": prompt.answer})
+        second = await episode.generate()
+        texts = [first.text.strip(), second.text.strip()]
+        hits = [prompt.answer in t for t in texts]
+        correct = all(t and set(t) == {prompt.answer} for t in texts)
+        return Score(reward=sum(hits) / 2, correct=correct,
+                     components={"first": float(hits[0]), "second": float(hits[1])})  # fmt: skip
+
+
+class RepeatDigitTurnsOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    num_train: int = 64
+    """Prompts in the train split."""
+    num_eval: int = 8
+    """Prompts in the eval split."""
+    fail_digits: list[str] = []
+    """Testing knob: the digits whose episodes raise after their first turn."""
+
+
+def make_turns_environment(options: dict[str, Any], seed: int) -> RepeatDigitTurnsEnv:
+    try:
+        opts = msgspec.convert(dict(options), RepeatDigitTurnsOptions)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(explain(exc, RepeatDigitTurnsOptions, "environment.options")) from None
+    if opts.num_train < 1 or opts.num_eval < 0:
+        raise ConfigError("environment.options: num_train must be >= 1 and num_eval >= 0")
+    return RepeatDigitTurnsEnv(opts, seed)

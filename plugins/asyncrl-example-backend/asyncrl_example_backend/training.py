@@ -7,7 +7,10 @@ token, with ``lp = log softmax(W[prev] / T)[tok]`` and ``b`` the generator's log
     loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)        (summed over tokens)
 
 which is :func:`asyncrl.training.loss.ppo_clip_loss` with the behaviour policy as proximal
-policy (so its importance weight is 1). Where the clip is inactive ``d loss / d lp = -A * r``; where it
+policy (so its importance weight is 1). Only the tokens the batch's ``loss_mask`` selects
+train: the others (observations inserted into a multi-turn sequence, with placeholder
+behaviour logprobs) are left out before any arithmetic, and the step is normalized by the
+count of trained tokens. Where the clip is inactive ``d loss / d lp = -A * r``; where it
 binds (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``) the gradient is 0; and
 ``d lp / d W[prev, j] = (onehot(tok)_j - softmax(W[prev] / T)_j) / T``.
 
@@ -36,6 +39,7 @@ import numpy as np
 
 from asyncrl.backend import WeightTensor, WorkerContext
 from asyncrl.errors import NonFiniteError
+from asyncrl.policy.packing import check_packed
 from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
 
 from . import __version__
@@ -57,16 +61,19 @@ def ppo_gradient(
     eps_low: float,
     eps_high: float,
 ) -> tuple[np.ndarray, dict[str, float]]:
-    """The summed clipped-surrogate loss of ``batch`` and its gradient w.r.t. ``table``.
+    """The summed clipped-surrogate loss of ``batch``'s trained tokens (``loss_mask`` 1) and
+    its gradient w.r.t. ``table``.
 
     Returns ``(grad [V, V] float64, stats)`` with ``stats`` holding ``loss_sum``,
-    ``num_loss_tokens``, ``clipped_tokens`` and ``abs_logprob_diff_sum``.
+    ``num_loss_tokens`` (the trained tokens), ``clipped_tokens`` and ``abs_logprob_diff_sum``.
     """
     w = np.asarray(table, dtype=np.float64)
     prev, tok, seq = response_tokens(batch)
+    trains = np.asarray(batch.loss_mask) == 1
+    prev, tok, seq = prev[trains], tok[trains], seq[trains]
     logp = log_softmax(w[prev] / temperature)  # [n, V]
     lp = logp[np.arange(tok.size), tok]
-    behaviour = np.asarray(batch.behaviour_logprobs, dtype=np.float64)
+    behaviour = np.asarray(batch.behaviour_logprobs, dtype=np.float64)[trains]
     adv = np.asarray(batch.advantages, dtype=np.float64)[seq]
     r = np.exp(lp - behaviour)
     surrogate = np.minimum(r * adv, np.clip(r, 1 - eps_low, 1 + eps_high) * adv)
@@ -161,6 +168,13 @@ class BigramTrainer:
             )
         if self.options.sequence_delay_s:  # workload knob: time proportional to the data
             time.sleep(self.options.sequence_delay_s * int(batch.seq_lens.size))
+        problem = check_packed(
+            batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self.spec.vocab_size,
+            per_token={"behaviour_logprobs": batch.behaviour_logprobs},
+            per_sequence={"advantages": batch.advantages}, loss_mask=batch.loss_mask,
+        )  # fmt: skip
+        if problem is not None:
+            raise ValueError(f"train_chunk(step={step}): a malformed batch: {problem}")
         loss = self.ctx.config.loss
         grad, stats = ppo_gradient(
             self.weights,

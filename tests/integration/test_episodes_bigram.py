@@ -1,0 +1,79 @@
+"""Multi-turn episodes end to end with the bigram backends (real processes and sockets).
+
+The ``repeat-digit-turns`` environment runs two turns per episode with a user turn between
+(``asyncrl_example_backend.testenv``); the controller runs the episodes, each turn one request
+on a rollout worker, and trains the generated tokens only. What the runs must show: every step
+trained on whole episodes (two turns each), evaluations by greedy episodes, an episode that
+raises failing its group (retried, then dropped) but never the run, and nothing left behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+pytest.importorskip(
+    "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
+)
+
+import asyncrl  # noqa: E402
+from asyncrl.config import Config  # noqa: E402
+from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
+
+
+@pytest.mark.parametrize("rollout_ranks", [1, 2])
+async def test_episodes_train_and_evaluate(
+    make_config: Callable[..., Config], rollout_ranks: int
+) -> None:
+    num_steps = 3
+    cfg = make_config(
+        environment={"name": "repeat-digit-turns"},
+        run={"num_steps": num_steps},
+        cluster={"rollout_ranks": rollout_ranks},
+        grpo={"max_new_tokens": 4},
+        episode={"max_turns": 2, "max_context_tokens": 64},
+    )
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        summary = await ctl.train()
+
+    records = read_metrics(cfg)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, num_steps + 1))
+    P, N = cfg.grpo.prompts_per_step, cfg.grpo.samples_per_prompt
+    assert all(r["groups"] == P for r in train)
+    # episodes end (and are counted) whenever they finish: at least one step's worth ended
+    assert sum(r["episodes"] for r in train) >= num_steps * P * N
+    assert all(r["episode_turns_mean"] == 2.0 for r in train if r["episodes"])
+    assert all(r["episode_failed"] == 0 and r["episode_splits"] == 0 for r in train)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [(e["label"], e["num_prompts"]) for e in evals] == [("start", 4), ("end", 4)]
+    assert [e["label"] for e in summary.evals] == ["start", "end"]
+    assert_nothing_left(ctl, pids.values())
+
+
+async def test_a_broken_agent_fails_its_group_not_the_run(
+    make_config: Callable[..., Config],
+) -> None:
+    """The episodes of the prompts of one digit raise: each time such a group fails (its
+    other episodes cancelled), it is retried after a back-off, then dropped for good and
+    counted; the run trains every step."""
+    cfg = make_config(
+        environment={"name": "repeat-digit-turns", "options": {"fail_digits": ["7"]}},
+        run={"num_steps": 3},
+        grpo={"max_new_tokens": 4},
+        failures={"generation_retries": 1, "retry_backoff_s": 0.05, "max_failed_groups": 64},
+        eval={"num_prompts": 0},
+    )
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        summary = await ctl.train()
+    train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
+    assert len(train) == 3 and len(summary.steps) == 3
+    # each such group failed twice (its first try, its retry) and was dropped for good
+    dropped = sum(e["dropped"].get("failed", 0) for e in summary.ledger)
+    assert dropped >= 1 and sum(r["episode_failed"] for r in train) >= 2 * dropped
+    assert_nothing_left(ctl, pids.values())

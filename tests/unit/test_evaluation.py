@@ -1,0 +1,220 @@
+"""Held-out evaluations end to end on the controller's side: the real :class:`Evaluator`,
+:class:`RolloutBook` and :class:`Feeder` (its samples arrive through a fake data socket,
+encoded as a worker would send them), around a fake control plane that records each
+``Generate`` and fake scoring.
+
+* every worker gets its requests at once: one worker slow to answer holds up no other;
+* an evaluation not done in time stops the run naming the evaluation, what is missing, who
+  serves and the setting (not a bare ``TimeoutError``);
+* a group whose scoring fails counts as incorrect under ``on_reward_error = "drop_group"``
+  (the evaluation goes on), and stops the run under ``"fail_run"``;
+* two evaluations at once keep their results apart.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncrl.environment import Prompt
+from asyncrl.errors import RunError, flatten
+from asyncrl.policy.groups import CompletedSample, Group
+from asyncrl.run.book import RolloutBook
+from asyncrl.run.evaluation import Evaluator
+from asyncrl.run.intake import Feeder, ScoreError, Signal
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import DataMessage, Generate, Sample, SampleDone
+from asyncrl.wire.transport import Rejections
+from schedule_support import SAMPLERS, scheduler
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+WORKERS = ["rollout:0", "rollout:1"]
+PROMPTS = [Prompt(id=f"eval:{i}", text=f"prompt {i}") for i in range(4)]
+SAMPLE = Sample(np.array([3, 1], np.int32), np.array([-0.5, -0.25], np.float32), "stop")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _config(on_reward_error: str = "fail_run", call_timeout_s: float = 10.0) -> Any:
+    return SimpleNamespace(
+        eval=SimpleNamespace(num_prompts=len(PROMPTS)),
+        cluster=SimpleNamespace(call_timeout_s=call_timeout_s),
+        grpo=SimpleNamespace(max_new_tokens=8),
+        failures=SimpleNamespace(on_reward_error=on_reward_error),
+        generator=SimpleNamespace(backend="fake"),
+    )
+
+
+class _Control:
+    """Records each ``Generate``; a call to a worker in ``hold`` waits until every worker
+    in ``hold`` has been called (sent one after the other, it would wait forever)."""
+
+    def __init__(self, hold: tuple[str, ...] = ()) -> None:
+        self.sent: dict[str, list[str]] = {}
+        self.hold = set(hold)
+        self.all_called = anyio.Event()
+
+    async def call_unless_restarting(self, worker: str, request: Any, *, timeout_s: float) -> None:
+        assert isinstance(request, Generate) and request.requests
+        assert all(r.greedy and r.temperature == 0.0 for r in request.requests)
+        self.sent.setdefault(worker, []).extend(r.group_id for r in request.requests)
+        if self.hold <= self.sent.keys():
+            self.all_called.set()
+        if worker in self.hold:
+            await self.all_called.wait()
+
+
+class _Socket:
+    """The data socket: what the test sends, encoded as a worker would send it."""
+
+    def __init__(self) -> None:
+        self.tx, self.rx = anyio.create_memory_object_stream[list[Any]](16)
+        self.codec = Codec(DataMessage)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+    def send(self, msg: SampleDone) -> None:
+        self.tx.send_nowait(self.codec.encode(msg))
+
+    async def recv(self) -> list[Any]:
+        return await self.rx.receive()
+
+    def recv_nowait(self) -> list[Any] | None:
+        try:
+            return self.rx.receive_nowait()
+        except anyio.WouldBlock:
+            return None
+
+
+class _Scorer:
+    """Scores on the loop: ``eval:0`` correct, ``eval:3``'s reward raises, the rest wrong."""
+
+    cheap = True
+
+    def inline(self, group: Group) -> list[CompletedSample]:
+        if group.prompt_id == "eval:3":
+            raise ScoreError(f"score() raised ValueError for prompt {group.prompt_id!r}")
+        right = group.prompt_id == "eval:0"
+        return [CompletedSample(s.token_ids, s.logprobs, "stop", float(right), right)
+                for s in group.samples]  # fmt: skip
+
+
+class _Run:
+    """An evaluator, the book and the feeder as a pipeline builds them."""
+
+    def __init__(self, config: Any, control: _Control, serving: list[str]) -> None:
+        self.book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=1), WORKERS)
+        env = SimpleNamespace(dataset=lambda split: PROMPTS)
+        tok = SimpleNamespace(encode_prompts=lambda ps: [[7, i] for i, _ in enumerate(ps)])
+        self.evaluator = Evaluator(config, control=control, environment=env, tokenizer=tok,  # type: ignore[arg-type]
+                                   book=self.book, serving=lambda: serving, metrics=None)  # fmt: skip
+        self.socket = _Socket()
+        self.feeder = Feeder(
+            config, data=self.socket, book=self.book, scorer=_Scorer(),  # type: ignore[arg-type]
+            evaluator=self.evaluator, redispatch=None, rejections=Rejections(),  # type: ignore[arg-type]
+            changed=Signal(), committed=Signal(), now=time.perf_counter,
+            step_record=lambda: None,  # type: ignore[arg-type,return-value]
+        )  # fmt: skip
+        self.control = control
+
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.socket.close()
+
+    def answer(self) -> None:
+        """Each worker sends the sample of every evaluation group it was asked for."""
+        for worker, gids in self.control.sent.items():
+            for gid in gids:
+                self.socket.send(SampleDone(gid, worker, 0, SAMPLE))
+        self.control.sent.clear()
+
+
+async def test_each_worker_gets_its_requests_at_once_and_scoring_failures_count_as_wrong() -> None:
+    """Under ``drop_group``: rollout:0 answers its ``Generate`` only once rollout:1 got its
+    own (sent one worker after the other, the evaluation would never start); a group whose
+    reward raised counts as incorrect, and the evaluation finishes."""
+    control = _Control(hold=("rollout:0",))
+    with _Run(_config("drop_group"), control, WORKERS) as run, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.feeder.run)
+            records: list[dict[str, Any]] = []
+
+            async def evaluate() -> None:
+                records.append(await run.evaluator.evaluate("start", 0))
+
+            tg.start_soon(evaluate)
+            await control.all_called.wait()
+            assert sorted(control.sent) == WORKERS
+            run.answer()
+            while not records:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    (record,) = records
+    assert record["label"] == "start" and record["num_prompts"] == 4
+    assert record["accuracy"] == 0.25  # eval:0 right; eval:1, eval:2 wrong; eval:3 failed
+    assert record["failed_groups"] == 1
+
+
+async def test_a_reward_error_in_an_evaluation_stops_the_run_under_fail_run() -> None:
+    control = _Control()
+    with _Run(_config("fail_run"), control, WORKERS) as run, anyio.fail_after(10):
+        with pytest.raises(ExceptionGroup) as info:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run.feeder.run)
+                tg.start_soon(run.evaluator.evaluate, "start", 0)
+                while len(control.sent) < 2:
+                    await anyio.sleep(0.01)
+                run.answer()
+                await anyio.sleep(5)  # the feeder raises first
+    (error,) = flatten(info.value)  # the feeder's own task group, then this one's
+    assert isinstance(error, ScoreError) and "'eval:3'" in str(error)
+
+
+async def test_an_evaluation_not_done_in_time_names_what_is_missing() -> None:
+    """No worker serves (both restarting): the groups wait, and the evaluation stops the run
+    with an error naming the evaluation, its outstanding groups, who serves and the setting."""
+    with _Run(_config(call_timeout_s=0.2), _Control(), serving=[]) as run:
+        with pytest.raises(RunError) as info, anyio.fail_after(5):
+            await run.evaluator.evaluate("step-4", 4)
+    text = str(info.value)
+    assert text.startswith("evaluation 'step-4': 4 of its 4 groups were not generated and scored "
+                           "within 0.2 s (cluster.call_timeout_s)")  # fmt: skip
+    assert "outstanding: eval-step-4-0, eval-step-4-1, eval-step-4-2, eval-step-4-3;" in text
+    assert "rollout workers serving: none (every one is restarting)" in text
+    assert run.book.place_evals(WORKERS) == {}  # its requests were dropped from the book
+
+
+async def test_two_evaluations_at_once_keep_their_results_apart() -> None:
+    control = _Control()
+    records: dict[str, dict[str, Any]] = {}
+
+    async def evaluate(label: str) -> None:
+        records[label] = await run.evaluator.evaluate(label, 1)
+
+    with _Run(_config("drop_group"), control, WORKERS) as run, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.feeder.run)
+            tg.start_soon(evaluate, "a")
+            tg.start_soon(evaluate, "b")
+            while sum(map(len, control.sent.values())) < 8:
+                await anyio.sleep(0.01)
+            run.answer()
+            while len(records) < 2:
+                await anyio.sleep(0.01)
+            run.evaluator.scored("eval-a-0", [])  # once its evaluation is over: ignored
+            tg.cancel_scope.cancel()
+    assert sorted(records) == ["a", "b"]
+    assert [(r["accuracy"], r["failed_groups"]) for r in records.values()] == [(0.25, 1)] * 2

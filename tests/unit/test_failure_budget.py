@@ -1,0 +1,90 @@
+"""Failed generations through the real :class:`Redispatcher`, :class:`RolloutBook` and
+:class:`FailureBudget`: a group is retried after a doubling back-off until its
+``generation_retries`` are spent, then dropped; a worker's death sends its groups again
+without spending any; a request at fault is dropped at once; and nothing of a group outlives
+it in the budget (its retries are counted with the group, in the book)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from asyncrl.environment import Prompt
+from asyncrl.errors import RunError
+from asyncrl.policy.failures import FailureBudget
+from asyncrl.run.book import RolloutBook, Sent
+from asyncrl.run.restarts import Redispatcher
+from asyncrl.wire.messages import GroupFailed
+from schedule_support import SAMPLERS, scheduler
+
+WORKERS = ["rollout:0", "rollout:1"]
+
+
+class _TaskGroup:
+    """Where the back-offs would sleep: the test ends them by hand."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def start_soon(self, fn: Any, gid: str, delay: float) -> None:
+        self.delays.append(delay)
+
+
+class _World:
+    def __init__(self, retries: int, max_failed_groups: int = 5) -> None:
+        limits = SimpleNamespace(generation_retries=retries, retry_backoff_s=0.5,
+                                 max_failed_groups=max_failed_groups, train_step_retries=0,
+                                 max_nonfinite_steps=0)  # fmt: skip
+        self.budget = FailureBudget(limits)  # type: ignore[arg-type]
+        self.book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=2), WORKERS)
+        self.redispatch = Redispatcher(self.book, failures=self.budget, wake=lambda: None)
+        self.tg = _TaskGroup()
+
+    def dispatch(self) -> Sent:
+        sent = self.book.dispatch(WORKERS, lambda i: (Prompt(f"p{i}", "x"), [i]), time.time())
+        assert isinstance(sent, Sent)
+        return sent
+
+    def fail(self, sent: Sent, retryable: bool = True) -> None:
+        msg = GroupFailed(sent.group_id, sent.worker, "RuntimeError", "boom", retryable)
+        arrival = self.book.check_failure(msg)
+        assert arrival.group is not None
+        self.redispatch.group_failed(arrival.group, msg, arrival.aborting, self.tg)  # type: ignore[arg-type]
+
+
+def test_retries_back_off_and_a_worker_death_spends_none() -> None:
+    w = _World(retries=2)
+    first = w.dispatch()
+    w.fail(first)
+    w.book.retry(first.group_id)
+    again = w.dispatch()
+    assert again.group_id == first.group_id
+    w.redispatch.worker_lost(again.worker)  # its worker died: sent again, not a retry
+    for _ in range(2):
+        sent = w.dispatch()
+        assert sent.group_id == first.group_id
+        w.fail(sent)
+        w.book.retry(sent.group_id)
+    assert w.tg.delays == [0.5, 1.0]  # two retries; the third failure dropped it
+    assert w.book.failed_groups == 1 and w.book.problems() == []
+
+
+def test_a_request_at_fault_is_dropped_at_once_and_the_budget_stops_the_run() -> None:
+    w = _World(retries=3, max_failed_groups=0)
+    with pytest.raises(RunError, match=r"1 groups failed for good \(failures.max_failed_groups = 0\)"):
+        w.fail(w.dispatch(), retryable=False)
+    assert w.tg.delays == []
+
+
+def test_a_retried_group_that_ends_otherwise_leaves_nothing_in_the_budget() -> None:
+    """Retried, then aborted (here by the end of the run) while it waits: the group is gone
+    from the book, and the budget keeps nothing of it."""
+    w = _World(retries=2)
+    sent = w.dispatch()
+    w.fail(sent)
+    aborts = w.book.close()
+    assert aborts.gone == [sent.group_id] and w.book.problems() == []
+    assert sent.group_id not in repr(vars(w.budget))

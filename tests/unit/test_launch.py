@@ -1,0 +1,177 @@
+"""``asyncrl.launch`` without torchrun: what a rank says about a broken config or plugin, and
+what the one-node front door (``asyncrl run`` / ``python -m asyncrl.launch``) hands torchrun
+(a ``--log-dir`` that goes with the run, rank 0's exit code, SIGUSR1 passed on to rank 0).
+torchrun itself is replaced by a fake; ``tests/integration/test_launch_torchrun.py`` runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrl import launch
+from asyncrl.errors import PluginError
+from asyncrl.procs.process import PARENT_ENV
+
+# model_dir: the fixture in conftest.py
+
+
+@pytest.fixture
+def config_file(tmp_path: Path, model_dir: Path) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        f'[model]\npath = "{model_dir}"\n[environment]\nname = "arithmetic"\n'
+        f'[run]\noutput_dir = "{tmp_path / "out"}"\n'
+    )
+    return path
+
+
+@pytest.fixture
+def launching(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a launch changes in this process's environment is put back after the test; no
+    owner watch is started (it would stop pytest with its parent)."""
+    for name in (PARENT_ENV, launch._RANK0_PID_ENV, "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    monkeypatch.setattr(launch, "die_with_parent", lambda **kw: None)
+    monkeypatch.setattr(launch, "_RANK0_FIRST_S", 0.0)
+
+
+def _broken_transfer(monkeypatch: pytest.MonkeyPatch) -> str:
+    message = "weight transfer 'shm' (asyncrl.weight_transfers) failed to import: boom"
+
+    def load_transfer(name: str) -> Any:
+        raise PluginError(message)
+
+    monkeypatch.setattr("asyncrl.config.root.load_transfer", load_transfer)
+    return message
+
+
+def _duplicate_plugin(monkeypatch: pytest.MonkeyPatch) -> str:
+    message = "two plugins named 'shm' in asyncrl.weight_transfers. Fix: uninstall one"
+
+    def available(group: str) -> Any:
+        raise PluginError(message)
+
+    monkeypatch.setattr("asyncrl.plugins.available", available)
+    return message
+
+
+@pytest.mark.parametrize("breakage", [_broken_transfer, _duplicate_plugin])
+def test_a_broken_plugin_is_said_once_by_rank_0_with_exit_2(
+    config_file: Path, launching: None, monkeypatch: pytest.MonkeyPatch, capsys: Any,
+    breakage: Any,
+) -> None:
+    """A plugin the config names that fails (a transfer that does not import: read through
+    ``rollout_restarts``; a name registered twice: read by the config's checks) is a mistake
+    in the installation: exit 2 on every rank, its line on rank 0's stderr only, and rank 1
+    (a rollout rank, which would else supervise its worker) leaves without output."""
+    message = breakage(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert launch.launch_main(str(config_file)) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert launch.launch_main(str(config_file)) == 2
+    assert capsys.readouterr().err == f"asyncrl: error: {message}\n"
+
+
+def test_a_bad_override_is_said_by_rank_0(
+    config_file: Path, launching: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert launch.launch_main(str(config_file), ["grpo.prompts_per_step"]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert launch.launch_main(str(config_file), ["grpo.prompts_per_step"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncrl: error: ") and "grpo.prompts_per_step" in err
+
+
+def test_the_front_door_refuses_a_broken_plugin_before_torchrun(
+    config_file: Path, launching: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    message = _broken_transfer(monkeypatch)
+    monkeypatch.setattr("torch.distributed.run.run", lambda args: pytest.fail("torchrun ran"))
+    assert launch.self_launch(str(config_file), []) == 2
+    assert capsys.readouterr().err == f"asyncrl: error: {message}\n"
+
+
+def test_the_front_door_gives_torchrun_a_log_dir_that_goes_with_the_run(
+    config_file: Path, launching: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+
+    def run(args: Any) -> None:
+        assert os.path.isdir(args.log_dir)  # torchrun's per-attempt folders go there
+        seen.append(args)
+
+    monkeypatch.setattr("torch.distributed.run.run", run)
+    assert launch.self_launch(str(config_file), ["grpo.prompts_per_step=4"]) == 0
+    (args,) = seen
+    assert args.nproc_per_node == "2" and args.standalone
+    assert args.training_script_args == [str(config_file), "--set", "grpo.prompts_per_step=4"]
+    assert not os.path.exists(args.log_dir)  # removed with the run
+
+
+def test_the_front_door_exits_with_rank_0s_signal_and_cleans_up(
+    config_file: Path, launching: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    dirs: list[str] = []
+
+    def run(args: Any) -> None:
+        dirs.append(args.log_dir)
+        failure = ProcessFailure(local_rank=0, pid=12345, exitcode=-15, error_file="<N/A>")
+        raise ChildFailedError("asyncrl.launch", {0: failure})
+
+    monkeypatch.setattr("torch.distributed.run.run", run)
+    assert launch.self_launch(str(config_file), []) == 128 + 15
+    assert dirs and not os.path.exists(dirs[0])
+
+
+RANK0 = """
+import signal, sys
+signal.signal(signal.SIGUSR1, lambda signum, frame: sys.exit(42))
+from asyncrl.launch import _publish_rank0_pid
+_publish_rank0_pid()  # what rank 0's main() does first
+print("ready", flush=True)
+signal.pause()
+"""
+
+
+def test_sigusr1_to_the_front_door_goes_to_rank_0(
+    config_file: Path, launching: None, monkeypatch: pytest.MonkeyPatch, capfd: Any
+) -> None:
+    """torchrun's agent runs in the launching process and would die of SIGUSR1 (its default
+    action): the launch passes it on to rank 0, which wrote its pid where the launch reads
+    it; one that comes before rank 0 started is said on stderr, and kills nothing."""
+    codes: list[int] = []
+    before = signal.getsignal(signal.SIGUSR1)
+
+    def run(args: Any) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)  # rank 0 has not started: said, not passed on
+        rank0 = subprocess.Popen(
+            [sys.executable, "-c", RANK0], env={**os.environ, "RANK": "0"},
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert rank0.stdout is not None and rank0.stdout.readline() == "ready\n"
+            os.kill(os.getpid(), signal.SIGUSR1)
+            codes.append(rank0.wait(timeout=30))
+        finally:
+            rank0.kill()
+            rank0.communicate()
+
+    monkeypatch.setattr("torch.distributed.run.run", run)
+    assert launch.self_launch(str(config_file), []) == 0
+    assert codes == [42]  # rank 0 got the SIGUSR1
+    assert "SIGUSR1 not passed on: rank 0 is not running" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGUSR1) == before  # the launch put its handler back

@@ -1,0 +1,184 @@
+"""The real :class:`asyncrl.run.restarts.Restarts` around real processes: a rollout worker's
+death, its restart in place, a death of the new process before its sync task has run, the
+sync task's end with the run, and the one error a spent budget raises. The control plane and
+the run's loops are small fakes that record what was asked of them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncrl.errors import WorkerDiedError, WorkerHungError
+from asyncrl.run.restarts import Restarts
+from asyncrl.wire.rpc import Peer
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+WORKER = "rollout:0"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def killed() -> Iterator[int]:
+    """A child process killed with SIGKILL and not reaped (a zombie: its exit code is read
+    from /proc, as the controller reads a dead worker's)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    os.kill(proc.pid, signal.SIGKILL)
+    yield proc.pid
+    proc.wait()
+
+
+@pytest.fixture
+def reaped() -> int:
+    """The pid of a process already gone and reaped: watching it ends at once, without
+    yielding to the event loop."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+class _Control:
+    """The control plane: forgets the dead worker, then hands out its new processes."""
+
+    def __init__(self, *back: Peer) -> None:
+        self.back = list(back)
+        self.forgotten: list[str] = []
+
+    def forget(self, identity: str, error: BaseException) -> None:
+        self.forgotten.append(identity)
+
+    async def wait_peer(self, identity: str) -> Peer:
+        return self.back.pop(0)
+
+
+class _Loops:
+    """The run's loops; a refit waits until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.refitting = anyio.Event()
+        self.release = anyio.Event()
+
+    async def worker_lost(self, worker: str) -> None:
+        self.calls.append(("lost", worker))
+
+    async def refit_worker(self, worker: str) -> int:
+        self.calls.append(("refit", worker))
+        self.refitting.set()
+        await self.release.wait()
+        return 3
+
+    async def worker_serves(self, worker: str) -> None:
+        self.calls.append(("serves", worker))
+
+
+def _restarts(loops: _Loops, rollout_restarts: int) -> Restarts:
+    config = SimpleNamespace(
+        cluster=SimpleNamespace(rollout_ranks=1, startup_timeout_s=5.0),
+        rollout_restarts=rollout_restarts,
+    )
+    restarts = Restarts(config)  # type: ignore[arg-type]  # what Restarts reads of a Config
+    restarts.bind(loops)
+    return restarts
+
+
+def _peer(pid: int) -> Peer:
+    return Peer(WORKER, "rollout", 0, 1, pid, "/logs/rollout-0.log")
+
+
+def _watching(restarts: Restarts, control: _Control, peer: Peer, tg: Any) -> Any:
+    """``restarts.watch(...)`` of ``peer`` as a task (deaths named as they are)."""
+
+    async def watch() -> None:
+        await restarts.watch(control, peer, None, tg, named=lambda p, d: d, fatal=lambda d: None)
+
+    return watch
+
+
+async def test_a_new_process_dead_before_its_sync_started_is_a_death_not_a_crash(
+    killed: int, reaped: int
+) -> None:
+    """The restarted worker's new process is gone before its sync task first ran (its pid
+    already reaped: watching it returns at once). That death is handled as a death: here the
+    budget (one restart) is spent, so the run stops with the worker's WorkerDiedError naming
+    the budget, not with an internal error about the pool's states. The sync task still
+    waiting in its refit ends when the restarts are closed (the run is over)."""
+    loops, deaths = _Loops(), []
+    restarts = _restarts(loops, rollout_restarts=1)
+    control = _Control(_peer(reaped))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(WorkerDiedError) as info:
+                await restarts.watch(control, _peer(killed), None, tg,
+                                     named=lambda peer, died: died, fatal=deaths.append)  # fmt: skip
+            await loops.refitting.wait()  # the first restart's sync: the run is not over yet
+            assert restarts.serving == []
+            restarts.close()  # the run is over: the sync task waiting in its refit ends
+    err = info.value
+    assert type(err) is WorkerDiedError and (err.group, err.rank) == ("rollout", 0)
+    assert str(err).endswith(
+        "\nrollout workers were restarted 1 times in this run, all that "
+        "failures.rollout_restarts allows"
+    )
+    assert deaths == [err] and control.forgotten == [WORKER]
+    assert loops.calls == [("lost", WORKER), ("refit", WORKER)]  # never took work again
+
+
+async def test_a_restarted_worker_is_refitted_then_serves(killed: int) -> None:
+    """One death, one restart: its groups go elsewhere, its new process is refitted, then it
+    serves again; its watcher watches the new process meanwhile."""
+    loops = _Loops()
+    restarts = _restarts(loops, rollout_restarts=1)
+    new = subprocess.Popen(["sleep", "60"])
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watching(restarts, _Control(_peer(new.pid)), _peer(killed), tg))
+            with anyio.fail_after(10):
+                await loops.refitting.wait()
+                assert restarts.serving == []
+                loops.release.set()
+                while restarts.serving != [WORKER]:
+                    await anyio.sleep(0.01)
+            assert loops.calls == [("lost", WORKER), ("refit", WORKER), ("serves", WORKER)]
+            tg.cancel_scope.cancel()
+    finally:
+        new.kill()
+        new.wait()
+
+
+async def test_a_hang_that_spends_the_budget_is_named_once_and_says_both(
+    killed: int, reaped: int
+) -> None:
+    """The heartbeat's name for a death (a hang) is asked once per death, and the error
+    raised is that WorkerHungError with the spent budget added as its last line."""
+    loops, asked = _Loops(), []
+
+    def named(peer: Peer, died: WorkerDiedError) -> WorkerDiedError:
+        asked.append(peer.pid)
+        return WorkerHungError(peer.group, peer.rank, peer.log_path, pid=peer.pid, silent_s=2.0,
+                               last_answer=None, timeout_s=1.0, exit_code=died.exit_code)  # fmt: skip
+
+    restarts = _restarts(loops, rollout_restarts=1)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(WorkerHungError) as info:
+                await restarts.watch(_Control(_peer(reaped)), _peer(killed), None, tg,
+                                     named=named, fatal=lambda d: None)  # fmt: skip
+            restarts.close()
+    text = str(info.value)
+    assert asked == [killed, reaped]
+    assert text.startswith("worker rollout:0 hung: it answered no health probe for 2.0 s")
+    assert "exit code" not in text and text.count("\n") == 1
+    assert text.endswith("restarted 1 times in this run, all that failures.rollout_restarts allows")
+    assert info.value.pid == reaped and info.value.log_path == "/logs/rollout-0.log"
