@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         return plot(args.run_dir, args.out, sys.stdout)
     if args.command == "run":
-        from asyncrl.launch import self_launch
+        from asyncrl.one_node import self_launch
 
         return self_launch(args.config, args.set, args.resume, args.allow_changed)
     if args.command == "plugins":

@@ -40,7 +40,7 @@ from asyncrl.policy.grpo import nonfinite_cause, pack_groups, shard_batch
 from asyncrl.policy.schedule import StepStats
 from asyncrl.policy.verify import make_probe, verification_due
 from asyncrl.run.book import Aborts, RolloutBook
-from asyncrl.run.intake import Signal
+from asyncrl.run.wake import Signal
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales, RefitReport, refit_generators
 from asyncrl.wire.messages import Abort, BeginStep, FinishStep, TokenBatch, TrainChunk

@@ -17,15 +17,12 @@ Life of a group in the book (the scheduler's states in capitals)::
     next_chunk(): evicted ──► gone;  taken ──finish_step()──► trained (the trainer's) ◄───┘
                               abort_step(): READY again
 
-A group of a multi-turn environment is a group of ``n`` *episodes* (:mod:`asyncrl.run.episodes`
-runs them). It is not bound to a worker: each episode asks for one turn at a time
-(:meth:`start_turn`), each turn one request on the least loaded worker (the one that served the
-episode's last turn while it is not much busier, so its prefix cache serves the growing
-context); the turns in flight are the book's :class:`~asyncrl.run.turns.TurnTable`. A turn's
-sample comes back through :meth:`sample_arrived` (``TURN``) and goes to its episode; an episode
-that ends hands its scored sample to :meth:`episode_ended`, and the group is complete with its
-``n``-th. Aborting such a group lists its turns under their workers and the group under
-``Aborts.episodes`` (the runner cancels the episodes, each then ends with no sample).
+A multi-turn environment's group is ``n`` *episodes* (:mod:`asyncrl.run.episodes`), bound to no
+worker: each turn is one request (:meth:`start_turn`) on the least loaded worker, or the one of
+the episode's last turn while not much busier (its prefix cache); the turns in flight are the
+book's :class:`~asyncrl.run.turns.TurnTable`. A turn's sample comes back as ``TURN``; an ended
+episode's scored sample goes to :meth:`episode_ended`. Aborting such a group lists its turns
+under their workers and the group under ``Aborts.episodes`` (its episodes are cancelled).
 
 Evaluation groups (``eval-<label>-<i>``) are not the scheduler's: :meth:`add_evals` queues
 them, :meth:`place_evals` spreads them over the workers that serve, their samples come back
@@ -42,175 +39,49 @@ group in flight; a scored or ready group has all its samples.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.policy.schedule import Scheduler, StepStats, Wait
 from asyncrl.policy.slots import ABORTING, GENERATING, READY, SCORING
-from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.run import checkpoint_dir as ckpt
+from asyncrl.run.book_types import (  # re-exported: the book's callers read them here
+    COMPLETE,
+    DISCARDED,
+    ENDED,
+    EVAL_COMPLETE,
+    EVAL_PENDING,
+    EVALUATION,
+    IN_FLIGHT,
+    MALFORMED,
+    PENDING,
+    REJECTED,
+    STICKY_TURNS,
+    TURN,
+    TURN_FAILED,
+    Aborts,
+    Arrival,
+    BookError,
+    Lost,
+    Sent,
+    Taken,
+    malformed,
+    store,
+    stranger,
+)
 from asyncrl.run.turns import Turn, TurnTable
-from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
+from asyncrl.wire.messages import GroupFailed, SampleDone
 
 if TYPE_CHECKING:
     from asyncrl.environment import Prompt
 
-__all__ = [
-    "Aborts",
-    "Arrival",
-    "BookError",
-    "Lost",
-    "RolloutBook",
-    "Sent",
-    "Taken",
-    "malformed",
-]
-
-# What a message from a rollout worker turned out to be (Arrival.kind).
-REJECTED = "rejected"
-"""A stranger's (no such group in flight on that worker) or a duplicate: nothing changed."""
-MALFORMED = "malformed"
-"""A sample from the right worker that breaks the contract: nothing changed; stop the run."""
-PENDING = "pending"
-"""Stored; more samples of its group are to come."""
-DISCARDED = "discarded"
-"""The last sample of a group being aborted: the group is gone."""
-COMPLETE = "complete"
-"""The last sample of its group: score the group, then :meth:`RolloutBook.commit` it (or
-:meth:`RolloutBook.score_failed`)."""
-EVAL_PENDING = "eval_pending"
-EVAL_COMPLETE = "eval_complete"
-"""The sample of an evaluation group that completes it: the group is the caller's now."""
-IN_FLIGHT = "in_flight"
-"""``GroupFailed`` for a training group in flight: decide, then :meth:`RolloutBook.failed`."""
-EVALUATION = "evaluation"
-"""``GroupFailed`` for an evaluation group."""
-TURN = "turn"
-"""The sample of an episode's turn: hand it to the episode waiting for it."""
-TURN_FAILED = "turn_failed"
-"""``GroupFailed`` for an episode's turn (the turn is gone): tell the episode waiting for it."""
-
-STICKY_TURNS = 4
-"""An episode's next turn stays on the worker that served its last one (whose prefix cache
-holds the conversation) while that worker has at most this many more requests in flight than
-the least loaded one."""
-
-ENDED = "ended"
-"""The sample slot of an episode that ended without a sample (cancelled by an abort)."""
+__all__ = ["Aborts", "Arrival", "BookError", "Lost", "RolloutBook", "Sent", "Taken", "malformed"]
 
 _IN_FLIGHT = (GENERATING, ABORTING)
-
-
-class BookError(RuntimeError):
-    """An event the book's state does not allow (a bug in a caller)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """What :meth:`RolloutBook.sample_arrived` or :meth:`RolloutBook.check_failure` found."""
-
-    kind: str
-    group: Group | None = None
-    """``COMPLETE`` / ``EVAL_COMPLETE``: the group to score (read it; the book changes it
-    only at :meth:`RolloutBook.commit`). ``IN_FLIGHT``: the group that failed."""
-    detail: str = ""
-    """``REJECTED`` / ``MALFORMED``: what is wrong."""
-    aborting: bool = False
-    """``IN_FLIGHT``: the group is being aborted (already counted; nothing to retry)."""
-    turn: Turn | None = None
-    """``TURN`` / ``TURN_FAILED``: the turn (no longer in flight)."""
-    sample: Sample | None = None
-    """``TURN``: its sample."""
-
-
 _PENDING = Arrival(PENDING)
 _EVAL_PENDING = Arrival(EVAL_PENDING)
 _DISCARDED = Arrival(DISCARDED)
-
-
-@dataclass(frozen=True, slots=True)
-class Sent:
-    """A group to request from ``worker``: ``n`` samples of ``prompt_ids``."""
-
-    group_id: str
-    worker: str
-    """``""`` for a group of episodes (each turn picks its worker)."""
-    prompt_ids: list[int]
-    n: int
-    prompt: Prompt | None = None
-    """The prompt itself (what an episode starts from)."""
-
-
-@dataclass(frozen=True)
-class Taken:
-    """What :meth:`RolloutBook.next_chunk` handed out: groups for the open step (empty:
-    wait for a commit) and the ids of groups evicted for good."""
-
-    groups: list[Group]
-    evicted: list[str]
-
-
-@dataclass(frozen=True)
-class Lost:
-    """What :meth:`RolloutBook.worker_lost` did."""
-
-    again: int
-    """Training groups dispatched again."""
-    evals: int
-    """Evaluation groups waiting for a worker again."""
-    turns: list[Turn]
-    """Episodes' turns that were on the worker (tell their episodes)."""
-
-
-@dataclass(frozen=True)
-class Aborts:
-    """Groups aborted at a refit or at the end of the run."""
-
-    by_worker: dict[str, list[str]]
-    """Groups (and episodes' turns) on an engine, by worker: each must abort its own (their
-    samples still come back, cut short, and then the group is gone)."""
-    gone: list[str]
-    """Groups that were waiting for their retry: nothing of theirs is on an engine; gone."""
-    episodes: list[str] = field(default_factory=list)
-    """Groups of episodes: cancel their episodes (each ends with no sample)."""
-    turns: int = 0
-    """How many of the ids in ``by_worker`` are episodes' turns."""
-
-    @property
-    def count(self) -> int:
-        """Groups aborted."""
-        on_engines = sum(map(len, self.by_worker.values())) - self.turns
-        return len(self.gone) + len(self.episodes) + on_engines
-
-
-def malformed(sample: Sample) -> str:
-    """What is wrong with one sample ("" when nothing): the arrays' shapes, dtypes and
-    alignment, the logprobs' values."""
-    tokens, lps = sample.token_ids, sample.logprobs
-    if not isinstance(tokens, np.ndarray) or not isinstance(lps, np.ndarray):
-        return "token ids and logprobs must be arrays"
-    if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
-        return f"{tokens.shape} tokens but {lps.shape} logprobs"
-    if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
-        return f"token dtype {tokens.dtype}, logprob dtype {lps.dtype}"
-    # a NaN or an infinity anywhere makes the sum non-finite
-    if tokens.size and (
-        tokens.min() < 0 or not math.isfinite(float(lps.sum())) or lps.max() > 1e-3
-    ):
-        return "negative token ids, or logprobs that are not finite and <= 0"
-    return ""
-
-
-def _stranger(msg: SampleDone | GroupFailed, on_worker: bool) -> Arrival:
-    return Arrival(
-        REJECTED,
-        detail=f"{type(msg).__name__} for group {msg.group_id!r}, which is not generating"
-        + (f" on {msg.worker!r}" if on_worker else ""),
-    )
 
 
 def _view(name: str, doc: str) -> Any:
@@ -389,8 +260,8 @@ class RolloutBook:
         if group is None or self._sched.state_of(gid) not in _IN_FLIGHT:
             return self._eval_sample(msg)
         if group.worker != msg.worker:
-            return _stranger(msg, on_worker=True)
-        refused = _store(group, msg)
+            return stranger(msg, on_worker=True)
+        refused = store(group, msg)
         if refused is not None:
             return refused
         self._load[group.worker] -= 1
@@ -406,7 +277,7 @@ class RolloutBook:
         entry = self._turns.get(msg.group_id)
         assert entry is not None
         if entry.worker != msg.worker or msg.index != 0:
-            return _stranger(msg, on_worker=True)
+            return stranger(msg, on_worker=True)
         problem = malformed(msg.sample)
         if problem:
             return Arrival(MALFORMED, detail=problem)
@@ -422,8 +293,8 @@ class RolloutBook:
     def _eval_sample(self, msg: SampleDone) -> Arrival:
         group = self._evals.get(msg.group_id)
         if group is None or group.worker != msg.worker:
-            return _stranger(msg, on_worker=group is not None)
-        refused = _store(group, msg)
+            return stranger(msg, on_worker=group is not None)
+        refused = store(group, msg)
         if refused is not None:
             return refused
         if any(s is None for s in group.samples):
@@ -440,18 +311,18 @@ class RolloutBook:
         turn = self._turns.get(gid)
         if turn is not None:  # an episode's turn: it is gone
             if turn.worker != msg.worker:
-                return _stranger(msg, on_worker=True)
+                return stranger(msg, on_worker=True)
             self._end_turn(turn)
             return _DISCARDED if turn.abandoned else Arrival(TURN_FAILED, turn=turn)
         group = self._groups.get(gid)
         state = self._sched.state_of(gid)
         if group is not None and state in _IN_FLIGHT:
             if group.worker != msg.worker:
-                return _stranger(msg, on_worker=True)
+                return stranger(msg, on_worker=True)
             return Arrival(IN_FLIGHT, group, aborting=state == ABORTING)
         group = self._evals.get(gid)
         if group is None or group.worker != msg.worker:
-            return _stranger(msg, on_worker=group is not None)
+            return stranger(msg, on_worker=group is not None)
         return Arrival(EVALUATION, group)
 
     def failed(self, group_id: str, *, retry: bool) -> dict[str, list[str]]:
@@ -726,18 +597,3 @@ class RolloutBook:
             out.append(f"evaluation groups {strays[:5]} on unknown workers")
         return out
 
-
-def _store(group: Group, msg: SampleDone) -> Arrival | None:
-    """Put ``msg``'s sample into ``group`` (``None``), or say why not."""
-    samples = group.samples
-    if not 0 <= msg.index < len(samples) or samples[msg.index] is not None:
-        return Arrival(
-            REJECTED,
-            detail=f"sample {msg.index} of group {msg.group_id!r}: out of range or already "
-            "received",
-        )
-    problem = malformed(msg.sample)
-    if problem:
-        return Arrival(MALFORMED, detail=problem)
-    samples[msg.index] = msg.sample
-    return None

@@ -46,7 +46,7 @@ from asyncrl.environment import Prompt, Score
 from asyncrl.env.segments import TrajectorySample
 from asyncrl.policy.groups import CompletedSample, Part
 from asyncrl.run import book as bk
-from asyncrl.run.intake import Signal
+from asyncrl.run.wake import Signal
 from asyncrl.run.turns import Turn, turn_id
 from asyncrl.wire.messages import Sample
 from asyncrl.wire.rpc import ControlPlane

@@ -32,6 +32,7 @@ from asyncrl.run import book as bk
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.wire.codec import Codec
 from asyncrl.run.turns import Turn
+from asyncrl.run.wake import Signal
 from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, Sample, SampleDone
 from asyncrl.wire.transport import AsyncSocket, Rejections, peer_name
 
@@ -44,7 +45,6 @@ __all__ = [
     "ScoreError",
     "ScoreTimeout",
     "Scorer",
-    "Signal",
     "score_samples",
 ]
 
@@ -82,25 +82,6 @@ class TurnReceiver(Protocol):
     def turn_arrived(self, turn: Turn, sample: Sample) -> None: ...
 
     def turn_failed(self, turn: Turn, error: str, retryable: bool) -> None: ...
-
-
-class Signal:
-    """Wake every waiter on the next :meth:`notify` (an event re-armed after each use; a
-    notify with nobody waiting costs nothing, which matters at thousands of samples a
-    second)."""
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None
-
-    def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    async def wait(self) -> None:
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
 
 
 def score_samples(

@@ -54,9 +54,10 @@ from asyncrl.env.episode import EpisodeEnvironment
 from asyncrl.run.book import RolloutBook, Sent
 from asyncrl.run.episodes import EpisodeRunner, build_runner
 from asyncrl.run.evaluation import Evaluator
-from asyncrl.run.intake import Feeder, Scorer, Signal
+from asyncrl.run.intake import Feeder, Scorer
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales
+from asyncrl.run.wake import Signal
 from asyncrl.run.restarts import Redispatcher, Restarts, send_generate
 from asyncrl.run.saving import Checkpointer, Resume
 from asyncrl.wire.messages import GenRequest, StepResult, TokenBatch

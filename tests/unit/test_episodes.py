@@ -22,7 +22,7 @@ from asyncrl.policy.groups import CompletedSample
 from asyncrl.run import book as bk
 from asyncrl.run.book import RolloutBook, Sent
 from asyncrl.run.episodes import EpisodeRunner
-from asyncrl.run.intake import Signal
+from asyncrl.run.wake import Signal
 from asyncrl.wire.messages import GenRequest, GroupFailed, Sample, SampleDone
 from schedule_support import SAMPLERS, scheduler
 

@@ -26,7 +26,8 @@ from asyncrl.errors import RunError, flatten
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.run.book import RolloutBook
 from asyncrl.run.evaluation import Evaluator
-from asyncrl.run.intake import Feeder, ScoreError, Signal
+from asyncrl.run.intake import Feeder, ScoreError
+from asyncrl.run.wake import Signal
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataMessage, Generate, Sample, SampleDone
 from asyncrl.wire.transport import Rejections

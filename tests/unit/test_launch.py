@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl import launch
+from asyncrl import launch, one_node
 from asyncrl.errors import PluginError
 from asyncrl.procs.process import PARENT_ENV
 
@@ -35,7 +35,7 @@ def config_file(tmp_path: Path, model_dir: Path) -> Path:
 def launching(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a launch changes in this process's environment is put back after the test; no
     owner watch is started (it would stop pytest with its parent)."""
-    for name in (PARENT_ENV, launch._RANK0_PID_ENV, "RANK", "WORLD_SIZE"):
+    for name in (PARENT_ENV, one_node.RANK0_PID_ENV, "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     monkeypatch.setattr(launch, "die_with_parent", lambda **kw: None)
@@ -140,8 +140,8 @@ def test_the_front_door_exits_with_rank_0s_signal_and_cleans_up(
 RANK0 = """
 import signal, sys
 signal.signal(signal.SIGUSR1, lambda signum, frame: sys.exit(42))
-from asyncrl.launch import _publish_rank0_pid
-_publish_rank0_pid()  # what rank 0's main() does first
+from asyncrl.one_node import publish_rank0_pid
+publish_rank0_pid()  # what rank 0's main() does first
 print("ready", flush=True)
 signal.pause()
 """

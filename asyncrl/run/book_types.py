@@ -1,0 +1,184 @@
+"""What the rollout book answers and decides (pure data): the kind of each message from a
+rollout worker (:class:`Arrival`), a group to request (:class:`Sent`), a chunk handed out
+(:class:`Taken`), what a lost worker left (:class:`Lost`), what an abort must reach
+(:class:`Aborts`), and the checks of one sample. :mod:`asyncrl.run.book` re-exports them: its
+callers read them as ``book.COMPLETE``, ``book.Sent``...
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from asyncrl.policy.groups import Group
+from asyncrl.run.turns import Turn
+from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
+
+if TYPE_CHECKING:
+    from asyncrl.environment import Prompt
+
+__all__ = [
+    "Aborts",
+    "Arrival",
+    "BookError",
+    "Lost",
+    "Sent",
+    "Taken",
+    "malformed",
+    "store",
+    "stranger",
+]
+
+# What a message from a rollout worker turned out to be (Arrival.kind).
+REJECTED = "rejected"
+"""A stranger's (no such group in flight on that worker) or a duplicate: nothing changed."""
+MALFORMED = "malformed"
+"""A sample from the right worker that breaks the contract: nothing changed; stop the run."""
+PENDING = "pending"
+"""Stored; more samples of its group are to come."""
+DISCARDED = "discarded"
+"""The last sample of a group being aborted: the group is gone."""
+COMPLETE = "complete"
+"""The last sample of its group: score the group, then :meth:`RolloutBook.commit` it (or
+:meth:`RolloutBook.score_failed`)."""
+EVAL_PENDING = "eval_pending"
+EVAL_COMPLETE = "eval_complete"
+"""The sample of an evaluation group that completes it: the group is the caller's now."""
+IN_FLIGHT = "in_flight"
+"""``GroupFailed`` for a training group in flight: decide, then :meth:`RolloutBook.failed`."""
+EVALUATION = "evaluation"
+"""``GroupFailed`` for an evaluation group."""
+TURN = "turn"
+"""The sample of an episode's turn: hand it to the episode waiting for it."""
+TURN_FAILED = "turn_failed"
+"""``GroupFailed`` for an episode's turn (the turn is gone): tell the episode waiting for it."""
+
+STICKY_TURNS = 4
+"""An episode's next turn stays on the worker that served its last one (whose prefix cache
+holds the conversation) while that worker has at most this many more requests in flight than
+the least loaded one."""
+
+ENDED = "ended"
+"""The sample slot of an episode that ended without a sample (cancelled by an abort)."""
+
+
+class BookError(RuntimeError):
+    """An event the book's state does not allow (a bug in a caller)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """What :meth:`RolloutBook.sample_arrived` or :meth:`RolloutBook.check_failure` found."""
+
+    kind: str
+    group: Group | None = None
+    """``COMPLETE`` / ``EVAL_COMPLETE``: the group to score (read it; the book changes it
+    only at :meth:`RolloutBook.commit`). ``IN_FLIGHT``: the group that failed."""
+    detail: str = ""
+    """``REJECTED`` / ``MALFORMED``: what is wrong."""
+    aborting: bool = False
+    """``IN_FLIGHT``: the group is being aborted (already counted; nothing to retry)."""
+    turn: Turn | None = None
+    """``TURN`` / ``TURN_FAILED``: the turn (no longer in flight)."""
+    sample: Sample | None = None
+    """``TURN``: its sample."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A group to request from ``worker``: ``n`` samples of ``prompt_ids``."""
+
+    group_id: str
+    worker: str
+    """``""`` for a group of episodes (each turn picks its worker)."""
+    prompt_ids: list[int]
+    n: int
+    prompt: Prompt | None = None
+    """The prompt itself (what an episode starts from)."""
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What :meth:`RolloutBook.next_chunk` handed out: groups for the open step (empty:
+    wait for a commit) and the ids of groups evicted for good."""
+
+    groups: list[Group]
+    evicted: list[str]
+
+
+@dataclass(frozen=True)
+class Lost:
+    """What :meth:`RolloutBook.worker_lost` did."""
+
+    again: int
+    """Training groups dispatched again."""
+    evals: int
+    """Evaluation groups waiting for a worker again."""
+    turns: list[Turn]
+    """Episodes' turns that were on the worker (tell their episodes)."""
+
+
+@dataclass(frozen=True)
+class Aborts:
+    """Groups aborted at a refit or at the end of the run."""
+
+    by_worker: dict[str, list[str]]
+    """Groups (and episodes' turns) on an engine, by worker: each must abort its own (their
+    samples still come back, cut short, and then the group is gone)."""
+    gone: list[str]
+    """Groups that were waiting for their retry: nothing of theirs is on an engine; gone."""
+    episodes: list[str] = field(default_factory=list)
+    """Groups of episodes: cancel their episodes (each ends with no sample)."""
+    turns: int = 0
+    """How many of the ids in ``by_worker`` are episodes' turns."""
+
+    @property
+    def count(self) -> int:
+        """Groups aborted."""
+        on_engines = sum(map(len, self.by_worker.values())) - self.turns
+        return len(self.gone) + len(self.episodes) + on_engines
+
+
+def malformed(sample: Sample) -> str:
+    """What is wrong with one sample ("" when nothing): the arrays' shapes, dtypes and
+    alignment, the logprobs' values."""
+    tokens, lps = sample.token_ids, sample.logprobs
+    if not isinstance(tokens, np.ndarray) or not isinstance(lps, np.ndarray):
+        return "token ids and logprobs must be arrays"
+    if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
+        return f"{tokens.shape} tokens but {lps.shape} logprobs"
+    if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
+        return f"token dtype {tokens.dtype}, logprob dtype {lps.dtype}"
+    # a NaN or an infinity anywhere makes the sum non-finite
+    if tokens.size and (
+        tokens.min() < 0 or not math.isfinite(float(lps.sum())) or lps.max() > 1e-3
+    ):
+        return "negative token ids, or logprobs that are not finite and <= 0"
+    return ""
+
+
+def stranger(msg: SampleDone | GroupFailed, on_worker: bool) -> Arrival:
+    return Arrival(
+        REJECTED,
+        detail=f"{type(msg).__name__} for group {msg.group_id!r}, which is not generating"
+        + (f" on {msg.worker!r}" if on_worker else ""),
+    )
+
+
+def store(group: Group, msg: SampleDone) -> Arrival | None:
+    """Put ``msg``'s sample into ``group`` (``None``), or say why not."""
+    samples = group.samples
+    if not 0 <= msg.index < len(samples) or samples[msg.index] is not None:
+        return Arrival(
+            REJECTED,
+            detail=f"sample {msg.index} of group {msg.group_id!r}: out of range or already "
+            "received",
+        )
+    problem = malformed(msg.sample)
+    if problem:
+        return Arrival(MALFORMED, detail=problem)
+    samples[msg.index] = msg.sample
+    return None
