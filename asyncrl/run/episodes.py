@@ -402,6 +402,9 @@ class EpisodeRunner:
             EpisodeFailed: the episode generated nothing (no turn to train).
         """
         parts = [self._part(s, truncated) for s in record.samples()]
+        if not parts and truncated == "deadline":  # a slow engine: worth another try
+            raise EpisodeFailed(f"episode.deadline_s ({self._deadline_s:g} s) passed before "
+                                "its first turn ended")  # fmt: skip
         if not parts:
             raise EpisodeFailed("run_episode returned before its first turn", retryable=False)
         *earlier, last = parts

@@ -104,6 +104,10 @@ class RunStatus:
     clock_origin: float = 0.0
     """``time.perf_counter()`` at the run's time zero: the ``time`` of every metrics record
     counts from it."""
+    inflight_samples: int = 0
+    """Training samples being generated now (a multi-turn run's: episodes running)."""
+    turns_in_flight: int = 0
+    """A multi-turn run's turn requests on the rollout workers now."""
 
 
 class Pipeline:
@@ -275,6 +279,8 @@ class Pipeline:
             ledger=[dataclasses.asdict(e) for e in self.book.ledger_report()],
             workers=self.control.pids(),
             clock_origin=self.t0,
+            inflight_samples=self.book.inflight_samples,
+            turns_in_flight=self.book.turns_in_flight,
         )
 
     async def generator_logprobs(

@@ -366,3 +366,83 @@ def test_limits_cut_the_turn_to_the_context_left() -> None:
         return h.engines.sent[0][1].max_tokens
 
     assert anyio.run(main) == 1  # 3 tokens of context, the prompt holds 2
+
+
+# ---------------------------------------------------------------------- cancellation latency
+CANCEL_TRIALS = 60
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def test_cancelling_an_episode_aborts_its_request_and_its_tool_at_once() -> None:
+    """An episode past its deadline while a turn is in flight has that request aborted (the
+    book abandons it, its worker is told); one cancelled while a tool runs has the tool
+    cancelled (its ``finally`` runs). The issue asks for both within 1 s (p99). Measured
+    over 4 runs of 60 on 2 cores with a CI run beside: request abort p50 1.2-1.4 ms, p99
+    1.9-9.1 ms; tool p50 0.2 ms, p99 0.5-3.7 ms. The bound is ~3x the worst p99 seen."""
+    from asyncrl.env.episode import Turn
+    from asyncrl.env.toolbox import ToolBox
+    from asyncrl.env.tools import ToolCall, tool
+
+    ended: list[float] = []
+
+    @tool
+    async def wait() -> str:
+        """Wait for ever."""
+        try:
+            await anyio.sleep_forever()
+        finally:
+            ended.append(anyio.current_time())
+        return ""
+
+    class InTool(Env):
+        async def run_episode(self, prompt: Prompt, episode: Any) -> Score:
+            call = ToolCall(name="wait", arguments={}, id="c1", index=1)
+            turn = Turn("", np.zeros(0, np.int32), "stop", 0, calls=(call,))
+            await episode.generate()
+            await episode.call_tools(turn)
+            return Score(reward=0.0)
+
+    request_s: list[float] = []
+    tool_s: list[float] = []
+    for _ in range(CANCEL_TRIALS):
+        # a turn in flight when the deadline strikes: its request is aborted
+        h = Harness(Env(turns=1), N=1, deadline_s=0.05)
+
+        async def waiting(h: Harness) -> None:
+            h.engines.hold = anyio.Event()  # the engine never answers
+            h.runner.start(h.dispatch())
+            await wait_until(lambda: h.engines.aborted)
+
+        async def timed_abort(worker: str, ids: list[str]) -> None:
+            h.engines.aborted.append((worker, ids))
+            request_s.append(anyio.current_time() - start)
+
+        h.runner._abort = timed_abort  # noqa: SLF001 - the clock stops when the abort is sent
+        start = anyio.current_time() + 0.05  # the deadline
+        await h.run(waiting)
+        assert h.book.turns_in_flight == 1 and h.book.problems() == []  # abandoned, owed
+
+        # a tool running when the group is aborted: the tool is cancelled
+        h = Harness(InTool(), N=1)
+        h.runner._tools = ToolBox([wait], timeout_s=60.0)  # noqa: SLF001
+
+        async def in_tool(h: Harness) -> None:
+            nonlocal begun
+            h.runner.start(h.dispatch())
+            await wait_until(lambda: h.runner._tools.in_flight() == 1)  # noqa: SLF001
+            aborts = h.book.close()
+            begun = anyio.current_time()
+            h.runner.cancel(aborts.episodes)
+            await wait_until(lambda: len(ended) == len(tool_s) + 1)
+
+        begun = 0.0
+        await h.run(in_tool)
+        tool_s.append(ended[-1] - begun)
+    figures = {name: (_quantile(v, 0.5) * 1e3, _quantile(v, 0.99) * 1e3)
+               for name, v in (("request", request_s), ("tool", tool_s))}  # fmt: skip
+    print(f"cancel latency (p50, p99 ms) over {CANCEL_TRIALS}: {figures}")
+    assert _quantile(request_s, 0.99) < 0.030 and _quantile(tool_s, 0.99) < 0.030, figures

@@ -98,17 +98,20 @@ def make_environment(options: dict[str, Any], seed: int) -> RepeatDigitEnv:
 
 
 class RepeatDigitTurnsEnv:
-    """``repeat-digit-turns``: the same task as two turns (a *testing* multi-turn environment,
-    entry point ``asyncrl.environments:repeat-digit-turns``). The prompt is one chat message,
-    the digit; the model answers; the environment says the digit again (a user turn: the
-    feedback); the model answers again. The reward is the share of the two turns that contain
-    the digit; ``correct``: both are made only of it. The bigram model directory's chat
-    template writes a message's content as it is and an assistant's followed by ``<eos>``
+    """``repeat-digit-turns``: the same task as ``turns`` turns, two by default (a *testing*
+    multi-turn environment, entry point ``asyncrl.environments:repeat-digit-turns``). The
+    prompt is one chat message, the digit; the model answers; the environment says the digit
+    again (a user turn: the feedback); the model answers again; and so on, a user turn between
+    each two. The reward is the share of the turns that contain the digit; ``correct``: all are
+    made only of it; the components ``first``, ``second``... (``turn<k>`` from the eleventh) say
+    which turns hit. The bigram model directory's chat template writes a message's content as
+    it is and an assistant's followed by ``<eos>``
     (:func:`asyncrl_example_backend.model.write_model_dir`), so each turn's context ends with
     the digit, as the single-turn task's does.
 
-    Options: ``num_train``, ``num_eval`` (as ``repeat-digit``); ``fail_digits``: the digits
-    whose episodes raise after their first turn (a testing knob: a broken agent)."""
+    Options: ``num_train``, ``num_eval`` (as ``repeat-digit``); ``turns`` (default 2; the
+    episode benchmark, ``benchmarks/episodes.py``, runs 4); ``fail_digits``: the digits whose
+    episodes raise after their first turn (a testing knob: a broken agent)."""
 
     def __init__(self, options: RepeatDigitTurnsOptions, seed: int) -> None:
         base = RepeatDigitEnv(RepeatDigitOptions(num_train=options.num_train,
@@ -119,21 +122,27 @@ class RepeatDigitTurnsEnv:
             for split in ("train", "eval")
         }
         self._fail = set(options.fail_digits)
+        self._turns = options.turns
 
     def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
         return self._splits[split]
 
     async def run_episode(self, prompt: Prompt, episode: Any) -> Score:
-        first = await episode.generate()
+        texts = [(await episode.generate()).text.strip()]
         if prompt.answer in self._fail:
             raise RuntimeError(f"a broken agent (fail_digits: {prompt.answer})")
-        episode.add_messages({"role": "user", "content": prompt.answer})
-        second = await episode.generate()
-        texts = [first.text.strip(), second.text.strip()]
+        while len(texts) < self._turns:
+            episode.add_messages({"role": "user", "content": prompt.answer})
+            texts.append((await episode.generate()).text.strip())
         hits = [prompt.answer in t for t in texts]
         correct = all(t and set(t) == {prompt.answer} for t in texts)
-        return Score(reward=sum(hits) / 2, correct=correct,
-                     components={"first": float(hits[0]), "second": float(hits[1])})  # fmt: skip
+        names = [*_ORDINALS, *(f"turn{k}" for k in range(len(_ORDINALS) + 1, len(hits) + 1))]
+        return Score(reward=sum(hits) / len(hits), correct=correct,
+                     components={name: float(hit) for name, hit in zip(names, hits)})
+
+
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
+             "ninth", "tenth")  # fmt: skip
 
 
 class RepeatDigitTurnsOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -141,6 +150,8 @@ class RepeatDigitTurnsOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_
     """Prompts in the train split."""
     num_eval: int = 8
     """Prompts in the eval split."""
+    turns: int = 2
+    """Assistant turns per episode (a user turn, the digit, between each two)."""
     fail_digits: list[str] = []
     """Testing knob: the digits whose episodes raise after their first turn."""
 
@@ -152,4 +163,7 @@ def make_turns_environment(options: dict[str, Any], seed: int) -> RepeatDigitTur
         raise ConfigError(explain(exc, RepeatDigitTurnsOptions, "environment.options")) from None
     if opts.num_train < 1 or opts.num_eval < 0:
         raise ConfigError("environment.options: num_train must be >= 1 and num_eval >= 0")
+    if opts.turns < 1:
+        raise ConfigError(f"environment.options.turns: must be >= 1, got {opts.turns} "
+                          "(the assistant turns per episode)")  # fmt: skip
     return RepeatDigitTurnsEnv(opts, seed)
