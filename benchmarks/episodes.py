@@ -10,9 +10,10 @@ rollout ranks as real processes, on the testing environment ``repeat-digit-turns
 ``--samples`` episodes a step (64 x 16 = 1,024 by default) and
 ``pipeline.max_inflight_samples`` as many, with the ``gated`` sampler (W = 2), so the
 next step's groups start while the last ones finish: about that many episodes are in flight
-throughout. Each turn generates ``--turn-tokens`` tokens (log-normal, sigma 0.5) at
-``--token-delay`` s a token on engines with no slot limit (~1 s a turn by default, as an LLM
-turn takes seconds): every episode holds a turn on a worker most of the time.
+throughout. Each turn generates at most ``--turn-tokens`` tokens (it stops at the end
+token: about 1 in 20 of an untrained bigram's) at ``--token-delay`` s a token on engines with
+no slot limit (~0.8 s a turn by default; an LLM's turn takes seconds): every episode holds a
+turn on a worker most of the time.
 
 Measured, over the steady state (from the end of step 2 to the last step):
 
@@ -46,6 +47,8 @@ import json
 import os
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -73,7 +76,7 @@ def config(model: Path, out: Path, args: argparse.Namespace, prompts: int) -> di
         "grpo": {
             "prompts_per_step": prompts,
             "samples_per_prompt": args.samples,
-            "max_new_tokens": 4 * args.turn_tokens,
+            "max_new_tokens": args.turn_tokens,
         },
         "episode": {"max_turns": TURNS, "max_context_tokens": 1024},
         "pipeline": {
@@ -85,11 +88,8 @@ def config(model: Path, out: Path, args: argparse.Namespace, prompts: int) -> di
         "trainer": {"backend": "bigram", "options": {"lr": 0.5}},
         "generator": {
             "backend": "bigram",
-            "options": {
-                "length_median": float(args.turn_tokens),
-                "length_sigma": 0.5,
-                "token_delay_s": args.token_delay,
-            },
+            # no drawn lengths: a turn must stop at its end token (the trajectory check)
+            "options": {"token_delay_s": args.token_delay},
         },
         "eval": {"num_prompts": 0},
     }
@@ -101,12 +101,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-async def one_run(data: dict[str, Any], *, trace: bool = False) -> dict[str, Any]:
+async def one_run(
+    data: dict[str, Any], *, trace: bool = False, prof: cProfile.Profile | None = None
+) -> dict[str, Any]:
     """Run ``data``'s config to its end, sampling the loop's lag (every 10 ms) and the
     episodes in flight and the memory (every 50 ms) meanwhile; returns the raw series and
-    the ``train`` records, on the run's clock."""
+    the ``train`` records, on the run's clock, and the loop thread's CPU time from the end
+    of step 2 to the end of training (``prof``, if given, profiles that span)."""
     lags: list[tuple[float, float]] = []
     load: list[tuple[float, int, int, int, int]] = []  # at, in flight, turns, rss, traced
+    steady: list[tuple[float, float]] = []  # (perf_counter, thread_time) at its start
     ctl: asyncrl.Controller | None = None
 
     async def lag_probe() -> None:
@@ -122,10 +126,15 @@ async def one_run(data: dict[str, Any], *, trace: bool = False) -> dict[str, Any
                 status = ctl.status() if ctl is not None else None
             except RuntimeError:  # not running yet, or over
                 status = None
-            if status is not None:
-                traced = tracemalloc.get_traced_memory()[0] if trace else 0
-                load.append((time.perf_counter(), status.inflight_samples,
-                             status.turns_in_flight, rss_bytes(), traced))  # fmt: skip
+            if status is None:
+                continue
+            traced = tracemalloc.get_traced_memory()[0] if trace else 0
+            load.append((time.perf_counter(), status.inflight_samples,
+                         status.turns_in_flight, rss_bytes(), traced))  # fmt: skip
+            if status.step >= 2 and not steady:
+                steady.append((time.perf_counter(), time.thread_time()))
+                if prof is not None:
+                    prof.enable()
 
     if trace:
         tracemalloc.start()
@@ -136,11 +145,16 @@ async def one_run(data: dict[str, Any], *, trace: bool = False) -> dict[str, Any
             async with asyncrl.Controller(from_dict(data)) as ctl:
                 t0 = ctl.status().clock_origin
                 steps = (await ctl.train()).steps
+                if prof is not None:
+                    prof.disable()
+                end = (time.perf_counter(), time.thread_time())
             tg.cancel_scope.cancel()
     finally:
         if trace:
             tracemalloc.stop()
-    return {"t0": t0, "steps": steps, "lags": lags, "load": load}
+    (w0, c0), (w1, c1) = steady[0], end
+    return {"t0": t0, "steps": steps, "lags": lags, "load": load,
+            "loop_cpu_s": c1 - c0, "loop_wall_s": w1 - w0}  # fmt: skip
 
 
 def summarize(raw: dict[str, Any], samples: int) -> dict[str, Any]:
@@ -182,30 +196,180 @@ def summarize(raw: dict[str, Any], samples: int) -> dict[str, Any]:
     }
 
 
-def profile_table(prof: cProfile.Profile, busy_s: float, top: int = 25) -> list[dict[str, Any]]:
-    """The functions with the most own time (cProfile's ``tottime``), with cumulative time
-    and calls; ``share`` is own time over the loop's busy time."""
-    stats = pstats.Stats(prof)
+IDLE = "<method 'poll' of 'select.epoll' objects>"
+"""The loop waiting for I/O: not busy time (left out of the tables)."""
+
+
+def profile_tables(prof: cProfile.Profile, busy_s: float, top: int = 20) -> dict[str, Any]:
+    """Where the loop's busy time went: own time (cProfile's ``tottime``) summed by source
+    file, the functions with the most own time, and asyncrl's functions with the most
+    cumulative time (a coroutine's counts its resumptions); ``share`` is over the loop
+    thread's CPU time."""
+    files: dict[str, float] = {}
     rows = []
-    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
-        where = f"{Path(file).name}:{line}({name})" if line else name
-        rows.append({"function": where, "own_s": own, "cum_s": cum, "calls": calls})
-    rows.sort(key=lambda r: -r["own_s"])
-    for row in rows:
-        row["share"] = row["own_s"] / busy_s
-    return rows[:top]
+    for (file, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        if name == IDLE:
+            continue
+        parts = Path(file).parts if file != "~" else (name,)
+        short = "/".join(parts[-2:])
+        files[short] = files.get(short, 0.0) + own
+        where = f"{short}:{line}({name})" if line else name
+        rows.append({"function": where, "own_s": own, "cum_s": cum, "calls": calls,
+                     "share": own / busy_s, "cum_share": cum / busy_s})  # fmt: skip
+    ours = [r for r in rows if "/asyncrl/" in r["function"] or r["function"].startswith(
+        ("run/", "env/", "wire/", "policy/", "obs/", "data/"))]  # fmt: skip
+    return {
+        "by_file": sorted(({"file": k, "own_s": v, "share": v / busy_s} for k, v in files.items()),
+                          key=lambda r: -r["own_s"])[:top],  # fmt: skip
+        "by_own": sorted(rows, key=lambda r: -r["own_s"])[:top],
+        "asyncrl_by_cum": sorted(ours, key=lambda r: -r["cum_s"])[:top],
+    }
 
 
-async def run_profiled(data: dict[str, Any]) -> dict[str, Any]:
-    """One more run under cProfile (it profiles this thread: the controller's loop and all
-    its tasks); the loop's busy time is the CPU time of the process's main thread."""
-    prof = cProfile.Profile()
-    cpu0 = time.thread_time()
-    prof.enable()
-    try:
-        raw = await one_run(data)
-    finally:
-        prof.disable()
-    busy = time.thread_time() - cpu0
-    wall = raw["steps"][-1]["time"]
-    return {"busy_s": busy, "wall_s": wall, "top": profile_table(prof, busy)}
+def memory(big: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
+    """Bytes per episode in flight: the RSS (and traced heap) difference between the two
+    runs over the difference in mean episodes in flight."""
+    d_eps = big["in_flight_mean"] - small["in_flight_mean"]
+    return {
+        "method": "controller RSS median over the steady state, run with ~1,000 in flight "
+        "minus run with ~100, over the difference in mean episodes in flight",
+        "rss_kib_per_episode": (big["rss_mib"] - small["rss_mib"]) * 1024 / d_eps,
+        "traced_kib_per_episode": (big["traced_mib"] - small["traced_mib"]) * 1024 / d_eps,
+        "episodes_difference": d_eps,
+    }
+
+
+def report(results: dict[str, Any]) -> None:
+    r, m = results["run"], results["memory"]
+    print(
+        f"\n{r['in_flight_mean']:.0f} episodes in flight (p10 {r['in_flight_p10']:.0f}, p50 "
+        f"{r['in_flight_p50']:.0f}, max {r['in_flight_max']}; {r['turns_in_flight_mean']:.0f} "
+        f"turns on the engines), {TURNS} turns each\n"
+        f"throughput: {r['episodes_per_s']:.1f} episodes/s, {r['turns_per_s']:.0f} turns/s "
+        f"(trained {r['trained_episodes_per_s']:.1f} episodes/s) over {r['window_s']:.1f} s\n"
+        f"loop lag: p50 {r['loop_lag_p50_ms']:.2f} ms, p99 {r['loop_lag_p99_ms']:.2f} ms, max "
+        f"{r['loop_lag_max_ms']:.1f} ms ({r['lag_samples']} samples); per-step p99 median "
+        f"{r['step_lag_p99_median_ms']:.2f} ms, worst {r['step_lag_p99_worst_ms']:.2f} ms\n"
+        f"memory: {m['rss_kib_per_episode']:.1f} KiB RSS per episode in flight "
+        f"({r['rss_mib']:.0f} MiB vs {results['small']['rss_mib']:.0f} MiB over "
+        f"{m['episodes_difference']:.0f} episodes)\n"
+        f"the loop's thread: {r['loop_cpu_s']:.1f} s CPU in {r['loop_wall_s']:.1f} s of the steady state "
+        f"({100 * r['loop_cpu_s'] / r['loop_wall_s']:.0f}% busy)"
+        + (f"; Python heap {m['traced_kib_per_episode']:.1f} KiB" if results["tracemalloc"]
+           else "")  # fmt: skip
+    )
+    if "profile" in results:
+        p = results["profile"]
+        print(f"\nprofile: the loop's thread used {p['loop_cpu_s']:.1f} s CPU in {p['loop_wall_s']:.1f} s of the "
+              f"steady state (cProfile's overhead included); own time by file, then by "
+              f"function (waiting in epoll left out):")  # fmt: skip
+        tables = p["profile"]
+        for row in tables["by_file"]:
+            print(f"  {100 * row['share']:5.1f}%  {row['own_s']:7.2f} s  {row['file']}")
+        for key, title in (("by_own", "own"), ("asyncrl_by_cum", "cumulative, asyncrl's")):
+            print(f"  by {title} time:")
+            for row in tables[key]:
+                print(f"  {100 * row['share']:5.1f}% own {row['own_s']:6.2f} s, cum "
+                      f"{row['cum_s']:6.2f} s ({100 * row['cum_share']:5.1f}%) "
+                      f"{row['calls']:>8} calls  {row['function']}")  # fmt: skip
+
+
+def child_command(args: argparse.Namespace, name: str, prompts: int, *, profile: bool,
+                  out: Path) -> list[str]:
+    """This script, to run one measurement in a fresh interpreter."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name,
+           "--child-prompts", str(prompts), "--child-out", str(out)]  # fmt: skip
+    for flag in ("samples", "steps", "ranks", "turn_tokens", "token_delay"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return cmd + ["--tracemalloc"] * args.tracemalloc + ["--profile"] * profile
+
+
+async def child(args: argparse.Namespace) -> None:
+    """One run (``--child``): its steady state's figures (and its profile) as JSON."""
+    from asyncrl_example_backend.model import write_model_dir
+
+    asyncrl.obs.log.configure("console", level="warning")  # a program's choice
+    with tempfile.TemporaryDirectory(prefix="asyncrl-episodes-") as tmp_name:
+        tmp = Path(tmp_name)
+        data = config(write_model_dir(tmp / "model"), tmp / "run", args, args.child_prompts)
+        prof = cProfile.Profile() if args.profile else None
+        raw = await one_run(data, trace=args.tracemalloc, prof=prof)
+    out = summarize(raw, args.samples)
+    out["loop_cpu_s"], out["loop_wall_s"] = raw["loop_cpu_s"], raw["loop_wall_s"]
+    if prof is not None:
+        out["profile"] = profile_tables(prof, raw["loop_cpu_s"])
+    args.child_out.write_text(json.dumps(out))
+
+
+def measure(args: argparse.Namespace, name: str, prompts: int, *, profile: bool = False
+            ) -> dict[str, Any]:  # fmt: skip
+    """Run ``child`` in a fresh interpreter (so each RSS starts from the same place)."""
+    with tempfile.TemporaryDirectory(prefix="asyncrl-episodes-") as tmp:
+        out = Path(tmp) / "out.json"
+        subprocess.run(child_command(args, name, prompts, profile=profile, out=out), check=True)
+        result = json.loads(out.read_text())
+    print(f"{name}:", json.dumps({k: v for k, v in result.items() if k != "profile"}),
+          flush=True)  # fmt: skip
+    return result
+
+
+def main(args: argparse.Namespace) -> None:
+    results: dict[str, Any] = {
+        "workload": {
+            "environment": f"repeat-digit-turns, {TURNS} turns",
+            "prompts_per_step": args.prompts,
+            "samples_per_prompt": args.samples,
+            "episodes_per_step": args.prompts * args.samples,
+            "small_prompts_per_step": args.small_prompts,
+            "rollout_ranks": args.ranks,
+            "turn_tokens_max": args.turn_tokens,
+            "token_delay_s": args.token_delay,
+            "steps": args.steps,
+            "machine": args.machine or "",
+            "cpus": os.cpu_count(),
+        },
+        "tracemalloc": args.tracemalloc,
+    }
+    print("workload:", json.dumps(results["workload"]), flush=True)
+    results["run"] = measure(args, "run", args.prompts)
+    results["small"] = measure(args, "small", args.small_prompts)
+    results["memory"] = memory(results["run"], results["small"])
+    if args.profile:
+        results["profile"] = measure(args, "profile", args.prompts, profile=True)
+    report(results)
+    if args.out is not None:
+        out = args.out
+    elif args.machine:
+        out = ROOT / "benchmarks" / "results" / f"episodes-{args.machine}.json"
+    else:
+        out = ROOT / "runs" / "benchmarks" / "episodes.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64, help="groups a step (~1,000 in flight)")
+    parser.add_argument("--small-prompts", type=int, default=6,
+                        help="groups a step of the memory baseline run (~100 in flight)")
+    parser.add_argument("--samples", type=int, default=16, help="episodes a group")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--ranks", type=int, default=2, help="rollout ranks")
+    parser.add_argument("--turn-tokens", type=int, default=8, help="at most this many tokens a turn")
+    parser.add_argument("--token-delay", type=float, default=0.1,
+                        help="engine seconds a token (~0.8 s a turn by default)")
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="also trace the Python heap (slows the runs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more run under cProfile: where the loop's time goes")
+    parser.add_argument("--machine", default="", help="names the results file, e.g. 2core")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--child-prompts", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parsed = parser.parse_args()
+    if parsed.child:
+        anyio.run(child, parsed)
+    else:
+        main(parsed)

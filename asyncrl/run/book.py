@@ -241,13 +241,7 @@ class RolloutBook:
         if sample is None and self._sched.state_of(group_id) != ABORTING:
             raise BookError(f"episode {index} of {group_id} ended without a sample")
         group.samples[index] = sample if sample is not None else ENDED
-        outcome = self._sched.sample_finished(group_id)
-        if outcome is None:
-            return _PENDING
-        if outcome == "discard":
-            del self._groups[group_id]
-            return _DISCARDED
-        return Arrival(COMPLETE, group)
+        return self._finished_one(group)
 
     def sample_arrived(self, msg: SampleDone) -> Arrival:
         """Take one sample (complete, or cut short by an abort) from a rollout worker. Only
@@ -265,11 +259,16 @@ class RolloutBook:
         if refused is not None:
             return refused
         self._load[group.worker] -= 1
-        outcome = self._sched.sample_finished(gid)
+        return self._finished_one(group)
+
+    def _finished_one(self, group: Group) -> Arrival:
+        """One more sample (or episode) of ``group`` is back: ``PENDING``, ``DISCARDED`` (the
+        last of a group being aborted: it is gone) or ``COMPLETE``."""
+        outcome = self._sched.sample_finished(group.group_id)
         if outcome is None:
             return _PENDING
         if outcome == "discard":
-            del self._groups[gid]
+            del self._groups[group.group_id]
             return _DISCARDED
         return Arrival(COMPLETE, group)
 

@@ -132,6 +132,8 @@ class _Asker:
     evaluation: bool = False
     worker: str = ""
     requests: int = 0
+    dispatch: int = 0
+    """The group's dispatches before this one (its retries): part of each turn id."""
 
     @property
     def episode(self) -> str:
@@ -139,19 +141,31 @@ class _Asker:
 
     def next_id(self) -> str:
         self.requests += 1
-        return turn_id(self.group_id, self.index, self.requests - 1)
+        return turn_id(self.group_id, self.index, self.requests - 1, self.dispatch)
 
 
 @dataclass
 class _GroupRun:
-    """One dispatch of a group: its episodes' cancel scopes, and whether it failed (its
-    episodes then end unreported: the book forgot them)."""
+    """One dispatch of a group: its episodes' cancel scopes, how many ended, and whether it
+    was cancelled or failed (its episodes then end unreported: the book forgot them). An
+    episode whose task starts after the cancel gets a scope cancelled already."""
 
     sent: bk.Sent
+    dispatch: int = 0
+    """The group's retries before this dispatch (its turn ids must differ from theirs)."""
     scopes: dict[int, anyio.CancelScope] = field(default_factory=dict)
+    ended: int = 0
     failed: bool = False
+    cancelled: bool = False
+
+    def scope(self, index: int) -> anyio.CancelScope:
+        scope = self.scopes[index] = anyio.CancelScope()
+        if self.cancelled:
+            scope.cancel()
+        return scope
 
     def cancel(self) -> None:
+        self.cancelled = True
         for scope in self.scopes.values():
             scope.cancel()
 
@@ -230,7 +244,8 @@ class EpisodeRunner:
         if self._tg is None:
             raise RuntimeError("EpisodeRunner.start() before run()")
         assert sent.prompt is not None and not sent.worker
-        run = self._runs[sent.group_id] = _GroupRun(sent)
+        run = _GroupRun(sent, dispatch=self._book.retries(sent.group_id))
+        self._runs[sent.group_id] = run
         for i in range(sent.n):
             self._tg.start_soon(self._episode, run, i, name=f"episode-{sent.group_id}/{i}")
 
@@ -280,17 +295,18 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ one episode
     async def _episode(self, run: _GroupRun, index: int) -> None:
         gid = run.sent.group_id
-        scope = run.scopes[index] = anyio.CancelScope()
+        scope = run.scope(index)
         sample: CompletedSample | None = None
         failure: EpisodeFailed | None = None
         try:
             with scope:
-                sample = await self._play(run.sent, index)
+                sample = await self._play(run, index)
         except EpisodeFailed as exc:
             failure = exc
         finally:
             del run.scopes[index]
-            if not run.scopes and self._runs.get(gid) is run:
+            run.ended += 1
+            if run.ended == run.sent.n and self._runs.get(gid) is run:
                 del self._runs[gid]
         if run.failed:
             return  # its group failed meanwhile: the book forgot it
@@ -318,15 +334,17 @@ class EpisodeRunner:
             for worker, ids in turns.items():
                 self._tg.start_soon(self._abort_quietly, worker, ids)
 
-    async def _play(self, sent: bk.Sent, index: int) -> CompletedSample | None:
-        """Run episode ``index`` of ``sent`` to its score; ``None`` when cancelled.
+    async def _play(self, run: _GroupRun, index: int) -> CompletedSample | None:
+        """Run episode ``index`` of ``run``'s group to its score; ``None`` when cancelled.
 
         Raises:
             EpisodeFailed: the environment raised, or a turn failed for good.
         """
+        sent = run.sent
         assert sent.prompt is not None
         record = self._record(sent.prompt)
-        episode = self._episode_of(_Asker(sent.group_id, index), sent.prompt, record)
+        asker = _Asker(sent.group_id, index, dispatch=run.dispatch)
+        episode = self._episode_of(asker, sent.prompt, record)
         truncated, score = await self._until_done(episode, sent.prompt)
         self._count(episode, truncated, record.splits)
         return self._sample(record, score, truncated)

@@ -3,9 +3,10 @@
 An episode (:mod:`asyncrl.run.episodes`) asks for one turn at a time; each turn is one
 request on one rollout worker, with an id of its own (``<group>/<episode>#<k>``, ``k``
 counting the episode's requests, retries included, so a late sample of an earlier request is
-never taken for a later one). :class:`TurnTable` keeps which turns are in flight on which
-worker; the :class:`~asyncrl.run.book.RolloutBook` owns it, and counts its turns in each
-worker's load.
+never taken for a later one; ``<group>/<episode>@<d>#<k>`` when the group runs again after
+its ``d``-th failure, while the failed run's abandoned turns may still be in flight).
+:class:`TurnTable` keeps which turns are in flight on which worker; the
+:class:`~asyncrl.run.book.RolloutBook` owns it, and counts its turns in each worker's load.
 
 A turn ends when its sample comes back (complete, or cut short by an abort), when its worker
 reports it failed, or when its worker is lost. An episode that stops waiting for its turn (it
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 __all__ = ["Turn", "TurnTable", "turn_id"]
 
 
-def turn_id(group_id: str, index: int, k: int) -> str:
-    """The id of episode ``index``'s ``k``-th request in group ``group_id``."""
-    return f"{group_id}/{index}#{k}"
+def turn_id(group_id: str, index: int, k: int, dispatch: int = 0) -> str:
+    """The id of episode ``index``'s ``k``-th request in group ``group_id``, dispatched
+    ``dispatch`` times before (its retries: the failed dispatch's abandoned turns may still
+    be in flight when the group runs again, and an id must not repeat while they are)."""
+    return f"{group_id}/{index}#{k}" if not dispatch else f"{group_id}/{index}@{dispatch}#{k}"
 
 
 @dataclass(slots=True)

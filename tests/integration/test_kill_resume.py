@@ -34,15 +34,20 @@ def _config_file(tmp_path: Path, model_dir: Path, **over: dict) -> Path:
     return path
 
 
+@pytest.mark.parametrize("environment", ["repeat-digit", "repeat-digit-turns"])
 def test_killed_at_random_moments_every_prompt_is_trained_once(
-    tmp_path: Path, model_dir: Path
+    tmp_path: Path, model_dir: Path, environment: str
 ) -> None:
     """Four SIGKILLs, in generation, training, refit and a checkpoint save, alternately of the
     controller alone and of the whole run; each life resumes from the latest checkpoint. The
-    benchmark itself checks the ledger, the staleness bound and what is left behind."""
+    benchmark itself checks the ledger, the staleness bound and what is left behind. With
+    ``repeat-digit-turns`` the kills find two-turn episodes in flight: a resumed run starts
+    each group that was in flight afresh (nothing of its episodes trains twice; a tool with
+    side effects never sees a turn replayed)."""
     config = _config_file(
         tmp_path,
         model_dir,
+        environment={"name": environment},
         run={"num_steps": 16},
         pipeline={"sampler": {"name": "gated", "max_staleness_versions": 1}},
         generator={"options": {"token_delay_s": 0.004}},

@@ -64,6 +64,8 @@ class Episode:
 
     gid: str
     index: int
+    dispatch: int = 0
+    """The group's retries before this dispatch (the runner asks the book): in its turn ids."""
     state: str = "idle"
     turn: str = ""
     worker: str = ""
@@ -73,7 +75,7 @@ class Episode:
     sample: CompletedSample | None = None
 
     def next_id(self) -> str:
-        return turn_id(self.gid, self.index, self.requests)
+        return turn_id(self.gid, self.index, self.requests, self.dispatch)
 
 
 @dataclass(eq=False)
@@ -93,6 +95,10 @@ class GroupRec:
     attempt: int = 0
     start_version: int = 0
     episodes: list[Episode] = field(default_factory=list)
+
+
+def sorted_ids(by_worker: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {w: sorted(ids) for w, ids in by_worker.items()}
 
 
 class World:
@@ -124,6 +130,11 @@ class World:
     def episodes(self, *states: str, evaluation: bool = False) -> list[Episode]:
         eps = self.evals if evaluation else [e for g in self.groups.values() for e in g.episodes]
         return [e for e in eps if e.state in states]
+
+    def enders(self) -> list[Episode]:
+        """Training episodes that may end now (one between turns has answered one)."""
+        eps = self.episodes("idle", "ending", "cancelled")
+        return [e for e in eps if e.answered or e.state != "idle"]
 
     def end_turn(self, rec: TurnRec, fate: str) -> None:
         assert rec.fate == "", f"turn {rec.tid} ended twice: {rec.fate}, {fate}"
@@ -185,7 +196,8 @@ class World:
                 rec = self.groups[gid] = GroupRec(index)
             rec.state, rec.attempt = "flight", rec.attempt + 1
             rec.start_version = self.book.generator_version
-            rec.episodes = [Episode(gid, i) for i in range(sent.n)]
+            again = self.book.retries(gid)  # as EpisodeRunner.start() numbers a dispatch
+            rec.episodes = [Episode(gid, i, again) for i in range(sent.n)]
             self.counts["dispatched"] += 1
         return True
 
@@ -193,8 +205,10 @@ class World:
         """An episode asks for its next turn (one of a group not generating: refused)."""
         ep = self.rng.choice([e for e in self.episodes("idle", "cancelled", evaluation=evaluation)
                               if e.answered < MAX_TURNS])  # fmt: skip
-        previous = ep.worker if self.rng.random() < 0.7 else self.rng.choice(self.workers + [""])
         loads = {w: len(self.owed[w]) for w in self.serving}
+        previous = self.rng.choice([ep.worker] * 3 + self.workers + [""])
+        if loads and self.rng.random() < 0.2:  # its last turn was on the busiest worker
+            previous = max(loads, key=loads.__getitem__)
         tid = ep.next_id()
         if evaluation:
             w = self.book.start_eval_turn(tid, ep.gid, self.serving, previous)
@@ -202,25 +216,33 @@ class World:
             w = self.book.start_turn(tid, ep.gid, ep.index, self.serving, previous)
         if (not evaluation and self.groups[ep.gid].state != "flight") or not self.serving:
             assert w is None, f"turn {tid} placed for a group not generating, or on no worker"
+            self.counts["turns_refused"] += 1
             return
         assert w in self.serving, f"turn {tid} placed on {w!r}, which does not serve"
         least = min(loads.values())
         if previous in loads and loads[previous] <= least + bk.STICKY_TURNS:
             assert w == previous, (tid, w, previous, loads)
+            self.counts["turns_kept_on_previous"] += loads[previous] > least
         else:
             assert loads[w] == least, (tid, w, loads)
+            self.counts["turns_moved_off_previous"] += previous in loads
         assert tid not in self.inflight, f"turn id {tid} reused while in flight"
         rec = self.inflight[tid] = TurnRec(tid, ep, w)
         self.owed[w].append(rec)
         ep.state, ep.turn, ep.worker, ep.requests = "waiting", tid, w, ep.requests + 1
         self.counts["turns"] += 1
+        self.counts["evaluation_turns"] += evaluation
 
     def eval_turn(self) -> None:
         self.start_turn(evaluation=True)
 
     def engine_answers(self) -> None:
-        """An engine sends one turn's sample back (cut short once abandoned), or fails it."""
-        w = self.rng.choice([w for w in self.workers if self.owed[w]])
+        """An engine sends one turn's sample back (cut short once abandoned), or fails it;
+        the first engine is slow (its load grows: turns move off it)."""
+        busy = [w for w in self.workers if self.owed[w]]
+        if len(busy) > 1 and self.rng.random() < 0.8:
+            busy = busy[1:] if busy[0] == self.workers[0] else busy
+        w = self.rng.choice(busy)
         queue = self.owed[w]
         rec = queue.pop(self.rng.randrange(len(queue)) if self.rng.random() < 0.8 else 0)
         if self.fails_now():
@@ -253,8 +275,8 @@ class World:
 
     def end_episode(self) -> None:
         """An episode ends: scored (it answered a turn), with no sample (cancelled), or it
-        fails its group for good (it returned before its first turn)."""
-        ep = self.rng.choice(self.episodes("idle", "ending", "cancelled"))
+        fails its group (its deadline passed before its first turn ended: worth a retry)."""
+        ep = self.rng.choice(self.enders())
         group = self.groups[ep.gid]
         if ep.state == "cancelled" and (not ep.answered or self.rng.random() < 0.8):
             sample = None
@@ -262,7 +284,7 @@ class World:
             reward = float(self.rng.randint(0, 4))
             sample = CompletedSample(TOKENS, LOGPROBS, "stop", reward, reward > 0)
         else:
-            return self.fail_group(ep, retryable=False)
+            return self.fail_group(ep, retryable=True)
         if group.state == "flight" and self.rng.random() < 0.05:  # only an abort ends one so
             with pytest.raises(bk.BookError, match="without a sample"):
                 self.book.episode_ended(ep.gid, ep.index, None)
@@ -284,19 +306,22 @@ class World:
         self.counts["episodes"] += 1
 
     def fail(self) -> None:
-        """An episode's environment raised (retryable)."""
-        self.fail_group(self.rng.choice(self.episodes("idle")), retryable=True)
+        """An episode fails (its environment raised, or a turn failed for good), perhaps as
+        its group is aborted."""
+        ep = self.rng.choice(self.episodes("idle", "cancelled"))
+        self.fail_group(ep, retryable=self.rng.random() < 0.8)
 
     def fail_group(self, ep: Episode, *, retryable: bool) -> None:
-        """As ``Redispatcher.episode_failed`` does: its group fails (retried or dropped; one
-        being aborted is gone); its other episodes end unreported."""
+        """As ``Redispatcher.episode_failed`` does: its group fails (retried or dropped, as
+        the failure budget says; one being aborted is gone); its other episodes end
+        unreported, and the turns they wait for are abandoned."""
         group = self.groups[ep.gid]
         aborting = not self.book.generating(ep.gid)
         assert aborting == (group.state == "aborting")
         retry = not aborting and retryable and self.rng.random() < 0.6
         expected = self.live_turns({ep.gid})
         turns = self.book.failed(ep.gid, retry=retry)
-        assert {w: sorted(t) for w, t in turns.items()} == {w: sorted(t) for w, t in expected.items()}
+        assert sorted_ids(turns) == sorted_ids(expected), (turns, expected)
         self.abandon(turns)
         for e in group.episodes:
             if e.state != "ended":
@@ -306,6 +331,7 @@ class World:
         else:
             self.end_group(ep.gid, "aborted" if aborting else "failed")
         self.counts["group_failures"] += 1
+        self.counts["group_failures_while_aborted"] += aborting
 
     def retry(self) -> None:
         gid = self.rng.choice(sorted(g for g, r in self.groups.items() if r.state == "retrying"))
@@ -360,8 +386,10 @@ class World:
         for rec in self.inflight.values():
             choices += [(rec.tid, w, 0) for w in self.workers if w != rec.worker]
             choices.append((rec.tid, rec.worker, 1))  # a turn has one sample
-        choices += [(r.tid, r.worker, 0) for r in self.ended_turns[-4:] if r.tid not in self.inflight]
-        choices += [(g, anyone, 0) for g, r in self.groups.items() if r.state in ("flight", "aborting")]
+        ended = [r for r in self.ended_turns[-4:] if r.tid not in self.inflight]  # duplicates
+        choices += [(r.tid, r.worker, 0) for r in ended]
+        flying = [g for g, r in self.groups.items() if r.state in ("flight", "aborting")]
+        choices += [(g, anyone, 0) for g in flying]
         tid, w, i = self.rng.choice(choices)
         assert self.book.sample_arrived(SampleDone(tid, w, i, DONE)).kind == bk.REJECTED
         if i == 0:
@@ -414,8 +442,7 @@ class World:
         assert len(gids) == len(aborts.episodes)
         assert all(self.groups[g].state == "flight" for g in gids), aborts.episodes
         expected = self.live_turns(gids)
-        got = {w: sorted(t) for w, t in aborts.by_worker.items()}
-        assert got == {w: sorted(t) for w, t in expected.items()}, (got, expected)
+        assert sorted_ids(aborts.by_worker) == sorted_ids(expected), (aborts, expected)
         assert aborts.turns == sum(map(len, expected.values()))
         assert aborts.count == len(aborts.gone) + len(gids)
         self.abandon(aborts.by_worker)
@@ -462,8 +489,8 @@ class World:
         assert b.problems() == [], b.problems()
 
     def close(self) -> None:
-        """The run's end: every group in flight is aborted, its episodes end with no sample,
-        and the engines send back what they still owe (all of it discarded)."""
+        """The run's end: every group in flight is aborted, its episodes end (with no sample,
+        mostly), and the engines send back what they still owe (all of it discarded)."""
         if self.refit_pending:
             self.end_refit()
         self.cancel_evals()
@@ -475,8 +502,8 @@ class World:
             assert rec.state in ("aborting", "ready"), (gid, rec.state)
             if rec.state == "ready":
                 self.end_group(gid, "unused")
-        while self.episodes("cancelled"):
-            self.end_episode()
+        while self.episodes("cancelled"):  # one may fail as it is cancelled: its group is gone
+            self.fail() if self.fails_now() else self.end_episode()
             self.check()
         while any(self.owed.values()):
             self.engine_answers()
@@ -493,8 +520,8 @@ class World:
         assert sum(e.trained for e in report) == len(self.trained_indices)
         assert all(e.lost == 0 and e.repeated == 0 for e in report)
         assert b.problems() == []
-        self.counts.update(self.turn_fates)
-        self.counts.update(self.group_fates)
+        self.counts.update({f"turn_{k}": v for k, v in self.turn_fates.items()})
+        self.counts.update({f"group_{k}": v for k, v in self.group_fates.items()})
 
 
 def moves(world: World) -> list[str]:
@@ -503,7 +530,7 @@ def moves(world: World) -> list[str]:
     out = ["stranger", "dispatch", "end_refit" if world.refit_pending else "train"]
     if any(e.answered < MAX_TURNS for e in world.episodes("idle", "cancelled")):
         out += ["start_turn"] * 3
-    if [e for e in world.episodes("idle", "ending", "cancelled") if e.answered or faults]:
+    if world.enders():
         out += ["end_episode"] * 2
     if any(world.owed.values()):
         out += ["engine_answers"] * 4
@@ -517,7 +544,7 @@ def moves(world: World) -> list[str]:
         return out
     if world.episodes("waiting") or world.episodes("waiting", evaluation=True):
         out.append("deadline")
-    if world.episodes("idle"):
+    if world.episodes("idle", "cancelled") and rng.random() < 0.3:
         out.append("fail")
     if "retrying" in {r.state for r in world.groups.values()}:
         out.append("retry")
@@ -566,7 +593,8 @@ def run_schedule(rng: random.Random, cfg: dict[str, Any]) -> Counter[str]:
 
 
 def config(sampler: str, P: int, N: int, W: int, steps: int, ratio: float, extra: int,
-           inflight_frac: float, chunk_frac: float, workers: int, faults: bool) -> dict[str, Any]:  # fmt: skip
+           inflight_frac: float, chunk_frac: float, workers: int,
+           faults: bool) -> dict[str, Any]:  # fmt: skip
     c = caps(SAMPLERS[sampler](W, ratio), P, N, extra, inflight_frac, chunk_frac)
     return dict(sampler=sampler, P=P, N=N, W=W, steps=steps, ratio=ratio, workers=workers,
                 faults=faults, **c._asdict())  # fmt: skip
@@ -584,3 +612,59 @@ PARAMS = dict(
 @given(**PARAMS)
 def test_random_episode_schedules_keep_every_invariant(seed: int, **params: Any) -> None:
     run_schedule(random.Random(seed), config(**params))
+
+
+def test_the_random_schedules_reach_every_event() -> None:
+    """Schedules drawn as above reach every event they claim to (a test that never moved a
+    turn off its previous worker would prove nothing about the sticky rule), and every fate a
+    turn and a group can have."""
+    rng, totals = random.Random(24), Counter[str]()
+    for _ in range(300):
+        params = dict(
+            sampler=rng.choice(sorted(SAMPLERS)), P=rng.randint(1, 4), N=rng.randint(1, 3),
+            W=rng.randint(0, 2), steps=rng.randint(1, 4), ratio=rng.uniform(1.0, 2.0),
+            extra=rng.randint(0, 2), inflight_frac=rng.uniform(0.05, 1.0),
+            chunk_frac=rng.uniform(0.01, 1.0), workers=rng.randint(1, 3), faults=rng.random() < 0.5,
+        )  # fmt: skip
+        totals.update(run_schedule(random.Random(rng.random()), config(**params)))
+    events = ("turns_refused", "turns_kept_on_previous", "turns_moved_off_previous",
+              "evaluation_turns", "rejected", "deaths", "steps_given_back", "group_failures",
+              "group_failures_while_aborted",
+              *(f"turn_{f}" for f in TURN_FATES), *(f"group_{f}" for f in GROUP_FATES))  # fmt: skip
+    for event in events:
+        assert totals[event] > 0, (event, totals)
+
+
+def test_misuse_is_refused_and_a_retried_group_gets_fresh_turn_ids() -> None:
+    """By hand: a turn for an episode that is not running, an episode ending twice or without
+    a sample while its group generates are refused; a group retried while its failed run's
+    abandoned turn is still in flight starts its turns under new ids (the runner's scheme)."""
+    world = World(random.Random(0), config("gated", 1, 2, 1, 1, 1.0, 0, 1.0, 1.0, 2, True))
+    assert world.dispatch()
+    gid = next(iter(world.groups))
+    with pytest.raises(bk.BookError, match="not running"):
+        world.book.start_turn("x", gid, 2, world.serving)
+    first = turn_id(gid, 0, 0)
+    assert world.book.start_turn(first, gid, 0, world.serving) == "rollout:0"
+    # the least loaded now is rollout:1, but rollout:0 is at most STICKY_TURNS busier
+    second = turn_id(gid, 1, 0)
+    assert world.book.start_turn(second, gid, 1, world.serving, "rollout:0") == "rollout:0"
+    with pytest.raises(bk.BookError, match="without a sample"):
+        world.book.episode_ended(gid, 0, None)
+    assert world.book.failed(gid, retry=True) == {"rollout:0": [first, second]}
+    world.book.retry(gid)
+    sent = world.book.dispatch(world.serving, world.prompt_of, 0.0)
+    assert isinstance(sent, Sent) and sent.group_id == gid and world.book.retries(gid) == 1
+    again = turn_id(gid, 0, 0, world.book.retries(gid))
+    assert again == f"{gid}/0@1#0" and again != first
+    assert world.book.start_turn(again, gid, 0, world.serving) == "rollout:1"
+    with pytest.raises(ValueError, match="in flight already"):  # what the old ids ran into
+        world.book.start_turn(first, gid, 1, world.serving)
+    assert world.book.sample_arrived(SampleDone(first, "rollout:0", 0, CUT)).kind == bk.DISCARDED
+    arrival = world.book.sample_arrived(SampleDone(again, "rollout:1", 0, DONE))
+    assert arrival.kind == bk.TURN and arrival.turn is not None and arrival.turn.index == 0
+    sample = CompletedSample(TOKENS, LOGPROBS, "stop", 1.0, True)
+    assert world.book.episode_ended(gid, 0, sample).kind == bk.PENDING
+    with pytest.raises(bk.BookError, match="not running"):
+        world.book.episode_ended(gid, 0, sample)
+    assert world.book.problems() == []

@@ -105,8 +105,9 @@ class Engines:
         self.dead: set[str] = set()
         self.fail_next = 0
         self.delay = 0.0
-        self.hold = anyio.Event()  # set: answer; while unset, requests wait
+        self.hold = anyio.Event()  # set: answer; while unset, held requests wait
         self.hold.set()
+        self.held: Any = lambda request: True  # which requests a hold holds
         self.tg: Any = None
 
     async def send(self, worker: str, request: GenRequest) -> None:
@@ -118,7 +119,8 @@ class Engines:
         self.aborted.append((worker, turn_ids))
 
     async def _answer(self, worker: str, request: GenRequest) -> None:
-        await self.hold.wait()
+        if self.held(request):
+            await self.hold.wait()
         await anyio.sleep(self.delay)
         if worker in self.dead:
             return
@@ -446,3 +448,49 @@ async def test_cancelling_an_episode_aborts_its_request_and_its_tool_at_once() -
                for name, v in (("request", request_s), ("tool", tool_s))}  # fmt: skip
     print(f"cancel latency (p50, p99 ms) over {CANCEL_TRIALS}: {figures}")
     assert _quantile(request_s, 0.99) < 0.030 and _quantile(tool_s, 0.99) < 0.030, figures
+
+
+async def test_a_group_aborted_before_its_episodes_start_still_ends() -> None:
+    """The abort comes before the episodes' tasks ran: each starts cancelled, ends with no
+    sample, and the group is gone (none waits for ever on a group that is not generating)."""
+    h = Harness(Env(turns=2))
+
+    async def body(h: Harness) -> None:
+        h.runner.start(h.dispatch())
+        aborts = h.book.close()  # nothing has run yet
+        h.runner.cancel(aborts.episodes)
+        await wait_until(lambda: not h.runner._runs)  # noqa: SLF001
+
+    await h.run(body)
+    assert h.book.drained and h.book.turns_in_flight == 0 and h.book.problems() == []
+    assert not h.engines.sent
+
+
+async def test_a_retried_group_never_reuses_a_turn_id_still_in_flight() -> None:
+    """Episode 1 raises; its group fails and is dispatched again at once, while episode 0's
+    abandoned turn is still on its engine (held). The new dispatch's turns get ids of their
+    own (``@1``): before, its first turn repeated ``g0/0#0`` and the book refused it."""
+    h = Harness(Env(turns=2, raise_in=True))
+    retried: list[Sent] = []
+
+    def fail_and_retry(gid: str, prompt_id: str, error: str, retryable: bool,
+                       tg: Any) -> dict[str, list[str]]:
+        turns = h.book.failed(gid, retry=True)
+        h.book.retry(gid)
+        retried.append(h.dispatch())
+        h.runner.start(retried[-1])
+        return turns
+
+    h.runner._fail_group = fail_and_retry  # noqa: SLF001
+
+    async def body(h: Harness) -> None:
+        h.engines.hold = anyio.Event()
+        h.engines.held = lambda request: request.group_id.startswith("g0/0#")
+        h.runner.start(h.dispatch())
+        await wait_until(lambda: len(retried) >= 1)
+        await wait_until(lambda: any("@1#" in r.group_id for _, r in h.engines.sent))
+        h.engines.hold.set()
+
+    await h.run(body)
+    ids = [r.group_id for _, r in h.engines.sent]
+    assert "g0/0#0" in ids and "g0/0@1#0" in ids and len(ids) == len(set(ids))
