@@ -6,6 +6,7 @@ controller started; :class:`~asyncrl.obs.log.MetricsWriter` stamps each record's
 
     generation   a step's groups: first dispatch to last commit   (train: gen_start, gen_end)
     generation W rollout worker W generating that step's groups   (train: gen_by_worker[W])
+    tool T       tool T running for episodes since the last step  (train: tool_busy[T])
     training     the step open on the trainers to its FinishStep   (train: train_start, train_end)
     waiting      the trainers waiting for a step's data (no chunk     (train: wait_spans)
                  ready) or for a validation before its FinishStep
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 LANES = (
-    "generation", "training", "waiting", "refit", "evaluation", "checkpoint", "restart"
+    "generation", "tool", "training", "waiting", "refit", "evaluation", "checkpoint", "restart"
 )  # fmt: skip
 
 
@@ -115,6 +116,9 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
                 for a, b in intervals:
                     out.append(Span(f"generation {worker}", f"step {step}", a, b,
                                     {"step": step}))
+            for tool, intervals in (r.get("tool_busy") or {}).items():
+                for a, b in intervals:
+                    out.append(Span(f"tool {tool}", f"step {step}", a, b, {"step": step}))
         elif kind == "eval" and "start" in r and "end" in r:
             out.append(Span("evaluation", f"eval {r['label']}", r["start"], r["end"],
                             {"accuracy": r.get("accuracy")}))

@@ -254,13 +254,16 @@ class EpisodeRunner:
         stats, self._stats = self._stats, EpisodeStats()
         return stats
 
-    def take_metrics(self) -> dict[str, float]:
+    def take_metrics(self) -> dict[str, Any]:
         """A step record's episode and tool figures since the last call (``episode_*``,
         ``tool_*``: :meth:`EpisodeStats.metrics`, :meth:`ToolStats.metrics
-        <asyncrl.env.toolbox.ToolStats.metrics>`)."""
-        out = self.take_stats().metrics()
+        <asyncrl.env.toolbox.ToolStats.metrics>`), and each tool's busy time on the run's
+        clock (``tool_busy``: the timeline's tool lanes)."""
+        out: dict[str, Any] = dict(self.take_stats().metrics())
         if self._tools is not None:
-            out.update(self._tools.take_stats().metrics())
+            tools = self._tools.take_stats()
+            out.update(tools.metrics())
+            out["tool_busy"] = tools.busy_by_tool()
         return out
 
     # ------------------------------------------------------------------ what comes back

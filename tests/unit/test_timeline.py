@@ -156,3 +156,18 @@ def test_each_worker_gets_its_lane_after_the_runs_generation_lane() -> None:
                      4: "training", 5: "waiting"}
     # the overlap figures count the run's generation lane only (not each worker again)
     assert overlap(timeline)["generation_s"] == 2.0
+
+
+def test_each_tool_gets_its_lane_after_generation() -> None:
+    """A multi-turn run's step records carry each tool's busy time (``tool_busy``, the tool
+    box's merged spans): one lane per tool, between generation and training."""
+    records = [
+        {"kind": "config", "run_id": "r", "config": {}},
+        {"kind": "train", "step": 1, "gen_start": 1.0, "gen_end": 3.0, "train_start": 3.0,
+         "train_end": 4.0, "tool_busy": {"search": [[1.5, 2.0]], "calc": [[1.2, 1.3],
+                                                                          [2.1, 2.4]]}},
+    ]  # fmt: skip
+    timeline = spans(records)
+    assert lanes(timeline) == ["generation", "tool calc", "tool search", "training"]
+    assert [(s.start, s.end) for s in timeline if s.lane == "tool calc"] == [(1.2, 1.3),
+                                                                             (2.1, 2.4)]
