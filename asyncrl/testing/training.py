@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from asyncrl.procs.spawn import torchrun_log_args
 from asyncrl.testing.contract_rank import (
     FULLY_MASKED,
     MASKED_CHUNKS,
@@ -228,8 +229,11 @@ class ContractRun:
 def _launch(spec: dict[str, Any], world_size: int, timeout: float) -> None:
     spec_path = Path(spec["out"]) / f"spec-{spec['phase']}.json"
     spec_path.write_text(json.dumps(spec))
+    scratch = Path(spec["out"]) / f"torchrun-{spec['phase']}"  # not /tmp/torchelastic_*
+    scratch.mkdir(exist_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
+        *torchrun_log_args(str(scratch)),
         "--nproc-per-node", str(world_size), "-m", "asyncrl.testing.contract_rank",
         str(spec_path),
     ]  # fmt: skip

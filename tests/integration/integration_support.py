@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,6 +25,7 @@ import psutil
 from asyncrl.config import Config
 from asyncrl.run.controller import Controller
 from asyncrl.procs.space import shm_dir
+from asyncrl.procs.spawn import torchrun_log_args
 
 
 # --------------------------------------------------------------------------- the model dir
@@ -171,23 +173,24 @@ def run_torchrun_driver(driver: Path, args: list[str], ranks: int, timeout_s: fl
     output's tail, if it times out or exits non-zero."""
     import pytest
 
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(ranks), str(driver), *args,
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        ranks_left = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for rank in ranks_left:
-            rank.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"{driver.name} timed out (ranks out of lockstep?):\n{output[-6000:]}")
+    with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            *torchrun_log_args(scratch), "--nproc-per-node", str(ranks), str(driver), *args,
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            ranks_left = psutil.Process(proc.pid).children(recursive=True)
+            os.killpg(proc.pid, signal.SIGKILL)
+            for rank in ranks_left:
+                rank.kill()
+            output, _ = proc.communicate()
+            pytest.fail(f"{driver.name} timed out (ranks out of lockstep?):\n{output[-6000:]}")
     assert proc.returncode == 0, f"{driver.name} failed:\n{output[-8000:]}"
 
 
