@@ -158,6 +158,10 @@ class _GroupRun:
     failed: bool = False
     cancelled: bool = False
 
+    @property
+    def prompt_id(self) -> str:
+        return self.sent.prompt.id if self.sent.prompt is not None else "?"
+
     def scope(self, index: int) -> anyio.CancelScope:
         scope = self.scopes[index] = anyio.CancelScope()
         if self.cancelled:
@@ -329,9 +333,8 @@ class EpisodeRunner:
         run.failed = True
         run.cancel()
         log.warning("episode_failed", episode=f"{gid}/{index}", error=str(failure))
-        prompt_id = run.sent.prompt.id if run.sent.prompt is not None else "?"
         assert self._tg is not None
-        turns = self._fail_group(gid, prompt_id, f"episode {gid}/{index}: {failure}",
+        turns = self._fail_group(gid, run.prompt_id, f"episode {gid}/{index}: {failure}",
                                  failure.retryable, self._tg)  # fmt: skip
         if turns:
             for worker, ids in turns.items():
