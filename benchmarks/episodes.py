@@ -20,7 +20,7 @@ Measured, over the steady state (from the end of step 2 to the last step):
 - **episodes/s** (and turns/s): episodes that ended with a score, from the ``train`` records'
   ``episodes`` and ``episode_turns_mean``;
 - **episodes in flight**: the run's :meth:`~asyncrl.Controller.status` (``inflight_samples``,
-  ``turns_in_flight``) sampled every 50 ms: mean, p10, p50, max;
+  ``turns_in_flight``) sampled every 100 ms: mean, p10, p50, max;
 - **loop lag**: how late a 10 ms sleep wakes on the controller's loop, sampled by the
   benchmark as :class:`~asyncrl.obs.watchdog.LoopLag` does (p50, p99, max, pooled), and each
   step's ``loop_lag_p99_s`` as the run records it;
@@ -105,12 +105,13 @@ async def one_run(
     data: dict[str, Any], *, trace: bool = False, prof: cProfile.Profile | None = None
 ) -> dict[str, Any]:
     """Run ``data``'s config to its end, sampling the loop's lag (every 10 ms) and the
-    episodes in flight and the memory (every 50 ms) meanwhile; returns the raw series and
+    episodes in flight and the memory (every 100 ms) meanwhile; returns the raw series and
     the ``train`` records, on the run's clock, and the loop thread's CPU time from the end
     of step 2 to the end of training (``prof``, if given, profiles that span)."""
     lags: list[tuple[float, float]] = []
     load: list[tuple[float, int, int, int, int]] = []  # at, in flight, turns, rss, traced
     steady: list[tuple[float, float]] = []  # (perf_counter, thread_time) at its start
+    probe_s: list[float] = []  # what each load sample cost the loop
     ctl: asyncrl.Controller | None = None
 
     async def lag_probe() -> None:
@@ -121,7 +122,8 @@ async def one_run(
 
     async def load_probe() -> None:
         while True:
-            await anyio.sleep(0.05)
+            await anyio.sleep(0.1)
+            t = time.perf_counter()
             try:
                 status = ctl.status() if ctl is not None else None
             except RuntimeError:  # not running yet, or over
@@ -131,6 +133,7 @@ async def one_run(
             traced = tracemalloc.get_traced_memory()[0] if trace else 0
             load.append((time.perf_counter(), status.inflight_samples,
                          status.turns_in_flight, rss_bytes(), traced))  # fmt: skip
+            probe_s.append(time.perf_counter() - t)
             if status.step >= 2 and not steady:
                 steady.append((time.perf_counter(), time.thread_time()))
                 if prof is not None:
@@ -154,7 +157,7 @@ async def one_run(
             tracemalloc.stop()
     (w0, c0), (w1, c1) = steady[0], end
     return {"t0": t0, "steps": steps, "lags": lags, "load": load,
-            "loop_cpu_s": c1 - c0, "loop_wall_s": w1 - w0}  # fmt: skip
+            "loop_cpu_s": c1 - c0, "loop_wall_s": w1 - w0, "probe_s": probe_s}  # fmt: skip
 
 
 def summarize(raw: dict[str, Any], samples: int) -> dict[str, Any]:
@@ -193,6 +196,7 @@ def summarize(raw: dict[str, Any], samples: int) -> dict[str, Any]:
         "step_lag_p99_worst_ms": 1e3 * max(r["loop_lag_p99_s"] for r in steps[2:]),
         "rss_mib": statistics.median(row[3] for row in load) / 2**20,
         "traced_mib": statistics.median(row[4] for row in load) / 2**20,
+        "probe_ms_mean": 1e3 * statistics.mean(raw["probe_s"]),
     }
 
 
