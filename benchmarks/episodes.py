@@ -1,8 +1,8 @@
 """Many multi-turn episodes at once on the controller: throughput, loop lag, memory.
 
-    .venv/bin/python benchmarks/episodes.py               # ~3 min on 2 cores
-    .venv/bin/python benchmarks/episodes.py --prompts 8 --steps 4   # a quick look
-    .venv/bin/python benchmarks/episodes.py --profile     # + where the loop's time goes
+    .venv/bin/python benchmarks/episodes.py               # ~2 min on 2 cores
+    .venv/bin/python benchmarks/episodes.py --prompts 8 --small-prompts 2 --steps 4  # a look
+    .venv/bin/python benchmarks/episodes.py --profile --sweep 0.2 0.4 --machine 2core  # ~7 min
 
 A real run: the embedded :class:`asyncrl.Controller` with the example (bigram) trainer and
 rollout ranks as real processes, on the testing environment ``repeat-digit-turns`` with
@@ -15,7 +15,8 @@ token: about 1 in 20 of an untrained bigram's) at ``--token-delay`` s a token on
 no slot limit (~0.8 s a turn by default; an LLM's turn takes seconds): every episode holds a
 turn on a worker most of the time.
 
-Measured, over the steady state (from the end of step 2 to the last step):
+Each run is a fresh interpreter (a child of this script) holding the controller. Measured,
+over the steady state (from the end of step 2 to the last step):
 
 - **episodes/s** (and turns/s): episodes that ended with a score, from the ``train`` records'
   ``episodes`` and ``episode_turns_mean``;
@@ -23,16 +24,19 @@ Measured, over the steady state (from the end of step 2 to the last step):
   ``turns_in_flight``) sampled every 100 ms: mean, p10, p50, max;
 - **loop lag**: how late a 10 ms sleep wakes on the controller's loop, sampled by the
   benchmark as :class:`~asyncrl.obs.watchdog.LoopLag` does (p50, p99, max, pooled), and each
-  step's ``loop_lag_p99_s`` as the run records it;
-- **memory per episode**: the controller's RSS (this process: the controller is embedded),
+  step's ``loop_lag_p99_s`` as the run records it; and how busy the loop's thread was (its
+  CPU time over the wall time);
+- **memory per episode**: the controller's RSS (the child's: the controller is embedded),
   median over the steady state, in this run and in one with ``--small-prompts`` x
   ``--samples`` episodes (~100 in flight); the difference divided by the difference in mean
   episodes in flight. RSS, not tracemalloc: it is what the host pays (ZeroMQ's buffers and
   allocator slack included), and tracemalloc would slow the loop it measures (``--tracemalloc``
   adds the Python heap's share, traced in the same runs, for the split).
 
-``--profile`` runs once more under cProfile (the controller's thread) and prints the top
-functions by own time, with each one's share of the loop's busy time.
+``--profile`` runs once more under cProfile (the controller's thread, over the steady state)
+and prints own time by file, the top functions by own time, and asyncrl's by cumulative
+time, each as a share of the loop thread's CPU time. ``--sweep`` runs ~1,000 episodes again
+at slower tokens: the loop lag against the turn rate.
 
 Results are printed and written to ``--out`` (default
 ``benchmarks/results/episodes-<machine>.json`` with ``--machine``, else
@@ -211,7 +215,8 @@ def profile_tables(prof: cProfile.Profile, busy_s: float, top: int = 20) -> dict
     thread's CPU time."""
     files: dict[str, float] = {}
     rows = []
-    for (file, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+    table = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    for (file, line, name), (_, calls, own, cum, _) in table.items():
         if name == IDLE:
             continue
         parts = Path(file).parts if file != "~" else (name,)
@@ -238,7 +243,8 @@ def memory(big: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
         "method": "controller RSS median over the steady state, run with ~1,000 in flight "
         "minus run with ~100, over the difference in mean episodes in flight",
         "rss_kib_per_episode": (big["rss_mib"] - small["rss_mib"]) * 1024 / d_eps,
-        "traced_kib_per_episode": (big["traced_mib"] - small["traced_mib"]) * 1024 / d_eps,
+        "traced_kib_per_episode": (big["traced_mib"] - small["traced_mib"]) * 1024 / d_eps
+        if big["traced_mib"] else None,  # None: not traced (--tracemalloc)
         "episodes_difference": d_eps,
     }
 
@@ -257,33 +263,50 @@ def report(results: dict[str, Any]) -> None:
         f"memory: {m['rss_kib_per_episode']:.1f} KiB RSS per episode in flight "
         f"({r['rss_mib']:.0f} MiB vs {results['small']['rss_mib']:.0f} MiB over "
         f"{m['episodes_difference']:.0f} episodes)\n"
-        f"the loop's thread: {r['loop_cpu_s']:.1f} s CPU in {r['loop_wall_s']:.1f} s of the steady state "
+        f"the loop's thread: {r['loop_cpu_s']:.1f} s CPU in {r['loop_wall_s']:.1f} s of the "
+        f"steady state "
         f"({100 * r['loop_cpu_s'] / r['loop_wall_s']:.0f}% busy)"
         + (f"; Python heap {m['traced_kib_per_episode']:.1f} KiB" if results["tracemalloc"]
            else "")  # fmt: skip
     )
     if "profile" in results:
-        p = results["profile"]
-        print(f"\nprofile: the loop's thread used {p['loop_cpu_s']:.1f} s CPU in {p['loop_wall_s']:.1f} s of the "
-              f"steady state (cProfile's overhead included); own time by file, then by "
-              f"function (waiting in epoll left out):")  # fmt: skip
-        tables = p["profile"]
-        for row in tables["by_file"]:
-            print(f"  {100 * row['share']:5.1f}%  {row['own_s']:7.2f} s  {row['file']}")
-        for key, title in (("by_own", "own"), ("asyncrl_by_cum", "cumulative, asyncrl's")):
-            print(f"  by {title} time:")
-            for row in tables[key]:
-                print(f"  {100 * row['share']:5.1f}% own {row['own_s']:6.2f} s, cum "
-                      f"{row['cum_s']:6.2f} s ({100 * row['cum_share']:5.1f}%) "
-                      f"{row['calls']:>8} calls  {row['function']}")  # fmt: skip
+        report_profile(results["profile"])
+    if results.get("sweep"):
+        print("\nloop lag against the turn rate, ~1,000 episodes in flight (--sweep):")
+        print("| s a token | turns/s | episodes in flight | loop busy | lag p50 | lag p99 "
+              "| lag max |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for row in results["sweep"]:
+            print(f"| {row['token_delay_s']} | {row['turns_per_s']:.0f} "
+                  f"| {row['in_flight_mean']:.0f} "
+                  f"| {100 * row['loop_cpu_s'] / row['loop_wall_s']:.0f}% "
+                  f"| {row['loop_lag_p50_ms']:.1f} ms | {row['loop_lag_p99_ms']:.1f} ms "
+                  f"| {row['loop_lag_max_ms']:.0f} ms |")  # fmt: skip
+
+
+def report_profile(p: dict[str, Any]) -> None:
+    """Print the ``--profile`` run's tables."""
+    print(f"\nprofile: the loop's thread used {p['loop_cpu_s']:.1f} s CPU in "
+          f"{p['loop_wall_s']:.1f} s of the steady state (cProfile's overhead included); own "
+          f"time by file, then by function (waiting in epoll left out):")  # fmt: skip
+    tables = p["profile"]
+    for row in tables["by_file"]:
+        print(f"  {100 * row['share']:5.1f}%  {row['own_s']:7.2f} s  {row['file']}")
+    for key, title in (("by_own", "own"), ("asyncrl_by_cum", "cumulative, asyncrl's")):
+        print(f"  by {title} time:")
+        for row in tables[key]:
+            print(f"  {100 * row['share']:5.1f}% own {row['own_s']:6.2f} s, cum "
+                  f"{row['cum_s']:6.2f} s ({100 * row['cum_share']:5.1f}%) "
+                  f"{row['calls']:>8} calls  {row['function']}")  # fmt: skip
 
 
 def child_command(args: argparse.Namespace, name: str, prompts: int, *, profile: bool,
-                  out: Path) -> list[str]:
+                  out: Path, token_delay: float) -> list[str]:  # fmt: skip
     """This script, to run one measurement in a fresh interpreter."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name,
-           "--child-prompts", str(prompts), "--child-out", str(out)]  # fmt: skip
-    for flag in ("samples", "steps", "ranks", "turn_tokens", "token_delay"):
+           "--child-prompts", str(prompts), "--child-out", str(out),
+           "--token-delay", str(token_delay)]  # fmt: skip
+    for flag in ("samples", "steps", "ranks", "turn_tokens"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return cmd + ["--tracemalloc"] * args.tracemalloc + ["--profile"] * profile
 
@@ -305,12 +328,14 @@ async def child(args: argparse.Namespace) -> None:
     args.child_out.write_text(json.dumps(out))
 
 
-def measure(args: argparse.Namespace, name: str, prompts: int, *, profile: bool = False
-            ) -> dict[str, Any]:  # fmt: skip
+def measure(args: argparse.Namespace, name: str, prompts: int, *, profile: bool = False,
+            token_delay: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Run ``child`` in a fresh interpreter (so each RSS starts from the same place)."""
+    delay = args.token_delay if token_delay is None else token_delay
     with tempfile.TemporaryDirectory(prefix="asyncrl-episodes-") as tmp:
         out = Path(tmp) / "out.json"
-        subprocess.run(child_command(args, name, prompts, profile=profile, out=out), check=True)
+        cmd = child_command(args, name, prompts, profile=profile, out=out, token_delay=delay)
+        subprocess.run(cmd, check=True)
         result = json.loads(out.read_text())
     print(f"{name}:", json.dumps({k: v for k, v in result.items() if k != "profile"}),
           flush=True)  # fmt: skip
@@ -340,6 +365,10 @@ def main(args: argparse.Namespace) -> None:
     results["memory"] = memory(results["run"], results["small"])
     if args.profile:
         results["profile"] = measure(args, "profile", args.prompts, profile=True)
+    results["sweep"] = []
+    for delay in args.sweep:
+        row = measure(args, f"sweep {delay}", args.prompts, token_delay=delay)
+        results["sweep"].append({"token_delay_s": delay, **row})
     report(results)
     if args.out is not None:
         out = args.out
@@ -360,13 +389,17 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=16, help="episodes a group")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ranks", type=int, default=2, help="rollout ranks")
-    parser.add_argument("--turn-tokens", type=int, default=8, help="at most this many tokens a turn")
+    parser.add_argument("--turn-tokens", type=int, default=8,
+                        help="at most this many tokens a turn")
     parser.add_argument("--token-delay", type=float, default=0.1,
                         help="engine seconds a token (~0.8 s a turn by default)")
     parser.add_argument("--tracemalloc", action="store_true",
                         help="also trace the Python heap (slows the runs)")
     parser.add_argument("--profile", action="store_true",
                         help="one more run under cProfile: where the loop's time goes")
+    parser.add_argument("--sweep", type=float, nargs="*", default=[],
+                        help="more runs of ~1,000 episodes at these seconds a token (slower "
+                        "turns, fewer turns/s): the loop lag against the turn rate")
     parser.add_argument("--machine", default="", help="names the results file, e.g. 2core")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
