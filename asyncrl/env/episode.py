@@ -220,9 +220,8 @@ class Episode:
         self._turns += 1
         ids = np.asarray(out.token_ids, dtype=np.int32)
         ids.flags.writeable = False
-        turn = Turn(text, ids, out.finish_reason, out.version)
         if self._parser is None:
-            return turn
+            return Turn(text, ids, out.finish_reason, out.version)
         parsed = self._parser.parse(text)
         return Turn(text, ids, out.finish_reason, out.version, parsed.calls, parsed.errors)
 

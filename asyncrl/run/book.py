@@ -340,8 +340,6 @@ class RolloutBook:
         self._sched.failed(group_id, retry=retry)
         if not self._sched.tracks(group_id):
             del self._groups[group_id]
-        elif not group.worker:  # waits for its retry: its episodes start afresh
-            group.samples = [None] * len(group.samples)
         return turns
 
     def retry(self, group_id: str) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 import structlog
 
 from asyncrl.config import Config
-from asyncrl.data.prompts import Tokenizer
+from asyncrl.data.prompts import Tokenizer, sample_seed
 from asyncrl.env.episode import (
     Episode,
     EpisodeEnvironment,
@@ -48,7 +48,7 @@ from asyncrl.policy.groups import CompletedSample, Part
 from asyncrl.run import book as bk
 from asyncrl.run.wake import Signal
 from asyncrl.run.turns import Turn, turn_id
-from asyncrl.wire.messages import Sample
+from asyncrl.wire.messages import GenRequest, Sample
 from asyncrl.wire.rpc import ControlPlane
 
 __all__ = ["EpisodeFailed", "EpisodeRunner", "EpisodeStats", "TurnLost", "build_runner"]
@@ -493,9 +493,6 @@ class EpisodeRunner:
     async def _request(
         self, tid: str, worker: str, prompt_ids: list[int], max_tokens: int, greedy: bool
     ) -> Sample:
-        from asyncrl.data.prompts import sample_seed
-        from asyncrl.wire.messages import GenRequest
-
         slot = self._slots[tid] = _Slot()
         request = GenRequest(
             group_id=tid, prompt_ids=prompt_ids, n=1, max_tokens=max_tokens,

@@ -87,14 +87,23 @@ class RepeatDigitEnv:
         return Score(reward=1.0 if prompt.answer in text else 0.0, correct=correct)
 
 
-def make_environment(options: dict[str, Any], seed: int) -> RepeatDigitEnv:
+def _options(options: dict[str, Any], kind: type[Any]) -> Any:
+    """``[environment.options]`` as ``kind`` (either task's options), its split sizes checked.
+
+    Raises:
+        ConfigError: a field's type or a split size is wrong (naming it).
+    """
     try:
-        opts = msgspec.convert(dict(options), RepeatDigitOptions)
+        opts = msgspec.convert(dict(options), kind)
     except msgspec.ValidationError as exc:
-        raise ConfigError(explain(exc, RepeatDigitOptions, "environment.options")) from None
+        raise ConfigError(explain(exc, kind, "environment.options")) from None
     if opts.num_train < 1 or opts.num_eval < 0:
         raise ConfigError("environment.options: num_train must be >= 1 and num_eval >= 0")
-    return RepeatDigitEnv(opts, seed)
+    return opts
+
+
+def make_environment(options: dict[str, Any], seed: int) -> RepeatDigitEnv:
+    return RepeatDigitEnv(_options(options, RepeatDigitOptions), seed)
 
 
 class RepeatDigitTurnsEnv:
@@ -157,12 +166,7 @@ class RepeatDigitTurnsOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_
 
 
 def make_turns_environment(options: dict[str, Any], seed: int) -> RepeatDigitTurnsEnv:
-    try:
-        opts = msgspec.convert(dict(options), RepeatDigitTurnsOptions)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(explain(exc, RepeatDigitTurnsOptions, "environment.options")) from None
-    if opts.num_train < 1 or opts.num_eval < 0:
-        raise ConfigError("environment.options: num_train must be >= 1 and num_eval >= 0")
+    opts = _options(options, RepeatDigitTurnsOptions)
     if opts.turns < 1:
         raise ConfigError(f"environment.options.turns: must be >= 1, got {opts.turns} "
                           "(the assistant turns per episode)")  # fmt: skip
