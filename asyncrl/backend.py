@@ -51,6 +51,7 @@ __all__ = [
     "EngineWatch",
     "GenerationBackend",
     "KVCalibration",
+    "Reprefill",
     "SampleSink",
     "TrainingBackend",
     "WeightBucketView",
@@ -252,6 +253,19 @@ class EngineWatch(Protocol):
         :class:`~asyncrl.errors.EngineDeadError` (naming the process and its exit code) as soon
         as it cannot, so the worker stops at once instead of waiting on a dead engine.
         Cancellation: stops watching."""
+
+
+class Reprefill(Protocol):
+    """Optional for a :class:`GenerationBackend` with a KV cache: what the sampler's
+    ``in_flight_at_refit = "reprefill"`` needs (the worker refuses to start such a run on a
+    backend without it)."""
+
+    async def reprefill_in_flight(self) -> None:
+        """During a refit (after the last bucket loaded, before
+        :meth:`~GenerationBackend.finish_weight_update`): drop the KV cache of every request
+        in flight, so that once generation resumes the new weights recompute it from the
+        request's tokens (prompt and those generated so far) before its next token. Nothing
+        generated is lost; the tokens keep the versions that generated them."""
 
 
 @runtime_checkable

@@ -108,6 +108,10 @@ class Generated:
     logprobs: np.ndarray
     finish_reason: str
     version: int
+    """The weight version the generators served when the request was sent."""
+    versions: np.ndarray | None = None
+    """int32, one per token: the version that generated it (a turn in flight during a refit
+    continues on the new weights); ``None``: all ``version``."""
 
 
 class TurnSource(Protocol):
@@ -132,7 +136,8 @@ class Record(Protocol):
     def messages(self) -> list[dict[str, Any]]: ...
 
     def add_turn(
-        self, token_ids: np.ndarray, logprobs: np.ndarray, version: int, finish_reason: str
+        self, token_ids: np.ndarray, logprobs: np.ndarray, version: int | np.ndarray,
+        finish_reason: str,
     ) -> str: ...
 
     def add_messages(self, messages: Sequence[Mapping[str, Any]]) -> None: ...
@@ -216,7 +221,8 @@ class Episode:
             raise ValueError(f"generate(max_tokens={max_tokens!r}): give a positive number")
         budget = min(limits.max_turn_tokens, room, max_tokens or limits.max_turn_tokens)
         out = await self._source(self._record.prompt_ids, budget)
-        text = self._record.add_turn(out.token_ids, out.logprobs, out.version, out.finish_reason)
+        versions = out.version if out.versions is None else out.versions
+        text = self._record.add_turn(out.token_ids, out.logprobs, versions, out.finish_reason)
         self._turns += 1
         ids = np.asarray(out.token_ids, dtype=np.int32)
         ids.flags.writeable = False

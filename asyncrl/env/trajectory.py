@@ -279,21 +279,21 @@ class Trajectory:
             )
         ids = self._ids(token_ids, f"turn {n}")
         lps, versions = self._values(ids.size, logprobs, version, n)
-        ends = np.flatnonzero(np.isin(ids, list(self._ends)))
-        if ends.size and ends[0] != ids.size - 1:
+        id_list = ids.tolist()
+        ends = [i for i, t in enumerate(id_list) if t in self._ends]  # a turn is short
+        if ends and ends[0] != ids.size - 1:
             raise self._error(
-                f"turn {n} has the end token {int(ids[ends[0]])} at position {int(ends[0])}, "
+                f"turn {n} has the end token {id_list[ends[0]]} at position {ends[0]}, "
                 f"before its last token (of {ids.size})",
                 "stop generating at the first end token (the engine's stop tokens must be "
                 "end_token_ids)",
             )
         nxt = self._pending()  # checked before anything changes: an error leaves it as it was
         before = nxt.ids[-1] if nxt is not None and nxt.ids else self._segment.ids[-1]
-        id_list = ids.tolist()
         text = self._decode_after(before, id_list)
-        content = self._without_end(before, id_list, text) if ends.size else text
+        content = self._without_end(before, id_list, text) if ends else text
         message = self._checked(self._to_message(content), f"turn {n}'s assistant message")
-        reason = finish_reason or ("stop" if ends.size else "length")
+        reason = finish_reason or ("stop" if ends else "length")
         self._commit()
         self._segment.generate(id_list, text, lps, versions, n, reason)
         self._messages.append(message)

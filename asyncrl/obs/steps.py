@@ -147,6 +147,7 @@ class StepRecord:
             "accuracy": float(np.mean([s.correct for s in samples])),
             "staleness_max": int(max(stale)),
             "staleness_mean": float(np.mean(stale)),
+            **self._token_staleness(),
             "loss": result.loss,
             "grad_norm": result.grad_norm,
             "clip_frac": sum(r.clipped_tokens for r in self.chunk_results) / n_tok,
@@ -154,6 +155,28 @@ class StepRecord:
             "response_len": float(np.mean([len(s.token_ids) for s in samples])),
             "chunks": self.chunks,
             "groups": len(self.groups),
+        }
+
+    def _token_staleness(self) -> dict[str, Any]:
+        """Staleness per trained token: the step minus the version that generated it (a
+        sequence in flight during a refit has tokens of several versions; a group's
+        ``staleness`` counts from its dispatch, the oldest its tokens can be)."""
+        versions, later = [], 0
+        for g in self.groups:
+            for s in g.samples:
+                versions.append(v := s.trained_versions(g.start_version))
+                later += int((v > g.start_version).sum())
+        stale = self.step - np.concatenate(versions) if versions else np.zeros(0, np.int64)
+        if not stale.size:
+            return {"token_staleness_max": 0, "token_staleness_mean": 0.0,
+                    "token_staleness_hist": {}, "tokens_after_refit": 0}  # fmt: skip
+        values, counts = np.unique(stale, return_counts=True)
+        return {
+            "token_staleness_max": int(stale.max()),
+            "token_staleness_mean": float(stale.mean()),
+            "token_staleness_hist": {str(int(v)): int(c) for v, c in zip(values, counts)},
+            # generated after a refit that came while their request was in flight
+            "tokens_after_refit": later,
         }
 
     def _durations(self, refit_s: float, gen_start: float, gen_end: float) -> dict[str, Any]:

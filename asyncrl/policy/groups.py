@@ -30,6 +30,9 @@ class Part:
     logprobs: Any  # float32 array, aligned with token_ids
     loss_mask: Any  # uint8 array, aligned with token_ids
     finish_reason: str
+    versions: Any = None
+    """int32 array aligned with token_ids: the weight version that generated each token (-1
+    on inserted ones); ``None``: unknown (restored from an older checkpoint)."""
 
     def trained_mask(self) -> np.ndarray:
         """:func:`aligned_mask` of this part.
@@ -38,6 +41,13 @@ class Part:
             ValueError: the mask is not one 0 or 1 per token.
         """
         return aligned_mask(self.token_ids, self.loss_mask)
+
+    def trained_versions(self, unknown: int) -> np.ndarray:
+        """The versions of the tokens that train (``unknown`` for each when not recorded)."""
+        mask = self.trained_mask().astype(bool)
+        if self.versions is None:
+            return np.full(int(mask.sum()), unknown, np.int32)
+        return np.asarray(self.versions, np.int32)[mask]
 
 
 def aligned_mask(token_ids: Any, loss_mask: Any) -> np.ndarray:
@@ -51,7 +61,7 @@ def aligned_mask(token_ids: Any, loss_mask: Any) -> np.ndarray:
     if loss_mask is None:
         return np.ones(n, np.uint8)
     mask = np.asarray(loss_mask)
-    if mask.shape != (n,) or (mask.size and not np.isin(mask, (0, 1)).all()):
+    if mask.shape != (n,) or (mask.size and ((mask != 0) & (mask != 1)).any()):
         raise ValueError(
             f"a sample's loss_mask must hold one 0 or 1 per token ({n} tokens), got shape "
             f"{mask.shape} with values {np.unique(mask)[:5].tolist()}; fix the code that "
@@ -79,6 +89,10 @@ class CompletedSample:
     earlier: tuple[Part, ...] = ()
     """An episode's sequences its chat template split off before this one (each trains with
     this sample's reward and advantage; docs/environments.md)."""
+    versions: Any = None
+    """int32 array aligned with ``token_ids``: the weight version that generated each token
+    (-1 on inserted ones; a sequence in flight during a refit has several); ``None``: unknown
+    (restored from an older checkpoint: its group's start version, the oldest possible)."""
 
     def trained_mask(self) -> np.ndarray:
         """:func:`aligned_mask` of this sample's own sequence (all ones for ``None``).
@@ -96,8 +110,18 @@ class CompletedSample:
             ValueError: its loss mask is not one 0 or 1 per token.
         """
         prompt = group_prompt_ids if self.prompt_ids is None else self.prompt_ids
-        own = Part(prompt, self.token_ids, self.logprobs, self.trained_mask(), self.finish_reason)
+        mask = self.trained_mask()
+        own = Part(prompt, self.token_ids, self.logprobs, mask, self.finish_reason, self.versions)
         return (*self.earlier, own)
+
+    def trained_versions(self, unknown: int) -> np.ndarray:
+        """The weight versions of every token this sample trains (its split-off sequences'
+        included), ``unknown`` for tokens whose version was not recorded.
+
+        Raises:
+            ValueError: its loss mask is not one 0 or 1 per token.
+        """
+        return np.concatenate([p.trained_versions(unknown) for p in self.parts(None)])
 
 
 class Rewards(Sequence[float]):

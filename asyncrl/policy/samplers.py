@@ -42,11 +42,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
 __all__ = [
+    "IN_FLIGHT_CHOICES",
+    "DecidesInFlight",
     "DescribesMode",
     "GatedConfig",
     "GatedSampler",
@@ -60,6 +62,7 @@ __all__ = [
     "Sampler",
     "SamplerPlugin",
     "SchedulerView",
+    "in_flight_at_refit",
     "slack",
 ]
 
@@ -147,6 +150,41 @@ class DescribesMode(Protocol):
         check-config`` (:func:`asyncrl.config.modes.describe`; docs/modes.md)."""
 
 
+IN_FLIGHT_CHOICES = ("continue", "reprefill")
+
+
+@runtime_checkable
+class DecidesInFlight(Protocol):
+    """What a sampler may add to :class:`Sampler`: what becomes of the requests in flight at
+    a refit (episodes' turns included). Every built-in sampler has it (the knob
+    ``in_flight_at_refit``); without it they continue."""
+
+    in_flight_at_refit: str
+    """``"continue"``: they go on with the new weights, over the KV cache the old ones
+    computed (what the engine keeps through its pause); ``"reprefill"``: the new weights
+    first recompute their KV cache from their tokens (one prefill of each sequence in
+    flight per refit). Either way nothing generated is thrown away, and each token keeps
+    the version that generated it."""
+
+
+def in_flight_at_refit(sampler: Any) -> str:
+    """``sampler``'s choice for the requests in flight at a refit (:class:`DecidesInFlight`;
+    ``"continue"`` for a sampler without one).
+
+    Raises:
+        ValueError: a choice other than ``"continue"`` and ``"reprefill"``.
+    """
+    if not isinstance(sampler, DecidesInFlight):
+        return "continue"
+    choice = sampler.in_flight_at_refit
+    if choice not in IN_FLIGHT_CHOICES:
+        raise ValueError(
+            f"sampler {getattr(sampler, 'name', sampler)!r}: in_flight_at_refit must be one of "
+            f"{IN_FLIGHT_CHOICES}, got {choice!r}"
+        )
+    return choice
+
+
 @dataclass(frozen=True)
 class SamplerPlugin:
     """What an ``asyncrl.samplers`` entry point names.
@@ -161,7 +199,10 @@ class SamplerPlugin:
 
 
 class _Knobs(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    pass
+    in_flight_at_refit: Literal["continue", "reprefill"] = "continue"
+    """What becomes of the requests in flight at a refit (:class:`DecidesInFlight`):
+    ``"continue"`` on the new weights over the KV cache the old ones computed, or
+    ``"reprefill"``: the new weights recompute it from their tokens first."""
 
 
 # --------------------------------------------------------------------------- in_order
@@ -189,6 +230,7 @@ class InOrderSampler:
             )
         self.lookahead = config.max_lookahead_versions
         self.max_staleness = self.lookahead
+        self.in_flight_at_refit = config.in_flight_at_refit
         self._admitted = 0
 
     def describe(self) -> str:
@@ -295,6 +337,7 @@ class GatedSampler:
 
     def __init__(self, config: GatedConfig) -> None:
         self.window = self.max_staleness = _window(config.max_staleness_versions)
+        self.in_flight_at_refit = config.in_flight_at_refit
 
     def describe(self) -> str:
         W = self.window
@@ -396,6 +439,7 @@ class OversampledSampler(_Windowed):
 
     def __init__(self, config: OversampledConfig) -> None:
         self.window = self.max_staleness = _window(config.max_staleness_versions)
+        self.in_flight_at_refit = config.in_flight_at_refit
         if not config.over_sampling_ratio >= 1.0:
             raise ValueError(
                 f"over_sampling_ratio: must be >= 1, got {config.over_sampling_ratio}. "
@@ -440,6 +484,7 @@ class ReadyFirstSampler(_Windowed):
 
     def __init__(self, config: ReadyFirstConfig) -> None:
         self.window = self.max_staleness = _window(config.max_staleness_versions)
+        self.in_flight_at_refit = config.in_flight_at_refit
 
     def describe(self) -> str:
         W = self.window

@@ -37,6 +37,7 @@ from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, flatten
 from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.grpo import nonfinite_cause, pack_groups, shard_batch
+from asyncrl.policy.samplers import in_flight_at_refit
 from asyncrl.policy.schedule import StepStats
 from asyncrl.policy.verify import make_probe, verification_due
 from asyncrl.run.book import Aborts, RolloutBook
@@ -259,6 +260,9 @@ class Publisher:
         """The FP8 KV-cache scales of the last refit (a restarted worker gets them too)."""
         self._probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
+        self._reprefill = in_flight_at_refit(config.sampler) == "reprefill"
+        """Requests in flight at a step's refit recompute their KV cache (the sampler's
+        choice; docs/modes.md)."""
 
     async def publish(self, step: int, rec: StepRecord) -> StepStats:
         """Step ``step`` took its optimizer step: bump the version, abort what became
@@ -275,7 +279,9 @@ class Publisher:
             await self._drain(rec)
         rec.inflight_at_refit = self.book.inflight_samples
         kv_scales = await self.kv.after_step(rec.groups, step + 1)
-        self.report = await self._refit(step + 1, kv_scales, self.serving())
+        self.report = await self._refit(
+            step + 1, kv_scales, self.serving(), reprefill=self._reprefill
+        )
         self._kv_scales = kv_scales
         rec.refit_end = self.now()
         rec.refit_s = rec.refit_end - refit_start
@@ -333,10 +339,12 @@ class Publisher:
         return version
 
     async def _refit(
-        self, version: int, kv_scales: dict[str, float] | None, receivers: list[str]
+        self, version: int, kv_scales: dict[str, float] | None, receivers: list[str],
+        *, reprefill: bool = False,
     ) -> RefitReport:
         """Send weights ``version`` (and FP8 KV-cache scales) from the trainers to
-        ``receivers``; return when they serve them. Cancellation: abandons the transfer."""
+        ``receivers`` (``reprefill``: their requests in flight recompute their KV cache);
+        return when they serve them. Cancellation: abandons the transfer."""
         report = await refit_generators(
             self.control,
             self.trainers,
@@ -346,6 +354,7 @@ class Publisher:
             refit=self.config.refit,
             timeout_s=self.config.cluster.call_timeout_s,
             kv_scales=kv_scales,
+            reprefill=reprefill,
         )
         if report.rejected_frames:  # the sender's count covers the whole run
             self.rejections.counts["weights"] = report.rejected_frames

@@ -67,6 +67,7 @@ from asyncrl.run.book_types import (  # re-exported: the book's callers read the
     Sent,
     Taken,
     malformed,
+    stamped,
     store,
     stranger,
 )
@@ -209,7 +210,8 @@ class RolloutBook:
         worker = min(serving, key=self._load.__getitem__)
         if previous in serving and self._load[previous] <= self._load[worker] + STICKY_TURNS:
             worker = previous
-        self._turns.start(turn, group_id, index, worker, evaluation=evaluation)
+        version = self._sched.generator_version
+        self._turns.start(turn, group_id, index, worker, version=version, evaluation=evaluation)
         self._load[worker] += 1
         return worker
 
@@ -277,13 +279,13 @@ class RolloutBook:
         assert entry is not None
         if entry.worker != msg.worker or msg.index != 0:
             return stranger(msg, on_worker=True)
-        problem = malformed(msg.sample)
+        problem = malformed(msg.sample, entry.version)
         if problem:
             return Arrival(MALFORMED, detail=problem)
         self._end_turn(entry)
         if entry.abandoned:
             return _DISCARDED
-        return Arrival(TURN, turn=entry, sample=msg.sample)
+        return Arrival(TURN, turn=entry, sample=stamped(msg.sample, entry.version))
 
     def _end_turn(self, entry: Turn) -> None:
         self._turns.end(entry.turn_id)

@@ -142,12 +142,15 @@ class Aborts:
         return len(self.gone) + len(self.episodes) + on_engines
 
 
-def malformed(sample: Sample) -> str:
+def malformed(sample: Sample, dispatched_at: int) -> str:
     """What is wrong with one sample ("" when nothing): the arrays' shapes, dtypes and
-    alignment, the logprobs' values."""
-    tokens, lps = sample.token_ids, sample.logprobs
-    if not isinstance(tokens, np.ndarray) or not isinstance(lps, np.ndarray):
-        return "token ids and logprobs must be arrays"
+    alignment, the logprobs' values, and its tokens' versions: none may be older than
+    ``dispatched_at``, the version the generators served when its request was sent (nothing
+    is sent during a refit). This is what makes the staleness bound, which the scheduler
+    keeps on that version, hold for every token."""
+    tokens, lps, versions = sample.token_ids, sample.logprobs, sample.versions
+    if not all(isinstance(a, np.ndarray) for a in (tokens, lps, versions)):
+        return "token ids, logprobs and versions must be arrays"
     if tokens.ndim != 1 or lps.ndim != 1 or tokens.size != lps.size:
         return f"{tokens.shape} tokens but {lps.shape} logprobs"
     if tokens.dtype.kind not in "iu" or lps.dtype.kind != "f":
@@ -157,7 +160,25 @@ def malformed(sample: Sample) -> str:
         tokens.min() < 0 or not math.isfinite(float(lps.sum())) or lps.max() > 1e-3
     ):
         return "negative token ids, or logprobs that are not finite and <= 0"
+    if versions.size == 0:
+        return ""
+    if versions.shape != tokens.shape or versions.dtype.kind not in "iu":
+        return f"{tokens.shape} tokens but versions of shape {versions.shape} ({versions.dtype})"
+    if versions.min() < dispatched_at:
+        return (
+            f"a token of weight version {int(versions.min())}, older than v{dispatched_at} that "
+            "the generators served when the request was sent"
+        )
     return ""
+
+
+def stamped(sample: Sample, dispatched_at: int) -> Sample:
+    """``sample`` with one version per token: as the engine reported them, or, when it could
+    not tell, ``dispatched_at`` for every token (the oldest they can be)."""
+    if sample.versions.size == sample.token_ids.size:
+        return sample
+    versions = np.full(sample.token_ids.size, dispatched_at, np.int32)
+    return Sample(sample.token_ids, sample.logprobs, sample.finish_reason, versions)
 
 
 def stranger(msg: SampleDone | GroupFailed, on_worker: bool) -> Arrival:
@@ -177,8 +198,8 @@ def store(group: Group, msg: SampleDone) -> Arrival | None:
             detail=f"sample {msg.index} of group {msg.group_id!r}: out of range or already "
             "received",
         )
-    problem = malformed(msg.sample)
+    problem = malformed(msg.sample, group.start_version)
     if problem:
         return Arrival(MALFORMED, detail=problem)
-    samples[msg.index] = msg.sample
+    samples[msg.index] = stamped(msg.sample, group.start_version)
     return None

@@ -114,19 +114,29 @@ class SavedPart(msgspec.Struct, array_like=True, gc=False):
     logprobs: bytes  # float32
     loss_mask: bytes  # uint8
     finish_reason: str
+    versions: bytes | None = None
+    """int32, one per token; ``None``: not recorded (an asyncrl before protocol 9)."""
 
     @classmethod
     def of(cls, part: Part) -> SavedPart:
         mask = part.trained_mask().tobytes()
         args = (_i32(part.prompt_ids), _i32(part.token_ids), _f32(part.logprobs), mask)
-        return cls(*args, part.finish_reason)
+        return cls(*args, part.finish_reason, _maybe_i32(part.versions))
 
     def part(self) -> Part:
         return Part(
             _array(self.prompt_ids, np.int32), _array(self.token_ids, np.int32),
             _array(self.logprobs, np.float32), _array(self.loss_mask, np.uint8),
-            self.finish_reason,
+            self.finish_reason, _maybe_array(self.versions),
         )  # fmt: skip
+
+
+def _maybe_i32(a: Any) -> bytes | None:
+    return None if a is None else _i32(a)
+
+
+def _maybe_array(data: bytes | None) -> np.ndarray | None:
+    return None if data is None else _array(data, np.int32)
 
 
 class SavedSample(msgspec.Struct, array_like=True, gc=False):
@@ -141,6 +151,10 @@ class SavedSample(msgspec.Struct, array_like=True, gc=False):
     """int32: the sample's own prompt (format 3); ``None``: its group's."""
     earlier: list[SavedPart] = []
     """The episode's sequences split off before this one (format 3)."""
+    versions: bytes | None = None
+    """int32, the version of each token; ``None``: not recorded (an older asyncrl wrote it,
+    or reads it and drops this field: its tokens then count at their group's start version,
+    the oldest they can be, so the format stays 3)."""
 
     @classmethod
     def of(cls, sample: CompletedSample) -> SavedSample:
@@ -149,7 +163,7 @@ class SavedSample(msgspec.Struct, array_like=True, gc=False):
         return cls(
             _i32(sample.token_ids), _f32(sample.logprobs), sample.finish_reason,
             float(sample.reward), bool(sample.correct), mask, prompt,
-            [SavedPart.of(p) for p in sample.earlier],
+            [SavedPart.of(p) for p in sample.earlier], _maybe_i32(sample.versions),
         )  # fmt: skip
 
     def sample(self) -> CompletedSample:
@@ -159,7 +173,7 @@ class SavedSample(msgspec.Struct, array_like=True, gc=False):
             self.finish_reason, self.reward, self.correct,
             loss_mask=None if mask is None else _array(mask, np.uint8),
             prompt_ids=None if prompt is None else _array(prompt, np.int32),
-            earlier=tuple(p.part() for p in self.earlier),
+            earlier=tuple(p.part() for p in self.earlier), versions=_maybe_array(self.versions),
         )  # fmt: skip
 
 

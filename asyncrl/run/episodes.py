@@ -437,6 +437,7 @@ class EpisodeRunner:
             finish_reason=truncated or last.finish_reason, reward=float(score.reward),
             correct=bool(score.correct), components=dict(score.components),
             loss_mask=last.loss_mask, prompt_ids=last.prompt_ids, earlier=tuple(earlier),
+            versions=last.versions,
         )  # fmt: skip
 
     def _part(self, sample: TrajectorySample, truncated: str | None) -> Part:
@@ -446,6 +447,7 @@ class EpisodeRunner:
         return Part(
             prompt_ids=sample.prompt_ids, token_ids=sample.response_ids,
             logprobs=sample.logprobs, loss_mask=mask, finish_reason=sample.finish_reason,
+            versions=sample.versions,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ one turn
@@ -472,7 +474,9 @@ class EpisodeRunner:
                     raise EpisodeFailed(f"turn failed on {chosen}: {lost}",
                                         retryable=lost.retryable) from None  # fmt: skip
                 continue
-            return Generated(sample.token_ids, sample.logprobs, sample.finish_reason, version)
+            return Generated(
+                sample.token_ids, sample.logprobs, sample.finish_reason, version, sample.versions
+            )
 
     async def _place(self, asker: _Asker, tid: str) -> str:
         """The worker for turn ``tid`` (the book charges it); waits while none serves."""

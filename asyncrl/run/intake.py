@@ -388,7 +388,8 @@ class Feeder:
             )
         elif kind == bk.TURN:
             assert self.turns is not None and arrival.turn is not None
-            self.turns.turn_arrived(arrival.turn, msg.sample)
+            assert arrival.sample is not None
+            self.turns.turn_arrived(arrival.turn, arrival.sample)  # as the book took it
         elif kind == bk.EVAL_COMPLETE:
             assert arrival.group is not None
             self._score_eval(arrival.group, tg)

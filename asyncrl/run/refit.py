@@ -176,10 +176,12 @@ async def refit_generators(
     refit: RefitConfig,
     timeout_s: float,
     kv_scales: dict[str, float] | None = None,
+    reprefill: bool = False,
 ) -> RefitReport:
     """Weights ``version`` (and ``kv_scales``, applied after them) from the trainers to the
     generators ``rollouts``, with a prefix-cache reset (always: cached KV of old weights is
-    stale). A generator that dies meanwhile and is being restarted is left out: the sender
+    stale); with ``reprefill`` the requests in flight recompute their KV cache with the new
+    weights before they go on (the sampler's ``in_flight_at_refit``). A generator that dies meanwhile and is being restarted is left out: the sender
     watches the receivers' processes and goes on without it. Nothing to do without
     generators.
 
@@ -203,6 +205,7 @@ async def refit_generators(
         reset_prefix_cache=True,
         kv_scales=kv_scales,
         timeout_s=refit.timeout_s,
+        reprefill=reprefill,
     )
     sent: list[Any] = []
     received: list[Any] = []

@@ -39,6 +39,8 @@ class Turn:
     index: int
     """The episode's index in its group."""
     worker: str
+    version: int = 0
+    """The weight version the generators served when it was sent (its tokens' oldest)."""
     abandoned: bool = False
     """Its episode stopped waiting (cancelled): its sample is discarded when it comes."""
     evaluation: bool = False
@@ -70,7 +72,8 @@ class TurnTable:
         return self._per_worker[worker]
 
     def start(
-        self, turn: str, group_id: str, index: int, worker: str, *, evaluation: bool = False
+        self, turn: str, group_id: str, index: int, worker: str, *, version: int = 0,
+        evaluation: bool = False,
     ) -> Turn:
         """Record a turn sent to ``worker``.
 
@@ -79,7 +82,7 @@ class TurnTable:
         """
         if turn in self._turns:
             raise ValueError(f"turn {turn!r} is in flight already")
-        entry = self._turns[turn] = Turn(turn, group_id, index, worker, evaluation=evaluation)
+        entry = self._turns[turn] = Turn(turn, group_id, index, worker, version, evaluation=evaluation)
         self._per_worker[worker] += 1
         return entry
 

@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -98,6 +98,9 @@ class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
     reset_prefix_cache: bool = True
     kv_scales: dict[str, float] | None = None
     timeout_s: float = 300.0
+    reprefill: bool = False
+    """The requests in flight recompute their KV cache with the new weights before they go on
+    (the sampler's ``in_flight_at_refit = "reprefill"``); else they continue over it."""
 
 
 class ComputeLogprobs(msgspec.Struct, tag="logprobs", **_CTRL):
@@ -323,10 +326,20 @@ FromWorker = Union[Hello, Ready, Reply, Failure, Dead]
 
 
 # --------------------------------------------------------------------------- data plane
+def _no_versions() -> np.ndarray:
+    return np.zeros(0, np.int32)
+
+
 class Sample(msgspec.Struct, array_like=True, gc=False):
+    """One generated sequence. ``versions`` (protocol 9) is the weight version that generated
+    each token (a request that spans a refit has two or more); empty when the engine cannot
+    tell, and the controller then counts every token at the version it dispatched the
+    request at (the oldest it can be)."""
+
     token_ids: np.ndarray  # int32 [T]
     logprobs: np.ndarray  # float32 [T], sampled-token logprobs after temperature
     finish_reason: str
+    versions: np.ndarray = msgspec.field(default_factory=_no_versions)  # int32 [T] or [0]
 
 
 class SampleDone(msgspec.Struct, tag="s", **_DATA):

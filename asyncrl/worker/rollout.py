@@ -16,7 +16,7 @@ socket, batched with whatever else is ready. A group whose generation raised bec
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -24,9 +24,16 @@ import anyio.abc
 import msgspec
 import structlog
 
-from asyncrl.backend import BackendPlugin, EngineWatch, GenerationBackend, WorkerContext
+from asyncrl.backend import (
+    BackendPlugin,
+    EngineWatch,
+    GenerationBackend,
+    Reprefill,
+    WorkerContext,
+)
 from asyncrl.config import Config
-from asyncrl.errors import RequestError, flatten
+from asyncrl.errors import RequestError, config_error, flatten
+from asyncrl.policy.samplers import in_flight_at_refit
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
     Abort,
@@ -99,7 +106,7 @@ class RolloutRuntime(WorkerRuntime):
     ROLE = "rollout"
     PLUGIN_GROUP = "asyncrl.generation_backends"
     PROTOCOL = GenerationBackend
-    OPTIONAL = (EngineWatch,)
+    OPTIONAL = (EngineWatch, Reprefill)
 
     backend: GenerationBackend
 
@@ -115,6 +122,8 @@ class RolloutRuntime(WorkerRuntime):
         ends)."""
         self._tasks: anyio.abc.TaskGroup | None = None
         """The serving task group: generations run in it (while serving)."""
+        self._reprefill: Callable[[], Awaitable[None]] | None = None
+        """The backend's ``reprefill_in_flight`` (:class:`~asyncrl.backend.Reprefill`)."""
 
     @staticmethod
     def backend_name(config: Config) -> str:
@@ -138,8 +147,22 @@ class RolloutRuntime(WorkerRuntime):
 
     def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
         self._engine_watch = methods["watch"]
+        self._reprefill = methods["reprefill_in_flight"]
 
     async def _start(self) -> dict[str, Any]:
+        """Start the backend (after checking it can do what the config asks of it).
+
+        Raises:
+            ConfigError: the sampler re-prefills at refits and the backend cannot.
+        """
+        config = self.wctx.config
+        if self._reprefill is None and in_flight_at_refit(config.sampler) == "reprefill":
+            raise config_error(
+                "pipeline.sampler.in_flight_at_refit",
+                f"generator backend {config.generator.backend!r} cannot re-prefill the "
+                "requests in flight at a refit (it has no reprefill_in_flight)",
+                'set it to "continue", or use a backend that can (vllm)',
+            )
         self.data = self.ctx.socket(PUSH, connect=self.init.data_address, hwm=256)
         return await self.backend.start()
 
@@ -192,6 +215,7 @@ class RolloutRuntime(WorkerRuntime):
             self.backend,
             transport=req.transport,
             reset_prefix_cache=req.reset_prefix_cache,
+            reprefill=self._reprefill if req.reprefill else None,
             kv_scales=req.kv_scales,
             timeout_s=req.timeout_s,
         )

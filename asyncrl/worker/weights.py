@@ -350,8 +350,11 @@ class WeightReceiver:
         reset_prefix_cache: bool,
         kv_scales: dict[str, float] | None,
         timeout_s: float,
+        reprefill: Callable[[], Awaitable[None]] | None = None,
     ) -> WeightsResult:
-        """Pull version ``version`` and load it into ``backend``.
+        """Pull version ``version`` and load it into ``backend``; with ``reprefill`` (the
+        backend's ``reprefill_in_flight``), make the requests in flight recompute their KV
+        cache with the new weights before generation resumes.
 
         Raises:
             RefitError: the sender went silent, sent something else than the protocol says,
@@ -371,6 +374,8 @@ class WeightReceiver:
                 except Exception as exc:  # noqa: BLE001 - e.g. the engine died meanwhile
                     log.warning("weight_update_abort_failed", version=version, error=str(exc))
             raise
+        if reprefill is not None:
+            await reprefill()
         await backend.finish_weight_update(version, reset_prefix_cache=reset_prefix_cache)
         return WeightsResult(
             version=version, num_tensors=arrivals.tensors, num_bytes=arrivals.nbytes,

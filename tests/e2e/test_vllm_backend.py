@@ -134,13 +134,15 @@ def manifest_of(views: list[WeightBucketView]) -> list[TensorEntry]:
     return [TensorEntry(e.name, e.dtype, list(e.shape), 0, 0) for v in views for e in v.entries]
 
 
-async def refit(backend, views, version, *, reset=True, kv_scales=None) -> None:
+async def refit(backend, views, version, *, reset=True, kv_scales=None, reprefill=False) -> None:
     await backend.begin_weight_update(version, manifest_of(views), kv_scales=kv_scales)
     for view in views:
         await backend.load_weight_bucket(view)
         # the sender may rewrite the file as soon as the load returned
         path = msgspec.msgpack.decode(view.handle, type=ShmHandle).path
         Path(path).write_bytes(os.urandom(view.nbytes))
+    if reprefill:  # as the worker does for in_flight_at_refit = "reprefill"
+        await backend.reprefill_in_flight()
     await backend.finish_weight_update(version, reset_prefix_cache=reset)
 
 
@@ -380,6 +382,34 @@ async def test_refit_loads_new_weights_into_the_running_engine(
     assert np.abs(after - before).mean() > 4 * TOL
     samples = await asyncio.wait_for(inflight, 60)
     assert all(s.finish_reason in ("stop", "length") for s in samples)
+    for s in samples:  # vLLM's spans: the version of each token, in order (0 before the refit)
+        versions = s.versions.tolist()
+        assert len(versions) == len(s.token_ids) and versions == sorted(versions), versions
+        assert set(versions) <= {0, 1}, versions
+    print(f"tokens per version of the in-flight samples: "
+          f"{[np.bincount(s.versions, minlength=2).tolist() for s in samples]}")
+
+
+@module_loop
+async def test_requests_in_flight_reprefill_on_the_new_weights(backend, model_dir, tmp_path) -> None:
+    """``in_flight_at_refit = "reprefill"``: requests in flight drop their KV cache during the
+    refit and go on once it is recomputed by the new weights; they finish whole, their tokens
+    labelled with both versions in order. Outside a refit the call is refused."""
+    with pytest.raises(RefitError, match="outside a refit"):
+        await backend.reprefill_in_flight()
+    base = backend.version
+    request = GenRequest(group_id="reprefill", prompt_ids=[1, 9], n=3, max_tokens=200)
+    inflight = asyncio.create_task(generate_all(backend, request))
+    await asyncio.sleep(0.2)
+    state = perturbed(model_dir, seed=11)
+    await refit(backend, write_buckets(tmp_path, 9, state, count=2), base + 1, reprefill=True)
+    assert backend.last_refit["reprefilled"] is True
+    samples = await asyncio.wait_for(inflight, 60)
+    for s in samples:
+        versions = s.versions.tolist()
+        assert s.finish_reason in ("stop", "length") and len(versions) == len(s.token_ids)
+        assert versions == sorted(versions) and set(versions) <= {base, base + 1}, versions
+    print(f"reprefill: tokens per version {[np.bincount(s.versions - base).tolist() for s in samples]}")
 
 
 async def cached_tokens(backend, prompt: list[int], tag: str, *, salted: bool = True) -> int:

@@ -77,3 +77,36 @@ async def test_a_broken_agent_fails_its_group_not_the_run(
     dropped = sum(e["dropped"].get("failed", 0) for e in summary.ledger)
     assert dropped >= 1 and sum(r["episode_failed"] for r in train) >= 2 * dropped
     assert_nothing_left(ctl, pids.values())
+
+
+@pytest.mark.parametrize("in_flight", ["continue", "reprefill"])
+async def test_turns_in_flight_at_a_refit_go_on_and_keep_the_bound_per_token(
+    make_config: Callable[..., Config], in_flight: str
+) -> None:
+    """Slow tokens (10 ms each) and streaming (gated, W = 1): turns are in flight at every
+    refit and go on with the new weights (re-prefilled first, or not, as the sampler says);
+    nothing is thrown away, some trained tokens were generated after a refit, and no trained
+    token is older than its group nor more than W versions behind the trainer."""
+    num_steps = 4
+    cfg = make_config(
+        environment={"name": "repeat-digit-turns"},
+        run={"num_steps": num_steps},
+        grpo={"max_new_tokens": 6},
+        episode={"max_turns": 2, "max_context_tokens": 64},
+        generator={"options": {"token_delay_s": 0.01}},
+        pipeline={"sampler": {"name": "gated", "max_staleness_versions": 1,
+                              "in_flight_at_refit": in_flight}},
+    )  # fmt: skip
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        await ctl.train()
+    train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, num_steps + 1))
+    for r in train:
+        assert 0 <= r["token_staleness_max"] <= r["staleness_max"] <= 1, r
+        assert r["token_staleness_mean"] <= r["staleness_mean"] + 1e-9, r
+        assert sum(r["token_staleness_hist"].values()) > 0
+        assert r["aborted_groups"] == 0 and r["wasted_samples"] == 0
+    assert sum(r["tokens_after_refit"] for r in train) > 0, train
+    assert sum(r["inflight_at_refit"] for r in train) > 0
+    assert_nothing_left(ctl, pids.values())

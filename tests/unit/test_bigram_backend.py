@@ -435,3 +435,42 @@ async def test_samples_are_emitted_as_they_finish_within_the_engine_slots(tmp_pa
     assert order != list(range(6)) or lengths == sorted(lengths)
     # with 2 slots, a sample starting third cannot finish before the shorter of the first two
     assert order[0] in (0, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_sample_spanning_a_refit_reports_the_version_of_each_token(tmp_path: Path) -> None:
+    """Generation pauses between tokens while weights load and resumes on the new ones: a
+    sample in flight during the refit has tokens of both versions, in order, and says so."""
+    import anyio
+
+    # drawn lengths far above max_tokens (EOS ignored): each sample runs 60 tokens, across the refit
+    options = {"token_delay_s": 0.005, "length_median": 1000.0, "length_sigma": 1e-6}
+    cfg = _config(tmp_path, generator={"options": options})
+    gen = BigramGenerator(_ctx(cfg, "rollout"))
+    await gen.start()
+    table = np.zeros((V, V), np.float32)
+    path = tmp_path / "bucket.bin"
+    path.write_bytes(table.tobytes())
+    entry = TensorEntry(TENSOR_NAME, "float32", [V, V], 0, table.nbytes)
+    handle = msgspec.msgpack.encode(ShmHandle(str(path), table.nbytes))
+    results = {}
+
+    async def run() -> None:
+        req = GenRequest(group_id="g", prompt_ids=[3], n=2, max_tokens=60, seed=1)
+        results["g"] = await collect(gen, req)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.sleep(0.05)
+            await gen.begin_weight_update(4, [TensorEntry(TENSOR_NAME, "float32", [V, V], 0, 0)])
+            await gen.load_weight_bucket(WeightBucketView(4, 0, "shm", handle, table.nbytes,
+                                                          [entry], True))  # fmt: skip
+            await gen.finish_weight_update(4, reset_prefix_cache=True)
+    for s in results["g"]:
+        versions = s.versions.tolist()
+        assert s.versions.dtype == np.int32 and len(versions) == len(s.token_ids) == 60
+        k = versions.count(0)
+        assert 0 < k < 60 and versions == [0] * k + [4] * (60 - k), versions
+        # the tokens after the refit were drawn from the new, uniform table
+        np.testing.assert_allclose(s.logprobs[k:], np.log(1 / V), rtol=1e-5)

@@ -33,9 +33,10 @@ GOLDEN = {
     "reply_lp": "83a16ba57265706c79a763616c6c5f696403a6726573756c7482a16ba26c70a86c6f6770726f6273d7019301a33c66349104",
     # [tag "s", group "a", worker "rollout:0", index 0, sample [ext(frame 1, "<i4", [2]),
     #  ext(frame 2, "<f4", [2]), "stop"]] (written out by hand from the msgpack spec)
-    "sample_done": "95a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f70",
+    # Sample (protocol 9): [tokens (frame 1), logprobs (frame 2), "stop", versions (frame 3)]
+    "sample_done": "95a173a161a9726f6c6c6f75743a300094d7019301a33c69349102d7019302a33c66349102a473746f70d7019303a33c69349102",
     # [tag "db", [SampleDone as above, GroupFailed ["gf", "b", "rollout:0", "E", "m"]]]
-    "data_batch": "92a264629295a173a161a9726f6c6c6f75743a300093d7019301a33c69349102d7019302a33c66349102a473746f7096a26766a162a9726f6c6c6f75743a30a145a16dc3",
+    "data_batch": "92a264629295a173a161a9726f6c6c6f75743a300094d7019301a33c69349102d7019302a33c66349102a473746f70d7019303a33c6934910296a26766a162a9726f6c6c6f75743a30a145a16dc3",
 }
 
 
@@ -43,13 +44,13 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_eight() -> None:
+def test_protocol_version_is_nine() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
     # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
     # 7: ResetPrefixCache (tag reset_pc, never sent) left the Request union;
-    # 8: TrainBatch.loss_mask
-    assert PROTOCOL_VERSION == 8
+    # 8: TrainBatch.loss_mask; 9: Sample.versions, ReceiveWeights.reprefill
+    assert PROTOCOL_VERSION == 9
 
 
 def test_golden_hello() -> None:
@@ -72,23 +73,26 @@ def test_golden_sample_done_is_array_like() -> None:
         "a",
         "rollout:0",
         0,
-        Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop"),
+        Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop",
+               np.array([3, 4], np.int32)),
     )
     frames = Codec(DataMessage).encode(msg)
     assert hexbody(frames) == GOLDEN["sample_done"]
-    assert len(frames) == 3
+    assert len(frames) == 4
     back = Codec(DataMessage).decode([bytes(f) for f in frames])
     assert back.sample.token_ids.tolist() == [1, 2]
     assert back.sample.logprobs.dtype == np.float32
+    assert back.sample.versions.tolist() == [3, 4]
 
 
 def test_golden_data_batch_holds_items_in_order() -> None:
-    sample = Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop")
+    sample = Sample(np.array([1, 2], np.int32), np.array([-0.5, -0.1], np.float32), "stop",
+                    np.array([3, 4], np.int32))
     items = [SampleDone("a", "rollout:0", 0, sample), GroupFailed("b", "rollout:0", "E", "m")]
     msg = DataBatch(items)  # type: ignore[arg-type]
     frames = Codec(DataMessage).encode(msg)
     assert hexbody(frames) == GOLDEN["data_batch"]
-    assert len(frames) == 3  # the sample's two arrays, once each
+    assert len(frames) == 4  # the sample's three arrays, once each
     back = Codec(DataMessage).decode([bytes(f) for f in frames])
     assert isinstance(back, DataBatch)
     assert back.items[0].sample.token_ids.tolist() == [1, 2]

@@ -103,6 +103,9 @@ class Engine:
         self.events.append(("finish", version, reset_prefix_cache))
         self.weights, self.staged = self.staged, {}
 
+    async def reprefill_in_flight(self) -> None:
+        self.events.append(("reprefill", sorted(self.staged)))
+
 
 class Pair:
     def __init__(self, run_dir: str, buffers: int = 2) -> None:
@@ -121,7 +124,7 @@ class Pair:
 
 
 async def refit(pair: Pair, engine: Engine, w: dict[str, np.ndarray], version: int = 1,
-                timeout_s: float = 10.0) -> tuple[Any, Any]:
+                timeout_s: float = 10.0, reprefill: bool = False) -> tuple[Any, Any]:
     out: dict[str, Any] = {}
 
     async def send() -> None:
@@ -138,6 +141,7 @@ async def refit(pair: Pair, engine: Engine, w: dict[str, np.ndarray], version: i
             out["received"] = await pair.receiver.receive(
                 version, engine, transport="shm", reset_prefix_cache=True,
                 kv_scales={"x.k_scale": 0.5}, timeout_s=timeout_s,
+                reprefill=engine.reprefill_in_flight if reprefill else None,
             )
         except RefitError as exc:
             out["received"] = exc
@@ -162,6 +166,24 @@ async def test_several_buckets_arrive_byte_exact(run_dir: str) -> None:
                 np.testing.assert_array_equal(engine.weights[name], a)
             assert engine.events[-2][::3] == ("begin", {"x.k_scale": 0.5})
             assert engine.events[-1] == ("finish", version, True)
+    finally:
+        pair.close()
+
+
+async def test_reprefill_comes_after_every_bucket_and_before_generation_resumes(
+    run_dir: str,
+) -> None:
+    """The sampler's ``in_flight_at_refit = "reprefill"``: the requests in flight drop their
+    KV cache once every weight is loaded (so the new weights recompute it) and before the
+    engine resumes; without it, nothing is dropped."""
+    pair, engine = Pair(run_dir), Engine()
+    try:
+        w = weights()
+        await refit(pair, engine, w, 1, reprefill=True)
+        assert [e[0] for e in engine.events] == ["begin", "reprefill", "finish"]
+        assert engine.events[1] == ("reprefill", sorted(w))  # all staged, none finished
+        await refit(pair, engine, w, 2)
+        assert [e[0] for e in engine.events[3:]] == ["begin", "finish"]
     finally:
         pair.close()
 

@@ -8,6 +8,7 @@ backends must pass it (a check too strict would stop every real run at start-up)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from asyncrl.backend import (
     EngineWatch,
     GenerationBackend,
     KVCalibration,
+    Reprefill,
     TrainingBackend,
     WorkerContext,
     check_backend,
@@ -75,6 +77,7 @@ def test_the_contract_lists_match_the_protocols() -> None:
     assert public(GenerationBackend) == sorted(GEN_METHODS)
     assert public(TrainingBackend) == sorted(TRAIN_METHODS)
     assert public(EngineWatch) == ["watch"] and public(KVCalibration) == ["calibrate_kv_scales"]
+    assert public(Reprefill) == ["reprefill_in_flight"]
 
 
 def test_a_complete_backend_passes_and_its_optional_methods_resolve_once() -> None:
@@ -185,6 +188,52 @@ async def test_the_trainer_runtime_creates_and_checks_on_its_thread(monkeypatch:
     finally:
         await rt.close()
     assert made_on and made_on[0] != threading.get_ident() and rt.backend is None
+
+
+@pytest.mark.asyncio
+async def test_a_sampler_that_reprefills_needs_a_backend_that_can(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """``in_flight_at_refit = "reprefill"`` on a backend without ``reprefill_in_flight``: the
+    worker refuses before starting it, naming the knob and the fix; with one, it starts."""
+    import json
+
+    from asyncrl import plugins
+    from asyncrl.config import from_dict
+    from asyncrl.errors import ConfigError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 2}))
+    (model / "tokenizer.json").write_text("{}")
+    config = from_dict({
+        "model": {"path": str(model)}, "environment": {"name": "repeat-digit"},
+        "run": {"output_dir": str(tmp_path / "out")},
+        "trainer": {"backend": "bigram"}, "generator": {"backend": "bigram"},
+        "pipeline": {"sampler": {"name": "gated", "in_flight_at_refit": "reprefill"}},
+    })  # fmt: skip
+    started: list[str] = []
+
+    async def start(self: Any) -> dict[str, Any]:
+        started.append("start")
+        return {}
+
+    for extra, refused in (({}, True), ({"reprefill_in_flight": _async_method()}, False)):
+        backend = _generator(extra={"start": start, **extra})
+        monkeypatch.setattr(plugins, "load", lambda group, name, b=backend: lambda ctx: b())
+        wctx = WorkerContext(group="rollout", rank=0, world_size=1, local_rank=0,
+                             config=config, run_dir="")  # fmt: skip
+        sockets = SimpleNamespace(socket=lambda *args, **kwargs: None)  # no data socket here
+        rt = RolloutRuntime(sockets, None, INIT, wctx)
+        if refused:
+            with pytest.raises(ConfigError, match=r"pipeline.sampler.in_flight_at_refit: generator "
+                                                  r"backend 'bigram' cannot re-prefill .* Fix: set "
+                                                  r"it to \"continue\""):
+                await rt.load()
+            assert started == []
+        else:
+            await rt.load()
+            assert started == ["start"]
 
 
 def test_the_shipped_backends_pass() -> None:

@@ -92,7 +92,24 @@ def _sample(completion: Any) -> Sample:
         )
     if len(values) != len(tokens):
         raise RuntimeError(f"vLLM returned {len(values)} logprobs for {len(tokens)} tokens")
-    return Sample(tokens, values, str(completion.finish_reason or "abort"))
+    versions = _versions(getattr(completion, "weight_versions", None), len(tokens))
+    return Sample(tokens, values, str(completion.finish_reason or "abort"), versions)
+
+
+def _versions(spans: Any, n: int) -> np.ndarray:
+    """The weight version of each of ``n`` tokens from vLLM's spans (0.32+: ``[start, end)``
+    sampled by weights labelled ``version``; the backend labels each refit's version, see
+    ``finish_weight_update``). Empty when vLLM reports none or a label is not ours: the
+    controller then counts every token at the version it sent the request at."""
+    out = np.empty(n, np.int32)
+    covered = 0
+    for span in spans or ():
+        label = str(span.version)
+        if not label.isdigit() or span.start != covered or not covered <= span.end <= n:
+            return np.zeros(0, np.int32)
+        out[span.start : span.end] = int(label)
+        covered = span.end
+    return out if covered == n and n else np.zeros(0, np.int32)
 
 
 def _check_request(request: GenRequest, llm: Any) -> None:
@@ -262,6 +279,8 @@ class VLLMBackend(EngineWeights):
 
                 self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args()))
             self._engine_shm = mapped_shm(self._reaper.engine_started())
+            if hasattr(self._llm, "update_weight_version"):  # vLLM >= 0.30: label spans
+                await self._llm.update_weight_version(str(self.version))
             info = (await self._rpc("asyncrl_info"))[0]
             kernels = (await self._rpc("asyncrl_gemm_kernels"))[0]
             idle_spin = (await self._rpc("asyncrl_idle_spin"))[0]
@@ -423,7 +442,8 @@ class VLLMBackend(EngineWeights):
             async with self._engine_errors():
                 s = await self._generate_sample(llm, request, prompt, 0)
             for i in range(request.n):
-                await emit(i, Sample(s.token_ids.copy(), s.logprobs.copy(), s.finish_reason))
+                copy = (s.token_ids.copy(), s.logprobs.copy(), s.finish_reason, s.versions.copy())
+                await emit(i, Sample(*copy))
             return
         async with self._engine_errors(), anyio.create_task_group() as tg:
             for i in range(request.n):

@@ -57,6 +57,8 @@ class _Update:
     worker_s: float = 0.0
     """Seconds the engine's worker spent in the bucket calls (summed)."""
     first_load: float | None = None
+    reprefilled: bool = False
+    """The requests in flight dropped their KV cache (``reprefill_in_flight``)."""
 
 
 class EngineWeights:
@@ -196,6 +198,22 @@ class EngineWeights:
         update.finished = bucket.last
         update.redispatched = out.get("redispatched", [])
 
+    async def reprefill_in_flight(self) -> None:
+        """Drop the KV cache of every request in flight while the engine is paused for a
+        refit (vLLM preempts them; on resume each is prefilled again, prompt and tokens so
+        far, by the new weights). Bounded by ``rpc_timeout_s``.
+
+        Raises:
+            RefitError: not during a refit, or vLLM refused the reset.
+        """
+        update = self._update
+        if update is None:
+            raise RefitError("reprefill_in_flight() outside a refit (the engine is not paused)")
+        if not await self._reset_prefix_cache():
+            raise RefitError(f"vLLM did not drop the in-flight KV cache at the refit to "
+                             f"v{update.version}")  # fmt: skip
+        update.reprefilled = True
+
     async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
         """Close the reload. Without any bucket loaded the old weights are intact: resume
         serving them. Otherwise stay paused (mixed weights must never serve)."""
@@ -242,6 +260,7 @@ class EngineWeights:
             "direct": update.direct,
             "batched": update.batched,
             "mirrored": update.mirrored,
+            "reprefilled": update.reprefilled,
             "bytes": update.nbytes,
             "seconds": done - update.started,
             # where the time went: the pause, the bucket calls (wall, and inside the worker),

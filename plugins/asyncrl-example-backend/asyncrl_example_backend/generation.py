@@ -4,7 +4,7 @@ A rollout worker calls these coroutines on its event loop; several :meth:`genera
 at once (one per prompt group), interleaved at every generated token. Weight updates pause
 sampling between tokens (``begin_weight_update``) and resume it with the new table
 (``finish_weight_update``), as vLLM pauses its scheduler: a sample that spans a refit is
-generated partly by each version, and its per-token logprobs say exactly which.
+generated partly by each version, and its per-token logprobs and versions say exactly which.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ class BigramGenerator:
         prev = int(req.prompt_ids[-1])
         tokens: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []
         reason = "length"
         length = req.max_tokens
         if self.options.length_median > 0:  # workload knob: a drawn length, EOS ignored
@@ -147,6 +148,7 @@ class BigramGenerator:
                 tok = min(tok, cdf.size - 1)
             tokens.append(tok)
             logprobs.append(float(logp[tok]))
+            versions.append(self.version)
             if tok == self.spec.eos_token_id and self.options.length_median <= 0:
                 reason = "stop"
                 break
@@ -158,7 +160,10 @@ class BigramGenerator:
         else:
             if self.options.length_median > 0 and length < req.max_tokens:
                 reason = "stop"
-        return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason)
+        return Sample(
+            np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason,
+            np.asarray(versions, np.int32),
+        )  # fmt: skip
 
     async def abort(self, group_ids: list[str]) -> None:
         """Running groups among ``group_ids`` stop at their next token (or before their first,
@@ -212,6 +217,11 @@ class BigramGenerator:
         if self._resumed is not None:
             self._resumed.set()
         log.warning("weight_update_aborted", version=version)
+
+    async def reprefill_in_flight(self) -> None:
+        """Nothing to recompute: a bigram keeps no KV cache, its next token depends on the
+        previous one and the table alone (the sampler's choice is accepted, and the same as
+        continuing)."""
 
     async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
         """Install the staged table and resume sampling. A bigram has no KV cache, so

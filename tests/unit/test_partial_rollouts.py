@@ -1,0 +1,174 @@
+"""Partial rollouts: requests (single-turn samples, episodes' turns) in flight across refits.
+
+Per-token weight versions (protocol 9): what an engine reports, what the book keeps or
+refuses, what a sample trains, what a checkpoint keeps; and the sampler's choice of what
+happens to the requests in flight at a refit. The end-to-end bound per token is the property
+test in test_book_episodes.py; the refit's order (re-prefill after the last bucket, before
+resuming) is in test_refit.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+from asyncrl.policy.groups import CompletedSample, Group, Part
+from asyncrl.run import book as bk
+from asyncrl.run.book_types import store
+from asyncrl.run.checkpoint_dir import SavedSample
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import DataMessage, Sample, SampleDone
+
+TOKENS = np.array([5, 6, 7, 8], np.int32)
+LPS = np.full(4, -0.25, np.float32)
+
+
+def group(start_version: int) -> Group:
+    return Group("g0", "p0", [1], start_version, None, 0.0, [None, None], index=0, worker="w")
+
+
+def arrive(g: Group, index: int, versions: list[int] | None) -> bk.Arrival | None:
+    v = np.zeros(0, np.int32) if versions is None else np.array(versions, np.int32)
+    return store(g, SampleDone("g0", "w", index, Sample(TOKENS, LPS, "stop", v)))
+
+
+def test_versions_are_kept_stamped_or_refused_against_the_dispatch_version() -> None:
+    g = group(start_version=2)
+    assert arrive(g, 0, [2, 2, 3, 3]) is None  # continued across a refit: kept as reported
+    assert g.samples[0].versions.tolist() == [2, 2, 3, 3]
+    assert arrive(g, 1, None) is None  # the engine cannot tell: the oldest they can be
+    assert g.samples[1].versions.tolist() == [2, 2, 2, 2]
+    g = group(start_version=2)
+    refused = arrive(g, 0, [1, 2, 2, 2])
+    assert refused is not None and refused.kind == bk.MALFORMED
+    assert "older than v2" in refused.detail
+    refused = arrive(g, 0, [2, 2])
+    assert refused is not None and refused.kind == bk.MALFORMED and "versions of shape" in refused.detail
+    assert g.samples == [None, None]  # nothing taken
+
+
+def test_versions_cross_the_wire_and_an_older_peer_sends_none() -> None:
+    codec = Codec(DataMessage)
+    sent = SampleDone("g", "w", 0, Sample(TOKENS, LPS, "stop", np.array([0, 0, 1, 1], np.int32)))
+    got = codec.decode(codec.encode(sent))
+    assert got.sample.versions.tolist() == [0, 0, 1, 1]
+    bare = codec.decode(codec.encode(SampleDone("g", "w", 0, Sample(TOKENS, LPS, "stop"))))
+    assert bare.sample.versions.size == 0
+
+
+def test_the_vllm_spans_become_one_version_per_token() -> None:
+    from asyncrl_vllm.backend import _versions
+
+    def span(version: str, start: int, end: int) -> SimpleNamespace:
+        return SimpleNamespace(version=version, start=start, end=end)
+
+    assert _versions([span("3", 0, 2), span("4", 2, 5)], 5).tolist() == [3, 3, 4, 4, 4]
+    assert _versions([span("7", 0, 3)], 3).tolist() == [7, 7, 7]
+    for bad in (
+        None,  # vLLM before 0.32: no spans
+        [span("default", 0, 3)],  # not labelled by us
+        [span("1", 0, 2)],  # does not cover every token
+        [span("1", 0, 1), span("2", 2, 3)],  # a gap
+    ):
+        assert _versions(bad, 3).size == 0, bad
+
+
+def test_a_sample_trains_the_versions_of_its_generated_tokens_only() -> None:
+    earlier = Part(
+        np.array([1], np.int32), np.array([9, 9, 9], np.int32), np.zeros(3, np.float32),
+        np.array([1, 0, 1], np.uint8), "stop", np.array([4, -1, 5], np.int32),
+    )  # fmt: skip
+    sample = CompletedSample(
+        TOKENS, LPS, "stop", 1.0, True, loss_mask=np.array([0, 1, 1, 0], np.uint8),
+        earlier=(earlier,), versions=np.array([-1, 5, 6, -1], np.int32),
+    )  # fmt: skip
+    assert sample.trained_versions(unknown=0).tolist() == [4, 5, 5, 6]
+    unknown = CompletedSample(TOKENS, LPS, "stop", 1.0, True)  # an older checkpoint's
+    assert unknown.trained_versions(unknown=3).tolist() == [3, 3, 3, 3]
+
+
+def test_a_checkpoint_keeps_the_versions_and_reads_one_without_them() -> None:
+    sample = CompletedSample(TOKENS, LPS, "stop", 1.0, True, versions=np.array([1, 1, 2, 2]))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(SavedSample.of(sample)), type=SavedSample)
+    assert back.sample().versions.tolist() == [1, 1, 2, 2]
+
+    class Format3(msgspec.Struct, array_like=True):  # what an asyncrl before protocol 9 wrote
+        token_ids: bytes
+        logprobs: bytes
+        finish_reason: str
+        reward: float
+        correct: bool
+
+    old = Format3(TOKENS.tobytes(), LPS.tobytes(), "stop", 0.5, False)
+    restored = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=SavedSample).sample()
+    assert restored.versions is None and restored.trained_versions(7).tolist() == [7] * 4
+
+
+
+@pytest.mark.parametrize("name", ["in_order", "gated", "oversampled", "ready_first", "dynamic"])
+def test_every_built_in_sampler_continues_by_default_and_can_reprefill(name: str) -> None:
+    from asyncrl.errors import ConfigError
+    from asyncrl.policy.sampler_table import make_sampler
+    from asyncrl.policy.samplers import in_flight_at_refit
+
+    assert in_flight_at_refit(make_sampler({"name": name})) == "continue"
+    chosen = make_sampler({"name": name, "in_flight_at_refit": "reprefill"})
+    assert in_flight_at_refit(chosen) == "reprefill"
+    with pytest.raises(ConfigError, match="in_flight_at_refit"):
+        make_sampler({"name": name, "in_flight_at_refit": "drop"})
+
+
+def test_a_plugin_sampler_without_the_choice_continues_and_a_bad_one_is_refused() -> None:
+    from asyncrl.policy.samplers import in_flight_at_refit
+
+    assert in_flight_at_refit(SimpleNamespace(name="mine")) == "continue"
+    with pytest.raises(ValueError, match="'mine': in_flight_at_refit must be one of"):
+        in_flight_at_refit(SimpleNamespace(name="mine", in_flight_at_refit="abort"))
+
+
+async def _feed_a_turn(versions: np.ndarray) -> Sample:
+    """The real feeder takes a turn's sample from the data socket (as a worker encodes it)
+    and hands the episode waiting for it what the book took."""
+    import anyio
+
+    from asyncrl.run.book import RolloutBook
+    from asyncrl.run.intake import Feeder
+    from asyncrl.run.wake import Signal
+    from asyncrl.wire.transport import Rejections
+    from schedule_support import SAMPLERS, scheduler
+
+    book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=1, N=1, steps=1), ["w"],
+                       episodes=True)  # fmt: skip
+    sent = book.dispatch(["w"], lambda i: (SimpleNamespace(id="p", display="p"), [1]), 0.0)
+    assert isinstance(sent, bk.Sent)
+    assert book.start_turn("t#0", sent.group_id, 0, ["w"]) == "w"
+    got: list[Sample] = []
+    turns = SimpleNamespace(turn_arrived=lambda turn, sample: got.append(sample))
+    tx, rx = anyio.create_memory_object_stream[list](4)
+    data = SimpleNamespace(recv=rx.receive, recv_nowait=lambda: None)
+    feeder = Feeder(
+        SimpleNamespace(), data=data, book=book, scorer=None, evaluator=None, redispatch=None,
+        rejections=Rejections(), changed=Signal(), committed=Signal(), now=lambda: 0.0,
+        step_record=lambda: None, turns=turns,
+    )  # type: ignore[arg-type]  # fmt: skip
+    tx.send_nowait(Codec(DataMessage).encode(
+        SampleDone("t#0", "w", 0, Sample(TOKENS, LPS, "stop", versions))))  # fmt: skip
+    with tx, rx, anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feeder.run)
+            while not got:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    return got[0]
+
+
+@pytest.mark.anyio
+async def test_the_feeder_hands_an_episode_its_turn_with_one_version_per_token() -> None:
+    """An engine that cannot tell (vLLM before 0.32) reports no versions: the episode gets
+    the version the turn was sent at for each token (it adds them to its trajectory, which
+    refuses a turn without one per token); reported ones come through as they are."""
+    assert (await _feed_a_turn(np.zeros(0, np.int32))).versions.tolist() == [0, 0, 0, 0]
+    reported = np.array([0, 0, 1, 1], np.int32)
+    assert (await _feed_a_turn(reported)).versions.tolist() == [0, 0, 1, 1]
