@@ -398,17 +398,20 @@ async def test_requests_in_flight_reprefill_on_the_new_weights(backend, model_di
     with pytest.raises(RefitError, match="outside a refit"):
         await backend.reprefill_in_flight()
     base = backend.version
-    request = GenRequest(group_id="reprefill", prompt_ids=[1, 9], n=3, max_tokens=200)
+    # the prompt of the first test: these weights write long answers to it
+    request = GenRequest(group_id="reprefill", prompt_ids=[1, 8], n=4, max_tokens=200, seed=0)
     inflight = asyncio.create_task(generate_all(backend, request))
     await asyncio.sleep(0.2)
     state = perturbed(model_dir, seed=11)
-    await refit(backend, write_buckets(tmp_path, 9, state, count=2), base + 1, reprefill=True)
+    views = write_buckets(tmp_path, base + 1, state, count=2)
+    await refit(backend, views, base + 1, reprefill=True)
     assert backend.last_refit["reprefilled"] is True
     samples = await asyncio.wait_for(inflight, 60)
     for s in samples:
         versions = s.versions.tolist()
         assert s.finish_reason in ("stop", "length") and len(versions) == len(s.token_ids)
         assert versions == sorted(versions) and set(versions) <= {base, base + 1}, versions
+    assert any(len(set(s.versions.tolist())) == 2 for s in samples), "none spanned the refit"
     print(f"reprefill: tokens per version {[np.bincount(s.versions - base).tolist() for s in samples]}")
 
 
