@@ -46,7 +46,7 @@ from asyncrl.environment import Prompt, Score
 from asyncrl.env.segments import TrajectorySample
 from asyncrl.policy.groups import CompletedSample, Part
 from asyncrl.run import book as bk
-from asyncrl.run.wake import Signal
+from asyncrl.run.wake import Pacer, Signal
 from asyncrl.run.turns import Turn, turn_id
 from asyncrl.wire.messages import GenRequest, Sample
 from asyncrl.wire.rpc import ControlPlane
@@ -229,6 +229,9 @@ class EpisodeRunner:
         """Group id → its current dispatch."""
         self._tg: anyio.abc.TaskGroup | None = None
         self._stats = EpisodeStats()
+        self._pacer = Pacer()
+        """Episodes' agent code runs one piece per pass of the loop (at a start, after each
+        turn): woken together they would hold the loop for all of it (:class:`Pacer`)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -236,6 +239,7 @@ class EpisodeRunner:
 
         Cancellation: every episode is cancelled (its turn aborted, its tools cancelled)."""
         async with anyio.create_task_group() as tg:
+            await tg.start(self._pacer.run, name="episode-pacer")
             self._tg = tg
             task_status.started()
             try:
@@ -348,6 +352,7 @@ class EpisodeRunner:
         """
         sent = run.sent
         assert sent.prompt is not None
+        await self._pacer.turn()
         record = self._record(sent.prompt)
         asker = _Asker(sent.group_id, index, dispatch=run.dispatch)
         episode = self._episode_of(asker, sent.prompt, record)
@@ -375,6 +380,7 @@ class EpisodeRunner:
 
         async def one(i: int) -> None:
             asker = _Asker(f"eval-{label}-{i}", 0, evaluation=True)
+            await self._pacer.turn()
             episode = self._episode_of(asker, prompts[i], self._record(prompts[i]))
             try:
                 scores[i] = (await self._until_done(episode, prompts[i]))[1]
@@ -474,6 +480,7 @@ class EpisodeRunner:
                     raise EpisodeFailed(f"turn failed on {chosen}: {lost}",
                                         retryable=lost.retryable) from None  # fmt: skip
                 continue
+            await self._pacer.turn()  # the agent goes on from here: one episode per pass
             return Generated(
                 sample.token_ids, sample.logprobs, sample.finish_reason, version, sample.versions
             )
