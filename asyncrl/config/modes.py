@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import Config, required_buffer_capacity
-from asyncrl.policy.samplers import DescribesMode
+from asyncrl.policy.samplers import DescribesMode, in_flight_at_refit
 
 __all__ = ["ModeReport", "describe"]
 
@@ -57,7 +57,12 @@ def describe(config: Config) -> ModeReport:
             else ""
         )
         + f"abort hopeless groups, load over {config.refit.transport} "
-        f"({config.refit.bucket_size_mb} MiB buckets), invalidate the prefix cache",
+        f"({config.refit.bucket_size_mb} MiB buckets), invalidate the prefix cache; "
+        + (
+            "requests in flight recompute their KV cache, then go on"
+            if in_flight_at_refit(sampler) == "reprefill"
+            else "requests in flight go on"
+        ),
     }
     advice = []
     if chunk < P and sync:
@@ -68,6 +73,11 @@ def describe(config: Config) -> ModeReport:
         )
     if config.refit.drain and sync:
         advice.append("refit.drain: sync mode has nothing in flight at a refit. Fix: remove it")
+    if in_flight_at_refit(sampler) == "reprefill" and (sync or config.refit.drain):
+        advice.append(
+            "pipeline.sampler.in_flight_at_refit: nothing is in flight at a refit (sync mode or "
+            'refit.drain), so there is nothing to re-prefill. Fix: remove it'
+        )
     if config.max_inflight_samples < P * N and sync:
         advice.append(
             f"pipeline.max_inflight_samples: {config.max_inflight_samples} < P * N = {P * N}, "

@@ -46,6 +46,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from asyncrl.errors import config_error
+
 __all__ = [
     "IN_FLIGHT_CHOICES",
     "DecidesInFlight",
@@ -172,15 +174,16 @@ def in_flight_at_refit(sampler: Any) -> str:
     ``"continue"`` for a sampler without one).
 
     Raises:
-        ValueError: a choice other than ``"continue"`` and ``"reprefill"``.
+        ConfigError: a choice other than ``"continue"`` and ``"reprefill"`` (a plugin's).
     """
     if not isinstance(sampler, DecidesInFlight):
         return "continue"
     choice = sampler.in_flight_at_refit
     if choice not in IN_FLIGHT_CHOICES:
-        raise ValueError(
-            f"sampler {getattr(sampler, 'name', sampler)!r}: in_flight_at_refit must be one of "
-            f"{IN_FLIGHT_CHOICES}, got {choice!r}"
+        raise config_error(
+            "pipeline.sampler.in_flight_at_refit",
+            f"sampler {getattr(sampler, 'name', sampler)!r} chose {choice!r}",
+            f"choose one of {', '.join(IN_FLIGHT_CHOICES)} (the sampler plugin's own setting)",
         )
     return choice
 

@@ -9,6 +9,7 @@ resuming) is in test_refit.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -121,10 +122,12 @@ def test_every_built_in_sampler_continues_by_default_and_can_reprefill(name: str
 
 
 def test_a_plugin_sampler_without_the_choice_continues_and_a_bad_one_is_refused() -> None:
+    from asyncrl.errors import ConfigError
     from asyncrl.policy.samplers import in_flight_at_refit
 
     assert in_flight_at_refit(SimpleNamespace(name="mine")) == "continue"
-    with pytest.raises(ValueError, match="'mine': in_flight_at_refit must be one of"):
+    with pytest.raises(ConfigError, match=r"in_flight_at_refit: sampler 'mine' chose 'abort'. "
+                                          r"Fix: choose one of continue, reprefill"):
         in_flight_at_refit(SimpleNamespace(name="mine", in_flight_at_refit="abort"))
 
 
@@ -172,3 +175,30 @@ async def test_the_feeder_hands_an_episode_its_turn_with_one_version_per_token()
     assert (await _feed_a_turn(np.zeros(0, np.int32))).versions.tolist() == [0, 0, 0, 0]
     reported = np.array([0, 0, 1, 1], np.int32)
     assert (await _feed_a_turn(reported)).versions.tolist() == [0, 0, 1, 1]
+
+
+def test_check_config_says_what_happens_to_requests_in_flight(tmp_path: Any) -> None:
+    import json
+
+    from asyncrl.config import from_dict
+    from asyncrl.config.modes import describe
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 2}))
+    (model / "tokenizer.json").write_text("{}")
+
+    def report(sampler: dict[str, Any], **refit: Any) -> Any:
+        return describe(from_dict({
+            "model": {"path": str(model)}, "environment": {"name": "repeat-digit"},
+            "run": {"output_dir": str(tmp_path / "out")}, "refit": refit,
+            "trainer": {"backend": "bigram"}, "generator": {"backend": "bigram"},
+            "pipeline": {"sampler": sampler},
+        }))  # fmt: skip
+
+    assert report({"name": "gated"}).capacities["refit"].endswith("requests in flight go on")
+    chosen = report({"name": "gated", "in_flight_at_refit": "reprefill"})
+    assert chosen.capacities["refit"].endswith("recompute their KV cache, then go on")
+    assert chosen.advice == []
+    drained = report({"name": "gated", "in_flight_at_refit": "reprefill"}, drain=True)
+    assert any(a.startswith("pipeline.sampler.in_flight_at_refit") for a in drained.advice)
