@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -116,7 +117,16 @@ async def one_run(
     load: list[tuple[float, int, int, int, int]] = []  # at, in flight, turns, rss, traced
     steady: list[tuple[float, float]] = []  # (perf_counter, thread_time) at its start
     probe_s: list[float] = []  # what each load sample cost the loop
+    collections: list[tuple[float, int, float]] = []  # at, generation, seconds
+    started: list[float] = [0.0]
     ctl: asyncrl.Controller | None = None
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:  # the collector's pauses
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            now = time.perf_counter()
+            collections.append((now, int(info["generation"]), now - started[0]))
 
     async def lag_probe() -> None:
         while True:
@@ -145,6 +155,7 @@ async def one_run(
 
     if trace:
         tracemalloc.start()
+    gc.callbacks.append(on_gc)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lag_probe)
@@ -157,10 +168,11 @@ async def one_run(
                 end = (time.perf_counter(), time.thread_time())
             tg.cancel_scope.cancel()
     finally:
+        gc.callbacks.remove(on_gc)
         if trace:
             tracemalloc.stop()
     (w0, c0), (w1, c1) = steady[0], end
-    return {"t0": t0, "steps": steps, "lags": lags, "load": load,
+    return {"t0": t0, "steps": steps, "lags": lags, "load": load, "gc": collections,
             "loop_cpu_s": c1 - c0, "loop_wall_s": w1 - w0, "probe_s": probe_s}  # fmt: skip
 
 
@@ -201,7 +213,19 @@ def summarize(raw: dict[str, Any], samples: int) -> dict[str, Any]:
         "rss_mib": statistics.median(row[3] for row in load) / 2**20,
         "traced_mib": statistics.median(row[4] for row in load) / 2**20,
         "probe_ms_mean": 1e3 * statistics.mean(raw["probe_s"]),
+        **gc_pauses([(g, s) for at, g, s in raw["gc"] if start <= at <= end]),
     }
+
+
+def gc_pauses(collections: list[tuple[int, float]]) -> dict[str, Any]:
+    """The collector's passes over the steady state: how many of each generation, and the
+    longest (a pass holds the loop: a lag sample taken across it is late by as much)."""
+    out: dict[str, Any] = {}
+    for gen in (0, 1, 2):
+        pauses = [s for g, s in collections if g == gen]
+        out[f"gc_gen{gen}_passes"] = len(pauses)
+        out[f"gc_gen{gen}_max_ms"] = 1e3 * max(pauses, default=0.0)
+    return out
 
 
 IDLE = "<method 'poll' of 'select.epoll' objects>"
@@ -265,7 +289,10 @@ def report(results: dict[str, Any]) -> None:
         f"{m['episodes_difference']:.0f} episodes)\n"
         f"the loop's thread: {r['loop_cpu_s']:.1f} s CPU in {r['loop_wall_s']:.1f} s of the "
         f"steady state "
-        f"({100 * r['loop_cpu_s'] / r['loop_wall_s']:.0f}% busy)"
+        f"({100 * r['loop_cpu_s'] / r['loop_wall_s']:.0f}% busy)\n"
+        f"garbage collection: {r['gc_gen2_passes']} full passes (longest "
+        f"{r['gc_gen2_max_ms']:.0f} ms), {r['gc_gen1_passes']} of generation 1 (longest "
+        f"{r['gc_gen1_max_ms']:.1f} ms)"
         + (f"; Python heap {m['traced_kib_per_episode']:.1f} KiB" if results["tracemalloc"]
            else "")  # fmt: skip
     )
