@@ -301,29 +301,35 @@ def launch_main(
         startup_timeout_s=config.cluster.startup_timeout_s,
     )
     if rank != 0:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the controller's signal, not ours
-        log_path = os.path.join(log_dir, f"{group}-{group_rank}.log")
-        console = os.dup(2) if rank == 1 else None  # rank 1 speaks if rank 0 dies
-        _redirect_output(log_path)
-        _log.configure("json")
-        store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
-        control = store.get(_STORE_KEY).decode()
-        controller_pid = int(store.get(_PID_KEY).decode())
-        if group == "rollout" and rollout_restarts:
-            return _supervise(
-                group, group_rank, group_size, control, log_dir, rollout_restarts,
-                controller_pid=controller_pid, console=console, log_path=log_path,
-            )
-        return _serve_rank(
-            console=console,
-            controller_pid=controller_pid,
-            control_address=control,
-            log_path=log_path,
-            **worker_kwargs,
-        )
-
+        return _worker_rank(config, store, worker_kwargs, log_dir, rollout_restarts,
+                            speaks=rank == 1)  # fmt: skip
     _log.configure(config.run.log_format)
     return _run_controller(config, store, worker_kwargs, resume, allow_changed or [])
+
+
+def _worker_rank(
+    config: Config, store: Any, worker_kwargs: dict[str, Any], log_dir: str,
+    rollout_restarts: int, *, speaks: bool,
+) -> int:
+    """A worker rank (not rank 0): its output to its log file (``speaks``: rank 1 keeps the
+    console, to speak if rank 0 dies), the controller's address from the agent's store, then
+    serve (a rollout rank with restarts under its supervisor)."""
+    group, group_rank = worker_kwargs["group"], worker_kwargs["rank"]
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the controller's signal, not ours
+    log_path = os.path.join(log_dir, f"{group}-{group_rank}.log")
+    console = os.dup(2) if speaks else None
+    _redirect_output(log_path)
+    _log.configure("json")
+    store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
+    control = store.get(_STORE_KEY).decode()
+    controller_pid = int(store.get(_PID_KEY).decode())
+    if group == "rollout" and rollout_restarts:
+        return _supervise(
+            group, group_rank, worker_kwargs["world_size"], control, log_dir, rollout_restarts,
+            controller_pid=controller_pid, console=console, log_path=log_path,
+        )
+    return _serve_rank(console=console, controller_pid=controller_pid,
+                       control_address=control, log_path=log_path, **worker_kwargs)  # fmt: skip
 
 
 def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any],

@@ -535,6 +535,27 @@ class EpisodeRunner:
                 log.warning("turn_abort_failed", worker=worker, turns=len(turn_ids), error=str(exc))
 
 
+def _tools(
+    environment: EpisodeEnvironment, config: Config, now: Callable[[], float]
+) -> tuple[ToolBox | None, ToolCallParser | None]:
+    """The environment's tools (its ``tools`` attribute) in one :class:`ToolBox`, and the
+    ``episode.tool_parser``; ``(None, None)`` without tools.
+
+    Raises:
+        ConfigError: a tool is not a :func:`~asyncrl.env.tools.tool` function.
+        PluginError: ``episode.tool_parser`` names no installed parser.
+    """
+    from asyncrl.env.tool_parsers import load_tool_parser
+
+    tools = list(getattr(environment, "tools", None) or ())
+    if not tools:
+        return None, None
+    ep = config.episode
+    box = ToolBox(tools, timeout_s=ep.tool_timeout_s, max_concurrent=ep.max_concurrent_tools,
+                  now=now)  # fmt: skip
+    return box, load_tool_parser(ep.tool_parser, "episode.tool_parser")
+
+
 def build_runner(
     config: Config,
     environment: EpisodeEnvironment,
@@ -558,7 +579,6 @@ def build_runner(
             :func:`~asyncrl.env.tools.tool` functions.
         PluginError: ``episode.tool_parser`` names no installed parser.
     """
-    from asyncrl.env.tool_parsers import load_tool_parser
     from asyncrl.env.trajectory import Trajectory
     from asyncrl.errors import config_error
     from asyncrl.run.preflight import end_token_ids
@@ -570,12 +590,7 @@ def build_runner(
         raise config_error("model.chat_template", "a multi-turn environment needs a chat template "
                            "and the model directory has none",
                            "save one with the tokenizer, or set model.chat_template")  # fmt: skip
-    tools = list(getattr(environment, "tools", None) or ())
-    box = parser = None
-    if tools:
-        box = ToolBox(tools, timeout_s=ep.tool_timeout_s,
-                      max_concurrent=ep.max_concurrent_tools, now=now)  # fmt: skip
-        parser = load_tool_parser(ep.tool_parser, "episode.tool_parser")
+    box, parser = _tools(environment, config, now)
     definitions = box.definitions() if box is not None else None
     ends = end_token_ids(config.model.path) or None
 
