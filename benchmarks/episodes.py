@@ -114,6 +114,7 @@ async def one_run(
     the ``train`` records, on the run's clock, and the loop thread's CPU time from the end
     of step 2 to the end of training (``prof``, if given, profiles that span)."""
     lags: list[tuple[float, float]] = []
+    ran: list[float] = []  # per lag sample: CPU seconds the loop's thread used meanwhile
     load: list[tuple[float, int, int, int, int]] = []  # at, in flight, turns, rss, traced
     steady: list[tuple[float, float]] = []  # (perf_counter, thread_time) at its start
     probe_s: list[float] = []  # what each load sample cost the loop
@@ -130,9 +131,11 @@ async def one_run(
 
     async def lag_probe() -> None:
         while True:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             await anyio.sleep(0.01)
-            lags.append((time.perf_counter(), time.perf_counter() - t - 0.01))
+            now = time.perf_counter()
+            lags.append((now, now - t - 0.01))
+            ran.append(time.thread_time() - c)  # the loop thread's CPU over that sleep
 
     async def load_probe() -> None:
         while True:
@@ -172,7 +175,7 @@ async def one_run(
         if trace:
             tracemalloc.stop()
     (w0, c0), (w1, c1) = steady[0], end
-    return {"t0": t0, "steps": steps, "lags": lags, "load": load, "gc": collections,
+    return {"t0": t0, "steps": steps, "lags": lags, "load": load, "gc": collections, "ran": ran,
             "loop_cpu_s": c1 - c0, "loop_wall_s": w1 - w0, "probe_s": probe_s}  # fmt: skip
 
 
@@ -214,7 +217,27 @@ def summarize(raw: dict[str, Any], samples: int) -> dict[str, Any]:
         "traced_mib": statistics.median(row[4] for row in load) / 2**20,
         "probe_ms_mean": 1e3 * statistics.mean(raw["probe_s"]),
         **gc_pauses([(g, s) for at, g, s in raw["gc"] if start <= at <= end]),
+        **late_near_steps([(at, lag) for at, lag in raw["lags"] if start <= at <= end],
+                          [t0 + r["time"] for r in steps]),
+        **late_running([(lag, cpu) for (at, lag), cpu in zip(raw["lags"], raw["ran"])
+                        if start <= at <= end]),  # fmt: skip
     }
+
+
+def late_running(samples: list[tuple[float, float]]) -> dict[str, Any]:
+    """For the lag samples over 10 ms: the median share of the sample's wall time (10 ms plus
+    the lag) in which the loop's thread was on a CPU. Low: the thread waited for a core (the
+    machine's other processes), not for the loop's own work."""
+    shares = [cpu / (0.01 + lag) for lag, cpu in samples if lag > 0.010]
+    return {"late_samples_cpu_share_median": statistics.median(shares) if shares else None}
+
+
+def late_near_steps(lags: list[tuple[float, float]], step_ends: list[float]) -> dict[str, Any]:
+    """Lag samples over 10 ms, and how many of them came within 0.3 s after a step's end
+    (its record, the refit and the next step's packing run on the loop then)."""
+    late = [at for at, lag in lags if lag > 0.010]
+    near = sum(any(0 <= at - e <= 0.3 for e in step_ends) for at in late)
+    return {"lag_over_10ms": len(late), "lag_over_10ms_near_step_end": near}
 
 
 def gc_pauses(collections: list[tuple[int, float]]) -> dict[str, Any]:

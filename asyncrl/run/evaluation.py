@@ -123,9 +123,13 @@ class Evaluator:
             del self._open[label]
         return self._record(label, version, len(prompts), results.correct, results.failed, start)
 
-    async def _episodes(self, label: str, prompts: list[Any]) -> tuple[list[bool], int, float]:
+    async def _episodes(
+        self, label: str, prompts: list[Any]
+    ) -> tuple[list[bool], int, float, dict[str, float]]:
         """One greedy episode per prompt (a failed one counts as incorrect), bounded as the
-        single-turn evaluation is: correctness, failures, and when it started."""
+        single-turn evaluation is: correctness, failures, when it started, and each score
+        component's mean over the scored episodes (``reward/<name>``, as a step's record has:
+        e.g. an environment's tool-call rate)."""
         assert self.episodes is not None
         start = self.now()
         with anyio.move_on_after(self.config.cluster.call_timeout_s) as scope:
@@ -138,11 +142,15 @@ class Evaluator:
                 "cluster.call_timeout_s, or lower eval.num_prompts or episode.deadline_s"
             )
         correct = [s is not None and bool(s.correct) for s in scores]
-        return correct, sum(s is None for s in scores), start
+        scored = [s for s in scores if s is not None]
+        names = sorted({k for s in scored for k in s.components})
+        components = {f"reward/{k}": float(np.mean([s.components.get(k, 0.0) for s in scored]))
+                      for k in names}  # fmt: skip
+        return correct, sum(s is None for s in scores), start, components
 
     def _record(
         self, label: str, version: int, num_prompts: int, correct: list[bool], failed: int,
-        start: float,
+        start: float, components: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         record = {
             "kind": "eval",
@@ -154,6 +162,7 @@ class Evaluator:
             "seconds": self.now() - start,
             "start": start,
             "end": self.now(),
+            **(components or {}),
         }
         if self.metrics is not None:
             self.metrics.write(record)

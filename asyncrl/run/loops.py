@@ -353,6 +353,9 @@ class Pipeline:
             if sent and self.episodes is not None:
                 for s in sent:
                     self.episodes.start(s)
+                # a round of episodes starts without a call to await: give the loop back
+                # before the next one, as a round's Generate does
+                await anyio.lowlevel.checkpoint()
                 continue
             if sent:
                 await self._send_generate(sent)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from asyncrl.wire.codec import Codec
@@ -52,6 +53,10 @@ from asyncrl.wire.messages import (
 from asyncrl.wire.transport import AsyncSocket, PeerGone, Rejections, peer_name
 
 __all__ = ["ControlPlane", "Peer"]
+
+READ_SLICE_S = 0.0005
+"""The control reader takes queued messages for at most this long before it gives the loop
+back (as the data feeder does, ``asyncrl.run.intake.FEED_SLICE_S``)."""
 
 log = structlog.get_logger("asyncrl.wire.rpc")
 
@@ -131,7 +136,13 @@ class ControlPlane:
 
         Cancellation: stops reading; pending calls are left to their own timeouts/cancels.
         """
+        slice_end = time.perf_counter() + READ_SLICE_S
         while True:
+            if time.perf_counter() > slice_end:
+                # recv() returns at once while messages are queued: give the loop back now
+                # and then, or a burst of replies (a turn's each) holds it for all of them
+                await anyio.lowlevel.checkpoint()
+                slice_end = time.perf_counter() + READ_SLICE_S
             frames = await self._sock.recv()
             identity = peer_name(frames[0].buffer)
             try:

@@ -221,7 +221,14 @@ class VLLMBackend(EngineWeights):
             env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
         return env
 
-    def _engine_args(self) -> dict[str, Any]:
+    def _engine_args(self, cuda: bool) -> dict[str, Any]:
+        """vLLM's engine arguments from the options (``extra_engine_args`` last, so they win).
+        On the CPU build chunked prefill is off: vLLM 0.32's CPU sampler raises ("CPU
+        Generator does not use offset") when it discards the token sampled after a chunk of
+        a seeded request's prefill, and every request here is seeded; a step's turns of a few
+        hundred requests pass the default token budget (2,048-4,096) and would be chunked.
+        Measured: 128 seeded 41-token prompts crash the engine with it on and run with it
+        off (docs/backends/vllm.md)."""
         o, cfg = self.options, self.ctx.config
         args: dict[str, Any] = dict(
             model=cfg.model.path,
@@ -239,6 +246,8 @@ class VLLMBackend(EngineWeights):
             max_logprobs=-1,
             disable_log_stats=True,
         )
+        if not cuda:
+            args["enable_chunked_prefill"] = False
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(o, name) is not None:
                 args[name] = getattr(o, name)
@@ -277,7 +286,7 @@ class VLLMBackend(EngineWeights):
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.v1.engine.async_llm import AsyncLLM
 
-                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args()))
+                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args(cuda)))
             self._engine_shm = mapped_shm(self._reaper.engine_started())
             if hasattr(self._llm, "update_weight_version"):  # vLLM >= 0.30: label spans
                 await self._llm.update_weight_version(str(self.version))
