@@ -19,6 +19,7 @@ import pytest
 
 from asyncrl import Controller
 from asyncrl.config import from_dict
+from asyncrl.procs.spawn import torchrun_log_args
 from asyncrl.policy.grpo import pack_tokens
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
@@ -213,6 +214,7 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
              "--master-port", str(port), "-m", "asyncrl.launch", str(path)],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -279,6 +281,7 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) ->
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
              "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path)],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )

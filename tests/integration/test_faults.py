@@ -35,6 +35,7 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
+from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
     free_port,
@@ -98,6 +99,7 @@ def _start(mode: str, config: Path, log: Path, nproc: int = 3) -> subprocess.Pop
     if mode == "launch":
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            *torchrun_log_args(str(config.parent / "torchrun")),  # not a /tmp/torchelastic_*
             "--master-port", str(free_port()), "-m", "asyncrl.launch", str(config),
         ]
     else:

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 from asyncrl.backend import WorkerContext  # noqa: E402
 from asyncrl.config import from_dict  # noqa: E402
 from asyncrl.errors import ConfigError  # noqa: E402
+from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import run_torchrun_driver  # noqa: E402
 
 DRIVER = Path(__file__).with_name("_fsdp_driver.py")
@@ -127,7 +128,8 @@ def test_one_rank_exports_its_local_shards_bit_for_bit(qwen_dir, tmp_path):
     FSDP units, and the result is the same."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "1", str(DRIVER), qwen_dir, str(tmp_path), "solo"]
+           "1", *torchrun_log_args(str(tmp_path / "torchrun")), str(DRIVER), qwen_dir,
+           str(tmp_path), "solo"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rec = json.loads((tmp_path / "solo.json").read_text())

@@ -33,6 +33,7 @@ import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import WorkerHungError  # noqa: E402
 from asyncrl.procs.process import has_exited  # noqa: E402
+from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
     assert_nothing_left,
@@ -191,6 +192,7 @@ class _Launch:
         self.metrics = tmp_path / "out" / "metrics.jsonl"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
             "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path),
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,

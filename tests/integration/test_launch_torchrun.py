@@ -23,6 +23,7 @@ pytest.importorskip(
 )
 
 from asyncrl.procs.space import shm_dir  # noqa: E402
+from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
     free_port,
@@ -41,6 +42,8 @@ def _launch(tmp_path: Path, config: dict) -> tuple[int, str]:
     path.write_text(to_toml(config) + "\n")
     cmd = [
         sys.executable, "-m", "torch.distributed.run",  # = the torchrun script of this venv
+        # torchrun's own log dir with the run, not a /tmp/torchelastic_* left behind
+        *torchrun_log_args(str(tmp_path / "torchrun")),
         "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "asyncrl.launch", str(path),
     ]
@@ -195,6 +198,7 @@ def test_launch_restarts_a_killed_rollout_worker(tmp_path: Path, model_dir: Path
     )) + "\n")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
         "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path),
     ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
