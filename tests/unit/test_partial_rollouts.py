@@ -177,20 +177,15 @@ async def test_the_feeder_hands_an_episode_its_turn_with_one_version_per_token()
     assert (await _feed_a_turn(reported)).versions.tolist() == [0, 0, 1, 1]
 
 
-def test_check_config_says_what_happens_to_requests_in_flight(tmp_path: Any) -> None:
-    import json
-
+def test_check_config_says_what_happens_to_requests_in_flight(
+    tmp_path: Any, model_dir: Any
+) -> None:
     from asyncrl.config import from_dict
     from asyncrl.config.modes import describe
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 2}))
-    (model / "tokenizer.json").write_text("{}")
-
     def report(sampler: dict[str, Any], **refit: Any) -> Any:
         return describe(from_dict({
-            "model": {"path": str(model)}, "environment": {"name": "repeat-digit"},
+            "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
             "run": {"output_dir": str(tmp_path / "out")}, "refit": refit,
             "trainer": {"backend": "bigram"}, "generator": {"backend": "bigram"},
             "pipeline": {"sampler": sampler},

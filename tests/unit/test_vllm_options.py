@@ -205,24 +205,18 @@ def test_context_length_is_checked_before_any_engine_starts(tmp_path) -> None:
         check_config(config(enforce_eagr=True), max_prompt_tokens=1)
 
 
-def test_the_cpu_build_starts_without_chunked_prefill_unless_asked(tmp_path) -> None:
+def test_the_cpu_build_starts_without_chunked_prefill_unless_asked(tmp_path, model_dir) -> None:
     """vLLM 0.32's CPU sampler crashes on a chunked prefill of a seeded request (every
     request here is seeded): the CPU engine starts with chunked prefill off; on a GPU it is
     left to vLLM; ``extra_engine_args`` still win."""
-    import json
     from types import SimpleNamespace
 
     from asyncrl.config import from_dict
     from asyncrl_vllm.backend import VLLMBackend
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 2}))
-    (model / "tokenizer.json").write_text("{}")
-
     def args(cuda: bool, **options: object) -> dict:
         config = from_dict({
-            "model": {"path": str(model)}, "environment": {"name": "repeat-digit"},
+            "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
             "run": {"output_dir": str(tmp_path / "out")}, "trainer": {"backend": "bigram"},
             "generator": {"backend": "vllm", "options": options},
         })  # fmt: skip

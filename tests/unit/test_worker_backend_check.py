@@ -192,22 +192,16 @@ async def test_the_trainer_runtime_creates_and_checks_on_its_thread(monkeypatch:
 
 @pytest.mark.asyncio
 async def test_a_sampler_that_reprefills_needs_a_backend_that_can(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, model_dir: Any
 ) -> None:
     """``in_flight_at_refit = "reprefill"`` on a backend without ``reprefill_in_flight``: the
     worker refuses before starting it, naming the knob and the fix; with one, it starts."""
-    import json
-
     from asyncrl import plugins
     from asyncrl.config import from_dict
     from asyncrl.errors import ConfigError
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 2}))
-    (model / "tokenizer.json").write_text("{}")
     config = from_dict({
-        "model": {"path": str(model)}, "environment": {"name": "repeat-digit"},
+        "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
         "run": {"output_dir": str(tmp_path / "out")},
         "trainer": {"backend": "bigram"}, "generator": {"backend": "bigram"},
         "pipeline": {"sampler": {"name": "gated", "in_flight_at_refit": "reprefill"}},
