@@ -34,10 +34,20 @@ class RunConfig(Section):
     """While training, exclude the objects alive at its start from the garbage collector's
     scans (``gc.freeze``; undone at the end): a full collection over the start-up heap stalled
     the controller's event loop 20-30 ms, 5 ms with it."""
+    gc_young_threshold: int = 10_000
+    """While training, the garbage collector's first threshold (allocations between young
+    collections; Python's default is 700; restored at the end). With ~1,000 episodes in flight
+    the default's frequent collections, and the older generations' that they set off, held the
+    controller's event loop often enough to put the loop lag's p99 at 24-27 ms; 10,000: 8-9 ms
+    (benchmarks/episodes.py, 2 cores). 0 leaves Python's setting."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[run]``."""
-        return at_least_one({"run.num_steps": self.num_steps})
+        out = at_least_one({"run.num_steps": self.num_steps})
+        if self.gc_young_threshold < 0:
+            out.append(fail("run.gc_young_threshold", f"{self.gc_young_threshold} is negative",
+                            "give a count of allocations (10000), or 0 for Python's own"))  # fmt: skip
+        return out
 
 
 class ModelConfig(Section):

@@ -161,12 +161,12 @@ class StepRecord:
         """Staleness per trained token: the step minus the version that generated it (a
         sequence in flight during a refit has tokens of several versions; a group's
         ``staleness`` counts from its dispatch, the oldest its tokens can be)."""
-        versions, later = [], 0
-        for g in self.groups:
-            for s in g.samples:
-                versions.append(v := s.trained_versions(g.start_version))
-                later += int((v > g.start_version).sum())
-        stale = self.step - np.concatenate(versions) if versions else np.zeros(0, np.int64)
+        versions = [s.trained_versions(g.start_version) for g in self.groups for s in g.samples]
+        starts = [g.start_version for g in self.groups for _ in g.samples]
+        trained = np.concatenate(versions) if versions else np.zeros(0, np.int32)
+        # each token's group start beside it: one comparison for the step, not one a sample
+        later = int((trained > np.repeat(starts, [v.size for v in versions])).sum())
+        stale = self.step - trained.astype(np.int64)
         if not stale.size:
             return {"token_staleness_max": 0, "token_staleness_mean": 0.0,
                     "token_staleness_hist": {}, "tokens_after_refit": 0}  # fmt: skip

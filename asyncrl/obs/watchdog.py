@@ -25,7 +25,7 @@ from pathlib import Path
 import anyio
 import structlog
 
-__all__ = ["LoopLag", "LoopWatchdog", "gc_frozen", "stacks"]
+__all__ = ["LoopLag", "LoopWatchdog", "gc_tuned", "stacks"]
 
 log = structlog.get_logger("asyncrl.obs.watchdog")
 
@@ -127,17 +127,27 @@ class LoopLag:
 
 
 @contextmanager
-def gc_frozen(enabled: bool) -> Iterator[None]:
-    """While training, keep the objects alive at its start out of the cyclic garbage
-    collector's scans (``gc.freeze``): a full collection over the start-up heap stalled the
-    event loop 20-30 ms (benchmarks/modes.py --part lag); with it the worst stall measured
-    5 ms. Unfrozen afterwards, so an embedding host gets its collector back."""
-    if not enabled:
-        yield
-        return
-    gc.collect()
-    gc.freeze()
+def gc_tuned(freeze: bool, young_threshold: int) -> Iterator[None]:
+    """While training, make the cyclic garbage collector hold the event loop less, both
+    undone afterwards so that an embedding host gets its collector back as it was:
+
+    * ``freeze``: keep the objects alive at the start out of its scans (``gc.freeze``): a full
+      collection over the start-up heap stalled the event loop 20-30 ms
+      (benchmarks/modes.py --part lag); with it the worst stall measured 5 ms.
+    * ``young_threshold`` (> 0): allocations between young collections (Python's 700). An
+      episode's objects live for seconds, so with ~1,000 in flight every young collection
+      passes hundreds on to the older generations, whose collections then come often and
+      take 10-100 ms each (benchmarks/episodes.py).
+    """
+    before = gc.get_threshold()
+    if young_threshold:
+        gc.set_threshold(young_threshold, *before[1:])
+    if freeze:
+        gc.collect()
+        gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
+        gc.set_threshold(*before)

@@ -34,20 +34,27 @@ class Part:
     """int32 array aligned with token_ids: the weight version that generated each token (-1
     on inserted ones); ``None``: unknown (restored from an older checkpoint)."""
 
-    def trained_mask(self) -> np.ndarray:
-        """:func:`aligned_mask` of this part.
+    def __post_init__(self) -> None:
+        """Raises ValueError: the mask is not one 0 or 1 per token (:func:`aligned_mask`,
+        checked once, here: every later use reads it as it is)."""
+        object.__setattr__(self, "loss_mask", aligned_mask(self.token_ids, self.loss_mask))
 
-        Raises:
-            ValueError: the mask is not one 0 or 1 per token.
-        """
-        return aligned_mask(self.token_ids, self.loss_mask)
+    def trained_mask(self) -> np.ndarray:
+        """Its loss mask (uint8, aligned with ``token_ids``)."""
+        return self.loss_mask  # type: ignore[no-any-return]
 
     def trained_versions(self, unknown: int) -> np.ndarray:
         """The versions of the tokens that train (``unknown`` for each when not recorded)."""
-        mask = self.trained_mask().astype(bool)
-        if self.versions is None:
-            return np.full(int(mask.sum()), unknown, np.int32)
-        return np.asarray(self.versions, np.int32)[mask]
+        return _trained_versions(self.versions, self.loss_mask, unknown)
+
+
+def _trained_versions(versions: Any, mask: np.ndarray, unknown: int) -> np.ndarray:
+    """``versions`` where ``mask`` (a checked uint8 mask) is 1; ``unknown`` for each such token
+    when ``versions`` is ``None``."""
+    trained = mask.view(bool)
+    if versions is None:
+        return np.full(int(np.count_nonzero(trained)), unknown, np.int32)
+    return np.asarray(versions, np.int32)[trained]
 
 
 def aligned_mask(token_ids: Any, loss_mask: Any) -> np.ndarray:
@@ -94,34 +101,35 @@ class CompletedSample:
     (-1 on inserted ones; a sequence in flight during a refit has several); ``None``: unknown
     (restored from an older checkpoint: its group's start version, the oldest possible)."""
 
+    def __post_init__(self) -> None:
+        """Raises ValueError: a loss mask is not one 0 or 1 per token (:func:`aligned_mask`,
+        checked once, here: every later use reads it as it is)."""
+        if self.loss_mask is not None:
+            object.__setattr__(self, "loss_mask", aligned_mask(self.token_ids, self.loss_mask))
+
     def trained_mask(self) -> np.ndarray:
-        """:func:`aligned_mask` of this sample's own sequence (all ones for ``None``).
+        """This sample's own sequence's loss mask (uint8; all ones for ``None``)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.token_ids), np.uint8)
+        return self.loss_mask  # type: ignore[no-any-return]
 
-        Raises:
-            ValueError: the mask is not one 0 or 1 per token.
-        """
-        return aligned_mask(self.token_ids, self.loss_mask)
-
-    def parts(self, group_prompt_ids: Any) -> tuple[Part, ...]:
-        """Every sequence this sample trains, in order: those split off earlier, then its own
-        (after its own prompt, else ``group_prompt_ids``).
-
-        Raises:
-            ValueError: its loss mask is not one 0 or 1 per token.
-        """
+    def sequences(self, group_prompt_ids: Any) -> list[tuple[Any, Any, Any, np.ndarray]]:
+        """``(prompt_ids, token_ids, logprobs, loss_mask)`` of every sequence this sample
+        trains, in order: those split off earlier, then its own (after its own prompt, else
+        ``group_prompt_ids``)."""
         prompt = group_prompt_ids if self.prompt_ids is None else self.prompt_ids
-        mask = self.trained_mask()
-        own = Part(prompt, self.token_ids, self.logprobs, mask, self.finish_reason, self.versions)
-        return (*self.earlier, own)
+        own = (prompt, self.token_ids, self.logprobs, self.trained_mask())
+        if not self.earlier:
+            return [own]
+        return [*((p.prompt_ids, p.token_ids, p.logprobs, p.loss_mask) for p in self.earlier), own]
 
     def trained_versions(self, unknown: int) -> np.ndarray:
         """The weight versions of every token this sample trains (its split-off sequences'
-        included), ``unknown`` for tokens whose version was not recorded.
-
-        Raises:
-            ValueError: its loss mask is not one 0 or 1 per token.
-        """
-        return np.concatenate([p.trained_versions(unknown) for p in self.parts(None)])
+        included), ``unknown`` for tokens whose version was not recorded."""
+        own = _trained_versions(self.versions, self.trained_mask(), unknown)
+        if not self.earlier:
+            return own
+        return np.concatenate([*(p.trained_versions(unknown) for p in self.earlier), own])
 
 
 class Rewards(Sequence[float]):

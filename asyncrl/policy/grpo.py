@@ -5,6 +5,7 @@ Pure numpy; the loss itself lives with the trainer (:mod:`asyncrl.training.loss`
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -78,7 +79,7 @@ def pack_groups(
     groups: Sequence[Group], *, normalize: bool, environment: str = "?"
 ) -> TrainBatch:
     """One :class:`TrainBatch` holding every sample of complete ``groups``: each sequence a
-    sample trains (:meth:`CompletedSample.parts`: an episode's split-off sequences, then its
+    sample trains (:meth:`CompletedSample.sequences`: an episode's split-off sequences, then its
     own, each after its own prompt) with the sample's advantage, and its loss mask (all ones
     for a single-turn sample) as its part of the batch's ``loss_mask``.
 
@@ -87,7 +88,6 @@ def pack_groups(
             (:func:`group_advantages`); the message names the group, its prompt, the largest
             reward and the reward function that gave it (``environment``'s, when the score
             has no components).
-        ValueError: a sample's loss mask is not one 0 or 1 per token.
     """
     tokens: list[np.ndarray] = []
     seq_lens, prompt_lens, adv = [], [], []
@@ -100,14 +100,14 @@ def pack_groups(
             raise NonFiniteError(reward_overflow(g, str(exc), environment)) from None
         group_prompt = np.asarray(g.prompt_ids, dtype=np.int32)
         for s, a_i in zip(g.samples, a):
-            for part in s.parts(group_prompt):
-                prompt = np.asarray(part.prompt_ids, dtype=np.int32)
-                resp = np.asarray(part.token_ids, dtype=np.int32)
+            for prompt_ids, token_ids, logprobs, mask in s.sequences(group_prompt):
+                prompt = np.asarray(prompt_ids, dtype=np.int32)
+                resp = np.asarray(token_ids, dtype=np.int32)
                 tokens += [prompt, resp]
                 seq_lens.append(prompt.size + resp.size)
                 prompt_lens.append(prompt.size)
-                behaviour.append(np.asarray(part.logprobs, dtype=np.float32))
-                masks.append(part.trained_mask())
+                behaviour.append(np.asarray(logprobs, dtype=np.float32))
+                masks.append(mask)
                 adv.append(a_i)
     return TrainBatch(
         tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
@@ -191,14 +191,16 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
     (behaviour logprobs, loss mask) go with it. A shard may be empty (its rank then only takes
     part in the collectives), and a shard's mask may train no token.
     """
+    if num_shards == 1:
+        return [batch]
     layout = Layout.of(batch.seq_lens, batch.prompt_lens)
-    n = layout.num_sequences
-    loads = [0] * num_shards
+    lens = batch.seq_lens.tolist()
     members: list[list[int]] = [[] for _ in range(num_shards)]
-    for i in sorted(range(n), key=lambda i: -int(batch.seq_lens[i])):
-        k = min(range(num_shards), key=lambda k: (loads[k], k))
-        loads[k] += int(batch.seq_lens[i])
+    loads = [(0, k) for k in range(num_shards)]  # a heap: the least loaded (then lowest) first
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        load, k = heapq.heappop(loads)
         members[k].append(i)
+        heapq.heappush(loads, (load + lens[i], k))
     shards = []
     for idx in members:
         idx.sort()

@@ -90,9 +90,16 @@ class Layout:
 
 
 def _gather(values: np.ndarray, offsets: np.ndarray, idx: list[int], dtype: type) -> np.ndarray:
+    """The runs ``values[offsets[i] : offsets[i + 1]]`` of ``idx``, back to back: one index
+    array and one take (a slice and a concatenation per sequence cost ~2 ms a thousand)."""
     if not idx:
         return np.zeros(0, dtype)
-    return np.concatenate([values[offsets[i] : offsets[i + 1]] for i in idx]).astype(dtype)
+    seqs = np.asarray(idx, dtype=np.int64)
+    starts, lens = offsets[seqs], offsets[seqs + 1] - offsets[seqs]
+    # each output position's source: its run's start, plus its place within the run
+    run_start_in_out = np.cumsum(lens) - lens
+    positions = np.repeat(starts - run_start_in_out, lens) + np.arange(int(lens.sum()))
+    return np.asarray(values)[positions].astype(dtype, copy=False)
 
 
 def check_packed(

@@ -4,7 +4,7 @@
 
     rollout pump ──book.dispatch()──► Sent: a group of n episodes (no worker)
         └─► EpisodeRunner.start(sent): n episode tasks, each ``environment.run_episode``
-              Episode.generate() ──book.start_turn()──► a worker ──Generate([1 request])──►
+              Episode.generate() ──book.start_turn()──► a worker ──Cast(Generate([1 request]))──►
               Feeder ◄──SampleDone── worker; book.sample_arrived(): TURN ──turn_arrived()──► it
               the episode returns its Score ──book.episode_ended()──► COMPLETE: commit
 
@@ -572,7 +572,8 @@ def build_runner(
     """The run's episode runner, from ``[episode]``: the environment's tools (its ``tools``
     attribute) in one :class:`ToolBox` with the ``episode.tool_parser``, each episode's
     token-exact :class:`~asyncrl.env.trajectory.Trajectory` (the model's chat template and its
-    end-of-turn tokens), and turn requests sent as one-request ``Generate`` calls.
+    end-of-turn tokens), and turn requests sent as one-request ``Generate`` casts (no reply:
+    the sample is the answer).
 
     Raises:
         ConfigError: the model has no chat template, or the environment's tools are not
@@ -600,8 +601,7 @@ def build_runner(
                           end_token_ids=ends, on_mismatch=ep.on_template_mismatch)  # fmt: skip
 
     async def send(worker: str, request: Any) -> None:
-        await control.call_unless_restarting(worker, Generate(requests=[request]),
-                                             timeout_s=timeout)  # fmt: skip
+        await control.cast_unless_restarting(worker, Generate(requests=[request]))
 
     async def abort(worker: str, turn_ids: list[str]) -> None:
         await control.call_unless_restarting(worker, Abort(group_ids=turn_ids), timeout_s=timeout)

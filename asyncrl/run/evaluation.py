@@ -214,7 +214,7 @@ class Evaluator:
             ]  # fmt: skip
             for worker, sent in placed.items()
         }
-        await send_generate(self.control, by_worker, cfg.cluster.call_timeout_s)
+        await send_generate(self.control, by_worker)
 
     def start_validation(
         self, tg: Any, version: int, on_record: Callable[[dict[str, Any]], None]

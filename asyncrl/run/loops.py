@@ -46,7 +46,7 @@ from asyncrl.data.prompts import PromptStream, Tokenizer, sample_seed
 from asyncrl.environment import Environment
 from asyncrl.obs.console import Console
 from asyncrl.obs.steps import StepRecord, log_step
-from asyncrl.obs.watchdog import LoopLag, LoopWatchdog, gc_frozen
+from asyncrl.obs.watchdog import LoopLag, LoopWatchdog, gc_tuned
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.schedule import Scheduler, StepStats
 from asyncrl.run.assembly import Publisher, StepAssembler
@@ -219,7 +219,7 @@ class Pipeline:
         Cancellation: the loops stop; checkpoint requests still waiting are answered.
         """
         try:
-            with gc_frozen(self.config.run.gc_freeze):
+            with gc_tuned(self.config.run.gc_freeze, self.config.run.gc_young_threshold):
                 await self._run()
         finally:
             self.checkpointer.close()
@@ -376,7 +376,7 @@ class Pipeline:
                 group_id=s.group_id, prompt_ids=s.prompt_ids, n=s.n,
                 max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
             ))  # fmt: skip
-        await send_generate(self.control, requests, self.config.cluster.call_timeout_s)
+        await send_generate(self.control, requests)
 
     # ------------------------------------------------------------------ train pump
     async def train_pump(self) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -50,19 +49,18 @@ __all__ = ["Redispatcher", "Restarts", "WorkerLoops", "send_generate"]
 log = structlog.get_logger("asyncrl.run.restarts")
 
 
-async def send_generate(
-    control: ControlPlane, by_worker: dict[str, list[GenRequest]], timeout_s: float
-) -> None:
-    """One ``Generate`` to each worker of ``by_worker`` with its requests, all at once (a
-    slow reply holds up no other worker's). A worker that died meanwhile and is restarting
-    is skipped: its groups were sent again already, or will be (``worker_lost``).
+async def send_generate(control: ControlPlane, by_worker: dict[str, list[GenRequest]]) -> None:
+    """One ``Generate`` to each worker of ``by_worker`` with its requests, each sent without an
+    answer to wait for (a :class:`~asyncrl.wire.messages.Cast`: the samples are the answer),
+    all at once (a worker's socket at its high-water mark holds up no other's). A worker that
+    died meanwhile and is restarting is skipped: its groups were sent again already, or will
+    be (``worker_lost``).
 
-    Cancellation: the calls are abandoned (the requests may still have reached the engines).
+    Cancellation: the sends are abandoned (the requests may still reach the engines).
     """
     async with anyio.create_task_group() as tg:
         for worker, requests in by_worker.items():
-            tg.start_soon(partial(control.call_unless_restarting, timeout_s=timeout_s),
-                          worker, Generate(requests=requests))  # fmt: skip
+            tg.start_soon(control.cast_unless_restarting, worker, Generate(requests=requests))
 
 
 class WorkerLoops(Protocol):

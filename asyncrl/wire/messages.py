@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -294,6 +294,21 @@ class Call(msgspec.Struct, tag="call", **_CTRL):
     request: Request
 
 
+class Cast(msgspec.Struct, tag="cast", **_CTRL):
+    """A request that wants no answer: the worker serves it at once, in the order it came,
+    and replies nothing (the controller does not wait). Only :data:`CASTABLE` requests, whose
+    work has its own way back: a ``Generate``'s samples and ``GroupFailed`` come on the data
+    socket. A cast the worker cannot serve is fatal for it (its ``Dead`` says why): the
+    controller has nobody waiting to tell."""
+
+    request: Request
+
+
+CASTABLE = (Generate,)
+"""The requests sent as a :class:`Cast` (each multi-turn episode's turn is one: a reply to
+each would double the controller's messages per turn)."""
+
+
 class Reply(msgspec.Struct, tag="reply", **_CTRL):
     call_id: int
     result: Result
@@ -321,7 +336,7 @@ class Dead(msgspec.Struct, tag="dead", **_CTRL):
     traceback: str = ""
 
 
-ToWorker = Union[Init, Call, Shutdown]
+ToWorker = Union[Init, Call, Cast, Shutdown]
 FromWorker = Union[Hello, Ready, Reply, Failure, Dead]
 
 

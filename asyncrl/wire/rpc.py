@@ -37,7 +37,9 @@ from asyncrl.errors import (
 )
 from asyncrl.wire.messages import (
     PROTOCOL_VERSION,
+    CASTABLE,
     Call,
+    Cast,
     Dead,
     Failure,
     FromWorker,
@@ -294,13 +296,7 @@ class ControlPlane:
 
         Cancellation: the wait is abandoned; a late reply is dropped.
         """
-        peer = self.peers.get(identity)
-        if peer is None:
-            if identity in self._gone:
-                raise self._gone[identity]
-            raise WorkerError(f"no worker {identity} is connected")
-        if peer.error is not None:
-            raise peer.error
+        peer = self._peer(identity)
         call_id = next(self._ids)
         method = type(request).__name__
         pending = self._pending[call_id] = _Pending(identity, method)
@@ -335,6 +331,48 @@ class ControlPlane:
                   seconds=round(time.perf_counter() - start, 4))
         assert pending.result is not None
         return pending.result
+
+    def _peer(self, identity: str) -> Peer:
+        """The worker to send to; raises why there is none (see :meth:`call`)."""
+        peer = self.peers.get(identity)
+        if peer is None:
+            if identity in self._gone:
+                raise self._gone[identity]
+            raise WorkerError(f"no worker {identity} is connected")
+        if peer.error is not None:
+            raise peer.error
+        return peer
+
+    async def cast(self, identity: str, request: Request) -> None:
+        """Send ``request`` (one of :data:`~asyncrl.wire.messages.CASTABLE`) to one worker and
+        wait for nothing: its work comes back its own way (a ``Generate``'s samples on the data
+        socket). Returns once the message is queued on the socket (at once, unless the socket
+        is at its high-water mark).
+
+        A worker whose socket is gone is not an error here: its process exited or is exiting,
+        and its watcher reports the death; what it was asked for is then lost with it (the
+        book's ``worker_lost``), as for a worker that dies after taking it.
+
+        Raises:
+            WorkerError: the worker is not connected or is marked dead.
+            WorkerRestarting: it died and is being restarted.
+        """
+        if not isinstance(request, CASTABLE):
+            raise TypeError(f"{type(request).__name__} is not sent without an answer")
+        self._peer(identity)
+        try:
+            await self._send(identity, Cast(request=request))
+        except PeerGone:
+            log.warning("worker_unreachable", worker=identity, method=type(request).__name__)
+
+    async def cast_unless_restarting(self, identity: str, request: Request) -> bool:
+        """:meth:`cast`, but ``False`` (not sent) when the worker died and is being restarted:
+        its work goes elsewhere (see :meth:`call_unless_restarting`)."""
+        try:
+            await self.cast(identity, request)
+        except WorkerRestarting:
+            return False
+        return True
 
     async def call_unless_restarting(
         self, identity: str, request: Request, *, timeout_s: float

@@ -3,6 +3,7 @@
 ::
 
     control DEALER ─► serve_calls ─┬─ Health ──────► answer, at once (a task of its own)
+                                   ├─ Cast ────────► served at once, in order, no answer
                                    ├─ another Call ─► the role's _submit ─► answer
                                    │                    rollout: a task each (concurrent)
                                    │                    trainer: a bounded queue (in order)
@@ -51,7 +52,9 @@ from asyncrl.errors import ControllerLostError, ProtocolError, WorkerError, flat
 from asyncrl.procs.process import wait_pid_exit
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
+    CASTABLE,
     Call,
+    Cast,
     Failure,
     FromWorker,
     Health,
@@ -216,6 +219,23 @@ class WorkerRuntime(abc.ABC):
                 )
             )
 
+    async def _perform(self, cast: Cast) -> None:
+        """Serve a request that wants no answer, here and now (a ``Generate`` only starts its
+        generations): in the order the casts came, and before the next message is read.
+
+        Raises:
+            ProtocolError: the request is not castable, or this role has no method for it.
+            Exception: what its method raised. Either is fatal for the worker: no caller
+                waits to be told, so its ``Dead`` tells the controller, which sends the work
+                elsewhere.
+        """
+        handler = self._calls.get(type(cast.request))
+        if not isinstance(cast.request, CASTABLE) or handler is None:
+            raise ProtocolError(
+                f"a {self.ROLE} worker cannot serve {type(cast.request).__name__} unanswered"
+            )
+        await handler(cast.request)
+
     async def serve_calls(self) -> None:
         """Receive calls and hand them on until ``Shutdown``. A ``Health`` probe is answered
         at once, never queued behind a call: its answer says this loop turns (the
@@ -238,6 +258,9 @@ class WorkerRuntime(abc.ABC):
                         _ignore_sigterm()
                     tg.cancel_scope.cancel()
                     return
+                if isinstance(msg, Cast):
+                    await self._perform(msg)
+                    continue
                 if not isinstance(msg, Call):
                     raise ProtocolError(f"unexpected {type(msg).__name__} after Init")
                 if isinstance(msg.request, Health):

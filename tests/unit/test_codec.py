@@ -10,6 +10,7 @@ from asyncrl.errors import ProtocolError
 from asyncrl.wire.messages import (
     PROTOCOL_VERSION,
     Call,
+    Cast,
     DataBatch,
     DataMessage,
     FromWorker,
@@ -44,13 +45,14 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_nine() -> None:
+def test_protocol_version_is_ten() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
     # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
     # 7: ResetPrefixCache (tag reset_pc, never sent) left the Request union;
-    # 8: TrainBatch.loss_mask; 9: Sample.versions, ReceiveWeights.reprefill
-    assert PROTOCOL_VERSION == 9
+    # 8: TrainBatch.loss_mask; 9: Sample.versions, ReceiveWeights.reprefill; 10: Cast (a
+    # Generate is sent unanswered)
+    assert PROTOCOL_VERSION == 10
 
 
 def test_golden_hello() -> None:
@@ -119,7 +121,7 @@ def test_round_trip_nested_request() -> None:
         a, b = getattr(batch, name), getattr(back.request.batch, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
     assert back.request.batch.loss_mask.tolist() == [1, 0, 0, 1]
-    gen = Call(call_id=1, request=Generate(requests=[GenRequest(group_id="g", prompt_ids=[1, 2], n=4, max_tokens=8)]))
+    gen = Cast(request=Generate(requests=[GenRequest(group_id="g", prompt_ids=[1, 2], n=4, max_tokens=8)]))
     assert codec.decode(codec.encode(gen)) == gen
 
 

@@ -56,15 +56,15 @@ def _config(on_reward_error: str = "fail_run", call_timeout_s: float = 10.0) -> 
 
 
 class _Control:
-    """Records each ``Generate``; a call to a worker in ``hold`` waits until every worker
-    in ``hold`` has been called (sent one after the other, it would wait forever)."""
+    """Records each ``Generate``; a send to a worker in ``hold`` waits until every worker
+    in ``hold`` has been sent to (sent one after the other, it would wait forever)."""
 
     def __init__(self, hold: tuple[str, ...] = ()) -> None:
         self.sent: dict[str, list[str]] = {}
         self.hold = set(hold)
         self.all_called = anyio.Event()
 
-    async def call_unless_restarting(self, worker: str, request: Any, *, timeout_s: float) -> None:
+    async def cast_unless_restarting(self, worker: str, request: Any) -> bool:
         assert isinstance(request, Generate) and request.requests
         assert all(r.greedy and r.temperature == 0.0 for r in request.requests)
         self.sent.setdefault(worker, []).extend(r.group_id for r in request.requests)
@@ -72,6 +72,7 @@ class _Control:
             self.all_called.set()
         if worker in self.hold:
             await self.all_called.wait()
+        return True
 
 
 class _Socket:

@@ -19,9 +19,12 @@ from asyncrl.errors import (
 )
 from asyncrl.wire.messages import (
     PROTOCOL_VERSION,
+    Cast,
     Dead,
     Empty,
     Failure,
+    Generate,
+    GenRequest,
     Health,
     HealthResult,
     Hello,
@@ -280,4 +283,34 @@ async def test_a_survivable_death_is_kept_and_its_restart_is_welcome(run_dir: st
         assert peer.ready.is_set() and peer.last_words is None
         tg.start_soon(lambda: new.answer_health(1, pid=7))
         assert await control.call("rollout:0", Health(), timeout_s=5) == HealthResult(pid=7)
+        assert control.rejections.total == 0
+
+
+async def test_a_cast_waits_for_nothing_and_fails_only_where_a_call_would_at_once(
+    run_dir: str,
+) -> None:
+    """A Generate goes out as a Cast: the worker hears it, nothing is pending, and no reply
+    is expected. Sending to a worker being restarted is refused as a call is (and
+    cast_unless_restarting says False); a request that wants its answer cannot be cast; a
+    worker whose socket is gone is not an error at the send (its watcher reports the death)."""
+    generate = Generate(requests=[GenRequest(group_id="g#0", prompt_ids=[1], n=1, max_tokens=2)])
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        w = FakeWorker(ctx, address, "rollout", 0)
+        await w.handshake()
+        with anyio.fail_after(5):
+            await control.wait_ready("rollout", 1)
+        assert await control.cast_unless_restarting("rollout:0", generate) is True
+        assert await w.hear() == Cast(request=generate)
+        assert control._pending == {}
+        with pytest.raises(TypeError, match="Health is not sent without an answer"):
+            await control.cast("rollout:0", Health())
+        with pytest.raises(WorkerError, match="no worker rollout:1 is connected"):
+            await control.cast("rollout:1", generate)
+        w.sock.close()
+        await anyio.sleep(0.2)  # the ROUTER notices the disconnect
+        await control.cast("rollout:0", generate)  # logged, not raised
+        control.forget("rollout:0", WorkerRestarting("rollout:0 is restarting"))
+        with pytest.raises(WorkerRestarting):
+            await control.cast("rollout:0", generate)
+        assert await control.cast_unless_restarting("rollout:0", generate) is False
         assert control.rejections.total == 0

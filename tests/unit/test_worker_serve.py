@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from asyncrl.backend import WorkerContext
+from asyncrl.errors import ProtocolError, flatten
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
     Abort,
     BeginStep,
     Call,
+    Cast,
     DataBatch,
     DataMessage,
     Empty,
@@ -77,6 +79,9 @@ class _Control:
 
     def call(self, call_id: int, request: Any) -> None:
         self._to_send.send_nowait(self._tx.encode(Call(call_id=call_id, request=request)))
+
+    def cast(self, request: Any) -> None:
+        self._to_send.send_nowait(self._tx.encode(Cast(request=request)))
 
     def shutdown(self) -> None:
         self._to_send.send_nowait(self._tx.encode(Shutdown()))
@@ -197,9 +202,12 @@ async def test_rollout_calls_overlap_and_a_trainer_request_is_a_failure() -> Non
             assert isinstance(refused, Failure) and refused.call_id == 3
             assert (refused.error_type, refused.message) == (
                 "ProtocolError", "a rollout worker cannot serve BeginStep")
-            control.call(4, Generate(requests=[GenRequest(group_id="g1", prompt_ids=[1], n=3,
-                                                          max_tokens=1)]))
-            assert (await control.answer()).result == Empty()
+            # a Generate is cast: served at once, answered by its samples alone (the next
+            # answer is the Health call's after it)
+            control.cast(Generate(requests=[GenRequest(group_id="g1", prompt_ids=[1], n=3,
+                                                       max_tokens=1)]))
+            control.call(4, Health())
+            assert isinstance((await control.answer()).result, HealthResult)
             with anyio.fail_after(10):
                 while len(data.items) < 3:
                     data.got = anyio.Event()
@@ -208,6 +216,34 @@ async def test_rollout_calls_overlap_and_a_trainer_request_is_a_failure() -> Non
             assert sorted((m.group_id, m.worker, m.index) for m in data.items) == [
                 ("g1", "rollout:0", 0), ("g1", "rollout:0", 1), ("g1", "rollout:0", 2)]
             control.shutdown()
+    finally:
+        await rt.close()
+        control.close()
+
+
+@pytest.mark.parametrize("role", ["rollout", "trainer"])
+async def test_a_cast_the_worker_cannot_serve_is_fatal(role: str) -> None:
+    """Nobody waits for a cast's answer, so one the worker cannot serve cannot be a Failure:
+    serving stops with the error (the worker's Dead). A rollout worker refuses a request that
+    is never cast; a trainer has no Generate to serve."""
+    control = _Control()
+    if role == "rollout":
+        rt: Any = RolloutRuntime(None, control, INIT, _wctx("rollout"))
+        rt.adopt(_Generator(), plugin="fake")
+        rt.data = _Data()
+        request: Any = Score(batch=BATCH)
+        want = "a rollout worker cannot serve Score unanswered"
+    else:
+        rt = TrainerRuntime(None, control, INIT, _wctx("trainer"))
+        rt.adopt(_Trainer(), plugin="fake")
+        request = Generate(requests=[GenRequest(group_id="g", prompt_ids=[1], n=1, max_tokens=1)])
+        want = "a trainer worker cannot serve Generate unanswered"
+    try:
+        control.cast(request)
+        with pytest.raises(ExceptionGroup) as info, anyio.fail_after(10):
+            await rt.serve_calls()
+        (error,) = flatten(info.value)
+        assert isinstance(error, ProtocolError) and str(error) == want
     finally:
         await rt.close()
         control.close()

@@ -1,7 +1,11 @@
 """The ``bigram`` generation backend (entry point ``asyncrl.generation_backends:bigram``).
 
 A rollout worker calls these coroutines on its event loop; several :meth:`generate` calls run
-at once (one per prompt group), interleaved at every generated token. Weight updates pause
+at once (one per prompt group), interleaved at every generated token. With ``token_delay_s``
+the engine works in steps of that length, as an LLM engine's decode steps: every sample in
+flight makes its next token at the end of the engine's next step (one timer for them all, not
+one per sample: at a thousand samples in flight this engine's own cost would otherwise crowd
+out the controller it is there to exercise). Weight updates pause
 sampling between tokens (``begin_weight_update``) and resume it with the new table
 (``finish_weight_update``), as vLLM pauses its scheduler: a sample that spans a refit is
 generated partly by each version, and its per-token logprobs and versions say exactly which.
@@ -59,6 +63,11 @@ class BigramGenerator:
         self._groups_done = 0
         self._failed: dict[str, int] = {}  # testing knob fail_groups: failures so far
         self._slots: anyio.Semaphore | None = None
+        self._step_ends: anyio.Event | None = None
+        """Set when the engine's current step ends (``None``: no step is running)."""
+        self._rows: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        """Temperature → the table's log-probabilities and their running sums (CDFs), row by
+        row, for the weights being served (dropped at each refit)."""
 
     async def start(self) -> dict[str, Any]:
         if self.options.fail_at_start:
@@ -139,11 +148,12 @@ class BigramGenerator:
                 break
             assert self._resumed is not None, "start() was not called"
             await self._resumed.wait()  # paused while weights are being replaced
-            logp = log_softmax(self.table[prev] / temperature)
+            logps, cdfs = self._distributions(temperature)
+            logp = logps[prev]
             if greedy:
                 tok = int(np.argmax(logp))
             else:  # inverse-CDF draw: one uniform per token
-                cdf = np.cumsum(np.exp(logp))
+                cdf = cdfs[prev]
                 tok = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
                 tok = min(tok, cdf.size - 1)
             tokens.append(tok)
@@ -154,7 +164,7 @@ class BigramGenerator:
                 break
             prev = tok
             if self.options.token_delay_s:
-                await anyio.sleep(self.options.token_delay_s)
+                await self._next_step()
             else:
                 await anyio.lowlevel.checkpoint()  # let other groups (and cancellation) in
         else:
@@ -164,6 +174,31 @@ class BigramGenerator:
             np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason,
             np.asarray(versions, np.int32),
         )  # fmt: skip
+
+    def _distributions(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """``log_softmax(table / T)`` and its row-wise CDFs for the weights served now,
+        computed once per refit and temperature (row by row they equal what one row's own
+        computation gives: the same float64 operations along each row)."""
+        rows = self._rows.get(temperature)
+        if rows is None:
+            logp = log_softmax(self.table / temperature)
+            rows = self._rows[temperature] = (logp, np.cumsum(np.exp(logp), axis=-1))
+        return rows
+
+    async def _next_step(self) -> None:
+        """Wait for the end of the engine's step (``token_delay_s``): the first sample to ask
+        starts one, the others join it. A step whose starter is cancelled (an aborted
+        group) ends there for all, early; the next asker starts a new one."""
+        ends = self._step_ends
+        if ends is not None:
+            await ends.wait()
+            return
+        self._step_ends = ends = anyio.Event()
+        try:
+            await anyio.sleep(self.options.token_delay_s)
+        finally:
+            self._step_ends = None
+            ends.set()
 
     async def abort(self, group_ids: list[str]) -> None:
         """Running groups among ``group_ids`` stop at their next token (or before their first,
@@ -234,6 +269,7 @@ class BigramGenerator:
             self._staged = None
         else:
             self.table, self._staged = self._staged, None
+            self._rows.clear()
         self.version = version
         assert self._resumed is not None
         self._resumed.set()

@@ -26,8 +26,9 @@ class GeneratorOptions(_Options):
     """``[generator.options]`` of the ``bigram`` generation backend."""
 
     token_delay_s: float = 0.0
-    """Testing knob: sleep this long after each generated token, to make generation slow
-    enough that tests can observe overlap, refit during generation and cancellation."""
+    """Testing knob: the engine's step, in seconds: every sample in flight makes one token a
+    step (as an LLM engine's decode step), to make generation slow enough that tests can
+    observe overlap, refit during generation and cancellation."""
     fail_at_start: bool = False
     """Testing knob: raise in ``start()``, to test start-up failure handling."""
     crash_after_groups: int = 0
