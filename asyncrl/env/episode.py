@@ -43,7 +43,7 @@ run stops, a refit aborts its group) aborts its engine request and cancels its r
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -98,6 +98,35 @@ class Limits:
     """Tokens in the whole conversation (prompt, turns, observations)."""
     max_turn_tokens: int
     """Tokens one turn may generate."""
+
+
+@dataclass
+class EpisodeStats:
+    """The run's episode counters since the last
+    :meth:`~asyncrl.run.episodes.EpisodeRunner.take_stats` (a step's record)."""
+
+    episodes: int = 0
+    """Episodes that ended with a score (training episodes; evaluation ones not counted)."""
+    turns: int = 0
+    tool_calls: int = 0
+    splits: int = 0
+    """Times a chat template's re-render split an episode into one more sample."""
+    failed: int = 0
+    truncated: dict[str, int] = field(default_factory=dict)
+    """Truncated episodes by reason (``turns``, ``context``, ``deadline``)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The step record's ``episode_*`` values."""
+        n = max(self.episodes, 1)
+        out = {
+            "episodes": float(self.episodes),
+            "episode_turns_mean": self.turns / n,
+            "episode_tool_calls_mean": self.tool_calls / n,
+            "episode_splits": float(self.splits),
+            "episode_failed": float(self.failed),
+        }
+        out.update({f"episode_truncated_{k}": float(v) for k, v in sorted(self.truncated.items())})
+        return out
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from asyncrl.env.episode import (
     Episode,
     EpisodeEnvironment,
     EpisodeLimit,
+    EpisodeStats,
     Generated,
     Limits,
     Record,
@@ -51,7 +52,7 @@ from asyncrl.run.turns import Turn, turn_id
 from asyncrl.wire.messages import GenRequest, Sample
 from asyncrl.wire.rpc import ControlPlane
 
-__all__ = ["EpisodeFailed", "EpisodeRunner", "EpisodeStats", "TurnLost", "build_runner"]
+__all__ = ["EpisodeFailed", "EpisodeRunner", "TurnLost", "build_runner"]
 
 log = structlog.get_logger("asyncrl.run.episodes")
 
@@ -79,34 +80,6 @@ class TurnLost(Exception):
         self.retryable = retryable
         self.counts = counts
         """Whether it counts against ``TURN_ATTEMPTS`` (a lost worker does not)."""
-
-
-@dataclass
-class EpisodeStats:
-    """Counters since the last :meth:`EpisodeRunner.take_stats` (a step's record)."""
-
-    episodes: int = 0
-    """Episodes that ended with a score (training episodes; evaluation ones not counted)."""
-    turns: int = 0
-    tool_calls: int = 0
-    splits: int = 0
-    """Times a chat template's re-render split an episode into one more sample."""
-    failed: int = 0
-    truncated: dict[str, int] = field(default_factory=dict)
-    """Truncated episodes by reason (``turns``, ``context``, ``deadline``)."""
-
-    def metrics(self) -> dict[str, float]:
-        """The step record's ``episode_*`` values."""
-        n = max(self.episodes, 1)
-        out = {
-            "episodes": float(self.episodes),
-            "episode_turns_mean": self.turns / n,
-            "episode_tool_calls_mean": self.tool_calls / n,
-            "episode_splits": float(self.splits),
-            "episode_failed": float(self.failed),
-        }
-        out.update({f"episode_truncated_{k}": float(v) for k, v in sorted(self.truncated.items())})
-        return out
 
 
 @dataclass

@@ -18,7 +18,7 @@ export CUDA_VISIBLE_DEVICES=
 python3 benchmarks/episodes.py --sweep 0.2 0.4 --machine 16core --out "$OUT/episodes-16core.json" \
   > "$OUT/episodes.txt" 2>&1 || { tail -30 "$OUT/episodes.txt"; exit 1; }
 grep -E '^(run|small|sweep)' "$OUT/episodes.txt" | cut -c1-600
-for i in 1 2; do
+for i in 1; do
   python3 benchmarks/episodes.py --small-prompts 0 --out "$OUT/episodes-again-$i.json" \
     > "$OUT/episodes-again-$i.txt" 2>&1 || { tail -30 "$OUT/episodes-again-$i.txt"; exit 1; }
   grep -E '^run' "$OUT/episodes-again-$i.txt" | cut -c1-600
