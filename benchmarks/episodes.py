@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/episodes.py               # ~2 min on 2 cores
     .venv/bin/python benchmarks/episodes.py --prompts 8 --small-prompts 2 --steps 4  # a look
     .venv/bin/python benchmarks/episodes.py --profile --sweep 0.2 0.4 --machine 2core  # ~7 min
+    .venv/bin/python benchmarks/episodes.py --own-core --out benchmarks/results/episodes-2core-own-core.json
 
 A real run: the embedded :class:`asyncrl.Controller` with the example (bigram) trainer and
 rollout ranks as real processes, on the testing environment ``repeat-digit-turns`` with
@@ -32,6 +33,10 @@ over the steady state (from the end of step 2 to the last step):
   episodes in flight. RSS, not tracemalloc: it is what the host pays (ZeroMQ's buffers and
   allocator slack included), and tracemalloc would slow the loop it measures (``--tracemalloc``
   adds the Python heap's share, traced in the same runs, for the split).
+
+``--own-core`` gives the controller's event-loop thread CPU 0 to itself and puts everything
+else the run starts (workers, trainer, ZeroMQ's I/O threads) on the other CPUs, as on a host
+with cores to spare: the lag it measures is then the loop's own work, not its wait for a core.
 
 ``--profile`` runs once more under cProfile (the controller's thread, over the steady state)
 and prints own time by file, the top functions by own time, and asyncrl's by cumulative
@@ -106,8 +111,14 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def pin(cpus: set[int]) -> None:
+    """Run the calling thread (Linux: only it; what it starts later inherits it) on ``cpus``."""
+    os.sched_setaffinity(0, cpus)
+
+
 async def one_run(
-    data: dict[str, Any], *, trace: bool = False, prof: cProfile.Profile | None = None
+    data: dict[str, Any], *, trace: bool = False, prof: cProfile.Profile | None = None,
+    own_core: bool = False,
 ) -> dict[str, Any]:
     """Run ``data``'s config to its end, sampling the loop's lag (every 10 ms) and the
     episodes in flight and the memory (every 100 ms) meanwhile; returns the raw series and
@@ -164,6 +175,8 @@ async def one_run(
             tg.start_soon(lag_probe)
             tg.start_soon(load_probe)
             async with asyncrl.Controller(from_dict(data)) as ctl:
+                if own_core:  # the workers started on the other cores: the loop takes CPU 0
+                    pin({0})
                 t0 = ctl.status().clock_origin
                 steps = (await ctl.train()).steps
                 if prof is not None:
@@ -358,7 +371,8 @@ def child_command(args: argparse.Namespace, name: str, prompts: int, *, profile:
            "--token-delay", str(token_delay)]  # fmt: skip
     for flag in ("samples", "steps", "ranks", "turn_tokens"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return cmd + ["--tracemalloc"] * args.tracemalloc + ["--profile"] * profile
+    return (cmd + ["--tracemalloc"] * args.tracemalloc + ["--profile"] * profile
+            + ["--own-core"] * args.own_core)
 
 
 async def child(args: argparse.Namespace) -> None:
@@ -370,7 +384,9 @@ async def child(args: argparse.Namespace) -> None:
         tmp = Path(tmp_name)
         data = config(write_model_dir(tmp / "model"), tmp / "run", args, args.child_prompts)
         prof = cProfile.Profile() if args.profile else None
-        raw = await one_run(data, trace=args.tracemalloc, prof=prof)
+        if args.own_core:  # every process and thread the run starts: off CPU 0
+            pin(set(os.sched_getaffinity(0)) - {0})
+        raw = await one_run(data, trace=args.tracemalloc, prof=prof, own_core=args.own_core)
     out = summarize(raw, args.samples)
     out["loop_cpu_s"], out["loop_wall_s"] = raw["loop_cpu_s"], raw["loop_wall_s"]
     if prof is not None:
@@ -405,6 +421,7 @@ def main(args: argparse.Namespace) -> None:
             "token_delay_s": args.token_delay,
             "steps": args.steps,
             "machine": args.machine or "",
+            "own_core": args.own_core,
             "cpus": os.cpu_count(),
         },
         "tracemalloc": args.tracemalloc,
@@ -450,6 +467,9 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", type=float, nargs="*", default=[],
                         help="more runs of ~1,000 episodes at these seconds a token (slower "
                         "turns, fewer turns/s): the loop lag against the turn rate")
+    parser.add_argument("--own-core", action="store_true",
+                        help="the controller's event-loop thread alone on CPU 0, everything "
+                             "else (workers, trainer, ZeroMQ's threads) on the other CPUs")
     parser.add_argument("--machine", default="", help="names the results file, e.g. 2core")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
