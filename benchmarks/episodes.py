@@ -310,7 +310,12 @@ def memory(big: dict[str, Any], small: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any]) -> None:
-    r, m = results["run"], results["memory"]
+    r, m = results["run"], results.get("memory")
+    memory_line = (
+        f"memory: {m['rss_kib_per_episode']:.1f} KiB RSS per episode in flight "
+        f"({r['rss_mib']:.0f} MiB vs {results['small']['rss_mib']:.0f} MiB over "
+        f"{m['episodes_difference']:.0f} episodes)\n" if m is not None else ""
+    )  # fmt: skip
     print(
         f"\n{r['in_flight_mean']:.0f} episodes in flight (p10 {r['in_flight_p10']:.0f}, p50 "
         f"{r['in_flight_p50']:.0f}, max {r['in_flight_max']}; {r['turns_in_flight_mean']:.0f} "
@@ -320,17 +325,15 @@ def report(results: dict[str, Any]) -> None:
         f"loop lag: p50 {r['loop_lag_p50_ms']:.2f} ms, p99 {r['loop_lag_p99_ms']:.2f} ms, max "
         f"{r['loop_lag_max_ms']:.1f} ms ({r['lag_samples']} samples); per-step p99 median "
         f"{r['step_lag_p99_median_ms']:.2f} ms, worst {r['step_lag_p99_worst_ms']:.2f} ms\n"
-        f"memory: {m['rss_kib_per_episode']:.1f} KiB RSS per episode in flight "
-        f"({r['rss_mib']:.0f} MiB vs {results['small']['rss_mib']:.0f} MiB over "
-        f"{m['episodes_difference']:.0f} episodes)\n"
+        f"{memory_line}"
         f"the loop's thread: {r['loop_cpu_s']:.1f} s CPU in {r['loop_wall_s']:.1f} s of the "
         f"steady state "
         f"({100 * r['loop_cpu_s'] / r['loop_wall_s']:.0f}% busy)\n"
         f"garbage collection: {r['gc_gen2_passes']} full passes (longest "
         f"{r['gc_gen2_max_ms']:.0f} ms), {r['gc_gen1_passes']} of generation 1 (longest "
         f"{r['gc_gen1_max_ms']:.1f} ms)"
-        + (f"; Python heap {m['traced_kib_per_episode']:.1f} KiB" if results["tracemalloc"]
-           else "")  # fmt: skip
+        + (f"; Python heap {m['traced_kib_per_episode']:.1f} KiB"
+           if results["tracemalloc"] and m is not None else "")  # fmt: skip
     )
     if "profile" in results:
         report_profile(results["profile"])
@@ -428,8 +431,9 @@ def main(args: argparse.Namespace) -> None:
     }
     print("workload:", json.dumps(results["workload"]), flush=True)
     results["run"] = measure(args, "run", args.prompts)
-    results["small"] = measure(args, "small", args.small_prompts)
-    results["memory"] = memory(results["run"], results["small"])
+    if args.small_prompts:  # 0: the main run alone (no memory per episode then)
+        results["small"] = measure(args, "small", args.small_prompts)
+        results["memory"] = memory(results["run"], results["small"])
     if args.profile:
         results["profile"] = measure(args, "profile", args.prompts, profile=True)
     results["sweep"] = []
@@ -452,7 +456,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64, help="groups a step (~1,000 in flight)")
     parser.add_argument("--small-prompts", type=int, default=6,
-                        help="groups a step of the memory baseline run (~100 in flight)")
+                        help="groups a step of the memory baseline run (~100 in flight); 0: none")
     parser.add_argument("--samples", type=int, default=16, help="episodes a group")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ranks", type=int, default=2, help="rollout ranks")

@@ -2,7 +2,8 @@
 # benchmarks/episodes.py on the GPU host's CPUs (16 cores; CUDA hidden): ~1,000 concurrent
 # 4-turn episodes on the example engine, the controller's loop lag with cores to spare for the
 # workers (on the 2-core dev box they share the controller's). Needs only the small wheels of
-# .whl/ (pyzmq, msgspec, structlog: carry .whl with the call); no vLLM. From the repo root:
+# .whl/ (pyzmq, msgspec, structlog, jsonschema and its four: carry .whl with the call); no
+# vLLM. From the repo root:
 #
 #   bash benchmarks/gpu/run_episodes_cpu.sh      # ~6 min; writes $OUT/episodes-16core.json
 #
@@ -11,14 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
 export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export CUDA_VISIBLE_DEVICES=
 { nproc; lscpu | grep -E "Model name|^CPU\(s\)"; python3 --version; } | tee "$OUT/host.txt"
-python3 benchmarks/episodes.py --sweep 0.2 0.4 --machine 16core --out "$OUT/episodes-16core.json" \
-  > "$OUT/episodes.txt" 2>&1 || { tail -30 "$OUT/episodes.txt"; exit 1; }
-grep -E '^(run|small|sweep)' "$OUT/episodes.txt" | cut -c1-600
-for i in 1; do
+if [ "${AGAIN_ONLY:-}" != 1 ]; then
+  python3 benchmarks/episodes.py --sweep 0.2 0.4 --machine 16core --out "$OUT/episodes-16core.json" \
+    > "$OUT/episodes.txt" 2>&1 || { tail -30 "$OUT/episodes.txt"; exit 1; }
+  grep -E '^(run|small|sweep)' "$OUT/episodes.txt" | cut -c1-600
+fi
+for i in ${AGAIN:-1}; do
   python3 benchmarks/episodes.py --small-prompts 0 --out "$OUT/episodes-again-$i.json" \
     > "$OUT/episodes-again-$i.txt" 2>&1 || { tail -30 "$OUT/episodes-again-$i.txt"; exit 1; }
   grep -E '^run' "$OUT/episodes-again-$i.txt" | cut -c1-600
