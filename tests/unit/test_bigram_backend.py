@@ -474,3 +474,54 @@ async def test_a_sample_spanning_a_refit_reports_the_version_of_each_token(tmp_p
         assert 0 < k < 60 and versions == [0] * k + [4] * (60 - k), versions
         # the tokens after the refit were drawn from the new, uniform table
         np.testing.assert_allclose(s.logprobs[k:], np.log(1 / V), rtol=1e-5)
+
+
+@pytest.mark.asyncio
+async def test_samples_share_the_engines_steps_and_a_cancelled_starter_holds_no_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``token_delay_s`` the engine works in steps: 16 samples of 6 tokens take 6 timers
+    (one a step), not 96 (one a token); and when the sample that started a step is cancelled,
+    the samples waiting on that step go on."""
+    import anyio
+
+    import asyncrl_example_backend.generation as generation
+
+    timers: list[float] = []
+    real_sleep = anyio.sleep
+
+    async def counted(delay: float) -> None:
+        timers.append(delay)
+        await real_sleep(delay)
+
+    monkeypatch.setattr(generation.anyio, "sleep", counted)
+    cfg = _config(tmp_path, generator={"options": {
+        "token_delay_s": 0.02, "length_median": 6.0, "length_sigma": 1e-9}})
+    gen = BigramGenerator(_ctx(cfg, "rollout"))
+    await gen.start()
+    samples = await collect(gen, GenRequest(group_id="g", prompt_ids=[1], n=16, max_tokens=64))
+    assert [len(s.token_ids) for s in samples] == [6] * 16
+    assert len(timers) == 6
+
+    first = GenRequest(group_id="a", prompt_ids=[1], n=1, max_tokens=64)
+    second = GenRequest(group_id="b", prompt_ids=[2], n=1, max_tokens=64)
+    starter, done = anyio.CancelScope(), anyio.Event()
+
+    async def run_first() -> None:
+        with starter:
+            await collect(gen, first)
+
+    async def run_second() -> None:
+        await collect(gen, second)
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        timers.clear()
+        tg.start_soon(run_first)
+        while not timers:  # the first sample has started a step
+            await real_sleep(0)
+        tg.start_soon(run_second)
+        await real_sleep(0.005)  # the second waits on that step
+        starter.cancel()
+        with anyio.fail_after(5):
+            await done.wait()
