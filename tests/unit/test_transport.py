@@ -56,6 +56,33 @@ async def test_push_pull_across_tasks_in_order(run_dir: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_send_nobody_waits_behind_does_not_give_the_loop_back(run_dir: str) -> None:
+    """With no sender parked at the high-water mark, a send queues at once and returns
+    without a pass of the loop (the send lock's would cost one a message): a task started
+    before 100 sends has not run after them."""
+    ctx = Context()
+    try:
+        addr = ipc_address(run_dir, "data")
+        pull = ctx.socket(PULL, bind=addr)
+        push = ctx.socket(PUSH, connect=addr)
+        ran: list[bool] = []
+
+        async def other() -> None:
+            ran.append(True)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            for i in range(100):
+                await push.send([str(i).encode()])
+            assert ran == []
+        with anyio.fail_after(10):
+            got = [_bytes(await pull.recv()) for _ in range(100)]
+        assert got == [[str(i).encode()] for i in range(100)]
+    finally:
+        ctx.close()
+
+
+@pytest.mark.asyncio
 async def test_many_concurrent_senders_with_backpressure(run_dir: str) -> None:
     """50 tasks share one PUSH socket whose high-water mark is tiny, the reader is slow:
     senders must wait (without blocking the loop), and every message arrives exactly once,
