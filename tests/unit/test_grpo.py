@@ -205,3 +205,15 @@ def test_nonfinite_cause_blames_the_rewards_or_the_weights() -> None:
         msg = nonfinite_cause(4, 1.0, math.inf, groups, normalize=normalize)
         assert "likely cause is the model's state" in msg
         assert "Fix: resume from an older checkpoint" in msg
+
+
+def test_a_bad_loss_mask_is_refused_when_its_sample_is_built() -> None:
+    """Masks are checked once, where a sample or a split-off part is made (packing, sharding
+    and the step metrics then read them as they are); a good one is kept as uint8."""
+    ids, lps = np.array([5, 6], np.int32), np.zeros(2, np.float32)
+    with pytest.raises(ValueError, match=r"one 0 or 1 per token \(2 tokens\)"):
+        CompletedSample(ids, lps, "stop", 1.0, True, loss_mask=[1, 2])
+    with pytest.raises(ValueError, match=r"one 0 or 1 per token \(2 tokens\)"):
+        Part(np.array([1], np.int32), ids, lps, [1, 0, 1], "stop")
+    good = CompletedSample(ids, lps, "stop", 1.0, True, loss_mask=[True, False])
+    assert good.loss_mask.dtype == np.uint8 and good.trained_mask().tolist() == [1, 0]
