@@ -15,6 +15,7 @@ import msgspec
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
 from asyncrl.config.episodes import EpisodeConfig
+from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.operations import (
     CheckpointConfig,
     EvalConfig,
@@ -56,6 +57,7 @@ class Config(Section, dict=True):
     failures: FailuresConfig = FailuresConfig()
     metrics: MetricsConfig = MetricsConfig()
     episode: EpisodeConfig = EpisodeConfig()
+    gateway: GatewayConfig = GatewayConfig()
 
     @functools.cached_property
     def sampler(self) -> Sampler:
@@ -115,6 +117,7 @@ def problems(config: Config) -> list[ConfigError]:
     for section in (
         config.refit, config.trainer, config.generator, config.environment, config.eval,
         config.checkpoint, config.export, config.failures, config.metrics, config.episode,
+        config.gateway,
     ):  # fmt: skip
         out += section.problems()
     return out + config.model.problems()

@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import anyio
 import numpy as np
 
 from asyncrl.env.segments import TrajectorySample
@@ -169,6 +170,18 @@ class Record(Protocol):
         finish_reason: str,
     ) -> str: ...
 
+    def turn_text(self, token_ids: np.ndarray) -> str: ...
+
+    def restart(
+        self, messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None: ...
+
+    def restart_text(self, prompt: str | Sequence[int]) -> None: ...
+
+    @property
+    def recorded(self) -> tuple[str, list[int]]: ...
+
     def add_messages(self, messages: Sequence[Mapping[str, Any]]) -> None: ...
 
     def add_tokens(self, token_ids: Sequence[int]) -> None: ...
@@ -193,10 +206,13 @@ class Episode:
         limits: Limits,
         tools: ToolBox | None = None,
         parser: ToolCallParser | None = None,
+        evaluation: bool = False,
     ) -> None:
         self.id = episode_id
         """``<group>/<index>``: unique in the run (logs, the timeline)."""
         self.prompt = prompt
+        self.evaluation = evaluation
+        """An evaluation episode (greedy, scored, never trained)."""
         self._record, self._source, self._limits = record, source, limits
         self._tools, self._parser = tools, parser
         self._turns = 0
@@ -237,6 +253,88 @@ class Episode:
 
         Cancellation: the turn's engine request is aborted.
         """
+        (out,) = await self.sample(1, max_tokens=max_tokens)
+        return self.keep(out)
+
+    async def sample(self, n: int = 1, *, max_tokens: int | None = None) -> list[Generated]:
+        """Sample ``n`` candidates for the next turn from the conversation so far, at once
+        (one engine request each; their prompt is shared, so the engine's prefix cache serves
+        it once), and record none of them: :meth:`keep` the one the conversation goes on
+        with. Counts as one turn against ``episode.max_turns``; ``max_tokens`` as in
+        :meth:`generate`.
+
+        Raises:
+            EpisodeLimit, ValueError: as :meth:`generate`; ``n`` below 1.
+
+        Cancellation: every candidate's engine request is aborted.
+        """
+        if n < 1:
+            raise ValueError(f"sample(n={n!r}): give n >= 1")
+        budget = self._budget(max_tokens)
+        prompt_ids = self._record.prompt_ids
+        if n == 1:
+            outs = [await self._source(prompt_ids, budget)]
+        else:
+            outs = [None] * n
+
+            async def one(i: int) -> None:
+                outs[i] = await self._source(prompt_ids, budget)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+        self._turns += 1
+        return outs  # type: ignore[return-value]
+
+    def preview(self, candidate: Generated) -> str:
+        """The text ``candidate`` would add to the conversation if kept (see :meth:`keep`)."""
+        return self._record.turn_text(candidate.token_ids)
+
+    def keep(self, candidate: Generated) -> Turn:
+        """Record ``candidate`` (one of :meth:`sample`'s, possibly cut short: a prefix of its
+        ids, logprobs and versions) as the next turn and return it, tool calls parsed.
+
+        Raises:
+            TrajectoryError: an observation is due, or the candidate's arrays disagree.
+        """
+        out = candidate
+        versions = out.version if out.versions is None else out.versions
+        text = self._record.add_turn(out.token_ids, out.logprobs, versions, out.finish_reason)
+        ids = np.asarray(out.token_ids, dtype=np.int32)
+        ids.flags.writeable = False
+        if self._parser is None:
+            return Turn(text, ids, out.finish_reason, out.version)
+        parsed = self._parser.parse(text)
+        return Turn(text, ids, out.finish_reason, out.version, parsed.calls, parsed.errors)
+
+    def restart(
+        self, messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Go on from ``messages`` (and ``tools``, OpenAI-style definitions) instead of the
+        conversation so far: what was generated before trains as a sample of its own, and
+        the next turn's prompt is the chat template's render of ``messages``. For an agent
+        that rewrites its context (a summary, dropped turns, another system prompt); before
+        the first turn it replaces the prompt. Turns already taken still count.
+
+        Raises:
+            TrajectoryError: the template rejects ``messages`` (nothing changes).
+        """
+        self._record.restart(messages, tools)
+
+    def restart_text(self, prompt: str | Sequence[int]) -> None:
+        """As :meth:`restart`, from a prompt already written: text (encoded as it is, no
+        template) or token ids."""
+        self._record.restart_text(prompt)
+
+    @property
+    def recorded(self) -> tuple[str, list[int]]:
+        """The current segment's text and token ids (what was sent to the engine and what it
+        generated; a pending observation left out)."""
+        return self._record.recorded
+
+    def _budget(self, max_tokens: int | None) -> int:
+        """The next turn's token budget (raises as :meth:`generate`)."""
         limits = self._limits
         if self._turns >= limits.max_turns:
             raise EpisodeLimit("turns", f"episode {self.id}: {self._turns} turns taken "
@@ -248,17 +346,7 @@ class Episode:
                                f" = {limits.max_context_tokens})")  # fmt: skip
         if max_tokens is not None and not max_tokens > 0:
             raise ValueError(f"generate(max_tokens={max_tokens!r}): give a positive number")
-        budget = min(limits.max_turn_tokens, room, max_tokens or limits.max_turn_tokens)
-        out = await self._source(self._record.prompt_ids, budget)
-        versions = out.version if out.versions is None else out.versions
-        text = self._record.add_turn(out.token_ids, out.logprobs, versions, out.finish_reason)
-        self._turns += 1
-        ids = np.asarray(out.token_ids, dtype=np.int32)
-        ids.flags.writeable = False
-        if self._parser is None:
-            return Turn(text, ids, out.finish_reason, out.version)
-        parsed = self._parser.parse(text)
-        return Turn(text, ids, out.finish_reason, out.version, parsed.calls, parsed.errors)
+        return min(limits.max_turn_tokens, room, max_tokens or limits.max_turn_tokens)
 
     def add_messages(self, *messages: Mapping[str, Any]) -> None:
         """Add observations as chat messages (``{"role": "user" | "tool" | ..., "content":

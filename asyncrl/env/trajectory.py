@@ -289,9 +289,7 @@ class Trajectory:
                 "end_token_ids)",
             )
         nxt = self._pending()  # checked before anything changes: an error leaves it as it was
-        before = nxt.ids[-1] if nxt is not None and nxt.ids else self._segment.ids[-1]
-        text = self._decode_after(before, id_list)
-        content = self._without_end(before, id_list, text) if ends else text
+        text, content = self._turn_texts(nxt, id_list, bool(ends))
         message = self._checked(self._to_message(content), f"turn {n}'s assistant message")
         reason = finish_reason or ("stop" if ends else "length")
         self._commit()
@@ -300,6 +298,84 @@ class Trajectory:
         self._turns = n
         self._observed = None
         return content
+
+    def turn_text(self, token_ids: Sequence[int] | np.ndarray) -> str:
+        """The assistant text :meth:`add_turn` would add for ``token_ids`` (decoded where they
+        would follow, the end token left out), without adding them: what a caller shows
+        before it decides which of several candidate turns to keep.
+
+        Raises:
+            TrajectoryError: an observation is due, or an id is outside the vocabulary.
+            PrefixMismatchError: as :attr:`prompt_ids`.
+        """
+        if self._turns and self._observed is None:
+            raise self._error(
+                f"turn {self._turns} awaits an observation", "add one before the next turn"
+            )
+        id_list = self._ids(token_ids, f"turn {self._turns + 1}").tolist()
+        ends = bool(id_list) and id_list[-1] in self._ends
+        return self._turn_texts(self._pending(), id_list, ends)[1]
+
+    def restart(
+        self, messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Go on from ``messages`` (and ``tools``) instead of the conversation recorded: the
+        current segment, if it generated anything, is closed as a training sample (counted in
+        :attr:`splits`), and a new one starts whose prompt is the template's render of
+        ``messages``. Before the first turn it replaces the prompt. For an agent that rewrote
+        its context (summarized it, dropped turns, changed its tools or system prompt); any
+        pending observation is dropped (it is in ``messages`` or it is gone).
+
+        Raises:
+            TrajectoryError: no messages, a message without a role, the template rejects
+                them or renders no tokens; nothing changes then.
+        """
+        if not messages:
+            raise self._error("restart() with no messages", "give at least one message")
+        checked = [self._checked(m, "the restarted conversation") for m in messages]
+        tool_list = None if tools is None else [dict(t) for t in tools]
+        text = self._render(checked, tool_list)
+        self._begin(text, checked, tool_list)
+
+    def restart_text(self, prompt: str | Sequence[int]) -> None:
+        """As :meth:`restart`, from a prompt the caller wrote itself (a text-completion
+        client that applies its own template): text, encoded as it is (no template, no
+        special tokens added), or token ids, taken as they are.
+
+        Raises:
+            TrajectoryError: the prompt is empty, or an id is outside the vocabulary;
+                nothing changes then.
+        """
+        if isinstance(prompt, str):
+            self._begin(prompt, [], self._tools)
+        else:
+            ids = self._ids(prompt, "the restarted prompt").tolist()
+            self._begin(self._tok.decode_verbatim(ids), [], self._tools, ids)
+
+    @property
+    def recorded(self) -> tuple[str, list[int]]:
+        """The current segment's text and token ids (a pending observation left out): what a
+        caller that writes its own prompts must begin its next one with to go on."""
+        return self._segment.text, self._segment.ids.tolist()
+
+    def _begin(
+        self, text: str, messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None, ids: list[int] | None = None,
+    ) -> None:
+        ids = self._tok.encode_rendered(text) if ids is None else ids
+        if not ids:
+            raise self._error("the restarted prompt encodes to no tokens",
+                              "give a prompt with some text")  # fmt: skip
+        closed = self._segment.sample()
+        if closed is not None:
+            self._closed.append(closed)
+            self._splits += 1
+        self._segment = Segment(text, ids)
+        self._messages, self._tools = messages, tools
+        self._observed = "restart" if self._turns else None  # the next thing is a turn
+        self._pending_tokens = []
+        self._next = None
 
     def add_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """Add observation messages (role ``tool``, ``user``, ...) after the last turn. They
@@ -356,9 +432,17 @@ class Trajectory:
                 "give one observation as messages or as token ids, not both",
             )
 
+    def _turn_texts(self, nxt: _Next | None, ids: list[int], ends: bool) -> tuple[str, str]:
+        """A turn's text as it follows what is recorded (and the pending observation), and
+        its content (the end token left out when ``ends``)."""
+        before = nxt.ids[-1] if nxt is not None and nxt.ids else self._segment.ids[-1]
+        text = self._decode_after(before, ids)
+        return text, (self._without_end(before, ids, text) if ends else text)
+
     def _pending(self) -> _Next | None:
-        """The observation since the last turn, rendered and checked (cached)."""
-        if not self._turns or self._next is not None:
+        """The observation since the last turn, rendered and checked (cached); ``None``
+        when there is none (before the first turn, or a segment just restarted)."""
+        if not self._turns or self._next is not None or self._observed == "restart":
             return self._next
         if self._observed == "tokens":
             ids = self._pending_tokens
@@ -393,13 +477,18 @@ class Trajectory:
         self._next = None
         self._pending_tokens = []
 
-    def _render(self) -> str:
+    def _render(
+        self, messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation recorded (or ``messages`` with ``tools``) rendered with a
+        generation prompt."""
         try:
             return self._template.render(
-                self._messages,
+                self._messages if messages is None else messages,
                 add_generation_prompt=True,
                 prompt_id=f"{self.episode} after turn {self._turns}",
-                tools=self._tools,
+                tools=self._tools if messages is None else tools,
             )
         except ConfigError as exc:
             raise TrajectoryError(f"episode {self.episode!r}: {exc}") from exc

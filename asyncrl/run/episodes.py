@@ -340,6 +340,7 @@ class EpisodeRunner:
         return Episode(
             episode_id=asker.episode, prompt=prompt, record=record, source=source,
             limits=self._limits, tools=self._tools, parser=self._parser,
+            evaluation=asker.evaluation,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ evaluation
@@ -541,12 +542,14 @@ def build_runner(
     committed: Signal,
     now: Callable[[], float],
     fail_group: Callable[[str, str, str, bool, anyio.abc.TaskGroup], dict[str, list[str]]],
+    deadline_s: float | None = None,
 ) -> EpisodeRunner:
     """The run's episode runner, from ``[episode]``: the environment's tools (its ``tools``
     attribute) in one :class:`ToolBox` with the ``episode.tool_parser``, each episode's
     token-exact :class:`~asyncrl.env.trajectory.Trajectory` (the model's chat template and its
     end-of-turn tokens), and turn requests sent as one-request ``Generate`` casts (no reply:
-    the sample is the answer).
+    the sample is the answer). ``deadline_s`` overrides ``episode.deadline_s`` (the gateway
+    keeps its sessions' deadlines itself: an episode waiting for an agent has none).
 
     Raises:
         ConfigError: the model has no chat template, or the environment's tools are not
@@ -584,6 +587,7 @@ def build_runner(
     return EpisodeRunner(
         environment, book=book, record=record, send=send, abort=abort, serving=serving,
         changed=changed, committed=committed, now=now, fail_group=fail_group, limits=limits,
-        deadline_s=ep.deadline_s, on_truncation=ep.on_truncation,
+        deadline_s=ep.deadline_s if deadline_s is None else deadline_s,
+        on_truncation=ep.on_truncation,
         temperature=config.grpo.temperature, seed=config.run.seed, tools=box, parser=parser,
     )  # fmt: skip

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -134,6 +135,13 @@ class Pipeline:
         self.config, self.control, self.tok = config, control, tokenizer
         self.trainers, self.restarts, self.metrics = trainers, restarts, metrics
         self.rollouts = restarts.workers
+        self.gateway: Any = None
+        """The gateway's HTTP server (``[gateway]`` enabled): its sessions are the episodes."""
+        if config.gateway.enabled:
+            from asyncrl.gateway.server import build_gateway
+
+            environment, self.gateway = build_gateway(config, environment, tokenizer=tokenizer,
+                                                      now=self.now)  # fmt: skip
         self.episodic = isinstance(environment, EpisodeEnvironment)
         """A multi-turn environment: each group is ``n`` episodes (:mod:`asyncrl.run.episodes`)."""
         self.book = RolloutBook(scheduler, self.rollouts, episodes=self.episodic)
@@ -182,6 +190,7 @@ class Pipeline:
                 cfg, environment, tokenizer=tokenizer, book=self.book, control=control,
                 serving=lambda: self.restarts.serving, changed=self.changed,
                 committed=self.committed, now=self.now, fail_group=self.redispatch.episode_failed,
+                deadline_s=math.inf if self.gateway is not None else None,
             )  # fmt: skip
         self.checkpointer = Checkpointer(
             cfg, control=control, trainers=trainers, metrics=metrics,
@@ -231,6 +240,8 @@ class Pipeline:
             tg.start_soon(self.feeder.run, name="buffer-feeder")
             if self.episodes is not None:
                 await tg.start(self.episodes.run, name="episodes")
+            if self.gateway is not None:
+                await tg.start(self.gateway.serve, name="gateway")
             tg.start_soon(self.lag.run, name="loop-lag")
             dump_dir = os.path.join(cfg.run.output_dir, "logs")
             tg.start_soon(LoopWatchdog(cfg.run.stall_warning_s, dump_dir=dump_dir).run,

@@ -1,0 +1,392 @@
+"""The gateway as the run's multi-turn environment: each episode is a session whose turns
+arrive as OpenAI calls (docs/gateway.md).
+
+:class:`Gateway` wraps the run's environment (its prompts, and its ``score`` for sessions that
+end without a reward) and is what the episode runner runs: ``run_episode(prompt, episode)``
+opens a session, hands it to an agent (the lobby for agents that call in, or a managed agent
+process), and serves the session's calls in the episode's own task, so they go through the
+same scheduler, staleness bound and refits as any episode's turns: a call waiting for a refit
+waits; a call whose episode the run cancels is answered 410. The HTTP side is
+:mod:`asyncrl.gateway.server`; what is pure (request types, the conversation, replies, the
+session table) lives in the modules beside it.
+
+One call, token-exact::
+
+    agent's messages ─ChatLog.plan()─► Continue(new messages) ─► episode.add_messages(new)
+                                   └─► Restart(messages) ─► episode.restart(messages, tools)
+    episode.sample(n) ─► candidates (engine ids, logprobs, versions)
+        ─► cut at a stop sequence ─► tool calls parsed ─► the replies
+        ─► n = 1: episode.keep(it)   n > 1: kept when the next call shows which one goes on
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import numpy as np
+import structlog
+
+from asyncrl.config.gateway import GatewayConfig
+from asyncrl.data.deadlines import Overdue, in_thread
+from asyncrl.data.prompts import Tokenizer
+from asyncrl.env.episode import Episode, EpisodeLimit, Generated
+from asyncrl.env.tool_parsers import ToolCallParser
+from asyncrl.env.trajectory import TrajectoryError
+from asyncrl.environment import Prompt, Score
+from asyncrl.gateway import replies
+from asyncrl.gateway.conversation import (
+    ChatLog,
+    Continue,
+    Reply,
+    cut_at_stop,
+    reply_of,
+    template_message,
+    tool_definitions,
+)
+from asyncrl.gateway.replies import CallResult, Choice
+from asyncrl.gateway.schema import ChatRequest, CompletionRequest, GatewayError, now_s
+from asyncrl.gateway.sessions import Call, Finish, Session, SessionTable
+
+__all__ = ["Gateway", "SessionFailed"]
+
+log = structlog.get_logger("asyncrl.gateway")
+
+
+class SessionFailed(Exception):
+    """A session cannot be trained: its agent went away, failed or gave it back (its group
+    runs again under ``[failures]``)."""
+
+
+@dataclass
+class _Conversation:
+    """What one session's calls built so far, besides the episode's record."""
+
+    api: Literal["chat", "completion"] | None = None
+    chat: ChatLog = field(default_factory=ChatLog)
+    pending: list[Generated] = field(default_factory=list)
+    """The candidates of a call with ``n`` > 1, until the next call shows which goes on."""
+    pending_texts: list[str] = field(default_factory=list)
+    """A completion call's candidates' texts (to match the next prompt against)."""
+    awaiting: bool = False
+    """A reply was recorded and nothing after it yet."""
+    broken: bool = False
+    """The last call left the record mid-way (its messages were refused): restart."""
+    answer: str = ""
+    """The last reply's text (what ``score`` reads when the session ends without a reward)."""
+    tool_calls: int = 0
+
+
+class Gateway:
+    """The run's environment when ``[gateway]`` is enabled (see the module docstring).
+
+    Args:
+        config: ``[gateway]``.
+        environment: the run's environment (its ``dataset``; its ``score`` for sessions that
+            end without a reward).
+        tokenizer: the model's tokenizer (token texts for ``logprobs``, completion prompts).
+        parser: the run's tool-call parser (``episode.tool_parser``).
+        model_name: the name responses give.
+        now: the run's clock.
+        score_timeout_s: ``failures.reward_timeout_s``.
+        agents: runs a managed agent for a session (``None``: agents call in themselves).
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        environment: Any,
+        *,
+        tokenizer: Tokenizer,
+        parser: ToolCallParser,
+        model_name: str,
+        now: Callable[[], float],
+        score_timeout_s: float,
+        agents: Any = None,
+    ) -> None:
+        self.config = config
+        self._env, self._tok, self._parser = environment, tokenizer, parser
+        self.model_name = model_name
+        self._now, self._score_timeout_s = now, score_timeout_s
+        self._agents = agents
+        self.sessions = SessionTable(now)
+        self._token_text: dict[int, str] = {}
+        self.stats: dict[str, int] = {"calls": 0, "restarts": 0, "sessions": 0}
+
+    # ------------------------------------------------------------------ the environment
+    def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
+        return self._env.dataset(split)
+
+    @property
+    def scores(self) -> bool:
+        """Whether the environment can score a session's last answer."""
+        return callable(getattr(self._env, "score", None))
+
+    async def run_episode(self, prompt: Prompt, episode: Episode) -> Score:
+        """One session: handed to an agent, its calls served, ended by its reward (or scored
+        by the environment).
+
+        Raises:
+            SessionFailed: its agent went idle, failed or gave it back.
+            EpisodeLimit: the session hit ``episode.max_turns``, the context, or
+                ``gateway.session_timeout_s`` (truncated).
+        """
+        group = episode.id.rpartition("/")[0]
+        managed = self._agents is not None
+        session = self.sessions.open(prompt, group, evaluation=episode.evaluation,
+                                     claimed=managed)  # fmt: skip
+        why = "it ended"
+        try:
+            if managed:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(self._agents.run, session, self.sessions)
+                    finish, convo = await self._until_finish(session, episode)
+                    tg.cancel_scope.cancel()
+            else:
+                await session.wait_claimed()
+                finish, convo = await self._until_finish(session, episode)
+            score = await self._score(finish, convo, prompt, episode)
+            self.stats["sessions"] += 1
+            why = "it was scored"
+            return score
+        except EpisodeLimit as exc:
+            why = f"it was truncated ({exc.reason})"
+            raise
+        except SessionFailed as exc:
+            why = f"it failed: {exc}"
+            raise
+        except BaseException:
+            why = "its episode was cancelled (the run is stopping, or its group was aborted)"
+            raise
+        finally:
+            self.sessions.close(session, why)
+
+    async def _until_finish(
+        self, session: Session, episode: Episode
+    ) -> tuple[Finish, _Conversation]:
+        """Serve ``session``'s calls until it ends; the end and what the calls built."""
+        cfg = self.config
+        convo = _Conversation()
+        with anyio.move_on_after(cfg.session_timeout_s) as deadline:
+            while True:
+                with anyio.move_on_after(cfg.idle_timeout_s) as idle:
+                    item = await session.next()
+                if idle.cancelled_caught:
+                    raise SessionFailed(f"no call and no reward for {cfg.idle_timeout_s:g} s "
+                                        "(gateway.idle_timeout_s): the agent went away")  # fmt: skip
+                if isinstance(item, Finish):
+                    if item.abandon:
+                        raise SessionFailed(f"given back: {item.abandon}")
+                    return item, convo
+                await self._serve(session, episode, convo, item)
+        assert deadline.cancelled_caught
+        raise EpisodeLimit("deadline", f"session {session.id} ran past gateway.session_timeout_s "  # type: ignore[arg-type]
+                           f"({cfg.session_timeout_s:g} s)")  # fmt: skip
+
+    # ------------------------------------------------------------------ one call
+    async def _serve(
+        self, session: Session, episode: Episode, convo: _Conversation, call: Call
+    ) -> None:
+        """Serve one call in the episode's task; every way out answers it."""
+        self.stats["calls"] += 1
+        try:
+            with anyio.CancelScope() as scope:
+                if not call.serving(scope):
+                    return
+                if call.kind == "chat":
+                    result = await self._chat(episode, convo, call.request)
+                else:
+                    result = await self._complete(episode, convo, call.request)
+                call.answer(result)
+            if scope.cancelled_caught:
+                call.fail(GatewayError(499, "the call was cancelled", code="cancelled"))
+        except GatewayError as exc:
+            call.fail(exc)
+        except TrajectoryError as exc:
+            convo.broken = True
+            call.fail(GatewayError(400, f"the conversation cannot be recorded: {exc}",
+                                   param="messages", code="conversation_rejected"))  # fmt: skip
+        except EpisodeLimit as exc:
+            code = "context_length_exceeded" if exc.reason == "context" else "session_turn_limit"
+            call.fail(GatewayError(400, f"{exc}; the session ends here (truncated)", code=code))
+            raise
+        except BaseException:
+            call.fail(GatewayError(410, f"session {session.id} ended while this call ran: its "
+                                   "episode was cancelled or failed", code="session_ended"))  # fmt: skip
+            raise
+        finally:
+            session.served(call)
+
+    async def _chat(self, episode: Episode, convo: _Conversation, req: ChatRequest) -> CallResult:
+        self._use(convo, "chat")
+        req.check()
+        plan = convo.chat.plan(req.messages, req.tools)
+        if convo.broken or not isinstance(plan, Continue):
+            if convo.chat.started:
+                self.stats["restarts"] += 1
+            episode.restart([template_message(m) for m in req.messages],
+                            tool_definitions(req.tools))  # fmt: skip
+            convo.chat.restarted(req.messages, req.tools)
+            convo.pending, convo.broken, convo.awaiting = [], False, False
+        else:
+            if plan.choice is not None:
+                episode.keep(convo.pending[plan.choice])
+                convo.chat.chose(plan.choice)
+                convo.pending = []
+            if plan.new:
+                episode.add_messages(*[template_message(m) for m in plan.new])
+                convo.chat.observed(plan.new)
+                convo.awaiting = False
+        parser = self._parser if req.parses_tools else None
+        result = await self._generate(episode, convo, req, lambda text, why: reply_of(text, why, parser))
+        convo.chat.replied([c.reply for c in result.choices])
+        convo.tool_calls += sum(len(c.reply.tool_calls) for c in result.choices[:1])
+        return result
+
+    async def _complete(
+        self, episode: Episode, convo: _Conversation, req: CompletionRequest
+    ) -> CallResult:
+        self._use(convo, "completion")
+        req.check()
+        prompt = req.single_prompt()
+        if not self._goes_on(episode, convo, prompt):
+            if episode.turns:
+                self.stats["restarts"] += 1
+            episode.restart_text(prompt)
+            convo.pending, convo.broken, convo.awaiting = [], False, False
+        result = await self._generate(episode, convo, req,
+                                      lambda text, why: Reply(text, (), "length" if why == "length" else "stop"))  # fmt: skip
+        convo.pending_texts = [c.reply.content or "" for c in result.choices]
+        return result
+
+    def _goes_on(self, episode: Episode, convo: _Conversation, prompt: str | list[int]) -> bool:
+        """Whether a completion ``prompt`` continues what is recorded (after keeping the
+        candidate it goes on with, if the last call had several); if so, its new part is
+        added as tokens."""
+        if convo.broken or not episode.turns:
+            return False
+        text, ids = episode.recorded
+        recorded: Any = text if isinstance(prompt, str) else ids
+        if convo.pending:
+            picked = self._picked(episode, convo, prompt, recorded)
+            if picked is None:
+                return False
+            episode.keep(convo.pending[picked])
+            convo.pending, convo.awaiting = [], True
+            text, ids = episode.recorded
+            recorded = text if isinstance(prompt, str) else ids
+        if prompt[: len(recorded)] != recorded:
+            return False
+        rest = prompt[len(recorded) :]
+        if not rest:
+            return not convo.awaiting
+        episode.add_tokens(self._tok.encode_rendered(rest) if isinstance(rest, str) else rest)
+        convo.awaiting = False
+        return True
+
+    def _picked(
+        self, episode: Episode, convo: _Conversation, prompt: str | list[int], recorded: Any
+    ) -> int | None:
+        """Which pending candidate ``prompt`` goes on with (the longest that fits)."""
+        best, best_len = None, -1
+        for i, c in enumerate(convo.pending):
+            if isinstance(prompt, str):
+                mine: Any = recorded + episode.preview(c)
+            else:
+                mine = recorded + np.asarray(c.token_ids).tolist()
+            if prompt[: len(mine)] == mine and len(mine) > best_len:
+                best, best_len = i, len(mine)
+        return best
+
+    async def _generate(
+        self, episode: Episode, convo: _Conversation, req: ChatRequest | CompletionRequest,
+        reply: Callable[[str, str], Reply],
+    ) -> CallResult:
+        """Sample the call's ``n`` candidates, cut each at a stop sequence, and keep the
+        one (``n`` = 1) or hold them until the next call."""
+        limit = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
+        prompt_tokens = episode.context_tokens
+        version = -1
+        candidates = await episode.sample(req.n, max_tokens=limit)
+        stops = req.stops()
+        choices, kept = [], []
+        for c in candidates:
+            version = c.version if version < 0 else min(version, c.version)
+            c, text = self._cut(episode, c, stops)
+            kept.append(c)
+            versions = (np.full(c.token_ids.size, c.version, np.int32) if c.versions is None
+                        else np.asarray(c.versions))  # fmt: skip
+            choices.append(Choice(reply(text, c.finish_reason), np.asarray(c.token_ids),
+                                  np.asarray(c.logprobs), versions))  # fmt: skip
+        if len(kept) == 1:
+            episode.keep(kept[0])
+            convo.awaiting = True
+        else:
+            convo.pending = kept
+        convo.answer = choices[0].reply.content or ""
+        return CallResult(f"{'chatcmpl' if isinstance(req, ChatRequest) else 'cmpl'}-"
+                          f"{secrets.token_hex(12)}", now_s(), self.model_name, choices,
+                          prompt_tokens, version)  # fmt: skip
+
+    def _cut(self, episode: Episode, c: Generated, stops: list[str]) -> tuple[Generated, str]:
+        """``c`` cut after the first stop sequence (the tokens that spell it kept), and its
+        text without it."""
+        n = int(np.asarray(c.token_ids).size)
+        found = cut_at_stop(lambda k: episode.preview(_prefix(c, k)), n, stops)
+        if found is None:
+            return c, episode.preview(c)
+        k, text = found
+        return _prefix(c, k, "stop"), text
+
+    def _use(self, convo: _Conversation, api: Literal["chat", "completion"]) -> None:
+        if convo.api is None:
+            convo.api = api
+        elif convo.api != api:
+            other = "/v1/chat/completions" if convo.api == "chat" else "/v1/completions"
+            raise GatewayError(400, f"this session calls {other}: a session is one "
+                               "conversation through one API; open another session")  # fmt: skip
+
+    # ------------------------------------------------------------------ the end
+    async def _score(
+        self, finish: Finish, convo: _Conversation, prompt: Prompt, episode: Episode
+    ) -> Score:
+        if convo.pending:  # the last call had several choices and none was picked: the first
+            episode.keep(convo.pending[0])
+            convo.pending = []
+        if finish.reward is not None or finish.rewards:
+            reward = finish.reward if finish.reward is not None else sum(finish.rewards.values())
+            return Score(reward=float(reward), correct=bool(finish.correct),
+                         components=dict(finish.rewards))  # fmt: skip
+        try:
+            score = await in_thread(self._env.score, prompt, convo.answer,
+                                    timeout_s=self._score_timeout_s)  # fmt: skip
+        except Overdue as exc:
+            raise SessionFailed(f"score() did not return within {exc.timeout_s:g} s "
+                                "(failures.reward_timeout_s)") from None  # fmt: skip
+        except Exception as exc:
+            raise SessionFailed(f"score() raised {type(exc).__name__}: {exc}") from exc
+        if not math.isfinite(float(score.reward)):
+            raise SessionFailed(f"score() returned a non-finite reward ({score.reward})")
+        return score
+
+    # ------------------------------------------------------------------ for the HTTP side
+    def token_text(self, token: int) -> str:
+        """One token's text (``logprobs``), cached."""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self._tok.decode_verbatim([token])
+        return text
+
+
+def _prefix(c: Generated, k: int, finish_reason: str | None = None) -> Generated:
+    """The first ``k`` tokens of ``c``."""
+    versions = None if c.versions is None else np.asarray(c.versions)[:k]
+    return dataclasses.replace(
+        c, token_ids=np.asarray(c.token_ids)[:k], logprobs=np.asarray(c.logprobs)[:k],
+        versions=versions, finish_reason=finish_reason or c.finish_reason,
+    )  # fmt: skip

@@ -1,0 +1,455 @@
+"""The gateway's HTTP side: a Starlette app served by uvicorn as a task of the controller.
+
+Routes (every one needs ``Authorization: Bearer <key>``)::
+
+    GET    /v1/models                          admin key
+    POST   /rl/sessions                        admin key   take the next episode: id, key, prompt
+    GET    /rl/sessions                        admin key   sessions waiting and active
+    POST   /rl/sessions/<id>/reward            admin key   end it with its reward
+    DELETE /rl/sessions/<id>                   admin key   give it back (its group runs again)
+    GET    /s/<id>/v1/models                   its key
+    POST   /s/<id>/v1/chat/completions         its key     streamed (SSE) or not
+    POST   /s/<id>/v1/completions              its key
+
+No key: 401. A session's key anywhere but its own session, or the admin key on a session's
+model routes: 403. Bodies over ``gateway.max_body_bytes``: 413; more than
+``gateway.max_concurrent_requests`` requests at once: 429 with ``Retry-After``. Every error
+has an OpenAI-style body (``{"error": {"message", "type", "param", "code"}}``).
+
+uvicorn runs on the controller's event loop, inside its task group: :meth:`GatewayServer.serve`
+binds the socket itself (the port read back from it), starts uvicorn on it with uvicorn's
+signal handlers left out (the controller owns SIGINT and SIGTERM), and on cancellation closes
+the listener, lets calls in progress end for a short grace and cancels what is left, before it
+returns. The admin key is made per run and written to ``<run.output_dir>/gateway.key`` (mode
+0600), beside ``gateway.json`` (the URL); both are removed when the run ends. Keys are never
+logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from asyncrl.config.gateway import GatewayConfig
+from asyncrl.gateway import replies
+from asyncrl.gateway.gateway import Gateway
+from asyncrl.gateway.schema import (
+    ChatRequest,
+    CompletionRequest,
+    GatewayError,
+    RewardRequest,
+    SessionRequest,
+    decode,
+    error_body,
+    now_s,
+)
+from asyncrl.gateway.sessions import Call, Finish, Session, make_key, same_key
+
+__all__ = ["GatewayServer"]
+
+log = structlog.get_logger("asyncrl.gateway.server")
+
+GRACE_S = 2
+"""Calls in progress when the run ends get this long to finish before they are cancelled."""
+STOP_S = 10.0
+"""Bound on uvicorn's shutdown after the grace (then its connections are dropped)."""
+MAX_HEADER_BYTES = 64 * 1024
+"""Largest request head (h11)."""
+
+_JSON = "application/json"
+
+
+def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, status_code=status, media_type=_JSON, headers=headers)
+
+
+def _error(exc: GatewayError) -> Response:
+    headers = dict(exc.headers)
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return _json(exc.body(), exc.status, headers)
+
+
+class _Limit:
+    """ASGI wrapper: at most ``limit`` HTTP requests at once, 429 beyond (before the body is
+    read)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self._app, self._limit = app, limit
+        self.active = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        if self.active >= self._limit:
+            body = error_body(f"too many requests at once (gateway.max_concurrent_requests = "
+                              f"{self._limit}); retry shortly", kind="rate_limit_error",
+                              code="rate_limit_exceeded")  # fmt: skip
+            await send({"type": "http.response.start", "status": 429, "headers": [
+                (b"content-type", _JSON.encode()), (b"retry-after", b"1"),
+                (b"content-length", str(len(body)).encode())]})  # fmt: skip
+            await send({"type": "http.response.body", "body": body})
+            return None
+        self.active += 1
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers (the controller's are the run's)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class GatewayServer:
+    """Serves ``gateway`` over HTTP (see the module docstring).
+
+    Args:
+        gateway: the run's gateway (its sessions and their calls).
+        config: ``[gateway]``.
+        output_dir: ``run.output_dir`` (``gateway.json`` and ``gateway.key`` go there).
+    """
+
+    def __init__(self, gateway: Gateway, config: GatewayConfig, output_dir: str) -> None:
+        self._gw, self._cfg = gateway, config
+        self._sessions = gateway.sessions
+        self._dir = Path(output_dir)
+        self.admin_key = make_key()
+        self.url = ""
+        self._limit: _Limit | None = None
+
+    @property
+    def active_requests(self) -> int:
+        return self._limit.active if self._limit is not None else 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def app(self) -> Any:
+        routes = [
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/rl/sessions", self._new_session, methods=["POST"]),
+            Route("/rl/sessions", self._list_sessions, methods=["GET"]),
+            Route("/rl/sessions/{sid}/reward", self._reward, methods=["POST"]),
+            Route("/rl/sessions/{sid}", self._give_back, methods=["DELETE"]),
+            Route("/s/{sid}/v1/models", self._session_models, methods=["GET"]),
+            Route("/s/{sid}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/s/{sid}/v1/completions", self._completion, methods=["POST"]),
+        ]
+
+        async def http_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)
+            return _error(GatewayError(exc.status_code, f"{request.method} {request.url.path}: "
+                                       f"{exc.detail}"))  # fmt: skip
+
+        async def gateway_error(request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, GatewayError)
+            return _error(exc)
+
+        app = Starlette(routes=routes, exception_handlers={
+            HTTPException: http_error, GatewayError: gateway_error})  # fmt: skip
+        self._limit = _Limit(app, self._cfg.max_concurrent_requests)
+        return self._limit
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until cancelled; ``task_status`` gets the URL once listening.
+
+        Raises:
+            OSError: the address cannot be bound (in use, not this machine's).
+
+        Cancellation: stops listening, gives calls in progress ``GRACE_S``, cancels the
+        rest, removes ``gateway.json`` and ``gateway.key``.
+        """
+        cfg = self._cfg
+        sock = _bind(cfg.host, cfg.port)
+        port = sock.getsockname()[1]
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        self.url = f"http://{host}:{port}"
+        server = _Server(uvicorn.Config(
+            self.app(), lifespan="off", log_config=None, access_log=False, server_header=False,
+            timeout_graceful_shutdown=GRACE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            backlog=4096, timeout_keep_alive=30,
+        ))  # fmt: skip
+        done = anyio.Event()
+
+        async def run() -> None:
+            with anyio.CancelScope(shield=True):  # stopped by should_exit, never cancelled
+                try:
+                    await server.serve(sockets=[sock])
+                finally:
+                    sock.close()
+                    done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, name="gateway-http")
+            try:
+                while not server.started and not done.is_set():
+                    await anyio.sleep(0.01)
+                self._write_files()
+                log.info("gateway_listening", url=self.url, key_file=str(self._key_path))
+                task_status.started(self.url)
+                await done.wait()
+            finally:
+                self._sessions.shut()
+                server.should_exit = True
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(GRACE_S + STOP_S):
+                        await done.wait()
+                    server.force_exit = True
+                    self._remove_files()
+
+    @property
+    def _key_path(self) -> Path:
+        return self._dir / "gateway.key"
+
+    def _write_files(self) -> None:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._key_path.unlink(missing_ok=True)
+        fd = os.open(self._key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_key + "\n")
+        info = {"url": self.url, "key_file": str(self._key_path.resolve()),
+                "model": self._gw.model_name, "pid": os.getpid()}  # fmt: skip
+        tmp = self._dir / "gateway.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1) + "\n")
+        tmp.replace(self._dir / "gateway.json")
+
+    def _remove_files(self) -> None:
+        for name in ("gateway.key", "gateway.json", "gateway.json.tmp"):
+            (self._dir / name).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ keys
+    def _key(self, request: Request) -> str:
+        value = request.headers.get("authorization", "")
+        scheme, _, key = value.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise GatewayError(401, "no API key: send Authorization: Bearer <key> (the session "
+                               "key for /s/<id>/v1, the admin key for /rl and /v1)",
+                               kind="authentication_error", code="missing_api_key")  # fmt: skip
+        return key.strip()
+
+    def _admin(self, request: Request) -> None:
+        key = self._key(request)
+        if same_key(key, self.admin_key):
+            return
+        if self._sessions.is_session_key(key):
+            raise GatewayError(403, "a session key reaches its own session only: this route "
+                               "needs the admin key", kind="permission_error")  # fmt: skip
+        raise GatewayError(401, "invalid API key", kind="authentication_error",
+                           code="invalid_api_key")  # fmt: skip
+
+    def _session(self, request: Request) -> Session:
+        key = self._key(request)
+        if not (self._sessions.is_session_key(key) or same_key(key, self.admin_key)):
+            raise GatewayError(401, "invalid API key", kind="authentication_error",
+                               code="invalid_api_key")  # fmt: skip
+        session = self._sessions.get(request.path_params["sid"])
+        if not same_key(key, session.key):
+            raise GatewayError(403, f"this key does not reach session {session.id} (use the "
+                               "session's own key)", kind="permission_error")  # fmt: skip
+        return session
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self._cfg.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # ------------------------------------------------------------------ /rl
+    async def _new_session(self, request: Request) -> Response:
+        self._admin(request)
+        body = await self._body(request)
+        req = decode(body, SessionRequest) if body.strip() else SessionRequest()
+        session = await self._sessions.claim(req.prompt_id, req.wait_s)
+        prompt = session.prompt
+        messages = list(prompt.messages or [{"role": "user", "content": prompt.text}])
+        return _json(msgspec.json.encode({
+            "session_id": session.id, "api_key": session.key,
+            "base_url": f"{self.url}/s/{session.id}/v1", "model": self._gw.model_name,
+            "prompt": {"id": prompt.id, "messages": messages}, "group": session.group,
+            "evaluation": session.evaluation,
+            "session_timeout_s": self._cfg.session_timeout_s,
+            "idle_timeout_s": self._cfg.idle_timeout_s,
+        }), 201)  # fmt: skip
+
+    async def _list_sessions(self, request: Request) -> Response:
+        self._admin(request)
+        return _json(msgspec.json.encode(self._sessions.counts()))
+
+    async def _reward(self, request: Request) -> Response:
+        self._admin(request)
+        session = self._sessions.get(request.path_params["sid"])
+        req = decode(await self._body(request), RewardRequest)
+        if req.reward is None and not req.rewards and not self._gw.scores:
+            raise GatewayError(400, "give reward or rewards: the run's environment has no "
+                               "score(prompt, completion) to score the session with",
+                               param="reward")  # fmt: skip
+        if not session.answered:
+            raise GatewayError(409, f"session {session.id} has no answered call: nothing to "
+                               "train. Give it back with DELETE /rl/sessions/<id> (its group "
+                               "runs again)", code="nothing_to_train")  # fmt: skip
+        session.finish(Finish(req.reward, dict(req.rewards or {}), req.correct))
+        return _json(msgspec.json.encode({"session_id": session.id, "ended": True}))
+
+    async def _give_back(self, request: Request) -> Response:
+        self._admin(request)
+        session = self._sessions.get(request.path_params["sid"])
+        session.finish(Finish(abandon="given back with DELETE /rl/sessions/<id>"))
+        return _json(msgspec.json.encode({"session_id": session.id, "ended": True}))
+
+    # ------------------------------------------------------------------ /v1
+    def _model_list(self) -> Response:
+        return _json(msgspec.json.encode({"object": "list", "data": [{
+            "id": self._gw.model_name, "object": "model", "created": now_s(),
+            "owned_by": "asyncrl"}]}))  # fmt: skip
+
+    async def _models(self, request: Request) -> Response:
+        self._admin(request)
+        return self._model_list()
+
+    async def _session_models(self, request: Request) -> Response:
+        self._session(request)
+        return self._model_list()
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._call(request, "chat", ChatRequest)
+
+    async def _completion(self, request: Request) -> Response:
+        return await self._call(request, "completion", CompletionRequest)
+
+    async def _call(self, request: Request, kind: str, schema: type[Any]) -> Response:
+        session = self._session(request)
+        req = decode(await self._body(request), schema)
+        req.check()
+        call = Call(kind, req)
+        session.submit(call)
+        await _answered(call, request)
+        if call.error is not None:
+            raise call.error
+        result: replies.CallResult = call.result
+        logprobs = bool(req.logprobs)
+        text = self._gw.token_text
+        head = replies.headers(result)
+        if not req.stream:
+            make = replies.chat_response if kind == "chat" else replies.completion_response
+            return _json(make(result, logprobs=logprobs, token_text=text), headers=head)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        if kind == "chat":
+            events = [replies.role_chunk(result.id, result.created, result.model, len(result.choices)),
+                      *replies.chat_chunks(result, logprobs=logprobs, usage=usage, token_text=text)]  # fmt: skip
+        else:
+            events = list(replies.completion_chunks(result, logprobs=logprobs, usage=usage,
+                                                    token_text=text))  # fmt: skip
+        return StreamingResponse(_iterate(events), media_type="text/event-stream",
+                                 headers={**head, "cache-control": "no-cache"})  # fmt: skip
+
+
+async def _iterate(events: list[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
+
+
+async def _answered(call: Call, request: Request) -> None:
+    """Wait for ``call``'s answer; if the client goes away first, cancel the call (its
+    engine requests are aborted)."""
+    async with anyio.create_task_group() as tg:
+
+        async def disconnect() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    call.cancel()
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(disconnect)
+        try:
+            await call.done.wait()
+        except BaseException:
+            call.cancel()
+            raise
+        tg.cancel_scope.cancel()
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"the request body is larger than {limit} bytes "
+                        "(gateway.max_body_bytes)", code="request_too_large")  # fmt: skip
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to ``host:port`` (``0``: a free port)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def build_gateway(
+    config: Any, environment: Any, *, tokenizer: Any, now: Any
+) -> tuple[Gateway, GatewayServer]:
+    """The run's gateway around ``environment`` and its server, from ``[gateway]``,
+    ``[episode].tool_parser`` and ``failures.reward_timeout_s``.
+
+    Raises:
+        ConfigError: a managed agent and an environment without ``score``, or an agent
+            command that is not found.
+        PluginError: ``episode.tool_parser`` names no installed parser.
+    """
+    import shutil
+
+    from asyncrl.env.tool_parsers import load_tool_parser
+    from asyncrl.errors import config_error
+    from asyncrl.gateway.agents import ManagedAgents
+
+    gw = config.gateway
+    parser = load_tool_parser(config.episode.tool_parser, "episode.tool_parser")
+    name = gw.model_name or Path(config.model.path).name
+    server: GatewayServer | None = None
+    agents = None
+    if gw.agent:
+        if not callable(getattr(environment, "score", None)):
+            raise config_error("gateway.agent", f"environment {config.environment.name!r} has no "
+                               "score(prompt, completion) to score a managed agent's answer",
+                               "give the environment a score method, or run the agents "
+                               "yourself and post rewards (leave gateway.agent empty)")  # fmt: skip
+        if shutil.which(gw.agent[0]) is None:
+            raise config_error("gateway.agent", f"the command {gw.agent[0]!r} is not found",
+                               "give a program on PATH or a path to one")  # fmt: skip
+        log_dir = os.path.join(config.run.output_dir, "logs", "agents")
+        agents = ManagedAgents(gw.agent, gw.agent_env, log_dir, gw.keep_agent_logs,
+                               base_url=lambda: server.url if server is not None else "")  # fmt: skip
+    gateway = Gateway(gw, environment, tokenizer=tokenizer, parser=parser, model_name=name,
+                      now=now, score_timeout_s=config.failures.reward_timeout_s, agents=agents)  # fmt: skip
+    server = GatewayServer(gateway, gw, config.run.output_dir)
+    return gateway, server

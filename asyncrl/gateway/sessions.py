@@ -1,0 +1,314 @@
+"""The gateway's sessions: one per episode, their keys, the lobby, and what passes between an
+HTTP call and the episode's task (no HTTP here).
+
+::
+
+    episode task                          SessionTable                       HTTP handlers
+    Gateway.run_episode ──open()──► WAITING in the lobby ◄──claim()── POST /rl/sessions (admin)
+                        (managed: claimed at once)        ──► ACTIVE: id + key to the agent
+         next() ◄── Call ◄──────── Session.submit() ◄──────────── /s/<id>/v1/chat/completions
+         Call.answer()/fail() ─────────────────────────────────► the handler's reply
+         next() ◄── Finish ◄────── Session.finish() ◄──────────── POST /rl/sessions/<id>/reward
+    run_episode returns ──close()──► ENDED (a tombstone: later calls get 410)
+
+A session is one conversation: one call at a time (a second one while the first runs is a
+409). Each episode the scheduler dispatches is a session; its task serves the session's calls
+(generation runs in the episode's task, under its cancel scope, so an episode the run cancels
+cancels the call in progress and the call's engine requests with it).
+
+Keys: the admin key (made per run) creates sessions and ends them; each session has its own
+key, which reaches that session only. Keys are compared in constant time
+(:func:`hmac.compare_digest`), and a key is looked up by its SHA-256, never by the key itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from asyncrl.environment import Prompt
+from asyncrl.gateway.schema import GatewayError
+
+__all__ = ["Call", "Finish", "Session", "SessionTable", "make_key"]
+
+TOMBSTONES = 8192
+"""Ended sessions remembered (their ids answer 410 rather than 404)."""
+
+
+def make_key() -> str:
+    """A new secret key (256 random bits, URL-safe)."""
+    return "sk-arl-" + secrets.token_urlsafe(32)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def same_key(given: str, expected: str) -> bool:
+    """Constant-time comparison of two keys."""
+    return hmac.compare_digest(_digest(given), _digest(expected))
+
+
+@dataclass
+class Call:
+    """One HTTP call of a session, served by its episode's task."""
+
+    kind: str
+    """``"chat"`` or ``"completion"``."""
+    request: Any
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Any = None
+    error: GatewayError | None = None
+    _scope: anyio.CancelScope | None = None
+    _cancelled: bool = False
+
+    def answer(self, result: Any) -> None:
+        if not self.done.is_set():
+            self.result = result
+            self.done.set()
+
+    def fail(self, error: GatewayError) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+    def serving(self, scope: anyio.CancelScope) -> bool:
+        """The episode's task starts on it under ``scope``; ``False``: its caller left."""
+        self._scope = scope
+        return not self._cancelled
+
+    def cancel(self) -> None:
+        """Its caller left (a closed stream): stop generating for it."""
+        self._cancelled = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The session ends: with ``reward`` (and ``rewards`` as components), or scored by the
+    environment (``reward`` is ``None``); ``abandon``: given back without a score (the
+    episode fails and its group runs again)."""
+
+    reward: float | None = None
+    rewards: dict[str, float] = field(default_factory=dict)
+    correct: bool | None = None
+    abandon: str = ""
+
+
+class Session:
+    """One episode's session (see the module docstring). Built by :class:`SessionTable`."""
+
+    def __init__(self, sid: str, prompt: Prompt, group: str, evaluation: bool, now: float) -> None:
+        self.id = sid
+        self.key = make_key()
+        self.prompt, self.group, self.evaluation = prompt, group, evaluation
+        self.created = now
+        self.claimed_at: float | None = None
+        self.calls = 0
+        self.answered = 0
+        """Calls answered with a reply (a session with none has nothing to train)."""
+        self._claimed = anyio.Event()
+        self._send, self._receive = anyio.create_memory_object_stream[Call | Finish](1)
+        self._busy: Call | None = None
+        self._ended = False
+
+    # ------------------------------------------------------------------ the episode's side
+    async def wait_claimed(self) -> None:
+        await self._claimed.wait()
+
+    async def next(self) -> Call | Finish:
+        """The next call, or the session's end. Waits."""
+        return await self._receive.receive()
+
+    def served(self, call: Call) -> None:
+        """``call`` is answered: the session takes another."""
+        if call.result is not None:
+            self.answered += 1
+        if self._busy is call:
+            self._busy = None
+
+    def end(self, why: GatewayError) -> None:
+        """The episode is over: no more calls; a call still waiting gets ``why``."""
+        self._ended = True
+        if self._busy is not None:
+            self._busy.fail(why)
+            self._busy = None
+        self._claimed.set()  # a claim racing the end sees it ended
+        while True:
+            try:
+                item = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if isinstance(item, Call):
+                item.fail(why)
+        self._send.close()
+        self._receive.close()
+
+    # ------------------------------------------------------------------ the HTTP side
+    @property
+    def claimed(self) -> bool:
+        return self._claimed.is_set()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def claim(self, now: float) -> None:
+        self.claimed_at = now
+        self._claimed.set()
+
+    def submit(self, call: Call) -> None:
+        """Hand ``call`` to the episode's task.
+
+        Raises:
+            GatewayError: 409 while another call of the session runs; 410 once it ended.
+        """
+        if self._ended:
+            raise GatewayError(410, f"session {self.id} has ended", code="session_ended")
+        if self._busy is not None:
+            raise GatewayError(409, f"session {self.id} is serving another call: a session is "
+                               "one conversation, one call at a time (open another session "
+                               "for a parallel branch)", code="session_busy")  # fmt: skip
+        self._busy = call
+        self.calls += 1
+        self._send.send_nowait(call)  # room for one: the busy flag keeps it so
+
+    def finish(self, finish: Finish) -> None:
+        """End the session (its reward, or given back); a call in progress is cancelled.
+
+        Raises:
+            GatewayError: 410 once it ended; 409 when it was never claimed.
+        """
+        if self._ended:
+            raise GatewayError(410, f"session {self.id} has ended", code="session_ended")
+        if not self.claimed:
+            raise GatewayError(409, f"session {self.id} was not handed out")
+        if self._busy is not None:
+            self._busy.cancel()
+            self._busy.fail(GatewayError(410, f"session {self.id} was ended while this call "
+                                         "ran", code="session_ended"))  # fmt: skip
+            self._busy = None
+            try:  # the cancelled call may still sit in the inbox: make room
+                self._receive.receive_nowait()
+            except anyio.WouldBlock:
+                pass
+        self._ended = True
+        self._send.send_nowait(finish)
+
+
+class SessionTable:
+    """Every session in the run, the lobby of those waiting for an agent, and the keys.
+
+    Args:
+        now: the run's clock.
+    """
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self._sessions: dict[str, Session] = {}
+        self._by_key: dict[bytes, str] = {}
+        """SHA-256 of each live session's key → its id."""
+        self._lobby: OrderedDict[str, Session] = OrderedDict()
+        self._arrived = anyio.Event()
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        """Ended sessions' ids → why (the last :data:`TOMBSTONES`)."""
+        self._closed = False
+        self._count = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._lobby)
+
+    def counts(self) -> dict[str, int]:
+        return {"waiting": len(self._lobby), "active": len(self._sessions) - len(self._lobby)}
+
+    # ------------------------------------------------------------------ the episodes' side
+    def open(self, prompt: Prompt, group: str, *, evaluation: bool, claimed: bool) -> Session:
+        """A session for an episode of ``group``: in the lobby, or handed out already
+        (``claimed``: a managed agent's)."""
+        self._count += 1
+        sid = f"s{self._count:x}-{secrets.token_hex(4)}"
+        session = Session(sid, prompt, group, evaluation, self._now())
+        self._sessions[sid] = session
+        self._by_key[_digest(session.key)] = sid
+        if claimed:
+            session.claim(self._now())
+        else:
+            self._lobby[sid] = session
+            self._arrived.set()
+            self._arrived = anyio.Event()
+        return session
+
+    def close(self, session: Session, why: str) -> None:
+        """The session's episode is over (``why`` for a late caller)."""
+        if self._sessions.pop(session.id, None) is None:
+            return
+        self._by_key.pop(_digest(session.key), None)
+        self._lobby.pop(session.id, None)
+        self._ended[session.id] = why
+        while len(self._ended) > TOMBSTONES:
+            self._ended.popitem(last=False)
+        session.end(GatewayError(410, f"session {session.id} has ended: {why}",
+                                 code="session_ended"))  # fmt: skip
+
+    def shut(self) -> None:
+        """The run is ending: claims waiting give up."""
+        self._closed = True
+        self._arrived.set()
+
+    # ------------------------------------------------------------------ the HTTP side
+    async def claim(self, prompt_id: str | None, wait_s: float) -> Session:
+        """The oldest session waiting in the lobby (of ``prompt_id`` if given), handed out;
+        waits up to ``wait_s`` for one.
+
+        Raises:
+            GatewayError: 503 when none came in time (the scheduler admits no more episodes
+                now: the staleness bound, ``pipeline.max_inflight_samples``, a refit), or the
+                run is ending.
+        """
+        with anyio.move_on_after(wait_s):
+            while not self._closed:
+                found = next((s for s in self._lobby.values()
+                              if prompt_id is None or s.prompt.id == prompt_id), None)  # fmt: skip
+                if found is not None:
+                    del self._lobby[found.id]
+                    found.claim(self._now())
+                    return found
+                await self._arrived.wait()
+        if self._closed:
+            raise GatewayError(503, "the run is ending: no more sessions", code="run_ending")
+        which = f" of prompt {prompt_id!r}" if prompt_id is not None else ""
+        raise GatewayError(
+            503, f"no episode{which} is waiting for an agent after {wait_s:g} s: the scheduler "
+            "admits episodes as the staleness bound and pipeline.max_inflight_samples allow "
+            "(and not during a refit); try again", code="no_session", headers={"Retry-After": "1"},
+        )  # fmt: skip
+
+    def get(self, sid: str) -> Session:
+        """The live session ``sid``.
+
+        Raises:
+            GatewayError: 410 if it ended (recently), 404 if there is no such session.
+        """
+        session = self._sessions.get(sid)
+        if session is not None:
+            return session
+        why = self._ended.get(sid)
+        if why is not None:
+            raise GatewayError(410, f"session {sid} has ended: {why}", code="session_ended")
+        raise GatewayError(404, f"no session {sid!r}", code="session_not_found")
+
+    def is_session_key(self, key: str) -> bool:
+        """Whether ``key`` is some live session's key."""
+        return _digest(key) in self._by_key
