@@ -77,6 +77,9 @@ class _Conversation:
     """A reply was recorded and nothing after it yet."""
     broken: bool = False
     """The last call left the record mid-way (its messages were refused): restart."""
+    end_text: str = ""
+    """The text of the end token the last kept turn ended with (a text agent never writes it:
+    a completion prompt may go on without it)."""
     answer: str = ""
     """The last reply's text (what ``score`` reads when the session ends without a reward)."""
     tool_calls: int = 0
@@ -136,9 +139,8 @@ class Gateway:
             EpisodeLimit: the session hit ``episode.max_turns``, the context, or
                 ``gateway.session_timeout_s`` (truncated).
         """
-        group = episode.id.rpartition("/")[0]
         managed = self._agents is not None
-        session = self.sessions.open(prompt, group, evaluation=episode.evaluation,
+        session = self.sessions.open(prompt, episode.id, evaluation=episode.evaluation,
                                      claimed=managed)  # fmt: skip
         why = "it ended"
         try:
@@ -281,7 +283,11 @@ class Gateway:
             text, ids = episode.recorded
             recorded = text if isinstance(prompt, str) else ids
         if prompt[: len(recorded)] != recorded:
-            return False
+            end = convo.end_text
+            if not (isinstance(prompt, str) and end and recorded.endswith(end)
+                    and prompt.startswith(recorded[: -len(end)])):  # fmt: skip
+                return False
+            recorded = recorded[: -len(end)]  # the end token stays in what the engine sees
         rest = prompt[len(recorded) :]
         if not rest:
             return not convo.awaiting
@@ -326,6 +332,9 @@ class Gateway:
         if len(kept) == 1:
             episode.keep(kept[0])
             convo.awaiting = True
+            last = kept[0]
+            ended = last.finish_reason == "stop" and last is candidates[0] and last.token_ids.size
+            convo.end_text = self._tok.decode_verbatim(last.token_ids[-1:]) if ended else ""
         else:
             convo.pending = kept
         convo.answer = choices[0].reply.content or ""

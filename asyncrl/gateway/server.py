@@ -292,7 +292,7 @@ class GatewayServer:
             "session_id": session.id, "api_key": session.key,
             "base_url": f"{self.url}/s/{session.id}/v1", "model": self._gw.model_name,
             "prompt": {"id": prompt.id, "messages": messages}, "group": session.group,
-            "evaluation": session.evaluation,
+            "episode": session.episode, "evaluation": session.evaluation,
             "session_timeout_s": self._cfg.session_timeout_s,
             "idle_timeout_s": self._cfg.idle_timeout_s,
         }), 201)  # fmt: skip

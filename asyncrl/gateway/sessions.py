@@ -106,10 +106,15 @@ class Finish:
 class Session:
     """One episode's session (see the module docstring). Built by :class:`SessionTable`."""
 
-    def __init__(self, sid: str, prompt: Prompt, group: str, evaluation: bool, now: float) -> None:
+    def __init__(
+        self, sid: str, prompt: Prompt, episode: str, evaluation: bool, now: float
+    ) -> None:
         self.id = sid
+        self.episode = episode
+        """The episode's id (``<group>/<index>``: the run's logs and timeline name it)."""
+        self.group = episode.rpartition("/")[0]
         self.key = make_key()
-        self.prompt, self.group, self.evaluation = prompt, group, evaluation
+        self.prompt, self.evaluation = prompt, evaluation
         self.created = now
         self.claimed_at: float | None = None
         self.calls = 0
@@ -234,12 +239,12 @@ class SessionTable:
         return {"waiting": len(self._lobby), "active": len(self._sessions) - len(self._lobby)}
 
     # ------------------------------------------------------------------ the episodes' side
-    def open(self, prompt: Prompt, group: str, *, evaluation: bool, claimed: bool) -> Session:
-        """A session for an episode of ``group``: in the lobby, or handed out already
-        (``claimed``: a managed agent's)."""
+    def open(self, prompt: Prompt, episode: str, *, evaluation: bool, claimed: bool) -> Session:
+        """A session for ``episode``: in the lobby, or handed out already (``claimed``: a
+        managed agent's)."""
         self._count += 1
         sid = f"s{self._count:x}-{secrets.token_hex(4)}"
-        session = Session(sid, prompt, group, evaluation, self._now())
+        session = Session(sid, prompt, episode, evaluation, self._now())
         self._sessions[sid] = session
         self._by_key[_digest(session.key)] = sid
         if claimed:
