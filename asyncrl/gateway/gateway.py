@@ -145,10 +145,16 @@ class Gateway:
         why = "it ended"
         try:
             if managed:
+                error: Exception | None = None
                 async with anyio.create_task_group() as tg:
                     await tg.start(self._agents.run, session, self.sessions)
-                    finish, convo = await self._until_finish(session, episode)
-                    tg.cancel_scope.cancel()
+                    try:
+                        finish, convo = await self._until_finish(session, episode)
+                    except Exception as exc:  # raised as itself, not in an ExceptionGroup
+                        error = exc
+                    tg.cancel_scope.cancel()  # the agent's process group is killed
+                if error is not None:
+                    raise error
             else:
                 await session.wait_claimed()
                 finish, convo = await self._until_finish(session, episode)

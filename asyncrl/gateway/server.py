@@ -351,6 +351,8 @@ class GatewayServer:
         await _answered(call, request)
         if call.error is not None:
             raise call.error
+        if call.result is None:  # the client went away first: nobody reads this
+            raise GatewayError(499, "the client closed the connection", code="cancelled")
         result: replies.CallResult = call.result
         logprobs = bool(req.logprobs)
         text = self._gw.token_text

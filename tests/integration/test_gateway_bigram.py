@@ -1,0 +1,175 @@
+"""The gateway end to end: a real controller (bigram backends in real processes) whose episodes
+are sessions of agent programs: agents that call in with the official ``openai`` client, and
+managed agents the controller starts per session, some of which hang, die or leave children
+behind. What the runs must show: every step trains on sessions, evaluations run as sessions,
+a broken agent fails or truncates its session but never the run, and nothing is left behind
+(no process, no key file).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+pytest.importorskip(
+    "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
+)
+openai = pytest.importorskip("openai")
+
+import asyncrl  # noqa: E402
+from asyncrl.config import Config  # noqa: E402
+from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
+
+
+async def _gateway(out: Path) -> tuple[str, str]:
+    """The gateway's URL and admin key, once it listens (from the files it writes)."""
+    info = out / "gateway.json"
+    with anyio.fail_after(60):
+        while not info.exists():
+            await anyio.sleep(0.05)
+    data = json.loads(info.read_text())
+    return data["url"], Path(data["key_file"]).read_text().strip()
+
+
+async def _agents(out: Path, seen: dict[str, int], workers: int = 8) -> None:
+    """Agents that call in: take a session, ask twice (the second time after a user turn),
+    end it with a reward (their own, or the environment's), until the run ends."""
+    url, admin = await _gateway(out)
+    head = {"Authorization": f"Bearer {admin}"}
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                r = await http.post(f"{url}/rl/sessions", headers=head, json={"wait_s": 1})
+            except httpx.TransportError:
+                return  # the run ended
+            if r.status_code == 503:
+                if r.json()["error"]["code"] == "run_ending":
+                    return
+                continue
+            assert r.status_code == 201, r.text
+            info = r.json()
+            oa = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
+                                    max_retries=0, http_client=http)  # fmt: skip
+            messages = list(info["prompt"]["messages"])
+            try:
+                for _ in range(2):
+                    resp = await oa.chat.completions.create(model="bigram", messages=messages,
+                                                            max_tokens=4)  # fmt: skip
+                    assert resp.weight_version >= 0  # type: ignore[attr-defined]
+                    messages += [resp.choices[0].message.model_dump(),
+                                 {"role": "user", "content": "again"}]  # fmt: skip
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 410, exc  # its episode was cancelled (the run ends)
+                continue
+            except openai.APIConnectionError:
+                return  # the run ended
+            seen["sessions"] += 1
+            seen["eval"] += info["evaluation"]
+            answer = messages[-2]["content"] or ""
+            mine = seen["sessions"] % 2 == 0
+            body = {"reward": float(info["prompt"]["messages"][0]["content"] in answer)} if mine else {}
+            r = await http.post(f"{url}/rl/sessions/{info['session_id']}/reward", headers=head,
+                                json=body)  # fmt: skip
+            assert r.status_code in (200, 410), r.text
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with anyio.create_task_group() as tg:
+            for _ in range(workers):
+                tg.start_soon(worker, http)
+
+
+async def test_agents_calling_in_train_and_evaluate(make_config: Callable[..., Config]) -> None:
+    num_steps = 3
+    cfg = make_config(
+        run={"num_steps": num_steps}, grpo={"max_new_tokens": 4},
+        gateway={"enabled": True}, episode={"max_turns": 3, "max_context_tokens": 64},
+    )  # fmt: skip
+    out = Path(cfg.run.output_dir)
+    seen = {"sessions": 0, "eval": 0}
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_agents, out, seen)
+            summary = await ctl.train()  # the agents see the run end by themselves
+    train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, num_steps + 1))
+    P, N = cfg.grpo.prompts_per_step, cfg.grpo.samples_per_prompt
+    assert sum(r["episodes"] for r in train) >= num_steps * P * N
+    assert all(r["episode_turns_mean"] == 2.0 for r in train if r["episodes"])
+    assert all(r["episode_failed"] == 0 and r["episode_splits"] == 0 for r in train)
+    assert [e["label"] for e in summary.evals] == ["start", "end"]
+    assert seen["eval"] == 2 * cfg.eval.num_prompts
+    assert not (out / "gateway.json").exists() and not (out / "gateway.key").exists()
+    assert_nothing_left(ctl, pids.values())
+
+
+AGENT = """\
+import json, os, signal, subprocess, sys, time, urllib.request
+prompt = json.loads(sys.stdin.readline())
+index = int(prompt["prompt_id"].rpartition(":")[2])
+mode = {0: "hang", 1: "die", 2: "fail", 3: "orphan"}.get(index % 8, "ok")
+
+def ask(messages):
+    req = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "m", "messages": messages, "max_tokens": 4}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                 "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["message"]
+
+messages = prompt["messages"]
+messages.append(ask(messages))
+print("asked once", mode, flush=True)
+if mode == "hang":
+    time.sleep(3600)
+if mode == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "fail":
+    sys.exit(3)
+if mode == "orphan":  # a child that would outlive the agent, and the agent hangs
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    time.sleep(3600)
+messages += [{"role": "user", "content": "again"}]
+messages.append(ask(messages))
+print("done", flush=True)
+"""
+
+
+async def test_managed_agents_that_hang_die_or_fail_do_not_stop_the_run(
+    make_config: Callable[..., Config], tmp_path: Path
+) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    cfg = make_config(
+        run={"num_steps": 2}, grpo={"max_new_tokens": 4, "prompts_per_step": 4},
+        gateway={"enabled": True, "agent": [sys.executable, str(script)],
+                 "session_timeout_s": 4.0, "idle_timeout_s": 30.0},
+        episode={"max_turns": 3, "max_context_tokens": 64, "on_truncation": "zero"},
+        failures={"generation_retries": 2, "retry_backoff_s": 0.05, "max_failed_groups": 64},
+        eval={"num_prompts": 0},
+    )  # fmt: skip
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        summary = await ctl.train()
+    train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
+    assert len(train) == 2 and len(summary.steps) == 2
+    truncated = sum(r.get("episode_truncated_deadline", 0) for r in train)
+    failed = sum(r["episode_failed"] for r in train)
+    assert truncated > 0, train  # hung agents (and the orphan maker) past session_timeout_s
+    assert failed > 0, train  # agents killed by a signal or exiting 3
+    logs = list((Path(cfg.run.output_dir) / "logs" / "agents").glob("*.log"))
+    # the agents that did not exit 0 keep their output (gateway.keep_agent_logs is off)
+    assert len(logs) >= failed + truncated
+    assert not [p for p in logs if "done" in p.read_text()]
+    assert_nothing_left(ctl, pids.values())
