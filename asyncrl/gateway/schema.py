@@ -302,7 +302,7 @@ class RewardRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 # ------------------------------------------------------------------ decoding
-_PATH = re.compile(r"at `\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])+)`")
+_PATH = re.compile(r"at `\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\]|\[\.\.\.\])+)`")
 
 
 def decode(body: bytes, kind: type[Any]) -> Any:
@@ -317,7 +317,7 @@ def decode(body: bytes, kind: type[Any]) -> Any:
     except msgspec.ValidationError as exc:
         message = str(exc)
         found = _PATH.search(message)
-        param = found.group(1).lstrip(".") if found else None
+        param = found.group(1).lstrip(".").replace("[...]", "") if found else None
         raise GatewayError(400, f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise GatewayError(400, f"the body is not valid JSON: {exc}") from None

@@ -258,7 +258,7 @@ class GatewayServer:
 
     def _session(self, request: Request) -> Session:
         key = self._key(request)
-        if not (self._sessions.is_session_key(key) or same_key(key, self.admin_key)):
+        if not (self._sessions.knows_key(key) or same_key(key, self.admin_key)):
             raise GatewayError(401, "invalid API key", kind="authentication_error",
                                code="invalid_api_key")  # fmt: skip
         session = self._sessions.get(request.path_params["sid"])

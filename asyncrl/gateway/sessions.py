@@ -225,6 +225,8 @@ class SessionTable:
         self._arrived = anyio.Event()
         self._ended: OrderedDict[str, str] = OrderedDict()
         """Ended sessions' ids → why (the last :data:`TOMBSTONES`)."""
+        self._ended_keys: OrderedDict[bytes, str] = OrderedDict()
+        """Their keys' SHA-256 (a late call with its own key is told the session ended)."""
         self._closed = False
         self._count = 0
 
@@ -259,11 +261,14 @@ class SessionTable:
         """The session's episode is over (``why`` for a late caller)."""
         if self._sessions.pop(session.id, None) is None:
             return
-        self._by_key.pop(_digest(session.key), None)
+        digest = _digest(session.key)
+        self._by_key.pop(digest, None)
         self._lobby.pop(session.id, None)
         self._ended[session.id] = why
+        self._ended_keys[digest] = session.id
         while len(self._ended) > TOMBSTONES:
             self._ended.popitem(last=False)
+            self._ended_keys.popitem(last=False)
         session.end(GatewayError(410, f"session {session.id} has ended: {why}",
                                  code="session_ended"))  # fmt: skip
 
@@ -317,3 +322,8 @@ class SessionTable:
     def is_session_key(self, key: str) -> bool:
         """Whether ``key`` is some live session's key."""
         return _digest(key) in self._by_key
+
+    def knows_key(self, key: str) -> bool:
+        """Whether ``key`` is a live session's key or a recently ended one's."""
+        digest = _digest(key)
+        return digest in self._by_key or digest in self._ended_keys
