@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -324,7 +325,9 @@ class Gateway:
         limit = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
         prompt_tokens = episode.context_tokens
         version = -1
+        started = time.perf_counter()
         candidates = await episode.sample(req.n, max_tokens=limit)
+        generate_s = time.perf_counter() - started
         stops = req.stops()
         choices, kept = [], []
         for c in candidates:
@@ -346,7 +349,7 @@ class Gateway:
         convo.answer = choices[0].reply.content or ""
         return CallResult(f"{'chatcmpl' if isinstance(req, ChatRequest) else 'cmpl'}-"
                           f"{secrets.token_hex(12)}", now_s(), self.model_name, choices,
-                          prompt_tokens, version)  # fmt: skip
+                          prompt_tokens, version, generate_s)  # fmt: skip
 
     def _cut(self, episode: Episode, c: Generated, stops: list[str]) -> tuple[Generated, str]:
         """``c`` cut after the first stop sequence (the tokens that spell it kept), and its

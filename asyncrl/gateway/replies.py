@@ -50,6 +50,9 @@ class CallResult:
     prompt_tokens: int
     version: int
     """The weight version the generators served when the call started."""
+    generate_s: float = 0.0
+    """Seconds the call's engine requests took (placing them included), for
+    ``Server-Timing``."""
 
     @property
     def completion_tokens(self) -> int:
@@ -67,10 +70,13 @@ class CallResult:
         return min(int(v.min()) for v in spans), max(int(v.max()) for v in spans)
 
 
-def headers(result: CallResult) -> dict[str, str]:
+def headers(result: CallResult, total_s: float) -> dict[str, str]:
+    """The weight versions, and ``Server-Timing``: ``generate`` (the engine's part) and
+    ``total`` (from the request's arrival to its answer), in milliseconds."""
     lo, hi = result.version_span()
+    timing = f"generate;dur={result.generate_s * 1e3:.3f}, total;dur={total_s * 1e3:.3f}"
     return {"x-asyncrl-weight-version": str(result.version),
-            "x-asyncrl-weight-versions": f"{lo}-{hi}"}  # fmt: skip
+            "x-asyncrl-weight-versions": f"{lo}-{hi}", "server-timing": timing}  # fmt: skip
 
 
 TokenText = Callable[[int], str]

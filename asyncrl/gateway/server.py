@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -343,6 +344,7 @@ class GatewayServer:
         return await self._call(request, "completion", CompletionRequest)
 
     async def _call(self, request: Request, kind: str, schema: type[Any]) -> Response:
+        arrived = time.perf_counter()
         session = self._session(request)
         req = decode(await self._body(request), schema)
         req.check()
@@ -356,7 +358,7 @@ class GatewayServer:
         result: replies.CallResult = call.result
         logprobs = bool(req.logprobs)
         text = self._gw.token_text
-        head = replies.headers(result)
+        head = replies.headers(result, time.perf_counter() - arrived)
         if not req.stream:
             make = replies.chat_response if kind == "chat" else replies.completion_response
             return _json(make(result, logprobs=logprobs, token_text=text), headers=head)

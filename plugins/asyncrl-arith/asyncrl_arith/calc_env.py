@@ -212,6 +212,14 @@ class CalcEnv:
             await episode.call_tools(turn)
         return score_answer(prompt, turn.text, called, self.options.match)
 
+    def score(self, prompt: Prompt, completion: str) -> Score:
+        """A final answer alone: how the gateway scores a session that ends without a reward
+        (a managed agent's last answer, docs/gateway.md). Whether a tool was called is not
+        known here, so the score's only component is ``exact``."""
+        full = score_answer(prompt, completion, False, self.options.match)
+        return Score(reward=full.reward, correct=full.correct,
+                     components={"exact": full.components["exact"]})  # fmt: skip
+
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
 
