@@ -231,6 +231,12 @@ class Episode:
         return self._turns
 
     @property
+    def prompt_ids(self) -> list[int]:
+        """The token ids the next turn is sampled after (the conversation so far, as the
+        engine gets it)."""
+        return self._record.prompt_ids
+
+    @property
     def context_tokens(self) -> int:
         """Tokens in the conversation so far."""
         return self._record.num_tokens

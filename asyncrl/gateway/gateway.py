@@ -323,6 +323,7 @@ class Gateway:
         """Sample the call's ``n`` candidates, cut each at a stop sequence, and keep the
         one (``n`` = 1) or hold them until the next call."""
         limit = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
+        prompt_ids = episode.prompt_ids if req.return_token_ids else []
         prompt_tokens = episode.context_tokens
         version = -1
         started = time.perf_counter()
@@ -349,7 +350,7 @@ class Gateway:
         convo.answer = choices[0].reply.content or ""
         return CallResult(f"{'chatcmpl' if isinstance(req, ChatRequest) else 'cmpl'}-"
                           f"{secrets.token_hex(12)}", now_s(), self.model_name, choices,
-                          prompt_tokens, version, generate_s)  # fmt: skip
+                          prompt_tokens, version, prompt_ids, generate_s)  # fmt: skip
 
     def _cut(self, episode: Episode, c: Generated, stops: list[str]) -> tuple[Generated, str]:
         """``c`` cut after the first stop sequence (the tokens that spell it kept), and its

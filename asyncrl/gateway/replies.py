@@ -50,6 +50,8 @@ class CallResult:
     prompt_tokens: int
     version: int
     """The weight version the generators served when the call started."""
+    prompt_ids: Sequence[int] = ()
+    """The tokens the call's choices were sampled after (``return_token_ids``)."""
     generate_s: float = 0.0
     """Seconds the call's engine requests took (placing them included), for
     ``Server-Timing``."""
@@ -91,18 +93,29 @@ def _chat_logprobs(c: Choice, token_text: TokenText) -> dict[str, Any]:
     return {"content": out, "refusal": None}
 
 
-def chat_response(result: CallResult, *, logprobs: bool, token_text: TokenText) -> bytes:
+def _with_ids(body: dict[str, Any], result: CallResult, token_ids: bool) -> dict[str, Any]:
+    """``body`` with vLLM's ``prompt_token_ids`` and each choice's ``token_ids``."""
+    if token_ids:
+        body["prompt_token_ids"] = list(result.prompt_ids)
+        for choice, c in zip(body["choices"], result.choices):
+            choice["token_ids"] = c.token_ids.tolist()
+    return body
+
+
+def chat_response(
+    result: CallResult, *, logprobs: bool, token_text: TokenText, token_ids: bool = False
+) -> bytes:
     choices = []
     for i, c in enumerate(result.choices):
         choices.append({
             "index": i, "message": c.reply.message(), "finish_reason": c.reply.finish_reason,
             "logprobs": _chat_logprobs(c, token_text) if logprobs else None,
         })  # fmt: skip
-    return _encode({
+    return _encode(_with_ids({
         "id": result.id, "object": "chat.completion", "created": result.created,
         "model": result.model, "choices": choices, "usage": result.usage(),
         "weight_version": result.version,
-    })  # fmt: skip
+    }, result, token_ids))  # fmt: skip
 
 
 def _chunk(result_id: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -166,12 +179,14 @@ def _completion_choices(
             for i, c in enumerate(result.choices)]  # fmt: skip
 
 
-def completion_response(result: CallResult, *, logprobs: bool, token_text: TokenText) -> bytes:
-    return _encode({
+def completion_response(
+    result: CallResult, *, logprobs: bool, token_text: TokenText, token_ids: bool = False
+) -> bytes:
+    return _encode(_with_ids({
         "id": result.id, "object": "text_completion", "created": result.created,
         "model": result.model, "choices": _completion_choices(result, logprobs, token_text),
         "usage": result.usage(), "weight_version": result.version,
-    })  # fmt: skip
+    }, result, token_ids))  # fmt: skip
 
 
 def completion_chunks(

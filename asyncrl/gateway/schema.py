@@ -153,6 +153,9 @@ class _Sampling(Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: the prompt's and each choice's token ids in the response (an agent
+    that keeps its own token stream goes on from them exactly)."""
 
     def stops(self) -> list[str]:
         """The stop sequences, as a list (empty ones dropped)."""

@@ -361,7 +361,8 @@ class GatewayServer:
         head = replies.headers(result, time.perf_counter() - arrived)
         if not req.stream:
             make = replies.chat_response if kind == "chat" else replies.completion_response
-            return _json(make(result, logprobs=logprobs, token_text=text), headers=head)
+            body = make(result, logprobs=logprobs, token_text=text, token_ids=req.return_token_ids)
+            return _json(body, headers=head)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         if kind == "chat":
             events = [replies.role_chunk(result.id, result.created, result.model, len(result.choices)),

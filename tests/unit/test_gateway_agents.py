@@ -272,3 +272,50 @@ async def test_recorded_tokens_are_the_sampled_tokens_on_1200_sessions(
     multi = sum(1 for r in results if r["calls"] > 1)
     assert multi > SESSIONS // 4, multi  # multi-turn tool use, not single calls
     assert harness.gateway.stats["restarts"] >= sum(1 for r in results if r.get("rewrote"))
+
+
+async def test_an_agent_that_keeps_its_own_token_stream_goes_on_from_it_exactly(
+    model: gs.Model, tmp_path: Path
+) -> None:
+    """Token-in, token-out (vLLM's ``return_token_ids``): an agent that writes each prompt as
+    the last prompt's ids, the reply's ids and its observation's ids trains one sample whose
+    tokens are exactly its own stream; no segment is restarted."""
+    engine = gs.ScriptedEngine(model, 7, tool_rate=0.0)
+    harness = gs.Harness(model, engine, GatewayConfig(enabled=True), tmp_path)
+    tok = model.tok
+    streams: dict[str, list[int]] = {}
+    async with gs.running(harness):
+        for i in range(24):
+            harness.start(harness.env.prompts[i], f"g{i}/0")
+        async with httpx.AsyncClient(timeout=60) as http:
+
+            async def agent() -> None:
+                r = await http.post(f"{harness.url}/rl/sessions", headers=harness.admin, json={})
+                info = r.json()
+                oa = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"],
+                                        max_retries=0, http_client=http)  # fmt: skip
+                prompt = tok.encode_rendered(f"Question: {info['prompt']['id']}\nAnswer:")
+                for i in range(3):
+                    resp = await oa.completions.create(model="any", prompt=prompt, max_tokens=16,
+                                                       extra_body={"return_token_ids": True})  # fmt: skip
+                    assert resp.prompt_token_ids == prompt  # type: ignore[attr-defined]
+                    stream = prompt + resp.choices[0].token_ids  # type: ignore[attr-defined]
+                    prompt = stream + tok.encode_rendered(f"\nObservation: {i}\nAnswer:")
+                streams[info["episode"]] = stream
+                r = await http.post(f"{harness.url}/rl/sessions/{info['session_id']}/reward",
+                                    headers=harness.admin, json={"reward": 0.5})  # fmt: skip
+                assert r.status_code == 200, r.text
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(24):
+                    tg.start_soon(agent)
+        with anyio.fail_after(10):
+            while any(p.score is None and p.error is None for p in harness.played):
+                await anyio.sleep(0.02)
+    assert harness.gateway.stats["restarts"] == 0
+    for p in harness.played:
+        assert p.error is None and len(p.samples) == 1, (p.episode, p.error)
+        (sample,) = p.samples
+        assert sample.token_ids.tolist() == streams[p.episode]
+        assert len(gs.trained_turns(sample)) == 3
+        assert assert_token_exact(p, engine.requests) == 3
