@@ -18,7 +18,7 @@ SECTIONS = {  # in the page's order
     "RefitConfig": "refit", "TrainerConfig": "trainer", "GeneratorConfig": "generator",
     "EnvironmentConfig": "environment", "EvalConfig": "eval",
     "CheckpointConfig": "checkpoint", "ExportConfig": "export", "FailuresConfig": "failures",
-    "MetricsConfig": "metrics", "EpisodeConfig": "episode",
+    "MetricsConfig": "metrics", "EpisodeConfig": "episode", "GatewayConfig": "gateway",
 }
 
 

@@ -30,7 +30,7 @@ class GatewayConfig(Section):
     """More environment variables for the managed agent."""
     keep_agent_logs: bool = False
     """Keep every managed agent's output (``<run.output_dir>/logs/agents/``); by default only
-    those of agents that failed are kept."""
+    those of agents that did not exit 0 are kept."""
     session_timeout_s: float = 600.0
     """A session's deadline, from the moment it is handed out: past it the session ends
     truncated (``episode.on_truncation``) and a managed agent is killed."""

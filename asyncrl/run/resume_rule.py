@@ -55,6 +55,9 @@ HARMLESS = (
     "refit",
     # evaluation, saving, exporting, failure budgets, metrics
     "eval", "checkpoint", "export", "failures", "metrics",
+    # where the gateway listens and how it guards itself (what it trains on is not here)
+    "gateway.host", "gateway.port", "gateway.max_concurrent_requests", "gateway.max_body_bytes",
+    "gateway.keep_agent_logs", "gateway.model_name", "gateway.idle_timeout_s",
 )  # fmt: skip
 """Settings a resumed run may change freely (each change is logged); every other setting
 must match the checkpoint's unless allowed. A prefix covers its whole section."""
