@@ -1,0 +1,230 @@
+"""The gateway's pure parts against hand computations and brute force: where a stop sequence
+cuts a turn, what a call adds to a conversation (or that the agent rewrote it), replies with
+tool calls, the session table's lobby and keys; and the agent shim, which must take the agent's
+whole process group down when its owner dies however it dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import msgspec
+import pytest
+
+from asyncrl.env.tool_parsers import HERMES
+from asyncrl.environment import Prompt
+from asyncrl.gateway import agent_shim
+from asyncrl.gateway.conversation import ChatLog, Continue, Reply, Restart, cut_at_stop, reply_of
+from asyncrl.gateway.schema import GatewayError, Message, ToolDef
+from asyncrl.gateway.sessions import Call, Finish, SessionTable
+
+
+# ------------------------------------------------------------------------------ stop sequences
+def _brute_cut(pieces: list[str], stops: list[str]) -> tuple[int, str] | None:
+    """The fewest tokens whose text holds the earliest stop sequence, by trying every count."""
+    full = "".join(pieces)
+    hits = [(full.find(s), s) for s in stops if s and full.find(s) >= 0]
+    if not hits:
+        return None
+    at, stop = min(hits)
+    for k in range(1, len(pieces) + 1):
+        if len("".join(pieces[:k])) >= at + len(stop):
+            return k, full[:at]
+    raise AssertionError("unreachable")
+
+
+def test_cut_at_stop_matches_brute_force_on_random_turns() -> None:
+    rng = random.Random(0)
+    alphabet = ["a", "b", "ab", "ba", "abc", "c", " ", "\n", "bc"]
+    found = 0
+    for _ in range(3000):
+        pieces = [rng.choice(alphabet) for _ in range(rng.randint(0, 12))]
+        stops = ["".join(rng.choice("abc \n") for _ in range(rng.randint(1, 3)))
+                 for _ in range(rng.randint(1, 3))]  # fmt: skip
+        got = cut_at_stop(lambda k: "".join(pieces[:k]), len(pieces), stops)
+        want = _brute_cut(pieces, stops)
+        assert got == want, (pieces, stops)
+        found += want is not None
+    assert found > 1000  # most turns had a stop sequence to find
+
+
+# ------------------------------------------------------------------------------ conversations
+def _m(role: str, content: str | None = None, **kw: object) -> Message:
+    return msgspec.convert({"role": role, "content": content, **kw}, Message)
+
+
+def _call_message(cid: str, args: dict[str, object]) -> Message:
+    return _m("assistant", None, tool_calls=[{"id": cid, "type": "function", "function": {
+        "name": "calc", "arguments": json.dumps(args)}}])  # fmt: skip
+
+
+def test_a_tool_loop_goes_on_and_an_edited_history_restarts() -> None:
+    log = ChatLog()
+    first = [_m("system", "be brief"), _m("user", "1+2?")]
+    assert isinstance(log.plan(first, None), Restart)  # the first call starts the record
+    log.restarted(first, None)
+    reply = Reply(None, (("c1", "calc", '{"expression": "1+2"}'),), "tool_calls")
+    log.replied([reply])
+    # the agent echoes the reply with its arguments spaced differently and extra fields
+    echoed = msgspec.convert({"role": "assistant", "content": "", "refusal": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calc",
+         "arguments": '{ "expression" : "1+2" }'}}]}, Message)  # fmt: skip
+    tool = _m("tool", "3", tool_call_id="c1")
+    plan = log.plan([*first, echoed, tool], None)
+    assert isinstance(plan, Continue) and plan.new == [tool] and plan.choice is None
+    log.observed([tool])
+    log.replied([Reply("3", (), "stop")])
+    # asking again with nothing new where a reply was given: a new segment
+    assert isinstance(log.plan([*first, echoed, tool], None), Restart)
+    # the answer echoed with text parts, then a user turn: goes on
+    parts = msgspec.convert({"role": "assistant", "content": [{"type": "text", "text": "3"}]},
+                            Message)  # fmt: skip
+    user = _m("user", "and 2+2?")
+    plan = log.plan([*first, echoed, tool, parts, user], None)
+    assert isinstance(plan, Continue) and plan.new == [user]
+    # a dropped message, an edited one, other tools: each rewrites what was recorded
+    assert isinstance(log.plan([first[1], echoed, tool, parts, user], None), Restart)
+    edited = [first[0], _m("user", "1+3?"), echoed, tool, parts, user]
+    assert "message 1" in log.plan(edited, None).why  # type: ignore[union-attr]
+    tools = msgspec.convert([{"type": "function", "function": {"name": "calc"}}], list[ToolDef])
+    assert log.plan([*first, echoed, tool, parts, user], tools).why == "the tools changed"  # type: ignore[union-attr]
+
+
+def test_several_choices_wait_for_the_one_the_agent_goes_on_with() -> None:
+    log = ChatLog()
+    first = [_m("user", "hi")]
+    log.restarted(first, None)
+    log.replied([Reply("a"), Reply("b"), Reply("c")])
+    nxt = _m("user", "more")
+    plan = log.plan([*first, _m("assistant", "b"), nxt], None)
+    assert isinstance(plan, Continue) and plan.choice == 1 and plan.new == [nxt]
+    assert isinstance(log.plan([*first, _m("assistant", "d"), nxt], None), Restart)
+    assert isinstance(log.plan([*first, _m("assistant", "b")], None), Restart)  # nothing after it
+    log.chose(1)
+    log.observed([nxt])
+    assert isinstance(log.plan([*first, _m("assistant", "b"), nxt], None), Continue)
+
+
+def test_replies_read_tool_calls_or_return_the_text() -> None:
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    r = reply_of(f"Let me add.\n{call}", "stop", HERMES)
+    assert r.finish_reason == "tool_calls" and r.content == "Let me add."
+    ((cid, name, args),) = r.tool_calls
+    assert name == "calc" and json.loads(args) == {"expression": "1+2"} and cid
+    assert reply_of(call, "stop", None) == Reply(call, (), "stop")  # tool_choice "none"
+    broken = '<tool_call>\n{"name": "calc", "arguments": {</tool_call>'
+    assert reply_of(broken, "length", HERMES) == Reply(broken, (), "length")  # as text
+
+
+# ------------------------------------------------------------------------------ sessions
+@pytest.mark.asyncio
+async def test_the_lobby_hands_out_sessions_in_order_or_by_prompt() -> None:
+    table = SessionTable(lambda: 0.0)
+    p = [Prompt(id=f"p{i}", text="x") for i in range(3)]
+    a = table.open(p[0], "g0/0", evaluation=False, claimed=False)
+    b = table.open(p[1], "g1/0", evaluation=False, claimed=False)
+    c = table.open(p[1], "g1/1", evaluation=True, claimed=False)
+    assert (await table.claim("p1", 0)) is b and (await table.claim(None, 0)) is a
+    assert table.counts() == {"waiting": 1, "active": 2}
+    with pytest.raises(GatewayError) as e:
+        await table.claim("p0", 0)
+    assert e.value.status == 503 and e.value.code == "no_session"
+    async with anyio.create_task_group() as tg:  # a claim waits for the next episode
+        got = []
+
+        async def claim() -> None:
+            got.append(await table.claim("p2", 5))
+
+        tg.start_soon(claim)
+        await anyio.sleep(0.01)
+        d = table.open(p[2], "g2/0", evaluation=False, claimed=False)
+    assert got == [d] and c.claimed is False
+    # keys: a live one is known; an ended one is remembered (410 for it, not 401)
+    assert table.is_session_key(a.key) and not table.is_session_key("sk-arl-nope")
+    table.close(a, "it was scored")
+    assert not table.is_session_key(a.key) and table.knows_key(a.key)
+    with pytest.raises(GatewayError) as e:
+        table.get(a.id)
+    assert e.value.status == 410 and "it was scored" in str(e.value)
+    table.shut()
+    with pytest.raises(GatewayError) as e:
+        await table.claim("nothing", 5)
+    assert e.value.code == "run_ending"
+    for s in (b, c, d):
+        table.close(s, "the test ended")
+    assert len(table) == 0
+
+
+@pytest.mark.asyncio
+async def test_one_call_at_a_time_and_an_end_fails_what_waits() -> None:
+    table = SessionTable(lambda: 0.0)
+    s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
+    first, second = Call("chat", None), Call("chat", None)
+    s.submit(first)
+    with pytest.raises(GatewayError) as e:
+        s.submit(second)
+    assert e.value.status == 409
+    assert (await s.next()) is first
+    s.served(first)  # answered with nothing: not counted
+    assert s.answered == 0
+    s.submit(second)
+    s.finish(Finish(reward=1.0))  # ends it: the call in progress is cancelled and failed
+    assert second.error is not None and second.error.status == 410
+    assert isinstance(await s.next(), Finish)
+    with pytest.raises(GatewayError):
+        s.finish(Finish(reward=0.0))
+    table.close(s, "done")
+    with pytest.raises(GatewayError):
+        s.submit(Call("chat", None))
+
+
+# ------------------------------------------------------------------------------ the shim
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_shim_kills_the_agent_group_when_its_owner_is_killed(tmp_path: object) -> None:
+    """An owner (standing in for the controller) starts the shim in a new session; the agent
+    starts a grandchild; ``kill -9`` of the owner takes the whole group down."""
+    pids = f"{tmp_path}/pids"
+    agent = (f"import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+             f"'import time; time.sleep(60)']); open({pids!r}, 'w').write(f'{{os.getpid()}} "
+             f"{{c.pid}}'); time.sleep(60)")  # fmt: skip
+    owner_code = (f"import os, subprocess, sys, time; env = dict(os.environ, "
+                  f"{agent_shim.OWNER_ENV}=str(os.getpid())); subprocess.Popen([sys.executable, "
+                  f"{agent_shim.__file__!r}, sys.executable, '-c', {agent!r}], env=env, "
+                  f"start_new_session=True); time.sleep(60)")  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", owner_code])
+    try:
+        deadline = time.monotonic() + 20
+        def read() -> list[str]:
+            try:
+                with open(pids) as f:
+                    return f.read().split()
+            except FileNotFoundError:
+                return []
+
+        while len(read()) < 2:
+            assert time.monotonic() < deadline, "the agent did not start"
+            time.sleep(0.05)
+        agent_pid, grandchild = map(int, read())
+        assert _alive(agent_pid) and _alive(grandchild)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while _alive(agent_pid) or _alive(grandchild):
+            assert time.monotonic() < deadline, "the agent outlived its owner"
+            time.sleep(0.05)
+    finally:
+        owner.kill()
+        owner.wait()
