@@ -121,6 +121,9 @@ class Gateway:
         self.sessions = SessionTable(now)
         self._token_text: dict[int, str] = {}
         self.stats: dict[str, int] = {"calls": 0, "restarts": 0, "sessions": 0}
+        """Since the run started: calls served, segments restarted (an agent rewrote its
+        history), sessions scored."""
+        self._since: dict[str, int] = dict(self.stats)
 
     # ------------------------------------------------------------------ the environment
     def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
@@ -392,6 +395,16 @@ class Gateway:
         if not math.isfinite(float(score.reward)):
             raise SessionFailed(f"score() returned a non-finite reward ({score.reward})")
         return score
+
+    def take_metrics(self) -> dict[str, float]:
+        """A step record's ``gateway_*`` figures: calls, restarts and sessions scored since
+        the last call; sessions waiting for an agent and handed out, now."""
+        out = {f"gateway_{k}": float(v - self._since[k]) for k, v in self.stats.items()}
+        self._since = dict(self.stats)
+        counts = self.sessions.counts()
+        out["gateway_waiting"] = float(counts["waiting"])
+        out["gateway_active"] = float(counts["active"])
+        return out
 
     # ------------------------------------------------------------------ for the HTTP side
     def token_text(self, token: int) -> str:

@@ -238,9 +238,13 @@ class EpisodeRunner:
     def take_metrics(self) -> dict[str, Any]:
         """A step record's episode and tool figures since the last call (``episode_*``,
         ``tool_*``: :meth:`EpisodeStats.metrics`, :meth:`ToolStats.metrics
-        <asyncrl.env.toolbox.ToolStats.metrics>`), and each tool's busy time on the run's
-        clock (``tool_busy``: the timeline's tool lanes)."""
+        <asyncrl.env.toolbox.ToolStats.metrics>`), each tool's busy time on the run's
+        clock (``tool_busy``: the timeline's tool lanes), and the environment's own figures
+        if it has a ``take_metrics()`` (the gateway's ``gateway_*``)."""
         out: dict[str, Any] = dict(self.take_stats().metrics())
+        figures = getattr(self._env, "take_metrics", None)  # the gateway's, say
+        if callable(figures):
+            out.update(figures())
         if self._tools is not None:
             tools = self._tools.take_stats()
             out.update(tools.metrics())

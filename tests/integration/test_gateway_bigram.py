@@ -107,6 +107,8 @@ async def test_agents_calling_in_train_and_evaluate(make_config: Callable[..., C
     assert sum(r["episodes"] for r in train) >= num_steps * P * N
     assert all(r["episode_turns_mean"] == 2.0 for r in train if r["episodes"])
     assert all(r["episode_failed"] == 0 and r["episode_splits"] == 0 for r in train)
+    assert sum(r["gateway_calls"] for r in train) >= 2 * num_steps * P * N
+    assert all(r["gateway_restarts"] == 0 for r in train)
     assert [e["label"] for e in summary.evals] == ["start", "end"]
     assert seen["eval"] == 2 * cfg.eval.num_prompts
     assert not (out / "gateway.json").exists() and not (out / "gateway.key").exists()
