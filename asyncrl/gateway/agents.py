@@ -104,14 +104,20 @@ class ManagedAgents:
 
     def _ended(self, session: Session, code: int, path: Path) -> None:
         """The agent exited by itself with ``code``: end its session with that."""
-        finish = Finish() if code == 0 else Finish(abandon=f"the agent exited with code {code}"
-                                                   f" (its output: {path})")  # fmt: skip
+        failure = None
         if code != 0:
+            failure = f"the agent exited with code {code}"
+        elif not session.answered:
+            failure = "the agent exited 0 without an answered call (nothing to train)"
+        if failure is None:
+            finish = Finish()
+            if not self._keep:
+                path.unlink(missing_ok=True)
+        else:
             self.failed += 1
-            log.warning("agent_failed", session=session.id, exit_code=code, log=str(path),
+            finish = Finish(abandon=f"{failure} (its output: {path})")
+            log.warning("agent_failed", session=session.id, why=failure, log=str(path),
                         tail=_tail(path))  # fmt: skip
-        elif not self._keep:
-            path.unlink(missing_ok=True)
         try:
             session.finish(finish)
         except GatewayError:
