@@ -43,7 +43,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
@@ -274,11 +274,14 @@ class GatewayServer:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+        except ClientDisconnect:  # it left before its body came: nobody reads the answer
+            raise GatewayError(499, "the client closed the connection", code="cancelled") from None
         return b"".join(chunks)
 
     # ------------------------------------------------------------------ /rl

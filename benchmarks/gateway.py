@@ -1,0 +1,518 @@
+"""The gateway's overhead per call, at 1 and at 1,000 concurrent sessions: latency, loop lag.
+
+    .venv/bin/python benchmarks/gateway.py                  # ~3.5 min on 2 cores
+    .venv/bin/python benchmarks/gateway.py --quick          # a ~1-minute look (--verbose: progress)
+    .venv/bin/python benchmarks/gateway.py --machine 2core  # benchmarks/results/gateway-2core.json
+    .venv/bin/python benchmarks/gateway.py --sessions 1000 --seconds 120  # one setting, longer
+
+A real run: the embedded :class:`asyncrl.Controller` with ``[gateway] enabled = true``, the
+example (bigram) trainer and rollout ranks as real processes, on the testing environment
+``repeat-digit`` (its prompts; the agents post the rewards). Every episode is a session that an
+agent takes with ``POST /rl/sessions``; each agent here is a loop that takes a session, makes
+4 chat calls (``POST {base_url}/chat/completions``, ``max_tokens = --turn-tokens``; between
+calls it appends the reply and a user message ``"again"``) and ends it with
+``POST /rl/sessions/<id>/reward`` ``{"reward": 1.0}``, then takes the next one.
+
+Two settings, each a fresh pair of interpreters (children of this script):
+
+- **1 session**: one agent; ``grpo`` 1 prompt x 4 samples a step (steps, refits and all, but
+  never a second session at once): the gateway's own cost on an idle controller;
+- **1,000 sessions**: 1,000 agents; ``--prompts`` x ``--samples`` episodes a step (64 x 16 =
+  1,024) and ``pipeline.max_inflight_samples`` as many, with the ``gated`` sampler (W = 2),
+  so the next step's sessions open while the last ones finish: about 1,000 sessions are held
+  throughout (the figures say how many were).
+
+Each turn generates at most ``--turn-tokens`` tokens (it stops at the end token: about 1 in
+20 of an untrained bigram's) at ``--token-delay`` s a token (~0.8 s a call by default, as
+``benchmarks/episodes.py``; an LLM's turn takes seconds). ``[gateway]
+max_concurrent_requests`` is 2,048 (no 429 at 1,000 agents).
+
+The controller's child starts the load generator (the agents) as a child interpreter of its
+own, so the agents' CPU is not spent on the controller's loop (on 2 cores they still share the
+machine with it, the trainer and the rollout ranks: see "agents' loop" below). Each agent has
+its own ``httpx.AsyncClient`` with one keep-alive connection, as a fleet of agent programs
+would (one SSL context shared: httpx would load the CA bundle per client). httpx rather than
+the official ``openai.AsyncOpenAI``, which wraps httpx and adds its pydantic models, retries
+and headers on every call: CPU in the load generator that would only inflate the client-side
+figure (the gateway sees the same request either way; ``tests/integration/test_gateway_bigram.py``
+runs the ``openai`` client against it). Not one shared client with a pool of 1,000
+connections (``--shared-client``): httpcore's pool scans its requests and connections on
+every request and response, and at 1,000 agents on 2 cores the load generator's loop then ran
+~20 calls/s and the run never ended its first step (1,070 calls in 60 s); per-agent clients
+made ~750 calls/s on the same machine.
+
+Warm-up: the measurement starts once the run has ended step ``--warmup-steps`` (default 2,
+as in ``benchmarks/episodes.py``: start-up, the agents' first claims and the first fill are
+out; 1 for the 1-session setting, whose steps are short) and lasts ``--seconds`` (1,000
+sessions) or ``--single-seconds`` (1 session); then the agents stop and the run is cancelled.
+Only calls that began and ended inside that window count (the calls the stop drops show as
+uvicorn's ``ClientDisconnect`` tracebacks, which the benchmark silences once the window is
+over). Measured per call:
+
+- **client overhead** = the latency the agent sees (from just before ``client.post`` to the
+  response read, JSON not yet parsed) minus ``Server-Timing``'s ``generate`` (the time the
+  call's episode spent in ``Episode.sample``, the engine's part: what calling the engine
+  directly would cost, placing the requests on the rollout workers included). It is all that
+  the HTTP path adds: the client's encoding and its loop, loopback TCP, uvicorn's parsing,
+  Starlette's routing, the hand-off to the episode's task and back, the reply's encoding,
+  and every wait for the controller's loop (or a core) on the way;
+- **server overhead** = ``Server-Timing``'s ``total`` minus ``generate``: the handler's part
+  of it (from the request's arrival in the handler to its answer: auth, body, decoding, the
+  hand-off both ways, the conversation's bookkeeping, the reply built), without HTTP parsing,
+  the socket and the client;
+
+each as p50, p99 and max (targets: p50 <= 2 ms, p99 <= 10 ms); their difference, latency
+minus ``total`` ("outside the handler"), is the client's and uvicorn's share; and over the
+window:
+
+- **calls/s**: calls that ended with a 200 in the window, over its length; **sessions held**:
+  the agents' sessions between claim and reward, sampled every 100 ms (mean, p10, max), and
+  the controller's ``inflight_samples``;
+- **loop lag**: how late a 10 ms sleep wakes on the controller's loop, sampled in the
+  controller's process as :class:`~asyncrl.obs.watchdog.LoopLag` does (p50, p99, max), and
+  how busy the loop's thread was (its CPU time over the window);
+- **agents' loop**: the same lag probe on the load generator's loop, and its process's CPU
+  time over the window: a late client loop adds to the client overhead, not to the server's;
+- claims and rewards: their latency (p50, p99), and every non-200 answer by status.
+
+Results are printed and written to ``--out`` (default ``benchmarks/results/gateway-<machine>.json``
+with ``--machine``, else ``runs/benchmarks/gateway.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CALLS = 4
+"""Chat calls a session."""
+MAX_CONCURRENT_REQUESTS = 2048
+
+
+# --------------------------------------------------------------------------- the run
+def config(model: Path, out: Path, args: argparse.Namespace, sessions: int) -> dict[str, Any]:
+    """The run's config: ``sessions`` 1 is a small run (1 x 4 a step), else the full one."""
+    prompts, samples = (1, 4) if sessions == 1 else (args.prompts, args.samples)
+    episodes = prompts * samples
+    return {
+        "model": {"path": str(model)},
+        "environment": {"name": "repeat-digit"},
+        "run": {"num_steps": 100_000, "seed": 0, "output_dir": str(out)},  # cancelled first
+        "cluster": {"trainer_ranks": 1, "rollout_ranks": args.ranks, "shutdown_grace_s": 5.0},
+        "grpo": {"prompts_per_step": prompts, "samples_per_prompt": samples,
+                 "max_new_tokens": args.turn_tokens},  # fmt: skip
+        "episode": {"max_turns": CALLS, "max_context_tokens": 1024},
+        "pipeline": {
+            "sampler": {"name": "gated", "max_staleness_versions": 2},
+            "min_groups_for_streaming_train": max(1, prompts // 4),
+            "max_inflight_samples": episodes,
+        },
+        "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
+        "trainer": {"backend": "bigram", "options": {"lr": 0.5}},
+        "generator": {"backend": "bigram", "options": {"token_delay_s": args.token_delay}},
+        "gateway": {"enabled": True, "max_concurrent_requests": MAX_CONCURRENT_REQUESTS},
+        "eval": {"num_prompts": 0},
+    }
+
+
+async def controller_child(args: argparse.Namespace) -> None:
+    """One setting (``--child controller``): the controller, with the agents' interpreter
+    as its child; the window's figures as JSON to ``--child-out``."""
+    import asyncrl
+    import asyncrl.obs.log
+    from asyncrl.config import from_dict
+    from asyncrl_example_backend.model import write_model_dir
+
+    asyncrl.obs.log.configure("console", level="error")  # a program's choice
+    sessions = args.child_sessions
+    warmup = 1 if sessions == 1 else args.warmup_steps
+    seconds = args.single_seconds if sessions == 1 else args.seconds
+    lags: list[tuple[float, float]] = []
+    load: list[tuple[float, int, int]] = []  # at, step, inflight_samples
+    window: dict[str, float] = {}
+    ctl: Any = None
+
+    async def lag_probe() -> None:
+        while True:
+            t = time.monotonic()
+            await anyio.sleep(0.01)
+            now = time.monotonic()
+            lags.append((now, now - t - 0.01))
+
+    async def load_probe() -> None:
+        while True:
+            await anyio.sleep(0.1)
+            try:
+                status = ctl.status() if ctl is not None else None
+            except RuntimeError:  # not running yet, or over
+                status = None
+            if status is not None:
+                load.append((time.monotonic(), status.step, status.inflight_samples))
+
+    async def conduct(agents: subprocess.Popen[bytes], stop: anyio.CancelScope) -> None:
+        """Wait out the warm-up, measure, then stop the agents and the run."""
+        deadline = time.monotonic() + args.warmup_timeout
+        while not load or load[-1][1] < warmup:
+            if agents.poll() is not None:
+                raise SystemExit(f"the agents exited ({agents.returncode}) during warm-up")
+            if args.verbose and len(load) % 50 == 0 and load:
+                print(f"  controller: step {load[-1][1]}, {load[-1][2]} in flight", flush=True)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"step {warmup} not reached in {args.warmup_timeout:g} s")
+            await anyio.sleep(0.05)
+        window["start"], window["cpu0"] = time.monotonic(), time.thread_time()
+        print(f"  [{sessions}] step {load[-1][1]}: measuring {seconds:g} s", flush=True)
+        await anyio.sleep(seconds)
+        window["end"], window["cpu1"] = time.monotonic(), time.thread_time()
+        # the agents drop their calls in flight: uvicorn would log each one's ClientDisconnect
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+        assert agents.stdin is not None
+        agents.stdin.write(b"stop\n")
+        agents.stdin.close()
+        await anyio.to_thread.run_sync(agents.wait)
+        stop.cancel()
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-gateway-") as tmp_name:
+        tmp = Path(tmp_name)
+        data = config(write_model_dir(tmp / "model"), tmp / "run", args, sessions)
+        agents_out = tmp / "agents.json"
+        agents = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--child", "agents",
+             "--child-sessions", str(sessions), "--child-out", str(agents_out),
+             "--gateway-dir", str(tmp / "run"), "--turn-tokens", str(args.turn_tokens)]
+            + ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client,
+            stdin=subprocess.PIPE)  # fmt: skip
+        try:
+            async with anyio.create_task_group() as probes:
+                probes.start_soon(lag_probe)
+                probes.start_soon(load_probe)
+                async with asyncrl.Controller(from_dict(data)) as ctl:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(conduct, agents, tg.cancel_scope)
+                        await ctl.train()
+                        raise SystemExit("the run ended before the measurement did")
+                probes.cancel_scope.cancel()
+        finally:
+            if agents.poll() is None:
+                agents.kill()
+                agents.wait()
+        if agents.returncode != 0:
+            raise SystemExit(f"the agents exited with {agents.returncode}")
+        raw = json.loads(agents_out.read_text())
+    out = summarize(raw, lags, load, window, sessions)
+    args.child_out.write_text(json.dumps(out))
+
+
+# --------------------------------------------------------------------------- the agents
+async def agents_child(args: argparse.Namespace) -> None:
+    """The load generator (``--child agents``): ``--child-sessions`` agents until a line on
+    stdin; every call's timings as JSON to ``--child-out``."""
+    import httpx
+
+    info_path = args.gateway_dir / "gateway.json"
+    with anyio.fail_after(300):
+        while not info_path.exists():
+            await anyio.sleep(0.05)
+    info = json.loads(info_path.read_text())
+    url = info["url"]
+    admin = {"Authorization": f"Bearer {Path(info['key_file']).read_text().strip()}"}
+    n = args.child_sessions
+    calls: list[tuple[float, float, float, float]] = []  # sent, answered, generate, total (s)
+    claims: list[tuple[float, float]] = []  # sent, answered
+    rewards: list[tuple[float, float]] = []
+    errors: dict[str, int] = {}
+    held = [0]
+    samples: list[tuple[float, int, float]] = []  # at, sessions held, process CPU s
+    lags: list[tuple[float, float]] = []
+
+    def error(what: str) -> None:
+        errors[what] = errors.get(what, 0) + 1
+
+    async def agent(http: httpx.AsyncClient) -> None:
+        while True:
+            t0 = time.monotonic()
+            try:
+                r = await http.post(f"{url}/rl/sessions", headers=admin, json={"wait_s": 30})
+            except httpx.TransportError as exc:
+                error(f"claim {type(exc).__name__}")
+                await anyio.sleep(0.1)
+                continue
+            if r.status_code != 201:
+                error(f"claim {r.status_code}")
+                continue
+            claims.append((t0, time.monotonic()))
+            held[0] += 1
+            try:
+                await session(http, r.json())
+            finally:
+                held[0] -= 1
+
+    async def session(http: httpx.AsyncClient, s: dict[str, Any]) -> None:
+        head = {"Authorization": f"Bearer {s['api_key']}"}
+        chat = f"{s['base_url']}/chat/completions"
+        messages = list(s["prompt"]["messages"])
+        for i in range(CALLS):
+            body = {"model": "bigram", "messages": messages, "max_tokens": args.turn_tokens}
+            t0 = time.monotonic()
+            try:
+                r = await http.post(chat, headers=head, json=body)
+            except httpx.TransportError as exc:
+                error(f"chat {type(exc).__name__}")
+                return
+            t1 = time.monotonic()
+            if r.status_code != 200:
+                error(f"chat {r.status_code}")
+                return
+            timing = dict(
+                (part.split(";dur=")[0].strip(), float(part.split(";dur=")[1]))
+                for part in r.headers["server-timing"].split(",")
+            )  # fmt: skip
+            calls.append((t0, t1, timing["generate"] / 1e3, timing["total"] / 1e3))
+            messages.append(r.json()["choices"][0]["message"])
+            if i < CALLS - 1:
+                messages.append({"role": "user", "content": "again"})
+        t0 = time.monotonic()
+        try:
+            r = await http.post(f"{url}/rl/sessions/{s['session_id']}/reward", headers=admin,
+                                json={"reward": 1.0})  # fmt: skip
+        except httpx.TransportError as exc:
+            error(f"reward {type(exc).__name__}")
+            return
+        if r.status_code != 200:
+            error(f"reward {r.status_code}")
+            return
+        rewards.append((t0, time.monotonic()))
+
+    async def lag_probe() -> None:
+        while True:
+            t = time.monotonic()
+            await anyio.sleep(0.01)
+            now = time.monotonic()
+            lags.append((now, now - t - 0.01))
+
+    async def sampler() -> None:
+        while True:
+            samples.append((time.monotonic(), held[0], time.process_time()))
+            if args.verbose and len(samples) % 50 == 0:
+                print(f"  agents: {held[0]} sessions held, {len(claims)} claims, {len(calls)} "
+                      f"calls, {len(rewards)} rewards, errors {errors}", flush=True)
+            await anyio.sleep(0.1)
+
+    tls = ssl.create_default_context()  # made once: httpx would load the CAs per client
+
+    def client(connections: int) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=connections,
+                              max_keepalive_connections=connections)  # fmt: skip
+        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0), verify=tls)
+
+    async def own_client() -> None:
+        async with client(1) as http:
+            await agent(http)
+
+    async with contextlib.AsyncExitStack() as stack:
+        shared = await stack.enter_async_context(client(n + 16)) if args.shared_client else None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lag_probe)
+            tg.start_soon(sampler)
+            for _ in range(n):
+                tg.start_soon(own_client) if shared is None else tg.start_soon(agent, shared)
+            await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+            tg.cancel_scope.cancel()
+    args.child_out.write_text(json.dumps({"calls": calls, "claims": claims, "rewards": rewards,
+                                          "errors": errors, "samples": samples, "lags": lags}))
+
+
+# --------------------------------------------------------------------------- the figures
+def quantiles(xs: Any, scale: float = 1e3) -> dict[str, float]:
+    """p50, p90, p99, p99.9 and max of ``xs`` (seconds), in milliseconds."""
+    a = np.asarray(xs, float) * scale
+    if not a.size:
+        return {}
+    q = np.quantile(a, [0.5, 0.9, 0.99, 0.999])
+    return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "p99_9": float(q[3]),
+            "max": float(a.max()), "mean": float(a.mean())}  # fmt: skip
+
+
+def summarize(raw: dict[str, Any], lags: list[tuple[float, float]],
+              load: list[tuple[float, int, int]], window: dict[str, float],
+              sessions: int) -> dict[str, Any]:  # fmt: skip
+    """The window's figures (calls that began and ended in it)."""
+    start, end = window["start"], window["end"]
+    span = end - start
+    inside = lambda rows: [r for r in rows if start <= r[0] and r[1] <= end]  # noqa: E731
+    calls = np.array(inside(raw["calls"]), float).reshape(-1, 4)
+    latency = calls[:, 1] - calls[:, 0]
+    generate, total = calls[:, 2], calls[:, 3]
+    at = lambda rows: [r for r in rows if start <= r[0] <= end]  # noqa: E731
+    held = [h for _, h, _ in at(raw["samples"])]
+    cpu = [(t, c) for t, _, c in at(raw["samples"])]
+    inflight = [i for _, _, i in at(load)]
+    steps = [s for _, s, _ in at(load)]
+    agent_lag = [lag for _, lag in at(raw["lags"])]
+    loop_lag = [lag for _, lag in at(lags)]
+    return {
+        "sessions": sessions,
+        "window_s": span,
+        "steps": [min(steps), max(steps)] if steps else [],
+        "calls": len(calls),
+        "calls_per_s": len(calls) / span,
+        "sessions_ended_per_s": len(at(raw["rewards"])) / span,
+        "sessions_held_mean": float(np.mean(held)) if held else 0.0,
+        "sessions_held_p10": float(np.quantile(held, 0.1)) if held else 0.0,
+        "sessions_held_max": int(max(held, default=0)),
+        "inflight_samples_mean": float(np.mean(inflight)) if inflight else 0.0,
+        "client_overhead_ms": quantiles(latency - generate),
+        "server_overhead_ms": quantiles(total - generate),
+        "client_latency_ms": quantiles(latency),
+        "generate_ms": quantiles(generate),
+        "outside_handler_ms": quantiles(latency - total),
+        "loop_lag_ms": quantiles(loop_lag),
+        "loop_lag_samples": len(loop_lag),
+        "loop_busy": (window["cpu1"] - window["cpu0"]) / span,
+        "agents_loop_lag_ms": quantiles(agent_lag),
+        "agents_cpu": (cpu[-1][1] - cpu[0][1]) / (cpu[-1][0] - cpu[0][0]) if len(cpu) > 1 else None,
+        "claim_ms": quantiles([b - a for a, b in inside(raw["claims"])]),
+        "reward_ms": quantiles([b - a for a, b in inside(raw["rewards"])]),
+        "errors": raw["errors"],
+    }
+
+
+def fmt(q: dict[str, float]) -> str:
+    if not q:
+        return "(none)"
+    return f"p50 {q['p50']:.2f}, p99 {q['p99']:.2f}, max {q['max']:.1f} ms"
+
+
+def report(results: dict[str, Any]) -> None:
+    for r in results["settings"]:
+        print(
+            f"\n{r['sessions']} concurrent session(s) (held: mean {r['sessions_held_mean']:.0f}, "
+            f"p10 {r['sessions_held_p10']:.0f}, max {r['sessions_held_max']}; controller "
+            f"in flight {r['inflight_samples_mean']:.0f}), steps {r['steps']}, "
+            f"{r['window_s']:.0f} s window\n"
+            f"  calls: {r['calls']} ({r['calls_per_s']:.1f}/s; sessions ended "
+            f"{r['sessions_ended_per_s']:.1f}/s)\n"
+            f"  client overhead (latency - generate): {fmt(r['client_overhead_ms'])}\n"
+            f"  server overhead (total - generate):   {fmt(r['server_overhead_ms'])}\n"
+            f"  outside the handler (latency - total): {fmt(r['outside_handler_ms'])}\n"
+            f"  client latency: {fmt(r['client_latency_ms'])}; generate: {fmt(r['generate_ms'])}\n"
+            f"  controller loop lag: {fmt(r['loop_lag_ms'])} ({r['loop_lag_samples']} samples), "
+            f"loop thread {100 * r['loop_busy']:.0f}% busy\n"
+            f"  agents' loop lag: {fmt(r['agents_loop_lag_ms'])}, agents' process "
+            f"{100 * (r['agents_cpu'] or 0):.0f}% of a CPU\n"
+            f"  claim: {fmt(r['claim_ms'])}; reward: {fmt(r['reward_ms'])}\n"
+            f"  non-200 answers: {r['errors'] or 'none'}"
+        )  # fmt: skip
+
+
+def measure(args: argparse.Namespace, sessions: int) -> dict[str, Any]:
+    """One setting in a fresh interpreter (the controller's), which starts the agents'."""
+    with tempfile.TemporaryDirectory(prefix="asyncrl-gateway-") as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "controller",
+               "--child-sessions", str(sessions), "--child-out", str(out)]  # fmt: skip
+        cmd += ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client
+        for flag in ("prompts", "samples", "ranks", "turn_tokens", "token_delay",
+                     "warmup_steps", "seconds", "single_seconds", "warmup_timeout"):  # fmt: skip
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        t = time.monotonic()
+        subprocess.run(cmd, check=True)
+        result = json.loads(out.read_text())
+    result["run_s"] = time.monotonic() - t
+    print(f"{sessions}:", json.dumps(result), flush=True)
+    return result
+
+
+def main(args: argparse.Namespace) -> None:
+    results: dict[str, Any] = {
+        "workload": {
+            "environment": "repeat-digit (prompts only; the agents post reward 1.0)",
+            "calls_per_session": CALLS,
+            "prompts_per_step": args.prompts,
+            "samples_per_prompt": args.samples,
+            "single_session_run": "1 prompt x 4 samples a step",
+            "rollout_ranks": args.ranks,
+            "turn_tokens_max": args.turn_tokens,
+            "token_delay_s": args.token_delay,
+            "warmup_steps": args.warmup_steps,
+            "seconds": args.seconds,
+            "single_seconds": args.single_seconds,
+            "max_concurrent_requests": MAX_CONCURRENT_REQUESTS,
+            "client": "one httpx.AsyncClient for all agents, a pool of as many connections"
+            if args.shared_client else "httpx.AsyncClient per agent, one connection each",
+            "quick": args.quick,
+            "machine": args.machine or "",
+            "cpus": os.cpu_count(),
+        },
+        "settings": [],
+    }
+    print("workload:", json.dumps(results["workload"]), flush=True)
+    for n in args.sessions:
+        results["settings"].append(measure(args, n))
+    report(results)
+    if args.out is not None:
+        out = args.out
+    elif args.machine:
+        out = ROOT / "benchmarks" / "results" / f"gateway-{args.machine}.json"
+    else:
+        out = ROOT / "runs" / "benchmarks" / "gateway.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 1000],
+                        help="the settings: concurrent sessions (agents)")
+    parser.add_argument("--prompts", type=int, default=64, help="groups a step (1,000 setting)")
+    parser.add_argument("--samples", type=int, default=16, help="episodes a group")
+    parser.add_argument("--ranks", type=int, default=2, help="rollout ranks")
+    parser.add_argument("--turn-tokens", type=int, default=8,
+                        help="at most this many tokens a call")
+    parser.add_argument("--token-delay", type=float, default=0.1,
+                        help="engine seconds a token (~0.8 s a call by default)")
+    parser.add_argument("--warmup-steps", type=int, default=2,
+                        help="steps before the window (the 1-session setting: 1)")
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="the window at many sessions")
+    parser.add_argument("--single-seconds", type=float, default=90.0,
+                        help="the window at 1 session (~1.2 calls/s: ~110 calls)")
+    parser.add_argument("--warmup-timeout", type=float, default=300.0,
+                        help="give up when the warm-up takes longer")
+    parser.add_argument("--quick", action="store_true",
+                        help="a look: warm-up 1 step, 20 s windows")
+    parser.add_argument("--shared-client", action="store_true",
+                        help="all agents on one httpx.AsyncClient with a pool of as many "
+                        "connections (slow in httpcore's pool at 1,000: see the docstring)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="progress every 5 s (the agents' counts, the run's step)")
+    parser.add_argument("--machine", default="", help="names the results file, e.g. 2core")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--child-sessions", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gateway-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    parsed = parser.parse_args()
+    if parsed.quick:
+        parsed.warmup_steps, parsed.seconds, parsed.single_seconds = 1, 20.0, 20.0
+    if parsed.child == "controller":
+        anyio.run(controller_child, parsed)
+    elif parsed.child == "agents":
+        anyio.run(agents_child, parsed)
+    else:
+        main(parsed)
