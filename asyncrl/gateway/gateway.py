@@ -336,16 +336,20 @@ class Gateway:
         choices, kept = [], []
         for c in candidates:
             version = c.version if version < 0 else min(version, c.version)
-            c, text = self._cut(episode, c, stops)
+            if len(candidates) == 1 and not stops:  # kept as it is: its text comes with it
+                text = episode.keep(c).text
+            else:
+                c, text = self._cut(episode, c, stops)
             kept.append(c)
             versions = (np.full(c.token_ids.size, c.version, np.int32) if c.versions is None
                         else np.asarray(c.versions))  # fmt: skip
             choices.append(Choice(reply(text, c.finish_reason), np.asarray(c.token_ids),
                                   np.asarray(c.logprobs), versions))  # fmt: skip
         if len(kept) == 1:
-            episode.keep(kept[0])
-            convo.awaiting = True
             last = kept[0]
+            if stops:
+                episode.keep(last)
+            convo.awaiting = True
             ended = last.finish_reason == "stop" and last is candidates[0] and last.token_ids.size
             convo.end_text = self._tok.decode_verbatim(last.token_ids[-1:]) if ended else ""
         else:

@@ -28,6 +28,7 @@ logged.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
 import socket
@@ -60,7 +61,7 @@ from asyncrl.gateway.schema import (
     error_body,
     now_s,
 )
-from asyncrl.gateway.sessions import Call, Finish, Session, make_key, same_key
+from asyncrl.gateway.sessions import Call, Finish, Session, digest, make_key
 
 __all__ = ["GatewayServer"]
 
@@ -136,6 +137,7 @@ class GatewayServer:
         self._sessions = gateway.sessions
         self._dir = Path(output_dir)
         self.admin_key = make_key()
+        self._admin_digest = digest(self.admin_key)
         self.url = ""
         self._limit: _Limit | None = None
 
@@ -187,7 +189,7 @@ class GatewayServer:
         server = _Server(uvicorn.Config(
             self.app(), lifespan="off", log_config=None, access_log=False, server_header=False,
             timeout_graceful_shutdown=GRACE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-            backlog=4096, timeout_keep_alive=30,
+            backlog=4096, timeout_keep_alive=30, proxy_headers=False,
         ))  # fmt: skip
         done = anyio.Event()
 
@@ -249,7 +251,7 @@ class GatewayServer:
 
     def _admin(self, request: Request) -> None:
         key = self._key(request)
-        if same_key(key, self.admin_key):
+        if hmac.compare_digest(digest(key), self._admin_digest):
             return
         if self._sessions.is_session_key(key):
             raise GatewayError(403, "a session key reaches its own session only: this route "
@@ -258,12 +260,13 @@ class GatewayServer:
                            code="invalid_api_key")  # fmt: skip
 
     def _session(self, request: Request) -> Session:
-        key = self._key(request)
-        if not (self._sessions.knows_key(key) or same_key(key, self.admin_key)):
+        given = digest(self._key(request))
+        admin = hmac.compare_digest(given, self._admin_digest)
+        if not (admin or self._sessions.knows_digest(given)):
             raise GatewayError(401, "invalid API key", kind="authentication_error",
                                code="invalid_api_key")  # fmt: skip
         session = self._sessions.get(request.path_params["sid"])
-        if not same_key(key, session.key):
+        if not hmac.compare_digest(given, session.key_digest):
             raise GatewayError(403, f"this key does not reach session {session.id} (use the "
                                "session's own key)", kind="permission_error")  # fmt: skip
         return session

@@ -24,7 +24,6 @@ key, which reaches that session only. Keys are compared in constant time
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,7 +35,7 @@ import anyio
 from asyncrl.environment import Prompt
 from asyncrl.gateway.schema import GatewayError
 
-__all__ = ["Call", "Finish", "Session", "SessionTable", "make_key"]
+__all__ = ["Call", "Finish", "Session", "SessionTable", "digest", "make_key"]
 
 TOMBSTONES = 8192
 """Ended sessions remembered (their ids answer 410 rather than 404)."""
@@ -51,9 +50,9 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-def same_key(given: str, expected: str) -> bool:
-    """Constant-time comparison of two keys."""
-    return hmac.compare_digest(_digest(given), _digest(expected))
+def digest(key: str) -> bytes:
+    """A key's SHA-256: what keys are looked up and compared by."""
+    return _digest(key)
 
 
 @dataclass
@@ -114,6 +113,7 @@ class Session:
         """The episode's id (``<group>/<index>``: the run's logs and timeline name it)."""
         self.group = episode.rpartition("/")[0]
         self.key = make_key()
+        self.key_digest = _digest(self.key)
         self.prompt, self.evaluation = prompt, evaluation
         self.created = now
         self.claimed_at: float | None = None
@@ -323,7 +323,6 @@ class SessionTable:
         """Whether ``key`` is some live session's key."""
         return _digest(key) in self._by_key
 
-    def knows_key(self, key: str) -> bool:
-        """Whether ``key`` is a live session's key or a recently ended one's."""
-        digest = _digest(key)
-        return digest in self._by_key or digest in self._ended_keys
+    def knows_digest(self, key_digest: bytes) -> bool:
+        """Whether a key with this SHA-256 is a live session's or a recently ended one's."""
+        return key_digest in self._by_key or key_digest in self._ended_keys

@@ -148,7 +148,7 @@ async def test_the_lobby_hands_out_sessions_in_order_or_by_prompt() -> None:
     # keys: a live one is known; an ended one is remembered (410 for it, not 401)
     assert table.is_session_key(a.key) and not table.is_session_key("sk-arl-nope")
     table.close(a, "it was scored")
-    assert not table.is_session_key(a.key) and table.knows_key(a.key)
+    assert not table.is_session_key(a.key) and table.knows_digest(a.key_digest)
     with pytest.raises(GatewayError) as e:
         table.get(a.id)
     assert e.value.status == 410 and "it was scored" in str(e.value)
