@@ -54,7 +54,7 @@ from asyncrl.gateway.replies import CallResult, Choice
 from asyncrl.gateway.schema import ChatRequest, CompletionRequest, GatewayError, now_s
 from asyncrl.gateway.sessions import Call, Finish, Session, SessionTable
 
-__all__ = ["Gateway", "SessionFailed"]
+__all__ = ["Gateway", "SessionFailed", "check_gateway"]
 
 log = structlog.get_logger("asyncrl.gateway")
 
@@ -417,6 +417,36 @@ class Gateway:
         if text is None:
             text = self._token_text[token] = self._tok.decode_verbatim([token])
         return text
+
+
+def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCallParser:
+    """What ``[gateway]`` needs of the rest of the run, checked before anything starts; the
+    run's tool-call parser.
+
+    Raises:
+        ConfigError: no chat template; a managed agent with an environment that has no
+            ``score``, or an agent command that is not found.
+        PluginError: ``episode.tool_parser`` names no installed parser.
+    """
+    import shutil
+
+    from asyncrl.env.tool_parsers import load_tool_parser
+    from asyncrl.errors import config_error
+
+    gw = config.gateway
+    if tokenizer.chat_template is None:
+        raise config_error("model.chat_template", "the gateway records sessions with the "
+                           "model's chat template and the model directory has none",
+                           "save one with the tokenizer, or set model.chat_template")  # fmt: skip
+    if gw.agent and not callable(getattr(environment, "score", None)):
+        raise config_error("gateway.agent", f"environment {config.environment.name!r} has no "
+                           "score(prompt, completion) to score a managed agent's answer",
+                           "give the environment a score method, or run the agents yourself "
+                           "and post rewards (leave gateway.agent empty)")  # fmt: skip
+    if gw.agent and shutil.which(gw.agent[0]) is None:
+        raise config_error("gateway.agent", f"the command {gw.agent[0]!r} is not found",
+                           "give a program on PATH or a path to one")  # fmt: skip
+    return load_tool_parser(config.episode.tool_parser, "episode.tool_parser")
 
 
 def _prefix(c: Generated, k: int, finish_reason: str | None = None) -> Generated:

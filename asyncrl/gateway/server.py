@@ -50,7 +50,7 @@ from starlette.routing import Route
 
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.gateway import replies
-from asyncrl.gateway.gateway import Gateway
+from asyncrl.gateway.gateway import Gateway, check_gateway
 from asyncrl.gateway.schema import (
     ChatRequest,
     CompletionRequest,
@@ -433,30 +433,17 @@ def build_gateway(
     ``[episode].tool_parser`` and ``failures.reward_timeout_s``.
 
     Raises:
-        ConfigError: a managed agent and an environment without ``score``, or an agent
-            command that is not found.
-        PluginError: ``episode.tool_parser`` names no installed parser.
+        ConfigError, PluginError: as :func:`~asyncrl.gateway.gateway.check_gateway` (the
+            controller's preflight runs it before anything starts).
     """
-    import shutil
-
-    from asyncrl.env.tool_parsers import load_tool_parser
-    from asyncrl.errors import config_error
     from asyncrl.gateway.agents import ManagedAgents
 
     gw = config.gateway
-    parser = load_tool_parser(config.episode.tool_parser, "episode.tool_parser")
+    parser = check_gateway(config, environment, tokenizer)
     name = gw.model_name or Path(config.model.path).name
     server: GatewayServer | None = None
     agents = None
     if gw.agent:
-        if not callable(getattr(environment, "score", None)):
-            raise config_error("gateway.agent", f"environment {config.environment.name!r} has no "
-                               "score(prompt, completion) to score a managed agent's answer",
-                               "give the environment a score method, or run the agents "
-                               "yourself and post rewards (leave gateway.agent empty)")  # fmt: skip
-        if shutil.which(gw.agent[0]) is None:
-            raise config_error("gateway.agent", f"the command {gw.agent[0]!r} is not found",
-                               "give a program on PATH or a path to one")  # fmt: skip
         log_dir = os.path.join(config.run.output_dir, "logs", "agents")
         agents = ManagedAgents(gw.agent, gw.agent_env, log_dir, gw.keep_agent_logs,
                                base_url=lambda: server.url if server is not None else "")  # fmt: skip

@@ -51,6 +51,10 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
         _eos_token_id(cfg.model.path),
         ChatTemplate.from_model(cfg.model.path, cfg.model.chat_template),
     )
+    if cfg.gateway.enabled:
+        from asyncrl.gateway.gateway import check_gateway
+
+        check_gateway(cfg, environment, tokenizer)
     longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
     for section, plugin in (("trainer", trainer), ("generator", generator)):
         if plugin.check_config is not None:

@@ -228,3 +228,34 @@ def test_the_shim_kills_the_agent_group_when_its_owner_is_killed(tmp_path: objec
     finally:
         owner.kill()
         owner.wait()
+
+
+# ------------------------------------------------------------------------------ preflight
+def test_the_gateway_is_checked_before_anything_starts() -> None:
+    """A managed agent needs a command that exists and an environment that scores; every
+    session needs a chat template; the tool parser must be installed. Each mistake is one
+    ConfigError (or PluginError) naming its field."""
+    from types import SimpleNamespace
+
+    from asyncrl.config.gateway import GatewayConfig
+    from asyncrl.errors import ConfigError, PluginError
+    from asyncrl.gateway.gateway import check_gateway
+
+    class Scores:
+        def score(self, prompt: Prompt, completion: str) -> None: ...
+
+    def config(agent: list[str], parser: str = "hermes") -> SimpleNamespace:
+        return SimpleNamespace(gateway=GatewayConfig(enabled=True, agent=agent),
+                               environment=SimpleNamespace(name="env"),
+                               episode=SimpleNamespace(tool_parser=parser))  # fmt: skip
+
+    templated = SimpleNamespace(chat_template=object())
+    assert check_gateway(config([sys.executable]), Scores(), templated) is HERMES
+    with pytest.raises(ConfigError, match="model.chat_template"):
+        check_gateway(config([]), Scores(), SimpleNamespace(chat_template=None))
+    with pytest.raises(ConfigError, match="gateway.agent.*no score"):
+        check_gateway(config([sys.executable]), object(), templated)
+    with pytest.raises(ConfigError, match="gateway.agent.*not found"):
+        check_gateway(config(["no-such-agent-program"]), Scores(), templated)
+    with pytest.raises(PluginError, match="episode.tool_parser"):
+        check_gateway(config([], parser="no-such-parser"), Scores(), templated)
