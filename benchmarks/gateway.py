@@ -146,12 +146,6 @@ async def controller_child(args: argparse.Namespace) -> None:
     window: dict[str, float] = {}
     ctl: Any = None
 
-    async def lag_probe() -> None:
-        while True:
-            t = time.monotonic()
-            await anyio.sleep(0.01)
-            now = time.monotonic()
-            lags.append((now, now - t - 0.01))
 
     async def load_probe() -> None:
         while True:
@@ -198,7 +192,7 @@ async def controller_child(args: argparse.Namespace) -> None:
             stdin=subprocess.PIPE)  # fmt: skip
         try:
             async with anyio.create_task_group() as probes:
-                probes.start_soon(lag_probe)
+                probes.start_soon(lag_probe, lags)
                 probes.start_soon(load_probe)
                 async with asyncrl.Controller(from_dict(data)) as ctl:
                     async with anyio.create_task_group() as tg:
@@ -215,6 +209,15 @@ async def controller_child(args: argparse.Namespace) -> None:
         raw = json.loads(agents_out.read_text())
     out = summarize(raw, lags, load, window, sessions)
     args.child_out.write_text(json.dumps(out))
+
+
+async def lag_probe(lags: list[tuple[float, float]]) -> None:
+    """How late a 10 ms sleep wakes on this loop, forever: ``(when, lateness)`` into ``lags``."""
+    while True:
+        t = time.monotonic()
+        await anyio.sleep(0.01)
+        now = time.monotonic()
+        lags.append((now, now - t - 0.01))
 
 
 # --------------------------------------------------------------------------- the agents
@@ -297,12 +300,6 @@ async def agents_child(args: argparse.Namespace) -> None:
             return
         rewards.append((t0, time.monotonic()))
 
-    async def lag_probe() -> None:
-        while True:
-            t = time.monotonic()
-            await anyio.sleep(0.01)
-            now = time.monotonic()
-            lags.append((now, now - t - 0.01))
 
     async def sampler() -> None:
         while True:
@@ -326,7 +323,7 @@ async def agents_child(args: argparse.Namespace) -> None:
     async with contextlib.AsyncExitStack() as stack:
         shared = await stack.enter_async_context(client(n + 16)) if args.shared_client else None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lag_probe)
+            tg.start_soon(lag_probe, lags)
             tg.start_soon(sampler)
             for _ in range(n):
                 tg.start_soon(own_client) if shared is None else tg.start_soon(agent, shared)
