@@ -70,6 +70,13 @@ class Prompt:
                     "'role' and a 'content'"
                 )
 
+    def chat(self) -> list[dict[str, Any]]:
+        """The prompt as chat messages: its ``messages``, or its ``text`` as one user
+        message (copies)."""
+        if self.messages is None:
+            return [{"role": "user", "content": self.text}]
+        return [dict(m) for m in self.messages]
+
     @property
     def display(self) -> str:
         """The prompt as one line of text for logs and completion tables (the last message

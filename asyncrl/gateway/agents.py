@@ -64,8 +64,6 @@ class ManagedAgents:
         self._command, self._env = list(command), dict(env)
         self._log_dir, self._keep = Path(log_dir), keep_logs
         self._base_url = base_url
-        self.started = 0
-        self.failed = 0
 
     async def run(
         self, session: Session, table: SessionTable, *,
@@ -88,7 +86,6 @@ class ManagedAgents:
                 [sys.executable, agent_shim.__file__, *self._command], stdin=subprocess.PIPE,
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
-        self.started += 1
         task_status.started()
         code: int | None = None
         try:
@@ -114,7 +111,6 @@ class ManagedAgents:
             if not self._keep:
                 path.unlink(missing_ok=True)
         else:
-            self.failed += 1
             finish = Finish(abandon=f"{failure} (its output: {path})")
             log.warning("agent_failed", session=session.id, why=failure, log=str(path),
                         tail=_tail(path))  # fmt: skip
@@ -125,9 +121,8 @@ class ManagedAgents:
 
     async def _hand_prompt(self, process: anyio.abc.Process, session: Session) -> None:
         prompt = session.prompt
-        messages = list(prompt.messages or [{"role": "user", "content": prompt.text}])
         data = msgspec.json.encode({"session_id": session.id, "prompt_id": prompt.id,
-                                    "messages": messages, "evaluation": session.evaluation})  # fmt: skip
+                                    "messages": prompt.chat(), "evaluation": session.evaluation})  # fmt: skip
         assert process.stdin is not None
         with anyio.move_on_after(STDIN_S):
             try:

@@ -25,7 +25,7 @@ import dataclasses
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,11 +40,9 @@ from asyncrl.env.episode import Episode, EpisodeLimit, Generated
 from asyncrl.env.tool_parsers import ToolCallParser
 from asyncrl.env.trajectory import TrajectoryError
 from asyncrl.environment import Prompt, Score
-from asyncrl.gateway import replies
 from asyncrl.gateway.conversation import (
     ChatLog,
     Continue,
-    Reply,
     cut_at_stop,
     reply_of,
     template_message,
@@ -72,8 +70,6 @@ class _Conversation:
     chat: ChatLog = field(default_factory=ChatLog)
     pending: list[Generated] = field(default_factory=list)
     """The candidates of a call with ``n`` > 1, until the next call shows which goes on."""
-    pending_texts: list[str] = field(default_factory=list)
-    """A completion call's candidates' texts (to match the next prompt against)."""
     awaiting: bool = False
     """A reply was recorded and nothing after it yet."""
     broken: bool = False
@@ -83,7 +79,6 @@ class _Conversation:
     a completion prompt may go on without it)."""
     answer: str = ""
     """The last reply's text (what ``score`` reads when the session ends without a reward)."""
-    tool_calls: int = 0
 
 
 class Gateway:
@@ -96,7 +91,6 @@ class Gateway:
         tokenizer: the model's tokenizer (token texts for ``logprobs``, completion prompts).
         parser: the run's tool-call parser (``episode.tool_parser``).
         model_name: the name responses give.
-        now: the run's clock.
         score_timeout_s: ``failures.reward_timeout_s``.
         agents: runs a managed agent for a session (``None``: agents call in themselves).
     """
@@ -109,16 +103,15 @@ class Gateway:
         tokenizer: Tokenizer,
         parser: ToolCallParser,
         model_name: str,
-        now: Callable[[], float],
         score_timeout_s: float,
         agents: Any = None,
     ) -> None:
         self.config = config
         self._env, self._tok, self._parser = environment, tokenizer, parser
         self.model_name = model_name
-        self._now, self._score_timeout_s = now, score_timeout_s
+        self._score_timeout_s = score_timeout_s
         self._agents = agents
-        self.sessions = SessionTable(now)
+        self.sessions = SessionTable()
         self._token_text: dict[int, str] = {}
         self.stats: dict[str, int] = {"calls": 0, "restarts": 0, "sessions": 0}
         """Since the run started: calls served, segments restarted (an agent rewrote its
@@ -132,7 +125,7 @@ class Gateway:
     @property
     def scores(self) -> bool:
         """Whether the environment can score a session's last answer."""
-        return callable(getattr(self._env, "score", None))
+        return _scores(self._env)
 
     async def run_episode(self, prompt: Prompt, episode: Episode) -> Score:
         """One session: handed to an agent, its calls served, ended by its reward (or scored
@@ -254,10 +247,9 @@ class Gateway:
                 episode.add_messages(*[template_message(m) for m in plan.new])
                 convo.chat.observed(plan.new)
                 convo.awaiting = False
-        parser = self._parser if req.parses_tools else None
-        result = await self._generate(episode, convo, req, lambda text, why: reply_of(text, why, parser))
+        result = await self._generate(episode, convo, req,
+                                      self._parser if req.parses_tools else None)  # fmt: skip
         convo.chat.replied([c.reply for c in result.choices])
-        convo.tool_calls += sum(len(c.reply.tool_calls) for c in result.choices[:1])
         return result
 
     async def _complete(
@@ -271,10 +263,7 @@ class Gateway:
                 self.stats["restarts"] += 1
             episode.restart_text(prompt)
             convo.pending, convo.broken, convo.awaiting = [], False, False
-        result = await self._generate(episode, convo, req,
-                                      lambda text, why: Reply(text, (), "length" if why == "length" else "stop"))  # fmt: skip
-        convo.pending_texts = [c.reply.content or "" for c in result.choices]
-        return result
+        return await self._generate(episode, convo, req, None)
 
     def _goes_on(self, episode: Episode, convo: _Conversation, prompt: str | list[int]) -> bool:
         """Whether a completion ``prompt`` continues what is recorded (after keeping the
@@ -321,53 +310,56 @@ class Gateway:
 
     async def _generate(
         self, episode: Episode, convo: _Conversation, req: ChatRequest | CompletionRequest,
-        reply: Callable[[str, str], Reply],
+        parser: ToolCallParser | None,
     ) -> CallResult:
         """Sample the call's ``n`` candidates, cut each at a stop sequence, and keep the
-        one (``n`` = 1) or hold them until the next call."""
+        one (``n`` = 1) or hold them until the next call; ``parser`` reads the replies' tool
+        calls (``None``: text only)."""
         limit = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
         prompt_ids = episode.prompt_ids if req.return_token_ids else []
         prompt_tokens = episode.context_tokens
-        version = -1
         started = time.perf_counter()
         candidates = await episode.sample(req.n, max_tokens=limit)
         generate_s = time.perf_counter() - started
         stops = req.stops()
         choices, kept = [], []
         for c in candidates:
-            version = c.version if version < 0 else min(version, c.version)
-            if len(candidates) == 1 and not stops:  # kept as it is: its text comes with it
-                text = episode.keep(c).text
-            else:
-                c, text = self._cut(episode, c, stops)
+            found = self._stop(episode, c, stops)
+            if found is not None:
+                c = _prefix(c, found[0], "stop")
+            text = found[1] if found is not None else None
+            if len(candidates) == 1:  # recorded at once (keep() decodes its text)
+                kept_text = episode.keep(c).text
+                convo.end_text = "" if found is not None else self._end_text(c)
+                text = kept_text if text is None else text
+            elif text is None:
+                text = episode.preview(c)
             kept.append(c)
             versions = (np.full(c.token_ids.size, c.version, np.int32) if c.versions is None
                         else np.asarray(c.versions))  # fmt: skip
-            choices.append(Choice(reply(text, c.finish_reason), np.asarray(c.token_ids),
-                                  np.asarray(c.logprobs), versions))  # fmt: skip
+            choices.append(Choice(reply_of(text, c.finish_reason, parser),
+                                  np.asarray(c.token_ids), np.asarray(c.logprobs), versions))  # fmt: skip
         if len(kept) == 1:
-            last = kept[0]
-            if stops:
-                episode.keep(last)
             convo.awaiting = True
-            ended = last.finish_reason == "stop" and last is candidates[0] and last.token_ids.size
-            convo.end_text = self._tok.decode_verbatim(last.token_ids[-1:]) if ended else ""
         else:
             convo.pending = kept
         convo.answer = choices[0].reply.content or ""
         return CallResult(f"{'chatcmpl' if isinstance(req, ChatRequest) else 'cmpl'}-"
                           f"{secrets.token_hex(12)}", now_s(), self.model_name, choices,
-                          prompt_tokens, version, prompt_ids, generate_s)  # fmt: skip
+                          prompt_tokens, min(c.version for c in candidates), prompt_ids,
+                          generate_s)  # fmt: skip
 
-    def _cut(self, episode: Episode, c: Generated, stops: list[str]) -> tuple[Generated, str]:
-        """``c`` cut after the first stop sequence (the tokens that spell it kept), and its
-        text without it."""
+    def _stop(self, episode: Episode, c: Generated, stops: list[str]) -> tuple[int, str] | None:
+        """Where the first stop sequence ends ``c``: the tokens to keep (those that spell
+        it), and the text before it; ``None`` when none occurs."""
         n = int(np.asarray(c.token_ids).size)
-        found = cut_at_stop(lambda k: episode.preview(_prefix(c, k)), n, stops)
-        if found is None:
-            return c, episode.preview(c)
-        k, text = found
-        return _prefix(c, k, "stop"), text
+        return cut_at_stop(lambda k: episode.preview(_prefix(c, k)), n, stops)
+
+    def _end_text(self, c: Generated) -> str:
+        """The text of the end token ``c`` ended with (``""``: cut at its token limit)."""
+        if c.finish_reason != "stop" or not c.token_ids.size:
+            return ""
+        return self._tok.decode_verbatim(c.token_ids[-1:])
 
     def _use(self, convo: _Conversation, api: Literal["chat", "completion"]) -> None:
         if convo.api is None:
@@ -438,7 +430,7 @@ def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCa
         raise config_error("model.chat_template", "the gateway records sessions with the "
                            "model's chat template and the model directory has none",
                            "save one with the tokenizer, or set model.chat_template")  # fmt: skip
-    if gw.agent and not callable(getattr(environment, "score", None)):
+    if gw.agent and not _scores(environment):
         raise config_error("gateway.agent", f"environment {config.environment.name!r} has no "
                            "score(prompt, completion) to score a managed agent's answer",
                            "give the environment a score method, or run the agents yourself "
@@ -447,6 +439,11 @@ def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCa
         raise config_error("gateway.agent", f"the command {gw.agent[0]!r} is not found",
                            "give a program on PATH or a path to one")  # fmt: skip
     return load_tool_parser(config.episode.tool_parser, "episode.tool_parser")
+
+
+def _scores(environment: Any) -> bool:
+    """Whether ``environment`` has a ``score(prompt, completion)``."""
+    return callable(getattr(environment, "score", None))
 
 
 def _prefix(c: Generated, k: int, finish_reason: str | None = None) -> Generated:

@@ -294,11 +294,10 @@ class GatewayServer:
         req = decode(body, SessionRequest) if body.strip() else SessionRequest()
         session = await self._sessions.claim(req.prompt_id, req.wait_s)
         prompt = session.prompt
-        messages = list(prompt.messages or [{"role": "user", "content": prompt.text}])
         return _json(msgspec.json.encode({
             "session_id": session.id, "api_key": session.key,
             "base_url": f"{self.url}/s/{session.id}/v1", "model": self._gw.model_name,
-            "prompt": {"id": prompt.id, "messages": messages}, "group": session.group,
+            "prompt": {"id": prompt.id, "messages": prompt.chat()}, "group": session.group,
             "episode": session.episode, "evaluation": session.evaluation,
             "session_timeout_s": self._cfg.session_timeout_s,
             "idle_timeout_s": self._cfg.idle_timeout_s,
@@ -427,7 +426,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def build_gateway(
-    config: Any, environment: Any, *, tokenizer: Any, now: Any
+    config: Any, environment: Any, *, tokenizer: Any
 ) -> tuple[Gateway, GatewayServer]:
     """The run's gateway around ``environment`` and its server, from ``[gateway]``,
     ``[episode].tool_parser`` and ``failures.reward_timeout_s``.
@@ -448,6 +447,6 @@ def build_gateway(
         agents = ManagedAgents(gw.agent, gw.agent_env, log_dir, gw.keep_agent_logs,
                                base_url=lambda: server.url if server is not None else "")  # fmt: skip
     gateway = Gateway(gw, environment, tokenizer=tokenizer, parser=parser, model_name=name,
-                      now=now, score_timeout_s=config.failures.reward_timeout_s, agents=agents)  # fmt: skip
+                      score_timeout_s=config.failures.reward_timeout_s, agents=agents)  # fmt: skip
     server = GatewayServer(gateway, gw, config.run.output_dir)
     return gateway, server

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,9 +104,7 @@ class Finish:
 class Session:
     """One episode's session (see the module docstring). Built by :class:`SessionTable`."""
 
-    def __init__(
-        self, sid: str, prompt: Prompt, episode: str, evaluation: bool, now: float
-    ) -> None:
+    def __init__(self, sid: str, prompt: Prompt, episode: str, evaluation: bool) -> None:
         self.id = sid
         self.episode = episode
         """The episode's id (``<group>/<index>``: the run's logs and timeline name it)."""
@@ -115,9 +112,6 @@ class Session:
         self.key = make_key()
         self.key_digest = _digest(self.key)
         self.prompt, self.evaluation = prompt, evaluation
-        self.created = now
-        self.claimed_at: float | None = None
-        self.calls = 0
         self.answered = 0
         """Calls answered with a reply (a session with none has nothing to train)."""
         self._claimed = anyio.Event()
@@ -166,8 +160,7 @@ class Session:
     def ended(self) -> bool:
         return self._ended
 
-    def claim(self, now: float) -> None:
-        self.claimed_at = now
+    def claim(self) -> None:
         self._claimed.set()
 
     def submit(self, call: Call) -> None:
@@ -183,7 +176,6 @@ class Session:
                                "one conversation, one call at a time (open another session "
                                "for a parallel branch)", code="session_busy")  # fmt: skip
         self._busy = call
-        self.calls += 1
         self._send.send_nowait(call)  # room for one: the busy flag keeps it so
 
     def finish(self, finish: Finish) -> None:
@@ -210,14 +202,9 @@ class Session:
 
 
 class SessionTable:
-    """Every session in the run, the lobby of those waiting for an agent, and the keys.
+    """Every session in the run, the lobby of those waiting for an agent, and the keys."""
 
-    Args:
-        now: the run's clock.
-    """
-
-    def __init__(self, now: Callable[[], float]) -> None:
-        self._now = now
+    def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[bytes, str] = {}
         """SHA-256 of each live session's key → its id."""
@@ -233,10 +220,6 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._lobby)
-
     def counts(self) -> dict[str, int]:
         return {"waiting": len(self._lobby), "active": len(self._sessions) - len(self._lobby)}
 
@@ -246,11 +229,11 @@ class SessionTable:
         managed agent's)."""
         self._count += 1
         sid = f"s{self._count:x}-{secrets.token_hex(4)}"
-        session = Session(sid, prompt, episode, evaluation, self._now())
+        session = Session(sid, prompt, episode, evaluation)
         self._sessions[sid] = session
         self._by_key[_digest(session.key)] = sid
         if claimed:
-            session.claim(self._now())
+            session.claim()
         else:
             self._lobby[sid] = session
             self._arrived.set()
@@ -293,7 +276,7 @@ class SessionTable:
                               if prompt_id is None or s.prompt.id == prompt_id), None)  # fmt: skip
                 if found is not None:
                     del self._lobby[found.id]
-                    found.claim(self._now())
+                    found.claim()
                     return found
                 await self._arrived.wait()
         if self._closed:

@@ -576,8 +576,7 @@ def build_runner(
     ends = end_token_ids(config.model.path) or None
 
     def record(prompt: Prompt) -> Record:
-        messages = prompt.messages or [{"role": "user", "content": prompt.text}]
-        return Trajectory(template, tokenizer, messages, tools=definitions, episode=prompt.id,
+        return Trajectory(template, tokenizer, prompt.chat(), tools=definitions, episode=prompt.id,
                           end_token_ids=ends, on_mismatch=ep.on_template_mismatch)  # fmt: skip
 
     async def send(worker: str, request: Any) -> None:

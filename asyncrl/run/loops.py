@@ -140,8 +140,7 @@ class Pipeline:
         if config.gateway.enabled:
             from asyncrl.gateway.server import build_gateway
 
-            environment, self.gateway = build_gateway(config, environment, tokenizer=tokenizer,
-                                                      now=self.now)  # fmt: skip
+            environment, self.gateway = build_gateway(config, environment, tokenizer=tokenizer)
         self.episodic = isinstance(environment, EpisodeEnvironment)
         """A multi-turn environment: each group is ``n`` episodes (:mod:`asyncrl.run.episodes`)."""
         self.book = RolloutBook(scheduler, self.rollouts, episodes=self.episodic)

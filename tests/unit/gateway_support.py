@@ -138,7 +138,7 @@ class Harness:
         self.env = Env()
         self.limits = limits or Limits(max_turns=12, max_context_tokens=4000, max_turn_tokens=64)
         self.gateway = Gateway(config, self.env, tokenizer=model.tok, parser=HERMES,
-                               model_name="tiny", now=anyio.current_time, score_timeout_s=5.0,
+                               model_name="tiny", score_timeout_s=5.0,
                                agents=agents)  # fmt: skip
         self.server = GatewayServer(self.gateway, config, str(out))
         self.played: list[Played] = []

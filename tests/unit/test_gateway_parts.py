@@ -125,7 +125,7 @@ def test_replies_read_tool_calls_or_return_the_text() -> None:
 # ------------------------------------------------------------------------------ sessions
 @pytest.mark.asyncio
 async def test_the_lobby_hands_out_sessions_in_order_or_by_prompt() -> None:
-    table = SessionTable(lambda: 0.0)
+    table = SessionTable()
     p = [Prompt(id=f"p{i}", text="x") for i in range(3)]
     a = table.open(p[0], "g0/0", evaluation=False, claimed=False)
     b = table.open(p[1], "g1/0", evaluation=False, claimed=False)
@@ -163,7 +163,7 @@ async def test_the_lobby_hands_out_sessions_in_order_or_by_prompt() -> None:
 
 @pytest.mark.asyncio
 async def test_one_call_at_a_time_and_an_end_fails_what_waits() -> None:
-    table = SessionTable(lambda: 0.0)
+    table = SessionTable()
     s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
     first, second = Call("chat", None), Call("chat", None)
     s.submit(first)
