@@ -71,8 +71,8 @@ import numpy as np
 import asyncrl
 import asyncrl.obs.log
 from asyncrl.config import from_dict
+from results_file import write_results  # benchmarks/, beside this script
 
-ROOT = Path(__file__).resolve().parents[1]
 TURNS = 4
 
 
@@ -441,15 +441,7 @@ def main(args: argparse.Namespace) -> None:
         row = measure(args, f"sweep {delay}", args.prompts, token_delay=delay)
         results["sweep"].append({"token_delay_s": delay, **row})
     report(results)
-    if args.out is not None:
-        out = args.out
-    elif args.machine:
-        out = ROOT / "benchmarks" / "results" / f"episodes-{args.machine}.json"
-    else:
-        out = ROOT / "runs" / "benchmarks" / "episodes.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results(results, "episodes", args.out, args.machine)
 
 
 if __name__ == "__main__":

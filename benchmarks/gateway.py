@@ -97,7 +97,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from results_file import write_results  # benchmarks/, beside this script
+
 CALLS = 4
 """Chat calls a session."""
 MAX_CONCURRENT_REQUESTS = 2048
@@ -461,15 +462,7 @@ def main(args: argparse.Namespace) -> None:
     for n in args.sessions:
         results["settings"].append(measure(args, n))
     report(results)
-    if args.out is not None:
-        out = args.out
-    elif args.machine:
-        out = ROOT / "benchmarks" / "results" / f"gateway-{args.machine}.json"
-    else:
-        out = ROOT / "runs" / "benchmarks" / "gateway.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results(results, "gateway", args.out, args.machine)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,7 @@
 # then the full run (sweep included) and two more runs of the main workload for the spread.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
-export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export CUDA_VISIBLE_DEVICES=
-{ nproc; lscpu | grep -E "Model name|^CPU\(s\)"; python3 --version; } | tee "$OUT/host.txt"
+source benchmarks/gpu/cpu_env.sh
 if [ "${AGAIN_ONLY:-}" != 1 ]; then
   python3 benchmarks/episodes.py --sweep 0.2 0.4 --machine 16core --out "$OUT/episodes-16core.json" \
     > "$OUT/episodes.txt" 2>&1 || { tail -30 "$OUT/episodes.txt"; exit 1; }

@@ -8,12 +8,7 @@
 #   bash benchmarks/gpu/run_gateway_cpu.sh      # ~4 min; writes $OUT/gateway-16core.json
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
-export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export CUDA_VISIBLE_DEVICES=
-{ nproc; lscpu | grep -E "Model name|^CPU\(s\)"; python3 --version; } | tee "$OUT/host.txt"
+source benchmarks/gpu/cpu_env.sh
 python3 benchmarks/gateway.py --machine 16core --out "$OUT/gateway-16core.json" ${GATEWAY_ARGS:-} \
   > "$OUT/gateway.txt" 2>&1 || { tail -40 "$OUT/gateway.txt"; exit 1; }
 tail -40 "$OUT/gateway.txt" | cut -c1-400
