@@ -207,7 +207,7 @@ class Gateway:
                     result = await self._chat(episode, convo, call.request)
                 else:
                     result = await self._complete(episode, convo, call.request)
-                call.answer(result)
+                await call.answer(result)
             if scope.cancelled_caught:
                 call.fail(GatewayError(499, "the call was cancelled", code="cancelled"))
         except GatewayError as exc:

@@ -74,7 +74,8 @@ class CallResult:
 
 def headers(result: CallResult, total_s: float) -> dict[str, str]:
     """The weight versions, and ``Server-Timing``: ``generate`` (the engine's part) and
-    ``total`` (from the request's arrival to its answer), in milliseconds."""
+    ``total`` (from the request's arrival to its answer, less any wait for the client to
+    send its body), in milliseconds."""
     lo, hi = result.version_span()
     timing = f"generate;dur={result.generate_s * 1e3:.3f}, total;dur={total_s * 1e3:.3f}"
     return {"x-asyncrl-weight-version": str(result.version),

@@ -28,12 +28,13 @@ logged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncrl.config.gateway import GatewayConfig
@@ -75,6 +76,7 @@ MAX_HEADER_BYTES = 64 * 1024
 """Largest request head (h11)."""
 
 _JSON = "application/json"
+_SSE = "text/event-stream; charset=utf-8"
 
 
 def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -154,8 +156,10 @@ class GatewayServer:
             Route("/rl/sessions/{sid}/reward", self._reward, methods=["POST"]),
             Route("/rl/sessions/{sid}", self._give_back, methods=["DELETE"]),
             Route("/s/{sid}/v1/models", self._session_models, methods=["GET"]),
-            Route("/s/{sid}/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/s/{sid}/v1/completions", self._completion, methods=["POST"]),
+            Route("/s/{sid}/v1/chat/completions", _CallRoute(self, "chat", ChatRequest),
+                  methods=["POST"]),
+            Route("/s/{sid}/v1/completions", _CallRoute(self, "completion", CompletionRequest),
+                  methods=["POST"]),
         ]
 
         async def http_error(request: Request, exc: Exception) -> Response:
@@ -342,46 +346,83 @@ class GatewayServer:
         self._session(request)
         return self._model_list()
 
-    async def _chat(self, request: Request) -> Response:
-        return await self._call(request, "chat", ChatRequest)
-
-    async def _completion(self, request: Request) -> Response:
-        return await self._call(request, "completion", CompletionRequest)
-
-    async def _call(self, request: Request, kind: str, schema: type[Any]) -> Response:
-        arrived = time.perf_counter()
+    async def _call(self, request: Request, send: Any, kind: str, schema: type[Any]) -> None:
+        began = time.perf_counter()
         session = self._session(request)
-        req = decode(await self._body(request), schema)
+        checked = time.perf_counter()
+        body = await self._body(request)
+        # Server-Timing's total leaves out the wait for the body: a client that sends it after
+        # its head (httpx does) makes the handler wait on the client's loop
+        arrived = time.perf_counter() - (checked - began)
+        req = decode(body, schema)
         req.check()
-        call = Call(kind, req)
+        call = Call(kind, req, deliver=functools.partial(self._deliver, send, req, kind, arrived))
         session.submit(call)
         await _answered(call, request)
+        if call.delivered:
+            return
         if call.error is not None:
             raise call.error
-        if call.result is None:  # the client went away first: nobody reads this
+        if call.result is None or call.cancelled:  # the client went away first: nobody reads this
             raise GatewayError(499, "the client closed the connection", code="cancelled")
-        result: replies.CallResult = call.result
-        logprobs = bool(req.logprobs)
-        text = self._gw.token_text
-        head = replies.headers(result, time.perf_counter() - arrived)
-        if not req.stream:
-            make = replies.chat_response if kind == "chat" else replies.completion_response
-            body = make(result, logprobs=logprobs, token_text=text, token_ids=req.return_token_ids)
-            return _json(body, headers=head)
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        if kind == "chat":
-            events = [replies.role_chunk(result.id, result.created, result.model, len(result.choices)),
-                      *replies.chat_chunks(result, logprobs=logprobs, usage=usage, token_text=text)]  # fmt: skip
-        else:
-            events = list(replies.completion_chunks(result, logprobs=logprobs, usage=usage,
-                                                    token_text=text))  # fmt: skip
-        return StreamingResponse(_iterate(events), media_type="text/event-stream",
-                                 headers={**head, "cache-control": "no-cache"})  # fmt: skip
+        raise GatewayError(500, "the reply could not be written (the controller's log says "
+                           "why)", kind="server_error")  # fmt: skip
+
+    async def _deliver(
+        self, send: Any, req: Any, kind: str, arrived: float, result: replies.CallResult
+    ) -> bool:
+        """Write ``result`` as the response to ``req`` (run by the episode's task, see
+        :class:`Call`); ``False`` if it could not be made."""
+        try:
+            head = replies.headers(result, time.perf_counter() - arrived)
+            logprobs, text = bool(req.logprobs), self._gw.token_text
+            if not req.stream:
+                make = replies.chat_response if kind == "chat" else replies.completion_response
+                body = make(result, logprobs=logprobs, token_text=text,
+                            token_ids=req.return_token_ids)  # fmt: skip
+                await _respond(send, head, [body], _JSON)
+                return True
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            if kind == "chat":
+                events = [replies.role_chunk(result.id, result.created, result.model,
+                                             len(result.choices)),
+                          *replies.chat_chunks(result, logprobs=logprobs, usage=usage,
+                                               token_text=text)]  # fmt: skip
+            else:
+                events = list(replies.completion_chunks(result, logprobs=logprobs, usage=usage,
+                                                        token_text=text))  # fmt: skip
+            await _respond(send, {**head, "cache-control": "no-cache"}, events, _SSE)
+            return True
+        except Exception:  # a bug in making the reply: the handler answers 500
+            log.exception("gateway_reply_failed", call=result.id)
+            return False
 
 
-async def _iterate(events: list[bytes]) -> AsyncIterator[bytes]:
-    for event in events:
-        yield event
+class _CallRoute:
+    """The ASGI endpoint of a session's model calls: the answer is written through ``send``
+    by the episode's task (:class:`Call`), so this is not a request → response function."""
+
+    def __init__(self, server: GatewayServer, kind: str, schema: type[Any]) -> None:
+        self._server, self._kind, self._schema = server, kind, schema
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        request = Request(scope, receive, send)
+        await self._server._call(request, send, self._kind, self._schema)
+
+
+async def _respond(send: Any, headers: dict[str, str], chunks: list[bytes], media: str) -> None:
+    """A 200 response of ``chunks``: one body (``Content-Length``) or a stream of them."""
+    head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    head.append((b"content-type", media.encode()))
+    if len(chunks) == 1 and media == _JSON:
+        head.append((b"content-length", str(len(chunks[0])).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": chunks[0]})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": head})
+    for chunk in chunks:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def _answered(call: Call, request: Request) -> None:
@@ -393,7 +434,9 @@ async def _answered(call: Call, request: Request) -> None:
             while True:
                 message = await request.receive()
                 if message["type"] == "http.disconnect":
-                    call.cancel()
+                    # also what receive() says once the answer was written (Call.deliver)
+                    if not call.done.is_set():
+                        call.cancel()
                     tg.cancel_scope.cancel()
                     return
 

@@ -7,7 +7,7 @@ HTTP call and the episode's task (no HTTP here).
     Gateway.run_episode ──open()──► WAITING in the lobby ◄──claim()── POST /rl/sessions (admin)
                         (managed: claimed at once)        ──► ACTIVE: id + key to the agent
          next() ◄── Call ◄──────── Session.submit() ◄──────────── /s/<id>/v1/chat/completions
-         Call.answer()/fail() ─────────────────────────────────► the handler's reply
+         Call.answer() writes the reply (Call.deliver); fail() ──────► the handler's reply
          next() ◄── Finish ◄────── Session.finish() ◄──────────── POST /rl/sessions/<id>/reward
     run_episode returns ──close()──► ENDED (a tombstone: later calls get 410)
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,20 +57,36 @@ def digest(key: str) -> bytes:
 
 @dataclass
 class Call:
-    """One HTTP call of a session, served by its episode's task."""
+    """One HTTP call of a session, served by its episode's task.
+
+    ``deliver`` (set by the HTTP side) writes an answer to the caller: :meth:`answer` awaits
+    it in the episode's task, so the reply leaves as soon as it is made rather than when the
+    handler's task next gets the loop (behind every other call the same engine batch
+    answered); the handler then only returns. Failures are written by the handler.
+    """
 
     kind: str
     """``"chat"`` or ``"completion"``."""
     request: Any
+    deliver: Callable[[Any], Awaitable[bool]] | None = None
+    """Writes a result to the caller; ``True`` once the response is complete."""
     done: anyio.Event = field(default_factory=anyio.Event)
     result: Any = None
     error: GatewayError | None = None
+    delivered: bool = False
+    """The answer was written by :attr:`deliver` (the handler writes nothing more)."""
     _scope: anyio.CancelScope | None = None
     _cancelled: bool = False
 
-    def answer(self, result: Any) -> None:
-        if not self.done.is_set():
-            self.result = result
+    async def answer(self, result: Any) -> None:
+        """Answer with ``result``: written to the caller (:attr:`deliver`), then done."""
+        if self.done.is_set():
+            return
+        self.result = result
+        try:
+            if self.deliver is not None and not self._cancelled:
+                self.delivered = await self.deliver(result)
+        finally:
             self.done.set()
 
     def fail(self, error: GatewayError) -> None:
@@ -81,6 +98,11 @@ class Call:
         """The episode's task starts on it under ``scope``; ``False``: its caller left."""
         self._scope = scope
         return not self._cancelled
+
+    @property
+    def cancelled(self) -> bool:
+        """Its caller left."""
+        return self._cancelled
 
     def cancel(self) -> None:
         """Its caller left (a closed stream): stop generating for it."""
