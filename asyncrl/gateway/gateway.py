@@ -22,6 +22,7 @@ One call, token-exact::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import secrets
 import time
@@ -139,6 +140,8 @@ class Gateway:
         managed = self._agents is not None
         session = self.sessions.open(prompt, episode.id, evaluation=episode.evaluation,
                                      claimed=managed)  # fmt: skip
+        convo = _Conversation()
+        session.serve_with(functools.partial(self._serve, session, episode, convo))
         why = "it ended"
         try:
             if managed:
@@ -146,7 +149,7 @@ class Gateway:
                 async with anyio.create_task_group() as tg:
                     await tg.start(self._agents.run, session, self.sessions)
                     try:
-                        finish, convo = await self._until_finish(session, episode)
+                        finish = await self._until_finish(session)
                     except Exception as exc:  # raised as itself, not in an ExceptionGroup
                         error = exc
                     tg.cancel_scope.cancel()  # the agent's process group is killed
@@ -154,7 +157,7 @@ class Gateway:
                     raise error
             else:
                 await session.wait_claimed()
-                finish, convo = await self._until_finish(session, episode)
+                finish = await self._until_finish(session)
             score = await self._score(finish, convo, prompt, episode)
             self.stats["sessions"] += 1
             why = "it was scored"
@@ -169,27 +172,25 @@ class Gateway:
             why = "its episode was cancelled (the run is stopping, or its group was aborted)"
             raise
         finally:
-            self.sessions.close(session, why)
+            await self.sessions.close(session, why)
 
-    async def _until_finish(
-        self, session: Session, episode: Episode
-    ) -> tuple[Finish, _Conversation]:
-        """Serve ``session``'s calls until it ends; the end and what the calls built."""
+    async def _until_finish(self, session: Session) -> Finish:
+        """Wait for ``session``'s end while its calls are served (in their handlers' tasks).
+
+        Raises:
+            SessionFailed: idle past ``gateway.idle_timeout_s``, or given back.
+            EpisodeLimit: a call hit a limit, or the session ran past
+                ``gateway.session_timeout_s``.
+        """
         cfg = self.config
-        convo = _Conversation()
-        with anyio.move_on_after(cfg.session_timeout_s) as deadline:
-            while True:
-                with anyio.move_on_after(cfg.idle_timeout_s) as idle:
-                    item = await session.next()
-                if idle.cancelled_caught:
-                    raise SessionFailed(f"no call and no reward for {cfg.idle_timeout_s:g} s "
-                                        "(gateway.idle_timeout_s): the agent went away")  # fmt: skip
-                if isinstance(item, Finish):
-                    if item.abandon:
-                        raise SessionFailed(f"given back: {item.abandon}")
-                    return item, convo
-                await self._serve(session, episode, convo, item)
-        assert deadline.cancelled_caught
+        with anyio.move_on_after(cfg.session_timeout_s):
+            item = await session.next(cfg.idle_timeout_s)
+            if item is None:
+                raise SessionFailed(f"no call and no reward for {cfg.idle_timeout_s:g} s "
+                                    "(gateway.idle_timeout_s): the agent went away")  # fmt: skip
+            if item.abandon:
+                raise SessionFailed(f"given back: {item.abandon}")
+            return item
         raise EpisodeLimit("deadline", f"session {session.id} ran past gateway.session_timeout_s "  # type: ignore[arg-type]
                            f"({cfg.session_timeout_s:g} s)")  # fmt: skip
 
@@ -197,19 +198,19 @@ class Gateway:
     async def _serve(
         self, session: Session, episode: Episode, convo: _Conversation, call: Call
     ) -> None:
-        """Serve one call in the episode's task; every way out answers it."""
+        """Serve one call (in its handler's task): answered or failed on every way out; what
+        ends the episode goes to :attr:`Call.raised` for the episode's task."""
         self.stats["calls"] += 1
         try:
             with anyio.CancelScope() as scope:
-                if not call.serving(scope):
-                    return
-                if call.kind == "chat":
-                    result = await self._chat(episode, convo, call.request)
-                else:
-                    result = await self._complete(episode, convo, call.request)
-                await call.answer(result)
-            if scope.cancelled_caught:
-                call.fail(GatewayError(499, "the call was cancelled", code="cancelled"))
+                if call.serving(scope):
+                    if call.kind == "chat":
+                        result = await self._chat(episode, convo, call.request)
+                    else:
+                        result = await self._complete(episode, convo, call.request)
+                    call.answer(result)
+            if call.cancelled is not None:
+                call.fail(call.cancelled)
         except GatewayError as exc:
             call.fail(exc)
         except TrajectoryError as exc:
@@ -219,13 +220,14 @@ class Gateway:
         except EpisodeLimit as exc:
             code = "context_length_exceeded" if exc.reason == "context" else "session_turn_limit"
             call.fail(GatewayError(400, f"{exc}; the session ends here (truncated)", code=code))
+            call.raised = exc
+        except Exception as exc:  # the episode fails with it (a turn lost for good, a bug)
+            call.fail(GatewayError(500, f"session {session.id} failed while serving this call: "
+                                   f"{type(exc).__name__}: {exc}", kind="server_error"))  # fmt: skip
+            call.raised = exc
+        except BaseException:  # this task was cancelled: the server is stopping
+            call.fail(GatewayError(503, "the gateway is stopping", code="run_ending"))
             raise
-        except BaseException:
-            call.fail(GatewayError(410, f"session {session.id} ended while this call ran: its "
-                                   "episode was cancelled or failed", code="session_ended"))  # fmt: skip
-            raise
-        finally:
-            session.served(call)
 
     async def _chat(self, episode: Episode, convo: _Conversation, req: ChatRequest) -> CallResult:
         self._use(convo, "chat")

@@ -28,7 +28,6 @@ logged.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hmac
 import json
 import os
@@ -347,6 +346,8 @@ class GatewayServer:
         return self._model_list()
 
     async def _call(self, request: Request, send: Any, kind: str, schema: type[Any]) -> None:
+        """One model call, served in this task; the answer is written as soon as it is made
+        (before this task's clean-up of its disconnect watch)."""
         began = time.perf_counter()
         session = self._session(request)
         checked = time.perf_counter()
@@ -356,51 +357,41 @@ class GatewayServer:
         arrived = time.perf_counter() - (checked - began)
         req = decode(body, schema)
         req.check()
-        call = Call(kind, req, deliver=functools.partial(self._deliver, send, req, kind, arrived))
-        session.submit(call)
-        await _answered(call, request)
-        if call.delivered:
-            return
+        call = Call(kind, req)
+        session.take(call)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch, call, request)
+            await session.serve(call)
+            if call.result is not None:
+                await self._reply(send, req, kind, call.result, arrived)
+            tg.cancel_scope.cancel()
         if call.error is not None:
             raise call.error
-        if call.result is None or call.cancelled:  # the client went away first: nobody reads this
-            raise GatewayError(499, "the client closed the connection", code="cancelled")
-        raise GatewayError(500, "the reply could not be written (the controller's log says "
-                           "why)", kind="server_error")  # fmt: skip
 
-    async def _deliver(
-        self, send: Any, req: Any, kind: str, arrived: float, result: replies.CallResult
-    ) -> bool:
-        """Write ``result`` as the response to ``req`` (run by the episode's task, see
-        :class:`Call`); ``False`` if it could not be made."""
-        try:
-            head = replies.headers(result, time.perf_counter() - arrived)
-            logprobs, text = bool(req.logprobs), self._gw.token_text
-            if not req.stream:
-                make = replies.chat_response if kind == "chat" else replies.completion_response
-                body = make(result, logprobs=logprobs, token_text=text,
-                            token_ids=req.return_token_ids)  # fmt: skip
-                await _respond(send, head, [body], _JSON)
-                return True
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            if kind == "chat":
-                events = [replies.role_chunk(result.id, result.created, result.model,
-                                             len(result.choices)),
-                          *replies.chat_chunks(result, logprobs=logprobs, usage=usage,
-                                               token_text=text)]  # fmt: skip
-            else:
-                events = list(replies.completion_chunks(result, logprobs=logprobs, usage=usage,
-                                                        token_text=text))  # fmt: skip
-            await _respond(send, {**head, "cache-control": "no-cache"}, events, _SSE)
-            return True
-        except Exception:  # a bug in making the reply: the handler answers 500
-            log.exception("gateway_reply_failed", call=result.id)
-            return False
+    async def _reply(
+        self, send: Any, req: Any, kind: str, result: replies.CallResult, arrived: float
+    ) -> None:
+        """Write ``result`` as the response to ``req``: one JSON body, or server-sent events."""
+        head = replies.headers(result, time.perf_counter() - arrived)
+        logprobs, text = bool(req.logprobs), self._gw.token_text
+        if not req.stream:
+            make = replies.chat_response if kind == "chat" else replies.completion_response
+            body = make(result, logprobs=logprobs, token_text=text, token_ids=req.return_token_ids)
+            return await _respond(send, head, [body], _JSON)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        if kind == "chat":
+            events = [replies.role_chunk(result.id, result.created, result.model, len(result.choices)),
+                      *replies.chat_chunks(result, logprobs=logprobs, usage=usage, token_text=text)]  # fmt: skip
+        else:
+            events = list(replies.completion_chunks(result, logprobs=logprobs, usage=usage,
+                                                    token_text=text))  # fmt: skip
+        await _respond(send, {**head, "cache-control": "no-cache"}, events, _SSE)
 
 
 class _CallRoute:
-    """The ASGI endpoint of a session's model calls: the answer is written through ``send``
-    by the episode's task (:class:`Call`), so this is not a request → response function."""
+    """The ASGI endpoint of a session's model calls (not a request → response function: the
+    answer is written through ``send`` before the handler's clean-up, see
+    :meth:`GatewayServer._call`)."""
 
     def __init__(self, server: GatewayServer, kind: str, schema: type[Any]) -> None:
         self._server, self._kind, self._schema = server, kind, schema
@@ -414,10 +405,11 @@ async def _respond(send: Any, headers: dict[str, str], chunks: list[bytes], medi
     """A 200 response of ``chunks``: one body (``Content-Length``) or a stream of them."""
     head = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     head.append((b"content-type", media.encode()))
-    if len(chunks) == 1 and media == _JSON:
-        head.append((b"content-length", str(len(chunks[0])).encode()))
+    if media == _JSON:
+        (body,) = chunks
+        head.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": head})
-        await send({"type": "http.response.body", "body": chunks[0]})
+        await send({"type": "http.response.body", "body": body})
         return
     await send({"type": "http.response.start", "status": 200, "headers": head})
     for chunk in chunks:
@@ -425,28 +417,16 @@ async def _respond(send: Any, headers: dict[str, str], chunks: list[bytes], medi
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _answered(call: Call, request: Request) -> None:
-    """Wait for ``call``'s answer; if the client goes away first, cancel the call (its
-    engine requests are aborted)."""
-    async with anyio.create_task_group() as tg:
-
-        async def disconnect() -> None:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    # also what receive() says once the answer was written (Call.deliver)
-                    if not call.done.is_set():
-                        call.cancel()
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(disconnect)
-        try:
-            await call.done.wait()
-        except BaseException:
-            call.cancel()
-            raise
-        tg.cancel_scope.cancel()
+async def _watch(call: Call, request: Request) -> None:
+    """Cancel ``call`` if its client goes away before it is served (its engine requests are
+    aborted)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if not call.finished.is_set():
+                call.cancel(GatewayError(499, "the client closed the connection",
+                                         code="cancelled"))  # fmt: skip
+            return
 
 
 def _too_large(limit: int) -> GatewayError:

@@ -5,16 +5,20 @@ HTTP call and the episode's task (no HTTP here).
 
     episode task                          SessionTable                       HTTP handlers
     Gateway.run_episode ──open()──► WAITING in the lobby ◄──claim()── POST /rl/sessions (admin)
-                        (managed: claimed at once)        ──► ACTIVE: id + key to the agent
-         next() ◄── Call ◄──────── Session.submit() ◄──────────── /s/<id>/v1/chat/completions
-         Call.answer() writes the reply (Call.deliver); fail() ──────► the handler's reply
+       serve_with(its serve)        (managed: claimed at once)    ──► ACTIVE: id + key to agent
+                                    Session.take(call) + serve(call) ◄── /s/<id>/v1/chat/...
+                                      runs the episode's serve in the handler's task
          next() ◄── Finish ◄────── Session.finish() ◄──────────── POST /rl/sessions/<id>/reward
     run_episode returns ──close()──► ENDED (a tombstone: later calls get 410)
 
 A session is one conversation: one call at a time (a second one while the first runs is a
-409). Each episode the scheduler dispatches is a session; its task serves the session's calls
-(generation runs in the episode's task, under its cancel scope, so an episode the run cancels
-cancels the call in progress and the call's engine requests with it).
+409). Each episode the scheduler dispatches is a session. Its calls are served in their
+handlers' tasks with the episode's serve function: the reply leaves as soon as it is made,
+with no hand-over to another task (each one is a wait for the loop, behind every other call
+woken with it). The episode's task meanwhile waits in :meth:`Session.next` for the session's
+end, its idle deadline, or what a call raised that ends the episode (a turn limit); when the
+episode ends (or the run cancels it), the call in progress is cancelled with it, its engine
+requests aborted, and waited for.
 
 Keys: the admin key (made per run) creates sessions and ends them; each session has its own
 key, which reaches that session only. Keys are compared in constant time
@@ -39,6 +43,9 @@ __all__ = ["Call", "Finish", "Session", "SessionTable", "digest", "make_key"]
 
 TOMBSTONES = 8192
 """Ended sessions remembered (their ids answer 410 rather than 404)."""
+END_WAIT_S = 10.0
+"""How long an ending episode waits for its cancelled call to unwind (its engine request's
+abort)."""
 
 
 def make_key() -> str:
@@ -57,56 +64,43 @@ def digest(key: str) -> bytes:
 
 @dataclass
 class Call:
-    """One HTTP call of a session, served by its episode's task.
-
-    ``deliver`` (set by the HTTP side) writes an answer to the caller: :meth:`answer` awaits
-    it in the episode's task, so the reply leaves as soon as it is made rather than when the
-    handler's task next gets the loop (behind every other call the same engine batch
-    answered); the handler then only returns. Failures are written by the handler.
-    """
+    """One HTTP call of a session, served in its handler's task (:meth:`Session.serve`)."""
 
     kind: str
     """``"chat"`` or ``"completion"``."""
     request: Any
-    deliver: Callable[[Any], Awaitable[bool]] | None = None
-    """Writes a result to the caller; ``True`` once the response is complete."""
-    done: anyio.Event = field(default_factory=anyio.Event)
     result: Any = None
     error: GatewayError | None = None
-    delivered: bool = False
-    """The answer was written by :attr:`deliver` (the handler writes nothing more)."""
+    raised: BaseException | None = None
+    """What ended the session's episode while serving it (an :class:`EpisodeLimit`, a bug):
+    the episode's task raises it."""
+    finished: anyio.Event = field(default_factory=anyio.Event)
     _scope: anyio.CancelScope | None = None
-    _cancelled: bool = False
+    _cancelled: GatewayError | None = None
 
-    async def answer(self, result: Any) -> None:
-        """Answer with ``result``: written to the caller (:attr:`deliver`), then done."""
-        if self.done.is_set():
-            return
-        self.result = result
-        try:
-            if self.deliver is not None and not self._cancelled:
-                self.delivered = await self.deliver(result)
-        finally:
-            self.done.set()
+    def answer(self, result: Any) -> None:
+        if self.result is None and self.error is None:
+            self.result = result
 
     def fail(self, error: GatewayError) -> None:
-        if not self.done.is_set():
+        if self.result is None and self.error is None:
             self.error = error
-            self.done.set()
 
     def serving(self, scope: anyio.CancelScope) -> bool:
-        """The episode's task starts on it under ``scope``; ``False``: its caller left."""
+        """It starts under ``scope``; ``False``: cancelled already."""
         self._scope = scope
-        return not self._cancelled
+        return self._cancelled is None
 
     @property
-    def cancelled(self) -> bool:
-        """Its caller left."""
+    def cancelled(self) -> GatewayError | None:
+        """Why it was cancelled (``None``: it was not)."""
         return self._cancelled
 
-    def cancel(self) -> None:
-        """Its caller left (a closed stream): stop generating for it."""
-        self._cancelled = True
+    def cancel(self, why: GatewayError) -> None:
+        """Stop serving it (its caller left, its session or episode ended): it fails with
+        ``why``."""
+        if self._cancelled is None:
+            self._cancelled = why
         if self._scope is not None:
             self._scope.cancel()
 
@@ -137,41 +131,62 @@ class Session:
         self.answered = 0
         """Calls answered with a reply (a session with none has nothing to train)."""
         self._claimed = anyio.Event()
-        self._send, self._receive = anyio.create_memory_object_stream[Call | Finish](1)
+        self._serve: Callable[[Call], Awaitable[None]] | None = None
         self._busy: Call | None = None
+        self._finish: Finish | None = None
+        self._raised: BaseException | None = None
+        self._changed = anyio.Event()
+        self._last = anyio.current_time()
+        """When a call last started or ended (or the session opened)."""
         self._ended = False
 
+    def _touch(self) -> None:
+        self._last = anyio.current_time()
+        self._changed.set()
+        self._changed = anyio.Event()
+
     # ------------------------------------------------------------------ the episode's side
+    def serve_with(self, serve: Callable[[Call], Awaitable[None]]) -> None:
+        """Calls are served by ``serve`` (which answers or fails each, and raises nothing but
+        its task's cancellation)."""
+        self._serve = serve
+
     async def wait_claimed(self) -> None:
         await self._claimed.wait()
 
-    async def next(self) -> Call | Finish:
-        """The next call, or the session's end. Waits."""
-        return await self._receive.receive()
+    async def next(self, idle_s: float) -> Finish | None:
+        """Wait for the session's end (its :class:`Finish`, once no call runs); ``None``
+        when ``idle_s`` pass with no call running.
 
-    def served(self, call: Call) -> None:
-        """``call`` is answered: the session takes another."""
-        if call.result is not None:
-            self.answered += 1
-        if self._busy is call:
-            self._busy = None
-
-    def end(self, why: GatewayError) -> None:
-        """The episode is over: no more calls; a call still waiting gets ``why``."""
-        self._ended = True
-        if self._busy is not None:
-            self._busy.fail(why)
-            self._busy = None
-        self._claimed.set()  # a claim racing the end sees it ended
+        Raises:
+            BaseException: what a call raised that ends the episode (:attr:`Call.raised`).
+        """
         while True:
-            try:
-                item = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-            if isinstance(item, Call):
-                item.fail(why)
-        self._send.close()
-        self._receive.close()
+            if self._raised is not None:
+                raised, self._raised = self._raised, None
+                raise raised
+            changed = self._changed
+            if self._busy is not None:
+                await changed.wait()
+            elif self._finish is not None:
+                return self._finish
+            else:
+                left = self._last + idle_s - anyio.current_time()
+                if left <= 0:
+                    return None
+                with anyio.move_on_after(left):
+                    await changed.wait()
+
+    async def end(self, why: GatewayError) -> None:
+        """The episode is over: no more calls. A call running is cancelled with ``why`` and
+        waited for (up to ``END_WAIT_S``: it uses the episode's record until it unwinds)."""
+        self._ended = True
+        self._claimed.set()  # a claim racing the end sees it ended
+        busy = self._busy
+        if busy is not None:
+            busy.cancel(why)
+            with anyio.CancelScope(shield=True), anyio.move_on_after(END_WAIT_S):
+                await busy.finished.wait()
 
     # ------------------------------------------------------------------ the HTTP side
     @property
@@ -185,8 +200,8 @@ class Session:
     def claim(self) -> None:
         self._claimed.set()
 
-    def submit(self, call: Call) -> None:
-        """Hand ``call`` to the episode's task.
+    def take(self, call: Call) -> None:
+        """``call`` is the session's one call now; :meth:`serve` it next.
 
         Raises:
             GatewayError: 409 while another call of the session runs; 410 once it ended.
@@ -197,8 +212,23 @@ class Session:
             raise GatewayError(409, f"session {self.id} is serving another call: a session is "
                                "one conversation, one call at a time (open another session "
                                "for a parallel branch)", code="session_busy")  # fmt: skip
+        assert self._serve is not None, "serve_with() comes first"
         self._busy = call
-        self._send.send_nowait(call)  # room for one: the busy flag keeps it so
+        self._touch()
+
+    async def serve(self, call: Call) -> None:
+        """Serve ``call`` (taken) in this task: it is answered or failed when this returns."""
+        assert self._busy is call and self._serve is not None
+        try:
+            await self._serve(call)
+        finally:
+            if call.result is not None:
+                self.answered += 1
+            if call.raised is not None:
+                self._raised = call.raised
+            self._busy = None
+            call.finished.set()
+            self._touch()
 
     def finish(self, finish: Finish) -> None:
         """End the session (its reward, or given back); a call in progress is cancelled.
@@ -211,16 +241,11 @@ class Session:
         if not self.claimed:
             raise GatewayError(409, f"session {self.id} was not handed out")
         if self._busy is not None:
-            self._busy.cancel()
-            self._busy.fail(GatewayError(410, f"session {self.id} was ended while this call "
-                                         "ran", code="session_ended"))  # fmt: skip
-            self._busy = None
-            try:  # the cancelled call may still sit in the inbox: make room
-                self._receive.receive_nowait()
-            except anyio.WouldBlock:
-                pass
+            self._busy.cancel(GatewayError(410, f"session {self.id} was ended while this call "
+                                           "ran", code="session_ended"))  # fmt: skip
         self._ended = True
-        self._send.send_nowait(finish)
+        self._finish = finish
+        self._touch()
 
 
 class SessionTable:
@@ -262,8 +287,9 @@ class SessionTable:
             self._arrived = anyio.Event()
         return session
 
-    def close(self, session: Session, why: str) -> None:
-        """The session's episode is over (``why`` for a late caller)."""
+    async def close(self, session: Session, why: str) -> None:
+        """The session's episode is over (``why`` for a late caller); a call still running
+        is cancelled and waited for (:meth:`Session.end`)."""
         if self._sessions.pop(session.id, None) is None:
             return
         digest = _digest(session.key)
@@ -274,8 +300,8 @@ class SessionTable:
         while len(self._ended) > TOMBSTONES:
             self._ended.popitem(last=False)
             self._ended_keys.popitem(last=False)
-        session.end(GatewayError(410, f"session {session.id} has ended: {why}",
-                                 code="session_ended"))  # fmt: skip
+        await session.end(GatewayError(410, f"session {session.id} has ended: {why}",
+                                       code="session_ended"))  # fmt: skip
 
     def shut(self) -> None:
         """The run is ending: claims waiting give up."""

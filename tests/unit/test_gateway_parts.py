@@ -17,6 +17,7 @@ import anyio
 import msgspec
 import pytest
 
+from asyncrl.env.episode import EpisodeLimit
 from asyncrl.env.tool_parsers import HERMES
 from asyncrl.environment import Prompt
 from asyncrl.gateway import agent_shim
@@ -147,7 +148,7 @@ async def test_the_lobby_hands_out_sessions_in_order_or_by_prompt() -> None:
     assert got == [d] and c.claimed is False
     # keys: a live one is known; an ended one is remembered (410 for it, not 401)
     assert table.is_session_key(a.key) and not table.is_session_key("sk-arl-nope")
-    table.close(a, "it was scored")
+    await table.close(a, "it was scored")
     assert not table.is_session_key(a.key) and table.knows_digest(a.key_digest)
     with pytest.raises(GatewayError) as e:
         table.get(a.id)
@@ -157,31 +158,71 @@ async def test_the_lobby_hands_out_sessions_in_order_or_by_prompt() -> None:
         await table.claim("nothing", 5)
     assert e.value.code == "run_ending"
     for s in (b, c, d):
-        table.close(s, "the test ended")
+        await table.close(s, "the test ended")
     assert len(table) == 0
 
 
+async def _serve(call: Call) -> None:
+    """A session's serve function: ``"hang"`` waits until cancelled, ``"limit"`` ends the
+    episode, anything else is answered at once."""
+    with anyio.CancelScope() as scope:
+        if call.serving(scope):
+            if call.request == "hang":
+                await anyio.sleep_forever()
+            elif call.request == "limit":
+                call.fail(GatewayError(400, "limit"))
+                call.raised = EpisodeLimit("turns", "too many")
+            call.answer("ok")
+    if call.cancelled is not None:
+        call.fail(call.cancelled)
+
+
 @pytest.mark.asyncio
-async def test_one_call_at_a_time_and_an_end_fails_what_waits() -> None:
+async def test_one_call_at_a_time_an_idle_deadline_and_an_end_that_cancels_the_call() -> None:
     table = SessionTable()
     s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
-    first, second = Call("chat", None), Call("chat", None)
-    s.submit(first)
-    with pytest.raises(GatewayError) as e:
-        s.submit(second)
-    assert e.value.status == 409
-    assert (await s.next()) is first
-    s.served(first)  # answered with nothing: not counted
-    assert s.answered == 0
-    s.submit(second)
-    s.finish(Finish(reward=1.0))  # ends it: the call in progress is cancelled and failed
-    assert second.error is not None and second.error.status == 410
-    assert isinstance(await s.next(), Finish)
-    with pytest.raises(GatewayError):
-        s.finish(Finish(reward=0.0))
-    table.close(s, "done")
-    with pytest.raises(GatewayError):
-        s.submit(Call("chat", None))
+    s.serve_with(_serve)
+    assert await s.next(0.05) is None  # idle: no call came
+    first, second = Call("chat", "hang"), Call("chat", "quick")
+    async with anyio.create_task_group() as tg:
+        s.take(first)
+        tg.start_soon(s.serve, first)
+        with pytest.raises(GatewayError) as e:
+            s.take(second)
+        assert e.value.status == 409
+        with anyio.move_on_after(0.2) as waited:  # a call runs: the idle deadline waits
+            await s.next(0.02)
+        assert waited.cancelled_caught
+        s.finish(Finish(reward=1.0))  # ends it: the call in progress is cancelled and failed
+    assert first.error is not None and first.error.status == 410 and s.answered == 0
+    assert isinstance(await s.next(5), Finish)
+    for late in (lambda: s.finish(Finish(reward=0.0)), lambda: s.take(second)):
+        with pytest.raises(GatewayError) as e:
+            late()
+        assert e.value.status == 410
+    await table.close(s, "done")
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_ends_the_episode_raises_in_its_task_and_an_end_waits_for_a_call() -> None:
+    table = SessionTable()
+    s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
+    s.serve_with(_serve)
+    ok, limit = Call("chat", "quick"), Call("chat", "limit")
+    for call in (ok, limit):
+        s.take(call)
+        await s.serve(call)
+    assert ok.result == "ok" and limit.error is not None and s.answered == 1
+    with pytest.raises(EpisodeLimit):
+        await s.next(5)
+    hang = Call("chat", "hang")
+    async with anyio.create_task_group() as tg:
+        s.take(hang)
+        tg.start_soon(s.serve, hang)
+        await anyio.sleep(0.01)
+        await table.close(s, "its episode was cancelled")  # cancels the call, waits for it
+        assert hang.finished.is_set() and hang.error is not None and hang.error.status == 410
+        assert "its episode was cancelled" in str(hang.error)
 
 
 # ------------------------------------------------------------------------------ the shim
