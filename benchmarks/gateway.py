@@ -82,6 +82,7 @@ with ``--machine``, else ``runs/benchmarks/gateway.json``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import contextlib
 import json
 import logging
@@ -158,12 +159,13 @@ async def controller_child(args: argparse.Namespace) -> None:
             if status is not None:
                 load.append((time.monotonic(), status.step, status.inflight_samples))
 
-    async def conduct(agents: subprocess.Popen[bytes], stop: anyio.CancelScope) -> None:
+    async def conduct(agents: list[subprocess.Popen[bytes]], stop: anyio.CancelScope) -> None:
         """Wait out the warm-up, measure, then stop the agents and the run."""
         deadline = time.monotonic() + args.warmup_timeout
         while not load or load[-1][1] < warmup:
-            if agents.poll() is not None:
-                raise SystemExit(f"the agents exited ({agents.returncode}) during warm-up")
+            if any(a.poll() is not None for a in agents):
+                raise SystemExit(f"the agents exited ({[a.returncode for a in agents]}) "
+                                 "during warm-up")  # fmt: skip
             if args.verbose and len(load) % 50 == 0 and load:
                 print(f"  controller: step {load[-1][1]}, {load[-1][2]} in flight", flush=True)
             if time.monotonic() > deadline:
@@ -175,22 +177,26 @@ async def controller_child(args: argparse.Namespace) -> None:
         window["end"], window["cpu1"] = time.monotonic(), time.thread_time()
         # the agents drop their calls in flight: uvicorn would log each one's ClientDisconnect
         logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
-        assert agents.stdin is not None
-        agents.stdin.write(b"stop\n")
-        agents.stdin.close()
-        await anyio.to_thread.run_sync(agents.wait)
+        for a in agents:
+            assert a.stdin is not None
+            a.stdin.write(b"stop\n")
+            a.stdin.close()
+        for a in agents:
+            await anyio.to_thread.run_sync(a.wait)
         stop.cancel()
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-gateway-") as tmp_name:
         tmp = Path(tmp_name)
         data = config(write_model_dir(tmp / "model"), tmp / "run", args, sessions)
-        agents_out = tmp / "agents.json"
-        agents = subprocess.Popen(
+        procs = max(1, min(args.agent_procs, sessions))
+        outs = [tmp / f"agents-{i}.json" for i in range(procs)]
+        agents = [subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--child", "agents",
-             "--child-sessions", str(sessions), "--child-out", str(agents_out),
-             "--gateway-dir", str(tmp / "run"), "--turn-tokens", str(args.turn_tokens)]
-            + ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client,
-            stdin=subprocess.PIPE)  # fmt: skip
+             "--child-sessions", str(sessions // procs + (i < sessions % procs)),
+             "--child-out", str(out), "--gateway-dir", str(tmp / "run"),
+             "--turn-tokens", str(args.turn_tokens)]
+            + ["--verbose"] * (args.verbose and i == 0) + ["--shared-client"] * args.shared_client,
+            stdin=subprocess.PIPE) for i, out in enumerate(outs)]  # fmt: skip
         try:
             async with anyio.create_task_group() as probes:
                 probes.start_soon(lag_probe, lags)
@@ -202,12 +208,13 @@ async def controller_child(args: argparse.Namespace) -> None:
                         raise SystemExit("the run ended before the measurement did")
                 probes.cancel_scope.cancel()
         finally:
-            if agents.poll() is None:
-                agents.kill()
-                agents.wait()
-        if agents.returncode != 0:
-            raise SystemExit(f"the agents exited with {agents.returncode}")
-        raw = json.loads(agents_out.read_text())
+            for a in agents:
+                if a.poll() is None:
+                    a.kill()
+                    a.wait()
+        if any(a.returncode != 0 for a in agents):
+            raise SystemExit(f"the agents exited with {[a.returncode for a in agents]}")
+        raw = merge([json.loads(out.read_text()) for out in outs])
     out = summarize(raw, lags, load, window, sessions)
     args.child_out.write_text(json.dumps(out))
 
@@ -335,6 +342,22 @@ async def agents_child(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- the figures
+def merge(raws: list[dict[str, Any]]) -> dict[str, Any]:
+    """The agents' processes' records as one: rows pooled, errors added, and the 100 ms
+    samples (sessions held, CPU seconds) added up sample by sample (they start together)."""
+    out: dict[str, Any] = {k: [r for raw in raws for r in raw[k]]
+                           for k in ("calls", "claims", "rewards", "lags")}  # fmt: skip
+    errors: dict[str, int] = {}
+    for raw in raws:
+        for k, v in raw["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    n = min(len(raw["samples"]) for raw in raws)
+    out["errors"] = errors
+    out["samples"] = [(raws[0]["samples"][i][0], sum(raw["samples"][i][1] for raw in raws),
+                       sum(raw["samples"][i][2] for raw in raws)) for i in range(n)]  # fmt: skip
+    return out
+
+
 def quantiles(xs: Any, scale: float = 1e3) -> dict[str, float]:
     """p50, p90, p99, p99.9 and max of ``xs`` (seconds), in milliseconds."""
     a = np.asarray(xs, float) * scale
@@ -424,7 +447,7 @@ def measure(args: argparse.Namespace, sessions: int) -> dict[str, Any]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "controller",
                "--child-sessions", str(sessions), "--child-out", str(out)]  # fmt: skip
         cmd += ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client
-        for flag in ("prompts", "samples", "ranks", "turn_tokens", "token_delay",
+        for flag in ("prompts", "samples", "ranks", "turn_tokens", "token_delay", "agent_procs",
                      "warmup_steps", "seconds", "single_seconds", "warmup_timeout"):  # fmt: skip
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         t = time.monotonic()
@@ -450,6 +473,8 @@ def main(args: argparse.Namespace) -> None:
             "seconds": args.seconds,
             "single_seconds": args.single_seconds,
             "max_concurrent_requests": MAX_CONCURRENT_REQUESTS,
+            "agent_processes": args.agent_procs,
+            "http_parser": "httptools" if importlib.util.find_spec("httptools") else "h11",
             "client": "one httpx.AsyncClient for all agents, a pool of as many connections"
             if args.shared_client else "httpx.AsyncClient per agent, one connection each",
             "quick": args.quick,
@@ -486,6 +511,8 @@ if __name__ == "__main__":
                         help="give up when the warm-up takes longer")
     parser.add_argument("--quick", action="store_true",
                         help="a look: warm-up 1 step, 20 s windows")
+    parser.add_argument("--agent-procs", type=int, default=1,
+                        help="load generator processes (the agents split between them)")
     parser.add_argument("--shared-client", action="store_true",
                         help="all agents on one httpx.AsyncClient with a pool of as many "
                         "connections (slow in httpcore's pool at 1,000: see the docstring)")

@@ -3,7 +3,7 @@
 # per call at 1 and 1,000 concurrent sessions on the example engine, with cores to spare for the
 # load generator and the workers (on the 2-core dev box they share the controller's). Needs only
 # the small wheels of .whl/ (pyzmq, msgspec, structlog, jsonschema and its four, starlette,
-# uvicorn, h11, httpx and its own: carry .whl with the call); no vLLM. From the repo root:
+# uvicorn, httptools, h11, httpx and its own: carry .whl with the call); no vLLM. From the repo root:
 #
 #   bash benchmarks/gpu/run_gateway_cpu.sh      # ~4 min; writes $OUT/gateway-16core.json
 set -euo pipefail
