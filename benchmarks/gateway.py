@@ -82,8 +82,9 @@ with ``--machine``, else ``runs/benchmarks/gateway.json``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import contextlib
+import cProfile
+import importlib.util
 import json
 import logging
 import os
@@ -171,9 +172,15 @@ async def controller_child(args: argparse.Namespace) -> None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"step {warmup} not reached in {args.warmup_timeout:g} s")
             await anyio.sleep(0.05)
+        profile = cProfile.Profile(time.thread_time) if args.profile else None
         window["start"], window["cpu0"] = time.monotonic(), time.thread_time()
         print(f"  [{sessions}] step {load[-1][1]}: measuring {seconds:g} s", flush=True)
+        if profile is not None:
+            profile.enable()
         await anyio.sleep(seconds)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(f"{args.profile}.{sessions}")
         window["end"], window["cpu1"] = time.monotonic(), time.thread_time()
         # the agents drop their calls in flight: uvicorn would log each one's ClientDisconnect
         logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
@@ -447,6 +454,7 @@ def measure(args: argparse.Namespace, sessions: int) -> dict[str, Any]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "controller",
                "--child-sessions", str(sessions), "--child-out", str(out)]  # fmt: skip
         cmd += ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client
+        cmd += ["--profile", args.profile] * bool(args.profile)
         for flag in ("prompts", "samples", "ranks", "turn_tokens", "token_delay", "agent_procs",
                      "warmup_steps", "seconds", "single_seconds", "warmup_timeout"):  # fmt: skip
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -511,6 +519,9 @@ if __name__ == "__main__":
                         help="give up when the warm-up takes longer")
     parser.add_argument("--quick", action="store_true",
                         help="a look: warm-up 1 step, 20 s windows")
+    parser.add_argument("--profile", default="",
+                        help="cProfile the controller's thread (CPU time) over the window to "
+                             "PROFILE.<sessions> (the figures then include its cost)")
     parser.add_argument("--agent-procs", type=int, default=1,
                         help="load generator processes (the agents split between them)")
     parser.add_argument("--shared-client", action="store_true",

@@ -62,7 +62,7 @@ def digest(key: str) -> bytes:
     return _digest(key)
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
     """One HTTP call of a session, served in its handler's task (:meth:`Session.serve`)."""
 
@@ -137,11 +137,12 @@ class Session:
         self._raised: BaseException | None = None
         self._changed = anyio.Event()
         self._last = anyio.current_time()
-        """When a call last started or ended (or the session opened)."""
+        """When a call last started or ended (or the session opened): the idle deadline
+        counts from it."""
         self._ended = False
 
-    def _touch(self) -> None:
-        self._last = anyio.current_time()
+    def _wake(self) -> None:
+        """Wake the episode's task (:meth:`next`): the session ended, or a call raised."""
         self._changed.set()
         self._changed = anyio.Event()
 
@@ -161,21 +162,19 @@ class Session:
         Raises:
             BaseException: what a call raised that ends the episode (:attr:`Call.raised`).
         """
-        while True:
-            if self._raised is not None:
+        while True:  # woken by the end or a raise only, not by every call: it looks again
+            if self._raised is not None:  # at the idle deadline
                 raised, self._raised = self._raised, None
                 raise raised
-            changed = self._changed
-            if self._busy is not None:
-                await changed.wait()
-            elif self._finish is not None:
+            if self._busy is None and self._finish is not None:
                 return self._finish
-            else:
-                left = self._last + idle_s - anyio.current_time()
-                if left <= 0:
+            changed, wait_s = self._changed, idle_s  # a call runs: not idle, look again later
+            if self._busy is None:
+                wait_s = self._last + idle_s - anyio.current_time()
+                if wait_s <= 0:
                     return None
-                with anyio.move_on_after(left):
-                    await changed.wait()
+            with anyio.move_on_after(wait_s):
+                await changed.wait()
 
     async def end(self, why: GatewayError) -> None:
         """The episode is over: no more calls. A call running is cancelled with ``why`` and
@@ -214,7 +213,7 @@ class Session:
                                "for a parallel branch)", code="session_busy")  # fmt: skip
         assert self._serve is not None, "serve_with() comes first"
         self._busy = call
-        self._touch()
+        self._last = anyio.current_time()
 
     async def serve(self, call: Call) -> None:
         """Serve ``call`` (taken) in this task: it is answered or failed when this returns."""
@@ -227,8 +226,10 @@ class Session:
             if call.raised is not None:
                 self._raised = call.raised
             self._busy = None
+            self._last = anyio.current_time()
             call.finished.set()
-            self._touch()
+            if self._raised is not None or self._finish is not None:
+                self._wake()
 
     def finish(self, finish: Finish) -> None:
         """End the session (its reward, or given back); a call in progress is cancelled.
@@ -245,7 +246,16 @@ class Session:
                                            "ran", code="session_ended"))  # fmt: skip
         self._ended = True
         self._finish = finish
-        self._touch()
+        self._wake()
+
+
+@dataclass(eq=False)  # found in the queue by identity
+class _Claim:
+    """A ``POST /rl/sessions`` waiting for a session to open."""
+
+    prompt_id: str | None
+    arrived: anyio.Event = field(default_factory=anyio.Event)
+    session: Session | None = None
 
 
 class SessionTable:
@@ -256,7 +266,8 @@ class SessionTable:
         self._by_key: dict[bytes, str] = {}
         """SHA-256 of each live session's key → its id."""
         self._lobby: OrderedDict[str, Session] = OrderedDict()
-        self._arrived = anyio.Event()
+        self._claims: list[_Claim] = []
+        """Claims waiting for a session, oldest first (each woken only by its own)."""
         self._ended: OrderedDict[str, str] = OrderedDict()
         """Ended sessions' ids → why (the last :data:`TOMBSTONES`)."""
         self._ended_keys: OrderedDict[bytes, str] = OrderedDict()
@@ -283,8 +294,7 @@ class SessionTable:
             session.claim()
         else:
             self._lobby[sid] = session
-            self._arrived.set()
-            self._arrived = anyio.Event()
+            self._hand_out(session)
         return session
 
     async def close(self, session: Session, why: str) -> None:
@@ -306,7 +316,9 @@ class SessionTable:
     def shut(self) -> None:
         """The run is ending: claims waiting give up."""
         self._closed = True
-        self._arrived.set()
+        for waiting in self._claims:
+            waiting.arrived.set()
+        self._claims.clear()
 
     # ------------------------------------------------------------------ the HTTP side
     async def claim(self, prompt_id: str | None, wait_s: float) -> Session:
@@ -320,13 +332,10 @@ class SessionTable:
         """
         with anyio.move_on_after(wait_s):
             while not self._closed:
-                found = next((s for s in self._lobby.values()
-                              if prompt_id is None or s.prompt.id == prompt_id), None)  # fmt: skip
-                if found is not None:
-                    del self._lobby[found.id]
+                found = self._take(prompt_id) or await self._wait(prompt_id)
+                if found is not None and not found.ended:
                     found.claim()
                     return found
-                await self._arrived.wait()
         if self._closed:
             raise GatewayError(503, "the run is ending: no more sessions", code="run_ending")
         which = f" of prompt {prompt_id!r}" if prompt_id is not None else ""
@@ -335,6 +344,43 @@ class SessionTable:
             "admits episodes as the staleness bound and pipeline.max_inflight_samples allow "
             "(and not during a refit); try again", code="no_session", headers={"Retry-After": "1"},
         )  # fmt: skip
+
+    def _take(self, prompt_id: str | None) -> Session | None:
+        """The oldest session in the lobby (of ``prompt_id``), taken out of it."""
+        found = next((s for s in self._lobby.values()
+                      if prompt_id is None or s.prompt.id == prompt_id), None)  # fmt: skip
+        if found is not None:
+            del self._lobby[found.id]
+        return found
+
+    async def _wait(self, prompt_id: str | None) -> Session | None:
+        """Queue for the next session (of ``prompt_id``) to open; ``None`` when the run is
+        ending. A session handed to a claim that is cancelled first goes back to the lobby."""
+        waiting = _Claim(prompt_id)
+        self._claims.append(waiting)
+        try:
+            await waiting.arrived.wait()
+        except BaseException:
+            if waiting.session is not None:  # handed over as it was cancelled: pass it on
+                self._lobby[waiting.session.id] = waiting.session
+                self._lobby.move_to_end(waiting.session.id, last=False)
+                self._hand_out(waiting.session)
+            raise
+        finally:
+            if waiting in self._claims:
+                self._claims.remove(waiting)
+        return waiting.session
+
+    def _hand_out(self, session: Session) -> None:
+        """Give ``session`` (in the lobby) to the oldest claim waiting for it, if any: only
+        that claim wakes."""
+        for i, waiting in enumerate(self._claims):
+            if waiting.prompt_id is None or waiting.prompt_id == session.prompt.id:
+                del self._claims[i]
+                del self._lobby[session.id]
+                waiting.session = session
+                waiting.arrived.set()
+                return
 
     def get(self, sid: str) -> Session:
         """The live session ``sid``.

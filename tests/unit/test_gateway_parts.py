@@ -162,6 +162,49 @@ async def test_the_lobby_hands_out_sessions_in_order_or_by_prompt() -> None:
     assert len(table) == 0
 
 
+@pytest.mark.asyncio
+async def test_waiting_claims_are_served_oldest_first_one_per_session() -> None:
+    """Each session that opens goes to the oldest claim that wants it, and wakes only that one;
+    a claim cancelled as it was handed a session passes the session on."""
+    table = SessionTable()
+    p = [Prompt(id=f"p{i}", text="x") for i in range(2)]
+    got: dict[str, object] = {}
+
+    async def claim(name: str, prompt_id: str | None) -> None:
+        got[name] = await table.claim(prompt_id, 5)
+
+    async with anyio.create_task_group() as tg:
+        for name, prompt_id in (("a", None), ("b", "p1"), ("c", None)):
+            tg.start_soon(claim, name, prompt_id)
+            await anyio.sleep(0.01)
+        s1 = table.open(p[1], "g1/0", evaluation=False, claimed=False)  # a is the oldest
+        await anyio.sleep(0.01)
+        assert got == {"a": s1}
+        s0 = table.open(p[0], "g0/0", evaluation=False, claimed=False)  # b wants p1: c
+        await anyio.sleep(0.01)
+        assert got == {"a": s1, "c": s0}
+        s2 = table.open(p[1], "g1/1", evaluation=False, claimed=False)
+    assert got == {"a": s1, "c": s0, "b": s2} and all(s.claimed for s in (s0, s1, s2))
+    assert table.counts() == {"waiting": 0, "active": 3}
+    first = anyio.CancelScope()
+
+    async def cancelled_claim() -> None:
+        with first:
+            got["first"] = await table.claim(None, 5)
+
+    async with anyio.create_task_group() as tg:  # handed a session, cancelled before it woke
+        tg.start_soon(cancelled_claim)
+        await anyio.sleep(0.01)
+        tg.start_soon(claim, "second", None)
+        await anyio.sleep(0.01)
+        first.cancel()  # it goes, but has not yet woken to see it...
+        s3 = table.open(p[0], "g0/1", evaluation=False, claimed=False)  # ...when it gets this
+        # one: its wait raises, and the session passes to the second
+    assert "first" not in got and got["second"] is s3 and s3.claimed
+    for s in (s0, s1, s2, s3):
+        await table.close(s, "the test ended")
+
+
 async def _serve(call: Call) -> None:
     """A session's serve function: ``"hang"`` waits until cancelled, ``"limit"`` ends the
     episode, anything else is answered at once."""
