@@ -364,9 +364,11 @@ class GatewayServer:
             await session.serve(call)
             if call.result is not None:
                 await self._reply(send, req, kind, call.result, arrived)
-            tg.cancel_scope.cancel()
-        if call.error is not None:
-            raise call.error
+            else:
+                error = call.error or GatewayError(500, "the call ended unanswered")
+                await _error(error)(request.scope, request.receive, send)
+            # _watch returns once the response is complete (uvicorn's receive() says
+            # http.disconnect then): no cancel() needed
 
     async def _reply(
         self, send: Any, req: Any, kind: str, result: replies.CallResult, arrived: float

@@ -530,6 +530,31 @@ async def test_one_call_at_a_time_is_409(model: gs.Model, tmp_path: Path) -> Non
         await run.still_serves()
 
 
+async def test_a_client_that_goes_away_cancels_its_call(model: gs.Model, tmp_path: Path) -> None:
+    """A client that closes its connection mid-call (a timeout, a killed agent) cancels the
+    call at once: its engine request ends, and the session takes the retry (no 409)."""
+    engine = gs.ScriptedEngine(model, 0, delay_s=30.0)
+    async with serving(model, tmp_path, engine=engine) as run:
+        info, played = await run.claim()
+        body = json.dumps({"model": "x", "messages": info["prompt"]["messages"]}).encode()
+        path = info["base_url"].split("/", 3)[3]
+        host, port = run.url.split("//")[1].split(":")
+        stream = await anyio.connect_tcp(host, int(port))
+        await stream.send(f"POST /{path}/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                          f"authorization: Bearer {info['api_key']}\r\ncontent-type: "
+                          f"application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                          + body)  # fmt: skip
+        with anyio.fail_after(5):
+            while run.h.gateway.stats["calls"] == 0:
+                await anyio.sleep(0.01)
+        await stream.aclose()  # the engine would take 30 s: gone after 0.0x s
+        engine.delay_s = 0.0
+        with anyio.fail_after(5):
+            await run.finish(info, played)  # the retry is served (not 409), the session ends
+        assert run.h.gateway.stats["calls"] == 2 and len(engine.requests) == 1
+        await run.still_serves()
+
+
 async def test_reward_without_an_answered_call_is_409(model: gs.Model, tmp_path: Path) -> None:
     async with serving(model, tmp_path) as run:
         info, played = await run.claim()
