@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import importlib.util
 import json
 import logging
@@ -146,6 +147,8 @@ async def controller_child(args: argparse.Namespace) -> None:
     seconds = args.single_seconds if sessions == 1 else args.seconds
     lags: list[tuple[float, float]] = []
     load: list[tuple[float, int, int]] = []  # at, step, inflight_samples
+    pauses: list[tuple[float, int, float]] = []  # at, generation, seconds: the collector's
+    gc.callbacks.append(gc_timer(pauses))
     window: dict[str, float] = {}
     ctl: Any = None
 
@@ -223,7 +226,25 @@ async def controller_child(args: argparse.Namespace) -> None:
             raise SystemExit(f"the agents exited with {[a.returncode for a in agents]}")
         raw = merge([json.loads(out.read_text()) for out in outs])
     out = summarize(raw, lags, load, window, sessions)
+    at = [(g, d) for t, g, d in pauses if window["start"] <= t <= window["end"]]
+    out["gc_pauses_ms"] = {f"gen{g}": {"count": sum(1 for x, _ in at if x == g),
+                                       **quantiles([d for x, d in at if x == g])}
+                           for g in range(3)}  # fmt: skip
     args.child_out.write_text(json.dumps(out))
+
+
+def gc_timer(pauses: list[tuple[float, int, float]]) -> Any:
+    """A ``gc.callbacks`` entry that records each collection's generation and duration."""
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if phase == "start":
+            started[0] = now
+        else:
+            pauses.append((now, info["generation"], now - started[0]))
+
+    return callback
 
 
 async def lag_probe(lags: list[tuple[float, float]]) -> None:
@@ -440,6 +461,9 @@ def report(results: dict[str, Any]) -> None:
             f"  client latency: {fmt(r['client_latency_ms'])}; generate: {fmt(r['generate_ms'])}\n"
             f"  controller loop lag: {fmt(r['loop_lag_ms'])} ({r['loop_lag_samples']} samples), "
             f"loop thread {100 * r['loop_busy']:.0f}% busy\n"
+            f"  garbage collections: " + "; ".join(
+                f"{g} {q['count']} ({fmt(q)})" for g, q in r.get("gc_pauses_ms", {}).items()
+                if q["count"]) + "\n"
             f"  agents' loop lag: {fmt(r['agents_loop_lag_ms'])}, agents' process "
             f"{100 * (r['agents_cpu'] or 0):.0f}% of a CPU\n"
             f"  claim: {fmt(r['claim_ms'])}; reward: {fmt(r['reward_ms'])}\n"
