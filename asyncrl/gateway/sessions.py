@@ -186,6 +186,7 @@ class Session:
             busy.cancel(why)
             with anyio.CancelScope(shield=True), anyio.move_on_after(END_WAIT_S):
                 await busy.finished.wait()
+        self._serve = None  # it holds this session: a cycle the collector would have to find
 
     # ------------------------------------------------------------------ the HTTP side
     @property
