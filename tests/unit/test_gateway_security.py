@@ -633,5 +633,15 @@ async def test_unknown_and_foreign_session_ids_leak_nothing(
             r = await run.client.get(f"{run.url}/s/{sid}/v1/models", headers=bearer(a["api_key"]))
             assert r.status_code == 404, (sid, r.status_code, r.text)
             error_of(r, 404)
+        # paths near a model call's (which skips Starlette's router) are not one
+        chat = {"model": "x", "messages": a["prompt"]["messages"]}
+        for path in ("/s/", "/s/x", "/s//v1/chat/completions", f"/s/{a['session_id']}/v2/chat/"
+                     "completions", f"/s/{a['session_id']}/v1/chat/completions/more",
+                     f"/s/{a['session_id']}/v1/chat", "/s/x/y/v1/completions"):  # fmt: skip
+            r = await run.client.post(f"{run.url}{path}", json=chat, headers=bearer(a["api_key"]))
+            error_of(r, 404)
+        r = await run.client.put(f"{a['base_url']}/chat/completions", json=chat,
+                                 headers=bearer(a["api_key"]))  # fmt: skip
+        error_of(r, 405)
         await run.finish(a, pa)
         await run.still_serves()
