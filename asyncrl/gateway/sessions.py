@@ -362,7 +362,8 @@ class SessionTable:
         try:
             await waiting.arrived.wait()
         except BaseException:
-            if waiting.session is not None:  # handed over as it was cancelled: pass it on
+            if waiting.session is not None and not waiting.session.ended:  # handed over as it
+                # was cancelled: pass it on (one that ended meanwhile stays out of the lobby)
                 self._lobby[waiting.session.id] = waiting.session
                 self._lobby.move_to_end(waiting.session.id, last=False)
                 self._hand_out(waiting.session)

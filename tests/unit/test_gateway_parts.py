@@ -5,6 +5,8 @@ whole process group down when its owner dies however it dies."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import random
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import anyio
 import msgspec
@@ -201,8 +204,42 @@ async def test_waiting_claims_are_served_oldest_first_one_per_session() -> None:
         s3 = table.open(p[0], "g0/1", evaluation=False, claimed=False)  # ...when it gets this
         # one: its wait raises, and the session passes to the second
     assert "first" not in got and got["second"] is s3 and s3.claimed
+    again = anyio.CancelScope()
+
+    async def claim_again() -> None:
+        with again:
+            got["again"] = await table.claim(None, 5)
+
+    async with anyio.create_task_group() as tg:  # handed one that ends before it wakes
+        tg.start_soon(claim_again)
+        await anyio.sleep(0.01)
+        again.cancel()
+        s4 = table.open(p[0], "g0/2", evaluation=False, claimed=False)
+        await table.close(s4, "its episode was cancelled")
+    assert "again" not in got and table.counts()["waiting"] == 0  # not back in the lobby
     for s in (s0, s1, s2, s3):
         await table.close(s, "the test ended")
+
+
+@pytest.mark.asyncio
+async def test_an_ended_session_is_freed_without_the_cyclic_collector() -> None:
+    """The serve function an episode registers holds its session (as the gateway's does):
+    the session lets go of it when it ends, so nothing but reference counts is needed."""
+    table = SessionTable()
+    s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
+    s.serve_with(functools.partial(_serve_for, s))
+    await table.close(s, "done")
+    ref = weakref.ref(s)
+    gc.disable()
+    try:
+        del s
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+async def _serve_for(session: object, call: Call) -> None:
+    await _serve(call)
 
 
 async def _serve(call: Call) -> None:
