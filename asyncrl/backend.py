@@ -5,8 +5,8 @@ A backend distribution registers, under ``asyncrl.generation_backends`` or
 check of its config section that the controller runs before any worker is spawned) or a bare
 factory. The factory is called with a :class:`WorkerContext` in the worker and returns an
 object implementing :class:`GenerationBackend` or :class:`TrainingBackend`. The worker runtime
-(:mod:`asyncrl.worker.rollout`, :mod:`asyncrl.worker.trainer`) owns the sockets and calls these
-methods; backends never see ZeroMQ.
+(:mod:`asyncrl.worker.rollout_runtime`, :mod:`asyncrl.worker.trainer_runtime`) owns the sockets
+and calls these methods; backends never see ZeroMQ.
 
 Generation backends are asyncio-native (vLLM's ``AsyncLLM`` is): their methods are coroutines
 run on the worker's event loop. Training backends are blocking torch code: the runtime calls

@@ -30,6 +30,7 @@ import time
 
 __all__ = [
     "AsyncRLError",
+    "CollectiveTimeoutError",
     "ConfigError",
     "ControllerLostError",
     "EngineDeadError",
@@ -212,6 +213,12 @@ class WorkerRestarting(WorkerError):
 class EngineDeadError(WorkerError):
     """Raised by a backend's ``watch()`` when its engine can no longer serve (one of the engine's
     processes exited). The worker reports it as ``Dead`` and exits."""
+
+
+class CollectiveTimeoutError(WorkerError):
+    """A trainer rank's torch collective waited longer than ``failures.collective_timeout_s``
+    (another rank stuck or gone, or the ranks' calls out of step). The process group cannot
+    be used again: the rank reports it as ``Dead`` and exits, and the run stops naming it."""
 
 
 class ControllerLostError(WorkerError):

@@ -122,6 +122,21 @@ class FailuresConfig(Section):
     deadlocked, its loop blocked) is hung: it is named (group, rank, last answer, log file)
     and handled as a death, so a rollout worker is restarted under ``rollout_restarts`` and a
     trainer stops the run. ``0``: no heartbeat."""
+    collective_timeout_s: float | None = None
+    """A trainer rank whose torch collective waits longer than this (a rank stuck in its
+    compute or gone, ranks out of step) fails the call with a ``CollectiveTimeoutError``, and
+    the run stops naming the rank: its event loop still answers the heartbeat, so nothing
+    else would see it before ``cluster.call_timeout_s``. Set on the trainer's process group
+    once the backend started (loading the model may keep ranks apart longer). ``None``: the
+    heartbeat's timeout (``0``: torch's defaults, 10 min on NCCL, 30 min on gloo). Raise it
+    when ranks legitimately wait long on each other (checkpoints written to a slow shared
+    file system)."""
+
+    def collective_timeout(self) -> float:
+        """The trainer's collective timeout in seconds; ``0``: torch's default."""
+        if self.collective_timeout_s is None:
+            return self.heartbeat_timeout_s
+        return self.collective_timeout_s
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[failures]``."""
@@ -138,6 +153,10 @@ class FailuresConfig(Section):
         if not 0 <= timeout < float("inf"):
             out.append(fail("failures.heartbeat_timeout_s", "must be >= 0 and finite",
                             "use e.g. 60, or 0 to turn the heartbeat off"))  # fmt: skip
+        collective = self.collective_timeout_s
+        if collective is not None and not 0 <= collective < float("inf"):
+            out.append(fail("failures.collective_timeout_s", "must be >= 0 and finite",
+                            "use e.g. 60, or leave it out (the heartbeat's timeout)"))  # fmt: skip
         counts = (
             "generation_retries", "max_failed_groups", "train_step_retries", "retry_backoff_s",
             "rollout_restarts", "max_nonfinite_steps",

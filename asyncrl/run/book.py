@@ -46,7 +46,7 @@ from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.policy.schedule import Scheduler, StepStats, Wait
 from asyncrl.policy.slots import ABORTING, GENERATING, READY, SCORING
 from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run.book_types import (  # re-exported: the book's callers read them here
+from asyncrl.run.arrivals import (  # re-exported: the book's callers read them here
     COMPLETE,
     DISCARDED,
     ENDED,

@@ -21,6 +21,11 @@ Phase ``main``::
     load "s1"; the same with huge placeholders and advantages there; export "masked-garbage"
 
 Phase ``resume`` (fresh processes): start; load "s1"; step 1; export "step1-resumed".
+
+Phase ``stuck`` (fresh processes, ``failures.collective_timeout_s`` short): start; then the
+last rank sleeps past the timeout while the others score the sequences, a collective it never
+joins: they must fail within the timeout (``stuck`` in their report: the error and the
+seconds it took), not wait torch's default 10 or 30 minutes. No close (the group is broken).
 """
 
 from __future__ import annotations
@@ -344,11 +349,71 @@ class _Rank:
         (self.out / f"rank{self.rank}.json").write_text(json.dumps(self.report, indent=1))
 
 
+def stuck(rank: _Rank, sleep_s: float) -> int:
+    """Phase ``stuck``: the last rank sleeps, the others enter a collective without it."""
+    import time
+
+    if rank.rank == rank.world - 1:
+        time.sleep(sleep_s)
+    else:
+        start = time.monotonic()
+        try:
+            rank.backend.compute_logprobs(token_batch(rank.seqs, [0, 1]), rank.temperature)
+        except Exception as exc:  # noqa: BLE001 - what the rank saw is the result
+            rank.report["stuck"] = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            rank.report["stuck"] = {"error": None}
+        rank.report["stuck"]["seconds"] = time.monotonic() - start
+    rank.write()
+    return 0
+
+
+def launch_ranks(spec: dict[str, Any], world_size: int, timeout: float) -> None:
+    """Run this module on ``world_size`` ranks under torchrun with ``spec`` (written beside
+    its ``out``); fail the calling test with the ranks' output if they fail or outlast
+    ``timeout`` (the whole process group is killed then)."""
+    import signal
+    import subprocess
+
+    import pytest
+
+    from asyncrl.procs.spawn import torchrun_log_args
+
+    spec_path = Path(spec["out"]) / f"spec-{spec['phase']}.json"
+    spec_path.write_text(json.dumps(spec))
+    scratch = Path(spec["out"]) / f"torchrun-{spec['phase']}"  # not /tmp/torchelastic_*
+    scratch.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        *torchrun_log_args(str(scratch)),
+        "--nproc-per-node", str(world_size), "-m", "asyncrl.testing.contract_rank",
+        str(spec_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # own session: a rank hung in a collective is killed with the whole group
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"contract ranks timed out after {timeout} s (out of lockstep?):\n"
+                    f"{output[-6000:]}")  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"contract ranks failed (phase {spec['phase']}):\n{output[-8000:]}")
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     phase = spec["phase"]
     rank = _Rank(spec)
     states = Path(spec["states"])
+    if phase == "stuck":
+        rank.start()
+        return stuck(rank, float(spec["sleep_s"]))
     try:
         rank.start()
         if phase == "main":

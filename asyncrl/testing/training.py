@@ -43,10 +43,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,7 +50,6 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from asyncrl.procs.spawn import torchrun_log_args
 from asyncrl.testing.contract_rank import (
     FULLY_MASKED,
     MASKED_CHUNKS,
@@ -63,6 +58,7 @@ from asyncrl.testing.contract_rank import (
     STEP1,
     contract_loss_mask,
     contract_sequences,
+    launch_ranks,
     num_tokens,
     shard_chunk,
 )
@@ -226,32 +222,34 @@ class ContractRun:
         return source[rank][tag]["result"]
 
 
-def _launch(spec: dict[str, Any], world_size: int, timeout: float) -> None:
-    spec_path = Path(spec["out"]) / f"spec-{spec['phase']}.json"
-    spec_path.write_text(json.dumps(spec))
-    scratch = Path(spec["out"]) / f"torchrun-{spec['phase']}"  # not /tmp/torchelastic_*
-    scratch.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        *torchrun_log_args(str(scratch)),
-        "--nproc-per-node", str(world_size), "-m", "asyncrl.testing.contract_rank",
-        str(spec_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # own session: a rank hung in a collective is killed with the whole group
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"contract ranks timed out after {timeout} s (out of lockstep?):\n"
-                    f"{output[-6000:]}")  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"contract ranks failed (phase {spec['phase']}):\n{output[-8000:]}")
+STUCK_TIMEOUT_S = 3.0
+"""``failures.collective_timeout_s`` of the ``stuck`` phase."""
+
+
+def run_stuck(
+    backend: str, options: dict[str, Any], world_size: int, work: Path, timeout: float
+) -> list[dict[str, Any]]:
+    """Phase ``stuck`` (one rank sleeps past ``STUCK_TIMEOUT_S`` while the others enter a
+    collective): every rank's report."""
+    model_dir = build_tiny_qwen2(work / "model")
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    out, run_dir = work / "out", work / "run"
+    for d in (out, run_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "environment": {"name": "contract"},
+        "grpo": {"temperature": TEMPERATURE},
+        "trainer": {"backend": backend, "micro_batch_size": MICRO_BATCH_SIZE, "options": options},
+        "failures": {"collective_timeout_s": STUCK_TIMEOUT_S},
+    }
+    spec = {
+        "backend": backend, "config": config, "vocab_size": vocab_size, "out": str(out),
+        "states": str(work), "run_dir": str(run_dir), "phase": "stuck",
+        "sleep_s": STUCK_TIMEOUT_S + 5,
+    }  # fmt: skip
+    launch_ranks(spec, world_size, timeout)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 def run_contract(
@@ -282,11 +280,11 @@ def run_contract(
         "backend": backend, "config": config, "vocab_size": vocab_size, "out": str(out),
         "states": str(states), "run_dir": str(run_dir),
     }  # fmt: skip
-    _launch({**spec, "phase": "main"}, world_size, timeout)
+    launch_ranks({**spec, "phase": "main"}, world_size, timeout)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     resumed_out = work / "resumed"
     resumed_out.mkdir(exist_ok=True)
-    _launch({**spec, "phase": "resume", "out": str(resumed_out)}, world_size, timeout)
+    launch_ranks({**spec, "phase": "resume", "out": str(resumed_out)}, world_size, timeout)
     resumed = [json.loads((resumed_out / f"rank{r}.json").read_text()) for r in range(world_size)]
     for f in resumed_out.glob("weights-*.npz"):
         f.rename(out / f.name)
@@ -365,6 +363,28 @@ class TrainingBackendContract:
             work,
             timeout=cls.timeout,
         )
+
+    def test_a_rank_missing_from_a_collective_fails_within_the_timeout(
+        self, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
+        """One rank stops joining collectives (stuck in its compute, as a deadlock would
+        leave it): the others' call fails after ``failures.collective_timeout_s``, not after
+        torch's default 10 or 30 minutes, with the error the worker runtime turns into a
+        ``CollectiveTimeoutError`` (its event loop still answers the heartbeat, so nothing
+        else would see the hang)."""
+        from asyncrl.worker.trainer_runtime import collective_timed_out
+
+        if self.world_size < 2:
+            pytest.skip("one rank: no collective to be stuck in")
+        work = tmp_path_factory.mktemp(f"stuck-{self.backend}-{self.world_size}")
+        reports = run_stuck(self.backend, self.backend_options(dict(HYPERPARAMETERS)),
+                            self.world_size, work, self.timeout)  # fmt: skip
+        for report in reports[:-1]:
+            seen = report["stuck"]
+            assert seen["error"] is not None, "the collective completed without the last rank"
+            assert collective_timed_out(RuntimeError(seen["error"])), seen["error"]
+            # the timeout, and slack for a loaded 2-core host (measured: 3.0 s for gloo)
+            assert STUCK_TIMEOUT_S <= seen["seconds"] < STUCK_TIMEOUT_S + 3, seen
 
     # ---------------------------------------------------------------- forward
     def test_logprobs_match_float64_reference(self, contract: ContractRun) -> None:

@@ -1,9 +1,9 @@
 """The torch side of asyncrl, for training-backend authors.
 
 ``import asyncrl`` never imports torch; this package does (except :mod:`.options` and
-:mod:`.ledger`, which a backend's ``check_config`` may import in the controller). It holds
-what every first-party training backend shares, so a new backend inherits the exact same
-loss, batching and step bookkeeping:
+:mod:`.step_ledger`, which a backend's ``check_config`` may import in the controller). It
+holds what every first-party training backend shares, so a new backend inherits the exact
+same loss, batching and step bookkeeping:
 
 - :mod:`.loss`: the clipped-surrogate loss as a token *sum* (:func:`ppo_clip_loss`);
 - :mod:`.batches`: packed batches to right-padded micro-batches and response logprobs (the
@@ -12,7 +12,7 @@ loss, batching and step bookkeeping:
   ``deepspeed`` backends (lockstep micro-batching, the step ledger, exact normalization);
 - :mod:`.kv_calibration`: FP8 KV-cache scales from the trainer's own forwards;
 - :mod:`.options`: the ``[trainer.options]`` fields the backends share;
-- :mod:`.weights`: full weights in byte-budgeted groups for sharded exporters.
+- :mod:`.byte_groups`: full weights in byte-budgeted groups for sharded exporters.
 
 The contract suite that checks a backend against a float64 reference is
 :mod:`asyncrl.testing.training`.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["DistributedTrainer", "StepStateError"]
 
 if TYPE_CHECKING:
-    from asyncrl.training.ledger import StepStateError
+    from asyncrl.training.step_ledger import StepStateError
     from asyncrl.training.trainer import DistributedTrainer
 
 
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
         return DistributedTrainer
     if name == "StepStateError":
-        from asyncrl.training.ledger import StepStateError
+        from asyncrl.training.step_ledger import StepStateError
 
         return StepStateError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

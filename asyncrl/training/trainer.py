@@ -65,7 +65,7 @@ from asyncrl.training.batches import (
     to_device,
 )
 from asyncrl.training.kv_calibration import all_reduce_max, calibrate_kv_scales
-from asyncrl.training.ledger import StepLedger
+from asyncrl.training.step_ledger import StepLedger
 from asyncrl.training.loss import ppo_clip_loss
 from asyncrl.training.options import TrainerOptions
 
@@ -176,6 +176,7 @@ class DistributedTrainer:
             "download or export the model again",
             consequence="the run does not start",
         )
+        self._bound_collectives()
         caps = {
             "backend_version": self._engine_version(),
             "device": str(self._device),
@@ -220,6 +221,22 @@ class DistributedTrainer:
                 backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size
             )
         self._owns_process_group = True
+
+    def _bound_collectives(self) -> None:
+        """From now on, a collective of this rank's process group that waits longer than
+        ``failures.collective_timeout_s`` raises (gloo) or aborts the process (NCCL's
+        watchdog) instead of waiting torch's default 10 or 30 minutes: the worker's event loop
+        answers the heartbeat meanwhile, so nothing else would notice a rank stuck in one.
+        Set after the model is loaded, where ranks may legitimately wait long on each other;
+        left alone on a process group this backend did not create."""
+        seconds = self._ctx.config.failures.collective_timeout()
+        if not seconds or not self._owns_process_group:
+            return
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=seconds))
 
     def _started(self) -> torch.nn.Module:
         if self._closed:

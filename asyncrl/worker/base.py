@@ -22,9 +22,9 @@ engine's death caused it (:meth:`WorkerRuntime._own_failure`): a backend raises
 ``EngineDeadError`` itself for a failure its engine's death caused (the ``EngineWatch``
 contract); then the worker dies and its ``Dead`` says why.
 
-A role (:class:`~asyncrl.worker.rollout.RolloutRuntime`,
-:class:`~asyncrl.worker.trainer.TrainerRuntime`) names its backend's entry-point group and
-protocol, and says how its backend is created, started and closed and how its calls are
+A role (:class:`~asyncrl.worker.rollout_runtime.RolloutRuntime`,
+:class:`~asyncrl.worker.trainer_runtime.TrainerRuntime`) names its backend's entry-point group
+and protocol, and says how its backend is created, started and closed and how its calls are
 served. :func:`asyncrl.worker.runtime.serve` picks the role once, from the worker's group;
 nothing here asks which role it is.
 """

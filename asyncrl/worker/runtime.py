@@ -8,13 +8,13 @@
 
 Handshake: ``Hello`` → ``Init`` (the run config) → the backend is created, checked against
 its protocol, started → ``Ready``. The worker's group picks its runtime once, here:
-:class:`~asyncrl.worker.rollout.RolloutRuntime` serves every call as its own task (generation
-is concurrent); :class:`~asyncrl.worker.trainer.TrainerRuntime` runs calls strictly in arrival
-order on one dedicated thread. Both share :class:`~asyncrl.worker.base.WorkerRuntime` (calls,
-``Health``, the controller and engine watchers, closing). A backend failure during a call is
-reported as a ``Failure`` and the worker keeps serving; a failure outside a call (start-up, a
-backend that does not implement its protocol, a dead engine) is reported as ``Dead`` and the
-process exits non-zero.
+:class:`~asyncrl.worker.rollout_runtime.RolloutRuntime` serves every call as its own task
+(generation is concurrent); :class:`~asyncrl.worker.trainer_runtime.TrainerRuntime` runs calls
+strictly in arrival order on one dedicated thread. Both share
+:class:`~asyncrl.worker.base.WorkerRuntime` (calls, ``Health``, the controller and engine
+watchers, closing). A backend failure during a call is reported as a ``Failure`` and the
+worker keeps serving; a failure outside a call (start-up, a backend that does not implement
+its protocol, a dead engine) is reported as ``Dead`` and the process exits non-zero.
 
 After ``Shutdown`` the worker ignores SIGTERM: it is already leaving, and a SIGTERM that lands
 while a slow engine shuts down must not turn a clean exit into a failure (SIGKILL still works).
@@ -39,8 +39,8 @@ from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import PROTOCOL_VERSION, Dead, FromWorker, Hello, Init, Ready, ToWorker
 from asyncrl.wire.transport import DEALER, Context
 from asyncrl.worker.base import WorkerRuntime
-from asyncrl.worker.rollout import RolloutRuntime
-from asyncrl.worker.trainer import TrainerRuntime
+from asyncrl.worker.rollout_runtime import RolloutRuntime
+from asyncrl.worker.trainer_runtime import TrainerRuntime
 from asyncrl.procs.space import shm_dir
 
 __all__ = ["serve"]

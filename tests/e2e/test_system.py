@@ -254,11 +254,15 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -
     assert leaked == [], f"vLLM shared memory left: {leaked}"
 
 
-def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) -> None:
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path, how: str) -> None:
     """The same launch with ``failures.rollout_restarts`` (the default): vLLM's EngineCore is
-    SIGKILLed after the first step. The worker says why and exits, its rank (the supervisor)
-    kills what the engine left and starts a new worker, which is refitted to the trainer's
-    weights; the run trains every step and exits 0, leaving no process of any session."""
+    SIGKILLed after the first step, or SIGSTOPped (a hung engine behind a rollout worker whose
+    own loop still answers the heartbeat: the engine watch's liveness probe names it after
+    ``failures.heartbeat_timeout_s``). The worker says why and exits, its rank (the
+    supervisor) kills what the engine left and starts a new worker, which is refitted to the
+    trainer's weights; the run trains every step and exits 0, leaving no process of any
+    session."""
     import json
     import signal
     import subprocess
@@ -274,7 +278,9 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) ->
     )
 
     num_steps = 4
-    config = _launch_config(tmp_path, qwen_dir, num_steps, eval={"num_prompts": 8})
+    beat = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0}
+    config = _launch_config(tmp_path, qwen_dir, num_steps, eval={"num_prompts": 8},
+                            failures=beat)
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config) + "\n")
     log = tmp_path / "console.log"
@@ -297,7 +303,7 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) ->
         sessions |= {os.getsid(p.pid) for p in tree if p.is_running()}
         engine = [p for p in tree if "EngineCore" in p.name()]
         assert engine, "no engine process found"
-        engine[0].send_signal(signal.SIGKILL)
+        engine[0].send_signal(getattr(signal, how))
         while proc.poll() is None:
             assert time.monotonic() < deadline + 400, log.read_text()[-3000:]
             for p in psutil.Process(proc.pid).children(recursive=True):
@@ -320,5 +326,7 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) ->
     assert len([r for r in records if r["kind"] == "train"]) == num_steps
     (restart,) = [r for r in records if r["kind"] == "worker_restarted"]
     assert restart["worker"] == "rollout:0" and "EngineDeadError" in restart["error"], restart
+    if how == "SIGSTOP":
+        assert "answered no liveness probe in 5 s" in restart["error"], restart
     assert [r["label"] for r in records if r["kind"] == "eval"] == ["start", "end"]
-    print(f"\nRESTART | launch | vllm EngineCore SIGKILL | back in {restart['seconds']:.1f} s")
+    print(f"\nRESTART | launch | vllm EngineCore {how} | back in {restart['seconds']:.1f} s")

@@ -102,3 +102,72 @@ async def test_engine_death_during_a_refit_is_seen_at_once(
     # the launch-mode fault matrix checks /dev/shm after whole runs).
     leaked = [n for n in orphan_shm(shm_before) if not n.startswith("sem.mp-")]
     assert leaked == []
+
+
+PROBE_TIMEOUT_S = 3.0
+PROBE_INTERVAL_S = 0.5
+
+
+def probed_ctx(model_dir: Path, run_dir: Path):
+    """``make_ctx`` with a short heartbeat: the engine probe runs on its settings."""
+    from asyncrl.backend import WorkerContext
+    from asyncrl.config import from_dict
+
+    base = make_ctx(model_dir, run_dir)
+    raw = {
+        "model": {"path": str(model_dir)},
+        "environment": {"name": "arithmetic"},
+        "generator": {"backend": "vllm", "options": dict(base.config.generator.options)},
+        "failures": {
+            "heartbeat_interval_s": PROBE_INTERVAL_S,
+            "heartbeat_timeout_s": PROBE_TIMEOUT_S,
+        },
+    }
+    return WorkerContext("rollout", 0, 1, 0, from_dict(raw), str(run_dir))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("victim", ["EngineCore", "Worker"])
+async def test_a_stopped_engine_behind_a_live_worker_is_named_by_its_probe(
+    victim: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP one engine process: it does not exit, and the worker's own loop still answers
+    the controller's heartbeat. The watch's liveness probe of the engine core names the hang
+    within ``failures.heartbeat_timeout_s``, and close() kills the stopped processes."""
+    backend = plugins.load("asyncrl.generation_backends", "vllm")(probed_ctx(model_dir, tmp_path))
+    await backend.start()
+    pids = backend.engine_pids()
+    ipc_dir = backend._ipc_dir
+    try:
+        target = next(p for p in pids if victim in psutil.Process(p).name())
+        error: BaseException | None = None
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    nonlocal error
+                    try:
+                        await backend.watch()
+                    except EngineDeadError as exc:
+                        error = exc
+
+                tg.start_soon(watch)
+                await anyio.sleep(2 * PROBE_INTERVAL_S)  # answered probes: no verdict yet
+                assert error is None
+                stopped_at = time.monotonic()
+                os.kill(target, signal.SIGSTOP)
+        named_after = time.monotonic() - stopped_at
+        message = str(error)
+        assert "answered no liveness probe in 3 s (failures.heartbeat_timeout_s)" in message
+        assert "EngineCor" in message, message  # the core (comm name cut at 15 chars), whoever stalls it
+        print(f"{victim} stopped: named after {named_after:.2f} s: {message}")
+        # the timeout, plus up to one interval between probes; 2 s of slack for a loaded host
+        assert PROBE_TIMEOUT_S <= named_after < PROBE_TIMEOUT_S + PROBE_INTERVAL_S + 2
+    finally:
+        t0 = time.monotonic()
+        await backend.close()
+        closed_in = time.monotonic() - t0
+    print(f"close() with a stopped engine process: {closed_in:.1f} s")
+    assert closed_in < 20
+    assert alive(pids) == []
+    assert not os.path.exists(ipc_dir)

@@ -12,7 +12,7 @@ import pytest
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, Sample, SampleDone
 from asyncrl.wire.transport import PULL, PUSH, Context
-from asyncrl.worker.rollout import DATA_BATCH, RolloutRuntime
+from asyncrl.worker.rollout_runtime import DATA_BATCH, RolloutRuntime
 
 pytestmark = pytest.mark.asyncio
 

@@ -17,8 +17,8 @@ from asyncrl.backend import WorkerContext
 from asyncrl.errors import EngineDeadError, RequestError
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import FromWorker, GenRequest, GroupFailed, Init, TokenBatch
-from asyncrl.worker.rollout import RolloutRuntime
-from asyncrl.worker.trainer import TrainerRuntime
+from asyncrl.worker.rollout_runtime import RolloutRuntime
+from asyncrl.worker.trainer_runtime import TrainerRuntime
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -167,20 +167,75 @@ class _WedgedLLM:
     def __init__(self) -> None:
         self.entered = 0
 
-    async def collective_rpc(self, method: str, timeout: float, args: tuple) -> list:
+    async def collective_rpc(self, method: str, timeout: float, args: tuple = ()) -> list:
         self.entered += 1
         await anyio.sleep_forever()
 
 
-def _vllm_backend(lost: bool, pids: list[int] = ()) -> object:
+class _LiveLLM(_WedgedLLM):
+    """vLLM's front end over a live engine: every worker answers a ``collective_rpc``."""
+
+    async def collective_rpc(self, method: str, timeout: float, args: tuple = ()) -> list:
+        self.entered += 1
+        return [method]
+
+
+def _vllm_backend(
+    lost: bool, pids: list[int] = (), heartbeat: tuple[float, float] = (5.0, 0.0), llm=None
+) -> object:
+    """A vLLM backend around a stand-in front end (``_WedgedLLM`` by default);
+    ``heartbeat``: the run's ``failures.heartbeat_interval_s`` and ``_timeout_s`` (0: off)."""
+    from types import SimpleNamespace
+
+    from asyncrl.config import FailuresConfig
     from asyncrl_vllm.backend import VLLMBackend
     from asyncrl_vllm.death import EngineDeath
     from asyncrl_vllm.options import VLLMOptions
 
     b = VLLMBackend.__new__(VLLMBackend)
     b._death, b._reaper = EngineDeath(), _Reaper(lost, pids)
-    b.options, b._llm = VLLMOptions(rpc_timeout_s=300.0), _WedgedLLM()
+    b.options, b._llm = VLLMOptions(rpc_timeout_s=300.0), llm or _WedgedLLM()
+    interval, timeout = heartbeat
+    failures = FailuresConfig(heartbeat_interval_s=interval, heartbeat_timeout_s=timeout)
+    b.ctx = SimpleNamespace(config=SimpleNamespace(failures=failures))
     return b
+
+
+async def test_an_engine_that_stops_answering_is_named_by_the_watch_probe() -> None:
+    """The engine's processes live on, but the front end's ``collective_rpc`` never returns
+    (a stopped or deadlocked engine): the watch names the hang after the heartbeat timeout,
+    not never; while the engine answers, the watch keeps watching."""
+    import subprocess
+    import time
+
+    engine = subprocess.Popen(["sleep", "60"])
+    try:
+        live = _vllm_backend(False, [engine.pid], heartbeat=(0.05, 0.3), llm=_LiveLLM())
+        with anyio.move_on_after(1.0) as waited:
+            await live.watch()
+        assert waited.cancelled_caught  # no verdict while it answers
+        assert live._llm.entered >= 10  # probed every 0.05 s for 1 s (about 20 times)
+
+        hung = _vllm_backend(False, [engine.pid], heartbeat=(0.05, 0.3))
+        start = time.monotonic()
+        with anyio.fail_after(5), pytest.raises(EngineDeadError) as caught:
+            await hung.watch()
+        after = time.monotonic() - start
+        assert 0.3 <= after < 2.0, after  # the timeout, plus slack for a loaded 2-core host
+        assert f"(pid {engine.pid}) answered no liveness probe in 0.3 s" in str(caught.value)
+        assert "failures.heartbeat_timeout_s" in str(caught.value)
+        assert hung._llm.entered == 1
+        # the verdict stays: a later call into the engine ends at once
+        with anyio.fail_after(5), pytest.raises(EngineDeadError, match="liveness probe"):
+            await hung._rpc("asyncrl_finish_reload")
+
+        off = _vllm_backend(False, [engine.pid], heartbeat=(5.0, 0.0))
+        with anyio.move_on_after(0.5):
+            await off.watch()
+        assert off._llm.entered == 0  # heartbeat off: no probe
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 async def test_vllm_request_error_with_a_live_engine_passes_as_is() -> None:

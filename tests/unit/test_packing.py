@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncrl.policy.packing import Layout, check_packed
-from asyncrl.training.ledger import StepLedger, StepStateError
-from asyncrl.training.weights import byte_groups
+from asyncrl.training.byte_groups import byte_groups
+from asyncrl.training.step_ledger import StepLedger, StepStateError
 
 
 @st.composite

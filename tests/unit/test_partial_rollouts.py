@@ -17,7 +17,7 @@ import pytest
 
 from asyncrl.policy.groups import CompletedSample, Group, Part
 from asyncrl.run import book as bk
-from asyncrl.run.book_types import store
+from asyncrl.run.arrivals import store
 from asyncrl.run.checkpoint_dir import SavedSample
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataMessage, Sample, SampleDone

@@ -24,8 +24,8 @@ from asyncrl.backend import (
 )
 from asyncrl.errors import PluginError
 from asyncrl.wire.messages import Init
-from asyncrl.worker.rollout import RolloutRuntime
-from asyncrl.worker.trainer import TrainerRuntime
+from asyncrl.worker.rollout_runtime import RolloutRuntime
+from asyncrl.worker.trainer_runtime import TrainerRuntime
 
 GEN = "asyncrl.generation_backends"
 TRAIN = "asyncrl.training_backends"

@@ -44,8 +44,8 @@ from asyncrl.wire.messages import (
     TokenBatch,
     ToWorker,
 )
-from asyncrl.worker.rollout import RolloutRuntime
-from asyncrl.worker.trainer import TrainerRuntime
+from asyncrl.worker.rollout_runtime import RolloutRuntime
+from asyncrl.worker.trainer_runtime import TrainerRuntime
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -298,3 +298,63 @@ async def test_a_backend_that_breaks_its_protocol_is_the_workers_dead_message(
         assert len(failed) == 1 and str(failed[0]) == dead.reason.removeprefix("PluginError: ")
     finally:
         ctx.close()
+
+
+class _StuckCollective(_Trainer):
+    """A trainer whose ``begin_step`` raises what torch's gloo raises for a collective that
+    outlasted its timeout when ``timed_out``, else an ordinary error."""
+
+    def __init__(self, timed_out: bool) -> None:
+        super().__init__()
+        self.timed_out = timed_out
+
+    def begin_step(self, step: int) -> None:
+        if self.timed_out:  # the text of torch 2.13's gloo, seen on this host
+            raise RuntimeError(
+                "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "3000ms for recv operation to complete"
+            )
+        raise RuntimeError("CUDA out of memory in one micro-batch")
+
+
+@pytest.mark.parametrize("timed_out", [True, False])
+async def test_a_collective_that_timed_out_kills_the_trainer_rank_naming_it(
+    timed_out: bool,
+) -> None:
+    """A call that raised is that call's ``Failure`` (a step may be retried), except a
+    collective that outlasted ``failures.collective_timeout_s``: the process group is broken,
+    so serving ends with a ``CollectiveTimeoutError`` (the rank's ``Dead``) naming the rank,
+    the timeout and its setting."""
+    from types import SimpleNamespace
+
+    from asyncrl.config import FailuresConfig
+    from asyncrl.errors import CollectiveTimeoutError, flatten
+
+    config = SimpleNamespace(failures=FailuresConfig(collective_timeout_s=3))
+    wctx = WorkerContext(group="trainer", rank=1, world_size=2, local_rank=1, config=config,
+                         run_dir="")  # fmt: skip
+    control = _Control()
+    rt = TrainerRuntime(None, control, INIT, wctx)
+    rt.adopt(_StuckCollective(timed_out), plugin="fake")
+    try:
+        if timed_out:
+            with pytest.raises(BaseExceptionGroup) as caught:  # run() reports the leaf
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(rt.serve_calls)
+                    control.call(1, BeginStep(step=1))
+            (error,) = flatten(caught.value)
+            assert isinstance(error, CollectiveTimeoutError)
+            message = str(error)
+            assert message.startswith("trainer rank 1: a torch collective waited more than 3 s "
+                                      "(failures.collective_timeout_s)"), message
+            assert "Timed out waiting 3000ms" in message
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(rt.serve_calls)
+                control.call(1, BeginStep(step=1))
+                failure = await control.answer()
+                assert isinstance(failure, Failure) and "out of memory" in failure.message
+                control.shutdown()
+    finally:
+        await rt.close()
+        control.close()

@@ -1,4 +1,4 @@
-"""The worker runtime's dedicated backend thread (``asyncrl.worker.trainer._Thread``)."""
+"""The worker runtime's dedicated backend thread (``asyncrl.worker.trainer_runtime._Thread``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 
-from asyncrl.worker.trainer import _Thread
+from asyncrl.worker.trainer_runtime import _Thread
 
 
 @pytest.mark.asyncio

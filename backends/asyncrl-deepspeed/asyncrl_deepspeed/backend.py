@@ -36,7 +36,7 @@ import deepspeed  # noqa: E402
 
 from asyncrl.backend import WeightTensor, WorkerContext  # noqa: E402
 from asyncrl.training import DistributedTrainer  # noqa: E402
-from asyncrl.training.weights import byte_groups  # noqa: E402
+from asyncrl.training.byte_groups import byte_groups  # noqa: E402
 
 from .options import DeepSpeedOptions, parse_options  # noqa: E402
 

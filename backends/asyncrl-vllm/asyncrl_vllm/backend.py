@@ -35,7 +35,7 @@ from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 from .idle import ENV_VAR as IDLE_ENV_VAR
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
 from .processes import TORCHRUN_VARS, environ, gpu_first, mapped_shm, unlink_shm
-from .death import UNNAMED, EngineDeath
+from .death import UNNAMED, EngineDeath, Probe
 from .reaper import Reaper
 from .refit import EngineWeights, _Update
 from .scoring import response_logprobs, split_batch
@@ -414,14 +414,17 @@ class VLLMBackend(EngineWeights):
             ) from None
 
     async def watch(self) -> None:
-        """Never return while the engine's processes run; raise
+        """Never return while the engine's processes run and answer; raise
         :class:`~asyncrl.errors.EngineDeadError` naming the first one that exits (its exit code
-        when we can read it), so the worker stops at once. Every call into the engine ends
-        then too (:class:`~asyncrl_vllm.death.EngineDeath`). Cancellation: stops watching."""
+        when we can read it), or the core when it leaves a liveness probe unanswered for
+        ``failures.heartbeat_timeout_s`` (a hung engine behind this worker's live event loop),
+        so the worker stops at once. Every call into the engine ends then too
+        (:class:`~asyncrl_vllm.death.EngineDeath`). Cancellation: stops watching."""
         if self._reaper is not None and self._reaper.lost():  # gone before we could watch it
             self._death.declare("exited before the engine watch began")
             raise self._death.error()
-        await self._death.watch(self.engine_pids())
+        probe = Probe.heartbeat(self._require(), self.ctx.config.failures)
+        await self._death.watch(self.engine_pids(), probe)
 
     def engine_pids(self) -> list[int]:
         """PIDs of this engine's processes (engine core, workers) alive now."""

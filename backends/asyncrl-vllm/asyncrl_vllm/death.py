@@ -14,8 +14,10 @@ no race: vLLM's front end fails them itself when the engine dies.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -23,12 +25,43 @@ import anyio
 from asyncrl.errors import EngineDeadError
 from asyncrl.procs.process import exit_code_after_exit, process_name, wait_pid_exit
 
-__all__ = ["EngineDeath"]
+__all__ = ["EngineDeath", "Probe"]
 
 T = TypeVar("T")
 
 UNNAMED = "a process is gone (the engine watch has not named it)"
 """The reason when vLLM's front end saw the death before the watch could name the process."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A liveness probe of the engine: ``ask`` is a call the engine core answers between two
+    engine steps (a utility call), made every ``interval_s``; no answer within ``timeout_s``
+    and the engine is hung (stopped, or deadlocked in a step, for example a worker stuck in a
+    collective): its processes are alive, so no exit would ever say so."""
+
+    ask: Callable[[], Awaitable[object]]
+    interval_s: float
+    timeout_s: float
+    setting: str
+    """The setting ``timeout_s`` comes from, named in the reason."""
+
+    @classmethod
+    def heartbeat(cls, llm: Any, failures: Any) -> Probe | None:
+        """The engine's probe on the run's heartbeat settings (``failures``; ``None`` when
+        the heartbeat is off): ``asyncrl_alive`` on every engine worker, a utility call the
+        core relays between two engine steps whatever the scheduler is doing (paused for a
+        refit included), so a stopped or deadlocked core or worker leaves it unanswered, also
+        while the engine is idle."""
+        timeout = failures.heartbeat_timeout_s
+        if not timeout:
+            return None
+        return cls(
+            functools.partial(llm.collective_rpc, "asyncrl_alive", timeout=timeout),
+            failures.heartbeat_interval_s,
+            timeout,
+            "failures.heartbeat_timeout_s",
+        )
 
 
 class EngineDeath:
@@ -92,12 +125,14 @@ class EngineDeath:
             return result[0]
         raise self.error()
 
-    async def watch(self, pids: list[int]) -> None:
-        """Never return while every process in ``pids`` runs; declare the first one that exits
-        (its name, and its exit code when it can be read) and raise :meth:`error`.
+    async def watch(self, pids: list[int], probe: Probe | None = None) -> None:
+        """Never return while every process in ``pids`` runs (and, with ``probe``, the engine
+        answers it); declare the first one that exits (its name, and its exit code when it can
+        be read), or the hang, and raise :meth:`error`.
 
         Raises:
-            EngineDeadError: a process exited, or ``pids`` is empty.
+            EngineDeadError: a process exited, the engine left a probe unanswered for
+                ``probe.timeout_s``, or ``pids`` is empty.
 
         Cancellation: stops watching.
         """
@@ -119,4 +154,22 @@ class EngineDeath:
         async with anyio.create_task_group() as tg:
             for pid in pids:
                 tg.start_soon(one, pid, tg.cancel_scope)
+            if probe is not None:
+                core = next((p for p in pids if p in children), pids[0])
+                tg.start_soon(self._probe, probe, f"{names[core]} (pid {core})", tg.cancel_scope)
         raise self.error()
+
+    async def _probe(self, probe: Probe, core: str, scope: anyio.CancelScope) -> None:
+        """Ask ``probe`` every interval; declare the hang at the first unanswered one."""
+        while True:
+            with anyio.move_on_after(probe.timeout_s) as waited:
+                await probe.ask()
+            if waited.cancelled_caught:
+                self.declare(
+                    f"{core} answered no liveness probe in {probe.timeout_s:g} s "
+                    f"({probe.setting}): it, or an engine worker it waits on, is stopped or "
+                    "deadlocked (the processes are alive; they are killed now)"
+                )
+                scope.cancel()
+                return
+            await anyio.sleep(probe.interval_s)

@@ -535,6 +535,11 @@ class AsyncRLWorkerExtension:
         self._asyncrl_sync()
         return {"mode": mode, "redispatched": redispatched, "kv_scales": changed}
 
+    def asyncrl_alive(self) -> int:
+        """The engine's liveness probe (:meth:`VLLMBackend.watch`): this worker's pid, from a
+        worker whose loop turns, relayed by an engine core whose loop turns."""
+        return os.getpid()
+
     def asyncrl_idle_spin(self) -> float | None:
         """The idle spin this worker runs with (``None``: vLLM's 1 s; see
         :mod:`asyncrl_vllm.idle`)."""

@@ -32,7 +32,7 @@ from asyncrl.backend import (
     drain_weights,
 )
 from asyncrl.config import Config
-from asyncrl.errors import ProtocolError
+from asyncrl.errors import CollectiveTimeoutError, ProtocolError
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.wire.messages import (
     BeginStep,
@@ -61,6 +61,22 @@ CALL_QUEUE_SIZE = 16
 """Calls received and waiting for the backend's thread (the controller sends a trainer a few
 at a time; a full queue holds the receiving loop, never a ``Health`` probe)."""
 T = TypeVar("T")
+
+COLLECTIVE_TIMEOUTS = (
+    "Timed out waiting",  # gloo: a send or receive of a collective outlasted the timeout
+    "Application timeout caused pair closure",  # gloo: the next use of a timed-out pair
+    "Watchdog caught collective operation timeout",  # NCCL, when it does not abort first
+)
+"""What torch says when a collective outlasted its process group's timeout (gloo raises a
+plain ``RuntimeError``; NCCL's watchdog usually aborts the process, a death)."""
+
+
+def collective_timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` says a torch collective outlasted its timeout, or (a
+    ``DistBackendError``) that the process group failed: it cannot be used again."""
+    if type(exc).__name__ == "DistBackendError":
+        return True
+    return any(marker in str(exc) for marker in COLLECTIVE_TIMEOUTS)
 
 
 class _Thread:
@@ -181,6 +197,26 @@ class TrainerRuntime(WorkerRuntime):
         (the collective's timeout) or the controller's SIGKILL. Not bounded here: a running
         torch call cannot be interrupted."""
         await self.thread.run(self.backend.close)
+
+    def _own_failure(self, exc: Exception) -> bool:
+        """A call's failure is its own (a ``Failure``; a step may be retried), except a
+        collective that timed out: the process group is broken, so the rank dies with a
+        :class:`~asyncrl.errors.CollectiveTimeoutError` naming it and the run stops.
+
+        Raises:
+            CollectiveTimeoutError: ``exc`` says a collective outlasted its timeout.
+            WorkerError: as :meth:`WorkerRuntime._own_failure`.
+        """
+        if collective_timed_out(exc):
+            seconds = self.wctx.config.failures.collective_timeout()
+            limit = f"{seconds:g} s" if seconds else "torch's default timeout"
+            raise CollectiveTimeoutError(
+                f"trainer rank {self.wctx.rank}: a torch collective waited more than {limit} "
+                "(failures.collective_timeout_s) for the other ranks: one is stuck in its "
+                "compute or gone, or their calls are out of step; the process group cannot be "
+                f"used again ({type(exc).__name__}: {str(exc)[:300]})"
+            ) from exc
+        return super()._own_failure(exc)
 
     def _release(self) -> None:
         if self.sender is not None:
