@@ -82,6 +82,7 @@ with ``--machine``, else ``runs/benchmarks/gateway.json``).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import gc
@@ -94,6 +95,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +117,9 @@ def config(model: Path, out: Path, args: argparse.Namespace, sessions: int) -> d
     return {
         "model": {"path": str(model)},
         "environment": {"name": "repeat-digit"},
-        "run": {"num_steps": 100_000, "seed": 0, "output_dir": str(out)},  # cancelled first
+        "run": {"num_steps": 100_000, "seed": 0, "output_dir": str(out),  # cancelled first
+                **({} if args.gc_young_interval is None
+                   else {"gc_young_interval_s": args.gc_young_interval})},  # fmt: skip
         "cluster": {"trainer_ranks": 1, "rollout_ranks": args.ranks, "shutdown_grace_s": 5.0},
         "grpo": {"prompts_per_step": prompts, "samples_per_prompt": samples,
                  "max_new_tokens": args.turn_tokens},  # fmt: skip
@@ -147,8 +151,8 @@ async def controller_child(args: argparse.Namespace) -> None:
     seconds = args.single_seconds if sessions == 1 else args.seconds
     lags: list[tuple[float, float]] = []
     load: list[tuple[float, int, int]] = []  # at, step, inflight_samples
-    pauses: list[tuple[float, int, float]] = []  # at, generation, seconds: the collector's
-    gc.callbacks.append(gc_timer(pauses))
+    pauses: list[Pause] = []  # the collector's
+    gc.callbacks.append(gc_timer(pauses, census=args.gc_census))
     window: dict[str, float] = {}
     ctl: Any = None
 
@@ -226,25 +230,65 @@ async def controller_child(args: argparse.Namespace) -> None:
             raise SystemExit(f"the agents exited with {[a.returncode for a in agents]}")
         raw = merge([json.loads(out.read_text()) for out in outs])
     out = summarize(raw, lags, load, window, sessions)
-    at = [(g, d) for t, g, d in pauses if window["start"] <= t <= window["end"]]
-    out["gc_pauses_ms"] = {f"gen{g}": {"count": sum(1 for x, _ in at if x == g),
-                                       **quantiles([d for x, d in at if x == g])}
-                           for g in range(3)}  # fmt: skip
+    if CENSUS:
+        out["gc_census_types"] = dict(CENSUS.most_common(40))
+    out["gc_pauses_ms"] = gc_summary([p for p in pauses if window["start"] <= p.at <= window["end"]])
     args.child_out.write_text(json.dumps(out))
 
 
-def gc_timer(pauses: list[tuple[float, int, float]]) -> Any:
-    """A ``gc.callbacks`` entry that records each collection's generation and duration."""
-    started = [0.0]
+@dataclass
+class Pause:
+    """One collection: when it ended, its generation, its wall and thread-CPU seconds (a
+    collection whose finalizers let other threads run takes longer than its own CPU), the
+    objects it found unreachable, and (``--gc-census``) how many it had to examine."""
+
+    at: float
+    generation: int
+    wall: float
+    cpu: float
+    collected: int
+    examined: int | None
+
+
+CENSUS: collections.Counter[str] = collections.Counter()
+"""``--gc-census``: the types of the objects the collections examined, over the run."""
+
+
+def gc_timer(pauses: list[Pause], census: bool = False) -> Any:
+    """A ``gc.callbacks`` entry that records each collection (:class:`Pause`). ``census``
+    counts the objects of the generations collected first (costly: outside the timing)."""
+    started = [0.0, 0.0]
+    examined: list[int | None] = [None]
 
     def callback(phase: str, info: dict[str, Any]) -> None:
-        now = time.monotonic()
         if phase == "start":
-            started[0] = now
-        else:
-            pauses.append((now, info["generation"], now - started[0]))
+            if census:
+                objects = [o for g in range(info["generation"] + 1) for o in gc.get_objects(g)]
+                examined[0] = len(objects)
+                CENSUS.update(f"{type(o).__module__}.{type(o).__qualname__}" for o in objects)
+                del objects
+            started[:] = time.monotonic(), time.thread_time()
+            return
+        now, cpu = time.monotonic(), time.thread_time()
+        pauses.append(Pause(now, info["generation"], now - started[0], cpu - started[1],
+                            info["collected"], examined[0]))  # fmt: skip
 
     return callback
+
+
+def gc_summary(pauses: list[Pause]) -> dict[str, Any]:
+    """Per generation: how many collections, their wall time's quantiles (ms), the mean
+    thread-CPU time (ms), objects found unreachable and (census) examined."""
+    out: dict[str, Any] = {}
+    for g in range(3):
+        mine = [p for p in pauses if p.generation == g]
+        out[f"gen{g}"] = {"count": len(mine), **quantiles([p.wall for p in mine])}
+        if mine:
+            out[f"gen{g}"]["cpu_mean"] = 1e3 * float(np.mean([p.cpu for p in mine]))
+            out[f"gen{g}"]["collected_mean"] = float(np.mean([p.collected for p in mine]))
+            if mine[0].examined is not None:
+                out[f"gen{g}"]["examined_mean"] = float(np.mean([p.examined for p in mine]))
+    return out
 
 
 async def lag_probe(lags: list[tuple[float, float]]) -> None:
@@ -462,8 +506,10 @@ def report(results: dict[str, Any]) -> None:
             f"  controller loop lag: {fmt(r['loop_lag_ms'])} ({r['loop_lag_samples']} samples), "
             f"loop thread {100 * r['loop_busy']:.0f}% busy\n"
             f"  garbage collections: " + "; ".join(
-                f"{g} {q['count']} ({fmt(q)})" for g, q in r.get("gc_pauses_ms", {}).items()
-                if q["count"]) + "\n"
+                f"{g} {q['count']} ({fmt(q)}; CPU {q['cpu_mean']:.1f} ms, "
+                f"{q['collected_mean']:.0f} collected"
+                + (f", {q['examined_mean']:.0f} examined" if "examined_mean" in q else "") + ")"
+                for g, q in r.get("gc_pauses_ms", {}).items() if q["count"]) + "\n"
             f"  agents' loop lag: {fmt(r['agents_loop_lag_ms'])}, agents' process "
             f"{100 * (r['agents_cpu'] or 0):.0f}% of a CPU\n"
             f"  claim: {fmt(r['claim_ms'])}; reward: {fmt(r['reward_ms'])}\n"
@@ -478,7 +524,9 @@ def measure(args: argparse.Namespace, sessions: int) -> dict[str, Any]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "controller",
                "--child-sessions", str(sessions), "--child-out", str(out)]  # fmt: skip
         cmd += ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client
-        cmd += ["--profile", args.profile] * bool(args.profile)
+        cmd += ["--profile", args.profile] * bool(args.profile) + ["--gc-census"] * args.gc_census
+        if args.gc_young_interval is not None:
+            cmd += ["--gc-young-interval", str(args.gc_young_interval)]
         for flag in ("prompts", "samples", "ranks", "turn_tokens", "token_delay", "agent_procs",
                      "warmup_steps", "seconds", "single_seconds", "warmup_timeout"):  # fmt: skip
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -506,6 +554,8 @@ def main(args: argparse.Namespace) -> None:
             "single_seconds": args.single_seconds,
             "max_concurrent_requests": MAX_CONCURRENT_REQUESTS,
             "agent_processes": args.agent_procs,
+            "gc_young_interval_s": "the config's default" if args.gc_young_interval is None
+            else args.gc_young_interval,
             "http_parser": "httptools" if importlib.util.find_spec("httptools") else "h11",
             "client": "one httpx.AsyncClient for all agents, a pool of as many connections"
             if args.shared_client else "httpx.AsyncClient per agent, one connection each",
@@ -546,6 +596,12 @@ if __name__ == "__main__":
     parser.add_argument("--profile", default="",
                         help="cProfile the controller's thread (CPU time) over the window to "
                              "PROFILE.<sessions> (the figures then include its cost)")
+    parser.add_argument("--gc-census", action="store_true",
+                        help="count the objects each collection examines (slow, outside the "
+                             "timing; for diagnosis)")
+    parser.add_argument("--gc-young-interval", type=float, default=None,
+                        help="run.gc_young_interval_s (default: the config's; 0: Python's "
+                             "own collector, to compare)")
     parser.add_argument("--agent-procs", type=int, default=1,
                         help="load generator processes (the agents split between them)")
     parser.add_argument("--shared-client", action="store_true",

@@ -34,19 +34,29 @@ class RunConfig(Section):
     """While training, exclude the objects alive at its start from the garbage collector's
     scans (``gc.freeze``; undone at the end): a full collection over the start-up heap stalled
     the controller's event loop 20-30 ms, 5 ms with it."""
-    gc_young_threshold: int = 10_000
-    """While training, the garbage collector's first threshold (allocations between young
-    collections; Python's default is 700; restored at the end). With ~1,000 episodes in flight
-    the default's frequent collections, and the older generations' that they set off, held the
-    controller's event loop often enough to put the loop lag's p99 at 24-27 ms; 10,000: 8-9 ms
-    (benchmarks/episodes.py, 2 cores). 0 leaves Python's setting."""
+    gc_young_interval_s: float = 0.05
+    """While training, Python's automatic garbage collector is off and the controller runs
+    a young collection this often (a few ms each), and a full one every
+    ``gc_full_interval_s`` (asyncrl/obs/collector.py). Left to itself, the collector came
+    rarely and then scanned every call and episode in flight: at 1,000 gateway sessions, 92 ms
+    pauses, with nothing to collect (benchmarks/gateway.py). ``0``: Python's own collector."""
+    gc_full_interval_s: float = 60.0
+    """While training (with ``gc_young_interval_s``), a full collection this often: cyclic
+    garbage among objects that outlived a young collection waits for it. ``0``: none."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[run]``."""
         out = at_least_one({"run.num_steps": self.num_steps})
-        if self.gc_young_threshold < 0:
-            out.append(fail("run.gc_young_threshold", f"{self.gc_young_threshold} is negative",
-                            "give a count of allocations (10000), or 0 for Python's own"))  # fmt: skip
+        for key in ("gc_young_interval_s", "gc_full_interval_s"):
+            value = getattr(self, key)
+            if not 0 <= value < float("inf"):
+                out.append(fail(f"run.{key}", f"{value} is not a duration",
+                                "give seconds >= 0 (0: Python's own collector / no full "
+                                "collections)"))  # fmt: skip
+        young, full = self.gc_young_interval_s, self.gc_full_interval_s
+        if young and full and full < young:
+            out.append(fail("run.gc_full_interval_s", f"{full} s is below gc_young_interval_s",
+                            f"use e.g. 60 (at least {young:g}), or 0 for none"))  # fmt: skip
         return out
 
 

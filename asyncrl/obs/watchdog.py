@@ -12,20 +12,18 @@ The thread belongs to the ``run`` task: cancelling the task stops and joins it.
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import structlog
 
-__all__ = ["LoopLag", "LoopWatchdog", "gc_tuned", "stacks"]
+__all__ = ["LoopLag", "LoopWatchdog", "stacks"]
 
 log = structlog.get_logger("asyncrl.obs.watchdog")
 
@@ -124,30 +122,3 @@ class LoopLag:
         lags = list(self._lags)
         self._lags.clear()
         return lags
-
-
-@contextmanager
-def gc_tuned(freeze: bool, young_threshold: int) -> Iterator[None]:
-    """While training, make the cyclic garbage collector hold the event loop less, both
-    undone afterwards so that an embedding host gets its collector back as it was:
-
-    * ``freeze``: keep the objects alive at the start out of its scans (``gc.freeze``): a full
-      collection over the start-up heap stalled the event loop 20-30 ms
-      (benchmarks/modes.py --part lag); with it the worst stall measured 5 ms.
-    * ``young_threshold`` (> 0): allocations between young collections (Python's 700). An
-      episode's objects live for seconds, so with ~1,000 in flight every young collection
-      passes hundreds on to the older generations, whose collections then come often and
-      take 10-100 ms each (benchmarks/episodes.py).
-    """
-    before = gc.get_threshold()
-    if young_threshold:
-        gc.set_threshold(young_threshold, *before[1:])
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.unfreeze()
-        gc.set_threshold(*before)

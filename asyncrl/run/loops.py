@@ -47,7 +47,8 @@ from asyncrl.data.prompts import PromptStream, Tokenizer, sample_seed
 from asyncrl.environment import Environment
 from asyncrl.obs.console import Console
 from asyncrl.obs.steps import StepRecord, log_step
-from asyncrl.obs.watchdog import LoopLag, LoopWatchdog, gc_tuned
+from asyncrl.obs.collector import collector_paused, pace
+from asyncrl.obs.watchdog import LoopLag, LoopWatchdog
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.schedule import Scheduler, StepStats
 from asyncrl.run.assembly import Publisher, StepAssembler
@@ -227,7 +228,7 @@ class Pipeline:
         Cancellation: the loops stop; checkpoint requests still waiting are answered.
         """
         try:
-            with gc_tuned(self.config.run.gc_freeze, self.config.run.gc_young_threshold):
+            with collector_paused(self.config.run.gc_freeze, self.config.run.gc_young_interval_s):
                 await self._run()
         finally:
             self.checkpointer.close()
@@ -236,6 +237,9 @@ class Pipeline:
     async def _run(self) -> None:
         cfg = self.config
         async with anyio.create_task_group() as tg:
+            if cfg.run.gc_young_interval_s:
+                tg.start_soon(pace, cfg.run.gc_young_interval_s, cfg.run.gc_full_interval_s,
+                              name="gc-pacer")  # fmt: skip
             tg.start_soon(self.feeder.run, name="buffer-feeder")
             if self.episodes is not None:
                 await tg.start(self.episodes.run, name="episodes")

@@ -117,7 +117,9 @@ def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
         ("[grpo]\nsamples_per_prompt = 1\n", "grpo.samples_per_prompt", ">= 2"),
         ("[grpo]\ntemperature = 0.0\n", "grpo.temperature", "1.0"),
         ("[run]\nnum_steps = 0\n", "run.num_steps", "positive"),
-        ("[run]\ngc_young_threshold = -1\n", "run.gc_young_threshold", "0 for Python's own"),
+        ("[run]\ngc_young_interval_s = -1\n", "run.gc_young_interval_s", "0: Python's own"),
+        ("[run]\ngc_full_interval_s = inf\n", "run.gc_full_interval_s", "seconds >= 0"),
+        ("[run]\ngc_full_interval_s = 0.01\n", "run.gc_full_interval_s", "at least 0.05"),
         (
             "[grpo]\nprompts_per_step = 4\n[pipeline]\nmin_groups_for_streaming_train = 5\n",
             "pipeline.min_groups_for_streaming_train",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncrl.obs.watchdog import LoopWatchdog, gc_tuned
+from asyncrl.obs.watchdog import LoopWatchdog
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -51,19 +50,3 @@ async def test_a_turning_loop_is_not_reported() -> None:
         tg.cancel_scope.cancel()
     assert seen == []
     assert not [t for t in threading.enumerate() if t.name == "asyncrl-loop-watchdog"]
-
-
-@pytest.mark.parametrize(("freeze", "young"), [(True, 10_000), (False, 0), (True, 0)])
-def test_gc_tuned_is_undone_also_when_the_run_raises(freeze: bool, young: int) -> None:
-    """While training the collector runs with the run's settings; afterwards (a raise
-    included) the host's thresholds are back and nothing stays frozen."""
-    before = gc.get_threshold()
-    gc.set_threshold(500, 7, 9)  # the embedding host's own settings
-    try:
-        with pytest.raises(RuntimeError, match="the run failed"), gc_tuned(freeze, young):
-            assert gc.get_threshold() == ((young or 500), 7, 9)
-            assert (gc.get_freeze_count() > 0) == freeze
-            raise RuntimeError("the run failed")
-        assert gc.get_threshold() == (500, 7, 9) and gc.get_freeze_count() == 0
-    finally:
-        gc.set_threshold(*before)
