@@ -53,12 +53,15 @@ def _register() -> Any:
 
 def side_env(tree: Path, metadata: Path) -> tuple[dict[str, str], list[str]]:
     """``PYTHONPATH`` for one side: its dist-infos (written into ``metadata``), then its tree,
-    plugins and backends; and the packages those project roots hold (``asyncrl``,
+    plugins and backends, then what ``PYTHONPATH`` held already (dependencies unpacked into a
+    folder, as on the GPU host); and the packages those project roots hold (``asyncrl``,
     ``asyncrl_example_backend``...), which the side must import from its own tree."""
     roots = _register()(tree, metadata)
     packages = [p.name for root in roots for p in sorted(Path(root).iterdir())
                 if (p / "__init__.py").is_file()]  # fmt: skip
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(metadata), *roots])}, packages
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = os.pathsep.join([str(metadata), *roots, *inherited])
+    return {**os.environ, "PYTHONPATH": path}, packages
 
 
 _PROBE = """

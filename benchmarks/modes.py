@@ -73,7 +73,8 @@ def base_config(model: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     return {
         "model": {"path": str(model)},
         "environment": {"name": "repeat-digit"},
-        "run": {"num_steps": args.steps, "seed": 0, "output_dir": str(out)},
+        "run": {"num_steps": args.steps, "seed": 0, "output_dir": str(out)}
+        | ({} if args.gc_young_interval is None else {"gc_young_interval_s": args.gc_young_interval}),
         "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "shutdown_grace_s": 5.0},
         "grpo": {
             "prompts_per_step": args.prompts,
@@ -392,6 +393,10 @@ if __name__ == "__main__":
         type=int,
         default=100,
         help="samples in flight in the lag part (sets the sample rate)",
+    )
+    parser.add_argument(
+        "--gc-young-interval", type=float, default=None,
+        help="run.gc_young_interval_s for every run (default: the config's; 0: Python's own)",
     )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)

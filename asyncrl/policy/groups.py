@@ -126,6 +126,8 @@ class CompletedSample:
     def trained_versions(self, unknown: int) -> np.ndarray:
         """The weight versions of every token this sample trains (its split-off sequences'
         included), ``unknown`` for tokens whose version was not recorded."""
+        if self.loss_mask is None and self.versions is not None and not self.earlier:
+            return np.asarray(self.versions, np.int32)  # every token trains (single-turn)
         own = _trained_versions(self.versions, self.trained_mask(), unknown)
         if not self.earlier:
             return own

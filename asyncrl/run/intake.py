@@ -156,6 +156,7 @@ def _completed(
         reward,
         bool(score.correct),
         components,
+        versions=sample.versions,
     )
 
 

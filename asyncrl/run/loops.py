@@ -411,6 +411,7 @@ class Pipeline:
         await anyio.lowlevel.checkpoint()  # the pumps go first: logging can wait
         await self.publisher.verify(step, rec)
         self._log_step(rec, finish[0], stats)
+        await anyio.lowlevel.checkpoint()  # the record took ~1 ms; the next chunk's packing another
         del self.steps[step]
         self.publisher.check_verified(rec)
         # a step boundary: no step open, the gate open, the trainer at step + 1

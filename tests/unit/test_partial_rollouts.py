@@ -90,6 +90,66 @@ def test_a_sample_trains_the_versions_of_its_generated_tokens_only() -> None:
     assert unknown.trained_versions(unknown=3).tolist() == [3, 3, 3, 3]
 
 
+def test_a_scored_single_turn_sample_keeps_its_versions() -> None:
+    """The feeder's scoring carries a sample's per-token versions into what trains (the
+    step's token staleness reads them; they were once dropped here)."""
+    from asyncrl.environment import Prompt
+    from asyncrl.run.intake import score_samples
+
+    env = SimpleNamespace(score=lambda prompt, completion: SimpleNamespace(reward=1.0, correct=True))
+    tok = SimpleNamespace(decode=lambda ids: "x")
+    raw = Sample(TOKENS, LPS, "stop", np.array([2, 2, 3, 3], np.int32))
+    (done,) = score_samples(env, tok, "env", Prompt("p0", "q"), [raw])  # type: ignore[arg-type]
+    assert done.versions.tolist() == [2, 2, 3, 3]
+    assert done.trained_versions(unknown=0).tolist() == [2, 2, 3, 3]
+
+
+def test_token_staleness_counts_every_trained_token_at_its_own_version() -> None:
+    """The step record's per-token staleness against a count token by token, written here:
+    single-turn samples across a refit, masked episode samples with a split-off part, and
+    samples restored without versions (their group's start version)."""
+    from asyncrl.obs.steps import StepRecord
+
+    rng = np.random.default_rng(7)
+    step, groups, expected = 6, [], []
+    for gi in range(40):
+        start = int(rng.integers(3, 7))
+        g = Group(f"g{gi}", "p", [1], start, None, 0.0, [], index=gi)
+        for _ in range(4):
+            n = int(rng.integers(1, 6))
+            kind = rng.integers(0, 3)
+            versions = np.sort(rng.integers(start, step + 1, n)).astype(np.int32)
+            if kind == 0:  # single-turn: every token trains
+                g.samples.append(CompletedSample(np.zeros(n, np.int32), np.zeros(n, np.float32),
+                                                 "stop", 0.0, False, versions=versions))  # fmt: skip
+                expected += [(step - int(v), int(v) > start) for v in versions]
+            elif kind == 1:  # an episode's: inserted tokens masked, a part split off before
+                mask = rng.integers(0, 2, n).astype(np.uint8)
+                pv = np.full(2, start, np.int32)
+                part = Part(np.zeros(1, np.int32), np.zeros(2, np.int32), np.zeros(2, np.float32),
+                            np.ones(2, np.uint8), "stop", pv)  # fmt: skip
+                g.samples.append(CompletedSample(np.zeros(n, np.int32), np.zeros(n, np.float32),
+                                                 "stop", 0.0, False, loss_mask=mask,
+                                                 earlier=(part,), versions=versions))  # fmt: skip
+                expected += [(step - start, False)] * 2
+                expected += [(step - int(v), int(v) > start) for v, m in zip(versions, mask) if m]
+            else:  # restored from a checkpoint that had no versions
+                g.samples.append(CompletedSample(np.zeros(n, np.int32), np.zeros(n, np.float32),
+                                                 "stop", 0.0, False))  # fmt: skip
+                expected += [(step - start, False)] * n
+        groups.append(g)
+    rec = StepRecord(step=step, groups=groups)
+    got = rec._token_staleness()
+    stale = [s for s, _ in expected]
+    hist: dict[str, int] = {}
+    for s in sorted(stale):
+        hist[str(s)] = hist.get(str(s), 0) + 1
+    assert got["token_staleness_hist"] == hist
+    assert got["token_staleness_max"] == max(stale)
+    assert got["token_staleness_mean"] == pytest.approx(sum(stale) / len(stale), rel=1e-12)
+    assert got["tokens_after_refit"] == sum(later for _, later in expected) > 0
+
+
 def test_a_checkpoint_keeps_the_versions_and_reads_one_without_them() -> None:
     sample = CompletedSample(TOKENS, LPS, "stop", 1.0, True, versions=np.array([1, 1, 2, 2]))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(SavedSample.of(sample)), type=SavedSample)
