@@ -7,7 +7,7 @@ capacities. Each section's checks sit with it; :func:`asyncrl.config.problems` g
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -29,7 +29,13 @@ class GRPOConfig(Section):
     temperature: float = 1.0
     """Sampling temperature; the trainer divides logits by the same value."""
     normalize_advantages: bool = True
-    """Divide group-centred rewards by the group's standard deviation (when > 0)."""
+    """``grpo`` estimator: divide group-centred rewards by the group's standard deviation
+    (when > 0); false is Dr. GRPO's advantage (the mean subtracted only)."""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    """How a sample's advantage is made from its group's rewards (docs/algorithms.md):
+    ``grpo`` (minus the group mean, over its std with ``normalize_advantages``), ``rloo``
+    (minus the mean of the group's other samples), ``reinforce_pp`` (minus the group mean,
+    then normalized over the chunk sent to the trainer: the step, unless chunks stream)."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[grpo]``."""

@@ -61,6 +61,8 @@ class StepRecord:
     chunks: int = 0
     groups: list[Group] = field(default_factory=list)
     chunk_results: list[ChunkResult] = field(default_factory=list)
+    advantages: list[np.ndarray] = field(default_factory=list)
+    """Each chunk's per-sequence advantages, as sent to the trainers."""
     verify: list[Agreement] = field(default_factory=list)
     verify_s: float = 0.0
 
@@ -89,7 +91,7 @@ class StepRecord:
     def restart(self) -> None:
         """The step failed on a trainer and is assembled again: forget its chunks (its
         groups went back to the buffer)."""
-        self.groups, self.chunk_results, self.chunks = [], [], 0
+        self.groups, self.chunk_results, self.advantages, self.chunks = [], [], [], 0
         self.train_start = None
         self.step_retries += 1
 
@@ -152,10 +154,19 @@ class StepRecord:
             "grad_norm": result.grad_norm,
             "clip_frac": sum(r.clipped_tokens for r in self.chunk_results) / n_tok,
             "logprob_diff": sum(r.abs_logprob_diff_sum for r in self.chunk_results) / n_tok,
+            **self._advantage_stats(),
             "response_len": float(np.mean([len(s.token_ids) for s in samples])),
             "chunks": self.chunks,
             "groups": len(self.groups),
         }
+
+    def _advantage_stats(self) -> dict[str, float]:
+        """The step's per-sequence advantages (``grpo.advantage_estimator``): mean, std, min
+        and max over every sequence it trained."""
+        a = np.concatenate(self.advantages) if self.advantages else np.zeros(1, np.float32)
+        a = a.astype(np.float64)
+        return {"advantage_mean": float(a.mean()), "advantage_std": float(a.std()),
+                "advantage_min": float(a.min()), "advantage_max": float(a.max())}  # fmt: skip
 
     def _token_staleness(self) -> dict[str, Any]:
         """Staleness per trained token: the step minus the version that generated it (a

@@ -11,12 +11,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from asyncrl.policy.advantages import (
+    FLOAT32_MAX,
+    Estimator,
+    batch_normalized,
+    group_advantages,
+)
 from asyncrl.policy.groups import Group
 from asyncrl.errors import NonFiniteError
 from asyncrl.wire.messages import TokenBatch, TrainBatch
 from asyncrl.policy.packing import Layout
 
 __all__ = [
+    "FLOAT32_MAX",
+    "advantages_of",
     "group_advantages",
     "nonfinite_cause",
     "pack_groups",
@@ -25,42 +33,6 @@ __all__ = [
     "shard_batch",
     "shard_tokens",
 ]
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-"""The largest advantage a :class:`TrainBatch` can carry (it holds float32)."""
-
-
-def group_advantages(
-    rewards: Sequence[float], *, normalize: bool = True, eps: float = 1e-6
-) -> np.ndarray:
-    """Advantages of one group: ``r_i - mean(r)``, divided by ``std(r) + eps`` when
-    ``normalize`` and the group's (population) standard deviation is positive.
-
-    A group whose rewards are all equal gets zero advantages (it carries no signal).
-
-    Raises:
-        OverflowError: the rewards are too large for this math: their mean or their spread
-            overflows float64 (the variance squares them: a reward of 1e155 or more, like
-            1e308, makes it infinite, and the advantages would silently be 0 or NaN), or an
-            advantage does not fit the float32 the trainer gets.
-    """
-    r = np.asarray(rewards, dtype=np.float64)
-    if r.size < 2:
-        raise ValueError("a GRPO group needs at least 2 samples")
-    with np.errstate(over="ignore", invalid="ignore"):
-        mean = r.mean()
-        centred = r - mean
-        std = r.std()
-        if normalize and std > 0:
-            centred = centred / (std + eps)
-    if not np.isfinite(mean):
-        raise OverflowError("their mean overflows float64")
-    if normalize and not np.isfinite(std):
-        raise OverflowError("their standard deviation overflows float64 (their squares do)")
-    if not np.all(np.abs(centred) <= FLOAT32_MAX):
-        raise OverflowError(f"an advantage (r - mean) exceeds float32's {FLOAT32_MAX:.3g}")
-    return centred
 
 
 def pack_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> TokenBatch:
@@ -75,8 +47,35 @@ def pack_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
     )
 
 
+def advantages_of(
+    groups: Sequence[Group], *, normalize: bool, estimator: Estimator = "grpo",
+    environment: str = "?",
+) -> list[np.ndarray]:
+    """Each group's advantages by ``estimator`` (:mod:`asyncrl.policy.advantages`), the
+    groups being one chunk (``reinforce_pp`` normalizes over all of them).
+
+    Raises:
+        NonFiniteError: a group's rewards are too large for the advantage math; the message
+            names the group, its prompt, the largest reward and who gave it.
+    """
+    out = []
+    for g in groups:
+        try:
+            out.append(group_advantages([s.reward for s in g.samples], normalize=normalize,
+                                        estimator=estimator))  # fmt: skip
+        except OverflowError as exc:
+            raise NonFiniteError(reward_overflow(g, str(exc), environment)) from None
+    if estimator != "reinforce_pp":
+        return out
+    try:
+        return batch_normalized(out)
+    except OverflowError as exc:
+        raise NonFiniteError(reward_overflow(groups[0], str(exc), environment)) from None
+
+
 def pack_groups(
-    groups: Sequence[Group], *, normalize: bool, environment: str = "?"
+    groups: Sequence[Group], *, normalize: bool, environment: str = "?",
+    estimator: Estimator = "grpo",
 ) -> TrainBatch:
     """One :class:`TrainBatch` holding every sample of complete ``groups``: each sequence a
     sample trains (:meth:`CompletedSample.sequences`: an episode's split-off sequences, then its
@@ -93,11 +92,9 @@ def pack_groups(
     seq_lens, prompt_lens, adv = [], [], []
     behaviour: list[np.ndarray] = []
     masks: list[np.ndarray] = []
-    for g in groups:
-        try:
-            a = group_advantages([s.reward for s in g.samples], normalize=normalize)
-        except OverflowError as exc:
-            raise NonFiniteError(reward_overflow(g, str(exc), environment)) from None
+    advantages = advantages_of(groups, normalize=normalize, estimator=estimator,
+                               environment=environment)  # fmt: skip
+    for g, a in zip(groups, advantages):
         group_prompt = np.asarray(g.prompt_ids, dtype=np.int32)
         for s, a_i in zip(g.samples, a):
             for prompt_ids, token_ids, logprobs, mask in s.sequences(group_prompt):
@@ -148,6 +145,7 @@ def nonfinite_cause(
     groups: Sequence[Group],
     *,
     normalize: bool,
+    estimator: Estimator = "grpo",
     budget: str = "",
 ) -> str:
     """Why step ``step``'s loss or gradient norm is likely not finite, for the error that
@@ -155,8 +153,7 @@ def nonfinite_cause(
     model's state (corrupted or diverging weights). ``budget`` (the skip budget, spent) goes
     after the facts; the message ends with the fix."""
     worst: tuple[float, float, Group | None] = (0.0, 0.0, None)  # |advantage|, reward, group
-    for g in groups:
-        a = group_advantages([s.reward for s in g.samples], normalize=normalize)
+    for g, a in zip(groups, advantages_of(groups, normalize=normalize, estimator=estimator)):
         i = int(np.argmax(np.abs(a)))
         if abs(a[i]) >= worst[0]:
             worst = (float(abs(a[i])), g.samples[i].reward, g)

@@ -156,7 +156,8 @@ class StepAssembler:
         raise NonFiniteError(
             nonfinite_cause(
                 step, loss, grad_norm, rec.groups,
-                normalize=self.config.grpo.normalize_advantages, budget=budget,
+                normalize=self.config.grpo.normalize_advantages,
+                estimator=self.config.grpo.advantage_estimator, budget=budget,
             )
         )  # fmt: skip
 
@@ -188,7 +189,7 @@ class StepAssembler:
                 opened = True
             batch = pack_groups(
                 chunk.groups, normalize=cfg.grpo.normalize_advantages,
-                environment=cfg.environment.name,
+                environment=cfg.environment.name, estimator=cfg.grpo.advantage_estimator,
             )  # fmt: skip
             shards = shard_batch(batch, len(self.trainers))
             await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
@@ -196,6 +197,7 @@ class StepAssembler:
             results = await self._train_call([TrainChunk(step=step, batch=x) for x in shards])
             rec.train_busy_s += self.now() - busy
             rec.chunk_results += results  # type: ignore[arg-type]
+            rec.advantages.append(batch.advantages)
             rec.chunks += 1
 
     async def _train_call(self, requests: list[Any]) -> list[Any]:
