@@ -66,10 +66,28 @@ class LossConfig(Section):
     """PPO ratio upper clip: ratio <= 1 + clip_eps_high (DAPO's clip-higher when larger)."""
     is_cap: float = 2.0
     """Truncation of the importance weight between proximal and behaviour policy (TIS)."""
+    correction: Literal["tis", "token_mask", "sequence_mask", "none"] = "tis"
+    """How the trainer/generator ratio rho = exp(prox - behaviour) weighs each token
+    (docs/algorithms.md): ``tis`` min(rho, is_cap); ``token_mask`` rho inside
+    [mismatch_low, mismatch_high], else 0 (IcePop); ``sequence_mask`` a whole sequence
+    dropped when its geometric-mean rho leaves that band, else tis; ``none`` 1. The masks
+    need the trainer's own logprobs as proximal (``trainer.options.proximal_policy =
+    "current"``): with the generator's, rho is 1."""
+    mismatch_low: float = 0.5
+    """Lower edge of the rho band the masking corrections keep."""
+    mismatch_high: float = 2.0
+    """Upper edge of the rho band the masking corrections keep."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The PPO ratio: per token, or GSPO's per sequence (the geometric mean of its tokens'
+    ratios, clipped as one)."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[loss]``."""
         out: list[ConfigError] = []
+        if not 0 < self.mismatch_low <= 1 <= self.mismatch_high:
+            out.append(fail("loss.mismatch_low", f"the band [{self.mismatch_low}, "
+                            f"{self.mismatch_high}] must hold 1 with mismatch_low > 0",
+                            "use e.g. mismatch_low = 0.5, mismatch_high = 2.0"))  # fmt: skip
         if not 0 <= self.clip_eps_low < 1:
             out.append(fail("loss.clip_eps_low", "must be in [0, 1)", "use e.g. 0.2"))
         if self.clip_eps_high < 0:

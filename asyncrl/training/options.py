@@ -14,7 +14,7 @@ import msgspec
 from asyncrl.errors import ConfigError
 from asyncrl.explain import explain
 
-__all__ = ["TrainerOptions", "option_error", "parse_options"]
+__all__ = ["TrainerOptions", "check_loss", "option_error", "parse_options"]
 
 OptionsT = TypeVar("OptionsT", bound="TrainerOptions")
 
@@ -85,3 +85,20 @@ def parse_options(raw: dict[str, Any], cls: type[OptionsT], docs: str) -> Option
             "num_threads", f"must be >= 0 (0: torch's default), got {opts.num_threads}"
         )
     return opts
+
+
+def check_loss(opts: TrainerOptions, loss: Any) -> None:
+    """What ``[loss]`` asks of these options (``loss`` is the run's ``LossConfig``).
+
+    Raises:
+        ConfigError: a masking correction with the generator as the proximal policy (the
+            ratio it masks is then 1 everywhere: it would do nothing).
+    """
+    if loss.correction in ("token_mask", "sequence_mask") and opts.proximal_policy != "current":
+        raise ConfigError(
+            f"loss.correction = {loss.correction!r} masks tokens by the trainer/generator ratio "
+            "exp(prox - behaviour), which is 1 everywhere while the proximal policy is the "
+            "generator's (trainer.options.proximal_policy = \"behaviour\"): it would do "
+            "nothing. Fix: set trainer.options.proximal_policy = \"current\" (decoupled PPO), "
+            "or loss.correction = \"tis\""
+        )

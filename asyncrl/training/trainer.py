@@ -358,6 +358,9 @@ class DistributedTrainer:
             clipped_tokens=int(sums[1]),
             is_weight_sum=sums[2],
             abs_logprob_diff_sum=sums[3],
+            masked_tokens=int(sums[4]),
+            mismatch_k3_sum=sums[5],
+            abs_logprob_diff_max=sums[6],
         )
 
     def _forward_backward(
@@ -372,7 +375,8 @@ class DistributedTrainer:
         token_adv = np.repeat(batch.advantages.astype(np.float32), layout.response_lens)
         advantages = to_device(token_adv, self._device)
         trains = to_device(batch.loss_mask.astype(np.bool_), self._device)
-        sums = torch.zeros(4, dtype=torch.float64, device=self._device)
+        # loss, clipped, IS weights, |diff|, masked, k3 (sums), then the largest |diff|
+        sums = torch.zeros(7, dtype=torch.float64, device=self._device)
         self._module.train()
         for i in range(passes):
             mb = self._micro_batch(batch, bounds, i)
@@ -394,16 +398,21 @@ class DistributedTrainer:
                 clip_eps_high=loss_cfg.clip_eps_high,
                 is_cap=loss_cfg.is_cap,
                 proximal_logprobs=prox,
+                correction=loss_cfg.correction,
+                mismatch_low=loss_cfg.mismatch_low,
+                mismatch_high=loss_cfg.mismatch_high,
+                ratio_level=loss_cfg.ratio_level,
+                seq_ids=mb.rows,
             )
             self._backward(loss_sum)
-            sums += torch.stack(
-                [
-                    loss_sum.detach(),
-                    stats.clipped_tokens,
-                    stats.is_weight_sum,
-                    stats.abs_logprob_diff_sum,
-                ]
-            ).to(torch.float64)
+            zero = loss_sum.new_zeros(())
+            masked = zero if stats.masked_tokens is None else stats.masked_tokens
+            k3 = zero if stats.mismatch_k3_sum is None else stats.mismatch_k3_sum
+            step_sums = torch.stack([loss_sum.detach(), stats.clipped_tokens, stats.is_weight_sum,
+                                     stats.abs_logprob_diff_sum, masked, k3]).to(torch.float64)  # fmt: skip
+            sums[:6] += step_sums
+            if stats.abs_logprob_diff_max is not None:
+                sums[6] = torch.maximum(sums[6], stats.abs_logprob_diff_max.to(torch.float64))
         return sums.tolist()
 
     def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:

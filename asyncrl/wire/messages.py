@@ -217,6 +217,13 @@ class ChunkResult(msgspec.Struct, tag="chunk_r", **_CTRL):
     clipped_tokens: int
     is_weight_sum: float
     abs_logprob_diff_sum: float
+    masked_tokens: int = 0
+    """Trained tokens the loss's masking correction set to 0 (``loss.correction``)."""
+    abs_logprob_diff_max: float = 0.0
+    """The largest ``|logprobs - behaviour_logprobs|`` of a trained token."""
+    mismatch_k3_sum: float = 0.0
+    """Sum over trained tokens of k3 = exp(d) - 1 - d, d = logprobs - behaviour_logprobs:
+    an estimate of KL(generator || trainer) per token, >= 0."""
 
 
 class StepResult(msgspec.Struct, tag="step_r", **_CTRL):

@@ -186,6 +186,10 @@ def test_gradient_matches_torch_autograd_of_the_core_loss(tmp_path: Path) -> Non
     assert stats["clipped_tokens"] == int(tstats.clipped_tokens)
     assert stats["loss_sum"] == pytest.approx(float(loss.detach()), rel=1e-12)
     np.testing.assert_allclose(grad, w.grad.numpy(), rtol=1e-10, atol=1e-12)
+    # the mismatch the step records: the same figures the torch trainers report
+    assert stats["abs_logprob_diff_max"] == pytest.approx(float(tstats.abs_logprob_diff_max), rel=1e-12)
+    assert stats["mismatch_k3_sum"] == pytest.approx(float(tstats.mismatch_k3_sum), rel=1e-12)
+    assert stats["mismatch_k3_sum"] > 0
 
 
 def test_streamed_chunks_equal_one_big_batch_and_sgd_is_exact(tmp_path: Path) -> None:

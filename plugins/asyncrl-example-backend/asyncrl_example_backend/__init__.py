@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.backend import BackendPlugin, WorkerContext
+from asyncrl.errors import ConfigError
 from asyncrl.config import Config
 
 __version__ = "0.1.0.dev0"
@@ -42,8 +43,6 @@ def _check_generator(config: Config, *, max_prompt_tokens: int) -> None:
 
     parse_options(config.generator.options, GeneratorOptions, "generator.options")
     if config.refit.transport != "shm":
-        from asyncrl.errors import ConfigError
-
         raise ConfigError(
             f"refit.transport: the bigram engine reads shm buckets only (it has no torch), got "
             f"{config.refit.transport!r}. Fix: set refit.transport = 'shm'"
@@ -54,6 +53,14 @@ def _check_trainer(config: Config, *, max_prompt_tokens: int) -> None:
     from .options import TrainerOptions, parse_options
 
     parse_options(config.trainer.options, TrainerOptions, "trainer.options")
+    loss = config.loss
+    if loss.correction != "tis" or loss.ratio_level != "token":
+        raise ConfigError(
+            f"trainer.backend = \"bigram\": its loss is the token-level PPO clip with the "
+            f"generator as the proximal policy; loss.correction = {loss.correction!r} and "
+            f"loss.ratio_level = {loss.ratio_level!r} need fsdp2 or deepspeed. Fix: leave "
+            "loss.correction = \"tis\" and loss.ratio_level = \"token\" (the defaults)"
+        )
 
 
 def _generator(ctx: WorkerContext) -> Any:

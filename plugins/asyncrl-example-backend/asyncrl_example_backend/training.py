@@ -65,7 +65,8 @@ def ppo_gradient(
     its gradient w.r.t. ``table``.
 
     Returns ``(grad [V, V] float64, stats)`` with ``stats`` holding ``loss_sum``,
-    ``num_loss_tokens`` (the trained tokens), ``clipped_tokens`` and ``abs_logprob_diff_sum``.
+    ``num_loss_tokens`` (the trained tokens), ``clipped_tokens``, ``abs_logprob_diff_sum``,
+    ``abs_logprob_diff_max`` and ``mismatch_k3_sum`` (as :class:`~asyncrl.wire.messages.ChunkResult`).
     """
     w = np.asarray(table, dtype=np.float64)
     prev, tok, seq = response_tokens(batch)
@@ -89,6 +90,8 @@ def ppo_gradient(
         "num_loss_tokens": int(tok.size),
         "clipped_tokens": int(clipped.sum()),
         "abs_logprob_diff_sum": float(np.abs(lp - behaviour).sum()),
+        "abs_logprob_diff_max": float(np.abs(lp - behaviour).max(initial=0.0)),
+        "mismatch_k3_sum": float((np.expm1(lp - behaviour) - (lp - behaviour)).sum()),
     }
     return grad, stats
 
@@ -192,6 +195,8 @@ class BigramTrainer:
             clipped_tokens=stats["clipped_tokens"],
             is_weight_sum=float(stats["num_loss_tokens"]),  # proximal = behaviour: weight 1
             abs_logprob_diff_sum=stats["abs_logprob_diff_sum"],
+            abs_logprob_diff_max=stats["abs_logprob_diff_max"],
+            mismatch_k3_sum=stats["mismatch_k3_sum"],
         )
 
     def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
