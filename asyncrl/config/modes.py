@@ -12,7 +12,7 @@ from typing import Any
 from asyncrl.config import Config, required_buffer_capacity
 from asyncrl.policy.samplers import DescribesMode, in_flight_at_refit
 
-__all__ = ["ModeReport", "describe"]
+__all__ = ["ModeReport", "describe", "objective"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def describe(config: Config) -> ModeReport:
             else "requests in flight go on"
         ),
     }
-    advice = []
+    capacities["objective"] = objective(config)
+    advice = _objective_advice(config, chunk < P)
     if chunk < P and sync:
         advice.append(
             "pipeline.min_groups_for_streaming_train: in sync mode the whole batch is "
@@ -85,3 +86,51 @@ def describe(config: Config) -> ModeReport:
             "can run P * N samples at once"
         )
     return ModeReport(_line(sampler), capacities, advice)
+
+
+def objective(config: Config) -> str:
+    """What a step optimizes, in one line: the advantage estimator, the ratio, its clip, the
+    proximal policy and the off-policy correction (docs/algorithms.md)."""
+    g, loss = config.grpo, config.loss
+    estimator = g.advantage_estimator
+    if estimator == "grpo":
+        estimator += " advantages (r - group mean)" + (" / group std" if g.normalize_advantages
+                                                       else ", not divided by the std (Dr. GRPO)")  # fmt: skip
+    elif estimator == "rloo":
+        estimator += " advantages (r - the mean of the group's other samples)"
+    else:
+        estimator += " advantages (r - group mean, normalized over each chunk)"
+    ratio = "GSPO's sequence ratio" if loss.ratio_level == "sequence" else "a token ratio"
+    proximal = config.trainer.options.get("proximal_policy", "behaviour")
+    against = ("the trainer's own logprobs at the step's start (decoupled PPO)"
+               if proximal == "current" else "the generator's logprobs")  # fmt: skip
+    correction = {
+        "tis": f"the trainer/generator ratio truncated at {loss.is_cap:g}",
+        "token_mask": f"tokens whose trainer/generator ratio leaves [{loss.mismatch_low:g}, "
+                      f"{loss.mismatch_high:g}] masked",
+        "sequence_mask": f"sequences whose geometric-mean ratio leaves [{loss.mismatch_low:g}, "
+                         f"{loss.mismatch_high:g}] masked",
+        "none": "no correction",
+    }[loss.correction]  # fmt: skip
+    if proximal != "current" and loss.correction in ("tis", "none"):
+        correction = "importance weight 1 (the proximal policy is the generator's)"
+    return (f"{estimator}; {ratio} against {against}, clipped to [{1 - loss.clip_eps_low:g}, "
+            f"{1 + loss.clip_eps_high:g}]; {correction}; token-mean over the step")  # fmt: skip
+
+
+def _objective_advice(config: Config, streaming: bool) -> list[str]:
+    """Objective settings that are legal but probably not what was meant."""
+    g, advice = config.grpo, []
+    if g.advantage_estimator == "reinforce_pp" and streaming:
+        advice.append(
+            "grpo.advantage_estimator = reinforce_pp normalizes over each chunk the trainer "
+            "gets, and with pipeline.min_groups_for_streaming_train below prompts_per_step a "
+            "step has several. Fix: set min_groups_for_streaming_train = 0 for one "
+            "normalization over the step, or accept per-chunk statistics"
+        )
+    if not g.normalize_advantages and g.advantage_estimator != "grpo":
+        advice.append(
+            f"grpo.normalize_advantages = false applies to the grpo estimator only; "
+            f"{g.advantage_estimator} ignores it. Fix: remove it"
+        )
+    return advice

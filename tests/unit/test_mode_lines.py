@@ -101,3 +101,32 @@ def test_sync_advice_follows_the_bound_not_the_name(model_dir: Path) -> None:
     ]  # fmt: skip
     async_ = config(model_dir, {"name": "gated"}, refit=RefitConfig(drain=True))
     assert describe(async_).advice == []
+
+
+def test_the_objective_line_and_its_advice(model_dir: Path) -> None:
+    from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
+
+    table = {"name": "gated", "max_staleness_versions": 1}
+    report = describe(config(model_dir, table))
+    assert report.capacities["objective"] == (
+        "grpo advantages (r - group mean) / group std; a token ratio against the generator's "
+        "logprobs, clipped to [0.8, 1.2]; importance weight 1 (the proximal policy is the "
+        "generator's); token-mean over the step"
+    )
+    assert not report.advice
+    streamed = describe(Config(
+        model=ModelConfig(path=str(model_dir)), environment=EnvironmentConfig(name="x"),
+        pipeline=PipelineConfig(sampler=table, min_groups_for_streaming_train=2),
+        grpo=GRPOConfig(prompts_per_step=8, advantage_estimator="reinforce_pp",
+                        normalize_advantages=False),
+        loss=LossConfig(correction="token_mask", ratio_level="sequence"),
+        trainer=TrainerConfig(options={"proximal_policy": "current"}),
+    ))  # fmt: skip
+    assert streamed.capacities["objective"] == (
+        "reinforce_pp advantages (r - group mean, normalized over each chunk); GSPO's sequence "
+        "ratio against the trainer's own logprobs at the step's start (decoupled PPO), clipped "
+        "to [0.8, 1.2]; tokens whose trainer/generator ratio leaves [0.5, 2] masked; token-mean "
+        "over the step"
+    )
+    assert [a.split(" ", 1)[0] for a in streamed.advice] == [
+        "grpo.advantage_estimator", "grpo.normalize_advantages"]
