@@ -6,6 +6,8 @@ every section's.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,11 +79,32 @@ class ModelConfig(Section):
     ``chat_template``: a string, or the one named ``default``); a path to a
     ``.jinja`` file (relative to the config file) uses that one. Plain-text prompts are encoded
     as they are."""
+    allow_moe_mismatch: bool = False
+    """Train a mixture-of-experts model although its generator and trainer may route a token
+    to different experts (docs/algorithms.md, "Mixture-of-experts models"): asyncrl does not
+    replay the generator's routes in the trainer, so a MoE model is refused unless this is
+    true."""
 
     def problems(self) -> list[ConfigError]:
-        """What is missing from the model directory (the config's only look at files)."""
+        """What is missing from the model directory, and a MoE model not accepted (the
+        config's only look at files)."""
         out: list[ConfigError] = []
         model_dir = Path(self.path)
+        experts = moe_experts(model_dir / "config.json")
+        if experts is not None and not self.allow_moe_mismatch:
+            key, n = experts
+            out.append(fail(
+                "model.path",
+                f"{model_dir} is a mixture of experts (config.json: {key} = {n}). Its generator "
+                "and its trainer can route the same token to different experts (other kernels, "
+                "other precisions, a tie broken otherwise), and asyncrl does not replay the "
+                "generator's routes in the trainer, so the trainer would learn from routes the "
+                "generator did not take (the trainer/generator mismatch grows; peers report "
+                "runs that diverge)",
+                "set model.allow_moe_mismatch = true to train it anyway, and watch the steps' "
+                "mismatch_k3 and logprob_diff_max; loss.correction = \"token_mask\" with "
+                "trainer.options.proximal_policy = \"current\" masks the worst tokens",
+            ))  # fmt: skip
         if not (model_dir / "config.json").is_file():
             out.append(
                 fail(
@@ -160,3 +183,24 @@ class EnvironmentConfig(Section):
     def problems(self) -> list[ConfigError]:
         """None: the environment checks its own options (``asyncrl run``'s preflight)."""
         return []
+
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""``config.json`` keys that count a mixture-of-experts model's routed experts (Qwen2/3-MoE
+and OLMoE; Mixtral; DeepSeek-V2/V3; others), at the top or in ``text_config``."""
+
+
+def moe_experts(config_json: Path) -> tuple[str, int] | None:
+    """``(key, experts)`` when ``config_json`` describes a mixture of experts (more than one
+    routed expert), else ``None`` (also when the file is missing or unreadable: the other
+    checks name that)."""
+    try:
+        data = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    for scope in (data, data.get("text_config") or {}) if isinstance(data, dict) else ():
+        for key in MOE_KEYS:
+            value = scope.get(key) if isinstance(scope, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                return key, value
+    return None

@@ -45,7 +45,7 @@ HARMLESS = (
     "run.name", "run.output_dir", "run.num_steps", "run.log_format", "run.stall_warning_s",
     "run.gc_freeze", "run.gc_young_interval_s", "run.gc_full_interval_s",
     # where the model and the data are: what they hold is compared (fingerprints)
-    "model.path", "environment.base_dir",
+    "model.path", "environment.base_dir", "model.allow_moe_mismatch",
     # placement, time limits and capacities: the same computation, elsewhere or faster
     "cluster.rollout_ranks", "cluster.startup_timeout_s", "cluster.call_timeout_s",
     "cluster.shutdown_grace_s", "cluster.torchrun", "cluster.trainer_gpus",
