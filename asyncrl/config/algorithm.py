@@ -7,6 +7,7 @@ capacities. Each section's checks sit with it; :func:`asyncrl.config.problems` g
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -36,6 +37,13 @@ class GRPOConfig(Section):
     ``grpo`` (minus the group mean, over its std with ``normalize_advantages``), ``rloo``
     (minus the mean of the group's other samples), ``reinforce_pp`` (minus the group mean,
     then normalized over the chunk sent to the trainer: the step, unless chunks stream)."""
+    reward_weights: dict[str, float] = msgspec.field(default_factory=dict)
+    """Train on a weighted sum of the score's named components (``Score.components``, e.g.
+    ``{correct = 1.0, format = 0.2}``) instead of its ``reward``; empty: the ``reward``."""
+    reward_normalization: Literal["none", "group"] = "none"
+    """With ``reward_weights``: ``group`` normalizes each component within its group (minus
+    its mean, over its std) before weighting (GDPO), so a component counts by its weight and
+    not by its scale; ``none`` weights them as they are."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[grpo]``."""
@@ -52,6 +60,15 @@ class GRPOConfig(Section):
                     "set grpo.samples_per_prompt >= 2",
                 )
             )
+        bad = [k for k, w in self.reward_weights.items() if not math.isfinite(w)]
+        if bad:
+            out.append(fail("grpo.reward_weights", f"{bad[0]!r} has a weight that is not finite",
+                            "give every component a finite weight"))  # fmt: skip
+        if self.reward_normalization != "none" and not self.reward_weights:
+            out.append(fail("grpo.reward_normalization", "normalizes the reward's components, "
+                            "but grpo.reward_weights names none",
+                            "name the components and their weights in grpo.reward_weights "
+                            "(e.g. {correct = 1.0, format = 0.2}), or remove it"))  # fmt: skip
         if not self.temperature > 0:
             out.append(
                 fail("grpo.temperature", f"must be > 0, got {self.temperature}", "use e.g. 1.0")

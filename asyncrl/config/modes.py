@@ -114,8 +114,14 @@ def objective(config: Config) -> str:
     }[loss.correction]  # fmt: skip
     if proximal != "current" and loss.correction in ("tis", "none"):
         correction = "importance weight 1 (the proximal policy is the generator's)"
-    return (f"{estimator}; {ratio} against {against}, clipped to [{1 - loss.clip_eps_low:g}, "
-            f"{1 + loss.clip_eps_high:g}]; {correction}; token-mean over the step")  # fmt: skip
+    rewards = ""
+    if g.reward_weights:
+        terms = " + ".join(f"{w:g}*{k}" for k, w in sorted(g.reward_weights.items()))
+        each = ", each normalized in its group" if g.reward_normalization == "group" else ""
+        rewards = f"rewards {terms}{each}; "
+    return (f"{rewards}{estimator}; {ratio} against {against}, clipped to "
+            f"[{1 - loss.clip_eps_low:g}, {1 + loss.clip_eps_high:g}]; {correction}; "
+            "token-mean over the step")  # fmt: skip
 
 
 def _objective_advice(config: Config, streaming: bool) -> list[str]:

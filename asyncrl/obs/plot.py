@@ -73,6 +73,9 @@ def _reward(records: list[dict[str, Any]], train: list[dict[str, Any]], path: Pa
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(steps, [r["reward"] for r in train], label="reward (train samples)", lw=1.2)
     ax.plot(steps, [r["accuracy"] for r in train], ":", label="accuracy (train samples)", lw=1.6)
+    for name in sorted({k for r in train for k in r if k.startswith("reward/")}):
+        points = [(r["step"], r[name]) for r in train if name in r]
+        ax.plot(*zip(*points), "--", label=f"{name} (component)", lw=1.0)
     evals = [r for r in records if r.get("kind") == "eval" and "version" in r]
     if evals:
         ax.plot([e["version"] for e in evals], [e["accuracy"] for e in evals], "o--",

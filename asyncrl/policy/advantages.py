@@ -23,6 +23,16 @@ where ``B`` is every sample of the chunk the controller packs for the trainer: t
 when ``pipeline.min_groups_for_streaming_train`` is 0 (or ``prompts_per_step``), a part of it
 when chunks stream into the step (their statistics then differ a little from the step's).
 
+With ``grpo.reward_weights`` the reward ``r_i`` is made from the score's named components
+``c_{i,k}`` (:func:`combined_rewards`)::
+
+    r_i = sum_k w_k * c_{i,k}                                    reward_normalization = "none"
+    r_i = sum_k w_k * (c_{i,k} - mean_k) / (std_k + eps)         "group" (GDPO, Liu et al. 2026)
+
+where ``mean_k``, ``std_k`` are component ``k``'s over the group (a component equal across
+the group adds 0): each component counts by its weight, not by its scale. The estimator then
+runs on ``r``.
+
 A group whose rewards are all equal carries no signal: ``grpo`` and ``rloo`` give it zero
 advantages, and ``reinforce_pp`` gives it ``-mean_B(A')/(std_B(A') + eps)``, which is 0 too
 since ``mean_B(A')`` is 0 (each group's ``A'`` sums to 0).
@@ -30,14 +40,14 @@ since ``mean_B(A')`` is 0 (each group's ``A'`` sums to 0).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
 
 __all__ = [
     "ESTIMATORS", "Estimator", "FLOAT32_MAX", "batch_normalized", "chunk_advantages",
-    "group_advantages",
+    "combined_rewards", "group_advantages",
 ]
 
 Estimator = Literal["grpo", "rloo", "reinforce_pp"]
@@ -130,6 +140,27 @@ def batch_normalized(advantages: Sequence[np.ndarray], *, eps: float = EPS) -> l
     for a in out:
         _fits_float32(a, "(A - mean) / std")
     return out
+
+
+def combined_rewards(
+    components: Sequence[Mapping[str, float]],
+    weights: Mapping[str, float],
+    *,
+    normalization: Literal["none", "group"] = "none",
+    eps: float = EPS,
+) -> np.ndarray:
+    """One group's rewards from its samples' named ``components`` (see the module).
+
+    Raises:
+        KeyError: a sample lacks a weighted component (its name).
+    """
+    names = sorted(weights)
+    c = np.array([[float(comp[n]) for n in names] for comp in components], dtype=np.float64)
+    c = c.reshape(len(components), len(names))
+    if normalization == "group":
+        mean, std = c.mean(axis=0), c.std(axis=0)
+        c = np.where(std > 0, (c - mean) / (std + eps), 0.0)
+    return c @ np.array([float(weights[n]) for n in names], dtype=np.float64)
 
 
 def _fits_float32(a: np.ndarray, what: str) -> None:

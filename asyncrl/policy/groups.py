@@ -85,7 +85,8 @@ class CompletedSample:
     reward: float
     correct: bool
     components: Mapping[str, float] = field(default_factory=dict)
-    """The score's named parts (``Score.components``; empty when restored from a checkpoint)."""
+    """The score's named parts (``Score.components``; ``grpo.reward_weights`` trains on them;
+    empty when restored from a checkpoint an older asyncrl wrote)."""
     loss_mask: Any = None
     """uint8 array aligned with ``token_ids``: 1 where the token trains (generated), 0 where
     it does not (an observation the controller inserted; its logprob is a placeholder).

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -15,10 +16,11 @@ from asyncrl.policy.advantages import (
     FLOAT32_MAX,
     Estimator,
     batch_normalized,
+    combined_rewards,
     group_advantages,
 )
 from asyncrl.policy.groups import Group
-from asyncrl.errors import NonFiniteError
+from asyncrl.errors import ConfigError, NonFiniteError
 from asyncrl.wire.messages import TokenBatch, TrainBatch
 from asyncrl.policy.packing import Layout
 
@@ -49,20 +51,25 @@ def pack_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[i
 
 def advantages_of(
     groups: Sequence[Group], *, normalize: bool, estimator: Estimator = "grpo",
-    environment: str = "?",
+    environment: str = "?", weights: Mapping[str, float] | None = None,
+    normalization: Literal["none", "group"] = "none",
 ) -> list[np.ndarray]:
     """Each group's advantages by ``estimator`` (:mod:`asyncrl.policy.advantages`), the
-    groups being one chunk (``reinforce_pp`` normalizes over all of them).
+    groups being one chunk (``reinforce_pp`` normalizes over all of them), from each sample's
+    ``reward``, or from its components by ``weights`` (``grpo.reward_weights``, with
+    ``normalization``).
 
     Raises:
         NonFiniteError: a group's rewards are too large for the advantage math; the message
             names the group, its prompt, the largest reward and who gave it.
+        ConfigError: a sample lacks a component ``weights`` names.
     """
     out = []
     for g in groups:
+        rewards = (_rewards(g, weights, normalization, environment) if weights
+                   else [s.reward for s in g.samples])  # fmt: skip
         try:
-            out.append(group_advantages([s.reward for s in g.samples], normalize=normalize,
-                                        estimator=estimator))  # fmt: skip
+            out.append(group_advantages(rewards, normalize=normalize, estimator=estimator))
         except OverflowError as exc:
             raise NonFiniteError(reward_overflow(g, str(exc), environment)) from None
     if estimator != "reinforce_pp":
@@ -73,9 +80,28 @@ def advantages_of(
         raise NonFiniteError(reward_overflow(groups[0], str(exc), environment)) from None
 
 
+def _rewards(
+    group: Group, weights: Mapping[str, float], normalization: Literal["none", "group"],
+    environment: str,
+) -> np.ndarray:
+    try:
+        return combined_rewards([s.components for s in group.samples], weights,
+                                normalization=normalization)  # fmt: skip
+    except KeyError as exc:
+        name = exc.args[0]
+        have = sorted({k for s in group.samples for k in s.components})
+        raise ConfigError(
+            f"grpo.reward_weights names the reward component {name!r}, but environment "
+            f"{environment!r} (environment.name) scored a sample of prompt {group.prompt_id!r} "
+            f"without it (the group's components: {have or 'none'}). Fix: return it in every "
+            "Score's components, or weigh only components the environment gives"
+        ) from None
+
+
 def pack_groups(
     groups: Sequence[Group], *, normalize: bool, environment: str = "?",
-    estimator: Estimator = "grpo",
+    estimator: Estimator = "grpo", weights: Mapping[str, float] | None = None,
+    normalization: Literal["none", "group"] = "none",
 ) -> TrainBatch:
     """One :class:`TrainBatch` holding every sample of complete ``groups``: each sequence a
     sample trains (:meth:`CompletedSample.sequences`: an episode's split-off sequences, then its
@@ -93,7 +119,8 @@ def pack_groups(
     behaviour: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     advantages = advantages_of(groups, normalize=normalize, estimator=estimator,
-                               environment=environment)  # fmt: skip
+                               environment=environment, weights=weights,
+                               normalization=normalization)  # fmt: skip
     for g, a in zip(groups, advantages):
         group_prompt = np.asarray(g.prompt_ids, dtype=np.int32)
         for s, a_i in zip(g.samples, a):
@@ -147,13 +174,17 @@ def nonfinite_cause(
     normalize: bool,
     estimator: Estimator = "grpo",
     budget: str = "",
+    weights: Mapping[str, float] | None = None,
+    normalization: Literal["none", "group"] = "none",
 ) -> str:
     """Why step ``step``'s loss or gradient norm is likely not finite, for the error that
     stops the run: the rewards' magnitude when the step's advantages are huge, else the
     model's state (corrupted or diverging weights). ``budget`` (the skip budget, spent) goes
     after the facts; the message ends with the fix."""
     worst: tuple[float, float, Group | None] = (0.0, 0.0, None)  # |advantage|, reward, group
-    for g, a in zip(groups, advantages_of(groups, normalize=normalize, estimator=estimator)):
+    advantages = advantages_of(groups, normalize=normalize, estimator=estimator,
+                               weights=weights, normalization=normalization)  # fmt: skip
+    for g, a in zip(groups, advantages):
         i = int(np.argmax(np.abs(a)))
         if abs(a[i]) >= worst[0]:
             worst = (float(abs(a[i])), g.samples[i].reward, g)

@@ -158,6 +158,8 @@ class StepAssembler:
                 step, loss, grad_norm, rec.groups,
                 normalize=self.config.grpo.normalize_advantages,
                 estimator=self.config.grpo.advantage_estimator, budget=budget,
+                weights=self.config.grpo.reward_weights,
+                normalization=self.config.grpo.reward_normalization,
             )
         )  # fmt: skip
 
@@ -190,6 +192,7 @@ class StepAssembler:
             batch = pack_groups(
                 chunk.groups, normalize=cfg.grpo.normalize_advantages,
                 environment=cfg.environment.name, estimator=cfg.grpo.advantage_estimator,
+                weights=cfg.grpo.reward_weights, normalization=cfg.grpo.reward_normalization,
             )  # fmt: skip
             shards = shard_batch(batch, len(self.trainers))
             await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in

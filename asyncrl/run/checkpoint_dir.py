@@ -155,6 +155,9 @@ class SavedSample(msgspec.Struct, array_like=True, gc=False):
     """int32, the version of each token; ``None``: not recorded (an older asyncrl wrote it,
     or reads it and drops this field: its tokens then count at their group's start version,
     the oldest they can be, so the format stays 3)."""
+    components: dict[str, float] = {}
+    """The score's named parts (``grpo.reward_weights`` trains on them); empty when an older
+    asyncrl wrote the checkpoint."""
 
     @classmethod
     def of(cls, sample: CompletedSample) -> SavedSample:
@@ -164,6 +167,7 @@ class SavedSample(msgspec.Struct, array_like=True, gc=False):
             _i32(sample.token_ids), _f32(sample.logprobs), sample.finish_reason,
             float(sample.reward), bool(sample.correct), mask, prompt,
             [SavedPart.of(p) for p in sample.earlier], _maybe_i32(sample.versions),
+            dict(sample.components),
         )  # fmt: skip
 
     def sample(self) -> CompletedSample:
@@ -174,6 +178,7 @@ class SavedSample(msgspec.Struct, array_like=True, gc=False):
             loss_mask=None if mask is None else _array(mask, np.uint8),
             prompt_ids=None if prompt is None else _array(prompt, np.int32),
             earlier=tuple(p.part() for p in self.earlier), versions=_maybe_array(self.versions),
+            components=dict(self.components),
         )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ pytest.importorskip(
 
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
+from asyncrl.errors import ConfigError  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
@@ -109,4 +110,32 @@ async def test_turns_in_flight_at_a_refit_go_on_and_keep_the_bound_per_token(
         assert r["aborted_groups"] == 0 and r["wasted_samples"] == 0
     assert sum(r["tokens_after_refit"] for r in train) > 0, train
     assert sum(r["inflight_at_refit"] for r in train) > 0
+    assert_nothing_left(ctl, pids.values())
+
+
+async def test_weighted_reward_components_train_and_a_missing_one_is_named(
+    make_config: Callable[..., Config],
+) -> None:
+    """grpo.reward_weights trains on the episodes' named components (group-normalized), and
+    the components are logged per step; naming one the environment never gives stops the run
+    at the first step with the error that names it (the run's processes end with it)."""
+    cfg = make_config(
+        environment={"name": "repeat-digit-turns"}, run={"num_steps": 2},
+        grpo={"max_new_tokens": 4, "reward_weights": {"first": 1.0, "second": 0.5},
+              "reward_normalization": "group"},
+        eval={"num_prompts": 0},
+    )  # fmt: skip
+    async with asyncrl.Controller(cfg) as ctl:
+        summary = await ctl.train()
+    assert len(summary.steps) == 2
+    assert all({"reward/first", "reward/second"} <= r.keys() for r in summary.steps)
+    bad = make_config(
+        environment={"name": "repeat-digit-turns"}, run={"num_steps": 2},
+        grpo={"max_new_tokens": 4, "reward_weights": {"first": 1.0, "third": 0.5}},
+        eval={"num_prompts": 0},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="'third'.*repeat-digit-turns"):
+        async with asyncrl.Controller(bad) as ctl:
+            pids = worker_pids(ctl)
+            await ctl.train()
     assert_nothing_left(ctl, pids.values())

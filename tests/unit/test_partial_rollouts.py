@@ -151,9 +151,11 @@ def test_token_staleness_counts_every_trained_token_at_its_own_version() -> None
 
 
 def test_a_checkpoint_keeps_the_versions_and_reads_one_without_them() -> None:
-    sample = CompletedSample(TOKENS, LPS, "stop", 1.0, True, versions=np.array([1, 1, 2, 2]))
+    sample = CompletedSample(TOKENS, LPS, "stop", 1.0, True, {"correct": 1.0, "format": 0.5},
+                             versions=np.array([1, 1, 2, 2]))  # fmt: skip
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(SavedSample.of(sample)), type=SavedSample)
     assert back.sample().versions.tolist() == [1, 1, 2, 2]
+    assert back.sample().components == {"correct": 1.0, "format": 0.5}  # reward_weights reads them
 
     class Format3(msgspec.Struct, array_like=True):  # what an asyncrl before protocol 9 wrote
         token_ids: bytes
@@ -165,6 +167,7 @@ def test_a_checkpoint_keeps_the_versions_and_reads_one_without_them() -> None:
     old = Format3(TOKENS.tobytes(), LPS.tobytes(), "stop", 0.5, False)
     restored = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=SavedSample).sample()
     assert restored.versions is None and restored.trained_versions(7).tolist() == [7] * 4
+    assert restored.components == {}
 
 
 
