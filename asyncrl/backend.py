@@ -295,7 +295,12 @@ class TrainingBackend(Protocol):
         """Scale gradients by 1/num_loss_tokens (the step's global count), clip, step the
         optimizer. The result equals one big batch of all the step's chunks. A step whose loss
         or gradient norm is not finite is not applied (on any rank): the result carries the
-        non-finite value, and the controller skips the step or stops the run."""
+        non-finite value, and the controller skips the step or stops the run.
+
+        With ``loss.aggregation`` other than ``token_mean`` it is called with a keyword
+        ``normalizer`` (> 0): scale by 1/normalizer instead (still checking
+        ``num_loss_tokens``); the trainer worker refuses a backend without the keyword
+        before it starts."""
 
     def weight_specs(self) -> list[WeightTensor]:
         """What :meth:`iter_weights` yields, in order, with ``data=None`` (name, dtype, shape):

@@ -94,6 +94,13 @@ class LossConfig(Section):
     """Lower edge of the rho band the masking corrections keep."""
     mismatch_high: float = 2.0
     """Upper edge of the rho band the masking corrections keep."""
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """How the step's token losses become its loss (docs/algorithms.md): ``token_mean`` (sum
+    over the step's trained tokens / their number), ``sequence_mean`` (each sequence's mean
+    over its trained tokens, averaged over the step's sequences: GRPO's original), or
+    ``constant`` (sum / (sequences x aggregation_constant): Dr. GRPO)."""
+    aggregation_constant: int = 0
+    """``constant``'s per-sequence token budget (0: ``grpo.max_new_tokens``)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """The PPO ratio: per token, or GSPO's per sequence (the geometric mean of its tokens'
     ratios, clipped as one)."""
@@ -101,6 +108,9 @@ class LossConfig(Section):
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[loss]``."""
         out: list[ConfigError] = []
+        if self.aggregation_constant < 0:
+            out.append(fail("loss.aggregation_constant", "must be >= 0",
+                            "use 0 (grpo.max_new_tokens) or a token budget"))  # fmt: skip
         if not 0 < self.mismatch_low <= 1 <= self.mismatch_high:
             out.append(fail("loss.mismatch_low", f"the band [{self.mismatch_low}, "
                             f"{self.mismatch_high}] must hold 1 with mismatch_low > 0",

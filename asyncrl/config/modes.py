@@ -119,9 +119,15 @@ def objective(config: Config) -> str:
         terms = " + ".join(f"{w:g}*{k}" for k, w in sorted(g.reward_weights.items()))
         each = ", each normalized in its group" if g.reward_normalization == "group" else ""
         rewards = f"rewards {terms}{each}; "
+    aggregation = {
+        "token_mean": "token-mean over the step",
+        "sequence_mean": "each sequence's token-mean, averaged over the step's sequences",
+        "constant": f"token sum / (sequences x "
+                    f"{loss.aggregation_constant or g.max_new_tokens}) (Dr. GRPO)",
+    }[loss.aggregation]  # fmt: skip
     return (f"{rewards}{estimator}; {ratio} against {against}, clipped to "
             f"[{1 - loss.clip_eps_low:g}, {1 + loss.clip_eps_high:g}]; {correction}; "
-            "token-mean over the step")  # fmt: skip
+            f"{aggregation}")  # fmt: skip
 
 
 def _objective_advice(config: Config, streaming: bool) -> list[str]:

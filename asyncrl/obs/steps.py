@@ -62,7 +62,9 @@ class StepRecord:
     groups: list[Group] = field(default_factory=list)
     chunk_results: list[ChunkResult] = field(default_factory=list)
     advantages: list[np.ndarray] = field(default_factory=list)
-    """Each chunk's per-sequence advantages, as sent to the trainers."""
+    """Each chunk's per-sequence advantages (before ``sequence_mean`` scales them)."""
+    sequences: int = 0
+    """The step's sequences that train a token (``loss.aggregation``'s count)."""
     verify: list[Agreement] = field(default_factory=list)
     verify_s: float = 0.0
 
@@ -92,6 +94,7 @@ class StepRecord:
         """The step failed on a trainer and is assembled again: forget its chunks (its
         groups went back to the buffer)."""
         self.groups, self.chunk_results, self.advantages, self.chunks = [], [], [], 0
+        self.sequences = 0
         self.train_start = None
         self.step_retries += 1
 

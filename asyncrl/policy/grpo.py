@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
+import msgspec
 import numpy as np
 
 from asyncrl.policy.advantages import (
@@ -27,6 +28,8 @@ from asyncrl.policy.packing import Layout
 __all__ = [
     "FLOAT32_MAX",
     "advantages_of",
+    "per_sequence_mean",
+    "trained_per_sequence",
     "group_advantages",
     "nonfinite_cause",
     "pack_groups",
@@ -141,6 +144,26 @@ def pack_groups(
         advantages=np.asarray(adv, dtype=np.float32),
         loss_mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
     )
+
+
+def trained_per_sequence(batch: TrainBatch) -> np.ndarray:
+    """How many tokens of each sequence of ``batch`` train (its ``loss_mask`` ones), int64."""
+    lens = (batch.seq_lens - batch.prompt_lens).astype(np.int64)
+    if lens.size == 0:
+        return np.zeros(0, np.int64)
+    ends = np.cumsum(lens)
+    sums = np.concatenate([[0], np.cumsum(batch.loss_mask.astype(np.int64))])
+    return sums[ends] - sums[ends - lens]
+
+
+def per_sequence_mean(batch: TrainBatch) -> TrainBatch:
+    """``batch`` for ``loss.aggregation = "sequence_mean"``: each sequence's advantage divided
+    by its trained tokens, so that the trainer's token sum is the sum of each sequence's
+    token-mean (the loss is linear in the advantage: the clip, the importance weights and
+    the masks are unchanged by a positive factor); the step then divides by its sequences."""
+    trained = trained_per_sequence(batch)
+    scaled = (batch.advantages / np.maximum(trained, 1)).astype(np.float32)
+    return msgspec.structs.replace(batch, advantages=scaled)
 
 
 def reward_overflow(group: Group, problem: str, environment: str) -> str:

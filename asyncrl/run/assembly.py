@@ -29,6 +29,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import structlog
 
 from asyncrl.config import Config
@@ -36,7 +37,13 @@ from asyncrl.data.prompts import PromptStream, Tokenizer
 from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, flatten
 from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.failures import FailureBudget
-from asyncrl.policy.grpo import nonfinite_cause, pack_groups, shard_batch
+from asyncrl.policy.grpo import (
+    nonfinite_cause,
+    pack_groups,
+    per_sequence_mean,
+    shard_batch,
+    trained_per_sequence,
+)
 from asyncrl.policy.samplers import in_flight_at_refit
 from asyncrl.policy.schedule import StepStats
 from asyncrl.policy.verify import make_probe, verification_due
@@ -111,11 +118,11 @@ class StepAssembler:
                 ``failures.max_nonfinite_steps`` such steps were skipped.
         """
         num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)  # trained tokens only
+        message = FinishStep(step=step, num_loss_tokens=num_tokens,
+                             normalizer=normalizer(self.config, rec.sequences))  # fmt: skip
         busy = self.now()
         try:
-            finish = await self._train_call(
-                [FinishStep(step=step, num_loss_tokens=num_tokens)] * len(self.trainers)
-            )
+            finish = await self._train_call([message] * len(self.trainers))
         except _StepFailed as exc:
             self._give_back(step, rec, exc)
             return None
@@ -194,13 +201,16 @@ class StepAssembler:
                 environment=cfg.environment.name, estimator=cfg.grpo.advantage_estimator,
                 weights=cfg.grpo.reward_weights, normalization=cfg.grpo.reward_normalization,
             )  # fmt: skip
+            rec.advantages.append(batch.advantages)
+            rec.sequences += int(np.count_nonzero(trained_per_sequence(batch)))
+            if cfg.loss.aggregation == "sequence_mean":
+                batch = per_sequence_mean(batch)
             shards = shard_batch(batch, len(self.trainers))
             await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
             busy = self.now()
             results = await self._train_call([TrainChunk(step=step, batch=x) for x in shards])
             rec.train_busy_s += self.now() - busy
             rec.chunk_results += results  # type: ignore[arg-type]
-            rec.advantages.append(batch.advantages)
             rec.chunks += 1
 
     async def _train_call(self, requests: list[Any]) -> list[Any]:
@@ -383,3 +393,15 @@ class Publisher:
         """Stop the run if a generator disagreed with the trainer in ``rec.verify``."""
         for agreement in rec.verify:
             agreement.check(*self.kv.verify_tolerance)
+
+
+def normalizer(config: Config, sequences: int) -> float:
+    """``FinishStep.normalizer`` for ``loss.aggregation``: 0 (the trained tokens) for
+    ``token_mean``; the step's trained sequences for ``sequence_mean``; those times
+    ``loss.aggregation_constant`` (or ``grpo.max_new_tokens``) for ``constant``."""
+    loss = config.loss
+    if loss.aggregation == "sequence_mean":
+        return float(sequences)
+    if loss.aggregation == "constant":
+        return float(sequences * (loss.aggregation_constant or config.grpo.max_new_tokens))
+    return 0.0

@@ -120,12 +120,7 @@ def ppo_clip_loss(
     adv = torch.where(mask, advantages.to(logprobs.dtype), 0.0)
     maskf = mask.to(logprobs.dtype)
 
-    if ratio_level == "sequence":
-        assert seq_ids is not None
-        seq_log_ratio = _sequence_mean(current - prox, maskf, seq_ids)
-        ratio = torch.exp(seq_log_ratio + logprobs - current)  # value s_i, gradient s_i * dlp
-    else:
-        ratio = torch.exp(logprobs - prox)
+    ratio = _ratio(logprobs, prox, maskf, seq_ids, ratio_level)
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
     weight, dropped = _weights(prox - behaviour, maskf, seq_ids, correction, is_cap,
@@ -146,6 +141,20 @@ def ppo_clip_loss(
             masked_tokens=None if dropped is None else (dropped & mask).sum(),
         )
     return loss_sum, stats
+
+
+def _ratio(
+    logprobs: torch.Tensor, prox: torch.Tensor, maskf: torch.Tensor,
+    seq_ids: torch.Tensor | None, level: RatioLevel,
+) -> torch.Tensor:
+    """The PPO ratio per token: ``exp(lp - prox)``, or GSPO's ``s_i`` with the gradient
+    ``s_i * dlp`` (the module docstring)."""
+    if level == "token":
+        return torch.exp(logprobs - prox)
+    assert seq_ids is not None
+    current = logprobs.detach()
+    seq_log_ratio = _sequence_mean(current - prox, maskf, seq_ids)
+    return torch.exp(seq_log_ratio + logprobs - current)  # value s_i, gradient s_i * dlp
 
 
 def _sequence_mean(values: torch.Tensor, maskf: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:

@@ -116,8 +116,9 @@ class DistributedTrainer:
         """Accumulate the gradient of ``loss_sum`` (a raw sum; no scaling of any kind)."""
         raise NotImplementedError
 
-    def _apply_step(self, num_loss_tokens: int) -> float:
-        """Divide the accumulated gradient of the global loss sum by ``num_loss_tokens``, clip
+    def _apply_step(self, num_loss_tokens: float) -> float:
+        """Divide the accumulated gradient of the global loss sum by ``num_loss_tokens`` (the
+        step's trained tokens, or ``loss.aggregation``'s normalizer), clip
         it to ``max_grad_norm``, step the optimizer unless the norm is not finite, zero the
         gradients. Returns the global gradient 2-norm before clipping (the same on every
         rank)."""
@@ -415,7 +416,9 @@ class DistributedTrainer:
                 sums[6] = torch.maximum(sums[6], stats.abs_logprob_diff_max.to(torch.float64))
         return sums.tolist()
 
-    def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
+    def finish_step(
+        self, step: int, num_loss_tokens: int, *, normalizer: float | None = None
+    ) -> StepResult:
         self._started()
         open_step = self._ledger.require(step, "finish_step")
         totals = torch.tensor(
@@ -443,7 +446,7 @@ class DistributedTrainer:
             grad_norm = float("nan")  # not computed
         else:
             try:
-                grad_norm = self._apply_step(num_loss_tokens)
+                grad_norm = self._apply_step(normalizer or num_loss_tokens)
             finally:
                 self._ledger.close()
         if not (math.isfinite(grad_norm) and math.isfinite(loss_sum)):
@@ -453,7 +456,7 @@ class DistributedTrainer:
             )
         return StepResult(
             step=step,
-            loss=loss_sum / num_loss_tokens,
+            loss=loss_sum / (normalizer or num_loss_tokens),
             grad_norm=grad_norm,
             num_loss_tokens=num_loss_tokens,
             lr=self._opts.lr,

@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -124,10 +124,14 @@ class TrainChunk(msgspec.Struct, tag="chunk", **_CTRL):
 
 
 class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
-    """Normalize gradients by the step's loss tokens, clip, take one optimizer step."""
+    """Normalize gradients by the step's loss tokens (or ``normalizer``), clip, take one
+    optimizer step."""
 
     step: int
     num_loss_tokens: int
+    normalizer: float = 0.0
+    """What the step's loss sum is divided by (``loss.aggregation``): 0 means
+    ``num_loss_tokens`` (token-mean); else the step's sequences, or sequences x a constant."""
 
 
 class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):

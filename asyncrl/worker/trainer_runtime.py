@@ -15,6 +15,7 @@ interrupted: cancellation waits for it.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from asyncrl.backend import (
     drain_weights,
 )
 from asyncrl.config import Config
-from asyncrl.errors import CollectiveTimeoutError, ProtocolError
+from asyncrl.errors import CollectiveTimeoutError, PluginError, ProtocolError
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.wire.messages import (
     BeginStep,
@@ -162,6 +163,17 @@ class TrainerRuntime(WorkerRuntime):
         self._calibrate = methods["calibrate_kv_scales"]
 
     async def _start(self) -> dict[str, Any]:
+        """Raises PluginError: ``loss.aggregation`` needs a ``finish_step`` keyword the
+        backend lacks (before it starts)."""
+        aggregation = self.wctx.config.loss.aggregation
+        if aggregation != "token_mean" and not _takes(self.backend.finish_step, "normalizer"):
+            raise PluginError(
+                f"training backend {self.wctx.config.trainer.backend!r} "
+                f"(asyncrl.training_backends): loss.aggregation = {aggregation!r} calls "
+                "finish_step(step, num_loss_tokens, normalizer=...), and its finish_step takes "
+                "no normalizer. Fix: set loss.aggregation = \"token_mean\", or add the keyword "
+                "to the backend (docs/plugins.md)"
+            )
         caps = await self.thread.run(self.backend.start)
         if self.wctx.rank == 0 and self.init.transfer_address:
             config = self.wctx.config
@@ -236,7 +248,10 @@ class TrainerRuntime(WorkerRuntime):
         return await self.thread.run(self.backend.train_chunk, req.step, req.batch)
 
     async def _finish_step(self, req: FinishStep) -> Result:
-        return await self.thread.run(self.backend.finish_step, req.step, req.num_loss_tokens)
+        if not req.normalizer:  # token-mean: the call every backend implements
+            return await self.thread.run(self.backend.finish_step, req.step, req.num_loss_tokens)
+        finish = functools.partial(self.backend.finish_step, normalizer=req.normalizer)
+        return await self.thread.run(finish, req.step, req.num_loss_tokens)
 
     async def _calibrate_kv(self, req: CalibrateKV) -> Result:
         if self._calibrate is None:
@@ -303,3 +318,10 @@ class TrainerRuntime(WorkerRuntime):
         )
         await self.thread.run(export)
         return Empty()
+
+
+def _takes(method: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``method`` accepts the keyword argument ``keyword``."""
+    params = inspect.signature(method).parameters.values()
+    return any(p.name == keyword and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+               or p.kind is p.VAR_KEYWORD for p in params)  # fmt: skip

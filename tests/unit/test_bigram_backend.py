@@ -529,3 +529,57 @@ async def test_samples_share_the_engines_steps_and_a_cancelled_starter_holds_no_
         starter.cancel()
         with anyio.fail_after(5):
             await done.wait()
+
+
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "constant"])
+def test_loss_aggregation_against_the_objective_written_per_sequence(
+    tmp_path: Path, aggregation: str
+) -> None:
+    """The packing (per_sequence_mean), the controller's normalizer and the trainer's division
+    together take an SGD step down the gradient of the aggregated objective, written here per
+    sequence with torch autograd in float64 (GRPO's original: mean over sequences of each
+    one's token-mean; Dr. GRPO: the token sum over sequences x the constant), streamed in two
+    chunks, a sequence with no trained token among them."""
+    torch = pytest.importorskip("torch")
+    from asyncrl.policy.grpo import per_sequence_mean, trained_per_sequence
+    from asyncrl.run.assembly import normalizer
+    from asyncrl.training.loss import ppo_clip_loss
+
+    cfg = _config(tmp_path, trainer={"options": {"lr": 0.3, "max_grad_norm": 0.0}},
+                  loss={"aggregation": aggregation, "aggregation_constant": 7})  # fmt: skip
+    rng = np.random.default_rng(4)
+    parts = [_batch(rng, 4), _batch(rng, 5)]
+    parts[1].loss_mask[: int(parts[1].seq_lens[0] - parts[1].prompt_lens[0])] = 0
+    trainer = BigramTrainer(_ctx(cfg))
+    trainer.start()
+    w0 = trainer.weights.copy()
+    trainer.begin_step(0)
+    tokens = sequences = 0
+    for p in parts:
+        sequences += int(np.count_nonzero(trained_per_sequence(p)))
+        sent = per_sequence_mean(p) if aggregation == "sequence_mean" else p
+        tokens += trainer.train_chunk(0, sent).num_loss_tokens
+    trainer.finish_step(0, tokens, normalizer=normalizer(cfg, sequences))
+
+    w = torch.tensor(w0, dtype=torch.float64, requires_grad=True)
+    per_seq = []
+    for p in parts:
+        prev, tok, seq = (torch.as_tensor(a) for a in response_tokens(p))
+        lp = torch.log_softmax(w[prev] / 0.7, dim=-1)[torch.arange(tok.numel()), tok]
+        beh = torch.as_tensor(np.asarray(p.behaviour_logprobs), dtype=torch.float64)
+        adv = torch.as_tensor(np.asarray(p.advantages), dtype=torch.float64)
+        mask = torch.as_tensor(p.loss_mask.astype(bool))
+        for i in range(p.seq_lens.size):
+            on = (seq == i) & mask
+            if not bool(on.any()):
+                continue  # trains nothing: not one of the step's sequences
+            loss, _ = ppo_clip_loss(lp[on], beh[on], adv[i].expand(int(on.sum())), on[on],
+                                    clip_eps_low=0.2, clip_eps_high=0.28, is_cap=2.0)  # fmt: skip
+            per_seq.append(loss / int(on.sum()) if aggregation == "sequence_mean" else loss)
+    assert len(per_seq) == sequences == 8
+    objective = torch.stack(per_seq).sum() / (sequences if aggregation == "sequence_mean"
+                                              else sequences * 7)  # fmt: skip
+    objective.backward()
+    # the scaled advantages are rounded to float32 again: measured 2.5e-10 (sequence_mean),
+    # 4e-19 (constant)
+    np.testing.assert_allclose(trainer.weights, w0 - 0.3 * w.grad.numpy(), rtol=0, atol=7.5e-10)

@@ -45,14 +45,15 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_ten() -> None:
+def test_protocol_version_is_eleven() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
     # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
     # 7: ResetPrefixCache (tag reset_pc, never sent) left the Request union;
     # 8: TrainBatch.loss_mask; 9: Sample.versions, ReceiveWeights.reprefill; 10: Cast (a
-    # Generate is sent unanswered)
-    assert PROTOCOL_VERSION == 10
+    # Generate is sent unanswered); 11: FinishStep.normalizer (an older trainer would
+    # divide by the tokens whatever loss.aggregation says)
+    assert PROTOCOL_VERSION == 11
 
 
 def test_golden_hello() -> None:

@@ -217,3 +217,25 @@ def test_a_bad_loss_mask_is_refused_when_its_sample_is_built() -> None:
         Part(np.array([1], np.int32), ids, lps, [1, 0, 1], "stop")
     good = CompletedSample(ids, lps, "stop", 1.0, True, loss_mask=[True, False])
     assert good.loss_mask.dtype == np.uint8 and good.trained_mask().tolist() == [1, 0]
+
+
+def test_trained_tokens_per_sequence_and_the_aggregation_normalizer(tmp_path) -> None:
+    from asyncrl.config import from_dict
+    from asyncrl.policy.grpo import per_sequence_mean, trained_per_sequence
+    from asyncrl.run.assembly import normalizer
+    from asyncrl.wire.messages import TrainBatch
+
+    tb = pack_tokens([[5], [6, 7], [8]], [[1, 2, 3], [], [4, 4]])
+    batch = TrainBatch(tb.tokens, tb.seq_lens, tb.prompt_lens, np.zeros(5, np.float32),
+                       np.array([2.0, -1.0, 3.0], np.float32), np.array([1, 0, 1, 0, 1], np.uint8))  # fmt: skip
+    assert trained_per_sequence(batch).tolist() == [2, 0, 1]
+    assert per_sequence_mean(batch).advantages.tolist() == [1.0, -1.0, 3.0]  # / 2, / 1 (none), / 1
+    (tmp_path / "config.json").write_text('{"vocab_size": 8}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    base = {"model": {"path": str(tmp_path)}, "environment": {"name": "repeat-digit"},
+            "grpo": {"max_new_tokens": 32}}  # fmt: skip
+    assert normalizer(from_dict(base), 5) == 0.0  # token-mean: the trained tokens
+    assert normalizer(from_dict(base | {"loss": {"aggregation": "sequence_mean"}}), 5) == 5.0
+    assert normalizer(from_dict(base | {"loss": {"aggregation": "constant"}}), 5) == 160.0
+    cfg = from_dict(base | {"loss": {"aggregation": "constant", "aggregation_constant": 10}})
+    assert normalizer(cfg, 5) == 50.0

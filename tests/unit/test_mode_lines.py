@@ -120,15 +120,15 @@ def test_the_objective_line_and_its_advice(model_dir: Path) -> None:
         grpo=GRPOConfig(prompts_per_step=8, advantage_estimator="reinforce_pp",
                         normalize_advantages=False, reward_weights={"format": 0.2, "correct": 1},
                         reward_normalization="group"),
-        loss=LossConfig(correction="token_mask", ratio_level="sequence"),
+        loss=LossConfig(correction="token_mask", ratio_level="sequence", aggregation="constant"),
         trainer=TrainerConfig(options={"proximal_policy": "current"}),
     ))  # fmt: skip
     assert streamed.capacities["objective"] == (
         "rewards 1*correct + 0.2*format, each normalized in its group; "
         "reinforce_pp advantages (r - group mean, normalized over each chunk); GSPO's sequence "
         "ratio against the trainer's own logprobs at the step's start (decoupled PPO), clipped "
-        "to [0.8, 1.2]; tokens whose trainer/generator ratio leaves [0.5, 2] masked; token-mean "
-        "over the step"
+        "to [0.8, 1.2]; tokens whose trainer/generator ratio leaves [0.5, 2] masked; token sum "
+        "/ (sequences x 16) (Dr. GRPO)"
     )
     assert [a.split(" ", 1)[0] for a in streamed.advice] == [
         "grpo.advantage_estimator", "grpo.normalize_advantages"]

@@ -358,3 +358,46 @@ async def test_a_collective_that_timed_out_kills_the_trainer_rank_naming_it(
     finally:
         await rt.close()
         control.close()
+
+
+async def test_an_aggregation_the_backend_cannot_normalize_is_refused_before_it_starts(
+    model_dir: Any,
+) -> None:
+    """``loss.aggregation`` other than token_mean sends ``FinishStep.normalizer``: a backend
+    whose ``finish_step`` has no such keyword is named before ``start`` runs."""
+    from asyncrl.config import from_dict
+    from asyncrl.errors import PluginError
+
+    config = from_dict({"model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
+                        "loss": {"aggregation": "sequence_mean"}})  # fmt: skip
+    started: list[bool] = []
+
+    class Old(_Trainer):
+        def start(self) -> dict[str, Any]:
+            started.append(True)
+            return {}
+
+        def finish_step(self, step: int, num_loss_tokens: int) -> Any:  # no normalizer
+            raise AssertionError("not reached")
+
+    class New(Old):
+        def finish_step(self, step: int, num_loss_tokens: int, *, normalizer: float | None = None) -> Any:
+            raise AssertionError("not reached")
+
+    wctx = WorkerContext(group="trainer", rank=1, world_size=1, local_rank=0, config=config,
+                         run_dir="")  # fmt: skip
+    for backend, refused in ((Old(), True), (New(), False)):
+        control = _Control()
+        rt = TrainerRuntime(None, control, INIT, wctx)
+        rt.adopt(backend, plugin="fake")
+        try:
+            if refused:
+                with pytest.raises(PluginError, match="takes no normalizer"):
+                    await rt._start()
+                assert not started
+            else:
+                await rt._start()
+                assert started
+        finally:
+            await rt.close()
+            control.close()

@@ -199,20 +199,23 @@ class BigramTrainer:
             mismatch_k3_sum=stats["mismatch_k3_sum"],
         )
 
-    def finish_step(self, step: int, num_loss_tokens: int) -> StepResult:
+    def finish_step(
+        self, step: int, num_loss_tokens: int, *, normalizer: float | None = None
+    ) -> StepResult:
         self._check_open(step)
+        divisor = normalizer or max(1, num_loss_tokens)  # loss.aggregation's, else the tokens
         start = time.perf_counter()
         opts = self.options
         if opts.step_delay_s:
             time.sleep(opts.step_delay_s)  # testing knob: a slow trainer
         if self._dist is not None:
             self._all_reduce_grad()
-        g = self.grad / max(1, num_loss_tokens)
+        g = self.grad / divisor
         if step in opts.nan_grad_at_steps:  # testing knob: an overflow in the backward
             g[0, 0] = np.nan
         with np.errstate(over="ignore", invalid="ignore"):
             norm = float(np.sqrt(np.sum(g * g)))
-        loss = self._loss_sum / max(1, num_loss_tokens)
+        loss = self._loss_sum / divisor
         if np.isfinite(norm) and np.isfinite(loss):  # else the step is not applied
             self._update(g, norm)
         self._open_step = None
