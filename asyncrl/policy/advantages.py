@@ -27,9 +27,10 @@ With ``grpo.reward_weights`` the reward ``r_i`` is made from the score's named c
 ``c_{i,k}`` (:func:`combined_rewards`)::
 
     r_i = sum_k w_k * c_{i,k}                                    reward_normalization = "none"
-    r_i = sum_k w_k * (c_{i,k} - mean_k) / (std_k + eps)         "group" (GDPO, Liu et al. 2026)
+    r_i = sum_k w_k * (c_{i,k} - mean_k) / (std_k + eps)         "group" (GDPO)
 
-where ``mean_k``, ``std_k`` are component ``k``'s over the group (a component equal across
+(GDPO: group reward-decoupled normalization, NeMo-RL's multi-reward estimator), where
+``mean_k``, ``std_k`` are component ``k``'s over the group (a component equal across
 the group adds 0): each component counts by its weight, not by its scale. The estimator then
 runs on ``r``.
 
