@@ -47,8 +47,8 @@ from typing import Literal
 import numpy as np
 
 __all__ = [
-    "ESTIMATORS", "Estimator", "FLOAT32_MAX", "batch_normalized", "chunk_advantages",
-    "combined_rewards", "group_advantages",
+    "ESTIMATORS", "Estimator", "FLOAT32_MAX", "batch_normalized", "combined_rewards",
+    "group_advantages",
 ]
 
 Estimator = Literal["grpo", "rloo", "reinforce_pp"]
@@ -69,7 +69,8 @@ def group_advantages(
     estimator: Estimator = "grpo",
 ) -> np.ndarray:
     """One group's advantages by ``estimator`` (``reinforce_pp``: its group stage only,
-    ``r_i - mean(r)``; :func:`chunk_advantages` normalizes over the chunk). ``normalize``
+    ``r_i - mean(r)``; :func:`batch_normalized` normalizes over the chunk, as
+    :func:`asyncrl.policy.grpo.advantages_of` does). ``normalize``
     applies to ``grpo`` alone: divide by the group's standard deviation when it is positive.
 
     Raises:
@@ -100,27 +101,6 @@ def group_advantages(
         raise OverflowError("their standard deviation overflows float64 (their squares do)")
     _fits_float32(centred, "r - mean")
     return centred
-
-
-def chunk_advantages(
-    groups_rewards: Sequence[Sequence[float]],
-    *,
-    normalize: bool = True,
-    eps: float = EPS,
-    estimator: Estimator = "grpo",
-) -> list[np.ndarray]:
-    """The advantages of each group of one chunk, in order: :func:`group_advantages` per
-    group, then, for ``reinforce_pp``, normalized over every sample of the chunk.
-
-    Raises:
-        ValueError, OverflowError: as :func:`group_advantages`; for ``reinforce_pp`` also
-            when the chunk's spread overflows float64.
-    """
-    out = [
-        group_advantages(r, normalize=normalize, eps=eps, estimator=estimator)
-        for r in groups_rewards
-    ]
-    return batch_normalized(out, eps=eps) if estimator == "reinforce_pp" else out
 
 
 def batch_normalized(advantages: Sequence[np.ndarray], *, eps: float = EPS) -> list[np.ndarray]:

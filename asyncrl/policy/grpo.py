@@ -28,15 +28,15 @@ from asyncrl.policy.packing import Layout
 __all__ = [
     "FLOAT32_MAX",
     "advantages_of",
-    "per_sequence_mean",
-    "trained_per_sequence",
     "group_advantages",
     "nonfinite_cause",
     "pack_groups",
     "pack_tokens",
+    "per_sequence_mean",
     "reward_overflow",
     "shard_batch",
     "shard_tokens",
+    "trained_per_sequence",
 ]
 
 
@@ -148,20 +148,17 @@ def pack_groups(
 
 def trained_per_sequence(batch: TrainBatch) -> np.ndarray:
     """How many tokens of each sequence of ``batch`` train (its ``loss_mask`` ones), int64."""
-    lens = (batch.seq_lens - batch.prompt_lens).astype(np.int64)
-    if lens.size == 0:
-        return np.zeros(0, np.int64)
-    ends = np.cumsum(lens)
-    sums = np.concatenate([[0], np.cumsum(batch.loss_mask.astype(np.int64))])
-    return sums[ends] - sums[ends - lens]
+    ends = Layout.of(batch.seq_lens, batch.prompt_lens).response_offsets
+    trained = np.concatenate([[0], np.cumsum(batch.loss_mask, dtype=np.int64)])
+    return trained[ends[1:]] - trained[ends[:-1]]
 
 
-def per_sequence_mean(batch: TrainBatch) -> TrainBatch:
+def per_sequence_mean(batch: TrainBatch, trained: np.ndarray) -> TrainBatch:
     """``batch`` for ``loss.aggregation = "sequence_mean"``: each sequence's advantage divided
-    by its trained tokens, so that the trainer's token sum is the sum of each sequence's
-    token-mean (the loss is linear in the advantage: the clip, the importance weights and
-    the masks are unchanged by a positive factor); the step then divides by its sequences."""
-    trained = trained_per_sequence(batch)
+    by its ``trained`` tokens (:func:`trained_per_sequence`), so that the trainer's token sum
+    is the sum of each sequence's token-mean (the loss is linear in the advantage: the clip,
+    the importance weights and the masks are unchanged by a positive factor); the step then
+    divides by its sequences."""
     scaled = (batch.advantages / np.maximum(trained, 1)).astype(np.float32)
     return msgspec.structs.replace(batch, advantages=scaled)
 

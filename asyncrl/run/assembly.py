@@ -202,9 +202,10 @@ class StepAssembler:
                 weights=cfg.grpo.reward_weights, normalization=cfg.grpo.reward_normalization,
             )  # fmt: skip
             rec.advantages.append(batch.advantages)
-            rec.sequences += int(np.count_nonzero(trained_per_sequence(batch)))
+            trained = trained_per_sequence(batch)
+            rec.sequences += int(np.count_nonzero(trained))
             if cfg.loss.aggregation == "sequence_mean":
-                batch = per_sequence_mean(batch)
+                batch = per_sequence_mean(batch, trained)
             shards = shard_batch(batch, len(self.trainers))
             await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
             busy = self.now()

@@ -8,14 +8,15 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from asyncrl.config import from_dict
 from asyncrl.errors import ConfigError, NonFiniteError
-from asyncrl.policy.advantages import EPS, chunk_advantages, combined_rewards, group_advantages
-from asyncrl.policy.grpo import nonfinite_cause, pack_groups
+from asyncrl.policy.advantages import EPS, combined_rewards, group_advantages
+from asyncrl.policy.grpo import advantages_of, nonfinite_cause, pack_groups
 from asyncrl.policy.groups import CompletedSample, Group
 
 
@@ -45,6 +46,13 @@ def reinforce_pp_ref(groups: list[list[float]]) -> list[list[float]]:
     return [[(x - m) / (s + EPS) for x in g] for g in centred]
 
 
+def chunk_advantages(groups_rewards: list[list[float]], **kw: Any) -> list[np.ndarray]:
+    """The train pump's advantages (:func:`advantages_of`) of one chunk of groups with these
+    rewards."""
+    return advantages_of([_group(f"g{i}", r) for i, r in enumerate(groups_rewards)],
+                         **{"normalize": True, **kw})  # fmt: skip
+
+
 def test_hand_computed_groups() -> None:
     assert group_advantages([1.0, 0.0, 0.0, 1.0], eps=0.0).tolist() == [1.0, -1.0, -1.0, 1.0]
     # leave one out: 1 - mean(0, 0) = 1; 0 - mean(1, 0) = -0.5
@@ -54,8 +62,8 @@ def test_hand_computed_groups() -> None:
     assert group_advantages([3.0, 1.0], estimator="rloo", normalize=False).tolist() == [2.0, -2.0]
     assert group_advantages([3.0, 1.0], normalize=False).tolist() == [1.0, -1.0]
     # reinforce_pp over two groups: centred [0.5, -0.5] and [1, -1]; batch std sqrt(0.625)
-    (a, b) = chunk_advantages([[1.0, 0.0], [2.0, 0.0]], estimator="reinforce_pp", eps=0.0)
-    s = math.sqrt(0.625)
+    (a, b) = chunk_advantages([[1.0, 0.0], [2.0, 0.0]], estimator="reinforce_pp")
+    s = math.sqrt(0.625) + EPS
     assert a.tolist() == pytest.approx([0.5 / s, -0.5 / s], rel=1e-15)
     assert b.tolist() == pytest.approx([1 / s, -1 / s], rel=1e-15)
 

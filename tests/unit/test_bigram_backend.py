@@ -556,8 +556,9 @@ def test_loss_aggregation_against_the_objective_written_per_sequence(
     trainer.begin_step(0)
     tokens = sequences = 0
     for p in parts:
-        sequences += int(np.count_nonzero(trained_per_sequence(p)))
-        sent = per_sequence_mean(p) if aggregation == "sequence_mean" else p
+        trained = trained_per_sequence(p)
+        sequences += int(np.count_nonzero(trained))
+        sent = per_sequence_mean(p, trained) if aggregation == "sequence_mean" else p
         tokens += trainer.train_chunk(0, sent).num_loss_tokens
     trainer.finish_step(0, tokens, normalizer=normalizer(cfg, sequences))
 

@@ -229,7 +229,8 @@ def test_trained_tokens_per_sequence_and_the_aggregation_normalizer(tmp_path) ->
     batch = TrainBatch(tb.tokens, tb.seq_lens, tb.prompt_lens, np.zeros(5, np.float32),
                        np.array([2.0, -1.0, 3.0], np.float32), np.array([1, 0, 1, 0, 1], np.uint8))  # fmt: skip
     assert trained_per_sequence(batch).tolist() == [2, 0, 1]
-    assert per_sequence_mean(batch).advantages.tolist() == [1.0, -1.0, 3.0]  # / 2, / 1 (none), / 1
+    trained = trained_per_sequence(batch)
+    assert per_sequence_mean(batch, trained).advantages.tolist() == [1.0, -1.0, 3.0]  # / 2, / 1 (none), / 1
     (tmp_path / "config.json").write_text('{"vocab_size": 8}')
     (tmp_path / "tokenizer.json").write_text("{}")
     base = {"model": {"path": str(tmp_path)}, "environment": {"name": "repeat-digit"},
