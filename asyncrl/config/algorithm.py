@@ -29,11 +29,18 @@ class GRPOConfig(Section):
     """Generation length limit per completion."""
     temperature: float = 1.0
     """Sampling temperature; the trainer divides logits by the same value."""
+    mini_steps: int = 1
+    """Optimizer steps per RL step: the step's sequences are split into this many mini-batches,
+    each one optimizer step (docs/losses.md). The refit and the staleness accounting stay per
+    RL step. With ``loss.proximal_policy = "current"`` every mini-step's ratio is taken
+    against the logprobs of the weights before the first one (a refresh forward)."""
+    update_epochs: int = 1
+    """Passes over the same step's rollouts (each pass ``mini_steps`` optimizer steps)."""
     normalize_advantages: bool = True
     """``grpo`` estimator: divide group-centred rewards by the group's standard deviation
     (when > 0); false is Dr. GRPO's advantage (the mean subtracted only)."""
     advantage_estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
-    """How a sample's advantage is made from its group's rewards (docs/algorithms.md):
+    """How a sample's advantage is made from its group's rewards (docs/losses.md):
     ``grpo`` (minus the group mean, over its std with ``normalize_advantages``), ``rloo``
     (minus the mean of the group's other samples), ``reinforce_pp`` (minus the group mean,
     then normalized over the chunk sent to the trainer: the step, unless chunks stream)."""
@@ -69,6 +76,15 @@ class GRPOConfig(Section):
                             "but grpo.reward_weights names none",
                             "name the components and their weights in grpo.reward_weights "
                             "(e.g. {correct = 1.0, format = 0.2}), or remove it"))  # fmt: skip
+        if self.mini_steps < 1 or self.update_epochs < 1:
+            out.append(fail("grpo.mini_steps", f"mini_steps and update_epochs must be >= 1, got "
+                            f"{self.mini_steps} and {self.update_epochs}",
+                            "use 1 for one optimizer step per RL step"))  # fmt: skip
+        elif self.mini_steps > self.prompts_per_step * self.samples_per_prompt:
+            out.append(fail("grpo.mini_steps", f"{self.mini_steps} mini-batches of a step of "
+                            f"{self.prompts_per_step * self.samples_per_prompt} samples would "
+                            "leave some empty", "use at most prompts_per_step x "
+                            "samples_per_prompt (a divisor of it splits evenly)"))  # fmt: skip
         if not self.temperature > 0:
             out.append(
                 fail("grpo.temperature", f"must be > 0, got {self.temperature}", "use e.g. 1.0")
@@ -85,22 +101,43 @@ class LossConfig(Section):
     """Truncation of the importance weight between proximal and behaviour policy (TIS)."""
     correction: Literal["tis", "token_mask", "sequence_mask", "none"] = "tis"
     """How the trainer/generator ratio rho = exp(prox - behaviour) weighs each token
-    (docs/algorithms.md): ``tis`` min(rho, is_cap); ``token_mask`` rho inside
+    (docs/losses.md): ``tis`` min(rho, is_cap); ``token_mask`` rho inside
     [mismatch_low, mismatch_high], else 0 (IcePop); ``sequence_mask`` a whole sequence
     dropped when its geometric-mean rho leaves that band, else tis; ``none`` 1. The masks
-    need the trainer's own logprobs as proximal (``trainer.options.proximal_policy =
-    "current"``): with the generator's, rho is 1."""
+    need the trainer's own logprobs as proximal (``proximal_policy = "current"``): with the
+    generator's, rho is 1."""
+    proximal_policy: Literal["behaviour", "current"] = "behaviour"
+    """The PPO ratio's denominator. ``behaviour``: the generator's logprobs (the ratio is
+    trainer/generator; the correction's rho is 1). ``current``: the trainer's own logprobs
+    before the step's first optimizer step (decoupled PPO), the generator mismatch then
+    weighed by ``correction``. With one optimizer step per RL step they come from the same
+    forward as the loss (free); with ``grpo.mini_steps`` or ``grpo.update_epochs`` above 1 a
+    refresh forward computes them once per RL step."""
     mismatch_low: float = 0.5
     """Lower edge of the rho band the masking corrections keep."""
     mismatch_high: float = 2.0
     """Upper edge of the rho band the masking corrections keep."""
     aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    """How the step's token losses become its loss (docs/algorithms.md): ``token_mean`` (sum
+    """How the step's token losses become its loss (docs/losses.md): ``token_mean`` (sum
     over the step's trained tokens / their number), ``sequence_mean`` (each sequence's mean
     over its trained tokens, averaged over the step's sequences: GRPO's original), or
     ``constant`` (sum / (sequences x aggregation_constant): Dr. GRPO)."""
     aggregation_constant: int = 0
     """``constant``'s per-sequence token budget (0: ``grpo.max_new_tokens``)."""
+    kl_coef: float = 0.0
+    """Weight of the KL divergence to the reference policy (0: no reference is loaded and
+    no reference forward runs)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The per-token KL estimate, with ``d = reference - logprob``: ``k1`` = -d, ``k2`` =
+    d^2 / 2, ``k3`` = exp(d) - 1 - d (docs/losses.md)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """``loss``: ``kl_coef`` x the estimate of the trained policy is added to every trained
+    token's loss (it has a gradient). ``reward``: each sample's reward loses ``kl_coef`` x
+    the sum of the estimates of its sampled tokens (from the generator's logprobs) before
+    the advantages are made."""
+    reference_path: str = ""
+    """The reference policy's weights (a Hugging Face model directory); empty: the run's
+    initial weights (``model.path``)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """The PPO ratio: per token, or GSPO's per sequence (the geometric mean of its tokens'
     ratios, clipped as one)."""
@@ -119,6 +156,20 @@ class LossConfig(Section):
             out.append(fail("loss.clip_eps_low", "must be in [0, 1)", "use e.g. 0.2"))
         if self.clip_eps_high < 0:
             out.append(fail("loss.clip_eps_high", "must be >= 0", "use e.g. 0.2 or 0.28"))
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            out.append(fail("loss.kl_coef", f"must be a finite number >= 0, got {self.kl_coef}",
+                            "use 0 (no KL term) or e.g. 0.001"))  # fmt: skip
+        if self.reference_path and not self.kl_coef:
+            out.append(fail("loss.reference_path", "names a reference policy, but loss.kl_coef "
+                            "is 0, so none is loaded",
+                            "set loss.kl_coef > 0, or remove loss.reference_path"))  # fmt: skip
+        if self.correction in ("token_mask", "sequence_mask") and self.proximal_policy != "current":
+            out.append(fail("loss.correction", f"{self.correction!r} masks tokens by the "
+                            "trainer/generator ratio exp(prox - behaviour), which is 1 "
+                            "everywhere while the proximal policy is the generator's "
+                            "(loss.proximal_policy = \"behaviour\"): it would do nothing",
+                            "set loss.proximal_policy = \"current\" (decoupled PPO), or "
+                            "loss.correction = \"tis\""))  # fmt: skip
         if self.is_cap < 1:
             out.append(fail("loss.is_cap", "must be >= 1", "use e.g. 2.0"))
         return out

@@ -90,7 +90,7 @@ def describe(config: Config) -> ModeReport:
 
 def objective(config: Config) -> str:
     """What a step optimizes, in one line: the advantage estimator, the ratio, its clip, the
-    proximal policy and the off-policy correction (docs/algorithms.md)."""
+    proximal policy and the off-policy correction (docs/losses.md)."""
     g, loss = config.grpo, config.loss
     estimator = g.advantage_estimator
     if estimator == "grpo":
@@ -101,9 +101,11 @@ def objective(config: Config) -> str:
     else:
         estimator += " advantages (r - group mean, normalized over each chunk)"
     ratio = "GSPO's sequence ratio" if loss.ratio_level == "sequence" else "a token ratio"
-    proximal = config.trainer.options.get("proximal_policy", "behaviour")
+    proximal = loss.proximal_policy
     against = ("the trainer's own logprobs at the step's start (decoupled PPO)"
                if proximal == "current" else "the generator's logprobs")  # fmt: skip
+    if proximal == "current" and (g.mini_steps > 1 or g.update_epochs > 1):
+        against += ", recomputed by a refresh forward before the first optimizer step"
     correction = {
         "tis": f"the trainer/generator ratio truncated at {loss.is_cap:g}",
         "token_mask": f"tokens whose trainer/generator ratio leaves [{loss.mismatch_low:g}, "
@@ -125,9 +127,20 @@ def objective(config: Config) -> str:
         "constant": f"token sum / (sequences x "
                     f"{loss.aggregation_constant or g.max_new_tokens}) (Dr. GRPO)",
     }[loss.aggregation]  # fmt: skip
+    kl = ""
+    if loss.kl_coef:
+        reference = loss.reference_path or "the initial weights"
+        where = ("in the loss" if loss.kl_in == "loss"
+                 else "subtracted from each sample's reward")  # fmt: skip
+        kl = (f"; KL to {reference} ({loss.kl_estimator}, x {loss.kl_coef:g}, {where}: a "
+              "reference forward per step)")
+    steps = ""
+    if g.mini_steps > 1 or g.update_epochs > 1:
+        steps = (f"; {g.mini_steps * g.update_epochs} optimizer steps per RL step "
+                 f"({g.update_epochs} pass(es) of {g.mini_steps} mini-batch(es))")
     return (f"{rewards}{estimator}; {ratio} against {against}, clipped to "
             f"[{1 - loss.clip_eps_low:g}, {1 + loss.clip_eps_high:g}]; {correction}; "
-            f"{aggregation}")  # fmt: skip
+            f"{aggregation}{kl}{steps}")  # fmt: skip
 
 
 def _objective_advice(config: Config, streaming: bool) -> list[str]:
@@ -145,4 +158,22 @@ def _objective_advice(config: Config, streaming: bool) -> list[str]:
             f"grpo.normalize_advantages = false applies to the grpo estimator only; "
             f"{g.advantage_estimator} ignores it. Fix: remove it"
         )
+    loss = config.loss
+    if loss.kl_in != "loss" and not loss.kl_coef:
+        advice.append("loss.kl_in = reward does nothing while loss.kl_coef is 0. Fix: set "
+                      "loss.kl_coef > 0, or remove loss.kl_in")  # fmt: skip
+    if g.mini_steps > 1 or g.update_epochs > 1:
+        if streaming:
+            advice.append(
+                "with several optimizer steps per RL step, a step's chunks are refreshed as "
+                "they stream in but trained only once all its groups are in (its mini-batches "
+                "need the whole step). Fix: nothing, or set "
+                "pipeline.min_groups_for_streaming_train = 0")  # fmt: skip
+        if loss.proximal_policy == "behaviour":
+            advice.append(
+                "grpo.mini_steps/update_epochs > 1 with loss.proximal_policy = behaviour clip "
+                "every mini-step's ratio against the generator's policy, which lags the "
+                "trainer by the run's staleness. Fix: loss.proximal_policy = \"current\" "
+                "(decoupled PPO: one refresh forward per step) clips against the weights "
+                "before the step")  # fmt: skip
     return advice

@@ -81,7 +81,7 @@ class ModelConfig(Section):
     as they are."""
     allow_moe_mismatch: bool = False
     """Train a mixture-of-experts model although its generator and trainer may route a token
-    to different experts (docs/algorithms.md, "Mixture-of-experts models"): asyncrl does not
+    to different experts (docs/losses.md, "Mixture-of-experts models"): asyncrl does not
     replay the generator's routes in the trainer, so a MoE model is refused unless this is
     true."""
 
@@ -103,7 +103,7 @@ class ModelConfig(Section):
                 "runs that diverge)",
                 "set model.allow_moe_mismatch = true to train it anyway, and watch the steps' "
                 "mismatch_k3 and logprob_diff_max; loss.correction = \"token_mask\" with "
-                "trainer.options.proximal_policy = \"current\" masks the worst tokens",
+                "loss.proximal_policy = \"current\" masks the worst tokens",
             ))  # fmt: skip
         if not (model_dir / "config.json").is_file():
             out.append(

@@ -9,7 +9,7 @@ import numpy as np
 import structlog
 
 from asyncrl.policy.groups import CompletedSample, Group
-from asyncrl.wire.messages import ChunkResult, StepResult
+from asyncrl.wire.messages import ChunkResult, StepResult, TrainBatch
 from asyncrl.policy.schedule import StepStats
 from asyncrl.obs.timeline import worker_spans
 from asyncrl.policy.verify import Agreement
@@ -67,6 +67,33 @@ class StepRecord:
     """The step's sequences that train a token (``loss.aggregation``'s count)."""
     verify: list[Agreement] = field(default_factory=list)
     verify_s: float = 0.0
+    refresh_s: dict[str, float] = field(default_factory=dict)
+    """Time the trainer ranks spent on this step's logprob refreshes, by kind (``proximal``,
+    ``reference``): what :class:`~asyncrl.policy.refresh.LossInputs` asked for."""
+    kl_sum: float = 0.0
+    """With the KL term in the reward: the sum of its estimates over the trained tokens."""
+    kl_tokens: int = 0
+    mismatch: tuple[float, float, float, int] | None = None
+    """With refreshed proximal logprobs: the trainer's pre-step logprobs against the
+    generator's over the step's trained tokens: sum of ``|d|``, max ``|d|``, sum of k3,
+    tokens (else the first forward of each chunk's loss measures it)."""
+    batches: list[TrainBatch] = field(default_factory=list)
+    """The step's packed (and refreshed) chunks, kept for its mini-steps."""
+    mini_steps: list[dict[str, Any]] = field(default_factory=list)
+    """Each optimizer step of this RL step: its pass, mini-batch, loss, gradient norm,
+    clip fraction and tokens (``grpo.mini_steps`` x ``grpo.update_epochs``)."""
+
+    def refreshed(self, kind: str, seconds: float) -> None:
+        self.refresh_s[kind] = self.refresh_s.get(kind, 0.0) + seconds
+
+    def measured_mismatch(self, diff: np.ndarray, trained: np.ndarray) -> None:
+        """Add a chunk's pre-step trainer/generator differences ``diff`` (per response
+        token) over its ``trained`` tokens to :attr:`mismatch`."""
+        d = diff[trained.astype(bool)].astype(np.float64)
+        old = self.mismatch or (0.0, 0.0, 0.0, 0)
+        self.mismatch = (old[0] + float(np.abs(d).sum()),
+                         max(old[1], float(np.abs(d).max(initial=0.0))),
+                         old[2] + float((np.expm1(d) - d).sum()), old[3] + d.size)  # fmt: skip
 
     def take_served(self, served: dict[tuple[str, str], float], trainers: list[str]) -> None:
         """The workers' own time serving this step's calls (``ControlPlane.take_served``):
@@ -94,7 +121,8 @@ class StepRecord:
         """The step failed on a trainer and is assembled again: forget its chunks (its
         groups went back to the buffer)."""
         self.groups, self.chunk_results, self.advantages, self.chunks = [], [], [], 0
-        self.sequences = 0
+        self.sequences, self.batches, self.mini_steps, self.refresh_s = 0, [], [], {}
+        self.kl_sum, self.kl_tokens, self.mismatch = 0.0, 0, None
         self.train_start = None
         self.step_retries += 1
 
@@ -156,15 +184,44 @@ class StepRecord:
             "loss": result.loss,
             "grad_norm": result.grad_norm,
             "clip_frac": sum(r.clipped_tokens for r in self.chunk_results) / n_tok,
-            "logprob_diff": sum(r.abs_logprob_diff_sum for r in self.chunk_results) / n_tok,
-            "logprob_diff_max": max((r.abs_logprob_diff_max for r in self.chunk_results), default=0.0),
-            "mismatch_k3": sum(r.mismatch_k3_sum for r in self.chunk_results) / n_tok,
+            **self._mismatch(n_tok),
             "masked_tokens": sum(r.masked_tokens for r in self.chunk_results),
+            **self._objective_terms(n_tok),
             **self._advantage_stats(),
             "response_len": float(np.mean([len(s.token_ids) for s in samples])),
             "chunks": self.chunks,
             "groups": len(self.groups),
         }
+
+    def _mismatch(self, n_tok: int) -> dict[str, float]:
+        """Trainer vs generator logprobs over the trained tokens: mean and max ``|d|``, mean
+        k3. Measured on the pre-step weights: the refreshed proximal logprobs when there
+        are, else each chunk's loss forward (the same weights with one optimizer step)."""
+        if self.mismatch is not None:
+            abs_sum, abs_max, k3_sum, tokens = self.mismatch
+            tokens = max(tokens, 1)
+            return {"logprob_diff": abs_sum / tokens, "logprob_diff_max": abs_max,
+                    "mismatch_k3": k3_sum / tokens}  # fmt: skip
+        results = self.chunk_results
+        return {
+            "logprob_diff": sum(r.abs_logprob_diff_sum for r in results) / n_tok,
+            "logprob_diff_max": max((r.abs_logprob_diff_max for r in results), default=0.0),
+            "mismatch_k3": sum(r.mismatch_k3_sum for r in results) / n_tok,
+        }
+
+    def _objective_terms(self, n_tok: int) -> dict[str, Any]:
+        """The KL to the reference per trained token (in the loss, or in the reward), the
+        refreshes' times and the mini-steps, when the run has them."""
+        out: dict[str, Any] = {}
+        if self.kl_tokens:  # in the reward: over the sampled tokens
+            out["kl_ref"] = self.kl_sum / self.kl_tokens
+        elif "reference" in self.refresh_s:  # in the loss: over every trained forward
+            out["kl_ref"] = sum(r.kl_sum for r in self.chunk_results) / n_tok
+        for kind, seconds in sorted(self.refresh_s.items()):
+            out[f"refresh_{kind}_s"] = seconds
+        if self.mini_steps:
+            out["mini_steps"] = self.mini_steps
+        return out
 
     def _advantage_stats(self) -> dict[str, float]:
         """The step's per-sequence advantages (``grpo.advantage_estimator``): mean, std, min

@@ -28,14 +28,19 @@ from asyncrl.policy.packing import Layout
 __all__ = [
     "FLOAT32_MAX",
     "advantages_of",
+    "concat_batches",
     "group_advantages",
+    "mini_batches",
     "nonfinite_cause",
     "pack_groups",
     "pack_tokens",
+    "per_sample",
+    "per_sequence",
     "per_sequence_mean",
     "reward_overflow",
     "shard_batch",
     "shard_tokens",
+    "take_sequences",
     "trained_per_sequence",
 ]
 
@@ -56,11 +61,12 @@ def advantages_of(
     groups: Sequence[Group], *, normalize: bool, estimator: Estimator = "grpo",
     environment: str = "?", weights: Mapping[str, float] | None = None,
     normalization: Literal["none", "group"] = "none",
+    reward_offsets: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
     """Each group's advantages by ``estimator`` (:mod:`asyncrl.policy.advantages`), the
     groups being one chunk (``reinforce_pp`` normalizes over all of them), from each sample's
     ``reward``, or from its components by ``weights`` (``grpo.reward_weights``, with
-    ``normalization``).
+    ``normalization``), plus each group's ``reward_offsets`` (one per sample: a KL penalty).
 
     Raises:
         NonFiniteError: a group's rewards are too large for the advantage math; the message
@@ -68,9 +74,11 @@ def advantages_of(
         ConfigError: a sample lacks a component ``weights`` names.
     """
     out = []
-    for g in groups:
+    for i, g in enumerate(groups):
         rewards = (_rewards(g, weights, normalization, environment) if weights
                    else [s.reward for s in g.samples])  # fmt: skip
+        if reward_offsets is not None:
+            rewards = np.asarray(rewards, np.float64) + reward_offsets[i]
         try:
             out.append(group_advantages(rewards, normalize=normalize, estimator=estimator))
         except OverflowError as exc:
@@ -144,6 +152,24 @@ def pack_groups(
         advantages=np.asarray(adv, dtype=np.float32),
         loss_mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
     )
+
+
+def per_sample(groups: Sequence[Group], per_sequence: np.ndarray) -> list[np.ndarray]:
+    """Each group's per-sample sums of ``per_sequence``, one value for each sequence of
+    :func:`pack_groups`' batch of ``groups`` (a sample's sequences are consecutive there)."""
+    counts = [len(s.earlier) + 1 for g in groups for s in g.samples]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    sums = np.add.reduceat(np.asarray(per_sequence, np.float64), starts) if counts else []
+    bounds = np.cumsum([0] + [len(g.samples) for g in groups])
+    return [np.asarray(sums[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def per_sequence(groups: Sequence[Group], per_sample_values: Sequence[np.ndarray]) -> np.ndarray:
+    """``per_sample_values`` (one array per group, one value per sample) repeated for each
+    sequence the sample trains, in :func:`pack_groups`' order; float32."""
+    counts = [len(s.earlier) + 1 for g in groups for s in g.samples]
+    flat = np.concatenate(per_sample_values) if per_sample_values else np.zeros(0)
+    return np.repeat(flat, counts).astype(np.float32)
 
 
 def trained_per_sequence(batch: TrainBatch) -> np.ndarray:
@@ -249,22 +275,65 @@ def shard_batch(batch: TrainBatch, num_shards: int) -> list[TrainBatch]:
         load, k = heapq.heappop(loads)
         members[k].append(i)
         heapq.heappush(loads, (load + lens[i], k))
-    shards = []
     for idx in members:
         idx.sort()
-        shards.append(
-            TrainBatch(
-                tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
-                seq_lens=batch.seq_lens[idx].astype(np.int32),
-                prompt_lens=batch.prompt_lens[idx].astype(np.int32),
-                behaviour_logprobs=layout.gather_responses(
-                    batch.behaviour_logprobs, idx, np.float32
-                ),
-                advantages=batch.advantages[idx].astype(np.float32),
-                loss_mask=layout.gather_responses(batch.loss_mask, idx, np.uint8),
-            )
-        )
-    return shards
+    return [take_sequences(batch, idx, layout) for idx in members]
+
+
+_PER_TOKEN = ("behaviour_logprobs", "loss_mask", "proximal_logprobs", "reference_logprobs")
+"""The :class:`TrainBatch` fields with one value per response token (the last two optional)."""
+
+
+def take_sequences(batch: TrainBatch, idx: list[int], layout: Layout | None = None) -> TrainBatch:
+    """The sequences ``idx`` of ``batch`` (in that order), each with its per-token values."""
+    layout = layout or Layout.of(batch.seq_lens, batch.prompt_lens)
+    per_token = {
+        name: layout.gather_responses(values, idx, values.dtype)
+        for name in _PER_TOKEN
+        if (values := getattr(batch, name)) is not None
+    }
+    return TrainBatch(
+        tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
+        seq_lens=batch.seq_lens[idx].astype(np.int32),
+        prompt_lens=batch.prompt_lens[idx].astype(np.int32),
+        advantages=batch.advantages[idx].astype(np.float32),
+        **per_token,
+    )
+
+
+def concat_batches(batches: Sequence[TrainBatch]) -> TrainBatch:
+    """One :class:`TrainBatch` holding ``batches``' sequences in order.
+
+    Raises:
+        ValueError: some batches carry an optional per-token field and others do not.
+    """
+    if len(batches) == 1:
+        return batches[0]
+    fields: dict[str, np.ndarray] = {}
+    for name in ("tokens", "seq_lens", "prompt_lens", "advantages", *_PER_TOKEN):
+        parts = [getattr(b, name) for b in batches]
+        if all(p is not None for p in parts):
+            fields[name] = np.concatenate(parts)
+        elif any(p is not None for p in parts):
+            raise ValueError(f"concat_batches: only some batches carry {name}")
+    return TrainBatch(**fields)
+
+
+def mini_batches(batch: TrainBatch, count: int) -> list[TrainBatch]:
+    """``batch`` split into ``count`` runs of consecutive sequences, as even in sequences as
+    possible; each sequence's per-token values go with it.
+
+    Raises:
+        ValueError: fewer sequences than ``count`` (a mini-batch would be empty).
+    """
+    n = len(batch.seq_lens)
+    if not 1 <= count <= max(n, 1):
+        raise ValueError(f"cannot split {n} sequences into {count} mini-batches")
+    if count == 1:
+        return [batch]
+    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+    bounds = [n * k // count for k in range(count + 1)]
+    return [take_sequences(batch, list(range(lo, hi)), layout) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def shard_tokens(batch: TokenBatch, num_shards: int) -> list[TokenBatch]:

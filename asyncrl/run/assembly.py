@@ -23,12 +23,15 @@ and the step is assembled and trained again, within ``failures.train_step_retrie
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import numpy as np
 import structlog
 
@@ -38,6 +41,8 @@ from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, flatten
 from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.grpo import (
+    concat_batches,
+    mini_batches,
     nonfinite_cause,
     pack_groups,
     per_sequence_mean,
@@ -51,7 +56,8 @@ from asyncrl.run.book import Aborts, RolloutBook
 from asyncrl.run.wake import Signal
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales, RefitReport, refit_generators
-from asyncrl.wire.messages import Abort, BeginStep, FinishStep, TokenBatch, TrainChunk
+from asyncrl.run.refresh import Refresher
+from asyncrl.wire.messages import Abort, BeginStep, FinishStep, TokenBatch, TrainBatch, TrainChunk
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.wire.transport import Rejections
 
@@ -81,6 +87,7 @@ class StepAssembler:
         committed: Signal,
         changed: Signal,
         failures: FailureBudget,
+        probes: Probes,
         now: Callable[[], float],
     ) -> None:
         self.config = config
@@ -91,6 +98,18 @@ class StepAssembler:
         self.changed = changed
         self.failures = failures
         self.now = now
+        g = config.grpo
+        self._advantage_options: dict[str, Any] = dict(
+            normalize=g.normalize_advantages, environment=config.environment.name,
+            estimator=g.advantage_estimator, weights=g.reward_weights,
+            normalization=g.reward_normalization,
+        )  # fmt: skip
+        """What the advantages of a chunk's groups are made with (``[grpo]``)."""
+        self.refresher = Refresher(config, probes, advantage_options=self._advantage_options,
+                                   now=now)  # fmt: skip
+        self._mini_batched = g.mini_steps > 1 or g.update_epochs > 1
+        """Several optimizer steps per RL step: chunks are packed and refreshed as they
+        stream in, and trained once the step has all its groups (:meth:`finish`)."""
 
     async def train(self, step: int, rec: StepRecord) -> None:
         """Train step ``step`` chunk by chunk until it has all its groups (not yet
@@ -117,20 +136,74 @@ class StepAssembler:
             NonFiniteError: a loss or gradient norm that is not finite, once
                 ``failures.max_nonfinite_steps`` such steps were skipped.
         """
-        num_tokens = sum(r.num_loss_tokens for r in rec.chunk_results)  # trained tokens only
-        message = FinishStep(step=step, num_loss_tokens=num_tokens,
-                             normalizer=normalizer(self.config, rec.sequences))  # fmt: skip
         busy = self.now()
         try:
-            finish = await self._train_call([message] * len(self.trainers))
+            if self._mini_batched:
+                finish = await self._mini_steps(step, rec)
+            else:
+                finish = await self._finish_step(step, rec, rec.chunk_results, rec.sequences)
         except _StepFailed as exc:
             self._give_back(step, rec, exc)
             return None
         rec.train_end = self.now()
         rec.train_busy_s += rec.train_end - busy
         self.failures.step_done()
+        return finish
+
+    async def _finish_step(
+        self, step: int, rec: StepRecord, results: list[Any], sequences: int
+    ) -> list[Any]:
+        """``FinishStep`` over the trained chunks' ``results`` (``sequences`` of them train
+        a token); the step's loss or gradient norm checked for finiteness.
+
+        Raises:
+            _StepFailed: the call raised on a trainer rank.
+        """
+        num_tokens = sum(r.num_loss_tokens for r in results)  # trained tokens only
+        message = FinishStep(step=step, num_loss_tokens=num_tokens,
+                             normalizer=normalizer(self.config, sequences))  # fmt: skip
+        finish = await self._train_call([message] * len(self.trainers))
         self._check_finite(step, rec, finish)
         return finish
+
+    async def _mini_steps(self, step: int, rec: StepRecord) -> list[Any]:
+        """The RL step's optimizer steps: ``grpo.update_epochs`` passes over its sequences,
+        each ``grpo.mini_steps`` mini-batches of one optimizer step; returns the trainers'
+        last results, with the mean loss over the mini-steps.
+
+        Raises:
+            _StepFailed: a call raised on a trainer before the first optimizer step (the
+                step is assembled again).
+            RunError: one raised after it: the trainer's weights hold part of the step, so
+                it cannot be trained again from them.
+        """
+        g = self.config.grpo
+        rec.train_start = self.now()
+        parts = mini_batches(concat_batches(rec.batches), g.mini_steps)
+        counts = [int(np.count_nonzero(trained_per_sequence(p))) for p in parts]
+        losses, finish = [], []
+        for epoch, (index, part) in itertools.product(range(g.update_epochs), enumerate(parts)):
+            try:
+                await self._train_call([BeginStep(step=step)] * len(self.trainers))
+                results = await self._train_batch(step, part)
+                finish = await self._finish_step(step, rec, results, counts[index])
+            except _StepFailed as exc:
+                if not losses:
+                    raise
+                raise RunError(
+                    f"step {step}: mini-step {len(losses) + 1} of "
+                    f"{g.mini_steps * g.update_epochs} failed on a trainer after "
+                    f"{len(losses)} were applied, so the step cannot be trained again from "
+                    f"these weights: {exc.error}. Fix: resume from the last checkpoint "
+                    "(--resume)"
+                ) from exc.error
+            rec.chunk_results += results
+            rec.chunks += 1
+            losses.append(finish[0].loss)
+            rec.mini_steps.append(_mini_step_record(epoch, index, results, finish[0]))
+        tokens = sum(int(np.count_nonzero(b.loss_mask)) for b in rec.batches)
+        return [msgspec.structs.replace(r, loss=float(np.mean(losses)), num_loss_tokens=tokens)
+                for r in finish]  # fmt: skip
 
     def _give_back(self, step: int, rec: StepRecord, exc: _StepFailed) -> None:
         """A train call failed: the trainers dropped the step's gradients, so its groups are
@@ -177,9 +250,8 @@ class StepAssembler:
         Raises:
             _StepFailed: a train call raised on a trainer (the worker lives on).
         """
-        cfg = self.config
         opened = False
-        while self.book.taken < cfg.grpo.prompts_per_step:
+        while self.book.taken < self.config.grpo.prompts_per_step:
             chunk = self.book.next_chunk()
             for gid in chunk.evicted:
                 log.info("group_evicted", group_id=gid, step=step)
@@ -191,41 +263,61 @@ class StepAssembler:
                 rec.waited(t, self.now())
                 continue
             rec.groups += chunk.groups  # before any await: a failed step gives them back
-            if not opened:
+            if not opened and not self._mini_batched:
                 rec.train_start = self.now()
                 log.debug("step_started", step=step)
                 await self._train_call([BeginStep(step=step)] * len(self.trainers))
                 opened = True
-            batch = pack_groups(
-                chunk.groups, normalize=cfg.grpo.normalize_advantages,
-                environment=cfg.environment.name, estimator=cfg.grpo.advantage_estimator,
-                weights=cfg.grpo.reward_weights, normalization=cfg.grpo.reward_normalization,
-            )  # fmt: skip
-            rec.advantages.append(batch.advantages)
-            trained = trained_per_sequence(batch)
-            rec.sequences += int(np.count_nonzero(trained))
-            if cfg.loss.aggregation == "sequence_mean":
-                batch = per_sequence_mean(batch, trained)
-            shards = shard_batch(batch, len(self.trainers))
+            batch = await self._pack(chunk.groups, rec)
             await anyio.lowlevel.checkpoint()  # ~1 ms of packing: let samples in
+            if self._mini_batched:
+                rec.batches.append(batch)  # trained by finish(), once all are in
+                continue
             busy = self.now()
-            results = await self._train_call([TrainChunk(step=step, batch=x) for x in shards])
+            rec.chunk_results += await self._train_batch(step, batch)
             rec.train_busy_s += self.now() - busy
-            rec.chunk_results += results  # type: ignore[arg-type]
             rec.chunks += 1
+
+    async def _pack(self, groups: list[Any], rec: StepRecord) -> TrainBatch:
+        """A chunk's groups as a refreshed :class:`TrainBatch` (``loss.aggregation``
+        applied); its advantages and sequences counted in ``rec``."""
+        cfg = self.config
+        batch = pack_groups(groups, **self._advantage_options)
+        if self.refresher.active:
+            with _step_failures():  # a refresh that raised on a trainer: the step again
+                batch = await self.refresher.refresh(batch, groups, rec)
+        rec.advantages.append(batch.advantages)
+        trained = trained_per_sequence(batch)
+        rec.sequences += int(np.count_nonzero(trained))
+        if cfg.loss.aggregation == "sequence_mean":
+            batch = per_sequence_mean(batch, trained)
+        return batch
+
+    async def _train_batch(self, step: int, batch: TrainBatch) -> list[Any]:
+        """``TrainChunk``: ``batch`` sharded over the trainer ranks, into the open step."""
+        shards = shard_batch(batch, len(self.trainers))
+        return await self._train_call([TrainChunk(step=step, batch=x) for x in shards])
 
     async def _train_call(self, requests: list[Any]) -> list[Any]:
         """One request to each trainer rank; a call that raised there is a :class:`_StepFailed`
         (the others' calls were abandoned here; the trainers serve calls in order)."""
-        try:
+        with _step_failures():
             return await self.control.call_each(
                 self.trainers, requests, timeout_s=self.config.cluster.call_timeout_s
             )
-        except Exception as exc:
-            leaves = [e for e in flatten(exc) if not isinstance(e, anyio.get_cancelled_exc_class())]
-            if leaves and all(isinstance(e, RemoteCallError) for e in leaves):
-                raise _StepFailed(leaves[0]) from exc
-            raise
+
+
+@contextlib.contextmanager
+def _step_failures() -> Iterator[None]:
+    """Turn a trainer call that raised on its rank (every leaf a ``RemoteCallError``) into
+    :class:`_StepFailed`: the worker lives on, and the step can be assembled again."""
+    try:
+        yield
+    except Exception as exc:
+        leaves = [e for e in flatten(exc) if not isinstance(e, anyio.get_cancelled_exc_class())]
+        if leaves and all(isinstance(e, RemoteCallError) for e in leaves):
+            raise _StepFailed(leaves[0]) from exc
+        raise
 
 
 class Publisher:
@@ -394,6 +486,16 @@ class Publisher:
         """Stop the run if a generator disagreed with the trainer in ``rec.verify``."""
         for agreement in rec.verify:
             agreement.check(*self.kv.verify_tolerance)
+
+
+def _mini_step_record(epoch: int, index: int, results: list[Any], finish: Any) -> dict[str, Any]:
+    """One optimizer step of a mini-batched RL step, for the step's ``mini_steps`` list."""
+    tokens = sum(r.num_loss_tokens for r in results)
+    return {
+        "epoch": epoch, "mini_batch": index, "loss": finish.loss, "grad_norm": finish.grad_norm,
+        "clip_frac": sum(r.clipped_tokens for r in results) / max(tokens, 1), "tokens": tokens,
+        "seconds": finish.seconds,
+    }  # fmt: skip
 
 
 def normalizer(config: Config, sequences: int) -> float:

@@ -174,7 +174,8 @@ class Pipeline:
                       timeout_s=cfg.cluster.call_timeout_s, metrics=metrics)  # fmt: skip
         self.assembler = StepAssembler(
             cfg, control=control, trainers=trainers, book=self.book,
-            committed=self.committed, changed=self.changed, failures=self.failures, now=self.now,
+            committed=self.committed, changed=self.changed, failures=self.failures,
+            probes=self.probes, now=self.now,
         )  # fmt: skip
         self.publisher = Publisher(
             cfg, control=control, trainers=trainers, book=self.book,

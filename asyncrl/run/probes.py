@@ -53,15 +53,19 @@ class Probes:
         assert isinstance(result, LogprobsResult)
         return np.asarray(result.logprobs, np.float32)
 
-    async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
-        """Logprobs of ``batch``'s response tokens under the trainer's current weights
-        (sequences are sharded over the trainer ranks and reassembled in order)."""
+    async def trainer_logprobs(
+        self, batch: TokenBatch, *, temperature: float = 1.0, policy: str = "current"
+    ) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under the trainer's current weights, or
+        its reference policy (``policy = "reference"``); sequences are sharded over the
+        trainer ranks and reassembled in order."""
         shards = shard_tokens(batch, len(self.trainers))
         results = await self.control.call_each(
             self.trainers,
-            [ComputeLogprobs(batch=shard, temperature=temperature) for shard in shards],
+            [ComputeLogprobs(batch=shard, temperature=temperature, policy=policy)
+             for shard in shards],
             timeout_s=self.timeout_s,
-        )
+        )  # fmt: skip
         return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
 
     async def verify(

@@ -4,7 +4,7 @@ Not imported by ``import asyncrl``: training backends import it themselves.
 
 Per response token ``t`` of sequence ``i``, with ``prox`` the proximal policy's logprobs (by
 default the behaviour policy's, i.e. the generator's; the trainer's own at the start of the
-step with ``trainer.options.proximal_policy = "current"``: decoupled PPO)::
+step with ``loss.proximal_policy = "current"``: decoupled PPO)::
 
     rho_t    = exp(prox_t - behaviour_t)                        trainer / generator (no grad)
     r_t      = exp(logprobs_t - prox_t)                         ``ratio_level = "token"``
@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["CORRECTIONS", "Correction", "LossStats", "RatioLevel", "ppo_clip_loss"]
+__all__ = ["CORRECTIONS", "Correction", "LossStats", "RatioLevel", "kl_to_reference", "ppo_clip_loss"]
 
 Correction = Literal["tis", "token_mask", "sequence_mask", "none"]
 CORRECTIONS: tuple[str, ...] = ("tis", "token_mask", "sequence_mask", "none")
@@ -191,3 +191,30 @@ def _weights(
             kept = (geo >= low) & (geo <= high)
             return torch.where(kept, torch.clamp(rho, max=is_cap), 0.0), ~kept
         raise ValueError(f"unknown correction {correction!r}: one of {CORRECTIONS}")
+
+
+def kl_to_reference(
+    logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Sum over the tokens ``mask`` selects of the per-token estimate of KL(policy ||
+    reference) (Schulman, "Approximating KL divergence", 2020), with the gradient through
+    ``logprobs``; ``d = reference - logprobs``::
+
+        k1 = -d          (its gradient is the score: unbiased for the KL's value only)
+        k2 = d**2 / 2    (gradient -d: the KL's gradient, to first order)
+        k3 = exp(d) - 1 - d   (>= 0, unbiased for the value; gradient 1 - exp(d))
+
+    A token outside ``mask`` adds nothing, whatever ``reference_logprobs`` holds there.
+    """
+    mask = mask.to(torch.bool)
+    ref = torch.where(mask, reference_logprobs.to(logprobs.dtype), logprobs.detach())
+    d = ref - logprobs
+    if estimator == "k1":
+        per_token = -d
+    elif estimator == "k2":
+        per_token = 0.5 * d * d
+    elif estimator == "k3":
+        per_token = torch.expm1(d) - d
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}: one of k1, k2, k3")
+    return (per_token * mask.to(logprobs.dtype)).sum()

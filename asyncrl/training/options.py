@@ -14,7 +14,7 @@ import msgspec
 from asyncrl.errors import ConfigError
 from asyncrl.explain import explain
 
-__all__ = ["TrainerOptions", "check_loss", "option_error", "parse_options"]
+__all__ = ["TrainerOptions", "option_error", "parse_options"]
 
 OptionsT = TypeVar("OptionsT", bound="TrainerOptions")
 
@@ -33,11 +33,9 @@ class TrainerOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     max_grad_norm: float = 1.0
     """Clip the global gradient 2-norm to this value; 0 disables clipping (the norm is still
     reported)."""
-    proximal_policy: Literal["behaviour", "current"] = "behaviour"
-    """The PPO ratio's denominator. ``behaviour``: the generator's logprobs (``r`` is the
-    trainer/generator ratio, the IS weight is 1). ``current``: the trainer's own logprobs at
-    the start of the step, detached (valid because a step takes one optimizer update), with
-    the generator mismatch corrected by the IS weight truncated at ``loss.is_cap``."""
+    reference_offload: bool = False
+    """With ``loss.kl_coef > 0``: keep the reference policy in host memory between refreshes
+    (moved to the device for each reference forward: less device memory, a copy per step)."""
     mixed_precision: Literal["none", "bf16"] = "none"
     """Compute dtype of forward/backward. Master weights and optimizer state stay float32."""
     attn_implementation: str = "sdpa"
@@ -64,6 +62,12 @@ def parse_options(raw: dict[str, Any], cls: type[OptionsT], docs: str) -> Option
     Raises:
         ConfigError: an unknown field, a wrong type or an out-of-range value (named).
     """
+    if "proximal_policy" in raw:
+        raise option_error(
+            "proximal_policy",
+            "moved to [loss] (the controller plans the logprob refresh it needs). Fix: "
+            f"remove it here and set loss.proximal_policy = {raw['proximal_policy']!r}",
+        )
     try:
         opts = msgspec.convert(raw, cls)
     except msgspec.ValidationError as exc:
@@ -85,20 +89,3 @@ def parse_options(raw: dict[str, Any], cls: type[OptionsT], docs: str) -> Option
             "num_threads", f"must be >= 0 (0: torch's default), got {opts.num_threads}"
         )
     return opts
-
-
-def check_loss(opts: TrainerOptions, loss: Any) -> None:
-    """What ``[loss]`` asks of these options (``loss`` is the run's ``LossConfig``).
-
-    Raises:
-        ConfigError: a masking correction with the generator as the proximal policy (the
-            ratio it masks is then 1 everywhere: it would do nothing).
-    """
-    if loss.correction in ("token_mask", "sequence_mask") and opts.proximal_policy != "current":
-        raise ConfigError(
-            f"loss.correction = {loss.correction!r} masks tokens by the trainer/generator ratio "
-            "exp(prox - behaviour), which is 1 everywhere while the proximal policy is the "
-            "generator's (trainer.options.proximal_policy = \"behaviour\"): it would do "
-            "nothing. Fix: set trainer.options.proximal_policy = \"current\" (decoupled PPO), "
-            "or loss.correction = \"tis\""
-        )

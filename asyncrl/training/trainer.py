@@ -41,6 +41,7 @@ and pad with fully masked dummy micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -66,10 +67,12 @@ from asyncrl.training.batches import (
 )
 from asyncrl.training.kv_calibration import all_reduce_max, calibrate_kv_scales
 from asyncrl.training.step_ledger import StepLedger
-from asyncrl.training.loss import ppo_clip_loss
+from asyncrl.training.loss import kl_to_reference, ppo_clip_loss
 from asyncrl.training.options import TrainerOptions
 
 __all__ = ["DistributedTrainer"]
+
+_PER_TOKEN_INPUTS = ("behaviour_logprobs", "proximal_logprobs", "reference_logprobs")
 
 log = structlog.get_logger()
 
@@ -85,11 +88,17 @@ class DistributedTrainer:
     name = "trainer"
     """Used in log events and errors."""
 
+    loss_inputs = frozenset({"proximal_logprobs", "reference_logprobs"})
+    """The optional :class:`~asyncrl.wire.messages.TrainBatch` fields the loss reads (the
+    worker runtime refuses a run whose loss needs one a backend does not list)."""
+
     def __init__(self, ctx: WorkerContext, options: TrainerOptions) -> None:
         self._ctx = ctx
         self._opts = options
         self._log = log.bind(group=ctx.group, rank=ctx.rank, backend=self.name)
         self._module: torch.nn.Module | None = None
+        self._reference: torch.nn.Module | None = None
+        """The frozen reference policy, loaded only when ``loss.kl_coef > 0``."""
         self._device = torch.device("cpu")
         self._vocab_size = 0
         self._owns_process_group = False
@@ -106,6 +115,14 @@ class DistributedTrainer:
         """Logits ``[b, L, V]`` of a micro-batch."""
         assert self._module is not None
         return self._module(input_ids=mb.input_ids, use_cache=False).logits
+
+    def _wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Place the frozen reference policy (float32 or the compute dtype, no gradient): on
+        this rank's device, or in host memory with ``trainer.options.reference_offload``
+        (:meth:`reference_logprobs` then moves it for each forward). A sharding engine may
+        shard it instead."""
+        model.requires_grad_(False).eval()
+        return model if self._opts.reference_offload else model.to(self._device)
 
     def _hf_model(self) -> torch.nn.Module:
         """The transformers model inside the forwarding module (its ``config``, its attention
@@ -171,6 +188,8 @@ class DistributedTrainer:
         num_parameters = sum(p.numel() for p in model.parameters())  # a tied weight once
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._module = self._wrap(model)
+        if ctx.config.loss.kl_coef > 0:  # else nothing is loaded, and no forward runs
+            self._reference = self._load_reference()
         self._check_finite_weights(
             f"the weights of the model at {ctx.config.model.path} (model.path)",
             "its weight files are damaged, or it was saved from diverged training",
@@ -186,6 +205,27 @@ class DistributedTrainer:
         self._log.info("trainer_backend_started", world_size=ctx.world_size, **caps)
         return caps
 
+    def _load_reference(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        config, opts = self._ctx.config, self._opts
+        path = config.loss.reference_path or config.model.path
+        dtype = torch.bfloat16 if opts.mixed_precision == "bf16" else torch.float32
+        started = time.monotonic()
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=opts.attn_implementation
+        )
+        if model.get_input_embeddings().num_embeddings != self._vocab_size:
+            raise ValueError(
+                f"the reference policy at {path} (loss.reference_path) has a vocabulary of "
+                f"{model.get_input_embeddings().num_embeddings} tokens, the model "
+                f"{self._vocab_size}. Fix: point loss.reference_path at a checkpoint of the "
+                "same model (empty: model.path)"
+            )
+        self._log.info("reference_policy_loaded", path=path, dtype=str(dtype),
+                       offload=opts.reference_offload, seconds=time.monotonic() - started)  # fmt: skip
+        return self._wrap_reference(model)
+
     def _engine_version(self) -> str:
         return torch.__version__
 
@@ -197,7 +237,7 @@ class DistributedTrainer:
         try:
             self._close_engine()
         finally:
-            self._module = None
+            self._module = self._reference = None
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_process_group = False
@@ -249,19 +289,57 @@ class DistributedTrainer:
     # ------------------------------------------------------------------ forward passes
     def compute_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
         module = self._started()
+        module.eval()
+        return self._logprobs(self._forward, batch, temperature, "compute_logprobs")
+
+    def reference_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        """Logprobs of ``batch``'s response tokens under the frozen reference policy
+        (``loss.kl_coef > 0``), like :meth:`compute_logprobs`."""
+        self._started()
+        if self._reference is None:
+            raise RuntimeError(
+                f"{self.name}: no reference policy is loaded (loss.kl_coef is 0). Fix: set "
+                "loss.kl_coef > 0 to train with a KL term"
+            )
+        reference = self._reference
+
+        def forward(mb: MicroBatch) -> torch.Tensor:
+            return reference(input_ids=mb.input_ids, use_cache=False).logits
+
+        with self._reference_placed(reference):
+            return self._logprobs(forward, batch, temperature, "reference_logprobs")
+
+    @contextlib.contextmanager
+    def _reference_placed(self, reference: torch.nn.Module) -> Iterator[None]:
+        """Hold the reference on this rank's device for a forward: with
+        ``reference_offload`` it is moved in, and back out after (an engine that offloads
+        its own way overrides this)."""
+        moved = self._opts.reference_offload and self._device.type != "cpu"
+        if moved:
+            reference.to(self._device)
+        try:
+            yield
+        finally:
+            if moved:
+                reference.to("cpu")
+
+    def _logprobs(
+        self, forward: Any, batch: TokenBatch, temperature: float, what: str
+    ) -> np.ndarray:
+        """Response logprobs of ``batch`` by ``forward`` (micro-batch -> logits), in lockstep
+        with the other ranks, without a gradient; float32 on the host."""
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         problem = check_packed(
             batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
         )
         bounds = self._bounds(batch, problem)
-        passes = self._agree(problem, len(bounds), "compute_logprobs")
+        passes = self._agree(problem, len(bounds), what)
         out: list[torch.Tensor] = []
-        module.eval()
         with torch.no_grad():
             for i in range(passes):
                 mb = self._micro_batch(batch, bounds, i)
-                lp = response_logprobs(self._forward(mb), mb, temperature)
+                lp = response_logprobs(forward(mb), mb, temperature)
                 if i < len(bounds):
                     out.append(lp)
         if not out:
@@ -337,7 +415,8 @@ class DistributedTrainer:
             batch.seq_lens,
             batch.prompt_lens,
             vocab_size=self._vocab_size,
-            per_token={"behaviour_logprobs": batch.behaviour_logprobs},
+            per_token={name: getattr(batch, name) for name in _PER_TOKEN_INPUTS
+                       if getattr(batch, name) is not None},
             per_sequence={"advantages": batch.advantages},
             loss_mask=batch.loss_mask,
         )
@@ -362,6 +441,7 @@ class DistributedTrainer:
             masked_tokens=int(sums[4]),
             mismatch_k3_sum=sums[5],
             abs_logprob_diff_max=sums[6],
+            kl_sum=sums[7],
         )
 
     def _forward_backward(
@@ -372,39 +452,41 @@ class DistributedTrainer:
         temperature = self._ctx.config.grpo.temperature
         # per-token tensors built on the host: no device sync (a repeat_interleave by a device
         # tensor would wait for the GPU before every micro-batch)
-        behaviour = to_device(batch.behaviour_logprobs.astype(np.float32), self._device)
         token_adv = np.repeat(batch.advantages.astype(np.float32), layout.response_lens)
-        advantages = to_device(token_adv, self._device)
+        per_token = {
+            "beh": batch.behaviour_logprobs, "adv": token_adv,
+            "prox": batch.proximal_logprobs, "ref": batch.reference_logprobs,
+        }  # fmt: skip
+        tensors = {k: to_device(v.astype(np.float32), self._device)
+                   for k, v in per_token.items() if v is not None}  # fmt: skip
         trains = to_device(batch.loss_mask.astype(np.bool_), self._device)
-        # loss, clipped, IS weights, |diff|, masked, k3 (sums), then the largest |diff|
-        sums = torch.zeros(7, dtype=torch.float64, device=self._device)
+        # loss, clipped, IS weights, |diff|, masked, k3 (sums), the largest |diff|, KL (sum)
+        sums = torch.zeros(8, dtype=torch.float64, device=self._device)
         self._module.train()
         for i in range(passes):
             mb = self._micro_batch(batch, bounds, i)
             if i < len(bounds):
-                beh = behaviour[mb.response_slice]
-                adv = advantages[mb.response_slice]
+                part = {k: t[mb.response_slice] for k, t in tensors.items()}
                 mask = trains[mb.response_slice]
             else:  # padding pass: same collectives, no loss
-                beh = torch.zeros(len(mb.targets), device=self._device)
-                adv, mask = torch.zeros_like(beh), torch.zeros_like(beh, dtype=torch.bool)
+                zeros = torch.zeros(len(mb.targets), device=self._device)
+                part = {k: zeros for k in tensors}
+                mask = torch.zeros_like(zeros, dtype=torch.bool)
             lp = response_logprobs(self._forward(mb), mb, temperature)
-            prox = lp.detach() if self._opts.proximal_policy == "current" else None
+            prox = part.get("prox")
+            if prox is None and loss_cfg.proximal_policy == "current":
+                prox = lp.detach()  # one optimizer step: this forward is the pre-step policy
             loss_sum, stats = ppo_clip_loss(
-                lp,
-                beh,
-                adv,
-                mask,
-                clip_eps_low=loss_cfg.clip_eps_low,
-                clip_eps_high=loss_cfg.clip_eps_high,
-                is_cap=loss_cfg.is_cap,
-                proximal_logprobs=prox,
-                correction=loss_cfg.correction,
-                mismatch_low=loss_cfg.mismatch_low,
-                mismatch_high=loss_cfg.mismatch_high,
-                ratio_level=loss_cfg.ratio_level,
-                seq_ids=mb.rows,
-            )
+                lp, part["beh"], part["adv"], mask,
+                clip_eps_low=loss_cfg.clip_eps_low, clip_eps_high=loss_cfg.clip_eps_high,
+                is_cap=loss_cfg.is_cap, proximal_logprobs=prox, correction=loss_cfg.correction,
+                mismatch_low=loss_cfg.mismatch_low, mismatch_high=loss_cfg.mismatch_high,
+                ratio_level=loss_cfg.ratio_level, seq_ids=mb.rows,
+            )  # fmt: skip
+            kl = loss_sum.new_zeros(())
+            if "ref" in part:
+                kl = kl_to_reference(lp, part["ref"], mask, loss_cfg.kl_estimator)
+                loss_sum = loss_sum + loss_cfg.kl_coef * kl
             self._backward(loss_sum)
             zero = loss_sum.new_zeros(())
             masked = zero if stats.masked_tokens is None else stats.masked_tokens
@@ -414,6 +496,7 @@ class DistributedTrainer:
             sums[:6] += step_sums
             if stats.abs_logprob_diff_max is not None:
                 sums[6] = torch.maximum(sums[6], stats.abs_logprob_diff_max.to(torch.float64))
+            sums[7] += kl.detach().to(torch.float64)
         return sums.tolist()
 
     def finish_step(

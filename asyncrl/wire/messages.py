@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -52,6 +52,11 @@ class TrainBatch(msgspec.Struct, array_like=True, gc=False):
     behaviour_logprobs: np.ndarray  # float32 [sum(seq_lens - prompt_lens)]
     advantages: np.ndarray  # float32 [B]
     loss_mask: np.ndarray  # uint8 [sum(seq_lens - prompt_lens)], 1 = the token trains
+    proximal_logprobs: np.ndarray | None = None  # float32 [responses] (protocol 12)
+    """The trainer's logprobs before the RL step's first optimizer step (a refresh forward),
+    when the loss needs them from outside the step's own forward (``grpo.mini_steps``)."""
+    reference_logprobs: np.ndarray | None = None  # float32 [responses] (protocol 12)
+    """The reference policy's logprobs, for a KL term in the loss (``loss.kl_coef``)."""
 
 
 # --------------------------------------------------------------------------- requests
@@ -104,10 +109,12 @@ class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
 
 
 class ComputeLogprobs(msgspec.Struct, tag="logprobs", **_CTRL):
-    """Trainer: logprobs of the response tokens under the current weights."""
+    """Trainer: logprobs of the response tokens under the current weights, or under the
+    reference policy (``policy = "reference"``, protocol 12)."""
 
     batch: TokenBatch
     temperature: float = 1.0
+    policy: str = "current"
 
 
 class BeginStep(msgspec.Struct, tag="begin", **_CTRL):
@@ -228,6 +235,9 @@ class ChunkResult(msgspec.Struct, tag="chunk_r", **_CTRL):
     mismatch_k3_sum: float = 0.0
     """Sum over trained tokens of k3 = exp(d) - 1 - d, d = logprobs - behaviour_logprobs:
     an estimate of KL(generator || trainer) per token, >= 0."""
+    kl_sum: float = 0.0
+    """Sum over trained tokens of the KL estimate to the reference (``loss.kl_estimator``;
+    0 without a KL term in the loss)."""
 
 
 class StepResult(msgspec.Struct, tag="step_r", **_CTRL):

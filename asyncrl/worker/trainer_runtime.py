@@ -34,6 +34,7 @@ from asyncrl.backend import (
 )
 from asyncrl.config import Config
 from asyncrl.errors import CollectiveTimeoutError, PluginError, ProtocolError
+from asyncrl.policy.refresh import LossInputs
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.wire.messages import (
     BeginStep,
@@ -174,6 +175,7 @@ class TrainerRuntime(WorkerRuntime):
                 "no normalizer. Fix: set loss.aggregation = \"token_mean\", or add the keyword "
                 "to the backend (docs/plugins.md)"
             )
+        self._check_loss_inputs()
         caps = await self.thread.run(self.backend.start)
         if self.wctx.rank == 0 and self.init.transfer_address:
             config = self.wctx.config
@@ -184,6 +186,23 @@ class TrainerRuntime(WorkerRuntime):
             transfer = load_transfer(config.refit.transport)
             self.sender = WeightSender(self.ctx, self.init.transfer_address, transfer, spec)
         return caps
+
+    def _check_loss_inputs(self) -> None:
+        """Raises PluginError: the run's loss needs an input (proximal or reference
+        logprobs) that the backend's ``loss_inputs`` does not list, or a reference forward
+        it cannot run (before it starts)."""
+        config = self.wctx.config
+        needs = LossInputs.of(config)
+        missing = sorted(needs.names - set(getattr(self.backend, "loss_inputs", ())))
+        if needs.reference and not hasattr(self.backend, "reference_logprobs"):
+            missing.append("reference_logprobs (a method)")
+        if missing:
+            raise PluginError(
+                f"training backend {config.trainer.backend!r} (asyncrl.training_backends) "
+                f"does not read {', '.join(missing)}, which this run's loss needs "
+                f"({_why(config)}). Fix: change those options, or use a backend that reads "
+                "them (fsdp2, deepspeed; docs/plugins.md)"
+            )
 
     def _start_serving(self, tg: anyio.abc.TaskGroup) -> None:
         """Open the call queue and start :meth:`_sequential` on it."""
@@ -237,7 +256,16 @@ class TrainerRuntime(WorkerRuntime):
 
     # ----------------------------------------------------------------- calls
     async def _compute_logprobs(self, req: ComputeLogprobs) -> Result:
-        lp = await self.thread.run(self.backend.compute_logprobs, req.batch, req.temperature)
+        if req.policy == "reference":
+            method = getattr(self.backend, "reference_logprobs", None)
+            if method is None:
+                raise ProtocolError(f"training backend {type(self.backend).__name__} has no "
+                                    "reference policy (no reference_logprobs)")  # fmt: skip
+        elif req.policy == "current":
+            method = self.backend.compute_logprobs
+        else:
+            raise ProtocolError(f"ComputeLogprobs.policy {req.policy!r}: current or reference")
+        lp = await self.thread.run(method, req.batch, req.temperature)
         return LogprobsResult(logprobs=lp)
 
     async def _begin_step(self, req: BeginStep) -> Result:
@@ -318,6 +346,17 @@ class TrainerRuntime(WorkerRuntime):
         )
         await self.thread.run(export)
         return Empty()
+
+
+def _why(config: Config) -> str:
+    loss, g = config.loss, config.grpo
+    reasons = []
+    if loss.kl_coef:
+        reasons.append(f"loss.kl_coef = {loss.kl_coef:g}, loss.kl_in = {loss.kl_in!r}")
+    if loss.proximal_policy == "current" and (g.mini_steps > 1 or g.update_epochs > 1):
+        reasons.append(f"loss.proximal_policy = \"current\" with grpo.mini_steps = "
+                       f"{g.mini_steps}, grpo.update_epochs = {g.update_epochs}")  # fmt: skip
+    return "; ".join(reasons)
 
 
 def _takes(method: Callable[..., Any], keyword: str) -> bool:

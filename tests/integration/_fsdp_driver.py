@@ -167,12 +167,14 @@ class Reference:
 
 # --------------------------------------------------------------------------- helpers
 def make_backend(model_dir: str, run_dir: str, *, export_dtype: str, options: dict, extra: dict):
+    options = dict(options)  # proximal_policy is [loss]'s; the Reference reads it from here
+    proximal = options.pop("proximal_policy", "behaviour")
     config = from_dict(
         {
             "model": {"path": model_dir, "dtype": export_dtype},
             "environment": {"name": "arithmetic"},
             "grpo": {"temperature": TEMPERATURE},
-            "loss": LOSS,
+            "loss": {**LOSS, "proximal_policy": proximal},
             "trainer": {"micro_batch_size": MICRO_BATCH_SIZE, "options": options},
         }
     )

@@ -233,3 +233,33 @@ async def test_each_advantage_estimator_trains(
             # one chunk a step (no streaming): normalized over the step's sequences. Measured:
             # mean 3.7e-9 (float32 on the wire), std 1 - 3.0e-6 (eps 1e-6 in the divisor)
             assert abs(r["advantage_mean"]) < 1e-8 and abs(r["advantage_std"] - 1) < 9e-6, r
+
+
+async def test_mini_steps_and_epochs_take_several_optimizer_steps_per_rl_step(
+    make_config: Callable[..., Config],
+) -> None:
+    """2 passes x 2 mini-batches: four optimizer steps per RL step, in order, each over half
+    the step's sequences; one refit per RL step (the weight version counts RL steps)."""
+    cfg = make_config(run={"num_steps": 2}, grpo={"mini_steps": 2, "update_epochs": 2},
+                      pipeline={"min_groups_for_streaming_train": 2})  # fmt: skip
+    async with asyncrl.Controller(cfg) as ctl:
+        summary = await ctl.train()
+    assert len(summary.steps) == 2
+    # one refit per RL step: the end evaluation ran on weight version 2
+    assert [e["version"] for e in summary.evals] == [0, 2]
+    for r in summary.steps:
+        minis = r["mini_steps"]
+        assert [(m["epoch"], m["mini_batch"]) for m in minis] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert [m["tokens"] for m in minis[:2]] == [m["tokens"] for m in minis[2:]]
+        assert all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in minis)
+        assert r["loss"] == pytest.approx(np.mean([m["loss"] for m in minis]))
+        assert "refresh_proximal_s" not in r  # behaviour as proximal: nothing to refresh
+
+
+async def test_a_loss_input_the_backend_cannot_read_is_refused_before_it_starts(
+    make_config: Callable[..., Config],
+) -> None:
+    cfg = make_config(run={"num_steps": 1}, loss={"kl_coef": 0.1})
+    with pytest.raises(Exception, match="does not read reference_logprobs.*loss.kl_coef = 0.1"):
+        async with asyncrl.Controller(cfg) as ctl:
+            await ctl.train()

@@ -197,7 +197,7 @@ def test_streamed_chunks_equal_one_big_batch_and_sgd_is_exact(tmp_path: Path) ->
     rng = np.random.default_rng(1)
     parts = [_batch(rng, 4), _batch(rng, 5)]
     whole = TrainBatch(*(np.concatenate([getattr(p, f) for p in parts])
-                         for f in TrainBatch.__struct_fields__))
+                         for f in list(TrainBatch.__struct_fields__)[:6]))
     tokens = int(sum((p.seq_lens - p.prompt_lens).sum() for p in parts))
 
     streamed, big = BigramTrainer(_ctx(cfg)), BigramTrainer(_ctx(cfg))

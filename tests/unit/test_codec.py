@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -45,15 +46,16 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_eleven() -> None:
+def test_protocol_version_is_twelve() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
     # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
     # 7: ResetPrefixCache (tag reset_pc, never sent) left the Request union;
     # 8: TrainBatch.loss_mask; 9: Sample.versions, ReceiveWeights.reprefill; 10: Cast (a
     # Generate is sent unanswered); 11: FinishStep.normalizer (an older trainer would
-    # divide by the tokens whatever loss.aggregation says)
-    assert PROTOCOL_VERSION == 11
+    # divide by the tokens whatever loss.aggregation says); 12: TrainBatch.proximal_logprobs
+    # and reference_logprobs, ComputeLogprobs.policy, ChunkResult.kl_sum
+    assert PROTOCOL_VERSION == 12
 
 
 def test_golden_hello() -> None:
@@ -117,11 +119,18 @@ def test_round_trip_nested_request() -> None:
     assert len(frames) == 1 + 6  # the body and one frame per array, the mask's among them
     back = codec.decode(frames)
     assert isinstance(back.request, TrainChunk)
-    assert list(TrainBatch.__struct_fields__)[-1] == "loss_mask"  # appended (array-like)
-    for name in TrainBatch.__struct_fields__:
+    assert list(TrainBatch.__struct_fields__)[5] == "loss_mask"  # appended (array-like)
+    assert back.request.batch.proximal_logprobs is None
+    for name in list(TrainBatch.__struct_fields__)[:6]:
         a, b = getattr(batch, name), getattr(back.request.batch, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
     assert back.request.batch.loss_mask.tolist() == [1, 0, 0, 1]
+    refreshed = msgspec.structs.replace(batch, reference_logprobs=np.array([-1, -1, -2, -2], np.float32))
+    frames = codec.encode(Call(call_id=10, request=TrainChunk(step=2, batch=refreshed)))
+    assert len(frames) == 1 + 7  # a refreshed array travels as one more frame
+    back_batch = codec.decode(frames).request.batch
+    assert back_batch.proximal_logprobs is None
+    assert back_batch.reference_logprobs.tolist() == [-1, -1, -2, -2]
     gen = Cast(request=Generate(requests=[GenRequest(group_id="g", prompt_ids=[1, 2], n=4, max_tokens=8)]))
     assert codec.decode(codec.encode(gen)) == gen
 

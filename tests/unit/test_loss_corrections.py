@@ -182,7 +182,7 @@ def test_masking_needs_the_trainers_own_proximal_and_the_bigram_engine_refuses_t
 ) -> None:
     from asyncrl.config import from_dict
     from asyncrl.errors import ConfigError
-    from asyncrl.training.options import TrainerOptions, check_loss
+    from asyncrl.training.options import TrainerOptions, parse_options
 
     (tmp_path / "config.json").write_text('{"vocab_size": 8}')
     (tmp_path / "tokenizer.json").write_text("{}")
@@ -191,11 +191,13 @@ def test_masking_needs_the_trainers_own_proximal_and_the_bigram_engine_refuses_t
         return from_dict({"model": {"path": str(tmp_path)}, "environment": {"name": "repeat-digit"},
                           "loss": loss, **more})  # fmt: skip
 
-    masked = cfg({"correction": "token_mask"})
-    with pytest.raises(ConfigError, match="proximal_policy = \"current\""):
-        check_loss(TrainerOptions(), masked.loss)
-    check_loss(TrainerOptions(proximal_policy="current"), masked.loss)
-    check_loss(TrainerOptions(), cfg({"ratio_level": "sequence"}).loss)  # GSPO: either
+    with pytest.raises(ConfigError, match="loss.proximal_policy = \"current\""):
+        cfg({"correction": "token_mask"})
+    cfg({"correction": "token_mask", "proximal_policy": "current"})
+    cfg({"ratio_level": "sequence"})  # GSPO: either proximal
+    # the option's old home says where it went, with the value to set
+    with pytest.raises(ConfigError, match="moved to \\[loss\\].*loss.proximal_policy = 'current'"):
+        parse_options({"proximal_policy": "current"}, TrainerOptions, "docs")
     with pytest.raises(ConfigError, match="loss.mismatch_low"):
         cfg({"mismatch_low": 1.2})
 

@@ -104,7 +104,7 @@ def test_sync_advice_follows_the_bound_not_the_name(model_dir: Path) -> None:
 
 
 def test_the_objective_line_and_its_advice(model_dir: Path) -> None:
-    from asyncrl.config import GRPOConfig, LossConfig, TrainerConfig
+    from asyncrl.config import GRPOConfig, LossConfig
 
     table = {"name": "gated", "max_staleness_versions": 1}
     report = describe(config(model_dir, table))
@@ -120,8 +120,8 @@ def test_the_objective_line_and_its_advice(model_dir: Path) -> None:
         grpo=GRPOConfig(prompts_per_step=8, advantage_estimator="reinforce_pp",
                         normalize_advantages=False, reward_weights={"format": 0.2, "correct": 1},
                         reward_normalization="group"),
-        loss=LossConfig(correction="token_mask", ratio_level="sequence", aggregation="constant"),
-        trainer=TrainerConfig(options={"proximal_policy": "current"}),
+        loss=LossConfig(correction="token_mask", ratio_level="sequence", aggregation="constant",
+                        proximal_policy="current"),
     ))  # fmt: skip
     assert streamed.capacities["objective"] == (
         "rewards 1*correct + 0.2*format, each normalized in its group; "
@@ -132,3 +132,31 @@ def test_the_objective_line_and_its_advice(model_dir: Path) -> None:
     )
     assert [a.split(" ", 1)[0] for a in streamed.advice] == [
         "grpo.advantage_estimator", "grpo.normalize_advantages"]
+
+
+def test_the_objective_line_names_the_kl_the_refresh_and_the_mini_steps(model_dir: Path) -> None:
+    from asyncrl.config import GRPOConfig, LossConfig
+
+    table = {"name": "gated", "max_staleness_versions": 1}
+
+    def report(grpo: GRPOConfig, loss: LossConfig, chunk: int = 0):
+        return describe(Config(
+            model=ModelConfig(path=str(model_dir)), environment=EnvironmentConfig(name="x"),
+            pipeline=PipelineConfig(sampler=table, min_groups_for_streaming_train=chunk),
+            grpo=grpo, loss=loss,
+        ))  # fmt: skip
+
+    decoupled = report(GRPOConfig(mini_steps=2), LossConfig(proximal_policy="current",
+                                                            kl_coef=0.05))  # fmt: skip
+    assert decoupled.capacities["objective"].endswith(
+        "against the trainer's own logprobs at the step's start (decoupled PPO), recomputed by "
+        "a refresh forward before the first optimizer step, clipped to [0.8, 1.2]; the "
+        "trainer/generator ratio truncated at 2; token-mean over the step; KL to the initial "
+        "weights (k3, x 0.05, in the loss: a reference forward per step); 2 optimizer steps "
+        "per RL step (1 pass(es) of 2 mini-batch(es))"
+    )
+    assert decoupled.advice == []
+    stale = report(GRPOConfig(prompts_per_step=16, update_epochs=2),
+                   LossConfig(kl_in="reward"), chunk=4)  # fmt: skip
+    assert [a.split(" ", 2)[:2] for a in stale.advice] == [
+        ["loss.kl_in", "="], ["with", "several"], ["grpo.mini_steps/update_epochs", ">"]]

@@ -23,11 +23,9 @@ def _create(ctx: WorkerContext) -> Any:
 
 def check_config(config: Config, *, max_prompt_tokens: int) -> None:
     """``[trainer.options]``, before any trainer starts."""
-    from asyncrl.training.options import check_loss
-
     from .options import parse_options
 
-    check_loss(parse_options(dict(config.trainer.options)), config.loss)
+    parse_options(dict(config.trainer.options))
 
 
 plugin = BackendPlugin(create=_create, check_config=check_config)

@@ -14,6 +14,7 @@ by ``1 / num_loss_tokens``: the update equals one big batch normalized by its to
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from asyncrl.backend import WeightTensor, WorkerContext
@@ -127,6 +128,23 @@ class FSDPBackend(DistributedTrainer):
         self._optimizer = self._build_optimizer(model)
         return model
 
+    def _wrap_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The reference policy sharded like the trained model (each rank holds 1/world of
+        it); with ``reference_offload`` on a GPU its shards stay in host memory and FSDP2
+        moves each layer in for its forward (``CPUOffloadPolicy``)."""
+        model.requires_grad_(False).eval()
+        if self._ctx.world_size == 1 and not self._opts.reference_offload:
+            return model.to(self._device)
+        offload = self._opts.reference_offload and self._device.type == "cuda"
+        if not offload:
+            model.to(self._device)
+        self._shard(model, offload=offload)
+        return model
+
+    @contextlib.contextmanager
+    def _reference_placed(self, reference: torch.nn.Module) -> Iterator[None]:
+        yield  # FSDP2 moves offloaded shards in per layer itself
+
     def _close_engine(self) -> None:
         self._optimizer = None
 
@@ -198,8 +216,9 @@ class FSDPBackend(DistributedTrainer):
         if int(state["fresh_optimizer"]):
             optimizer.state.clear()
 
-    def _shard(self, model: torch.nn.Module) -> None:
+    def _shard(self, model: torch.nn.Module, *, offload: bool = False) -> None:
         opts = self._opts
+        placement: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if offload else {}
         mesh = init_device_mesh(self._device.type, (self._ctx.world_size,))
         if opts.mixed_precision == "bf16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -209,11 +228,12 @@ class FSDPBackend(DistributedTrainer):
         layers = [m for m in model.modules() if type(m).__name__ in layer_types]
         for layer in layers:
             fully_shard(
-                layer, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward
+                layer, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward,
+                **placement,
             )
         # The root group owns the embedding, the final norm and lm_head; a tied lm_head is the
         # same Parameter as the embedding, and FSDP2 shards it once for both modules.
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp, **placement)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # reduce-scatter sums instead of averaging over ranks (see module docstring)
