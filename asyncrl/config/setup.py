@@ -27,6 +27,10 @@ class RunConfig(Section):
     """Seed for the dataloader order, sampling seeds and trainer initialisation."""
     num_steps: int = 10
     """Number of optimizer steps (= weight versions) to train."""
+    max_num_epochs: int = 0
+    """Also end the run after this many passes over the train split (each pass its size //
+    ``grpo.prompts_per_step`` steps; the run stops at whichever bound comes first). 0: no
+    bound."""
     log_format: Literal["auto", "console", "json"] = "auto"
     """Log rendering when asyncrl configures logging itself (CLI and workers)."""
     stall_warning_s: float = 10.0
@@ -49,6 +53,9 @@ class RunConfig(Section):
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[run]``."""
         out = at_least_one({"run.num_steps": self.num_steps})
+        if self.max_num_epochs < 0:
+            out.append(fail("run.max_num_epochs", f"must be >= 0, got {self.max_num_epochs}",
+                            "use 0 (no bound) or a number of passes over the train split"))  # fmt: skip
         for key in ("gc_young_interval_s", "gc_full_interval_s"):
             value = getattr(self, key)
             if not 0 <= value < float("inf"):

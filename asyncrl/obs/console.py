@@ -229,12 +229,13 @@ class Console:
         self._last: tuple[int, float] | None = None
 
     @classmethod
-    def for_run(cls, config: Any, decode: Any, metrics: Any) -> Console:
-        """The console of a run with ``config`` (its ``[metrics]`` section), decoding with
-        ``decode`` and writing ``completions`` records to ``metrics`` (may be None)."""
+    def for_run(cls, config: Any, decode: Any, metrics: Any, total_steps: int) -> Console:
+        """The console of a run with ``config`` (its ``[metrics]`` section) of
+        ``total_steps``, decoding with ``decode`` and writing ``completions`` records to
+        ``metrics`` (may be None)."""
         m = config.metrics
         return cls(
-            total_steps=config.run.num_steps,
+            total_steps=total_steps,
             samples_per_prompt=config.grpo.samples_per_prompt,
             progress=m.progress,
             completions_every=m.completions_every,

@@ -145,7 +145,11 @@ class Pipeline:
         self.episodic = isinstance(environment, EpisodeEnvironment)
         """A multi-turn environment: each group is ``n`` episodes (:mod:`asyncrl.run.episodes`)."""
         self.book = RolloutBook(scheduler, self.rollouts, episodes=self.episodic)
-        self.console = Console.for_run(config, tokenizer.decode, metrics)  # progress, samples
+        self.console = Console.for_run(config, tokenizer.decode, metrics,  # progress, samples
+                                       total_steps=scheduler.num_steps)  # fmt: skip
+        if scheduler.num_steps < config.run.num_steps:
+            log.info("run_bounded_by_epochs", steps=scheduler.num_steps,
+                     max_num_epochs=config.run.max_num_epochs, num_steps=config.run.num_steps)  # fmt: skip
         self.t0 = clock_origin
         self.changed = Signal()  # a book change the rollout pump (or a drain) may wait for
         self.committed = Signal()  # a commit: the train pump's only reason to look again

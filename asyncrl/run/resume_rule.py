@@ -42,7 +42,7 @@ ALL = "all"
 
 HARMLESS = (
     # how long, where to, how it is logged
-    "run.name", "run.output_dir", "run.num_steps", "run.log_format", "run.stall_warning_s",
+    "run.name", "run.output_dir", "run.num_steps", "run.max_num_epochs", "run.log_format", "run.stall_warning_s",
     "run.gc_freeze", "run.gc_young_interval_s", "run.gc_full_interval_s",
     # where the model and the data are: what they hold is compared (fingerprints)
     "model.path", "environment.base_dir", "model.allow_moe_mismatch",

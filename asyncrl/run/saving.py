@@ -28,6 +28,7 @@ import structlog
 
 from asyncrl.run import checkpoint_dir as ckpt
 from asyncrl.run import resume_rule
+from asyncrl.run.scheduling import run_steps
 from asyncrl.procs import space
 from asyncrl.config import Config, to_dict
 from asyncrl.errors import NonFiniteError, NoSpaceError, RunError, flatten
@@ -354,6 +355,16 @@ def open_resume(
     current = {"config": to_dict(cfg), "fingerprints": run_fingerprints(cfg, train_prompts)}
     changes = resume_rule.compare(saved, current, allow)
     _refuse_changes(checkpoint, changes)
+    steps = run_steps(cfg, len(train_prompts))
+    if checkpoint.step >= steps < cfg.run.num_steps:
+        raise ckpt.CheckpointError(
+            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.max_num_epochs "
+            f"= {cfg.run.max_num_epochs} passes over the train split ({len(train_prompts)} "
+            f"prompts, {steps} steps) end the run there: it is finished. Fix: to train further, "
+            f"raise run.max_num_epochs (e.g. --set run.max_num_epochs="
+            f"{cfg.run.max_num_epochs + 1}) or set it to 0; to export the model, run `asyncrl "
+            "export` on the checkpoint"
+        )
     if checkpoint.step >= cfg.run.num_steps:
         raise ckpt.CheckpointError(
             f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.num_steps is "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from asyncrl.config import Config
 from asyncrl.policy.schedule import Scheduler
 
-__all__ = ["make_scheduler"]
+__all__ = ["make_scheduler", "run_steps"]
 
 
 def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
@@ -19,9 +19,19 @@ def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
         cfg.make_sampler(),
         prompts_per_step=per_step,
         samples_per_prompt=cfg.grpo.samples_per_prompt,
-        num_steps=cfg.run.num_steps,
+        num_steps=run_steps(cfg, train_prompts),
         max_buffered_groups=cfg.max_buffered_groups,
         max_inflight_samples=cfg.max_inflight_samples,
         min_chunk_groups=cfg.min_groups_for_streaming_train,
         prompts_per_epoch=max(1, train_prompts // per_step * per_step),
     )
+
+
+def run_steps(cfg: Config, train_prompts: int) -> int:
+    """The steps the run trains: ``run.num_steps``, or fewer when ``run.max_num_epochs``
+    passes over the train split (``train_prompts`` prompts, each pass ``train_prompts //
+    grpo.prompts_per_step`` steps: the remainder of a pass is dropped) come first."""
+    epochs = cfg.run.max_num_epochs
+    if not epochs:
+        return cfg.run.num_steps
+    return min(cfg.run.num_steps, epochs * (train_prompts // cfg.grpo.prompts_per_step))

@@ -260,3 +260,24 @@ async def test_a_dead_trainer_stops_the_run_and_resume_goes_on_losing_nothing(
     assert [s["step"] for s in summary.steps] == [3, 4, 5, 6]
     assert _trained_positions(summary) == 6 * cfg.grpo.prompts_per_step
     assert all(e["lost"] == 0 and e["repeated"] == 0 for e in summary.ledger)
+
+
+async def test_max_num_epochs_ends_the_run_and_a_resume_respects_it(
+    make_config: Callable[..., Config],
+) -> None:
+    """10 train prompts, 4 a step: a pass is 2 steps (the remainder dropped), so 2 passes end
+    a 10-step run after 4; resuming it is refused until the bound is raised, and then trains
+    on to the new bound."""
+    env = {"name": "repeat-digit", "options": {"num_train": 10}}
+    cfg = make_config("run", run={"num_steps": 10, "max_num_epochs": 2}, environment=env,
+                      pipeline=SYNC, eval={"num_prompts": 0})  # fmt: skip
+    summary, _ = await _run(cfg)
+    assert len(summary.steps) == 4 and _trained_positions(summary) == 4 * 4
+    with pytest.raises(ckpt.CheckpointError, match=r"max_num_epochs = 2 .*10 prompts, 4 steps"
+                                                   r".*--set run.max_num_epochs=3"):  # fmt: skip
+        async with asyncrl.Controller(cfg, resume="latest"):
+            pass
+    more = make_config("run", run={"num_steps": 10, "max_num_epochs": 3}, environment=env,
+                       pipeline=SYNC, eval={"num_prompts": 0})  # fmt: skip
+    resumed, _ = await _run(more, resume="latest")
+    assert [s["step"] for s in resumed.steps] == [5, 6]
