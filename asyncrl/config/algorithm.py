@@ -36,6 +36,17 @@ class GRPOConfig(Section):
     against the logprobs of the weights before the first one (a refresh forward)."""
     update_epochs: int = 1
     """Passes over the same step's rollouts (each pass ``mini_steps`` optimizer steps)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a ready group whose rewards' standard deviation is at most
+    ``dynamic_sampling_min_std`` (all equal, by default: its advantages would all be 0) is
+    dropped instead of trained, and the step's quota keeps filling with fresh prompts, with
+    any sampler (docs/losses.md)."""
+    dynamic_sampling_min_std: float = 0.0
+    """The reward spread at or below which dynamic sampling drops a group."""
+    dynamic_sampling_max_drops: int = 0
+    """At most this many groups dropped per step (0: 4 x prompts_per_step); past it the
+    step trains the uniform groups it gets (a solved or hopeless task must not stall the
+    run), and its record says ``filter_cap_reached``."""
     normalize_advantages: bool = True
     """``grpo`` estimator: divide group-centred rewards by the group's standard deviation
     (when > 0); false is Dr. GRPO's advantage (the mean subtracted only)."""
@@ -85,6 +96,9 @@ class GRPOConfig(Section):
                             f"{self.prompts_per_step * self.samples_per_prompt} samples would "
                             "leave some empty", "use at most prompts_per_step x "
                             "samples_per_prompt (a divisor of it splits evenly)"))  # fmt: skip
+        if not (self.dynamic_sampling_min_std >= 0 and self.dynamic_sampling_max_drops >= 0):
+            out.append(fail("grpo.dynamic_sampling_min_std", "dynamic_sampling_min_std and "
+                            "dynamic_sampling_max_drops must be >= 0", "use 0 (the defaults)"))  # fmt: skip
         if not self.temperature > 0:
             out.append(
                 fail("grpo.temperature", f"must be > 0, got {self.temperature}", "use e.g. 1.0")

@@ -159,6 +159,10 @@ def _objective_advice(config: Config, streaming: bool) -> list[str]:
             f"{g.advantage_estimator} ignores it. Fix: remove it"
         )
     loss = config.loss
+    if g.dynamic_sampling and config.sampler.name == "dynamic":
+        advice.append("grpo.dynamic_sampling with the dynamic sampler drops uniform groups "
+                      "twice over (the sampler's own rule and the core's). Fix: use one: "
+                      "grpo.dynamic_sampling = false, or another sampler")  # fmt: skip
     if loss.kl_in != "loss" and not loss.kl_coef:
         advice.append("loss.kl_in = reward does nothing while loss.kl_coef is 0. Fix: set "
                       "loss.kl_coef > 0, or remove loss.kl_in")  # fmt: skip

@@ -273,6 +273,8 @@ class StepRecord:
         return {
             "staleness_hist": {str(k): v for k, v in sorted(stats.staleness.items())},
             "evicted_groups": stats.evicted_groups,
+            "filtered_groups": stats.filtered_groups,
+            "filter_cap_reached": stats.filter_cap_reached,
             "aborted_groups": stats.aborted_groups,
             "wasted_samples": stats.wasted_samples,
             "buffer_ready": buffer_ready,

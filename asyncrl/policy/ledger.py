@@ -2,7 +2,8 @@
 
 The prompt stream names every prompt by its position ``i`` (:class:`~asyncrl.data.prompts.
 PromptStream`): epoch ``i // prompts_per_epoch``, in a seeded order. The ledger records each
-position once, as *trained* or as *dropped* (``evicted``, ``aborted``, ``failed``, ``unused``),
+position once, as *trained* or as *dropped* (``evicted``, ``aborted``, ``failed``, ``unused``,
+``zero_variance``: dynamic sampling),
 in sorted runs of positions, so a run of a million prompts costs a few integers per epoch. It
 is saved in every checkpoint; a resumed run carries it on, and :meth:`PromptLedger.report`
 shows, per epoch, that no prompt was lost (every position below the stream's frontier is
@@ -19,7 +20,7 @@ from typing import Any
 
 __all__ = ["EpochReport", "PromptLedger", "Runs"]
 
-DROP_REASONS = ("evicted", "aborted", "failed", "unused")
+DROP_REASONS = ("evicted", "aborted", "failed", "unused", "zero_variance")
 
 
 class Runs:

@@ -15,6 +15,9 @@ here:
   old), aborted (generating and hopeless, or still generating at the end) or unused (complete
   but untrained at the end), and its samples are counted;
 * a step trains exactly ``prompts_per_step`` groups;
+* dynamic sampling (optional): a ready group whose rewards' spread is at most
+  ``filter_min_std`` is dropped instead of trained (the step's quota keeps filling), at most
+  ``filter_max_drops`` a step;
 * the prompt ledger (:class:`~asyncrl.policy.ledger.PromptLedger`) records each prompt-stream
   position once, as trained or as dropped with its reason.
 
@@ -85,6 +88,9 @@ class Scheduler:
         max_inflight_samples: samples generating at once (``>= N``).
         min_chunk_groups: ready groups needed before a chunk goes to the trainer (``1..P``).
         prompts_per_epoch: positions of the prompt stream per epoch (for the ledger's report).
+        filter_min_std: dynamic sampling: drop a ready group whose rewards' population std
+            is at most this (``None``: off).
+        filter_max_drops: dynamic sampling's cap on the groups one step drops.
     """
 
     def __init__(
@@ -98,6 +104,8 @@ class Scheduler:
         max_inflight_samples: int,
         min_chunk_groups: int,
         prompts_per_epoch: int = 1,
+        filter_min_std: float | None = None,
+        filter_max_drops: int = 0,
     ) -> None:
         need = sampler.required_buffer_capacity(prompts_per_step)
         if max_buffered_groups < need:
@@ -119,6 +127,8 @@ class Scheduler:
         self.max_buffered_groups = max_buffered_groups
         self.max_inflight_samples = max_inflight_samples
         self.min_chunk_groups = min_chunk_groups
+        self.filter_min_std = filter_min_std
+        self.filter_max_drops = filter_max_drops
 
         self.trainer_version = 0
         self.generator_version = 0
@@ -137,6 +147,7 @@ class Scheduler:
         self.dispatched = 0
         self.trained = 0
         self.evicted = 0
+        self.filtered = 0
         self.aborted = 0
         self.wasted_samples = 0
         self.unused = 0
@@ -355,7 +366,7 @@ class Scheduler:
             raise SchedulerError("the run is finished; there is no step to assemble")
         if not self.gate_open:
             raise SchedulerError("a step is assembled only once the previous refit is done")
-        evicted = []
+        evicted = self._filter_uniform()
         for g in self.sampler.evict(self):
             slot = self.slot(g.group_id)
             if slot.state != READY:
@@ -396,6 +407,32 @@ class Scheduler:
             self.stats.staleness[staleness] += 1
             ids.append(slot.group_id)
         return Chunk(self.trainer_version, ids, evicted)
+
+    def _filter_uniform(self) -> list[str]:
+        """Dynamic sampling: drop the ready groups whose rewards are all (nearly) equal, up
+        to the step's cap; a group stamped for a step is replaced by a fresh prompt for it."""
+        if self.filter_min_std is None:
+            return []
+        dropped = []
+        for slot in [s for s in self._slots.values() if s.state == READY and not s.informative]:
+            if len(slot.rewards) > 1 and _pstdev(slot.rewards) > self.filter_min_std:
+                slot.informative = True  # never looked at again
+                continue
+            if self.stats.filtered_groups >= self.filter_max_drops:
+                # past this step's cap it may train now; a later step judges it afresh
+                self.stats.filter_cap_reached = True
+                continue
+            self._forget(slot)
+            self.ledger.record_dropped([slot.index], "zero_variance")
+            self.filtered += 1
+            self.stats.filtered_groups += 1
+            self.wasted_samples += slot.n
+            self.stats.wasted_samples += slot.n
+            if slot.target_step is not None:
+                self._redispatch.insert(0, (self._next_index, slot.target_step))
+                self._next_index += 1
+            dropped.append(slot.group_id)
+        return dropped
 
     def finish_step(self) -> None:
         """The open step has all its groups and took its optimizer step: the trainer is one
@@ -507,6 +544,7 @@ class Scheduler:
             "dispatched": self.dispatched - sum(1 for s in live if s.state != READY),
             "trained": self.trained,
             "evicted": self.evicted,
+            "filtered": self.filtered,
             "aborted": self.aborted,
             "wasted_samples": self.wasted_samples,
             "failed_groups": self.failed_groups,
@@ -547,6 +585,7 @@ class Scheduler:
         for key in ("dispatched", "trained", "evicted", "aborted", "wasted_samples"):
             setattr(self, key, int(state[key]))
         self.failed_groups = int(state["failed_groups"])
+        self.filtered = int(state.get("filtered", 0))  # absent before dynamic sampling
         self.ledger = PromptLedger.from_state_dict(state["ledger"])
         self._redispatch = [
             (int(i), None if int(t) < 0 else int(t)) for i, t in state["redispatch"]
@@ -579,3 +618,9 @@ class Scheduler:
         self._slots = dict(sorted(self._slots.items(), key=lambda kv: kv[1].index))
         self.sampler.load_state_dict(state["sampler"])
         return restored
+
+
+def _pstdev(values: Sequence[float]) -> float:
+    """Population standard deviation (what GRPO's advantages divide by)."""
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))

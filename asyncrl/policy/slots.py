@@ -45,6 +45,8 @@ class Slot:
     rewards: Sequence[float] = ()
     retries: int = 0
     """Times its generation failed and was retried (a worker's death is not counted)."""
+    informative: bool = False
+    """Dynamic sampling found its rewards spread out (it keeps it, and does not look again)."""
 
     @property
     def ready(self) -> bool:
@@ -96,3 +98,9 @@ class StepStats:
     """Groups dropped because their generation or scoring failed for good."""
     generation_retries: int = 0
     """Failed generations that will be tried again."""
+    filtered_groups: int = 0
+    """Ready groups dropped by dynamic sampling: their rewards were all (nearly) equal, so
+    their advantages would all be 0 (``grpo.dynamic_sampling``)."""
+    filter_cap_reached: bool = False
+    """The step dropped ``grpo.dynamic_sampling_max_drops`` groups and trained the rest of
+    its uniform groups as they were."""

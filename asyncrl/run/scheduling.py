@@ -14,7 +14,8 @@ def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
     """The run's :class:`~asyncrl.policy.schedule.Scheduler` with the configured sampler (a
     fresh one: it keeps state) and caps (``train_prompts``: the train split's size, for the
     ledger's epochs: each epoch drops the remainder of a batch)."""
-    per_step = cfg.grpo.prompts_per_step
+    g = cfg.grpo
+    per_step = g.prompts_per_step
     return Scheduler(
         cfg.make_sampler(),
         prompts_per_step=per_step,
@@ -24,6 +25,8 @@ def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
         max_inflight_samples=cfg.max_inflight_samples,
         min_chunk_groups=cfg.min_groups_for_streaming_train,
         prompts_per_epoch=max(1, train_prompts // per_step * per_step),
+        filter_min_std=g.dynamic_sampling_min_std if g.dynamic_sampling else None,
+        filter_max_drops=g.dynamic_sampling_max_drops or 4 * per_step,
     )
 
 

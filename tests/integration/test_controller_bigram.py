@@ -263,3 +263,20 @@ async def test_a_loss_input_the_backend_cannot_read_is_refused_before_it_starts(
     with pytest.raises(Exception, match="does not read reference_logprobs.*loss.kl_coef = 0.1"):
         async with asyncrl.Controller(cfg) as ctl:
             await ctl.train()
+
+
+async def test_dynamic_sampling_drops_groups_up_to_its_cap_and_the_run_goes_on(
+    make_config: Callable[..., Config],
+) -> None:
+    """A spread threshold no group passes: each step drops exactly its cap of 2 groups
+    (fresh prompts refill it), then trains the rest as they are, and says so."""
+    cfg = make_config(run={"num_steps": 2}, eval={"num_prompts": 0},
+                      grpo={"dynamic_sampling": True, "dynamic_sampling_min_std": 10.0,
+                            "dynamic_sampling_max_drops": 2})  # fmt: skip
+    async with asyncrl.Controller(cfg) as ctl:
+        summary = await ctl.train()
+    assert [(r["filtered_groups"], r["filter_cap_reached"]) for r in summary.steps] == [
+        (2, True), (2, True)]
+    assert all(r["groups"] == 4 for r in summary.steps)
+    dropped = {e["epoch"]: e["dropped"] for e in summary.ledger}
+    assert sum(d.get("zero_variance", 0) for d in dropped.values()) == 4

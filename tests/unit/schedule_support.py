@@ -85,10 +85,12 @@ def scheduler(
     cap: int | None = None,
     inflight: int | None = None,
     min_chunk: int = 1,
+    filter_drops: int = 0,
 ) -> Scheduler:
     """A :class:`Scheduler` of ``steps`` steps of ``P`` prompts times ``N`` samples; the
     buffer defaults to the sampler's required capacity and the samples in flight to a full
-    buffer's."""
+    buffer's; ``filter_drops > 0``: dynamic sampling of groups with all rewards equal, at
+    most that many a step."""
     cap = cap or sampler.required_buffer_capacity(P)
     return Scheduler(
         sampler,
@@ -98,4 +100,6 @@ def scheduler(
         max_buffered_groups=cap,
         max_inflight_samples=inflight or cap * N,
         min_chunk_groups=min_chunk,
+        filter_min_std=0.0 if filter_drops else None,
+        filter_max_drops=filter_drops,
     )

@@ -160,3 +160,14 @@ def test_the_objective_line_names_the_kl_the_refresh_and_the_mini_steps(model_di
                    LossConfig(kl_in="reward"), chunk=4)  # fmt: skip
     assert [a.split(" ", 2)[:2] for a in stale.advice] == [
         ["loss.kl_in", "="], ["with", "several"], ["grpo.mini_steps/update_epochs", ">"]]
+
+
+def test_dynamic_sampling_twice_over_is_advised_against(model_dir: Path) -> None:
+    from asyncrl.config import GRPOConfig
+
+    both = describe(Config(
+        model=ModelConfig(path=str(model_dir)), environment=EnvironmentConfig(name="x"),
+        pipeline=PipelineConfig(sampler={"name": "dynamic", "max_staleness_versions": 1}),
+        grpo=GRPOConfig(dynamic_sampling=True),
+    ))  # fmt: skip
+    assert any(a.startswith("grpo.dynamic_sampling with the dynamic sampler") for a in both.advice)

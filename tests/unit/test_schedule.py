@@ -209,3 +209,52 @@ def test_state_dict_only_between_steps() -> None:
     s.next_chunk()
     with pytest.raises(SchedulerError, match="between steps"):
         s.state_dict()
+
+
+def finish_with(s: Scheduler, gid: str, rewards: list[float]) -> None:
+    slot = s.slot(gid)
+    for _ in range(slot.n - slot.finished):
+        s.sample_finished(gid)
+    s.committed(gid, rewards)
+
+
+def test_dynamic_sampling_drops_uniform_groups_refills_the_step_and_stops_at_its_cap() -> None:
+    """In sync mode (in_order, lookahead 0: every group is stamped for its step) a uniform
+    group is dropped, and a fresh prompt for the same step is dispatched first; past the cap
+    the step trains what it gets, and the next step's cap starts anew."""
+    s = Scheduler(in_order(0), prompts_per_step=2, samples_per_prompt=2, num_steps=3,
+                  max_buffered_groups=2, max_inflight_samples=4, min_chunk_groups=2,
+                  filter_min_std=0.0, filter_max_drops=2)  # fmt: skip
+    (a, b), _ = dispatch_all(s)
+    finish_with(s, a.group_id, [1.0, 1.0])  # solved: no learning signal
+    finish_with(s, b.group_id, [0.0, 1.0])
+    chunk = s.next_chunk()
+    assert chunk.evicted == ["g0"] and chunk.groups == []  # the step waits for a new group
+    assert s.stats.filtered_groups == 1 and s.filtered == 1 and s.wasted_samples == 2
+    (c,), _ = dispatch_all(s)
+    assert c.index == 2 and c.target_step == 0  # the dropped one's step, a fresh prompt
+    finish_with(s, c.group_id, [0.0, 0.0])  # hopeless: dropped too (2 of 2)
+    assert s.next_chunk().evicted == ["g2"]
+    (d,), _ = dispatch_all(s)
+    finish_with(s, d.group_id, [0.5, 0.5])  # past the cap: trained as it is
+    chunk = s.next_chunk()
+    assert chunk.evicted == [] and sorted(chunk.groups) == ["g1", "g3"]
+    assert s.stats.filter_cap_reached
+    s.finish_step()
+    s.begin_refit()
+    stats = s.end_refit()
+    assert (stats.filtered_groups, stats.filter_cap_reached) == (2, True)
+    assert s.ledger.num_dropped("zero_variance") == 2 and s.ledger.num_trained == 2
+    assert s.state_dict()["filtered"] == 2  # kept by a checkpoint
+    (e, f), _ = dispatch_all(s)
+    finish_with(s, e.group_id, [1.0, 1.0])
+    finish_with(s, f.group_id, [0.0, 1.0])
+    assert s.next_chunk().evicted == [e.group_id]  # a new step, a new cap
+
+
+def test_without_dynamic_sampling_uniform_groups_train() -> None:
+    s = make(in_order(0), P=2, steps=1)
+    (a, b), _ = dispatch_all(s)
+    finish_with(s, a.group_id, [1.0, 1.0])
+    finish_with(s, b.group_id, [1.0, 1.0])
+    assert sorted(s.next_chunk().groups) == ["g0", "g1"]

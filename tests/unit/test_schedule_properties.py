@@ -62,6 +62,7 @@ def run_schedule(
     chunk_frac: float,
     crashes: int = 0,
     faults: bool = False,
+    filter_drops: int = 0,
 ) -> dict:
     rng = random.Random(seed)
     sampler = SAMPLERS[name](W, ratio)
@@ -70,7 +71,8 @@ def run_schedule(
 
     def fresh() -> Scheduler:
         return scheduler(SAMPLERS[name](W, ratio), P=P, N=N, steps=steps, cap=cap,
-                         inflight=max_inflight, min_chunk=min_chunk)  # fmt: skip
+                         inflight=max_inflight, min_chunk=min_chunk,
+                         filter_drops=filter_drops)  # fmt: skip
 
     s = fresh()
 
@@ -78,6 +80,7 @@ def run_schedule(
     index: dict[str, int] = {}
     running: list[tuple[str, int]] = []  # (group, sample) generating, with a random weight
     done_samples: Counter[str] = Counter()
+    rewards: dict[str, list[float]] = {}
     scoring: list[str] = []
     aborted_by_scheduler: set[str] = set()
     trained: dict[str, int] = {}
@@ -152,7 +155,7 @@ def run_schedule(
             assert 0 <= staleness <= bound, (gid, staleness, bound)
             if name == "in_order":
                 assert s.trainer_version == target[gid]
-                if not faults:  # a dropped group's step gets a fresh prompt
+                if not (faults or filter_drops):  # a dropped group's step gets a fresh prompt
                     assert s.trainer_version == index[gid] // P
             trained[gid] = s.trainer_version
             per_step[s.trainer_version] += 1
@@ -213,7 +216,8 @@ def run_schedule(
         elif move == "commit":
             gid = scoring.pop(rng.randrange(len(scoring)))
             assert done_samples[gid] == N
-            s.committed(gid, [float(rng.random() < 0.5) for _ in range(N)])
+            rewards[gid] = [float(rng.random() < 0.5) for _ in range(N)]
+            s.committed(gid, rewards[gid])
         elif move == "end_refit":
             counted += s.end_refit().generation_retries
             refit_pending = False
@@ -291,7 +295,12 @@ def run_schedule(
     assert set(trained).isdisjoint(evicted | aborted_by_scheduler)
     assert evicted.isdisjoint(aborted_by_scheduler)
     assert discarded == aborted_by_scheduler  # every aborted group's samples came back
-    assert (s.dispatched, s.trained, s.evicted, s.aborted, s.unused) == (
+    as_set = lambda runs: {i for a, b in runs for i in range(a, b)}  # noqa: E731
+    # dynamic sampling's drops leave with the evictions; each had all its rewards equal
+    filtered = as_set(s.ledger.state_dict()["dropped"].get("zero_variance", []))
+    assert all(len(set(rewards[g])) == 1 for g in evicted if index[g] in filtered)
+    assert filter_drops or not filtered
+    assert (s.dispatched, s.trained, s.evicted + s.filtered, s.aborted, s.unused) == (
         len(start),
         len(trained),
         len(evicted),
@@ -311,8 +320,8 @@ def run_schedule(
         "unused": {index[g] for g in unused},
         "failed": {index[g] for g in failed},
     }
-    as_set = lambda runs: {i for a, b in runs for i in range(a, b)}  # noqa: E731
     assert as_set(ledger["trained"]) == positions["trained"]
+    positions["evicted"] -= filtered
     for reason in ("evicted", "aborted", "unused", "failed"):
         assert as_set(ledger["dropped"][reason]) == positions[reason], reason
     assert ledger["num_repeated"] == 0
@@ -320,8 +329,8 @@ def run_schedule(
     assert s.num_live == 0 and s.inflight_samples == 0
     if name in WASTE_FREE:
         # aborted here can only be what close() stopped at the very end
-        assert not evicted
-    if name == "in_order" and not faults:
+        assert not [g for g in evicted if index[g] not in filtered]
+    if name == "in_order" and not faults and not filtered:
         assert sorted(index[g] for g in trained) == list(range(steps * P))
     return {"evicted": len(evicted), "aborted": len(aborted_by_scheduler)}
 
@@ -340,6 +349,13 @@ def test_random_schedules_keep_every_invariant(name: str, **shape: Any) -> None:
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(crashes=st.integers(0, 3), faults=st.booleans(), **SHAPES)
 def test_crashes_and_failures_keep_every_invariant(name: str, **shape: Any) -> None:
+    run_schedule(name, **shape)
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(filter_drops=st.integers(1, 4), faults=st.booleans(), **SHAPES)
+def test_dynamic_sampling_keeps_every_invariant(name: str, **shape: Any) -> None:
     run_schedule(name, **shape)
 
 
