@@ -127,20 +127,25 @@ def objective(config: Config) -> str:
         "constant": f"token sum / (sequences x "
                     f"{loss.aggregation_constant or g.max_new_tokens}) (Dr. GRPO)",
     }[loss.aggregation]  # fmt: skip
-    kl = ""
+    return (f"{rewards}{estimator}; {ratio} against {against}, clipped to "
+            f"[{1 - loss.clip_eps_low:g}, {1 + loss.clip_eps_high:g}]; {correction}; "
+            f"{aggregation}{_kl_and_steps(config)}")  # fmt: skip
+
+
+def _kl_and_steps(config: Config) -> str:
+    """The objective line's tail: the KL term and the optimizer steps per RL step."""
+    g, loss = config.grpo, config.loss
+    out = ""
     if loss.kl_coef:
         reference = loss.reference_path or "the initial weights"
         where = ("in the loss" if loss.kl_in == "loss"
                  else "subtracted from each sample's reward")  # fmt: skip
-        kl = (f"; KL to {reference} ({loss.kl_estimator}, x {loss.kl_coef:g}, {where}: a "
-              "reference forward per step)")
-    steps = ""
+        out += (f"; KL to {reference} ({loss.kl_estimator}, x {loss.kl_coef:g}, {where}: a "
+                "reference forward per step)")
     if g.mini_steps > 1 or g.update_epochs > 1:
-        steps = (f"; {g.mini_steps * g.update_epochs} optimizer steps per RL step "
-                 f"({g.update_epochs} pass(es) of {g.mini_steps} mini-batch(es))")
-    return (f"{rewards}{estimator}; {ratio} against {against}, clipped to "
-            f"[{1 - loss.clip_eps_low:g}, {1 + loss.clip_eps_high:g}]; {correction}; "
-            f"{aggregation}{kl}{steps}")  # fmt: skip
+        out += (f"; {g.mini_steps * g.update_epochs} optimizer steps per RL step "
+                f"({g.update_epochs} pass(es) of {g.mini_steps} mini-batch(es))")
+    return out
 
 
 def _objective_advice(config: Config, streaming: bool) -> list[str]:

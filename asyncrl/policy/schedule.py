@@ -309,15 +309,10 @@ class Scheduler:
             slot.retries += 1
             self.stats.generation_retries += 1
             return
-        self._forget(slot)
+        self._drop(slot, "failed")
         self.failed_groups += 1
         self.stats.failed_groups += 1
-        self.wasted_samples += slot.n
-        self.stats.wasted_samples += slot.n
-        self.ledger.record_dropped([slot.index], "failed")
-        if slot.target_step is not None:
-            self._redispatch.insert(0, (self._next_index, slot.target_step))
-            self._next_index += 1
+        self._replace_stamped(slot)
 
     def retry(self, group_id: str) -> None:
         """A RETRYING group's back-off is over: :meth:`dispatch` sends it again first (a
@@ -371,12 +366,9 @@ class Scheduler:
             slot = self.slot(g.group_id)
             if slot.state != READY:
                 raise SchedulerError(f"{self.sampler.name} evicted {slot.group_id} ({slot.state})")
-            self._forget(slot)
-            self.ledger.record_dropped([slot.index], "evicted")
+            self._drop(slot, "evicted")
             self.evicted += 1
             self.stats.evicted_groups += 1
-            self.wasted_samples += slot.n
-            self.stats.wasted_samples += slot.n
             evicted.append(slot.group_id)
         remaining = self.prompts_per_step - self.taken
         chosen = self.sampler.select(self, min(self.min_chunk_groups, remaining), remaining)
@@ -422,15 +414,10 @@ class Scheduler:
                 # past this step's cap it may train now; a later step judges it afresh
                 self.stats.filter_cap_reached = True
                 continue
-            self._forget(slot)
-            self.ledger.record_dropped([slot.index], "zero_variance")
+            self._drop(slot, "zero_variance")
             self.filtered += 1
             self.stats.filtered_groups += 1
-            self.wasted_samples += slot.n
-            self.stats.wasted_samples += slot.n
-            if slot.target_step is not None:
-                self._redispatch.insert(0, (self._next_index, slot.target_step))
-                self._next_index += 1
+            self._replace_stamped(slot)
             dropped.append(slot.group_id)
         return dropped
 
@@ -516,6 +503,20 @@ class Scheduler:
         self.wasted_samples += slot.n
         self.stats.wasted_samples += slot.n
         return slot.group_id
+
+    def _drop(self, slot: Slot, reason: str) -> None:
+        """``slot`` leaves untrained: forgotten, its prompt recorded as dropped for
+        ``reason``, its samples wasted."""
+        self._forget(slot)
+        self.ledger.record_dropped([slot.index], reason)
+        self.wasted_samples += slot.n
+        self.stats.wasted_samples += slot.n
+
+    def _replace_stamped(self, slot: Slot) -> None:
+        """A dropped group stamped for a step: a fresh prompt for that step goes first."""
+        if slot.target_step is not None:
+            self._redispatch.insert(0, (self._next_index, slot.target_step))
+            self._next_index += 1
 
     def _forget(self, slot: Slot) -> None:
         del self._slots[slot.group_id]

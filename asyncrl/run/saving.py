@@ -323,6 +323,27 @@ class Resume:
     changes: resume_rule.Changes
 
 
+def _refuse_finished(path: Any, step: int, cfg: Config, train_prompts: int) -> None:
+    """Raises CheckpointError: the checkpoint at ``step`` ends the run already (its steps
+    or its epochs), with how to train further."""
+    steps = run_steps(cfg, train_prompts)
+    export = "to export the model, run `asyncrl export` on the checkpoint"
+    if step >= steps < cfg.run.num_steps:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} is at step {step}, and run.max_num_epochs = "
+            f"{cfg.run.max_num_epochs} passes over the train split ({train_prompts} prompts, "
+            f"{steps} steps) end the run there: it is finished. Fix: to train further, raise "
+            f"run.max_num_epochs (e.g. --set run.max_num_epochs={cfg.run.max_num_epochs + 1}) "
+            f"or set it to 0; {export}"
+        )
+    if step >= cfg.run.num_steps:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} is at step {step}, and run.num_steps is {cfg.run.num_steps}: "
+            f"the run is finished. Fix: to train further, raise run.num_steps (e.g. --set "
+            f"run.num_steps={step + cfg.run.num_steps}); {export}"
+        )
+
+
 def open_resume(
     cfg: Config,
     spec: str | None,
@@ -355,23 +376,7 @@ def open_resume(
     current = {"config": to_dict(cfg), "fingerprints": run_fingerprints(cfg, train_prompts)}
     changes = resume_rule.compare(saved, current, allow)
     _refuse_changes(checkpoint, changes)
-    steps = run_steps(cfg, len(train_prompts))
-    if checkpoint.step >= steps < cfg.run.num_steps:
-        raise ckpt.CheckpointError(
-            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.max_num_epochs "
-            f"= {cfg.run.max_num_epochs} passes over the train split ({len(train_prompts)} "
-            f"prompts, {steps} steps) end the run there: it is finished. Fix: to train further, "
-            f"raise run.max_num_epochs (e.g. --set run.max_num_epochs="
-            f"{cfg.run.max_num_epochs + 1}) or set it to 0; to export the model, run `asyncrl "
-            "export` on the checkpoint"
-        )
-    if checkpoint.step >= cfg.run.num_steps:
-        raise ckpt.CheckpointError(
-            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, and run.num_steps is "
-            f"{cfg.run.num_steps}: the run is finished. Fix: to train further, raise "
-            f"run.num_steps (e.g. --set run.num_steps={checkpoint.step + cfg.run.num_steps}); "
-            "to export the model, run `asyncrl export` on the checkpoint"
-        )
+    _refuse_finished(checkpoint.path, checkpoint.step, cfg, len(train_prompts))
     start = time.perf_counter()
     checkpoint.verify()
     size = sum(f["bytes"] for f in checkpoint.manifest["files"].values())
