@@ -254,6 +254,7 @@ async def test_mini_steps_and_epochs_take_several_optimizer_steps_per_rl_step(
         assert all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in minis)
         assert r["loss"] == pytest.approx(np.mean([m["loss"] for m in minis]))
         assert "refresh_proximal_s" not in r  # behaviour as proximal: nothing to refresh
+        assert "refresh_reference_s" not in r and "kl_ref" not in r  # no KL: no reference
 
 
 async def test_a_loss_input_the_backend_cannot_read_is_refused_before_it_starts(
@@ -280,3 +281,17 @@ async def test_dynamic_sampling_drops_groups_up_to_its_cap_and_the_run_goes_on(
     assert all(r["groups"] == 4 for r in summary.steps)
     dropped = {e["epoch"]: e["dropped"] for e in summary.ledger}
     assert sum(d.get("zero_variance", 0) for d in dropped.values()) == 4
+
+
+async def test_a_mini_step_failing_before_any_update_gives_the_step_back(
+    make_config: Callable[..., Config],
+) -> None:
+    """The first mini-step's TrainChunk fails once: nothing was applied, so the step is
+    assembled again and trained whole (two mini-steps recorded, not three)."""
+    cfg = make_config(run={"num_steps": 2}, eval={"num_prompts": 0}, grpo={"mini_steps": 2},
+                      trainer={"options": {"lr": 0.5, "fail_chunk_at_step": 1,
+                                           "fail_chunk_times": 1}})  # fmt: skip
+    async with asyncrl.Controller(cfg) as ctl:
+        summary = await ctl.train()
+    assert [r["step_retries"] for r in summary.steps] == [0, 1]
+    assert [len(r["mini_steps"]) for r in summary.steps] == [2, 2]

@@ -24,6 +24,10 @@ from asyncrl.plugins import load  # noqa: E402
 from asyncrl.wire.messages import TokenBatch, TrainBatch  # noqa: E402
 
 CLIP, CAP, COEF = 0.2, 2.0, 0.5
+OPTIONS = {  # an update big enough to move the policy's logprobs visibly in one step
+    "fsdp2": {"optimizer": "sgd", "lr": 0.5, "max_grad_norm": 0.0},
+    "deepspeed": {"lr": 0.05, "max_grad_norm": 0.0},
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +37,15 @@ def model_dir(tmp_path_factory) -> str:
     return str(build_model(tmp_path_factory.mktemp("reference") / "model", seed=0))
 
 
-def backend(model_dir: str, tmp_path, loss: dict):
+def backend(model_dir: str, tmp_path, loss: dict, name: str = "fsdp2"):
     config = from_dict({
         "model": {"path": model_dir}, "environment": {"name": "arithmetic"},
         "loss": {"clip_eps_low": CLIP, "clip_eps_high": CLIP, "is_cap": CAP, **loss},
-        "trainer": {"micro_batch_size": 2, "options": {"optimizer": "sgd", "lr": 0.5,
-                                                       "max_grad_norm": 0.0}},
+        "trainer": {"backend": name, "micro_batch_size": 2, "options": OPTIONS[name]},
     })  # fmt: skip
     ctx = WorkerContext(group="trainer", rank=0, world_size=1, local_rank=0, config=config,
                         run_dir=str(tmp_path), extra={"dist_store": torch.distributed.HashStore()})  # fmt: skip
-    return load("asyncrl.training_backends", "fsdp2")(ctx)
+    return load("asyncrl.training_backends", name)(ctx)
 
 
 def sequences(vocab: int) -> list[tuple[np.ndarray, int]]:
@@ -97,9 +100,14 @@ def test_without_a_kl_term_nothing_is_loaded_or_run(model_dir, tmp_path, monkeyp
         b.close()
 
 
-def test_k3_in_the_loss_with_refreshed_proximal_logprobs_matches_float64(model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
+def test_k3_in_the_loss_with_refreshed_proximal_logprobs_matches_float64(
+    model_dir, tmp_path, name, monkeypatch
+) -> None:
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)  # what torchrun sets (DeepSpeed reads them)
     b = backend(model_dir, tmp_path, {"kl_coef": COEF, "kl_estimator": "k3",
-                                      "proximal_policy": "current"})  # fmt: skip
+                                      "proximal_policy": "current"}, name)  # fmt: skip
     try:
         b.start()
         seqs = sequences(b._vocab_size)
