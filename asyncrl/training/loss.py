@@ -55,9 +55,9 @@ class LossStats:
     """Sum of the truncated importance weights ``w``."""
     abs_logprob_diff_sum: torch.Tensor
     """Sum of ``|logprobs - behaviour_logprobs|`` (trainer/generator mismatch)."""
-    abs_logprob_diff_max: torch.Tensor | None = None
+    abs_logprob_diff_max: torch.Tensor
     """The largest ``|logprobs - behaviour_logprobs|`` (0 when no token trains)."""
-    mismatch_k3_sum: torch.Tensor | None = None
+    mismatch_k3_sum: torch.Tensor
     """Sum of ``exp(d) - 1 - d`` with ``d = logprobs - behaviour_logprobs``: k3, an unbiased
     per-token estimate of KL(generator || trainer) on the generator's samples."""
     masked_tokens: torch.Tensor | None = None

@@ -488,14 +488,11 @@ class DistributedTrainer:
                 kl = kl_to_reference(lp, part["ref"], mask, loss_cfg.kl_estimator)
                 loss_sum = loss_sum + loss_cfg.kl_coef * kl
             self._backward(loss_sum)
-            zero = loss_sum.new_zeros(())
-            masked = zero if stats.masked_tokens is None else stats.masked_tokens
-            k3 = zero if stats.mismatch_k3_sum is None else stats.mismatch_k3_sum
+            masked = loss_sum.new_zeros(()) if stats.masked_tokens is None else stats.masked_tokens
             step_sums = torch.stack([loss_sum.detach(), stats.clipped_tokens, stats.is_weight_sum,
-                                     stats.abs_logprob_diff_sum, masked, k3]).to(torch.float64)  # fmt: skip
-            sums[:6] += step_sums
-            if stats.abs_logprob_diff_max is not None:
-                sums[6] = torch.maximum(sums[6], stats.abs_logprob_diff_max.to(torch.float64))
+                                     stats.abs_logprob_diff_sum, masked, stats.mismatch_k3_sum])  # fmt: skip
+            sums[:6] += step_sums.to(torch.float64)
+            sums[6] = torch.maximum(sums[6], stats.abs_logprob_diff_max.to(torch.float64))
             sums[7] += kl.detach().to(torch.float64)
         return sums.tolist()
 
