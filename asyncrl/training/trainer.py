@@ -519,6 +519,7 @@ class DistributedTrainer:
                 )
                 + "; the step was discarded (no update)"
             )
+        divisor = normalizer or num_loss_tokens  # loss.aggregation's, else the trained tokens
         if not math.isfinite(loss_sum):
             # the same on every rank (all-reduced): every rank drops the step before the
             # engine sees it, so the weights stay as they are
@@ -526,7 +527,7 @@ class DistributedTrainer:
             grad_norm = float("nan")  # not computed
         else:
             try:
-                grad_norm = self._apply_step(normalizer or num_loss_tokens)
+                grad_norm = self._apply_step(divisor)
             finally:
                 self._ledger.close()
         if not (math.isfinite(grad_norm) and math.isfinite(loss_sum)):
@@ -536,7 +537,7 @@ class DistributedTrainer:
             )
         return StepResult(
             step=step,
-            loss=loss_sum / (normalizer or num_loss_tokens),
+            loss=loss_sum / divisor,
             grad_norm=grad_norm,
             num_loss_tokens=num_loss_tokens,
             lr=self._opts.lr,

@@ -205,3 +205,6 @@ def test_masking_needs_the_trainers_own_proximal_and_the_bigram_engine_refuses_t
 
     with pytest.raises(ConfigError, match="need fsdp2 or deepspeed"):
         training_plugin.check_config(cfg({"ratio_level": "sequence"}), max_prompt_tokens=8)
+    with pytest.raises(ConfigError, match="proximal_policy = 'current' need fsdp2"):
+        training_plugin.check_config(cfg({"proximal_policy": "current"}), max_prompt_tokens=8)
+    training_plugin.check_config(cfg({}), max_prompt_tokens=8)  # the defaults are its own

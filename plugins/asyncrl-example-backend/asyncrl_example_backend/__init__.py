@@ -54,12 +54,14 @@ def _check_trainer(config: Config, *, max_prompt_tokens: int) -> None:
 
     parse_options(config.trainer.options, TrainerOptions, "trainer.options")
     loss = config.loss
-    if loss.correction != "tis" or loss.ratio_level != "token":
+    if (loss.correction, loss.ratio_level, loss.proximal_policy) != ("tis", "token", "behaviour"):
         raise ConfigError(
             f"trainer.backend = \"bigram\": its loss is the token-level PPO clip with the "
-            f"generator as the proximal policy; loss.correction = {loss.correction!r} and "
-            f"loss.ratio_level = {loss.ratio_level!r} need fsdp2 or deepspeed. Fix: leave "
-            "loss.correction = \"tis\" and loss.ratio_level = \"token\" (the defaults)"
+            f"generator as the proximal policy; loss.correction = {loss.correction!r}, "
+            f"loss.ratio_level = {loss.ratio_level!r} and loss.proximal_policy = "
+            f"{loss.proximal_policy!r} need fsdp2 or deepspeed. Fix: leave loss.correction = "
+            "\"tis\", loss.ratio_level = \"token\" and loss.proximal_policy = \"behaviour\" "
+            "(the defaults)"
         )
 
 
