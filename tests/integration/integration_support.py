@@ -266,3 +266,14 @@ def read_tensorboard(directory: str | Path) -> tuple[dict[str, list[tuple[int, f
                         (event.step, value.tensor.string_val[0].decode())
                     )
     return scalars, texts
+
+
+def in_fresh_process(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a new (spawned) Python process, its result or its exception back
+    here: for engines that keep process-wide state (DeepSpeed cannot be started twice in
+    one process). ``fn`` must be importable (a module-level function)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()

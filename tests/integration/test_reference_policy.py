@@ -11,6 +11,7 @@ a tiny random Qwen2, CPU).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from asyncrl.backend import WorkerContext  # noqa: E402
 from asyncrl.config import from_dict  # noqa: E402
 from asyncrl.plugins import load  # noqa: E402
 from asyncrl.wire.messages import TokenBatch, TrainBatch  # noqa: E402
+from integration_support import in_fresh_process  # noqa: E402
 
 CLIP, CAP, COEF = 0.2, 2.0, 0.5
 OPTIONS = {  # an update big enough to move the policy's logprobs visibly in one step
@@ -37,11 +39,15 @@ def model_dir(tmp_path_factory) -> str:
     return str(build_model(tmp_path_factory.mktemp("reference") / "model", seed=0))
 
 
-def backend(model_dir: str, tmp_path, loss: dict, name: str = "fsdp2"):
+def backend(model_dir: str, tmp_path, loss: dict, name: str = "fsdp2", options: dict | None = None):
+    """One trainer rank in this process, as torchrun would start it (DeepSpeed reads the
+    environment; it cannot be started twice in a process: use :func:`in_fresh_process`)."""
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
     config = from_dict({
         "model": {"path": model_dir}, "environment": {"name": "arithmetic"},
         "loss": {"clip_eps_low": CLIP, "clip_eps_high": CLIP, "is_cap": CAP, **loss},
-        "trainer": {"backend": name, "micro_batch_size": 2, "options": OPTIONS[name]},
+        "trainer": {"backend": name, "micro_batch_size": 2, "options": options or OPTIONS[name]},
     })  # fmt: skip
     ctx = WorkerContext(group="trainer", rank=0, world_size=1, local_rank=0, config=config,
                         run_dir=str(tmp_path), extra={"dist_store": torch.distributed.HashStore()})  # fmt: skip
@@ -102,10 +108,12 @@ def test_without_a_kl_term_nothing_is_loaded_or_run(model_dir, tmp_path, monkeyp
 
 @pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
 def test_k3_in_the_loss_with_refreshed_proximal_logprobs_matches_float64(
-    model_dir, tmp_path, name, monkeypatch
+    model_dir, tmp_path, name
 ) -> None:
-    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(key, value)  # what torchrun sets (DeepSpeed reads them)
+    in_fresh_process(check_k3_in_the_loss, model_dir, str(tmp_path), name)
+
+
+def check_k3_in_the_loss(model_dir: str, tmp_path: str, name: str) -> None:
     b = backend(model_dir, tmp_path, {"kl_coef": COEF, "kl_estimator": "k3",
                                       "proximal_policy": "current"}, name)  # fmt: skip
     try:
