@@ -63,6 +63,11 @@ class GRPOConfig(Section):
     its mean, over its std) before weighting (GDPO), so a component counts by its weight and
     not by its scale; ``none`` weights them as they are."""
 
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per RL step (``mini_steps`` x ``update_epochs``)."""
+        return self.mini_steps * self.update_epochs
+
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[grpo]``."""
         out = at_least_one({

@@ -104,7 +104,7 @@ def objective(config: Config) -> str:
     proximal = loss.proximal_policy
     against = ("the trainer's own logprobs at the step's start (decoupled PPO)"
                if proximal == "current" else "the generator's logprobs")  # fmt: skip
-    if proximal == "current" and (g.mini_steps > 1 or g.update_epochs > 1):
+    if proximal == "current" and g.updates_per_step > 1:
         against += ", recomputed by a refresh forward before the first optimizer step"
     correction = {
         "tis": f"the trainer/generator ratio truncated at {loss.is_cap:g}",
@@ -142,8 +142,8 @@ def _kl_and_steps(config: Config) -> str:
                  else "subtracted from each sample's reward")  # fmt: skip
         out += (f"; KL to {reference} ({loss.kl_estimator}, x {loss.kl_coef:g}, {where}: a "
                 "reference forward per step)")
-    if g.mini_steps > 1 or g.update_epochs > 1:
-        out += (f"; {g.mini_steps * g.update_epochs} optimizer steps per RL step "
+    if g.updates_per_step > 1:
+        out += (f"; {g.updates_per_step} optimizer steps per RL step "
                 f"({g.update_epochs} pass(es) of {g.mini_steps} mini-batch(es))")
     return out
 
@@ -171,7 +171,7 @@ def _objective_advice(config: Config, streaming: bool) -> list[str]:
     if loss.kl_in != "loss" and not loss.kl_coef:
         advice.append("loss.kl_in = reward does nothing while loss.kl_coef is 0. Fix: set "
                       "loss.kl_coef > 0, or remove loss.kl_in")  # fmt: skip
-    if g.mini_steps > 1 or g.update_epochs > 1:
+    if g.updates_per_step > 1:
         if streaming:
             advice.append(
                 "with several optimizer steps per RL step, a step's chunks are refreshed as "

@@ -9,6 +9,7 @@ import numpy as np
 import structlog
 
 from asyncrl.policy.groups import CompletedSample, Group
+from asyncrl.policy.refresh import kl_estimate
 from asyncrl.wire.messages import ChunkResult, StepResult, TrainBatch
 from asyncrl.policy.schedule import StepStats
 from asyncrl.obs.timeline import worker_spans
@@ -90,10 +91,11 @@ class StepRecord:
         """Add a chunk's pre-step trainer/generator differences ``diff`` (per response
         token) over its ``trained`` tokens to :attr:`mismatch`."""
         d = diff[trained.astype(bool)].astype(np.float64)
+        k3 = kl_estimate(np.zeros_like(d), d, "k3")  # exp(d) - 1 - d
         old = self.mismatch or (0.0, 0.0, 0.0, 0)
         self.mismatch = (old[0] + float(np.abs(d).sum()),
                          max(old[1], float(np.abs(d).max(initial=0.0))),
-                         old[2] + float((np.expm1(d) - d).sum()), old[3] + d.size)  # fmt: skip
+                         old[2] + float(k3.sum()), old[3] + d.size)  # fmt: skip
 
     def take_served(self, served: dict[tuple[str, str], float], trainers: list[str]) -> None:
         """The workers' own time serving this step's calls (``ControlPlane.take_served``):

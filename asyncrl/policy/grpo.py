@@ -154,10 +154,16 @@ def pack_groups(
     )
 
 
+def _sequences_per_sample(groups: Sequence[Group]) -> list[int]:
+    """How many sequences each sample of ``groups`` trains (its split-off ones and its own),
+    in :func:`pack_groups`' order."""
+    return [len(s.earlier) + 1 for g in groups for s in g.samples]
+
+
 def per_sample(groups: Sequence[Group], per_sequence: np.ndarray) -> list[np.ndarray]:
     """Each group's per-sample sums of ``per_sequence``, one value for each sequence of
     :func:`pack_groups`' batch of ``groups`` (a sample's sequences are consecutive there)."""
-    counts = [len(s.earlier) + 1 for g in groups for s in g.samples]
+    counts = _sequences_per_sample(groups)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     sums = np.add.reduceat(np.asarray(per_sequence, np.float64), starts) if counts else []
     bounds = np.cumsum([0] + [len(g.samples) for g in groups])
@@ -167,16 +173,13 @@ def per_sample(groups: Sequence[Group], per_sequence: np.ndarray) -> list[np.nda
 def per_sequence(groups: Sequence[Group], per_sample_values: Sequence[np.ndarray]) -> np.ndarray:
     """``per_sample_values`` (one array per group, one value per sample) repeated for each
     sequence the sample trains, in :func:`pack_groups`' order; float32."""
-    counts = [len(s.earlier) + 1 for g in groups for s in g.samples]
     flat = np.concatenate(per_sample_values) if per_sample_values else np.zeros(0)
-    return np.repeat(flat, counts).astype(np.float32)
+    return np.repeat(flat, _sequences_per_sample(groups)).astype(np.float32)
 
 
 def trained_per_sequence(batch: TrainBatch) -> np.ndarray:
     """How many tokens of each sequence of ``batch`` train (its ``loss_mask`` ones), int64."""
-    ends = Layout.of(batch.seq_lens, batch.prompt_lens).response_offsets
-    trained = np.concatenate([[0], np.cumsum(batch.loss_mask, dtype=np.int64)])
-    return trained[ends[1:]] - trained[ends[:-1]]
+    return Layout.of(batch.seq_lens, batch.prompt_lens).response_sums(batch.loss_mask, np.int64)
 
 
 def per_sequence_mean(batch: TrainBatch, trained: np.ndarray) -> TrainBatch:
@@ -222,6 +225,7 @@ def nonfinite_cause(
     budget: str = "",
     weights: Mapping[str, float] | None = None,
     normalization: Literal["none", "group"] = "none",
+    environment: str = "?",
 ) -> str:
     """Why step ``step``'s loss or gradient norm is likely not finite, for the error that
     stops the run: the rewards' magnitude when the step's advantages are huge, else the
@@ -229,7 +233,8 @@ def nonfinite_cause(
     after the facts; the message ends with the fix."""
     worst: tuple[float, float, Group | None] = (0.0, 0.0, None)  # |advantage|, reward, group
     advantages = advantages_of(groups, normalize=normalize, estimator=estimator,
-                               weights=weights, normalization=normalization)  # fmt: skip
+                               weights=weights, normalization=normalization,
+                               environment=environment)  # fmt: skip
     for g, a in zip(groups, advantages):
         i = int(np.argmax(np.abs(a)))
         if abs(a[i]) >= worst[0]:

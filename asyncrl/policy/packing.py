@@ -80,6 +80,12 @@ class Layout:
         within = np.arange(self.num_response_tokens) - np.repeat(self.response_offsets[:-1], lens)
         return np.repeat(self.offsets[:-1] + self.prompt_lens, lens) + within
 
+    def response_sums(self, values: np.ndarray, dtype: type) -> np.ndarray:
+        """``[B]``: each sequence's sum of a per-response-token array, accumulated in
+        ``dtype``."""
+        cumulative = np.concatenate([[0], np.cumsum(values, dtype=dtype)])
+        return cumulative[self.response_offsets[1:]] - cumulative[self.response_offsets[:-1]]
+
     def gather_tokens(self, values: np.ndarray, idx: list[int], dtype: type) -> np.ndarray:
         """The packed token arrays of sequences ``idx``, concatenated in that order."""
         return _gather(values, self.offsets, idx, dtype)

@@ -39,16 +39,25 @@ class LossInputs:
     """Compute the reference policy's logprobs for every chunk."""
     reference_in_reward: bool
     """The KL term is subtracted from the rewards (else it is in the loss)."""
+    because: str = ""
+    """The options that ask for them, for messages."""
 
     @classmethod
     def of(cls, config: Any) -> LossInputs:
         g, loss = config.grpo, config.loss
-        several = g.mini_steps > 1 or g.update_epochs > 1
+        proximal = loss.proximal_policy == "current" and g.updates_per_step > 1
         reference = loss.kl_coef > 0
+        reasons = []
+        if reference:
+            reasons.append(f"loss.kl_coef = {loss.kl_coef:g}, loss.kl_in = {loss.kl_in!r}")
+        if proximal:
+            reasons.append(f"loss.proximal_policy = \"current\" with grpo.mini_steps = "
+                           f"{g.mini_steps}, grpo.update_epochs = {g.update_epochs}")  # fmt: skip
         return cls(
-            proximal=loss.proximal_policy == "current" and several,
+            proximal=proximal,
             reference=reference,
             reference_in_reward=reference and loss.kl_in == "reward",
+            because="; ".join(reasons),
         )
 
     @property
@@ -79,7 +88,5 @@ def sequence_sums(batch: TrainBatch, per_token: np.ndarray) -> np.ndarray:
     """Each sequence's sum of ``per_token`` (one value per response token) over the tokens
     that train (``loss_mask``); float64 ``[B]``. A token that does not train adds nothing,
     whatever it holds (placeholders of inserted tokens may be anything)."""
-    ends = Layout.of(batch.seq_lens, batch.prompt_lens).response_offsets
     values = np.where(batch.loss_mask.astype(bool), per_token, 0.0)
-    cumulative = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
-    return cumulative[ends[1:]] - cumulative[ends[:-1]]
+    return Layout.of(batch.seq_lens, batch.prompt_lens).response_sums(values, np.float64)

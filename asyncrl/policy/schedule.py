@@ -45,6 +45,7 @@ Events: :meth:`dispatch` (ask to dispatch one group), :meth:`sample_finished`,
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -407,7 +408,7 @@ class Scheduler:
             return []
         dropped = []
         for slot in [s for s in self._slots.values() if s.state == READY and not s.informative]:
-            if len(slot.rewards) > 1 and _pstdev(slot.rewards) > self.filter_min_std:
+            if len(slot.rewards) > 1 and statistics.pstdev(slot.rewards) > self.filter_min_std:
                 slot.informative = True  # never looked at again
                 continue
             if self.stats.filtered_groups >= self.filter_max_drops:
@@ -619,9 +620,3 @@ class Scheduler:
         self._slots = dict(sorted(self._slots.items(), key=lambda kv: kv[1].index))
         self.sampler.load_state_dict(state["sampler"])
         return restored
-
-
-def _pstdev(values: Sequence[float]) -> float:
-    """Population standard deviation (what GRPO's advantages divide by)."""
-    mean = math.fsum(values) / len(values)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))

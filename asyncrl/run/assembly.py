@@ -107,7 +107,7 @@ class StepAssembler:
         """What the advantages of a chunk's groups are made with (``[grpo]``)."""
         self.refresher = Refresher(config, probes, advantage_options=self._advantage_options,
                                    now=now)  # fmt: skip
-        self._mini_batched = g.mini_steps > 1 or g.update_epochs > 1
+        self._mini_batched = g.updates_per_step > 1
         """Several optimizer steps per RL step: chunks are packed and refreshed as they
         stream in, and trained once the step has all its groups (:meth:`finish`)."""
 
@@ -234,13 +234,8 @@ class StepAssembler:
             f"{self.config.failures.max_nonfinite_steps}"
         )
         raise NonFiniteError(
-            nonfinite_cause(
-                step, loss, grad_norm, rec.groups,
-                normalize=self.config.grpo.normalize_advantages,
-                estimator=self.config.grpo.advantage_estimator, budget=budget,
-                weights=self.config.grpo.reward_weights,
-                normalization=self.config.grpo.reward_normalization,
-            )
+            nonfinite_cause(step, loss, grad_norm, rec.groups, budget=budget,
+                            **self._advantage_options)
         )  # fmt: skip
 
     async def _train_chunks(self, step: int, rec: StepRecord) -> None:

@@ -200,7 +200,7 @@ class TrainerRuntime(WorkerRuntime):
             raise PluginError(
                 f"training backend {config.trainer.backend!r} (asyncrl.training_backends) "
                 f"does not read {', '.join(missing)}, which this run's loss needs "
-                f"({_why(config)}). Fix: change those options, or use a backend that reads "
+                f"({needs.because}). Fix: change those options, or use a backend that reads "
                 "them (fsdp2, deepspeed; docs/plugins.md)"
             )
 
@@ -346,17 +346,6 @@ class TrainerRuntime(WorkerRuntime):
         )
         await self.thread.run(export)
         return Empty()
-
-
-def _why(config: Config) -> str:
-    loss, g = config.loss, config.grpo
-    reasons = []
-    if loss.kl_coef:
-        reasons.append(f"loss.kl_coef = {loss.kl_coef:g}, loss.kl_in = {loss.kl_in!r}")
-    if loss.proximal_policy == "current" and (g.mini_steps > 1 or g.update_epochs > 1):
-        reasons.append(f"loss.proximal_policy = \"current\" with grpo.mini_steps = "
-                       f"{g.mini_steps}, grpo.update_epochs = {g.update_epochs}")  # fmt: skip
-    return "; ".join(reasons)
 
 
 def _takes(method: Callable[..., Any], keyword: str) -> bool:
