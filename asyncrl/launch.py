@@ -338,7 +338,8 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any],
     stop = _StopSignal()
     attach = _attacher(store, worker_kwargs)
     try:
-        summary = anyio.run(_host, config, attach, resume, allow_changed or (), stop)
+        summary = anyio.run(_host, config, attach, resume, allow_changed or (), stop,
+                            backend_options=config.run.loop_options())
     except BaseException as exc:  # noqa: BLE001 - every way out gets its one line
         error = _asyncrl_error(exc)
         if error is None:

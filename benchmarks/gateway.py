@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/gateway.py --quick          # a ~1-minute look (--verbose: progress)
     .venv/bin/python benchmarks/gateway.py --machine 2core  # benchmarks/results/gateway-2core.json
     .venv/bin/python benchmarks/gateway.py --sessions 1000 --seconds 120  # one setting, longer
+    python3 benchmarks/gateway.py --agent-procs 8 --sessions 1000 --seconds 40 --client raw
+        # the GPU host's 16 cores (after source benchmarks/gpu/cpu_env.sh): docs/gateway.md
 
 A real run: the embedded :class:`asyncrl.Controller` with ``[gateway] enabled = true``, the
 example (bigram) trainer and rollout ranks as real processes, on the testing environment
@@ -27,19 +29,26 @@ Each turn generates at most ``--turn-tokens`` tokens (it stops at the end token:
 ``benchmarks/episodes.py``; an LLM's turn takes seconds). ``[gateway]
 max_concurrent_requests`` is 2,048 (no 429 at 1,000 agents).
 
-The controller's child starts the load generator (the agents) as a child interpreter of its
-own, so the agents' CPU is not spent on the controller's loop (on 2 cores they still share the
-machine with it, the trainer and the rollout ranks: see "agents' loop" below). Each agent has
-its own ``httpx.AsyncClient`` with one keep-alive connection, as a fleet of agent programs
-would (one SSL context shared: httpx would load the CA bundle per client). httpx rather than
-the official ``openai.AsyncOpenAI``, which wraps httpx and adds its pydantic models, retries
-and headers on every call: CPU in the load generator that would only inflate the client-side
-figure (the gateway sees the same request either way; ``tests/integration/test_gateway_bigram.py``
-runs the ``openai`` client against it). Not one shared client with a pool of 1,000
-connections (``--shared-client``): httpcore's pool scans its requests and connections on
-every request and response, and at 1,000 agents on 2 cores the load generator's loop then ran
-~20 calls/s and the run never ended its first step (1,070 calls in 60 s); per-agent clients
-made ~750 calls/s on the same machine.
+The controller's child starts the load generator (the agents) as child interpreters of its
+own (``--agent-procs``; 8 on the GPU host's 16 cores), so the agents' CPU is not spent on the
+controller's loop (on 2 cores they still share the machine with it, the trainer and the
+rollout ranks). Their garbage collector is off (``--agents-gc on`` to compare): its pauses
+stalled their loops up to 111 ms, a tail charged to the gateway. Both sides run on
+``--loop`` (default: uvloop where installed, as ``run.event_loop = "auto"`` gives
+``asyncrl run``). Two clients (``--client``):
+
+- ``raw`` (:class:`RawHTTP`): one keep-alive HTTP/1.1 connection per agent, each request
+  written in one send, each answer read with httptools: about 0.1 ms of its own, so the
+  client overhead is what the gateway adds;
+- ``httpx`` (default): an ``httpx.AsyncClient`` per agent with one keep-alive connection, as
+  a fleet of agent programs would (one SSL context shared: httpx would load the CA bundle
+  per client); it adds ~1.2-1.4 ms a call in the agent's process. httpx rather than the
+  official ``openai.AsyncOpenAI``, which wraps httpx and adds its pydantic models, retries
+  and headers on every call (the gateway sees the same request either way;
+  ``tests/integration/test_gateway_bigram.py`` runs the ``openai`` client against it). Not
+  one shared client with a pool of 1,000 connections (``--shared-client``): httpcore's pool
+  scans its requests and connections on every request and response, and at 1,000 agents on
+  2 cores the load generator's loop then ran ~20 calls/s.
 
 Warm-up: the measurement starts once the run has ended step ``--warmup-steps`` (default 2,
 as in ``benchmarks/episodes.py``: start-up, the agents' first claims and the first fill are
@@ -95,6 +104,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,7 +218,8 @@ async def controller_child(args: argparse.Namespace) -> None:
             [sys.executable, str(Path(__file__).resolve()), "--child", "agents",
              "--child-sessions", str(sessions // procs + (i < sessions % procs)),
              "--child-out", str(out), "--gateway-dir", str(tmp / "run"),
-             "--turn-tokens", str(args.turn_tokens)]
+             "--turn-tokens", str(args.turn_tokens), "--loop", args.loop,
+             "--agents-gc", args.agents_gc, "--client", args.client]
             + ["--verbose"] * (args.verbose and i == 0) + ["--shared-client"] * args.shared_client,
             stdin=subprocess.PIPE) for i, out in enumerate(outs)]  # fmt: skip
         try:
@@ -306,6 +317,8 @@ async def agents_child(args: argparse.Namespace) -> None:
     stdin; every call's timings as JSON to ``--child-out``."""
     import httpx
 
+    if args.agents_gc == "off":  # its pauses would be charged to the gateway (--agents-gc)
+        gc.disable()
     info_path = args.gateway_dir / "gateway.json"
     with anyio.fail_after(300):
         while not info_path.exists():
@@ -325,26 +338,26 @@ async def agents_child(args: argparse.Namespace) -> None:
     def error(what: str) -> None:
         errors[what] = errors.get(what, 0) + 1
 
-    async def agent(http: httpx.AsyncClient) -> None:
+    async def agent(http: Any) -> None:
         while True:
             t0 = time.monotonic()
             try:
-                r = await http.post(f"{url}/rl/sessions", headers=admin, json={"wait_s": 30})
-            except httpx.TransportError as exc:
+                status, _, answer = await http.post(f"{url}/rl/sessions", admin, {"wait_s": 30})
+            except (httpx.TransportError, OSError, anyio.EndOfStream) as exc:
                 error(f"claim {type(exc).__name__}")
                 await anyio.sleep(0.1)
                 continue
-            if r.status_code != 201:
-                error(f"claim {r.status_code}")
+            if status != 201:
+                error(f"claim {status}")
                 continue
             claims.append((t0, time.monotonic()))
             held[0] += 1
             try:
-                await session(http, r.json())
+                await session(http, json.loads(answer))
             finally:
                 held[0] -= 1
 
-    async def session(http: httpx.AsyncClient, s: dict[str, Any]) -> None:
+    async def session(http: Any, s: dict[str, Any]) -> None:
         head = {"Authorization": f"Bearer {s['api_key']}"}
         chat = f"{s['base_url']}/chat/completions"
         messages = list(s["prompt"]["messages"])
@@ -352,34 +365,33 @@ async def agents_child(args: argparse.Namespace) -> None:
             body = {"model": "bigram", "messages": messages, "max_tokens": args.turn_tokens}
             t0 = time.monotonic()
             try:
-                r = await http.post(chat, headers=head, json=body)
-            except httpx.TransportError as exc:
+                status, headers, answer = await http.post(chat, head, body)
+            except (httpx.TransportError, OSError, anyio.EndOfStream) as exc:
                 error(f"chat {type(exc).__name__}")
                 return
             t1 = time.monotonic()
-            if r.status_code != 200:
-                error(f"chat {r.status_code}")
+            if status != 200:
+                error(f"chat {status}")
                 return
             timing = dict(
                 (part.split(";dur=")[0].strip(), float(part.split(";dur=")[1]))
-                for part in r.headers["server-timing"].split(",")
+                for part in headers["server-timing"].split(",")
             )  # fmt: skip
             calls.append((t0, t1, timing["generate"] / 1e3, timing["total"] / 1e3))
-            messages.append(r.json()["choices"][0]["message"])
+            messages.append(json.loads(answer)["choices"][0]["message"])
             if i < CALLS - 1:
                 messages.append({"role": "user", "content": "again"})
         t0 = time.monotonic()
         try:
-            r = await http.post(f"{url}/rl/sessions/{s['session_id']}/reward", headers=admin,
-                                json={"reward": 1.0})  # fmt: skip
-        except httpx.TransportError as exc:
+            status, _, _ = await http.post(f"{url}/rl/sessions/{s['session_id']}/reward", admin,
+                                           {"reward": 1.0})  # fmt: skip
+        except (httpx.TransportError, OSError, anyio.EndOfStream) as exc:
             error(f"reward {type(exc).__name__}")
             return
-        if r.status_code != 200:
-            error(f"reward {r.status_code}")
+        if status != 200:
+            error(f"reward {status}")
             return
         rewards.append((t0, time.monotonic()))
-
 
     async def sampler() -> None:
         while True:
@@ -391,10 +403,12 @@ async def agents_child(args: argparse.Namespace) -> None:
 
     tls = ssl.create_default_context()  # made once: httpx would load the CAs per client
 
-    def client(connections: int) -> httpx.AsyncClient:
+    def client(connections: int) -> Any:
+        if args.client == "raw":
+            return RawHTTP(url)
         limits = httpx.Limits(max_connections=connections,
                               max_keepalive_connections=connections)  # fmt: skip
-        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0), verify=tls)
+        return Httpx(httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0), verify=tls))
 
     async def own_client() -> None:
         async with client(1) as http:
@@ -411,6 +425,74 @@ async def agents_child(args: argparse.Namespace) -> None:
             tg.cancel_scope.cancel()
     args.child_out.write_text(json.dumps({"calls": calls, "claims": claims, "rewards": rewards,
                                           "errors": errors, "samples": samples, "lags": lags}))
+
+
+class Httpx:
+    """``post(url, headers, body) -> (status, headers, body bytes)`` on an ``httpx.AsyncClient``."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    async def __aenter__(self) -> Httpx:
+        await self._client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._client.__aexit__(*exc)
+
+    async def post(self, url: str, headers: dict[str, str],
+                   body: Any) -> tuple[int, Any, bytes]:  # fmt: skip
+        r = await self._client.post(url, headers=headers, json=body)
+        return r.status_code, r.headers, r.content
+
+
+class RawHTTP:
+    """The least client there is (``--client raw``): one keep-alive HTTP/1.1 connection, each
+    request written in one send, each answer (``Content-Length``) read with httptools, the
+    parser uvicorn uses. What httpx adds to a call (~1 ms: its request and response models,
+    its pool, the head and the body written apart) is then not counted as the gateway's."""
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._stream: Any = None
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._complete = False
+
+    async def __aenter__(self) -> RawHTTP:
+        self._stream = await anyio.connect_tcp(self._host, self._port)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._stream.aclose()
+
+    # httptools' callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+
+    async def post(self, url: str, headers: dict[str, str],
+                   body: Any) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+        import httptools
+
+        data = json.dumps(body).encode()
+        path = urllib.parse.urlsplit(url).path
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        await self._stream.send(
+            f"POST {path} HTTP/1.1\r\nhost: {self._host}:{self._port}\r\ncontent-type: "
+            f"application/json\r\ncontent-length: {len(data)}\r\n{head}\r\n".encode() + data
+        )  # fmt: skip
+        self._headers, self._body, self._complete = {}, [], False
+        parser = httptools.HttpResponseParser(self)
+        while not self._complete:
+            parser.feed_data(await self._stream.receive())
+        return parser.get_status_code(), self._headers, b"".join(self._body)
 
 
 # --------------------------------------------------------------------------- the figures
@@ -524,6 +606,7 @@ def measure(args: argparse.Namespace, sessions: int) -> dict[str, Any]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "controller",
                "--child-sessions", str(sessions), "--child-out", str(out)]  # fmt: skip
         cmd += ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client
+        cmd += ["--loop", args.loop, "--agents-gc", args.agents_gc, "--client", args.client]
         cmd += ["--profile", args.profile] * bool(args.profile) + ["--gc-census"] * args.gc_census
         if args.gc_young_interval is not None:
             cmd += ["--gc-young-interval", str(args.gc_young_interval)]
@@ -554,10 +637,14 @@ def main(args: argparse.Namespace) -> None:
             "single_seconds": args.single_seconds,
             "max_concurrent_requests": MAX_CONCURRENT_REQUESTS,
             "agent_processes": args.agent_procs,
+            "event_loop": args.loop,
+            "agents_gc": args.agents_gc,
             "gc_young_interval_s": "the config's default" if args.gc_young_interval is None
             else args.gc_young_interval,
             "http_parser": "httptools" if importlib.util.find_spec("httptools") else "h11",
-            "client": "one httpx.AsyncClient for all agents, a pool of as many connections"
+            "client": "one keep-alive connection per agent, a raw HTTP/1.1 client (RawHTTP)"
+            if args.client == "raw" else
+            "one httpx.AsyncClient for all agents, a pool of as many connections"
             if args.shared_client else "httpx.AsyncClient per agent, one connection each",
             "quick": args.quick,
             "machine": args.machine or "",
@@ -607,6 +694,15 @@ if __name__ == "__main__":
     parser.add_argument("--shared-client", action="store_true",
                         help="all agents on one httpx.AsyncClient with a pool of as many "
                         "connections (slow in httpcore's pool at 1,000: see the docstring)")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"),
+                        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+                        help="the event loop of the controller (default: run.event_loop's "
+                        "'auto', what asyncrl run uses) and of the agents")
+    parser.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                        help="the agents' HTTP client (raw: see RawHTTP)")
+    parser.add_argument("--agents-gc", choices=("on", "off"), default="off",
+                        help="the load generator's garbage collector (off: a 2-minute run's "
+                        "agents make little cyclic garbage, and its pauses are the client's)")
     parser.add_argument("--verbose", action="store_true",
                         help="progress every 5 s (the agents' counts, the run's step)")
     parser.add_argument("--machine", default="", help="names the results file, e.g. 2core")
@@ -616,11 +712,14 @@ if __name__ == "__main__":
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gateway-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parsed = parser.parse_args()
+    if parsed.shared_client and parsed.client == "raw":
+        parser.error("--shared-client is an httpx pool: not with --client raw")
     if parsed.quick:
         parsed.warmup_steps, parsed.seconds, parsed.single_seconds = 1, 20.0, 20.0
+    loop = {"use_uvloop": parsed.loop == "uvloop"}
     if parsed.child == "controller":
-        anyio.run(controller_child, parsed)
+        anyio.run(controller_child, parsed, backend_options=loop)
     elif parsed.child == "agents":
-        anyio.run(agents_child, parsed)
+        anyio.run(agents_child, parsed, backend_options=loop)
     else:
         main(parsed)

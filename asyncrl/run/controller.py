@@ -27,6 +27,7 @@ torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and att
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import os
 import shutil
@@ -264,7 +265,8 @@ class Controller(anyio.AsyncContextManagerMixin):
             survivable=self._restarts.survivable,
         )  # fmt: skip
         metrics.write({"kind": "config", "run_id": addr.run_id, "config": config_dict})
-        log.info("run_started", run_id=addr.run_id, output=cfg.run.output_dir, pid=os.getpid())
+        log.info("run_started", run_id=addr.run_id, output=cfg.run.output_dir, pid=os.getpid(),
+                 event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
         return control
 
     @asynccontextmanager

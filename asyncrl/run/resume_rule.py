@@ -43,7 +43,7 @@ ALL = "all"
 HARMLESS = (
     # how long, where to, how it is logged
     "run.name", "run.output_dir", "run.num_steps", "run.max_num_epochs", "run.log_format", "run.stall_warning_s",
-    "run.gc_freeze", "run.gc_young_interval_s", "run.gc_full_interval_s",
+    "run.gc_freeze", "run.gc_young_interval_s", "run.gc_full_interval_s", "run.event_loop",
     # where the model and the data are: what they hold is compared (fingerprints)
     "model.path", "environment.base_dir", "model.allow_moe_mismatch",
     # placement, time limits and capacities: the same computation, elsewhere or faster

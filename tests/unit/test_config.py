@@ -359,3 +359,20 @@ def test_a_negative_capacity_is_named_once(tmp_path: Path, model_dir: Path) -> N
         "default.",
         "pipeline.max_inflight_samples: must be >= 0, got -1. Fix: use 0 for the default.",
     ]
+
+
+def test_the_event_loop_is_uvloop_where_installed_and_refused_where_asked_without_it(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    pytest.importorskip("uvloop")  # a dependency on Linux: installed with asyncrl
+    assert load_config(write(tmp_path, BASE)).run.loop_options() == {"use_uvloop": True}
+    chosen = BASE + "[run]\nevent_loop = 'asyncio'\n"
+    assert load_config(write(tmp_path, chosen)).run.loop_options() == {"use_uvloop": False}
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvloop" else real(name, *a))  # fmt: skip
+    assert load_config(write(tmp_path, BASE)).run.loop_options() == {"use_uvloop": False}
+    with pytest.raises(ConfigError, match="run.event_loop: uvloop is not installed.*Fix: pip install uvloop"):
+        load_config(write(tmp_path, BASE + "[run]\nevent_loop = 'uvloop'\n"))

@@ -58,6 +58,7 @@ HARMLESS_CHANGES = [
     ("cluster", {"rollout_ranks": 4}), ("refit", {"bucket_size_mb": 64}),
     ("failures", {"max_failed_groups": 0}), ("trainer", {"micro_batch_size": 2}),
     ("model", {"path": "/elsewhere"}), ("run", {"output_dir": "/runs/b"}),
+    ("run", {"event_loop": "asyncio"}),
 ]  # fmt: skip
 
 
