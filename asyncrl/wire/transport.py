@@ -1,4 +1,5 @@
-"""ZeroMQ under anyio. The only module of asyncrl that imports ``zmq``.
+"""ZeroMQ under anyio. With :mod:`asyncrl.wire.curve` (the run's keys), the only modules of
+asyncrl that import ``zmq``.
 
 pyzmq's own asyncio sockets work on asyncio only, so this is a small adapter over plain
 non-blocking sockets: a task that would block waits with :func:`anyio.wait_readable` on the
@@ -25,6 +26,8 @@ from typing import Any
 import anyio
 import structlog
 import zmq
+
+from asyncrl.wire.curve import Guard, RunKeys
 
 log = structlog.get_logger("asyncrl.wire.transport")
 
@@ -208,11 +211,23 @@ class AsyncSocket:
 
 
 class Context:
-    """Owns one ``zmq.Context`` (never the process-global instance) and its sockets."""
+    """Owns one ``zmq.Context`` (never the process-global instance) and its sockets.
 
-    def __init__(self) -> None:
+    ``keys``: the run's CURVE keys (:mod:`asyncrl.wire.curve`). Every ``tcp://`` socket of
+    the context is CURVE with them (a bound one checks its peers through a :class:`Guard`);
+    without keys a ``tcp://`` address is refused. ``ipc://`` sockets are plain: the run's
+    0700 directory keeps others out."""
+
+    def __init__(self, keys: RunKeys | None = None) -> None:
         self._ctx = zmq.Context()
         self._sockets: list[AsyncSocket] = []
+        self._keys = keys
+        self._guard: Guard | None = None
+
+    @property
+    def guard(self) -> Guard | None:
+        """The guard of the bound ``tcp://`` sockets (``None`` before the first)."""
+        return self._guard
 
     def socket(
         self,
@@ -231,6 +246,11 @@ class Context:
         small messages (samples): a frame costs more to make than a small copy, and every
         array decoded from it keeps a frame, a memoryview and a buffer alive, objects the
         garbage collector then scans (1-2 ms per young collection at 10,000 samples/s)."""
+        tcp = [a for a in (bind, connect) if a is not None and a.startswith("tcp://")]
+        if tcp and self._keys is None:
+            raise ValueError(f"{tcp[0]}: a tcp:// socket needs the run's CURVE keys "
+                             "(Context(keys=...)): asyncrl puts nothing on a network without "
+                             "a key")  # fmt: skip
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -245,8 +265,12 @@ class Context:
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             if bind is not None:
+                self._secure(sock, bind, server=True)
                 sock.bind(bind)
+                if self._guard is not None and bind.startswith("tcp://"):
+                    self._guard.watch(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT))
             if connect is not None:
+                self._secure(sock, connect, server=False)
                 sock.connect(connect)
         except zmq.ZMQError:
             sock.close(linger=0)
@@ -255,11 +279,24 @@ class Context:
         self._sockets.append(wrapped)
         return wrapped
 
+    def _secure(self, sock: zmq.Socket, address: str, *, server: bool) -> None:
+        """CURVE options for a ``tcp://`` socket (the guard started before its first bind)."""
+        if not address.startswith("tcp://") or self._keys is None:
+            return
+        if server and self._guard is None:
+            self._guard = Guard(self._ctx, self._keys)
+        options = self._keys.server_options() if server else self._keys.client_options()
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+
     def close(self) -> None:
-        """Close every socket (linger 0) and terminate the context. Idempotent."""
+        """Close every socket (linger 0), stop the guard and terminate the context.
+        Idempotent."""
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()
+        if self._guard is not None:
+            self._guard.close()
         self._ctx.term()
 
 
