@@ -12,8 +12,9 @@ connection encrypted and both ends authenticated), with keys made for the run:
   nor inject a frame: its handshake fails before any frame is read.
 
 :class:`RunKeys` holds them as Z85 text; they travel in a JSON file of mode 0600 (made with
-``os.open(..., 0o600)``; one of looser mode is refused) or through torchrun's store
-(``asyncrl.launch``: docs/multi-node.md says what that trusts).
+``os.open(..., 0o600)``; one of looser mode is refused) or in memory. (The run does not place
+its sockets on ``tcp://`` yet; issue 27 hands the keys to every rank through the file or
+torchrun's store.)
 
 :class:`Guard` is one thread per :class:`zmq.Context` with bound TCP sockets. It answers the
 context's ZAP requests (RFC 27: ``inproc://zeromq.zap.01``), accepting the run's client key
@@ -95,15 +96,15 @@ class RunKeys:
             keys = [str(data[k]).encode("ascii") for k in _KEY_FIELDS]
         except (ValueError, KeyError, TypeError, UnicodeEncodeError) as exc:
             raise KeysError(f"{source}: not an asyncrl key file ({type(exc).__name__}: {exc}). "
-                            "Fix: write it with `asyncrl keygen FILE`") from None  # fmt: skip
+                            "Fix: write it with RunKeys.generate().write(FILE)") from None  # fmt: skip
         for name, key in zip(_KEY_FIELDS, keys):
             if len(key) != 40:
                 raise KeysError(f"{source}: {name} is {len(key)} characters, not a 40-character "
-                                "Z85 CURVE key. Fix: write the file again with `asyncrl keygen "
-                                "FILE`")  # fmt: skip
+                                "Z85 CURVE key. Fix: write the file again with "
+                                "RunKeys.generate().write(FILE)")  # fmt: skip
         if zmq.curve_public(keys[1]) != keys[0] or zmq.curve_public(keys[3]) != keys[2]:
             raise KeysError(f"{source}: a public key does not belong to its secret key. Fix: "
-                            "write the file again with `asyncrl keygen FILE`")  # fmt: skip
+                            "write the file again with RunKeys.generate().write(FILE)")  # fmt: skip
         return cls(*keys)
 
     def write(self, path: str) -> None:
@@ -120,10 +121,9 @@ class RunKeys:
             st = os.stat(path)
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise KeysError(f"{path}: cannot read the run's keys ({exc.strerror}). Fix: make "
-                            "it with `asyncrl keygen FILE` where every node can read it, or "
-                            "leave cluster.keys_file empty (keys through torchrun's "
-                            "store)") from None  # fmt: skip
+            raise KeysError(f"{path}: cannot read the run's keys ({exc.strerror}). Fix: give "
+                            "the path of a key file this user can read (written with "
+                            "RunKeys.generate().write(FILE))") from None  # fmt: skip
         if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.getuid():
             raise KeysError(f"{path}: the run's keys must be this user's with mode 0600, not "
                             f"{stat.S_IMODE(st.st_mode):o}. Fix: chmod 600 {path}")  # fmt: skip
