@@ -65,6 +65,7 @@ import anyio
 import structlog
 
 from asyncrl.obs import log as _log
+from asyncrl.wire.curve import KEYS_ENV, RunKeys
 from asyncrl.run.checkpoint_dir import CheckpointError
 from asyncrl.config import Config, load_config, parse_overrides
 from asyncrl.errors import (
@@ -93,6 +94,8 @@ log = structlog.get_logger("asyncrl.launch")
 
 _STORE_KEY = "asyncrl/control"
 _PID_KEY = "asyncrl/controller_pid"
+_KEYS_KEY = "asyncrl/run_keys"
+"""The run's CURVE keys (``cluster.network = "tcp"`` without ``cluster.keys_file``)."""
 _EARLY_SIGUSR1: list[int] = []
 """SIGUSR1s that arrived before the controller could take them (see :func:`main`)."""
 _RANK0_FIRST_S = 5.0
@@ -323,20 +326,33 @@ def _worker_rank(
     store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
     control = store.get(_STORE_KEY).decode()
     controller_pid = int(store.get(_PID_KEY).decode())
+    keys = _rank_keys(config, store, control)
     if group == "rollout" and rollout_restarts:
+        if keys is not None:  # the supervised worker's (this process serves nothing)
+            os.environ[KEYS_ENV] = keys.to_json()
         return _supervise(
             group, group_rank, worker_kwargs["world_size"], control, log_dir, rollout_restarts,
             controller_pid=controller_pid, console=console, log_path=log_path,
         )
-    return _serve_rank(console=console, controller_pid=controller_pid,
-                       control_address=control, log_path=log_path, **worker_kwargs)  # fmt: skip
+    return _serve_rank(console=console, controller_pid=controller_pid, control_address=control,
+                       log_path=log_path, keys=keys, **worker_kwargs)  # fmt: skip
+
+
+def _rank_keys(config: Config, store: Any, control: str) -> RunKeys | None:
+    """The run's CURVE keys for a ``tcp://`` controller: ``cluster.keys_file``'s, or those
+    rank 0 put in torchrun's store."""
+    if not control.startswith("tcp://"):
+        return None
+    if config.cluster.keys_file:
+        return RunKeys.read(config.cluster.keys_file)
+    return RunKeys.from_json(store.get(_KEYS_KEY).decode(), "torchrun's store")
 
 
 def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any],
                     resume: str | None = None, allow_changed: list[str] | None = None) -> int:
     """Rank 0: host the controller (and trainer rank 0) until the run ends or a signal."""
     stop = _StopSignal()
-    attach = _attacher(store, worker_kwargs)
+    attach = _attacher(store, worker_kwargs, publish_keys=not config.cluster.keys_file)
     try:
         summary = anyio.run(_host, config, attach, resume, allow_changed or (), stop,
                             backend_options=config.run.loop_options())
@@ -380,18 +396,21 @@ class _StopSignal:
         run_scope.cancel()
 
 
-def _attacher(store: Any, worker_kwargs: dict[str, Any]) -> AttachHook:
-    """Rank 0's attach hook: publish the controller's pid and address in torchrun's store,
-    where the other ranks wait for them, and serve trainer rank 0 in the controller's tasks."""
+def _attacher(store: Any, worker_kwargs: dict[str, Any], *, publish_keys: bool) -> AttachHook:
+    """Rank 0's attach hook: publish the controller's pid, its keys (``tcp``, unless every
+    rank reads them from ``cluster.keys_file``) and its address in torchrun's store, where
+    the other ranks wait for them, and serve trainer rank 0 in the controller's tasks."""
     from asyncrl.run.controller import Addresses
     from asyncrl.worker.runtime import serve
 
     async def attach(addresses: Addresses, tg: Any) -> None:
         store.set(_PID_KEY, str(os.getpid()))  # before the address other ranks wait for
+        if addresses.keys is not None and publish_keys:
+            store.set(_KEYS_KEY, addresses.keys.to_json())
         store.set(_STORE_KEY, addresses.control)
         tg.start_soon(
             lambda: serve(control_address=addresses.control, log_path="(rank 0 console)",
-                          **worker_kwargs),
+                          keys=addresses.keys, **worker_kwargs),
             name="rank0-worker",
         )
 

@@ -62,6 +62,11 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
             config.export, dir=_resolve(base, config.export.dir or os.path.join(output_dir, "hf"))
         ),
     )
+    if config.cluster.keys_file:
+        keys_file = _resolve(base, config.cluster.keys_file)
+        config = msgspec.structs.replace(
+            config, cluster=msgspec.structs.replace(config.cluster, keys_file=keys_file)
+        )
     return config
 
 

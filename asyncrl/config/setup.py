@@ -172,6 +172,18 @@ class ClusterConfig(Section):
     on GPU 0; ``[0]`` with ``trainer_gpus = [0]``: both share GPU 0). The engine still sees
     the node's other GPUs, after its own, so that it can map a trainer's CUDA IPC buffers.
     Empty: vLLM's default, the first visible GPU."""
+    network: Literal["ipc", "tcp"] = "ipc"
+    """How workers reach the controller's sockets (control, data) and trainer rank 0's
+    weights socket. ``ipc``: Unix sockets in the run's 0700 directory (one host). ``tcp``:
+    TCP on ``host``, ephemeral ports, every connection ZeroMQ CURVE with the run's keys
+    (docs/multi-node.md); what ranks on other hosts need."""
+    host: str = "127.0.0.1"
+    """With ``network = "tcp"``: the address of the controller's node that the sockets bind
+    to and the workers dial (its address on the cluster network for several nodes)."""
+    keys_file: str = ""
+    """With ``network = "tcp"``: the run's CURVE keys, a JSON file of mode 0600 every node
+    can read (``python -m asyncrl.wire.curve FILE`` writes one). Empty: keys made for the run
+    and handed to the workers in their environment (a launch: through torchrun's store)."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[cluster]``."""
@@ -191,6 +203,13 @@ class ClusterConfig(Section):
                         f"give {ranks} indexes, or leave it empty for the default placement",
                     )
                 )
+        if self.network == "tcp" and not self.host.strip():
+            out.append(fail("cluster.host", "is empty", "give the controller node's address, "
+                            "e.g. 127.0.0.1 on one host"))  # fmt: skip
+        if self.keys_file and self.network != "tcp":
+            out.append(fail("cluster.keys_file", "is set but cluster.network is 'ipc' (no "
+                            "socket would use it)", "set cluster.network = \"tcp\", or leave "
+                            "keys_file empty"))  # fmt: skip
         return out
 
 

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,14 @@ import structlog
 
 from asyncrl.run.saving import open_resume
 from asyncrl.config import Config, to_dict
-from asyncrl.errors import AsyncRLError, NoSpaceError, WorkerDiedError, WorkerStartupError, flatten
+from asyncrl.errors import (
+    AsyncRLError,
+    ConfigError,
+    NoSpaceError,
+    WorkerDiedError,
+    WorkerStartupError,
+    flatten,
+)
 from asyncrl.procs.spawn import (
     CONTROLLER_PID_FILE,
     SpawnedGroup,
@@ -69,7 +76,17 @@ from asyncrl.procs.space import shm_dir
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.run.runlock import lock_run
 from asyncrl.procs.space import no_space_in
-from asyncrl.wire.transport import PULL, ROUTER, Context, Rejections, ipc_address, make_private_dir
+from asyncrl.wire.curve import KEYS_ENV, KeysError, RunKeys
+from asyncrl.wire.transport import (
+    PULL,
+    ROUTER,
+    Context,
+    Rejections,
+    ipc_address,
+    make_private_dir,
+    run_dir_of,
+    tcp_address,
+)
 
 __all__ = ["Addresses", "Controller", "RunStatus", "RunSummary"]
 
@@ -78,7 +95,8 @@ log = structlog.get_logger("asyncrl.run.controller")
 
 @dataclass(frozen=True)
 class Addresses:
-    """Where workers find the controller (handed to attached workers by the launcher)."""
+    """Where workers find the controller (handed to attached workers by the launcher), and,
+    with ``cluster.network = "tcp"``, the run's CURVE keys."""
 
     run_id: str
     run_dir: str
@@ -86,21 +104,54 @@ class Addresses:
     data: str
     transfer: str
     log_dir: str
+    keys: RunKeys | None = None
 
     @classmethod
     def make(cls, config: Config) -> Addresses:
-        """A fresh run's: a private directory for its sockets under ``/tmp`` (those of dead
-        runs reaped first), and its log directory."""
+        """A fresh run's: a private directory under ``/tmp`` (those of dead runs reaped first)
+        for its ipc sockets, and its log directory. With ``tcp`` the sockets are to be bound
+        on ``cluster.host`` (their ports read back: :meth:`bound`) and the keys are read from
+        ``cluster.keys_file`` or made.
+
+        Raises:
+            ConfigError: ``cluster.keys_file`` cannot be read or is not a key file."""
+        cluster = config.cluster
+        keys = _run_keys(cluster.keys_file) if cluster.network == "tcp" else None
         run_id = uuid.uuid4().hex[:12]
-        base = os.path.join("/tmp", f"asyncrl-{getpass.getuser()}")
+        base = os.path.dirname(run_dir_of(run_id))
         make_private_dir(base)
         reap_stale_runs(base)
-        run_dir = make_private_dir(os.path.join(base, run_id))
+        run_dir = make_private_dir(run_dir_of(run_id))
         Path(run_dir, CONTROLLER_PID_FILE).write_text(str(os.getpid()))
         log_dir = os.path.join(config.run.output_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
+        if keys is not None:
+            tcp = tcp_address(cluster.host)
+            return cls(run_id, run_dir, tcp, tcp, tcp, log_dir, keys)
         sockets = [ipc_address(run_dir, name) for name in ("control", "data", "weights-0")]
         return cls(run_id, run_dir, *sockets, log_dir)
+
+    def bound(self, control: str, data: str) -> Addresses:
+        """These addresses with the endpoints the controller's sockets were bound to."""
+        return replace(self, control=control, data=data)
+
+    def weights(self, trainer0: dict[str, Any]) -> str:
+        """Trainer rank 0's weights socket, from its capabilities (it binds a ``tcp://`` one
+        on a port of its own choosing and reports it)."""
+        return str(trainer0.get("weights_endpoint") or self.transfer)
+
+    def worker_env(self) -> dict[str, str]:
+        """What spawned workers need in their environment to reach the sockets: the keys."""
+        return {KEYS_ENV: self.keys.to_json()} if self.keys is not None else {}
+
+
+def _run_keys(keys_file: str) -> RunKeys:
+    if not keys_file:
+        return RunKeys.generate()
+    try:
+        return RunKeys.read(keys_file)
+    except KeysError as exc:
+        raise ConfigError(f"cluster.keys_file: {exc}") from None
 
 
 AttachHook = Callable[[Addresses, anyio.abc.TaskGroup], Awaitable[None]]
@@ -208,8 +259,8 @@ class Controller(anyio.AsyncContextManagerMixin):
             cfg, self._resume, train_prompts=environment.dataset("train"),
             allow_changed=self._allow_changed,
         ))  # fmt: skip
-        self.addresses = addr = Addresses.make(cfg)
-        ctx = Context()
+        addr = Addresses.make(cfg)
+        ctx = Context(addr.keys)
         t0 = time.perf_counter()  # the run's clock: metrics' "t", the timeline's spans
         metrics = MetricsWriter.open(cfg, run_id=addr.run_id, origin=t0)
         bound = structlog.contextvars.bound_contextvars(run_id=addr.run_id)
@@ -217,6 +268,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         try:
             router = ctx.socket(ROUTER, bind=addr.control, router_mandatory=True)
             pull = ctx.socket(PULL, bind=addr.data, hwm=1000, copy=True)  # small messages
+            self.addresses = addr = addr.bound(router.last_endpoint, pull.last_endpoint)
             rejections = Rejections()
             control = self._control_plane(router, addr, rejections, metrics)
             async with anyio.create_task_group() as tg:
@@ -227,7 +279,8 @@ class Controller(anyio.AsyncContextManagerMixin):
                         tokenizer=tokenizer,
                         scheduler=make_scheduler(cfg, len(environment.dataset("train"))),
                         trainers=trainers, restarts=self._restarts,
-                        transfer_address=addr.transfer, metrics=metrics, clock_origin=t0,
+                        transfer_address=addr.weights(control.peers["trainer:0"].capabilities),
+                        metrics=metrics, clock_origin=t0,
                         rejections=rejections,
                     )  # fmt: skip
                     self._restarts.bind(self._pipeline, metrics)
@@ -313,7 +366,8 @@ class Controller(anyio.AsyncContextManagerMixin):
             for group, n in groups.items():
                 spawned = await spawn_group(
                     group=group, nproc=n, control_address=addr.control, log_dir=addr.log_dir,
-                    scratch_dir=addr.run_dir, torchrun=cfg.torchrun, env=worker_env(group),
+                    scratch_dir=addr.run_dir, torchrun=cfg.torchrun,
+                    env={**worker_env(group), **addr.worker_env()},
                     args=worker_args(self._restarts.of_group(group)),
                 )  # fmt: skip
                 self._spawned.append(spawned)

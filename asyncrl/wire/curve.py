@@ -12,9 +12,10 @@ connection encrypted and both ends authenticated), with keys made for the run:
   nor inject a frame: its handshake fails before any frame is read.
 
 :class:`RunKeys` holds them as Z85 text; they travel in a JSON file of mode 0600 (made with
-``os.open(..., 0o600)``; one of looser mode is refused) or in memory. (The run does not place
-its sockets on ``tcp://`` yet; issue 27 hands the keys to every rank through the file or
-torchrun's store.)
+``os.open(..., 0o600)``, by ``python -m asyncrl.wire.curve FILE``; one of looser mode is
+refused) named by ``cluster.keys_file``, or are made for the run and handed to the workers'
+processes in :data:`KEYS_ENV` (``asyncrl.launch``: through torchrun's store; see
+docs/multi-node.md for what each trusts).
 
 :class:`Guard` is one thread per :class:`zmq.Context` with bound TCP sockets. It answers the
 context's ZAP requests (RFC 27: ``inproc://zeromq.zap.01``), accepting the run's client key
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -53,6 +55,10 @@ _FAILED_HANDSHAKE = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+KEYS_ENV = "ASYNCRL_RUN_KEYS"
+"""The environment variable that hands a worker process the run's keys (JSON): set only for
+the workers' own processes (never the controller's, whose children include agents), and
+taken out of the environment by the worker that reads it."""
 RECENT = 100
 """Refusals kept for :meth:`Guard.refusals` (all are counted and logged)."""
 _KEY_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
@@ -96,16 +102,26 @@ class RunKeys:
             keys = [str(data[k]).encode("ascii") for k in _KEY_FIELDS]
         except (ValueError, KeyError, TypeError, UnicodeEncodeError) as exc:
             raise KeysError(f"{source}: not an asyncrl key file ({type(exc).__name__}: {exc}). "
-                            "Fix: write it with RunKeys.generate().write(FILE)") from None  # fmt: skip
+                            "Fix: write it with `python -m asyncrl.wire.curve FILE`") from None  # fmt: skip
         for name, key in zip(_KEY_FIELDS, keys):
             if len(key) != 40:
                 raise KeysError(f"{source}: {name} is {len(key)} characters, not a 40-character "
                                 "Z85 CURVE key. Fix: write the file again with "
-                                "RunKeys.generate().write(FILE)")  # fmt: skip
+                                "`python -m asyncrl.wire.curve FILE`")  # fmt: skip
         if zmq.curve_public(keys[1]) != keys[0] or zmq.curve_public(keys[3]) != keys[2]:
             raise KeysError(f"{source}: a public key does not belong to its secret key. Fix: "
-                            "write the file again with RunKeys.generate().write(FILE)")  # fmt: skip
+                            "write the file again with `python -m asyncrl.wire.curve FILE`")  # fmt: skip
         return cls(*keys)
+
+    @classmethod
+    def from_env(cls) -> RunKeys | None:
+        """The keys in :data:`KEYS_ENV`, removed from the environment (the engine's own
+        subprocesses do not inherit them); ``None`` when it is not set.
+
+        Raises:
+            KeysError: it is set but malformed."""
+        text = os.environ.pop(KEYS_ENV, None)
+        return None if text is None else cls.from_json(text, f"${KEYS_ENV}")
 
     def write(self, path: str) -> None:
         """Write a new file of mode 0600 (refuses to overwrite one)."""
@@ -123,7 +139,7 @@ class RunKeys:
         except OSError as exc:
             raise KeysError(f"{path}: cannot read the run's keys ({exc.strerror}). Fix: give "
                             "the path of a key file this user can read (written with "
-                            "RunKeys.generate().write(FILE))") from None  # fmt: skip
+                            "`python -m asyncrl.wire.curve FILE`)") from None  # fmt: skip
         if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.getuid():
             raise KeysError(f"{path}: the run's keys must be this user's with mode 0600, not "
                             f"{stat.S_IMODE(st.st_mode):o}. Fix: chmod 600 {path}")  # fmt: skip
@@ -262,3 +278,27 @@ class Guard:
             total = self._total
         log.warning("peer_refused", socket=socket, peer=peer or "(unknown)", reason=reason,
                     run_keys=self._keys.fingerprint, total=total)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m asyncrl.wire.curve FILE``: write a new key file (mode 0600) for
+    ``cluster.keys_file``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.wire.curve",
+                                     description=main.__doc__)  # fmt: skip
+    parser.add_argument("file", help="the key file to create (refused if it exists)")
+    args = parser.parse_args(argv)
+    try:
+        keys = RunKeys.generate()
+        keys.write(args.file)
+    except FileExistsError:
+        print(f"error: {args.file} exists (a run's keys are never overwritten); remove it "
+              "first", file=sys.stderr)  # fmt: skip
+        return 2
+    print(f"wrote {args.file} (mode 0600), keys {keys.fingerprint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

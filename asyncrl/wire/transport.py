@@ -17,6 +17,7 @@ exit waiting to flush), except where a caller asks for a bounded linger.
 from __future__ import annotations
 
 import errno
+import getpass
 import os
 import stat
 import string
@@ -39,9 +40,12 @@ __all__ = [
     "ipc_address",
     "make_private_dir",
     "peer_name",
+    "run_dir_of",
+    "tcp_address",
 ]
 
 ROUTER, DEALER, PUSH, PULL = zmq.ROUTER, zmq.DEALER, zmq.PUSH, zmq.PULL
+RUNS_BASE_DIR = "/tmp"
 
 
 def make_private_dir(path: str) -> str:
@@ -51,6 +55,18 @@ def make_private_dir(path: str) -> str:
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise PermissionError(f"{path} must be owned by this user with mode 0700")
     return path
+
+
+def run_dir_of(run_id: str) -> str:
+    """The run's private directory on this host (its ipc sockets, the controller's pid):
+    ``/tmp/asyncrl-<user>/<run_id>``."""
+    return os.path.join(RUNS_BASE_DIR, f"asyncrl-{getpass.getuser()}", run_id)
+
+
+def tcp_address(host: str) -> str:
+    """A ``tcp://`` endpoint on ``host`` with a port the bind picks (read it back from
+    :attr:`AsyncSocket.last_endpoint`)."""
+    return f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
 
 
 def ipc_address(run_dir: str, name: str) -> str:

@@ -37,7 +37,8 @@ from asyncrl.errors import ControllerLostError, ProtocolError
 from asyncrl.procs.process import has_exited
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import PROTOCOL_VERSION, Dead, FromWorker, Hello, Init, Ready, ToWorker
-from asyncrl.wire.transport import DEALER, Context
+from asyncrl.wire.curve import RunKeys
+from asyncrl.wire.transport import DEALER, Context, make_private_dir, run_dir_of
 from asyncrl.worker.base import WorkerRuntime
 from asyncrl.worker.rollout_runtime import RolloutRuntime
 from asyncrl.worker.trainer_runtime import TrainerRuntime
@@ -68,7 +69,7 @@ def _context(
         world_size=hello.world_size,
         local_rank=local_rank,
         config=config,
-        run_dir=os.path.dirname(control_address.removeprefix("ipc://")),
+        run_dir=_run_dir(control_address, init.run_id),
         extra=dict(extra or {}, run_id=init.run_id),
         gpu=gpus[hello.rank] if gpus else None,
     )
@@ -84,8 +85,12 @@ async def serve(
     log_path: str = "",
     extra: dict[str, Any] | None = None,
     startup_timeout_s: float = 600.0,
+    keys: RunKeys | None = None,
 ) -> None:
     """Run one worker until the controller says ``Shutdown``.
+
+    ``keys``: the run's CURVE keys for a ``tcp://`` controller (default: those in
+    ``$ASYNCRL_RUN_KEYS``, taken out of the environment).
 
     Raises:
         ValueError: ``group`` is neither ``rollout`` nor ``trainer`` (nothing is started).
@@ -98,7 +103,7 @@ async def serve(
     if role is None:
         raise ValueError(f"unknown worker group {group!r}; expected one of {sorted(RUNTIMES)}")
     identity = f"{group}:{rank}"
-    ctx = Context()
+    ctx = Context(keys if keys is not None else RunKeys.from_env())
     runtime: WorkerRuntime | None = None
     lost = False
     control = ctx.socket(DEALER, connect=control_address, identity=identity)
@@ -168,6 +173,14 @@ def _say_dead(control: Any, tx: Codec, exc: Exception) -> None:
 def _controller_gone(pid: int) -> bool:
     """Whether the controller's process (another process than this one) has exited."""
     return bool(pid) and pid != os.getpid() and has_exited(pid)
+
+
+def _run_dir(control_address: str, run_id: str) -> str:
+    """The run's private directory on this host: the controller's (its ipc sockets' home),
+    or over ``tcp://`` (perhaps on another host) one of the same name made here."""
+    if control_address.startswith("ipc://"):
+        return os.path.dirname(control_address.removeprefix("ipc://"))
+    return make_private_dir(run_dir_of(run_id))
 
 
 def _remove_run_files(run_dir: str, run_id: str) -> None:

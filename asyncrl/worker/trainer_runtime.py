@@ -185,6 +185,8 @@ class TrainerRuntime(WorkerRuntime):
             )
             transfer = load_transfer(config.refit.transport)
             self.sender = WeightSender(self.ctx, self.init.transfer_address, transfer, spec)
+            if self.sender.endpoint.startswith("tcp://"):  # its port: the controller's to hand on
+                caps = {**caps, "weights_endpoint": self.sender.endpoint}
         return caps
 
     def _check_loss_inputs(self) -> None:

@@ -159,7 +159,8 @@ class WeightSender:
 
     Args:
         ctx: the worker's ZeroMQ context.
-        address: where to bind (``ipc://…``), announced to the controller.
+        address: where to bind (``ipc://…``, or ``tcp://host:*``: then :attr:`endpoint`
+            says the port), announced to the controller.
         transfer: the weight transfer plugin (``refit.transport``).
         spec: where to stage (run id, rank, the trainer's device).
     """
@@ -177,6 +178,11 @@ class WeightSender:
         except BaseException:
             self._sock.close()
             raise
+
+    @property
+    def endpoint(self) -> str:
+        """The address the weights socket is bound to."""
+        return self._sock.last_endpoint
 
     async def _recv(self, receivers: set[str], version: int) -> tuple[str, Any]:
         """The next message of this refit from one of ``receivers``; anything else is

@@ -94,6 +94,25 @@ def test_mixed_launch_runs_to_completion(tmp_path: Path, model_dir: Path) -> Non
     assert not os.path.exists(shm_dir(run_id)), "shm dir left behind"
 
 
+@pytest.mark.parametrize("keys", ["store", "file"])
+def test_mixed_launch_over_tcp(tmp_path: Path, model_dir: Path, keys: str) -> None:
+    """cluster.network = "tcp": the controller's sockets and trainer rank 0's weights socket
+    on TCP with CURVE; rank 1 (a supervised rollout rank) gets the keys from torchrun's store
+    or from cluster.keys_file (written by ``python -m asyncrl.wire.curve``)."""
+    cluster: dict = {"network": "tcp"}
+    if keys == "file":
+        made = subprocess.run([sys.executable, "-m", "asyncrl.wire.curve", str(tmp_path / "keys.json")],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        assert "mode 0600" in made.stdout
+        cluster["keys_file"] = "keys.json"  # relative: resolved against the config file's dir
+    rc, out = _launch(tmp_path, _config(model_dir, run={"num_steps": 2}, cluster=cluster))
+    assert rc == 0, out[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert records[0]["config"]["cluster"]["network"] == "tcp"
+    assert "peer_refused" not in out
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
