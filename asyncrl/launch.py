@@ -80,6 +80,7 @@ from asyncrl.procs.process import (
     PARENT_ENV,
     die_with_parent,
     exit_status,
+    host_id,
     lost_owner,
     stopped_by_signal,
     wait_pid_exit,
@@ -94,6 +95,7 @@ log = structlog.get_logger("asyncrl.launch")
 
 _STORE_KEY = "asyncrl/control"
 _PID_KEY = "asyncrl/controller_pid"
+_HOST_KEY = "asyncrl/controller_host"
 _KEYS_KEY = "asyncrl/run_keys"
 """The run's CURVE keys (``cluster.network = "tcp"`` without ``cluster.keys_file``)."""
 _EARLY_SIGUSR1: list[int] = []
@@ -326,6 +328,9 @@ def _worker_rank(
     store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
     control = store.get(_STORE_KEY).decode()
     controller_pid = int(store.get(_PID_KEY).decode())
+    if store.get(_HOST_KEY).decode() != host_id():
+        # its pid names nothing here; the controller refuses this rank (docs/multi-node.md)
+        controller_pid = 0
     keys = _rank_keys(config, store, control)
     if group == "rollout" and rollout_restarts:
         if keys is not None:  # the supervised worker's (this process serves nothing)
@@ -405,6 +410,7 @@ def _attacher(store: Any, worker_kwargs: dict[str, Any], *, publish_keys: bool) 
 
     async def attach(addresses: Addresses, tg: Any) -> None:
         store.set(_PID_KEY, str(os.getpid()))  # before the address other ranks wait for
+        store.set(_HOST_KEY, host_id())
         if addresses.keys is not None and publish_keys:
             store.set(_KEYS_KEY, addresses.keys.to_json())
         store.set(_STORE_KEY, addresses.control)

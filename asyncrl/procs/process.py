@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -118,6 +120,18 @@ def parent_pid(pid: int) -> int | None:
             return int(f.read().rpartition(b")")[2].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def host_id() -> str:
+    """This host as process ids see it: its name, its boot and its pid namespace. Two
+    processes can watch, signal or wait for each other's pids only when these are equal
+    (another machine, or another pid namespace on this one, numbers its processes apart)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: the name alone
+        boot, pid_ns = "", 0
+    return f"{socket.gethostname()}/{boot}/{pid_ns}"
 
 
 def pid_exists(pid: int) -> bool:

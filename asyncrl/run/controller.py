@@ -71,7 +71,7 @@ from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
 from asyncrl.run.restarts import Restarts
-from asyncrl.procs.process import exit_status, has_exited, stopped_by_signal
+from asyncrl.procs.process import exit_status, has_exited, host_id, stopped_by_signal
 from asyncrl.procs.space import shm_dir
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.run.runlock import lock_run
@@ -315,7 +315,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         expected = {f"{group}:{rank}" for group, n in groups for rank in range(n)}
         control = ControlPlane(
             router, make_init, expected=expected, rejections=rejections,
-            survivable=self._restarts.survivable,
+            survivable=self._restarts.survivable, host=host_id(),
         )  # fmt: skip
         metrics.write({"kind": "config", "run_id": addr.run_id, "config": config_dict})
         log.info("run_started", run_id=addr.run_id, output=cfg.run.output_dir, pid=os.getpid(),

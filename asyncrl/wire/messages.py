@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -290,6 +290,9 @@ class Hello(msgspec.Struct, tag="hello", **_CTRL):
     world_size: int
     pid: int
     log_path: str = ""
+    host: str = ""
+    """The worker's :func:`~asyncrl.procs.process.host_id`: its ``pid`` means something to
+    the controller only on the same host."""
 
 
 class Init(msgspec.Struct, tag="init", **_CTRL):

@@ -110,13 +110,17 @@ class ControlPlane:
         expected: set[str] | None = None,
         rejections: Rejections | None = None,
         survivable: Callable[[Peer], bool] = lambda peer: False,
+        host: str = "",
     ) -> None:
+        """``host``: the controller's :func:`~asyncrl.procs.process.host_id`; a worker that
+        says another fails the start (its pid would mean nothing here)."""
         self._sock = sock
         self.survivable = survivable
         self._gone: dict[str, BaseException] = {}
         """Workers forgotten until their new process says ``Hello``: why calls to them fail."""
         self._make_init = make_init
         self._expected = expected
+        self._host = host
         self.rejections = rejections if rejections is not None else Rejections()
         self._rx = Codec(FromWorker)
         self._tx = Codec(ToWorker)
@@ -226,6 +230,15 @@ class ControlPlane:
             raise WorkerStartupError(
                 f"worker {identity} speaks protocol {hello.protocol_version}, this controller "
                 f"speaks {PROTOCOL_VERSION}; install the same asyncrl version everywhere"
+            )
+        if hello.host != self._host:
+            # the controller watches, signals and reaps its workers by pid: a pid of another
+            # host (or pid namespace) would name some other process here
+            raise WorkerStartupError(
+                f"worker {identity} (pid {hello.pid}) runs on another host than the controller "
+                f"({hello.host.split('/')[0]!r}, the controller on "
+                f"{self._host.split('/')[0]!r}): runs across hosts are not supported yet "
+                "(docs/multi-node.md). Fix: start every rank on the controller's host"
             )
         self._gone.pop(identity, None)
         self.peers[identity] = Peer(

@@ -34,7 +34,7 @@ import structlog
 from asyncrl.backend import WorkerContext
 from asyncrl.config import Config
 from asyncrl.errors import ControllerLostError, ProtocolError
-from asyncrl.procs.process import has_exited
+from asyncrl.procs.process import has_exited, host_id
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import PROTOCOL_VERSION, Dead, FromWorker, Hello, Init, Ready, ToWorker
 from asyncrl.wire.curve import RunKeys
@@ -110,7 +110,7 @@ async def serve(
     tx = Codec(FromWorker)
     try:
         hello = Hello(protocol_version=PROTOCOL_VERSION, group=group, rank=rank,
-                      world_size=world_size, pid=os.getpid(), log_path=log_path)
+                      world_size=world_size, pid=os.getpid(), log_path=log_path, host=host_id())
         init = await _handshake(control, tx, hello, startup_timeout_s)
         wctx = _context(role, init, hello, local_rank, control_address, extra)
         runtime = role(ctx, control, init, wctx)

@@ -118,3 +118,23 @@ async def test_a_tcp_run_trains_and_refuses_a_process_without_the_keys(
     assert all(e["reason"].startswith(("not a CURVE handshake with this run's server key",
                                        "the handshake failed")) for e in refused), refused  # fmt: skip
     assert all(e["run_keys"] == addresses.keys.fingerprint for e in refused)
+
+
+async def test_a_tcp_run_refits_over_gloo_broadcasts(make_config: Callable[..., Config]) -> None:
+    """The refit that crosses hosts: ``nccl`` (a gloo group on the CPU) instead of shm, every
+    refit verified (the generators' logprobs against the trainer's)."""
+    num_steps = 3
+    cfg = make_config(run={"num_steps": num_steps}, cluster={"network": "tcp", "rollout_ranks": 2},
+                      refit={"transport": "nccl", "verify_every_steps": 1})  # fmt: skip
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        await ctl.train()
+    assert_nothing_left(ctl, pids.values())
+    train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, num_steps + 1))
+    # a check that fails stops the run (RefitError); each passed one is recorded
+    checks = [r for r in read_metrics(cfg) if r["kind"] == "refit_verify"]
+    assert {(r["worker"], r["version"]) for r in checks} == {
+        (f"rollout:{w}", v) for w in range(2) for v in range(1, num_steps + 1)
+    }, checks
+    assert max(r["max_abs"] for r in checks) <= 1.5e-6  # 4.8e-7 measured (float32 rounding)

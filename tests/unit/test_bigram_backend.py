@@ -399,7 +399,7 @@ async def test_refit_from_a_bucket_file_and_abort(tmp_path: Path) -> None:
     await gen.finish_weight_update(1, reset_prefix_cache=True)
     assert gen.version == 1
     np.testing.assert_array_equal(gen.table, new)
-    with pytest.raises(ValueError, match="reads shm buckets"):
+    with pytest.raises(ValueError, match="reads host memory"):
         await gen.load_weight_bucket(WeightBucketView(2, 0, "cuda_ipc", b"", 0, [entry], True))
 
     results = {}

@@ -161,6 +161,25 @@ async def test_protocol_version_mismatch_is_refused(run_dir: str) -> None:
         ctx.close()
 
 
+async def test_a_worker_on_another_host_is_refused_naming_both_hosts(run_dir: str) -> None:
+    """Its pid would name another process here: the start fails before any Init."""
+    control, ctx, address = bind_plane(run_dir, router_mandatory=False, host="node-a/boot/1")
+    try:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(control.run)
+                w = FakeWorker(ctx, address, "rollout", 0)
+                await w.say(Hello(protocol_version=PROTOCOL_VERSION, group="rollout", rank=0,
+                                  world_size=1, pid=7, host="node-b/boot/2"))  # fmt: skip
+                await anyio.sleep_forever()
+        (err,) = info.value.exceptions
+        assert isinstance(err, WorkerStartupError)
+        assert "'node-b'" in str(err) and "'node-a'" in str(err) and "pid 7" in str(err)
+        assert "rollout:0" not in control.peers
+    finally:
+        ctx.close()
+
+
 async def test_hostile_control_messages_are_rejected_and_counted(run_dir: str) -> None:
     """Every message a stranger (or a confused worker) can send is refused without ending
     the reader: the real worker still completes its handshake and calls afterwards."""

@@ -42,10 +42,11 @@ def _check_generator(config: Config, *, max_prompt_tokens: int) -> None:
     from .options import GeneratorOptions, parse_options
 
     parse_options(config.generator.options, GeneratorOptions, "generator.options")
-    if config.refit.transport != "shm":
+    if config.refit.transport == "cuda_ipc":
         raise ConfigError(
-            f"refit.transport: the bigram engine reads shm buckets only (it has no torch), got "
-            f"{config.refit.transport!r}. Fix: set refit.transport = 'shm'"
+            "refit.transport: the bigram engine reads host memory (shm, or nccl's gloo "
+            "broadcasts), not CUDA IPC buffers. Fix: set refit.transport = 'shm' (one host) or "
+            "'nccl' (several)"
         )
 
 

@@ -68,6 +68,8 @@ class BigramGenerator:
         self._rows: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         """Temperature → the table's log-probabilities and their running sums (CDFs), row by
         row, for the weights being served (dropped at each refit)."""
+        self._opener: Any = None
+        """The reader of a transfer other than ``shm`` (made at its first bucket)."""
 
     async def start(self) -> dict[str, Any]:
         if self.options.fail_at_start:
@@ -233,17 +235,33 @@ class BigramGenerator:
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
         """Copy ``bigram.logits`` out of the bucket (the sender reuses it as soon as this
-        returns). Reads ``shm`` buckets only: this engine has no torch."""
+        returns). ``shm`` is read with numpy alone; any other transfer (``nccl``: gloo
+        between hosts) through its opener, on the CPU, which needs torch."""
         v = self.spec.vocab_size
-        if bucket.transport != "shm":
-            raise ValueError(f"the bigram engine reads shm buckets, not {bucket.transport!r}")
+        if bucket.transport == "cuda_ipc":
+            raise ValueError("the bigram engine reads host memory (shm, or nccl's gloo "
+                             "broadcasts), not cuda_ipc buckets")  # fmt: skip
         if self.options.load_delay_s:
             await anyio.sleep(self.options.load_delay_s)  # testing knob: a slow refit
         for entry in bucket.entries:
-            data = await anyio.to_thread.run_sync(
-                read_bytes, bucket.handle, entry.offset, entry.nbytes
-            )
+            if bucket.transport == "shm":
+                data = await anyio.to_thread.run_sync(
+                    read_bytes, bucket.handle, entry.offset, entry.nbytes
+                )
+            else:
+                data = await anyio.to_thread.run_sync(self._read, bucket, entry)
             self._staged = data.view(np.float32).reshape(v, v)
+
+    def _read(self, bucket: WeightBucketView, entry: TensorEntry) -> np.ndarray:
+        """``entry``'s bytes of a bucket of another transfer, copied to numpy."""
+        if self._opener is None:
+            from asyncrl.transfers import load_transfer
+            from asyncrl.transfers.nccl import IDENTITY_ENV_VAR
+
+            os.environ.setdefault(IDENTITY_ENV_VAR, f"{self.ctx.group}:{self.ctx.rank}")
+            self._opener = load_transfer(bucket.transport).opener()
+        memory = self._opener.open(bucket.handle, "cpu")
+        return memory[entry.offset : entry.offset + entry.nbytes].numpy().copy()
 
     async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
         """Drop what was staged and go on sampling with the current table (a bigram installs
@@ -278,5 +296,7 @@ class BigramGenerator:
     async def close(self) -> None:
         if self._resumed is not None:
             self._resumed.set()
+        if self._opener is not None:
+            self._opener.close()
         if self.options.close_delay_s:
             await anyio.sleep(self.options.close_delay_s)  # testing knob: a slow shutdown
