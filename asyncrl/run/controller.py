@@ -28,7 +28,6 @@ torchrun; under ``torchrun -m asyncrl.launch`` the workers already exist and att
 from __future__ import annotations
 
 import asyncio
-import getpass
 import os
 import shutil
 import time

@@ -68,10 +68,11 @@ class KeysError(ValueError):
     """The run's keys are missing, malformed, or readable by others."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RunKeys:
-    """The run's two CURVE key pairs, Z85 (40 characters each). Never logged: log
-    :attr:`fingerprint`."""
+    """The run's two CURVE key pairs, Z85 (40 characters each). Never logged: its ``repr``
+    shows :attr:`fingerprint` alone (a dataclass holding it, say ``Addresses``, can be
+    printed)."""
 
     server_public: bytes
     server_secret: bytes
@@ -83,6 +84,9 @@ class RunKeys:
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
         return cls(server_public, server_secret, client_public, client_secret)
+
+    def __repr__(self) -> str:
+        return f"RunKeys(fingerprint={self.fingerprint!r})"
 
     @property
     def fingerprint(self) -> str:

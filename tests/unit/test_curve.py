@@ -73,6 +73,13 @@ def test_malformed_keys_are_named(text: str, match: str) -> None:
         RunKeys.from_json(text, "keys.json")
 
 
+def test_the_secret_keys_never_show_in_a_repr() -> None:
+    keys = RunKeys.generate()
+    for text in (repr(keys), str(keys), repr([keys])):
+        assert keys.server_secret.decode() not in text and keys.client_secret.decode() not in text
+        assert keys.fingerprint in text
+
+
 def test_a_public_key_of_another_pair_is_refused() -> None:
     a, b = RunKeys.generate(), RunKeys.generate()
     mixed = RunKeys(a.server_public, b.server_secret, a.client_public, a.client_secret)
