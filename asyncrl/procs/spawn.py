@@ -26,7 +26,13 @@ import anyio.abc
 import structlog
 
 from asyncrl.errors import WorkerDiedError
-from asyncrl.procs.process import exit_status, kill_process_group, pid_exists, wait_pid_exit
+from asyncrl.procs.process import (
+    PARENT_ENV,
+    exit_status,
+    kill_process_group,
+    pid_exists,
+    wait_pid_exit,
+)
 from asyncrl.wire.rpc import Peer
 from asyncrl.procs.space import shm_dir
 
@@ -119,6 +125,9 @@ async def spawn_group(
         *(args or []),
     ]
     full_env = dict(os.environ)
+    # a launcher's pid meant for this process's own ranks (asyncrl run): not these workers'
+    # (torchrun is their parent; they watch this controller)
+    full_env.pop(PARENT_ENV, None)
     full_env.update(env or {})
     with open(agent_log, "ab") as out:
         process = await anyio.open_process(

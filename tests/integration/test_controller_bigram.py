@@ -295,3 +295,20 @@ async def test_a_mini_step_failing_before_any_update_gives_the_step_back(
         summary = await ctl.train()
     assert [r["step_retries"] for r in summary.steps] == [0, 1]
     assert [len(r["mini_steps"]) for r in summary.steps] == [2, 2]
+
+
+async def test_a_launchers_pid_in_the_environment_does_not_reach_spawned_workers(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ASYNCRL_PARENT_PID`` names the launcher of *this* process's ranks (``asyncrl run``
+    sets it); a worker the embedded controller spawns that inherited it took the launcher
+    for gone (its parent is torchrun) and stopped at once."""
+    from asyncrl.procs.process import PARENT_ENV
+
+    monkeypatch.setenv(PARENT_ENV, "1")
+    cfg = make_config(run={"num_steps": 1})
+    async with asyncrl.Controller(cfg) as ctl:
+        pids = worker_pids(ctl)
+        await ctl.train()
+    assert_nothing_left(ctl, pids.values())
+    assert [r["step"] for r in read_metrics(cfg) if r["kind"] == "train"] == [1]

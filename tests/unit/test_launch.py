@@ -36,7 +36,12 @@ def launching(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a launch changes in this process's environment is put back after the test; no
     owner watch is started (it would stop pytest with its parent)."""
     for name in (PARENT_ENV, one_node.RANK0_PID_ENV, "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        # set, then deleted: monkeypatch records the variable either way and puts it back
+        # as it was (a bare delenv of an unset one records nothing, and what self_launch
+        # then sets would outlive the test: later spawned workers took pytest for their
+        # launcher and stopped at once)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     monkeypatch.setattr(launch, "die_with_parent", lambda **kw: None)
     monkeypatch.setattr(launch, "_RANK0_FIRST_S", 0.0)
