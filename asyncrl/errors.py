@@ -46,6 +46,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerHungError",
+    "WorkerLostError",
     "WorkerRestarting",
     "WorkerStartupError",
     "config_error",
@@ -203,6 +204,45 @@ class WorkerHungError(WorkerDiedError):
         self.silent_s = silent_s
         self.last_answer = last_answer
         self.timeout_s = timeout_s
+
+
+class WorkerLostError(WorkerDiedError):
+    """A worker on another host (``cluster.network = "tcp"``) answered no health probe for
+    ``failures.heartbeat_timeout_s``: its node went away or was cut off, or the worker hangs.
+    Its process is on that host, so it is not killed from here; the run handles it as a death
+    (docs/multi-node.md).
+
+    Attributes (besides :class:`WorkerDiedError`'s): ``host`` (the worker's host name),
+    ``pid`` (its process id there), ``silent_s``, ``last_answer``, ``timeout_s`` (as
+    :class:`WorkerHungError`'s).
+    """
+
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        log_path: str | None,
+        *,
+        host: str,
+        pid: int,
+        silent_s: float,
+        last_answer: float | None,
+        timeout_s: float,
+    ) -> None:
+        if last_answer is None:
+            last = "it never answered one since it was ready"
+        else:
+            last = f"its last answer came at {time.strftime('%H:%M:%S', time.localtime(last_answer))}"
+        text = (
+            f"worker {group}:{rank} on host {host!r} (pid {pid} there) is lost: it answered no "
+            f"health probe for {silent_s:.1f} s (failures.heartbeat_timeout_s = {timeout_s:g} "
+            f"s) and {last}; its node went away or was cut off from this one, or the worker "
+            f"hangs (not killed from here: it is on another host); its log, on {host!r}: "
+            f"{log_path or 'n/a'}"
+        )
+        super().__init__(group, rank, None, log_path, "", message=text)
+        self.host, self.pid = host, pid
+        self.silent_s, self.last_answer, self.timeout_s = silent_s, last_answer, timeout_s
 
 
 class WorkerRestarting(WorkerError):

@@ -304,17 +304,20 @@ class Controller(anyio.AsyncContextManagerMixin):
         each its ``Init`` (trainer rank 0 the weights address too)."""
         cfg = self.config
         config_dict = to_dict(cfg)
+        own_host = host_id()
 
         def make_init(hello: Hello) -> Init:
             transfer = addr.transfer if (hello.group, hello.rank) == ("trainer", 0) else ""
             return Init(run_id=addr.run_id, config=config_dict, data_address=addr.data,
-                        transfer_address=transfer, controller_pid=os.getpid())  # fmt: skip
+                        transfer_address=transfer, controller_pid=os.getpid(),
+                        controller_host=own_host)  # fmt: skip
 
         groups = (("trainer", cfg.cluster.trainer_ranks), ("rollout", cfg.cluster.rollout_ranks))
         expected = {f"{group}:{rank}" for group, n in groups for rank in range(n)}
         control = ControlPlane(
             router, make_init, expected=expected, rejections=rejections,
-            survivable=self._restarts.survivable, host=host_id(),
+            survivable=self._restarts.survivable, host=own_host,
+            remote_ok=cfg.cluster.network == "tcp",
         )  # fmt: skip
         metrics.write({"kind": "config", "run_id": addr.run_id, "config": config_dict})
         log.info("run_started", run_id=addr.run_id, output=cfg.run.output_dir, pid=os.getpid(),
@@ -348,7 +351,8 @@ class Controller(anyio.AsyncContextManagerMixin):
             self._restarts.close()  # its sync tasks: no refit while the workers stop
             with anyio.CancelScope(shield=True):
                 await control.shutdown_all()
-                pids = [p.pid for p in control.peers.values() if p.pid != os.getpid()]
+                pids = [p.pid for p in control.peers.values()  # a remote pid names nothing here
+                        if not p.remote and p.pid != os.getpid()]
                 await stop_processes(self._spawned, pids, self.config.cluster.shutdown_grace_s)
             tg.cancel_scope.cancel()
 
@@ -401,10 +405,19 @@ class Controller(anyio.AsyncContextManagerMixin):
         agents = {s.group: s for s in self._spawned if not self._restarts.of_group(s.group)}
         watch = partial(self._restarts.watch, named=self._heartbeat.named, fatal=self._deaths.append)
         for peer in peers:
-            if peer.pid != os.getpid():
+            if peer.remote:  # another host's process: the heartbeat alone can say it is gone
+                watchers.start_soon(tg, self._watch_remote, peer)
+            elif peer.pid != os.getpid():
                 watchers.start_soon(tg, watch, control, peer, agents.get(peer.group), tg)
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers
+
+    async def _watch_remote(self, peer: Any) -> None:
+        """Raise once ``peer``, on another host, is lost (silent past the heartbeat's
+        timeout): a death the run does not outlive."""
+        lost = await self._heartbeat.lost(peer)
+        self._deaths.append(lost)
+        raise lost
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next step boundary (or at the end of the run), without
@@ -470,7 +483,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         """Record workers whose process has exited but whose watcher has not fired yet."""
         seen = {(e.group, e.rank) for e in self._deaths}
         for peer in control.peers.values():
-            if peer.pid == os.getpid() or (peer.group, peer.rank) in seen:
+            if peer.remote or peer.pid == os.getpid() or (peer.group, peer.rank) in seen:
                 continue
             if has_exited(peer.pid):
                 code = exit_status(peer.pid)

@@ -36,7 +36,13 @@ import anyio.abc
 import structlog
 
 from asyncrl.config import FailuresConfig
-from asyncrl.errors import RemoteCallError, WorkerDiedError, WorkerError, WorkerHungError
+from asyncrl.errors import (
+    RemoteCallError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerHungError,
+    WorkerLostError,
+)
 from asyncrl.wire.messages import Health
 from asyncrl.wire.rpc import ControlPlane, Peer
 
@@ -54,6 +60,8 @@ class Watched:
     rank: int
     pid: int
     log_path: str
+    host: str = ""
+    """Its host name when it is on another host than the controller (``""``: this one)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,15 @@ class Heartbeat:
         self._clock = clock
         self._hung: dict[tuple[str, int], tuple[Hung, float]] = {}
         """Processes killed as hung, by (worker, pid): why, and the wall time of the kill."""
+        self._lost: dict[str, anyio.Event] = {}
+        self._lost_as: dict[str, WorkerLostError] = {}
+        """Remote workers found silent past the timeout (not killed: another host's)."""
+
+    async def lost(self, peer: Peer) -> WorkerLostError:
+        """Wait until ``peer``, a worker on another host, is found silent for
+        ``heartbeat_timeout_s`` (never while the heartbeat is off); what names it."""
+        await self._lost.setdefault(peer.identity, anyio.Event()).wait()
+        return self._lost_as[peer.identity]
 
     async def run(self, control: ControlPlane) -> None:
         """Probe every worker of ``control`` on the interval and kill the hung ones, until
@@ -224,7 +241,7 @@ class Heartbeat:
         for who in dropped:
             _close(pidfds.pop(who, None))
         for who in fresh:
-            pidfds[who] = _pidfd(who.pid)
+            pidfds[who] = -1 if who.host else _pidfd(who.pid)  # a remote pid names nothing here
         probe, hung = tracker.tick(now)
         for found in hung:
             self._kill(found, pidfds.get(found.who, -1))
@@ -250,9 +267,10 @@ class Heartbeat:
     def _watched(self, control: ControlPlane) -> list[Watched]:
         own = os.getpid()
         return [
-            Watched(p.identity, p.group, p.rank, p.pid, p.log_path)
+            Watched(p.identity, p.group, p.rank, p.pid, p.log_path,
+                    p.host.split("/")[0] if p.remote else "")  # fmt: skip
             for p in control.serving()
-            if p.pid != own
+            if p.remote or p.pid != own
         ]
 
     async def _probe(
@@ -267,8 +285,12 @@ class Heartbeat:
 
     def _kill(self, hung: Hung, pidfd: int) -> None:
         """SIGKILL ``hung``'s process through the pidfd opened while it served (never
-        another process that took its pid since), and log it."""
+        another process that took its pid since), and log it. A worker on another host is
+        declared lost instead (:meth:`lost`)."""
         who, now = hung.who, time.time()
+        if who.host:
+            self._declare_lost(hung, now)
+            return
         try:
             if pidfd < 0:
                 raise ProcessLookupError  # gone before it was first watched
@@ -283,6 +305,19 @@ class Heartbeat:
             silent_s=round(hung.silent_s, 2), last_answer=last if hung.answered else None,
             timeout_s=hung.timeout_s, log=who.log_path, action=action, reason=hung.reason(),
         )  # fmt: skip
+
+
+    def _declare_lost(self, hung: Hung, now: float) -> None:
+        who = hung.who
+        lost = WorkerLostError(
+            who.group, who.rank, who.log_path or None, host=who.host, pid=who.pid,
+            silent_s=hung.silent_s, timeout_s=hung.timeout_s,
+            last_answer=now - hung.silent_s if hung.answered else None,
+        )  # fmt: skip
+        self._lost_as[who.worker] = lost
+        self._lost.setdefault(who.worker, anyio.Event()).set()
+        log.error("worker_lost", worker=who.worker, host=who.host, pid=who.pid,
+                  silent_s=round(hung.silent_s, 2), timeout_s=hung.timeout_s, log=who.log_path)  # fmt: skip
 
 
 def _pidfd(pid: int) -> int:

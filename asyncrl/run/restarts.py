@@ -123,8 +123,8 @@ class Restarts:
     def survivable(self, peer: Any) -> bool:
         """Whether ``peer``'s death would be outlived (a rollout worker, restarts left)."""
         pool = self._pool
-        return peer.group == "rollout" and self._loops is not None and (
-            pool.restarts < pool.max_restarts
+        return peer.group == "rollout" and not getattr(peer, "remote", False) and (
+            self._loops is not None and pool.restarts < pool.max_restarts
         )
 
     async def watch(

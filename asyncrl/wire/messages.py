@@ -143,8 +143,8 @@ class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
 
 class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
     """Trainer: publish version ``version`` to ``receivers`` (``group:rank`` identities),
-    whose processes are ``receiver_pids`` (same order): the sender goes on without one that
-    exits meanwhile (a restarted rollout worker)."""
+    whose processes are ``receiver_pids`` (same order; 0: on another host, not watched): the
+    sender goes on without one that exits meanwhile (a restarted rollout worker)."""
 
     version: int
     receivers: list[str]
@@ -305,6 +305,10 @@ class Init(msgspec.Struct, tag="init", **_CTRL):
     controller_pid: int = 0
     """The controller's process: workers on the same host watch it and exit when it is gone
     (0: do not watch)."""
+    controller_host: str = ""
+    """The controller's :func:`~asyncrl.procs.process.host_id`. A worker on another host
+    ignores ``controller_pid`` and takes the controller for gone when its heartbeat probes
+    stop (``failures.heartbeat_timeout_s``)."""
 
 
 class Ready(msgspec.Struct, tag="ready", **_CTRL):

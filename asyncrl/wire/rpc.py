@@ -79,6 +79,11 @@ class Peer:
     error: BaseException | None = None
     last_words: BaseException | None = None
     """What its ``Dead`` message said, when it was survivable (the run goes on)."""
+    host: str = ""
+    """Its :func:`~asyncrl.procs.process.host_id`."""
+    remote: bool = False
+    """On another host than the controller: its ``pid`` means nothing here (it is never
+    watched, signalled or waited for by pid; the heartbeat alone says it is gone)."""
 
 
 @dataclass
@@ -111,9 +116,11 @@ class ControlPlane:
         rejections: Rejections | None = None,
         survivable: Callable[[Peer], bool] = lambda peer: False,
         host: str = "",
+        remote_ok: bool = False,
     ) -> None:
-        """``host``: the controller's :func:`~asyncrl.procs.process.host_id`; a worker that
-        says another fails the start (its pid would mean nothing here)."""
+        """``host``: the controller's :func:`~asyncrl.procs.process.host_id`. A worker that
+        says another is a remote peer (:attr:`Peer.remote`) with ``remote_ok`` (the run's
+        sockets are on TCP), else it fails the start."""
         self._sock = sock
         self.survivable = survivable
         self._gone: dict[str, BaseException] = {}
@@ -121,6 +128,7 @@ class ControlPlane:
         self._make_init = make_init
         self._expected = expected
         self._host = host
+        self._remote_ok = remote_ok
         self.rejections = rejections if rejections is not None else Rejections()
         self._rx = Codec(FromWorker)
         self._tx = Codec(ToWorker)
@@ -231,22 +239,26 @@ class ControlPlane:
                 f"worker {identity} speaks protocol {hello.protocol_version}, this controller "
                 f"speaks {PROTOCOL_VERSION}; install the same asyncrl version everywhere"
             )
-        if hello.host != self._host:
-            # the controller watches, signals and reaps its workers by pid: a pid of another
-            # host (or pid namespace) would name some other process here
+        remote = hello.host != self._host
+        if remote and not self._remote_ok:
+            # over ipc:// the run is one host's: a pid of another host (or pid namespace)
+            # would name some other process here
             raise WorkerStartupError(
                 f"worker {identity} (pid {hello.pid}) runs on another host than the controller "
                 f"({hello.host.split('/')[0]!r}, the controller on "
-                f"{self._host.split('/')[0]!r}): runs across hosts are not supported yet "
-                "(docs/multi-node.md). Fix: start every rank on the controller's host"
+                f"{self._host.split('/')[0]!r}) and cluster.network is 'ipc'. Fix: set "
+                "cluster.network = \"tcp\" (docs/multi-node.md), or start every rank on the "
+                "controller's host"
             )
         self._gone.pop(identity, None)
         self.peers[identity] = Peer(
-            identity, hello.group, hello.rank, hello.world_size, hello.pid, hello.log_path
+            identity, hello.group, hello.rank, hello.world_size, hello.pid, hello.log_path,
+            host=hello.host, remote=remote,
         )
         self._peer_joined.set()
         self._peer_joined = anyio.Event()
-        log.info("worker_connected", worker=identity, pid=hello.pid, log=hello.log_path)
+        log.info("worker_connected", worker=identity, pid=hello.pid, log=hello.log_path,
+                 **({"host": hello.host.split("/")[0]} if remote else {}))
         await self._send(identity, self._make_init(hello))
 
     async def _send(self, identity: str, msg: Any) -> None:

@@ -49,7 +49,7 @@ from asyncrl import plugins
 from asyncrl.backend import BackendPlugin, WorkerContext, check_backend
 from asyncrl.config import Config
 from asyncrl.errors import ControllerLostError, ProtocolError, WorkerError, flatten
-from asyncrl.procs.process import wait_pid_exit
+from asyncrl.procs.process import host_id, wait_pid_exit
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
     CASTABLE,
@@ -97,6 +97,8 @@ class WorkerRuntime(abc.ABC):
         self.wctx = wctx
         self.identity = f"{wctx.group}:{wctx.rank}"
         self.tx = Codec(FromWorker)
+        self._heard = time.monotonic()
+        """When the controller last sent anything (:meth:`_watch_controller_silence`)."""
         self.backend: Any = None
         self.engine_gone: anyio.Event | None = None
         """Set when the backend's engine watch raised (``None``: the backend has none)."""
@@ -251,7 +253,9 @@ class WorkerRuntime(abc.ABC):
         async with anyio.create_task_group() as tg:
             self._start_serving(tg)
             while True:
-                msg = rx.decode(await self.control.recv())
+                frames = await self.control.recv()
+                self._heard = time.monotonic()
+                msg = rx.decode(frames)
                 if isinstance(msg, Shutdown):
                     log.info("worker_stopping", worker=self.identity)
                     if self.init.controller_pid != os.getpid():  # not the controller's rank
@@ -279,7 +283,9 @@ class WorkerRuntime(abc.ABC):
         try:
             async with anyio.create_task_group() as tg:
                 pid = self.init.controller_pid
-                if pid and pid != os.getpid():
+                if self.controller_remote:
+                    tg.start_soon(self._watch_controller_silence, name="controller-watch")
+                elif pid and pid != os.getpid():
                     tg.start_soon(self._watch_controller, pid, name="controller-watch")
                 if self._engine_watch is not None:
                     self.engine_gone = anyio.Event()
@@ -324,6 +330,34 @@ class WorkerRuntime(abc.ABC):
         if any(isinstance(e, WorkerError) for e in flatten(exc)):
             raise exc
         return self.engine_gone is None or not self.engine_gone.is_set()
+
+    @property
+    def controller_remote(self) -> bool:
+        """Whether the controller runs on another host (its pid names nothing here)."""
+        host = self.init.controller_host
+        return bool(host) and host != host_id()
+
+    async def _watch_controller_silence(self) -> None:
+        """A controller on another host cannot be watched by pid: once it has sent nothing
+        (its heartbeat probes come every ``heartbeat_interval_s``) for
+        ``heartbeat_timeout_s`` more than that, it is taken for gone."""
+        failures = self.wctx.config.failures
+        if not failures.heartbeat_timeout_s:
+            log.warning("controller_unwatched", reason="the controller is on another host and "
+                        "failures.heartbeat_timeout_s = 0: nothing says when it is gone")  # fmt: skip
+            return
+        limit = failures.heartbeat_interval_s + failures.heartbeat_timeout_s
+        while True:
+            silent = time.monotonic() - self._heard
+            if silent > limit:
+                host = self.init.controller_host.split("/")[0]
+                raise ControllerLostError(
+                    f"the controller on host {host!r} sent worker {self.identity} nothing for "
+                    f"{silent:.1f} s (its heartbeat probes come every "
+                    f"{failures.heartbeat_interval_s:g} s; failures.heartbeat_timeout_s = "
+                    f"{failures.heartbeat_timeout_s:g} s): its node went away or was cut off"
+                )
+            await anyio.sleep(min(1.0, failures.heartbeat_interval_s))
 
     async def _watch_controller(self, pid: int) -> None:
         await wait_pid_exit(pid)

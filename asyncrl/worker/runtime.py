@@ -127,7 +127,7 @@ async def serve(
     finally:
         if runtime is not None:
             await runtime.close()
-        if runtime is not None and not lost:
+        if runtime is not None and not lost and not runtime.controller_remote:
             lost = _controller_gone(runtime.init.controller_pid)
         control.close(linger_ms=0 if lost else 2000)
         ctx.close()

@@ -256,7 +256,8 @@ class WeightSender:
         try:
             async with anyio.create_task_group() as watchers:
                 for who, pid in zip(receivers, pids):
-                    watchers.start_soon(owed.watch, who, pid)
+                    if pid:  # 0: on another host
+                        watchers.start_soon(owed.watch, who, pid)
                 result = await self._publish(owed, specs, tensors, bucket_size=bucket_size, run=run)
                 watchers.cancel_scope.cancel()
         except BaseExceptionGroup as group:

@@ -1,17 +1,17 @@
 """Two simulated nodes on one machine: ``torchrun --nnodes 2 --rdzv-backend c10d`` in two sets of
 Linux namespaces (user, mount, UTS, pid), each with its own host name, its own ``/dev/shm`` and
 ``/tmp/asyncrl-<user>`` (so no ipc socket or shared-memory file can cross), names resolved by an
-``/etc/hosts`` of their own (node0 = 127.0.0.10, node1 = 127.0.0.11), talking over loopback TCP.
+``/etc/hosts`` of their own (node0 = 127.0.0.10, node1 = 127.0.0.11), talking over loopback TCP
+only: the controller's sockets with CURVE, the refit over gloo (``refit.transport = "nccl"``).
+The run directory (config, model, metrics) is shared, as a cluster's shared file system is.
 
-What runs across hosts today: the rendezvous, the controller found through torchrun's store,
-its keys handed over the store, the worker's CURVE connection to the controller's TCP socket.
-What is refused, by design until the controller watches remote workers by heartbeat rather than
-by pid (docs/multi-node.md): the worker on the other node, named with both hosts, before any
-Init; both nodes then stop with nothing left behind.
+torchrun ranks the nodes by name, so node0's rank is global rank 0: the controller and trainer
+rank 0 there, rollout rank 0 on node1.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -26,12 +26,15 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
+from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from asyncrl_example_backend.model import write_model_dir  # noqa: E402
-from integration_support import free_port  # noqa: E402
+from integration_support import free_port, session_processes  # noqa: E402
 
 NAMESPACES = ["unshare", "--user", "--map-root-user", "--mount", "--uts", "--pid", "--fork",
               "--kill-child", "--mount-proc"]  # fmt: skip
 TIMEOUT_S = 120
+HEARTBEAT = "heartbeat_interval_s = 0.5\nheartbeat_timeout_s = 3.0\n"
+"""A node lost is named within 3.5 s (timeout + interval)."""
 
 
 def _namespaces_work() -> bool:
@@ -54,7 +57,8 @@ path = "{model}"
 [environment]
 name = "repeat-digit"
 [run]
-num_steps = 2
+num_steps = {steps}
+seed = 0
 output_dir = "{out}"
 [cluster]
 trainer_ranks = 1
@@ -71,11 +75,24 @@ backend = "bigram"
 options = {{ lr = 0.5 }}
 [generator]
 backend = "bigram"
+options = {{ token_delay_s = {delay} }}
 [refit]
 transport = "nccl"
+verify_every_steps = 1
+[failures]
+{failures}
 [eval]
 num_prompts = 4
 """
+
+
+def _write(tmp: Path, *, steps: int, delay: float = 0.0, failures: str = "") -> Path:
+    write_model_dir(tmp / "model")
+    config = tmp / "run.toml"
+    config.write_text(CONFIG.format(model=tmp / "model", out=tmp / "out", steps=steps,
+                                    delay=delay, failures=failures))  # fmt: skip
+    (tmp / "hosts").write_text("127.0.0.1 localhost\n127.0.0.10 node0\n127.0.0.11 node1\n")
+    return config
 
 
 def _node(tmp: Path, n: int, port: int) -> subprocess.Popen[str]:
@@ -83,8 +100,8 @@ def _node(tmp: Path, n: int, port: int) -> subprocess.Popen[str]:
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node0:{port}", "--rdzv-id", "two-nodes",
-        "--log-dir", str(tmp / f"torchrun-{n}"), "-m", "asyncrl.launch", str(tmp / "run.toml"),
-        "--set", f"cluster.host=127.0.0.1{n}",
+        *torchrun_log_args(str(tmp / f"torchrun-{n}")), "-m", "asyncrl.launch",
+        str(tmp / "run.toml"), "--set", f"cluster.host=127.0.0.1{n}",
     ]  # fmt: skip
     script = "; ".join([
         f"hostname node{n}",
@@ -99,28 +116,103 @@ def _node(tmp: Path, n: int, port: int) -> subprocess.Popen[str]:
                             start_new_session=True)  # fmt: skip
 
 
-def test_a_worker_on_another_node_reaches_the_controller_and_is_refused_by_name(
-    tmp_path: Path,
-) -> None:
-    write_model_dir(tmp_path / "model")
-    (tmp_path / "run.toml").write_text(CONFIG.format(model=tmp_path / "model", out=tmp_path / "out"))
-    (tmp_path / "hosts").write_text("127.0.0.1 localhost\n127.0.0.10 node0\n127.0.0.11 node1\n")
+def _start(tmp: Path) -> list[subprocess.Popen[str]]:
     port = free_port()
-    nodes = [_node(tmp_path, 0, port)]
+    first = _node(tmp, 0, port)
     time.sleep(0.5)  # node0 hosts the rendezvous store
-    nodes.append(_node(tmp_path, 1, port))
-    outs, started = [], time.monotonic()
+    return [first, _node(tmp, 1, port)]
+
+
+def _finish(node: subprocess.Popen[str], deadline: float) -> str:
     try:
-        for node in nodes:
-            outs.append(node.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))[0])
+        return node.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
     except subprocess.TimeoutExpired:
-        for node in nodes:
-            os.killpg(node.pid, signal.SIGKILL)
-        pytest.fail(f"the two nodes did not stop within {TIMEOUT_S} s")
-    said = [line for out in outs for line in out.splitlines() if line.startswith("asyncrl: error:")]
-    assert len(said) == 1, outs  # rank 0's one line, on whichever node won rank 0
-    (line,) = said
-    assert "runs on another host than the controller" in line, line
-    assert ("'node1', the controller on 'node0'" in line) or ("'node0', the controller on 'node1'" in line), line
-    assert "rollout:0" in line
-    assert all(node.returncode != 0 for node in nodes), [node.returncode for node in nodes]
+        os.killpg(node.pid, signal.SIGKILL)
+        out = node.communicate()[0]
+        pytest.fail(f"node did not stop in time:\n{out[-3000:]}")
+
+
+def _records(tmp: Path) -> list[dict]:
+    path = tmp / "out" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for_step(tmp: Path, nodes: list[subprocess.Popen[str]], step: int) -> None:
+    deadline = time.monotonic() + 60
+    while not any(r["kind"] == "train" and r["step"] >= step for r in _records(tmp)):
+        assert all(n.poll() is None for n in nodes), [n.poll() for n in nodes]
+        assert time.monotonic() < deadline, "no train step within 60 s"
+        time.sleep(0.1)
+
+
+def _one_node_rewards(tmp: Path, config: Path, steps: int) -> list[float]:
+    """The same run on one node (both ranks on this host, ipc is not used: tcp still)."""
+    out = tmp / "one-node"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         *torchrun_log_args(str(tmp / "torchrun-one")), "-m", "asyncrl.launch", str(config),
+         "--set", f"run.output_dir={out}"],
+        cwd=tmp, check=True, capture_output=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["reward"] for r in records if r["kind"] == "train"]
+
+
+def test_two_nodes_train_as_one_with_every_refit_crossing_them_verified(tmp_path: Path) -> None:
+    steps = 3
+    config = _write(tmp_path, steps=steps)
+    nodes = _start(tmp_path)
+    deadline = time.monotonic() + TIMEOUT_S
+    outs = [_finish(node, deadline) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    records = _records(tmp_path)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    # every refit verified on the far node (a failed check stops the run)
+    verified = [(r["worker"], r["version"]) for r in records if r["kind"] == "refit_verify"]
+    assert verified == [("rollout:0", v) for v in range(1, steps + 1)], verified
+    # the rollout worker was on node1, the controller (rank 0) on node0
+    connected = [json.loads(line) for line in outs[0].splitlines()
+                 if '"worker_connected"' in line and '"rollout:0"' in line]  # fmt: skip
+    assert [c.get("host") for c in connected] == ["node1"], outs[0][-3000:]
+    # the same seed on one node: the same rewards, step by step
+    assert [r["reward"] for r in train] == _one_node_rewards(tmp_path, config, steps)
+
+
+def test_a_node_killed_mid_run_is_named_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    """node1 (the rollout rank) dies whole: the controller names it lost, with its host,
+    within timeout + interval, and node0 stops with nothing left behind."""
+    _write(tmp_path, steps=1000, delay=0.02, failures=HEARTBEAT)
+    nodes = _start(tmp_path)
+    _wait_for_step(tmp_path, nodes, 1)
+    killed = time.monotonic()
+    os.killpg(nodes[1].pid, signal.SIGKILL)  # unshare, hence its pid namespace: all of node1
+    nodes[1].communicate()
+    out = _finish(nodes[0], killed + 60)
+    took = time.monotonic() - killed
+    said = [line for line in out.splitlines() if line.startswith("asyncrl: error:")]
+    assert len(said) == 1, out[-3000:]
+    assert "worker rollout:0 on host 'node1'" in said[0] and "is lost" in said[0], said
+    assert "failures.heartbeat_timeout_s = 3 s" in said[0], said
+    assert nodes[0].returncode == 1
+    # named at 3-3.5 s; then the orderly stop of node0 (engine, sockets, torchrun's agent)
+    assert took < 11, took  # 3.6 s measured (named at 3-3.5 s, then the stop)
+    assert session_processes(nodes[0].pid) == []
+
+
+def test_the_controllers_node_killed_stops_the_other_node(tmp_path: Path) -> None:
+    """node0 (the controller) dies whole: node1's worker hears nothing more and stops, and its
+    node with it, within the heartbeat timeout (or sooner, when torchrun's agent sees its
+    rendezvous store gone)."""
+    _write(tmp_path, steps=1000, delay=0.02, failures=HEARTBEAT)
+    nodes = _start(tmp_path)
+    _wait_for_step(tmp_path, nodes, 1)
+    killed = time.monotonic()
+    os.killpg(nodes[0].pid, signal.SIGKILL)
+    nodes[0].communicate()
+    _finish(nodes[1], killed + 60)
+    took = time.monotonic() - killed
+    assert nodes[1].returncode != 0
+    assert took < 11, took  # 1.6 s measured (torchrun's agent saw its store go; the
+    # worker's own watch alone: 3.5 s, then the stop)
+    assert session_processes(nodes[1].pid) == []

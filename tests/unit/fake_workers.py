@@ -64,7 +64,9 @@ class FakeWorker:
         with anyio.fail_after(5):
             return self.rx.decode(await self.sock.recv())
 
-    async def handshake(self, *, version: int = PROTOCOL_VERSION, ready: bool = True) -> Init:
+    async def handshake(
+        self, *, version: int = PROTOCOL_VERSION, ready: bool = True, host: str = ""
+    ) -> Init:
         """Hello (protocol ``version``), the controller's Init, then Ready unless told not to.
 
         Raises:
@@ -72,7 +74,7 @@ class FakeWorker:
         """
         await self.say(
             Hello(protocol_version=version, group=self.group, rank=self.rank, world_size=1,
-                  pid=self.pid, log_path=f"/logs/{self.group}-{self.rank}.log")
+                  pid=self.pid, log_path=f"/logs/{self.group}-{self.rank}.log", host=host)
         )  # fmt: skip
         init = await self.hear()
         assert isinstance(init, Init), init

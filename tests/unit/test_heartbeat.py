@@ -17,7 +17,7 @@ import pytest
 import structlog
 
 from asyncrl.config import FailuresConfig
-from asyncrl.errors import WorkerDiedError, WorkerHungError
+from asyncrl.errors import WorkerDiedError, WorkerHungError, WorkerLostError
 from asyncrl.run.heartbeat import Heartbeat, HeartbeatTracker, Watched
 from fake_workers import FakeWorker, control_plane
 
@@ -233,6 +233,39 @@ async def test_the_controllers_own_process_is_not_probed(
             tg.start_soon(beat.run, control)
             await anyio.sleep(0.6)
     assert sent == [] and not [e for e in logs if e["event"] == "worker_hung"]
+
+
+@pytest.mark.asyncio
+async def test_a_silent_worker_on_another_host_is_declared_lost_not_signalled(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its pid (here the test's own, as a pid of another host may be any process here) is
+    never opened nor signalled; after the timeout it is named lost, with its host."""
+    sent: list[Any] = []
+    monkeypatch.setattr(signal, "pidfd_send_signal", lambda *args: sent.append(args))
+    opened: list[int] = []
+    real_open = os.pidfd_open
+    monkeypatch.setattr(os, "pidfd_open", lambda pid, *a: opened.append(pid) or real_open(pid, *a))
+    beat = Heartbeat(FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6))
+    async with control_plane(run_dir, host="node0/b/1", remote_ok=True) as (control, ctx, address, tg):
+        far = FakeWorker(ctx, address, "rollout", 0, os.getpid() + 1)
+        await far.handshake(host="node1/b/2")
+        with anyio.fail_after(5):
+            peer = await control.wait_peer("rollout:0")
+        assert peer.remote and peer.host == "node1/b/2"
+        with structlog.testing.capture_logs() as logs:
+            start = time.monotonic()
+            tg.start_soon(beat.run, control)
+            with anyio.fail_after(5):
+                lost = await beat.lost(peer)
+            waited = time.monotonic() - start
+    assert 0.6 <= waited < 2.0, waited  # the timeout, plus up to an interval or two
+    assert sent == [] and opened == []
+    assert isinstance(lost, WorkerLostError) and (lost.host, lost.pid) == ("node1", os.getpid() + 1)
+    assert str(lost).startswith("worker rollout:0 on host 'node1' (pid ")
+    assert "went away or was cut off" in str(lost) and "/logs/rollout-0.log" in str(lost)
+    (event,) = [e for e in logs if e["event"] == "worker_lost"]
+    assert event["host"] == "node1" and not [e for e in logs if e["event"] == "worker_hung"]
 
 
 @pytest.mark.asyncio

@@ -721,15 +721,16 @@ async def test_a_receiver_left_out_during_a_send_makes_the_sender_skip_no_other(
     itself while a watcher may shrink it: rollout:0 and rollout:2 exit while the manifest goes
     to rollout:1, so the loop skipped rollout:3, which never got the manifest and was waited
     for until refit.timeout_s. Now every live receiver gets every message, and one left out
-    gets nothing more. Process ``i`` stands for rollout:i; its exit is staged (a stand-in for
-    ``wait_pid_exit``), so the watchers run exactly during that send."""
+    gets nothing more. Process ``i + 1`` stands for rollout:i (0 is no process: a receiver on
+    another host); its exit is staged (a stand-in for ``wait_pid_exit``), so the watchers run
+    exactly during that send."""
     from asyncrl.worker import weights as weights_module
 
     names = [f"rollout:{i}" for i in range(4)]
     exits = [anyio.Event() for _ in names]
 
     async def staged_exit(pid: int) -> None:
-        await exits[pid].wait()
+        await exits[pid - 1].wait()
 
     pair = Pair(run_dir)
     watched = ExitsDuringSend(pair.sender._sock, "rollout:1", [exits[0], exits[2]])
@@ -754,7 +755,7 @@ async def test_a_receiver_left_out_during_a_send_makes_the_sender_skip_no_other(
                     gone.start_soon(receive, "rollout:2")
                     sent = await pair.sender.send(
                         1, names, specs(), tensors(w), bucket_size=BUCKET, timeout_s=3,
-                        pids=list(range(4)),
+                        pids=list(range(1, 5)),
                     )
                     gone.cancel_scope.cancel()
     finally:

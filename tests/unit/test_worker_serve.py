@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -401,3 +402,48 @@ async def test_an_aggregation_the_backend_cannot_normalize_is_refused_before_it_
         finally:
             await rt.close()
             control.close()
+
+
+async def test_a_controller_on_another_host_is_taken_for_gone_when_it_falls_silent() -> None:
+    """Its pid names nothing here: the worker watches what it hears instead. Health probes
+    every 0.1 s keep it serving; once they stop, it raises ControllerLostError within
+    interval + timeout (0.1 + 0.5 s), naming the controller's host."""
+    from asyncrl.config import FailuresConfig
+    from asyncrl.errors import ControllerLostError
+
+    failures = FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    wctx = WorkerContext(group="trainer", rank=0, world_size=1, local_rank=0,
+                         config=SimpleNamespace(failures=failures), run_dir="")  # type: ignore[arg-type]
+    init = Init(run_id="r", config={}, data_address="", controller_pid=1,  # pid 1: not watched
+                controller_host="node0/boot/1")  # fmt: skip
+    control = _Control()
+    rt = TrainerRuntime(None, control, init, wctx)
+    rt.adopt(_Trainer(), plugin="fake")
+    assert rt.controller_remote
+    lost: list[BaseException] = []
+    silent_from = [0.0]
+
+    async def serve() -> None:
+        try:
+            await rt.run()
+        except ControllerLostError as exc:
+            lost.append(exc)
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve)
+                for i in range(10):  # 1 s of probes: it keeps serving
+                    control.call(i, Health())
+                    await control.answer()  # it heard the probe: its silence counts from here
+                    silent_from[0] = anyio.current_time()
+                    await anyio.sleep(0.1)
+                assert not lost  # then no more probes
+        took = anyio.current_time() - silent_from[0]
+    finally:
+        await rt.close()
+        control.close()
+    (error,) = lost
+    assert "the controller on host 'node0' sent worker trainer:0 nothing for" in str(error)
+    assert "went away or was cut off" in str(error)
+    assert 0.6 <= took < 1.8, took  # the 0.6 s limit + one check of 0.1 s: 0.60-0.70 s measured
