@@ -158,6 +158,13 @@ class WorkerDiedError(WorkerError):
         self.args = (f"{self.args[0]}\n{line}", *self.args[1:])
 
 
+def _last_answer(at: float | None) -> str:
+    """When a silent worker last answered a health probe, for its error's message."""
+    if at is None:
+        return "it never answered one since it was ready"
+    return f"its last answer came at {time.strftime('%H:%M:%S', time.localtime(at))}"
+
+
 class WorkerHungError(WorkerDiedError):
     """A worker answered no health probe for ``failures.heartbeat_timeout_s`` while its
     process lived (stopped, deadlocked, its event loop blocked), so the controller killed it
@@ -187,11 +194,7 @@ class WorkerHungError(WorkerDiedError):
         exit_code: int | None = -9,
         detail: str = "",
     ) -> None:
-        if last_answer is None:
-            last = "it never answered one since it was ready"
-        else:
-            clock = time.strftime("%H:%M:%S", time.localtime(last_answer))
-            last = f"its last answer came at {clock}"
+        last = _last_answer(last_answer)
         text = (
             f"worker {group}:{rank} hung: it answered no health probe for {silent_s:.1f} s "
             f"(failures.heartbeat_timeout_s = {timeout_s:g} s) and {last}; its process (pid "
@@ -229,10 +232,7 @@ class WorkerLostError(WorkerDiedError):
         last_answer: float | None,
         timeout_s: float,
     ) -> None:
-        if last_answer is None:
-            last = "it never answered one since it was ready"
-        else:
-            last = f"its last answer came at {time.strftime('%H:%M:%S', time.localtime(last_answer))}"
+        last = _last_answer(last_answer)
         text = (
             f"worker {group}:{rank} on host {host!r} (pid {pid} there) is lost: it answered no "
             f"health probe for {silent_s:.1f} s (failures.heartbeat_timeout_s = {timeout_s:g} "
