@@ -220,9 +220,16 @@ def test_worker_killed(
     assert len(out.lines) == 1, out.output[-4000:]
     group, rank = victim.split(":")
     log_path = config.parent / "out" / "logs" / f"{group}-{rank}.log"
-    assert out.lines[0] == (
-        f"asyncrl: error: worker {victim} died with exit code -9; its log: {log_path}"
-    ), out.output[-4000:]
+    codes = ["-9"]
+    if mode == "launch":
+        # The controller reads a sibling rank's status from /proc while it is a zombie; its
+        # parent, torchrun's agent, reaps it at its next monitor tick (0.1 s) and then the
+        # status is gone. One CI run in about forty lost that race (issue 27's notes).
+        codes.append("unknown")
+    assert out.lines[0] in [
+        f"asyncrl: error: worker {victim} died with exit code {code}; its log: {log_path}"
+        for code in codes
+    ], out.output[-4000:]
 
 
 @pytest.mark.parametrize("phase", PHASES)

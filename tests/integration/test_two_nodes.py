@@ -11,6 +11,7 @@ rank 0 there, rollout rank 0 on node1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,8 +32,11 @@ from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from asyncrl_example_backend.model import write_model_dir  # noqa: E402
 from integration_support import free_port, session_processes  # noqa: E402
 
-NAMESPACES = ["unshare", "--user", "--map-root-user", "--mount", "--uts", "--pid", "--fork",
-              "--kill-child", "--mount-proc"]  # fmt: skip
+NODE = ["--mount", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
+"""A node's own namespaces besides its user (and network) namespace."""
+NAMESPACES = ["unshare", "--user", "--map-root-user", *NODE]
+WIRED = "10.99.0.1"
+"""The wired nodes' subnet: node0 = 10.99.0.10, node1 = 10.99.0.11, on a veth pair."""
 TIMEOUT_S = 120
 HEARTBEAT = "heartbeat_interval_s = 0.5\nheartbeat_timeout_s = 3.0\n"
 """A node lost is named within 3.5 s (timeout + interval)."""
@@ -86,32 +91,41 @@ num_prompts = 4
 """
 
 
-def _write(tmp: Path, *, steps: int, delay: float = 0.0, failures: str = "") -> Path:
+def _write(
+    tmp: Path, *, steps: int, delay: float = 0.0, failures: str = "", subnet: str = "127.0.0.1"
+) -> Path:
     write_model_dir(tmp / "model")
     config = tmp / "run.toml"
     config.write_text(CONFIG.format(model=tmp / "model", out=tmp / "out", steps=steps,
                                     delay=delay, failures=failures))  # fmt: skip
-    (tmp / "hosts").write_text("127.0.0.1 localhost\n127.0.0.10 node0\n127.0.0.11 node1\n")
+    (tmp / "hosts").write_text(f"127.0.0.1 localhost\n{subnet}0 node0\n{subnet}1 node1\n")
     return config
 
 
-def _node(tmp: Path, n: int, port: int) -> subprocess.Popen[str]:
-    """Node ``n``: its namespaces, its mounts, then torchrun (one rank) joining the other."""
+def _node(
+    tmp: Path, n: int, port: int, *, enter: list[str] = NAMESPACES, subnet: str = "127.0.0.1",
+    wait_for: Path | None = None,
+) -> subprocess.Popen[str]:
+    """Node ``n``: its namespaces (``enter``), its mounts, then torchrun (one rank) joining the
+    other; its address is ``subnet`` + ``n``. ``wait_for``: a file to wait for first (its
+    network being wired)."""
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node0:{port}", "--rdzv-id", "two-nodes",
         *torchrun_log_args(str(tmp / f"torchrun-{n}")), "-m", "asyncrl.launch",
-        str(tmp / "run.toml"), "--set", f"cluster.host=127.0.0.1{n}",
+        str(tmp / "run.toml"), "--set", f"cluster.host={subnet}{n}",
     ]  # fmt: skip
-    script = "; ".join([
+    script = [
         f"hostname node{n}",
         f"mount --bind {shlex.quote(str(tmp / 'hosts'))} /etc/hosts",
         "mount -t tmpfs tmpfs /dev/shm",
         'runs="/tmp/asyncrl-$(id -un)"; mkdir -p "$runs"',
         'mount -t tmpfs -o mode=700 tmpfs "$runs"',
         "exec " + shlex.join(torchrun),
-    ])  # fmt: skip
-    return subprocess.Popen([*NAMESPACES, "sh", "-c", script], cwd=tmp, text=True,
+    ]  # fmt: skip
+    if wait_for is not None:
+        script.insert(0, f"while [ ! -e {shlex.quote(str(wait_for))} ]; do sleep 0.05; done")
+    return subprocess.Popen([*enter, "sh", "-c", "; ".join(script)], cwd=tmp, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
 
@@ -121,6 +135,57 @@ def _start(tmp: Path) -> list[subprocess.Popen[str]]:
     first = _node(tmp, 0, port)
     time.sleep(0.5)  # node0 hosts the rendezvous store
     return [first, _node(tmp, 1, port)]
+
+
+def _net(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+@contextlib.contextmanager
+def _wired_nodes(tmp: Path) -> Iterator[tuple[list[subprocess.Popen[str]], Callable[[], None]]]:
+    """Two nodes, each in a network namespace of its own, joined by a veth pair (node0's end
+    ``veth0``, 10.99.0.10; node1's ``veth1``, 10.99.0.11): no loopback between them. Yields
+    the nodes and ``cut``, which takes node0's end down (node1 is cut off; nothing is killed).
+
+    A holder process owns the user namespace and node0's network; node0 enters both, node1
+    enters the user namespace and makes its own network, which the holder's side wires."""
+    holder = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+         "ip link set lo up && exec sleep 3600"], start_new_session=True,
+    )  # fmt: skip
+    user = ["nsenter", "--target", str(holder.pid), "--user", "--preserve-credentials"]
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        until = time.monotonic() + 10
+        while _net(holder.pid) == _net(os.getpid()):
+            assert time.monotonic() < until, "the holder made no network namespace"
+            time.sleep(0.01)
+        wired = tmp / "wired"
+        port = free_port()  # a fresh namespace: any port is free there
+        nodes.append(_node(tmp, 0, port, enter=[*user, "--net", "unshare", *NODE],
+                           subnet=WIRED, wait_for=wired))  # fmt: skip
+        nodes.append(_node(tmp, 1, port, enter=[*user, "unshare", "--net", *NODE],
+                           subnet=WIRED, wait_for=wired))  # fmt: skip
+        while _net(nodes[1].pid) == _net(holder.pid):  # nsenter execs unshare: same pid
+            assert time.monotonic() < until, "node1 made no network namespace"
+            time.sleep(0.01)
+
+        def ip(where: int, *commands: str) -> None:
+            for command in commands:
+                subprocess.run(["nsenter", "--target", str(where), "--user",
+                                "--preserve-credentials", "--net", "ip", *command.split()],
+                               check=True, capture_output=True, timeout=10)  # fmt: skip
+
+        ip(holder.pid, f"link add veth0 type veth peer name veth1 netns {nodes[1].pid}",
+           f"addr add {WIRED}0/24 dev veth0", "link set veth0 up")  # fmt: skip
+        ip(nodes[1].pid, "link set lo up", f"addr add {WIRED}1/24 dev veth1", "link set veth1 up")
+        wired.touch()
+        yield nodes, lambda: ip(holder.pid, "link set veth0 down")
+    finally:
+        for proc in [*nodes, holder]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def _finish(node: subprocess.Popen[str], deadline: float) -> str:
@@ -216,3 +281,42 @@ def test_the_controllers_node_killed_stops_the_other_node(tmp_path: Path) -> Non
     assert took < 11, took  # 1.6 s measured (torchrun's agent saw its store go; the
     # worker's own watch alone: 3.5 s, then the stop)
     assert session_processes(nodes[1].pid) == []
+
+
+def test_a_node_cut_off_by_its_network_is_named_within_the_heartbeat_timeout(
+    tmp_path: Path,
+) -> None:
+    """node1 keeps running but its link goes down (each node in its own network namespace,
+    joined by a veth pair): the controller names it lost within timeout + interval and node0
+    stops clean; node1's worker, hearing nothing more, stops by itself."""
+    _write(tmp_path, steps=1000, delay=0.02, failures=HEARTBEAT, subnet=WIRED)
+    with _wired_nodes(tmp_path) as (nodes, cut):
+        _wait_for_step(tmp_path, nodes, 1)
+        cut_at = time.monotonic()
+        cut()
+        out = _finish(nodes[0], cut_at + 60)
+        took = time.monotonic() - cut_at
+        said = [line for line in out.splitlines() if line.startswith("asyncrl: error:")]
+        assert len(said) == 1, out[-3000:]
+        assert "worker rollout:0 on host 'node1'" in said[0] and "is lost" in said[0], said
+        assert nodes[0].returncode == 1
+        assert took < 11, took
+        assert session_processes(nodes[0].pid) == []
+        # node1 is alive but alone: its worker stops on the controller's silence
+        log = tmp_path / "out" / "logs" / "rollout-0.log"
+        until = time.monotonic() + 15
+        while "ControllerLostError" not in log.read_text():
+            assert time.monotonic() < until, log.read_text()[-3000:]
+            time.sleep(0.1)
+        alone = time.monotonic() - cut_at
+        # ...and its process with it. What stays is torchrun's agent, waiting on a store it
+        # cannot reach (torch's own timeouts: minutes); a scheduler ends it with the job
+        # (srun --kill-on-bad-exit, a Job's failure policy). Measured: node0 out 3.4-4.1 s
+        # after the cut, node1's worker 3.7-4.1 s.
+        until = time.monotonic() + 15
+        while len(left := session_processes(nodes[1].pid)) > 2:
+            assert time.monotonic() < until, [p.cmdline() for p in left]
+            time.sleep(0.1)
+        assert [p.cmdline()[0] for p in left] == ["unshare", sys.executable], left
+        assert "torch.distributed.run" in left[1].cmdline()
+        print(f"\ncut: node0 stopped {took:.1f} s after the cut, node1's worker {alone:.1f} s")
