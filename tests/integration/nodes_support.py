@@ -1,0 +1,147 @@
+"""Two simulated nodes on one machine for the multi-node tests: ``torchrun --nnodes 2
+--rdzv-backend c10d -m asyncrl.launch`` in two sets of Linux namespaces (user, mount, UTS, pid;
+optionally network), each with its own host name, ``/dev/shm`` and ``/tmp/asyncrl-<user>`` (a
+stray ipc socket or shared-memory file cannot cross: it would not be there), and an
+``/etc/hosts`` of its own naming ``node0`` and ``node1``. torchrun ranks the nodes by name, so
+node0 holds global rank 0 (the controller). Used by tests/integration/test_two_nodes.py (the
+bigram backends) and tests/e2e/test_two_nodes_vllm.py (the demo: FSDP2 and vLLM)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl.procs.spawn import torchrun_log_args
+from integration_support import free_port
+
+NODE = ["--mount", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
+"""A node's own namespaces besides its user (and network) namespace."""
+NAMESPACES = ["unshare", "--user", "--map-root-user", *NODE]
+LOOPBACK = "127.0.0.1"
+"""The loopback nodes' addresses: node0 = 127.0.0.10, node1 = 127.0.0.11 (one network)."""
+WIRED = "10.99.0.1"
+"""The wired nodes' subnet: node0 = 10.99.0.10, node1 = 10.99.0.11, on a veth pair."""
+
+
+def namespaces_work() -> bool:
+    try:
+        return subprocess.run([*NAMESPACES, "sh", "-c", "hostname x && mount -t tmpfs t /dev/shm"],
+                              capture_output=True, timeout=20).returncode == 0  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def write_hosts(tmp: Path, subnet: str = LOOPBACK) -> None:
+    """The nodes' ``/etc/hosts`` (bound over theirs)."""
+    (tmp / "hosts").write_text(f"127.0.0.1 localhost\n{subnet}0 node0\n{subnet}1 node1\n")
+
+
+def node(
+    tmp: Path, n: int, port: int, config: Path, *, enter: list[str] = NAMESPACES,
+    subnet: str = LOOPBACK, wait_for: Path | None = None,
+) -> subprocess.Popen[str]:
+    """Node ``n``: its namespaces (``enter``), its mounts, then torchrun (one rank) joining the
+    other; its address is ``subnet`` + ``n``. ``wait_for``: a file to wait for first (its
+    network being wired)."""
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node0:{port}", "--rdzv-id", "two-nodes",
+        *torchrun_log_args(str(tmp / f"torchrun-{n}")), "-m", "asyncrl.launch",
+        str(config), "--set", f"cluster.host={subnet}{n}",
+    ]  # fmt: skip
+    script = [
+        f"hostname node{n}",
+        f"mount --bind {shlex.quote(str(tmp / 'hosts'))} /etc/hosts",
+        "mount -t tmpfs tmpfs /dev/shm",
+        'runs="/tmp/asyncrl-$(id -un)"; mkdir -p "$runs"',
+        'mount -t tmpfs -o mode=700 tmpfs "$runs"',
+        "exec " + shlex.join(torchrun),
+    ]  # fmt: skip
+    if wait_for is not None:
+        script.insert(0, f"while [ ! -e {shlex.quote(str(wait_for))} ]; do sleep 0.05; done")
+    return subprocess.Popen([*enter, "sh", "-c", "; ".join(script)], cwd=tmp, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def start_nodes(tmp: Path, config: Path) -> list[subprocess.Popen[str]]:
+    """Two nodes on this host's loopback (``write_hosts(tmp)`` first)."""
+    port = free_port()
+    first = node(tmp, 0, port, config)
+    time.sleep(0.5)  # node0 hosts the rendezvous store
+    return [first, node(tmp, 1, port, config)]
+
+
+def _net(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+@contextlib.contextmanager
+def wired_nodes(
+    tmp: Path, config: Path
+) -> Iterator[tuple[list[subprocess.Popen[str]], Callable[[], None]]]:
+    """Two nodes, each in a network namespace of its own, joined by a veth pair (node0's end
+    ``veth0``, 10.99.0.10; node1's ``veth1``, 10.99.0.11): no loopback between them. Yields
+    the nodes and ``cut``, which takes node0's end down (node1 is cut off; nothing is killed).
+    ``write_hosts(tmp, WIRED)`` first.
+
+    A holder process owns the user namespace and node0's network; node0 enters both, node1
+    enters the user namespace and makes its own network, which the holder's side wires."""
+    holder = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+         "ip link set lo up && exec sleep 3600"], start_new_session=True,
+    )  # fmt: skip
+    user = ["nsenter", "--target", str(holder.pid), "--user", "--preserve-credentials"]
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        until = time.monotonic() + 10
+        while _net(holder.pid) == _net(os.getpid()):
+            assert time.monotonic() < until, "the holder made no network namespace"
+            time.sleep(0.01)
+        wired = tmp / "wired"
+        port = free_port()  # a fresh namespace: any port is free there
+        nodes.append(node(tmp, 0, port, config, enter=[*user, "--net", "unshare", *NODE],
+                           subnet=WIRED, wait_for=wired))  # fmt: skip
+        nodes.append(node(tmp, 1, port, config, enter=[*user, "unshare", "--net", *NODE],
+                           subnet=WIRED, wait_for=wired))  # fmt: skip
+        # nsenter execs unshare (the same pid), which then makes node1's network: until it
+        # has, the pid is in this test's network namespace
+        while _net(nodes[1].pid) in (_net(holder.pid), _net(os.getpid())):
+            assert time.monotonic() < until, "node1 made no network namespace"
+            time.sleep(0.01)
+
+        def ip(where: int, *commands: str) -> None:
+            for command in commands:
+                subprocess.run(["nsenter", "--target", str(where), "--user",
+                                "--preserve-credentials", "--net", "ip", *command.split()],
+                               check=True, capture_output=True, timeout=10)  # fmt: skip
+
+        ip(holder.pid, f"link add veth0 type veth peer name veth1 netns {nodes[1].pid}",
+           f"addr add {WIRED}0/24 dev veth0", "link set veth0 up")  # fmt: skip
+        ip(nodes[1].pid, "link set lo up", f"addr add {WIRED}1/24 dev veth1", "link set veth1 up")
+        wired.touch()
+        yield nodes, lambda: ip(holder.pid, "link set veth0 down")
+    finally:
+        for proc in [*nodes, holder]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def finish(proc: subprocess.Popen[str], deadline: float) -> str:
+    """The node's output once it exits; killed (and the test failed) past ``deadline``."""
+    try:
+        return proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"node did not stop in time:\n{out[-3000:]}")
