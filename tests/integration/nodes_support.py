@@ -9,6 +9,7 @@ bigram backends) and tests/e2e/test_two_nodes_vllm.py (the demo: FSDP2 and vLLM)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -145,3 +146,17 @@ def finish(proc: subprocess.Popen[str], deadline: float) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0]
         pytest.fail(f"node did not stop in time:\n{out[-3000:]}")
+
+
+def one_node_rewards(tmp: Path, config: Path, timeout_s: float) -> list[float]:
+    """The same run on one node, both ranks on this host (its output in ``tmp/one-node``):
+    the rewards of its training steps."""
+    out = tmp / "one-node"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         *torchrun_log_args(str(tmp / "torchrun-one")), "-m", "asyncrl.launch", str(config),
+         "--set", f"run.output_dir={out}"],
+        cwd=tmp, check=True, capture_output=True, timeout=timeout_s,
+    )  # fmt: skip
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["reward"] for r in records if r["kind"] == "train"]

@@ -22,7 +22,6 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
-from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from asyncrl_example_backend.model import write_model_dir  # noqa: E402
 from integration_support import session_processes  # noqa: E402
 from nodes_support import (  # noqa: E402
@@ -30,6 +29,7 @@ from nodes_support import (  # noqa: E402
     WIRED,
     finish,
     namespaces_work,
+    one_node_rewards,
     start_nodes,
     wired_nodes,
     write_hosts,
@@ -105,19 +105,6 @@ def _wait_for_step(tmp: Path, nodes: list[subprocess.Popen[str]], step: int) -> 
         time.sleep(0.1)
 
 
-def _one_node_rewards(tmp: Path, config: Path, steps: int) -> list[float]:
-    """The same run on one node (both ranks on this host, ipc is not used: tcp still)."""
-    out = tmp / "one-node"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         *torchrun_log_args(str(tmp / "torchrun-one")), "-m", "asyncrl.launch", str(config),
-         "--set", f"run.output_dir={out}"],
-        cwd=tmp, check=True, capture_output=True, timeout=TIMEOUT_S,
-    )  # fmt: skip
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["reward"] for r in records if r["kind"] == "train"]
-
-
 def test_two_nodes_train_as_one_with_every_refit_crossing_them_verified(tmp_path: Path) -> None:
     steps = 3
     config = _write(tmp_path, steps=steps)
@@ -136,7 +123,7 @@ def test_two_nodes_train_as_one_with_every_refit_crossing_them_verified(tmp_path
                  if '"worker_connected"' in line and '"rollout:0"' in line]  # fmt: skip
     assert [c.get("host") for c in connected] == ["node1"], outs[0][-3000:]
     # the same seed on one node: the same rewards, step by step
-    assert [r["reward"] for r in train] == _one_node_rewards(tmp_path, config, steps)
+    assert [r["reward"] for r in train] == one_node_rewards(tmp_path, config, TIMEOUT_S)
 
 
 def test_a_node_killed_mid_run_is_named_within_the_heartbeat_timeout(tmp_path: Path) -> None:
