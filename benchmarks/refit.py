@@ -19,10 +19,14 @@ Models are random-initialized Qwen2 shapes (Qwen2.5-0.5B, -1.5B, -7B), bf16, wri
   gathering one FSDP unit at a time.
 
 Placements: ``same`` (engine on the trainer rank 0's GPU) and ``other`` (engine on GPU 1,
-trainer rank 0 on GPU 0). The floor is one ``copy_`` of the refit's bytes from the trainer's
-GPU to the engine's (same GPU: a device-local copy), timed here.
+trainer rank 0 on GPU 0): the floor is one ``copy_`` of the refit's bytes from the trainer's
+GPU to the engine's (same GPU: a device-local copy), timed here. ``host`` (with ``--transport
+nccl``): the trainer's tensors in host memory, so the transfer is a gloo broadcast over TCP
+into the engine's host buffers, which it copies to GPU 0, the path of a refit to another node
+without NCCL; the floor is one send of the bytes through a loopback TCP connection.
 
     python benchmarks/refit.py --sizes 0.5b,7b --placements same,other
+    python benchmarks/refit.py --sizes 0.5b --placements host --transport nccl
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/refit.py --trainer fsdp2
     python benchmarks/refit.py --device cpu --sizes tiny --bucket-mb 1    # no GPU: checks
         the script itself on the CPU build (shm, or --transport nccl over gloo)
@@ -122,6 +126,31 @@ def copy_floor(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:
     del a, b
     if cuda:
         torch.cuda.empty_cache()
+    return best
+
+
+def tcp_floor(nbytes: int, repeats: int = 3) -> float:
+    """Seconds of the fastest of ``repeats`` sends of ``nbytes`` from host memory to host
+    memory through one loopback TCP connection: the floor of a gloo broadcast to one reader
+    on this host (gloo moves every byte over TCP), before the engine's copy to its GPU."""
+    import socket
+    import threading
+
+    src, dst = bytearray(nbytes), bytearray(nbytes)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+    best = float("inf")
+    with sender, receiver:
+        for _ in range(repeats):
+            thread = threading.Thread(target=sender.sendall, args=(memoryview(src),))
+            t0 = time.perf_counter()
+            thread.start()
+            view, got = memoryview(dst), 0
+            while got < nbytes:
+                got += receiver.recv_into(view[got:], min(nbytes - got, 1 << 24))
+            thread.join()
+            best = min(best, time.perf_counter() - t0)
     return best
 
 
@@ -337,11 +366,14 @@ async def one_gpu(args: argparse.Namespace) -> None:
         version = 1
         try:
             for placement in ["same"] if cpu else args.placements:
-                trainer_gpu = 0 if placement == "same" else 1
+                trainer_gpu = 1 if placement == "other" else 0
                 if not cpu and trainer_gpu >= torch.cuda.device_count():
                     print(f"{size} {placement}: needs a second GPU, skipped")
                     continue
-                device = "cpu" if cpu else f"cuda:{trainer_gpu}"
+                if placement == "host" and args.transport != "nccl":
+                    print(f"{size} host: the trainer on the CPU needs --transport nccl (gloo)")
+                    continue
+                device = "cpu" if cpu or placement == "host" else f"cuda:{trainer_gpu}"
                 state = load_state(model_dir, device)
                 floor = None
                 cases = itertools.product(args.bucket_mb, args.mirror, args.sender,
@@ -362,7 +394,9 @@ async def one_gpu(args: argparse.Namespace) -> None:
                     finally:
                         pair.close()
                     version += args.repeats + 1
-                    if floor is None:
+                    if floor is None and placement == "host":
+                        floor = tcp_floor(results[0][2].num_bytes)
+                    elif floor is None:
                         floor = copy_floor(results[0][2].num_bytes, device,
                                            "cpu" if cpu else "cuda:0")
                     case = {"size": size, "trainer": "1gpu", "placement": placement,

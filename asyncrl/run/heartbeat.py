@@ -267,8 +267,7 @@ class Heartbeat:
     def _watched(self, control: ControlPlane) -> list[Watched]:
         own = os.getpid()
         return [
-            Watched(p.identity, p.group, p.rank, p.pid, p.log_path,
-                    p.host.split("/")[0] if p.remote else "")  # fmt: skip
+            Watched(p.identity, p.group, p.rank, p.pid, p.log_path, p.host_name)
             for p in control.serving()
             if p.remote or p.pid != own
         ]

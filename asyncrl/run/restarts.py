@@ -123,7 +123,7 @@ class Restarts:
     def survivable(self, peer: Any) -> bool:
         """Whether ``peer``'s death would be outlived (a rollout worker, restarts left)."""
         pool = self._pool
-        return peer.group == "rollout" and not getattr(peer, "remote", False) and (
+        return peer.group == "rollout" and not peer.remote and (
             self._loops is not None and pool.restarts < pool.max_restarts
         )
 

@@ -27,6 +27,7 @@ import anyio
 import anyio.lowlevel
 import structlog
 
+from asyncrl.procs.process import host_name
 from asyncrl.wire.codec import Codec
 from asyncrl.errors import (
     ProtocolError,
@@ -84,6 +85,11 @@ class Peer:
     remote: bool = False
     """On another host than the controller: its ``pid`` means nothing here (it is never
     watched, signalled or waited for by pid; the heartbeat alone says it is gone)."""
+
+    @property
+    def host_name(self) -> str:
+        """Its host's name, where it is remote (``""`` on this host)."""
+        return host_name(self.host) if self.remote else ""
 
 
 @dataclass
@@ -258,7 +264,7 @@ class ControlPlane:
         self._peer_joined.set()
         self._peer_joined = anyio.Event()
         log.info("worker_connected", worker=identity, pid=hello.pid, log=hello.log_path,
-                 **({"host": hello.host.split("/")[0]} if remote else {}))
+                 **({"host": host_name(hello.host)} if remote else {}))
         await self._send(identity, self._make_init(hello))
 
     async def _send(self, identity: str, msg: Any) -> None:

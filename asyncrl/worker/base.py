@@ -49,7 +49,7 @@ from asyncrl import plugins
 from asyncrl.backend import BackendPlugin, WorkerContext, check_backend
 from asyncrl.config import Config
 from asyncrl.errors import ControllerLostError, ProtocolError, WorkerError, flatten
-from asyncrl.procs.process import host_id, wait_pid_exit
+from asyncrl.procs.process import host_id, host_name, wait_pid_exit
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
     CASTABLE,
@@ -350,7 +350,7 @@ class WorkerRuntime(abc.ABC):
         while True:
             silent = time.monotonic() - self._heard
             if silent > limit:
-                host = self.init.controller_host.split("/")[0]
+                host = host_name(self.init.controller_host)
                 raise ControllerLostError(
                     f"the controller on host {host!r} sent worker {self.identity} nothing for "
                     f"{silent:.1f} s (its heartbeat probes come every "

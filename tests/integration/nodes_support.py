@@ -48,11 +48,11 @@ def write_hosts(tmp: Path, subnet: str = LOOPBACK) -> None:
 
 def node(
     tmp: Path, n: int, port: int, config: Path, *, enter: list[str] = NAMESPACES,
-    subnet: str = LOOPBACK, wait_for: Path | None = None,
+    subnet: str = LOOPBACK, wait_for: Path | None = None, env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     """Node ``n``: its namespaces (``enter``), its mounts, then torchrun (one rank) joining the
     other; its address is ``subnet`` + ``n``. ``wait_for``: a file to wait for first (its
-    network being wired)."""
+    network being wired). ``env``: variables to set for it."""
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node0:{port}", "--rdzv-id", "two-nodes",
@@ -71,6 +71,7 @@ def node(
         script.insert(0, f"while [ ! -e {shlex.quote(str(wait_for))} ]; do sleep 0.05; done")
     return subprocess.Popen([*enter, "sh", "-c", "; ".join(script)], cwd=tmp, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})},
                             start_new_session=True)  # fmt: skip
 
 
@@ -88,12 +89,12 @@ def _net(pid: int) -> str:
 
 @contextlib.contextmanager
 def wired_nodes(
-    tmp: Path, config: Path
+    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {})
 ) -> Iterator[tuple[list[subprocess.Popen[str]], Callable[[], None]]]:
     """Two nodes, each in a network namespace of its own, joined by a veth pair (node0's end
     ``veth0``, 10.99.0.10; node1's ``veth1``, 10.99.0.11): no loopback between them. Yields
     the nodes and ``cut``, which takes node0's end down (node1 is cut off; nothing is killed).
-    ``write_hosts(tmp, WIRED)`` first.
+    ``write_hosts(tmp, WIRED)`` first; ``envs``: each node's variables.
 
     A holder process owns the user namespace and node0's network; node0 enters both, node1
     enters the user namespace and makes its own network, which the holder's side wires."""
@@ -111,9 +112,9 @@ def wired_nodes(
         wired = tmp / "wired"
         port = free_port()  # a fresh namespace: any port is free there
         nodes.append(node(tmp, 0, port, config, enter=[*user, "--net", "unshare", *NODE],
-                           subnet=WIRED, wait_for=wired))  # fmt: skip
+                           subnet=WIRED, wait_for=wired, env=envs[0]))  # fmt: skip
         nodes.append(node(tmp, 1, port, config, enter=[*user, "unshare", "--net", *NODE],
-                           subnet=WIRED, wait_for=wired))  # fmt: skip
+                           subnet=WIRED, wait_for=wired, env=envs[1]))  # fmt: skip
         # nsenter execs unshare (the same pid), which then makes node1's network: until it
         # has, the pid is in this test's network namespace
         while _net(nodes[1].pid) in (_net(holder.pid), _net(os.getpid())):
