@@ -28,10 +28,17 @@ case "$part" in
     } 2>&1 | tee "$OUT/probe.txt"
     ;;
   test)
-    timeout ${LIMIT:-500} python3 -m pytest -q -s -p no:cacheprovider \
+    # the image has no pytest-asyncio or pytest-timeout: their settings are dropped here
+    timeout ${LIMIT:-500} python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
+      -o asyncio_mode=strict -o filterwarnings=ignore -W ignore::pytest.PytestConfigWarning \
+      --basetemp /tmp/two-nodes \
       "tests/e2e/test_two_nodes_vllm.py::test_the_demo_on_two_nodes_trains_as_on_one[gpu]" \
       > "$OUT/two_nodes_gpu.txt" 2>&1
-    echo "two-node test rc=$?"
+    rc=$?
+    echo "two-node test rc=$rc"
+    # the run's logs and metrics, each node's torchrun logs
+    (cd /tmp/two-nodes && find . \( -name "*.log" -o -name "metrics.jsonl" -o -name "*.txt" \) \
+      -size -4M -print0 | tar --null -czf "$OUT/two_nodes_logs.tgz" -T -)
     grep -E "two nodes|passed|failed|skipped|Error" "$OUT/two_nodes_gpu.txt" | cut -c1-600 | tail -20
     ;;
   refit)

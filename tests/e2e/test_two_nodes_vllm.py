@@ -1,15 +1,17 @@
 """The demo's engines on two simulated nodes: FSDP2 training on node0 (with the controller),
-vLLM generating on node1 (the CPU build, or on the GPU: ``gpu``), each node in namespaces of its own (user, mount, UTS,
-pid and network: a veth pair is the only link, so no ipc socket, shared-memory file or
-abstract socket can cross), the controller's sockets on TCP with CURVE and every refit a gloo
-broadcast across the link, verified on the far side. Sync mode and one seed: the per-step
+vLLM generating on node1 (the CPU build, or on the GPU: ``gpu``), each node in namespaces of
+its own (user, mount, UTS, pid and network: a veth pair is the only link, so no ipc socket,
+shared-memory file or abstract socket can cross; where no veth pair can be made, one loopback
+network), the controller's sockets on TCP with CURVE and every refit a gloo broadcast across
+the link, verified on the far side. Sync mode and one seed: the per-step
 rewards equal a one-node run of the same config (tests/integration/nodes_support.py).
 
 ``gpu`` (the GPU machine): the engine on GPU 0 and the trainer on node0's CPUs (node0 sees no
 GPU), so the refit is a gloo broadcast across the link into host memory, which the engine
 copies to its GPU; its figures are in docs/refit.md. There one node cannot hold a CPU trainer
 next to a GPU engine (torchrun gives both ranks the same devices), so the rewards are printed,
-not compared."""
+not compared. ``two_gpus`` (two GPUs, not run yet): the trainer on GPU 0 of node0, the engine on
+GPU 1 of node1, every refit an NCCL broadcast between them."""
 
 from __future__ import annotations
 
@@ -22,14 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from integration_support import session_processes  # noqa: E402
-from nodes_support import (  # noqa: E402
-    WIRED,
-    finish,
-    namespaces_work,
-    one_node_rewards,
-    wired_nodes,
-    write_hosts,
-)
+from nodes_support import finish, namespaces_work, one_node_rewards, two_nodes  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -86,10 +81,28 @@ sinks = ["jsonl"]
 ENGINES = {
     "cpu": "cpu_kvcache_space_gib = 1",
     "gpu": "gpu_memory_utilization = 0.25",
+    "two_gpus": "gpu_memory_utilization = 0.25",
+}
+ENVS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
+    "cpu": ({}, {}),
+    "gpu": ({"CUDA_VISIBLE_DEVICES": ""}, {}),  # the trainer on node0's CPUs: gloo
+    "two_gpus": ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}),  # NCCL
 }
 
 
-@pytest.mark.parametrize("where", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("where", [
+    "cpu",
+    pytest.param("gpu", marks=pytest.mark.gpu),
+    # the NCCL path across nodes: the trainer on GPU 0, the engine on GPU 1 (not run yet)
+    pytest.param("two_gpus", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        _gpus() < 2, reason="NCCL between two nodes needs two GPUs (one rank per device)")]),
+])  # fmt: skip
 def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path: Path, where: str) -> None:
     from asyncrl_arith.make_model import make_model
 
@@ -97,12 +110,11 @@ def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path: Path, where: str) -> N
     config = tmp_path / "run.toml"
     config.write_text(CONFIG.format(out=tmp_path / "out", model=tmp_path / "model", steps=STEPS,
                                     engine=ENGINES[where]))  # fmt: skip
-    write_hosts(tmp_path, WIRED)
     started = time.monotonic()
-    envs = ({"CUDA_VISIBLE_DEVICES": ""}, {}) if where == "gpu" else ({}, {})
-    with wired_nodes(tmp_path, config, envs) as (nodes, _):
+    with two_nodes(tmp_path, config, ENVS[where]) as (link, nodes):
         outs = [finish(node, started + TIMEOUT_S) for node in nodes]
-        assert [n.returncode for n in nodes] == [0, 0], [o[-3000:] for o in outs]
+        said = [line for out in outs for line in out.splitlines() if "asyncrl: error" in line]
+        assert [n.returncode for n in nodes] == [0, 0], (said, [o[-3000:] for o in outs])
         assert [session_processes(n.pid) for n in nodes] == [[], []]
     two_nodes_s = time.monotonic() - started
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -118,9 +130,9 @@ def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path: Path, where: str) -> N
     assert [c.get("host") for c in connected] == ["node1"], outs[0][-3000:]
     rewards = [r["reward"] for r in train]
     refits = [(round(r["refit_s"], 3), round(r["refit_work_s"], 3)) for r in train]
-    print(f"\ntwo nodes ({where}): rewards {rewards}, {two_nodes_s:.0f} s; refit s (whole, "
-          f"trainer's work) {refits}; refit checks {[r['max_abs'] for r in verified]}")
-    if where == "gpu":
+    print(f"\ntwo {link} nodes ({where}): rewards {rewards}, {two_nodes_s:.0f} s; refit s "
+          f"(whole, trainer's work) {refits}; refit checks {[r['max_abs'] for r in verified]}")
+    if where != "cpu":
         return
     started = time.monotonic()
     assert rewards == one_node_rewards(tmp_path, config, TIMEOUT_S)

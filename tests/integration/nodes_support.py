@@ -41,6 +41,19 @@ def namespaces_work() -> bool:
         return False
 
 
+def wires_work() -> bool:
+    """Whether a veth pair can be made in a network namespace of our own (``ip`` from
+    iproute2 is needed: the GPU machine's image has none)."""
+    try:
+        return subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--net",
+             "ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+            capture_output=True, timeout=20,
+        ).returncode == 0  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def write_hosts(tmp: Path, subnet: str = LOOPBACK) -> None:
     """The nodes' ``/etc/hosts`` (bound over theirs)."""
     (tmp / "hosts").write_text(f"127.0.0.1 localhost\n{subnet}0 node0\n{subnet}1 node1\n")
@@ -75,12 +88,37 @@ def node(
                             start_new_session=True)  # fmt: skip
 
 
-def start_nodes(tmp: Path, config: Path) -> list[subprocess.Popen[str]]:
-    """Two nodes on this host's loopback (``write_hosts(tmp)`` first)."""
+def start_nodes(
+    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {})
+) -> list[subprocess.Popen[str]]:
+    """Two nodes on this host's loopback (``write_hosts(tmp)`` first); ``envs``: each node's
+    variables."""
     port = free_port()
-    first = node(tmp, 0, port, config)
+    first = node(tmp, 0, port, config, env=envs[0])
     time.sleep(0.5)  # node0 hosts the rendezvous store
-    return [first, node(tmp, 1, port, config)]
+    return [first, node(tmp, 1, port, config, env=envs[1])]
+
+
+@contextlib.contextmanager
+def two_nodes(
+    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {})
+) -> Iterator[tuple[str, list[subprocess.Popen[str]]]]:
+    """Wired nodes where a veth pair can be made, else loopback ones: yields which, and the
+    nodes (killed on the way out if still running). Writes the hosts file."""
+    if wires_work():
+        write_hosts(tmp, WIRED)
+        with wired_nodes(tmp, config, envs) as (nodes, _):
+            yield "wired", nodes
+        return
+    write_hosts(tmp, LOOPBACK)
+    nodes = start_nodes(tmp, config, envs)
+    try:
+        yield "loopback", nodes
+    finally:
+        for proc in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def _net(pid: int) -> str:
