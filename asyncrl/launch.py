@@ -65,7 +65,7 @@ import anyio
 import structlog
 
 from asyncrl.obs import log as _log
-from asyncrl.wire.curve import KEYS_ENV, RunKeys
+from asyncrl.wire.curve import KEYS_ENV, KeysError, RunKeys
 from asyncrl.run.checkpoint_dir import CheckpointError
 from asyncrl.config import Config, load_config, parse_overrides
 from asyncrl.errors import (
@@ -81,6 +81,7 @@ from asyncrl.procs.process import (
     die_with_parent,
     exit_status,
     host_id,
+    host_name,
     lost_owner,
     stopped_by_signal,
     wait_pid_exit,
@@ -258,10 +259,17 @@ def _agent_store() -> Any:
 def _roles(config: Config, rank: int, world: int) -> tuple[str, int]:
     t, r = config.cluster.trainer_ranks, config.cluster.rollout_ranks
     if world != t + r:
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)  # torchrun's nodes
+        if nodes == 1:
+            fix = f"run torchrun with --nproc-per-node {t + r}"
+        else:
+            fix = (f"--nnodes x --nproc-per-node must be {t + r}: with {nodes} nodes, "
+                   f"--nproc-per-node {(t + r) // nodes}" if (t + r) % nodes == 0 else
+                   f"--nnodes x --nproc-per-node must be {t + r}, which {nodes} nodes "
+                   f"cannot share evenly")  # fmt: skip
         raise ConfigError(
             f"cluster: torchrun started {world} processes but cluster.trainer_ranks + "
-            f"cluster.rollout_ranks = {t} + {r} = {t + r}. Fix: run torchrun with "
-            f"--nproc-per-node {t + r}, or change [cluster]"
+            f"cluster.rollout_ranks = {t} + {r} = {t + r}. Fix: {fix}, or change [cluster]"
         )
     return ("trainer", rank) if rank < t else ("rollout", rank - t)
 
@@ -331,7 +339,13 @@ def _worker_rank(
     if store.get(_HOST_KEY).decode() != host_id():
         # its pid names nothing here; the controller refuses this rank (docs/multi-node.md)
         controller_pid = 0
-    keys = _rank_keys(config, store, control)
+    try:
+        keys = _rank_keys(config, store, control)
+    except KeysError as exc:  # this node's copy of the file (rank 0 read its own)
+        said = f"asyncrl: error: cluster.keys_file on {host_name(host_id())!r}: {exc}\n"
+        for fd in [2] if console is None else [2, console]:
+            os.write(fd, said.encode())
+        return 2
     if group == "rollout" and rollout_restarts:
         if keys is not None:  # the supervised worker's (this process serves nothing)
             os.environ[KEYS_ENV] = keys.to_json()

@@ -25,7 +25,8 @@ class RefitConfig(Section):
     CUDA IPC handles (one node; trainer and engine on the same GPU or on different ones).
     ``nccl``: each bucket broadcast over a collective group of the trainer and the engines
     (NCCL between GPUs, e.g. engines on other GPUs without IPC; gloo when the trainer is on
-    the CPU). Buckets are announced over ZeroMQ ipc:// in every case."""
+    the CPU). Buckets are announced over ZeroMQ (ipc://, or tcp:// with
+    ``cluster.network = "tcp"``)."""
     bucket_size_mb: int = 1024
     """Size of one transfer bucket; tensors larger than this travel in a bucket of their own.
     Every bucket costs a round of messages between trainer, rollout worker and engine (~0.9 ms

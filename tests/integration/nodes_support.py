@@ -62,15 +62,16 @@ def write_hosts(tmp: Path, subnet: str = LOOPBACK) -> None:
 def node(
     tmp: Path, n: int, port: int, config: Path, *, enter: list[str] = NAMESPACES,
     subnet: str = LOOPBACK, wait_for: Path | None = None, env: dict[str, str] | None = None,
+    sets: tuple[str, ...] = (),
 ) -> subprocess.Popen[str]:
     """Node ``n``: its namespaces (``enter``), its mounts, then torchrun (one rank) joining the
     other; its address is ``subnet`` + ``n``. ``wait_for``: a file to wait for first (its
-    network being wired). ``env``: variables to set for it."""
+    network being wired). ``env``: variables to set for it; ``sets``: more ``--set``s."""
     torchrun = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node0:{port}", "--rdzv-id", "two-nodes",
         *torchrun_log_args(str(tmp / f"torchrun-{n}")), "-m", "asyncrl.launch",
-        str(config), "--set", f"cluster.host={subnet}{n}",
+        str(config), "--set", f"cluster.host={subnet}{n}", *(a for x in sets for a in ("--set", x)),
     ]  # fmt: skip
     script = [
         f"hostname node{n}",
@@ -89,14 +90,15 @@ def node(
 
 
 def start_nodes(
-    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {})
+    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+    sets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
 ) -> list[subprocess.Popen[str]]:
-    """Two nodes on this host's loopback (``write_hosts(tmp)`` first); ``envs``: each node's
-    variables."""
+    """Two nodes on this host's loopback (``write_hosts(tmp)`` first); ``envs`` and ``sets``:
+    each node's variables and ``--set``s."""
     port = free_port()
-    first = node(tmp, 0, port, config, env=envs[0])
+    first = node(tmp, 0, port, config, env=envs[0], sets=sets[0])
     time.sleep(0.5)  # node0 hosts the rendezvous store
-    return [first, node(tmp, 1, port, config, env=envs[1])]
+    return [first, node(tmp, 1, port, config, env=envs[1], sets=sets[1])]
 
 
 @contextlib.contextmanager

@@ -202,3 +202,33 @@ def test_a_node_cut_off_by_its_network_is_named_within_the_heartbeat_timeout(
         assert [p.cmdline()[0] for p in left] == ["unshare", sys.executable], left
         assert "torch.distributed.run" in left[1].cmdline()
         print(f"\ncut: node0 stopped {took:.1f} s after the cut, node1's worker {alone:.1f} s")
+
+
+def test_a_key_file_refused_on_one_node_is_said_by_that_node(tmp_path: Path) -> None:
+    """node1's copy of the key file is readable by others: its rank says so (naming its host
+    and the chmod) and exits 2; both nodes stop, nothing left. (Rank 0 read a good file, and
+    names the worker that never connected.)"""
+    from asyncrl.wire.curve import RunKeys
+
+    config = _write(tmp_path, steps=1000, failures=HEARTBEAT)
+    good, loose = tmp_path / "keys.json", tmp_path / "loose.json"
+    RunKeys.generate().write(str(good))
+    loose.write_text(good.read_text())
+    loose.chmod(0o644)
+    started = time.monotonic()
+    # node0 learns of it only when its wait for the workers ends (cluster.startup_timeout_s)
+    nodes = start_nodes(tmp_path, config, sets=(
+        (f"cluster.keys_file={good}", "cluster.startup_timeout_s=15"),
+        (f"cluster.keys_file={loose}",),
+    ))  # fmt: skip
+    outs = [finish(n, started + 90) for n in nodes]
+    said = [line for line in outs[1].splitlines() if line.startswith("asyncrl: error:")]
+    assert said == [
+        f"asyncrl: error: cluster.keys_file on 'node1': {loose}: the run's keys must be this "
+        f"user's with mode 0600, not 644. Fix: chmod 600 {loose}"
+    ], outs[1][-3000:]
+    assert [n.returncode != 0 for n in nodes] == [True, True]
+    assert "workers were not ready within 15 s" in outs[0], outs[0][-3000:]
+    assert [session_processes(n.pid) for n in nodes] == [[], []]
+    print(f"\nrefused on node1: both nodes out in {time.monotonic() - started:.1f} s; node0 said "
+          f"{[x for x in outs[0].splitlines() if x.startswith('asyncrl: error:')]}")

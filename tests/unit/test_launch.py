@@ -180,3 +180,27 @@ def test_sigusr1_to_the_front_door_goes_to_rank_0(
     assert codes == [42]  # rank 0 got the SIGUSR1
     assert "SIGUSR1 not passed on: rank 0 is not running" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGUSR1) == before  # the launch put its handler back
+
+
+@pytest.mark.parametrize(("nodes", "world", "fix"), [
+    (None, 3, "Fix: run torchrun with --nproc-per-node 4, or change [cluster]"),
+    ("2", 16, "Fix: --nnodes x --nproc-per-node must be 4: with 2 nodes, --nproc-per-node 2,"),
+    ("3", 6, "Fix: --nnodes x --nproc-per-node must be 4, which 3 nodes cannot share evenly,"),
+])  # fmt: skip
+def test_a_world_that_does_not_match_the_cluster_says_the_fix_for_its_node_count(
+    monkeypatch: pytest.MonkeyPatch, nodes: str | None, world: int, fix: str
+) -> None:
+    from types import SimpleNamespace
+
+    from asyncrl.errors import ConfigError
+
+    config: Any = SimpleNamespace(cluster=SimpleNamespace(trainer_ranks=2, rollout_ranks=2))
+    if nodes is None:
+        monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)  # what torchrun's agent sets: its nodes
+    with pytest.raises(ConfigError) as err:
+        launch._roles(config, 0, world)
+    assert f"torchrun started {world} processes but cluster.trainer_ranks + " in str(err.value)
+    assert fix in str(err.value)
+    assert launch._roles(config, 3, 4) == ("rollout", 1)
