@@ -56,7 +56,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,6 +66,7 @@ import structlog
 
 from asyncrl.obs import log as _log
 from asyncrl.wire.curve import KEYS_ENV, KeysError, RunKeys
+from asyncrl.wire.messages import host_name
 from asyncrl.run.checkpoint_dir import CheckpointError
 from asyncrl.config import Config, load_config, parse_overrides
 from asyncrl.errors import (
@@ -81,7 +82,6 @@ from asyncrl.procs.process import (
     die_with_parent,
     exit_status,
     host_id,
-    host_name,
     lost_owner,
     stopped_by_signal,
     wait_pid_exit,
@@ -256,7 +256,12 @@ def _agent_store() -> Any:
     return dist.TCPStore(addr, port, is_master=False, use_libuv=True)
 
 
-def _roles(config: Config, rank: int, world: int) -> tuple[str, int]:
+def roles(config: Config, rank: int, world: int) -> tuple[str, int]:
+    """Global ``rank`` of ``world`` torchrun ranks as (group, rank in the group): ranks
+    ``[0, trainer_ranks)`` train, the rest generate.
+
+    Raises:
+        ConfigError: ``world`` is not ``trainer_ranks + rollout_ranks``."""
     t, r = config.cluster.trainer_ranks, config.cluster.rollout_ranks
     if world != t + r:
         nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)  # torchrun's nodes
@@ -286,7 +291,7 @@ def launch_main(
     die_with_parent()  # the agent (or `asyncrl run`) killed outright: no rank trains on
     try:
         config = load_config(config_path, parse_overrides(list(set_args)))
-        group, group_rank = _roles(config, rank, world)
+        group, group_rank = roles(config, rank, world)
         # loads refit.transport's plugin: read on every rank, before any output goes to a
         # rank's log, so that rank 0 says what is broken (not "rollout rank died")
         rollout_restarts = config.rollout_restarts
@@ -296,53 +301,60 @@ def launch_main(
         else:  # and leaves first: torchrun stops the others once one exits
             time.sleep(_RANK0_FIRST_S)
         return 2
-    c = config.cluster
-    group_size = c.trainer_ranks if group == "trainer" else c.rollout_ranks
-    log_dir = os.path.join(config.run.output_dir, "logs")
     store = _agent_store()
+    worker_kwargs = rank_kwargs(config, group, group_rank, store)
+    if rank != 0:
+        return worker_rank(config, worker_kwargs, rollout_restarts,
+                           lambda: _controller_in_store(config, store), speaks=rank == 1)
+    _log.configure(config.run.log_format)
+    return _run_controller(config, store, worker_kwargs, resume, allow_changed or [])
+
+
+def rank_kwargs(config: Config, group: str, group_rank: int, store: Any) -> dict[str, Any]:
+    """What :func:`asyncrl.worker.runtime.serve` takes for this rank, besides the controller's
+    address and keys. ``store``: torchrun's agent store, on which the trainer ranks build
+    their process group."""
     extra: dict[str, Any] = {}
     if group == "trainer":
         import torch.distributed as dist
 
         extra["dist_store"] = dist.PrefixStore("asyncrl/trainer", store)
-    worker_kwargs = dict(
+    c = config.cluster
+    return dict(
         group=group,
         rank=group_rank,
-        world_size=group_size,
-        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        world_size=c.trainer_ranks if group == "trainer" else c.rollout_ranks,
+        local_rank=int(os.environ.get("LOCAL_RANK", group_rank)),
         extra=extra,
-        startup_timeout_s=config.cluster.startup_timeout_s,
+        startup_timeout_s=c.startup_timeout_s,
     )
-    if rank != 0:
-        return _worker_rank(config, store, worker_kwargs, log_dir, rollout_restarts,
-                            speaks=rank == 1)  # fmt: skip
-    _log.configure(config.run.log_format)
-    return _run_controller(config, store, worker_kwargs, resume, allow_changed or [])
 
 
-def _worker_rank(
-    config: Config, store: Any, worker_kwargs: dict[str, Any], log_dir: str,
-    rollout_restarts: int, *, speaks: bool,
+ControllerAt = tuple[str, int, RunKeys | None]
+"""Where a worker rank finds its controller: its control address, its pid (0: not on this
+host, never watched by pid) and the run's keys (``None`` over ``ipc://``)."""
+
+
+def worker_rank(
+    config: Config, worker_kwargs: dict[str, Any], rollout_restarts: int,
+    find: Callable[[], ControllerAt], *, speaks: bool,
 ) -> int:
-    """A worker rank (not rank 0): its output to its log file (``speaks``: rank 1 keeps the
-    console, to speak if rank 0 dies), the controller's address from the agent's store, then
-    serve (a rollout rank with restarts under its supervisor)."""
+    """A worker rank (not the controller's): its output to its log file (``speaks``: it keeps
+    the console, to speak if the controller dies), the controller found by ``find`` (which
+    may wait for it), then serve (a rollout rank with restarts under its supervisor). 2 when
+    ``find`` raises :class:`ConfigError` (this node's key file refused, say), said in one
+    line."""
     group, group_rank = worker_kwargs["group"], worker_kwargs["rank"]
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the controller's signal, not ours
+    log_dir = os.path.join(config.run.output_dir, "logs")
     log_path = os.path.join(log_dir, f"{group}-{group_rank}.log")
     console = os.dup(2) if speaks else None
     _redirect_output(log_path)
     _log.configure("json")
-    store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
-    control = store.get(_STORE_KEY).decode()
-    controller_pid = int(store.get(_PID_KEY).decode())
-    if store.get(_HOST_KEY).decode() != host_id():
-        # its pid names nothing here; the controller refuses this rank (docs/multi-node.md)
-        controller_pid = 0
     try:
-        keys = _rank_keys(config, store, control)
-    except KeysError as exc:  # this node's copy of the file (rank 0 read its own)
-        said = f"asyncrl: error: cluster.keys_file on {host_name(host_id())!r}: {exc}\n"
+        control, controller_pid, keys = find()
+    except ConfigError as exc:
+        said = f"asyncrl: error: {exc}\n"
         for fd in [2] if console is None else [2, console]:
             os.write(fd, said.encode())
         return 2
@@ -357,13 +369,36 @@ def _worker_rank(
                        log_path=log_path, keys=keys, **worker_kwargs)  # fmt: skip
 
 
+def _controller_in_store(config: Config, store: Any) -> ControllerAt:
+    """Rank 0's controller, as it published itself in torchrun's store (waited for up to
+    ``cluster.startup_timeout_s``)."""
+    store.set_timeout(datetime.timedelta(seconds=config.cluster.startup_timeout_s))
+    control = store.get(_STORE_KEY).decode()
+    controller_pid = int(store.get(_PID_KEY).decode())
+    if store.get(_HOST_KEY).decode() != host_id():
+        # its pid names nothing here; the controller refuses this rank (docs/multi-node.md)
+        controller_pid = 0
+    return control, controller_pid, _rank_keys(config, store, control)
+
+
+def node_keys(keys_file: str) -> RunKeys:
+    """The run's keys from this node's ``keys_file``.
+
+    Raises:
+        ConfigError: refused here (the controller read its own copy), naming this host."""
+    try:
+        return RunKeys.read(keys_file)
+    except KeysError as exc:
+        raise ConfigError(f"cluster.keys_file on {host_name(host_id())!r}: {exc}") from None
+
+
 def _rank_keys(config: Config, store: Any, control: str) -> RunKeys | None:
     """The run's CURVE keys for a ``tcp://`` controller: ``cluster.keys_file``'s, or those
     rank 0 put in torchrun's store."""
     if not control.startswith("tcp://"):
         return None
     if config.cluster.keys_file:
-        return RunKeys.read(config.cluster.keys_file)
+        return node_keys(config.cluster.keys_file)
     return RunKeys.from_json(store.get(_KEYS_KEY).decode(), "torchrun's store")
 
 

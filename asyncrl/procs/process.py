@@ -133,12 +133,6 @@ def host_id() -> str:
         boot, pid_ns = "", 0
     return f"{socket.gethostname()}/{boot}/{pid_ns}"
 
-
-def host_name(host: str) -> str:
-    """The name part of a :func:`host_id` (what messages show of another host)."""
-    return host.split("/", 1)[0]
-
-
 def pid_exists(pid: int) -> bool:
     """Whether a process ``pid`` exists (a zombie counts: it has not been reaped yet)."""
     try:

@@ -295,6 +295,12 @@ class Hello(msgspec.Struct, tag="hello", **_CTRL):
     the controller only on the same host."""
 
 
+def host_name(host: str) -> str:
+    """The name part of a host id (:func:`asyncrl.procs.process.host_id`, as ``Hello.host``
+    and ``Init.controller_host`` carry it): what messages show of another host."""
+    return host.split("/", 1)[0]
+
+
 class Init(msgspec.Struct, tag="init", **_CTRL):
     """Controller's answer to :class:`Hello`: everything the worker needs to start."""
 

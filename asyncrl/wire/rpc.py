@@ -27,7 +27,6 @@ import anyio
 import anyio.lowlevel
 import structlog
 
-from asyncrl.procs.process import host_name
 from asyncrl.wire.codec import Codec
 from asyncrl.errors import (
     ProtocolError,
@@ -52,6 +51,7 @@ from asyncrl.wire.messages import (
     Result,
     Shutdown,
     ToWorker,
+    host_name,
 )
 from asyncrl.wire.transport import AsyncSocket, PeerGone, Rejections, peer_name
 

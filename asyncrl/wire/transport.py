@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import getpass
 import os
+import socket
 import stat
 import string
 from collections.abc import Sequence
@@ -67,6 +68,23 @@ def tcp_address(host: str) -> str:
     """A ``tcp://`` endpoint on ``host`` with a port the bind picks (read it back from
     :attr:`AsyncSocket.last_endpoint`)."""
     return f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
+
+
+def toward(endpoint: str) -> str:
+    """For a ``tcp://HOST:PORT`` endpoint (the port may be ``*``), a ``tcp://`` endpoint with
+    a port the bind picks where a socket here can be reached by the peers that reach HOST:
+    HOST itself when it is an address of this host (the controller's node), else this host's
+    address on its route to HOST. No packet is sent (a UDP socket's connect only picks the
+    route)."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((host, 0))
+            return tcp_address(host)
+        except OSError:  # not ours: another node's
+            probe.connect((host, 9))
+            return tcp_address(probe.getsockname()[0])
 
 
 def ipc_address(run_dir: str, name: str) -> str:

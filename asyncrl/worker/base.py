@@ -49,7 +49,7 @@ from asyncrl import plugins
 from asyncrl.backend import BackendPlugin, WorkerContext, check_backend
 from asyncrl.config import Config
 from asyncrl.errors import ControllerLostError, ProtocolError, WorkerError, flatten
-from asyncrl.procs.process import host_id, host_name, wait_pid_exit
+from asyncrl.procs.process import host_id, wait_pid_exit
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
     CASTABLE,
@@ -64,6 +64,7 @@ from asyncrl.wire.messages import (
     Result,
     Shutdown,
     ToWorker,
+    host_name,
 )
 
 __all__ = ["Handler", "WorkerRuntime"]

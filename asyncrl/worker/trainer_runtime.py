@@ -53,6 +53,7 @@ from asyncrl.wire.messages import (
     SendWeights,
     TrainChunk,
 )
+from asyncrl.wire.transport import toward
 from asyncrl.worker.base import Handler, WorkerRuntime
 from asyncrl.worker.export import export_model
 from asyncrl.worker.weights import WeightSender
@@ -184,7 +185,10 @@ class TrainerRuntime(WorkerRuntime):
                 buffers=config.refit.staging_buffers,
             )
             transfer = load_transfer(config.refit.transport)
-            self.sender = WeightSender(self.ctx, self.init.transfer_address, transfer, spec)
+            address = self.init.transfer_address
+            if address.startswith("tcp://"):  # on this node (the controller's may be another)
+                address = toward(address)
+            self.sender = WeightSender(self.ctx, address, transfer, spec)
             if self.sender.endpoint.startswith("tcp://"):  # its port: the controller's to hand on
                 caps = {**caps, "weights_endpoint": self.sender.endpoint}
         return caps

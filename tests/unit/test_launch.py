@@ -200,7 +200,7 @@ def test_a_world_that_does_not_match_the_cluster_says_the_fix_for_its_node_count
     else:
         monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)  # what torchrun's agent sets: its nodes
     with pytest.raises(ConfigError) as err:
-        launch._roles(config, 0, world)
+        launch.roles(config, 0, world)
     assert f"torchrun started {world} processes but cluster.trainer_ranks + " in str(err.value)
     assert fix in str(err.value)
-    assert launch._roles(config, 3, 4) == ("rollout", 1)
+    assert launch.roles(config, 3, 4) == ("rollout", 1)
