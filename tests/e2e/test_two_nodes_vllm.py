@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from integration_support import session_processes  # noqa: E402
-from nodes_support import finish, namespaces_work, one_node_rewards, two_nodes  # noqa: E402
+from nodes_support import Node, finish, namespaces_work, one_node_rewards, two_nodes  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -83,10 +83,10 @@ ENGINES = {
     "gpu": "gpu_memory_utilization = 0.25",
     "two_gpus": "gpu_memory_utilization = 0.25",
 }
-ENVS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
-    "cpu": ({}, {}),
-    "gpu": ({"CUDA_VISIBLE_DEVICES": ""}, {}),  # the trainer on node0's CPUs: gloo
-    "two_gpus": ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}),  # NCCL
+NODES: dict[str, tuple[Node, Node]] = {
+    "cpu": (Node(), Node()),
+    "gpu": (Node(env={"CUDA_VISIBLE_DEVICES": ""}), Node()),  # node0's trainer on CPUs: gloo
+    "two_gpus": (Node(env={"CUDA_VISIBLE_DEVICES": "0"}), Node(env={"CUDA_VISIBLE_DEVICES": "1"})),
 }
 
 
@@ -111,7 +111,7 @@ def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path: Path, where: str) -> N
     config.write_text(CONFIG.format(out=tmp_path / "out", model=tmp_path / "model", steps=STEPS,
                                     engine=ENGINES[where]))  # fmt: skip
     started = time.monotonic()
-    with two_nodes(tmp_path, config, ENVS[where]) as (link, nodes):
+    with two_nodes(tmp_path, config, NODES[where]) as (link, nodes):
         outs = [finish(node, started + TIMEOUT_S) for node in nodes]
         said = [line for out in outs for line in out.splitlines() if "asyncrl: error" in line]
         assert [n.returncode for n in nodes] == [0, 0], (said, [o[-3000:] for o in outs])

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,20 @@ LOOPBACK = "127.0.0.1"
 """The loopback nodes' addresses: node0 = 127.0.0.10, node1 = 127.0.0.11 (one network)."""
 WIRED = "10.99.0.1"
 """The wired nodes' subnet: node0 = 10.99.0.10, node1 = 10.99.0.11, on a veth pair."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """What one simulated node runs: ``command`` (default: ``torchrun --nnodes 2
+    --nproc-per-node 1 ... -m asyncrl.launch CONFIG --set cluster.host=<its address>`` joining
+    the other node), with more ``--set``s for that default and ``env`` on top of ours."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    sets: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+
+
+PAIR = (Node(), Node())
 
 
 def namespaces_work() -> bool:
@@ -60,18 +75,18 @@ def write_hosts(tmp: Path, subnet: str = LOOPBACK) -> None:
 
 
 def node(
-    tmp: Path, n: int, port: int, config: Path, *, enter: list[str] = NAMESPACES,
-    subnet: str = LOOPBACK, wait_for: Path | None = None, env: dict[str, str] | None = None,
-    sets: tuple[str, ...] = (),
+    tmp: Path, n: int, port: int, config: Path, spec: Node = PAIR[0], *,
+    enter: list[str] = NAMESPACES, subnet: str = LOOPBACK, wait_for: Path | None = None,
 ) -> subprocess.Popen[str]:
-    """Node ``n``: its namespaces (``enter``), its mounts, then torchrun (one rank) joining the
-    other; its address is ``subnet`` + ``n``. ``wait_for``: a file to wait for first (its
-    network being wired). ``env``: variables to set for it; ``sets``: more ``--set``s."""
-    torchrun = [
+    """Node ``n``: its namespaces (``enter``), its mounts, then what ``spec`` runs; its
+    address is ``subnet`` + ``n``. ``wait_for``: a file to wait for first (its network being
+    wired)."""
+    torchrun = list(spec.command) or [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node0:{port}", "--rdzv-id", "two-nodes",
         *torchrun_log_args(str(tmp / f"torchrun-{n}")), "-m", "asyncrl.launch",
-        str(config), "--set", f"cluster.host={subnet}{n}", *(a for x in sets for a in ("--set", x)),
+        str(config), "--set", f"cluster.host={subnet}{n}",
+        *(a for x in spec.sets for a in ("--set", x)),
     ]  # fmt: skip
     script = [
         f"hostname node{n}",
@@ -85,35 +100,33 @@ def node(
         script.insert(0, f"while [ ! -e {shlex.quote(str(wait_for))} ]; do sleep 0.05; done")
     return subprocess.Popen([*enter, "sh", "-c", "; ".join(script)], cwd=tmp, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})},
+                            env={**os.environ, **spec.env},
                             start_new_session=True)  # fmt: skip
 
 
 def start_nodes(
-    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {}),
-    sets: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+    tmp: Path, config: Path, specs: tuple[Node, Node] = PAIR
 ) -> list[subprocess.Popen[str]]:
-    """Two nodes on this host's loopback (``write_hosts(tmp)`` first); ``envs`` and ``sets``:
-    each node's variables and ``--set``s."""
+    """Two nodes on this host's loopback (``write_hosts(tmp)`` first)."""
     port = free_port()
-    first = node(tmp, 0, port, config, env=envs[0], sets=sets[0])
+    first = node(tmp, 0, port, config, specs[0])
     time.sleep(0.5)  # node0 hosts the rendezvous store
-    return [first, node(tmp, 1, port, config, env=envs[1], sets=sets[1])]
+    return [first, node(tmp, 1, port, config, specs[1])]
 
 
 @contextlib.contextmanager
 def two_nodes(
-    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {})
+    tmp: Path, config: Path, specs: tuple[Node, Node] = PAIR
 ) -> Iterator[tuple[str, list[subprocess.Popen[str]]]]:
     """Wired nodes where a veth pair can be made, else loopback ones: yields which, and the
     nodes (killed on the way out if still running). Writes the hosts file."""
     if wires_work():
         write_hosts(tmp, WIRED)
-        with wired_nodes(tmp, config, envs) as (nodes, _):
+        with wired_nodes(tmp, config, specs) as (nodes, _):
             yield "wired", nodes
         return
     write_hosts(tmp, LOOPBACK)
-    nodes = start_nodes(tmp, config, envs)
+    nodes = start_nodes(tmp, config, specs)
     try:
         yield "loopback", nodes
     finally:
@@ -129,12 +142,12 @@ def _net(pid: int) -> str:
 
 @contextlib.contextmanager
 def wired_nodes(
-    tmp: Path, config: Path, envs: tuple[dict[str, str], dict[str, str]] = ({}, {})
+    tmp: Path, config: Path, specs: tuple[Node, Node] = PAIR
 ) -> Iterator[tuple[list[subprocess.Popen[str]], Callable[[], None]]]:
     """Two nodes, each in a network namespace of its own, joined by a veth pair (node0's end
     ``veth0``, 10.99.0.10; node1's ``veth1``, 10.99.0.11): no loopback between them. Yields
     the nodes and ``cut``, which takes node0's end down (node1 is cut off; nothing is killed).
-    ``write_hosts(tmp, WIRED)`` first; ``envs``: each node's variables.
+    ``write_hosts(tmp, WIRED)`` first.
 
     A holder process owns the user namespace and node0's network; node0 enters both, node1
     enters the user namespace and makes its own network, which the holder's side wires."""
@@ -151,10 +164,11 @@ def wired_nodes(
             time.sleep(0.01)
         wired = tmp / "wired"
         port = free_port()  # a fresh namespace: any port is free there
-        nodes.append(node(tmp, 0, port, config, enter=[*user, "--net", "unshare", *NODE],
-                           subnet=WIRED, wait_for=wired, env=envs[0]))  # fmt: skip
-        nodes.append(node(tmp, 1, port, config, enter=[*user, "unshare", "--net", *NODE],
-                           subnet=WIRED, wait_for=wired, env=envs[1]))  # fmt: skip
+        nodes.append(node(tmp, 0, port, config, specs[0],
+                          enter=[*user, "--net", "unshare", *NODE], subnet=WIRED,
+                          wait_for=wired))  # fmt: skip
+        nodes.append(node(tmp, 1, port, config, specs[1], enter=[*user, "unshare", "--net", *NODE],
+                          subnet=WIRED, wait_for=wired))  # fmt: skip
         # nsenter execs unshare (the same pid), which then makes node1's network: until it
         # has, the pid is in this test's network namespace
         while _net(nodes[1].pid) in (_net(holder.pid), _net(os.getpid())):

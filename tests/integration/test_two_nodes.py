@@ -23,14 +23,17 @@ pytest.importorskip(
 )
 
 from asyncrl_example_backend.model import write_model_dir  # noqa: E402
+from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import session_processes  # noqa: E402
 from nodes_support import (  # noqa: E402
     LOOPBACK,
+    Node,
     WIRED,
     finish,
     namespaces_work,
     one_node_rewards,
     start_nodes,
+    two_nodes,
     wired_nodes,
     write_hosts,
 )
@@ -217,9 +220,9 @@ def test_a_key_file_refused_on_one_node_is_said_by_that_node(tmp_path: Path) -> 
     loose.chmod(0o644)
     started = time.monotonic()
     # node0 learns of it only when its wait for the workers ends (cluster.startup_timeout_s)
-    nodes = start_nodes(tmp_path, config, sets=(
-        (f"cluster.keys_file={good}", "cluster.startup_timeout_s=15"),
-        (f"cluster.keys_file={loose}",),
+    nodes = start_nodes(tmp_path, config, (
+        Node(sets=(f"cluster.keys_file={good}", "cluster.startup_timeout_s=15")),
+        Node(sets=(f"cluster.keys_file={loose}",)),
     ))  # fmt: skip
     outs = [finish(n, started + 90) for n in nodes]
     said = [line for line in outs[1].splitlines() if line.startswith("asyncrl: error:")]
@@ -232,3 +235,37 @@ def test_a_key_file_refused_on_one_node_is_said_by_that_node(tmp_path: Path) -> 
     assert [session_processes(n.pid) for n in nodes] == [[], []]
     print(f"\nrefused on node1: both nodes out in {time.monotonic() - started:.1f} s; node0 said "
           f"{[x for x in outs[0].splitlines() if x.startswith('asyncrl: error:')]}")
+
+
+def test_workers_on_another_node_join_an_embedded_controller(tmp_path: Path) -> None:
+    """An application on node0 embeds the controller (``attach=join_file``); the run's workers,
+    trainer and generator, are a torchrun group of their own on node1 (``asyncrl.join``),
+    started first. The join file crosses by the shared directory, the trainer binds its
+    weights socket on node1 (toward the controller); the rewards of one node."""
+    config = _write(tmp_path, steps=3)
+    join = tmp_path / "join.json"
+    controller = (sys.executable, str(Path(__file__).with_name("_join_controller.py")),
+                  str(config), str(join))  # fmt: skip
+    workers = (sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", *torchrun_log_args(str(tmp_path / "torchrun-1")),
+               "-m", "asyncrl.join", str(join), str(config))  # fmt: skip
+    started = time.monotonic()
+    with two_nodes(tmp_path, config, (Node(command=controller), Node(command=workers))) as (
+        link, nodes
+    ):
+        outs = [finish(n, started + TIMEOUT_S) for n in reversed(nodes)][::-1]
+        assert [n.returncode for n in nodes] == [0, 0], [o[-3000:] for o in outs]
+    assert not join.exists()
+    records = _records(tmp_path)
+    train = [r for r in records if r["kind"] == "train"]
+    verified = [(r["worker"], r["version"]) for r in records if r["kind"] == "refit_verify"]
+    assert verified == [("rollout:0", v) for v in (1, 2, 3)], verified
+    took = time.monotonic() - started
+    # both workers connected from node1; the trainer bound its weights socket there (on
+    # node0's address, where it would have been before asyncrl.wire.transport.toward, the bind
+    # fails: EADDRNOTAVAIL, and the run with it)
+    lines = [json.loads(x) for x in outs[0].splitlines() if x.startswith("{")]
+    hosts = {x["worker"]: x.get("host") for x in lines if x["event"] == "worker_connected"}
+    assert hosts == {"trainer:0": "node1", "rollout:0": "node1"}, outs[0][-3000:]
+    assert [r["reward"] for r in train] == one_node_rewards(tmp_path, config, TIMEOUT_S)
+    print(f"\njoin across {link} nodes: {took:.1f} s, rewards {[r['reward'] for r in train]}")
