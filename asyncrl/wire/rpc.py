@@ -251,8 +251,8 @@ class ControlPlane:
             # would name some other process here
             raise WorkerStartupError(
                 f"worker {identity} (pid {hello.pid}) runs on another host than the controller "
-                f"({hello.host.split('/')[0]!r}, the controller on "
-                f"{self._host.split('/')[0]!r}) and cluster.network is 'ipc'. Fix: set "
+                f"({host_name(hello.host)!r}, the controller on "
+                f"{host_name(self._host)!r}) and cluster.network is 'ipc'. Fix: set "
                 "cluster.network = \"tcp\" (docs/multi-node.md), or start every rank on the "
                 "controller's host"
             )
