@@ -35,7 +35,7 @@ import anyio.abc
 
 from asyncrl.config import load_config, parse_overrides
 from asyncrl.errors import ConfigError, PluginError
-from asyncrl.launch import ControllerAt, node_keys, rank_kwargs, roles, worker_rank
+from asyncrl.ranks import ControllerAt, agent_store, node_keys, rank_kwargs, roles, worker_rank
 from asyncrl.procs.process import die_with_parent, host_id, pid_exists
 from asyncrl.wire.curve import KeysError, RunKeys
 
@@ -138,9 +138,7 @@ def join_main(join_path: str, config_path: str, set_args: list[str]) -> int:
         if speaks:
             print(f"asyncrl: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    from asyncrl.launch import _agent_store
-
-    kwargs = rank_kwargs(config, group, group_rank, _agent_store())
+    kwargs = rank_kwargs(config, group, group_rank, agent_store())
     path, cluster = Path(join_path), config.cluster
 
     def find() -> ControllerAt:

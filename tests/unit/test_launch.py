@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl import launch, one_node
+from asyncrl import launch, one_node, ranks
 from asyncrl.errors import PluginError
 from asyncrl.procs.process import PARENT_ENV
 
@@ -200,7 +200,7 @@ def test_a_world_that_does_not_match_the_cluster_says_the_fix_for_its_node_count
     else:
         monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)  # what torchrun's agent sets: its nodes
     with pytest.raises(ConfigError) as err:
-        launch.roles(config, 0, world)
+        ranks.roles(config, 0, world)
     assert f"torchrun started {world} processes but cluster.trainer_ranks + " in str(err.value)
     assert fix in str(err.value)
-    assert launch.roles(config, 3, 4) == ("rollout", 1)
+    assert ranks.roles(config, 3, 4) == ("rollout", 1)
