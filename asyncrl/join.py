@@ -35,9 +35,17 @@ import anyio.abc
 
 from asyncrl.config import load_config, parse_overrides
 from asyncrl.errors import ConfigError, PluginError
-from asyncrl.ranks import ControllerAt, agent_store, node_keys, rank_kwargs, roles, worker_rank
+from asyncrl.ranks import (
+    ControllerAt,
+    agent_store,
+    env_int,
+    node_keys,
+    rank_kwargs,
+    roles,
+    worker_rank,
+)
 from asyncrl.procs.process import die_with_parent, host_id, pid_exists
-from asyncrl.wire.curve import KeysError, RunKeys
+from asyncrl.wire.curve import KeysError, RunKeys, check_private
 
 JOIN_VERSION = 1
 """The join file's format; a rank refuses another."""
@@ -95,10 +103,10 @@ def read_join_file(path: Path, timeout_s: float, keys_file: str = "") -> Control
                 "give its path here"
             )
         time.sleep(0.2)
-    mode = path.stat().st_mode & 0o777
-    if mode & 0o077:
-        raise ConfigError(f"{path}: a join file holds the run's keys and must be mode 0600, "
-                          f"not {mode:o}. Fix: chmod 600 {path}")  # fmt: skip
+    try:
+        check_private(str(path), path.stat(), "a join file, which holds the run's keys,")
+    except KeysError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         record = json.loads(path.read_text())
         if record.get("version") != JOIN_VERSION:
@@ -127,7 +135,7 @@ def read_join_file(path: Path, timeout_s: float, keys_file: str = "") -> Control
 def join_main(join_path: str, config_path: str, set_args: list[str]) -> int:
     """One rank of ``torchrun -m asyncrl.join JOIN CONFIG``: 2 (said by local rank 0) for a
     mistake in the config, the join file or this node's keys."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = env_int("RANK"), env_int("WORLD_SIZE")
     speaks = int(os.environ.get("LOCAL_RANK", rank)) == 0
     die_with_parent()
     try:

@@ -171,15 +171,11 @@ def _supervise(
     return supervise(cmd, max_restarts=max_restarts, **kwargs)
 
 
-
-
 def agent_store() -> Any:
     import torch.distributed as dist
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     return dist.TCPStore(addr, port, is_master=False, use_libuv=True)
-
-
 
 
 def roles(config: Config, rank: int, world: int) -> tuple[str, int]:
@@ -203,8 +199,6 @@ def roles(config: Config, rank: int, world: int) -> tuple[str, int]:
             f"cluster.rollout_ranks = {t} + {r} = {t + r}. Fix: {fix}, or change [cluster]"
         )
     return ("trainer", rank) if rank < t else ("rollout", rank - t)
-
-
 
 
 def rank_kwargs(config: Config, group: str, group_rank: int, store: Any) -> dict[str, Any]:
@@ -264,8 +258,6 @@ def worker_rank(
         )
     return serve_rank(console=console, controller_pid=controller_pid, control_address=control,
                        log_path=log_path, keys=keys, **worker_kwargs)  # fmt: skip
-
-
 
 
 def node_keys(keys_file: str) -> RunKeys:

@@ -133,6 +133,7 @@ def host_id() -> str:
         boot, pid_ns = "", 0
     return f"{socket.gethostname()}/{boot}/{pid_ns}"
 
+
 def pid_exists(pid: int) -> bool:
     """Whether a process ``pid`` exists (a zombie counts: it has not been reaped yet)."""
     try:

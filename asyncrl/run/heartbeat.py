@@ -305,7 +305,6 @@ class Heartbeat:
             timeout_s=hung.timeout_s, log=who.log_path, action=action, reason=hung.reason(),
         )  # fmt: skip
 
-
     def _declare_lost(self, hung: Hung, now: float) -> None:
         who = hung.who
         lost = WorkerLostError(

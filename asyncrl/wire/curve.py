@@ -68,6 +68,18 @@ class KeysError(ValueError):
     """The run's keys are missing, malformed, or readable by others."""
 
 
+def check_private(path: str, st: os.stat_result, what: str) -> None:
+    """A file that holds the run's keys (``st``: its stat; ``what``: how to name it) must be
+    this user's, with no group or other permission bit.
+
+    Raises:
+        KeysError: it is not, with the ``chmod`` that mends it."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077 or st.st_uid != os.getuid():
+        raise KeysError(f"{path}: {what} must be this user's with mode 0600, not {mode:o}. "
+                        f"Fix: chmod 600 {path}")
+
+
 @dataclass(frozen=True, repr=False)
 class RunKeys:
     """The run's two CURVE key pairs, Z85 (40 characters each). Never logged: its ``repr``
@@ -144,9 +156,7 @@ class RunKeys:
             raise KeysError(f"{path}: cannot read the run's keys ({exc.strerror}). Fix: give "
                             "the path of a key file this user can read (written with "
                             "`python -m asyncrl.wire.curve FILE`)") from None  # fmt: skip
-        if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.getuid():
-            raise KeysError(f"{path}: the run's keys must be this user's with mode 0600, not "
-                            f"{stat.S_IMODE(st.st_mode):o}. Fix: chmod 600 {path}")  # fmt: skip
+        check_private(path, st, "the run's keys")
         return cls.from_json(text, path)
 
     def server_options(self) -> dict[int, Any]:

@@ -59,7 +59,9 @@ def test_each_bad_join_file_is_refused_with_its_fix(tmp_path: Path) -> None:
         read_join_file(path, 0.3)
     _record(path)
     path.chmod(0o644)
-    with pytest.raises(ConfigError, match=rf"must be mode 0600, not 644. Fix: chmod 600 {path}"):
+    loose = (r"a join file, which holds the run's keys, must be this user's with mode 0600, "
+             rf"not 644. Fix: chmod 600 {path}")
+    with pytest.raises(ConfigError, match=loose):
         read_join_file(path, 1.0)
     path.chmod(0o600)
     _record(path, version=99)
