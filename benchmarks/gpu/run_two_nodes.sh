@@ -14,9 +14,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 part=${1:-probe}
 shift || true
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export VLLM_USE_FLASHINFER_SAMPLER=0
+source benchmarks/gpu/gpu_env.sh
 case "$part" in
   probe)
     { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; uname -r
