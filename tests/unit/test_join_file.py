@@ -16,7 +16,7 @@ import pytest
 from asyncrl.errors import ConfigError
 from asyncrl.join import read_join_file, write_join_file
 from asyncrl.procs.process import host_id
-from asyncrl.wire.curve import RunKeys
+from asyncrl.wire.curve import KeysError, RunKeys
 
 
 def test_what_the_controller_writes_a_rank_reads(tmp_path: Path) -> None:
@@ -108,3 +108,18 @@ def test_trainer_rank_0_binds_where_the_generators_reach_it() -> None:
     if done.returncode != 0 and "ip" in done.stderr:
         pytest.skip(f"no network namespace with a veth pair here: {done.stderr.strip()}")
     assert done.stdout.split() == ["tcp://10.98.0.1:*", "tcp://10.98.0.1:*"], done.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_join_file_or_key_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    """Mode 0600 is not enough: the file must be this user's (``check_private``), for the
+    join file and the key file alike."""
+    path, keys = tmp_path / "join.json", tmp_path / "keys.json"
+    _record(path)
+    RunKeys.generate().write(str(keys))
+    for name in (path, keys):
+        os.chown(name, 65534, 65534)
+    with pytest.raises(ConfigError, match="must be this user's with mode 0600, not 600"):
+        read_join_file(path, 1.0)
+    with pytest.raises(KeysError, match="must be this user's with mode 0600, not 600"):
+        RunKeys.read(str(keys))
