@@ -113,7 +113,9 @@ class FailuresConfig(Section):
     """Times in a run a rollout worker that died (its process, or its engine) is started
     again in place: its groups go to the other workers meanwhile (or wait for it), and it is
     refitted before it gets new ones. One more death stops the run. ``0``: the first death
-    stops it. Not with ``refit.transport = "nccl"`` (its group cannot take a new member)."""
+    stops it. On another node its rank restarts it there; one found silent (its node gone or
+    cut off) is restarted only if its new process connects within ``heartbeat_timeout_s``
+    more. With ``refit.transport = "nccl"`` a death in the middle of a refit stops the run."""
     heartbeat_interval_s: float = 5.0
     """Every worker is sent a health probe this often; its event loop answers it at once,
     whatever call it is serving."""

@@ -76,7 +76,7 @@ class Config(Section, dict=True):
     def rollout_restarts(self) -> int:
         """``failures.rollout_restarts``, or 0 when the ``refit.transport`` cannot take a
         restarted rollout worker (its ``WeightTransfer.takes_new_readers`` is false: a
-        collective group formed once for the run). Loads the transfer's module, which imports
+        plugin's collective group that cannot be formed again). Loads the transfer's module, which imports
         no torch."""
         transfer = load_transfer(self.refit.transport)
         return self.failures.rollout_restarts if transfer.takes_new_readers else 0

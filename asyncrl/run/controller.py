@@ -403,11 +403,13 @@ class Controller(anyio.AsyncContextManagerMixin):
             startup_watch.cancel()
         # a supervised worker is no torchrun rank: its exit code comes from /proc alone
         agents = {s.group: s for s in self._spawned if not self._restarts.of_group(s.group)}
-        watch = partial(self._restarts.watch, named=self._heartbeat.named, fatal=self._deaths.append)
+        watch = partial(self._restarts.watch, named=self._heartbeat.named,
+                        fatal=self._deaths.append, lost=self._heartbeat.lost)  # fmt: skip
         for peer in peers:
-            if peer.remote:  # another host's process: the heartbeat alone can say it is gone
+            if peer.remote and not self._restarts.of_group(peer.group):
+                # another host's trainer: the heartbeat alone can say it is gone
                 watchers.start_soon(tg, self._watch_remote, peer)
-            elif peer.pid != os.getpid():
+            elif peer.remote or peer.pid != os.getpid():  # a remote pid may equal ours
                 watchers.start_soon(tg, watch, control, peer, agents.get(peer.group), tg)
         log.info("workers_ready", workers=[p.identity for p in peers])
         return peers

@@ -199,15 +199,18 @@ class Heartbeat:
         self._clock = clock
         self._hung: dict[tuple[str, int], tuple[Hung, float]] = {}
         """Processes killed as hung, by (worker, pid): why, and the wall time of the kill."""
-        self._lost: dict[str, anyio.Event] = {}
-        self._lost_as: dict[str, WorkerLostError] = {}
-        """Remote workers found silent past the timeout (not killed: another host's)."""
+        self._lost: dict[tuple[str, int], _Verdict] = {}
+        """Remote worker processes, by (worker, pid), found silent past the timeout (not
+        killed: another host's), or waited for."""
 
     async def lost(self, peer: Peer) -> WorkerLostError:
-        """Wait until ``peer``, a worker on another host, is found silent for
-        ``heartbeat_timeout_s`` (never while the heartbeat is off); what names it."""
-        await self._lost.setdefault(peer.identity, anyio.Event()).wait()
-        return self._lost_as[peer.identity]
+        """Wait until ``peer``'s process, on another host, is found silent for
+        ``heartbeat_timeout_s`` (never while the heartbeat is off); what names it. A new
+        process of the same worker (restarted there) is another verdict."""
+        verdict = self._lost.setdefault((peer.identity, peer.pid), _Verdict())
+        await verdict.found.wait()
+        assert verdict.error is not None
+        return verdict.error
 
     async def run(self, control: ControlPlane) -> None:
         """Probe every worker of ``control`` on the interval and kill the hung ones, until
@@ -312,10 +315,19 @@ class Heartbeat:
             silent_s=hung.silent_s, timeout_s=hung.timeout_s,
             last_answer=now - hung.silent_s if hung.answered else None,
         )  # fmt: skip
-        self._lost_as[who.worker] = lost
-        self._lost.setdefault(who.worker, anyio.Event()).set()
+        verdict = self._lost.setdefault((who.worker, who.pid), _Verdict())
+        verdict.error = lost
+        verdict.found.set()
         log.error("worker_lost", worker=who.worker, host=who.host, pid=who.pid,
                   silent_s=round(hung.silent_s, 2), timeout_s=hung.timeout_s, log=who.log_path)  # fmt: skip
+
+
+class _Verdict:
+    """Whether a remote worker's process was found lost, and the error that names it."""
+
+    def __init__(self) -> None:
+        self.found = anyio.Event()
+        self.error: WorkerLostError | None = None
 
 
 def _pidfd(pid: int) -> int:

@@ -25,7 +25,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import anyio
@@ -33,7 +33,7 @@ import anyio.abc
 import structlog
 
 from asyncrl.config import Config
-from asyncrl.errors import WorkerDiedError, WorkerRestarting, WorkerStartupError
+from asyncrl.errors import WorkerDiedError, WorkerLostError, WorkerRestarting, WorkerStartupError
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.pool import SYNCING, RolloutPool
 from asyncrl.procs.process import parent_pid, stopped_by_signal, wait_pid_exit
@@ -47,6 +47,32 @@ from asyncrl.wire.rpc import ControlPlane
 __all__ = ["Redispatcher", "Restarts", "WorkerLoops", "send_generate"]
 
 log = structlog.get_logger("asyncrl.run.restarts")
+
+
+async def _remote_death(
+    peer: Any, lost: Callable[[Any], Awaitable[WorkerDiedError]]
+) -> WorkerDiedError:
+    """Wait until ``peer``, on another host, is gone: its last words or its successor's
+    ``Hello`` (``Peer.gone``: a death named as such), or the heartbeat's ``lost`` verdict."""
+    verdict: list[WorkerDiedError] = []
+    async with anyio.create_task_group() as tg:
+
+        async def silent() -> None:
+            verdict.append(await lost(peer))
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(silent)
+        await peer.gone.wait()
+        tg.cancel_scope.cancel()
+    if verdict:
+        return verdict[0]
+    host = peer.host_name
+    return WorkerDiedError(
+        peer.group, peer.rank, None, peer.log_path or None,
+        message=f"worker {peer.identity} on host {host!r} (pid {peer.pid} there) died: "
+        f"{'its last words came' if peer.last_words else 'a new process of it said Hello'}; "
+        f"its log, on {host!r}: {peer.log_path or 'n/a'}",
+    )
 
 
 async def send_generate(control: ControlPlane, by_worker: dict[str, list[GenRequest]]) -> None:
@@ -123,7 +149,7 @@ class Restarts:
     def survivable(self, peer: Any) -> bool:
         """Whether ``peer``'s death would be outlived (a rollout worker, restarts left)."""
         pool = self._pool
-        return peer.group == "rollout" and not peer.remote and (
+        return peer.group == "rollout" and (
             self._loops is not None and pool.restarts < pool.max_restarts
         )
 
@@ -136,11 +162,15 @@ class Restarts:
         *,
         named: Callable[[Any, WorkerDiedError], WorkerDiedError],
         fatal: Callable[[WorkerDiedError], None],
+        lost: Callable[[Any], Awaitable[WorkerDiedError]],
     ) -> None:
         """Watch ``peer``'s process (and its torchrun ``agent``, for a rank of one) until it
         dies; restart it in place while the pool grants it, and watch its new process.
         ``named(peer, died)`` says what a death was (a hang the heartbeat killed it for);
         ``fatal(died)`` records a death the run does not outlive, before it is raised.
+        A peer on another host is watched through its connection instead (its pid means
+        nothing here): its last words or its successor's ``Hello`` (``Peer.gone``), or
+        ``lost(peer)``, the heartbeat's verdict that it is silent.
 
         Raises:
             WorkerDiedError: a death the run does not outlive (or the worker's own last
@@ -150,21 +180,27 @@ class Restarts:
         Cancellation: stops watching (a sync task runs in ``tg`` until :meth:`close`).
         """
         while True:
-            supervisor = parent_pid(peer.pid)  # read while it lives
-            try:
-                await watch_peer(peer, agent)
-            except WorkerDiedError as exc:
-                died = named(peer, exc)  # a hang it was killed for, if so
-                back = await self._restart(control, peer, died, supervisor, tg)
-                if back is None:
-                    self._budget_spent(peer, died)
-                    fatal(died)
-                    raise (peer.last_words or died) from None
-                peer = back
+            if peer.remote:
+                died, supervisor = await _remote_death(peer, lost), None
+            else:
+                supervisor = parent_pid(peer.pid)  # read while it lives
+                try:
+                    await watch_peer(peer, agent)
+                except WorkerDiedError as exc:
+                    died = named(peer, exc)  # a hang it was killed for, if so
+            back = await self._restart(control, peer, died, supervisor, tg)
+            if back is None:
+                self._budget_spent(peer, died)
+                fatal(died)
+                raise (peer.last_words or died) from None
+            peer = back
 
     def _budget_spent(self, peer: Any, died: WorkerDiedError) -> None:
         """Add a line to ``died`` when the restarts the run allowed were all used."""
-        if self._loops is not None and peer.group == "rollout" and self._pool.max_restarts:
+        pool = self._pool
+        if self._loops is not None and peer.group == "rollout" and pool.max_restarts and (
+            pool.restarts >= pool.max_restarts
+        ):
             died.add_detail(
                 f"rollout workers were restarted {self._pool.restarts} times in this run, "
                 "all that failures.rollout_restarts allows"
@@ -183,6 +219,10 @@ class Restarts:
         ``tg`` and return it (to be watched while it syncs). ``None``: no restart (not a
         rollout worker, no run, a stop signal's consequence, the budget spent).
 
+        A remote peer found silent (``died`` a :class:`WorkerLostError`: its node gone or
+        cut off, or the worker hangs there) is restarted only if its new process says
+        ``Hello`` within ``failures.heartbeat_timeout_s`` more; nothing here can restart it.
+
         Raises:
             WorkerDiedError: its supervisor exited too.
             WorkerStartupError: its new process was not ready within
@@ -191,6 +231,15 @@ class Restarts:
         loops = self._loops
         if peer.group != "rollout" or loops is None or stopped_by_signal(died.exit_code):
             return None
+        if isinstance(died, WorkerLostError) and self._pool.restarts < self._pool.max_restarts:
+            with anyio.move_on_after(self.config.failures.heartbeat_timeout_s):
+                await peer.gone.wait()  # its successor said Hello: it died and came back
+            if not peer.gone.is_set():
+                died.add_detail(
+                    f"no new process of {peer.identity} came from {peer.host_name!r} within "
+                    f"{self.config.failures.heartbeat_timeout_s:g} s more: not restarted"
+                )
+                return None
         if not self._pool.lost(peer.identity):
             return None
         start = time.perf_counter()

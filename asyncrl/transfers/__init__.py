@@ -8,7 +8,7 @@ bytes are staged and how a reader maps them::
 
     sender (trainer rank 0)                       reader (the generator's engine process)
     stager = transfer.stager(StagingSpec)          opener = transfer.opener()
-    stager.begin(receivers)     (every refit)
+    stager.begin(receivers, hosts)  (every refit)
     stager.reserve(k, nbytes)                      memory = opener.open(handle, device)
     stager.pack(k, offset, tensor) ...             memory[offset:offset + nbytes] -> a weight
     stager.seal(k)
@@ -63,10 +63,12 @@ class StagingSpec:
 class Stager(Protocol):
     """Sender side: ``StagingSpec.buffers`` staging buffers, numbered from 0."""
 
-    def begin(self, receivers: list[str]) -> None:
+    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
         """A refit to ``receivers`` (``rollout:<rank>`` identities) starts (before any
-        :meth:`reserve`). Transfers that connect to their readers (e.g. a collective group)
-        do it here; others do nothing."""
+        :meth:`reserve`); ``hosts`` says where each runs (same order: its worker's
+        :func:`~asyncrl.procs.process.host_id`, ``""`` where not known). Transfers that
+        connect to their readers (e.g. a collective group) do it here, and may route by host;
+        others do nothing."""
 
     def reserve(self, k: int, nbytes: int) -> None:
         """Make buffer ``k`` hold at least ``nbytes`` (growing it invalidates its handle)."""
@@ -120,10 +122,11 @@ class WeightTransfer:
     vLLM backend compiles each bucket's copies once). ``False`` when each handle is new."""
     takes_new_readers: bool = True
     """A reader that joins in the middle of a run can be refitted: a rollout worker that died
-    is then started again in place (``failures.rollout_restarts``). ``False`` when the sender
-    and its readers are bound for the whole run (a collective group formed at the first
-    refit cannot take a new member), so the first death stops the run; the config asks this
-    (``Config.rollout_restarts``), never the transfer's name."""
+    is then started again in place (``failures.rollout_restarts``). ``False`` for a transfer
+    whose sender and readers are bound for the whole run (e.g. a collective group that
+    cannot be formed again), so the first death stops the run; the config asks this
+    (``Config.rollout_restarts``), never the transfer's name. Every built-in one takes new
+    readers (``nccl`` forms a new group)."""
 
 
 def load_transfer(name: str, field: str = "refit.transport") -> WeightTransfer:

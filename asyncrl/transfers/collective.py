@@ -10,6 +10,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +50,32 @@ def _advertised_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def fan_out(
+    receivers: Sequence[str], hosts: Sequence[str], own_host: str
+) -> tuple[list[str], dict[str, list[str]]]:
+    """How a gloo broadcast reaches ``receivers`` (on ``hosts``, same order; ``""``: not
+    known) from a sender on ``own_host``: once per other host, then within that host.
+
+    Returns ``(cross, fans)``: ``cross`` are the members of the sender's group after it (ranks
+    1, 2, …): every receiver on the sender's host or on an unknown one, and the first receiver
+    (the leader) of each other host; ``fans`` maps each leader of a host with several
+    receivers to the others there, in order (its local group's ranks 1, 2, …), which receive
+    the bucket from it. A host with one receiver has no fan. Pure."""
+    by_host: dict[str, list[str]] = {}
+    cross: list[str] = []
+    for receiver, host in zip(receivers, hosts, strict=True):
+        if host and host != own_host:
+            by_host.setdefault(host, []).append(receiver)
+        else:
+            cross.append(receiver)
+    fans: dict[str, list[str]] = {}
+    for leader, *others in by_host.values():
+        cross.append(leader)
+        if others:
+            fans[leader] = others
+    return cross, fans
 
 
 def _make_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:

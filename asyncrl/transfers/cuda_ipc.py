@@ -102,7 +102,7 @@ class CudaIpcStager:
             {} for _ in range(self._n)
         ]
 
-    def begin(self, receivers: list[str]) -> None:
+    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
         """Readers map the buffers themselves: nothing to connect."""
 
     def reserve(self, k: int, nbytes: int) -> None:

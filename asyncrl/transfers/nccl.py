@@ -36,21 +36,36 @@ thread runs the broadcasts in order. Before buffer ``k`` is refilled (the next
 :meth:`NcclStager.reserve` or :meth:`NcclStager.pack` on it) the sender waits for that
 buffer's broadcast; by then every reader acknowledged the bucket, so it is complete.
 
-**Fixed group.** The group is made on the first ``begin`` for exactly those receivers (rank
-``i + 1`` for ``receivers[i]``) and kept for the run; a later refit to other receivers raises.
-So the transfer declares ``takes_new_readers=False``: a rollout worker that died is not
-restarted in place (``failures.rollout_restarts`` counts as 0) and its death stops the run.
-Every member takes part in every broadcast: each reader must open every bucket handle once,
-in order. Each broadcast carries a sequence number (from 0, one per bucket, across refits); a
-reader refuses a handle that skips or repeats one (opening the very same handle again returns
-the same bytes). An empty bucket (0 bytes) is announced with its number but broadcasts nothing.
+**A group per set of receivers.** The group is formed on the first ``begin`` for its
+receivers and kept while later refits go to the same receivers on the same hosts. A refit
+to others (a rollout worker left out while it restarts, then its new process) or after a
+failed broadcast forms a new group (a new id, numbered by ``epoch``) and drops the old one;
+each reader leaves its group at the new one's first handle. So the transfer takes new
+readers (``takes_new_readers``): a restarted rollout worker is refitted, on any node. A
+group is formed in well under a second with gloo; an NCCL communicator takes longer, once
+per change. Every member takes part in every broadcast: each reader must open every bucket
+handle of its group once, in order. Each broadcast carries a sequence number (from 0 in
+each group, one per bucket); a reader refuses a handle that skips or repeats one (opening
+the very same handle again returns the same bytes) or that belongs to an older group. An
+empty bucket (0 bytes) is announced with its number but broadcasts nothing.
+
+**Once per host (gloo).** A gloo broadcast is a tree over the group's ranks, blind to hosts:
+with 4 readers on another host, 3 copies of each bucket crossed the link (64 MiB broadcast
+to 4 readers beyond a veth pair: 203 MB sent on it). So with gloo the sender's group holds the readers of its own host
+and one reader per other host (its *leader*, the first of that host's receivers); each
+leader passes every bucket on to its host's other readers over a group of their own
+(:func:`~asyncrl.transfers.collective.fan_out`; ``NcclHandle.fans``): one copy per host on
+the link. NCCL needs none of this: its rings are laid out by node, entering each node once
+and going on within it over NVLink or PCIe peer copies, so the sender's NCCL group holds
+every reader (NCCL's design; not measured here, with one GPU).
 
 **Which member am I.** :meth:`NcclOpener.open` gets no identity, so the handle maps receiver
 identities (``rollout:<rank>``) to ranks and the reader reads its identity from the
 environment variable ``ASYNCRL_TRANSFER_IDENTITY`` (the generation backend sets it for its
 engine processes). Without it, a group with exactly one reader makes the reader rank 1. One
 process per receiver takes part: an engine whose weights load in several worker processes
-(tensor parallelism) cannot use this transfer.
+(tensor parallelism) cannot use this transfer. The sender learns each receiver's host from
+``begin`` (the controller's ``Hello.host`` of each rollout worker).
 
 **Rendezvous and network.** The sender hosts a ``TCPStore`` on an ephemeral port (it listens
 on every interface) and advertises ``ASYNCRL_NCCL_HOST`` if set, else the address of this
@@ -71,7 +86,7 @@ from __future__ import annotations
 import os
 import uuid
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -91,7 +106,9 @@ from asyncrl.transfers.collective import (
     _make_group,
     _shutdown,
     _timeout_s,
+    fan_out,
 )
+from asyncrl.procs.process import host_id
 
 __all__ = [
     "CLOSE_GRACE_S",
@@ -123,6 +140,12 @@ class NcclHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """The broadcast's length: the bucket's bytes (up to the last one written)."""
     ranks: dict[str, int]
     """Receiver identity → its rank in the group."""
+    fans: dict[str, list[str]] = {}
+    """A host's leader (a receiver in ``ranks``) → the receivers of its host it passes each
+    bucket on to, over a group of their own (the leader rank 0, they 1, 2, …)."""
+    epoch: int = 0
+    """The group's number: 0, 1, 2, … as the sender forms a new one (a reader refuses an
+    older group's handle)."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -172,8 +195,14 @@ class NcclStager:
         self._jobs: list[_Job | None] = [None] * n
         self._handles: list[bytes | None] = [None] * n
         self._seq = 0
-        self._receivers: list[str] | None = None
+        self._members: list[tuple[str, str]] = []
+        """The current group's receivers with their hosts, sorted."""
         self._ranks: dict[str, int] = {}
+        """Receiver → its rank in the sender's group."""
+        self._fans: dict[str, list[str]] = {}
+        """A host's leader → the receivers it passes each bucket on to (gloo)."""
+        self.groups_formed = 0
+        """Groups formed so far (one more for every change of receivers)."""
         self._group_id = ""
         self._host = ""
         self._port = 0
@@ -186,26 +215,51 @@ class NcclStager:
         """``nccl`` or ``gloo``."""
         return self._backend
 
-    def begin(self, receivers: list[str]) -> None:
-        """On the first refit, host the store and start forming the group of ``1 +
-        len(receivers)`` members (the sender thread waits for the readers to join); later
-        refits must go to the same receivers.
+    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
+        """Have a broadcast group of the sender and ``receivers`` (on ``hosts``, same order;
+        ``None`` or ``""``: not known) ready for this refit. The group of the last refit is
+        kept when it had the same receivers on the same hosts and has not failed; else a new
+        one is formed (a rollout worker restarted or left out, a failed broadcast) and the
+        old one dropped: its readers leave it at the new group's first handle. The sender
+        thread forms the group, waiting for the readers to join.
 
         Raises:
-            RuntimeError: other receivers than the group was formed for, or closed.
+            RuntimeError: closed, duplicate receivers, or the store cannot be hosted.
+            ValueError: ``hosts`` of another length than ``receivers``.
         """
         if self._closed:
             raise RuntimeError("the nccl weight transfer is closed")
-        if self._receivers is not None:
-            if sorted(receivers) != sorted(self._receivers):
-                raise RuntimeError(
-                    "refit.transport = 'nccl' keeps one broadcast group for the run, formed for "
-                    f"{self._receivers}; this refit goes to {list(receivers)} (a generator "
-                    "cannot join or leave it)"
-                )
-            return
         if len(set(receivers)) != len(receivers):
             raise RuntimeError(f"duplicate receivers: {list(receivers)}")
+        hosts = [""] * len(receivers) if hosts is None else list(hosts)
+        if len(hosts) != len(receivers):
+            raise ValueError(f"{len(receivers)} receivers but {len(hosts)} hosts")
+        members = sorted(zip(receivers, hosts))
+        thread = self._thread
+        if thread is not None and thread.error is None and members == self._members:
+            return
+        self._drop_group()
+        if self._store is None:
+            self._host_store()
+        import torch.distributed as dist
+
+        if self._backend == "gloo":  # NCCL's own rings already enter each node once
+            cross, self._fans = fan_out(receivers, hosts, host_id())
+        else:
+            cross, self._fans = list(receivers), {}
+        self._group_id = uuid.uuid4().hex
+        self._ranks = {r: i + 1 for i, r in enumerate(cross)}
+        self._members = members
+        self._seq = 0
+        self.groups_formed += 1
+        store = dist.PrefixStore(f"{_PREFIX}/{self._group_id}/", self._store)
+        self._thread = _Broadcaster(
+            self._backend, store, 1 + len(cross), self._device, self._timeout_s
+        )
+        self._thread.start()
+
+    def _host_store(self) -> None:
+        """Host the TCPStore every group of the run meets at (its keys namespaced by group)."""
         import torch.distributed as dist
 
         self._host = _advertised_host()
@@ -222,14 +276,30 @@ class NcclStager:
                 f"to an address of this host the generators reach): {type(exc).__name__}: {exc}"
             ) from exc
         self._port = int(self._store.port)
-        self._group_id = uuid.uuid4().hex
-        self._ranks = {r: i + 1 for i, r in enumerate(receivers)}
-        self._receivers = list(receivers)
-        store = dist.PrefixStore(f"{_PREFIX}/{self._group_id}/", self._store)
-        self._thread = _Broadcaster(
-            self._backend, store, 1 + len(receivers), self._device, self._timeout_s
-        )
-        self._thread.start()
+
+    def _drop_group(self) -> None:
+        """Stop the sender thread and drop its group: at once (an abort) when a broadcast is
+        still under way (a refit that failed: a reader died in it), else once the thread
+        ended (waiting at most :data:`CLOSE_GRACE_S`); a thread still forming its group is
+        left to end at its timeout. Every buffer is free afterwards."""
+        thread, self._thread = self._thread, None
+        if thread is not None and thread.group is None and thread.error is None:
+            # still forming: blocked in a rendezvous a reader never came to; it ends at its
+            # timeout (a daemon thread), its group never made
+            thread.jobs.put(None)
+        elif thread is not None:
+            busy = any(job is not None and not job.done.is_set() for job in self._jobs)
+            if busy:
+                _shutdown(thread.group, graceful=False)
+            thread.jobs.put(None)
+            thread.join(1.0 if busy else min(CLOSE_GRACE_S, self._timeout_s))
+            if thread.is_alive():  # a broadcast no reader takes part in: let it go
+                _shutdown(thread.group, graceful=False)
+                thread.join(1.0)
+        self._jobs = [None] * self._n
+        self._sealed = [False] * self._n
+        self._used = [0] * self._n
+        self._handles = [None] * self._n
 
     def _reuse(self, k: int) -> None:
         """Before buffer ``k`` takes a new bucket: wait for the broadcast of its last one."""
@@ -308,6 +378,8 @@ class NcclStager:
                 seq=job.seq,
                 nbytes=n,
                 ranks=dict(self._ranks),
+                fans={k: list(v) for k, v in self._fans.items()},
+                epoch=self.groups_formed - 1,
             )
         )
         self._thread.jobs.put(job)
@@ -329,62 +401,87 @@ class NcclStager:
         if self._closed:
             return
         self._closed = True
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.jobs.put(None)
-            thread.join(min(CLOSE_GRACE_S, self._timeout_s))
-            if thread.is_alive():  # a broadcast no reader takes part in: let it go
-                _shutdown(thread.group, graceful=False)
-                thread.join(1.0)
+        self._drop_group()
         self._buffers = [None] * self._n
-        self._jobs = [None] * self._n
-        self._handles = [None] * self._n
         self._store = None
+
+
+class _Place(NamedTuple):
+    """Where a reader sits in a group: its rank in the sender's group (``-1``: not in it, it
+    gets the buckets from its host's leader), and its host's fan (``leader``: the leader's
+    identity, ``local_rank``: 0 for the leader, ``local_size``: 0 without a fan)."""
+
+    rank: int
+    leader: str = ""
+    local_rank: int = 0
+    local_size: int = 0
+
+
+def _place(h: NcclHandle, identity: str | None) -> _Place:
+    """This reader's place in ``h``'s group (``identity``: ``ASYNCRL_TRANSFER_IDENTITY``).
+
+    Raises:
+        RuntimeError: ``identity`` is no receiver of the group, or is needed and missing.
+    """
+    if not identity:
+        if h.size == 2 and len(h.ranks) == 1 and not h.fans:
+            return _Place(1)
+        raise RuntimeError(
+            f"the weight broadcast group has {h.size - 1} receivers; set {IDENTITY_ENV_VAR} to "
+            f"this reader's identity (one of {sorted(h.ranks)})"
+        )
+    if identity in h.ranks:
+        others = h.fans.get(identity, [])
+        return _Place(h.ranks[identity], identity, 0, 1 + len(others) if others else 0)
+    for leader, others in h.fans.items():
+        if identity in others:
+            return _Place(-1, leader, 1 + others.index(identity), 1 + len(others))
+    known = sorted([*h.ranks, *(o for others in h.fans.values() for o in others)])
+    raise RuntimeError(
+        f"{IDENTITY_ENV_VAR}={identity!r} is not a receiver of this weight broadcast group "
+        f"({known})"
+    )
 
 
 class NcclOpener:
     """Reader side: joins the group on its first handle and receives each bucket's broadcast
-    into a buffer of its own (on ``device`` with NCCL, on the host with gloo). The view
-    :meth:`open` returns is valid until the next :meth:`open`."""
+    into a buffer of its own (on ``device`` with NCCL, on the host with gloo); a host's
+    leader passes each bucket on to its host's other readers. A handle of a newer group (the
+    sender formed one for other receivers) makes it leave its group and join that one. The
+    view :meth:`open` returns is valid until the next :meth:`open`."""
 
     def __init__(self) -> None:
         self._timeout_s = _timeout_s()
         self._store: Any = None
         self._group: Any = None
+        """Its member of the sender's group (``None`` for a reader fed by its leader)."""
+        self._local: Any = None
+        """Its member of its host's fan group, where it has one."""
         self._key: tuple[str, str, int, str, int] | None = None
-        self._rank = -1
+        self._epoch = -1
+        self._place = _Place(-1)
         self._device: Any = None
         self._next = 0
         self._buffer: Any = None
         self._last: tuple[bytes, Any] | None = None
         self._broken: str | None = None
+        self._closed = False
 
     @property
     def rank(self) -> int:
-        """This reader's rank in the group (``-1`` before it joined)."""
-        return self._rank
+        """This reader's rank in the sender's group (``-1`` before it joined, or when its
+        host's leader passes the buckets on to it)."""
+        return self._place.rank
 
-    def _own_rank(self, h: NcclHandle) -> int:
-        identity = os.environ.get(IDENTITY_ENV_VAR)
-        if identity:
-            rank = h.ranks.get(identity)
-            if rank is None:
-                raise RuntimeError(
-                    f"{IDENTITY_ENV_VAR}={identity!r} is not a receiver of this weight broadcast "
-                    f"group ({sorted(h.ranks)})"
-                )
-            return rank
-        if h.size == 2 and len(h.ranks) == 1:
-            return 1
-        raise RuntimeError(
-            f"the weight broadcast group has {h.size - 1} receivers; set {IDENTITY_ENV_VAR} to "
-            f"this reader's identity (one of {sorted(h.ranks)})"
-        )
+    @property
+    def place(self) -> _Place:
+        """Where it sits in the group it joined last."""
+        return self._place
 
     def _join(self, h: NcclHandle, device: Any) -> None:
         import torch.distributed as dist
 
-        rank = self._own_rank(h)
+        place = _place(h, os.environ.get(IDENTITY_ENV_VAR))
         if h.backend == "nccl":
             import torch
 
@@ -407,44 +504,80 @@ class NcclOpener:
         else:
             raise RuntimeError(f"unknown weight broadcast backend {h.backend!r}")
         timeout = timedelta(seconds=self._timeout_s)
+        where = f"rank {place.rank} of {h.size}" if place.rank >= 0 else (
+            f"rank {place.local_rank} of {place.local_size} under {place.leader}"
+        )
         try:
             store = dist.TCPStore(h.host, h.port, None, False, timeout=timeout)
-            prefixed = dist.PrefixStore(f"{_PREFIX}/{h.group}/", store)
-            group = _make_group(h.backend, prefixed, rank, h.size, self._timeout_s)
+            prefix = f"{_PREFIX}/{h.group}/"
+            if place.rank >= 0:
+                self._group = _make_group(
+                    h.backend, dist.PrefixStore(prefix, store), place.rank, h.size,
+                    self._timeout_s,
+                )
+            if place.local_size:
+                self._local = _make_group(
+                    h.backend, dist.PrefixStore(f"{prefix}{place.leader}/", store),
+                    place.local_rank, place.local_size, self._timeout_s,
+                )
         except Exception as exc:
+            self._leave(graceful=False)
             raise RuntimeError(
-                f"could not join the weight broadcast group at {h.host}:{h.port} as rank "
-                f"{rank} of {h.size} ({h.backend}): {type(exc).__name__}: {exc}"
+                f"could not join the weight broadcast group at {h.host}:{h.port} as {where} "
+                f"({h.backend}): {type(exc).__name__}: {exc}"
             ) from exc
-        self._store, self._group, self._rank = store, group, rank
+        self._store, self._place = store, place
         self._key = (h.backend, h.host, h.port, h.group, h.size)
+        self._epoch = h.epoch
+
+    def _leave(self, graceful: bool) -> None:
+        group, self._group = self._group, None
+        local, self._local = self._local, None
+        _shutdown(local, graceful)
+        _shutdown(group, graceful)
+        self._store = None
+        self._key = None
 
     def open(self, handle: bytes, device: Any = None) -> Any:
         """Receive the broadcast behind ``handle``: a ``uint8`` tensor of exactly its bytes
-        (on ``device`` with NCCL, on the CPU with gloo). Joins the group on first use.
+        (on ``device`` with NCCL, on the CPU with gloo); a host's leader passes it on to its
+        host's other readers before it returns. Joins the group on first use, and a newer
+        group at its first handle.
 
         Raises:
-            RuntimeError: the handle skips or repeats a broadcast, belongs to another group,
-                names no rank for this reader, or the broadcast failed or timed out.
+            RuntimeError: the handle skips or repeats a broadcast, belongs to an older group,
+                names no place for this reader, or the broadcast failed or timed out.
         """
         import torch
 
+        if self._closed:
+            raise RuntimeError("the weight broadcast reader is closed")
         if self._last is not None and handle == self._last[0]:
             return self._last[1]
+        h = _decode(handle)
+        if self._key is None or h.group != self._key[3]:
+            if h.epoch <= self._epoch:
+                raise RuntimeError(
+                    f"handle of an older weight broadcast group ({h.group}, formed "
+                    f"{h.epoch + 1}{'st' if h.epoch == 0 else 'th'}); this reader is in the "
+                    f"one formed after it"
+                )
+            if h.seq != 0:
+                raise RuntimeError(
+                    f"bucket broadcast 0 of a new group expected, got {h.seq} (each reader must "
+                    "open every bucket once, in order)"
+                )
+            self._leave(graceful=self._broken is None)  # the sender dropped it for this one
+            self._broken, self._next, self._last = None, 0, None
+            self._join(h, device)
+        elif self._key != (h.backend, h.host, h.port, h.group, h.size):
+            raise RuntimeError(f"handle of weight broadcast group {h.group} does not match it")
         if self._broken is not None:
             raise RuntimeError(f"the weight broadcast group is unusable: {self._broken}")
-        h = _decode(handle)
         if h.seq != self._next:
             raise RuntimeError(
                 f"bucket broadcast {self._next} expected, got {h.seq} (each reader must open "
                 "every bucket once, in order)"
-            )
-        if self._group is None:
-            self._join(h, device)
-        elif self._key != (h.backend, h.host, h.port, h.group, h.size):
-            raise RuntimeError(
-                f"handle of another weight broadcast group ({h.group} at {h.host}:{h.port}); "
-                f"this reader joined {self._key[3] if self._key else '?'}"
             )
         self._last = None
         if h.nbytes:
@@ -453,8 +586,10 @@ class NcclOpener:
                 self._buffer = torch.empty(h.nbytes, dtype=torch.uint8, device=self._device)
             view = self._buffer[: h.nbytes]
             try:
-                work = _broadcast(self._group, view, self._timeout_s)
-                _finish(work, h.backend, self._timeout_s, f"weight broadcast {h.seq}")
+                for group in (self._group, self._local):  # from the sender, then to its host
+                    if group is not None:
+                        work = _broadcast(group, view, self._timeout_s)
+                        _finish(work, h.backend, self._timeout_s, f"weight broadcast {h.seq}")
             except Exception as exc:
                 self._broken = str(exc)
                 raise RuntimeError(str(exc)) from exc
@@ -467,12 +602,10 @@ class NcclOpener:
     def close(self) -> None:
         """Leave the group (its threads and connections end) and free the buffer.
         Idempotent."""
-        group, self._group = self._group, None
-        _shutdown(group, graceful=self._broken is None)
-        self._store = None
+        self._closed = True
+        self._leave(graceful=self._broken is None)
         self._buffer = None
         self._last = None
-        self._broken = self._broken or "closed"
 
 
 NCCL = WeightTransfer(
@@ -480,6 +613,5 @@ NCCL = WeightTransfer(
     stager=NcclStager,
     opener=NcclOpener,
     devices=("cpu", "cuda"),
-    takes_new_readers=False,  # the group is formed once, at the first refit
 )
 """Entry point ``nccl``."""

@@ -98,7 +98,7 @@ class ShmStager:
             _File(os.path.join(directory, f"w{spec.rank}-{k}.bin")) for k in range(spec.buffers)
         ]
 
-    def begin(self, receivers: list[str]) -> None:
+    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
         """Readers map the buffers themselves: nothing to connect."""
 
     def reserve(self, k: int, nbytes: int) -> None:

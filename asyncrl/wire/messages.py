@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -144,11 +144,13 @@ class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
 class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
     """Trainer: publish version ``version`` to ``receivers`` (``group:rank`` identities),
     whose processes are ``receiver_pids`` (same order; 0: on another host, not watched): the
-    sender goes on without one that exits meanwhile (a restarted rollout worker)."""
+    sender goes on without one that exits meanwhile (a restarted rollout worker). Each runs
+    on ``receiver_hosts`` (same order, ``Hello.host``; a transfer may route by host)."""
 
     version: int
     receivers: list[str]
     receiver_pids: list[int] = []
+    receiver_hosts: list[str] = []
     transport: str = "shm"
     bucket_size_bytes: int = 256 << 20
     timeout_s: float = 300.0

@@ -84,7 +84,11 @@ class Peer:
     """Its :func:`~asyncrl.procs.process.host_id`."""
     remote: bool = False
     """On another host than the controller: its ``pid`` means nothing here (it is never
-    watched, signalled or waited for by pid; the heartbeat alone says it is gone)."""
+    watched, signalled or waited for by pid)."""
+    gone: anyio.Event = field(default_factory=anyio.Event)
+    """Set when a remote peer's process is known to be gone although its connection says
+    nothing: its last words came (``Dead``, survivable) or its successor said ``Hello``
+    (its node's supervisor started it again). Else the heartbeat alone says it is lost."""
 
     @property
     def host_name(self) -> str:
@@ -131,6 +135,9 @@ class ControlPlane:
         self.survivable = survivable
         self._gone: dict[str, BaseException] = {}
         """Workers forgotten until their new process says ``Hello``: why calls to them fail."""
+        self._successors: dict[str, Hello] = {}
+        """The ``Hello`` of a remote worker's new process, said while its old one was still a
+        peer: welcomed once the old one is forgotten (:meth:`wait_connected`)."""
         self._make_init = make_init
         self._expected = expected
         self._host = host
@@ -225,6 +232,8 @@ class ControlPlane:
             err.reported_by = identity  # type: ignore[attr-defined]  # its own last words
             if peer.ready.is_set() and self.survivable(peer):
                 peer.last_words = err  # its process exits next: its watcher takes it from here
+                if peer.remote:
+                    peer.gone.set()  # no pid to watch there: these words are its death
                 log.warning("worker_dead", worker=identity, reason=msg.reason)
                 return
             self.fail_peer(identity, err)
@@ -237,7 +246,16 @@ class ControlPlane:
         if self._expected is not None and identity not in self._expected:
             self._reject(identity, "Hello from a worker this run does not have")
             return
-        if identity in self.peers:
+        old = self.peers.get(identity)
+        if old is not None:
+            if old.remote and hello.host == old.host and hello.pid != old.pid:
+                # a new process on the same host: its node's supervisor started it again,
+                # so the old one is gone (its pid cannot be watched from here)
+                self._successors[identity] = hello
+                old.gone.set()
+                log.warning("worker_replaced", worker=identity, host=host_name(hello.host),
+                            old_pid=old.pid, pid=hello.pid)  # fmt: skip
+                return
             self._reject(identity, "a second Hello")
             return
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -282,11 +300,20 @@ class ControlPlane:
             await self.peers[n].ready.wait()
         return [self.peers[n] for n in names]
 
+    async def wait_connected(self, identity: str) -> None:
+        """Wait until ``identity``, forgotten (:meth:`forget`), has said ``Hello`` again (a
+        restarted worker's new process; one that said it before the old one was forgotten
+        is welcomed now). Cancellation: safe; callers bound it with a timeout."""
+        hello = self._successors.pop(identity, None)
+        if hello is not None and identity not in self.peers:
+            await self._on_hello(identity, hello)
+        while identity not in self.peers:
+            await self._peer_joined.wait()
+
     async def wait_peer(self, identity: str) -> Peer:
         """Wait until ``identity`` is connected and ready (a restarted worker: its new
         process). Cancellation: safe; callers bound it with a timeout."""
-        while identity not in self.peers:
-            await self._peer_joined.wait()
+        await self.wait_connected(identity)
         peer = self.peers[identity]
         await peer.ready.wait()
         return peer

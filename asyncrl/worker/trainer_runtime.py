@@ -335,6 +335,7 @@ class TrainerRuntime(WorkerRuntime):
             timeout_s=req.timeout_s,
             run=self.thread.run,
             pids=req.receiver_pids,
+            hosts=req.receiver_hosts,
         )
 
     async def _save_state(self, req: SaveState) -> Result:

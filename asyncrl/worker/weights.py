@@ -232,12 +232,14 @@ class WeightSender:
         timeout_s: float,
         run: Callable[..., Awaitable[Any]] = anyio.to_thread.run_sync,
         pids: Sequence[int] = (),
+        hosts: Sequence[str] = (),
     ) -> WeightsResult:
         """Publish ``tensors`` (exactly ``specs``, in order) to all ``receivers``.
 
         ``pids``: the receivers' processes (same order, same host). One that exits is left
         out from then on (its acknowledgements are owed no more): a rollout worker that died
         mid-refit is restarted and refitted on its own, the others get the version.
+        ``hosts``: where each receiver runs (same order; empty: not known), for the transfer.
 
         ``run(fn, *args)`` runs blocking work where ``tensors`` may be advanced: the trainer's
         own thread (a training backend is called from one thread only). Each call fills one
@@ -253,12 +255,15 @@ class WeightSender:
         """
         start = time.perf_counter()
         owed = _Owed(self._recv, self.rejections.reject, version, receivers, timeout_s)
+        where = dict(zip(receivers, hosts))
         try:
             async with anyio.create_task_group() as watchers:
                 for who, pid in zip(receivers, pids):
                     if pid:  # 0: on another host
                         watchers.start_soon(owed.watch, who, pid)
-                result = await self._publish(owed, specs, tensors, bucket_size=bucket_size, run=run)
+                result = await self._publish(
+                    owed, specs, tensors, bucket_size=bucket_size, run=run, where=where
+                )
                 watchers.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _first_refit_error(group) from None
@@ -267,17 +272,19 @@ class WeightSender:
 
     async def _publish(
         self, owed: _Owed, specs: Sequence[WeightTensor], tensors: Iterable[WeightTensor],
-        *, bucket_size: int, run: Callable[..., Awaitable[Any]],
+        *, bucket_size: int, run: Callable[..., Awaitable[Any]], where: dict[str, str],
     ) -> WeightsResult:
         """The transfer itself, to the live receivers (``owed.live()``: one that exits is
         left out) once they pulled: the manifest, then the buckets through the staging
-        buffers in turn, each refilled only once every receiver acknowledged its bucket."""
+        buffers in turn, each refilled only once every receiver acknowledged its bucket.
+        ``where``: receiver → its host (the transfer may route by it)."""
         await owed.settle("pull", "the pull")
         version, n = owed.version, self._buffers
         manifest = manifest_of(specs)
         owed.expect(-1)
         await self._send_all(owed, Manifest(version, self.transfer.name, manifest))
-        self._stager.begin(owed.live())
+        live = owed.live()
+        self._stager.begin(live, [where.get(r, "") for r in live])
         packer = Packer(iter(tensors), manifest, self._stager, bucket_size, n)
         first = await self._pack_first(owed, packer, run)
         index = 0

@@ -46,7 +46,7 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_thirteen() -> None:
+def test_protocol_version_is_fourteen() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
     # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
@@ -55,8 +55,9 @@ def test_protocol_version_is_thirteen() -> None:
     # Generate is sent unanswered); 11: FinishStep.normalizer (an older trainer would
     # divide by the tokens whatever loss.aggregation says); 12: TrainBatch.proximal_logprobs
     # and reference_logprobs, ComputeLogprobs.policy, ChunkResult.kl_sum; 13: Hello.host
-    # (a worker on another host is refused: its pid means nothing to the controller)
-    assert PROTOCOL_VERSION == 13
+    # (a worker on another host is refused: its pid means nothing to the controller);
+    # 14: SendWeights.receiver_hosts (the nccl transfer sends a bucket once per host)
+    assert PROTOCOL_VERSION == 14
 
 
 def test_golden_hello() -> None:

@@ -20,7 +20,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from asyncrl.procs.process import host_id
 from asyncrl.transfers import StagingSpec
+from asyncrl.transfers.collective import fan_out
 from asyncrl.transfers.nccl import (
     IDENTITY_ENV_VAR,
     NCCL,
@@ -233,8 +235,7 @@ def test_one_reader_receives_every_bucket_byte_for_byte(
         handles = _send_buckets(stager, readers, [_bucket([300]), _bucket([])], first_k=1)
         assert [_decode(h).seq for h in handles] == [3, 4]
         assert _decode(handles[1]).nbytes == 0
-        with pytest.raises(RuntimeError, match="one broadcast group for the run"):
-            stager.begin(["rollout:0", "rollout:1"])
+        assert stager.groups_formed == 1 and {_decode(h).epoch for h in handles} == {0}
     finally:
         stager.close()
 
@@ -299,17 +300,31 @@ def test_a_skipped_or_repeated_broadcast_is_refused_at_once(
     assert time.monotonic() - start < 5
 
 
-def test_begin_with_other_receivers_raises(short_timeout: None) -> None:
+def test_a_group_without_readers_and_one_never_joined_are_dropped_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(TIMEOUT_ENV_VAR, "3")
     stager = _stager()
     try:
         stager.begin([])  # a group of the sender alone forms at once
-        stager.begin([])
-        with pytest.raises(RuntimeError, match=r"formed for \[\]; this refit goes to"):
-            stager.begin(["rollout:0"])
         _fill(stager, 0, _bucket([100, 200]))  # a broadcast to nobody completes
         stager.reserve(0, 10)  # waits for it
+        stager.begin([])
+        assert stager.groups_formed == 1
+        stager.begin(["rollout:0"])  # its reader never comes
+        start = time.monotonic()
+        stager.begin(["rollout:1"])  # the group still forming is left to its timeout
+        assert time.monotonic() - start < 2
+        assert stager.groups_formed == 3
     finally:
+        start = time.monotonic()
         stager.close()
+    assert time.monotonic() - start < 2
+    # the threads left forming their groups end at the rendezvous' timeout (3 s)
+    deadline = time.monotonic() + 10
+    while any(t.name == "asyncrl-nccl-sender" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a sender thread outlived its timeout"
+        time.sleep(0.1)
 
     other = _stager()
     try:
@@ -332,7 +347,7 @@ def test_reader_needs_its_identity_when_several_read(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(IDENTITY_ENV_VAR, "rollout:7")
     with pytest.raises(RuntimeError, match="'rollout:7' is not a receiver"):
         opener.open(encoded, "cpu")
-    with pytest.raises(RuntimeError, match="bucket broadcast 0 expected, got 4"):
+    with pytest.raises(RuntimeError, match="bucket broadcast 0 of a new group expected, got 4"):
         opener.open(msgspec.msgpack.encode(msgspec.structs.replace(handle, seq=4)), "cpu")
     opener.close()
     opener.close()
@@ -361,3 +376,73 @@ def test_close_leaves_nothing_behind_and_is_idempotent(
     with pytest.raises(RuntimeError, match="closed"):
         stager.begin(["rollout:0"])
     assert reader.stop() == 0
+
+
+def test_fan_out_sends_once_per_other_host() -> None:
+    r = [f"rollout:{i}" for i in range(6)]
+    # by hand: the sender's host and unknown hosts in its group, one leader per other host
+    assert fan_out(r[:4], ["b", "b", "a", "b"], "a") == (["rollout:2", "rollout:0"],
+                                                         {"rollout:0": ["rollout:1", "rollout:3"]})
+    assert fan_out(r, ["c", "", "b", "c", "b", "d"], "a") == (
+        ["rollout:1", "rollout:0", "rollout:2", "rollout:5"],
+        {"rollout:0": ["rollout:3"], "rollout:2": ["rollout:4"]},
+    )
+    assert fan_out(r[:3], ["a", "a", "a"], "a") == (r[:3], {})  # all on the sender's host
+    assert fan_out([], [], "a") == ([], {})
+    with pytest.raises(ValueError):
+        fan_out(r[:2], ["a"], "a")
+
+
+def test_readers_of_another_host_get_each_bucket_from_their_leader(
+    readers: list[Reader], short_timeout: None
+) -> None:
+    """Three readers on a host 'far' and one on the sender's: the sender's group holds the
+    near one and far's leader, which passes each bucket on to the other two."""
+    names = [f"rollout:{i}" for i in range(4)]
+    readers.extend(Reader(n) for n in names)
+    hosts = ["far", "far", host_id(), "far"]
+    stager = _stager()
+    try:
+        stager.begin(names, hosts)
+        buckets = [_bucket([700, 3000]), _bucket([64]), _bucket([]), _bucket([12000, 8, 4])]
+        handles = _send_buckets(stager, readers, buckets)
+        h = _decode(handles[0])
+        assert h.size == 3 and h.ranks == {"rollout:2": 1, "rollout:0": 2}
+        assert h.fans == {"rollout:0": ["rollout:1", "rollout:3"]}
+        stager.begin(names, hosts)  # same receivers on the same hosts: the same group
+        handles = _send_buckets(stager, readers, [_bucket([333])])
+        assert stager.groups_formed == 1 and _decode(handles[0]).seq == 4
+        # a far reader left out (restarting): a new group, far's leader feeds one reader
+        stager.begin(names[:3], hosts[:3])
+        handles = _send_buckets(stager, readers[:3], [_bucket([900]), _bucket([10])])
+        assert _decode(handles[0]).fans == {"rollout:0": ["rollout:1"]}
+    finally:
+        stager.close()
+
+
+def test_a_new_group_when_a_reader_is_left_out_then_comes_back(
+    readers: list[Reader], short_timeout: None
+) -> None:
+    """rollout:1 dies between refits: the next refit forms a group without it, and its new
+    process joins a third one, while rollout:0 moves from group to group."""
+    readers.extend([Reader("rollout:0"), Reader("rollout:1")])
+    stager = _stager()
+    try:
+        stager.begin(["rollout:0", "rollout:1"])
+        first = _send_buckets(stager, readers, [_bucket([1000]), _bucket([2000])])
+        readers[1].proc.kill()
+        readers[1].proc.join(5)
+        stager.begin(["rollout:0"])
+        alone = _send_buckets(stager, readers[:1], [_bucket([500]), _bucket([40])])
+        readers[1] = Reader("rollout:1")  # its new process
+        stager.begin(["rollout:0", "rollout:1"])
+        again = _send_buckets(stager, readers, [_bucket([4000, 8]), _bucket([77])])
+        epochs = [[_decode(h).epoch for h in hs] for hs in (first, alone, again)]
+        assert epochs == [[0, 0], [1, 1], [2, 2]] and stager.groups_formed == 3
+        assert [_decode(h).seq for h in again] == [0, 1]  # numbered afresh in each group
+        # an older group's handle is refused, at once
+        readers[0].send("open", alone[0])
+        status, payload = readers[0].reply()
+        assert status == "error" and "older weight broadcast group" in payload
+    finally:
+        stager.close()

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncrl.errors import WorkerDiedError, WorkerHungError
+from asyncrl.errors import WorkerDiedError, WorkerHungError, WorkerLostError
 from asyncrl.run.restarts import Restarts
 from asyncrl.wire.rpc import Peer
 
@@ -83,9 +83,16 @@ class _Loops:
         self.calls.append(("serves", worker))
 
 
-def _restarts(loops: _Loops, rollout_restarts: int) -> Restarts:
+async def _never(peer: Peer) -> WorkerDiedError:
+    """The heartbeat's verdict on a remote worker that never goes silent."""
+    await anyio.sleep_forever()
+    raise AssertionError
+
+
+def _restarts(loops: _Loops, rollout_restarts: int, heartbeat_timeout_s: float = 1.0) -> Restarts:
     config = SimpleNamespace(
         cluster=SimpleNamespace(rollout_ranks=1, startup_timeout_s=5.0),
+        failures=SimpleNamespace(heartbeat_timeout_s=heartbeat_timeout_s),
         rollout_restarts=rollout_restarts,
     )
     restarts = Restarts(config)  # type: ignore[arg-type]  # what Restarts reads of a Config
@@ -101,7 +108,8 @@ def _watching(restarts: Restarts, control: _Control, peer: Peer, tg: Any) -> Any
     """``restarts.watch(...)`` of ``peer`` as a task (deaths named as they are)."""
 
     async def watch() -> None:
-        await restarts.watch(control, peer, None, tg, named=lambda p, d: d, fatal=lambda d: None)
+        await restarts.watch(control, peer, None, tg, named=lambda p, d: d, fatal=lambda d: None,
+                             lost=_never)
 
     return watch
 
@@ -121,7 +129,8 @@ async def test_a_new_process_dead_before_its_sync_started_is_a_death_not_a_crash
         async with anyio.create_task_group() as tg:
             with pytest.raises(WorkerDiedError) as info:
                 await restarts.watch(control, _peer(killed), None, tg,
-                                     named=lambda peer, died: died, fatal=deaths.append)  # fmt: skip
+                                     named=lambda peer, died: died, fatal=deaths.append,
+                                     lost=_never)  # fmt: skip
             await loops.refitting.wait()  # the first restart's sync: the run is not over yet
             assert restarts.serving == []
             restarts.close()  # the run is over: the sync task waiting in its refit ends
@@ -174,7 +183,7 @@ async def test_a_hang_that_spends_the_budget_is_named_once_and_says_both(
         async with anyio.create_task_group() as tg:
             with pytest.raises(WorkerHungError) as info:
                 await restarts.watch(_Control(_peer(reaped)), _peer(killed), None, tg,
-                                     named=named, fatal=lambda d: None)  # fmt: skip
+                                     named=named, fatal=lambda d: None, lost=_never)  # fmt: skip
             restarts.close()
     text = str(info.value)
     assert asked == [killed, reaped]
@@ -182,3 +191,89 @@ async def test_a_hang_that_spends_the_budget_is_named_once_and_says_both(
     assert "exit code" not in text and text.count("\n") == 1
     assert text.endswith("restarted 1 times in this run, all that failures.rollout_restarts allows")
     assert info.value.pid == reaped and info.value.log_path == "/logs/rollout-0.log"
+
+
+def _remote(pid: int) -> Peer:
+    return Peer(WORKER, "rollout", 0, 1, pid, "/logs/rollout-0.log", host="node1/b/1",
+                remote=True)  # fmt: skip
+
+
+def _lost_after(seconds: float, found: list[Peer]) -> Any:
+    """The heartbeat's verdict: every remote process it is asked about is lost after
+    ``seconds`` (each asked one recorded in ``found``)."""
+
+    async def lost(peer: Peer) -> WorkerDiedError:
+        found.append(peer)
+        await anyio.sleep(seconds)
+        return WorkerLostError(peer.group, peer.rank, peer.log_path, host="node1", pid=peer.pid,
+                               silent_s=seconds, last_answer=None, timeout_s=seconds)  # fmt: skip
+
+    return lost
+
+
+async def test_a_remote_worker_whose_successor_said_hello_is_restarted() -> None:
+    """A worker on another host is gone once its node's new process said Hello (its old
+    peer's ``gone``): no pid is watched, its groups go elsewhere, the new process (another
+    remote peer) is refitted and serves, and is watched in turn."""
+    loops, asked = _Loops(), []
+    restarts = _restarts(loops, rollout_restarts=1)
+    old, new = _remote(100), _remote(200)
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await restarts.watch(_Control(new), old, None, tg, named=lambda p, d: d,
+                                 fatal=lambda d: None, lost=_lost_after(60, asked))  # fmt: skip
+
+        tg.start_soon(watch)
+        await anyio.sleep(0.05)
+        assert loops.calls == []
+        old.gone.set()
+        with anyio.fail_after(5):
+            await loops.refitting.wait()
+            loops.release.set()
+            while restarts.serving != [WORKER]:
+                await anyio.sleep(0.01)
+        assert loops.calls == [("lost", WORKER), ("refit", WORKER), ("serves", WORKER)]
+        assert [p.pid for p in asked] == [100, 200]  # the new process is watched too
+        tg.cancel_scope.cancel()
+
+
+async def test_a_remote_worker_lost_without_successor_stops_the_run_naming_why() -> None:
+    """Silent past the heartbeat's timeout and no new process from its node within that
+    time again (its node is gone or cut off, or it hangs there): not restarted, the run
+    stops with the WorkerLostError, which says so; nothing was handed elsewhere."""
+    loops, deaths = _Loops(), []
+    restarts = _restarts(loops, rollout_restarts=2, heartbeat_timeout_s=0.3)
+    start = anyio.current_time()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(WorkerLostError) as info:
+                await restarts.watch(_Control(), _remote(100), None, tg, named=lambda p, d: d,
+                                     fatal=deaths.append, lost=_lost_after(0.2, []))  # fmt: skip
+    assert 0.5 <= anyio.current_time() - start < 2  # the verdict, then the grace
+    assert str(info.value).endswith(
+        "no new process of rollout:0 came from 'node1' within 0.3 s more: not restarted"
+    )
+    assert deaths == [info.value] and loops.calls == []
+
+
+async def test_a_remote_worker_lost_whose_successor_comes_in_the_grace_is_restarted() -> None:
+    """Found silent first (its new process was slow to start), then its successor's Hello
+    within the grace: a restart like any other."""
+    loops = _Loops()
+    restarts = _restarts(loops, rollout_restarts=1, heartbeat_timeout_s=5.0)
+    old = _remote(100)
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await restarts.watch(_Control(_remote(200)), old, None, tg, named=lambda p, d: d,
+                                 fatal=lambda d: None, lost=_lost_after(0.1, []))  # fmt: skip
+
+        tg.start_soon(watch)
+        await anyio.sleep(0.4)
+        assert loops.calls == []  # lost, waiting for a successor
+        old.gone.set()
+        with anyio.fail_after(5):
+            await loops.refitting.wait()
+        assert loops.calls == [("lost", WORKER), ("refit", WORKER)]
+        tg.cancel_scope.cancel()

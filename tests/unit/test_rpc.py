@@ -28,6 +28,7 @@ from asyncrl.wire.messages import (
     Health,
     HealthResult,
     Hello,
+    Init,
     Ready,
     Reply,
     Shutdown,
@@ -333,3 +334,45 @@ async def test_a_cast_waits_for_nothing_and_fails_only_where_a_call_would_at_onc
             await control.cast("rollout:0", generate)
         assert await control.cast_unless_restarting("rollout:0", generate) is False
         assert control.rejections.total == 0
+
+
+async def test_a_remote_workers_successor_marks_it_gone_and_is_welcomed_once_forgotten(
+    run_dir: str,
+) -> None:
+    """A worker on another host is started again by its node (SIGKILL there: no Dead, and
+    its pid cannot be watched from here). Its new process's Hello, from the same host with
+    another pid, sets the old peer's ``gone``; the new one gets its Init once the old one is
+    forgotten. A second Hello from another host, or from a worker on this host, is refused."""
+    plane = control_plane(run_dir, survivable=lambda peer: True, host="node0/b/1",
+                          remote_ok=True, router_mandatory=False)  # fmt: skip
+    async with plane as (control, ctx, address, _):
+        old = FakeWorker(ctx, address, "rollout", 0, pid=100)
+        local = FakeWorker(ctx, address, "rollout", 1, pid=os.getpid())
+        await old.handshake(host="node1/b/1")
+        await local.handshake(host="node0/b/1")
+        with anyio.fail_after(5):
+            await control.wait_ready("rollout", 2)
+        peer = control.peers["rollout:0"]
+        assert peer.remote and not peer.gone.is_set()
+        hello = dict(protocol_version=PROTOCOL_VERSION, world_size=1)
+        await local.say(Hello(group="rollout", rank=1, pid=5, host="node0/b/1", **hello))
+        await old.say(Hello(group="rollout", rank=0, pid=101, host="node2/b/1", **hello))
+        with anyio.fail_after(5):
+            while control.rejections.total < 2:
+                await anyio.sleep(0.01)
+        assert not peer.gone.is_set()  # another host: not its successor
+        old.sock.close()
+        new = FakeWorker(ctx, address, "rollout", 0, pid=200)
+        await new.say(Hello(group="rollout", rank=0, pid=200, host="node1/b/1",
+                            log_path="/logs/rollout-0.log", **hello))  # fmt: skip
+        with anyio.fail_after(5):
+            await peer.gone.wait()
+        assert control.peers["rollout:0"] is peer  # still the old one until forgotten
+        control.forget("rollout:0", WorkerRestarting("rollout:0 is restarting"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(control.wait_peer, "rollout:0")
+            assert isinstance(await new.hear(), Init)
+            await new.say(Ready(backend="fake"))
+        back = control.peers["rollout:0"]
+        assert back.pid == 200 and back.remote and back.ready.is_set() and not back.gone.is_set()
+        assert control.rejections.total == 2
