@@ -102,10 +102,13 @@ async def _serve_until_signal(controller_pid: int = 0, **kwargs: Any) -> _Ending
     return ending
 
 
-def serve_rank(*, console: int | None = None, controller_pid: int = 0, **kwargs: Any) -> int:
+def serve_rank(
+    *, console: int | None = None, controller_pid: int = 0, lost_code: int = 1, **kwargs: Any
+) -> int:
     """Run one worker rank to its end: 0 after ``Shutdown``, 128 + N after signal N, 1 after a
-    failure (logged to the rank's log file, which its ``Dead`` message names) or after the
-    controller died.
+    failure (logged to the rank's log file, which its ``Dead`` message names), ``lost_code``
+    after the controller died or went silent (a supervised worker's
+    :data:`~asyncrl.procs.supervisor.CONTROLLER_LOST`).
 
     ``console``: a descriptor of the launch's stderr, kept by the rank that speaks for the run
     when rank 0 (the controller) dies: it prints the one ``asyncrl: error`` line then.
@@ -118,7 +121,9 @@ def serve_rank(*, console: int | None = None, controller_pid: int = 0, **kwargs:
             os.write(console, controller_lost_line(
                 controller_pid, ending.controller_exit, kwargs.get("log_path", "?")
             ))
-        return 1
+        return lost_code
+    if isinstance(ending.error, ControllerLostError):
+        return lost_code
     if ending.error is not None:
         return 1
     return 128 + int(ending.signal) if ending.signal is not None else 0
@@ -137,6 +142,7 @@ def worker_main(
     """A rank of a group spawned by an embedded controller, or (``rank`` given) a rollout
     worker its supervisor started. With ``max_restarts``, this rank supervises its worker
     (:mod:`asyncrl.procs.supervisor`) instead of serving itself."""
+    supervised = rank is not None
     rank = env_int("RANK") if rank is None else rank
     world = env_int("WORLD_SIZE") if world is None else world
     log_path = os.path.join(log_dir, f"{group}-{rank}.log")
@@ -148,7 +154,14 @@ def worker_main(
     if max_restarts:
         return _supervise(group, rank, world, control, log_dir, max_restarts,
                           controller_pid=controller_pid, log_path=log_path)
+    if supervised:
+        from asyncrl.procs.supervisor import CONTROLLER_LOST
+
+        lost_code = CONTROLLER_LOST
+    else:
+        lost_code = 1
     return serve_rank(
+        lost_code=lost_code,
         control_address=control,
         group=group,
         rank=rank,

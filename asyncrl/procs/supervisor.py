@@ -14,8 +14,10 @@ new process's ``Hello`` and refits it; it also holds the run's budget and stops 
 it is spent (this side's count only keeps a crash loop from going on forever).
 
 Exits: the worker's own code once it exits 0 (``Shutdown``), after a stop signal (forwarded
-to the worker, which cleans up: 128 + N), once the controller is gone (1), or once this
-rank's restarts are used up (the last code).
+to the worker, which cleans up: 128 + N), once the controller is gone (1: its pid exited
+here, or the worker said so with :data:`CONTROLLER_LOST`, as on another node where the
+controller's pid cannot be watched), or once this rank's restarts are used up (the last
+code).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ __all__ = ["supervise"]
 
 log = structlog.get_logger("asyncrl.procs.supervisor")
 
+CONTROLLER_LOST = 3
+"""A supervised worker's exit code once it stopped because the controller is gone (dead,
+or silent past the heartbeat's timeout: another node's, cut off): it is not started again,
+and this rank exits 1. Any other failure is a death the worker is restarted after."""
 STATUS_READ_S = 0.3
 """How long a dead worker stays a zombie before it is reaped, so the controller's watcher
 (woken by its pidfd) reads its exit code from ``/proc``."""
@@ -102,6 +108,9 @@ def supervise(
                 return 1
             if code == 0 or stopping:
                 return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
+            if code == CONTROLLER_LOST:  # a new worker would wait for an Init never sent
+                log.error("controller_lost", restarts=restarts)
+                return 1
             if controller_pid and has_exited(controller_pid):
                 status = exit_status(controller_pid) if lost is None else lost
                 # a controller that exited by itself (status >= 0) printed its own line

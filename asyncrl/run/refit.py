@@ -193,8 +193,8 @@ async def refit_generators(
     send = SendWeights(
         version=version,
         receivers=list(rollouts),
-        # 0: on another host, not watched by pid (the heartbeat says when it is gone)
-        receiver_pids=[0 if control.peers[w].remote else control.peers[w].pid for w in rollouts],
+        # each pid is watched by the sender where it is on the sender's host
+        receiver_pids=[control.peers[w].pid for w in rollouts],
         receiver_hosts=[control.peers[w].host for w in rollouts],
         transport=refit.transport,
         bucket_size_bytes=refit.bucket_size_mb << 20,

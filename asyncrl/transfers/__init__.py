@@ -8,7 +8,7 @@ bytes are staged and how a reader maps them::
 
     sender (trainer rank 0)                       reader (the generator's engine process)
     stager = transfer.stager(StagingSpec)          opener = transfer.opener()
-    stager.begin(receivers, hosts)  (every refit)
+    stager.begin(receivers)     (every refit)
     stager.reserve(k, nbytes)                      memory = opener.open(handle, device)
     stager.pack(k, offset, tensor) ...             memory[offset:offset + nbytes] -> a weight
     stager.seal(k)
@@ -29,13 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.plugins import available, load
 
 __all__ = [
     "Opener",
+    "Receiver",
     "Stager",
     "StagingSpec",
     "WeightTransfer",
@@ -43,6 +44,19 @@ __all__ = [
 ]
 
 GROUP = "asyncrl.weight_transfers"
+
+
+class Receiver(NamedTuple):
+    """A generator a refit goes to."""
+
+    identity: str
+    """Its rollout worker (``rollout:<rank>``)."""
+    host: str = ""
+    """Where its process runs: the worker's :func:`~asyncrl.procs.process.host_id`
+    (``Hello.host``; ``""``: not known)."""
+    pid: int = 0
+    """Its worker's process id on that host (``0``: not known): a new one means a new
+    process under the same identity (a restarted worker)."""
 
 
 @dataclass(frozen=True)
@@ -63,12 +77,10 @@ class StagingSpec:
 class Stager(Protocol):
     """Sender side: ``StagingSpec.buffers`` staging buffers, numbered from 0."""
 
-    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
-        """A refit to ``receivers`` (``rollout:<rank>`` identities) starts (before any
-        :meth:`reserve`); ``hosts`` says where each runs (same order: its worker's
-        :func:`~asyncrl.procs.process.host_id`, ``""`` where not known). Transfers that
-        connect to their readers (e.g. a collective group) do it here, and may route by host;
-        others do nothing."""
+    def begin(self, receivers: list[Receiver]) -> None:
+        """A refit to ``receivers`` starts (before any :meth:`reserve`). Transfers that
+        connect to their readers (e.g. a collective group) do it here, and may route by
+        host; others do nothing."""
 
     def reserve(self, k: int, nbytes: int) -> None:
         """Make buffer ``k`` hold at least ``nbytes`` (growing it invalidates its handle)."""

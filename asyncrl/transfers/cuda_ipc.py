@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.transfers import StagingSpec, WeightTransfer
+from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer
 
 __all__ = ["CUDA_IPC", "DEFER_BELOW_BYTES", "CudaIpcHandle", "device_index_by_uuid"]
 
@@ -102,7 +102,7 @@ class CudaIpcStager:
             {} for _ in range(self._n)
         ]
 
-    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
+    def begin(self, receivers: list[Receiver]) -> None:
         """Readers map the buffers themselves: nothing to connect."""
 
     def reserve(self, k: int, nbytes: int) -> None:

@@ -41,7 +41,8 @@ receivers and kept while later refits go to the same receivers on the same hosts
 to others (a rollout worker left out while it restarts, then its new process) or after a
 failed broadcast forms a new group (a new id, numbered by ``epoch``) and drops the old one;
 each reader leaves its group at the new one's first handle. So the transfer takes new
-readers (``takes_new_readers``): a restarted rollout worker is refitted, on any node. A
+readers (``takes_new_readers``): a restarted rollout worker (the same identity, another
+process: ``Receiver.pid``) is refitted, on any node. A
 group is formed in well under a second with gloo; an NCCL communicator takes longer, once
 per change. Every member takes part in every broadcast: each reader must open every bucket
 handle of its group once, in order. Each broadcast carries a sequence number (from 0 in
@@ -64,8 +65,8 @@ identities (``rollout:<rank>``) to ranks and the reader reads its identity from 
 environment variable ``ASYNCRL_TRANSFER_IDENTITY`` (the generation backend sets it for its
 engine processes). Without it, a group with exactly one reader makes the reader rank 1. One
 process per receiver takes part: an engine whose weights load in several worker processes
-(tensor parallelism) cannot use this transfer. The sender learns each receiver's host from
-``begin`` (the controller's ``Hello.host`` of each rollout worker).
+(tensor parallelism) cannot use this transfer. The sender learns each receiver's host and
+process from ``begin`` (the ``Hello`` of each rollout worker).
 
 **Rendezvous and network.** The sender hosts a ``TCPStore`` on an ephemeral port (it listens
 on every interface) and advertises ``ASYNCRL_NCCL_HOST`` if set, else the address of this
@@ -90,7 +91,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from asyncrl.transfers import StagingSpec, WeightTransfer
+from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer
 from asyncrl.transfers.collective import (
     _PREFIX,
     CLOSE_GRACE_S,
@@ -195,8 +196,8 @@ class NcclStager:
         self._jobs: list[_Job | None] = [None] * n
         self._handles: list[bytes | None] = [None] * n
         self._seq = 0
-        self._members: list[tuple[str, str]] = []
-        """The current group's receivers with their hosts, sorted."""
+        self._members: list[Receiver] = []
+        """The current group's receivers, sorted."""
         self._ranks: dict[str, int] = {}
         """Receiver → its rank in the sender's group."""
         self._fans: dict[str, list[str]] = {}
@@ -215,26 +216,23 @@ class NcclStager:
         """``nccl`` or ``gloo``."""
         return self._backend
 
-    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
-        """Have a broadcast group of the sender and ``receivers`` (on ``hosts``, same order;
-        ``None`` or ``""``: not known) ready for this refit. The group of the last refit is
-        kept when it had the same receivers on the same hosts and has not failed; else a new
-        one is formed (a rollout worker restarted or left out, a failed broadcast) and the
-        old one dropped: its readers leave it at the new group's first handle. The sender
-        thread forms the group, waiting for the readers to join.
+    def begin(self, receivers: list[Receiver]) -> None:
+        """Have a broadcast group of the sender and ``receivers`` ready for this refit. The
+        group of the last refit is kept when it had the very same receivers (identities,
+        hosts and processes) and has not failed; else a new one is formed (a rollout worker
+        restarted or left out, a failed broadcast) and the old one dropped: its readers leave
+        it at the new group's first handle. The sender thread forms the group, waiting for
+        the readers to join.
 
         Raises:
             RuntimeError: closed, duplicate receivers, or the store cannot be hosted.
-            ValueError: ``hosts`` of another length than ``receivers``.
         """
         if self._closed:
             raise RuntimeError("the nccl weight transfer is closed")
-        if len(set(receivers)) != len(receivers):
-            raise RuntimeError(f"duplicate receivers: {list(receivers)}")
-        hosts = [""] * len(receivers) if hosts is None else list(hosts)
-        if len(hosts) != len(receivers):
-            raise ValueError(f"{len(receivers)} receivers but {len(hosts)} hosts")
-        members = sorted(zip(receivers, hosts))
+        names = [r.identity for r in receivers]
+        if len(set(names)) != len(names):
+            raise RuntimeError(f"duplicate receivers: {names}")
+        members = sorted(Receiver(*r) for r in receivers)
         thread = self._thread
         if thread is not None and thread.error is None and members == self._members:
             return
@@ -244,9 +242,9 @@ class NcclStager:
         import torch.distributed as dist
 
         if self._backend == "gloo":  # NCCL's own rings already enter each node once
-            cross, self._fans = fan_out(receivers, hosts, host_id())
+            cross, self._fans = fan_out(names, [r.host for r in receivers], host_id())
         else:
-            cross, self._fans = list(receivers), {}
+            cross, self._fans = names, {}
         self._group_id = uuid.uuid4().hex
         self._ranks = {r: i + 1 for i, r in enumerate(cross)}
         self._members = members

@@ -18,7 +18,7 @@ import numpy as np
 
 from asyncrl.procs.space import is_no_space, no_space, shm_dir, shm_fix
 from asyncrl.wire.transport import make_private_dir
-from asyncrl.transfers import StagingSpec, WeightTransfer
+from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer
 
 __all__ = ["SHM", "ShmHandle", "read_bytes"]
 
@@ -98,7 +98,7 @@ class ShmStager:
             _File(os.path.join(directory, f"w{spec.rank}-{k}.bin")) for k in range(spec.buffers)
         ]
 
-    def begin(self, receivers: list[str], hosts: list[str] | None = None) -> None:
+    def begin(self, receivers: list[Receiver]) -> None:
         """Readers map the buffers themselves: nothing to connect."""
 
     def reserve(self, k: int, nbytes: int) -> None:

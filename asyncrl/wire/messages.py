@@ -143,9 +143,10 @@ class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
 
 class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
     """Trainer: publish version ``version`` to ``receivers`` (``group:rank`` identities),
-    whose processes are ``receiver_pids`` (same order; 0: on another host, not watched): the
-    sender goes on without one that exits meanwhile (a restarted rollout worker). Each runs
-    on ``receiver_hosts`` (same order, ``Hello.host``; a transfer may route by host)."""
+    whose processes are ``receiver_pids`` on ``receiver_hosts`` (same order; ``Hello.pid``
+    and ``Hello.host``): the sender goes on without one on its host that exits meanwhile (a
+    restarted rollout worker), and a transfer may route by host and tell a new process
+    under the same identity."""
 
     version: int
     receivers: list[str]

@@ -56,8 +56,8 @@ from asyncrl.wire.messages import (
     WeightsPull,
     WeightsResult,
 )
-from asyncrl.procs.process import wait_pid_exit
-from asyncrl.transfers import StagingSpec, WeightTransfer
+from asyncrl.procs.process import host_id, wait_pid_exit
+from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer
 from asyncrl.wire.transport import (
     DEALER,
     ROUTER,
@@ -236,10 +236,11 @@ class WeightSender:
     ) -> WeightsResult:
         """Publish ``tensors`` (exactly ``specs``, in order) to all ``receivers``.
 
-        ``pids``: the receivers' processes (same order, same host). One that exits is left
-        out from then on (its acknowledgements are owed no more): a rollout worker that died
-        mid-refit is restarted and refitted on its own, the others get the version.
-        ``hosts``: where each receiver runs (same order; empty: not known), for the transfer.
+        ``pids``: the receivers' processes (same order), each on its host of ``hosts``
+        (:func:`~asyncrl.procs.process.host_id`; none given: this one). One on this host
+        that exits is left out from then on (its acknowledgements are owed no more): a
+        rollout worker that died mid-refit is restarted and refitted on its own, the others
+        get the version. Another host's pid names nothing here: not watched.
 
         ``run(fn, *args)`` runs blocking work where ``tensors`` may be advanced: the trainer's
         own thread (a training backend is called from one thread only). Each call fills one
@@ -255,11 +256,14 @@ class WeightSender:
         """
         start = time.perf_counter()
         owed = _Owed(self._recv, self.rejections.reject, version, receivers, timeout_s)
-        where = dict(zip(receivers, hosts))
+        own = host_id()
+        hosts = list(hosts) or [own] * len(receivers)
+        pids = list(pids) or [0] * len(receivers)
+        where = {who: Receiver(who, host, pid) for who, host, pid in zip(receivers, hosts, pids)}
         try:
             async with anyio.create_task_group() as watchers:
-                for who, pid in zip(receivers, pids):
-                    if pid:  # 0: on another host
+                for who, host, pid in zip(receivers, hosts, pids):
+                    if pid and host == own:
                         watchers.start_soon(owed.watch, who, pid)
                 result = await self._publish(
                     owed, specs, tensors, bucket_size=bucket_size, run=run, where=where
@@ -272,19 +276,19 @@ class WeightSender:
 
     async def _publish(
         self, owed: _Owed, specs: Sequence[WeightTensor], tensors: Iterable[WeightTensor],
-        *, bucket_size: int, run: Callable[..., Awaitable[Any]], where: dict[str, str],
+        *, bucket_size: int, run: Callable[..., Awaitable[Any]], where: dict[str, Receiver],
     ) -> WeightsResult:
         """The transfer itself, to the live receivers (``owed.live()``: one that exits is
         left out) once they pulled: the manifest, then the buckets through the staging
         buffers in turn, each refilled only once every receiver acknowledged its bucket.
-        ``where``: receiver → its host (the transfer may route by it)."""
+        ``where``: each receiver's host and process (the transfer may route by them)."""
         await owed.settle("pull", "the pull")
         version, n = owed.version, self._buffers
         manifest = manifest_of(specs)
         owed.expect(-1)
         await self._send_all(owed, Manifest(version, self.transfer.name, manifest))
         live = owed.live()
-        self._stager.begin(live, [where.get(r, "") for r in live])
+        self._stager.begin([where.get(r, Receiver(r)) for r in live])
         packer = Packer(iter(tensors), manifest, self._stager, bucket_size, n)
         first = await self._pack_first(owed, packer, run)
         index = 0

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from asyncrl.procs.process import host_id
-from asyncrl.transfers import StagingSpec
+from asyncrl.transfers import Receiver, StagingSpec
 from asyncrl.transfers.collective import fan_out
 from asyncrl.transfers.nccl import (
     IDENTITY_ENV_VAR,
@@ -204,6 +204,10 @@ def _send_buckets(
     return handles
 
 
+def _r(*names: str) -> list[Receiver]:
+    return [Receiver(n) for n in names]
+
+
 def _decode(handle: bytes) -> NcclHandle:
     return msgspec.msgpack.decode(handle, type=NcclHandle)
 
@@ -221,7 +225,7 @@ def test_one_reader_receives_every_bucket_byte_for_byte(
     stager = _stager()
     assert stager.backend == "gloo"
     try:
-        stager.begin(["rollout:0"])
+        stager.begin(_r("rollout:0"))
         # 3 KiB, 5 KiB, then 70 KiB back in buffer 0 (both sides grow their buffers)
         buckets = [_bucket([1000, 2048]), _bucket([4096, 1024]), _bucket([8192, 65536, 4])]
         handles = _send_buckets(stager, readers, buckets)
@@ -231,7 +235,7 @@ def test_one_reader_receives_every_bucket_byte_for_byte(
         assert {h.ranks["rollout:0"] for h in decoded} == {1} and decoded[0].size == 2
         assert decoded[0].backend == "gloo" and decoded[0].port > 0
         # the next refit: same receivers, numbering goes on, buffers keep alternating
-        stager.begin(["rollout:0"])
+        stager.begin(_r("rollout:0"))
         handles = _send_buckets(stager, readers, [_bucket([300]), _bucket([])], first_k=1)
         assert [_decode(h).seq for h in handles] == [3, 4]
         assert _decode(handles[1]).nbytes == 0
@@ -249,7 +253,7 @@ def test_two_readers_each_receive_every_bucket(
     readers.extend([Reader("rollout:0"), Reader("rollout:1")])
     stager = _stager(buffers)
     try:
-        stager.begin(["rollout:1", "rollout:0"])
+        stager.begin(_r("rollout:1", "rollout:0"))
         buckets = [_bucket([512, 700]), _bucket([2000]), _bucket([9000, 300]), _bucket([64])]
         handles = _send_buckets(stager, readers, buckets, buffers=buffers)
         assert [_decode(h).seq for h in handles] == [0, 1, 2, 3]
@@ -266,7 +270,7 @@ def test_a_skipped_or_repeated_broadcast_is_refused_at_once(
     readers.append(reader)
     stager = _stager()
     try:
-        stager.begin(["rollout:0"])
+        stager.begin(_r("rollout:0"))
         first = _fill(stager, 0, _bucket([1500]))
         h0 = stager.handle(0)
         reader.send("open", h0)
@@ -306,14 +310,14 @@ def test_a_group_without_readers_and_one_never_joined_are_dropped_at_once(
     monkeypatch.setenv(TIMEOUT_ENV_VAR, "3")
     stager = _stager()
     try:
-        stager.begin([])  # a group of the sender alone forms at once
+        stager.begin(_r())  # a group of the sender alone forms at once
         _fill(stager, 0, _bucket([100, 200]))  # a broadcast to nobody completes
         stager.reserve(0, 10)  # waits for it
-        stager.begin([])
+        stager.begin(_r())
         assert stager.groups_formed == 1
-        stager.begin(["rollout:0"])  # its reader never comes
+        stager.begin(_r("rollout:0"))  # its reader never comes
         start = time.monotonic()
-        stager.begin(["rollout:1"])  # the group still forming is left to its timeout
+        stager.begin(_r("rollout:1"))  # the group still forming is left to its timeout
         assert time.monotonic() - start < 2
         assert stager.groups_formed == 3
     finally:
@@ -329,7 +333,7 @@ def test_a_group_without_readers_and_one_never_joined_are_dropped_at_once(
     other = _stager()
     try:
         with pytest.raises(RuntimeError, match="duplicate receivers"):
-            other.begin(["rollout:0", "rollout:0"])
+            other.begin(_r("rollout:0", "rollout:0"))
     finally:
         other.close()
 
@@ -361,7 +365,7 @@ def test_close_leaves_nothing_behind_and_is_idempotent(
     reader = Reader()
     readers.append(reader)
     stager = _stager()
-    stager.begin(["rollout:0"])
+    stager.begin(_r("rollout:0"))
     _send_buckets(stager, [reader], [_bucket([100]), _bucket([200]), _bucket([300])])
     assert any(t.name == "asyncrl-nccl-sender" for t in threading.enumerate())
     reader.send("close")
@@ -374,7 +378,7 @@ def test_close_leaves_nothing_behind_and_is_idempotent(
     assert not any(t.name == "asyncrl-nccl-sender" for t in threading.enumerate())
     assert not _new_threads(base)
     with pytest.raises(RuntimeError, match="closed"):
-        stager.begin(["rollout:0"])
+        stager.begin(_r("rollout:0"))
     assert reader.stop() == 0
 
 
@@ -403,17 +407,17 @@ def test_readers_of_another_host_get_each_bucket_from_their_leader(
     hosts = ["far", "far", host_id(), "far"]
     stager = _stager()
     try:
-        stager.begin(names, hosts)
+        stager.begin([Receiver(n, h) for n, h in zip(names, hosts)])
         buckets = [_bucket([700, 3000]), _bucket([64]), _bucket([]), _bucket([12000, 8, 4])]
         handles = _send_buckets(stager, readers, buckets)
         h = _decode(handles[0])
         assert h.size == 3 and h.ranks == {"rollout:2": 1, "rollout:0": 2}
         assert h.fans == {"rollout:0": ["rollout:1", "rollout:3"]}
-        stager.begin(names, hosts)  # same receivers on the same hosts: the same group
+        stager.begin([Receiver(n, h) for n, h in zip(names, hosts)])  # the same group
         handles = _send_buckets(stager, readers, [_bucket([333])])
         assert stager.groups_formed == 1 and _decode(handles[0]).seq == 4
         # a far reader left out (restarting): a new group, far's leader feeds one reader
-        stager.begin(names[:3], hosts[:3])
+        stager.begin([Receiver(n, h) for n, h in zip(names[:3], hosts[:3])])
         handles = _send_buckets(stager, readers[:3], [_bucket([900]), _bucket([10])])
         assert _decode(handles[0]).fans == {"rollout:0": ["rollout:1"]}
     finally:
@@ -428,14 +432,14 @@ def test_a_new_group_when_a_reader_is_left_out_then_comes_back(
     readers.extend([Reader("rollout:0"), Reader("rollout:1")])
     stager = _stager()
     try:
-        stager.begin(["rollout:0", "rollout:1"])
+        stager.begin(_r("rollout:0", "rollout:1"))
         first = _send_buckets(stager, readers, [_bucket([1000]), _bucket([2000])])
         readers[1].proc.kill()
         readers[1].proc.join(5)
-        stager.begin(["rollout:0"])
+        stager.begin(_r("rollout:0"))
         alone = _send_buckets(stager, readers[:1], [_bucket([500]), _bucket([40])])
         readers[1] = Reader("rollout:1")  # its new process
-        stager.begin(["rollout:0", "rollout:1"])
+        stager.begin(_r("rollout:0", "rollout:1"))
         again = _send_buckets(stager, readers, [_bucket([4000, 8]), _bucket([77])])
         epochs = [[_decode(h).epoch for h in hs] for hs in (first, alone, again)]
         assert epochs == [[0, 0], [1, 1], [2, 2]] and stager.groups_formed == 3
@@ -444,5 +448,18 @@ def test_a_new_group_when_a_reader_is_left_out_then_comes_back(
         readers[0].send("open", alone[0])
         status, payload = readers[0].reply()
         assert status == "error" and "older weight broadcast group" in payload
+        # the same names, but rollout:1 is a new process (it died and came back before the
+        # sender saw it gone): a new group too, told by its pid
+        procs = [Receiver(f"rollout:{i}", "", r.proc.pid) for i, r in enumerate(readers)]
+        stager.begin(procs)
+        _send_buckets(stager, readers, [_bucket([10])])
+        stager.begin(procs)
+        _send_buckets(stager, readers, [_bucket([20])])
+        assert stager.groups_formed == 4
+        readers[1].stop()
+        readers[1] = Reader("rollout:1")
+        stager.begin([procs[0], Receiver("rollout:1", "", readers[1].proc.pid)])
+        _send_buckets(stager, readers, [_bucket([30, 40])])
+        assert stager.groups_formed == 5
     finally:
         stager.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncrl.procs.supervisor import supervise
+from asyncrl.procs.supervisor import CONTROLLER_LOST, supervise
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,6 +49,14 @@ def test_the_count_spent_its_last_code_is_the_ranks(tmp_path: Path) -> None:
     assert runs(tmp_path) == 3  # the first start and two restarts
 
 
+def test_a_worker_that_lost_its_controller_is_not_started_again(tmp_path: Path) -> None:
+    """On another node the controller's pid cannot be watched: the worker says it lost the
+    controller with its exit code, and no new worker would ever get an Init."""
+    cmd = child(tmp_path, f"sys.exit({CONTROLLER_LOST} if n == 2 else 1)")
+    assert supervise(cmd, max_restarts=5, backoff_s=0) == 1
+    assert runs(tmp_path) == 2  # a failure restarted, then the loss ends it
+
+
 def test_what_a_dead_worker_left_is_killed_before_the_next_starts(tmp_path: Path) -> None:
     """The worker starts an 'engine' in its session and dies; the engine must be gone before
     the second worker starts (it would hold the GPU's memory)."""
@@ -74,7 +82,7 @@ def test_a_stop_signal_is_forwarded_and_not_restarted(tmp_path: Path) -> None:
         Path({str(tmp_path / "up")!r}).write_text("")
         time.sleep(60)
     """)
-    code = f"import sys; from asyncrl.procs.supervisor import supervise; sys.exit(supervise({cmd!r}, max_restarts=3, backoff_s=0))"
+    code = f"import sys; from asyncrl.procs.supervisor import CONTROLLER_LOST, supervise; sys.exit(supervise({cmd!r}, max_restarts=3, backoff_s=0))"
     rank = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 30

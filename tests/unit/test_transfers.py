@@ -17,7 +17,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.config import RefitConfig
 from asyncrl.wire.messages import KVScalesResult, TensorEntry, TokenBatch
 from asyncrl.run.refit import KVScales, fp8_kv_cache
-from asyncrl.transfers import StagingSpec, WeightTransfer, load_transfer
+from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer, load_transfer
 from asyncrl.procs.space import shm_dir
 from asyncrl.transfers.shm import read_bytes
 
@@ -39,7 +39,7 @@ def test_shm_stager_and_opener_round_trip_and_growth() -> None:
     stager = load_transfer("shm").stager(StagingSpec(run_id, 0, "cpu"))
     opener = load_transfer("shm").opener()
     try:
-        stager.begin(["rollout:0"])
+        stager.begin([Receiver("rollout:0")])
         a = torch.arange(10, dtype=torch.bfloat16)
         b = np.arange(6, dtype=np.float32)
         stager.reserve(0, 1024)
