@@ -215,3 +215,67 @@ def one_node_rewards(tmp: Path, config: Path, timeout_s: float) -> list[float]:
     )  # fmt: skip
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["reward"] for r in records if r["kind"] == "train"]
+
+
+@dataclass
+class Wire:
+    """Two network namespaces joined by a veth pair (``veth0`` 10.99.0.10 in the first,
+    ``veth1`` 10.99.0.11 in the second), each held by a process of its own."""
+
+    holders: tuple[int, int]
+
+    def enter(self, n: int) -> list[str]:
+        """A command prefix that runs in side ``n``'s network (and the user namespace)."""
+        return ["nsenter", "--target", str(self.holders[n]), "--user", "--preserve-credentials",
+                "--net"]  # fmt: skip
+
+    def sent(self) -> int:
+        """Bytes sent so far from side 0 to side 1 (``veth0``'s transmit counter)."""
+        # /proc/net is the reading process's network's (sysfs stays this test's)
+        out = subprocess.run([*self.enter(0), "cat", "/proc/net/dev"], check=True,
+                             capture_output=True, text=True, timeout=10)  # fmt: skip
+        for line in out.stdout.splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip() == "veth0":
+                return int(counters.split()[8])  # receive: 8 columns, then transmit bytes
+        raise AssertionError(f"no veth0 in {out.stdout}")
+
+
+@contextlib.contextmanager
+def wire() -> Iterator[Wire]:
+    """A :class:`Wire`; every process of both sides is killed at the end (``wires_work()``
+    first)."""
+    first = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+         "ip link set lo up && exec sleep 3600"], start_new_session=True,
+    )  # fmt: skip
+    procs = [first]
+    try:
+        until = time.monotonic() + 10
+        while _net(first.pid) == _net(os.getpid()):
+            assert time.monotonic() < until, "no network namespace made"
+            time.sleep(0.01)
+        second = subprocess.Popen(
+            ["nsenter", "--target", str(first.pid), "--user", "--preserve-credentials",
+             "unshare", "--net", "sleep", "3600"], start_new_session=True,
+        )  # fmt: skip
+        procs.append(second)
+        while _net(second.pid) in (_net(first.pid), _net(os.getpid())):
+            assert time.monotonic() < until, "no second network namespace made"
+            time.sleep(0.01)
+        link = Wire((first.pid, second.pid))
+
+        def ip(n: int, *commands: str) -> None:
+            for command in commands:
+                subprocess.run([*link.enter(n), "ip", *command.split()], check=True,
+                               capture_output=True, timeout=10)  # fmt: skip
+
+        ip(0, f"link add veth0 type veth peer name veth1 netns {second.pid}",
+           f"addr add {WIRED}0/24 dev veth0", "link set veth0 up")  # fmt: skip
+        ip(1, "link set lo up", f"addr add {WIRED}1/24 dev veth1", "link set veth1 up")
+        yield link
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
