@@ -115,7 +115,8 @@ class FailuresConfig(Section):
     refitted before it gets new ones. One more death stops the run. ``0``: the first death
     stops it. On another node its rank restarts it there; one found silent (its node gone or
     cut off) is restarted only if its new process connects within ``heartbeat_timeout_s``
-    more. With ``refit.transport = "nccl"`` a death in the middle of a refit stops the run."""
+    more. With ``refit.transport = "nccl"`` a death in the middle of a refit fails that
+    refit for every generator (one broadcast group): it is done again without the dead one."""
     heartbeat_interval_s: float = 5.0
     """Every worker is sent a health probe this often; its event loop answers it at once,
     whatever call it is serving."""

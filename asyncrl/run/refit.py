@@ -10,9 +10,10 @@ from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
+import structlog
 
 from asyncrl.config import RefitConfig
-from asyncrl.errors import RefitError
+from asyncrl.errors import RefitError, flatten
 from asyncrl.policy.grpo import shard_tokens
 from asyncrl.wire.messages import (
     CalibrateKV,
@@ -27,8 +28,11 @@ from asyncrl.wire.rpc import ControlPlane
 from asyncrl.policy.verify import make_probe
 
 __all__ = [
-    "KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "fp8_query", "refit_generators"
+    "KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "fp8_query", "refit_generators",
+    "refit_once",
 ]
+
+log = structlog.get_logger("asyncrl.run.refit")
 
 
 def fp8_kv_cache(capabilities: Sequence[dict[str, Any]]) -> bool:
@@ -166,7 +170,50 @@ class RefitReport(NamedTuple):
     """The sender's time producing and packing the buckets (``refit_pack_s``)."""
 
 
+RETRY_GRACE_S = 5.0
+"""After a failed refit: how long to wait for one of its receivers to be found dead (its
+watcher forgets it: a restart). Then the refit is done again without it; else the failure
+stands. A pidfd fires within milliseconds, a remote worker's successor says ``Hello``
+within seconds (0.8 s in tests/integration/test_two_nodes.py)."""
+
+
 async def refit_generators(
+    control: ControlPlane,
+    trainers: list[str],
+    rollouts: list[str],
+    *,
+    version: int,
+    transfer_address: str,
+    refit: RefitConfig,
+    timeout_s: float,
+    kv_scales: dict[str, float] | None = None,
+    reprefill: bool = False,
+) -> RefitReport:
+    """:func:`refit_once`, done again without the receivers that died in it: a collective
+    transfer (``nccl``) fails the whole refit when one of its readers dies, where the others
+    would have gone on. Once only; a failure with no receiver gone stands.
+
+    Raises:
+        Exception: the refit's failure (again: the second's).
+    """
+    kwargs = dict(version=version, transfer_address=transfer_address, refit=refit,
+                  timeout_s=timeout_s, kv_scales=kv_scales, reprefill=reprefill)  # fmt: skip
+    try:
+        return await refit_once(control, trainers, rollouts, **kwargs)
+    except Exception as exc:
+        left: list[str] = []
+        with anyio.move_on_after(RETRY_GRACE_S):
+            while not (left := [w for w in rollouts if w not in control.peers]):
+                await anyio.sleep(0.05)
+        if not left:
+            raise
+        first = flatten(exc)[0]
+        log.warning("refit_again", version=version, without=left,
+                    error=f"{type(first).__name__}: {str(first).partition(chr(10))[0]}")  # fmt: skip
+    return await refit_once(control, trainers, [w for w in rollouts if w not in left], **kwargs)
+
+
+async def refit_once(
     control: ControlPlane,
     trainers: list[str],
     rollouts: list[str],
@@ -181,9 +228,10 @@ async def refit_generators(
     """Weights ``version`` (and ``kv_scales``, applied after them) from the trainers to the
     generators ``rollouts``, with a prefix-cache reset (always: cached KV of old weights is
     stale); with ``reprefill`` the requests in flight recompute their KV cache with the new
-    weights before they go on (the sampler's ``in_flight_at_refit``). A generator that dies meanwhile and is being restarted is left out: the sender
-    watches the receivers' processes and goes on without it. Nothing to do without
-    generators.
+    weights before they go on (the sampler's ``in_flight_at_refit``). A generator that dies
+    meanwhile and is being restarted is left out: the sender watches the receivers'
+    processes and goes on without it (a collective transfer fails instead:
+    :func:`refit_generators` does it again). Nothing to do without generators.
 
     Cancellation: abandons the transfer.
     """

@@ -82,6 +82,12 @@ class Stager(Protocol):
         connect to their readers (e.g. a collective group) do it here, and may route by
         host; others do nothing."""
 
+    def leave(self, receiver: str) -> None:
+        """``receiver`` of this refit is gone (its process exited) before the refit ended.
+        A transfer whose readers depend on each other (a collective group, where the others
+        would wait for it until a timeout) fails what it has under way at once; others do
+        nothing."""
+
     def reserve(self, k: int, nbytes: int) -> None:
         """Make buffer ``k`` hold at least ``nbytes`` (growing it invalidates its handle)."""
 

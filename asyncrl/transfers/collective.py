@@ -124,6 +124,20 @@ def _finish(work: Any, backend: str, timeout_s: float, what: str) -> None:
         raise RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _run_broadcast(
+    group: Any, tensor: Any, backend: str, timeout_s: float, what: str
+) -> RuntimeError | None:
+    """Broadcast ``tensor`` over ``group`` (bounded); the failure, if any, as an error that
+    holds no traceback (its frames would keep ``group`` alive, and gloo closes a group's
+    connections only once it is freed: the way its other members' waits end at once)."""
+    try:
+        work = _broadcast(group, tensor, timeout_s)
+        _finish(work, backend, timeout_s, what)
+    except Exception as exc:  # noqa: BLE001 - returned, raised by the caller
+        return RuntimeError(str(exc))
+    return None
+
+
 def _shutdown(group: Any, graceful: bool) -> None:
     """Tear ``group`` down (its threads and connections); never raises."""
     if group is None:
@@ -179,12 +193,15 @@ class _Broadcaster(threading.Thread):
         try:
             while (job := self.jobs.get()) is not None:
                 if self.error is None and job.nbytes:
-                    try:
-                        work = _broadcast(self.group, job.tensor, self._timeout_s)
-                        _finish(work, self._backend, self._timeout_s, f"weight broadcast {job.seq}")
-                    except Exception as exc:  # noqa: BLE001 - raised to the trainer by reserve
-                        self.error = exc
-                        clean = False
+                    failed = _run_broadcast(self.group, job.tensor, self._backend,
+                                            self._timeout_s, f"weight broadcast {job.seq}")  # fmt: skip
+                    if failed is not None:
+                        self.error, clean = failed, False
+                        # the readers still waiting for its bytes fail now, not at their
+                        # timeout: gloo closes a group's connections only when it is freed
+                        group, self.group = self.group, None
+                        _shutdown(group, graceful=False)
+                        del group
                 job.error = self.error
                 job.tensor = None
                 job.done.set()

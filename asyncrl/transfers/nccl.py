@@ -50,6 +50,14 @@ each group, one per bucket); a reader refuses a handle that skips or repeats one
 the very same handle again returns the same bytes) or that belongs to an older group. An
 empty bucket (0 bytes) is announced with its number but broadcasts nothing.
 
+**A reader that dies mid-refit** breaks the broadcast for every member. The sender watches
+its readers' processes (on its host) and calls :meth:`NcclStager.leave`, which aborts the
+group (what ends an NCCL broadcast); with gloo a broken connection fails the broadcast at the
+member next to the dead one, and that member frees its groups at once (gloo closes a group's
+connections only when it is freed), so the others fail too instead of at their timeout. The
+refit fails and the controller does it again without the dead reader
+(:func:`asyncrl.run.refit.refit_generators`), in a new group.
+
 **Once per host (gloo).** A gloo broadcast is a tree over the group's ranks, blind to hosts:
 with 4 readers on another host, 3 copies of each bucket crossed the link (64 MiB broadcast
 to 4 readers beyond a veth pair: 203 MB sent on it). So with gloo the sender's group holds the readers of its own host
@@ -100,11 +108,10 @@ from asyncrl.transfers.collective import (
     TIMEOUT_ENV_VAR,
     TIMEOUT_S,
     _advertised_host,
-    _broadcast,
     _Broadcaster,
-    _finish,
     _Job,
     _make_group,
+    _run_broadcast,
     _shutdown,
     _timeout_s,
     fan_out,
@@ -255,6 +262,19 @@ class NcclStager:
             self._backend, store, 1 + len(cross), self._device, self._timeout_s
         )
         self._thread.start()
+
+    def leave(self, receiver: str) -> None:
+        """``receiver`` died in this refit: abort the group, so every broadcast under way or
+        queued fails now (its readers' too) instead of at the timeout; the next ``begin``
+        forms a new group (with NCCL nothing else would end a broadcast a member left)."""
+        thread = self._thread
+        if thread is None or receiver not in self._ranks and not any(
+            receiver in others for others in self._fans.values()
+        ):
+            return
+        if thread.error is None:
+            thread.error = RuntimeError(f"{receiver} left the weight broadcast group (it died)")
+        _shutdown(thread.group, graceful=False)
 
     def _host_store(self) -> None:
         """Host the TCPStore every group of the run meets at (its keys namespaced by group)."""
@@ -583,14 +603,17 @@ class NcclOpener:
                 self._buffer = None
                 self._buffer = torch.empty(h.nbytes, dtype=torch.uint8, device=self._device)
             view = self._buffer[: h.nbytes]
-            try:
-                for group in (self._group, self._local):  # from the sender, then to its host
-                    if group is not None:
-                        work = _broadcast(group, view, self._timeout_s)
-                        _finish(work, h.backend, self._timeout_s, f"weight broadcast {h.seq}")
-            except Exception as exc:
-                self._broken = str(exc)
-                raise RuntimeError(str(exc)) from exc
+            for group in (self._group, self._local):  # from the sender, then to its host
+                failed = group is not None and _run_broadcast(
+                    group, view, h.backend, self._timeout_s, f"weight broadcast {h.seq}"
+                )
+                if failed:
+                    # free its groups now: the readers it passes buckets on to (and any
+                    # that wait for it in gloo's tree) fail at once, not at their timeout
+                    group = None
+                    self._broken = str(failed)
+                    self._leave(graceful=False)
+                    raise failed
         else:
             view = torch.empty(0, dtype=torch.uint8, device=self._device)
         self._next = h.seq + 1

@@ -101,6 +101,9 @@ class ShmStager:
     def begin(self, receivers: list[Receiver]) -> None:
         """Readers map the buffers themselves: nothing to connect."""
 
+    def leave(self, receiver: str) -> None:
+        """Each reader maps the buffers alone: the others do not wait for it."""
+
     def reserve(self, k: int, nbytes: int) -> None:
         self._files[k].reserve(nbytes)
 

@@ -78,14 +78,16 @@ log = structlog.get_logger("asyncrl.worker.weights")
 class _Owed:
     """Who still owes which answer in one refit (trainer side), and the bounded wait for it.
     Keys: ``"pull"``, then -1 (the manifest), then each bucket's index. ``recv`` is the
-    sender's ``_recv``, ``reject`` its ``Rejections.reject``."""
+    sender's ``_recv``, ``reject`` its ``Rejections.reject``, ``gone`` its stager's
+    ``leave`` (told of each receiver left out)."""
 
     def __init__(
         self, recv: Callable[[set[str], int], Awaitable[tuple[str, Any]]],
         reject: Callable[[str, str, str], None], version: int, receivers: Sequence[str],
-        timeout_s: float,
+        timeout_s: float, gone: Callable[[str], None] = lambda who: None,
     ) -> None:
         self._recv, self._reject, self._timeout_s = recv, reject, timeout_s
+        self._gone = gone
         self.version = version
         self._expected = set(receivers)
         self._live = list(receivers)  # those still running: shrinks when one exits
@@ -116,6 +118,7 @@ class _Owed:
             return
         log.warning("receiver_gone", receiver=who, why=why, version=self.version)
         self._live.remove(who)
+        self._gone(who)
         for owed in self._outstanding.values():
             owed.discard(who)
         for scope in self._waiting:
@@ -255,7 +258,8 @@ class WeightSender:
         Cancellation: abandons the transfer; receivers time out on their side.
         """
         start = time.perf_counter()
-        owed = _Owed(self._recv, self.rejections.reject, version, receivers, timeout_s)
+        owed = _Owed(self._recv, self.rejections.reject, version, receivers, timeout_s,
+                     gone=self._stager.leave)  # fmt: skip
         own = host_id()
         hosts = list(hosts) or [own] * len(receivers)
         pids = list(pids) or [0] * len(receivers)

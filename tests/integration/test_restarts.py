@@ -58,13 +58,15 @@ async def _kill_when(ctl: asyncrl.Controller, victim: str, marker: Path) -> int:
 
 
 @pytest.mark.parametrize(
-    ("rollout_ranks", "victim", "phase"),
-    [(2, "rollout:1", "generate"), (1, "rollout:0", "refit")],
-    ids=["one-of-two-mid-generation", "the-only-one-mid-refit"],
-)
+    ("rollout_ranks", "victim", "phase", "transport"),
+    [(2, "rollout:1", "generate", "shm"), (1, "rollout:0", "refit", "shm"),
+     (2, "rollout:1", "generate", "nccl"), (2, "rollout:1", "refit", "nccl")],
+    ids=["one-of-two-mid-generation", "the-only-one-mid-refit", "nccl-one-of-two-mid-generation",
+         "nccl-one-of-two-mid-refit"],
+)  # fmt: skip
 async def test_a_killed_rollout_worker_is_restarted_and_the_run_finishes(
     make_config: Callable[..., Config], tmp_path: Path, rollout_ranks: int, victim: str,
-    phase: str,
+    phase: str, transport: str,
 ) -> None:
     markers = tmp_path / "markers"
     cfg = make_config(
@@ -73,6 +75,7 @@ async def test_a_killed_rollout_worker_is_restarted_and_the_run_finishes(
         generator={"options": {"token_delay_s": 0.003, "load_delay_s": 0.3,
                                "phase_marker_dir": str(markers)}},
         eval={"num_prompts": 8, "every_steps": 2},
+        refit={"transport": transport},
     )
     async with asyncrl.Controller(cfg) as ctl:
         pids = worker_pids(ctl)
