@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 IDENTITY_ENV_VAR = "ASYNCRL_TRANSFER_IDENTITY"
 """The reader's receiver identity (``rollout:<rank>``), set for the engine's processes."""
@@ -76,6 +76,46 @@ def fan_out(
         if others:
             fans[leader] = others
     return cross, fans
+
+
+class Place(NamedTuple):
+    """Where a reader sits in a group: its rank in the sender's group (``-1``: not in it, it
+    gets the buckets from its host's leader), and its host's fan (``leader``: the leader's
+    identity, ``local_rank``: 0 for the leader, ``local_size``: 0 without a fan)."""
+
+    rank: int
+    leader: str = ""
+    local_rank: int = 0
+    local_size: int = 0
+
+
+def place_in(
+    identity: str | None, ranks: dict[str, int], fans: dict[str, list[str]], size: int
+) -> Place:
+    """The place of reader ``identity`` (``IDENTITY_ENV_VAR``) in a group of ``size``
+    members with ``ranks`` and ``fans`` (:func:`fan_out`'s, as a handle carries them). Pure.
+
+    Raises:
+        RuntimeError: ``identity`` is no receiver of the group, or is needed and missing.
+    """
+    if not identity:
+        if size == 2 and len(ranks) == 1 and not fans:
+            return Place(1)
+        raise RuntimeError(
+            f"the weight broadcast group has {size - 1} receivers; set {IDENTITY_ENV_VAR} to "
+            f"this reader's identity (one of {sorted(ranks)})"
+        )
+    if identity in ranks:
+        others = fans.get(identity, [])
+        return Place(ranks[identity], identity, 0, 1 + len(others) if others else 0)
+    for leader, others in fans.items():
+        if identity in others:
+            return Place(-1, leader, 1 + others.index(identity), 1 + len(others))
+    known = sorted([*ranks, *(o for others in fans.values() for o in others)])
+    raise RuntimeError(
+        f"{IDENTITY_ENV_VAR}={identity!r} is not a receiver of this weight broadcast group "
+        f"({known})"
+    )
 
 
 def _make_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:

@@ -95,7 +95,7 @@ from __future__ import annotations
 import os
 import uuid
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
@@ -114,7 +114,9 @@ from asyncrl.transfers.collective import (
     _run_broadcast,
     _shutdown,
     _timeout_s,
+    Place,
     fan_out,
+    place_in,
 )
 from asyncrl.procs.process import host_id
 
@@ -424,43 +426,6 @@ class NcclStager:
         self._store = None
 
 
-class _Place(NamedTuple):
-    """Where a reader sits in a group: its rank in the sender's group (``-1``: not in it, it
-    gets the buckets from its host's leader), and its host's fan (``leader``: the leader's
-    identity, ``local_rank``: 0 for the leader, ``local_size``: 0 without a fan)."""
-
-    rank: int
-    leader: str = ""
-    local_rank: int = 0
-    local_size: int = 0
-
-
-def _place(h: NcclHandle, identity: str | None) -> _Place:
-    """This reader's place in ``h``'s group (``identity``: ``ASYNCRL_TRANSFER_IDENTITY``).
-
-    Raises:
-        RuntimeError: ``identity`` is no receiver of the group, or is needed and missing.
-    """
-    if not identity:
-        if h.size == 2 and len(h.ranks) == 1 and not h.fans:
-            return _Place(1)
-        raise RuntimeError(
-            f"the weight broadcast group has {h.size - 1} receivers; set {IDENTITY_ENV_VAR} to "
-            f"this reader's identity (one of {sorted(h.ranks)})"
-        )
-    if identity in h.ranks:
-        others = h.fans.get(identity, [])
-        return _Place(h.ranks[identity], identity, 0, 1 + len(others) if others else 0)
-    for leader, others in h.fans.items():
-        if identity in others:
-            return _Place(-1, leader, 1 + others.index(identity), 1 + len(others))
-    known = sorted([*h.ranks, *(o for others in h.fans.values() for o in others)])
-    raise RuntimeError(
-        f"{IDENTITY_ENV_VAR}={identity!r} is not a receiver of this weight broadcast group "
-        f"({known})"
-    )
-
-
 class NcclOpener:
     """Reader side: joins the group on its first handle and receives each bucket's broadcast
     into a buffer of its own (on ``device`` with NCCL, on the host with gloo); a host's
@@ -477,7 +442,7 @@ class NcclOpener:
         """Its member of its host's fan group, where it has one."""
         self._key: tuple[str, str, int, str, int] | None = None
         self._epoch = -1
-        self._place = _Place(-1)
+        self._place = Place(-1)
         self._device: Any = None
         self._next = 0
         self._buffer: Any = None
@@ -492,14 +457,14 @@ class NcclOpener:
         return self._place.rank
 
     @property
-    def place(self) -> _Place:
+    def place(self) -> Place:
         """Where it sits in the group it joined last."""
         return self._place
 
     def _join(self, h: NcclHandle, device: Any) -> None:
         import torch.distributed as dist
 
-        place = _place(h, os.environ.get(IDENTITY_ENV_VAR))
+        place = place_in(os.environ.get(IDENTITY_ENV_VAR), h.ranks, h.fans, h.size)
         if h.backend == "nccl":
             import torch
 

@@ -22,7 +22,7 @@ import pytest
 
 from asyncrl.procs.process import host_id
 from asyncrl.transfers import Receiver, StagingSpec
-from asyncrl.transfers.collective import fan_out
+from asyncrl.transfers.collective import Place, fan_out, place_in
 from asyncrl.transfers.nccl import (
     IDENTITY_ENV_VAR,
     NCCL,
@@ -463,3 +463,15 @@ def test_a_new_group_when_a_reader_is_left_out_then_comes_back(
         assert stager.groups_formed == 5
     finally:
         stager.close()
+
+
+def test_each_reader_finds_its_place_from_the_handle_alone() -> None:
+    ranks, fans = {"rollout:2": 1, "rollout:0": 2}, {"rollout:0": ["rollout:1", "rollout:3"]}
+    assert place_in("rollout:2", ranks, fans, 3) == Place(1, "rollout:2", 0, 0)
+    assert place_in("rollout:0", ranks, fans, 3) == Place(2, "rollout:0", 0, 3)  # a leader
+    assert place_in("rollout:3", ranks, fans, 3) == Place(-1, "rollout:0", 2, 3)
+    assert place_in(None, {"rollout:0": 1}, {}, 2) == Place(1)  # the only reader
+    with pytest.raises(RuntimeError, match="set ASYNCRL_TRANSFER_IDENTITY"):
+        place_in(None, {"rollout:0": 1}, {"rollout:0": ["rollout:1"]}, 2)
+    with pytest.raises(RuntimeError, match=r"'rollout:9' is not a receiver .*'rollout:3'"):
+        place_in("rollout:9", ranks, fans, 3)
