@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import anyio
+import msgspec
 import numpy as np
 import structlog
 
@@ -28,8 +29,7 @@ from asyncrl.wire.rpc import ControlPlane
 from asyncrl.policy.verify import make_probe
 
 __all__ = [
-    "KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "fp8_query", "refit_generators",
-    "refit_once",
+    "KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "fp8_query", "refit_generators"
 ]
 
 log = structlog.get_logger("asyncrl.run.refit")
@@ -189,61 +189,26 @@ async def refit_generators(
     kv_scales: dict[str, float] | None = None,
     reprefill: bool = False,
 ) -> RefitReport:
-    """:func:`refit_once`, done again without the receivers that died in it: a collective
-    transfer (``nccl``) fails the whole refit when one of its readers dies, where the others
-    would have gone on. Once only; a failure with no receiver gone stands.
-
-    Raises:
-        Exception: the refit's failure (again: the second's).
-    """
-    kwargs = dict(version=version, transfer_address=transfer_address, refit=refit,
-                  timeout_s=timeout_s, kv_scales=kv_scales, reprefill=reprefill)  # fmt: skip
-    try:
-        return await refit_once(control, trainers, rollouts, **kwargs)
-    except Exception as exc:
-        left: list[str] = []
-        with anyio.move_on_after(RETRY_GRACE_S):
-            while not (left := [w for w in rollouts if w not in control.peers]):
-                await anyio.sleep(0.05)
-        if not left:
-            raise
-        first = flatten(exc)[0]
-        log.warning("refit_again", version=version, without=left,
-                    error=f"{type(first).__name__}: {str(first).partition(chr(10))[0]}")  # fmt: skip
-    return await refit_once(control, trainers, [w for w in rollouts if w not in left], **kwargs)
-
-
-async def refit_once(
-    control: ControlPlane,
-    trainers: list[str],
-    rollouts: list[str],
-    *,
-    version: int,
-    transfer_address: str,
-    refit: RefitConfig,
-    timeout_s: float,
-    kv_scales: dict[str, float] | None = None,
-    reprefill: bool = False,
-) -> RefitReport:
     """Weights ``version`` (and ``kv_scales``, applied after them) from the trainers to the
     generators ``rollouts``, with a prefix-cache reset (always: cached KV of old weights is
     stale); with ``reprefill`` the requests in flight recompute their KV cache with the new
-    weights before they go on (the sampler's ``in_flight_at_refit``). A generator that dies
-    meanwhile and is being restarted is left out: the sender watches the receivers'
-    processes and goes on without it (a collective transfer fails instead:
-    :func:`refit_generators` does it again). Nothing to do without generators.
+    weights before they go on (the sampler's ``in_flight_at_refit``). Nothing to do without
+    generators.
+
+    A generator that dies meanwhile and is being restarted is left out: the sender watches
+    the receivers' processes and goes on without it. A collective transfer (``nccl``) fails
+    the whole refit instead (its readers depend on each other): the refit is then done again
+    without the receivers found dead within :data:`RETRY_GRACE_S`. Once only; a failure with
+    no receiver gone stands.
+
+    Raises:
+        Exception: the refit's failure (again: the second's).
 
     Cancellation: abandons the transfer.
     """
-    rollouts = [w for w in rollouts if w in control.peers]  # one forgotten: restarting
-    if not rollouts:
-        return RefitReport()
     send = SendWeights(
         version=version,
-        receivers=list(rollouts),
-        # each pid is watched by the sender where it is on the sender's host
-        receiver_pids=[control.peers[w].pid for w in rollouts],
-        receiver_hosts=[control.peers[w].host for w in rollouts],
+        receivers=[],
         transport=refit.transport,
         bucket_size_bytes=refit.bucket_size_mb << 20,
         timeout_s=refit.timeout_s,
@@ -256,6 +221,38 @@ async def refit_once(
         kv_scales=kv_scales,
         timeout_s=refit.timeout_s,
         reprefill=reprefill,
+    )
+    try:
+        return await _refit_once(control, trainers, rollouts, send, recv, timeout_s)
+    except Exception as exc:
+        left: list[str] = []
+        with anyio.move_on_after(RETRY_GRACE_S):
+            while not (left := [w for w in rollouts if w not in control.peers]):
+                await anyio.sleep(0.05)
+        if not left:
+            raise
+        first = flatten(exc)[0]
+        log.warning("refit_again", version=version, without=left,
+                    error=f"{type(first).__name__}: {str(first).partition(chr(10))[0]}")  # fmt: skip
+    rollouts = [w for w in rollouts if w not in left]
+    return await _refit_once(control, trainers, rollouts, send, recv, timeout_s)
+
+
+async def _refit_once(
+    control: ControlPlane, trainers: list[str], rollouts: list[str], send: SendWeights,
+    recv: ReceiveWeights, timeout_s: float,
+) -> RefitReport:
+    """One refit: ``send`` to the trainers for the ``rollouts`` still connected (one
+    forgotten is restarting), ``recv`` to each of those."""
+    rollouts = [w for w in rollouts if w in control.peers]
+    if not rollouts:
+        return RefitReport()
+    send = msgspec.structs.replace(
+        send,
+        receivers=list(rollouts),
+        # each pid is watched by the sender where it is on the sender's host
+        receiver_pids=[control.peers[w].pid for w in rollouts],
+        receiver_hosts=[control.peers[w].host for w in rollouts],
     )
     sent: list[Any] = []
     received: list[Any] = []
