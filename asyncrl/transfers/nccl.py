@@ -540,10 +540,11 @@ class NcclOpener:
         h = _decode(handle)
         if self._key is None or h.group != self._key[3]:
             if h.epoch <= self._epoch:
+                if self._broken is not None and h.epoch == self._epoch:
+                    raise RuntimeError(f"the weight broadcast group is unusable: {self._broken}")
                 raise RuntimeError(
-                    f"handle of an older weight broadcast group ({h.group}, formed "
-                    f"{h.epoch + 1}{'st' if h.epoch == 0 else 'th'}); this reader is in the "
-                    f"one formed after it"
+                    f"handle of an older weight broadcast group ({h.group}, number {h.epoch}); "
+                    f"this reader joined number {self._epoch}"
                 )
             if h.seq != 0:
                 raise RuntimeError(

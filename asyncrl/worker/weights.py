@@ -240,7 +240,7 @@ class WeightSender:
         """Publish ``tensors`` (exactly ``specs``, in order) to all ``receivers``.
 
         ``pids``: the receivers' processes (same order), each on its host of ``hosts``
-        (:func:`~asyncrl.procs.process.host_id`; none given: this one). One on this host
+        (:func:`~asyncrl.procs.process.host_id`; none given or ``""``: this one). One on this host
         that exits is left out from then on (its acknowledgements are owed no more): a
         rollout worker that died mid-refit is restarted and refitted on its own, the others
         get the version. Another host's pid names nothing here: not watched.
@@ -267,7 +267,7 @@ class WeightSender:
         try:
             async with anyio.create_task_group() as watchers:
                 for who, host, pid in zip(receivers, hosts, pids):
-                    if pid and host == own:
+                    if pid and host in (own, ""):  # "": not known, taken as this host
                         watchers.start_soon(owed.watch, who, pid)
                 result = await self._publish(
                     owed, specs, tensors, bucket_size=bucket_size, run=run, where=where
