@@ -88,6 +88,8 @@ from asyncrl.ranks import (
     node_keys,
     rank_kwargs,
     roles,
+    say_failed,
+    watch_failed,
     worker_main,
     worker_rank,
 )
@@ -139,7 +141,8 @@ def launch_main(
     worker_kwargs = rank_kwargs(config, group, group_rank, store)
     if rank != 0:
         return worker_rank(config, worker_kwargs, rollout_restarts,
-                           lambda: _controller_in_store(config, store), speaks=rank == 1)
+                           lambda: _controller_in_store(config, store), speaks=rank == 1,
+                           failed=lambda message: say_failed(store, rank, message))  # fmt: skip
     _log.configure(config.run.log_format)
     return _run_controller(config, store, worker_kwargs, resume, allow_changed or [])
 
@@ -170,7 +173,8 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any],
                     resume: str | None = None, allow_changed: list[str] | None = None) -> int:
     """Rank 0: host the controller (and trainer rank 0) until the run ends or a signal."""
     stop = _StopSignal()
-    attach = _attacher(store, worker_kwargs, publish_keys=not config.cluster.keys_file)
+    attach = _attacher(store, worker_kwargs, publish_keys=not config.cluster.keys_file,
+                       world=env_int("WORLD_SIZE"), startup_s=config.cluster.startup_timeout_s)
     try:
         summary = anyio.run(_host, config, attach, resume, allow_changed or (), stop,
                             backend_options=config.run.loop_options())
@@ -214,10 +218,15 @@ class _StopSignal:
         run_scope.cancel()
 
 
-def _attacher(store: Any, worker_kwargs: dict[str, Any], *, publish_keys: bool) -> AttachHook:
+def _attacher(
+    store: Any, worker_kwargs: dict[str, Any], *, publish_keys: bool, world: int,
+    startup_s: float,
+) -> AttachHook:
     """Rank 0's attach hook: publish the controller's pid, its keys (``tcp``, unless every
     rank reads them from ``cluster.keys_file``) and its address in torchrun's store, where
-    the other ranks wait for them, and serve trainer rank 0 in the controller's tasks."""
+    the other ranks wait for them, and serve trainer rank 0 in the controller's tasks; while
+    the ``world`` ranks start (``startup_s``), stop the run as soon as one says in the store
+    that it could not (``ranks.watch_failed``)."""
     from asyncrl.run.controller import Addresses
     from asyncrl.worker.runtime import serve
 
@@ -232,6 +241,7 @@ def _attacher(store: Any, worker_kwargs: dict[str, Any], *, publish_keys: bool) 
                           keys=addresses.keys, **worker_kwargs),
             name="rank0-worker",
         )
+        tg.start_soon(watch_failed, store, world, startup_s, name="failed-ranks")
 
     return attach
 

@@ -22,7 +22,7 @@ import anyio
 import structlog
 
 from asyncrl.config import Config
-from asyncrl.errors import ConfigError, ControllerLostError
+from asyncrl.errors import ConfigError, ControllerLostError, WorkerStartupError
 from asyncrl.obs import log as _log
 from asyncrl.procs.process import die_with_parent, exit_status, host_id, wait_pid_exit
 from asyncrl.wire.curve import KEYS_ENV, KeysError, RunKeys
@@ -184,6 +184,42 @@ def _supervise(
     return supervise(cmd, max_restarts=max_restarts, **kwargs)
 
 
+FAILED_KEY = "asyncrl/failed"
+"""In torchrun's store: how many worker ranks could not start (``<FAILED_KEY>/<rank>``: what
+each said), so that rank 0 stops at once instead of at ``cluster.startup_timeout_s``."""
+FAILED_POLL_S = 0.5
+
+
+def say_failed(store: Any, rank: int, message: str) -> None:
+    """Tell rank 0, through torchrun's ``store``, that global ``rank`` could not start and
+    why. Best effort: the rank exits 2 whatever happens here."""
+    try:
+        store.set(f"{FAILED_KEY}/{rank}", message)
+        store.add(FAILED_KEY, 1)
+    except Exception:  # noqa: BLE001, S110 - the store gone: rank 0 times out as before
+        pass
+
+
+async def watch_failed(store: Any, world: int, within_s: float) -> None:
+    """Rank 0, while the workers start (``within_s``): raise once a worker rank said in
+    ``store`` that it could not start (:func:`say_failed`), with what it said.
+
+    Raises:
+        WorkerStartupError: naming the rank and its message.
+
+    Cancellation: stops watching (a store call under way ends in its thread).
+    """
+    def count() -> int:
+        return int(store.add(FAILED_KEY, 0))  # adding 0 reads it without waiting
+
+    with anyio.move_on_after(within_s):
+        while not await anyio.to_thread.run_sync(count):
+            await anyio.sleep(FAILED_POLL_S)
+        ranks = [r for r in range(1, world) if store.check([f"{FAILED_KEY}/{r}"])]
+        said = [f"global rank {r}: {store.get(f'{FAILED_KEY}/{r}').decode()}" for r in ranks]
+        raise WorkerStartupError("a worker rank could not start; " + "; ".join(said))
+
+
 def agent_store() -> Any:
     import torch.distributed as dist
 
@@ -242,12 +278,13 @@ host, never watched by pid) and the run's keys (``None`` over ``ipc://``)."""
 def worker_rank(
     config: Config, worker_kwargs: dict[str, Any], rollout_restarts: int,
     find: Callable[[], ControllerAt], *, speaks: bool,
+    failed: Callable[[str], None] = lambda message: None,
 ) -> int:
     """A worker rank (not the controller's): its output to its log file (``speaks``: it keeps
     the console, to speak if the controller dies), the controller found by ``find`` (which
     may wait for it), then serve (a rollout rank with restarts under its supervisor). 2 when
     ``find`` raises :class:`ConfigError` (this node's key file refused, say), said in one
-    line."""
+    line, and told to ``failed`` (rank 0 hears of it through torchrun's store)."""
     group, group_rank = worker_kwargs["group"], worker_kwargs["rank"]
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the controller's signal, not ours
     log_dir = os.path.join(config.run.output_dir, "logs")
@@ -258,6 +295,7 @@ def worker_rank(
     try:
         control, controller_pid, keys = find()
     except ConfigError as exc:
+        failed(str(exc))
         said = f"asyncrl: error: {exc}\n"
         for fd in [2] if console is None else [2, console]:
             os.write(fd, said.encode())

@@ -244,8 +244,9 @@ def test_a_node_cut_off_by_its_network_is_named_within_the_heartbeat_timeout(
 
 def test_a_key_file_refused_on_one_node_is_said_by_that_node(tmp_path: Path) -> None:
     """node1's copy of the key file is readable by others: its rank says so (naming its host
-    and the chmod) and exits 2; both nodes stop, nothing left. (Rank 0 read a good file, and
-    names the worker that never connected.)"""
+    and the chmod) and exits 2, and tells rank 0 through torchrun's store, which stops the run
+    at once with the same words (not at cluster.startup_timeout_s); both nodes stop, nothing
+    left."""
     from asyncrl.wire.curve import RunKeys
 
     config = _write(tmp_path, steps=1000, failures=HEARTBEAT)
@@ -254,9 +255,8 @@ def test_a_key_file_refused_on_one_node_is_said_by_that_node(tmp_path: Path) -> 
     loose.write_text(good.read_text())
     loose.chmod(0o644)
     started = time.monotonic()
-    # node0 learns of it only when its wait for the workers ends (cluster.startup_timeout_s)
     nodes = start_nodes(tmp_path, config, (
-        Node(sets=(f"cluster.keys_file={good}", "cluster.startup_timeout_s=15")),
+        Node(sets=(f"cluster.keys_file={good}", "cluster.startup_timeout_s=60")),
         Node(sets=(f"cluster.keys_file={loose}",)),
     ))  # fmt: skip
     outs = [finish(n, started + 90) for n in nodes]
@@ -265,11 +265,17 @@ def test_a_key_file_refused_on_one_node_is_said_by_that_node(tmp_path: Path) -> 
         f"asyncrl: error: cluster.keys_file on 'node1': {loose}: the run's keys must be this "
         f"user's with mode 0600, not 644. Fix: chmod 600 {loose}"
     ], outs[1][-3000:]
+    took = time.monotonic() - started
     assert [n.returncode != 0 for n in nodes] == [True, True]
-    assert "workers were not ready within 15 s" in outs[0], outs[0][-3000:]
+    rank0 = [line for line in outs[0].splitlines() if line.startswith("asyncrl: error:")]
+    assert rank0 == [
+        f"asyncrl: error: a worker rank could not start; global rank 1: cluster.keys_file on "
+        f"'node1': {loose}: the run's keys must be this user's with mode 0600, not 644. Fix: "
+        f"chmod 600 {loose}"
+    ], outs[0][-3000:]
     assert [session_processes(n.pid) for n in nodes] == [[], []]
-    print(f"\nrefused on node1: both nodes out in {time.monotonic() - started:.1f} s; node0 said "
-          f"{[x for x in outs[0].splitlines() if x.startswith('asyncrl: error:')]}")
+    assert took < 40, took  # both out well before the 60 s start-up timeout
+    print(f"\nrefused on node1: both nodes out in {took:.1f} s")
 
 
 def test_workers_on_another_node_join_an_embedded_controller(tmp_path: Path) -> None:

@@ -204,3 +204,29 @@ def test_a_world_that_does_not_match_the_cluster_says_the_fix_for_its_node_count
     assert f"torchrun started {world} processes but cluster.trainer_ranks + " in str(err.value)
     assert fix in str(err.value)
     assert ranks.roles(config, 3, 4) == ("rollout", 1)
+
+
+def test_a_worker_rank_that_could_not_start_is_said_to_rank_0_through_the_store() -> None:
+    """Through a real TCPStore: nothing said, rank 0's watch ends with its window; ranks 2
+    and 3 say why they could not start, and the watch raises with both, by rank."""
+    import anyio
+    import torch.distributed as dist
+
+    from asyncrl.errors import WorkerStartupError
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            await ranks.watch_failed(store, 4, 0.3)  # nobody failed: returns at its window
+        ranks.say_failed(store, 3, "cluster.keys_file on 'b': loose")
+        ranks.say_failed(store, 2, "cluster.keys_file on 'a': missing")
+        with anyio.fail_after(5), pytest.raises(WorkerStartupError) as info:
+            await ranks.watch_failed(store, 4, 60)
+        assert str(info.value) == (
+            "a worker rank could not start; global rank 2: cluster.keys_file on 'a': "
+            "missing; global rank 3: cluster.keys_file on 'b': loose"
+        )
+
+    anyio.run(main)
+    ranks.say_failed(object(), 1, "no store")  # best effort: never raises
