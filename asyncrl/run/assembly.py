@@ -37,7 +37,7 @@ import structlog
 
 from asyncrl.config import Config
 from asyncrl.data.prompts import PromptStream, Tokenizer
-from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, flatten
+from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, WorkerError, flatten
 from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.grpo import (
@@ -57,7 +57,15 @@ from asyncrl.run.wake import Signal
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales, RefitReport, refit_generators
 from asyncrl.run.refresh import Refresher
-from asyncrl.wire.messages import Abort, BeginStep, FinishStep, TokenBatch, TrainBatch, TrainChunk
+from asyncrl.wire.messages import (
+    Abort,
+    BeginStep,
+    FinishStep,
+    ReceiverGone,
+    TokenBatch,
+    TrainBatch,
+    TrainChunk,
+)
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.wire.transport import Rejections
 
@@ -323,7 +331,7 @@ class Publisher:
     :meth:`check_verified` need no lock.
 
     ``serving()``: the rollout workers that serve now (a refit goes to them; one that dies
-    meanwhile is left out, it is restarted).
+    meanwhile is left out, it is restarted: :meth:`receiver_gone`).
     """
 
     def __init__(
@@ -433,6 +441,13 @@ class Publisher:
             kv_scales = await self.kv.initial(prompts, tokenizer)
             self.report = await self._refit(self.book.trainer_version, kv_scales, self.serving())
             self._kv_scales = kv_scales
+
+    async def receiver_gone(self, worker: str) -> None:
+        """Rollout ``worker`` died: tell trainer rank 0, so a refit under way leaves it out
+        now (its own pid watch sees nothing of another host's process). Needs no lock. A
+        trainer that is gone is its own watcher's to report."""
+        with contextlib.suppress(WorkerError):
+            await self.control.cast(self.trainers[0], ReceiverGone(receiver=worker))
 
     async def refit_worker(self, worker: str) -> int:
         """Refit restarted ``worker`` alone to the trainer's weights, with the last FP8

@@ -319,8 +319,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ restarts' API
     async def worker_lost(self, worker: str) -> None:
-        """Rollout ``worker`` died and is being restarted: its groups go to the workers that
-        serve, or wait for one."""
+        """Rollout ``worker`` died and is being restarted: a refit under way leaves it out,
+        its groups go to the workers that serve, or wait for one."""
+        await self.publisher.receiver_gone(worker)
         turns = self.redispatch.worker_lost(worker)
         if self.episodes is not None:
             self.episodes.turns_lost(turns)

@@ -190,6 +190,16 @@ class ExportModel(msgspec.Struct, tag="export", **_CTRL):
     shard_bytes: int = 5 << 30
 
 
+class ReceiverGone(msgspec.Struct, tag="rcv_gone", **_CTRL):
+    """Trainer rank 0, sent unanswered: rollout worker ``receiver`` died (the controller saw
+    it: its pid, its last words, its successor's ``Hello`` or its silence). A refit under way
+    leaves it out at once, as the sender's own pid watch does on its host; on another host
+    that watch sees nothing, and a collective transfer's broadcast would wait for the dead
+    one until its timeout."""
+
+    receiver: str
+
+
 class Health(msgspec.Struct, tag="health", **_CTRL):
     """Either group: answered at once from the worker's event loop, never queued behind a
     call, so an answer says the worker's loop turns (the controller's heartbeat)."""
@@ -209,6 +219,7 @@ Request = Union[
     SaveState,
     LoadState,
     ExportModel,
+    ReceiverGone,
     Health,
 ]
 
@@ -341,7 +352,7 @@ class Cast(msgspec.Struct, tag="cast", **_CTRL):
     request: Request
 
 
-CASTABLE = (Generate,)
+CASTABLE = (Generate, ReceiverGone)
 """The requests sent as a :class:`Cast` (each multi-turn episode's turn is one: a reply to
 each would double the controller's messages per turn)."""
 

@@ -48,6 +48,7 @@ from asyncrl.wire.messages import (
     KVScalesResult,
     LoadState,
     LogprobsResult,
+    ReceiverGone,
     Result,
     SaveState,
     SendWeights,
@@ -155,6 +156,7 @@ class TrainerRuntime(WorkerRuntime):
             SaveState: self._save_state,
             LoadState: self._load_state,
             ExportModel: self._export,
+            ReceiverGone: self._receiver_gone,
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -337,6 +339,12 @@ class TrainerRuntime(WorkerRuntime):
             pids=req.receiver_pids,
             hosts=req.receiver_hosts,
         )
+
+    async def _receiver_gone(self, req: ReceiverGone) -> Result:
+        """Rank 0: a refit under way leaves ``req.receiver`` out (other ranks send nothing)."""
+        if self.sender is not None:
+            self.sender.leave(req.receiver, "the controller found it dead")
+        return Empty()
 
     async def _save_state(self, req: SaveState) -> Result:
         await self.thread.run(self.backend.save_state, req.path)

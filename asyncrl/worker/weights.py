@@ -176,6 +176,8 @@ class WeightSender:
         self._sock: AsyncSocket = ctx.socket(ROUTER, bind=address, router_mandatory=True)
         self._codec = Codec(WeightMessage)
         self.rejections = Rejections()
+        self._owed: _Owed | None = None
+        """The refit under way (:meth:`send`), while it is."""
         try:
             self._stager = transfer.stager(spec)
         except BaseException:
@@ -260,6 +262,7 @@ class WeightSender:
         start = time.perf_counter()
         owed = _Owed(self._recv, self.rejections.reject, version, receivers, timeout_s,
                      gone=self._stager.leave)  # fmt: skip
+        self._owed = owed
         own = host_id()
         hosts = list(hosts) or [own] * len(receivers)
         pids = list(pids) or [0] * len(receivers)
@@ -275,8 +278,17 @@ class WeightSender:
                 watchers.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _first_refit_error(group) from None
+        finally:
+            self._owed = None
         result.seconds = time.perf_counter() - start
         return result
+
+    def leave(self, who: str, why: str) -> None:
+        """Receiver ``who`` is gone (``why``): the refit under way, if any, leaves it out
+        (its acknowledgements are owed no more; a collective transfer fails what it has under
+        way, :meth:`~asyncrl.transfers.Stager.leave`). Nothing under way: nothing to do."""
+        if self._owed is not None and who in self._owed.live():
+            self._owed.leave(who, why)
 
     async def _publish(
         self, owed: _Owed, specs: Sequence[WeightTensor], tensors: Iterable[WeightTensor],

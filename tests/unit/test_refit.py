@@ -31,6 +31,7 @@ from asyncrl.errors import EngineDeadError, RefitError
 from asyncrl.wire.messages import Bucket, Manifest, TensorEntry, WeightMessage, WeightsPull
 from asyncrl.worker.buckets import Packer, bucket_layout, check_bucket, manifest_of
 from asyncrl.worker.weights import WeightReceiver, WeightSender
+from asyncrl.procs.process import host_id
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.procs.space import shm_dir
 from asyncrl.transfers.shm import read_bytes
@@ -603,6 +604,55 @@ async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the
     # measured 0.016-0.017 s (3 runs, 2 busy cores); the timeout it no longer waits for: 30 s
     assert out["seconds"] < 5
     assert set(good.weights) == set(w)
+    for name, array in w.items():
+        np.testing.assert_array_equal(good.weights[name], array)
+
+
+async def test_a_receiver_on_another_host_is_left_out_when_the_controller_says_it_died(
+    run_dir: str,
+) -> None:
+    """rollout:1 runs on another host (its pid names nothing here: not watched) and hangs in
+    its first load; the controller's ReceiverGone (here ``sender.leave``, what the trainer
+    runtime calls) leaves it out, and rollout:0 gets the version byte-exact, well inside
+    refit.timeout_s. The refit's end makes ``leave`` a no-op."""
+    pair = Pair(run_dir)
+    other = WeightReceiver(pair.ctx, pair.address, "rollout:1")
+    w = weights()
+    good, stuck = Engine(), StuckEngine()
+    out: dict[str, Any] = {}
+    try:
+        async def send() -> None:
+            start = time.perf_counter()
+            out["sent"] = await pair.sender.send(
+                1, ["rollout:0", "rollout:1"], specs(), tensors(w), bucket_size=BUCKET,
+                timeout_s=30, pids=[os.getpid(), os.getpid()], hosts=[host_id(), "node9/b/1"],
+            )
+            out["seconds"] = time.perf_counter() - start
+
+        async def say_it_died() -> None:
+            await stuck.loading.wait()
+            await anyio.sleep(0.2)  # not left out by itself meanwhile: its pid is not watched
+            assert "sent" not in out
+            pair.sender.leave("rollout:1", "the controller found it dead")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(say_it_died)
+            tg.start_soon(lambda: pair.receiver.receive(
+                1, good, transport="shm", reset_prefix_cache=True, kv_scales=None, timeout_s=30))
+            async with anyio.create_task_group() as hung:
+                hung.start_soon(lambda: other.receive(
+                    1, stuck, transport="shm", reset_prefix_cache=True, kv_scales=None,
+                    timeout_s=30))
+                while "sent" not in out:
+                    await anyio.sleep(0.01)
+                hung.cancel_scope.cancel()
+        pair.sender.leave("rollout:0", "late")  # no refit under way: nothing to do
+    finally:
+        other.close()
+        pair.close()
+    assert out["sent"].num_buckets == 3
+    assert out["seconds"] < 5  # about 0.2 s: the wait before the word; the timeout is 30 s
     for name, array in w.items():
         np.testing.assert_array_equal(good.weights[name], array)
 
