@@ -15,7 +15,7 @@ import os
 import time
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -554,6 +554,47 @@ class StuckEngine(Engine):
         await anyio.sleep_forever()
 
 
+async def _refit_past_a_stuck_receiver(
+    pair: Pair, w: dict[str, np.ndarray], meanwhile: Callable[[], Awaitable[None]],
+    **where: Any,
+) -> tuple[Any, float, Engine]:
+    """A refit of ``w`` to rollout:0 (pair's receiver) and rollout:1, which hangs in its
+    first load; ``meanwhile()`` runs once it hangs. ``where``: ``send``'s ``pids`` and
+    ``hosts``. Returns the result, the seconds the send took and rollout:0's engine."""
+    other = WeightReceiver(pair.ctx, pair.address, "rollout:1")
+    good, stuck = Engine(), StuckEngine()
+    out: dict[str, Any] = {}
+
+    async def send() -> None:
+        start = time.perf_counter()
+        out["sent"] = await pair.sender.send(
+            1, ["rollout:0", "rollout:1"], specs(), tensors(w), bucket_size=BUCKET,
+            timeout_s=30, **where,
+        )
+        out["seconds"] = time.perf_counter() - start
+
+    async def when_stuck() -> None:
+        await stuck.loading.wait()
+        await meanwhile()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            tg.start_soon(when_stuck)
+            tg.start_soon(lambda: pair.receiver.receive(
+                1, good, transport="shm", reset_prefix_cache=True, kv_scales=None, timeout_s=30))
+            async with anyio.create_task_group() as hung:
+                hung.start_soon(lambda: other.receive(
+                    1, stuck, transport="shm", reset_prefix_cache=True, kv_scales=None,
+                    timeout_s=30))
+                while "sent" not in out:
+                    await anyio.sleep(0.01)
+                hung.cancel_scope.cancel()
+    finally:
+        other.close()
+    return out["sent"], out["seconds"], good
+
+
 async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the_version(
     run_dir: str,
 ) -> None:
@@ -565,44 +606,23 @@ async def test_a_receiver_whose_process_exits_is_left_out_and_the_others_get_the
     import sys
 
     pair = Pair(run_dir)
-    other = WeightReceiver(pair.ctx, pair.address, "rollout:1")
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     w = weights()
-    good, stuck = Engine(), StuckEngine()
-    out: dict[str, Any] = {}
+
+    async def kill() -> None:
+        stand_in.kill()
+
     try:
-        async def send() -> None:
-            start = time.perf_counter()
-            out["sent"] = await pair.sender.send(
-                1, ["rollout:0", "rollout:1"], specs(), tensors(w), bucket_size=BUCKET,
-                timeout_s=30, pids=[os.getpid(), stand_in.pid],
-            )
-            out["seconds"] = time.perf_counter() - start
-
-        async def kill_when_stuck() -> None:
-            await stuck.loading.wait()
-            stand_in.kill()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
-            tg.start_soon(kill_when_stuck)
-            tg.start_soon(lambda: pair.receiver.receive(
-                1, good, transport="shm", reset_prefix_cache=True, kv_scales=None, timeout_s=30))
-            async with anyio.create_task_group() as hung:
-                hung.start_soon(lambda: other.receive(
-                    1, stuck, transport="shm", reset_prefix_cache=True, kv_scales=None,
-                    timeout_s=30))
-                while "sent" not in out:
-                    await anyio.sleep(0.01)
-                hung.cancel_scope.cancel()
+        sent, seconds, good = await _refit_past_a_stuck_receiver(
+            pair, w, kill, pids=[os.getpid(), stand_in.pid]
+        )
     finally:
         stand_in.kill()
         stand_in.wait()
-        other.close()
         pair.close()
-    assert out["sent"].num_buckets == 3
+    assert sent.num_buckets == 3
     # measured 0.016-0.017 s (3 runs, 2 busy cores); the timeout it no longer waits for: 30 s
-    assert out["seconds"] < 5
+    assert seconds < 5
     assert set(good.weights) == set(w)
     for name, array in w.items():
         np.testing.assert_array_equal(good.weights[name], array)
@@ -616,43 +636,24 @@ async def test_a_receiver_on_another_host_is_left_out_when_the_controller_says_i
     runtime calls) leaves it out, and rollout:0 gets the version byte-exact, well inside
     refit.timeout_s. The refit's end makes ``leave`` a no-op."""
     pair = Pair(run_dir)
-    other = WeightReceiver(pair.ctx, pair.address, "rollout:1")
     w = weights()
-    good, stuck = Engine(), StuckEngine()
-    out: dict[str, Any] = {}
+    left: list[float] = []
+
+    async def say_it_died() -> None:
+        await anyio.sleep(0.2)  # not left out by itself meanwhile: its pid is not watched
+        left.append(time.perf_counter())
+        pair.sender.leave("rollout:1", "the controller found it dead")
+
     try:
-        async def send() -> None:
-            start = time.perf_counter()
-            out["sent"] = await pair.sender.send(
-                1, ["rollout:0", "rollout:1"], specs(), tensors(w), bucket_size=BUCKET,
-                timeout_s=30, pids=[os.getpid(), os.getpid()], hosts=[host_id(), "node9/b/1"],
-            )
-            out["seconds"] = time.perf_counter() - start
-
-        async def say_it_died() -> None:
-            await stuck.loading.wait()
-            await anyio.sleep(0.2)  # not left out by itself meanwhile: its pid is not watched
-            assert "sent" not in out
-            pair.sender.leave("rollout:1", "the controller found it dead")
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(send)
-            tg.start_soon(say_it_died)
-            tg.start_soon(lambda: pair.receiver.receive(
-                1, good, transport="shm", reset_prefix_cache=True, kv_scales=None, timeout_s=30))
-            async with anyio.create_task_group() as hung:
-                hung.start_soon(lambda: other.receive(
-                    1, stuck, transport="shm", reset_prefix_cache=True, kv_scales=None,
-                    timeout_s=30))
-                while "sent" not in out:
-                    await anyio.sleep(0.01)
-                hung.cancel_scope.cancel()
+        sent, seconds, good = await _refit_past_a_stuck_receiver(
+            pair, w, say_it_died, pids=[os.getpid(), os.getpid()],
+            hosts=[host_id(), "node9/b/1"],
+        )
         pair.sender.leave("rollout:0", "late")  # no refit under way: nothing to do
     finally:
-        other.close()
         pair.close()
-    assert out["sent"].num_buckets == 3
-    assert out["seconds"] < 5  # about 0.2 s: the wait before the word; the timeout is 30 s
+    assert sent.num_buckets == 3 and left
+    assert 0.2 <= seconds < 5  # the wait before the word; the timeout is 30 s
     for name, array in w.items():
         np.testing.assert_array_equal(good.weights[name], array)
 
