@@ -25,6 +25,7 @@ from asyncrl.config import Config
 from asyncrl.errors import ConfigError, ControllerLostError, WorkerStartupError
 from asyncrl.obs import log as _log
 from asyncrl.procs.process import die_with_parent, exit_status, host_id, wait_pid_exit
+from asyncrl.procs.supervisor import CONTROLLER_LOST
 from asyncrl.wire.curve import KEYS_ENV, KeysError, RunKeys
 from asyncrl.wire.messages import host_name
 
@@ -122,8 +123,6 @@ def serve_rank(
                 controller_pid, ending.controller_exit, kwargs.get("log_path", "?")
             ))
         return lost_code
-    if isinstance(ending.error, ControllerLostError):
-        return lost_code
     if ending.error is not None:
         return 1
     return 128 + int(ending.signal) if ending.signal is not None else 0
@@ -154,14 +153,8 @@ def worker_main(
     if max_restarts:
         return _supervise(group, rank, world, control, log_dir, max_restarts,
                           controller_pid=controller_pid, log_path=log_path)
-    if supervised:
-        from asyncrl.procs.supervisor import CONTROLLER_LOST
-
-        lost_code = CONTROLLER_LOST
-    else:
-        lost_code = 1
     return serve_rank(
-        lost_code=lost_code,
+        lost_code=CONTROLLER_LOST if supervised else 1,
         control_address=control,
         group=group,
         rank=rank,

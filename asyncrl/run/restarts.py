@@ -231,7 +231,7 @@ class Restarts:
         loops = self._loops
         if peer.group != "rollout" or loops is None or stopped_by_signal(died.exit_code):
             return None
-        if isinstance(died, WorkerLostError) and self._pool.restarts < self._pool.max_restarts:
+        if isinstance(died, WorkerLostError) and self.survivable(peer):
             with anyio.move_on_after(self.config.failures.heartbeat_timeout_s):
                 await peer.gone.wait()  # its successor said Hello: it died and came back
             if not peer.gone.is_set():

@@ -287,7 +287,7 @@ class WeightSender:
         """Receiver ``who`` is gone (``why``): the refit under way, if any, leaves it out
         (its acknowledgements are owed no more; a collective transfer fails what it has under
         way, :meth:`~asyncrl.transfers.Stager.leave`). Nothing under way: nothing to do."""
-        if self._owed is not None and who in self._owed.live():
+        if self._owed is not None:
             self._owed.leave(who, why)
 
     async def _publish(
@@ -304,7 +304,7 @@ class WeightSender:
         owed.expect(-1)
         await self._send_all(owed, Manifest(version, self.transfer.name, manifest))
         live = owed.live()
-        self._stager.begin([where.get(r, Receiver(r)) for r in live])
+        self._stager.begin([where[r] for r in live])
         packer = Packer(iter(tensors), manifest, self._stager, bucket_size, n)
         first = await self._pack_first(owed, packer, run)
         index = 0
