@@ -50,6 +50,9 @@ class StepRecord:
     rank), as the worker measured it."""
     engine_busy_s: float = 0.0
     """Time the generators were generating since the previous refit (slowest rank)."""
+    score_s: float = 0.0
+    """The controller's time scoring samples (the environment's ``score``, on threads or
+    inline) since the previous step."""
     refit_work_s: float = 0.0
     """The workers' own time in this step's refit (the longest SendWeights/ReceiveWeights)."""
     refit_pack_s: float = 0.0
@@ -191,6 +194,7 @@ class StepRecord:
             **self._objective_terms(n_tok),
             **self._advantage_stats(),
             "response_len": float(np.mean([len(s.token_ids) for s in samples])),
+            "response_tokens": sum(len(s.token_ids) for s in samples),
             "chunks": self.chunks,
             "groups": len(self.groups),
         }
@@ -299,6 +303,7 @@ class StepRecord:
             "train_busy_s": self.train_busy_s,
             "trainer_compute_s": self.trainer_compute_s,
             "engine_busy_s": self.engine_busy_s,
+            "score_s": self.score_s,
             "refit_work_s": self.refit_work_s,
             "refit_pack_s": self.refit_pack_s,
             "gen_start": gen_start,

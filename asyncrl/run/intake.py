@@ -188,6 +188,7 @@ class Scorer:
         self._limiter = anyio.CapacityLimiter(4)
         self._cost_s = float("inf")  # unknown until measured: the first group uses a thread
         self._scored = 0
+        self._spent_s = 0.0  # scoring time since take_spent()
         self._on_loop = getattr(env, "score_on_loop", False) is True
         score_async = getattr(env, "score_async", None)
         self._score_async = score_async if callable(score_async) else None
@@ -279,6 +280,13 @@ class Scorer:
     def _note(self, cost: float) -> None:
         self._cost_s = 0.8 * self._cost_s + 0.2 * cost if self._scored else cost
         self._scored += 1
+        self._spent_s += cost
+
+    def take_spent(self) -> float:
+        """Seconds spent in ``score`` (inline or on threads; ``score_async`` is not timed)
+        since the last call: a step record's ``score_s``."""
+        spent, self._spent_s = self._spent_s, 0.0
+        return spent
 
 
 class Feeder:

@@ -206,10 +206,10 @@ class Pipeline:
             book=self.book, serving=lambda: self.restarts.serving, metrics=metrics, now=self.now,
             episodes=self.episodes,
         )  # fmt: skip
-        scorer = Scorer(environment, tokenizer, cfg.environment.name,
-                        timeout_s=cfg.failures.reward_timeout_s)  # fmt: skip
+        self.scorer = Scorer(environment, tokenizer, cfg.environment.name,
+                             timeout_s=cfg.failures.reward_timeout_s)  # fmt: skip
         self.feeder = Feeder(
-            cfg, data=data, book=self.book, scorer=scorer, evaluator=self.evaluator,
+            cfg, data=data, book=self.book, scorer=self.scorer, evaluator=self.evaluator,
             redispatch=self.redispatch, rejections=self.rejections,
             changed=self.changed, committed=self.committed, now=self.now,
             step_record=lambda: self._record(self.book.trainer_version), turns=self.episodes,
@@ -456,6 +456,7 @@ class Pipeline:
         rec.gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
         rec.take_served(self.control.take_served(), self.trainers)
         rec.engine_busy_s = self.publisher.report.busy_s
+        rec.score_s = self.scorer.take_spent()
         rec.refit_pack_s = self.publisher.report.pack_s
         book = self.book
         record = rec.metrics(

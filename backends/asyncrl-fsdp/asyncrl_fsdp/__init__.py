@@ -1,4 +1,6 @@
-"""FSDP2 training backend for asyncrl, registered as ``asyncrl.training_backends:fsdp2``.
+"""FSDP2 training backend for asyncrl, registered as ``asyncrl.training_backends:fsdp2``, and
+the ``frozen`` backend (``asyncrl.training_backends:frozen``: the same sharded model, steps
+that change nothing; see :mod:`asyncrl_fsdp.frozen`).
 
 Importing this package imports nothing heavy: the entry point is :data:`plugin`, whose
 ``check_config`` runs in the controller before any worker starts and whose factory imports
@@ -12,13 +14,19 @@ from typing import Any
 from asyncrl.backend import BackendPlugin, WorkerContext
 from asyncrl.config import Config
 
-__all__ = ["check_config", "plugin"]
+__all__ = ["check_config", "frozen_plugin", "plugin"]
 
 
 def _create(ctx: WorkerContext) -> Any:
     from .backend import FSDPBackend
 
     return FSDPBackend(ctx)
+
+
+def _create_frozen(ctx: WorkerContext) -> Any:
+    from .frozen import FrozenBackend
+
+    return FrozenBackend(ctx)
 
 
 def check_config(config: Config, *, max_prompt_tokens: int) -> None:
@@ -30,3 +38,6 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
 
 plugin = BackendPlugin(create=_create, check_config=check_config)
 """The entry point ``asyncrl.training_backends:fsdp2``."""
+
+frozen_plugin = BackendPlugin(create=_create_frozen, check_config=check_config)
+"""The entry point ``asyncrl.training_backends:frozen`` (same ``[trainer.options]``)."""
