@@ -1,0 +1,573 @@
+"""Generation through asyncrl against vLLM alone: the same prompts, sampling and engine, side by
+side in one invocation.
+
+    python benchmarks/generation.py                       # GPU: the issue-28 workload
+    python benchmarks/generation.py --size tiny --prompts 16 --samples 4 --max-tokens 16 \\
+        --in-flight 64,4 --parts side                     # CPU (vLLM CPU build), CI-sized
+
+The model is random (bf16): Qwen2.5-0.5B-shaped by default (``--size 0.5b``), or the 2-layer,
+128-wide ``tiny`` for the CPU. Its tokenizer maps the word ``t<i>`` to token ``i``, so that a
+prompt's text and its token ids are the same thing both ways. ``--prompts`` prompts of
+``--prompt-len`` random tokens, ``--samples`` samples each, ``--max-tokens`` new tokens (EOS is
+token 2, which a random model almost never samples).
+
+**side** (for each ``--in-flight`` K): the workload (for K below prompts x samples: 8 K samples
+in 2 steps) run
+
+- *vLLM alone*: one ``AsyncLLM`` in this process, the engine arguments asyncrl's vLLM backend
+  gives it, one request per sample shaped as the backend shapes it (seed per sample,
+  ``logprobs=0``, no detokenizing, final output only), at most K at once;
+- *through asyncrl*: ``asyncrl.Controller`` with its processes (controller, one rollout worker
+  with the same engine, one trainer rank of the ``frozen`` backend, which serves the
+  checkpoint and makes no update), the ``dataset`` environment scoring every sample, the
+  ``in_order`` sampler with one step of lookahead and ``pipeline.max_inflight_samples = K``.
+
+Figures: generated tokens/s both ways (asyncrl: the step records' tokens over the span from the
+first dispatch to the last sample back), the ratio, the GPU's busy fraction (``nvidia-smi``,
+sampled every 100 ms over the span), and asyncrl's time: the engine generating (the worker's
+own account), refits (generation paused), scoring (the controller's threads) and the rest
+(dispatch, the return path, gaps).
+
+**options**: vLLM alone at ``--options-in-flight`` requests (default all), one row per request
+shape or engine option (``OPTIONS``), against the shape asyncrl sends: tokens/s, the ratio to
+that shape, GPU busy.
+
+``--tuned KEY=VALUE,...`` adds a third column to *side*: asyncrl with those
+``generator.options`` (e.g. ``max_num_seqs=512``). Results print as markdown and go to
+``--out`` (default ``runs/benchmarks/generation.json``; figures kept per machine are in
+``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS = 2
+
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied
+    "0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    "tiny": (128, 2, 4, 2, 256, 512, True),
+}
+
+OPTIONS: dict[str, dict[str, Any]] = {
+    "as asyncrl sends (seed per sample, logprobs=0, n=1, final only)": {},
+    "no per-sample seed": {"seed": None},
+    "no logprobs": {"logprobs": None},
+    "n per prompt (one request, n samples, seeded)": {"n_per_prompt": True},
+    "n per prompt, no seed": {"n_per_prompt": True, "seed": None},
+    "output kind DELTA (streamed)": {"output_kind": "DELTA"},
+    "async scheduling off": {"engine": {"async_scheduling": False}},
+    "max_num_seqs 256, 8,192 batched tokens": {
+        "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    },
+    "max_num_seqs 512, 8,192 batched tokens": {
+        "engine": {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
+    },
+    "max_num_seqs 512, no per-sample seed": {
+        "seed": None, "engine": {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
+    },
+}
+"""Each row's change to the request (``seed``, ``logprobs``, ``output_kind``, ``n_per_prompt``)
+or to the engine (``engine``: more engine arguments; a new engine is built for it)."""
+
+
+# ---------------------------------------------------------------------------- the workload
+def write_model(size: str, out: Path) -> Path:
+    """A random bf16 Qwen2 checkpoint of ``size`` with the ``t<i>`` word-level tokenizer
+    (kept across runs in ``out``)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if (out / "tokenizer.json").is_file():
+        return out
+    h, n, heads, kv, inter, vocab, tied = SHAPES[size]
+    config = transformers.Qwen2Config(
+        hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
+        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS, torch_dtype="bfloat16",
+    )  # fmt: skip
+    with torch.device("meta"):
+        shapes = {k: p.shape for k, p in transformers.Qwen2ForCausalLM(config).named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        k: torch.ones(s, dtype=torch.bfloat16) if k.endswith("norm.weight")
+        else (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
+        for k, s in shapes.items()
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=length).tolist() for _ in range(count)]
+
+
+def write_dataset(prompts: list[list[int]], work: Path) -> tuple[Path, Path]:
+    """The prompts as the ``dataset`` environment's JSONL, and a reward file (a completion's
+    distinct-token fraction: cheap, but it decodes and reads every sample)."""
+    data = work / "prompts.jsonl"
+    with data.open("w") as f:
+        for i, ids in enumerate(prompts):
+            f.write(json.dumps({"id": f"p{i}", "text": " ".join(f"t{t}" for t in ids)}) + "\n")
+    rewards = work / "rewards.py"
+    rewards.write_text(
+        "def distinct(completion: str) -> float:\n"
+        "    words = completion.split()\n"
+        "    return len(set(words)) / max(1, len(words))\n"
+    )
+    return data, rewards
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One in-flight level's rounds: ``warm`` + ``measured`` rounds (asyncrl: sync steps) of
+    ``prompts`` x ``samples``, at most ``in_flight`` samples generating at once."""
+
+    in_flight: int
+    prompts: int
+    samples: int
+    warm: int
+    measured: int
+
+    @property
+    def per_round(self) -> int:
+        return self.prompts * self.samples
+
+    @classmethod
+    def of(cls, k: int, args: argparse.Namespace) -> Plan:
+        if k >= args.prompts * args.samples:
+            return cls(k, args.prompts, args.samples, args.warm_rounds, 1)
+        n = min(args.samples, k)
+        return cls(k, max(1, 4 * k // n), n, args.warm_rounds, 2)
+
+
+# ---------------------------------------------------------------------------- the engine
+def cuda() -> bool:
+    return shutil.which("nvidia-smi") is not None and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``generator.options`` of both sides (the asyncrl names)."""
+    if cuda():
+        return {"gpu_memory_utilization": args.gpu_memory_utilization}
+    return {"cpu_kvcache_space_gib": 1, "cpu_omp_threads_bind": args.cpu_bind,
+            "enforce_eager": True}  # fmt: skip
+
+
+def standalone_engine_args(model: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's engine arguments as asyncrl's vLLM backend builds them from ``options``
+    (asyncrl_vllm.backend.VLLMBackend._engine_args), without its worker extension."""
+    args: dict[str, Any] = dict(
+        model=str(model), dtype="bfloat16", seed=0, enforce_eager=False,
+        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+        skip_tokenizer_init=True, max_logprobs=-1, disable_log_stats=True,
+    )  # fmt: skip
+    if not cuda():
+        args["enable_chunked_prefill"] = False  # as the backend does on the CPU build
+    for key, value in options.items():
+        if key == "extra_engine_args":
+            args.update(value)
+        elif key == "cpu_kvcache_space_gib":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(value)
+        elif key == "cpu_omp_threads_bind":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(value)
+        else:
+            args[key] = value
+    return args
+
+
+@contextlib.asynccontextmanager
+async def standalone(model: Path, options: dict[str, Any]) -> AsyncIterator[Any]:
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**standalone_engine_args(model, options)))
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+        del llm
+
+
+def sampling_params(max_tokens: int, change: dict[str, Any], seed: int | None, n: int = 1) -> Any:
+    """The request asyncrl's backend sends for one sample (asyncrl_vllm.backend._sampling_params),
+    with ``change`` applied."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    logprobs = change.get("logprobs", 0)
+    return SamplingParams(
+        n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_tokens,
+        logprobs=logprobs, seed=seed if change.get("seed", 0) is not None else None,
+        detokenize=False, stop_token_ids=[EOS], flat_logprobs=logprobs is not None,
+        output_kind=getattr(RequestOutputKind, change.get("output_kind", "FINAL_ONLY")),
+    )  # fmt: skip
+
+
+async def warm_up(llm: Any, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """A short round at the options' batch size (allocator, kernels for its shapes)."""
+    count = args.options_prompts or args.prompts
+    await run_alone(llm, prompts[:count], args.samples, 16, count * args.samples, tag="warm-")
+
+
+async def run_alone(
+    llm: Any, prompts: list[list[int]], samples: int, max_tokens: int, in_flight: int,
+    change: dict[str, Any] | None = None, tag: str = "",
+) -> tuple[int, float]:  # fmt: skip
+    """Every prompt ``samples`` times, at most ``in_flight`` requests at once; generated
+    tokens and seconds from the first request to the last output."""
+    change = change or {}
+    per_prompt = change.get("n_per_prompt", False)
+    limit = anyio.Semaphore(max(1, in_flight // samples) if per_prompt else in_flight)
+    tokens = 0
+
+    async def one(rid: str, ids: list[int], seed: int, n: int) -> None:
+        nonlocal tokens
+        params = sampling_params(max_tokens, change, seed, n)
+        prompt = {"type": "token", "prompt_token_ids": ids}
+        async with limit:
+            final = None
+            async for out in llm.generate(prompt, params, request_id=rid):
+                final = out
+                if params.output_kind.name == "DELTA":
+                    tokens += sum(len(c.token_ids) for c in out.outputs)
+            if params.output_kind.name != "DELTA":
+                tokens += sum(len(c.token_ids) for c in final.outputs)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for p, ids in enumerate(prompts):
+            if per_prompt:
+                tg.start_soon(one, f"{tag}{p}", ids, 1000 * p, samples)
+            else:
+                for i in range(samples):
+                    tg.start_soon(one, f"{tag}{p}/{i}", ids, 1000 * p + i, 1)
+    return tokens, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- GPU busy
+class GpuBusy:
+    """``nvidia-smi``'s utilization every 100 ms, timestamped; :meth:`mean` over a span."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> GpuBusy:
+        if cuda():
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-i", "0", "-lms", "100"],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.samples.append((time.perf_counter(), float(line.strip()) / 100))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def mean_over(self, spans: list[tuple[float, float]]) -> float | None:
+        inside = [u for t, u in self.samples if any(a <= t <= b for a, b in spans)]
+        return float(np.mean(inside)) if inside else None
+
+
+# ---------------------------------------------------------------------------- asyncrl
+def asyncrl_config(
+    args: argparse.Namespace, plan: Plan, work: Path, data: Path, rewards: Path,
+    options: dict[str, Any], name: str,
+) -> dict[str, Any]:  # fmt: skip
+    gpu = cuda()
+    return {
+        "model": {"path": str(work / "model")},
+        "run": {"num_steps": plan.warm + plan.measured, "seed": 0, "output_dir": str(work / "runs" / name),
+                "log_format": "json"},  # fmt: skip
+        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1}
+        | ({"trainer_gpus": [0], "rollout_gpus": [0]} if gpu else {}),
+        "refit": {"transport": "cuda_ipc" if gpu else "shm",
+                  "verify_first_steps": 0, "verify_every_steps": 0},  # fmt: skip
+        "grpo": {"prompts_per_step": plan.prompts, "samples_per_prompt": plan.samples,
+                 "max_new_tokens": args.max_tokens, "temperature": 1.0},  # fmt: skip
+        "pipeline": {
+            # sync: a step's generation is one round, as the standalone side's
+            "sampler": {"name": "in_order", "max_lookahead_versions": 0},
+            "max_inflight_samples": plan.in_flight,
+            "min_groups_for_streaming_train": plan.prompts,
+        },
+        "trainer": {"backend": "frozen", "micro_batch_size": 64},
+        "generator": {"backend": "vllm", "options": options},
+        "environment": {
+            "name": "dataset",
+            "options": {"train": str(data), "prompt_field": "text", "id_field": "id",
+                        "rewards": [{"function": f"{rewards}:distinct", "weight": 1.0}]},
+        },  # fmt: skip
+        "eval": {"num_prompts": 0},
+    }
+
+
+async def run_asyncrl(config_data: dict[str, Any], warm: int, busy: GpuBusy) -> dict[str, Any]:
+    """One run; figures over its steps after the ``warm`` first ones."""
+    import asyncrl
+    from asyncrl.config import from_dict
+
+    config = from_dict(config_data)
+    async with asyncrl.Controller(config) as ctl:
+        t0 = ctl.status().clock_origin
+        steps = (await ctl.train()).steps[warm:]
+    spans = [(t0 + r["gen_start"], t0 + r["gen_end"]) for r in steps]
+    seconds = sum(b - a for a, b in spans)
+    tokens = sum(r["response_tokens"] for r in steps)
+    engine = sum(r["engine_busy_s"] for r in steps)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s": tokens / seconds,
+        "gpu_busy": busy.mean_over(spans),
+        "engine_s": engine,
+        "score_s": sum(r["score_s"] for r in steps),
+        "other_s": max(0.0, seconds - engine),
+        "between_steps_s": sum(r["time"] - r["gen_end"] for r in steps),  # train + refit
+        "refit_s": sum(r["refit_s"] for r in steps),
+        "steps": len(steps),
+    }
+
+
+# ---------------------------------------------------------------------------- parts
+async def alone_rounds(
+    llm: Any, plan: Plan, prompts: list[list[int]], max_tokens: int, busy: GpuBusy
+) -> dict[str, Any]:
+    """``plan``'s rounds on an engine of our own: each round's prompts run to their end before
+    the next starts (as a sync step); figures over the measured rounds."""
+    tokens, spans = 0, []
+    for r in range(plan.warm + plan.measured):
+        batch = prompts[r * plan.prompts : (r + 1) * plan.prompts]
+        start = time.perf_counter()
+        got, seconds = await run_alone(llm, batch, plan.samples, max_tokens, plan.in_flight,
+                                       tag=f"k{plan.in_flight}-r{r}-")  # fmt: skip
+        if r >= plan.warm:
+            tokens += got
+            spans.append((start, start + seconds))
+    seconds = sum(b - a for a, b in spans)
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "gpu_busy": busy.mean_over(spans)}  # fmt: skip
+
+
+async def part_side(
+    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy
+) -> list[dict[str, Any]]:
+    plans = [Plan.of(k, args) for k in args.in_flight]
+    rows: list[dict[str, Any]] = [{"in_flight": p.in_flight, "samples": p.per_round * p.measured}
+                                  for p in plans]  # fmt: skip
+    options = engine_options(args)
+    print(f"side: vLLM alone ({json.dumps(options)})", flush=True)
+    async with standalone(work / "model", options) as llm:
+        for plan, row in zip(plans, rows):
+            row["alone"] = await alone_rounds(llm, plan, prompts, args.max_tokens, busy)
+            print(f"  K={plan.in_flight}: {row['alone']['tok_s']:,.0f} tok/s alone", flush=True)
+    data, rewards = write_dataset(prompts, work)
+    columns = [("asyncrl", options)]
+    if args.tuned:
+        columns.append(("tuned", options | args.tuned))
+    for column, opts in columns:
+        for plan, row in zip(plans, rows):
+            name = f"{column}-k{plan.in_flight}"
+            config = asyncrl_config(args, plan, work, data, rewards, opts, name)
+            row[column] = await run_asyncrl(config, plan.warm, busy)
+            row[column]["ratio"] = row[column]["tok_s"] / row["alone"]["tok_s"]
+            print(f"  K={plan.in_flight}: {row[column]['tok_s']:,.0f} tok/s {column} "
+                  f"({100 * row[column]['ratio']:.1f}% of alone)", flush=True)  # fmt: skip
+    return rows
+
+
+async def part_options(
+    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy
+) -> list[dict[str, Any]]:
+    base = engine_options(args)
+    count = args.options_prompts or args.prompts
+    k = args.options_in_flight or count * args.samples
+    rows: list[dict[str, Any]] = []
+    by_engine: dict[str, list[str]] = {}
+    for name, change in OPTIONS.items():
+        by_engine.setdefault(json.dumps(change.get("engine", {}), sort_keys=True), []).append(name)
+    for engine_json, names in by_engine.items():
+        extra = json.loads(engine_json)
+        options = base | ({"extra_engine_args": extra} if extra else {})
+        async with standalone(work / "model", options) as llm:
+            await warm_up(llm, args, prompts)
+            for name in names:
+                start = time.perf_counter()
+                tokens, seconds = await run_alone(
+                    llm, prompts[:count], args.samples, args.max_tokens, k, OPTIONS[name],
+                    tag=f"{len(rows)}-",
+                )  # fmt: skip
+                rows.append({"option": name, "tokens": tokens, "seconds": seconds,
+                             "tok_s": tokens / seconds,
+                             "gpu_busy": busy.mean_over([(start, start + seconds)])})  # fmt: skip
+                print(f"  {name}: {tokens / seconds:,.0f} tok/s", flush=True)
+    first = rows[0]["tok_s"]
+    for row in rows:
+        row["vs_asyncrl_shape"] = row["tok_s"] / first
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def side_table(rows: list[dict[str, Any]]) -> str:
+    tuned = any("tuned" in r for r in rows)
+    head = "| in flight | samples | vLLM alone tok/s (GPU busy) | asyncrl tok/s (GPU busy) | asyncrl / alone |"
+    head += " tuned tok/s | tuned / alone |" if tuned else ""
+    lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
+    for r in rows:
+        a, s = r["alone"], r["asyncrl"]
+        line = (f"| {r['in_flight']} | {r['samples']} | {a['tok_s']:,.0f} ({pct(a['gpu_busy'])}) | "
+                f"{s['tok_s']:,.0f} ({pct(s['gpu_busy'])}) | {100 * s['ratio']:.1f}% |")  # fmt: skip
+        if tuned:
+            t = r["tuned"]
+            line += f" {t['tok_s']:,.0f} ({pct(t['gpu_busy'])}) | {100 * t['ratio']:.1f}% |"
+        lines.append(line)
+    lines += ["", "| in flight | asyncrl generating s | engine busy s | dispatch, return, gaps s | "
+              "scoring s (threads) | between steps s (train + refit) |",
+              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        s = r["asyncrl"]
+        lines.append(f"| {r['in_flight']} | {s['seconds']:.2f} | {s['engine_s']:.2f} | "
+                     f"{s['other_s']:.2f} | {s['score_s']:.2f} | {s['between_steps_s']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def options_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| request shape or engine option | tok/s | vs asyncrl's shape | GPU busy |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['option']} | {r['tok_s']:,.0f} | {r['vs_asyncrl_shape']:.2f}x | "
+                     f"{pct(r['gpu_busy'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def host_facts() -> dict[str, Any]:
+    facts: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    with contextlib.suppress(Exception):
+        import vllm
+
+        facts["vllm"] = vllm.__version__
+    if cuda():
+        with contextlib.suppress(Exception):
+            facts["gpu"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip()  # fmt: skip
+    return facts
+
+
+async def main(args: argparse.Namespace) -> None:
+    import asyncrl.obs.log
+
+    asyncrl.obs.log.configure("console", level="warning")
+    results: dict[str, Any] = {"host": host_facts(), "workload": {
+        "size": args.size, "prompts": args.prompts, "prompt_len": args.prompt_len,
+        "samples": args.samples, "max_tokens": args.max_tokens}}  # fmt: skip
+    print(json.dumps(results), flush=True)
+    with contextlib.ExitStack() as stack:
+        if args.work is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncrl-gen-")))
+        else:
+            work = args.work
+        write_model(args.size, work / "model")
+        needed = max([args.prompts] + [(p.warm + p.measured) * p.prompts
+                                       for p in map(lambda k: Plan.of(k, args), args.in_flight)])  # fmt: skip
+        prompts = make_prompts(needed, args.prompt_len, SHAPES[args.size][5])
+        busy = stack.enter_context(GpuBusy())
+        if "options" in args.parts:
+            print("options:", flush=True)
+            results["options"] = await part_options(args, work, prompts, busy)
+            print(options_table(results["options"]), flush=True)
+            save(results, args)
+        if "side" in args.parts:
+            results["side"] = await part_side(args, work, prompts, busy)
+            print(side_table(results["side"]), flush=True)
+    save(results, args)
+
+
+def save(results: dict[str, Any], args: argparse.Namespace) -> None:
+    out = args.out or ROOT / "runs" / "benchmarks" / "generation.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
+def _options(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key] = json.loads(value)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="options,side", help="options, side, or both")
+    parser.add_argument("--size", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[4096, 16, 1])  # fmt: skip
+    parser.add_argument("--options-prompts", type=int, default=0,
+                        help="prompts per option row (default --prompts)")  # fmt: skip
+    parser.add_argument("--options-in-flight", type=int, default=0,
+                        help="requests at once per option row (default all)")  # fmt: skip
+    parser.add_argument("--tuned", type=_options, default={},
+                        help="generator.options of a third 'tuned' column, e.g. max_num_seqs=512")  # fmt: skip
+    parser.add_argument("--warm-rounds", type=int, default=1,
+                        help="rounds (asyncrl: steps) run before measuring, both sides")  # fmt: skip
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--cpu-bind", default="1", help="CPU build: the engine's OpenMP cores")
+    parser.add_argument("--work", type=Path, default=None, help="keep the model and runs here")
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    anyio.run(main, parse_args())
