@@ -135,7 +135,9 @@ class RefitConfig(Section):
 
 class TrainerConfig(Section):
     backend: str = "fsdp2"
-    """Training backend (entry point group ``asyncrl.training_backends``)."""
+    """Training backend (entry point group ``asyncrl.training_backends``): ``fsdp2``,
+    ``deepspeed``, or ``frozen`` (the model's weights served unchanged: a generation-only
+    run through the whole pipeline, docs/backends/fsdp.md)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward on one rank."""
     options: dict[str, Any] = {}
