@@ -89,9 +89,11 @@ or to the engine (``engine``: more engine arguments; a new engine is built for i
 
 
 # ---------------------------------------------------------------------------- the workload
-def write_model(size: str, out: Path) -> Path:
+def write_model(size: str, out: Path, mean_len: float | None = None) -> Path:
     """A random bf16 Qwen2 checkpoint of ``size`` with the ``t<i>`` word-level tokenizer
-    (kept across runs in ``out``)."""
+    (kept across runs in ``out``). With ``mean_len``, EOS is made likely enough that samples
+    end after about ``mean_len`` tokens on average, with a long tail
+    (:func:`eos_for_mean_length`)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -113,6 +115,11 @@ def write_model(size: str, out: Path) -> Path:
         else (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
         for k, s in shapes.items()
     }  # fmt: skip
+    if mean_len:
+        model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        state[head][EOS] = eos_for_mean_length(model, mean_len, vocab).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
@@ -121,6 +128,36 @@ def write_model(size: str, out: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(out / "tokenizer.json"))
     return out
+
+
+def eos_for_mean_length(model: Any, mean_len: float, vocab: int, seqs: int = 8) -> Any:
+    """The output row of EOS (``c * v``, ``v`` a random unit vector) that makes the mean
+    probability of EOS over positions of random token sequences ``1 / mean_len``.
+
+    The EOS logit is then ``c * (h . v)``: large at the few positions whose final hidden state
+    leans on ``v`` and small elsewhere, so a sample stops at a random step with about that
+    mean (a geometric-like length, tail included), and the other tokens keep the random
+    model's near-uniform distribution. ``c`` is found by bisection on the hidden states of
+    ``seqs`` random sequences of 128 tokens, in float32 on the CPU."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (seqs, 128), generator=gen)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
+        logits = model.lm_head(hidden)
+        logits[:, EOS] = -torch.inf
+        rest = torch.logsumexp(logits, dim=-1)  # every other token
+    v = torch.randn(model.config.hidden_size, generator=gen)
+    v /= v.norm()
+    z = hidden @ v
+    target = 1.0 / mean_len
+    low, high = 0.0, 1e4
+    for _ in range(100):
+        c = (low + high) / 2
+        p = torch.sigmoid(c * z - rest).mean().item()  # exp(cz) / (exp(cz) + exp(rest))
+        low, high = (c, high) if p < target else (low, c)
+    return c * v
 
 
 def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -312,19 +349,33 @@ class GpuBusy:
 
 
 # ---------------------------------------------------------------------------- asyncrl
-def asyncrl_config(
-    args: argparse.Namespace, plan: Plan, work: Path, data: Path, rewards: Path,
-    options: dict[str, Any], name: str,
-) -> dict[str, Any]:  # fmt: skip
+def run_sections(model: Path, data: Path, rewards: Path) -> dict[str, Any]:
+    """The config sections every benchmark run here shares (modes.py's too): the model, one
+    trainer and one rollout rank (both on GPU 0 where there is one), refits without
+    verification, the ``dataset`` environment over ``data`` scored by ``rewards``, no eval."""
     gpu = cuda()
     return {
-        "model": {"path": str(work / "model")},
-        "run": {"num_steps": plan.warm + plan.measured, "seed": 0, "output_dir": str(work / "runs" / name),
-                "log_format": "json"},  # fmt: skip
+        "model": {"path": str(model)},
         "cluster": {"trainer_ranks": 1, "rollout_ranks": 1}
         | ({"trainer_gpus": [0], "rollout_gpus": [0]} if gpu else {}),
         "refit": {"transport": "cuda_ipc" if gpu else "shm",
                   "verify_first_steps": 0, "verify_every_steps": 0},  # fmt: skip
+        "environment": {
+            "name": "dataset",
+            "options": {"train": str(data), "prompt_field": "text", "id_field": "id",
+                        "rewards": [{"function": f"{rewards}:distinct", "weight": 1.0}]},
+        },  # fmt: skip
+        "eval": {"num_prompts": 0},
+    }
+
+
+def asyncrl_config(
+    args: argparse.Namespace, plan: Plan, work: Path, data: Path, rewards: Path,
+    options: dict[str, Any], name: str,
+) -> dict[str, Any]:  # fmt: skip
+    return run_sections(work / "model", data, rewards) | {
+        "run": {"num_steps": plan.warm + plan.measured, "seed": 0,
+                "output_dir": str(work / "runs" / name), "log_format": "json"},  # fmt: skip
         "grpo": {"prompts_per_step": plan.prompts, "samples_per_prompt": plan.samples,
                  "max_new_tokens": args.max_tokens, "temperature": 1.0},  # fmt: skip
         "pipeline": {
@@ -335,12 +386,6 @@ def asyncrl_config(
         },
         "trainer": {"backend": "frozen", "micro_batch_size": 64},
         "generator": {"backend": "vllm", "options": options},
-        "environment": {
-            "name": "dataset",
-            "options": {"train": str(data), "prompt_field": "text", "id_field": "id",
-                        "rewards": [{"function": f"{rewards}:distinct", "weight": 1.0}]},
-        },  # fmt: skip
-        "eval": {"num_prompts": 0},
     }
 
 

@@ -20,6 +20,14 @@ event-loop lag is sampled every 10 ms over the steady state (after the first two
 p50, p99, max, and each step's p99 as the pipeline records it), with the samples
 per second that really went through the data socket.
 
+**vllm-long**: real engines (vLLM and an FSDP2 trainer on one GPU, or the vLLM CPU build) on a
+long-tail workload: a random model (``--size``, Qwen2.5-0.5B-shaped by default) whose EOS
+row makes samples end after about ``--mean-len`` tokens with a long tail (p99 about 9x the
+median, measured on the tiny model), capped at ``--max-tokens``, ``--prompts`` x
+``--samples`` per step, scored by the ``dataset`` environment; each of ``LONG_MODES`` for
+``--steps`` steps: s/step against sync, trainer idle, staleness, wasted samples, and the
+samples' length distribution.
+
 **vllm**: the tiny CPU task of the demo (16 prompts x 8 samples, at most 6 new tokens, one
 FSDP2 rank and one vLLM rank) in each mode, 16 steps: the median step time against the
 workers' own accounts of their time (engine generating, trainer computing, refit), which the
@@ -35,6 +43,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +57,7 @@ import asyncrl.obs.log
 from asyncrl.config import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # generation.py: the random model and its data
 
 MODES: dict[str, dict[str, Any]] = {
     "sync": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}, "chunk": 0},
@@ -287,6 +297,46 @@ async def part_vllm(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]
     return rows
 
 
+LONG_MODES = {name: MODES[name] for name in (
+    "sync", "in_order L=1", "gated W=3", "oversampled W=2 r=1.5")}  # fmt: skip
+
+
+async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Each of :data:`LONG_MODES` with vLLM and FSDP2 on the long-tail workload."""
+    import generation
+
+    gpu = generation.cuda()
+    model = generation.write_model(args.size, tmp / "long-model", mean_len=args.mean_len)
+    prompts = generation.make_prompts(max(256, 4 * args.prompts), 64, generation.SHAPES[args.size][5])
+    data, rewards = generation.write_dataset(prompts, tmp)
+    engine = ({"gpu_memory_utilization": args.gpu_memory_utilization} if gpu
+              else {"cpu_kvcache_space_gib": 1, "cpu_omp_threads_bind": "1", "enforce_eager": True})  # fmt: skip
+    rows = []
+    for name, mode in LONG_MODES.items():
+        data_cfg = generation.run_sections(model, data, rewards) | {
+            "run": {"num_steps": args.steps, "seed": 0, "log_format": "json",
+                    "output_dir": str(tmp / name.replace(" ", "_"))},  # fmt: skip
+            "grpo": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+                     "max_new_tokens": args.max_tokens, "temperature": 1.0},  # fmt: skip
+            "pipeline": {"sampler": mode["sampler"],
+                         "min_groups_for_streaming_train": max(1, args.prompts // 4)},  # fmt: skip
+            "trainer": {"backend": "fsdp2", "micro_batch_size": args.micro_batch,
+                        "options": {"lr": 1e-6}},  # fmt: skip
+            "generator": {"backend": "vllm", "options": engine},
+        }
+        start = time.perf_counter()
+        steps = await run_one(data_cfg)
+        row = summarize(name, steps, args.samples)
+        row["run_s"] = time.perf_counter() - start
+        row["response_len_mean"] = statistics.mean(r["response_len"] for r in steps)
+        rows.append(row)
+        print(f"  {name}: {row['s_per_step']:.2f} s/step", flush=True)
+    sync = rows[0]["s_per_step"]
+    for row in rows:
+        row["speedup"] = sync / row["s_per_step"]
+    return {"rows": rows, "gpu": gpu, "size": args.size}
+
+
 def vllm_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mode | s/step | engine generating | trainer computing | refit (workers) | "
@@ -347,12 +397,17 @@ async def main(args: argparse.Namespace) -> None:
             results["lag"] = await part_lag(args, model, tmp)
         if args.part == "vllm":
             results["vllm"] = await part_vllm(args, tmp)
+        if args.part == "vllm-long":
+            results["vllm-long"] = await part_vllm_long(args, tmp)
     if "modes" in results:
         print()
         print(table(results["modes"]))
     if "vllm" in results:
         print()
         print(vllm_table(results["vllm"]))
+    if "vllm-long" in results:
+        print()
+        print(table(results["vllm-long"]["rows"]))
     if "lag" in results:
         lag = results["lag"]
         print()
@@ -375,10 +430,17 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--part",
-        choices=["modes", "lag", "all", "vllm"],
+        choices=["modes", "lag", "all", "vllm", "vllm-long"],
         default="all",
-        help="all = modes + lag (bigram engine); vllm = the tiny CPU task",
+        help="all = modes + lag (bigram engine); vllm = the tiny CPU task; vllm-long = real "
+        "engines on a long-tail workload",
     )
+    parser.add_argument("--size", choices=["0.5b", "tiny"], default="0.5b",
+                        help="vllm-long: the random model's shape")  # fmt: skip
+    parser.add_argument("--mean-len", type=float, default=300.0,
+                        help="vllm-long: the samples' target mean length")  # fmt: skip
+    parser.add_argument("--micro-batch", type=int, default=4, help="vllm-long: trainer micro-batch")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--vllm-steps", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--lag-steps", type=int, default=60)

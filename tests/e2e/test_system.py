@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from asyncrl import Controller
-from asyncrl.config import from_dict
+from asyncrl.config import Config, from_dict
 from asyncrl.procs.spawn import torchrun_log_args
 from asyncrl.policy.grpo import pack_tokens
 
@@ -55,6 +55,44 @@ def fixed_sequences(rng: np.random.Generator, vocab: int = 40) -> object:
     return pack_tokens(prompts, responses)
 
 
+def two_steps(
+    tmp_path: Path, qwen_dir: Path, *, lookahead: int, ranks: int, trainer: dict
+) -> Config:
+    """Two steps of 8 prompts x 4 samples on the tiny model, vLLM CPU build."""
+    return from_dict(
+        {
+            "run": {"output_dir": str(tmp_path / "out"), "seed": 3, "num_steps": 2},
+            "model": {"path": str(qwen_dir)},
+            "environment": {"name": "repeat-digit"},
+            "cluster": {"trainer_ranks": ranks, "rollout_ranks": 1, "startup_timeout_s": 400},
+            "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
+            "pipeline": {
+                "sampler": {"name": "in_order", "max_lookahead_versions": lookahead},
+                "min_groups_for_streaming_train": 4,
+            },
+            "trainer": trainer,
+            "generator": {
+                "backend": "vllm",
+                "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True},
+            },
+        }
+    )
+
+
+async def logprobs_around_training(config: Config) -> tuple:
+    """Run ``config``: the fixed sequences' logprobs (generator, trainer) before and after
+    training, and the run's summary; nothing is left behind."""
+    batch = fixed_sequences(np.random.default_rng(0))
+    mark_test_start()
+    async with Controller(config) as ctl:
+        pids = worker_pids(ctl).values()
+        before = (await ctl.generator_logprobs(batch), await ctl.trainer_logprobs(batch))
+        summary = await ctl.train()
+        after = (await ctl.generator_logprobs(batch), await ctl.trainer_logprobs(batch))
+    assert_nothing_left(ctl, pids)
+    return batch, before, summary, after
+
+
 TRAINERS = {
     "fsdp2": ("fsdp2", 1, {}),
     # two ZeRO-3 ranks: every forward and every refit export gathers the partitions
@@ -72,37 +110,13 @@ async def test_refit_keeps_generator_and_trainer_in_sync(
     tmp_path: Path, qwen_dir: Path, lookahead: int, trainer: str
 ) -> None:
     backend, ranks, options = TRAINERS[trainer]
-    config = from_dict(
-        {
-            "run": {"output_dir": str(tmp_path / "out"), "seed": 3, "num_steps": 2},
-            "model": {"path": str(qwen_dir)},
-            "environment": {"name": "repeat-digit"},
-            "cluster": {"trainer_ranks": ranks, "rollout_ranks": 1, "startup_timeout_s": 400},
-            "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
-            "pipeline": {
-                "sampler": {"name": "in_order", "max_lookahead_versions": lookahead},
-                "min_groups_for_streaming_train": 4,
-            },
-            "trainer": {"backend": backend, "options": {"lr": 0.02, **options}},
-            "generator": {
-                "backend": "vllm",
-                "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True},
-            },
-        }
-    )
-    batch = fixed_sequences(np.random.default_rng(0))
-    mark_test_start()
-    async with Controller(config) as ctl:
-        pids = worker_pids(ctl).values()
-        gen0 = await ctl.generator_logprobs(batch)
-        trn0 = await ctl.trainer_logprobs(batch)
-        assert gen0.shape == trn0.shape == (int((batch.seq_lens - batch.prompt_lens).sum()),)
-        assert np.abs(gen0 - trn0).max() < BF16_TOL
-        summary = await ctl.train()
-        gen1 = await ctl.generator_logprobs(batch)
-        trn1 = await ctl.trainer_logprobs(batch)
-    assert_nothing_left(ctl, pids)
-
+    config = two_steps(
+        tmp_path, qwen_dir, lookahead=lookahead, ranks=ranks,
+        trainer={"backend": backend, "options": {"lr": 0.02, **options}},
+    )  # fmt: skip
+    batch, (gen0, trn0), summary, (gen1, trn1) = await logprobs_around_training(config)
+    assert gen0.shape == trn0.shape == (int((batch.seq_lens - batch.prompt_lens).sum()),)
+    assert np.abs(gen0 - trn0).max() < BF16_TOL
     assert np.abs(gen1 - trn1).max() < BF16_TOL
     assert np.abs(trn1 - trn0).max() > 4 * BF16_TOL, "the trainer did not move"
     assert np.abs(gen1 - gen0).max() > 4 * BF16_TOL, "the generator still serves old weights"
@@ -144,31 +158,8 @@ async def test_a_frozen_trainer_serves_the_checkpoint_unchanged(
 ) -> None:
     """``trainer.backend = "frozen"``: a generation-only run through the whole pipeline. Every
     step is generated, scored, taken by the trainer and refitted, and nothing moves."""
-    config = from_dict(
-        {
-            "run": {"output_dir": str(tmp_path / "out"), "seed": 3, "num_steps": 2},
-            "model": {"path": str(qwen_dir)},
-            "environment": {"name": "repeat-digit"},
-            "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
-            "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 1},
-                         "min_groups_for_streaming_train": 4},  # fmt: skip
-            "trainer": {"backend": "frozen"},
-            "generator": {
-                "backend": "vllm",
-                "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True},
-            },
-        }
-    )
-    batch = fixed_sequences(np.random.default_rng(0))
-    mark_test_start()
-    async with Controller(config) as ctl:
-        pids = worker_pids(ctl).values()
-        gen0 = await ctl.generator_logprobs(batch)
-        trn0 = await ctl.trainer_logprobs(batch)
-        summary = await ctl.train()
-        gen1 = await ctl.generator_logprobs(batch)
-        trn1 = await ctl.trainer_logprobs(batch)
-    assert_nothing_left(ctl, pids)
+    config = two_steps(tmp_path, qwen_dir, lookahead=1, ranks=1, trainer={"backend": "frozen"})
+    batch, (gen0, trn0), summary, (gen1, trn1) = await logprobs_around_training(config)
 
     # the trainer's forward is the checkpoint's (float32 against float64: measured 2.8e-7)
     assert np.abs(trn0 - reference_logprobs(qwen_dir, batch)).max() < 1e-6
