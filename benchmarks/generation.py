@@ -11,22 +11,26 @@ prompt's text and its token ids are the same thing both ways. ``--prompts`` prom
 ``--prompt-len`` random tokens, ``--samples`` samples each, ``--max-tokens`` new tokens (EOS is
 token 2, which a random model almost never samples).
 
-**side** (for each ``--in-flight`` K): the workload (for K below prompts x samples: 8 K samples
-in 2 steps) run
+**side** (for each ``--in-flight`` K): rounds of the workload, a warm-up round first
+(``--warm-rounds``) and the measured ones after it (K >= prompts x samples: one round of them
+all; below: two rounds of 4 K samples in groups of min(samples, K), at least 2, GRPO's
+smallest group, so K = 1 runs as 2), run
 
 - *vLLM alone*: one ``AsyncLLM`` in this process, the engine arguments asyncrl's vLLM backend
   gives it, one request per sample shaped as the backend shapes it (seed per sample,
-  ``logprobs=0``, no detokenizing, final output only), at most K at once;
+  ``logprobs=0``, no detokenizing, final output only), at most K at once, each round run to
+  its end before the next;
 - *through asyncrl*: ``asyncrl.Controller`` with its processes (controller, one rollout worker
   with the same engine, one trainer rank of the ``frozen`` backend, which serves the
-  checkpoint and makes no update), the ``dataset`` environment scoring every sample, the
-  ``in_order`` sampler with one step of lookahead and ``pipeline.max_inflight_samples = K``.
+  checkpoint and makes no update), the ``dataset`` environment scoring every sample, sync
+  steps (one round each) and ``pipeline.max_inflight_samples = K``.
 
-Figures: generated tokens/s both ways (asyncrl: the step records' tokens over the span from the
-first dispatch to the last sample back), the ratio, the GPU's busy fraction (``nvidia-smi``,
-sampled every 100 ms over the span), and asyncrl's time: the engine generating (the worker's
-own account), refits (generation paused), scoring (the controller's threads) and the rest
-(dispatch, the return path, gaps).
+Figures: generated tokens/s both ways (asyncrl: the measured steps' tokens over their
+generation spans, first dispatch to last sample back; training and refits between steps are
+reported apart), the ratio, the GPU's busy fraction (``nvidia-smi``, sampled every 100 ms over
+the spans), and asyncrl's time: the engine generating (the worker's own account), the rest of
+the spans (dispatch, the return path, gaps), scoring (the controller's threads) and the time
+between steps.
 
 **options**: vLLM alone at ``--options-in-flight`` requests (default all), one row per request
 shape or engine option (``OPTIONS``), against the shape asyncrl sends: tokens/s, the ratio to
@@ -200,8 +204,8 @@ class Plan:
     def of(cls, k: int, args: argparse.Namespace) -> Plan:
         if k >= args.prompts * args.samples:
             return cls(k, args.prompts, args.samples, args.warm_rounds, 1)
-        n = min(args.samples, k)
-        return cls(k, max(1, 4 * k // n), n, args.warm_rounds, 2)
+        n = max(2, min(args.samples, k))  # GRPO's smallest group; asyncrl needs K >= n
+        return cls(max(k, n), max(1, 4 * k // n), n, args.warm_rounds, 2)
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -437,17 +441,20 @@ async def alone_rounds(
 
 
 async def part_side(
-    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy
-) -> list[dict[str, Any]]:
+    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy,
+    rows: list[dict[str, Any]], keep: Any,
+) -> None:  # fmt: skip
+    """Fills ``rows`` (one per in-flight level) and calls ``keep()`` after every figure."""
     plans = [Plan.of(k, args) for k in args.in_flight]
-    rows: list[dict[str, Any]] = [{"in_flight": p.in_flight, "samples": p.per_round * p.measured}
-                                  for p in plans]  # fmt: skip
+    rows += [{"in_flight": p.in_flight, "samples": p.per_round * p.measured} for p in plans]
     options = engine_options(args)
     print(f"side: vLLM alone ({json.dumps(options)})", flush=True)
     async with standalone(work / "model", options) as llm:
         for plan, row in zip(plans, rows):
             row["alone"] = await alone_rounds(llm, plan, prompts, args.max_tokens, busy)
-            print(f"  K={plan.in_flight}: {row['alone']['tok_s']:,.0f} tok/s alone", flush=True)
+            keep()
+            print(f"  K={plan.in_flight}: {row['alone']['tok_s']:,.0f} tok/s alone, GPU busy "
+                  f"{pct(row['alone']['gpu_busy'])}", flush=True)  # fmt: skip
     data, rewards = write_dataset(prompts, work)
     columns = [("asyncrl", options)]
     if args.tuned:
@@ -458,18 +465,20 @@ async def part_side(
             config = asyncrl_config(args, plan, work, data, rewards, opts, name)
             row[column] = await run_asyncrl(config, plan.warm, busy)
             row[column]["ratio"] = row[column]["tok_s"] / row["alone"]["tok_s"]
+            keep()
             print(f"  K={plan.in_flight}: {row[column]['tok_s']:,.0f} tok/s {column} "
-                  f"({100 * row[column]['ratio']:.1f}% of alone)", flush=True)  # fmt: skip
-    return rows
+                  f"({100 * row[column]['ratio']:.1f}% of alone): {json.dumps(row[column])}",
+                  flush=True)  # fmt: skip
 
 
 async def part_options(
-    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy
-) -> list[dict[str, Any]]:
+    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy,
+    rows: list[dict[str, Any]], keep: Any,
+) -> None:  # fmt: skip
+    """Fills ``rows`` (one per :data:`OPTIONS` entry) and calls ``keep()`` after each."""
     base = engine_options(args)
     count = args.options_prompts or args.prompts
     k = args.options_in_flight or count * args.samples
-    rows: list[dict[str, Any]] = []
     by_engine: dict[str, list[str]] = {}
     for name, change in OPTIONS.items():
         by_engine.setdefault(json.dumps(change.get("engine", {}), sort_keys=True), []).append(name)
@@ -484,14 +493,15 @@ async def part_options(
                     llm, prompts[:count], args.samples, args.max_tokens, k, OPTIONS[name],
                     tag=f"{len(rows)}-",
                 )  # fmt: skip
-                rows.append({"option": name, "tokens": tokens, "seconds": seconds,
-                             "tok_s": tokens / seconds,
-                             "gpu_busy": busy.mean_over([(start, start + seconds)])})  # fmt: skip
-                print(f"  {name}: {tokens / seconds:,.0f} tok/s", flush=True)
-    first = rows[0]["tok_s"]
-    for row in rows:
-        row["vs_asyncrl_shape"] = row["tok_s"] / first
-    return rows
+                row = {"option": name, "tokens": tokens, "seconds": seconds,
+                       "tok_s": tokens / seconds,
+                       "gpu_busy": busy.mean_over([(start, start + seconds)]),
+                       "vs_asyncrl_shape": tokens / seconds / (rows[0]["tok_s"] if rows
+                                                               else tokens / seconds)}  # fmt: skip
+                rows.append(row)
+                keep()
+                print(f"  {name}: {row['tok_s']:,.0f} tok/s, GPU busy {pct(row['gpu_busy'])}",
+                      flush=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- report
@@ -564,15 +574,14 @@ async def main(args: argparse.Namespace) -> None:
                                        for p in map(lambda k: Plan.of(k, args), args.in_flight)])  # fmt: skip
         prompts = make_prompts(needed, args.prompt_len, SHAPES[args.size][5])
         busy = stack.enter_context(GpuBusy())
+        keep = lambda: save(results, args)  # noqa: E731 - every figure is written as it comes
         if "options" in args.parts:
             print("options:", flush=True)
-            results["options"] = await part_options(args, work, prompts, busy)
+            await part_options(args, work, prompts, busy, results.setdefault("options", []), keep)
             print(options_table(results["options"]), flush=True)
-            save(results, args)
         if "side" in args.parts:
-            results["side"] = await part_side(args, work, prompts, busy)
+            await part_side(args, work, prompts, busy, results.setdefault("side", []), keep)
             print(side_table(results["side"]), flush=True)
-    save(results, args)
 
 
 def save(results: dict[str, Any], args: argparse.Namespace) -> None:
