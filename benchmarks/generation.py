@@ -316,7 +316,7 @@ async def run_alone(
 
 # ---------------------------------------------------------------------------- GPU busy
 class GpuBusy:
-    """``nvidia-smi``'s utilization every 100 ms, timestamped; :meth:`mean` over a span."""
+    """``nvidia-smi``'s utilization every 100 ms, timestamped; :meth:`mean_over` over spans."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float]] = []
