@@ -324,3 +324,16 @@ def test_a_process_with_an_abandoned_thread_exits(tmp_path: Path) -> None:
     # measured 2.2-3.7 s on the loaded 2-core machine (mostly importing asyncrl and numpy);
     # with the call on an anyio worker thread the process never exits (killed at 50 s)
     assert elapsed < 10.0, elapsed
+
+
+async def test_the_scorer_reports_its_time_once_per_take() -> None:
+    """``take_spent`` (a step record's ``score_s``): the time ``score`` took since the last
+    take, inline and on threads, then zero."""
+    env = HangingEnv(delay_s=0.05)
+    scorer = Scorer(env, DigitsTokenizer(), "slow", timeout_s=5)  # type: ignore[arg-type]
+    assert scorer.take_spent() == 0.0
+    await scorer.threaded(group_of(Prompt(id="p", text="x"), [[1], [2]]))  # 2 x 0.05 s
+    scorer.inline(group_of(Prompt(id="q", text="x"), [[3]]))  # 0.05 s
+    spent = scorer.take_spent()
+    assert 0.15 <= spent < 1.0
+    assert scorer.take_spent() == 0.0
