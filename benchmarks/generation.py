@@ -213,11 +213,13 @@ def cuda() -> bool:
     return shutil.which("nvidia-smi") is not None and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``generator.options`` of both sides (the asyncrl names)."""
+def engine_options(gpu_memory_utilization: float, cpu_bind: str = "1") -> dict[str, Any]:
+    """``generator.options`` of every engine here (the asyncrl names; modes.py's too): a
+    share of the GPU, or on the CPU build 1 GiB of KV cache, the engine's OpenMP threads on
+    ``cpu_bind`` and no compilation."""
     if cuda():
-        return {"gpu_memory_utilization": args.gpu_memory_utilization}
-    return {"cpu_kvcache_space_gib": 1, "cpu_omp_threads_bind": args.cpu_bind,
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    return {"cpu_kvcache_space_gib": 1, "cpu_omp_threads_bind": cpu_bind,
             "enforce_eager": True}  # fmt: skip
 
 
@@ -447,7 +449,7 @@ async def part_side(
     """Fills ``rows`` (one per in-flight level) and calls ``keep()`` after every figure."""
     plans = [Plan.of(k, args) for k in args.in_flight]
     rows += [{"in_flight": p.in_flight, "samples": p.per_round * p.measured} for p in plans]
-    options = engine_options(args)
+    options = engine_options(args.gpu_memory_utilization, args.cpu_bind)
     print(f"side: vLLM alone ({json.dumps(options)})", flush=True)
     async with standalone(work / "model", options) as llm:
         for plan, row in zip(plans, rows):
@@ -476,7 +478,7 @@ async def part_options(
     rows: list[dict[str, Any]], keep: Any,
 ) -> None:  # fmt: skip
     """Fills ``rows`` (one per :data:`OPTIONS` entry) and calls ``keep()`` after each."""
-    base = engine_options(args)
+    base = engine_options(args.gpu_memory_utilization, args.cpu_bind)
     count = args.options_prompts or args.prompts
     k = args.options_in_flight or count * args.samples
     by_engine: dict[str, list[str]] = {}

@@ -26,7 +26,7 @@ row makes samples end after about ``--mean-len`` tokens with a long tail (p99 ab
 median, measured on the tiny model), capped at ``--max-tokens``, ``--prompts`` x
 ``--samples`` per step, scored by the ``dataset`` environment; each of ``LONG_MODES`` for
 ``--steps`` steps: s/step against sync, trainer idle, staleness, wasted samples, and the
-samples' length distribution.
+mean sample length (``response_len_mean``).
 
 **vllm**: the tiny CPU task of the demo (16 prompts x 8 samples, at most 6 new tokens, one
 FSDP2 rank and one vLLM rank) in each mode, 16 steps: the median step time against the
@@ -153,6 +153,11 @@ async def part_modes(args: argparse.Namespace, model: Path, tmp: Path) -> list[d
         row["run_s"] = time.perf_counter() - start
         rows.append(row)
         print(f"  {name}: {row['s_per_step']:.3f} s/step", flush=True)
+    return with_speedups(rows)
+
+
+def with_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (sync first), each given its ``speedup`` over sync."""
     sync = rows[0]["s_per_step"]
     for row in rows:
         row["speedup"] = sync / row["s_per_step"]
@@ -309,8 +314,7 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     model = generation.write_model(args.size, tmp / "long-model", mean_len=args.mean_len)
     prompts = generation.make_prompts(max(256, 4 * args.prompts), 64, generation.SHAPES[args.size][5])
     data, rewards = generation.write_dataset(prompts, tmp)
-    engine = ({"gpu_memory_utilization": args.gpu_memory_utilization} if gpu
-              else {"cpu_kvcache_space_gib": 1, "cpu_omp_threads_bind": "1", "enforce_eager": True})  # fmt: skip
+    engine = generation.engine_options(args.gpu_memory_utilization)
     rows = []
     for name, mode in LONG_MODES.items():
         data_cfg = generation.run_sections(model, data, rewards) | {
@@ -331,10 +335,7 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         row["response_len_mean"] = statistics.mean(r["response_len"] for r in steps)
         rows.append(row)
         print(f"  {name}: {row['s_per_step']:.2f} s/step", flush=True)
-    sync = rows[0]["s_per_step"]
-    for row in rows:
-        row["speedup"] = sync / row["s_per_step"]
-    return {"rows": rows, "gpu": gpu, "size": args.size}
+    return {"rows": with_speedups(rows), "gpu": gpu, "size": args.size}
 
 
 def vllm_table(rows: list[dict[str, Any]]) -> str:
