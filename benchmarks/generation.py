@@ -77,6 +77,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "n per prompt (one request, n samples, seeded)": {"n_per_prompt": True},
     "n per prompt, no seed": {"n_per_prompt": True, "seed": None},
     "output kind DELTA (streamed)": {"output_kind": "DELTA"},
+    "logprobs at the end (asyncrl's scheduler, its default)": {
+        "engine": {"scheduler_cls": "asyncrl_vllm.scheduler.HeldLogprobsScheduler"}
+    },
     "async scheduling off": {"engine": {"async_scheduling": False}},
     "max_num_seqs 256, 8,192 batched tokens": {
         "engine": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
@@ -225,7 +228,8 @@ def engine_options(gpu_memory_utilization: float, cpu_bind: str = "1") -> dict[s
 
 def standalone_engine_args(model: Path, options: dict[str, Any]) -> dict[str, Any]:
     """vLLM's engine arguments as asyncrl's vLLM backend builds them from ``options``
-    (asyncrl_vllm.backend.VLLMBackend._engine_args), without its worker extension."""
+    (asyncrl_vllm.backend.VLLMBackend._engine_args), without its worker extension and with
+    vLLM's own scheduler (an :data:`OPTIONS` row measures asyncrl's)."""
     args: dict[str, Any] = dict(
         model=str(model), dtype="bfloat16", seed=0, enforce_eager=False,
         enable_prefix_caching=True, logprobs_mode="processed_logprobs",

@@ -45,6 +45,10 @@ __all__ = ["VLLMBackend"]
 log = structlog.get_logger("asyncrl_vllm.backend")
 
 EXTENSION = "asyncrl_vllm.ext.AsyncRLWorkerExtension"
+SCHEDULER = "asyncrl_vllm.scheduler.HeldLogprobsScheduler"
+"""``scheduler_cls`` with ``logprobs_at_end`` (the default)."""
+CUT_SHORT = frozenset({"abort", "error"})
+"""vLLM's finish reasons of a request that did not run to its end."""
 DEATH_VERDICT_S = 1.0
 """How long a request failed by a dying engine waits for :meth:`VLLMBackend.watch` to name the
 dead process. The watch fired 0.05-0.11 s after a SIGKILL in the fault tests (2 cores)."""
@@ -80,8 +84,13 @@ def _tokens(ids: list[int]) -> dict[str, Any]:
 
 
 def _sample(completion: Any) -> Sample:
+    """A finished vLLM completion as a :class:`Sample`. A request cut short (aborted, or
+    failed in the engine) keeps only the tokens that came with logprobs: the engine core
+    sends a final-only request's logprobs with its last output (:mod:`asyncrl_vllm.scheduler`),
+    and an abort is answered by vLLM's front end from what it has."""
     tokens = np.asarray(completion.token_ids, dtype=np.int32)
     lps = completion.logprobs
+    reason = str(completion.finish_reason or "abort")
     if lps is None or len(tokens) == 0:
         values = np.zeros(0, np.float32)
     elif hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token comes first
@@ -90,10 +99,12 @@ def _sample(completion: Any) -> Sample:
         values = np.asarray(
             [pos[int(t)].logprob for t, pos in zip(tokens, lps, strict=False)], dtype=np.float32
         )
+    versions = _versions(getattr(completion, "weight_versions", None), len(tokens))
+    if reason in CUT_SHORT and len(values) < len(tokens):
+        tokens, versions = tokens[: len(values)], versions[: len(values)]
     if len(values) != len(tokens):
         raise RuntimeError(f"vLLM returned {len(values)} logprobs for {len(tokens)} tokens")
-    versions = _versions(getattr(completion, "weight_versions", None), len(tokens))
-    return Sample(tokens, values, str(completion.finish_reason or "abort"), versions)
+    return Sample(tokens, values, reason, versions)
 
 
 def _versions(spans: Any, n: int) -> np.ndarray:
@@ -246,6 +257,8 @@ class VLLMBackend(EngineWeights):
             max_logprobs=-1,
             disable_log_stats=True,
         )
+        if o.logprobs_at_end:
+            args["scheduler_cls"] = SCHEDULER
         if not cuda:
             args["enable_chunked_prefill"] = False
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):

@@ -102,6 +102,13 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     match (free; requests in flight across the refit keep the KV they have). ``reset``: drop
     the prefix cache and re-prefill requests in flight with the new weights (its cost grows
     with the KV cache: 16-17 ms per refit on an H200 with 49 GB of KV cache)."""
+    logprobs_at_end: bool = True
+    """Send a sample's logprobs from vLLM's engine core once, with its last output, instead of
+    once per step (the engine core's scheduler :mod:`asyncrl_vllm.scheduler`). The same
+    numbers arrive; what goes is three small arrays per sequence per step, serialised on
+    the engine core's critical path and decoded again by the front end. A sample aborted
+    mid-way then comes back without tokens (aborted samples are never trained). ``false``:
+    vLLM's own scheduler. ``extra_engine_args.scheduler_cls`` replaces it either way."""
     rpc_timeout_s: float = 300.0
     """Upper bound on one call into the engine's workers (loading one weight bucket)."""
     shutdown_timeout_s: float = 10.0
