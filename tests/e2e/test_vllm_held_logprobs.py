@@ -156,13 +156,10 @@ async def test_aborts_leave_nothing_held(checking, tally_file) -> None:
     assert json.loads(tally_file.read_text())["held_now"] == 0
 
 
-@module_loop
-async def test_the_front_end_hands_out_the_reference_logprobs(held, model_dir) -> None:
-    """The default engine: final-only requests get every row at their end, streamed ones
-    per piece, in one batch; each (token, logprob) entry against float64 log-softmax of a
-    float32 transformers forward (bf16 weights): the sampled token's and the top k's."""
-    results = await run_batch(held._llm, prompts(16), "ref")
-    ref = hf_model(model_dir)
+def worst_entry_error(results: list[dict], ref) -> float:
+    """Largest |engine - reference| over every (token, logprob) entry of ``results``
+    (:func:`run_batch`), the reference being float64 log-softmax of ``ref``'s logits; checks
+    on the way that each row starts with the sampled token and has k + 1 entries."""
     worst = 0.0
     for r in results:
         assert r["reason"] in ("stop", "length")
@@ -178,10 +175,20 @@ async def test_the_front_end_hands_out_the_reference_logprobs(held, model_dir) -
             assert entries[0][0] == token and len(entries) == r["k"] + 1
             for tid, value in entries:
                 worst = max(worst, abs(value - lp[pos, tid]))
-    print(f"max |engine - reference| over every entry: {worst:.4f}")
-    assert worst < TOL
     # the front end may merge a streamed request's steps; each piece had its logprobs
     assert max(r["pieces"] for r in results if r["kind"] == "DELTA") > 1
+    return worst
+
+
+@module_loop
+async def test_the_front_end_hands_out_the_reference_logprobs(held, model_dir) -> None:
+    """The default engine: final-only requests get every row at their end, streamed ones
+    per piece, in one batch; each (token, logprob) entry against float64 log-softmax of a
+    float32 transformers forward (bf16 weights): the sampled token's and the top k's."""
+    results = await run_batch(held._llm, prompts(16), "ref")
+    worst = worst_entry_error(results, hf_model(model_dir))
+    print(f"max |engine - reference| over every entry: {worst:.4f}")
+    assert worst < TOL
 
 
 @module_loop

@@ -25,6 +25,8 @@ from asyncrl.backend import generate_all
 from asyncrl.wire.messages import GenRequest, TokenBatch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the held-logprob checks (and held_check, imported by the engine core, which inherits sys.path)
+sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -210,6 +212,19 @@ async def test_refit_while_generating(
 
 
 @module_loop
+async def test_held_logprobs_match_transformers(backend, model_dir) -> None:
+    """The default engine (asyncrl's scheduler over vLLM's AsyncScheduler, which the CPU build
+    never runs): final-only and streamed requests with 0-3 top logprobs in one batch, every
+    entry against transformers (tests/e2e/test_vllm_held_logprobs.py on the CPU build)."""
+    from test_vllm_held_logprobs import prompts, run_batch, worst_entry_error
+
+    results = await run_batch(backend._llm, prompts(32), "held")
+    worst = worst_entry_error(results, reference(model_dir))
+    print(f"held logprobs, max |engine - reference| over every entry: {worst:.4f}")
+    assert worst < TOL
+
+
+@module_loop
 async def test_close(backend) -> None:
     pids = backend.engine_pids()
     assert pids
@@ -253,5 +268,32 @@ async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
         np.testing.assert_array_equal(logprobs[1.0, 1], logprobs[1.0, 3])
         assert not np.array_equal(logprobs[1.0, 1], logprobs[50.0, 2])
         pair.close()
+    finally:
+        await b.close()
+
+
+@module_loop
+async def test_held_rows_are_vllms_own_on_the_async_scheduler(model_dir, tmp_path, monkeypatch):
+    """The rows asyncrl's scheduler holds equal, bit for bit, vLLM's per-step slices of the
+    same steps (tests/e2e/held_check.py) on vLLM's AsyncScheduler and the GPU model runner, with
+    a KV cache of 64 blocks of 16 tokens so that requests are preempted and recomputed."""
+    from test_vllm_held_logprobs import prompts, run_batch
+
+    tally = tmp_path / "tally.json"
+    monkeypatch.setenv("ASYNCRL_HELD_CHECK", str(tally))
+    extra = {"scheduler_cls": "held_check.CheckingScheduler", "num_gpu_blocks_override": 64}
+    b = plugins.load("asyncrl.generation_backends", "vllm")(
+        ctx_for(model_dir, tmp_path, extra_engine_args=extra)
+    )
+    await b.start()
+    try:
+        results = await run_batch(b._llm, prompts(48), "check")
+        counts = json.loads(tally.read_text())
+        print("checking scheduler on CUDA:", {k: v for k, v in counts.items() if k != "problems"})
+        assert counts["different"] == 0, counts["problems"]
+        assert counts["equal"] == 30
+        assert counts["rows"] == sum(len(r["tokens"]) for r in results
+                                     if r["kind"] == "FINAL_ONLY" and r["k"] is not None)
+        assert counts["preempted"] > 0
     finally:
         await b.close()
