@@ -57,6 +57,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import anyio
@@ -486,28 +487,47 @@ async def part_options(
     count = args.options_prompts or args.prompts
     k = args.options_in_flight or count * args.samples
     by_engine: dict[str, list[str]] = {}
-    for name, change in OPTIONS.items():
+    for name, change in selected(args.rows).items():
         by_engine.setdefault(json.dumps(change.get("engine", {}), sort_keys=True), []).append(name)
     for engine_json, names in by_engine.items():
         extra = json.loads(engine_json)
         options = base | ({"extra_engine_args": extra} if extra else {})
         async with standalone(work / "model", options) as llm:
             await warm_up(llm, args, prompts)
-            for name in names:
-                start = time.perf_counter()
-                tokens, seconds = await run_alone(
-                    llm, prompts[:count], args.samples, args.max_tokens, k, OPTIONS[name],
-                    tag=f"{len(rows)}-",
-                )  # fmt: skip
-                row = {"option": name, "tokens": tokens, "seconds": seconds,
-                       "tok_s": tokens / seconds,
-                       "gpu_busy": busy.mean_over([(start, start + seconds)]),
-                       "vs_asyncrl_shape": tokens / seconds / (rows[0]["tok_s"] if rows
-                                                               else tokens / seconds)}  # fmt: skip
-                rows.append(row)
-                keep()
-                print(f"  {name}: {row['tok_s']:,.0f} tok/s, GPU busy {pct(row['gpu_busy'])}",
-                      flush=True)  # fmt: skip
+            mine = {name: {"option": name, "runs": []} for name in names}
+            rows.extend(mine.values())
+            for r in range(args.option_repeats):  # interleaved: drift hits every row alike
+                for name in names:
+                    start = time.perf_counter()
+                    tokens, seconds = await run_alone(
+                        llm, prompts[:count], args.samples, args.max_tokens, k, OPTIONS[name],
+                        tag=f"{len(rows)}-{r}-{name[:8]}-",
+                    )  # fmt: skip
+                    row = mine[name]
+                    row["runs"].append(tokens / seconds)
+                    row.update(tokens=tokens, seconds=seconds, tok_s=median(row["runs"]),
+                               gpu_busy=busy.mean_over([(start, start + seconds)]))  # fmt: skip
+                    row["vs_asyncrl_shape"] = row["tok_s"] / rows[0]["tok_s"]
+                    keep()
+                    print(f"  {name} (run {r + 1}): {tokens / seconds:,.0f} tok/s, GPU busy "
+                          f"{pct(row['gpu_busy'])}", flush=True)  # fmt: skip
+
+
+def selected(words: str) -> dict[str, dict[str, Any]]:
+    """The :data:`OPTIONS` rows whose name contains one of ``words`` (comma-separated; all
+    when empty), in their order; the first row (asyncrl's request shape, the ratios' base)
+    always.
+
+    Raises:
+        SystemExit: a word that names no row.
+    """
+    wanted = [w.strip() for w in words.split(",") if w.strip()]
+    unknown = [w for w in wanted if not any(w in name for name in OPTIONS)]
+    if unknown:
+        raise SystemExit(f"--rows: {', '.join(unknown)} names no row of {list(OPTIONS)}")
+    first = next(iter(OPTIONS))
+    return {n: c for n, c in OPTIONS.items()
+            if not wanted or n == first or any(w in n for w in wanted)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- report
@@ -542,8 +562,11 @@ def options_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| request shape or engine option | tok/s | vs asyncrl's shape | GPU busy |",
              "| --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['option']} | {r['tok_s']:,.0f} | {r['vs_asyncrl_shape']:.2f}x | "
-                     f"{pct(r['gpu_busy'])} |")  # fmt: skip
+        if not r.get("runs"):
+            continue  # not run (the invocation ended first)
+        runs = "" if len(r["runs"]) == 1 else f" (median of {len(r['runs'])})"
+        lines.append(f"| {r['option']} | {r['tok_s']:,.0f}{runs} | {r['vs_asyncrl_shape']:.2f}x"
+                     f" | {pct(r['gpu_busy'])} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -618,6 +641,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompts per option row (default --prompts)")  # fmt: skip
     parser.add_argument("--options-in-flight", type=int, default=0,
                         help="requests at once per option row (default all)")  # fmt: skip
+    parser.add_argument("--option-repeats", type=int, default=1,
+                        help="runs of each option row, interleaved on its engine (median)")  # fmt: skip
+    parser.add_argument("--rows", default="",
+                        help="option rows to run: comma-separated words each row's name must "
+                             "contain one of (default all), e.g. 'asyncrl,logprobs'")  # fmt: skip
     parser.add_argument("--tuned", type=_options, default={},
                         help="generator.options of a third 'tuned' column, e.g. max_num_seqs=512")  # fmt: skip
     parser.add_argument("--warm-rounds", type=int, default=1,

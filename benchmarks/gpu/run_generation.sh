@@ -3,6 +3,8 @@
 # (shared/gpu/README.md, benchmarks/gpu/install_staged.sh). Arguments go to generation.py;
 # the model is written once per host (/tmp/gen-work). Writes $OUT/generation.json and .log.
 #   bash benchmarks/gpu/run_generation.sh --parts options --options-prompts 192
+#   bash benchmarks/gpu/run_generation.sh --parts options --options-prompts 192 \
+#     --rows logprobs,seed --option-repeats 3
 #   bash benchmarks/gpu/run_generation.sh --parts side --in-flight 4096,16,1
 set -uo pipefail
 cd "$(dirname "$0")/../.."
