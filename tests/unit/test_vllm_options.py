@@ -227,3 +227,36 @@ def test_the_cpu_build_starts_without_chunked_prefill_unless_asked(tmp_path, mod
     assert "enable_chunked_prefill" not in args(cuda=True)
     on = args(cuda=False, extra_engine_args={"enable_chunked_prefill": True})
     assert on["enable_chunked_prefill"] is True
+
+
+def test_held_logprobs_need_a_vllm_scheduler_they_fit(tmp_path, model_dir, monkeypatch) -> None:
+    """``logprobs_at_end`` (default) names asyncrl's scheduler, after checking that vLLM's
+    has what it overrides; a vLLM that moved it is refused before any engine starts."""
+    from types import SimpleNamespace
+
+    from asyncrl.config import from_dict
+    from asyncrl_vllm import scheduler
+    from asyncrl_vllm.backend import SCHEDULER, VLLMBackend
+
+    def args(**options: object) -> dict:
+        config = from_dict({
+            "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
+            "run": {"output_dir": str(tmp_path / "out")}, "trainer": {"backend": "bigram"},
+            "generator": {"backend": "vllm", "options": options},
+        })  # fmt: skip
+        ctx = SimpleNamespace(config=config, rank=0, group="rollout", gpu=None)
+        return VLLMBackend(ctx)._engine_args(False)  # type: ignore[arg-type]
+
+    assert scheduler.unfit() is None  # the installed vLLM
+    assert args()["scheduler_cls"] == SCHEDULER
+    assert "scheduler_cls" not in args(logprobs_at_end=False)
+    mine = {"scheduler_cls": "my.Scheduler"}
+    assert args(extra_engine_args=mine)["scheduler_cls"] == "my.Scheduler"
+
+    monkeypatch.setattr(scheduler.Scheduler, "finish_requests", lambda self, request_ids: [])
+    assert "finish_requests takes (request_ids), not (request_ids, finished_status)" in str(
+        scheduler.unfit()
+    )
+    with pytest.raises(ConfigError, match="logprobs_at_end = false"):
+        args()
+    assert "scheduler_cls" not in args(logprobs_at_end=False)

@@ -123,6 +123,26 @@ def _versions(spans: Any, n: int) -> np.ndarray:
     return out if covered == n and n else np.zeros(0, np.int32)
 
 
+def _check_scheduler() -> None:
+    """Refuse ``logprobs_at_end`` on a vLLM whose scheduler the overrides do not fit.
+
+    Raises:
+        ConfigError: what is missing, and the option that turns the overrides off.
+    """
+    try:
+        from .scheduler import unfit
+
+        problem = unfit()
+    except ImportError as exc:
+        problem = f"cannot import vLLM's scheduler ({exc})"
+    if problem is not None:
+        raise ConfigError(
+            f"generator.options.logprobs_at_end: {problem}, so asyncrl's scheduler cannot run "
+            "on this vLLM. Fix: set generator.options.logprobs_at_end = false (vLLM's own "
+            "scheduler; logprobs then travel every step)"
+        )
+
+
 def _check_request(request: GenRequest, llm: Any) -> None:
     """Refuse a request the engine cannot serve as asked.
 
@@ -258,6 +278,7 @@ class VLLMBackend(EngineWeights):
             disable_log_stats=True,
         )
         if o.logprobs_at_end:
+            _check_scheduler()
             args["scheduler_cls"] = SCHEDULER
         if not cuda:
             args["enable_chunked_prefill"] = False

@@ -25,20 +25,59 @@ vLLM calls its scheduler interface not public; this subclasses ``Scheduler`` and
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import LogprobsLists
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 
 from .logprob_rows import HeldRows, Rows, StepColumns
 
-__all__ = ["MAX_HELD_LOGPROBS", "HeldLogprobsScheduler"]
+__all__ = ["MAX_HELD_LOGPROBS", "HeldLogprobsScheduler", "unfit"]
 
 MAX_HELD_LOGPROBS = 20
 """Held requests ask for at most this many top logprobs per token (OpenAI's ``top_logprobs``
 limit); more are sent per step (a row of the whole vocabulary is no thing to keep in lists)."""
+
+
+_OVERRIDDEN = {
+    "add_request": ["request"],
+    "finish_requests": ["request_ids", "finished_status"],
+    "update_from_output": ["scheduler_output", "model_runner_output"],
+}
+_FIELDS = [
+    (ModelRunnerOutput, "ModelRunnerOutput", ("logprobs", "req_id_to_index")),
+    (EngineCoreOutput, "EngineCoreOutput", ("request_id", "new_token_ids", "new_logprobs",
+                                            "finish_reason")),
+    (LogprobsLists, "LogprobsLists", ("logprob_token_ids", "logprobs", "sampled_token_ranks",
+                                      "cu_num_generated_tokens")),
+]  # fmt: skip
+
+
+def unfit() -> str | None:
+    """What of vLLM's scheduler interface this vLLM lacks for the overrides here (``None``:
+    nothing; checked in the front end before the engine starts, so that a vLLM that moved
+    them fails with a message and not deep inside the engine core)."""
+    for name, params in _OVERRIDDEN.items():
+        method = getattr(Scheduler, name, None)
+        if method is None:
+            return f"vllm.v1.core.sched.scheduler.Scheduler has no {name}()"
+        got = list(inspect.signature(method).parameters)[1 : 1 + len(params)]
+        if got != params:
+            return f"Scheduler.{name} takes ({', '.join(got)}), not ({', '.join(params)})"
+    for cls, label, names in _FIELDS:
+        have = (
+            {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
+            else set(getattr(cls, "__struct_fields__", ()) or getattr(cls, "_fields", ()))
+        )  # fmt: skip
+        missing = [n for n in names if n not in have]
+        if missing:
+            return f"vLLM's {label} has no {', '.join(missing)}"
+    return None
 
 
 def _logprobs_lists(rows: Rows | None) -> LogprobsLists | None:
