@@ -47,6 +47,7 @@ class _Checks(_HoldsLogprobs):
                 self._compare(rid, out.new_logprobs)
             out.new_logprobs = vllms  # the front end gets vLLM's own, as always
         self._tally["held_now"] = len(self._held)
+        self._tally["streamed_now"] = len(self._streamed)
         path = os.environ["ASYNCRL_HELD_CHECK"]
         with open(path + ".tmp", "w") as f:
             json.dump(self._tally, f)

@@ -108,3 +108,145 @@ def test_a_sample_cut_short_keeps_the_tokens_that_have_logprobs() -> None:
     assert s.token_ids.tolist() == [5, 6]
     with pytest.raises(RuntimeError, match="2 logprobs for 3 tokens"):
         _sample(completion([5, 6, 7], [-0.5, -1.0], "length"))
+
+
+# --------------------------------------------------------------------------- the scheduler
+class FakeVLLMScheduler:
+    """A test double of vLLM's ``Scheduler``: the three methods the held-logprobs mix-in
+    overrides, with vLLM's rules (a request that wants logprobs gets ``len(new_token_ids)``
+    rows of the step's ``LogprobsLists`` from its index; finished requests leave
+    ``requests``). ``scheduler_output`` is the script of a step: request id -> (tokens,
+    finishes)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, object] = {}
+
+    def add_request(self, request) -> None:
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids, finished_status) -> list:
+        return [self.requests.pop(r) for r in request_ids if r in self.requests]
+
+    def update_from_output(self, scheduler_output, model_runner_output) -> dict:
+        from vllm.v1.engine import EngineCoreOutput
+
+        lists, outs = model_runner_output.logprobs, []
+        for rid, (n, finishes) in scheduler_output.items():
+            request = self.requests.get(rid)
+            if request is None or (n == 0 and not finishes):
+                continue  # gone, or a partial prefill: no output
+            i = model_runner_output.req_id_to_index[rid]
+            wants = request.sampling_params.num_logprobs is not None and lists is not None
+            outs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=list(range(n)),
+                new_logprobs=lists.slice_request(i, n) if wants else None,
+                finish_reason=1 if finishes else None,
+            ))  # fmt: skip
+            if finishes:
+                del self.requests[rid]
+        return {0: SimpleNamespace(outputs=outs)}
+
+
+def script(seed: int):
+    """40 steps of requests of every shape (held: final-only with 0-2 top logprobs; streamed:
+    DELTA, or more than 20 top logprobs; none), each scheduled now and then for 0-2 tokens,
+    ending or aborted at random; a step's logprobs as wide as its widest request."""
+    from vllm.sampling_params import RequestOutputKind as Kind
+    from vllm.v1.outputs import LogprobsLists
+
+    rng = np.random.default_rng(seed)
+    shapes = [(Kind.FINAL_ONLY, 0), (Kind.FINAL_ONLY, 2), (Kind.DELTA, 0), (Kind.DELTA, 1),
+              (Kind.FINAL_ONLY, None), (Kind.FINAL_ONLY, 30)]  # fmt: skip
+    live: dict[str, int | None] = {}
+    for step in range(40):
+        added = []
+        for _ in range(rng.integers(0, 3)):
+            kind, k = shapes[int(rng.integers(len(shapes)))]
+            rid = f"r{step}-{len(added)}"
+            live[rid] = k
+            added.append(SimpleNamespace(request_id=rid, sampling_params=SimpleNamespace(
+                num_logprobs=k, output_kind=kind)))  # fmt: skip
+        plan = {rid: (int(rng.integers(0, 3)), bool(rng.random() < 0.15))
+                for rid in live if rng.random() < 0.8}  # fmt: skip
+        abort = [rid for rid in live if rid not in plan and rng.random() < 0.05]
+        rows = sum(n for n, _ in plan.values())
+        width = 1 + max([k for k in (live[r] for r in plan) if k is not None], default=0)
+        ids, lps, ranks = step_arrays(rng, rows, width)
+        cu = np.cumsum([0] + [n for n, _ in plan.values()])[:-1].tolist()
+        mro = SimpleNamespace(
+            logprobs=LogprobsLists(ids, lps, ranks, cu) if rows else None,
+            req_id_to_index={rid: i for i, rid in enumerate(plan)},
+        )  # fmt: skip
+        for rid, (_, finishes) in plan.items():
+            if finishes:
+                del live[rid]
+        for rid in abort:
+            del live[rid]
+        yield added, plan, mro, abort
+
+
+def delivered(scheduler, seed: int) -> tuple[dict, dict]:
+    """Run ``script(seed)`` through ``scheduler``: per request, the rows the front end gets
+    (token ids, logprobs cut to its width, ranks; as vLLM's front end cuts them) and at which
+    steps they came."""
+    got: dict[str, list] = {}
+    when: dict[str, list[int]] = {}
+    width: dict[str, int] = {}
+    for step, (added, plan, mro, abort) in enumerate(script(seed)):
+        for request in added:
+            scheduler.add_request(request)
+            if request.sampling_params.num_logprobs is not None:
+                width[request.request_id] = request.sampling_params.num_logprobs + 1
+        outputs = scheduler.update_from_output(plan, mro)
+        scheduler.finish_requests(abort, "aborted")
+        for out in outputs[0].outputs:
+            lists = out.new_logprobs
+            if lists is not None and len(lists.sampled_token_ranks):
+                w = width[out.request_id]
+                got.setdefault(out.request_id, []).append(
+                    (lists.logprob_token_ids[:, :w], lists.logprobs[:, :w],
+                     lists.sampled_token_ranks))  # fmt: skip
+                when.setdefault(out.request_id, []).append(step)
+        held = getattr(scheduler, "_held", None)
+        if held is not None:  # never more than vLLM holds
+            assert len(held) + len(scheduler._streamed) <= len(scheduler.requests)
+    flat = {rid: tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+            for rid, parts in got.items()}  # fmt: skip
+    return flat, when
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_scheduler_delivers_what_vllm_would_only_later(seed: int) -> None:
+    """The real mix-in over a test double of vLLM's scheduler, against the double alone on
+    the same script: every request ends up with the same rows, bit for bit; streamed ones at
+    the same steps, held ones all at once with their last output; an aborted held request
+    gets none; nothing stays held."""
+    from asyncrl_vllm.scheduler import MAX_HELD_LOGPROBS, _HoldsLogprobs
+
+    class Held(_HoldsLogprobs, FakeVLLMScheduler):
+        pass
+
+    vllm_rows, vllm_when = delivered(FakeVLLMScheduler(), seed)
+    held = Held()
+    rows, when = delivered(held, seed)
+    finals = {rid for rid, steps in when.items() if len(steps) == 1}
+    requests = {r.request_id: r for added, *_ in script(seed) for r in added}
+    for rid, ref in vllm_rows.items():
+        params = requests[rid].sampling_params
+        is_held = params.output_kind.name == "FINAL_ONLY" and params.num_logprobs <= MAX_HELD_LOGPROBS
+        if rid not in rows:  # a held request aborted before its end
+            assert is_held, rid
+            continue
+        for k in range(3):
+            np.testing.assert_array_equal(rows[rid][k], ref[k])
+        if is_held:
+            assert rid in finals and when[rid][0] >= vllm_when[rid][-1]
+        else:
+            assert when[rid] == vllm_when[rid]
+    assert set(rows) <= set(vllm_rows)
+    # what is still held or streamed is exactly the requests still running
+    running = [requests[rid].sampling_params for rid in held.requests]
+    kept = [p for p in running if p.num_logprobs is not None]
+    assert len(held._held) == sum(p.output_kind.name == "FINAL_ONLY"
+                                  and p.num_logprobs <= MAX_HELD_LOGPROBS for p in kept)
+    assert len(held._held) + len(held._streamed) == len(kept)

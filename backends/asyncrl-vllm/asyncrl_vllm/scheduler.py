@@ -121,8 +121,14 @@ class _HoldsLogprobs:
         return finished
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
-        if not len(self._held):
-            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if not len(self._held):  # vLLM's update as it is; only forget streamed ones that end
+            outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+            if self._streamed:
+                for batch in outputs.values():
+                    for out in batch.outputs:
+                        if out.finish_reason is not None:
+                            self._streamed.discard(out.request_id)
+            return outputs
         lists = model_runner_output.logprobs
         model_runner_output.logprobs = None  # vLLM would slice it for every request
         try:
@@ -130,7 +136,7 @@ class _HoldsLogprobs:
         finally:
             model_runner_output.logprobs = lists
         self._route(outputs, lists, model_runner_output.req_id_to_index)
-        if len(self._held) > len(self.requests):  # a request left by a path not seen here
+        if len(self._held) + len(self._streamed) > len(self.requests):  # left unseen
             self._held.keep_only(self.requests)
             self._streamed.intersection_update(self.requests)
         return outputs
