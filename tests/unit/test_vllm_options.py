@@ -205,23 +205,29 @@ def test_context_length_is_checked_before_any_engine_starts(tmp_path) -> None:
         check_config(config(enforce_eagr=True), max_prompt_tokens=1)
 
 
-def test_the_cpu_build_starts_without_chunked_prefill_unless_asked(tmp_path, model_dir) -> None:
-    """vLLM 0.32's CPU sampler crashes on a chunked prefill of a seeded request (every
-    request here is seeded): the CPU engine starts with chunked prefill off; on a GPU it is
-    left to vLLM; ``extra_engine_args`` still win."""
+def engine_args(tmp_path, model_dir, cuda: bool, **options: object) -> dict:
+    """The vLLM engine arguments the backend builds from ``options`` (no engine started)."""
     from types import SimpleNamespace
 
     from asyncrl.config import from_dict
     from asyncrl_vllm.backend import VLLMBackend
 
+    config = from_dict({
+        "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
+        "run": {"output_dir": str(tmp_path / "out")}, "trainer": {"backend": "bigram"},
+        "generator": {"backend": "vllm", "options": options},
+    })  # fmt: skip
+    ctx = SimpleNamespace(config=config, rank=0, group="rollout", gpu=None)
+    return VLLMBackend(ctx)._engine_args(cuda)  # type: ignore[arg-type]
+
+
+def test_the_cpu_build_starts_without_chunked_prefill_unless_asked(tmp_path, model_dir) -> None:
+    """vLLM 0.32's CPU sampler crashes on a chunked prefill of a seeded request (every
+    request here is seeded): the CPU engine starts with chunked prefill off; on a GPU it is
+    left to vLLM; ``extra_engine_args`` still win."""
+
     def args(cuda: bool, **options: object) -> dict:
-        config = from_dict({
-            "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
-            "run": {"output_dir": str(tmp_path / "out")}, "trainer": {"backend": "bigram"},
-            "generator": {"backend": "vllm", "options": options},
-        })  # fmt: skip
-        ctx = SimpleNamespace(config=config, rank=0, group="rollout", gpu=None)
-        return VLLMBackend(ctx)._engine_args(cuda)  # type: ignore[arg-type]
+        return engine_args(tmp_path, model_dir, cuda, **options)
 
     assert args(cuda=False)["enable_chunked_prefill"] is False
     assert "enable_chunked_prefill" not in args(cuda=True)
@@ -232,20 +238,11 @@ def test_the_cpu_build_starts_without_chunked_prefill_unless_asked(tmp_path, mod
 def test_held_logprobs_need_a_vllm_scheduler_they_fit(tmp_path, model_dir, monkeypatch) -> None:
     """``logprobs_at_end`` (default) names asyncrl's scheduler, after checking that vLLM's
     has what it overrides; a vLLM that moved it is refused before any engine starts."""
-    from types import SimpleNamespace
-
-    from asyncrl.config import from_dict
     from asyncrl_vllm import scheduler
-    from asyncrl_vllm.backend import SCHEDULER, VLLMBackend
+    from asyncrl_vllm.backend import SCHEDULER
 
     def args(**options: object) -> dict:
-        config = from_dict({
-            "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
-            "run": {"output_dir": str(tmp_path / "out")}, "trainer": {"backend": "bigram"},
-            "generator": {"backend": "vllm", "options": options},
-        })  # fmt: skip
-        ctx = SimpleNamespace(config=config, rank=0, group="rollout", gpu=None)
-        return VLLMBackend(ctx)._engine_args(False)  # type: ignore[arg-type]
+        return engine_args(tmp_path, model_dir, False, **options)
 
     assert scheduler.unfit() is None  # the installed vLLM
     assert args()["scheduler_cls"] == SCHEDULER
