@@ -17,9 +17,10 @@ all; below: two rounds of 4 K samples in groups of min(samples, K), at least 2, 
 smallest group, so K = 1 runs as 2), run
 
 - *vLLM alone*: one ``AsyncLLM`` in this process, the engine arguments asyncrl's vLLM backend
-  gives it, one request per sample shaped as the backend shapes it (seed per sample,
-  ``logprobs=0``, no detokenizing, final output only), at most K at once, each round run to
-  its end before the next;
+  gives it (but vLLM's own scheduler, not asyncrl's ``logprobs_at_end`` one), one request
+  per sample shaped as the backend shapes it (seed per sample, ``logprobs=0``, no
+  detokenizing, final output only), at most K at once, each round run to its end before the
+  next;
 - *through asyncrl*: ``asyncrl.Controller`` with its processes (controller, one rollout worker
   with the same engine, one trainer rank of the ``frozen`` backend, which serves the
   checkpoint and makes no update), the ``dataset`` environment scoring every sample, sync
@@ -33,8 +34,9 @@ the spans (dispatch, the return path, gaps), scoring (the controller's threads) 
 between steps.
 
 **options**: vLLM alone at ``--options-in-flight`` requests (default all), one row per request
-shape or engine option (``OPTIONS``), against the shape asyncrl sends: tokens/s, the ratio to
-that shape, GPU busy.
+shape or engine option (``OPTIONS``; ``--rows`` picks some), against the shape asyncrl sends:
+tokens/s (the median of ``--option-repeats`` runs, interleaved on each engine), the ratio to
+that shape, GPU busy. ``benchmarks/gpu/profile_generation.sh`` runs it under py-spy.
 
 ``--tuned KEY=VALUE,...`` adds a third column to *side*: asyncrl with those
 ``generator.options`` (e.g. ``max_num_seqs=512``). Results print as markdown and go to
