@@ -17,7 +17,9 @@ This is the engine core's and the front end's CPU time only; what it is worth en
 from __future__ import annotations
 
 import argparse
+import platform
 import time
+from pathlib import Path
 
 import numpy as np
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -25,6 +27,7 @@ from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from asyncrl_vllm.logprob_rows import HeldRows, StepColumns
+from results_file import write_results  # benchmarks/, beside this script
 
 
 def step_lists(rng: np.random.Generator, batch: int) -> LogprobsLists:
@@ -69,12 +72,24 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256, help="tokens per request")
     parser.add_argument("--steps", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--machine", default="", help="keep the figures as results/<...>-MACHINE")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     print(f"{'batch':>6} {'mode':>9} {'ms/step':>8} {'us/token':>9}  (best of {args.repeats})")
+    rows = []
     for batch in args.batch:
         for mode in ("none", "per step", "held"):
             best = min(measure(mode, batch, args.length, args.steps) for _ in range(args.repeats))
+            rows.append({"batch": batch, "mode": mode, "ms_per_step": best * 1e3,
+                         "us_per_token": best / batch * 1e6})  # fmt: skip
             print(f"{batch:>6} {mode:>9} {best * 1e3:>8.3f} {best / batch * 1e6:>9.2f}", flush=True)
+    import vllm
+
+    write_results({"rows": rows, "length": args.length, "steps": args.steps,
+                   "repeats": args.repeats, "vllm": vllm.__version__,
+                   "cpu": platform.processor() or platform.machine(),
+                   "date": time.strftime("%Y-%m-%d")}, "logprob-wire", args.out,
+                  args.machine)  # fmt: skip
 
 
 if __name__ == "__main__":
