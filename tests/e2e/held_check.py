@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl_vllm.scheduler import _HeldAsync, _HeldSync, _HoldsLogprobs
+from asyncrl_vllm.scheduler import HeldLogprobsScheduler, _HeldAsync, _HeldSync, _HoldsLogprobs
 
 
 class _Checks(_HoldsLogprobs):
@@ -83,10 +83,8 @@ class _CheckAsync(_Checks, _HeldAsync):
     pass
 
 
-class CheckingScheduler:
+class CheckingScheduler(HeldLogprobsScheduler):
     """``scheduler_cls``: the checking scheduler on vLLM's sync or async base."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-        config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-        base = _CheckAsync if config.scheduler_config.async_scheduling else _CheckSync
-        return base(*args, **kwargs)
+    sync = _CheckSync
+    asynchronous = _CheckAsync

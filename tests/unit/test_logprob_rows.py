@@ -208,8 +208,13 @@ def delivered(scheduler, seed: int) -> tuple[dict, dict]:
                      lists.sampled_token_ranks))  # fmt: skip
                 when.setdefault(out.request_id, []).append(step)
         held = getattr(scheduler, "_held", None)
-        if held is not None:  # never more than vLLM holds
+        if held is not None:  # after every step: exactly the running requests that want logprobs
             assert len(held) + len(scheduler._streamed) <= len(scheduler.requests)
+            running = [r for r in scheduler.requests.values()
+                       if r.sampling_params.num_logprobs is not None]  # fmt: skip
+            held_ids = [r.request_id for r in running if r.request_id in held]
+            assert len(held_ids) == len(held)
+            assert scheduler._streamed == {r.request_id for r in running} - set(held_ids)
     flat = {rid: tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
             for rid, parts in got.items()}  # fmt: skip
     return flat, when

@@ -121,21 +121,16 @@ class _HoldsLogprobs:
         return finished
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
-        if not len(self._held):  # vLLM's update as it is; only forget streamed ones that end
-            outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-            if self._streamed:
-                for batch in outputs.values():
-                    for out in batch.outputs:
-                        if out.finish_reason is not None:
-                            self._streamed.discard(out.request_id)
-            return outputs
+        held = len(self._held) > 0
         lists = model_runner_output.logprobs
-        model_runner_output.logprobs = None  # vLLM would slice it for every request
+        if held:
+            model_runner_output.logprobs = None  # vLLM would slice it for every request
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         finally:
             model_runner_output.logprobs = lists
-        self._route(outputs, lists, model_runner_output.req_id_to_index)
+        if held or self._streamed:  # nothing held: vLLM sliced them all, only forget the ended
+            self._route(outputs, lists if held else None, model_runner_output.req_id_to_index)
         if len(self._held) + len(self._streamed) > len(self.requests):  # left unseen
             self._held.keep_only(self.requests)
             self._streamed.intersection_update(self.requests)
@@ -143,7 +138,8 @@ class _HoldsLogprobs:
 
     def _route(self, outputs: dict, lists: LogprobsLists | None, index: dict[str, int]) -> None:
         """Each output's logprobs: a held request's rows are kept (all of them go with its
-        last output); another request's are sliced from ``lists`` as vLLM slices them."""
+        last output); another request's are sliced from ``lists`` as vLLM slices them
+        (``lists`` ``None``: vLLM did). Requests that end are forgotten."""
         step: StepColumns | None = None
         cu = lists.cu_num_generated_tokens if lists is not None else None
         for batch in outputs.values():
@@ -175,9 +171,14 @@ class _HeldAsync(_HoldsLogprobs, AsyncScheduler):
 
 class HeldLogprobsScheduler:
     """What ``scheduler_cls`` names: builds vLLM's ``AsyncScheduler`` or ``Scheduler`` (as
-    the engine's ``async_scheduling`` says) with the held-logprobs overrides."""
+    the engine's ``async_scheduling`` says) with the held-logprobs overrides. A subclass
+    that names other ``sync``/``asynchronous`` classes builds those instead."""
+
+    sync: type = _HeldSync
+    asynchronous: type = _HeldAsync
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-        base = _HeldAsync if config.scheduler_config.async_scheduling else _HeldSync
-        return base(*args, **kwargs)
+        return (cls.asynchronous if config.scheduler_config.async_scheduling else cls.sync)(
+            *args, **kwargs
+        )
