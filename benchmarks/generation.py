@@ -36,7 +36,7 @@ between steps.
 **options**: vLLM alone at ``--options-in-flight`` requests (default all), one row per request
 shape or engine option (``OPTIONS``; ``--rows`` picks some), against the shape asyncrl sends:
 tokens/s (the median of ``--option-repeats`` runs, interleaved on each engine), the ratio to
-that shape, GPU busy. ``benchmarks/gpu/profile_generation.sh`` runs it under py-spy.
+that shape, GPU busy over all the row's runs. ``benchmarks/gpu/profile_generation.sh`` runs it under py-spy.
 
 ``--tuned KEY=VALUE,...`` adds a third column to *side*: asyncrl with those
 ``generator.options`` (e.g. ``max_num_seqs=512``). Results print as markdown and go to
@@ -64,6 +64,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+from asyncrl_vllm.backend import SCHEDULER
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 2
@@ -81,7 +82,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "n per prompt, no seed": {"n_per_prompt": True, "seed": None},
     "output kind DELTA (streamed)": {"output_kind": "DELTA"},
     "logprobs at the end (asyncrl's scheduler, its default)": {
-        "engine": {"scheduler_cls": "asyncrl_vllm.scheduler.HeldLogprobsScheduler"}
+        "engine": {"scheduler_cls": SCHEDULER}
     },
     "async scheduling off": {"engine": {"async_scheduling": False}},
     "max_num_seqs 256, 8,192 batched tokens": {
@@ -497,6 +498,7 @@ async def part_options(
         async with standalone(work / "model", options) as llm:
             await warm_up(llm, args, prompts)
             mine = {name: {"option": name, "runs": []} for name in names}
+            spans: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
             rows.extend(mine.values())
             for r in range(args.option_repeats):  # interleaved: drift hits every row alike
                 for name in names:
@@ -507,12 +509,13 @@ async def part_options(
                     )  # fmt: skip
                     row = mine[name]
                     row["runs"].append(tokens / seconds)
+                    spans[name].append((start, start + seconds))
                     row.update(tokens=tokens, seconds=seconds, tok_s=median(row["runs"]),
-                               gpu_busy=busy.mean_over([(start, start + seconds)]))  # fmt: skip
+                               gpu_busy=busy.mean_over(spans[name]))  # fmt: skip
                     row["vs_asyncrl_shape"] = row["tok_s"] / rows[0]["tok_s"]
                     keep()
                     print(f"  {name} (run {r + 1}): {tokens / seconds:,.0f} tok/s, GPU busy "
-                          f"{pct(row['gpu_busy'])}", flush=True)  # fmt: skip
+                          f"{pct(busy.mean_over(spans[name][-1:]))}", flush=True)  # fmt: skip
 
 
 def selected(words: str) -> dict[str, dict[str, Any]]:
