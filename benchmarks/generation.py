@@ -269,7 +269,7 @@ async def standalone(model: Path, options: dict[str, Any]) -> AsyncIterator[Any]
 
 
 def sampling_params(max_tokens: int, change: dict[str, Any], seed: int | None, n: int = 1) -> Any:
-    """The request asyncrl's backend sends for one sample (asyncrl_vllm.backend._sampling_params),
+    """The request asyncrl's backend sends for one sample (asyncrl_vllm.engine_io.sampling_params),
     with ``change`` applied."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind

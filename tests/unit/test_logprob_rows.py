@@ -1,6 +1,6 @@
 """The engine core's held logprob rows (asyncrl_vllm.logprob_rows), driven through random
 steps against numpy slicing of the same arrays, and the backend's rule for samples cut
-short (asyncrl_vllm.backend._sample)."""
+short (asyncrl_vllm.engine_io.sample_of)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl_vllm.backend import _sample
+from asyncrl_vllm.engine_io import sample_of
 from asyncrl_vllm.logprob_rows import HeldRows, StepColumns
 
 
@@ -100,14 +100,14 @@ def completion(tokens: list[int], logprobs: list[float], reason: str | None):
 def test_a_sample_cut_short_keeps_the_tokens_that_have_logprobs() -> None:
     """An abort answered by the front end before the held logprobs came: no tokens. One that
     ran to its end with logprobs missing is an engine fault, not a thing to paper over."""
-    s = _sample(completion([5, 6, 7], [], "abort"))
+    s = sample_of(completion([5, 6, 7], [], "abort"))
     assert s.finish_reason == "abort" and len(s.token_ids) == len(s.logprobs) == 0
-    s = _sample(completion([5, 6, 7], [-0.5, -1.0], "error"))
+    s = sample_of(completion([5, 6, 7], [-0.5, -1.0], "error"))
     assert s.token_ids.tolist() == [5, 6] and s.logprobs.tolist() == [-0.5, -1.0]
-    s = _sample(completion([5, 6], [-0.5, -1.0], "stop"))
+    s = sample_of(completion([5, 6], [-0.5, -1.0], "stop"))
     assert s.token_ids.tolist() == [5, 6]
     with pytest.raises(RuntimeError, match="2 logprobs for 3 tokens"):
-        _sample(completion([5, 6, 7], [-0.5, -1.0], "length"))
+        sample_of(completion([5, 6, 7], [-0.5, -1.0], "length"))
 
 
 # --------------------------------------------------------------------------- the scheduler

@@ -60,20 +60,20 @@ def test_versions_cross_the_wire_and_an_older_peer_sends_none() -> None:
 
 
 def test_the_vllm_spans_become_one_version_per_token() -> None:
-    from asyncrl_vllm.backend import _versions
+    from asyncrl_vllm.engine_io import versions_of
 
     def span(version: str, start: int, end: int) -> SimpleNamespace:
         return SimpleNamespace(version=version, start=start, end=end)
 
-    assert _versions([span("3", 0, 2), span("4", 2, 5)], 5).tolist() == [3, 3, 4, 4, 4]
-    assert _versions([span("7", 0, 3)], 3).tolist() == [7, 7, 7]
+    assert versions_of([span("3", 0, 2), span("4", 2, 5)], 5).tolist() == [3, 3, 4, 4, 4]
+    assert versions_of([span("7", 0, 3)], 3).tolist() == [7, 7, 7]
     for bad in (
         None,  # vLLM before 0.32: no spans
         [span("default", 0, 3)],  # not labelled by us
         [span("1", 0, 2)],  # does not cover every token
         [span("1", 0, 1), span("2", 2, 3)],  # a gap
     ):
-        assert _versions(bad, 3).size == 0, bad
+        assert versions_of(bad, 3).size == 0, bad
 
 
 def test_a_sample_trains_the_versions_of_its_generated_tokens_only() -> None:

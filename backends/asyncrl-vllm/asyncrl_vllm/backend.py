@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 
 from asyncrl.backend import SampleSink, WorkerContext
-from asyncrl.errors import ConfigError, EngineDeadError, RequestError, flatten
+from asyncrl.errors import ConfigError, EngineDeadError, flatten
 from asyncrl.wire.messages import GenRequest, Sample, TokenBatch
 from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 
@@ -38,6 +38,7 @@ from .processes import TORCHRUN_VARS, environ, gpu_first, mapped_shm, unlink_shm
 from .death import UNNAMED, EngineDeath, Probe
 from .reaper import Reaper
 from .refit import EngineWeights, _Update
+from .engine_io import check_request, engine_prompt, sample_of, sampling_params
 from .scoring import response_logprobs, split_batch
 
 __all__ = ["VLLMBackend"]
@@ -47,8 +48,6 @@ log = structlog.get_logger("asyncrl_vllm.backend")
 EXTENSION = "asyncrl_vllm.ext.AsyncRLWorkerExtension"
 SCHEDULER = "asyncrl_vllm.scheduler.HeldLogprobsScheduler"
 """``scheduler_cls`` with ``logprobs_at_end`` (the default)."""
-CUT_SHORT = frozenset({"abort", "error"})
-"""vLLM's finish reasons of a request that did not run to its end."""
 DEATH_VERDICT_S = 1.0
 """How long a request failed by a dying engine waits for :meth:`VLLMBackend.watch` to name the
 dead process. The watch fired 0.05-0.11 s after a SIGKILL in the fault tests (2 cores)."""
@@ -77,52 +76,6 @@ def _model_facts(path: str) -> tuple[list[int], int | None, bool]:
     return eos, vocab, tied
 
 
-def _tokens(ids: list[int]) -> dict[str, Any]:
-    # An engine input ("type": "token") rather than a raw prompt: no tokenizer is loaded
-    # (skip_tokenizer_init) and vLLM 0.32 deprecates raw prompts.
-    return {"type": "token", "prompt_token_ids": [int(t) for t in ids]}
-
-
-def _sample(completion: Any) -> Sample:
-    """A finished vLLM completion as a :class:`Sample`. A request cut short (aborted, or
-    failed in the engine) keeps only the tokens that came with logprobs: the engine core
-    sends a final-only request's logprobs with its last output (:mod:`asyncrl_vllm.scheduler`),
-    and an abort is answered by vLLM's front end from what it has."""
-    tokens = np.asarray(completion.token_ids, dtype=np.int32)
-    lps = completion.logprobs
-    reason = str(completion.finish_reason or "abort")
-    if lps is None or len(tokens) == 0:
-        values = np.zeros(0, np.float32)
-    elif hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token comes first
-        values = np.asarray(lps.logprobs, np.float32)[np.asarray(lps.start_indices, np.int64)]
-    else:
-        values = np.asarray(
-            [pos[int(t)].logprob for t, pos in zip(tokens, lps, strict=False)], dtype=np.float32
-        )
-    versions = _versions(getattr(completion, "weight_versions", None), len(tokens))
-    if reason in CUT_SHORT and len(values) < len(tokens):
-        tokens, versions = tokens[: len(values)], versions[: len(values)]
-    if len(values) != len(tokens):
-        raise RuntimeError(f"vLLM returned {len(values)} logprobs for {len(tokens)} tokens")
-    return Sample(tokens, values, reason, versions)
-
-
-def _versions(spans: Any, n: int) -> np.ndarray:
-    """The weight version of each of ``n`` tokens from vLLM's spans (0.32+: ``[start, end)``
-    sampled by weights labelled ``version``; the backend labels each refit's version, see
-    ``finish_weight_update``). Empty when vLLM reports none or a label is not ours: the
-    controller then counts every token at the version it sent the request at."""
-    out = np.empty(n, np.int32)
-    covered = 0
-    for span in spans or ():
-        label = str(span.version)
-        if not label.isdigit() or span.start != covered or not covered <= span.end <= n:
-            return np.zeros(0, np.int32)
-        out[span.start : span.end] = int(label)
-        covered = span.end
-    return out if covered == n and n else np.zeros(0, np.int32)
-
-
 def _check_scheduler() -> None:
     """Refuse ``logprobs_at_end`` on a vLLM whose scheduler the overrides do not fit.
 
@@ -141,52 +94,6 @@ def _check_scheduler() -> None:
             "on this vLLM. Fix: set generator.options.logprobs_at_end = false (vLLM's own "
             "scheduler; logprobs then travel every step)"
         )
-
-
-def _check_request(request: GenRequest, llm: Any) -> None:
-    """Refuse a request the engine cannot serve as asked.
-
-    Raises:
-        RequestError: an empty prompt, ``n`` or ``max_tokens`` below 1, a prompt plus
-            ``max_tokens`` longer than the engine's context, or a temperature that is not
-            positive on a sampled (not greedy) request.
-    """
-    if not request.prompt_ids:
-        raise RequestError(f"group {request.group_id}: empty prompt")
-    if request.n < 1 or request.max_tokens < 1:
-        raise RequestError(f"group {request.group_id}: n and max_tokens must be >= 1")
-    context = int(llm.model_config.max_model_len)
-    if len(request.prompt_ids) + request.max_tokens > context:
-        raise RequestError(
-            f"group {request.group_id}: a prompt of {len(request.prompt_ids)} tokens plus "
-            f"{request.max_tokens} new ones exceeds the context of {context} tokens"
-        )
-    if not request.greedy and not request.temperature > 0:
-        raise RequestError(
-            f"group {request.group_id}: temperature must be > 0 (or set greedy), "
-            f"got {request.temperature}"
-        )
-
-
-def _sampling_params(request: GenRequest, i: int, eos: list[int]) -> Any:
-    """vLLM's ``SamplingParams`` for sample ``i`` of ``request``: seed ``seed + i``, the
-    sampled tokens' logprobs (flat), stop at ``eos``, only the final output."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        n=1,
-        temperature=0.0 if request.greedy else request.temperature,
-        top_p=1.0,
-        top_k=0,
-        max_tokens=request.max_tokens,
-        logprobs=0,
-        seed=None if request.seed is None else (request.seed + i) & 0x7FFFFFFF,
-        detokenize=False,
-        stop_token_ids=list(eos),
-        flat_logprobs=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
 
 
 class VLLMBackend(EngineWeights):
@@ -473,12 +380,12 @@ class VLLMBackend(EngineWeights):
 
         Raises:
             RequestError: the engine cannot serve the request as asked (see
-                :func:`_check_request`).
+                :func:`~asyncrl_vllm.engine_io.check_request`).
 
         Cancellation: vLLM aborts the requests in the engine; the cancellation propagates.
         """
         llm = self._require()
-        _check_request(request, llm)
+        check_request(request, llm)
         prompt = self._prompt(request.prompt_ids)
 
         async def run(i: int) -> None:
@@ -509,7 +416,7 @@ class VLLMBackend(EngineWeights):
         Cancellation: vLLM aborts the request in the engine; the cancellation propagates.
         """
         rid = f"{request.group_id}/{i}"
-        params = _sampling_params(request, i, self._eos)
+        params = sampling_params(request, i, self._eos)
         final = None
         self._requests.setdefault(request.group_id, set()).add(rid)
         try:
@@ -528,7 +435,7 @@ class VLLMBackend(EngineWeights):
             if aborted:  # aborted before vLLM produced anything
                 return Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort")
             raise RuntimeError(f"group {request.group_id}: vLLM returned no output for {rid}")
-        return _sample(final.outputs[0])
+        return sample_of(final.outputs[0])
 
     @contextlib.asynccontextmanager
     async def _engine_errors(self) -> AsyncIterator[None]:
@@ -628,7 +535,7 @@ class VLLMBackend(EngineWeights):
 
     def _prompt(self, ids: list[int]) -> dict[str, Any]:
         """An engine input for ``ids``, salted with the weight version in ``salt`` mode."""
-        prompt = _tokens(ids)
+        prompt = engine_prompt(ids)
         if self._salt is not None:
             prompt["cache_salt"] = self._salt
         return prompt

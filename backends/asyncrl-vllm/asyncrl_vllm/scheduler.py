@@ -15,7 +15,7 @@ Which requests: those with ``output_kind == FINAL_ONLY`` and 0 to :data:`MAX_HEL
 logprobs. Every other request with logprobs (streamed output, or many logprobs per token)
 gets them per step, sliced here exactly as vLLM slices them. A held request that is
 aborted (or fails) ends without logprobs: vLLM's front end answers an abort itself, from
-what it has; :func:`asyncrl_vllm.backend._sample` cuts such a sample to the tokens that have
+what it has; :func:`asyncrl_vllm.engine_io.sample_of` cuts such a sample to the tokens that have
 logprobs.
 
 vLLM calls its scheduler interface not public; this subclasses ``Scheduler`` and
