@@ -17,18 +17,19 @@ all; below: two rounds of 4 K samples in groups of min(samples, K), at least 2, 
 smallest group, so K = 1 runs as 2), run
 
 - *vLLM alone*: one ``AsyncLLM`` in this process, the engine arguments asyncrl's vLLM backend
-  gives it (but vLLM's own scheduler, not asyncrl's ``logprobs_at_end`` one), one request
-  per sample shaped as the backend shapes it (seed per sample, ``logprobs=0``, no
-  detokenizing, final output only), at most K at once, each round run to its end before the
-  next;
+  gives it, one request per sample shaped as the backend shapes it (seed per sample,
+  ``logprobs=0``, no detokenizing, final output only), at most K at once, each round run to
+  its end before the next; once with vLLM's own scheduler (stock vLLM) and once with the
+  scheduler the backend gives vLLM by default (``logprobs_at_end``: the same engine as
+  asyncrl's, so that ratio is asyncrl's own cost); ``--alone`` picks (``ALONE``);
 - *through asyncrl*: ``asyncrl.Controller`` with its processes (controller, one rollout worker
   with the same engine, one trainer rank of the ``frozen`` backend, which serves the
   checkpoint and makes no update), the ``dataset`` environment scoring every sample, sync
   steps (one round each) and ``pipeline.max_inflight_samples = K``.
 
-Figures: generated tokens/s both ways (asyncrl: the measured steps' tokens over their
+Figures: generated tokens/s each way (asyncrl: the measured steps' tokens over their
 generation spans, first dispatch to last sample back; training and refits between steps are
-reported apart), the ratio, the GPU's busy fraction (``nvidia-smi``, sampled every 100 ms over
+reported apart), asyncrl's ratio to each vLLM-alone column, the GPU's busy fraction (``nvidia-smi``, sampled every 100 ms over
 the spans), and asyncrl's time: the engine generating (the worker's own account), the rest of
 the spans (dispatch, the return path, gaps), scoring (the controller's threads) and the time
 between steps.
@@ -65,15 +66,11 @@ from typing import Any
 import anyio
 import numpy as np
 from asyncrl_vllm.backend import SCHEDULER
+from random_workload import (
+    EOS, SHAPES, cuda, engine_options, make_prompts, run_sections, write_dataset, write_model,
+)  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[1]
-EOS = 2
-
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied
-    "0.5b": (896, 24, 14, 2, 4864, 151936, True),
-    "tiny": (128, 2, 4, 2, 256, 512, True),
-}
-
 OPTIONS: dict[str, dict[str, Any]] = {
     "as asyncrl sends (seed per sample, logprobs=0, n=1, final only)": {},
     "no per-sample seed": {"seed": None},
@@ -98,100 +95,18 @@ OPTIONS: dict[str, dict[str, Any]] = {
 """Each row's change to the request (``seed``, ``logprobs``, ``output_kind``, ``n_per_prompt``)
 or to the engine (``engine``: more engine arguments; a new engine is built for it)."""
 
-
-# ---------------------------------------------------------------------------- the workload
-def write_model(size: str, out: Path, mean_len: float | None = None) -> Path:
-    """A random bf16 Qwen2 checkpoint of ``size`` with the ``t<i>`` word-level tokenizer
-    (kept across runs in ``out``). With ``mean_len``, EOS is made likely enough that samples
-    end after about ``mean_len`` tokens on average, with a long tail
-    (:func:`eos_for_mean_length`)."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    if (out / "tokenizer.json").is_file():
-        return out
-    h, n, heads, kv, inter, vocab, tied = SHAPES[size]
-    config = transformers.Qwen2Config(
-        hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
-        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS, torch_dtype="bfloat16",
-    )  # fmt: skip
-    with torch.device("meta"):
-        shapes = {k: p.shape for k, p in transformers.Qwen2ForCausalLM(config).named_parameters()}
-    gen = torch.Generator().manual_seed(0)
-    state = {
-        k: torch.ones(s, dtype=torch.bfloat16) if k.endswith("norm.weight")
-        else (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
-        for k, s in shapes.items()
-    }  # fmt: skip
-    if mean_len:
-        model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
-        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        state[head][EOS] = eos_for_mean_length(model, mean_len, vocab).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(out / "tokenizer.json"))
-    return out
+ALONE: dict[str, tuple[str, dict[str, Any]]] = {
+    "vllm": ("alone", {}),
+    "asyncrl": ("alone_held", {"scheduler_cls": SCHEDULER}),
+}
+"""The *side* part's vLLM-alone columns (``--alone``): the result key and the engine
+arguments added to the backend's. ``vllm``: vLLM's own scheduler (stock vLLM, the issue's
+baseline); ``asyncrl``: the scheduler asyncrl's backend gives vLLM by default
+(``logprobs_at_end``), so that the engine is the same both sides and the ratio is asyncrl's
+own cost."""
 
 
-def eos_for_mean_length(model: Any, mean_len: float, vocab: int, seqs: int = 8) -> Any:
-    """The output row of EOS (``c * v``, ``v`` a random unit vector) that makes the mean
-    probability of EOS over positions of random token sequences ``1 / mean_len``.
-
-    The EOS logit is then ``c * (h . v)``: large at the few positions whose final hidden state
-    leans on ``v`` and small elsewhere, so a sample stops at a random step with about that
-    mean (a geometric-like length, tail included), and the other tokens keep the random
-    model's near-uniform distribution. ``c`` is found by bisection on the hidden states of
-    ``seqs`` random sequences of 128 tokens, in float32 on the CPU."""
-    import torch
-
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (seqs, 128), generator=gen)
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
-        logits = model.lm_head(hidden)
-        logits[:, EOS] = -torch.inf
-        rest = torch.logsumexp(logits, dim=-1)  # every other token
-    v = torch.randn(model.config.hidden_size, generator=gen)
-    v /= v.norm()
-    z = hidden @ v
-    target = 1.0 / mean_len
-    low, high = 0.0, 1e4
-    for _ in range(100):
-        c = (low + high) / 2
-        p = torch.sigmoid(c * z - rest).mean().item()  # exp(cz) / (exp(cz) + exp(rest))
-        low, high = (c, high) if p < target else (low, c)
-    return c * v
-
-
-def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, size=length).tolist() for _ in range(count)]
-
-
-def write_dataset(prompts: list[list[int]], work: Path) -> tuple[Path, Path]:
-    """The prompts as the ``dataset`` environment's JSONL, and a reward file (a completion's
-    distinct-token fraction: cheap, but it decodes and reads every sample)."""
-    data = work / "prompts.jsonl"
-    with data.open("w") as f:
-        for i, ids in enumerate(prompts):
-            f.write(json.dumps({"id": f"p{i}", "text": " ".join(f"t{t}" for t in ids)}) + "\n")
-    rewards = work / "rewards.py"
-    rewards.write_text(
-        "def distinct(completion: str) -> float:\n"
-        "    words = completion.split()\n"
-        "    return len(set(words)) / max(1, len(words))\n"
-    )
-    return data, rewards
-
-
+# ---------------------------------------------------------------------------- the engine
 @dataclass(frozen=True)
 class Plan:
     """One in-flight level's rounds: ``warm`` + ``measured`` rounds (asyncrl: sync steps) of
@@ -213,21 +128,6 @@ class Plan:
             return cls(k, args.prompts, args.samples, args.warm_rounds, 1)
         n = max(2, min(args.samples, k))  # GRPO's smallest group; asyncrl needs K >= n
         return cls(max(k, n), max(1, 4 * k // n), n, args.warm_rounds, 2)
-
-
-# ---------------------------------------------------------------------------- the engine
-def cuda() -> bool:
-    return shutil.which("nvidia-smi") is not None and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
-
-
-def engine_options(gpu_memory_utilization: float, cpu_bind: str = "1") -> dict[str, Any]:
-    """``generator.options`` of every engine here (the asyncrl names; modes.py's too): a
-    share of the GPU, or on the CPU build 1 GiB of KV cache, the engine's OpenMP threads on
-    ``cpu_bind`` and no compilation."""
-    if cuda():
-        return {"gpu_memory_utilization": gpu_memory_utilization}
-    return {"cpu_kvcache_space_gib": 1, "cpu_omp_threads_bind": cpu_bind,
-            "enforce_eager": True}  # fmt: skip
 
 
 def standalone_engine_args(model: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -363,26 +263,6 @@ class GpuBusy:
 
 
 # ---------------------------------------------------------------------------- asyncrl
-def run_sections(model: Path, data: Path, rewards: Path) -> dict[str, Any]:
-    """The config sections every benchmark run here shares (modes.py's too): the model, one
-    trainer and one rollout rank (both on GPU 0 where there is one), refits without
-    verification, the ``dataset`` environment over ``data`` scored by ``rewards``, no eval."""
-    gpu = cuda()
-    return {
-        "model": {"path": str(model)},
-        "cluster": {"trainer_ranks": 1, "rollout_ranks": 1}
-        | ({"trainer_gpus": [0], "rollout_gpus": [0]} if gpu else {}),
-        "refit": {"transport": "cuda_ipc" if gpu else "shm",
-                  "verify_first_steps": 0, "verify_every_steps": 0},  # fmt: skip
-        "environment": {
-            "name": "dataset",
-            "options": {"train": str(data), "prompt_field": "text", "id_field": "id",
-                        "rewards": [{"function": f"{rewards}:distinct", "weight": 1.0}]},
-        },  # fmt: skip
-        "eval": {"num_prompts": 0},
-    }
-
-
 def asyncrl_config(
     args: argparse.Namespace, plan: Plan, work: Path, data: Path, rewards: Path,
     options: dict[str, Any], name: str,
@@ -458,13 +338,15 @@ async def part_side(
     plans = [Plan.of(k, args) for k in args.in_flight]
     rows += [{"in_flight": p.in_flight, "samples": p.per_round * p.measured} for p in plans]
     options = engine_options(args.gpu_memory_utilization, args.cpu_bind)
-    print(f"side: vLLM alone ({json.dumps(options)})", flush=True)
-    async with standalone(work / "model", options) as llm:
-        for plan, row in zip(plans, rows):
-            row["alone"] = await alone_rounds(llm, plan, prompts, args.max_tokens, busy)
-            keep()
-            print(f"  K={plan.in_flight}: {row['alone']['tok_s']:,.0f} tok/s alone, GPU busy "
-                  f"{pct(row['alone']['gpu_busy'])}", flush=True)  # fmt: skip
+    for kind in args.alone:
+        key, extra = ALONE[kind]
+        print(f"side: vLLM alone, {kind}'s scheduler ({json.dumps(options)})", flush=True)
+        async with standalone(work / "model", options | {"extra_engine_args": extra}) as llm:
+            for plan, row in zip(plans, rows):
+                row[key] = await alone_rounds(llm, plan, prompts, args.max_tokens, busy)
+                keep()
+                print(f"  K={plan.in_flight}: {row[key]['tok_s']:,.0f} tok/s {key}, GPU busy "
+                      f"{pct(row[key]['gpu_busy'])}", flush=True)  # fmt: skip
     data, rewards = write_dataset(prompts, work)
     columns = [("asyncrl", options)]
     if args.tuned:
@@ -473,12 +355,13 @@ async def part_side(
         for plan, row in zip(plans, rows):
             name = f"{column}-k{plan.in_flight}"
             config = asyncrl_config(args, plan, work, data, rewards, opts, name)
-            row[column] = await run_asyncrl(config, plan.warm, busy)
-            row[column]["ratio"] = row[column]["tok_s"] / row["alone"]["tok_s"]
+            got = row[column] = await run_asyncrl(config, plan.warm, busy)
+            for key, _ in ALONE.values():  # ratio: to vLLM's scheduler; ratio_held: to ours
+                if key in row:
+                    got[key.replace("alone", "ratio")] = got["tok_s"] / row[key]["tok_s"]
             keep()
-            print(f"  K={plan.in_flight}: {row[column]['tok_s']:,.0f} tok/s {column} "
-                  f"({100 * row[column]['ratio']:.1f}% of alone): {json.dumps(row[column])}",
-                  flush=True)  # fmt: skip
+            print(f"  K={plan.in_flight}: {got['tok_s']:,.0f} tok/s {column}: "
+                  f"{json.dumps(got)}", flush=True)  # fmt: skip
 
 
 async def part_options(
@@ -541,26 +424,36 @@ def pct(value: float | None) -> str:
 
 
 def side_table(rows: list[dict[str, Any]]) -> str:
-    tuned = any("tuned" in r for r in rows)
-    head = "| in flight | samples | vLLM alone tok/s (GPU busy) | asyncrl tok/s (GPU busy) | asyncrl / alone |"
-    head += " tuned tok/s | tuned / alone |" if tuned else ""
+    names = {"vllm": "vLLM's", "asyncrl": "asyncrl's"}
+    alone = [(k, names[kind]) for kind, (k, _) in ALONE.items() if any(k in r for r in rows)]
+    columns = [c for c in ("asyncrl", "tuned") if any(c in r for r in rows)]
+    head = "| in flight | samples |"
+    head += "".join(f" vLLM alone, {name} scheduler tok/s (GPU busy) |" for _, name in alone)
+    for c in columns:
+        head += f" {c} tok/s (GPU busy) |"
+        head += "".join(f" {c} / alone ({name}) |" for _, name in alone)
     lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
     for r in rows:
-        a, s = r["alone"], r["asyncrl"]
-        line = (f"| {r['in_flight']} | {r['samples']} | {a['tok_s']:,.0f} ({pct(a['gpu_busy'])}) | "
-                f"{s['tok_s']:,.0f} ({pct(s['gpu_busy'])}) | {100 * s['ratio']:.1f}% |")  # fmt: skip
-        if tuned:
-            t = r["tuned"]
-            line += f" {t['tok_s']:,.0f} ({pct(t['gpu_busy'])}) | {100 * t['ratio']:.1f}% |"
+        line = f"| {r['in_flight']} | {r['samples']} |"
+        line += "".join(_figure(r.get(k)) for k, _ in alone)
+        for c in columns:
+            line += _figure(r.get(c))
+            for k, _ in alone:
+                ratio = r.get(c, {}).get(k.replace("alone", "ratio"))
+                line += " - |" if ratio is None else f" {100 * ratio:.1f}% |"
         lines.append(line)
     lines += ["", "| in flight | asyncrl generating s | engine busy s | dispatch, return, gaps s | "
               "scoring s (threads) | between steps s (train + refit) |",
               "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        s = r["asyncrl"]
-        lines.append(f"| {r['in_flight']} | {s['seconds']:.2f} | {s['engine_s']:.2f} | "
-                     f"{s['other_s']:.2f} | {s['score_s']:.2f} | {s['between_steps_s']:.2f} |")  # fmt: skip
+        if (s := r.get("asyncrl")) is not None:
+            lines.append(f"| {r['in_flight']} | {s['seconds']:.2f} | {s['engine_s']:.2f} | "
+                         f"{s['other_s']:.2f} | {s['score_s']:.2f} | {s['between_steps_s']:.2f} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _figure(run: dict[str, Any] | None) -> str:
+    return " - |" if run is None else f" {run['tok_s']:,.0f} ({pct(run['gpu_busy'])}) |"
 
 
 def options_table(rows: list[dict[str, Any]]) -> str:
@@ -632,6 +525,13 @@ def _options(text: str) -> dict[str, Any]:
     return out
 
 
+def _alone(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    if not kinds or any(k not in ALONE for k in kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: name one or both of {list(ALONE)}")
+    return kinds
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="options,side", help="options, side, or both")
@@ -651,6 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", default="",
                         help="option rows to run: comma-separated words each row's name must "
                              "contain one of (default all), e.g. 'asyncrl,logprobs'")  # fmt: skip
+    parser.add_argument("--alone", type=_alone, default=list(ALONE),
+                        help="side: the vLLM-alone columns, 'vllm' (vLLM's scheduler) and/or "
+                             "'asyncrl' (the backend's default scheduler); default both")  # fmt: skip
     parser.add_argument("--tuned", type=_options, default={},
                         help="generator.options of a third 'tuned' column, e.g. max_num_seqs=512")  # fmt: skip
     parser.add_argument("--warm-rounds", type=int, default=1,

@@ -24,9 +24,9 @@ per second that really went through the data socket.
 long-tail workload: a random model (``--size``, Qwen2.5-0.5B-shaped by default) whose EOS
 row makes samples end after about ``--mean-len`` tokens with a long tail (p99 about 9x the
 median, measured on the tiny model), capped at ``--max-tokens``, ``--prompts`` x
-``--samples`` per step, scored by the ``dataset`` environment; each of ``LONG_MODES`` for
-``--steps`` steps: s/step against sync, trainer idle, staleness, wasted samples, and the
-mean sample length (``response_len_mean``).
+``--samples`` per step, scored by the ``dataset`` environment; each of ``LONG_MODES`` (or
+those ``--long-modes`` names, sync always first) for ``--steps`` steps: s/step against sync,
+trainer idle, staleness, wasted samples, and the mean sample length (``response_len_mean``).
 
 **vllm**: the tiny CPU task of the demo (16 prompts x 8 samples, at most 6 new tokens, one
 FSDP2 rank and one vLLM rank) in each mode, 16 steps: the median step time against the
@@ -57,7 +57,7 @@ import asyncrl.obs.log
 from asyncrl.config import from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # generation.py: the random model and its data
+sys.path.insert(0, str(ROOT / "benchmarks"))  # random_workload.py: the random model and its data
 
 MODES: dict[str, dict[str, Any]] = {
     "sync": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}, "chunk": 0},
@@ -306,18 +306,29 @@ LONG_MODES = {name: MODES[name] for name in (
     "sync", "in_order L=1", "gated W=3", "oversampled W=2 r=1.5")}  # fmt: skip
 
 
+def _long_modes(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LONG_MODES]
+    if unknown or "sync" not in names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: name modes of {list(LONG_MODES)}, sync among them (the speedups' base)"
+        )
+    return ["sync"] + [n for n in names if n != "sync"]
+
+
 async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Each of :data:`LONG_MODES` with vLLM and FSDP2 on the long-tail workload."""
-    import generation
+    import random_workload as work
 
-    gpu = generation.cuda()
-    model = generation.write_model(args.size, tmp / "long-model", mean_len=args.mean_len)
-    prompts = generation.make_prompts(max(256, 4 * args.prompts), 64, generation.SHAPES[args.size][5])
-    data, rewards = generation.write_dataset(prompts, tmp)
-    engine = generation.engine_options(args.gpu_memory_utilization)
+    gpu = work.cuda()
+    model = work.write_model(args.size, tmp / "long-model", mean_len=args.mean_len)
+    prompts = work.make_prompts(max(256, 4 * args.prompts), 64, work.SHAPES[args.size][5])
+    data, rewards = work.write_dataset(prompts, tmp)
+    engine = work.engine_options(args.gpu_memory_utilization)
     rows = []
-    for name, mode in LONG_MODES.items():
-        data_cfg = generation.run_sections(model, data, rewards) | {
+    for name in args.long_modes:
+        mode = LONG_MODES[name]
+        data_cfg = work.run_sections(model, data, rewards) | {
             "run": {"num_steps": args.steps, "seed": 0, "log_format": "json",
                     "output_dir": str(tmp / name.replace(" ", "_"))},  # fmt: skip
             "grpo": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
@@ -334,7 +345,8 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         row["run_s"] = time.perf_counter() - start
         row["response_len_mean"] = statistics.mean(r["response_len"] for r in steps)
         rows.append(row)
-        print(f"  {name}: {row['s_per_step']:.2f} s/step", flush=True)
+        print(f"  {name}: {row['s_per_step']:.2f} s/step, {row['run_s']:.0f} s in all "
+              f"(start and stop included)", flush=True)  # fmt: skip
     return {"rows": with_speedups(rows), "gpu": gpu, "size": args.size}
 
 
@@ -472,5 +484,10 @@ if __name__ == "__main__":
         type=float,
         default=-1.0,
         help="trainer seconds per sequence (default: a step ~ a mean sample)",
+    )
+    parser.add_argument(
+        "--long-modes", type=_long_modes, default=list(LONG_MODES),
+        help=f"vllm-long: the modes to run, comma-separated, sync among them (default all: "
+        f"{', '.join(LONG_MODES)})",
     )
     anyio.run(main, parser.parse_args())
