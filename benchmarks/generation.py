@@ -37,7 +37,8 @@ between steps.
 **options**: vLLM alone at ``--options-in-flight`` requests (default all), one row per request
 shape or engine option (``OPTIONS``; ``--rows`` picks some), against the shape asyncrl sends:
 tokens/s (the median of ``--option-repeats`` runs, interleaved on each engine), the ratio to
-that shape, GPU busy over all the row's runs. ``benchmarks/gpu/profile_generation.sh`` runs it under py-spy.
+that shape, GPU busy over all the row's runs. ``--profile DIR`` records each engine's rows
+with py-spy after its warm-up (``benchmarks/gpu/profile_generation.sh``).
 
 ``--tuned KEY=VALUE,...`` adds a third column to *side*: asyncrl with those
 ``generator.options`` (e.g. ``max_num_seqs=512``). Results print as markdown and go to
@@ -52,12 +53,13 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -224,6 +226,33 @@ async def run_alone(
     return tokens, time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def profiled(out: Path) -> Iterator[None]:
+    """py-spy on this process and its children (vLLM's engine core) while the block runs,
+    py-spy's raw output in ``out``: the steady state only, where a profile of the whole
+    command would mix in engine start-up (``benchmarks/profile_top.py`` reads it)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [spy, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking",
+         "--format", "raw", "--rate", "100", "--output", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if not out.is_file():
+            print(f"py-spy wrote no profile ({err.strip()[-300:]})", flush=True)
+
+
 # ---------------------------------------------------------------------------- GPU busy
 class GpuBusy:
     """``nvidia-smi``'s utilization every 100 ms, timestamped; :meth:`mean_over` over spans."""
@@ -375,11 +404,13 @@ async def part_options(
     by_engine: dict[str, list[str]] = {}
     for name, change in selected(args.rows).items():
         by_engine.setdefault(json.dumps(change.get("engine", {}), sort_keys=True), []).append(name)
-    for engine_json, names in by_engine.items():
+    for i, (engine_json, names) in enumerate(by_engine.items()):
         extra = json.loads(engine_json)
         options = base | ({"extra_engine_args": extra} if extra else {})
-        async with standalone(work / "model", options) as llm:
+        async with standalone(work / "model", options) as llm, contextlib.AsyncExitStack() as on:
             await warm_up(llm, args, prompts)
+            if args.profile is not None:  # from here on: the engine's steady state
+                on.enter_context(profiled(args.profile / f"profile-engine{i}.txt"))
             mine = {name: {"option": name, "runs": []} for name in names}
             spans: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
             rows.extend(mine.values())
@@ -556,6 +587,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "'asyncrl' (the backend's default scheduler); default both")  # fmt: skip
     parser.add_argument("--tuned", type=_options, default={},
                         help="generator.options of a third 'tuned' column, e.g. max_num_seqs=512")  # fmt: skip
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="options: py-spy (on PATH) over each engine's rows after its "
+                             "warm-up, raw output in DIR/profile-engine<i>.txt")  # fmt: skip
     parser.add_argument("--warm-rounds", type=int, default=1,
                         help="rounds (asyncrl: steps) run before measuring, both sides")  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
