@@ -195,18 +195,25 @@ def say_failed(store: Any, rank: int, message: str) -> None:
 
 async def watch_failed(store: Any, world: int, within_s: float) -> None:
     """Rank 0, while the workers start (``within_s``): raise once a worker rank said in
-    ``store`` that it could not start (:func:`say_failed`), with what it said.
+    ``store`` that it could not start (:func:`say_failed`), with what it said. Returns at the
+    end of the window, or as soon as the store is gone: its server is torchrun's agent, and
+    when the agent dies the owner watch (``procs.process``) stops the run in order.
 
     Raises:
         WorkerStartupError: naming the rank and its message.
 
     Cancellation: stops watching (a store call under way ends in its thread).
     """
-    def count() -> int:
-        return int(store.add(FAILED_KEY, 0))  # adding 0 reads it without waiting
+    def count() -> int | None:
+        try:
+            return int(store.add(FAILED_KEY, 0))  # adding 0 reads it without waiting
+        except RuntimeError:  # torch's DistError: the store's server closed the connection
+            return None
 
     with anyio.move_on_after(within_s):
-        while not await anyio.to_thread.run_sync(count):
+        while not (failed := await anyio.to_thread.run_sync(count)):
+            if failed is None:
+                return
             await anyio.sleep(FAILED_POLL_S)
         ranks = [r for r in range(1, world) if store.check([f"{FAILED_KEY}/{r}"])]
         said = [f"global rank {r}: {store.get(f'{FAILED_KEY}/{r}').decode()}" for r in ranks]

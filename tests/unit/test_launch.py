@@ -230,3 +230,24 @@ def test_a_worker_rank_that_could_not_start_is_said_to_rank_0_through_the_store(
 
     anyio.run(main)
     ranks.say_failed(object(), 1, "no store")  # best effort: never raises
+
+
+def test_rank_0_stops_watching_for_failed_ranks_when_the_store_is_gone() -> None:
+    """torchrun's agent serves the store; killed (kill -9 of the launcher), the store's calls
+    raise at once. The watch returns instead of failing the run with that error: the owner
+    watch stops the run in order and says why (tests/integration/test_orphans.py)."""
+    import gc
+
+    import anyio
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, use_libuv=True)
+    del server
+    gc.collect()
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            await ranks.watch_failed(client, 4, 60)
+
+    anyio.run(main)
