@@ -29,8 +29,8 @@ smallest group, so K = 1 runs as 2), run
 
 Figures: generated tokens/s each way (asyncrl: the measured steps' tokens over their
 generation spans, first dispatch to last sample back; training and refits between steps are
-reported apart), asyncrl's ratio to each vLLM-alone column, the GPU's busy fraction (``nvidia-smi``, sampled every 100 ms over
-the spans), and asyncrl's time: the engine generating (the worker's own account), the rest of
+reported apart), asyncrl's ratio to each vLLM-alone column, the GPU's busy fraction
+(``nvidia-smi``, sampled every 100 ms over the spans), and asyncrl's time: the engine generating (the worker's own account), the rest of
 the spans (dispatch, the return path, gaps), scoring (the controller's threads) and the time
 between steps.
 
@@ -235,22 +235,25 @@ def profiled(out: Path) -> Iterator[None]:
     if spy is None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    err_file = out.with_suffix(".stderr").open("w")
     proc = subprocess.Popen(
         [spy, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking",
          "--format", "raw", "--rate", "100", "--output", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL, stderr=err_file, text=True,
+    )  # fmt: skip  (stderr to a file: a pipe nobody reads would stall py-spy once full)
     try:
         yield
     finally:
         proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
         try:
-            _, err = proc.communicate(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
+            proc.wait()
+        err_file.close()
         if not out.is_file():
-            print(f"py-spy wrote no profile ({err.strip()[-300:]})", flush=True)
+            err = out.with_suffix(".stderr").read_text().strip()[-300:]
+            print(f"py-spy wrote no profile ({err})", flush=True)
 
 
 # ---------------------------------------------------------------------------- GPU busy
