@@ -22,11 +22,12 @@ per second that really went through the data socket.
 
 **vllm-long**: real engines (vLLM and an FSDP2 trainer on one GPU, or the vLLM CPU build) on a
 long-tail workload: a random model (``--size``, Qwen2.5-0.5B-shaped by default) whose EOS
-row makes samples end after about ``--mean-len`` tokens with a long tail (p99 about 9x the
-median, measured on the tiny model), capped at ``--max-tokens``, ``--prompts`` x
+row makes samples end after about ``--mean-len`` tokens on average with a long tail (some
+reach ``--max-tokens``: ``random_workload.eos_for_mean_length``), ``--prompts`` x
 ``--samples`` per step, scored by the ``dataset`` environment; each of ``LONG_MODES`` (or
 those ``--long-modes`` names, sync always first) for ``--steps`` steps: s/step against sync,
 trainer idle, staleness, wasted samples, and the mean sample length (``response_len_mean``).
+The trainer computes in bf16 (``--mixed-precision``), micro-batches of ``--micro-batch``.
 
 **vllm**: the tiny CPU task of the demo (16 prompts x 8 samples, at most 6 new tokens, one
 FSDP2 rank and one vLLM rank) in each mode, 16 steps: the median step time against the
@@ -302,6 +303,8 @@ async def part_vllm(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]
     return rows
 
 
+LONG_PROMPT_LEN = 64  # tokens in each vllm-long prompt
+
 LONG_MODES = {name: MODES[name] for name in (
     "sync", "in_order L=1", "gated W=3", "oversampled W=2 r=1.5")}  # fmt: skip
 
@@ -321,8 +324,11 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     import random_workload as work
 
     gpu = work.cuda()
-    model = work.write_model(args.size, tmp / "long-model", mean_len=args.mean_len)
-    prompts = work.make_prompts(max(256, 4 * args.prompts), 64, work.SHAPES[args.size][5])
+    model = work.write_model(args.size, tmp / "long-model", mean_len=args.mean_len,
+                             max_len=args.max_tokens, prompt_len=LONG_PROMPT_LEN)  # fmt: skip
+    prompts = work.make_prompts(
+        max(256, 4 * args.prompts), LONG_PROMPT_LEN, work.SHAPES[args.size][5]
+    )
     data, rewards = work.write_dataset(prompts, tmp)
     engine = work.engine_options(args.gpu_memory_utilization)
     rows = []
@@ -336,7 +342,7 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "pipeline": {"sampler": mode["sampler"],
                          "min_groups_for_streaming_train": max(1, args.prompts // 4)},  # fmt: skip
             "trainer": {"backend": "fsdp2", "micro_batch_size": args.micro_batch,
-                        "options": {"lr": 1e-6}},  # fmt: skip
+                        "options": {"lr": 1e-6, "mixed_precision": args.mixed_precision}},  # fmt: skip
             "generator": {"backend": "vllm", "options": engine},
         }
         start = time.perf_counter()
@@ -347,6 +353,11 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         rows.append(row)
         print(f"  {name}: {row['s_per_step']:.2f} s/step, {row['run_s']:.0f} s in all "
               f"(start and stop included)", flush=True)  # fmt: skip
+        if args.out is not None:  # each mode's row kept as it ends: a cut run still tells
+            partial = {"rows": with_speedups(rows), "gpu": gpu, "size": args.size,
+                       "partial": len(rows) < len(args.long_modes)}  # fmt: skip
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"vllm-long": partial}, indent=2))
     return {"rows": with_speedups(rows), "gpu": gpu, "size": args.size}
 
 
@@ -452,7 +463,12 @@ if __name__ == "__main__":
                         help="vllm-long: the random model's shape")  # fmt: skip
     parser.add_argument("--mean-len", type=float, default=300.0,
                         help="vllm-long: the samples' target mean length")  # fmt: skip
-    parser.add_argument("--micro-batch", type=int, default=4, help="vllm-long: trainer micro-batch")
+    parser.add_argument("--micro-batch", type=int, default=8, help="vllm-long: trainer micro-batch")
+    parser.add_argument(
+        "--mixed-precision", choices=["bf16", "none"], default="bf16",
+        help="vllm-long: the trainer's trainer.options.mixed_precision (bf16, as runs on GPUs "
+        "use it; none: float32)",
+    )  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--vllm-steps", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)

@@ -23,11 +23,13 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied
 }
 
 
-def write_model(size: str, out: Path, mean_len: float | None = None) -> Path:
+def write_model(
+    size: str, out: Path, mean_len: float | None = None, max_len: int = 1024, prompt_len: int = 64
+) -> Path:
     """A random bf16 Qwen2 checkpoint of ``size`` with the ``t<i>`` word-level tokenizer
     (kept across runs in ``out``). With ``mean_len``, EOS is made likely enough that samples
-    end after about ``mean_len`` tokens on average, with a long tail
-    (:func:`eos_for_mean_length`)."""
+    of at most ``max_len`` tokens after ``prompt_len``-token prompts end after about
+    ``mean_len`` tokens on average, with a long tail (:func:`eos_for_mean_length`)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -53,7 +55,9 @@ def write_model(size: str, out: Path, mean_len: float | None = None) -> Path:
         model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
         model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        state[head][EOS] = eos_for_mean_length(model, mean_len, vocab).to(torch.bfloat16)
+        state[head][EOS] = eos_for_mean_length(
+            model, mean_len, vocab, max_len, prompt_len
+        ).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
@@ -64,33 +68,49 @@ def write_model(size: str, out: Path, mean_len: float | None = None) -> Path:
     return out
 
 
-def eos_for_mean_length(model: Any, mean_len: float, vocab: int, seqs: int = 8) -> Any:
-    """The output row of EOS (``c * v``, ``v`` a random unit vector) that makes the mean
-    probability of EOS over positions of random token sequences ``1 / mean_len``.
+def eos_for_mean_length(
+    model: Any, mean_len: float, vocab: int, max_len: int, prompt_len: int, seqs: int = 16
+) -> Any:
+    """The output row of EOS (``c * v``, ``v`` a random unit vector) under which a sample of
+    at most ``max_len`` tokens after a ``prompt_len``-token prompt has mean length
+    ``mean_len``.
 
     The EOS logit is then ``c * (h . v)``: large at the few positions whose final hidden state
-    leans on ``v`` and small elsewhere, so a sample stops at a random step with about that
-    mean (a geometric-like length, tail included), and the other tokens keep the random
-    model's near-uniform distribution. ``c`` is found by bisection on the hidden states of
-    ``seqs`` random sequences of 128 tokens, in float32 on the CPU."""
+    leans on ``v`` and small elsewhere, and the other tokens keep the random model's
+    near-uniform distribution, so a sampled continuation looks like random tokens. ``h . v``
+    also carries an offset per sequence (the prompt's share of the context), so samples
+    differ in how soon they are likely to stop: most end early, a few run long or reach
+    ``max_len``: a long tail. Matching the mean *hazard* to ``1 / mean_len`` ignores that
+    spread and gave a mean of 627 tokens for ``mean_len`` 150 with ``max_len`` 1024 (the
+    H200 run of 2026-12-05); so ``c`` is found by bisection on the mean over ``seqs`` random
+    sequences of each one's expected length, the sum over response positions of the
+    probability that no EOS came before (float32 on the CPU, one sequence at a time)."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (seqs, 128), generator=gen)
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, model.config.hidden_size)
-        logits = model.lm_head(hidden)
-        logits[:, EOS] = -torch.inf
-        rest = torch.logsumexp(logits, dim=-1)  # every other token
+    zs, rests = [], []
     v = torch.randn(model.config.hidden_size, generator=gen)
     v /= v.norm()
-    z = hidden @ v
-    target = 1.0 / mean_len
-    low, high = 0.0, 1e4
+    with torch.no_grad():
+        for _ in range(seqs):
+            ids = torch.randint(3, vocab, (1, prompt_len + max_len - 1), generator=gen)
+            hidden = model.model(input_ids=ids).last_hidden_state[0, prompt_len - 1 :]
+            logits = model.lm_head(hidden)
+            logits[:, EOS] = -torch.inf
+            rests.append(torch.logsumexp(logits, dim=-1).double())  # every other token
+            zs.append((hidden @ v).double())
+    z, rest = torch.stack(zs), torch.stack(rests)  # (seqs, max_len): response positions
+
+    def mean_length(c: float) -> float:
+        hazard = torch.sigmoid(c * z - rest)  # exp(cz) / (exp(cz) + exp(rest))
+        alive = torch.cumprod(1 - hazard, dim=1)  # no EOS up to and including each token
+        before = torch.cat([torch.ones(seqs, 1, dtype=alive.dtype), alive[:, :-1]], dim=1)
+        return before.sum(dim=1).mean().item()
+
+    low, high = 0.0, 1e4  # mean_length falls from about max_len at c=0 as c grows
     for _ in range(100):
         c = (low + high) / 2
-        p = torch.sigmoid(c * z - rest).mean().item()  # exp(cz) / (exp(cz) + exp(rest))
-        low, high = (c, high) if p < target else (low, c)
+        low, high = (c, high) if mean_length(c) > mean_len else (low, c)
     return c * v
 
 
