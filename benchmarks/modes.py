@@ -26,7 +26,9 @@ row makes samples end after about ``--mean-len`` tokens on average with a long t
 reach ``--max-tokens``: ``random_workload.eos_for_mean_length``), ``--prompts`` x
 ``--samples`` per step, scored by the ``dataset`` environment; each of ``LONG_MODES`` (or
 those ``--long-modes`` names, sync always first) for ``--steps`` steps: s/step against sync,
-trainer idle, staleness, wasted samples, and the mean sample length (``response_len_mean``).
+trainer idle, staleness, wasted samples, the mean sample length (``response_len_mean``) and the
+median step's time of the engine generating, the trainer computing and the refit, as the workers
+account for it (``engine_s``, ``trainer_s``, ``refit_s``).
 The trainer computes in bf16 (``--mixed-precision``), micro-batches of ``--micro-batch``.
 
 **vllm**: the tiny CPU task of the demo (16 prompts x 8 samples, at most 6 new tokens, one
@@ -350,8 +352,12 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         row = summarize(name, steps, args.samples)
         row["run_s"] = time.perf_counter() - start
         row["response_len_mean"] = statistics.mean(r["response_len"] for r in steps)
+        for key, name_s in (("engine_busy_s", "engine_s"), ("trainer_compute_s", "trainer_s"),
+                            ("refit_work_s", "refit_s")):  # fmt: skip
+            row[name_s] = statistics.median(r[key] for r in steps[1:])  # workers' own accounts
         rows.append(row)
-        print(f"  {name}: {row['s_per_step']:.2f} s/step, {row['run_s']:.0f} s in all "
+        print(f"  {name}: {row['s_per_step']:.2f} s/step (engine {row['engine_s']:.2f}, trainer "
+              f"{row['trainer_s']:.2f}, refit {row['refit_s']:.2f}), {row['run_s']:.0f} s in all "
               f"(start and stop included)", flush=True)  # fmt: skip
         if args.out is not None:  # each mode's row kept as it ends: a cut run still tells
             partial = {"rows": with_speedups(rows), "gpu": gpu, "size": args.size,
