@@ -29,7 +29,8 @@ those ``--long-modes`` names, sync always first) for ``--steps`` steps: s/step a
 trainer idle, staleness, wasted samples, the mean sample length (``response_len_mean``) and the
 median step's time of the engine generating, the trainer computing and the refit, as the workers
 account for it (``engine_s``, ``trainer_s``, ``refit_s``).
-The trainer computes in bf16 (``--mixed-precision``), micro-batches of ``--micro-batch``.
+The trainer computes in bf16 (``--mixed-precision``), micro-batches of ``--micro-batch``
+sequences or, with ``--max-tokens-per-micro-batch``, cut by tokens after sorting by length.
 
 **vllm**: the tiny CPU task of the demo (16 prompts x 8 samples, at most 6 new tokens, one
 FSDP2 rank and one vLLM rank) in each mode, 16 steps: the median step time against the
@@ -344,6 +345,7 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "pipeline": {"sampler": mode["sampler"],
                          "min_groups_for_streaming_train": max(1, args.prompts // 4)},  # fmt: skip
             "trainer": {"backend": "fsdp2", "micro_batch_size": args.micro_batch,
+                        "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
                         "options": {"lr": 1e-6, "mixed_precision": args.mixed_precision}},  # fmt: skip
             "generator": {"backend": "vllm", "options": engine},
         }
@@ -470,6 +472,11 @@ if __name__ == "__main__":
     parser.add_argument("--mean-len", type=float, default=300.0,
                         help="vllm-long: the samples' target mean length")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=8, help="vllm-long: trainer micro-batch")
+    parser.add_argument(
+        "--max-tokens-per-micro-batch", type=int, default=0,
+        help="vllm-long: trainer.max_tokens_per_micro_batch (sorted, token-budget micro-batches; "
+        "0: --micro-batch sequences each)",
+    )  # fmt: skip
     parser.add_argument(
         "--mixed-precision", choices=["bf16", "none"], default="bf16",
         help="vllm-long: the trainer's trainer.options.mixed_precision (bf16, as runs on GPUs "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Layout", "check_packed", "micro_batch_bounds"]
+__all__ = ["Layout", "check_packed", "length_order", "micro_batch_bounds", "token_budget_bounds"]
 
 
 @dataclass(frozen=True)
@@ -175,3 +175,27 @@ def micro_batch_bounds(num_sequences: int, micro_batch_size: int) -> list[tuple[
         (start, min(start + micro_batch_size, num_sequences))
         for start in range(0, num_sequences, micro_batch_size)
     ]
+
+
+def length_order(seq_lens: np.ndarray) -> np.ndarray:
+    """int64 ``[B]``: the sequences shortest first (stable: equal lengths keep their order)."""
+    return np.argsort(np.asarray(seq_lens, dtype=np.int64), kind="stable")
+
+
+def token_budget_bounds(seq_lens: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` sequence ranges, cut greedily in order so that each range's padded
+    size (its sequences times its longest) is at most ``max_tokens``; a sequence longer than
+    that is a range of its own. On sequences sorted by length (:func:`length_order`) the
+    ranges waste almost nothing on padding, and short sequences share one forward."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    bounds: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lens.tolist()):
+        grown = max(longest, n)
+        if i > start and (i + 1 - start) * grown > max_tokens:
+            bounds.append((start, i))
+            start, grown = i, n
+        longest = grown
+    if start < lens.size:
+        bounds.append((start, int(lens.size)))
+    return bounds

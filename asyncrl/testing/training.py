@@ -260,6 +260,7 @@ def run_contract(
     *,
     model_dir: Path | None = None,
     timeout: float = 300.0,
+    trainer: dict[str, Any] | None = None,
 ) -> ContractRun:
     """Run both phases of the scenario and the reference; see :class:`ContractRun`."""
     import torch
@@ -274,7 +275,8 @@ def run_contract(
         "environment": {"name": "contract"},
         "grpo": {"temperature": TEMPERATURE},
         "loss": LOSS,
-        "trainer": {"backend": backend, "micro_batch_size": MICRO_BATCH_SIZE, "options": options},
+        "trainer": {"backend": backend, "micro_batch_size": MICRO_BATCH_SIZE, "options": options,
+                    **(trainer or {})},  # fmt: skip
     }
     spec = {
         "backend": backend, "config": config, "vocab_size": vocab_size, "out": str(out),
@@ -329,11 +331,13 @@ def _rel(a: float, b: float) -> float:
 
 # --------------------------------------------------------------------------- the suite
 class TrainingBackendContract:
-    """Subclass with ``backend`` (and optionally ``world_size``, ``options``) set."""
+    """Subclass with ``backend`` (and optionally ``world_size``, ``options``, ``trainer``) set."""
 
     backend: ClassVar[str]
     world_size: ClassVar[int] = 1
     options: ClassVar[dict[str, Any]] = {}
+    trainer: ClassVar[dict[str, Any]] = {}
+    """Other ``[trainer]`` fields of the scenario, e.g. ``max_tokens_per_micro_batch``."""
     timeout: ClassVar[float] = 300.0
     # tolerances (see the module constants for what they were measured at)
     logprob_atol: ClassVar[float] = LOGPROB_ATOL
@@ -362,6 +366,7 @@ class TrainingBackendContract:
             cls.world_size,
             work,
             timeout=cls.timeout,
+            trainer=cls.trainer,
         )
 
     def test_a_rank_missing_from_a_collective_fails_within_the_timeout(

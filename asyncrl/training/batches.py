@@ -9,17 +9,24 @@ sequence by sequence, in position order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 import numpy as np
 import torch
 
 from asyncrl.policy.packing import Layout
+from asyncrl.wire.messages import TokenBatch, TrainBatch
+
+AnyBatch = TypeVar("AnyBatch", TokenBatch, TrainBatch)
 
 __all__ = [
     "MicroBatch",
     "dummy_micro_batch",
     "make_micro_batch",
+    "reorder",
     "response_logprobs",
+    "restore_order",
     "to_device",
 ]
 
@@ -79,6 +86,33 @@ def make_micro_batch(
         response_slice=layout.responses(start, stop),
         window=window,
     )
+
+
+def reorder(batch: AnyBatch, order: np.ndarray) -> AnyBatch:
+    """``batch`` with its sequences in ``order`` (sequence ``order[k]`` becomes the k-th), every
+    per-token and per-sequence array moved with them."""
+    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+    idx = order.tolist()
+    changes: dict[str, np.ndarray] = {
+        "tokens": layout.gather_tokens(batch.tokens, idx, batch.tokens.dtype),
+        "seq_lens": batch.seq_lens[order],
+        "prompt_lens": batch.prompt_lens[order],
+    }
+    if isinstance(batch, TrainBatch):
+        for name in ("behaviour_logprobs", "loss_mask", "proximal_logprobs", "reference_logprobs"):
+            values = getattr(batch, name)
+            if values is not None:
+                changes[name] = layout.gather_responses(values, idx, values.dtype)
+        changes["advantages"] = batch.advantages[order]
+    return msgspec.structs.replace(batch, **changes)
+
+
+def restore_order(values: np.ndarray, reordered: Layout, order: np.ndarray) -> np.ndarray:
+    """Per-response-token ``values`` of a batch :func:`reorder` made (``reordered`` its layout),
+    back in the original batch's sequence order."""
+    where = np.empty_like(order)
+    where[order] = np.arange(order.size)  # the original sequence j sits at where[j]
+    return reordered.gather_responses(values, where.tolist(), values.dtype)
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

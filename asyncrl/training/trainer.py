@@ -56,13 +56,22 @@ from torch.distributed.tensor import DTensor
 from asyncrl.backend import WeightTensor, WorkerContext
 from asyncrl.errors import NonFiniteError
 from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
-from asyncrl.policy.packing import Layout, check_packed, micro_batch_bounds
+from asyncrl.policy.packing import (
+    Layout,
+    check_packed,
+    length_order,
+    micro_batch_bounds,
+    token_budget_bounds,
+)
 
 from asyncrl.training.batches import (
+    AnyBatch,
     MicroBatch,
     dummy_micro_batch,
     make_micro_batch,
+    reorder,
     response_logprobs,
+    restore_order,
     to_device,
 )
 from asyncrl.training.kv_calibration import all_reduce_max, calibrate_kv_scales
@@ -333,18 +342,21 @@ class DistributedTrainer:
         problem = check_packed(
             batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
         )
-        bounds = self._bounds(batch, problem)
+        planned, bounds, order = self._plan(batch, problem)
         passes = self._agree(problem, len(bounds), what)
         out: list[torch.Tensor] = []
         with torch.no_grad():
             for i in range(passes):
-                mb = self._micro_batch(batch, bounds, i)
+                mb = self._micro_batch(planned, bounds, i)
                 lp = response_logprobs(forward(mb), mb, temperature)
                 if i < len(bounds):
                     out.append(lp)
         if not out:
             return np.zeros(0, dtype=np.float32)
-        return torch.cat(out).to("cpu", torch.float32).numpy()
+        values = torch.cat(out).to("cpu", torch.float32).numpy()
+        if order is None:
+            return values
+        return restore_order(values, Layout.of(planned.seq_lens, planned.prompt_lens), order)
 
     def calibrate_kv_scales(
         self, batch: TokenBatch, *, percentile: float, margin: float, include_q: bool
@@ -356,11 +368,11 @@ class DistributedTrainer:
         problem = check_packed(
             batch.tokens, batch.seq_lens, batch.prompt_lens, vocab_size=self._vocab_size
         )
-        bounds = self._bounds(batch, problem)
+        planned, bounds, _ = self._plan(batch, problem)
         passes = self._agree(problem, len(bounds), "calibrate_kv_scales")
         return calibrate_kv_scales(
             self._hf_model(),
-            (self._micro_batch(batch, bounds, i) for i in range(passes)),
+            (self._micro_batch(planned, bounds, i) for i in range(passes)),
             self._forward,
             percentile=percentile,
             margin=margin,
@@ -368,10 +380,21 @@ class DistributedTrainer:
             reduce_max=all_reduce_max if self._ctx.world_size > 1 else None,
         )
 
-    def _bounds(self, batch: TokenBatch | TrainBatch, problem: str | None) -> list[tuple[int, int]]:
+    def _plan(
+        self, batch: AnyBatch, problem: str | None
+    ) -> tuple[AnyBatch, list[tuple[int, int]], np.ndarray | None]:
+        """The batch as this rank runs it, its micro-batches (sequence ranges; none for a
+        malformed batch), and the order :func:`reorder` applied (None: as it came).
+        ``trainer.max_tokens_per_micro_batch`` sorts the sequences by length and cuts by
+        tokens; else ranges of ``trainer.micro_batch_size`` sequences."""
         if problem is not None:
-            return []
-        return micro_batch_bounds(len(batch.seq_lens), self._ctx.config.trainer.micro_batch_size)
+            return batch, [], None
+        cfg = self._ctx.config.trainer
+        if cfg.max_tokens_per_micro_batch <= 0:
+            return batch, micro_batch_bounds(len(batch.seq_lens), cfg.micro_batch_size), None
+        order = length_order(batch.seq_lens)
+        planned = reorder(batch, order)
+        return planned, token_budget_bounds(planned.seq_lens, cfg.max_tokens_per_micro_batch), order
 
     def _micro_batch(
         self, batch: TokenBatch | TrainBatch, bounds: list[tuple[int, int]], i: int
@@ -420,12 +443,12 @@ class DistributedTrainer:
             per_sequence={"advantages": batch.advantages},
             loss_mask=batch.loss_mask,
         )
-        bounds = self._bounds(batch, problem)
+        planned, bounds, _ = self._plan(batch, problem)
         passes = self._agree(problem, len(bounds), f"train_chunk(step={step})")
-        layout = Layout.of(batch.seq_lens, batch.prompt_lens)
+        layout = Layout.of(planned.seq_lens, planned.prompt_lens)
         try:
             with torch.enable_grad():
-                sums = self._forward_backward(batch, layout, bounds, passes)
+                sums = self._forward_backward(planned, layout, bounds, passes)
         except BaseException:
             self._discard("train_chunk failed")
             raise

@@ -24,6 +24,15 @@ class TestFSDP2TwoRanks(TrainingBackendContract):
     world_size = 2
 
 
+class TestFSDP2TwoRanksTokenBudget(TrainingBackendContract):
+    """Micro-batches cut by tokens after sorting by length (the contract's sequences are 1-14
+    tokens: ranges of one to several sequences, and shards whose order changes)."""
+
+    backend = "fsdp2"
+    world_size = 2
+    trainer = {"max_tokens_per_micro_batch": 24}
+
+
 class TestDeepSpeedZero2OneRank(TrainingBackendContract):
     backend = "deepspeed"
     world_size = 1

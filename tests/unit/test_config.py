@@ -313,6 +313,7 @@ max_buffered_groups = 1
 staging_buffers = 1
 [trainer]
 micro_batch_size = 0
+max_tokens_per_micro_batch = -1
 [eval]
 num_prompts = -1
 [checkpoint]
@@ -328,7 +329,7 @@ completions_every = -1
     assert [str(exc).split(":")[0] for exc in found] == [
         "run.num_steps", "cluster.rollout_gpus", "grpo.temperature", "loss.is_cap",
         "pipeline.max_buffered_groups", "refit.staging_buffers", "trainer.micro_batch_size",
-        "eval.num_prompts", "checkpoint.keep_last", "export.every_steps",
+        "trainer.max_tokens_per_micro_batch", "eval.num_prompts", "checkpoint.keep_last", "export.every_steps",
         "failures.reward_timeout_s", "metrics.completions_every", "model.path", "model.path",
     ]  # fmt: skip
     assert all("Fix:" in str(exc) for exc in found)

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncrl.policy.packing import Layout, check_packed
+from asyncrl.policy.packing import Layout, check_packed, length_order, token_budget_bounds
+from asyncrl.training.batches import reorder, restore_order
+from asyncrl.wire.messages import TrainBatch
 from asyncrl.training.byte_groups import byte_groups
 from asyncrl.training.step_ledger import StepLedger, StepStateError
 
@@ -83,3 +85,60 @@ def test_byte_groups_are_consecutive_and_within_budget(sizes, budget) -> None:
         assert total <= budget or len(g) == 1  # only a lone oversized item may exceed it
     for a, b in zip(groups, groups[1:]):  # greedy: the next item would not have fit
         assert sum(sizes[i] for i in a) + sizes[b[0]] > budget
+
+
+@given(st.lists(st.integers(1, 40), max_size=30), st.integers(1, 120), st.booleans())
+def test_token_budget_bounds_cut_greedily_within_the_budget(lens, budget, sort) -> None:
+    """The ranges tile the batch in order; each fits ``count x longest <= budget`` or is one
+    sequence; and none could have taken the next sequence (greedy)."""
+    lens_np = np.array(lens, dtype=np.int64)
+    if sort:
+        lens_np = lens_np[length_order(lens_np)]
+    bounds = token_budget_bounds(lens_np, budget)
+    assert [i for a, b in bounds for i in range(a, b)] == list(range(len(lens)))
+    for k, (a, b) in enumerate(bounds):
+        assert b > a
+        padded = (b - a) * max(lens_np[a:b].tolist())
+        assert b - a == 1 or padded <= budget, (a, b, padded)
+        if k + 1 < len(bounds):
+            assert (b + 1 - a) * max(lens_np[a : b + 1].tolist()) > budget
+
+
+def test_token_budget_bounds_by_hand() -> None:
+    assert token_budget_bounds(np.array([2, 3, 3, 5, 9, 20]), 10) == [(0, 3), (3, 4), (4, 5),
+                                                                      (5, 6)]  # fmt: skip
+    assert token_budget_bounds(np.array([], dtype=np.int64), 10) == []
+    assert length_order(np.array([5, 2, 5, 1])).tolist() == [3, 1, 0, 2]  # stable among equals
+
+
+@given(packed(), st.randoms(use_true_random=False))
+def test_reorder_moves_every_array_with_its_sequence(case, rnd) -> None:
+    """A :class:`TrainBatch` reordered holds, at place k, sequence ``order[k]``'s tokens, its
+    per-token values and its advantage (checked against the sequences cut by hand), and
+    :func:`restore_order` brings per-token values back."""
+    seqs, prompts = case
+    order = list(range(len(seqs)))
+    rnd.shuffle(order)
+    resp = [len(s) - p for s, p in zip(seqs, prompts)]
+    per_token = [[1000.0 * i + j for j in range(r)] for i, r in enumerate(resp)]
+    batch = TrainBatch(
+        tokens=np.array([t for s in seqs for t in s], dtype=np.int32),
+        seq_lens=np.array([len(s) for s in seqs], dtype=np.int32),
+        prompt_lens=np.array(prompts, dtype=np.int32),
+        behaviour_logprobs=np.array([v for vs in per_token for v in vs], dtype=np.float32),
+        advantages=np.arange(len(seqs), dtype=np.float32),
+        loss_mask=np.array([(i + j) % 2 for i, r in enumerate(resp) for j in range(r)],
+                           dtype=np.uint8),  # fmt: skip
+        reference_logprobs=-np.array([v for vs in per_token for v in vs], dtype=np.float32),
+    )
+    out = reorder(batch, np.array(order, dtype=np.int64))
+    assert out.tokens.tolist() == [t for i in order for t in seqs[i]]
+    assert out.prompt_lens.tolist() == [prompts[i] for i in order]
+    assert out.advantages.tolist() == [float(i) for i in order]
+    assert out.behaviour_logprobs.tolist() == [v for i in order for v in per_token[i]]
+    assert out.reference_logprobs.tolist() == [-v for i in order for v in per_token[i]]
+    assert out.loss_mask.tolist() == [(i + j) % 2 for i in order for j in range(resp[i])]
+    assert out.proximal_logprobs is None
+    layout = Layout.of(out.seq_lens, out.prompt_lens)
+    back = restore_order(out.behaviour_logprobs, layout, np.array(order, dtype=np.int64))
+    assert back.tolist() == batch.behaviour_logprobs.tolist()
