@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -25,7 +25,10 @@ from asyncrl.errors import ConfigError, NonFiniteError
 from asyncrl.wire.messages import TokenBatch, TrainBatch
 from asyncrl.policy.packing import Layout
 
+AnyBatch = TypeVar("AnyBatch", TokenBatch, TrainBatch)
+
 __all__ = [
+    "AnyBatch",
     "FLOAT32_MAX",
     "advantages_of",
     "concat_batches",
@@ -289,18 +292,26 @@ _PER_TOKEN = ("behaviour_logprobs", "loss_mask", "proximal_logprobs", "reference
 """The :class:`TrainBatch` fields with one value per response token (the last two optional)."""
 
 
-def take_sequences(batch: TrainBatch, idx: list[int], layout: Layout | None = None) -> TrainBatch:
-    """The sequences ``idx`` of ``batch`` (in that order), each with its per-token values."""
+def take_sequences(batch: AnyBatch, idx: list[int], layout: Layout | None = None) -> AnyBatch:
+    """The sequences ``idx`` of ``batch`` (in that order), each with its per-token values
+    (a :class:`TrainBatch`'s also with its advantage)."""
     layout = layout or Layout.of(batch.seq_lens, batch.prompt_lens)
+    tokens = TokenBatch(
+        tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
+        seq_lens=batch.seq_lens[idx].astype(np.int32),
+        prompt_lens=batch.prompt_lens[idx].astype(np.int32),
+    )
+    if isinstance(batch, TokenBatch):
+        return tokens
     per_token = {
         name: layout.gather_responses(values, idx, values.dtype)
         for name in _PER_TOKEN
         if (values := getattr(batch, name)) is not None
     }
     return TrainBatch(
-        tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
-        seq_lens=batch.seq_lens[idx].astype(np.int32),
-        prompt_lens=batch.prompt_lens[idx].astype(np.int32),
+        tokens=tokens.tokens,
+        seq_lens=tokens.seq_lens,
+        prompt_lens=tokens.prompt_lens,
         advantages=batch.advantages[idx].astype(np.float32),
         **per_token,
     )
@@ -346,15 +357,8 @@ def shard_tokens(batch: TokenBatch, num_shards: int) -> list[TokenBatch]:
     concatenating the shards' per-token results restores the batch's order."""
     layout = Layout.of(batch.seq_lens, batch.prompt_lens)
     bounds = np.linspace(0, batch.seq_lens.size, num_shards + 1).round().astype(int)
-    shards = []
-    for k in range(num_shards):
-        idx = list(range(bounds[k], bounds[k + 1]))
-        shards.append(
-            TokenBatch(
-                tokens=layout.gather_tokens(batch.tokens, idx, np.int32),
-                seq_lens=batch.seq_lens[idx].astype(np.int32),
-                prompt_lens=batch.prompt_lens[idx].astype(np.int32),
-            )
-        )
-    return shards
+    return [
+        take_sequences(batch, list(range(bounds[k], bounds[k + 1])), layout)
+        for k in range(num_shards)
+    ]
 

@@ -9,22 +9,18 @@ sequence by sequence, in position order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
 
-import msgspec
 import numpy as np
 import torch
 
-from asyncrl.policy.packing import Layout
-from asyncrl.wire.messages import TokenBatch, TrainBatch
-
-AnyBatch = TypeVar("AnyBatch", TokenBatch, TrainBatch)
+from asyncrl.policy.grpo import AnyBatch, take_sequences
+from asyncrl.policy.packing import Layout, length_order, micro_batch_bounds, token_budget_bounds
 
 __all__ = [
     "MicroBatch",
     "dummy_micro_batch",
     "make_micro_batch",
-    "reorder",
+    "plan_micro_batches",
     "response_logprobs",
     "restore_order",
     "to_device",
@@ -88,28 +84,24 @@ def make_micro_batch(
     )
 
 
-def reorder(batch: AnyBatch, order: np.ndarray) -> AnyBatch:
-    """``batch`` with its sequences in ``order`` (sequence ``order[k]`` becomes the k-th), every
-    per-token and per-sequence array moved with them."""
-    layout = Layout.of(batch.seq_lens, batch.prompt_lens)
-    idx = order.tolist()
-    changes: dict[str, np.ndarray] = {
-        "tokens": layout.gather_tokens(batch.tokens, idx, batch.tokens.dtype),
-        "seq_lens": batch.seq_lens[order],
-        "prompt_lens": batch.prompt_lens[order],
-    }
-    if isinstance(batch, TrainBatch):
-        for name in ("behaviour_logprobs", "loss_mask", "proximal_logprobs", "reference_logprobs"):
-            values = getattr(batch, name)
-            if values is not None:
-                changes[name] = layout.gather_responses(values, idx, values.dtype)
-        changes["advantages"] = batch.advantages[order]
-    return msgspec.structs.replace(batch, **changes)
+def plan_micro_batches(
+    batch: AnyBatch, micro_batch_size: int, max_tokens: int
+) -> tuple[AnyBatch, list[tuple[int, int]], np.ndarray | None]:
+    """The batch as a rank runs it, its micro-batches (sequence ranges), and the order its
+    sequences were put in (None: as they came). ``max_tokens > 0``
+    (``trainer.max_tokens_per_micro_batch``): sorted by length, cut by
+    :func:`~asyncrl.policy.packing.token_budget_bounds`; else ranges of ``micro_batch_size``
+    sequences."""
+    if max_tokens <= 0:
+        return batch, micro_batch_bounds(len(batch.seq_lens), micro_batch_size), None
+    order = length_order(batch.seq_lens)
+    planned = take_sequences(batch, order.tolist())
+    return planned, token_budget_bounds(planned.seq_lens, max_tokens), order
 
 
 def restore_order(values: np.ndarray, reordered: Layout, order: np.ndarray) -> np.ndarray:
-    """Per-response-token ``values`` of a batch :func:`reorder` made (``reordered`` its layout),
-    back in the original batch's sequence order."""
+    """Per-response-token ``values`` of a batch whose sequences were put in ``order``
+    (:func:`plan_micro_batches`; ``reordered`` its layout), back in the original order."""
     where = np.empty_like(order)
     where[order] = np.arange(order.size)  # the original sequence j sits at where[j]
     return reordered.gather_responses(values, where.tolist(), values.dtype)

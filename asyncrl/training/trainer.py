@@ -56,20 +56,14 @@ from torch.distributed.tensor import DTensor
 from asyncrl.backend import WeightTensor, WorkerContext
 from asyncrl.errors import NonFiniteError
 from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
-from asyncrl.policy.packing import (
-    Layout,
-    check_packed,
-    length_order,
-    micro_batch_bounds,
-    token_budget_bounds,
-)
+from asyncrl.policy.grpo import AnyBatch
+from asyncrl.policy.packing import Layout, check_packed
 
 from asyncrl.training.batches import (
-    AnyBatch,
     MicroBatch,
     dummy_micro_batch,
     make_micro_batch,
-    reorder,
+    plan_micro_batches,
     response_logprobs,
     restore_order,
     to_device,
@@ -383,18 +377,12 @@ class DistributedTrainer:
     def _plan(
         self, batch: AnyBatch, problem: str | None
     ) -> tuple[AnyBatch, list[tuple[int, int]], np.ndarray | None]:
-        """The batch as this rank runs it, its micro-batches (sequence ranges; none for a
-        malformed batch), and the order :func:`reorder` applied (None: as it came).
-        ``trainer.max_tokens_per_micro_batch`` sorts the sequences by length and cuts by
-        tokens; else ranges of ``trainer.micro_batch_size`` sequences."""
+        """:func:`~asyncrl.training.batches.plan_micro_batches` by ``[trainer]``; no
+        micro-batch for a malformed batch."""
         if problem is not None:
             return batch, [], None
         cfg = self._ctx.config.trainer
-        if cfg.max_tokens_per_micro_batch <= 0:
-            return batch, micro_batch_bounds(len(batch.seq_lens), cfg.micro_batch_size), None
-        order = length_order(batch.seq_lens)
-        planned = reorder(batch, order)
-        return planned, token_budget_bounds(planned.seq_lens, cfg.max_tokens_per_micro_batch), order
+        return plan_micro_batches(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
 
     def _micro_batch(
         self, batch: TokenBatch | TrainBatch, bounds: list[tuple[int, int]], i: int

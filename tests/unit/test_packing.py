@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncrl.policy.packing import Layout, check_packed, length_order, token_budget_bounds
-from asyncrl.training.batches import reorder, restore_order
+from asyncrl.policy.grpo import take_sequences
+from asyncrl.training.batches import plan_micro_batches, restore_order
 from asyncrl.wire.messages import TrainBatch
 from asyncrl.training.byte_groups import byte_groups
 from asyncrl.training.step_ledger import StepLedger, StepStateError
@@ -112,10 +113,10 @@ def test_token_budget_bounds_by_hand() -> None:
 
 
 @given(packed(), st.randoms(use_true_random=False))
-def test_reorder_moves_every_array_with_its_sequence(case, rnd) -> None:
-    """A :class:`TrainBatch` reordered holds, at place k, sequence ``order[k]``'s tokens, its
-    per-token values and its advantage (checked against the sequences cut by hand), and
-    :func:`restore_order` brings per-token values back."""
+def test_reordered_batch_moves_every_array_with_its_sequence(case, rnd) -> None:
+    """A :class:`TrainBatch` reordered by ``take_sequences`` holds, at place k, sequence
+    ``order[k]``'s tokens, its per-token values and its advantage (checked against the
+    sequences cut by hand), and :func:`restore_order` brings per-token values back."""
     seqs, prompts = case
     order = list(range(len(seqs)))
     rnd.shuffle(order)
@@ -131,7 +132,7 @@ def test_reorder_moves_every_array_with_its_sequence(case, rnd) -> None:
                            dtype=np.uint8),  # fmt: skip
         reference_logprobs=-np.array([v for vs in per_token for v in vs], dtype=np.float32),
     )
-    out = reorder(batch, np.array(order, dtype=np.int64))
+    out = take_sequences(batch, order)
     assert out.tokens.tolist() == [t for i in order for t in seqs[i]]
     assert out.prompt_lens.tolist() == [prompts[i] for i in order]
     assert out.advantages.tolist() == [float(i) for i in order]
@@ -142,3 +143,21 @@ def test_reorder_moves_every_array_with_its_sequence(case, rnd) -> None:
     layout = Layout.of(out.seq_lens, out.prompt_lens)
     back = restore_order(out.behaviour_logprobs, layout, np.array(order, dtype=np.int64))
     assert back.tolist() == batch.behaviour_logprobs.tolist()
+
+
+def test_plan_micro_batches_sorts_only_under_a_token_budget() -> None:
+    """Budget 0: the batch as it came, ranges of ``micro_batch_size``; a budget: the sequences
+    shortest first (lengths 6, 2, 4 -> 2, 4, 6) cut by tokens (2 x 4 = 8 fits, 3 x 6 not)."""
+    batch = TrainBatch(
+        tokens=np.arange(12, dtype=np.int32), seq_lens=np.array([6, 2, 4], dtype=np.int32),
+        prompt_lens=np.array([1, 1, 1], dtype=np.int32),
+        behaviour_logprobs=np.zeros(9, dtype=np.float32),
+        advantages=np.array([0.0, 1.0, 2.0], dtype=np.float32),
+        loss_mask=np.ones(9, dtype=np.uint8),
+    )  # fmt: skip
+    same, bounds, order = plan_micro_batches(batch, 2, 0)
+    assert same is batch and bounds == [(0, 2), (2, 3)] and order is None
+    planned, bounds, order = plan_micro_batches(batch, 2, 8)
+    assert order.tolist() == [1, 2, 0] and bounds == [(0, 2), (2, 3)]
+    assert planned.seq_lens.tolist() == [2, 4, 6] and planned.advantages.tolist() == [1, 2, 0]
+    assert planned.tokens.tolist() == [6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5]
