@@ -30,9 +30,9 @@ smallest group, so K = 1 runs as 2), run
 Figures: generated tokens/s each way (asyncrl: the measured steps' tokens over their
 generation spans, first dispatch to last sample back; training and refits between steps are
 reported apart), asyncrl's ratio to each vLLM-alone column, the GPU's busy fraction
-(``nvidia-smi``, sampled every 100 ms over the spans), and asyncrl's time: the engine generating (the worker's own account), the rest of
-the spans (dispatch, the return path, gaps), scoring (the controller's threads) and the time
-between steps.
+(``nvidia-smi``, sampled every 100 ms over the spans), and asyncrl's time: the engine
+generating (the worker's own account), the rest of the spans (dispatch, the return path,
+gaps), scoring (the controller's threads) and the time between steps.
 
 **options**: vLLM alone at ``--options-in-flight`` requests (default all), one row per request
 shape or engine option (``OPTIONS``; ``--rows`` picks some), against the shape asyncrl sends:
@@ -235,12 +235,12 @@ def profiled(out: Path) -> Iterator[None]:
     if spy is None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    err_file = out.with_suffix(".stderr").open("w")
+    err_file = out.with_suffix(".stderr").open("w")  # a pipe nobody reads would stall py-spy
     proc = subprocess.Popen(
         [spy, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking",
          "--format", "raw", "--rate", "100", "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=err_file, text=True,
-    )  # fmt: skip  (stderr to a file: a pipe nobody reads would stall py-spy once full)
+    )  # fmt: skip
     try:
         yield
     finally:

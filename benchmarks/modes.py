@@ -346,7 +346,8 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                          "min_groups_for_streaming_train": max(1, args.prompts // 4)},  # fmt: skip
             "trainer": {"backend": "fsdp2", "micro_batch_size": args.micro_batch,
                         "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
-                        "options": {"lr": 1e-6, "mixed_precision": args.mixed_precision}},  # fmt: skip
+                        "options": {"lr": 1e-6,
+                                    "mixed_precision": args.mixed_precision}},  # fmt: skip
             "generator": {"backend": "vllm", "options": engine},
         }
         start = time.perf_counter()
@@ -361,12 +362,12 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         print(f"  {name}: {row['s_per_step']:.2f} s/step (engine {row['engine_s']:.2f}, trainer "
               f"{row['trainer_s']:.2f}, refit {row['refit_s']:.2f}), {row['run_s']:.0f} s in all "
               f"(start and stop included)", flush=True)  # fmt: skip
+        result = {"rows": with_speedups(rows), "gpu": gpu, "size": args.size}
         if args.out is not None:  # each mode's row kept as it ends: a cut run still tells
-            partial = {"rows": with_speedups(rows), "gpu": gpu, "size": args.size,
-                       "partial": len(rows) < len(args.long_modes)}  # fmt: skip
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"vllm-long": partial}, indent=2))
-    return {"rows": with_speedups(rows), "gpu": gpu, "size": args.size}
+            partial = len(rows) < len(args.long_modes)
+            args.out.write_text(json.dumps({"vllm-long": result | {"partial": partial}}, indent=2))
+    return result
 
 
 def vllm_table(rows: list[dict[str, Any]]) -> str:
