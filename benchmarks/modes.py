@@ -346,6 +346,7 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                          "min_groups_for_streaming_train": max(1, args.prompts // 4)},  # fmt: skip
             "trainer": {"backend": "fsdp2", "micro_batch_size": args.micro_batch,
                         "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
+                        "pack_sequences": args.pack_sequences,
                         "options": {"lr": 1e-6,
                                     "mixed_precision": args.mixed_precision}},  # fmt: skip
             "generator": {"backend": "vllm", "options": engine},
@@ -362,7 +363,13 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         print(f"  {name}: {row['s_per_step']:.2f} s/step (engine {row['engine_s']:.2f}, trainer "
               f"{row['trainer_s']:.2f}, refit {row['refit_s']:.2f}), {row['run_s']:.0f} s in all "
               f"(start and stop included)", flush=True)  # fmt: skip
-        result = {"rows": with_speedups(rows), "gpu": gpu, "size": args.size}
+        result = {"rows": with_speedups(rows), "gpu": gpu, "size": args.size, "workload": {
+            "prompts": args.prompts, "samples": args.samples, "max_tokens": args.max_tokens,
+            "mean_len": args.mean_len, "prompt_len": LONG_PROMPT_LEN, "steps": args.steps,
+            "micro_batch": args.micro_batch,
+            "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
+            "pack_sequences": args.pack_sequences, "mixed_precision": args.mixed_precision,
+        }}  # fmt: skip
         if args.out is not None:  # each mode's row kept as it ends: a cut run still tells
             args.out.parent.mkdir(parents=True, exist_ok=True)
             partial = len(rows) < len(args.long_modes)
@@ -408,7 +415,7 @@ async def main(args: argparse.Namespace) -> None:
     if args.seq_delay < 0:  # default: a step trains about as long as a mean sample generates
         args.seq_delay = mean_sample_s / (args.prompts * args.samples)
     results: dict[str, Any] = {
-        "workload": {
+        "workload": {  # the bigram parts' (vllm-long writes its own)
             "prompts_per_step": args.prompts,
             "samples_per_prompt": args.samples,
             "length_median": args.median,
@@ -431,6 +438,7 @@ async def main(args: argparse.Namespace) -> None:
         if args.part == "vllm":
             results["vllm"] = await part_vllm(args, tmp)
         if args.part == "vllm-long":
+            del results["workload"]
             results["vllm-long"] = await part_vllm_long(args, tmp)
     if "modes" in results:
         print()
@@ -477,6 +485,10 @@ if __name__ == "__main__":
         "--max-tokens-per-micro-batch", type=int, default=0,
         help="vllm-long: trainer.max_tokens_per_micro_batch (sorted, token-budget micro-batches; "
         "0: --micro-batch sequences each)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pack-sequences", action="store_true",
+        help="vllm-long: trainer.pack_sequences (rows of --max-tokens-per-micro-batch tokens)",
     )  # fmt: skip
     parser.add_argument(
         "--mixed-precision", choices=["bf16", "none"], default="bf16",

@@ -15,8 +15,12 @@ For every case, ``torchrun --nproc-per-node N`` runs one of:
 Both use the same model (Qwen2.5-0.5B's shape, random weights, built once under ``--model``),
 the same batch (``--seqs`` sequences of ``--seq-len`` tokens per GPU, prompt ``--prompt-len``),
 micro-batch size, bf16 compute with float32 master weights, sdpa attention and
-``torch.optim.AdamW``. A step's time is taken between CUDA synchronizations on rank 0; tokens/s
-counts every token of every rank. Prints a table and appends JSON lines to ``--out``.
+``torch.optim.AdamW``. ``--response-mean M`` gives the asyncrl cases long-tailed lengths
+instead (responses log-normal with mean M and sigma 1, cut at ``--seq-len``, like RL samples),
+and ``--plans`` how they are cut into micro-batches: ``seqs`` (``--micro-batch-size``
+sequences, padded), ``budget:N`` (sorted by length, ``count x longest <= N``) or ``pack:N``
+(end to end in rows of at most N tokens: ``trainer.pack_sequences``). A step's time is taken
+between CUDA synchronizations on rank 0; tokens/s counts every token of every rank. Prints a table and appends JSON lines to ``--out``.
 
     python benchmarks/trainer.py --gpus 1 --cases fsdp2,fsdp2-bare,ds2,ds2-bare,ds3,ds3-bare
 """
@@ -77,11 +81,15 @@ def make_batch(args: argparse.Namespace, rank: int):
 
     rng = np.random.default_rng(rank)
     n, length, prompt = args.seqs, args.seq_len, args.prompt_len
-    tokens = rng.integers(0, 151936, size=n * length).astype(np.int32)
-    response = n * (length - prompt)
+    seq_lens = np.full(n, length, np.int32)
+    if args.response_mean > 0:  # log-normal, sigma 1: mean = exp(mu + 1/2)
+        drawn = rng.lognormal(np.log(args.response_mean) - 0.5, 1.0, size=n)
+        seq_lens = prompt + np.clip(np.rint(drawn), 1, length - prompt).astype(np.int32)
+    tokens = rng.integers(0, 151936, size=int(seq_lens.sum())).astype(np.int32)
+    response = int((seq_lens - prompt).sum())
     return TrainBatch(
         tokens=tokens,
-        seq_lens=np.full(n, length, np.int32),
+        seq_lens=seq_lens,
         prompt_lens=np.full(n, prompt, np.int32),
         behaviour_logprobs=rng.normal(-2.0, 0.5, size=response).astype(np.float32),
         advantages=rng.normal(size=n).astype(np.float32),
@@ -99,11 +107,13 @@ def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[flo
                "num_threads": 0}  # fmt: skip
     if engine == "deepspeed":
         options["zero_stage"] = stage
+    kind, _, budget = args.plan.partition(":")
     config = from_dict({
         "model": {"path": args.model, "dtype": "bfloat16"},
         "environment": {"name": "benchmark"},
         "trainer": {"backend": engine, "micro_batch_size": args.micro_batch_size,
-                    "options": options},
+                    "max_tokens_per_micro_batch": int(budget or 0),
+                    "pack_sequences": kind == "pack", "options": options},
     })  # fmt: skip
     ctx = WorkerContext(group="trainer", rank=rank, world_size=world,
                         local_rank=int(os.environ["LOCAL_RANK"]), config=config,
@@ -243,10 +253,11 @@ def rank_main(args: argparse.Namespace) -> None:
     times = run(args, engine, stage)
     if int(os.environ["RANK"]) == 0:
         world = int(os.environ["WORLD_SIZE"])
-        tokens = world * args.seqs * args.seq_len
+        tokens = world * int(make_batch(args, 0).seq_lens.sum())  # rank 0's, as many on each
         median = statistics.median(times)
         print("RESULT " + json.dumps({
             "case": args.case, "gpus": world, "seqs_per_gpu": args.seqs, "seq_len": args.seq_len,
+            "response_mean": args.response_mean, "plan": args.plan,
             "micro_batch_size": args.micro_batch_size, "step_s": [round(t, 4) for t in times],
             "median_s": round(median, 4), "tok_per_s": round(tokens / median),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
@@ -264,6 +275,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--response-mean", type=float, default=0.0,
+                    help="long-tailed response lengths with this mean (asyncrl cases; 0: fixed)")
+    ap.add_argument("--plans", default="seqs",
+                    help="micro-batching of the asyncrl cases: seqs, budget:N, pack:N (comma list)")
+    ap.add_argument("--plan", default="seqs", help=argparse.SUPPRESS)  # set on the ranks
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--layers", type=int, default=24)
@@ -278,13 +294,18 @@ def main() -> None:
     if not (Path(args.model) / "config.json").exists():
         build_model(Path(args.model), args.layers)
     rows = []
+    runs = [(case, plan) for case in args.cases.split(",")
+            for plan in (args.plans.split(",") if CASES[case][2] else ["seqs"])]  # fmt: skip
+    if args.response_mean > 0 and any(not CASES[case][2] for case, _ in runs):
+        raise SystemExit("--response-mean is for the asyncrl cases only (the bare loops take "
+                         "fixed-length sequences)")  # fmt: skip
     for gpus in [int(g) for g in args.gpus.split(",")]:
-        for case in args.cases.split(","):
+        for case, plan in runs:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(gpus), __file__, "--case", case,
+                   "--nproc-per-node", str(gpus), __file__, "--case", case, f"--plan={plan}",
                    *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("seqs", "seq_len", "prompt_len", "micro_batch_size", "steps",
-                              "warmup", "model")],
+                              "warmup", "model", "response_mean")],
                    *(["--profile"] if args.profile else [])]  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True)
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -294,12 +315,16 @@ def main() -> None:
                 continue
             if args.profile:
                 print(f"--- {case}, {gpus} GPU(s)\n" + proc.stdout.split("RESULT ")[0][-6000:])
+            for line in (proc.stdout + proc.stderr).splitlines():  # the start-time probe's figure
+                if "packing_checked" in line:
+                    print(f"{case} {plan}: {line.strip()[-200:]}", flush=True)
             row = json.loads(found[-1].removeprefix("RESULT "))
             rows.append(row)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{case:>11} {gpus} GPU  {row['median_s']:.3f} s  {row['tok_per_s']:>7} tok/s "
+            print(f"{case:>11} {plan:>10} {gpus} GPU  {row['median_s']:.3f} s  "
+                  f"{row['tok_per_s']:>7} tok/s "
                   f" peak {row['peak_gib']} GiB  steps {row['step_s']}", flush=True)  # fmt: skip
     bare = {(r["case"].removesuffix("-bare"), r["gpus"]): r for r in rows if "bare" in r["case"]}
     for r in rows:

@@ -146,15 +146,30 @@ class TrainerConfig(Section):
     sequence goes alone); ``micro_batch_size`` is then not used. For long-tailed lengths
     this removes the padding a few long samples force on fixed-size micro-batches. The
     gradient is the same (only the order of a sum changes). 0: off."""
+    pack_sequences: bool = False
+    """With ``max_tokens_per_micro_batch``: lay each micro-batch's sequences end to end in
+    one row of at most that many tokens, positions starting again at 0 for each, instead of
+    padding them (no sorting, no padding at all). The model's attention must honour the
+    sequence boundaries that the positions mark (transformers does for sdpa, eager, flex and
+    flash attention); the trainer checks at start that a packed row gives the logprobs its
+    sequences give one by one, and refuses to start otherwise."""
     options: dict[str, Any] = {}
     """Backend-specific options, validated by the backend."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[trainer]`` (the backend checks its ``options``)."""
-        return at_least_one({"trainer.micro_batch_size": self.micro_batch_size}) + not_negative(
+        problems = at_least_one({"trainer.micro_batch_size": self.micro_batch_size})
+        problems += not_negative(
             {"trainer.max_tokens_per_micro_batch": self.max_tokens_per_micro_batch},
             "use 0 to cut micro-batches by trainer.micro_batch_size sequences",
         )
+        if self.pack_sequences and self.max_tokens_per_micro_batch == 0:
+            problems.append(fail(
+                "trainer.pack_sequences", "packs rows of trainer.max_tokens_per_micro_batch "
+                "tokens, which is 0 (off)", "set trainer.max_tokens_per_micro_batch, e.g. "
+                "8192, or pack_sequences = false",
+            ))  # fmt: skip
+        return problems
 
 
 class GeneratorConfig(Section):

@@ -182,20 +182,24 @@ def length_order(seq_lens: np.ndarray) -> np.ndarray:
     return np.argsort(np.asarray(seq_lens, dtype=np.int64), kind="stable")
 
 
-def token_budget_bounds(seq_lens: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` sequence ranges, cut greedily in order so that each range's padded
-    size (its sequences times its longest) is at most ``max_tokens``; a sequence longer than
-    that is a range of its own. On sequences sorted by length (:func:`length_order`) the
-    ranges waste almost nothing on padding, and short sequences share one forward."""
+def token_budget_bounds(
+    seq_lens: np.ndarray, max_tokens: int, *, packed: bool = False
+) -> list[tuple[int, int]]:
+    """``[start, stop)`` sequence ranges, cut greedily in order so that each range's size is
+    at most ``max_tokens``; a sequence longer than that is a range of its own. The size is
+    the padded one (its sequences times its longest), or with ``packed`` the sum of its
+    lengths (the sequences laid end to end in one row). On sequences sorted by length
+    (:func:`length_order`) padded ranges waste almost nothing, and short sequences share one
+    forward."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     bounds: list[tuple[int, int]] = []
-    start, longest = 0, 0
+    start, longest, total = 0, 0, 0
     for i, n in enumerate(lens.tolist()):
-        grown = max(longest, n)
-        if i > start and (i + 1 - start) * grown > max_tokens:
+        grown, summed = max(longest, n), total + n
+        if i > start and (summed if packed else (i + 1 - start) * grown) > max_tokens:
             bounds.append((start, i))
-            start, grown = i, n
-        longest = grown
+            start, grown, summed = i, n, n
+        longest, total = grown, summed
     if start < lens.size:
         bounds.append((start, int(lens.size)))
     return bounds

@@ -8,6 +8,7 @@ sequence by sequence, in position order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ __all__ = [
     "MicroBatch",
     "dummy_micro_batch",
     "make_micro_batch",
+    "packing_error",
     "plan_micro_batches",
     "response_logprobs",
     "restore_order",
@@ -29,18 +31,24 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Right-padded sequences and where their response tokens are.
+    """Sequences for one forward, right-padded rows or laid end to end in one row, and where
+    their response tokens are.
 
     Right padding needs no attention mask: under causal attention a real token only attends
-    to earlier positions, which are all real.
+    to earlier positions, which are all real. A packed row carries ``position_ids`` that
+    start again at 0 for each sequence; the model's attention reads the sequence boundaries
+    from them (transformers: a block-diagonal causal mask for sdpa, eager and flex
+    attention, variable-length kernels for flash attention), and the trainer checks at
+    start that it does (:meth:`~asyncrl.training.trainer.Trainer.check_packing`).
     """
 
     input_ids: torch.Tensor
-    """int64 ``[b, L]``, right-padded."""
+    """int64 ``[b, L]``, right-padded, or ``[1, N]`` packed."""
     rows: torch.Tensor
-    """int64 ``[n]``: the sequence of each response token."""
+    """int64 ``[n]``: the row of each response token."""
     cols: torch.Tensor
-    """int64 ``[n]``: the position whose logits predict it (its own position - 1)."""
+    """int64 ``[n]``: the place in its row of the logits that predict it (one before its
+    own)."""
     targets: torch.Tensor
     """int64 ``[n]``: the response token ids."""
     response_slice: slice
@@ -48,6 +56,15 @@ class MicroBatch:
     window: tuple[int, int]
     """``[lo, hi)``: the positions whose logits predict some response token (``cols`` lie in
     it), known on the host; empty when there is no response token."""
+    position_ids: torch.Tensor | None = None
+    """int64 ``[1, N]`` for a packed row (each sequence's positions from 0); None: padded
+    rows, whose positions are the default ``0..L-1``."""
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of a transformers causal LM's forward for this batch."""
+        if self.position_ids is None:
+            return {"input_ids": self.input_ids}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids}
 
 
 def make_micro_batch(
@@ -59,17 +76,28 @@ def make_micro_batch(
     *,
     device: torch.device,
     pad_id: int = 0,
+    packed: bool = False,
 ) -> MicroBatch:
-    """Sequences ``start:stop`` of a packed batch as a :class:`MicroBatch` on ``device``."""
+    """Sequences ``start:stop`` of a packed batch as a :class:`MicroBatch` on ``device``:
+    one right-padded row each, or with ``packed`` all in one row, end to end."""
     layout = Layout.of(seq_lens, prompt_lens)
     lens = layout.seq_lens[start:stop]
-    ids = np.full((stop - start, int(lens.max())), pad_id, dtype=np.int64)
+    if packed:
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        ids = tokens[layout.sequence(start).start : layout.sequence(stop - 1).stop]
+        ids = ids.astype(np.int64)[None, :]
+        position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])[None, :]
+    else:
+        offsets = np.zeros(stop - start, dtype=np.int64)
+        ids = np.full((stop - start, int(lens.max())), pad_id, dtype=np.int64)
+        for row, i in enumerate(range(start, stop)):
+            ids[row, : lens[row]] = tokens[layout.sequence(i)]
+        position_ids = None
     rows, cols = [], []
-    for row, i in enumerate(range(start, stop)):
-        ids[row, : lens[row]] = tokens[layout.sequence(i)]
+    for k, i in enumerate(range(start, stop)):
         positions = np.arange(layout.prompt_lens[i], layout.seq_lens[i], dtype=np.int64)
-        rows.append(np.full(len(positions), row, dtype=np.int64))
-        cols.append(positions - 1)
+        rows.append(np.full(len(positions), 0 if packed else k, dtype=np.int64))
+        cols.append(offsets[k] + positions - 1)
     rows_np, cols_np = np.concatenate(rows), np.concatenate(cols)
     targets = ids[rows_np, cols_np + 1]
     window = (int(cols_np.min()), int(cols_np.max()) + 1) if cols_np.size else (0, 0)
@@ -81,22 +109,50 @@ def make_micro_batch(
         targets=to_device(targets, device),
         response_slice=layout.responses(start, stop),
         window=window,
+        position_ids=None if position_ids is None else to_device(position_ids, device),
     )
 
 
 def plan_micro_batches(
-    batch: AnyBatch, micro_batch_size: int, max_tokens: int
+    batch: AnyBatch, micro_batch_size: int, max_tokens: int, *, packed: bool = False
 ) -> tuple[AnyBatch, list[tuple[int, int]], np.ndarray | None]:
     """The batch as a rank runs it, its micro-batches (sequence ranges), and the order its
     sequences were put in (None: as they came). ``max_tokens > 0``
-    (``trainer.max_tokens_per_micro_batch``): sorted by length, cut by
-    :func:`~asyncrl.policy.packing.token_budget_bounds`; else ranges of ``micro_batch_size``
-    sequences."""
+    (``trainer.max_tokens_per_micro_batch``): with ``packed`` (``trainer.pack_sequences``)
+    ranges in the batch's order whose lengths sum to at most ``max_tokens``, else sorted by
+    length and cut by :func:`~asyncrl.policy.packing.token_budget_bounds`; ``max_tokens``
+    0: ranges of ``micro_batch_size`` sequences."""
     if max_tokens <= 0:
         return batch, micro_batch_bounds(len(batch.seq_lens), micro_batch_size), None
+    if packed:  # no padding to save: the order stays
+        return batch, token_budget_bounds(batch.seq_lens, max_tokens, packed=True), None
     order = length_order(batch.seq_lens)
     planned = take_sequences(batch, order.tolist())
     return planned, token_budget_bounds(planned.seq_lens, max_tokens), order
+
+
+def packing_error(
+    forward: Callable[[MicroBatch], torch.Tensor],
+    vocab_size: int,
+    device: torch.device,
+    lens: tuple[int, ...] = (48, 40),
+) -> float:
+    """The largest difference (nats) between the logprobs of random sequences of ``lens``
+    laid end to end in one row and the logprobs of each alone, under ``forward``
+    (micro-batch -> logits). About 0 if the model's attention separates packed sequences by
+    their position ids; of the order of 1 if a sequence attends to the one before it."""
+    seq_lens = np.array(lens, dtype=np.int64)
+    tokens = np.random.default_rng(0).integers(0, vocab_size, int(seq_lens.sum()))
+    prompts = np.ones_like(seq_lens)  # every token after the first is scored
+
+    def logprobs(start: int, stop: int, packed: bool) -> torch.Tensor:
+        mb = make_micro_batch(tokens, seq_lens, prompts, start, stop, device=device,
+                              packed=packed)  # fmt: skip
+        return response_logprobs(forward(mb), mb, 1.0).float()
+
+    together = logprobs(0, len(lens), True)
+    apart = torch.cat([logprobs(i, i + 1, False) for i in range(len(lens))])
+    return float((together - apart).abs().max())
 
 
 def restore_order(values: np.ndarray, reordered: Layout, order: np.ndarray) -> np.ndarray:

@@ -33,6 +33,16 @@ class TestFSDP2TwoRanksTokenBudget(TrainingBackendContract):
     trainer = {"max_tokens_per_micro_batch": 24}
 
 
+class TestFSDP2TwoRanksPacked(TrainingBackendContract):
+    """Micro-batches packed end to end in rows of 24 tokens (``trainer.pack_sequences``):
+    rows of one to several sequences, positions restarting in each, against the float64
+    reference that runs every sequence alone."""
+
+    backend = "fsdp2"
+    world_size = 2
+    trainer = {"max_tokens_per_micro_batch": 24, "pack_sequences": True}
+
+
 class TestDeepSpeedZero2OneRank(TrainingBackendContract):
     backend = "deepspeed"
     world_size = 1

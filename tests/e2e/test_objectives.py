@@ -1,6 +1,7 @@
 """The CPU demo (examples/tiny_arith.toml: vLLM CPU build + FSDP2) trained with a KL term
 (k3, in the loss), two mini-steps per RL step and decoupled PPO (the proximal policy
-refreshed on the pre-step weights): it learns, every step logs its mini-steps, the KL, the
+refreshed on the pre-step weights), its sequences packed into rows (trainer.pack_sequences):
+it learns, every step logs its mini-steps, the KL, the
 trainer/generator mismatch and what each refresh cost, and nothing is left behind."""
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ async def test_demo_learns_with_kl_mini_steps_and_decoupled_ppo(tmp_path: Path) 
         "run.num_steps": 30, "eval.num_prompts": 200, "metrics.sinks": ["jsonl"],
         "loss.kl_coef": 0.05, "loss.kl_estimator": "k3", "loss.proximal_policy": "current",
         "grpo.mini_steps": 2,
+        # the trainer's every forward (training, proximal refresh, reference) on packed rows
+        "trainer.max_tokens_per_micro_batch": 512, "trainer.pack_sequences": True,
     })  # fmt: skip
     mark_test_start()
     async with Controller(config) as ctl:
         pids = worker_pids(ctl).values()
         await ctl.train()
     assert_nothing_left(ctl, pids)
+    trainer_log = (Path(config.run.output_dir) / "logs" / "trainer-0.log").read_text()
+    assert '"event": "packing_checked"' in trainer_log  # packed rows, checked at start
     records = read_metrics(config)
     steps = [r for r in records if r["kind"] == "train"]
     assert len(steps) == 30

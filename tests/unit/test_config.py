@@ -335,6 +335,19 @@ completions_every = -1
     assert all("Fix:" in str(exc) for exc in found)
 
 
+def test_packing_needs_a_row_length(tmp_path: Path, model_dir: Path) -> None:
+    """``trainer.pack_sequences`` packs rows of ``max_tokens_per_micro_batch`` tokens: with
+    that 0 (off) the config names both fields and the fix; with it set, nothing."""
+    from asyncrl.config import load_unvalidated, problems
+
+    body = BASE + "\n[trainer]\npack_sequences = true\n"
+    found = problems(load_unvalidated(write(tmp_path, body)))
+    assert [str(exc).split(":")[0] for exc in found] == ["trainer.pack_sequences"]
+    assert "trainer.max_tokens_per_micro_batch" in str(found[0]) and "Fix:" in str(found[0])
+    ok = body + "max_tokens_per_micro_batch = 4096\n"
+    assert problems(load_unvalidated(write(tmp_path, ok))) == []
+
+
 @pytest.mark.anyio
 async def test_a_controller_not_running_says_where_to_ask(tmp_path: Path, model_dir: Path) -> None:
     """What the controller answers needs a run: outside ``async with`` each call says so."""

@@ -88,26 +88,39 @@ def test_byte_groups_are_consecutive_and_within_budget(sizes, budget) -> None:
         assert sum(sizes[i] for i in a) + sizes[b[0]] > budget
 
 
-@given(st.lists(st.integers(1, 40), max_size=30), st.integers(1, 120), st.booleans())
-def test_token_budget_bounds_cut_greedily_within_the_budget(lens, budget, sort) -> None:
-    """The ranges tile the batch in order; each fits ``count x longest <= budget`` or is one
-    sequence; and none could have taken the next sequence (greedy)."""
+@given(
+    st.lists(st.integers(1, 40), max_size=30), st.integers(1, 120), st.booleans(), st.booleans()
+)
+def test_token_budget_bounds_cut_greedily_within_the_budget(lens, budget, sort, packed) -> None:
+    """The ranges tile the batch in order; each fits the budget (``count x longest``, or the
+    sum of lengths when ``packed``) or is one sequence; and none could have taken the next
+    sequence (greedy)."""
     lens_np = np.array(lens, dtype=np.int64)
     if sort:
         lens_np = lens_np[length_order(lens_np)]
-    bounds = token_budget_bounds(lens_np, budget)
+
+    def size(a: int, b: int) -> int:
+        part = lens_np[a:b].tolist()
+        return sum(part) if packed else (b - a) * max(part)
+
+    bounds = token_budget_bounds(lens_np, budget, packed=packed)
     assert [i for a, b in bounds for i in range(a, b)] == list(range(len(lens)))
     for k, (a, b) in enumerate(bounds):
         assert b > a
-        padded = (b - a) * max(lens_np[a:b].tolist())
-        assert b - a == 1 or padded <= budget, (a, b, padded)
+        assert b - a == 1 or size(a, b) <= budget, (a, b, size(a, b))
         if k + 1 < len(bounds):
-            assert (b + 1 - a) * max(lens_np[a : b + 1].tolist()) > budget
+            assert size(a, b + 1) > budget
 
 
 def test_token_budget_bounds_by_hand() -> None:
     assert token_budget_bounds(np.array([2, 3, 3, 5, 9, 20]), 10) == [(0, 3), (3, 4), (4, 5),
                                                                       (5, 6)]  # fmt: skip
+    # end to end: 2+3+3 = 8 fits, + 5 does not; 5 alone; 9 alone; 20 over the budget, alone
+    assert token_budget_bounds(np.array([2, 3, 3, 5, 9, 20]), 10, packed=True) == [
+        (0, 3), (3, 4), (4, 5), (5, 6)
+    ]  # fmt: skip
+    assert token_budget_bounds(np.array([4, 1, 5, 2, 2]), 6, packed=True) == [(0, 2), (2, 3),
+                                                                              (3, 5)]  # fmt: skip
     assert token_budget_bounds(np.array([], dtype=np.int64), 10) == []
     assert length_order(np.array([5, 2, 5, 1])).tolist() == [3, 1, 0, 2]  # stable among equals
 
