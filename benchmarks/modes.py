@@ -414,8 +414,8 @@ async def main(args: argparse.Namespace) -> None:
     mean_sample_s = args.median * math.exp(0.5) * args.token_delay
     if args.seq_delay < 0:  # default: a step trains about as long as a mean sample generates
         args.seq_delay = mean_sample_s / (args.prompts * args.samples)
-    results: dict[str, Any] = {
-        "workload": {  # the bigram parts' (vllm-long writes its own)
+    results: dict[str, Any] = {} if args.part == "vllm-long" else {  # it writes its own
+        "workload": {  # the bigram parts'
             "prompts_per_step": args.prompts,
             "samples_per_prompt": args.samples,
             "length_median": args.median,
@@ -438,7 +438,6 @@ async def main(args: argparse.Namespace) -> None:
         if args.part == "vllm":
             results["vllm"] = await part_vllm(args, tmp)
         if args.part == "vllm-long":
-            del results["workload"]
             results["vllm-long"] = await part_vllm_long(args, tmp)
     if "modes" in results:
         print()

@@ -20,7 +20,8 @@ instead (responses log-normal with mean M and sigma 1, cut at ``--seq-len``, lik
 and ``--plans`` how they are cut into micro-batches: ``seqs`` (``--micro-batch-size``
 sequences, padded), ``budget:N`` (sorted by length, ``count x longest <= N``) or ``pack:N``
 (end to end in rows of at most N tokens: ``trainer.pack_sequences``). A step's time is taken
-between CUDA synchronizations on rank 0; tokens/s counts every token of every rank. Prints a table and appends JSON lines to ``--out``.
+between CUDA synchronizations on rank 0; tokens/s counts every token of every rank. Prints a
+table and appends JSON lines to ``--out``.
 
     python benchmarks/trainer.py --gpus 1 --cases fsdp2,fsdp2-bare,ds2,ds2-bare,ds3,ds3-bare
 """
@@ -97,6 +98,13 @@ def make_batch(args: argparse.Namespace, rank: int):
     )
 
 
+def all_ranks_tokens(args: argparse.Namespace, world: int, *, responses: bool) -> int:
+    """Tokens (or response tokens) of every rank's batch: with ``--response-mean`` each rank
+    draws its own lengths."""
+    batches = [make_batch(args, r) for r in range(world)]
+    return sum(int((b.seq_lens - (b.prompt_lens if responses else 0)).sum()) for b in batches)
+
+
 def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]:
     from asyncrl.backend import WorkerContext
     from asyncrl.config import from_dict
@@ -121,7 +129,7 @@ def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[flo
     backend = load("asyncrl.training_backends", engine)(ctx)
     backend.start()
     batch = make_batch(args, rank)
-    total = world * int((batch.seq_lens - batch.prompt_lens).sum())
+    total = all_ranks_tokens(args, world, responses=True)  # the step's loss tokens
     times = []
 
     def one(step: int) -> None:
@@ -253,7 +261,7 @@ def rank_main(args: argparse.Namespace) -> None:
     times = run(args, engine, stage)
     if int(os.environ["RANK"]) == 0:
         world = int(os.environ["WORLD_SIZE"])
-        tokens = world * int(make_batch(args, 0).seq_lens.sum())  # rank 0's, as many on each
+        tokens = all_ranks_tokens(args, world, responses=False)
         median = statistics.median(times)
         print("RESULT " + json.dumps({
             "case": args.case, "gpus": world, "seqs_per_gpu": args.seqs, "seq_len": args.seq_len,

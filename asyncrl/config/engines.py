@@ -145,7 +145,8 @@ class TrainerConfig(Section):
     as many into a forward as fit ``count x longest <= max_tokens_per_micro_batch`` (a longer
     sequence goes alone); ``micro_batch_size`` is then not used. For long-tailed lengths
     this removes the padding a few long samples force on fixed-size micro-batches. The
-    gradient is the same (only the order of a sum changes). 0: off."""
+    gradient is the same (only the order of a sum changes). With ``pack_sequences`` the
+    sequences keep their order and their lengths are summed instead. 0: off."""
     pack_sequences: bool = False
     """With ``max_tokens_per_micro_batch``: lay each micro-batch's sequences end to end in
     one row of at most that many tokens, positions starting again at 0 for each, instead of

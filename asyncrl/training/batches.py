@@ -39,7 +39,7 @@ class MicroBatch:
     start again at 0 for each sequence; the model's attention reads the sequence boundaries
     from them (transformers: a block-diagonal causal mask for sdpa, eager and flex
     attention, variable-length kernels for flash attention), and the trainer checks at
-    start that it does (:meth:`~asyncrl.training.trainer.Trainer.check_packing`).
+    start that it does (:func:`packing_error`).
     """
 
     input_ids: torch.Tensor
