@@ -29,7 +29,9 @@ def write_model(
     """A random bf16 Qwen2 checkpoint of ``size`` with the ``t<i>`` word-level tokenizer
     (kept across runs in ``out``). With ``mean_len``, EOS is made likely enough that samples
     of at most ``max_len`` tokens after ``prompt_len``-token prompts end after about
-    ``mean_len`` tokens on average, with a long tail (:func:`eos_for_mean_length`)."""
+    ``mean_len`` tokens on average, with a long tail (:func:`eos_for_mean_length`). Its
+    context (``max_position_embeddings``, vLLM's ``max_model_len``) is 4,096 tokens, or a
+    prompt and ``max_len`` if longer."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -41,7 +43,8 @@ def write_model(
     config = transformers.Qwen2Config(
         hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
         intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=EOS, torch_dtype="bfloat16",
+        max_position_embeddings=max(4096, prompt_len + max_len), bos_token_id=1,
+        eos_token_id=EOS, torch_dtype="bfloat16",
     )  # fmt: skip
     with torch.device("meta"):
         shapes = {k: p.shape for k, p in transformers.Qwen2ForCausalLM(config).named_parameters()}

@@ -19,9 +19,10 @@ from asyncrl.policy.packing import Layout, length_order, micro_batch_bounds, tok
 
 __all__ = [
     "MicroBatch",
+    "PackingCheck",
     "dummy_micro_batch",
     "make_micro_batch",
-    "packing_error",
+    "packing_check",
     "plan_micro_batches",
     "response_logprobs",
     "restore_order",
@@ -39,7 +40,7 @@ class MicroBatch:
     start again at 0 for each sequence; the model's attention reads the sequence boundaries
     from them (transformers: a block-diagonal causal mask for sdpa, eager and flex
     attention, variable-length kernels for flash attention), and the trainer checks at
-    start that it does (:func:`packing_error`).
+    start that it does (:func:`packing_check`).
     """
 
     input_ids: torch.Tensor
@@ -131,28 +132,47 @@ def plan_micro_batches(
     return planned, token_budget_bounds(planned.seq_lens, max_tokens), order
 
 
-def packing_error(
+@dataclass(frozen=True)
+class PackingCheck:
+    """What :func:`packing_check` measured, in nats (largest absolute logprob difference)."""
+
+    swapped: float
+    """A packed sequence's logprobs with one sequence before it against another of the same
+    length: exactly 0 where attention stops at the boundary (the same shapes run the same
+    kernels, in any dtype), of the order of 0.1-1 where it leaks."""
+    apart: float
+    """The packed row against each sequence alone: the dtype's rounding where attention stops
+    at the boundary (other shapes run other kernels), for the log only."""
+
+
+def packing_check(
     forward: Callable[[MicroBatch], torch.Tensor],
     vocab_size: int,
     device: torch.device,
-    lens: tuple[int, ...] = (48, 40),
-) -> float:
-    """The largest difference (nats) between the logprobs of random sequences of ``lens``
-    laid end to end in one row and the logprobs of each alone, under ``forward``
-    (micro-batch -> logits). About 0 if the model's attention separates packed sequences by
-    their position ids; of the order of 1 if a sequence attends to the one before it."""
+    lens: tuple[int, int] = (48, 40),
+) -> PackingCheck:
+    """Whether ``forward`` (micro-batch -> logits) keeps packed sequences apart: random
+    sequences A and B of ``lens`` laid end to end in one row, then the same row with A
+    replaced by another random sequence; B's logprobs must not move."""
+    rng = np.random.default_rng(0)
+    first, other, second = (rng.integers(0, vocab_size, n) for n in (lens[0], lens[0], lens[1]))
     seq_lens = np.array(lens, dtype=np.int64)
-    tokens = np.random.default_rng(0).integers(0, vocab_size, int(seq_lens.sum()))
     prompts = np.ones_like(seq_lens)  # every token after the first is scored
 
-    def logprobs(start: int, stop: int, packed: bool) -> torch.Tensor:
+    def logprobs(tokens: np.ndarray, start: int, stop: int, packed: bool) -> torch.Tensor:
         mb = make_micro_batch(tokens, seq_lens, prompts, start, stop, device=device,
                               packed=packed)  # fmt: skip
         return response_logprobs(forward(mb), mb, 1.0).float()
 
-    together = logprobs(0, len(lens), True)
-    apart = torch.cat([logprobs(i, i + 1, False) for i in range(len(lens))])
-    return float((together - apart).abs().max())
+    row = np.concatenate([first, second])
+    together = logprobs(row, 0, 2, True)
+    behind_other = logprobs(np.concatenate([other, second]), 0, 2, True)
+    apart = torch.cat([logprobs(row, i, i + 1, False) for i in range(2)])
+    tail = slice(lens[0] - 1, None)  # B's response tokens
+    return PackingCheck(
+        swapped=float((together[tail] - behind_other[tail]).abs().max()),
+        apart=float((together - apart).abs().max()),
+    )
 
 
 def restore_order(values: np.ndarray, reordered: Layout, order: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from asyncrl.training.batches import (  # noqa: E402
     MicroBatch,
     make_micro_batch,
-    packing_error,
+    packing_check,
     plan_micro_batches,
     response_logprobs,
 )
@@ -105,13 +105,21 @@ def test_packed_logprobs_match_each_sequence_alone(attn: str, seed: int) -> None
     assert (together - apart).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_start_check_tells_separated_from_leaking_attention(seed: int) -> None:
-    """What ``DistributedTrainer._check_packing`` decides on: about 0 where transformers
-    honours the boundaries, far over the tolerance where a sequence sees the one before."""
-    model = tiny_qwen2(seed, "sdpa")
+def test_the_start_check_tells_separated_from_leaking_attention(
+    seed: int, dtype: torch.dtype
+) -> None:
+    """What ``DistributedTrainer._check_packing`` decides on: a packed sequence's logprobs
+    do not move at all when the sequence before it is replaced, in either dtype, where
+    transformers honours the boundaries (measured: exactly 0); they move by far more than
+    the tolerance where a sequence sees the one before (measured 0.15-0.22 on these models).
+    The comparison with each sequence alone is rounding in bf16, exact in float32."""
+    model = tiny_qwen2(seed, "sdpa").to(dtype)
     with torch.no_grad():
-        good = packing_error(forward_of(model), VOCAB, CPU)
-        leaking = packing_error(forward_of(model, ignore_boundaries=True), VOCAB, CPU)
-    assert good <= PACKING_TOLERANCE / 10
-    assert leaking > PACKING_TOLERANCE
+        good = packing_check(forward_of(model), VOCAB, CPU)
+        leaking = packing_check(forward_of(model, ignore_boundaries=True), VOCAB, CPU)
+    assert good.swapped == 0.0
+    assert leaking.swapped > PACKING_TOLERANCE
+    if dtype == torch.float32:
+        assert good.apart <= 1e-5  # the bound of the test above
