@@ -28,7 +28,8 @@ reach ``--max-tokens``: ``random_workload.eos_for_mean_length``), ``--prompts`` 
 those ``--long-modes`` names, sync always first) for ``--steps`` steps: s/step against sync,
 trainer idle, staleness, wasted samples, the mean sample length (``response_len_mean``) and the
 median step's time of the engine generating, the trainer computing and the refit, as the workers
-account for it (``engine_s``, ``trainer_s``, ``refit_s``).
+account for it (``engine_s``, ``trainer_s``, ``refit_s``), of the trainer waiting for groups
+(``trainer_wait_s``) and of dispatch waiting for the sampler to admit work (``dispatch_wait_s``).
 The trainer computes in bf16 (``--mixed-precision``), micro-batches of ``--micro-batch``
 sequences or, with ``--max-tokens-per-micro-batch``, cut by tokens after sorting by length.
 
@@ -357,8 +358,11 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         row["run_s"] = time.perf_counter() - start
         row["response_len_mean"] = statistics.mean(r["response_len"] for r in steps)
         for key, name_s in (("engine_busy_s", "engine_s"), ("trainer_compute_s", "trainer_s"),
-                            ("refit_work_s", "refit_s")):  # fmt: skip
-            row[name_s] = statistics.median(r[key] for r in steps[1:])  # workers' own accounts
+                            ("refit_work_s", "refit_s"), ("wait_s", "trainer_wait_s"),
+                            ("gate_wait_s", "dispatch_wait_s")):  # fmt: skip
+            # the workers' own accounts; the trainer waiting for groups; dispatch waiting for
+            # the sampler's gate to open (a refit)
+            row[name_s] = statistics.median(r[key] for r in steps[1:])
         rows.append(row)
         print(f"  {name}: {row['s_per_step']:.2f} s/step (engine {row['engine_s']:.2f}, trainer "
               f"{row['trainer_s']:.2f}, refit {row['refit_s']:.2f}), {row['run_s']:.0f} s in all "
@@ -369,11 +373,10 @@ async def part_vllm_long(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "micro_batch": args.micro_batch,
             "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
             "pack_sequences": args.pack_sequences, "mixed_precision": args.mixed_precision,
-        }}  # fmt: skip
+        }, "partial": len(rows) < len(args.long_modes)}  # fmt: skip
         if args.out is not None:  # each mode's row kept as it ends: a cut run still tells
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            partial = len(rows) < len(args.long_modes)
-            args.out.write_text(json.dumps({"vllm-long": result | {"partial": partial}}, indent=2))
+            args.out.write_text(json.dumps({"vllm-long": result}, indent=2))
     return result
 
 
