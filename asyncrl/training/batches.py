@@ -19,6 +19,7 @@ from asyncrl.policy.packing import Layout, length_order, micro_batch_bounds, tok
 
 __all__ = [
     "MicroBatch",
+    "PACKING_TOLERANCE",
     "PackingCheck",
     "dummy_micro_batch",
     "make_micro_batch",
@@ -132,6 +133,18 @@ def plan_micro_batches(
     return planned, token_budget_bounds(planned.seq_lens, max_tokens), order
 
 
+PACKING_TOLERANCE = 0.05
+"""Nats, for :attr:`PackingCheck.separated`, which the trainer checks at start: how far a
+packed sequence's logprobs may move when the sequence before it is replaced
+(:attr:`PackingCheck.swapped`). Measured
+where attention stops at the boundary: exactly 0, in any dtype (H100, Qwen2.5-0.5B shape,
+FSDP2 bf16, benchmarks/results/packing-check-h100.log; 2-layer Qwen2s on the CPU, float32 and
+bf16, 3 seeds); where it leaks 0.15-0.22 (those CPU models, transformers' default init,
+tests/unit/test_packed_rows.py). The bound sits between: about 3x bf16's rounding of these
+logprobs (the packed row against each sequence alone: 0.0205 on that H100), in case a kernel
+is not deterministic, and a third of the smallest leak."""
+
+
 @dataclass(frozen=True)
 class PackingCheck:
     """What :func:`packing_check` measured, in nats (largest absolute logprob difference)."""
@@ -143,6 +156,13 @@ class PackingCheck:
     apart: float
     """The packed row against each sequence alone: the dtype's rounding where attention stops
     at the boundary (other shapes run other kernels), for the log only."""
+
+    @property
+    def separated(self) -> bool:
+        """Whether attention stops at the boundary: :attr:`swapped` within
+        :data:`PACKING_TOLERANCE`. :attr:`apart` does not count: it is rounding, larger for
+        larger models in bf16."""
+        return self.swapped <= PACKING_TOLERANCE
 
 
 def packing_check(

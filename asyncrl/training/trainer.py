@@ -63,6 +63,7 @@ from asyncrl.training.batches import (
     MicroBatch,
     dummy_micro_batch,
     make_micro_batch,
+    PACKING_TOLERANCE,
     packing_check,
     plan_micro_batches,
     response_logprobs,
@@ -79,17 +80,6 @@ __all__ = ["DistributedTrainer"]
 _PER_TOKEN_INPUTS = ("behaviour_logprobs", "proximal_logprobs", "reference_logprobs")
 
 log = structlog.get_logger()
-
-PACKING_TOLERANCE = 0.05
-"""Nats, for :meth:`DistributedTrainer._check_packing`: how far a packed sequence's logprobs
-may move when the sequence before it is replaced (:attr:`PackingCheck.swapped`). Measured
-where attention stops at the boundary: exactly 0, in any dtype (H100, Qwen2.5-0.5B shape,
-FSDP2 bf16, benchmarks/results/packing-check-h100.log; 2-layer Qwen2s on the CPU, float32 and
-bf16, 3 seeds); where it leaks 0.15-0.22 (those CPU models, transformers' default init,
-tests/unit/test_packed_rows.py). The bound sits between: about 3x bf16's rounding of these
-logprobs (the packed row against each sequence alone: 0.0205 on that H100), in case a kernel
-is not deterministic, and a third of the smallest leak."""
-
 
 class DistributedTrainer:
     """Base of a :class:`~asyncrl.backend.TrainingBackend` over an HF causal LM.
@@ -230,7 +220,7 @@ class DistributedTrainer:
             check = packing_check(self._forward, self._vocab_size, self._device)
         self._log.info("packing_checked", swapped_diff=check.swapped, apart_diff=check.apart,
                        attn_implementation=self._opts.attn_implementation)  # fmt: skip
-        if not check.swapped <= PACKING_TOLERANCE:
+        if not check.separated:
             raise ConfigError(
                 f"trainer.pack_sequences: packed sequences change each other's logprobs (a "
                 f"sequence's moved by up to {check.swapped:.3g} nats when the one before it "
