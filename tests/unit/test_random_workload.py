@@ -42,3 +42,15 @@ def test_samples_have_about_the_target_mean_and_a_long_tail(tmp_path: Path) -> N
     assert MEAN / 2 <= mean <= 2 * MEAN, lengths
     assert p90 >= 4 * p50, (p50, p90)
     assert at_cap < 0.1, at_cap
+
+
+def test_the_context_holds_a_prompt_and_the_longest_sample(tmp_path: Path) -> None:
+    """vLLM takes ``max_model_len`` from the checkpoint: a prompt plus ``max_len`` new tokens
+    must fit it, also past the 4,096 the benchmarks' models used to have."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import random_workload as work
+
+    for name, max_len in (("short", 1024), ("long", 5000)):
+        model_dir = work.write_model("tiny", tmp_path / name, max_len=max_len, prompt_len=PROMPT)
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        assert config.max_position_embeddings == max(4096, PROMPT + max_len)
