@@ -24,7 +24,7 @@ import structlog
 from asyncrl.config import Config
 from asyncrl.errors import ConfigError, ControllerLostError, WorkerStartupError
 from asyncrl.obs import log as _log
-from asyncrl.procs.process import die_with_parent, exit_status, host_id, wait_pid_exit
+from asyncrl.procs.process import die_with_parent, exit_status, host_id, wait_exit_status
 from asyncrl.procs.supervisor import CONTROLLER_LOST
 from asyncrl.wire.curve import KEYS_ENV, KeysError, RunKeys
 from asyncrl.wire.messages import host_name
@@ -70,9 +70,8 @@ async def _serve_until_signal(controller_pid: int = 0, **kwargs: Any) -> _Ending
 
         async def watch_controller() -> None:
             # the runtime has its own watch that stops the worker; this one only keeps the
-            # exit code for the report, read while the process is still a zombie
-            await wait_pid_exit(controller_pid)
-            code = exit_status(controller_pid)
+            # exit code for the report
+            code = await wait_exit_status(controller_pid)
             ending.controller_exit = "unknown" if code is None else str(code)
 
         async def on_signal() -> None:

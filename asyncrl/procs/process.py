@@ -3,10 +3,12 @@
 * :func:`wait_pid_exit` waits on a *pidfd*, which becomes readable the moment the process
   exits, whoever its parent is (torchrun's ranks are siblings of rank 0; the controller of an
   embedded run is no parent of the ranks either).
-* :func:`exit_status` reads the exit status of a process that has exited but not been reaped
-  yet (a zombie keeps it in ``/proc/<pid>/stat``, field 52). Read right after the pidfd fires
-  it usually beats the parent's ``waitpid`` (torchrun polls every 0.1-0.5 s), so a rank's
-  death can be reported with its exit code even when we are not its parent.
+* :func:`wait_exit_status` waits the same way and returns the exit status: from
+  ``/proc/<pid>/stat`` while the process is a zombie (field 52), and once its parent has
+  reaped it (torchrun's agent polls every 0.1 s) from the pidfd itself, which keeps the status
+  since Linux 6.15 (``PIDFD_GET_INFO``) when it was opened before the process was reaped. So a
+  rank's death is reported with its exit code although we are not its parent, whoever wins
+  the race to its zombie.
 * :func:`die_with_parent` makes a rank stop when its launcher dies (``kill -9`` of
   ``asyncrl run`` or of the torchrun agent, the embedding host): torchrun puts every rank in
   a session of its own, so nothing else would reach it and it would train on headless.
@@ -15,9 +17,11 @@
 from __future__ import annotations
 
 import os
+import fcntl
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -30,15 +34,16 @@ __all__ = [
     "ORPHAN_KILL_S",
     "PARENT_ENV",
     "die_with_parent",
-    "exit_code_after_exit",
     "exit_status",
     "has_exited",
+    "is_dying",
     "kill_process_group",
     "lost_owner",
     "parent_pid",
     "pid_exists",
     "process_name",
     "stopped_by_signal",
+    "wait_exit_status",
     "wait_pid_exit",
 ]
 
@@ -66,12 +71,41 @@ async def wait_pid_exit(pid: int) -> None:
 
     Cancellation: stops waiting.
     """
+    await wait_exit_status(pid, within_s=0.0)
+
+
+async def wait_exit_status(pid: int, child: Any = None, within_s: float = 2.0) -> int | None:
+    """Wait until process ``pid`` (not necessarily our child) has exited; return its exit
+    status (``-N`` when signal ``N`` killed it, else its exit code).
+
+    The status is read from the first source that has it, for up to ``within_s`` after the
+    exit (a killed multithreaded process signals its pidfd a moment before it is the zombie
+    whose status ``/proc`` shows): the zombie's ``/proc/<pid>/stat``; the pidfd, opened here
+    before the exit, which keeps the status after the parent reaped the process (Linux 6.15
+    and later); ``child``, its ``multiprocessing.Process`` when it is ours (its ``exitcode``
+    polls, or returns what a ``join`` in another thread stored after reaping it). ``None`` when
+    none has it: reaped by a stranger on an older kernel, or already gone when the wait began.
+
+    Cancellation: stops waiting.
+    """
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
-        return
+        return None if child is None else child.exitcode
     try:
         await anyio.wait_readable(pidfd)
+        deadline = time.monotonic() + within_s
+        while True:
+            code = exit_status(pid)
+            if code is None:
+                code = _reaped_status(pidfd)
+            if code is None and child is not None:
+                code = child.exitcode
+            if code is not None or time.monotonic() > deadline:
+                return code
+            if child is None and not pid_exists(pid):  # reaped by a stranger since the reads
+                return _reaped_status(pidfd)  # kept by the kernel, or unknown
+            await anyio.sleep(0.01)
     finally:
         os.close(pidfd)
 
@@ -87,30 +121,37 @@ def exit_status(pid: int) -> int | None:
     # fields[0] is field 3 (the state); the exit code is field 52 (Linux >= 3.5)
     if len(fields) < 50 or fields[0] not in (b"Z", b"X"):
         return None
-    status = int(fields[49])
+    return _decode_wait_status(int(fields[49]))
+
+
+def _decode_wait_status(status: int) -> int:
+    """A ``waitpid`` status as an exit code: ``-N`` for signal ``N``."""
     if status & 0x7F:
         return -(status & 0x7F)
     return (status >> 8) & 0xFF
 
 
-async def exit_code_after_exit(pid: int, child: Any = None, within_s: float = 2.0) -> int | None:
-    """The exit status of ``pid``, which :func:`wait_pid_exit` saw exit, read until known for
-    up to ``within_s``: a killed multithreaded process signals its pidfd (and closes its
-    pipes) a moment before it is the zombie whose status ``/proc`` shows. ``child``: its
-    ``multiprocessing.Process`` when it is ours, which keeps the code when another waiter of
-    that object reaped it (a ``join`` in another thread stores the code a moment after its
-    ``waitpid`` took the zombie: keep asking). ``None`` once someone else reaped it without
-    telling us, or after ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while True:
-        code = exit_status(pid)
-        if code is None and child is not None:
-            code = child.exitcode  # polls (waitpid WNOHANG) or returns what a join stored
-        if code is not None or time.monotonic() > deadline:
-            return code
-        if child is None and not pid_exists(pid):  # reaped by a stranger: nobody to ask
-            return None
-        await anyio.sleep(0.01)
+# struct pidfd_info (include/uapi/linux/pidfd.h): mask (u64) at 0, exit_code (s32, a waitpid
+# status) at 60, 64 bytes in its first version; PIDFD_GET_INFO = _IOWR(0xFF, 11, that struct)
+_PIDFD_GET_INFO = 0xC040FF0B
+_PIDFD_INFO_EXIT = 1 << 3
+_PIDFD_INFO_SIZE = 64
+
+
+def _reaped_status(pidfd: int) -> int | None:
+    """The exit status the pidfd keeps once its process was reaped (Linux 6.15 and later;
+    ``None`` before the reaping, on older kernels, or when the call is refused)."""
+    buf = bytearray(_PIDFD_INFO_SIZE)
+    struct.pack_into("=Q", buf, 0, _PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, buf)
+    except OSError:  # ENOTTY/EINVAL: no such ioctl; ESRCH: reaped, and no status kept
+        return None
+    (mask,) = struct.unpack_from("=Q", buf, 0)
+    if not mask & _PIDFD_INFO_EXIT:
+        return None
+    (status,) = struct.unpack_from("=i", buf, 60)
+    return _decode_wait_status(status)
 
 
 def parent_pid(pid: int) -> int | None:
@@ -148,6 +189,22 @@ def pid_exists(pid: int) -> bool:
 def has_exited(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie, or already reaped)."""
     return exit_status(pid) is not None or not pid_exists(pid)
+
+
+_PF_EXITING = 0x4
+"""``task_struct.flags`` bit set when a task begins to exit (``/proc/<pid>/stat`` field 9)."""
+
+
+def is_dying(pid: int) -> bool:
+    """Whether process ``pid`` has exited or has begun to: a killed process with many threads
+    is marked exiting at once, but its pidfd fires only when its last thread is gone, which
+    can come after a child it took down with it has exited."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return True  # reaped
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
 
 
 def stopped_by_signal(exit_code: int | None) -> bool:

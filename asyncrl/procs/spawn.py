@@ -28,9 +28,9 @@ import structlog
 from asyncrl.errors import WorkerDiedError
 from asyncrl.procs.process import (
     PARENT_ENV,
-    exit_status,
     kill_process_group,
     pid_exists,
+    wait_exit_status,
     wait_pid_exit,
 )
 from asyncrl.wire.rpc import Peer
@@ -143,9 +143,8 @@ async def watch_peer(peer: Peer, spawned: SpawnedGroup | None, grace_s: float = 
     For a spawned group, waits (up to ``grace_s``) for the torchrun agent to report the
     rank's exit code. Cancellation: stops watching.
     """
-    await wait_pid_exit(peer.pid)
-    exit_code = exit_status(peer.pid)  # while it is a zombie: no need to be its parent
-    if exit_code is None and spawned is not None:
+    exit_code = await wait_exit_status(peer.pid)  # no need to be its parent
+    if exit_code is None and spawned is not None:  # a kernel that keeps no reaped status
         with anyio.move_on_after(grace_s):
             await spawned.process.wait()
         try:

@@ -67,33 +67,96 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def _kernel_keeps_reaped_status() -> bool:
+    """Linux 6.15 and later keep a reaped process's status on a pidfd opened before."""
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return (major, minor) >= (6, 15)
+
+
 @pytest.mark.anyio
-async def test_exit_code_after_exit_of_a_killed_child_and_of_a_reaped_one() -> None:
+async def test_wait_exit_status_of_a_killed_child_and_of_a_reaped_one() -> None:
     import multiprocessing
 
     import anyio
 
-    from asyncrl.procs.process import exit_code_after_exit, wait_pid_exit
+    from asyncrl.procs.process import wait_exit_status
 
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_sleep_forever)
     child.start()
     try:
-        os.kill(child.pid, signal.SIGKILL)
         with anyio.fail_after(5):
-            await wait_pid_exit(child.pid)
-            assert await exit_code_after_exit(child.pid, child) == -signal.SIGKILL
+            async with anyio.create_task_group() as tg:
+                codes: list[int | None] = []
+
+                async def wait() -> None:
+                    codes.append(await wait_exit_status(child.pid, child))
+
+                tg.start_soon(wait)
+                await anyio.sleep(0.05)  # waiting on the live process
+                os.kill(child.pid, signal.SIGKILL)
+        assert codes == [-signal.SIGKILL]
         child.join(5)  # reaped by its Process object: the object still knows the code
-        assert await exit_code_after_exit(child.pid, child) == -signal.SIGKILL
+        assert await wait_exit_status(child.pid, child) == -signal.SIGKILL
     finally:
         child.kill()
         child.join(5)
-    # reaped by someone else, nobody to ask: unknown, at once (not after the 2 s of polling)
+    # gone before the wait began, nobody to ask: unknown, and no polling for it (within_s
+    # is 60 s here: the test's timeout ends it if it waits)
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    start = time.monotonic()
-    assert await exit_code_after_exit(proc.pid) is None
-    assert time.monotonic() - start < 0.5
+    with anyio.fail_after(5):
+        assert await wait_exit_status(proc.pid, within_s=60) is None
+
+
+@pytest.mark.anyio
+async def test_the_status_of_a_sibling_that_its_parent_reaps_at_once() -> None:
+    """torchrun's agent reaps a rank that the controller, its sibling, watches: the status is
+    not the controller's to wait for, and the agent may take the zombie before ``/proc`` is
+    read. A pidfd opened while the process lived keeps it (Linux 6.15 and later)."""
+    import anyio
+
+    from asyncrl.procs.process import wait_exit_status
+
+    with subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; r = subprocess.Popen(['sleep', '60']); "
+         "print(r.pid, flush=True); r.wait(); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as agent:  # fmt: skip
+        rank = int(agent.stdout.readline())
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                codes: list[int | None] = []
+
+                async def watch() -> None:
+                    codes.append(await wait_exit_status(rank))
+
+                tg.start_soon(watch)
+                await anyio.sleep(0.05)
+                # the agent's reaping happens while this loop is blocked: /proc shows nothing
+                os.kill(rank, signal.SIGKILL)
+                deadline = time.monotonic() + 5
+                while os.path.exists(f"/proc/{rank}"):
+                    assert time.monotonic() < deadline, "the agent never reaped the rank"
+                    time.sleep(0.005)
+        agent.kill()
+    expected = -signal.SIGKILL if _kernel_keeps_reaped_status() else None
+    assert codes == [expected]
+
+
+def test_is_dying() -> None:
+    from asyncrl.procs.process import is_dying
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not is_dying(proc.pid) and not is_dying(os.getpid())
+        os.kill(proc.pid, signal.SIGKILL)
+        _wait_zombie(proc)
+        assert is_dying(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert is_dying(proc.pid)  # reaped
 
 
 # ------------------------------------------------------------------ die_with_parent
