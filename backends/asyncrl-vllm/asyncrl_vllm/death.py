@@ -16,21 +16,51 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 
 from asyncrl.errors import EngineDeadError
-from asyncrl.procs.process import exit_code_after_exit, process_name, wait_pid_exit
+from asyncrl.procs.process import (
+    is_dying,
+    parent_pid,
+    process_name,
+    wait_exit_status,
+    wait_pid_exit,
+)
 
-__all__ = ["EngineDeath", "Probe"]
+__all__ = ["EngineDeath", "Probe", "first_death"]
 
 T = TypeVar("T")
 
 UNNAMED = "a process is gone (the engine watch has not named it)"
 """The reason when vLLM's front end saw the death before the watch could name the process."""
+
+
+def first_death(codes: Mapping[int, int | None], parents: Mapping[int, int | None]) -> int:
+    """Of the engine's processes found dead or dying together (``codes``: each one's exit
+    status, ``None`` when unknown; the first one seen first), the death the others followed.
+
+    A process that a signal killed (a negative status) comes before one that exited by
+    itself (the engine core exits after it saw a worker die); among those, the one highest
+    in the engine's process tree (``parents``: each process's parent when the watch began),
+    since its children die with it (killed when it is gone), never the other way round; then
+    the one seen first.
+    """
+
+    def depth(pid: int) -> int:
+        d, up = 0, parents.get(pid)
+        while up in parents and d < len(parents):  # bounded: parents is no tree if pids reused
+            d, up = d + 1, parents.get(up)
+        return d
+
+    def rank(pid: int) -> tuple[bool, int]:
+        code = codes[pid]
+        return (code is None or code >= 0, depth(pid))
+
+    return min(codes, key=rank)  # min keeps the first of equals: the one seen first
 
 
 @dataclass(frozen=True)
@@ -127,8 +157,9 @@ class EngineDeath:
 
     async def watch(self, pids: list[int], probe: Probe | None = None) -> None:
         """Never return while every process in ``pids`` runs (and, with ``probe``, the engine
-        answers it); declare the first one that exits (its name, and its exit code when it can
-        be read), or the hang, and raise :meth:`error`.
+        answers it); declare the first death (its process's name and exit code: of those that
+        exit together, the one the others followed, :func:`first_death`), or the hang, and
+        raise :meth:`error`.
 
         Raises:
             EngineDeadError: a process exited, the engine left a probe unanswered for
@@ -140,15 +171,15 @@ class EngineDeath:
             self.declare("missing: none was running when the watch began (was it started?)")
             raise self.error()
         names = {pid: process_name(pid) for pid in pids}
+        parents = {pid: parent_pid(pid) for pid in pids}  # read while they live
         # the engine core is our multiprocessing child: vLLM's monitor may reap it before we
         # read its status from /proc, but its Process object keeps the exit code
         children = {p.pid: p for p in multiprocessing.active_children() if p.pid in names}
+        seen: list[int] = []
 
         async def one(pid: int, scope: anyio.CancelScope) -> None:
             await wait_pid_exit(pid)
-            code = await exit_code_after_exit(pid, children.get(pid))
-            how = "unknown" if code is None else str(code)
-            self.declare(f"{names[pid]} (pid {pid}) exited with code {how}")
+            seen.append(pid)  # no await since the pidfd fired: first seen, first here
             scope.cancel()
 
         async with anyio.create_task_group() as tg:
@@ -157,6 +188,13 @@ class EngineDeath:
             if probe is not None:
                 core = next((p for p in pids if p in children), pids[0])
                 tg.start_soon(self._probe, probe, f"{names[core]} (pid {core})", tg.cancel_scope)
+        if seen:
+            # the deaths one death causes come with it: whatever else is dead or dying now
+            together = [seen[0], *(p for p in pids if p != seen[0] and is_dying(p))]
+            codes = {p: await wait_exit_status(p, children.get(p)) for p in together}
+            pid = first_death(codes, parents)
+            how = "unknown" if codes[pid] is None else str(codes[pid])
+            self.declare(f"{names[pid]} (pid {pid}) exited with code {how}")
         raise self.error()
 
     async def _probe(self, probe: Probe, core: str, scope: anyio.CancelScope) -> None:
