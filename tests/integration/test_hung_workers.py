@@ -50,10 +50,15 @@ pytestmark = [pytest.mark.usefixtures("no_stray_processes"), pytest.mark.timeout
 
 INTERVAL_S, TIMEOUT_S = 0.5, 3.0
 BEAT = {"heartbeat_interval_s": INTERVAL_S, "heartbeat_timeout_s": TIMEOUT_S}
-DETECT_S = TIMEOUT_S + INTERVAL_S + 1.0
-"""SIGSTOP → kill, at most: the timeout, a tick, and slack for a loaded 2-core machine."""
 EARLIEST_S = TIMEOUT_S - INTERVAL_S
 """SIGSTOP → kill, at least: the last answer may have come up to a tick before the stop."""
+SILENT_MAX_S = TIMEOUT_S + 2 * INTERVAL_S
+"""The silence a hung worker is found with, at most, on the heartbeat's own clock: its ticks
+come an interval apart, and a tick more than an interval late has the lateness forgiven
+(``HeartbeatTracker.tick``). The wall clock from the SIGSTOP has no such bound on a busy
+machine; its figures are printed (``pytest -s``) and kept in docs/failures.md."""
+HANG_GUARD_S = 60
+"""How long to wait for the kill before the test gives up: a guard, not a bound."""
 LAUNCH_S = 180
 RUN = {"eval": {"num_prompts": 0}, "generator": {"options": {"token_delay_s": 0.003}}}
 """Every run here: no evaluation, and generation slow enough to be going on at the stop."""
@@ -123,13 +128,13 @@ async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_
                     await anyio.sleep(0.01)
                 stopped = worker_pids(ctl)["rollout:1"]
                 os.kill(stopped, signal.SIGSTOP)
-                killed_after = await _until_exited(stopped, DETECT_S + 5)
+                killed_after = await _until_exited(stopped, HANG_GUARD_S)
                 with anyio.fail_after(60):  # its rank starts a new one (about 2 s)
                     while worker_pids(ctl).get("rollout:1") in (None, stopped):
                         await anyio.sleep(0.05)
             new_pid = worker_pids(ctl)["rollout:1"]
     _report("embedded rollout worker, SIGSTOP → killed", killed_after)
-    assert EARLIEST_S <= killed_after < DETECT_S + 2, killed_after
+    assert killed_after >= EARLIEST_S, killed_after
     summary = result[0]
     assert new_pid != stopped
     assert len(summary.steps) == cfg.run.num_steps
@@ -138,7 +143,8 @@ async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_
     assert all(e["lost"] == 0 and e["repeated"] == 0 for e in summary.ledger), summary.ledger
     (hung,) = [e for e in logs if e["event"] == "worker_hung"]
     assert (hung["group"], hung["rank"], hung["pid"]) == ("rollout", 1, stopped)
-    assert hung["log"].endswith("rollout-1.log") and hung["silent_s"] >= TIMEOUT_S
+    assert hung["log"].endswith("rollout-1.log")
+    assert TIMEOUT_S <= hung["silent_s"] <= SILENT_MAX_S, hung
     assert hung["last_answer"] is not None  # it had answered before it was stopped
     (restarted,) = [r for r in read_metrics(cfg) if r["kind"] == "worker_restarted"]
     assert (restarted["worker"], restarted["exit_code"]) == ("rollout:1", -signal.SIGKILL)
@@ -156,11 +162,11 @@ async def test_embedded_a_stopped_trainer_stops_the_run_with_a_named_hung_error(
     assert (err.group, err.rank, err.pid, err.exit_code) == (
         "trainer", 0, pids["trainer:0"], -signal.SIGKILL)
     assert err.log_path is not None and err.log_path.endswith("trainer-0.log")
-    assert TIMEOUT_S <= err.silent_s < DETECT_S and err.last_answer is not None
+    assert TIMEOUT_S <= err.silent_s <= SILENT_MAX_S and err.last_answer is not None
     text = str(err)
     assert text.startswith("worker trainer:0 hung: it answered no health probe for ")
     assert "its last answer came at " in text and f"its log: {err.log_path}" in text
-    assert EARLIEST_S <= named_after < DETECT_S + 10, named_after  # + the orderly shutdown
+    assert named_after >= EARLIEST_S, named_after
     stopped = [r for r in read_metrics(cfg) if r["kind"] == "stopped"]
     assert len(stopped) == 1 and "trainer:0 hung" in stopped[0]["deaths"][0]
 
@@ -268,13 +274,13 @@ def test_launch_a_stopped_rollout_worker_is_named_restarted_and_the_run_finishes
     run = _Launch(tmp_path, model_dir, 2, run={"num_steps": num_steps}, failures=BEAT, **RUN)
     try:
         worker, start = run.stop(lambda p: "--rank" in p.cmdline() and "rollout" in p.cmdline())
-        worker.wait(DETECT_S + 5)  # its supervisor reaps it
+        worker.wait(HANG_GUARD_S)  # its supervisor reaps it
         killed_after = time.monotonic() - start
     finally:
         rc = run.finish()
     _report("launch rollout worker, SIGSTOP → killed", killed_after)
     assert rc == 0, run.output()
-    assert EARLIEST_S <= killed_after < DETECT_S + 2, killed_after
+    assert killed_after >= EARLIEST_S, killed_after
     records = run.records()
     assert len([r for r in records if r["kind"] == "train"]) == num_steps
     (restarted,) = [r for r in records if r["kind"] == "worker_restarted"]
@@ -305,5 +311,5 @@ def test_launch_a_stopped_trainer_rank_stops_the_run_with_a_named_hung_error(
         "asyncrl: error: worker trainer:1 hung: it answered no health probe for "), line
     assert f"(pid {trainer1.pid})" in line and "trainer-1.log" in line, line
     assert "its last answer came at " in line, line
-    assert EARLIEST_S <= named_after < DETECT_S + 10, named_after
+    assert named_after >= EARLIEST_S, named_after
     assert run.files_left() == []

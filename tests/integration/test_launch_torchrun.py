@@ -296,9 +296,7 @@ def test_a_hanging_reward_ends_the_launch_with_one_line(tmp_path: Path, model_di
     hang = {"options": {"score_fault": "hang"}}
     config = _config(model_dir, run={"num_steps": 50}, eval={"num_prompts": 0},
                      environment=hang, failures={"reward_timeout_s": 1.0})  # fmt: skip
-    start = time.monotonic()
-    rc, out = _front_door(tmp_path, config)
-    elapsed = time.monotonic() - start
+    rc, out = _front_door(tmp_path, config)  # never ends without the deadline: TIMEOUT_S guards
     assert rc == 1, out[-4000:]
     errors = [line for line in out.splitlines() if line.startswith("asyncrl: ")]
     assert len(errors) == 1, out[-4000:]
@@ -310,6 +308,3 @@ def test_a_hanging_reward_ends_the_launch_with_one_line(tmp_path: Path, model_di
     run_id = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["run_id"]
     assert not list(Path("/tmp").glob(f"asyncrl-*/{run_id}")), "socket dir left behind"
     assert not os.path.exists(shm_dir(run_id)), "shm dir left behind"
-    # measured 12-22 s from launch to exit on the loaded 2-core machine (the deadline is 1 s
-    # of it; the rest is starting the ranks); without the deadline it never ends
-    assert elapsed < 60, elapsed

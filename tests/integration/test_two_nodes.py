@@ -42,6 +42,10 @@ from nodes_support import (  # noqa: E402
 TIMEOUT_S = 120
 HEARTBEAT = "heartbeat_interval_s = 0.5\nheartbeat_timeout_s = 3.0\n"
 """A node lost is named within 3.5 s (timeout + interval)."""
+ENDS_WITHIN_S = 30
+"""A run with a fault ends within 30 s (the fault matrix's requirement, docs/testing.md).
+When exactly a silent node is named is the heartbeat's (tests/unit/test_heartbeat.py, on a
+fake clock); the figures from the kill are printed (``pytest -s``)."""
 
 
 pytestmark = [
@@ -148,10 +152,11 @@ def test_a_node_killed_mid_run_is_named_within_the_heartbeat_timeout(tmp_path: P
     assert "failures.heartbeat_timeout_s = 3 s" in said[0], said
     assert nodes[0].returncode == 1
     # named at 3-3.5 s, 3 s more for a successor; then the orderly stop of node0
-    assert took < 15, took  # 3.6 s measured before the successor's wait; about 7 s with it
+    assert took < ENDS_WITHIN_S, took
     details = (tmp_path / "out" / "logs" / "error.txt").read_text()
     assert "no new process of rollout:0 came from 'node1' within 3 s more" in details, details
     assert session_processes(nodes[0].pid) == []
+    print(f"\nkilled: node0 stopped {took:.1f} s after node1 was killed")
 
 
 def test_a_worker_killed_on_the_other_node_is_restarted_there_and_refitted(
@@ -198,9 +203,10 @@ def test_the_controllers_node_killed_stops_the_other_node(tmp_path: Path) -> Non
     finish(nodes[1], killed + 60)
     took = time.monotonic() - killed
     assert nodes[1].returncode != 0
-    assert took < 11, took  # 1.6 s measured (torchrun's agent saw its store go; the
-    # worker's own watch alone: 3.5 s, then the stop)
+    # torchrun's agent sees its store go, or the worker's own watch its silence (3.5 s)
+    assert took < ENDS_WITHIN_S, took
     assert session_processes(nodes[1].pid) == []
+    print(f"\ncontroller's node killed: node1 stopped {took:.1f} s after")
 
 
 def test_a_node_cut_off_by_its_network_is_named_within_the_heartbeat_timeout(
@@ -220,7 +226,7 @@ def test_a_node_cut_off_by_its_network_is_named_within_the_heartbeat_timeout(
         assert len(said) == 1, out[-3000:]
         assert "worker rollout:0 on host 'node1'" in said[0] and "is lost" in said[0], said
         assert nodes[0].returncode == 1
-        assert took < 15, took  # 7.2 s measured: lost at 3-3.5 s, 3 s for a successor, the stop
+        assert took < ENDS_WITHIN_S, took  # lost at 3-3.5 s, 3 s for a successor, the stop
         assert session_processes(nodes[0].pid) == []
         # node1 is alive but alone: its worker stops on the controller's silence
         log = tmp_path / "out" / "logs" / "rollout-0.log"
@@ -274,7 +280,9 @@ def test_a_key_file_refused_on_one_node_is_said_by_that_node(tmp_path: Path) -> 
         f"chmod 600 {loose}"
     ], outs[0][-3000:]
     assert [session_processes(n.pid) for n in nodes] == [[], []]
-    assert took < 40, took  # both out well before the 60 s start-up timeout
+    # before cluster.startup_timeout_s (60 s) ran out, which it did not wait for: its clock
+    # started after this one
+    assert took < 60, took
     print(f"\nrefused on node1: both nodes out in {took:.1f} s")
 
 

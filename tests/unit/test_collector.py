@@ -35,8 +35,10 @@ async def test_the_pacer_collects_on_the_clock_with_the_automatic_collector_off(
             seen.clear()
             with anyio.move_on_after(0.35):
                 await pace(0.01, 0.1)
-            # ticks of 0.01 s, a full collection every 0.1 s (loose: a loaded 2-core host)
-            assert seen.count(2) >= 2 and seen.count(0) >= 10, seen
+            # young collections on the ticks, a full one once 0.1 s passed, at most one per
+            # 0.1 s: so at most 3 in 0.35 s. How many of each a busy machine lets through is
+            # the clock's (the schedule itself: the fake-clock test above)
+            assert seen.count(0) >= 1 and 1 <= seen.count(2) <= 3, seen
             assert set(seen) <= {0, 2}
             seen.clear()
             garbage = [[]]

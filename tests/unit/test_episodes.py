@@ -371,20 +371,44 @@ def test_limits_cut_the_turn_to_the_context_left() -> None:
 
 
 # ---------------------------------------------------------------------- cancellation latency
-CANCEL_TRIALS = 60
+CANCEL_BOUND_S = 1.0
+"""Issue 24's requirement: an evicted episode has its engine request aborted, and its running
+tool cancelled, within 1 s (p99). The latencies themselves are measured by
+``benchmarks/cancellation.py``: with 2 spinning processes on 2 cores, request abort p99 14 ms
+(max 117 ms), tool p99 0.5 ms, over 1,000 trials each."""
+CANCEL_TRIALS = 20
+"""Each trial is held to the bound, which is stricter than a p99 over them. A cancellation
+that is not at once (a request nobody aborts, a tool left to its timeout) fails the first
+trial; 20 also catch a race that loses one cancellation in ten (88%). A statistical p99 claim
+needs hundreds of trials (300 without a miss for 95% confidence): the benchmark's 1,000."""
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+async def request_abort_latency() -> float:
+    """Seconds from an episode's deadline, which strikes while its turn is in flight, to the
+    abort of that turn's request (the book abandons the turn and its worker is told). The
+    deadline is counted from before the episode starts: the figure errs high, never low."""
+    h = Harness(Env(turns=1), N=1, deadline_s=0.05)
+    aborted_after: list[float] = []
+
+    async def waiting(h: Harness) -> None:
+        h.engines.hold = anyio.Event()  # the engine never answers
+        h.runner.start(h.dispatch())
+        await wait_until(lambda: h.engines.aborted)
+
+    async def timed_abort(worker: str, ids: list[str]) -> None:
+        h.engines.aborted.append((worker, ids))
+        aborted_after.append(anyio.current_time() - deadline)
+
+    h.runner._abort = timed_abort  # noqa: SLF001 - the clock stops when the abort is sent
+    deadline = anyio.current_time() + 0.05
+    await h.run(waiting)
+    assert h.book.turns_in_flight == 1 and h.book.problems() == []  # abandoned, owed
+    return aborted_after[0]
 
 
-async def test_cancelling_an_episode_aborts_its_request_and_its_tool_at_once() -> None:
-    """An episode past its deadline while a turn is in flight has that request aborted (the
-    book abandons it, its worker is told); one cancelled while a tool runs has the tool
-    cancelled (its ``finally`` runs). The issue asks for both within 1 s (p99). Measured
-    over 4 runs of 60 on 2 cores with a CI run beside: request abort p50 1.2-1.4 ms, p99
-    1.9-9.1 ms; tool p50 0.2 ms, p99 0.5-3.7 ms. The bound is ~3x the worst p99 seen."""
+async def tool_cancel_latency() -> float:
+    """Seconds from the abort of a group whose episode is in a tool call to the tool's
+    ``finally``."""
     from asyncrl.env.episode import Turn
     from asyncrl.env.toolbox import ToolBox
     from asyncrl.env.tools import ToolCall, tool
@@ -408,46 +432,29 @@ async def test_cancelling_an_episode_aborts_its_request_and_its_tool_at_once() -
             await episode.call_tools(turn)
             return Score(reward=0.0)
 
-    request_s: list[float] = []
-    tool_s: list[float] = []
-    for _ in range(CANCEL_TRIALS):
-        # a turn in flight when the deadline strikes: its request is aborted
-        h = Harness(Env(turns=1), N=1, deadline_s=0.05)
+    h = Harness(InTool(), N=1)
+    h.runner._tools = ToolBox([wait], timeout_s=60.0)  # noqa: SLF001
+    begun: list[float] = []
 
-        async def waiting(h: Harness) -> None:
-            h.engines.hold = anyio.Event()  # the engine never answers
-            h.runner.start(h.dispatch())
-            await wait_until(lambda: h.engines.aborted)
+    async def in_tool(h: Harness) -> None:
+        h.runner.start(h.dispatch())
+        await wait_until(lambda: h.runner._tools.in_flight() == 1)  # noqa: SLF001
+        aborts = h.book.close()
+        begun.append(anyio.current_time())
+        h.runner.cancel(aborts.episodes)
+        await wait_until(lambda: ended)
 
-        async def timed_abort(worker: str, ids: list[str]) -> None:
-            h.engines.aborted.append((worker, ids))
-            request_s.append(anyio.current_time() - start)
+    await h.run(in_tool)
+    return ended[0] - begun[0]
 
-        h.runner._abort = timed_abort  # noqa: SLF001 - the clock stops when the abort is sent
-        start = anyio.current_time() + 0.05  # the deadline
-        await h.run(waiting)
-        assert h.book.turns_in_flight == 1 and h.book.problems() == []  # abandoned, owed
 
-        # a tool running when the group is aborted: the tool is cancelled
-        h = Harness(InTool(), N=1)
-        h.runner._tools = ToolBox([wait], timeout_s=60.0)  # noqa: SLF001
-
-        async def in_tool(h: Harness) -> None:
-            nonlocal begun
-            h.runner.start(h.dispatch())
-            await wait_until(lambda: h.runner._tools.in_flight() == 1)  # noqa: SLF001
-            aborts = h.book.close()
-            begun = anyio.current_time()
-            h.runner.cancel(aborts.episodes)
-            await wait_until(lambda: len(ended) == len(tool_s) + 1)
-
-        begun = 0.0
-        await h.run(in_tool)
-        tool_s.append(ended[-1] - begun)
-    figures = {name: (_quantile(v, 0.5) * 1e3, _quantile(v, 0.99) * 1e3)
-               for name, v in (("request", request_s), ("tool", tool_s))}  # fmt: skip
-    print(f"cancel latency (p50, p99 ms) over {CANCEL_TRIALS}: {figures}")
-    assert _quantile(request_s, 0.99) < 0.030 and _quantile(tool_s, 0.99) < 0.030, figures
+async def test_cancelling_an_episode_aborts_its_request_and_its_tool_at_once() -> None:
+    """An episode past its deadline while a turn is in flight has that request aborted (the
+    book abandons it, its worker is told); one cancelled while a tool runs has the tool
+    cancelled (its ``finally`` runs). Both within the issue's 1 s, every time."""
+    request_s = [await request_abort_latency() for _ in range(CANCEL_TRIALS)]
+    tool_s = [await tool_cancel_latency() for _ in range(CANCEL_TRIALS)]
+    assert max(request_s) < CANCEL_BOUND_S and max(tool_s) < CANCEL_BOUND_S, (request_s, tool_s)
 
 
 async def test_a_group_aborted_before_its_episodes_start_still_ends() -> None:

@@ -197,11 +197,17 @@ async def test_the_silent_worker_is_killed_and_named_and_the_answering_one_lives
             await anyio.sleep(0.5)  # the answering one survives more beats
     assert silent.returncode == -signal.SIGKILL
     assert talker.poll() is None
-    assert 0.6 <= waited < 2.0, waited
+    # killed once the timeout passed, not before; the first tick after it is the one that
+    # finds it (the tracker's tests above, on a fake clock): on a busy machine the wall clock
+    # can add any delay, which fail_after(5) bounds
+    assert waited >= 0.6, waited
     (hung,) = [e for e in logs if e["event"] == "worker_hung"]
     assert (hung["worker"], hung["group"], hung["rank"], hung["pid"]) == (
         "trainer:0", "trainer", 0, silent.pid)
-    assert hung["log"] == "/logs/trainer-0.log" and hung["silent_s"] >= 0.6
+    assert hung["log"] == "/logs/trainer-0.log"
+    # the silence it was found with, on the heartbeat's clock: past the timeout, by less than
+    # two intervals (a tick more than an interval late is forgiven), however busy the machine
+    assert 0.6 <= hung["silent_s"] <= 0.6 + 2 * 0.1, hung
     assert hung["action"] == "killed (SIGKILL)" and hung["last_answer"] is None
 
     peers = {p.identity: p for p in control.peers.values()}
@@ -259,7 +265,7 @@ async def test_a_silent_worker_on_another_host_is_declared_lost_not_signalled(
             with anyio.fail_after(5):
                 lost = await beat.lost(peer)
             waited = time.monotonic() - start
-    assert 0.6 <= waited < 2.0, waited  # the timeout, plus up to an interval or two
+    assert waited >= 0.6, waited  # the timeout; when after it: as above
     assert sent == [] and opened == []
     assert isinstance(lost, WorkerLostError) and (lost.host, lost.pid) == ("node1", os.getpid() + 1)
     assert str(lost).startswith("worker rollout:0 on host 'node1' (pid ")

@@ -314,16 +314,13 @@ def test_a_process_with_an_abandoned_thread_exits(tmp_path: Path) -> None:
 
         anyio.run(main)
     """))
-    start = time.monotonic()
+    # it exits, or never does (the call on an anyio worker thread): the timeout is no bound
+    # on how fast, only the hang guard; it raises TimeoutExpired
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=50
     )
-    elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr
     assert "timed out: environment 'env'" in proc.stdout
-    # measured 2.2-3.7 s on the loaded 2-core machine (mostly importing asyncrl and numpy);
-    # with the call on an anyio worker thread the process never exits (killed at 50 s)
-    assert elapsed < 10.0, elapsed
 
 
 async def test_the_scorer_reports_its_time_once_per_take() -> None:

@@ -1,8 +1,9 @@
 """Tools (asyncrl.env.tools) and the run's tool box (asyncrl.env.toolbox).
 
 Schemas are compared with JSON written by hand; refusals must name the argument; the box's
-deadline, concurrency limit and cancellation are measured on the real event loop (latency
-figures are printed: run with ``-s`` to see them).
+deadline, concurrency limit and cancellation are checked on the real event loop (the
+deadline's overshoot is printed: run with ``-s`` to see it; the cancellation latencies are
+measured by ``benchmarks/cancellation.py``).
 """
 
 from __future__ import annotations
@@ -361,6 +362,11 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+CANCEL_BOUND_S = 1.0
+"""Issue 24's requirement: cancelling a tool's caller cancels the tool within 1 s (p99). The
+latencies themselves are measured by ``benchmarks/cancellation.py``."""
+
+
 async def _cancel_latency(box: ToolBox, name: str, entered: list[anyio.Event],
                           finished: list[float]) -> float:  # fmt: skip
     """Seconds from cancelling a caller blocked in tool ``name`` to the tool's ``finally``."""
@@ -380,7 +386,9 @@ async def _cancel_latency(box: ToolBox, name: str, entered: list[anyio.Event],
     return finished[-1] - start
 
 
-async def test_cancelling_the_caller_cancels_the_tool_at_once() -> None:
+async def tool_cancel_latencies(trials: int) -> tuple[list[float], ToolBox]:
+    """Cancel the caller of a coroutine tool that never returns, ``trials`` times: the
+    latency of each, and the box (its statistics)."""
     entered: list[anyio.Event] = []
     finished: list[float] = []
 
@@ -395,20 +403,13 @@ async def test_cancelling_the_caller_cancels_the_tool_at_once() -> None:
         return ""
 
     box = ToolBox([hang], timeout_s=3600)
-    latencies = [await _cancel_latency(box, "hang", entered, finished) for _ in range(200)]
-    p50, p99 = _quantile(latencies, 0.5), _quantile(latencies, 0.99)
-    print(f"\ncancel → tool's finally, 200 cancellations: p50 {p50 * 1e6:.0f} µs, "
-          f"p99 {p99 * 1e6:.0f} µs, max {max(latencies) * 1e6:.0f} µs")
-    # Measured p99 60-110 µs idle, 0.6-8.3 ms with the 2-core dev box loaded by 3 busy
-    # processes (the OS's scheduling, not asyncrl's); 25 ms is ~3x the loaded figure, and
-    # far under issue 24's 1 s target.
-    assert p99 < 0.025
-    stats = box.take_stats()
-    assert stats.cancelled == 200 and stats.calls == 0 and box.in_flight() == 0
-    assert {s.outcome for s in stats.spans} == {"cancelled"}
+    return [await _cancel_latency(box, "hang", entered, finished) for _ in range(trials)], box
 
 
-async def test_a_tool_blocked_in_a_thread_does_not_delay_cancellation() -> None:
+async def blocking_cancel_latencies(trials: int) -> tuple[list[float], float]:
+    """Cancel the caller of a tool blocked in :func:`blocking` (a daemon thread), ``trials``
+    times: the latency of each; then how long a tool blocked for 0.3 s in anyio's own
+    ``to_thread.run_sync`` held its cancellation."""
     entered: list[anyio.Event] = []
     finished: list[float] = []
     release = threading.Event()
@@ -439,19 +440,28 @@ async def test_a_tool_blocked_in_a_thread_does_not_delay_cancellation() -> None:
 
     box = ToolBox([helper, plain], timeout_s=3600)
     latencies = []
-    for _ in range(50):
+    for _ in range(trials):
         latencies.append(await _cancel_latency(box, "helper", entered, finished))
         release.set()  # the abandoned thread ends; at most 16 may pile up
         with anyio.fail_after(5):
             while abandoned_threads():
                 await anyio.sleep(0.001)
         release.clear()
-    held = await _cancel_latency(box, "plain", entered, finished)
-    p99 = _quantile(latencies, 0.99)
-    print(f"\ncancel of a tool in blocking(): p50 {_quantile(latencies, 0.5) * 1e6:.0f} µs, "
-          f"p99 {p99 * 1e6:.0f} µs; to_thread.run_sync held it {held * 1e3:.0f} ms")
+    return latencies, await _cancel_latency(box, "plain", entered, finished)
+
+
+async def test_cancelling_the_caller_cancels_the_tool_at_once() -> None:
+    latencies, box = await tool_cancel_latencies(200)
+    assert _quantile(latencies, 0.99) < CANCEL_BOUND_S, sorted(latencies)[-5:]
+    stats = box.take_stats()
+    assert stats.cancelled == 200 and stats.calls == 0 and box.in_flight() == 0
+    assert {s.outcome for s in stats.spans} == {"cancelled"}
+
+
+async def test_a_tool_blocked_in_a_thread_does_not_delay_cancellation() -> None:
+    latencies, held = await blocking_cancel_latencies(50)
     assert held >= 0.25  # the measurement sees a held cancellation: this test can fail
-    assert p99 < 0.025  # as above: measured p99 130-170 µs idle, 240 µs loaded
+    assert _quantile(latencies, 0.99) < CANCEL_BOUND_S, sorted(latencies)[-5:]
 
 
 def test_statistics_give_the_step_metrics_and_the_timeline() -> None:

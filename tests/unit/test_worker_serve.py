@@ -406,8 +406,8 @@ async def test_an_aggregation_the_backend_cannot_normalize_is_refused_before_it_
 
 async def test_a_controller_on_another_host_is_taken_for_gone_when_it_falls_silent() -> None:
     """Its pid names nothing here: the worker watches what it hears instead. Health probes
-    every 0.1 s keep it serving; once they stop, it raises ControllerLostError within
-    interval + timeout (0.1 + 0.5 s), naming the controller's host."""
+    every 0.1 s keep it serving; once they stop, it raises ControllerLostError after
+    interval + timeout (0.1 + 0.5 s) of silence, naming the controller's host."""
     from asyncrl.config import FailuresConfig
     from asyncrl.errors import ControllerLostError
 
@@ -446,4 +446,6 @@ async def test_a_controller_on_another_host_is_taken_for_gone_when_it_falls_sile
     (error,) = lost
     assert "the controller on host 'node0' sent worker trainer:0 nothing for" in str(error)
     assert "went away or was cut off" in str(error)
-    assert 0.6 <= took < 1.8, took  # the 0.6 s limit + one check of 0.1 s: 0.60-0.70 s measured
+    # not before interval + timeout of silence; how much after is the event loop's (under
+    # load, unbounded): fail_after(10) above is the hang guard
+    assert took >= 0.6, took
