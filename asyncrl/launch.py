@@ -64,6 +64,7 @@ import anyio
 import structlog
 
 from asyncrl.obs import log as _log
+from asyncrl.obs.startup import process_start_time
 from asyncrl.wire.curve import RunKeys
 from asyncrl.run.checkpoint_dir import CheckpointError
 from asyncrl.config import Config, load_config, parse_overrides
@@ -176,7 +177,9 @@ def _run_controller(config: Config, store: Any, worker_kwargs: dict[str, Any],
     attach = _attacher(store, worker_kwargs, publish_keys=not config.cluster.keys_file,
                        world=env_int("WORLD_SIZE"), startup_s=config.cluster.startup_timeout_s)
     try:
-        summary = anyio.run(_host, config, attach, resume, allow_changed or (), stop,
+        # the launch: this rank's parent, torchrun's agent (asyncrl run's own process)
+        launched = process_start_time(os.getppid())
+        summary = anyio.run(_host, config, attach, resume, allow_changed or (), stop, launched,
                             backend_options=config.run.loop_options())
     except BaseException as exc:  # noqa: BLE001 - every way out gets its one line
         error = _asyncrl_error(exc)
@@ -248,7 +251,7 @@ def _attacher(
 
 async def _host(
     config: Config, attach: AttachHook, resume: str | None, allow_changed: Sequence[str],
-    stop: _StopSignal,
+    stop: _StopSignal, launched: float | None,
 ) -> Any:
     """Run the controller to the run's end beside the watch of stop signals: the summary, or
     ``None`` when a signal stopped it (the controller then shut down in order). Raises what
@@ -258,7 +261,8 @@ async def _host(
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop.watch, tg.cancel_scope, name="signals")
         async with Controller(
-            config, attach=attach, resume=resume, allow_changed=allow_changed
+            config, attach=attach, resume=resume, allow_changed=allow_changed,
+            launched_at=launched,
         ) as ctl:
             async with anyio.create_task_group() as run_tg:
                 run_tg.start_soon(_checkpoint_on_sigusr1, ctl, name="sigusr1")

@@ -24,6 +24,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from asyncrl.obs.startup import describe
+
 __all__ = [
     "TERMINAL",
     "Console",
@@ -267,6 +269,16 @@ class Console:
                     columns=columns(),
                 )
             )
+
+    def startup(self, record: dict[str, Any]) -> None:
+        """Step 1 of a fresh run is done: where the time to it went (a ``startup`` record),
+        as a line of text on a console, else as the ``startup_measured`` log line."""
+        if self.blocks:
+            self.terminal.write(f"start-up: {describe(record)}\n")
+            self.terminal.flush()
+        else:
+            log.info("startup_measured", first_step_s=record["first_step_s"],
+                     **record["phases"], by_worker=record["workers"])  # fmt: skip
 
     def close(self) -> None:
         if self.bar:

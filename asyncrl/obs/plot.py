@@ -27,8 +27,9 @@ from asyncrl.obs.timeline import Span, chrome_trace, lanes, last_run, overlap, r
 __all__ = ["plot_run"]
 
 _COLORS = {
-    "generation": "#4C72B0", "training": "#DD8452", "waiting": "#BBBBBB", "refit": "#55A868",
-    "evaluation": "#8172B3", "checkpoint": "#937860", "restart": "#C44E52",
+    "start-up": "#8C8C8C", "generation": "#4C72B0", "tool": "#64B5CD", "training": "#DD8452",
+    "waiting": "#BBBBBB", "refit": "#55A868", "evaluation": "#8172B3", "checkpoint": "#937860",
+    "restart": "#C44E52",
 }  # fmt: skip
 
 
@@ -136,7 +137,7 @@ def _timeline(timeline: list[Span], path: Path) -> str:
                            color=_COLORS[lane.split(" ", 1)[0]], alpha=0.55 if i % 2 else 0.9,
                            lw=0)
     ax.set_yticks(range(len(rows)), list(reversed(rows)))
-    ax.set_xlabel("seconds since the run started")
+    ax.set_xlabel("seconds since the run started (the start-up before 0)")
     ax.grid(axis="x", alpha=0.3)
     figures = overlap(timeline)
     ax.set_title(

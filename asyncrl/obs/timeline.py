@@ -14,6 +14,10 @@ controller started; :class:`~asyncrl.obs.log.MetricsWriter` stamps each record's
     evaluation   a held-out evaluation                             (eval: start, end)
     checkpoint   a save, from its snapshot to its commit           (checkpoint: t - seconds, t)
     restart      a dead rollout worker until it serves again       (worker_restarted: idem)
+    start-up     the launch up to step 1 (before the run clock's 0:  (startup: phases,
+                 the launch, then each worker's imports, plugin and    workers)
+                 backend start; after it, the workers, the first
+                 evaluation and step 1)
 
 :func:`chrome_trace` writes them as a Chrome trace (``chrome://tracing``, Perfetto's UI);
 :func:`overlap` says how much of the training time generation ran beside it.
@@ -40,7 +44,8 @@ __all__ = [
 ]
 
 LANES = (
-    "generation", "tool", "training", "waiting", "refit", "evaluation", "checkpoint", "restart"
+    "start-up", "generation", "tool", "training", "waiting", "refit", "evaluation",
+    "checkpoint", "restart",
 )  # fmt: skip
 
 
@@ -122,11 +127,32 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
         elif kind == "eval" and "start" in r and "end" in r:
             out.append(Span("evaluation", f"eval {r['label']}", r["start"], r["end"],
                             {"accuracy": r.get("accuracy")}))
+        elif kind == "startup":
+            out += _startup_spans(r)
         elif kind in ("checkpoint", "worker_restarted") and "t" in r and "seconds" in r:
             lane = "checkpoint" if kind == "checkpoint" else "restart"
             name = f"step {r.get('step')}" if kind == "checkpoint" else str(r.get("worker"))
             out.append(Span(lane, name, r["t"] - r["seconds"], r["t"], {"seconds": r["seconds"]}))
     return sorted(out, key=lambda s: (_lane_key(s.lane), s.start))
+
+
+def _startup_spans(r: dict[str, Any]) -> list[Span]:
+    """A ``startup`` record's spans on the run clock (its times count from the launch, which
+    is ``-controller_s`` on the run clock): the launch, each worker's phases on a lane of its
+    own, the workers until all were ready, the first evaluation's wait and step 1."""
+    zero = r["controller_s"]  # the launch -> run clock
+    p = r["phases"]
+    out = [Span("start-up", "launch", -zero, 0.0, {"seconds": p["launch"]})]
+    for worker, w in r["workers"].items():
+        t = w["process_s"] - zero
+        for phase in ("imports", "handshake", "plugin", "backend"):
+            out.append(Span(f"start-up {worker}", phase, t, t + w[phase], {"seconds": w[phase]}))
+            t += w[phase]
+    t = 0.0
+    for phase in ("workers", "first_eval", "first_step"):
+        out.append(Span("start-up", phase, t, t + p[phase], {"seconds": p[phase]}))
+        t += p[phase]
+    return out
 
 
 def _lane_key(lane: str) -> tuple[int, str]:
@@ -156,11 +182,13 @@ def worker_spans(groups: Iterable[Any]) -> dict[str, list[list[float]]]:
 
 def chrome_trace(timeline: list[Span]) -> dict[str, Any]:
     """The spans as Chrome trace events (complete events, microseconds; one thread per
-    lane), which Perfetto and ``chrome://tracing`` open."""
+    lane), which Perfetto and ``chrome://tracing`` open. Times are the run clock's, moved
+    later by the start-up's launch where there is one (trace times are not negative)."""
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "asyncrl run"}}
     ]
     order = lanes(timeline)
+    origin = min([0.0, *(s.start for s in timeline)])
     for tid, lane in enumerate(order, start=1):
         events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
                        "args": {"name": lane}})
@@ -169,7 +197,7 @@ def chrome_trace(timeline: list[Span]) -> dict[str, Any]:
     for s in timeline:
         events.append({
             "ph": "X", "name": s.name, "cat": s.lane, "pid": 1, "tid": order.index(s.lane) + 1,
-            "ts": round(s.start * 1e6, 1), "dur": round(max(0.0, s.end - s.start) * 1e6, 1),
+            "ts": round((s.start - origin) * 1e6, 1), "dur": round(max(0.0, s.end - s.start) * 1e6, 1),
             "args": s.args,
         })  # fmt: skip
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -64,6 +64,7 @@ from asyncrl.procs.spawn import (
     worker_env,
 )
 from asyncrl.obs.log import MetricsWriter
+from asyncrl.obs.startup import Startup
 from asyncrl.wire.messages import Hello, Init, TokenBatch
 from asyncrl.run.scheduling import make_scheduler
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
@@ -175,6 +176,9 @@ class Controller(anyio.AsyncContextManagerMixin):
             from the checkpoint's: fields or sections (``["loss.clip_eps_low",
             "grpo.temperature"]``, ``["loss"]``, ``["model.tokenizer"]``) or ``["all"]``;
             what ``--allow-changed`` gives on the command line.
+        launched_at: when the run was launched (``time.time()``), the origin of the
+            ``startup`` record (:mod:`asyncrl.obs.startup`); ``None``: entering the block.
+            ``asyncrl.launch`` gives its launcher's process start.
 
     Entering raises :class:`~asyncrl.errors.WorkerStartupError` if a worker dies or the
     handshake exceeds ``cluster.startup_timeout_s``, and
@@ -192,9 +196,11 @@ class Controller(anyio.AsyncContextManagerMixin):
         attach: AttachHook | None = None,
         resume: str | None = None,
         allow_changed: Sequence[str] = (),
+        launched_at: float | None = None,
     ) -> None:
         self.config = config
         self._attach = attach
+        self._launched_at = launched_at
         self._resume = resume
         self._allow_changed = list(allow_changed)
         self._pipeline: Pipeline | None = None
@@ -222,6 +228,7 @@ class Controller(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncIterator[Controller]:
         self._new_run()
+        self._entered_at = self._launched_at or time.time()
         try:
             async with self._running():
                 yield self
@@ -261,6 +268,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         addr = Addresses.make(cfg)
         ctx = Context(addr.keys)
         t0 = time.perf_counter()  # the run's clock: metrics' "t", the timeline's spans
+        wall_t0 = time.time()
         metrics = MetricsWriter.open(cfg, run_id=addr.run_id, origin=t0)
         bound = structlog.contextvars.bound_contextvars(run_id=addr.run_id)
         bound.__enter__()
@@ -273,13 +281,18 @@ class Controller(anyio.AsyncContextManagerMixin):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(control.run, name="control-reader")
                 async with self._workers(tg, control, addr, metrics) as trainers:
+                    startup = Startup(
+                        launched=self._entered_at, controller=wall_t0, ready=time.time(),
+                        workers={p.identity: p.startup for p in control.peers.values()
+                                 if p.startup is not None},
+                    )  # fmt: skip
                     self._pipeline = Pipeline(
                         cfg, control=control, data_socket=pull, environment=environment,
                         tokenizer=tokenizer,
                         scheduler=make_scheduler(cfg, len(environment.dataset("train"))),
                         trainers=trainers, restarts=self._restarts,
                         transfer_address=addr.weights(control.peers["trainer:0"].capabilities),
-                        metrics=metrics, clock_origin=t0,
+                        metrics=metrics, clock_origin=t0, startup=startup,
                         rejections=rejections,
                     )  # fmt: skip
                     self._restarts.bind(self._pipeline, metrics)

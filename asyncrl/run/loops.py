@@ -46,6 +46,7 @@ from asyncrl.config import Config
 from asyncrl.data.prompts import PromptStream, Tokenizer, sample_seed
 from asyncrl.environment import Environment
 from asyncrl.obs.console import Console
+from asyncrl.obs.startup import Startup
 from asyncrl.obs.steps import StepRecord, log_step
 from asyncrl.obs.collector import collector_paused, pace
 from asyncrl.obs.watchdog import LoopLag, LoopWatchdog
@@ -131,6 +132,7 @@ class Pipeline:
         transfer_address: str,
         metrics: Any,
         clock_origin: float,
+        startup: Startup | None = None,
         rejections: Rejections | None = None,
     ) -> None:
         self.config, self.control, self.tok = config, control, tokenizer
@@ -151,6 +153,8 @@ class Pipeline:
             log.info("run_bounded_by_epochs", steps=scheduler.num_steps,
                      max_num_epochs=config.run.max_num_epochs, num_steps=config.run.num_steps)  # fmt: skip
         self.t0 = clock_origin
+        self.startup = startup
+        """The run's start up to its workers being ready: its record follows step 1's."""
         self.changed = Signal()  # a book change the rollout pump (or a drain) may wait for
         self.committed = Signal()  # a commit: the train pump's only reason to look again
         self.steps: dict[int, StepRecord] = {}
@@ -471,3 +475,19 @@ class Pipeline:
             self.metrics.write({"kind": "train", **record})
         log_step(record, result, rec.refit_s, rec)
         self.console.step(record, rec.groups)
+        if self.startup is not None:
+            self._log_startup(record)
+
+    def _log_startup(self, step: dict[str, Any]) -> None:
+        """After the first step of a fresh run: where the time to it went (the ``startup``
+        record, its log line and the console's)."""
+        startup, self.startup = self.startup, None
+        if self.resumed_from is not None:
+            return  # a resume: its first step is no start's
+        first_eval = next(((r["start"], r["end"]) for r in self.evaluator.records
+                           if r.get("label") == "start"), None)  # fmt: skip
+        refit = (step["refit_start"], step["refit_end"]) if step.get("refit_end") else None
+        record = startup.record(first_eval=first_eval, first_step=self.now(), refit=refit)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        self.console.startup(record)

@@ -331,10 +331,39 @@ class Init(msgspec.Struct, tag="init", **_CTRL):
     stop (``failures.heartbeat_timeout_s``)."""
 
 
+class WorkerStamps(msgspec.Struct, kw_only=True, frozen=True):
+    """A worker's start, on the wall clock (seconds since the epoch; the controller's
+    start-up record, :mod:`asyncrl.obs.startup`)."""
+
+    process: float
+    """Its process started (or, where ``/proc`` cannot tell, when it began to serve)."""
+    serving: float
+    """It began to serve: Python and asyncrl imported."""
+    init: float
+    """The controller's ``Init`` came (the handshake is done)."""
+    created: float
+    """Its backend was made: the plugin imported (vLLM, torch...) and its factory ran."""
+    started: float
+    """Its backend started (an engine, a model loaded) and it said ``Ready``."""
+
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase: ``imports`` (process start to serving), ``handshake``,
+        ``plugin`` (the backend's import and factory), ``backend`` (its start)."""
+        return {
+            "imports": self.serving - self.process,
+            "handshake": self.init - self.serving,
+            "plugin": self.created - self.init,
+            "backend": self.started - self.created,
+        }
+
+
 class Ready(msgspec.Struct, tag="ready", **_CTRL):
     backend: str
     backend_version: str = ""
     capabilities: dict[str, Any] = {}
+    startup: WorkerStamps | None = None
+    """How the worker's start went (a worker that sends none is left out of the run's
+    start-up record)."""
 
 
 class Call(msgspec.Struct, tag="call", **_CTRL):

@@ -51,6 +51,7 @@ from asyncrl.wire.messages import (
     Result,
     Shutdown,
     ToWorker,
+    WorkerStamps,
     host_name,
 )
 from asyncrl.wire.transport import AsyncSocket, PeerGone, Rejections, peer_name
@@ -77,6 +78,8 @@ class Peer:
     ready: anyio.Event = field(default_factory=anyio.Event)
     capabilities: dict[str, Any] = field(default_factory=dict)
     backend: str = ""
+    startup: WorkerStamps | None = None
+    """How its start went (its ``Ready`` said)."""
     error: BaseException | None = None
     last_words: BaseException | None = None
     """What its ``Dead`` message said, when it was survivable (the run goes on)."""
@@ -195,6 +198,7 @@ class ControlPlane:
                 return
             peer.capabilities = dict(msg.capabilities)
             peer.backend = msg.backend
+            peer.startup = msg.startup
             peer.ready.set()
             log.info("worker_ready", worker=identity, backend=msg.backend, pid=peer.pid)
         elif isinstance(msg, (Reply, Failure)):

@@ -101,6 +101,8 @@ class WorkerRuntime(abc.ABC):
         self._heard = time.monotonic()
         """When the controller last sent anything (:meth:`_watch_controller_silence`)."""
         self.backend: Any = None
+        self.created_at: float | None = None
+        """When :meth:`load` had made the backend (wall clock: the start-up record's)."""
         self.engine_gone: anyio.Event | None = None
         """Set when the backend's engine watch raised (``None``: the backend has none)."""
         self._engine_watch: Callable[[], Awaitable[None]] | None = None
@@ -167,6 +169,7 @@ class WorkerRuntime(abc.ABC):
         name = self.backend_name(self.wctx.config)
         plugin = BackendPlugin.of(plugins.load(self.PLUGIN_GROUP, name))
         self.adopt(await self._create(plugin), plugin=name)
+        self.created_at = time.time()
         caps = await self._start()
         # backends report whatever they like (e.g. torch's TorchVersion, a str subclass):
         # keep only plain JSON values on the wire

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import traceback
 from typing import Any
 
@@ -34,9 +35,19 @@ import structlog
 from asyncrl.backend import WorkerContext
 from asyncrl.config import Config
 from asyncrl.errors import ControllerLostError, ProtocolError
+from asyncrl.obs.startup import process_start_time
 from asyncrl.procs.process import has_exited, host_id
 from asyncrl.wire.codec import Codec
-from asyncrl.wire.messages import PROTOCOL_VERSION, Dead, FromWorker, Hello, Init, Ready, ToWorker
+from asyncrl.wire.messages import (
+    PROTOCOL_VERSION,
+    Dead,
+    FromWorker,
+    Hello,
+    Init,
+    Ready,
+    ToWorker,
+    WorkerStamps,
+)
 from asyncrl.wire.curve import RunKeys
 from asyncrl.wire.transport import DEALER, Context, make_private_dir, run_dir_of
 from asyncrl.worker.base import WorkerRuntime
@@ -99,6 +110,7 @@ async def serve(
 
     Cancellation: the backend is closed (shielded) and the cancellation propagates.
     """
+    serving = time.time()
     role = RUNTIMES.get(group)
     if role is None:
         raise ValueError(f"unknown worker group {group!r}; expected one of {sorted(RUNTIMES)}")
@@ -112,10 +124,16 @@ async def serve(
         hello = Hello(protocol_version=PROTOCOL_VERSION, group=group, rank=rank,
                       world_size=world_size, pid=os.getpid(), log_path=log_path, host=host_id())
         init = await _handshake(control, tx, hello, startup_timeout_s)
+        init_at = time.time()
         wctx = _context(role, init, hello, local_rank, control_address, extra)
         runtime = role(ctx, control, init, wctx)
         structlog.contextvars.bind_contextvars(worker=identity)
-        await _ready(control, tx, role.backend_name(wctx.config), await runtime.load())
+        caps = await runtime.load()
+        stamps = WorkerStamps(
+            process=min(process_start_time() or serving, serving), serving=serving,
+            init=init_at, created=runtime.created_at or init_at, started=time.time(),
+        )  # fmt: skip
+        await _ready(control, tx, role.backend_name(wctx.config), caps, stamps)
         await runtime.run()
     except ControllerLostError:
         log.error("controller_lost", worker=identity)
@@ -150,13 +168,15 @@ async def _handshake(control: Any, tx: Codec, hello: Hello, timeout_s: float) ->
     return init
 
 
-async def _ready(control: Any, tx: Codec, backend: str, caps: dict[str, Any]) -> None:
-    """Tell the controller the backend started, with its capabilities."""
+async def _ready(
+    control: Any, tx: Codec, backend: str, caps: dict[str, Any], stamps: WorkerStamps
+) -> None:
+    """Tell the controller the backend started, with its capabilities and how long it took."""
     version = str(caps.get("backend_version", ""))
-    await control.send(
-        tx.encode(Ready(backend=backend, backend_version=version, capabilities=caps))
-    )
-    log.info("worker_ready", backend=backend)
+    ready = Ready(backend=backend, backend_version=version, capabilities=caps, startup=stamps)
+    await control.send(tx.encode(ready))
+    log.info("worker_ready", backend=backend,
+             **{f"{k}_s": round(v, 3) for k, v in stamps.phases().items()})  # fmt: skip
 
 
 def _say_dead(control: Any, tx: Codec, exc: Exception) -> None:

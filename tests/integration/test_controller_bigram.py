@@ -79,6 +79,22 @@ async def test_train_completes_and_cleans_up(
     assert [e["label"] for e in summary.evals] == ["start", "end"]
     assert all(e["num_prompts"] == cfg.eval.num_prompts for e in evals)
 
+    # where the time to step 1 went: one record, after step 1's, every worker in it, phases
+    # that follow each other and add up, on the wall clock of the records around it
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("startup") == 1 and kinds.index("startup") == kinds.index("train") + 1
+    (startup,) = [r for r in records if r["kind"] == "startup"]
+    assert set(startup["workers"]) == set(pids)
+    assert all(v >= 0 for v in startup["phases"].values()), startup
+    assert sum(startup["phases"].values()) == pytest.approx(startup["first_step_s"], abs=0.01)
+    first_eval = evals[0]["end"] - evals[0]["start"]
+    assert startup["phases"]["first_eval"] >= first_eval - 0.01
+    launch = startup["controller_s"]  # the run clock's 0, seconds after entering the block
+    assert startup["first_step_s"] - launch == pytest.approx(train[0]["time"], abs=0.05)
+    for w in startup["workers"].values():
+        assert 0 <= w["process_s"] <= w["ready_s"] <= launch + startup["phases"]["workers"]
+        assert w["imports"] > 0 and w["backend"] >= 0
+
     # every generator serves the trainer's weights, which are no longer the initial ones
     prev, tok, _ = response_tokens(pack_tokens(PROMPTS, RESPONSES))
     initial = token_logprobs(initial_table(cfg.model.path, cfg.run.seed), prev, tok, 1.0)

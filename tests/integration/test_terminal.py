@@ -85,6 +85,9 @@ def test_a_terminal_gets_the_bar_and_completion_blocks(tmp_path: Path, model_dir
     assert "── step 2: 2 sampled completions ──" in out
     assert "── step 4: 2 sampled completions ──" in out
     assert "    completion: " in out
+    # where the time to step 1 went, as a line of text once (asyncrl run's launch as origin)
+    started = [line for line in out.splitlines() if "start-up: first step " in line]
+    assert len(started) == 1 and "s after the launch: launch " in started[0], out[-3000:]
 
 
 def test_plain_logs_get_no_bar_and_completions_as_json(tmp_path: Path, model_dir: Path) -> None:
@@ -97,6 +100,9 @@ def test_plain_logs_get_no_bar_and_completions_as_json(tmp_path: Path, model_dir
     shown = [e for e in events if e.get("event") == "sampled_completions"]
     assert [e["step"] for e in shown] == [2, 4]
     assert all(len(e["completions"]) == 2 for e in shown)
+    (startup,) = [e for e in events if e.get("event") == "startup_measured"]
+    assert set(startup["by_worker"]) == {"trainer:0", "rollout:0", "rollout:1"}, startup
+    assert startup["first_step_s"] > startup["launch"] > 0
     text = (tmp_path / "out" / "metrics.jsonl").read_text()
     records = [json.loads(line) for line in text.splitlines()]
     tables = [r for r in records if r["kind"] == "completions"]
