@@ -1,7 +1,9 @@
 """asyncrl: asynchronous GRPO post-training of LLMs with one anyio controller.
 
 ``import asyncrl`` never imports torch or an engine; backends are plugins found through
-entry points (see :mod:`asyncrl.plugins`).
+entry points (see :mod:`asyncrl.plugins`). Nor does it import the controller until
+``asyncrl.Controller`` (or ``RunStatus``, ``RunSummary``) is first asked for: a worker
+process, which imports asyncrl too, needs none of it (half its import time).
 
 Embedding::
 
@@ -9,8 +11,9 @@ Embedding::
         summary = await ctl.train()
 """
 
+from typing import Any
+
 from asyncrl.config import Config, load_config
-from asyncrl.run.controller import Controller, RunStatus, RunSummary
 from asyncrl.errors import (
     AsyncRLError,
     ConfigError,
@@ -29,6 +32,17 @@ from asyncrl.errors import (
 from asyncrl.wire.messages import PROTOCOL_VERSION
 
 __version__ = "0.1.0.dev0"
+
+_CONTROLLER_NAMES = ("Controller", "RunStatus", "RunSummary")
+
+
+def __getattr__(name: str) -> Any:
+    """The controller's names, imported when first asked for (PEP 562)."""
+    if name in _CONTROLLER_NAMES:
+        from asyncrl.run import controller
+
+        return getattr(controller, name)
+    raise AttributeError(f"module 'asyncrl' has no attribute {name!r}")
 
 __all__ = [
     "PROTOCOL_VERSION",

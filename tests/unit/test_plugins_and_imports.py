@@ -26,6 +26,20 @@ def test_import_asyncrl_does_not_import_torch_or_engines() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_a_worker_imports_no_controller() -> None:
+    """A worker process (``python -m asyncrl.launch --worker``, the rollout supervisor, a
+    torchrun rank) imports asyncrl; the controller's modules are for rank 0 and an embedding
+    application alone, imported when ``asyncrl.Controller`` is first asked for."""
+    code = (
+        "import sys, asyncrl, asyncrl.launch, asyncrl.worker.runtime;"
+        "print(sorted(m for m in sys.modules if m.startswith(('asyncrl.run.controller',"
+        " 'asyncrl.run.loops', 'asyncrl.gateway'))));"
+        "from asyncrl import Controller; print(Controller.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "asyncrl.run.controller"]
+
+
 def test_public_exports() -> None:
     for name in asyncrl.__all__:
         assert hasattr(asyncrl, name), name
