@@ -1,8 +1,12 @@
 """The vLLM generation backend on CUDA (vLLM 0.26 on the GPU image), against transformers.
 
 Skipped without CUDA. The model is built here (head_dim 64, which FlashAttention's FP8 path
-accepts) with the arithmetic plugin's tokenizer. One bf16 engine serves most tests; a second
-one with an FP8 KV cache checks that forwarded scales reach the attention kernels.
+accepts) with the arithmetic plugin's tokenizer. One bf16 engine serves most tests, through
+the ``engine`` fixture: a test that refits it puts the checkpoint's weights back after it and
+proves it (scores against transformers), so every test sees the same engine whatever ran
+before (the suite passes in reverse order: ``pytest --reverse``). Two more engines, an FP8 KV
+cache one and one on a checking scheduler, are their tests' own, and each checks that its
+close leaves no engine process.
 """
 
 from __future__ import annotations
@@ -112,7 +116,35 @@ async def backend(model_dir, tmp_path_factory):
     )
     b.capabilities = await b.start()
     yield b
+    await closed_leaving_nothing(b)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def engine(backend, model_dir, sequences):
+    """The module's engine, serving the checkpoint's weights; after a test that refitted it,
+    those weights go back in (one more refit) and its scores are checked against
+    transformers', so that no test depends on what another did."""
+    version = backend.version
+    yield backend
+    if backend.version == version:
+        return
+    base = checkpoint_state(model_dir, "cuda:0")
+    pair = LocalRefit("cuda_ipc", "cuda:0", bucket_size=64 << 10)
+    try:
+        await pair.push(backend, backend.version + 1, lambda: base.items())
+    finally:
+        pair.close()
+    got = await backend.score(batch_of(sequences), 1.0)
+    expected = np.concatenate([ref_logprobs(reference(model_dir), s, p) for s, p in sequences])
+    np.testing.assert_allclose(got, expected, atol=TOL)
+
+
+async def closed_leaving_nothing(b) -> None:
+    """Close ``b`` and check that none of its engine's processes is left (a zombie is gone)."""
+    pids = b.engine_pids()
+    assert pids
     await b.close()
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
 def batch_of(seqs) -> TokenBatch:
@@ -124,7 +156,8 @@ def batch_of(seqs) -> TokenBatch:
 
 
 @module_loop
-async def test_generate_and_score_match_transformers(backend, model_dir, sequences) -> None:
+async def test_generate_and_score_match_transformers(engine, model_dir, sequences) -> None:
+    backend = engine
     assert backend.capabilities["platform"] == "cuda"
     print("capabilities:", backend.capabilities)
     ref = reference(model_dir)
@@ -142,6 +175,12 @@ async def test_generate_and_score_match_transformers(backend, model_dir, sequenc
         expected = np.concatenate([ref_logprobs(ref, s, p, temperature) for s, p in sequences])
         print(f"score T={temperature}: max err {np.abs(got - expected).max():.4f}")
         np.testing.assert_allclose(got, expected, atol=TOL)
+
+
+def checkpoint_state(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights in bf16 on ``device``: what the engine started with."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return {n: p.detach().to(device, torch.bfloat16) for n, p in base.named_parameters()}
 
 
 def perturbed(model_dir: Path, seed: int, device: str) -> dict[str, torch.Tensor]:
@@ -162,7 +201,7 @@ def perturbed(model_dir: Path, seed: int, device: str) -> dict[str, torch.Tensor
          "shm-from-gpu"],
 )
 async def test_refit_while_generating(
-    backend, model_dir, sequences, transport, trainer_gpu, mirror, buffers
+    engine, model_dir, sequences, transport, trainer_gpu, mirror, buffers
 ) -> None:
     """Refits over the real protocol in several buckets, from trainer tensors on the engine's
     GPU, on the other GPU (CUDA IPC across GPUs), or through host shared memory; a request in
@@ -172,6 +211,7 @@ async def test_refit_while_generating(
     (with three staging buffers, so three mirror buffers)."""
     if trainer_gpu >= torch.cuda.device_count():
         pytest.skip("needs a second GPU")
+    backend = engine
     device = f"cuda:{trainer_gpu}"
     pair = LocalRefit(transport, device, bucket_size=64 << 10, buffers=buffers)
     options = backend.options
@@ -212,24 +252,16 @@ async def test_refit_while_generating(
 
 
 @module_loop
-async def test_held_logprobs_match_transformers(backend, model_dir) -> None:
+async def test_held_logprobs_match_transformers(engine, model_dir) -> None:
     """The default engine (asyncrl's scheduler over vLLM's AsyncScheduler, which the CPU build
     never runs): final-only and streamed requests with 0-3 top logprobs in one batch, every
     entry against transformers (tests/e2e/test_vllm_held_logprobs.py on the CPU build)."""
     from test_vllm_held_logprobs import prompts, run_batch, worst_entry_error
 
-    results = await run_batch(backend._llm, prompts(32), "held")
+    results = await run_batch(engine._llm, prompts(32), "held")
     worst = worst_entry_error(results, reference(model_dir))
     print(f"held logprobs, max |engine - reference| over every entry: {worst:.4f}")
     assert worst < TOL
-
-
-@module_loop
-async def test_close(backend) -> None:
-    pids = backend.engine_pids()
-    assert pids
-    await backend.close()
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
 @pytest.mark.asyncio
@@ -269,7 +301,7 @@ async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
         assert not np.array_equal(logprobs[1.0, 1], logprobs[50.0, 2])
         pair.close()
     finally:
-        await b.close()
+        await closed_leaving_nothing(b)
 
 
 @module_loop
@@ -296,4 +328,4 @@ async def test_held_rows_are_vllms_own_on_the_async_scheduler(model_dir, tmp_pat
                                      if r["kind"] == "FINAL_ONLY" and r["k"] is not None)
         assert counts["preempted"] > 0
     finally:
-        await b.close()
+        await closed_leaving_nothing(b)
