@@ -47,7 +47,10 @@ def check_normalizer(model_dir: str, tmp_path: str, name: str) -> None:
         b.close()
     (plain, n), (scaled, _) = results[None], results[7.0]
     assert plain.grad_norm > 0
-    # the same gradient sum over another divisor: measured rel. errors 7.7e-9 (fsdp2) and
-    # 3.9e-9 (deepspeed) in the norm, 0 in the loss (bounds 3e-8)
-    assert scaled.grad_norm * 7.0 == pytest.approx(plain.grad_norm * n, rel=3e-8)
-    assert scaled.loss * 7.0 == pytest.approx(plain.loss * n, rel=3e-8)
+    # the same gradient sum over another divisor: float32 rounding apart. Measured rel.
+    # errors in the norm 7.7e-9 (fsdp2) and 3.9e-9 (deepspeed) on one 2-core host, 0 and
+    # 3.85e-8 on another (a different CPU's kernels round differently), 0 in the loss; the
+    # bound is 3x the largest, about float32's epsilon (a normalizer applied twice, or not
+    # at all, is off by a factor of n / 7 or more)
+    assert scaled.grad_norm * 7.0 == pytest.approx(plain.grad_norm * n, rel=1.2e-7)
+    assert scaled.loss * 7.0 == pytest.approx(plain.loss * n, rel=1.2e-7)

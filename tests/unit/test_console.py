@@ -110,6 +110,7 @@ def test_console_shows_completions_every_n_steps_and_the_bar_only_when_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(console_mod, "_rendering", None)  # as in a host application
+    monkeypatch.setenv("COLUMNS", "200")  # the bar's fields fit whatever terminal runs pytest
     records: list[dict] = []
     out = _Tty()
     console = _console("on", out, records)
