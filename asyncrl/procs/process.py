@@ -3,7 +3,8 @@
 * :func:`wait_pid_exit` waits on a *pidfd*, which becomes readable the moment the process
   exits, whoever its parent is (torchrun's ranks are siblings of rank 0; the controller of an
   embedded run is no parent of the ranks either).
-* :func:`wait_exit_status` waits the same way and returns the exit status: from
+* :func:`wait_exit_status` (and :class:`ProcessExit`, which holds the pidfd for a caller that
+  waits on several processes) waits the same way and returns the exit status: from
   ``/proc/<pid>/stat`` while the process is a zombie (field 52), and once its parent has
   reaped it (torchrun's agent polls every 0.1 s) from the pidfd itself, which keeps the status
   since Linux 6.15 (``PIDFD_GET_INFO``) when it was opened before the process was reaped. So a
@@ -33,6 +34,7 @@ import structlog
 __all__ = [
     "ORPHAN_KILL_S",
     "PARENT_ENV",
+    "ProcessExit",
     "die_with_parent",
     "exit_status",
     "has_exited",
@@ -71,43 +73,84 @@ async def wait_pid_exit(pid: int) -> None:
 
     Cancellation: stops waiting.
     """
-    await wait_exit_status(pid, within_s=0.0)
+    with ProcessExit(pid) as exit_:
+        await exit_.wait()
 
 
 async def wait_exit_status(pid: int, child: Any = None, within_s: float = 2.0) -> int | None:
     """Wait until process ``pid`` (not necessarily our child) has exited; return its exit
-    status (``-N`` when signal ``N`` killed it, else its exit code).
-
-    The status is read from the first source that has it, for up to ``within_s`` after the
-    exit (a killed multithreaded process signals its pidfd a moment before it is the zombie
-    whose status ``/proc`` shows): the zombie's ``/proc/<pid>/stat``; the pidfd, opened here
-    before the exit, which keeps the status after the parent reaped the process (Linux 6.15
-    and later); ``child``, its ``multiprocessing.Process`` when it is ours (its ``exitcode``
-    polls, or returns what a ``join`` in another thread stored after reaping it). ``None`` when
-    none has it: reaped by a stranger on an older kernel, or already gone when the wait began.
+    status (:meth:`ProcessExit.status`). ``child``: its ``multiprocessing.Process`` when it is
+    ours.
 
     Cancellation: stops waiting.
     """
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None if child is None else child.exitcode
-    try:
-        await anyio.wait_readable(pidfd)
+    with ProcessExit(pid, child) as exit_:
+        await exit_.wait()
+        return await exit_.status(within_s)
+
+
+class ProcessExit:
+    """Process ``pid``'s exit (not necessarily our child), through a pidfd opened when this is
+    made: make it while the process lives, and its status can be read after whoever is its
+    parent reaped it (Linux 6.15 and later). ``child``: its ``multiprocessing.Process`` when
+    it is ours. A context manager (the pidfd is closed on leaving)."""
+
+    def __init__(self, pid: int, child: Any = None) -> None:
+        self.pid = pid
+        self._child = child
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already: nothing to wait for, no status kept
+            self._fd = None
+
+    def __enter__(self) -> ProcessExit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def exited(self) -> bool:
+        """Whether the process has exited (without waiting)."""
+        if self._fd is None:
+            return True
+        return bool(select.select([self._fd], [], [], 0)[0])
+
+    async def wait(self) -> None:
+        """Until the process has exited. Cancellation: stops waiting."""
+        if self._fd is not None:
+            await anyio.wait_readable(self._fd)
+
+    async def status(self, within_s: float = 2.0) -> int | None:
+        """Its exit status (``-N`` when signal ``N`` killed it, else its exit code), once it
+        exited (:meth:`wait`), read from the first source that has it, for up to
+        ``within_s`` (a killed multithreaded process signals its pidfd a moment before it is
+        the zombie whose status ``/proc`` shows): the zombie's ``/proc/<pid>/stat``; the
+        pidfd, which keeps it after the parent reaped the process; ``child``'s ``exitcode``
+        (it polls, or returns what a ``join`` in another thread stored after reaping it).
+        ``None`` when none has it: reaped by a stranger on an older kernel, or gone before
+        this was made.
+
+        Cancellation: stops reading.
+        """
+        if self._fd is None:
+            return None if self._child is None else self._child.exitcode
         deadline = time.monotonic() + within_s
         while True:
-            code = exit_status(pid)
+            code = exit_status(self.pid)
             if code is None:
-                code = _reaped_status(pidfd)
-            if code is None and child is not None:
-                code = child.exitcode
+                code = _reaped_status(self._fd)
+            if code is None and self._child is not None:
+                code = self._child.exitcode
             if code is not None or time.monotonic() > deadline:
                 return code
-            if child is None and not pid_exists(pid):  # reaped by a stranger since the reads
-                return _reaped_status(pidfd)  # kept by the kernel, or unknown
+            if self._child is None and not pid_exists(self.pid):  # reaped since the reads
+                return _reaped_status(self._fd)  # kept by the kernel, or unknown
             await anyio.sleep(0.01)
-    finally:
-        os.close(pidfd)
 
 
 def exit_status(pid: int) -> int | None:

@@ -9,6 +9,9 @@ cannot."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import anyio
 import numpy as np
 import pytest
@@ -295,10 +298,16 @@ def test_the_first_death_is_the_one_the_others_followed() -> None:
     assert first_death({5: -9, 6: -9}, {5: 6, 6: 5}) == 5
 
 
-async def test_the_watch_names_the_process_killed_not_the_child_that_died_with_it() -> None:
-    """A "core" whose "worker" is SIGKILLed when it dies (``PR_SET_PDEATHSIG``): the core is
-    killed and both are dead before the watch looks (the loop is blocked meanwhile, as on a
-    busy host), the worker first in the list. The watch names the core."""
+@pytest.mark.parametrize("victim", ["core", "worker"])
+async def test_the_watch_names_the_process_killed_with_its_exit_code(victim: str) -> None:
+    """A "core" whose "worker" is SIGKILLed when it dies (``PR_SET_PDEATHSIG``) and reaped by
+    it at once, as vLLM's engine core reaps its workers. The loop is blocked from the kill
+    until every death is over, as on a busy host (the worker first in the watch's list):
+
+    * the core killed: both are dead when the watch looks; it names the core, not the worker
+      that died with it;
+    * the worker killed: the core has reaped it before the watch looks, so ``/proc`` has no
+      status; the pidfd the watch opened while it lived has (-9, not "unknown")."""
     import subprocess
     import sys
     import time
@@ -312,10 +321,11 @@ async def test_the_watch_names_the_process_killed_not_the_child_that_died_with_i
     core = (
         "import subprocess, sys, time; "
         f"w = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=subprocess.PIPE); "
-        "w.stdout.readline(); print(w.pid, flush=True); time.sleep(60)"
+        "w.stdout.readline(); print(w.pid, flush=True); w.wait(); time.sleep(60)"
     )
     with subprocess.Popen([sys.executable, "-c", core], stdout=subprocess.PIPE) as proc:
         worker_pid = int(proc.stdout.readline())
+        target = proc.pid if victim == "core" else worker_pid
         caught: list[EngineDeadError] = []
 
         async def watch() -> None:
@@ -328,11 +338,13 @@ async def test_the_watch_names_the_process_killed_not_the_child_that_died_with_i
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(watch)
                     await anyio.sleep(0.1)
-                    proc.kill()
-                    time.sleep(0.5)  # the loop is blocked: both deaths wait for the watch
+                    os.kill(target, signal.SIGKILL)
+                    time.sleep(0.5)  # the loop is blocked: the deaths, and the reap, go first
+                    if victim == "worker":
+                        assert not os.path.exists(f"/proc/{worker_pid}")  # the core reaped it
         finally:
             proc.kill()
-    assert f"(pid {proc.pid}) exited with code -9" in str(caught[0]), caught
+    assert f"(pid {target}) exited with code -9" in str(caught[0]), caught
 
 
 async def test_a_call_into_the_engine_ends_when_the_watch_sees_it_die() -> None:

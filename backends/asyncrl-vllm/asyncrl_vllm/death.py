@@ -23,13 +23,7 @@ from typing import Any, TypeVar
 import anyio
 
 from asyncrl.errors import EngineDeadError
-from asyncrl.procs.process import (
-    is_dying,
-    parent_pid,
-    process_name,
-    wait_exit_status,
-    wait_pid_exit,
-)
+from asyncrl.procs.process import ProcessExit, is_dying, parent_pid, process_name
 
 __all__ = ["EngineDeath", "Probe", "first_death"]
 
@@ -173,28 +167,35 @@ class EngineDeath:
         names = {pid: process_name(pid) for pid in pids}
         parents = {pid: parent_pid(pid) for pid in pids}  # read while they live
         # the engine core is our multiprocessing child: vLLM's monitor may reap it before we
-        # read its status from /proc, but its Process object keeps the exit code
+        # read its status from /proc, but its Process object keeps the exit code; the others'
+        # pidfds, opened now, keep theirs after the core reaps them
         children = {p.pid: p for p in multiprocessing.active_children() if p.pid in names}
+        exits = {pid: ProcessExit(pid, children.get(pid)) for pid in pids}
         seen: list[int] = []
 
         async def one(pid: int, scope: anyio.CancelScope) -> None:
-            await wait_pid_exit(pid)
+            await exits[pid].wait()
             seen.append(pid)  # no await since the pidfd fired: first seen, first here
             scope.cancel()
 
-        async with anyio.create_task_group() as tg:
-            for pid in pids:
-                tg.start_soon(one, pid, tg.cancel_scope)
-            if probe is not None:
-                core = next((p for p in pids if p in children), pids[0])
-                tg.start_soon(self._probe, probe, f"{names[core]} (pid {core})", tg.cancel_scope)
-        if seen:
-            # the deaths one death causes come with it: whatever else is dead or dying now
-            together = [seen[0], *(p for p in pids if p != seen[0] and is_dying(p))]
-            codes = {p: await wait_exit_status(p, children.get(p)) for p in together}
-            pid = first_death(codes, parents)
-            how = "unknown" if codes[pid] is None else str(codes[pid])
-            self.declare(f"{names[pid]} (pid {pid}) exited with code {how}")
+        try:
+            async with anyio.create_task_group() as tg:
+                for pid in pids:
+                    tg.start_soon(one, pid, tg.cancel_scope)
+                if probe is not None:
+                    core = next((p for p in pids if p in children), pids[0])
+                    tg.start_soon(self._probe, probe, f"{names[core]} (pid {core})",
+                                  tg.cancel_scope)  # fmt: skip
+            if seen:
+                # the deaths one death causes come with it: whatever else is dead or dying now
+                together = [seen[0], *(p for p in pids if p != seen[0] and is_dying(p))]
+                codes = {p: await exits[p].status() for p in together}
+                pid = first_death(codes, parents)
+                how = "unknown" if codes[pid] is None else str(codes[pid])
+                self.declare(f"{names[pid]} (pid {pid}) exited with code {how}")
+        finally:
+            for exit_ in exits.values():
+                exit_.close()
         raise self.error()
 
     async def _probe(self, probe: Probe, core: str, scope: anyio.CancelScope) -> None:
