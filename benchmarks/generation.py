@@ -160,9 +160,12 @@ async def standalone(model: Path, options: dict[str, Any]) -> AsyncIterator[Any]
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**standalone_engine_args(model, options)))
+    from asyncrl_vllm.backend import make_engine
+
+    # the backend's process layout (one engine process on the CPU build too): the two sides
+    # differ in asyncrl's own path alone
+    llm = make_engine(AsyncEngineArgs(**standalone_engine_args(model, options)), cuda=cuda())
     try:
         yield llm
     finally:

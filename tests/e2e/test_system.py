@@ -240,10 +240,9 @@ def _launch_config(tmp_path: Path, qwen_dir: Path, num_steps: int, **more: dict)
     }
 
 
-@pytest.mark.parametrize("victim", ["EngineCore", "Worker"])
-def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -> None:
-    """``torchrun -m asyncrl.launch`` with vLLM + FSDP2; one of the engine's own processes is
-    SIGKILLed while it generates. The rollout worker sees it at once (its engine watch), says
+def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path) -> None:
+    """``torchrun -m asyncrl.launch`` with vLLM + FSDP2; the engine's own process (its core)
+    is SIGKILLed while it generates. The rollout worker sees it at once (its engine watch), says
     why in its last message, and the run ends within 30 s with one line naming the worker and
     the engine process, leaving no process, run directory, ipc socket or shared memory."""
     import glob
@@ -279,7 +278,7 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -
         run_id = json.loads(metrics.read_text().splitlines()[0])["run_id"]
         engine = [
             p for p in psutil.Process(proc.pid).children(recursive=True)
-            if victim in p.name()
+            if "EngineCore" in p.name()
         ]
         assert engine, "no engine process found"
         struck = time.monotonic()
@@ -294,7 +293,7 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path, victim: str) -
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     lines = [line for line in log.read_text().splitlines() if line.startswith("asyncrl: ")]
-    print(f"\nFAULT | launch | {victim} | SIGKILL | generate | {took:.1f} s | "
+    print(f"\nFAULT | launch | EngineCore | SIGKILL | generate | {took:.1f} s | "
           f"rc {proc.returncode} | {lines[0] if lines else '(none)'}")
     assert proc.returncode != 0
     assert len(lines) == 1, log.read_text()[-4000:]

