@@ -341,6 +341,10 @@ class TrainingBackendContract:
     options: ClassVar[dict[str, Any]] = {}
     trainer: ClassVar[dict[str, Any]] = {}
     """Other ``[trainer]`` fields of the scenario, e.g. ``max_tokens_per_micro_batch``."""
+    collective_timeout: ClassVar[bool] = True
+    """Run the stuck-collective test (two ranks or more). Its scenario takes ``backend``,
+    ``options`` and ``world_size`` only: a class that varies only ``trainer`` fields of
+    another class in the same suite repeats it exactly, and can leave it to that class."""
     timeout: ClassVar[float] = 300.0
     # tolerances (see the module constants for what they were measured at)
     logprob_atol: ClassVar[float] = LOGPROB_ATOL
@@ -384,6 +388,8 @@ class TrainingBackendContract:
 
         if self.world_size < 2:
             pytest.skip("one rank: no collective to be stuck in")
+        if not self.collective_timeout:
+            pytest.skip("the same scenario as another class of the suite (collective_timeout)")
         work = tmp_path_factory.mktemp(f"stuck-{self.backend}-{self.world_size}")
         reports = run_stuck(self.backend, self.backend_options(dict(HYPERPARAMETERS)),
                             self.world_size, work, self.timeout)  # fmt: skip
