@@ -262,6 +262,7 @@ def test_a_stopped_launch_says_where_resume_goes_on_from(tmp_path: Path, model_d
                          "from it"], out[-4000:]
 
 
+@pytest.mark.fast  # the everyday tier's run through the command users type
 def test_asyncrl_run_through_the_console_script(tmp_path: Path, model_dir: Path) -> None:
     """``asyncrl run CONFIG --set ...`` is the one-node launch: a run to its end (exit 0),
     and a config mistake (exit 2, one line naming the field, nothing started)."""

@@ -1,0 +1,62 @@
+"""Where a test run's time went, from the JUnit XML files pytest wrote (``--junitxml``): each
+stage's wall time against its budget, its test count, and the slowest tests of the whole run
+(setup, call and teardown together), so that a change that slows the suite is seen in the log
+of the run it slowed.
+
+    python scripts/suite_report.py DIR [--slowest 10]
+
+``DIR`` holds ``<stage>.xml`` files and a ``stages.tsv`` (name, budget in minutes, wall
+seconds, exit code; one line per stage run, in order), as ``scripts/test.sh`` writes them.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def testcases(path: Path) -> list[tuple[str, float, str]]:
+    """``(test id, seconds, outcome)`` of every test case in a JUnit XML file."""
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = child.tag
+        out.append((name, float(case.get("time") or 0.0), outcome))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--slowest", type=int, default=10)
+    args = parser.parse_args(argv)
+    stages = [line.split("\t") for line in (args.dir / "stages.tsv").read_text().splitlines()]
+    every: list[tuple[str, float, str]] = []
+    print("\n== the suite's time")
+    print(f"{'stage':<14} {'wall':>8} {'budget':>8}  {'passed':>6} {'skipped':>7} {'failed':>6}")
+    total = 0.0
+    for name, budget, wall, code in stages:
+        xml = args.dir / f"{name}.xml"
+        cases = testcases(xml) if xml.exists() else []
+        every += cases
+        count = {k: sum(1 for c in cases if c[2] == k) for k in ("passed", "skipped")}
+        failed = sum(1 for c in cases if c[2] in ("failure", "error"))
+        total += float(wall)
+        mark = "" if code == "0" else f"  exit {code}"
+        print(f"{name:<14} {float(wall):>7.0f}s {float(budget):>6.1f}m  {count['passed']:>6} "
+              f"{count['skipped']:>7} {failed:>6}{mark}")
+    print(f"{'all stages':<14} {total:>7.0f}s")
+    print(f"\n== the {args.slowest} slowest tests")
+    for name, seconds, outcome in sorted(every, key=lambda c: -c[1])[: args.slowest]:
+        print(f"{seconds:8.1f}s  {name}{'' if outcome == 'passed' else f'  ({outcome})'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
