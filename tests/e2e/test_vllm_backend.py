@@ -322,15 +322,24 @@ async def test_prompt_logprobs_ignore_temperature(backend, sequences) -> None:
     np.testing.assert_array_equal(outs[1.0], outs[0.5])
 
 
-@module_loop
-async def test_abort_and_cancel(backend) -> None:
-    # Greedy, so that no sample ends by EOS before the abort (test_vllm_held_logprobs.py)
-    request = GenRequest(group_id="to-abort", prompt_ids=[1, 5], n=3, max_tokens=240, greedy=True)
+async def running(backend, group_id: str, n: int) -> asyncio.Task:
+    """``generate_all`` of ``n`` greedy samples of 240 tokens, once the engine runs them. The
+    tiny model (random, tied embeddings) repeats its last token under argmax and never picks
+    EOS, so they run all 240 steps unless stopped; sampled ones end by EOS within tens of
+    tokens, which a fast engine finishes before any fixed sleep. Greedy samples of one
+    request are one engine request."""
+    request = GenRequest(group_id=group_id, prompt_ids=[1, 5], n=n, max_tokens=240, greedy=True)
     task = asyncio.create_task(generate_all(backend, request))
-    async with asyncio.timeout(30):  # the engine has it (greedy samples are one request)
+    async with asyncio.timeout(30):  # a guard: the engine has it within milliseconds
         while backend._llm.get_num_unfinished_requests() == 0:
             await asyncio.sleep(0.005)
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)  # a few tokens in
+    return task
+
+
+@module_loop
+async def test_abort_and_cancel(backend) -> None:
+    task = await running(backend, "to-abort", 3)
     await backend.abort(["to-abort"])
     samples = await asyncio.wait_for(task, 10)
     assert len(samples) == 3
@@ -340,11 +349,7 @@ async def test_abort_and_cancel(backend) -> None:
         assert len(s.token_ids) == len(s.logprobs) < 240
     print("abort partial lengths:", [(s.finish_reason, len(s.token_ids)) for s in samples])
 
-    request = GenRequest(group_id="to-cancel", prompt_ids=[1, 5], n=2, max_tokens=240, greedy=True)
-    task = asyncio.create_task(generate_all(backend, request))
-    async with asyncio.timeout(30):  # the engine has it (greedy samples are one request)
-        while backend._llm.get_num_unfinished_requests() == 0:
-            await asyncio.sleep(0.005)
+    task = await running(backend, "to-cancel", 2)
     assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 from asyncrl_arith.model import EOS_ID, build_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # held_check, for the engine core too (spawn)
-from test_vllm_backend import TOL, hf_model, make_ctx  # noqa: E402
+from test_vllm_backend import TOL, hf_model, make_ctx, running  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -148,9 +148,7 @@ async def test_aborts_leave_nothing_held(checking, tally_file) -> None:
     """Aborted held requests, and streamed ones that end, are forgotten (the branch with
     nothing held is covered in tests/unit/test_logprob_rows.py: this engine's checking
     scheduler always routes)."""
-    request = GenRequest(group_id="abort", prompt_ids=[1, 5], n=6, max_tokens=200, seed=2)
-    task = asyncio.create_task(generate_all(checking, request))
-    await asyncio.sleep(0.3)
+    task = await running(checking, "abort", 6)
     await checking.abort(["abort"])
     samples = await asyncio.wait_for(task, 60)
     assert "abort" in [s.finish_reason for s in samples]
@@ -199,15 +197,7 @@ async def test_the_front_end_hands_out_the_reference_logprobs(held, model_dir) -
 async def test_an_aborted_sample_comes_back_empty(held) -> None:
     """Held logprobs travel with the last output; vLLM's front end answers an abort from
     what it has, so an aborted sample keeps no tokens (aborted samples are never trained)."""
-    # Greedy: the tiny model (random, tied embeddings) repeats its last token under argmax and
-    # never picks EOS, so each sample runs all 240 steps unless aborted. Sampled, they stop
-    # by EOS within tens of tokens, which a fast engine finishes before any fixed sleep.
-    request = GenRequest(group_id="cut", prompt_ids=[1, 5], n=3, max_tokens=240, greedy=True)
-    task = asyncio.create_task(generate_all(held, request))
-    async with asyncio.timeout(30):  # the engine has it (greedy samples are one request)
-        while held._llm.get_num_unfinished_requests() == 0:
-            await asyncio.sleep(0.005)
-    await asyncio.sleep(0.02)
+    task = await running(held, "cut", 3)
     await held.abort(["cut"])
     samples = await asyncio.wait_for(task, 30)
     cut = [s for s in samples if s.finish_reason == "abort"]
