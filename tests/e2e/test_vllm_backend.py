@@ -157,8 +157,10 @@ def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 
 def orphan_shm(before: set[str]) -> list[str]:
-    """/dev/shm entries made since ``before`` that no live process has mapped."""
-    new = set(os.listdir("/dev/shm")) - before
+    """vLLM's shared-memory queues (``psm_*``) in /dev/shm made since ``before`` that no live
+    process has mapped. Only vLLM's: the suite runs other stages beside this one, whose
+    processes make files there too (DeepSpeed's CPU collectives, asyncrl's runs)."""
+    new = {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} - before
     if not new:
         return []
     mapped = set()
@@ -167,7 +169,7 @@ def orphan_shm(before: set[str]) -> list[str]:
             mapped.update(os.path.basename(m.path) for m in proc.memory_maps(grouped=True))
         except (psutil.Error, OSError):
             pass
-    return sorted(n for n in new if n not in mapped and not n.startswith("asyncrl-"))
+    return sorted(n for n in new if n not in mapped)
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -124,7 +124,7 @@ async def test_engine_death_during_a_refit_is_seen_at_once(model_dir: Path, tmp_
     # them. multiprocessing semaphores (sem.mp-*) belong to this process's resource tracker,
     # which unlinks them when this process exits (a rollout worker exits right after this;
     # the launch-mode fault matrix checks /dev/shm after whole runs).
-    leaked = [n for n in orphan_shm(shm_before) if not n.startswith("sem.mp-")]
+    leaked = orphan_shm(shm_before)
     assert leaked == []
 
 
