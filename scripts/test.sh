@@ -56,8 +56,8 @@ run_lane() {
     rm -f "$report/$lane.pid"
     printf '%s\t%s\t%s\t%s\n' "$name" "$budget" "$(( $(date +%s) - start ))" "$code" \
       >> "$report/stages.tsv"
-    echo "== $name: exit $code after $(( $(date +%s) - start )) s"
-    cat "$report/$name.log"
+    echo "== $name: exit $code after $(( $(date +%s) - start )) s, its log:"
+    flock "$report/out.lock" cat "$report/$name.log"  # one stage's log at a time
     [ "$code" -eq 0 ] || break
   done
   echo "$code" > "$report/$lane.status"
@@ -73,7 +73,7 @@ status=$(cat "$report/lane1.status")
 if [ -n "$lane2" ]; then
   [ "$status" -eq 0 ] || stop_lane2
   wait "$lane2" || true
-  [ "$status" -ne 0 ] || status=$(cat "$report/lane2.status")
+  [ "$status" -ne 0 ] || status=$(cat "$report/lane2.status" 2>/dev/null || echo 1)
 fi
 .venv/bin/python scripts/suite_report.py "$report"
 exit "$status"
