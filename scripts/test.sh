@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Install everything, then run the test suite in two lanes side by side:
-#   lane 1: unit (pure logic and in-process sockets, on both cores), contract (the
-#           training-backend contract on fsdp2 and deepspeed under torchrun), integration (real
-#           processes on the numpy bigram engine, the fault matrix), each after the one before;
+# Install everything, then run the test suite: unit first (pure logic and in-process sockets,
+# on both cores), then two lanes side by side:
+#   lane 1: contract (the training-backend contract on fsdp2 and deepspeed under torchrun),
+#           then integration (real processes on the numpy bigram engine, the fault matrix);
 #   lane 2: e2e (vLLM CPU build + FSDP2 / DeepSpeed) with gpu (skipped without CUDA).
-# The e2e tests spend much of their time waiting on one engine or one torchrun world (about 1
-# of the CI machine's 2 cores), so the lanes share the machine instead of taking turns. A
-# stage that fails, or runs past its budget, stops the whole run. At the end the stages' times
-# and the run's slowest tests are printed (scripts/suite_report.py), so that what slows the
-# suite shows in the log of the change that slowed it (docs/testing.md).
+# An e2e test waits on one engine or one torchrun world for most of its time and uses about
+# one of the CI machine's 2 cores, so the lanes share the machine instead of taking turns;
+# unit uses both cores itself and runs alone. A stage that fails, or runs past its budget,
+# stops the whole run. At the end the stages' times and the run's slowest tests are printed
+# (scripts/suite_report.py), so that what slows the suite shows in the log of the change
+# that slowed it (docs/testing.md).
 #
 #   bash scripts/test.sh                   # every stage (CI)
 #   bash scripts/test.sh fast              # the everyday tier: every unit test, then one run
@@ -24,11 +25,12 @@ fi
 # Budgets in minutes: about 1.3x each stage's time measured from a fresh clone on a 2-core
 # machine with both lanes running (docs/testing.md has the figures and the date); a stage past
 # its budget is stopped.
+FIRST=("unit 5 -n 2 tests/unit")
 if [ "${1:-}" = fast ]; then
-  LANE1=("unit 4 -n 2 tests/unit" "end-to-end 1 -m fast tests/integration")
+  LANE1=("end-to-end 1 -m fast tests/integration")
   LANE2=()
 else
-  LANE1=("unit 4 -n 2 tests/unit" "contract 7 tests/contract" "integration 22 tests/integration")
+  LANE1=("contract 7 tests/contract" "integration 24 tests/integration")
   LANE2=("e2e 30 tests/e2e tests/gpu")
 fi
 report=$(mktemp -d)
@@ -63,6 +65,12 @@ run_lane() {
   echo "$code" > "$report/$lane.status"
 }
 
+run_lane first "${FIRST[@]}"
+status=$(cat "$report/first.status")
+if [ "$status" -ne 0 ]; then
+  .venv/bin/python scripts/suite_report.py "$report"
+  exit "$status"
+fi
 lane2=
 if [ ${#LANE2[@]} -gt 0 ]; then
   run_lane lane2 "${LANE2[@]}" &
