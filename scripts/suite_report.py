@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== the suite's time")
     print(f"{'stage':<14} {'wall':>8} {'budget':>8}  {'passed':>6} {'skipped':>7} {'failed':>6}")
     total = 0.0
+    over: list[str] = []
     for name, budget, wall, code in stages:
         xml = args.dir / f"{name}.xml"
         cases = testcases(xml) if xml.exists() else []
@@ -49,9 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         failed = sum(1 for c in cases if c[2] in ("failure", "error"))
         total += float(wall)
         mark = "" if code == "0" else f"  exit {code}"
+        if float(wall) > 60 * float(budget):
+            mark += "  over budget"
+            over.append(f"{name} took {float(wall):.0f} s, past its budget of {budget} min")
         print(f"{name:<14} {float(wall):>7.0f}s {float(budget):>6.1f}m  {count['passed']:>6} "
               f"{count['skipped']:>7} {failed:>6}{mark}")
-    print(f"{'all stages':<14} {total:>7.0f}s")
+    print(f"{'all stages':<14} {total:>7.0f}s (the sum: the lanes run side by side)")
+    for line in over:
+        print(f"OVER BUDGET: {line}. Find what slowed it (the slowest tests below, the stage's "
+              "--durations) or, if it had to grow, raise its budget in scripts/test.sh with "
+              "the measured figure in docs/testing.md")
     print(f"\n== the {args.slowest} slowest tests")
     for name, seconds, outcome in sorted(every, key=lambda c: -c[1])[: args.slowest]:
         print(f"{seconds:8.1f}s  {name}{'' if outcome == 'passed' else f'  ({outcome})'}")

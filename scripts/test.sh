@@ -23,15 +23,17 @@ if [ $# -gt 0 ] && [ "$1" != fast ]; then
   exec "${PYTEST[@]}" "$@"
 fi
 # Budgets in minutes: about 1.3x each stage's time measured from a fresh clone on a 2-core
-# machine with both lanes running (docs/testing.md has the figures and the date); a stage past
-# its budget is stopped.
-FIRST=("unit 5 -n 2 tests/unit")
+# machine, with both lanes running (docs/testing.md has the figures and the date). A stage
+# past its budget is named in the report (suite_report.py: "over budget"), so that the change
+# that slowed it sees it in its own log; one past twice its budget is stopped and fails the
+# run (a hang). Failing at the budget itself would fail CI on a machine slower than this one.
+FIRST=("unit 4 -n 2 tests/unit")
 if [ "${1:-}" = fast ]; then
   LANE1=("end-to-end 1 -m fast tests/integration")
   LANE2=()
 else
-  LANE1=("contract 7 tests/contract" "integration 24 tests/integration")
-  LANE2=("e2e 30 tests/e2e tests/gpu")
+  LANE1=("contract 7 tests/contract" "integration 30 tests/integration")
+  LANE2=("e2e 29 tests/e2e tests/gpu")
 fi
 report=$(mktemp -d)
 stop_lane2() {  # SIGINT to lane 2's running stage (timeout passes it on to pytest)
@@ -51,7 +53,7 @@ run_lane() {
     shift 2
     echo "== $name: $* (budget $budget min)"
     start=$(date +%s)
-    timeout --signal=INT --kill-after=60 "${budget}m" "${PYTEST[@]}" \
+    timeout --signal=INT --kill-after=60 "$(( 2 * budget ))m" "${PYTEST[@]}" \
       --junitxml="$report/$name.xml" "$@" > "$report/$name.log" 2>&1 &
     echo $! > "$report/$lane.pid"
     wait $! || code=$?
