@@ -252,13 +252,12 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path) -> None:
     import time
 
     import psutil
-    from integration_support import free_port, run_files, session_processes, to_toml
+    from integration_support import run_files, session_processes, to_toml
 
     # the stop path; restarting it: test_launch_vllm_engine_death_is_outlived
     config = _launch_config(tmp_path, qwen_dir, 1000, failures={"rollout_restarts": 0})
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config) + "\n")
-    port = free_port()
     ipc_before = set(glob.glob("/tmp/asyncrl-vllm-*"))
     shm_before = set(os.listdir("/dev/shm"))
     log = tmp_path / "console.log"
@@ -266,7 +265,7 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
-             "--master-port", str(port), "-m", "asyncrl.launch", str(path)],
+             "--standalone", "-m", "asyncrl.launch", str(path)],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     metrics = tmp_path / "out" / "metrics.jsonl"
@@ -321,7 +320,6 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path, ho
 
     import psutil
     from integration_support import (
-        free_port,
         run_files,
         run_processes,
         session_processes,
@@ -339,7 +337,7 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path, ho
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
-             "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path)],
+             "--standalone", "-m", "asyncrl.launch", str(path)],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     metrics = tmp_path / "out" / "metrics.jsonl"

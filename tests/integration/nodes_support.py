@@ -140,6 +140,24 @@ def _net(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
+def _settled(proc: subprocess.Popen, what: str, until: float) -> None:
+    """Wait until ``proc`` has exec'd its final ``sleep``: its namespaces made and set up.
+    Its network namespace alone is not enough: ``unshare --user --map-root-user`` makes it
+    before it writes the user namespace's uid map, and an ``nsenter --user`` in between
+    fails (seen on a loaded machine)."""
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with {proc.returncode} before it was set up")
+        try:
+            comm = Path(f"/proc/{proc.pid}/comm").read_text().strip()
+        except FileNotFoundError:  # exited since the poll
+            continue
+        if comm == "sleep":
+            return
+        assert time.monotonic() < until, f"{what} was not set up in time"
+        time.sleep(0.01)
+
+
 @contextlib.contextmanager
 def wired_nodes(
     tmp: Path, config: Path, specs: tuple[Node, Node] = PAIR
@@ -158,10 +176,8 @@ def wired_nodes(
     user = ["nsenter", "--target", str(holder.pid), "--user", "--preserve-credentials"]
     nodes: list[subprocess.Popen[str]] = []
     try:
-        until = time.monotonic() + 10
-        while _net(holder.pid) == _net(os.getpid()):
-            assert time.monotonic() < until, "the holder made no network namespace"
-            time.sleep(0.01)
+        until = time.monotonic() + 30  # a guard: set up in milliseconds
+        _settled(holder, "the namespace holder", until)
         wired = tmp / "wired"
         port = free_port()  # a fresh namespace: any port is free there
         nodes.append(node(tmp, 0, port, config, specs[0],
@@ -251,18 +267,14 @@ def wire() -> Iterator[Wire]:
     )  # fmt: skip
     procs = [first]
     try:
-        until = time.monotonic() + 10
-        while _net(first.pid) == _net(os.getpid()):
-            assert time.monotonic() < until, "no network namespace made"
-            time.sleep(0.01)
+        until = time.monotonic() + 30  # a guard: set up in milliseconds
+        _settled(first, "the first side", until)
         second = subprocess.Popen(
             ["nsenter", "--target", str(first.pid), "--user", "--preserve-credentials",
              "unshare", "--net", "sleep", "3600"], start_new_session=True,
         )  # fmt: skip
         procs.append(second)
-        while _net(second.pid) in (_net(first.pid), _net(os.getpid())):
-            assert time.monotonic() < until, "no second network namespace made"
-            time.sleep(0.01)
+        _settled(second, "the second side", until)
         link = Wire((first.pid, second.pid))
 
         def ip(n: int, *commands: str) -> None:

@@ -38,7 +38,6 @@ pytest.importorskip(
 from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
-    free_port,
     merge,
     run_files,
     run_processes,
@@ -100,7 +99,7 @@ def _start(mode: str, config: Path, log: Path, nproc: int = 3) -> subprocess.Pop
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             *torchrun_log_args(str(config.parent / "torchrun")),  # not a /tmp/torchelastic_*
-            "--master-port", str(free_port()), "-m", "asyncrl.launch", str(config),
+            "--standalone", "-m", "asyncrl.launch", str(config),
         ]
     else:
         cmd = [sys.executable, str(ROOT / "examples" / "embed_in_asyncio.py"), str(config)]

@@ -37,7 +37,6 @@ from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
     assert_nothing_left,
-    free_port,
     merge,
     read_metrics,
     run_files,
@@ -199,7 +198,7 @@ class _Launch:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
-            "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path),
+            "--standalone", "-m", "asyncrl.launch", str(path),
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,

@@ -26,7 +26,6 @@ from asyncrl.procs.space import shm_dir  # noqa: E402
 from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
-    free_port,
     merge,
     session_processes,
     to_toml,
@@ -44,7 +43,7 @@ def _launch(tmp_path: Path, config: dict) -> tuple[int, str]:
         sys.executable, "-m", "torch.distributed.run",  # = the torchrun script of this venv
         # torchrun's own log dir with the run, not a /tmp/torchelastic_* left behind
         *torchrun_log_args(str(tmp_path / "torchrun")),
-        "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "--nproc-per-node", "2", "--standalone",
         "-m", "asyncrl.launch", str(path),
     ]
     proc = subprocess.Popen(
@@ -220,7 +219,7 @@ def test_launch_restarts_a_killed_rollout_worker(tmp_path: Path, model_dir: Path
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         *torchrun_log_args(str(tmp_path / "torchrun")),  # not a /tmp/torchelastic_*
-        "--master-port", str(free_port()), "-m", "asyncrl.launch", str(path),
+        "--standalone", "-m", "asyncrl.launch", str(path),
     ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

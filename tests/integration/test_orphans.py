@@ -40,7 +40,6 @@ from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
 from asyncrl.run.runlock import LOCK_FILE, check_free  # noqa: E402
 from integration_support import (  # noqa: E402
     BASE,
-    free_port,
     merge,
     run_files,
     run_processes,
@@ -77,7 +76,7 @@ def _command(form: str, config: Path) -> list[str]:
         return [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             *torchrun_log_args(str(config.parent / "torchrun")),  # not in /tmp/torchelastic_*
-            "--master-port", str(free_port()), "-m", "asyncrl.launch", str(config),
+            "--standalone", "-m", "asyncrl.launch", str(config),
         ]  # fmt: skip
     return [sys.executable, str(ROOT / "examples" / "embed_in_asyncio.py"), str(config)]
 
