@@ -6,13 +6,13 @@
 #   lane 2: e2e (vLLM CPU build + FSDP2 / DeepSpeed) with gpu (skipped without CUDA).
 # An e2e test waits on one engine or one torchrun world for most of its time and uses about
 # one of the CI machine's 2 cores, so the lanes share the machine instead of taking turns;
-# unit uses both cores itself and runs alone. A stage that fails, or runs past its budget,
-# stops the whole run. At the end the stages' times and the run's slowest tests are printed
+# unit uses both cores itself and runs alone. A stage that fails stops the whole run (budgets:
+# below). At the end the stages' times and the run's slowest tests are printed
 # (scripts/suite_report.py), so that what slows the suite shows in the log of the change
 # that slowed it (docs/testing.md).
 #
 #   bash scripts/test.sh                   # every stage (CI)
-#   bash scripts/test.sh fast              # the everyday tier: every unit test, then one run
+#   bash scripts/test.sh fast              # the everyday tier: every unit test, then two runs
 #                                          # end to end on the example engine (at most 5 min)
 #   bash scripts/test.sh tests/unit -k x   # any pytest arguments: one plain pytest run
 set -euo pipefail

@@ -257,7 +257,6 @@ class VLLMBackend(EngineWeights):
             with environ(engine_env):
                 import vllm
                 from vllm.engine.arg_utils import AsyncEngineArgs
-                from vllm.v1.engine.async_llm import AsyncLLM
 
                 self._llm = make_engine(AsyncEngineArgs(**self._engine_args(cuda)), cuda=cuda)
             self._engine_shm = mapped_shm(self._reaper.engine_started())
