@@ -1,7 +1,8 @@
 """Where a test run's time went, from the JUnit XML files pytest wrote (``--junitxml``): each
-stage's wall time against its budget, its test count, and the slowest tests of the whole run
-(setup, call and teardown together), so that a change that slows the suite is seen in the log
-of the run it slowed.
+stage's wall time against its budget and its test counts, each suite's (``tests/<suite>``)
+test time summed over its tests, and the slowest tests of the whole run (setup, call and
+teardown together), so that a change that slows the suite is seen in the log of the run it
+slowed. A stage on two workers shows about twice its wall time in test time.
 
     python scripts/suite_report.py DIR [--slowest 10]
 
@@ -23,6 +24,8 @@ def testcases(path: Path) -> list[tuple[str, float, str]]:
     out = []
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        if name.rfind("@") > name.rfind("]"):  # the worker group of --dist loadgroup
+            name = name[: name.rfind("@")]
         outcome = "passed"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -55,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
             over.append(f"{name} took {float(wall):.0f} s, past its budget of {budget} min")
         print(f"{name:<14} {float(wall):>7.0f}s {float(budget):>6.1f}m  {count['passed']:>6} "
               f"{count['skipped']:>7} {failed:>6}{mark}")
-    print(f"{'all stages':<14} {total:>7.0f}s (the sum: the lanes run side by side)")
+    print(f"{'all stages':<14} {total:>7.0f}s")
+    suites: dict[str, list[tuple[str, float, str]]] = {}
+    for case in every:
+        suites.setdefault("/".join(case[0].split("/")[:2]), []).append(case)
+    print(f"\n{'suite':<18} {'tests':>6} {'test time':>10}")
+    for suite, cases in sorted(suites.items()):
+        print(f"{suite:<18} {len(cases):>6} {sum(c[1] for c in cases):>9.0f}s")
     for line in over:
         print(f"OVER BUDGET: {line}. Find what slowed it (the slowest tests below, the stage's "
               "--durations) or, if it had to grow, raise its budget in scripts/test.sh with "

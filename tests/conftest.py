@@ -22,7 +22,35 @@ def run_dir() -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+ENGINE_DIRS = ("e2e", "gpu")
+"""Suites whose tests run one at a time even on several workers: each starts real vLLM
+engines, and checks that nothing of vLLM's is left machine-wide (``/tmp/asyncrl-vllm-*``,
+``psm_*`` in ``/dev/shm``)."""
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """The worker group ``item`` must share under ``--dist loadgroup`` (``scripts/test.sh``):
+    every vLLM test in one, and the tests of a module (or class) with a module- (or class-)
+    scoped fixture together, so that the fixture is made once and never on both workers.
+    ``None``: any worker, in any order."""
+    parts = item.nodeid.split("::")[0].split("/")
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in ENGINE_DIRS:
+        return "vllm"
+    # pytest has no public view of an item's fixtures with their scopes
+    defs = item._fixtureinfo.name2fixturedefs  # type: ignore[attr-defined]
+    scopes = {fixturedefs[-1].scope for fixturedefs in defs.values()}
+    if "package" in scopes or "module" in scopes:
+        return item.nodeid.split("::")[0]
+    if "class" in scopes and item.cls is not None:
+        return item.nodeid.rsplit("::", 1)[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if (group := _xdist_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     gpu = False
     try:
         import torch

@@ -6,6 +6,8 @@ suite's float64 single-process reference.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("torch")
@@ -68,3 +70,35 @@ class TestDeepSpeedZero3TwoRanks(TrainingBackendContract):
     world_size = 2
     # small export groups: several all-gathers per export
     options = {"zero_stage": 3, "export_bucket_mb": 1}
+
+
+def test_deepspeed_on_the_cpu_compiles_no_op(tmp_path) -> None:
+    """DeepSpeed started as the backend starts it, on the CPU accelerator, builds no C++ op:
+    not its Adam (``torch_adam``) and not the shared-memory all-reduce its communication would
+    compile at start (inference only; ~60 s of CPU, and an error without a compiler)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from asyncrl_deepspeed.backend import deepspeed, deepspeed_config\n"
+        "from asyncrl_deepspeed.options import parse_options\n"
+        f"dist.init_process_group('gloo', store=dist.FileStore({str(tmp_path / 'store')!r}, 1),"
+        " rank=0, world_size=1)\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "config = deepspeed_config(parse_options({'zero_stage': 2}), micro_batch_size=1,"
+        " world_size=1)\n"
+        "engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),"
+        " config=config, dist_init_required=False)\n"
+        "engine.backward(engine(torch.ones(1, 4)).sum()); engine.step()\n"
+        "dist.destroy_process_group()\n"
+        "print('stepped')\n"
+    )
+    ext = tmp_path / "torch_extensions"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "CUDA_VISIBLE_DEVICES": "",
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0 and "stepped" in proc.stdout, proc.stderr[-3000:]
+    built = [str(p.relative_to(ext)) for p in ext.rglob("*")] if ext.exists() else []
+    assert built == [], f"DeepSpeed built ops on the CPU: {built}"

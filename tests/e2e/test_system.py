@@ -304,12 +304,12 @@ def test_launch_vllm_engine_death(tmp_path: Path, qwen_dir: Path) -> None:
     assert leaked == [], f"vLLM shared memory left: {leaked}"
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
-def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path, how: str) -> None:
-    """The same launch with ``failures.rollout_restarts`` (the default): vLLM's EngineCore is
-    SIGKILLed after the first step, or SIGSTOPped (a hung engine behind a rollout worker whose
-    own loop still answers the heartbeat: the engine watch's liveness probe names it after
-    ``failures.heartbeat_timeout_s``). The worker says why and exits, its rank (the
+def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path) -> None:
+    """The same launch with ``failures.rollout_restarts`` (the default), and two faults of the
+    engine in one run: vLLM's EngineCore is SIGKILLed after the first step; once its worker is
+    back, the new EngineCore is SIGSTOPped (a hung engine behind a rollout worker whose own
+    loop still answers the heartbeat: the engine watch's liveness probe names it after
+    ``failures.heartbeat_timeout_s``). Each time the worker says why and exits, its rank (the
     supervisor) kills what the engine left and starts a new worker, which is refitted to the
     trainer's weights; the run trains every step and exits 0, leaving no process of any
     session."""
@@ -326,7 +326,7 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path, ho
         to_toml,
     )
 
-    num_steps = 4
+    num_steps = 5
     beat = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0}
     config = _launch_config(tmp_path, qwen_dir, num_steps, eval={"num_prompts": 8},
                             failures=beat)
@@ -342,24 +342,37 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path, ho
         )
     metrics = tmp_path / "out" / "metrics.jsonl"
     sessions = {proc.pid}
-    try:
-        deadline = time.monotonic() + 400
-        while not (metrics.exists() and '"train"' in metrics.read_text()):
+
+    def records() -> list[dict]:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def wait_for(kind: str, count: int) -> None:
+        while len([r for r in records() if r["kind"] == kind]) < count:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        run_id = json.loads(metrics.read_text().splitlines()[0])["run_id"]
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        sessions |= {os.getsid(p.pid) for p in tree if p.is_running()}
-        engine = [p for p in tree if "EngineCore" in p.name()]
-        assert engine, "no engine process found"
-        engine[0].send_signal(getattr(signal, how))
-        while proc.poll() is None:
-            assert time.monotonic() < deadline + 400, log.read_text()[-3000:]
             for p in psutil.Process(proc.pid).children(recursive=True):
                 try:
                     sessions.add(os.getsid(p.pid))
                 except ProcessLookupError:
                     pass
+            time.sleep(0.2)
+
+    def strike(how: signal.Signals) -> None:
+        engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "EngineCore" in p.name()]  # fmt: skip
+        assert len(engine) == 1, engine
+        engine[0].send_signal(how)
+
+    try:
+        deadline = time.monotonic() + 600
+        wait_for("train", 1)
+        run_id = records()[0]["run_id"]
+        strike(signal.SIGKILL)
+        wait_for("worker_restarted", 1)
+        strike(signal.SIGSTOP)
+        wait_for("worker_restarted", 2)
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         deadline = time.monotonic() + 30
         while [s for s in sessions if session_processes(s)] or run_processes(run_id) \
@@ -371,11 +384,13 @@ def test_launch_vllm_engine_death_is_outlived(tmp_path: Path, qwen_dir: Path, ho
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, log.read_text()[-4000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len([r for r in records if r["kind"] == "train"]) == num_steps
-    (restart,) = [r for r in records if r["kind"] == "worker_restarted"]
-    assert restart["worker"] == "rollout:0" and "EngineDeadError" in restart["error"], restart
-    if how == "SIGSTOP":
-        assert "answered no liveness probe in 5 s" in restart["error"], restart
-    assert [r["label"] for r in records if r["kind"] == "eval"] == ["start", "end"]
-    print(f"\nRESTART | launch | vllm EngineCore {how} | back in {restart['seconds']:.1f} s")
+    done = records()
+    assert len([r for r in done if r["kind"] == "train"]) == num_steps
+    killed, stopped = [r for r in done if r["kind"] == "worker_restarted"]
+    for restart in (killed, stopped):
+        assert restart["worker"] == "rollout:0" and "EngineDeadError" in restart["error"], restart
+    assert "answered no liveness probe" not in killed["error"], killed
+    assert "answered no liveness probe in 5 s" in stopped["error"], stopped
+    assert [r["label"] for r in done if r["kind"] == "eval"] == ["start", "end"]
+    print(f"\nRESTART | launch | vllm EngineCore SIGKILL, then SIGSTOP | back in "
+          f"{killed['seconds']:.1f} s, {stopped['seconds']:.1f} s")

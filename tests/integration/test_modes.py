@@ -13,13 +13,16 @@ others. What each run must show, from its metrics.jsonl:
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from integration_support import read_metrics
 
 import asyncrl
 from asyncrl.config import Config
+from asyncrl.config.modes import describe
 
 pytestmark = pytest.mark.asyncio
 
@@ -97,6 +100,41 @@ async def test_mode_keeps_its_bound_and_accounts_for_every_group(
             assert 0.03 <= r["trainer_compute_s"] <= r["train_s"] + 0.01, r
             assert 0 < r["engine_busy_s"] and 0 < r["refit_work_s"] <= r["refit_s"], r
             assert 0 < r["refit_pack_s"] <= r["refit_work_s"], r  # the sender's packing
+
+
+SHIPPED = Path(__file__).parents[2] / "examples" / "modes"
+SHIPPED_MODES = {  # config -> (staleness bound, wastes nothing)
+    "sync.toml": (0, True),
+    "async_in_order.toml": (1, True),
+    "gated.toml": (1, True),
+    "oversampled.toml": (1, False),
+    "ready_first.toml": (1, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SHIPPED.glob("*.toml")))
+async def test_each_shipped_mode_config_keeps_its_bound(
+    make_config: Callable[..., Config], name: str
+) -> None:
+    """Each shipped mode config's ``[grpo]`` and ``[pipeline]`` (examples/modes), on the bigram
+    engine under this module's long-tail generation: the mode ``asyncrl check-config`` states,
+    its staleness bound and its waste. (tests/e2e/test_example_modes.py runs two of them as
+    shipped, on vLLM and FSDP2.)"""
+    assert name in SHIPPED_MODES, f"a new mode config: add its bound and waste to SHIPPED_MODES"
+    bound, waste_free = SHIPPED_MODES[name]
+    shipped = tomllib.loads((SHIPPED / name).read_text())
+    over = {"grpo": shipped["grpo"], "pipeline": shipped["pipeline"], "run": {"num_steps": 3}}
+    mode = describe(make_config(name, **{**WORKLOAD, **over})).mode
+    assert f"staleness <= {bound}" in mode or (bound == 0 and "on-policy" in mode), mode
+    steps = await run(make_config, name, **over)
+    P = shipped["grpo"]["prompts_per_step"]
+    for r in steps:
+        hist = {int(k): v for k, v in r["staleness_hist"].items()}
+        assert sum(hist.values()) == P and max(hist) <= bound, (name, hist)
+        if waste_free:
+            assert r["wasted_samples"] == 0, r
+    if bound == 0:
+        assert all(r["inflight_at_refit"] == 0 for r in steps)  # nothing spans a refit
 
 
 async def test_oversampling_aborts_in_the_engine_at_refit(

@@ -46,3 +46,23 @@ def test_stages_counts_slowest_and_over_budget(tmp_path: Path, capsys) -> None:
     slowest = out[out.index("== the 2 slowest tests") + 1:]
     assert slowest[0].split() == ["30.0s", "tests/e2e/test_c.py::test_big[x]"]
     assert slowest[1].split() == ["9.0s", "tests/unit/test_b.py::test_three", "(failure)"]
+
+
+def test_suites_summed_and_xdist_groups_stripped(tmp_path: Path, capsys) -> None:
+    """One stage over several suites (``--dist loadgroup``): each suite's test time is the sum
+    of its tests', and the worker group xdist appends to a node id (``@vllm``) is not shown."""
+    _junit(tmp_path / "engines.xml", [
+        ("tests.e2e.test_c", "test_big[x]@vllm", 30.0, "passed"),
+        ("tests.e2e.test_c", "test_small", 2.5, "skipped"),
+        ("tests.integration.test_d", "test_run[a@b]", 4.0, "passed"),
+    ])  # fmt: skip
+    (tmp_path / "stages.tsv").write_text("engines\t1\t20\t0\n")
+    assert _report_module().main([str(tmp_path), "--slowest", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert next(line for line in out if line.startswith("tests/e2e ")).split() == [
+        "tests/e2e", "2", "32s"]
+    assert next(line for line in out if line.startswith("tests/integration ")).split() == [
+        "tests/integration", "1", "4s"]
+    slowest = out[out.index("== the 2 slowest tests") + 1:]
+    assert slowest[0].split() == ["30.0s", "tests/e2e/test_c.py::test_big[x]"]
+    assert slowest[1].split() == ["4.0s", "tests/integration/test_d.py::test_run[a@b]"]

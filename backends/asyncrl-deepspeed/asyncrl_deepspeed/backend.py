@@ -23,6 +23,7 @@ grad-norm error for ZeRO-2 and ZeRO-3 on 2 CPU ranks).
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,14 @@ if not torch.cuda.is_available():  # DeepSpeed picks its accelerator once, at im
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
+
+if not torch.cuda.is_available():
+    # On the CPU accelerator DeepSpeed compiles a C++ op when its communication starts (shared-
+    # memory all-reduce, ~60 s of CPU with a compiler once per machine, an error without one).
+    # Only inference_all_reduce uses it; training reduces through torch.distributed, so the
+    # op is not built (as "torch_adam" below avoids the Adam op).
+    # (the module by its name: ``deepspeed.comm.torch`` as an attribute is PyTorch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 from asyncrl.backend import WeightTensor, WorkerContext  # noqa: E402
 from asyncrl.training import DistributedTrainer  # noqa: E402
