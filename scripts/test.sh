@@ -4,11 +4,10 @@
 #   engines: contract (the training-backend contract on fsdp2 and deepspeed under torchrun),
 #            integration (real processes on the numpy bigram engine, the fault matrix) and
 #            e2e (vLLM CPU build + FSDP2 / DeepSpeed) with gpu (skipped without CUDA), on two
-#            pytest-xdist workers that take the next test when they finish one (--dist
-#            loadgroup). The vLLM tests run one after the other on one worker (they check
-#            vLLM's leftovers machine-wide), and the tests sharing a module- or class-scoped
-#            fixture stay on one worker (tests/conftest.py); the other worker takes everything
-#            else, and both take what is left when the vLLM tests are done.
+#            pytest-xdist workers that take the next module when they finish one (--dist
+#            loadscope; by class for a test class). The vLLM tests are one unit: they run one
+#            after the other on one worker (they check vLLM's leftovers machine-wide) while
+#            the other takes everything else, and both take what is left (tests/conftest.py).
 # A stage that fails stops the run (budgets: below). At the end the stages' times, each
 # suite's test time and the run's slowest tests are printed (scripts/suite_report.py), so
 # that what slows the suite shows in the log of the change that slowed it (docs/testing.md).
@@ -33,7 +32,7 @@ if [ "${1:-}" = fast ]; then
   STAGES=("unit 4 -n 2 tests/unit" "end-to-end 1 -m fast tests/integration")
 else
   STAGES=("unit 4 -n 2 tests/unit"
-          "engines 30 -n 2 --dist loadgroup tests/e2e tests/gpu tests/contract tests/integration")
+          "engines 30 -n 2 --dist loadscope tests/e2e tests/gpu tests/contract tests/integration")
 fi
 report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT

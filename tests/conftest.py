@@ -28,29 +28,28 @@ engines, and checks that nothing of vLLM's is left machine-wide (``/tmp/asyncrl-
 ``psm_*`` in ``/dev/shm``)."""
 
 
-def _xdist_group(item: pytest.Item) -> str | None:
-    """The worker group ``item`` must share under ``--dist loadgroup`` (``scripts/test.sh``):
-    every vLLM test in one, and the tests of a module (or class) with a module- (or class-)
-    scoped fixture together, so that the fixture is made once and never on both workers.
-    ``None``: any worker, in any order."""
-    parts = item.nodeid.split("::")[0].split("/")
-    if len(parts) > 2 and parts[0] == "tests" and parts[1] in ENGINE_DIRS:
-        return "vllm"
-    # pytest has no public view of an item's fixtures with their scopes
-    defs = item._fixtureinfo.name2fixturedefs  # type: ignore[attr-defined]
-    scopes = {fixturedefs[-1].scope for fixturedefs in defs.values()}
-    if "package" in scopes or "module" in scopes:
-        return item.nodeid.split("::")[0]
-    if "class" in scopes and item.cls is not None:
-        return item.nodeid.rsplit("::", 1)[0]
-    return None
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadscope`` (the engines stage of ``scripts/test.sh``): xdist's scheduling by
+    module (by class for a test class), so that a module- or class-scoped fixture is made once
+    and on one worker, with every vLLM test in one unit of its own: they run one after the
+    other on one worker while the other takes the rest, and both take what is left. (Marking
+    ``xdist_group`` would say this per test, but xdist 3.8 cannot rename a node id on pytest
+    9, so ``--dist loadgroup`` groups nothing there.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EnginesApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("::")[0].split("/")
+            if len(parts) > 2 and parts[0] == "tests" and parts[1] in ENGINE_DIRS:
+                return "vllm"
+            return super()._split_scope(nodeid)
+
+    return EnginesApart(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if (group := _xdist_group(item)) is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     gpu = False
     try:
         import torch

@@ -320,6 +320,7 @@ class StepRecord:
             "refit_verify_mean_abs": max(a.mean_abs for a in self.verify),
             "refit_verify_max_abs": max(a.max_abs for a in self.verify),
             "refit_verify_mult_prob_error": max(a.mult_prob_error for a in self.verify),
+            "refit_verify_bound": min(a.bound for a in self.verify),
             "verify_s": self.verify_s,
         }
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -51,7 +51,7 @@ from asyncrl.policy.grpo import (
 )
 from asyncrl.policy.samplers import in_flight_at_refit
 from asyncrl.policy.schedule import StepStats
-from asyncrl.policy.verify import make_probe, verification_due
+from asyncrl.policy.verify import Agreement, RefitCheck, make_probe, verification_due
 from asyncrl.run.book import Aborts, RolloutBook
 from asyncrl.run.wake import Signal
 from asyncrl.run.probes import Probes
@@ -97,6 +97,7 @@ class StepAssembler:
         failures: FailureBudget,
         probes: Probes,
         now: Callable[[], float],
+        before_training: Callable[[int, StepRecord], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
         self.control = control
@@ -106,6 +107,9 @@ class StepAssembler:
         self.changed = changed
         self.failures = failures
         self.now = now
+        self._before_training = before_training
+        """Called with a step's first chunk in, before the trainers train any of it (the
+        refit check's baseline: :meth:`Publisher.baseline`)."""
         g = config.grpo
         self._advantage_options: dict[str, Any] = dict(
             normalize=g.normalize_advantages, environment=config.environment.name,
@@ -266,6 +270,8 @@ class StepAssembler:
                 rec.waited(t, self.now())
                 continue
             rec.groups += chunk.groups  # before any await: a failed step gives them back
+            if self._before_training is not None and not opened and not rec.batches:
+                await self._before_training(step, rec)
             if not opened and not self._mini_batched:
                 rec.train_start = self.now()
                 log.debug("step_started", step=step)
@@ -371,6 +377,8 @@ class Publisher:
         """The FP8 KV-cache scales of the last refit (a restarted worker gets them too)."""
         self._probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
+        self.check = RefitCheck.of(config.refit)
+        """Judges verified refits against the baseline measured before the first update."""
         self._reprefill = in_flight_at_refit(config.sampler) == "reprefill"
         """Requests in flight at a step's refit recompute their KV cache (the sampler's
         choice; docs/modes.md)."""
@@ -478,24 +486,57 @@ class Publisher:
             self.rejections.counts["weights"] = report.rejected_frames
         return report
 
-    async def verify(self, step: int, rec: StepRecord) -> None:
-        """After step ``step``'s refit, when due (``refit.verify_first_steps``,
-        ``verify_every_steps``): every generator's logprobs of a fixed probe batch (frozen
-        from the first trained step) against the trainer's, into ``rec.verify``."""
+    async def baseline(self, step: int, rec: StepRecord) -> None:
+        """Before the trainers train any of step ``step`` (its first chunk is in ``rec``),
+        until the refit check has its baseline: freeze the probe batch from the step's groups
+        and score it on both sides, which hold the same weights now (docs/refit.md, 'Refit
+        verification'). Before any backward pass: a forward between a backward and its
+        optimizer step left FSDP2 (one rank, float32) unable to free a gathered parameter at
+        the next backward.
+
+        Raises:
+            RefitError: the two sides disagree beyond ``refit.verify_max_noise`` already.
+        """
         cfg = self.config.refit
+        if self.check.started or not (cfg.verify_first_steps or cfg.verify_every_steps):
+            return
         if self._probe is None:
             self._probe = make_probe(rec.groups, cfg.verify_num_sequences)
-        if self._probe is not None and verification_due(
+        if self._probe is None:
+            return  # no tokens to probe with yet: the next step's
+        start = self.now()
+        agreements = self.check.baseline(step, *await self.probes.scores(self._probe))
+        self._record_verified(agreements, baseline=True)
+        rec.verify_s += self.now() - start
+
+    async def verify(self, step: int, rec: StepRecord) -> None:
+        """After step ``step``'s refit, when due (``refit.verify_first_steps``,
+        ``verify_every_steps``) and once the baseline was measured: every generator's
+        logprobs of the probe batch against the trainer's, judged into ``rec.verify``."""
+        cfg = self.config.refit
+        if self.check.started and verification_due(
             step + 1, cfg.verify_first_steps, cfg.verify_every_steps
         ):
             start = self.now()
-            rec.verify = await self.probes.verify(self._probe, step + 1, self.metrics, self.now())
-            rec.verify_s = self.now() - start
+            assert self._probe is not None
+            rec.verify = self.check.judge(step + 1, *await self.probes.scores(self._probe))
+            self._record_verified(rec.verify)
+            rec.verify_s += self.now() - start
 
-    def check_verified(self, rec: StepRecord) -> None:
+    def _record_verified(self, agreements: list[Agreement], *, baseline: bool = False) -> None:
+        """A record per generator, ``refit_verify`` (a judged refit) or ``refit_baseline``
+        (before any update), and a log line."""
+        kind = "refit_baseline" if baseline else "refit_verify"
+        for a in agreements:
+            if self.metrics is not None:
+                self.metrics.write({"kind": kind, **a.metrics(), "time": self.now()})
+            log.info("refit_baseline" if baseline else "refit_verified", **a.metrics())
+
+    @staticmethod
+    def check_verified(rec: StepRecord) -> None:
         """Stop the run if a generator disagreed with the trainer in ``rec.verify``."""
         for agreement in rec.verify:
-            agreement.check(*self.kv.verify_tolerance)
+            agreement.check()
 
 
 def _mini_step_record(epoch: int, index: int, results: list[Any], finish: Any) -> dict[str, Any]:

@@ -180,17 +180,17 @@ class Pipeline:
         cfg, control, trainers, metrics = self.config, self.control, self.trainers, self.metrics
         kv = KVScales(control, trainers, self.rollouts, cfg.refit,
                       timeout_s=cfg.cluster.call_timeout_s, metrics=metrics)  # fmt: skip
-        self.assembler = StepAssembler(
-            cfg, control=control, trainers=trainers, book=self.book,
-            committed=self.committed, changed=self.changed, failures=self.failures,
-            probes=self.probes, now=self.now,
-        )  # fmt: skip
         self.publisher = Publisher(
             cfg, control=control, trainers=trainers, book=self.book,
             serving=lambda: self.restarts.serving, kv=kv, probes=self.probes,
             transfer_address=transfer, changed=self.changed,
             rejections=self.rejections, metrics=metrics, now=self.now,
             cancel_episodes=self._cancel_episodes,
+        )  # fmt: skip
+        self.assembler = StepAssembler(
+            cfg, control=control, trainers=trainers, book=self.book,
+            committed=self.committed, changed=self.changed, failures=self.failures,
+            probes=self.probes, now=self.now, before_training=self.publisher.baseline,
         )  # fmt: skip
         self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
         self.episodes: EpisodeRunner | None = None

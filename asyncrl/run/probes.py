@@ -8,15 +8,10 @@ from typing import Any
 
 import anyio
 import numpy as np
-import structlog
-
 from asyncrl.errors import WorkerRestarting
 from asyncrl.policy.grpo import shard_tokens
 from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score, TokenBatch
 from asyncrl.wire.rpc import ControlPlane
-from asyncrl.policy.verify import Agreement, compare
-
-log = structlog.get_logger("asyncrl.run.probes")
 
 __all__ = ["Probes"]
 
@@ -68,23 +63,11 @@ class Probes:
         )  # fmt: skip
         return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
 
-    async def verify(
-        self, batch: TokenBatch, version: int, metrics: Any, now: float
-    ) -> list[Agreement]:
-        """:meth:`agreement`, each result written to ``metrics`` (a ``refit_verify`` record)
-        and logged."""
-        agreements = await self.agreement(batch, version)
-        for a in agreements:
-            if metrics is not None:
-                metrics.write({"kind": "refit_verify", **a.metrics(), "time": now})
-            log.info("refit_verified", **a.metrics())
-        return agreements
-
-    async def agreement(self, batch: TokenBatch, version: int) -> list[Agreement]:
-        """Every serving generator's logprobs of ``batch`` against the trainer's, scored
-        concurrently (one restarting, or that dies meanwhile, is left out: a restarted worker
-        is refitted alone and not verified). Cancellation: the outstanding calls are
-        abandoned."""
+    async def scores(self, batch: TokenBatch) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """``batch``'s logprobs on every serving generator (in rank order) and on the trainer,
+        scored concurrently: the refit check's evidence. A generator restarting, or that dies
+        meanwhile, is left out (a restarted worker is refitted alone and not verified).
+        Cancellation: the outstanding calls are abandoned."""
         results: dict[str, np.ndarray] = {}
 
         async def generator(worker: str) -> None:
@@ -100,4 +83,5 @@ class Probes:
             tg.start_soon(trainer)
             for worker in self.serving():
                 tg.start_soon(generator, worker)
-        return [compare(w, version, results[w], results[""]) for w in self.workers if w in results]
+        trainer_logprobs = results.pop("")
+        return {w: results[w] for w in self.workers if w in results}, trainer_logprobs

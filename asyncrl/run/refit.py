@@ -100,15 +100,6 @@ class KVScales:
         self._control, self._trainers, self._refit = control, trainers, refit
         self._timeout_s, self._metrics = timeout_s, metrics
 
-    @property
-    def verify_tolerance(self) -> tuple[float, str]:
-        """The refit verification's bound and its setting: ``refit.verify_tolerance_fp8_kv``
-        when a generator serves an FP8 KV cache (it costs agreement by itself), else
-        ``refit.verify_tolerance``."""
-        if self.enabled:
-            return self._refit.verify_tolerance_fp8_kv, "refit.verify_tolerance_fp8_kv"
-        return self._refit.verify_tolerance, "refit.verify_tolerance"
-
     async def calibrate(self, batch: TokenBatch | None, version: int) -> dict[str, float] | None:
         """Scales for weight ``version`` on ``batch`` (``None`` when off). Written to the
         metrics file as a ``kv_scales`` record (per kind: mean, min, max over layers)."""

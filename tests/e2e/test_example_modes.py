@@ -78,4 +78,4 @@ async def test_example_mode_runs_with_real_engines(
         assert all(r["inflight_at_refit"] == 0 for r in steps)  # nothing spans a refit
     if name == "async_in_order.toml":
         assert steps[1]["staleness_max"] == 1  # batch 2 was generated while step 1 trained
-    assert steps[0]["refit_verify_mean_abs"] < config.refit.verify_tolerance
+    assert steps[0]["refit_verify_mean_abs"] <= steps[0]["refit_verify_bound"]

@@ -28,7 +28,8 @@ from asyncrl import plugins
 from asyncrl.backend import GenerationBackend, WeightBucketView, WorkerContext
 from asyncrl.errors import RefitError
 from asyncrl.transfers.shm import ShmHandle
-from asyncrl.config import from_dict
+from asyncrl.config import RefitConfig, from_dict
+from asyncrl.policy.verify import RefitCheck
 from asyncrl.backend import generate_all
 from asyncrl.wire.messages import GenRequest, TensorEntry, TokenBatch
 
@@ -146,11 +147,11 @@ async def refit(backend, views, version, *, reset=True, kv_scales=None, reprefil
     await backend.finish_weight_update(version, reset_prefix_cache=reset)
 
 
-def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+def perturbed(model_dir: Path, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     return {
-        name: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16)
+        name: (p.detach() + scale * torch.randn(p.shape, generator=gen)).to(torch.bfloat16)
         for name, p in base.named_parameters()
     }
 
@@ -589,6 +590,84 @@ async def test_a_refit_that_does_not_fit_leaves_the_old_weights_serving(
 
 
 @module_loop
+async def test_the_refit_check_passes_right_refits_and_catches_planted_faults(
+    backend, model_dir, sequences, tmp_path
+) -> None:
+    """The refit check (:class:`~asyncrl.policy.verify.RefitCheck`, the defaults) on this
+    engine's own numerics, the trainer's side a float32 transformers model of the same bf16
+    weights (as FSDP2 computes by default): the baseline on the checkpoint, a right refit to
+    moved weights within its bound, and every planted fault caught: a tensor left out of the
+    manifest and a bucket never loaded (refused by the refit itself), a bucket loaded with
+    the previous version's values and an engine that kept its weights (judged: the second
+    named as serving older weights), and another model (refused at the baseline)."""
+    batch = token_batch(sequences)
+
+    def trainer(state: dict[str, torch.Tensor] | None) -> np.ndarray:
+        model = hf_model(model_dir, None if state is None else {k: v.float() for k, v in
+                                                                 state.items()})
+        return np.concatenate([ref_logprobs(model, t, p) for t, p in sequences])
+
+    base = backend.version + 1
+    start = {k: p.detach().to(torch.bfloat16) for k, p in
+             transformers.AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
+    await refit(backend, write_buckets(tmp_path, base, start, count=3), base)
+    check = RefitCheck.of(RefitConfig())
+    (first,) = check.baseline(base, {"rollout:0": await backend.score(batch, 1.0)}, trainer(None))
+    bound = check.bound()[0]
+    print(f"\nbaseline {first.mean_abs:.4f} (max {first.max_abs:.3f}), bound {bound:.4f}")
+
+    # a move of 0.01 on every weight (0.05 moves the logprobs by 0.45 and multiplies the
+    # rounding by 4.4: measured, 0.0009 -> 0.0040)
+    moved = perturbed(model_dir, seed=11, scale=0.01)
+    await refit(backend, write_buckets(tmp_path, base + 1, moved, count=3), base + 1)
+    (right,) = check.judge(base + 1, {"rollout:0": await backend.score(batch, 1.0)},
+                           trainer(moved))  # fmt: skip
+    right.check()
+    print(f"right refit {right.mean_abs:.4f} (moved {right.moved_abs:.3f})")
+
+    again = perturbed(model_dir, seed=12)
+    views = write_buckets(tmp_path, base + 2, again, count=3)
+    with pytest.raises(RefitError, match="missing from the refit"):
+        await backend.begin_weight_update(base + 2, manifest_of(views)[1:])
+    await backend.begin_weight_update(base + 2, manifest_of(views))
+    for view in [views[0], views[2]]:  # bucket 1 skipped
+        await backend.load_weight_bucket(view)
+    with pytest.raises(RefitError, match=r"loaded only in part \(\d+ of the manifest's"):
+        await backend.finish_weight_update(base + 2, reset_prefix_cache=True)
+
+    # bucket 1 loaded with version base + 1's values, the others with base + 3's
+    (tmp_path / "old").mkdir()
+    stale = write_buckets(tmp_path, base + 3, again, count=3)
+    stale[1] = write_buckets(tmp_path / "old", base + 3, moved, count=3)[1]
+    await refit(backend, stale, base + 3)
+    (part,) = check.judge(base + 3, {"rollout:0": await backend.score(batch, 1.0)},
+                          trainer(again))  # fmt: skip
+    with pytest.raises(RefitError, match="not serving the trainer's weights"):
+        part.check()
+    print(f"one bucket of three stale {part.mean_abs:.4f}")
+
+    # the trainer moves on; the engine keeps its weights (no refit reaches it)
+    await refit(backend, write_buckets(tmp_path, base + 4, again, count=3), base + 4)
+    check.judge(base + 4, {"rollout:0": await backend.score(batch, 1.0)}, trainer(again))
+    (kept,) = check.judge(base + 5, {"rollout:0": await backend.score(batch, 1.0)},
+                          trainer(moved))  # fmt: skip
+    with pytest.raises(RefitError, match=f"closer to the trainer's at version {base + 4}"):
+        kept.check()
+    print(f"engine kept its weights {kept.mean_abs:.4f} (previous {kept.previous_abs:.4f})")
+
+    other = build_model(tmp_path / "other", seed=8)
+    with pytest.raises(RefitError, match="do not run the same model"):
+        RefitCheck.of(RefitConfig()).baseline(
+            base + 4, {"rollout:0": await backend.score(batch, 1.0)},
+            np.concatenate([ref_logprobs(hf_model(other), t, p) for t, p in sequences]),
+        )  # fmt: skip
+
+    # the module's engine back on the checkpoint, proven
+    await refit(backend, write_buckets(tmp_path, base + 6, start, count=3), base + 6)
+    assert np.abs(await backend.score(batch, 1.0) - trainer(None)).max() < TOL
+
+
+@module_loop
 async def test_close_leaves_no_process_behind(backend) -> None:
     pids = backend.engine_pids()
     assert pids
@@ -658,7 +737,8 @@ def test_sigkill_of_the_owner_leaves_no_process_behind(model_dir, tmp_path) -> N
         import asyncio, os
         from asyncrl import plugins
         from asyncrl.backend import WorkerContext
-        from asyncrl.config import from_dict
+        from asyncrl.config import RefitConfig, from_dict
+from asyncrl.policy.verify import RefitCheck
 
         async def main():
             ctx = WorkerContext("rollout", 0, 1, 0, from_dict({config!r}), {str(tmp_path)!r})

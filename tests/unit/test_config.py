@@ -87,6 +87,14 @@ def test_sampler_table_becomes_its_own_struct_with_its_capacity(
     assert cfg.max_buffered_groups == buffer  # P = 16: 16*(2+1), ceil(2*16*2), 16*1
 
 
+def test_a_removed_key_says_what_replaced_it(tmp_path: Path, model_dir: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, BASE + "[refit]\nverify_tolerance_fp8_kv = 0.2\n"))
+    message = str(info.value)
+    assert "refit.verify_tolerance_fp8_kv: removed: refit verification measures" in message
+    assert "Fix: remove it" in message and "did you mean" not in message
+
+
 @pytest.mark.parametrize(
     ("table", "match"),
     [

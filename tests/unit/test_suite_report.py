@@ -48,13 +48,14 @@ def test_stages_counts_slowest_and_over_budget(tmp_path: Path, capsys) -> None:
     assert slowest[1].split() == ["9.0s", "tests/unit/test_b.py::test_three", "(failure)"]
 
 
-def test_suites_summed_and_xdist_groups_stripped(tmp_path: Path, capsys) -> None:
-    """One stage over several suites (``--dist loadgroup``): each suite's test time is the sum
-    of its tests', and the worker group xdist appends to a node id (``@vllm``) is not shown."""
+def test_suites_summed_and_whole_skipped_modules_named(tmp_path: Path, capsys) -> None:
+    """One stage over several suites (the engines stage): each suite's test time is the sum of
+    its tests'; a module skipped whole (no class name in the JUnit file) counts in its suite."""
     _junit(tmp_path / "engines.xml", [
-        ("tests.e2e.test_c", "test_big[x]@vllm", 30.0, "passed"),
+        ("tests.e2e.test_c", "test_big[x]", 30.0, "passed"),
         ("tests.e2e.test_c", "test_small", 2.5, "skipped"),
-        ("tests.integration.test_d", "test_run[a@b]", 4.0, "passed"),
+        ("tests.integration.test_d", "test_run[a]", 4.0, "passed"),
+        ("", "tests.gpu.test_e", 0.0, "skipped"),
     ])  # fmt: skip
     (tmp_path / "stages.tsv").write_text("engines\t1\t20\t0\n")
     assert _report_module().main([str(tmp_path), "--slowest", "2"]) == 0
@@ -63,6 +64,8 @@ def test_suites_summed_and_xdist_groups_stripped(tmp_path: Path, capsys) -> None
         "tests/e2e", "2", "32s"]
     assert next(line for line in out if line.startswith("tests/integration ")).split() == [
         "tests/integration", "1", "4s"]
+    assert next(line for line in out if line.startswith("tests/gpu ")).split() == [
+        "tests/gpu", "1", "0s"]
     slowest = out[out.index("== the 2 slowest tests") + 1:]
     assert slowest[0].split() == ["30.0s", "tests/e2e/test_c.py::test_big[x]"]
-    assert slowest[1].split() == ["4.0s", "tests/integration/test_d.py::test_run[a@b]"]
+    assert slowest[1].split() == ["4.0s", "tests/integration/test_d.py::test_run[a]"]

@@ -216,18 +216,6 @@ async def test_query_scales_are_calibrated_when_a_generator_quantizes_the_query(
                   RefitConfig(kv_calibrate_q=force), timeout_s=5)
     batch = TokenBatch(np.arange(8, dtype=np.int32), np.array([4, 4], np.int32),
                        np.array([1, 1], np.int32))
-    assert kv.enabled and kv.verify_tolerance[0] == RefitConfig().verify_tolerance_fp8_kv
+    assert kv.enabled
     assert await kv.calibrate(batch, 1) == {"model.layers.0.self_attn.k_scale": 0.01}
     assert [r.include_q for r in control.requests] == [want_q, want_q]
-
-
-def test_refit_verification_allows_for_an_fp8_kv_cache() -> None:
-    """An FP8 KV cache costs logprob agreement by itself (H200 demo: mean 0.065 against bf16's
-    0.0095): with the bf16 bound every verification would stop the run."""
-    refit = RefitConfig(verify_tolerance=0.045, verify_tolerance_fp8_kv=0.2)
-    bf16 = KVScales(_Control([{"kv_cache_dtype": "auto"}]), ["t"], ["rollout:0"], refit,
-                    timeout_s=5)
-    fp8 = KVScales(_Control([{"kv_cache_dtype": "fp8"}]), ["t"], ["rollout:0"], refit,
-                   timeout_s=5)
-    assert bf16.verify_tolerance == (0.045, "refit.verify_tolerance")
-    assert fp8.verify_tolerance == (0.2, "refit.verify_tolerance_fp8_kv")

@@ -38,6 +38,8 @@ class _Update:
     version: int
     mode: str
     started: float
+    expected: int = 0
+    """Tensors in the manifest: a refit that loaded fewer (a bucket skipped) is refused."""
     tensors: int = 0
     nbytes: int = 0
     direct: int = 0
@@ -149,7 +151,8 @@ class EngineWeights:
         paused = time.perf_counter()
         scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
         self._update = _Update(
-            version=version, mode="", started=started, kv_scales=scales, pause_s=paused - started
+            version=version, mode="", started=started, kv_scales=scales, pause_s=paused - started,
+            expected=len(manifest),
         )
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
@@ -232,8 +235,8 @@ class EngineWeights:
         older weights from being reused, label the version and resume scheduling.
 
         Raises:
-            RefitError: no matching begin, the last bucket never loaded, or the prefix-cache
-                reset was refused.
+            RefitError: no matching begin, the last bucket (or any bucket: fewer tensors than
+                the manifest's) never loaded, or the prefix-cache reset was refused.
         """
         llm = self._require()
         update = self._update
@@ -241,9 +244,10 @@ class EngineWeights:
             raise RefitError(f"finish_weight_update({version}) without a matching begin")
         finishing = time.perf_counter()
         self._update = None
-        if update.failed or not update.finished:
+        if update.failed or not update.finished or update.tensors != update.expected:
             raise RefitError(
-                f"weights v{version} were loaded only in part; the engine stays paused until a "
+                f"weights v{version} were loaded only in part ({update.tensors} of the "
+                f"manifest's {update.expected} tensors); the engine stays paused until a "
                 "complete refit"
             )
         if reset_prefix_cache:
