@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +60,7 @@ EQUAL_LR = 1e-12
 
 SHAPES.setdefault("1.5b", (1536, 28, 12, 2, 8960, 151936, True))
 SHAPES.setdefault("7b-4l", (3584, 4, 28, 4, 18944, 152064, False))
+SHAPES.setdefault("tiny-untied", (128, 2, 4, 2, 256, 512, False))
 
 
 def demo_model(out: Path, llama: bool) -> Path:
@@ -113,9 +115,11 @@ def run_config(size: str, dtype: str, lr: float, args: argparse.Namespace, work:
     return {
         **sections,
         "run": {"output_dir": str(out), "num_steps": args.steps, "seed": 0},
+        "checkpoint": {"at_end": False},
         "grpo": {"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": tokens},
         "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 1}},
-        "trainer": {"backend": "fsdp2", "micro_batch_size": 64, "options": {"lr": lr}},
+        "trainer": {"backend": "fsdp2", "micro_batch_size": args.micro_batch,
+                    "options": {"lr": lr}},
         "generator": {"backend": "vllm",
                       "options": {**engine_options(args.gpu_memory_utilization),
                                   "max_model_len": 256 if size.startswith("demo") else 1024}},
@@ -132,6 +136,7 @@ async def one_run(data: dict) -> dict[str, Any]:
         alarm = str(exc)
     lines = (Path(config.run.output_dir) / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.endswith("}")]
+    shutil.rmtree(config.run.output_dir, ignore_errors=True)  # 7B-shaped: GBs of logs and state
     baseline = [r for r in records if r["kind"] == "refit_baseline"]
     judged = [r for r in records if r["kind"] == "refit_verify"]
     steps = [r for r in records if r["kind"] == "train"]
@@ -164,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-4,
                         help="the real steps' learning rate (the demo's: 1e-4)")
     parser.add_argument("--max-tokens", type=int, default=64, help="random models' samples")
+    parser.add_argument("--micro-batch", type=int, default=64,
+                        help="sequences per trainer micro-batch (8 for the 1.5B shapes on 80 GB)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)

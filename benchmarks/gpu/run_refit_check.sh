@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 source benchmarks/gpu/gpu_env.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-name="refit-check-$(echo "$*" | tr -c 'A-Za-z0-9.,-' '_' | cut -c1-60)"
+name="refit-check-$(echo "$*" | tr -c 'A-Za-z0-9.-' '_' | cut -c1-60)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/$name.txt"
 timeout "${LIMIT:-560}" python3 benchmarks/refit_check.py --work /tmp/refit-check \
   --out "$OUT/$name.json" "$@" >> "$OUT/$name.txt" 2>&1

@@ -737,8 +737,7 @@ def test_sigkill_of_the_owner_leaves_no_process_behind(model_dir, tmp_path) -> N
         import asyncio, os
         from asyncrl import plugins
         from asyncrl.backend import WorkerContext
-        from asyncrl.config import RefitConfig, from_dict
-from asyncrl.policy.verify import RefitCheck
+        from asyncrl.config import from_dict
 
         async def main():
             ctx = WorkerContext("rollout", 0, 1, 0, from_dict({config!r}), {str(tmp_path)!r})
