@@ -29,9 +29,9 @@ fi
 # its own log; one past twice its budget is stopped and fails the run (a hang). Failing at the
 # budget itself would fail CI on a machine slower than this one.
 if [ "${1:-}" = fast ]; then
-  STAGES=("unit 4 -n 2 tests/unit" "end-to-end 1 -m fast tests/integration")
+  STAGES=("unit 3 -n 2 tests/unit" "end-to-end 1 -m fast tests/integration")
 else
-  STAGES=("unit 4 -n 2 tests/unit"
+  STAGES=("unit 3 -n 2 tests/unit"
           "engines 30 -n 2 --dist loadscope tests/e2e tests/gpu tests/contract tests/integration")
 fi
 report=$(mktemp -d)
