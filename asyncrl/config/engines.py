@@ -131,7 +131,7 @@ class RefitConfig(Section):
         })  # fmt: skip
         checked = {
             "refit.verify_noise_factor": (self.verify_noise_factor, 1.0, "use 3"),
-            "refit.verify_noise_floor": (self.verify_noise_floor, 0.0, "use 0.01"),
+            "refit.verify_noise_floor": (self.verify_noise_floor, 0.0, "use 0.001"),
             "refit.verify_max_noise": (self.verify_max_noise, 0.0, "use 0.5"),
         }
         if self.verify_tolerance is not None:
