@@ -53,6 +53,7 @@ __all__ = [
     "KVCalibration",
     "Reprefill",
     "SampleSink",
+    "SentWeightsScoring",
     "TrainingBackend",
     "WeightBucketView",
     "WeightTensor",
@@ -236,6 +237,21 @@ class KVCalibration(Protocol):
         ``percentile`` across micro-batches, the max across ranks, ``amax * margin / 448``.
         Named ``model.layers.{i}.self_attn.{k,v,q}_scale``. Collective: every rank calls it
         and returns the same scales."""
+
+
+class SentWeightsScoring(Protocol):
+    """Optional for a :class:`TrainingBackend` whose weights are not the ones it sends: float32
+    master weights that :meth:`~TrainingBackend.iter_weights` rounds to ``model.dtype``. Refit
+    verification compares the generators with this instead of
+    :meth:`~TrainingBackend.compute_logprobs`, so that both sides score the same weights and
+    only the kernels differ (without it, a bf16 run's generators drift from the float32
+    trainer by rounding after every step that moves weights less than bf16 resolves, and the
+    check can stop a healthy run: docs/refit.md, 'Refit verification')."""
+
+    def sent_logprobs(self, batch: TokenBatch, temperature: float, dtype: str) -> np.ndarray:
+        """Like :meth:`~TrainingBackend.compute_logprobs`, with every weight rounded to
+        ``dtype`` (a torch dtype name, ``model.dtype``) as :meth:`iter_weights` rounds it; the
+        backend's own weights are bit for bit what they were after the call. Collective."""
 
 
 class EngineWatch(Protocol):

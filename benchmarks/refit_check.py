@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="random models' samples")
     parser.add_argument("--micro-batch", type=int, default=64,
                         help="sequences per trainer micro-batch (8 for the 1.5B shapes on 80 GB)")
+    parser.add_argument("--lrs", default="equal,real",
+                        help="which runs: equal (lr 1e-12), real (--lr), or both")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         for dtype in args.dtypes.split(","):
-            for lr in (EQUAL_LR, args.lr):
+            chosen = args.lrs.split(",")
+            for lr in [v for k, v in (("equal", EQUAL_LR), ("real", args.lr)) if k in chosen]:
                 run = anyio.run(one_run, run_config(size, dtype, lr, args, work))
                 run.update(model=size, dtype=dtype, lr=lr)
                 results["runs"].append(run)

@@ -51,7 +51,8 @@ class Probes:
     async def trainer_logprobs(
         self, batch: TokenBatch, *, temperature: float = 1.0, policy: str = "current"
     ) -> np.ndarray:
-        """Logprobs of ``batch``'s response tokens under the trainer's current weights, or
+        """Logprobs of ``batch``'s response tokens under the trainer's current weights, those
+        weights as sent to the generators (``policy = "sent"``: rounded to ``model.dtype``), or
         its reference policy (``policy = "reference"``); sequences are sharded over the
         trainer ranks and reassembled in order."""
         shards = shard_tokens(batch, len(self.trainers))
@@ -64,8 +65,8 @@ class Probes:
         return np.concatenate([np.asarray(r.logprobs, np.float32) for r in results])  # type: ignore[union-attr]
 
     async def scores(self, batch: TokenBatch) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """``batch``'s logprobs on every serving generator (in rank order) and on the trainer,
-        scored concurrently: the refit check's evidence. A generator restarting, or that dies
+        """``batch``'s logprobs on every serving generator (in rank order) and on the trainer's
+        weights as sent to them (``policy = "sent"``), scored concurrently: the refit check's evidence. A generator restarting, or that dies
         meanwhile, is left out (a restarted worker is refitted alone and not verified).
         Cancellation: the outstanding calls are abandoned."""
         results: dict[str, np.ndarray] = {}
@@ -77,7 +78,7 @@ class Probes:
                 pass  # it died meanwhile: left out (its restart refits it, unverified)
 
         async def trainer() -> None:
-            results[""] = await self.trainer_logprobs(batch)
+            results[""] = await self.trainer_logprobs(batch, policy="sent")
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(trainer)

@@ -11,7 +11,8 @@ Phase ``main``::
     start; export "init"; logprobs of all sequences (uneven shards); save "s0"
     step 0 streamed as three chunks (uneven, one rank empty in two of them); export "stream"
     save "s1"; step 1 in one chunk; export "step1"; Hugging Face export "hf-step1" (small
-    shards) and logprobs of all sequences "step1"
+    shards) and logprobs of all sequences "step1"; the same on the weights rounded to bf16
+    (``sent_logprobs``, if the backend has it), then unrounded again; export "after-sent"
     load "s0"; export "loaded"; a step discarded by a wrong token count
     step 0 begun, one chunk trained, then begun again (a retry: the chunk must not count)
     step 0 again in one chunk; export "one"
@@ -281,6 +282,24 @@ class _Rank:
         lp = self.backend.compute_logprobs(token_batch(self.seqs, ids), self.temperature)
         np.save(self.out / f"logprobs-{tag}-rank{self.rank}.npy", lp)
 
+    def sent_logprobs_all(self, tag: str) -> None:
+        """If the backend has ``sent_logprobs`` (:class:`~asyncrl.backend.SentWeightsScoring`):
+        every sequence scored on the weights rounded to bfloat16 (``sent-{tag}-rank{r}.npy``),
+        then on the weights as they are again (``after-sent-{tag}-rank{r}.npy``)."""
+        from asyncrl.backend import SentWeightsScoring, TrainingBackend, check_backend
+
+        found = check_backend(self.backend, TrainingBackend, plugin=self.spec["backend"],
+                              group="asyncrl.training_backends", optional=(SentWeightsScoring,))  # fmt: skip
+        self.report["sent_logprobs"] = found["sent_logprobs"] is not None
+        if found["sent_logprobs"] is None:
+            return
+        ids = list(range(NUM_SEQUENCES))[self.rank :: self.world]
+        batch = token_batch(self.seqs, ids)
+        lp = self.backend.sent_logprobs(batch, self.temperature, "bfloat16")
+        np.save(self.out / f"sent-{tag}-rank{self.rank}.npy", lp)
+        lp = self.backend.compute_logprobs(batch, self.temperature)
+        np.save(self.out / f"after-sent-{tag}-rank{self.rank}.npy", lp)
+
     def discarded_step(self) -> None:
         self.backend.begin_step(0)
         ids = STEP0_CHUNKS[0]
@@ -427,6 +446,8 @@ def main(argv: list[str]) -> int:
             rank.export("step1")
             rank.export_hf("hf-step1")
             rank.logprobs_all("step1")
+            rank.sent_logprobs_all("step1")
+            rank.export("after-sent")
             rank.backend.load_state(str(states / "s0"))
             rank.export("loaded")
             rank.discarded_step()

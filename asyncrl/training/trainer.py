@@ -319,6 +319,42 @@ class DistributedTrainer:
         module.eval()
         return self._logprobs(self._forward, batch, temperature, "compute_logprobs")
 
+    def sent_logprobs(self, batch: TokenBatch, temperature: float, dtype: str) -> np.ndarray:
+        """:meth:`compute_logprobs` on the weights as :meth:`iter_weights` sends them: each
+        local part rounded to ``dtype`` in place for the forward, then put back bit for bit
+        (:class:`~asyncrl.backend.SentWeightsScoring`)."""
+        module = self._started()
+        module.eval()
+        with self._rounded_weights(getattr(torch, dtype)):
+            return self._logprobs(self._forward, batch, temperature, "sent_logprobs")
+
+    @contextlib.contextmanager
+    def _rounded_weights(self, dtype: torch.dtype) -> Iterator[None]:
+        """Round every local weight part (:meth:`_local_parameters`: what the forward reads)
+        to ``dtype`` in place, and restore the originals on exit. The originals wait in device
+        memory when twice their size is free there, else in host memory (a 7B model's float32
+        shard is 28 GB: seconds over PCIe, every ``refit.verify_every_steps``). Restored in
+        reverse order, so that two names over one storage end as they began."""
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        parts = [
+            data for _, data in self._local_parameters()
+            if data.is_floating_point() and data.dtype != dtype and data.numel()
+        ]  # fmt: skip
+        nbytes = sum(p.numel() * p.element_size() for p in parts)
+        keep_on = self._device
+        if self._device.type == "cuda" and torch.cuda.mem_get_info(self._device)[0] < 2 * nbytes:
+            keep_on = torch.device("cpu")
+        try:
+            with torch.no_grad():
+                for part in parts:
+                    saved.append((part, part.to(keep_on, copy=True)))
+                    part.copy_(part.to(dtype))
+            yield
+        finally:
+            with torch.no_grad():
+                for part, original in reversed(saved):
+                    part.copy_(original)
+
     def reference_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
         """Logprobs of ``batch``'s response tokens under the frozen reference policy
         (``loss.kl_coef > 0``), like :meth:`compute_logprobs`."""

@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -109,8 +109,9 @@ class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
 
 
 class ComputeLogprobs(msgspec.Struct, tag="logprobs", **_CTRL):
-    """Trainer: logprobs of the response tokens under the current weights, or under the
-    reference policy (``policy = "reference"``, protocol 12)."""
+    """Trainer: logprobs of the response tokens under the current weights, under them as sent
+    to the generators (``policy = "sent"``: rounded to ``model.dtype``, refit verification's
+    side), or under the reference policy (``policy = "reference"``, protocol 12; ``"sent"``: 15)."""
 
     batch: TokenBatch
     temperature: float = 1.0

@@ -28,6 +28,7 @@ import anyio.lowlevel
 from asyncrl.backend import (
     BackendPlugin,
     KVCalibration,
+    SentWeightsScoring,
     TrainingBackend,
     WorkerContext,
     drain_weights,
@@ -123,7 +124,7 @@ class TrainerRuntime(WorkerRuntime):
     ROLE = "trainer"
     PLUGIN_GROUP = "asyncrl.training_backends"
     PROTOCOL = TrainingBackend
-    OPTIONAL = (KVCalibration,)
+    OPTIONAL = (KVCalibration, SentWeightsScoring)
 
     backend: TrainingBackend
 
@@ -133,6 +134,9 @@ class TrainerRuntime(WorkerRuntime):
         self.sender: WeightSender | None = None
         """Rank 0 of a run with rollout workers: publishes each refit's weights."""
         self._calibrate: Callable[..., dict[str, float]] | None = None
+        self._sent: Callable[..., Any] | None = None
+        """The backend's ``sent_logprobs`` (refit verification's trainer side), if it has one;
+        without it, ``policy = "sent"`` scores with ``compute_logprobs``."""
         self._queue: Any = None
         """Calls waiting for the backend's thread, in arrival order (the send end of a stream
         of ``CALL_QUEUE_SIZE``, opened by :meth:`_start_serving`, closed when serving ends)."""
@@ -165,6 +169,7 @@ class TrainerRuntime(WorkerRuntime):
 
     def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
         self._calibrate = methods["calibrate_kv_scales"]
+        self._sent = methods["sent_logprobs"]
 
     async def _start(self) -> dict[str, Any]:
         """Raises PluginError: ``loss.aggregation`` needs a ``finish_step`` keyword the
@@ -269,10 +274,14 @@ class TrainerRuntime(WorkerRuntime):
             if method is None:
                 raise ProtocolError(f"training backend {type(self.backend).__name__} has no "
                                     "reference policy (no reference_logprobs)")  # fmt: skip
-        elif req.policy == "current":
+        elif req.policy == "current" or (req.policy == "sent" and self._sent is None):
             method = self.backend.compute_logprobs
+        elif req.policy == "sent":
+            method = functools.partial(self._sent, dtype=self.wctx.config.model.dtype)
         else:
-            raise ProtocolError(f"ComputeLogprobs.policy {req.policy!r}: current or reference")
+            raise ProtocolError(
+                f"ComputeLogprobs.policy {req.policy!r}: current, sent or reference"
+            )
         lp = await self.thread.run(method, req.batch, req.temperature)
         return LogprobsResult(logprobs=lp)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,8 +50,8 @@ TOL = 0.05
 OPTIONS = {"enforce_eager": True, "max_model_len": 512, "gpu_memory_utilization": 0.3}
 
 
-def build(out: Path) -> Path:
-    torch.manual_seed(3)
+def build(out: Path, seed: int = 3) -> Path:
+    torch.manual_seed(seed)
     config = transformers.Qwen2Config(
         vocab_size=len(VOCAB),
         hidden_size=256,
@@ -183,11 +184,13 @@ def checkpoint_state(model_dir: Path, device: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().to(device, torch.bfloat16) for n, p in base.named_parameters()}
 
 
-def perturbed(model_dir: Path, seed: int, device: str) -> dict[str, torch.Tensor]:
+def perturbed(
+    model_dir: Path, seed: int, device: str, scale: float = 0.05
+) -> dict[str, torch.Tensor]:
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     return {
-        n: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).to(device, torch.bfloat16)
+        n: (p.detach() + scale * torch.randn(p.shape, generator=gen)).to(device, torch.bfloat16)
         for n, p in base.named_parameters()
     }
 
@@ -249,6 +252,92 @@ async def test_refit_while_generating(
     finally:
         backend.options = options
         pair.close()
+
+
+@module_loop
+async def test_the_refit_check_passes_right_refits_and_catches_planted_faults(
+    engine, model_dir, sequences, tmp_path
+) -> None:
+    """The refit check (:class:`~asyncrl.policy.verify.RefitCheck`, the defaults) on the CUDA
+    engine's numerics, refits over the real protocol (CUDA IPC), the trainer's side a float32
+    transformers model of the bf16 weights sent (what ``sent_logprobs`` scores): a right refit
+    within its bound, and every planted fault caught: a tensor left out of the manifest, a
+    bucket the engine never loaded, one layer left on the previous version, an engine that
+    kept its weights, another model (tests/e2e/test_vllm_backend.py on the CPU build)."""
+    from asyncrl.config import RefitConfig
+    from asyncrl.errors import RefitError
+    from asyncrl.policy.verify import RefitCheck
+    from asyncrl.wire.messages import TensorEntry
+
+    backend, batch = engine, batch_of(sequences)
+
+    def trainer(state: dict[str, torch.Tensor] | None = None, model: Path = model_dir):
+        ref = reference(model, None if state is None else {k: v.float().cpu()
+                                                            for k, v in state.items()})
+        return np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])
+
+    async def engines() -> dict[str, np.ndarray]:
+        return {"rollout:0": await backend.score(batch, 1.0)}
+
+    check = RefitCheck.of(RefitConfig())
+    base = backend.version
+    (first,) = check.baseline(base, await engines(), trainer())
+    print(f"\nbaseline {first.mean_abs:.5f} (max {first.max_abs:.4f}), bound {check.bound()[0]:.5f}")
+    figures = {}
+    pair = LocalRefit("cuda_ipc", "cuda:0", bucket_size=64 << 10)
+    try:
+        moved = perturbed(model_dir, 21, "cuda:0", scale=0.01)
+        await pair.push(backend, base + 1, lambda: moved.items())
+        (right,) = check.judge(base + 1, await engines(), trainer(moved))
+        right.check()
+        figures["right refit"] = right.mean_abs
+
+        again = perturbed(model_dir, 22, "cuda:0")
+        short = [TensorEntry(n, "bfloat16", list(t.shape), 0, 0) for n, t in again.items()][1:]
+        with pytest.raises(RefitError, match="missing from the refit"):
+            await backend.begin_weight_update(base + 2, short)
+
+        load = backend.load_weight_bucket
+        calls = []
+
+        async def skipping(view) -> None:  # the engine drops its second bucket
+            calls.append(view)
+            if len(calls) != 2:
+                await load(view)
+
+        backend.load_weight_bucket = skipping
+        try:
+            with pytest.raises(BaseException) as failed:
+                await pair.push(backend, base + 2, lambda: again.items())
+        finally:
+            del backend.load_weight_bucket
+        assert re.search(r"loaded only in part", repr(failed.value)), repr(failed.value)
+        pair.close()
+        pair = LocalRefit("cuda_ipc", "cuda:0", bucket_size=64 << 10)
+
+        stale = {n: moved[n] if ".layers.1." in n else t for n, t in again.items()}
+        await pair.push(backend, base + 3, lambda: stale.items())
+        (part,) = check.judge(base + 3, await engines(), trainer(again))
+        with pytest.raises(RefitError, match="not serving the trainer's weights"):
+            part.check()
+        figures["one layer of two stale"] = part.mean_abs
+
+        await pair.push(backend, base + 4, lambda: again.items())
+        (ok,) = check.judge(base + 4, await engines(), trainer(again))
+        ok.check()
+        figures["right refit after the faults"] = ok.mean_abs
+        (kept,) = check.judge(base + 5, await engines(), trainer(moved))  # no refit reached it
+        with pytest.raises(RefitError, match=f"closer to the trainer's at version {base + 4}"):
+            kept.check()
+        figures["engine kept its weights"] = kept.mean_abs
+
+        other = build(tmp_path / "other", seed=8)
+        with pytest.raises(RefitError, match="do not run the same model"):
+            RefitCheck.of(RefitConfig()).baseline(base + 4, await engines(), trainer(model=other))
+    finally:
+        pair.close()
+    for what, value in figures.items():
+        print(f"{what}: mean |engine - trainer| {value:.5f}")
 
 
 @module_loop
