@@ -51,6 +51,9 @@ def verification_due(version: int, first: int, every: int) -> bool:
     return version <= first or (every > 0 and version % every == 0)
 
 
+FIXED = "refit.verify_tolerance"
+"""The setting of a fixed bound (:attr:`Agreement.setting`)."""
+
 @dataclass(frozen=True)
 class Agreement:
     """How closely one generator's logprobs follow the trainer's on the probe batch."""
@@ -103,7 +106,11 @@ class Agreement:
         logprobs at :attr:`previous`) or other ones."""
         if self.mean_abs <= self.bound:
             return
-        if self.baseline is not None:
+        if self.setting == FIXED:
+            measured = f"> {FIXED} = {self.bound:g}, a fixed bound"
+            if self.baseline is not None:
+                measured += f" (their rounding measured before any update: {self.baseline:.4f})"
+        elif self.baseline is not None:
             measured = (f"their rounding measured so far (before any update, on the same "
                         f"weights, and on the refits that passed) is {self.baseline:.4f}, so a "
                         f"refit may reach {self.bound:.4f} ({self.setting})")  # fmt: skip
@@ -166,7 +173,7 @@ class RefitCheck:
         """The largest mean disagreement a verified refit may show, and the settings that
         set it."""
         if self.fixed is not None:
-            return self.fixed, "refit.verify_tolerance"
+            return self.fixed, FIXED
         assert self.noise is not None, "judged before the baseline"
         return max(self.factor * self.noise, self.noise + self.floor), (
             "refit.verify_noise_factor x that, at least that + refit.verify_noise_floor"

@@ -105,6 +105,21 @@ def test_the_noise_follows_refits_that_pass_and_not_those_that_fail() -> None:
     assert fixed.bound()[0] == 0.2
 
 
+def test_a_fixed_bound_is_named_as_fixed() -> None:
+    """With ``refit.verify_tolerance`` set, the error names that setting and its value, not a
+    bound derived from measured rounding."""
+    t = np.array([-1.0, -2.0, -3.0])
+    check = _check(fixed=0.05)
+    check.baseline(0, {"rollout:0": t + 0.01}, t)
+    (a,) = check.judge(1, {"rollout:0": t + 0.3}, t - 1.0)
+    with pytest.raises(RefitError) as failed:
+        a.check()
+    text = str(failed.value)
+    assert "> refit.verify_tolerance = 0.05, a fixed bound (their rounding measured before " \
+        "any update: 0.0100)" in text
+    assert "measured so far" not in text and "verify_noise_factor" not in text
+
+
 def test_a_baseline_beyond_max_noise_is_another_model() -> None:
     t0 = np.array([-1.0, -2.0])
     with pytest.raises(RefitError, match=r"before any update.*0\.8000.*refit.verify_max_noise = 0\.5"):
