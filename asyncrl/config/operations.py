@@ -51,9 +51,10 @@ class CheckpointConfig(Section):
     """Also write the policy as a Hugging Face directory (``model/``, ``model.dtype`` bytes a
     parameter) into each checkpoint: ``asyncrl export`` needs no trainer."""
     max_failures: int = 3
-    """Failed periodic saves in a row the run tolerates (a full disk, a trainer that cannot
-    write); one more stops it, as does a failed final save. A failed save leaves the previous
-    checkpoint as it was."""
+    """Failed periodic saves in a row that stop the run (an I/O error, a trainer that cannot
+    write): the run goes on after fewer, and the ``max_failures``-th stops it (0 and 1: the
+    first), as does a failed final save, or a full disk at once. A failed save leaves the
+    previous checkpoint as it was."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[checkpoint]``."""
@@ -124,7 +125,9 @@ class FailuresConfig(Section):
     """A worker that answers no probe for this long while its process lives (stopped,
     deadlocked, its loop blocked) is hung: it is named (group, rank, last answer, log file)
     and handled as a death, so a rollout worker is restarted under ``rollout_restarts`` and a
-    trainer stops the run. ``0``: no heartbeat."""
+    trainer stops the run. Each worker likewise stops once it heard nothing from the
+    controller for ``heartbeat_interval_s`` + this long (stopped, its loop blocked, its host
+    gone), time its own loop did not run not counted. ``0``: no heartbeat."""
     collective_timeout_s: float | None = None
     """A trainer rank whose torch collective waits longer than this (a rank stuck in its
     compute or gone, ranks out of step) fails the call with a ``CollectiveTimeoutError``, and

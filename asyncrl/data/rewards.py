@@ -71,6 +71,10 @@ class Reward:
     is_async: bool
     origin: str
     """The ``function`` string it was loaded from (named in errors)."""
+    module_file: str | None = None
+    """The source file of the module ``origin`` names (``None``: it has none, e.g. a
+    built-in module): hashed into the checkpoint's fingerprints of the reward code
+    (:func:`asyncrl.run.resume_rule.code_fingerprints`)."""
 
     def _kwargs(self, prompt: Prompt, completion: str) -> dict[str, Any]:
         given = {"completion": completion, "answer": prompt.answer, "prompt": prompt}
@@ -151,7 +155,7 @@ def load_rewards(
     rewards: list[Reward] = []
     for i, spec in enumerate(specs):
         where = f"{field}[{i}]"
-        fn = _resolve(spec.function, Path(base_dir), f"{where}.function")
+        module, fn = _resolve(spec.function, Path(base_dir), f"{where}.function")
         takes = _arguments(fn, spec.function, f"{where}.function")
         if not math.isfinite(spec.weight):
             raise config_error(f"{where}.weight", f"is {spec.weight}", "use a finite number")
@@ -164,7 +168,8 @@ def load_rewards(
                 f"a reward named {name!r} comes earlier in the list",
                 "give each reward a distinct name (name = ...)",
             )
-        rewards.append(Reward(name, spec.weight, fn, takes, _is_async(fn), spec.function))
+        rewards.append(Reward(name, spec.weight, fn, takes, _is_async(fn), spec.function,
+                              getattr(module, "__file__", None)))  # fmt: skip
     return rewards
 
 
@@ -207,8 +212,9 @@ def _arguments(fn: Callable[..., Any], origin: str, where: str) -> tuple[str, ..
     return takes
 
 
-def _resolve(target: str, base_dir: Path, where: str) -> Callable[..., Any]:
-    """The callable ``target`` names (``module:attr`` or ``file.py:attr``)."""
+def _resolve(target: str, base_dir: Path, where: str) -> tuple[ModuleType, Callable[..., Any]]:
+    """The module ``target`` names and the callable in it (``module:attr`` or
+    ``file.py:attr``)."""
     source, _, attr = target.rpartition(":")
     if not source or not attr:
         raise config_error(
@@ -238,7 +244,7 @@ def _resolve(target: str, base_dir: Path, where: str) -> Callable[..., Any]:
             f"{target!r} is of type {type(obj).__name__!r}, not a function",
             "name a function (or a callable object)",
         )
-    return obj
+    return module, obj
 
 
 def _public(module: ModuleType) -> list[str]:

@@ -11,12 +11,21 @@
             model/                  the policy as a Hugging Face directory (optional)
         step-00000030/
         .tmp-step-00000040-<pid>/   a save in progress (or a crashed one: removed on start)
+        .trash-step-00000010-<pid>-<n>/  a checkpoint being deleted (removed on start)
+        step-00000050.rejected-no-manifest/  set aside: a step-* directory that failed its
+                                    checks, kept for its owner to look at
 
 A save writes everything into ``.tmp-...``, fsyncs every file, writes ``manifest.json`` last,
 renames the directory to ``step-...`` and fsyncs the parent: a crash at any moment leaves
-either the new checkpoint whole or no trace of it, and the older ones untouched. A directory
-without a manifest is never taken for a checkpoint. Retention deletes a checkpoint's manifest
-first, so a half-deleted directory is no checkpoint either.
+either the new checkpoint whole or no trace of it, and the older ones untouched. Retention
+(and a save replacing a checkpoint of its own step) renames a checkpoint to ``.trash-...``
+before deleting it, so asyncrl never leaves a ``step-...`` directory without its manifest.
+
+A ``step-...`` directory without a manifest is therefore damage (a lost or deleted
+``manifest.json``), and **is never deleted**: it is no checkpoint (retention neither counts
+nor deletes it), each start warns about it, ``--resume latest`` refuses to pass over it when
+it is the newest (:func:`resolve`: resuming an older one silently would drop its steps), and
+a save of its step sets it aside as ``<name>.rejected-no-manifest`` (:func:`set_aside`).
 
 Every file is hashed while it is made durable (:func:`asyncrl.run.checksums.seal_tree`), and
 :meth:`Checkpoint.verify` checks them all before a resume loads anything: a flipped bit in a
@@ -64,6 +73,7 @@ __all__ = [
     "write_best",
     "remove_stale",
     "resolve",
+    "set_aside",
     "start_save",
 ]
 
@@ -342,15 +352,54 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     return found[-1] if found else None
 
 
+def without_manifest(root: str | os.PathLike[str]) -> list[Path]:
+    """``step-*`` directories under ``root`` that have no manifest (damage: asyncrl never
+    leaves one), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir() and not (p / MANIFEST).exists()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def _newest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint under ``root``.
+
+    Raises:
+        CheckpointError: a ``step-*`` directory newer than it (or with none) has no manifest:
+            resuming an older one would pass over it without a word.
+    """
+    found = latest(root)
+    broken = without_manifest(root)
+    if broken and (found is None or _step_of(broken[-1]) > _step_of(found)):
+        raise _corrupt(
+            broken[-1],
+            f"it has no {MANIFEST}, so none of its files can be checked (a save never leaves "
+            f"a checkpoint so: it was lost or deleted since). It is newer than "
+            f"{'every checkpoint' if found is None else found.name} and kept as it is",
+        )
+    return found
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
 def resolve(spec: str, root: str | os.PathLike[str]) -> Path:
     """The checkpoint ``spec`` names: ``latest`` (the newest under ``root``), a checkpoint
     directory, or a directory of checkpoints (its newest).
 
     Raises:
-        CheckpointError: nothing there, naming what was looked at and the fix.
+        CheckpointError: nothing there, naming what was looked at and the fix; the newest
+            ``step-*`` directory has no manifest (refused rather than passed over: it is
+            damage, and resuming an older checkpoint would drop its steps without a word).
     """
     if spec == "latest":
-        found = latest(root)
+        found = _newest(root)
         if found is None:
             raise CheckpointError(
                 f"--resume latest: no checkpoint in {root}. Fix: point --resume at a "
@@ -361,11 +410,12 @@ def resolve(spec: str, root: str | os.PathLike[str]) -> Path:
     path = Path(spec).expanduser().resolve()
     if (path / MANIFEST).is_file():
         return path
-    inside = latest(path)
+    inside = _newest(path)
     if inside is not None:
         return inside
     if path.is_dir() and _STEP_DIR.match(path.name):
-        raise _corrupt(path, f"it has no {MANIFEST} (a save that never finished)")
+        raise _corrupt(path, f"it has no {MANIFEST}, so none of its files can be checked (a "
+                       "save never leaves a checkpoint so: it was lost or deleted since)")
     raise CheckpointError(
         f"{spec}: no checkpoint there (no {MANIFEST}, and no step-* checkpoint inside). Fix: "
         "pass a checkpoint directory (step-NNNNNNNN) or the directory that holds them"
@@ -430,23 +480,55 @@ def _self_digest(manifest: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- saving
 def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
-    """Remove saves that never finished (``.tmp-*`` of a process that is gone) and
-    half-deleted checkpoints (no manifest); returns what was removed."""
+    """Remove saves that never finished (``.tmp-*`` of a process that is gone) and deletions
+    that did not (``.trash-*``); returns what was removed. A ``step-*`` directory without a
+    manifest is kept (it is damage, not asyncrl's: see the module's docstring), with a
+    warning naming it."""
     root = Path(root)
     removed = []
     if not root.is_dir():
         return removed
     for p in root.iterdir():
         tmp = _TMP_DIR.match(p.name)
-        stale = (tmp and not pid_exists(int(tmp.group(1)))) or (
-            _STEP_DIR.match(p.name) and not (p / MANIFEST).exists()
-        ) or p.name.startswith(".trash-")
-        if stale:
+        if (tmp and not pid_exists(int(tmp.group(1)))) or p.name.startswith(".trash-"):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     if removed:
         log.info("stale_checkpoint_dirs_removed", paths=[str(p) for p in removed])
+    broken = without_manifest(root)
+    if broken:
+        log.warning(
+            "checkpoint_without_manifest_kept", paths=[str(p) for p in broken],
+            problem=f"no {MANIFEST}: its files cannot be checked, so it is no checkpoint; it is "
+            "kept as it is (retention neither counts nor deletes it). Fix: restore its "
+            f"{MANIFEST} if you have a copy, else move it out of {root} once you no longer "
+            "need its files",
+        )  # fmt: skip
     return removed
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Rename ``path`` to ``<name>.rejected-<reason>`` (``-2``, ``-3``... when taken) beside
+    it, never deleting it: no longer a ``step-*`` name, it is no checkpoint, and retention
+    and :func:`remove_stale` leave it alone. Logged as a warning naming both paths."""
+    target = path.with_name(f"{path.name}.rejected-{reason}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.rejected-{reason}-{n}")
+    path.rename(target)
+    _fsync_dir(path.parent)
+    log.warning("checkpoint_set_aside", path=str(path), moved_to=str(target), problem=reason)
+    return target
+
+
+def _discard(path: Path) -> None:
+    """Delete checkpoint ``path``: renamed to ``.trash-...`` first (atomic), so that no crash
+    leaves a ``step-*`` directory without its manifest (a ``.trash-*`` is removed on start)."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    path.rename(trash)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def start_save(root: str | os.PathLike[str], step: int) -> Path:
@@ -493,11 +575,10 @@ def commit(
     manifest[_SELF] = _self_digest(manifest)
     _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     final = tmp.parent / step_name(step)
-    if final.exists():  # e.g. an on-demand save at the step the periodic one also saved
-        trash = tmp.parent / f".trash-{final.name}-{os.getpid()}"
-        (final / MANIFEST).unlink(missing_ok=True)
-        final.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    if (final / MANIFEST).exists():  # e.g. an on-demand save at the step a periodic one saved
+        _discard(final)
+    elif final.exists():  # no manifest: damage, kept for its owner
+        set_aside(final, "no-manifest")
     tmp.rename(final)
     _fsync_dir(tmp.parent)
     return final
@@ -535,15 +616,15 @@ def _asyncrl_version() -> str:
 
 
 def prune(root: str | os.PathLike[str], keep_last: int, keep: Iterable[Path] = ()) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints (and those in ``keep``); the
-    manifest goes first, so an interrupted deletion leaves no checkpoint-looking directory."""
+    """Delete all but the newest ``keep_last`` checkpoints (and those in ``keep``). Only
+    checkpoints count and go: a ``step-*`` directory without a manifest and one set aside
+    (:func:`set_aside`) are neither counted nor touched. Each is renamed to ``.trash-...``
+    before it is deleted, so an interrupted deletion leaves no checkpoint-looking directory."""
     protect = {Path(p).resolve() for p in keep}
     found = list_checkpoints(root)
     doomed = [p for p in found[: max(0, len(found) - keep_last)] if p.resolve() not in protect]
     for p in doomed:
-        (p / MANIFEST).unlink(missing_ok=True)
-        _fsync_dir(p)
-        shutil.rmtree(p, ignore_errors=True)
+        _discard(p)
     return doomed
 
 

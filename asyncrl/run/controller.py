@@ -44,7 +44,7 @@ import anyio.abc
 import numpy as np
 import structlog
 
-from asyncrl.run.saving import open_resume
+from asyncrl.run.saving import code_fingerprints, open_resume
 from asyncrl.config import Config, to_dict
 from asyncrl.errors import (
     AsyncRLError,
@@ -261,9 +261,11 @@ class Controller(anyio.AsyncContextManagerMixin):
         """The run proper, once it owns its directories: its sockets, clock and metrics file,
         its workers, its loops; all closed and removed on the way out."""
         cfg = self.config
+        # the reward code as imported: compared on resume, recorded in each checkpoint
+        code = await anyio.to_thread.run_sync(code_fingerprints, cfg, environment)
         resume = await anyio.to_thread.run_sync(lambda: open_resume(
             cfg, self._resume, train_prompts=environment.dataset("train"),
-            allow_changed=self._allow_changed,
+            allow_changed=self._allow_changed, code=code,
         ))  # fmt: skip
         addr = Addresses.make(cfg)
         ctx = Context(addr.keys)
@@ -293,7 +295,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                         trainers=trainers, restarts=self._restarts,
                         transfer_address=addr.weights(control.peers["trainer:0"].capabilities),
                         metrics=metrics, clock_origin=t0, startup=startup,
-                        rejections=rejections,
+                        rejections=rejections, reward_code=code,
                     )  # fmt: skip
                     self._restarts.bind(self._pipeline, metrics)
                     if resume is not None:

@@ -116,7 +116,9 @@ class RunStatus:
 class Pipeline:
     """The run's loops around its :class:`~asyncrl.run.book.RolloutBook`. The
     :class:`~asyncrl.run.controller.Controller` builds it once the workers are ready and
-    runs it in its task group; ``restarts`` says which rollout workers serve."""
+    runs it in its task group; ``restarts`` says which rollout workers serve;
+    ``reward_code``: the reward code's fingerprints taken as the run started (each checkpoint
+    records them: :func:`asyncrl.run.saving.code_fingerprints`)."""
 
     def __init__(
         self,
@@ -134,6 +136,7 @@ class Pipeline:
         clock_origin: float,
         startup: Startup | None = None,
         rejections: Rejections | None = None,
+        reward_code: dict[str, str] | None = None,
     ) -> None:
         self.config, self.control, self.tok = config, control, tokenizer
         self.trainers, self.restarts, self.metrics = trainers, restarts, metrics
@@ -172,6 +175,7 @@ class Pipeline:
         """Held from a step's ``FinishStep`` to the end of its refit (the trainer's weights
         and the generators' differ), and by every other refit."""
         self.resumed_from: int | None = None  # the trainer version a resumed run started from
+        self._reward_code = reward_code
         self._build_parts(environment, tokenizer, data_socket, transfer_address)
 
     def _build_parts(
@@ -203,7 +207,7 @@ class Pipeline:
             )  # fmt: skip
         self.checkpointer = Checkpointer(
             cfg, control=control, trainers=trainers, metrics=metrics,
-            train_prompts=environment.dataset("train"),
+            train_prompts=environment.dataset("train"), code=self._reward_code,
         )  # fmt: skip
         self.evaluator = Evaluator(
             cfg, control=control, environment=environment, tokenizer=tokenizer,

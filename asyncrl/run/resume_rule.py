@@ -12,30 +12,40 @@ someone judges it harmless and lists it here.
 
 What the config does not say is compared by content (:func:`fingerprints`, saved in each
 manifest): the model directory's files (``model.config``, ``model.tokenizer``,
-``model.weights``), the chat template's text (``model.chat_template``) and the train split
-(``environment.data``). So ``model.path`` may move, and ``model.chat_template`` may point
-elsewhere, as long as what they hold is the same.
+``model.weights``), the chat template's text (``model.chat_template``), the train split
+(``environment.data``) and the reward code (``environment.code``: :func:`code_fingerprints`).
+So ``model.path`` may move, and ``model.chat_template`` may point elsewhere, as long as what
+they hold is the same. A checkpoint saved before the reward code was fingerprinted has no
+``environment.code``: it resumes, its code not compared (:attr:`Changes.not_compared`).
 
 File I/O only (no sockets, no torch).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import itertools
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from asyncrl.data.chat import ChatTemplate
+from asyncrl.data.rewards import Reward
 from asyncrl.worker.export import WEIGHT_SUFFIXES
 
-__all__ = ["ALL", "FINGERPRINT_FIELDS", "HARMLESS", "Changes", "compare", "fingerprints"]
+__all__ = [
+    "ALL", "CODE", "FINGERPRINT_FIELDS", "HARMLESS", "Changes", "code_fingerprints", "compare",
+    "fingerprints",
+]  # fmt: skip
 
 ALL = "all"
 """``--allow-changed all``: every change is accepted (and logged)."""
@@ -62,8 +72,14 @@ HARMLESS = (
 """Settings a resumed run may change freely (each change is logged); every other setting
 must match the checkpoint's unless allowed. A prefix covers its whole section."""
 
+CODE = "environment.code"
+"""The reward code's fingerprints (:func:`code_fingerprints`), by the name ``--allow-changed``
+takes."""
+_CODE_KEY = "code"
+
 FINGERPRINT_FIELDS = (
     "model.config", "model.tokenizer", "model.chat_template", "model.weights", "environment.data",
+    CODE,
 )  # fmt: skip
 """What is compared by content, by the names ``--allow-changed`` takes."""
 
@@ -76,17 +92,108 @@ _WEIGHT_SAMPLE = 1 << 20
 
 # --------------------------------------------------------------------------- fingerprints
 def fingerprints(
-    model_path: str, chat_template: str, train_prompts: Sequence[Any]
+    model_path: str,
+    chat_template: str,
+    train_prompts: Sequence[Any],
+    code: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """What the config does not say about a run, by content: ``{"model": {"config",
     "tokenizer", "weights": {file: digest}, "chat_template": digest}, "environment":
-    {"data": digest}}``. Blocking (reads the model directory's small files whole, each weight
-    file's size and first and last MiB, and every train prompt): run it in a worker thread."""
+    {"data": digest, "code": code}}`` (``code``: :func:`code_fingerprints`, taken when the run
+    started; ``None`` leaves it out, and a resume then does not compare it). Blocking (reads
+    the model directory's small files whole, each weight file's size and first and last MiB,
+    and every train prompt): run it in a worker thread."""
     files = _model_files(model_path)
+    environment: dict[str, Any] = {"data": _data_digest(train_prompts)}
+    if code is not None:
+        environment[_CODE_KEY] = dict(code)
     return {
         "model": {**files, "chat_template": _template_digest(model_path, chat_template)},
-        "environment": {"data": _data_digest(train_prompts)},
+        "environment": environment,
     }
+
+
+_ENVIRONMENT_METHODS = ("score", "score_async", "run_episode")
+_OWN_DIR = Path(__file__).resolve().parents[1]
+"""asyncrl's own package directory: its files are not fingerprinted as reward code."""
+
+
+def code_fingerprints(environment: Any, modules: Iterable[str] = ()) -> dict[str, str]:
+    """The code that scores a run, by content: ``{what: "<file> sha256 <hex>; ..."}``, for
+
+    * each reward function of the environment (``environment.rewards``, as the ``dataset``
+      environment loads them from its ``rewards`` option), keyed by its ``function`` string
+      (``"my_rewards:exact"``, ``"rewards/math.py:exact"``): the file of the module that
+      string names (imported by path or by import path) and, when the function is defined in
+      another module (imported into it), that module's file too;
+    * each module that makes the environment, keyed by the module's name: ``modules`` (the
+      environment factory's module, as its entry point names it) and the modules defining
+      the environment's class and its ``score``, ``score_async`` and ``run_episode``.
+
+    What is hashed: the bytes of each whole source file (``inspect.getsourcefile``, else the
+    module's ``__file__``), not the function's own lines, because a reward calls the helpers
+    and constants of its module, and an edit to those changes the reward as much as one to
+    the function; so an edit to a comment in that file counts as a change too (``--allow-
+    changed environment.code`` accepts it). What those files import from other files is not
+    followed. asyncrl's own files are left out (the built-in ``dataset`` environment's): they
+    change with its version, which a resume does not compare either. Blocking (reads the
+    files); call it when the run starts, just after the code was imported, so that an edit
+    made while the run trains shows at the next resume."""
+    out: dict[str, str] = {}
+    for reward in getattr(environment, "rewards", None) or ():
+        if isinstance(reward, Reward):
+            files = [reward.module_file, _source_file(reward.fn)]
+            digest = _files_digest(files)
+            if digest:
+                out[reward.origin] = digest
+    owners: list[tuple[str, str | None]] = []
+    for name in modules:
+        module = sys.modules.get(name)
+        owners.append((name, getattr(module, "__file__", None)))
+    cls = type(environment)
+    owners.append((cls.__module__, _source_file(cls)))
+    for method in _ENVIRONMENT_METHODS:
+        fn = getattr(cls, method, None)
+        if fn is not None:
+            owners.append((getattr(fn, "__module__", None) or cls.__module__, _source_file(fn)))
+    for name, file in owners:
+        if name not in out and (digest := _files_digest([file])):
+            out[name] = digest
+    return out
+
+
+def _source_file(obj: Any) -> str | None:
+    """The file defining ``obj`` (a function, a method, a class; a callable instance: its
+    class; a ``functools.partial``: its function), or ``None`` (a built-in)."""
+    for candidate in (obj, type(obj)):
+        try:
+            candidate = inspect.unwrap(candidate)
+            while isinstance(candidate, functools.partial):
+                candidate = candidate.func
+            return inspect.getsourcefile(candidate) or inspect.getfile(candidate)
+        except (TypeError, ValueError):  # a built-in, or a __wrapped__ loop
+            continue
+    return None
+
+
+def _files_digest(files: Iterable[str | None]) -> str:
+    """``"<name> sha256 <hex>; ..."`` for each distinct file outside asyncrl (``""``: none).
+    A file that cannot be read any more is named so (compared as such: it differs from any
+    digest)."""
+    parts: list[str] = []
+    seen: set[Path] = set()
+    for file in files:
+        if not file:
+            continue
+        path = Path(file).resolve()
+        if path in seen or path.is_relative_to(_OWN_DIR):
+            continue
+        seen.add(path)
+        try:
+            parts.append(f"{path.name} sha256 {_digest(str(path))}")
+        except OSError as exc:
+            parts.append(f"{path.name} unreadable ({exc.strerror or exc})")
+    return "; ".join(parts)
 
 
 def _model_files(model_path: str) -> dict[str, dict[str, str]]:
@@ -210,6 +317,9 @@ class Changes:
     """For the refusal's fix: what ``--allow-changed`` would need."""
     unknown: list[str] = field(default_factory=list)
     """Names given to ``--allow-changed`` that match no setting."""
+    not_compared: list[str] = field(default_factory=list)
+    """What could not be compared, and why (a checkpoint saved before the reward code was
+    fingerprinted)."""
 
 
 def compare(
@@ -221,9 +331,17 @@ def compare(
     allow = [a.strip() for a in allow if a.strip()]
     old, new = _compared(saved), _compared(current)
     changes = Changes()
+    known = (ALL, *FINGERPRINT_FIELDS)  # a content name is known even when it has no leaf
     changes.unknown = [
-        name for name in allow if name != ALL and not any(_covers(name, k) for k in (*old, *new))
-    ]
+        name for name in allow
+        if name not in known and not any(_covers(name, k) for k in (*old, *new))
+    ]  # fmt: skip
+    why = _code_not_compared(saved, current)
+    if why:  # nothing to compare one side's code with: neither a change nor the same
+        for leaves in (old, new):
+            for key in [k for k in leaves if _covers(CODE, k)]:
+                del leaves[key]
+        changes.not_compared.append(f"{CODE}: {why}")
     fingerprinted = set(_leaves(saved.get("fingerprints") or {})) | set(
         _leaves(current.get("fingerprints") or {})
     )
@@ -249,6 +367,20 @@ def compare(
         changes.harmless.append(f"model.chat_template: {setting[0]!r} -> {setting[1]!r} "
                                 "(the same template text)")  # fmt: skip
     return changes
+
+
+def _code_not_compared(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
+    """Why the reward code cannot be compared (``""``: it can)."""
+    has = [_CODE_KEY in ((side.get("fingerprints") or {}).get("environment") or {})
+           for side in (saved, current)]  # fmt: skip
+    if not has[1]:  # an embedding caller that gave no code fingerprints
+        return "this run's reward code was not fingerprinted, so it is not compared"
+    if not has[0]:
+        return ("the checkpoint holds no fingerprint of the reward code (an asyncrl from before "
+                "they were saved wrote it), so an edited reward function or environment "
+                "module cannot be noticed on this resume; the checkpoints this run saves "
+                "record it")
+    return ""
 
 
 def _covers(name: str, key: str) -> bool:

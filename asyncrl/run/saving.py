@@ -15,7 +15,9 @@ step trained after it would be lost to the next crash.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,8 +32,11 @@ from asyncrl.run import checkpoint_dir as ckpt
 from asyncrl.run import resume_rule
 from asyncrl.run.scheduling import run_steps
 from asyncrl.procs import space
+from asyncrl import plugins
 from asyncrl.config import Config, to_dict
-from asyncrl.errors import NonFiniteError, NoSpaceError, RunError, flatten
+from asyncrl.errors import (
+    NonFiniteError, NoSpaceError, PluginError, RemoteCallError, RunError, flatten,
+)  # fmt: skip
 from asyncrl.wire.messages import ExportModel, LoadState, SaveState
 from asyncrl.wire.rpc import ControlPlane
 
@@ -40,15 +45,37 @@ __all__ = ["Checkpointer", "Resume", "open_resume"]
 log = structlog.get_logger("asyncrl.run.saving")
 
 
-def run_fingerprints(cfg: Config, train_prompts: Sequence[Any]) -> dict[str, Any]:
+def run_fingerprints(
+    cfg: Config, train_prompts: Sequence[Any], code: dict[str, str] | None = None
+) -> dict[str, Any]:
     """What a checkpoint's manifest records of the run beyond its config (the model's files,
-    the chat template's text, the train split): :func:`asyncrl.run.resume_rule.fingerprints`."""
-    return resume_rule.fingerprints(cfg.model.path, cfg.model.chat_template, train_prompts)
+    the chat template's text, the train split, the reward code ``code``:
+    :func:`code_fingerprints`): :func:`asyncrl.run.resume_rule.fingerprints`."""
+    return resume_rule.fingerprints(
+        cfg.model.path, cfg.model.chat_template, train_prompts, code
+    )
+
+
+def code_fingerprints(cfg: Config, environment: Any) -> dict[str, str]:
+    """The reward code of ``environment`` (:func:`asyncrl.run.resume_rule.code_fingerprints`),
+    with the module of its factory as ``environment.name``'s entry point names it. Blocking
+    (reads a few source files and the entry points): run it in a worker thread, once, as the
+    run starts (the controller hands it to :func:`open_resume` and the :class:`Checkpointer`)."""
+    modules = []
+    try:
+        found = plugins.available("asyncrl.environments").get(cfg.environment.name)
+    except PluginError:  # registered twice: the run was refused before this
+        found = None
+    if found is not None:
+        modules.append(found.value.partition(":")[0].strip())
+    return resume_rule.code_fingerprints(environment, modules)
 
 
 class Checkpointer:
     """Saves checkpoints and exports for the loops; counts failed saves. ``train_prompts``:
-    the environment's train split (its fingerprint goes into each manifest)."""
+    the environment's train split (its fingerprint goes into each manifest); ``code``: the
+    run's reward code (:func:`code_fingerprints`, taken as the run started; ``None``: not
+    recorded, and a resume from these checkpoints does not compare it)."""
 
     def __init__(
         self,
@@ -58,9 +85,12 @@ class Checkpointer:
         trainers: list[str],
         metrics: Any,
         train_prompts: Sequence[Any],
+        code: dict[str, str] | None = None,
     ) -> None:
         self.config = config
         self._train_prompts = train_prompts
+        self._code = code
+        """The code the run imported, read when it started (an edit since is not this run's)."""
         self._fingerprints: dict[str, Any] | None = None
         """Computed once, at the first save (the run's model and data do not change)."""
         self.control = control
@@ -212,7 +242,7 @@ class Checkpointer:
         cfg = self.config.checkpoint
         ledger = state.scheduler["ledger"]
         if self._fingerprints is None:
-            self._fingerprints = run_fingerprints(self.config, self._train_prompts)
+            self._fingerprints = run_fingerprints(self.config, self._train_prompts, self._code)
         path = ckpt.commit(
             tmp,
             state=ckpt.encode_state(state),
@@ -243,13 +273,16 @@ class Checkpointer:
         full = self._no_space(step, exc, written, tmp)
         exc = space.full_leaf(exc) or flatten(exc)[0]  # what a group of trainer calls hides
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        last = self.last or ckpt.latest(self.config.checkpoint.dir)
+        fix = save_fix(exc, self.config.checkpoint.dir, last)
         log.error(
             "checkpoint_failed",
             step=step,
             error=f"{type(exc).__name__}: {first}",
             failures_in_a_row=self.failures,
             max_failures=limit,
-            previous=str(self.last or ckpt.latest(self.config.checkpoint.dir) or "none"),
+            previous=str(last or "none"),
+            fix=fix,
         )
         if self.metrics is not None:
             error = f"{type(exc).__name__}: {first}"
@@ -262,18 +295,16 @@ class Checkpointer:
             raise full from exc
         if getattr(exc, "remote_type", "") == "NonFiniteError":  # weights do not heal either
             raise NonFiniteError(f"the checkpoint of step {step} was not saved: {first}") from exc
-        if self.failures > limit or finished:
-            what = (
-                "the final checkpoint could not be saved"
-                if finished
-                else f"{self.failures} checkpoint saves in a row failed (checkpoint.max_failures"
-                f" = {limit})"
-            )
-            raise RunError(
-                f"{what}; the last: {type(exc).__name__}: {first}. Fix: make "
-                f"{self.config.checkpoint.dir} writable (or point checkpoint.dir elsewhere) and "
-                "resume from the last checkpoint"
-            ) from exc
+        if self.failures >= max(limit, 1) or finished:  # N failures in a row stop the run
+            if finished:
+                what = "the final checkpoint could not be saved"
+            elif self.failures == 1:
+                what = (f"the checkpoint of step {step} could not be saved (checkpoint."
+                        f"max_failures = {limit}: the first failure stops the run)")  # fmt: skip
+            else:
+                what = (f"{self.failures} checkpoint saves in a row failed (checkpoint."
+                        f"max_failures = {limit})")  # fmt: skip
+            raise RunError(f"{what}; the last: {type(exc).__name__}: {first}. Fix: {fix}") from exc
 
     def _no_space(
         self, step: int, exc: BaseException, written: int, tmp: Path | None
@@ -291,8 +322,18 @@ class Checkpointer:
         previous = space.tree_bytes(last) if last else 0
         needed = max(previous, space.checkpoint_need(cfg, size), written + 1 if written else 0)
         resume = f"resume from {last}" if last else "start again (no checkpoint was saved)"
+        where = space.failed_path(leaf, str(tmp or cfg.checkpoint.dir))
+        if error_number(leaf) == errno.EDQUOT:  # the file system may have room: the user not
+            need = f" ({space.size_text(needed)} needed)" if needed else ""
+            return NoSpaceError(
+                f"disk quota exceeded (EDQUOT) for the checkpoint of step {step} in {where}: "
+                f"this user's quota on that file system is used up{need}. Fix: free space "
+                f"within the quota (`quota -s` shows it) or ask for a "
+                f"larger one, or point checkpoint.dir at a file system with room, then {resume}",
+                path=where, needed_bytes=needed or None,
+            )  # fmt: skip
         return space.no_space(
-            space.failed_path(leaf, str(tmp or cfg.checkpoint.dir)), needed or None,
+            where, needed or None,
             f"the checkpoint of step {step} in",
             f"free space in {cfg.checkpoint.dir}, or point checkpoint.dir at a file system with "
             f"more room, then {resume}",
@@ -305,6 +346,61 @@ class Checkpointer:
             [request] * len(self.trainers),
             timeout_s=self.config.cluster.call_timeout_s,
         )
+
+
+_ERRNO = re.compile(r"\[Errno (\d+)\]")
+
+
+def error_number(exc: BaseException) -> int | None:
+    """The ``errno`` behind a failed save: of ``exc`` or the first ``OSError`` it was raised
+    from, or, for a worker's failure, the last ``[Errno N]`` its message (else its traceback)
+    quotes; ``None`` when there is none."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno:
+            return cause.errno
+        cause = cause.__cause__ or cause.__context__
+    texts = [exc.remote_message, exc.remote_traceback] if isinstance(exc, RemoteCallError) \
+        else [str(exc)]  # fmt: skip
+    for text in texts:
+        found = _ERRNO.findall(text or "")
+        if found:
+            return int(found[-1])
+    return None
+
+
+def save_fix(exc: BaseException, directory: str, last: Path | None) -> str:
+    """The fix for a save that failed with ``exc`` in ``directory``, by its errno: each
+    cause has its own (a file too large is not a directory to make writable)."""
+    then = (f"then resume from {last}" if last
+            else "then start again (no checkpoint was saved)")  # fmt: skip
+    elsewhere = "or point checkpoint.dir elsewhere"
+    number = error_number(exc)
+    if number == errno.EFBIG:
+        return (
+            "a file of the save grew past the largest file allowed: this process's file-size "
+            "limit (`ulimit -f` in the shell or job script that starts the run shows it; "
+            "`ulimit -f unlimited` lifts it, as does the scheduler's own file-size setting) or "
+            f"the largest file the file system of {directory} holds (4 GiB on FAT32); lift "
+            f"the limit, or point checkpoint.dir at a file system without it, {then}"
+        )
+    if number in (errno.EACCES, errno.EPERM):
+        return (f"make {directory} writable by this user (`ls -ld {directory}` shows its owner "
+                f"and mode; chown or chmod it), {elsewhere}, {then}")  # fmt: skip
+    if number == errno.EROFS:
+        return (f"{directory} is on a read-only file system (mounted so, or remounted so by the "
+                f"kernel after a disk error: see `dmesg`); remount it read-write, or point "
+                f"checkpoint.dir at a writable file system, {then}")  # fmt: skip
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return (f"free space in {directory} (or, for EDQUOT, within your quota there: "
+                f"`quota -s`), {elsewhere} with more room, {then}")  # fmt: skip
+    if number == errno.EIO:
+        return (f"the device or network file system under {directory} reported an I/O error "
+                f"(see `dmesg` or the file server); repair it, {elsewhere}, {then}")  # fmt: skip
+    return (f"find the cause in the error (a trainer's own log has its traceback); if it is "
+            f"{directory}'s file system, repair it {elsewhere}; {then}")  # fmt: skip
 
 
 def _remove(path: Path) -> int:
@@ -350,10 +446,12 @@ def open_resume(
     *,
     train_prompts: Sequence[Any],
     allow_changed: Iterable[str] = (),
+    code: dict[str, str] | None = None,
 ) -> Resume | None:
     """The checkpoint to resume, or ``None`` (``spec`` is ``None``). Checked before anything
     loads it: this run's settings against the checkpoint's (:mod:`asyncrl.run.resume_rule`;
-    ``allow_changed`` names the strict changes accepted), not finished, every file's size and
+    ``allow_changed`` names the strict changes accepted; ``code``: the run's reward code,
+    :func:`code_fingerprints`, ``None``: not compared), not finished, every file's size and
     digest. Saves that never finished are cleaned up first. Blocking: run it in a worker
     thread.
 
@@ -373,8 +471,11 @@ def open_resume(
     checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, cfg.checkpoint.dir))
     saved = {"config": checkpoint.manifest["config"],
              "fingerprints": checkpoint.manifest["fingerprints"]}  # fmt: skip
-    current = {"config": to_dict(cfg), "fingerprints": run_fingerprints(cfg, train_prompts)}
+    current = {"config": to_dict(cfg),
+               "fingerprints": run_fingerprints(cfg, train_prompts, code)}  # fmt: skip
     changes = resume_rule.compare(saved, current, allow)
+    for line in changes.not_compared:
+        log.info("resume_not_compared", checkpoint=str(checkpoint.path), what=line)
     _refuse_changes(checkpoint, changes)
     _refuse_finished(checkpoint.path, checkpoint.step, cfg, len(train_prompts))
     start = time.perf_counter()
@@ -400,13 +501,17 @@ def _refuse_changes(checkpoint: ckpt.Checkpoint, changes: resume_rule.Changes) -
     if not changes.refused:
         return
     more = len(changes.refused) - 8
+    edited = [line.partition(": ")[0][len(resume_rule.CODE) + 1:] for line in changes.refused
+              if line.startswith(resume_rule.CODE + ".")]  # fmt: skip
+    code = (f"; for edited code ({', '.join(edited)}), restore the file the checkpoint was "
+            "trained with, e.g. from version control" if edited else "")  # fmt: skip
     raise ckpt.CheckpointError(
         f"checkpoint {checkpoint.path} is from another run: "
         + "; ".join(changes.refused[:8])
         + (f"; and {more} more" if more > 0 else "")
         + ". These settings change what the checkpoint means (docs/checkpointing.md, "
         "'Resuming with changed settings'). Fix: restore them (the checkpoint's manifest.json "
-        "holds its config), or accept the change with --allow-changed "
+        f"holds its config{code}), or accept the change with --allow-changed "
         f"{','.join(changes.names)} (allow_changed= when embedded), or start a new run in "
         "another checkpoint.dir"
     )

@@ -162,7 +162,9 @@ async def test_a_failed_save_keeps_the_previous_checkpoint(
         checkpoint={"every_steps": 1, "max_failures": 0},
         eval={"num_prompts": 0},
     )
-    with pytest.raises(RunError, match=r"checkpoint saves in a row failed.*Fix: make "):
+    with pytest.raises(RunError, match=r"the checkpoint of step 2 could not be saved \(checkpoint"
+                       r"\.max_failures = 0: the first failure stops the run\); the last: .*"
+                       r"Input/output error.*Fix: the device or network file system under "):
         await _run(strict)
 
     # a full disk uses no budget: the run stops at the failed save, naming it (the disk is

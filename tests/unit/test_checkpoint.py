@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 
 from asyncrl.run import checkpoint_dir as ckpt
 from asyncrl.policy.groups import CompletedSample, Group, Part
@@ -130,22 +131,124 @@ def test_a_format_2_state_without_loss_masks_loads_with_every_token_training(
     assert ckpt.open_checkpoint(path).manifest["format"] == 2
 
 
+def _dead_pid() -> str:
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+
+
 def test_a_save_without_manifest_is_no_checkpoint_and_is_cleaned_up(tmp_path: Path) -> None:
     _save(tmp_path, 1)
     # a crashed save: its process is gone, its directory has no manifest
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    crashed = tmp_path / f".tmp-step-00000002-{dead}"
+    crashed = tmp_path / f".tmp-step-00000002-{_dead_pid()}"
     (crashed / "trainer").mkdir(parents=True)
-    half_deleted = tmp_path / "step-00000000"
-    half_deleted.mkdir()
+    deleting = tmp_path / f".trash-step-00000000-{_dead_pid()}-7"  # an interrupted deletion
+    (deleting / "trainer").mkdir(parents=True)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000001"]
     assert ckpt.resolve("latest", tmp_path).name == "step-00000001"
     removed = ckpt.remove_stale(tmp_path)
-    assert sorted(p.name for p in removed) == sorted([crashed.name, half_deleted.name])
+    assert sorted(p.name for p in removed) == sorted([crashed.name, deleting.name])
     # a save in progress by a live process (this one) is left alone
     live = ckpt.start_save(tmp_path, 3)
     assert ckpt.remove_stale(tmp_path) == [] and live.exists()
+
+
+def _lose_manifest(path: Path) -> None:
+    (path / "manifest.json").unlink()
+
+
+def test_a_checkpoint_without_its_manifest_is_kept_and_named(tmp_path: Path) -> None:
+    """The issue's case: the newest checkpoint lost its manifest.json. Nothing deletes it
+    (its trainer state included); each start warns naming it; --resume latest (or the
+    directory of checkpoints) refuses to pass over it, naming it and the older checkpoint to
+    resume explicitly; an older one without its manifest is only warned about."""
+    older = _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    _lose_manifest(newest)
+    with structlog.testing.capture_logs() as logs:
+        assert ckpt.remove_stale(tmp_path) == []
+    assert (newest / "trainer" / "rank0.bin").read_bytes() == b"weights"
+    [warning] = [e for e in logs if e["event"] == "checkpoint_without_manifest_kept"]
+    assert warning["log_level"] == "warning" and warning["paths"] == [str(newest)]
+    assert warning["problem"].startswith("no manifest.json: its files cannot be checked")
+    for spec in ("latest", str(tmp_path)):
+        with pytest.raises(ckpt.CheckpointError, match=(
+            rf"^checkpoint {re.escape(str(newest))} is corrupt: it has no manifest\.json, so "
+            r"none of its files can be checked \(a save never leaves a checkpoint so: it was "
+            r"lost or deleted since\)\. It is newer than step-00000001 and kept as it is\. "
+            rf"Fix: resume from an older checkpoint, e\.g\. --resume {re.escape(str(older))}$"
+        )):  # fmt: skip
+            ckpt.resolve(spec, tmp_path)
+    assert ckpt.resolve(str(older), tmp_path) == older  # named, the older one resumes
+    assert (newest / "trainer" / "rank0.bin").exists()
+    # with no checkpoint at all beside it: refused too, with a fresh start as the fix
+    alone = tmp_path / "alone"
+    _lose_manifest(_save(alone, 4))
+    with pytest.raises(ckpt.CheckpointError, match=r"newer than every checkpoint and kept as "
+                       r"it is\. Fix: start the run again without --resume$"):  # fmt: skip
+        ckpt.resolve("latest", alone)
+    # once a newer checkpoint exists, the broken one is only an older directory
+    _save(tmp_path, 3)
+    assert ckpt.resolve("latest", tmp_path).name == "step-00000003"
+    assert newest.exists()
+
+
+def test_retention_neither_counts_nor_deletes_what_is_no_checkpoint(tmp_path: Path) -> None:
+    """keep_last = 2 over checkpoints 1-4, beside step 5 without its manifest and a set-aside
+    step 2: the two newest checkpoints are 3 and 4, so 1 and 2 go, and only they."""
+    for step in (1, 2, 3, 4, 5):
+        _save(tmp_path, step)
+    _lose_manifest(tmp_path / "step-00000005")
+    aside = tmp_path / "step-00000002.rejected-no-manifest"
+    (aside / "trainer").mkdir(parents=True)
+    removed = ckpt.prune(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000002.rejected-no-manifest", "step-00000003", "step-00000004", "step-00000005",
+    ]  # fmt: skip
+    assert ckpt.remove_stale(tmp_path) == [] and aside.exists()
+
+
+def test_an_interrupted_deletion_leaves_no_directory_without_a_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention renames a checkpoint out of the step-* names before deleting it: a crash
+    in the deletion (here: it never happens) leaves a .trash-* directory, removed on start,
+    never a step-* directory without its manifest (which is kept now: damage)."""
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda *a, **k: None)
+    assert [p.name for p in ckpt.prune(tmp_path, keep_last=1)] == ["step-00000001"]
+    assert ckpt.without_manifest(tmp_path) == []
+    [trash] = [p for p in tmp_path.iterdir() if p.name != "step-00000002"]
+    assert trash.name.startswith(".trash-step-00000001-") and (trash / "manifest.json").exists()
+    monkeypatch.undo()
+    assert ckpt.remove_stale(tmp_path) == [trash] and not trash.exists()
+
+
+def test_a_save_of_a_broken_checkpoint_s_step_sets_it_aside(tmp_path: Path) -> None:
+    """A run resumed from an older checkpoint saves the step of the one that lost its
+    manifest: that one is renamed beside it, with a warning, never deleted; a second time
+    gets the next free name. A checkpoint of the same step with its manifest is replaced."""
+    broken = _save(tmp_path, 5, [_group(1)])
+    _lose_manifest(broken)
+    for n, name in enumerate(["step-00000005.rejected-no-manifest",
+                              "step-00000005.rejected-no-manifest-2"]):  # fmt: skip
+        with structlog.testing.capture_logs() as logs:
+            path = _save(tmp_path, 5)
+        assert ckpt.open_checkpoint(path).state().groups == []  # the new save
+        aside = tmp_path / name
+        assert (aside / "trainer" / "rank0.bin").read_bytes() == b"weights"
+        [warning] = [e for e in logs if e["event"] == "checkpoint_set_aside"]
+        assert warning["log_level"] == "warning"
+        assert (warning["path"], warning["moved_to"]) == (str(path), str(aside))
+        assert warning["problem"] == "no-manifest"
+        _lose_manifest(path)
+    _save(tmp_path, 5)  # its manifest lost at the loop's end: set aside a third time
+    _save(tmp_path, 5)  # with its manifest: replaced, nothing more set aside
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000005", "step-00000005.rejected-no-manifest",
+        "step-00000005.rejected-no-manifest-2", "step-00000005.rejected-no-manifest-3",
+    ]  # fmt: skip
 
 
 def test_prune_keeps_the_newest_and_the_protected(tmp_path: Path) -> None:

@@ -1,19 +1,32 @@
 """The rule for resuming with changed settings (:mod:`asyncrl.run.resume_rule`): which settings
 are strict, which are harmless, what ``--allow-changed`` lets through, and the fingerprints
-that compare the model directory, the chat template and the data by content."""
+that compare the model directory, the chat template, the data and the reward code by
+content."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 
-from asyncrl.config import Config, EnvironmentConfig, ModelConfig, to_dict
+from asyncrl.config import Config, EnvironmentConfig, ModelConfig, from_dict, to_dict
+from asyncrl.data.dataset import make_environment
+from asyncrl.data.rewards import Reward
 from asyncrl.environment import Prompt
-from asyncrl.run.resume_rule import FINGERPRINT_FIELDS, HARMLESS, compare, fingerprints
+from asyncrl.run import checkpoint_dir as ckpt
+from asyncrl.run.saving import Checkpointer, open_resume
+from asyncrl.run.saving import code_fingerprints as code_of
+from asyncrl.run.resume_rule import (
+    FINGERPRINT_FIELDS, HARMLESS, code_fingerprints, compare, fingerprints,
+)  # fmt: skip
 
 PROMPTS = [Prompt(id=f"p{i}", text=f"{i} + 1 =", answer=i + 1) for i in range(5)]
 
@@ -229,3 +242,208 @@ def test_fingerprints_are_plain_json_and_stable(tmp_path: Path) -> None:
     assert sorted(fp["model"]) == ["chat_template", "config", "tokenizer", "weights"]
     assert sorted(fp["model"]["tokenizer"]) == ["tokenizer.json", "tokenizer_config.json"]
     assert "README.md" not in json.dumps(fp)
+
+
+# --------------------------------------------------------------------------- the reward code
+def _source(path: Path, text: str) -> str:
+    """Write ``text`` to ``path``; returns the fingerprint value expected for it, computed
+    here by hand: the file's name and the SHA-256 of its bytes."""
+    path.write_text(text)
+    return f"{path.name} sha256 {hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def _rewards_env(tmp_path: Path, *functions: str) -> object:
+    """The built-in dataset environment with ``functions`` as its rewards (imported now)."""
+    rows = '{"q": "1+1", "answer": "2"}\n{"q": "2+2", "answer": "4"}\n'
+    (tmp_path / "train.jsonl").write_text(rows)
+    rewards = [{"function": f, "name": f"r{i}"} for i, f in enumerate(functions)]
+    return make_environment({"train": "train.jsonl", "prompt_field": "q", "rewards": rewards,
+                             "eval_size": 1}, 0, base_dir=tmp_path)  # fmt: skip
+
+
+def _code_side(code: dict | None) -> dict:
+    fp = {"environment": {"data": "2 prompts, sha256 x"}}
+    if code is not None:
+        fp["environment"]["code"] = code
+    return _side(_config(), fp)
+
+
+EXACT = "def exact(completion, answer):\n    return completion.strip() == str(answer)\n"
+
+
+def test_an_edited_reward_function_is_refused_naming_it(tmp_path: Path) -> None:
+    """One reward by import path (a module beside the config), one by file path: each is
+    fingerprinted by its module's whole file; editing one is refused under its own name, the
+    other unchanged, and --allow-changed environment.code (or the one function) accepts it."""
+    module = f"rw_edit_{tmp_path.name.replace('-', '_')}"  # unique: sys.modules is shared
+    (tmp_path / "rewards").mkdir()
+    by_name = _source(tmp_path / f"{module}.py", EXACT)
+    by_path = _source(tmp_path / "rewards" / "math.py", EXACT.replace("exact", "close"))
+    try:
+        env = _rewards_env(tmp_path, f"{module}:exact", "rewards/math.py:close")
+        code = code_fingerprints(env)
+        assert code == {f"{module}:exact": by_name, "rewards/math.py:close": by_path}
+        saved = _code_side(code)
+        assert compare(saved, _code_side(code_fingerprints(env))).refused == []
+        # a helper changes, the function's own lines do not: still an edit of the reward
+        edited = _source(tmp_path / f"{module}.py", EXACT + "\nSCALE = 2\n")
+        now = _code_side(code_fingerprints(env))
+        changes = compare(saved, now)
+        def short(value: str) -> str:  # as a message shows a digest: its first 12 digits
+            return f"{value.split()[0]} sha256 {value.split()[-1][:12]}..."
+
+        assert changes.refused == [
+            f"environment.code.{module}:exact: '{short(by_name)}' -> '{short(edited)}'"
+        ]
+        assert changes.names == ["environment.code"]
+        for allow in (["environment.code"], [f"environment.code.{module}:exact"], ["environment"]):
+            ok = compare(saved, now, allow)
+            assert ok.refused == [] and ok.allowed == changes.refused and ok.unknown == [], allow
+    finally:
+        sys.modules.pop(module, None)
+
+
+def test_a_function_imported_from_another_file_fingerprints_both(tmp_path: Path) -> None:
+    """``helpers.py`` defines the function, ``front.py`` (named in the config) imports it: an
+    edit to either is an edit of the reward."""
+    front = _source(tmp_path / "front.py", "from helpers import exact  # noqa\n")
+    helpers = _source(tmp_path / "helpers.py", EXACT)
+    try:
+        env = _rewards_env(tmp_path, "front.py:exact")
+        assert code_fingerprints(env) == {"front.py:exact": f"{front}; {helpers}"}
+    finally:
+        sys.modules.pop("helpers", None)
+
+
+class Scored:
+    """A callable object as a reward: its class's file is hashed."""
+
+    def __call__(self, completion: str) -> float:
+        return float(len(completion))
+
+
+def _plain_reward(completion: str, answer: str = "") -> float:
+    return 0.0
+
+
+def test_environment_modules_and_callables_outside_asyncrl(tmp_path: Path) -> None:
+    """An environment of its own module, a callable object and a partial as rewards: each by
+    its defining file; asyncrl's own files (the dataset environment, its factory) never."""
+    env_file = _source(tmp_path / "my_env_mod.py", "class Env:\n    def score(self, p, c):\n"
+                       "        return 1.0\n")  # fmt: skip
+    spec = importlib.util.spec_from_file_location("my_env_mod", tmp_path / "my_env_mod.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["my_env_mod"] = module
+    try:
+        spec.loader.exec_module(module)
+        this = Path(__file__).read_bytes()
+        this_file = f"{Path(__file__).name} sha256 {hashlib.sha256(this).hexdigest()}"
+        env = module.Env()
+        env.rewards = [
+            Reward("a", 1.0, Scored(), ("completion",), False, "t:Scored", None),
+            Reward("b", 1.0, functools.partial(_plain_reward, answer="x"), ("completion",),
+                   False, "t:partial", None),
+        ]  # fmt: skip
+        assert code_fingerprints(env, ["asyncrl.data.dataset"]) == {
+            "t:Scored": this_file, "t:partial": this_file, "my_env_mod": env_file,
+        }  # fmt: skip
+    finally:
+        sys.modules.pop("my_env_mod", None)
+    _source(tmp_path / "math.py", EXACT)
+    dataset_env = _rewards_env(tmp_path, "math.py:exact")
+    (tmp_path / "math.py").unlink()  # read when fingerprinted: a file gone since is named so
+    assert code_fingerprints(dataset_env, ["asyncrl.data.dataset"]) == {
+        "math.py:exact": "math.py unreadable (No such file or directory)"
+    }
+
+
+def test_a_checkpoint_without_code_fingerprints_resumes_saying_so() -> None:
+    """A checkpoint of an asyncrl before the reward code was fingerprinted: nothing to compare
+    with, so it is neither refused nor allowed, and the resume says so."""
+    code = {"my_rewards:exact": "my_rewards.py sha256 " + "a" * 64}
+    old = compare(_code_side(None), _code_side(code))
+    assert (old.refused, old.allowed, old.harmless, old.unknown) == ([], [], [], [])
+    assert len(old.not_compared) == 1
+    assert old.not_compared[0].startswith("environment.code: the checkpoint holds no "
+                                          "fingerprint of the reward code")  # fmt: skip
+    # no reward code outside asyncrl (an empty table) is still a fingerprint: compared
+    assert compare(_code_side({}), _code_side(code)).refused == [
+        f"environment.code.my_rewards:exact: '(unset)' -> 'my_rewards.py sha256 {'a' * 12}...'"
+    ]
+    same = compare(_code_side(code), _code_side(dict(code)))
+    assert (same.refused, same.not_compared) == ([], [])
+    # the name is known even where there is no leaf to cover
+    assert compare(_code_side({}), _code_side({}), ["environment.code"]).unknown == []
+
+
+# --------------------------------------------------------------------------- through a resume
+class SavingTrainers:
+    """A control plane whose trainers save nothing (the trainer directory stays empty)."""
+
+    async def call_each(self, workers: list, requests: list, *, timeout_s: float) -> list:
+        return [None] * len(workers)
+
+
+def _manifest_without_code(path: Path) -> None:
+    """Rewrite a checkpoint's manifest as an asyncrl before the code fingerprints wrote it
+    (its own digest recomputed, as that asyncrl did)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["fingerprints"]["environment"]["code"]
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    manifest["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.anyio
+async def test_an_edited_reward_is_refused_on_resume_with_the_fix(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """The Checkpointer records the reward code in the manifest; the reward file edited, the
+    resume is refused naming the function and the fix; allowed, it goes on; a checkpoint
+    without the record resumes with an info line."""
+    rewards = tmp_path / "rewards.py"
+    _source(rewards, EXACT)
+    env = _rewards_env(tmp_path, "rewards.py:exact")
+    cfg = from_dict({
+        "model": {"path": str(model_dir)}, "run": {"output_dir": str(tmp_path / "out")},
+        "environment": {"name": "dataset", "options": {
+            "train": "train.jsonl", "prompt_field": "q", "eval_size": 1,
+            "rewards": [{"function": "rewards.py:exact"}]}, "base_dir": str(tmp_path)},
+        "checkpoint": {"save_model": False},
+    })  # fmt: skip
+    prompts = env.dataset("train")
+    saver = Checkpointer(cfg, control=SavingTrainers(), trainers=["trainer:0"], metrics=None,
+                         train_prompts=prompts, code=code_of(cfg, env))  # type: ignore[arg-type]
+    state = ckpt.ControllerState(step=1, finished=False, groups=[], scheduler={
+        "ledger": {"trained": [[0, 1]], "num_repeated": 0}, "redispatch": []})  # fmt: skip
+    path = await saver.save(state, finished=False)
+    assert path is not None
+    recorded = json.loads((path / "manifest.json").read_text())["fingerprints"]["environment"]
+    assert recorded["code"] == {"rewards.py:exact": _source(rewards, EXACT)}
+    assert open_resume(cfg, "latest", train_prompts=prompts,
+                       code=code_of(cfg, env)).changes.refused == []  # fmt: skip
+
+    _source(rewards, EXACT.replace("strip()", "lower()"))  # what the next process imports
+    edited = code_of(cfg, env)
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        open_resume(cfg, "latest", train_prompts=prompts, code=edited)
+    message = str(refused.value)
+    assert f"checkpoint {path} is from another run: environment.code.rewards.py:exact: " \
+           "'rewards.py sha256 " in message  # fmt: skip
+    assert ("Fix: restore them (the checkpoint's manifest.json holds its config; for edited "
+            "code (rewards.py:exact), restore the file the checkpoint was trained with, e.g. "
+            "from version control), or accept the change with --allow-changed "
+            "environment.code (allow_changed= when embedded)") in message
+    allowed = open_resume(cfg, "latest", train_prompts=prompts, code=edited,
+                          allow_changed=["environment.code"])  # fmt: skip
+    assert [line.split(":")[0] for line in allowed.changes.allowed] == [
+        "environment.code.rewards.py"]
+
+    _manifest_without_code(path)
+    with structlog.testing.capture_logs() as logs:
+        old = open_resume(cfg, "latest", train_prompts=prompts, code=edited)
+    assert old.changes.refused == [] and old.state.step == 1
+    [line] = [e for e in logs if e["event"] == "resume_not_compared"]
+    assert line["log_level"] == "info" and line["checkpoint"] == str(path)
+    assert line["what"].startswith("environment.code: the checkpoint holds no fingerprint")
