@@ -32,11 +32,23 @@ class GatewayConfig(Section):
     """Keep every managed agent's output (``<run.output_dir>/logs/agents/``); by default only
     those of agents that did not exit 0 are kept."""
     session_timeout_s: float = 600.0
-    """A session's deadline, from the moment it is handed out: past it the session ends
-    truncated (``episode.on_truncation``) and a managed agent is killed."""
+    """A session's whole deadline, from the moment it is handed out: past it the session
+    ends truncated (``episode.on_truncation``) and a managed agent is killed."""
+    claim_timeout_s: float = 20.0
+    """Longest wait for the first model call of a session taken with ``POST /rl/sessions``:
+    past it the session is offered again (to the next ``POST /rl/sessions``, under a new id
+    and key; the old ones get 410). Nothing was recorded yet, so the group's samples are
+    as if the second agent had taken it first, and the group does not run again. 20 s: an
+    agent's first call follows the 201 at once (the prompt comes with it), so this leaves a
+    loaded machine and a client's retries time while a dropped session holds its group
+    (and, under a staleness bound of 1, the pipeline) 20 s rather than
+    ``idle_timeout_s``. Raise it for an agent that prepares something (a sandbox, a
+    repository) before its first call. Managed agents (``gateway.agent``) are not subject
+    to it: their exit is seen at once."""
     idle_timeout_s: float = 120.0
-    """Longest wait for a session's next call or its reward once handed out: past it the
-    session fails (its agent went away) and its group runs again under ``[failures]``."""
+    """Longest wait between two calls of a session, or from its last call to its reward (the
+    agent's tools and its own work run in between): past it the session fails (its agent
+    went away) and its group runs again under ``[failures]``."""
     max_concurrent_requests: int = 4096
     """HTTP requests served at once; more get 429 (with ``Retry-After``)."""
     max_body_bytes: int = 4 * 1024 * 1024
@@ -54,11 +66,16 @@ class GatewayConfig(Section):
                             "use 0 (a free port) or a port number up to 65535"))  # fmt: skip
         if not self.host.strip():
             out.append(fail("gateway.host", "is empty", 'use "127.0.0.1" (this machine only)'))
-        for name in ("session_timeout_s", "idle_timeout_s"):
+        for name in ("session_timeout_s", "claim_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 out.append(fail(f"gateway.{name}", f"must be > 0, got {value}",
                                 f"set gateway.{name} to a number of seconds"))  # fmt: skip
+        if 0 < self.session_timeout_s < self.claim_timeout_s:
+            out.append(fail("gateway.claim_timeout_s", f"is {self.claim_timeout_s:g} s, longer "
+                            f"than the whole session (gateway.session_timeout_s = "
+                            f"{self.session_timeout_s:g} s)", "set it below "
+                            "gateway.session_timeout_s"))  # fmt: skip
         if self.agent and not all(isinstance(a, str) and a for a in self.agent):
             out.append(fail("gateway.agent", f"is {self.agent!r}",
                             'give the command as a list of non-empty strings, e.g. '

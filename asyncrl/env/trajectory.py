@@ -569,9 +569,9 @@ class Trajectory:
             f"template does not re-render the tokens recorded so far: from character {pos} "
             f"(in {where}) the recorded text reads {seen!r} where the template now renders "
             f"{got!r} (a template that drops earlier reasoning, trims a turn, writes another "
-            'end token or moves a block). Fix: set on_mismatch = "split" to train such an '
-            "episode as several samples, or use a chat template that renders earlier turns "
-            "unchanged.",
+            'end token or moves a block). Fix: set episode.on_template_mismatch = "split" to '
+            "train such an episode as several samples, or use a chat template that renders "
+            "earlier turns unchanged.",
             episode=self.episode,
             turn=self._turns,
             position=pos,

@@ -68,6 +68,7 @@ class _Conversation:
     """What one session's calls built so far, besides the episode's record."""
 
     api: Literal["chat", "completion"] | None = None
+    """The API the session's first answered call used (a refused call commits it to none)."""
     chat: ChatLog = field(default_factory=ChatLog)
     pending: list[Generated] = field(default_factory=list)
     """The candidates of a call with ``n`` > 1, until the next call shows which goes on."""
@@ -114,10 +115,14 @@ class Gateway:
         self._agents = agents
         self.sessions = SessionTable()
         self._token_text: dict[int, str] = {}
-        self.stats: dict[str, int] = {"calls": 0, "restarts": 0, "sessions": 0}
+        self.stats: dict[str, float] = {"calls": 0, "restarts": 0, "sessions": 0,
+                                        "expired_unclaimed": 0, "expired_idle": 0,
+                                        "stall_s": 0.0}  # fmt: skip
         """Since the run started: calls served, segments restarted (an agent rewrote its
-        history), sessions scored."""
-        self._since: dict[str, int] = dict(self.stats)
+        history), sessions scored; sessions offered again for want of a first call
+        (``gateway.claim_timeout_s``) and failed for want of a next call or a reward
+        (``gateway.idle_timeout_s``), and the seconds those sessions waited for nothing."""
+        self._since: dict[str, float] = dict(self.stats)
 
     # ------------------------------------------------------------------ the environment
     def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
@@ -156,7 +161,7 @@ class Gateway:
                 if error is not None:
                     raise error
             else:
-                await session.wait_claimed()
+                await self._first_call(session)
                 finish = await self._until_finish(session)
             score = await self._score(finish, convo, prompt, episode)
             self.stats["sessions"] += 1
@@ -174,18 +179,43 @@ class Gateway:
         finally:
             await self.sessions.close(session, why)
 
+    async def _first_call(self, session: Session) -> None:
+        """Wait until an agent takes ``session`` (from the lobby) and calls it. One that took
+        it and made no call within ``gateway.claim_timeout_s`` lost it (it misread the
+        answer, crashed, was cancelled): the session goes back to the lobby under a new id
+        and key. Nothing was recorded, so the group's samples are as if the next agent had
+        taken it first, and the group does not run again for it."""
+        claim_s = self.config.claim_timeout_s
+        while True:
+            await session.wait_claimed()
+            if await session.first_call(claim_s):
+                return
+            lost = session.id
+            self.sessions.reoffer(session, f"no call came within gateway.claim_timeout_s "
+                                  f"({claim_s:g} s) of its hand-out: offered again")  # fmt: skip
+            self.stats["expired_unclaimed"] += 1
+            self.stats["stall_s"] += claim_s
+            log.warning("session_reoffered", session=lost, new_id=session.id,
+                        episode=session.episode,
+                        why=f"no call within gateway.claim_timeout_s ({claim_s:g} s)",
+                        fix="an agent calls the base_url of the session it is given (POST "
+                        "/rl/sessions answers 201) at once, or gives it back (DELETE "
+                        "/rl/sessions/<id>)")  # fmt: skip
+
     async def _until_finish(self, session: Session) -> Finish:
         """Wait for ``session``'s end while its calls are served (in their handlers' tasks).
 
         Raises:
             SessionFailed: idle past ``gateway.idle_timeout_s``, or given back.
             EpisodeLimit: a call hit a limit, or the session ran past
-                ``gateway.session_timeout_s``.
+                ``gateway.session_timeout_s`` from its hand-out.
         """
         cfg = self.config
-        with anyio.move_on_after(cfg.session_timeout_s):
+        with anyio.CancelScope(deadline=session.claimed_at + cfg.session_timeout_s):
             item = await session.next(cfg.idle_timeout_s)
             if item is None:
+                self.stats["expired_idle"] += 1
+                self.stats["stall_s"] += cfg.idle_timeout_s
                 raise SessionFailed(f"no call and no reward for {cfg.idle_timeout_s:g} s "
                                     "(gateway.idle_timeout_s): the agent went away")  # fmt: skip
             if item.abandon:
@@ -230,7 +260,7 @@ class Gateway:
             raise
 
     async def _chat(self, episode: Episode, convo: _Conversation, req: ChatRequest) -> CallResult:
-        self._use(convo, "chat")
+        self._check_api(convo, "chat")
         req.check()
         plan = convo.chat.plan(req.messages, req.tools)
         if convo.broken or not isinstance(plan, Continue):
@@ -252,12 +282,13 @@ class Gateway:
         result = await self._generate(episode, convo, req,
                                       self._parser if req.parses_tools else None)  # fmt: skip
         convo.chat.replied([c.reply for c in result.choices])
+        convo.api = "chat"
         return result
 
     async def _complete(
         self, episode: Episode, convo: _Conversation, req: CompletionRequest
     ) -> CallResult:
-        self._use(convo, "completion")
+        self._check_api(convo, "completion")
         req.check()
         prompt = req.single_prompt()
         if not self._goes_on(episode, convo, prompt):
@@ -265,7 +296,9 @@ class Gateway:
                 self.stats["restarts"] += 1
             episode.restart_text(prompt)
             convo.pending, convo.broken, convo.awaiting = [], False, False
-        return await self._generate(episode, convo, req, None)
+        result = await self._generate(episode, convo, req, None)
+        convo.api = "completion"
+        return result
 
     def _goes_on(self, episode: Episode, convo: _Conversation, prompt: str | list[int]) -> bool:
         """Whether a completion ``prompt`` continues what is recorded (after keeping the
@@ -363,10 +396,11 @@ class Gateway:
             return ""
         return self._tok.decode_verbatim(c.token_ids[-1:])
 
-    def _use(self, convo: _Conversation, api: Literal["chat", "completion"]) -> None:
-        if convo.api is None:
-            convo.api = api
-        elif convo.api != api:
+    def _check_api(self, convo: _Conversation, api: Literal["chat", "completion"]) -> None:
+        """Refuse a call through the other API than the session's answered calls used (a
+        call refused before it was answered commits the session to neither: it is set when
+        one is answered)."""
+        if convo.api is not None and convo.api != api:
             other = "/v1/chat/completions" if convo.api == "chat" else "/v1/completions"
             raise GatewayError(400, f"this session calls {other}: a session is one "
                                "conversation through one API; open another session")  # fmt: skip
@@ -395,8 +429,10 @@ class Gateway:
         return score
 
     def take_metrics(self) -> dict[str, float]:
-        """A step record's ``gateway_*`` figures: calls, restarts and sessions scored since
-        the last call; sessions waiting for an agent and handed out, now."""
+        """A step record's ``gateway_*`` figures: calls, restarts, sessions scored, sessions
+        expired unclaimed (offered again) and idle (failed) and the seconds they waited
+        (``gateway_stall_s``), since the last call; sessions waiting for an agent and handed
+        out, now."""
         out = {f"gateway_{k}": float(v - self._since[k]) for k, v in self.stats.items()}
         self._since = dict(self.stats)
         counts = self.sessions.counts()

@@ -322,6 +322,7 @@ class GatewayServer:
             "prompt": {"id": prompt.id, "messages": prompt.chat()}, "group": session.group,
             "episode": session.episode, "evaluation": session.evaluation,
             "session_timeout_s": self._cfg.session_timeout_s,
+            "claim_timeout_s": self._cfg.claim_timeout_s,
             "idle_timeout_s": self._cfg.idle_timeout_s,
         }), 201)  # fmt: skip
 
@@ -333,6 +334,7 @@ class GatewayServer:
         self._admin(request)
         session = self._sessions.get(request.path_params["sid"])
         req = decode(await self._body(request), RewardRequest)
+        _still(session, request)
         if req.reward is None and not req.rewards and not self._gw.scores:
             raise GatewayError(400, "give reward or rewards: the run's environment has no "
                                "score(prompt, completion) to score the session with",
@@ -374,6 +376,7 @@ class GatewayServer:
         # Server-Timing's total leaves out the wait for the body: a client that sends it after
         # its head (httpx does) makes the handler wait on the client's loop
         arrived = time.perf_counter() - (checked - began)
+        _still(session, request)
         req = decode(body, schema)
         req.check()
         call = Call(kind, req)
@@ -456,6 +459,19 @@ async def _watch(call: Call, request: Request) -> None:
                 call.cancel(GatewayError(499, "the client closed the connection",
                                          code="cancelled"))  # fmt: skip
             return
+
+
+def _still(session: Session, request: Request) -> None:
+    """``session`` is still the request's after its body came: not offered again meanwhile
+    under another id (:meth:`~asyncrl.gateway.sessions.SessionTable.reoffer`).
+
+    Raises:
+        GatewayError: 410, why it was offered again.
+    """
+    if session.id != request.path_params["sid"]:
+        raise GatewayError(410, f"session {request.path_params['sid']} has ended: no call "
+                           "came within gateway.claim_timeout_s of its hand-out: it was "
+                           "offered again", code="session_ended")  # fmt: skip
 
 
 def _too_large(limit: int) -> GatewayError:

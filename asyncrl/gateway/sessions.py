@@ -6,8 +6,9 @@ HTTP call and the episode's task (no HTTP here).
     episode task                          SessionTable                       HTTP handlers
     Gateway.run_episode ──open()──► WAITING in the lobby ◄──claim()── POST /rl/sessions (admin)
        serve_with(its serve)        (managed: claimed at once)    ──► ACTIVE: id + key to agent
-                                    Session.take(call) + serve(call) ◄── /s/<id>/v1/chat/...
-                                      runs the episode's serve in the handler's task
+       first_call() ◄───────────── Session.take(call) + serve(call) ◄── /s/<id>/v1/chat/...
+         none in time: reoffer() ──► WAITING again, new id + key   runs the episode's serve
+                                     (the old ones: tombstones)     in the handler's task
          next() ◄── Finish ◄────── Session.finish() ◄──────────── POST /rl/sessions/<id>/reward
     run_episode returns ──close()──► ENDED (a tombstone: later calls get 410)
 
@@ -19,6 +20,11 @@ woken with it). The episode's task meanwhile waits in :meth:`Session.next` for t
 end, its idle deadline, or what a call raised that ends the episode (a turn limit); when the
 episode ends (or the run cancels it), the call in progress is cancelled with it, its engine
 requests aborted, and waited for.
+
+Deadlines, each counted from the session's hand-out (its claim): the first call's (the
+episode task's :meth:`Session.first_call`: a session taken and dropped goes back to the lobby,
+:meth:`SessionTable.reoffer`), the idle one between calls (:meth:`Session.next`), and the whole
+session's (the episode's task).
 
 Keys: the admin key (made per run) creates sessions and ends them; each session has its own
 key, which reaches that session only. Keys are compared in constant time
@@ -131,14 +137,19 @@ class Session:
         self.answered = 0
         """Calls answered with a reply (a session with none has nothing to train)."""
         self._claimed = anyio.Event()
+        self._called = anyio.Event()
+        """Set by the first call taken, or the session's end (:meth:`first_call`)."""
         self._serve: Callable[[Call], Awaitable[None]] | None = None
         self._busy: Call | None = None
         self._finish: Finish | None = None
         self._raised: BaseException | None = None
         self._changed = anyio.Event()
         self._last = anyio.current_time()
-        """When a call last started or ended (or the session opened): the idle deadline
-        counts from it."""
+        """When a call last started or ended (or the session was handed out): the idle
+        deadline counts from it."""
+        self.claimed_at = self._last
+        """When the session was handed out (opened, until it is): its deadlines count from
+        it."""
         self._ended = False
 
     def _wake(self) -> None:
@@ -154,6 +165,13 @@ class Session:
 
     async def wait_claimed(self) -> None:
         await self._claimed.wait()
+
+    async def first_call(self, within_s: float) -> bool:
+        """Whether a call came (or the session ended) within ``within_s`` of its hand-out;
+        waits until one does or that time passes."""
+        with anyio.CancelScope(deadline=self.claimed_at + within_s):
+            await self._called.wait()
+        return self._called.is_set()  # looked at again: a call taken as the deadline passed
 
     async def next(self, idle_s: float) -> Finish | None:
         """Wait for the session's end (its :class:`Finish`, once no call runs); ``None``
@@ -198,7 +216,19 @@ class Session:
         return self._ended
 
     def claim(self) -> None:
+        """Hand the session out: its deadlines start now."""
+        self.claimed_at = self._last = anyio.current_time()
         self._claimed.set()
+
+    def reissue(self, sid: str) -> None:
+        """The session, never called, goes back to the lobby as ``sid`` with a new key (what
+        its first agent was given reaches it no more)."""
+        assert not self._called.is_set() and not self._ended
+        self.id = sid
+        self.key = make_key()
+        self.key_digest = _digest(self.key)
+        self._claimed = anyio.Event()
+        self.claimed_at = self._last = anyio.current_time()
 
     def take(self, call: Call) -> None:
         """``call`` is the session's one call now; :meth:`serve` it next.
@@ -215,6 +245,7 @@ class Session:
         assert self._serve is not None, "serve_with() comes first"
         self._busy = call
         self._last = anyio.current_time()
+        self._called.set()
 
     async def serve(self, call: Call) -> None:
         """Serve ``call`` (taken) in this task: it is answered or failed when this returns."""
@@ -247,6 +278,7 @@ class Session:
                                            "ran", code="session_ended"))  # fmt: skip
         self._ended = True
         self._finish = finish
+        self._called.set()
         self._wake()
 
 
@@ -286,8 +318,7 @@ class SessionTable:
     def open(self, prompt: Prompt, episode: str, *, evaluation: bool, claimed: bool) -> Session:
         """A session for ``episode``: in the lobby, or handed out already (``claimed``: a
         managed agent's)."""
-        self._count += 1
-        sid = f"s{self._count:x}-{secrets.token_hex(4)}"
+        sid = self._new_id()
         session = Session(sid, prompt, episode, evaluation)
         self._sessions[sid] = session
         self._by_key[_digest(session.key)] = sid
@@ -303,16 +334,37 @@ class SessionTable:
         is cancelled and waited for (:meth:`Session.end`)."""
         if self._sessions.pop(session.id, None) is None:
             return
-        digest = _digest(session.key)
-        self._by_key.pop(digest, None)
         self._lobby.pop(session.id, None)
+        self._bury(session, why)
+        await session.end(GatewayError(410, f"session {session.id} has ended: {why}",
+                                       code="session_ended"))  # fmt: skip
+
+    def reoffer(self, session: Session, why: str) -> None:
+        """``session`` was handed out and never called: back to the front of the lobby under
+        a new id and key (:meth:`Session.reissue`); its old id and key get 410 with
+        ``why``."""
+        if self._sessions.pop(session.id, None) is None:
+            return
+        self._bury(session, why)
+        session.reissue(self._new_id())
+        self._sessions[session.id] = session
+        self._by_key[session.key_digest] = session.id
+        self._lobby[session.id] = session
+        self._lobby.move_to_end(session.id, last=False)  # admitted before those behind it
+        self._hand_out(session)
+
+    def _bury(self, session: Session, why: str) -> None:
+        """Forget ``session``'s id and key, leaving tombstones (410 with ``why``)."""
+        self._by_key.pop(session.key_digest, None)
         self._ended[session.id] = why
-        self._ended_keys[digest] = session.id
+        self._ended_keys[session.key_digest] = session.id
         while len(self._ended) > TOMBSTONES:
             self._ended.popitem(last=False)
             self._ended_keys.popitem(last=False)
-        await session.end(GatewayError(410, f"session {session.id} has ended: {why}",
-                                       code="session_ended"))  # fmt: skip
+
+    def _new_id(self) -> str:
+        self._count += 1
+        return f"s{self._count:x}-{secrets.token_hex(4)}"
 
     def shut(self) -> None:
         """The run is ending: claims waiting give up."""

@@ -102,6 +102,9 @@ class FailureBudget:
         """``dropped`` groups failed for good so far, the last ``what`` (which and why):
         raise once the budget is spent."""
         limit = self.config.max_failed_groups
+        if dropped > limit and "Fix:" in what:  # the cause names its fix: the one Fix here
+            raise RunError(f"{dropped} groups failed for good (failures.max_failed_groups = "
+                           f"{limit}; raise it to tolerate more); the last: {what}")  # fmt: skip
         if dropped > limit:
             raise RunError(
                 f"{dropped} groups failed for good (failures.max_failed_groups = "

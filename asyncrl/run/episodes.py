@@ -42,6 +42,7 @@ from asyncrl.env.episode import (
     Record,
 )
 from asyncrl.env.tool_parsers import ToolCallParser
+from asyncrl.env.trajectory import PrefixMismatchError
 from asyncrl.env.toolbox import ToolBox
 from asyncrl.environment import Prompt, Score
 from asyncrl.env.segments import TrajectorySample
@@ -382,8 +383,9 @@ class EpisodeRunner:
                 truncated = limit.reason
             except (EpisodeFailed, anyio.get_cancelled_exc_class()):
                 raise
-            except Exception as exc:
-                raise EpisodeFailed(f"run_episode raised {type(exc).__name__}: {exc}") from exc
+            except Exception as exc:  # a template mismatch refused: the same on a retry
+                raise EpisodeFailed(f"run_episode raised {type(exc).__name__}: {exc}",
+                                    retryable=not isinstance(exc, PrefixMismatchError)) from exc
         if deadline.cancelled_caught:
             truncated = "deadline"
         if not isinstance(score, Score):

@@ -405,3 +405,35 @@ def test_chat_module_imports_no_torch_or_transformers() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_documented_transformers_check_keeps_a_character_vocabularys_spaces(
+    tmp_path: Path,
+) -> None:
+    """docs/datasets.md tells users to check prompt ids with
+    ``PreTrainedTokenizerFast.from_pretrained(model_dir)``: on a model shaped like the demo's
+    (``config.json`` says qwen2, ``tokenizer.json`` is a character vocabulary) it gives
+    asyncrl's ids, spaces included. (transformers 5's ``AutoTokenizer`` builds Qwen2's own
+    pre-tokenizer there instead, and drops them.)"""
+    from tokenizers import Regex, models, pre_tokenizers
+
+    chars = ["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+=?: abcdefghijklmnopqrstuvwxyz"]
+    tok = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex("."), behavior="isolated")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>",
+        "unk_token": "<unk>", "pad_token": "<pad>"}))  # fmt: skip
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    messages = [{"role": "user", "content": "what is 12 + 34?"}]
+    text = "user: what is 12 + 34? assistant: "  # the template's render, by hand
+    by_hand = [chars.index(c) for c in text]
+    assert _ours(tmp_path, messages) == by_hand
+    documented = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    assert documented.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) == by_hand  # fmt: skip
+    a, space, b = (chars.index(c) for c in "a b")
+    assert documented("a b", add_special_tokens=False).input_ids == [a, space, b]

@@ -17,6 +17,7 @@ import pytest
 
 from asyncrl.env.episode import Limits
 from asyncrl.env.segments import TrajectorySample
+from asyncrl.env.trajectory import PrefixMismatchError
 from asyncrl.environment import Prompt, Score
 from asyncrl.policy.groups import CompletedSample
 from asyncrl.run import book as bk
@@ -152,7 +153,8 @@ class Env:
     """Two turns with a tool observation between (``turns`` of them), scored by the last
     turn's first token; ``raise_in`` makes episode 1 raise; ``catch`` scores a limit itself."""
 
-    def __init__(self, turns: int = 2, raise_in: bool = False, sleep: float = 0.0) -> None:
+    def __init__(self, turns: int = 2, raise_in: bool | Exception = False,
+                 sleep: float = 0.0) -> None:  # fmt: skip
         self.turns, self.raise_in, self.sleep = turns, raise_in, sleep
 
     def dataset(self, split: str) -> list[Prompt]:
@@ -163,6 +165,8 @@ class Env:
         for t in range(self.turns):
             turn = await episode.generate()
             if self.raise_in and episode.id.endswith("/1"):
+                if isinstance(self.raise_in, Exception):
+                    raise self.raise_in
                 raise ValueError("the agent broke")
             if t < self.turns - 1:
                 episode.add_messages({"role": "tool", "content": "42"})
@@ -303,8 +307,27 @@ async def test_an_agent_that_raises_fails_its_group_and_cancels_the_others() -> 
 
     await h.run(body)
     ((gid, error, retryable),) = h.failed
-    assert "run_episode raised ValueError: the agent broke" in error
+    assert "run_episode raised ValueError: the agent broke" in error and retryable
     assert not h.committed and h.book.problems() == []
+
+
+async def test_a_refused_template_mismatch_fails_its_group_without_a_retry() -> None:
+    """The template re-renders the same conversation the same way on a retry: the group is
+    dropped at once (not retried ``failures.generation_retries`` times)."""
+    refused = PrefixMismatchError('the template differs. Fix: set episode.on_template_mismatch '
+                                  '= "split".', episode="g/1", turn=1, position=3, recorded="a",
+                                  rendered="b")  # fmt: skip
+    h = Harness(Env(turns=2, raise_in=refused, sleep=5.0))
+
+    async def body(h: Harness) -> None:
+        h.runner.start(h.dispatch())
+        await wait_until(lambda: h.failed)
+        await wait_until(lambda: not h.runner._runs)  # noqa: SLF001 - every episode ended
+
+    await h.run(body)
+    ((gid, error, retryable),) = h.failed
+    assert "run_episode raised PrefixMismatchError: the template differs" in error
+    assert retryable is False and error.count("Fix:") == 1
 
 
 async def test_an_aborted_group_cancels_its_episodes_and_aborts_their_turns() -> None:

@@ -88,3 +88,24 @@ def test_a_retried_group_that_ends_otherwise_leaves_nothing_in_the_budget() -> N
     aborts = w.book.close()
     assert aborts.gone == [sent.group_id] and w.book.problems() == []
     assert sent.group_id not in repr(vars(w.budget))
+
+
+def test_a_dropped_group_whose_cause_names_its_fix_gives_one_fix() -> None:
+    """The run's last words hold one Fix: the cause's when it names one (a template
+    mismatch refused), else where to look."""
+    limits = SimpleNamespace(generation_retries=3, retry_backoff_s=0.5, max_failed_groups=1,
+                             train_step_retries=0, max_nonfinite_steps=0)  # fmt: skip
+    budget = FailureBudget(limits)  # type: ignore[arg-type]
+    budget.check_dropped(1, "within the budget")
+    cause = ("group g1 (prompt p1): episode g1/0: run_episode raised PrefixMismatchError: the "
+             'template differs. Fix: set episode.on_template_mismatch = "split".')  # fmt: skip
+    with pytest.raises(RunError) as e:
+        budget.check_dropped(2, cause)
+    assert str(e.value) == ("2 groups failed for good (failures.max_failed_groups = 1; raise "
+                            f"it to tolerate more); the last: {cause}")  # fmt: skip
+    with pytest.raises(RunError) as e:
+        budget.check_dropped(2, "group g1 (prompt p1): RuntimeError: boom")
+    assert str(e.value).count("Fix:") == 1
+    assert str(e.value).endswith("boom. Fix: see the generation_failed / reward_failed log "
+                                 "lines for the cause; raise failures.max_failed_groups to "
+                                 "tolerate more")  # fmt: skip

@@ -284,6 +284,68 @@ async def test_one_call_at_a_time_an_idle_deadline_and_an_end_that_cancels_the_c
 
 
 @pytest.mark.asyncio
+async def test_the_idle_deadline_counts_from_the_hand_out_not_from_the_lobby() -> None:
+    """A session that waited in the lobby longer than the idle deadline still gives its agent
+    the whole idle deadline once handed out."""
+    table = SessionTable()
+    s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=False)
+    s.serve_with(_serve)
+    await anyio.sleep(0.12)  # in the lobby for 0.12 s
+    assert await table.claim(None, 0) is s
+    began = anyio.current_time()
+    assert await s.next(0.1) is None  # no call: idle, 0.1 s after the hand-out
+    assert 0.09 <= anyio.current_time() - began < 0.5
+    await table.close(s, "done")
+
+
+@pytest.mark.asyncio
+async def test_a_session_never_called_goes_back_to_the_front_of_the_lobby_with_new_keys() -> None:
+    table = SessionTable()
+    p = [Prompt(id=f"p{i}", text="x") for i in range(2)]
+    s = table.open(p[0], "g0/0", evaluation=False, claimed=False)
+    s.serve_with(_serve)
+    assert await table.claim(None, 0) is s
+    old_id, old_key, old_digest = s.id, s.key, s.key_digest
+    began = anyio.current_time()
+    assert await s.first_call(0.1) is False  # nobody called within 0.1 s of the hand-out
+    assert 0.09 <= anyio.current_time() - began < 0.5
+    later = table.open(p[1], "g1/0", evaluation=False, claimed=False)
+    table.reoffer(s, "no call came within gateway.claim_timeout_s")
+    assert s.id != old_id and s.key != old_key and not s.claimed
+    assert table.counts() == {"waiting": 2, "active": 0}
+    # its old id and key: 410 with the reason, not 404 or 401
+    with pytest.raises(GatewayError) as e:
+        table.get(old_id)
+    assert e.value.status == 410 and "claim_timeout_s" in str(e.value)
+    assert not table.is_session_key(old_key) and table.knows_digest(old_digest)
+    assert table.get(s.id) is s and table.is_session_key(s.key)
+    # it was admitted first: the next claim gets it, not the one opened since
+    assert await table.claim(None, 0) is s
+    began = anyio.current_time()  # its first-call deadline starts again at this hand-out
+    call = Call("chat", "quick")
+    s.take(call)
+    await s.serve(call)
+    assert await s.first_call(0.1) is True and anyio.current_time() - began < 0.05
+    assert call.result == "ok"
+    for x in (s, later):
+        await table.close(x, "the test ended")
+    assert len(table) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_session_ended_before_its_first_call_is_not_offered_again() -> None:
+    """A session given back (or rewarded) before any call counts as called: its episode
+    ends with it rather than offering it again."""
+    table = SessionTable()
+    s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=False)
+    assert await table.claim(None, 0) is s
+    s.finish(Finish(abandon="given back"))
+    assert await s.first_call(5) is True
+    assert (await s.next(5)).abandon == "given back"
+    await table.close(s, "done")
+
+
+@pytest.mark.asyncio
 async def test_a_call_that_ends_the_episode_raises_in_its_task_and_an_end_waits_for_a_call() -> None:
     table = SessionTable()
     s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
@@ -380,3 +442,16 @@ def test_the_gateway_is_checked_before_anything_starts() -> None:
         check_gateway(config(["no-such-agent-program"]), Scores(), templated)
     with pytest.raises(PluginError, match="episode.tool_parser"):
         check_gateway(config([], parser="no-such-parser"), Scores(), templated)
+
+
+def test_the_deadlines_are_checked_with_the_config() -> None:
+    from asyncrl.config.gateway import GatewayConfig
+
+    assert GatewayConfig().claim_timeout_s == 20.0 and GatewayConfig().problems() == []
+    (zero,) = GatewayConfig(claim_timeout_s=0).problems()
+    assert str(zero) == ("gateway.claim_timeout_s: must be > 0, got 0. Fix: set "
+                         "gateway.claim_timeout_s to a number of seconds.")  # fmt: skip
+    (longer,) = GatewayConfig(claim_timeout_s=30, session_timeout_s=10).problems()
+    assert str(longer) == ("gateway.claim_timeout_s: is 30 s, longer than the whole session "
+                           "(gateway.session_timeout_s = 10 s). Fix: set it below "
+                           "gateway.session_timeout_s.")  # fmt: skip

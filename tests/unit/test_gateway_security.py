@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import stat
+import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import structlog
 
 from asyncrl.config.gateway import GatewayConfig
+from asyncrl.gateway.gateway import SessionFailed
 import gateway_support as gs
 
 pytestmark = pytest.mark.asyncio
@@ -410,8 +412,10 @@ async def test_a_flood_gets_200_or_429_and_the_run_goes_on(model: gs.Model, tmp_
     engine = gs.ScriptedEngine(model, 0, delay_s=1.0)
     most = FLOOD + SLOW + 10
     limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    # the sessions whose calls get a 429 make their first call after the flood, which takes
+    # longer than the default claim deadline on a loaded machine
     async with serving(model, tmp_path, engine=engine, limits=limits,
-                       max_concurrent_requests=32) as run:  # fmt: skip
+                       max_concurrent_requests=32, claim_timeout_s=120.0) as run:  # fmt: skip
         sessions = [await run.claim() for _ in range(SLOW)]
         results: list[tuple[str, httpx.Response]] = []
         failures: Counter[str] = Counter()
@@ -562,6 +566,94 @@ async def test_reward_without_an_answered_call_is_409(model: gs.Model, tmp_path:
         error_of(r, 409, code="nothing_to_train")
         assert played.score is None and played.error is None
         await run.finish(info, played)  # the session goes on: a call, then its reward
+        await run.still_serves()
+
+
+async def test_a_refused_call_does_not_change_the_api_a_session_may_call(
+    model: gs.Model, tmp_path: Path
+) -> None:
+    """A session commits to chat or text completions with its first answered call: a
+    completions call refused by the record (an id outside the vocabulary) leaves the session
+    free, and a chat call and its reward then succeed, training that chat turn only."""
+    async with serving(model, tmp_path) as run:
+        info, played = await run.claim()
+        url, key = f"{info['base_url']}/completions", bearer(info["api_key"])
+        r = await run.client.post(url, json={"model": "x", "prompt": [999_999]}, headers=key)
+        err = error_of(r, 400, code="conversation_rejected")
+        assert "vocabulary" in err["message"], err
+        await run.finish(info, played)  # chat 200, reward 200, scored 1.0
+        (request,) = run.h.engine.requests  # the refused call reached no engine
+        (sample,) = played.samples
+        assert gs.trained_turns(sample) == [request.token_ids]
+        assert sample.token_ids.tolist()[: sample.prompt_len] == request.prompt_ids
+        # an answered call does commit the session: completions, then chat is refused
+        info, played = await run.claim()
+        r = await run.client.post(f"{info['base_url']}/completions", json={
+            "model": "x", "prompt": "12+34="}, headers=bearer(info["api_key"]))  # fmt: skip
+        assert r.status_code == 200, r.text
+        err = error_of(await run.chat(info), 400)
+        assert "this session calls /v1/completions" in err["message"], err
+        r = await run.reward(info["session_id"])
+        assert r.status_code == 200, r.text
+        await ended(played)
+        assert played.error is None and played.score is not None
+
+
+async def test_a_session_taken_and_dropped_is_offered_again(
+    model: gs.Model, tmp_path: Path
+) -> None:
+    """A client that takes a session (201) and never calls it holds the session's group for
+    gateway.claim_timeout_s, not idle_timeout_s: the session is offered again under a new id
+    and key, the next agent trains the same episode, and the step record counts the stall."""
+    async with serving(model, tmp_path, claim_timeout_s=0.3) as run:
+        lost, played = await run.claim()  # taken, then dropped
+        # ...but for a call whose body is still on its way when the session is offered again
+        body = json.dumps({"model": "x", "messages": lost["prompt"]["messages"]}).encode()
+        host, port = run.url.split("//")[1].split(":")
+        late = await anyio.connect_tcp(host, int(port))
+        await late.send(f"POST /{lost['base_url'].split('/', 3)[3]}/chat/completions HTTP/1.1"
+                        f"\r\nhost: x\r\nauthorization: Bearer {lost['api_key']}\r\ncontent-type: "
+                        f"application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                        + body[:5])  # fmt: skip
+        began = time.perf_counter()
+        r = await run.client.post(f"{run.url}/rl/sessions", headers=run.admin,
+                                  json={"wait_s": 5})  # fmt: skip
+        waited = time.perf_counter() - began
+        assert r.status_code == 201, r.text
+        again = r.json()
+        assert 0.25 <= waited < 2.0, waited  # the claim deadline, 0.3 s
+        assert again["episode"] == lost["episode"] and again["claim_timeout_s"] == 0.3
+        assert again["session_id"] != lost["session_id"] and again["api_key"] != lost["api_key"]
+        await late.send(body[5:])  # its body arrives now: it does not get the session
+        with anyio.fail_after(5):
+            answer = await late.receive()
+        await late.aclose()
+        assert answer.startswith(b"HTTP/1.1 410 "), answer[:200]
+        assert b"claim_timeout_s" in answer and run.h.gateway.stats["calls"] == 0
+        # what the first agent was given reaches it no more: 410 naming the deadline
+        err = error_of(await run.chat(lost), 410, code="session_ended")
+        assert "gateway.claim_timeout_s" in err["message"], err
+        error_of(await run.reward(lost["session_id"]), 410, code="session_ended")
+        await run.finish(again, played)  # the same episode, scored: its group goes on
+        m = run.h.gateway.take_metrics()
+        assert (m["gateway_expired_unclaimed"], m["gateway_expired_idle"]) == (1, 0), m
+        assert m["gateway_stall_s"] == pytest.approx(0.3) and m["gateway_sessions"] == 1, m
+        await run.still_serves()
+
+
+async def test_a_session_left_idle_fails_and_is_counted(model: gs.Model, tmp_path: Path) -> None:
+    async with serving(model, tmp_path, idle_timeout_s=0.3) as run:
+        info, played = await run.claim()
+        r = await run.chat(info)
+        assert r.status_code == 200, r.text
+        began = time.perf_counter()
+        await ended(played)  # no reward
+        assert 0.25 <= time.perf_counter() - began < 2.0
+        assert isinstance(played.error, SessionFailed), played.error
+        assert "gateway.idle_timeout_s" in str(played.error)
+        m = run.h.gateway.take_metrics()
+        assert (m["gateway_expired_unclaimed"], m["gateway_expired_idle"]) == (0, 1), m
+        assert m["gateway_stall_s"] == pytest.approx(0.3), m
         await run.still_serves()
 
 

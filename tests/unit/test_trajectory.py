@@ -400,7 +400,8 @@ def test_qwen3_refused_names_the_episode_turn_and_place(models: dict[str, Model]
     message = str(e)
     assert message.startswith("episode 'e', the observation after turn 2")
     assert f"in turn 1's generated text, which starts at character {len(prompt)}" in message
-    assert 'Fix: set on_mismatch = "split"' in message
+    assert 'Fix: set episode.on_template_mismatch = "split"' in message  # the config key
+    assert message.count("Fix:") == 1
     with pytest.raises(PrefixMismatchError):
         _turn(m, traj, "x")  # nothing was recorded: the same refusal
     assert traj.turns == 2 and len(traj.samples()) == 1

@@ -205,6 +205,51 @@ def test_context_length_is_checked_before_any_engine_starts(tmp_path) -> None:
         check_config(config(enforce_eagr=True), max_prompt_tokens=1)
 
 
+def test_a_temperature_vllm_does_not_serve_is_refused_before_any_engine_starts(tmp_path) -> None:
+    """grpo.temperature = 4.0 used to pass check-config and fail every request at the engine
+    (``temperature must be in [0, 2]``); below 0.01 vLLM samples at 0.01 instead."""
+    import json
+
+    from asyncrl.config import from_dict
+    from asyncrl_vllm import check_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+
+    def config(temperature: float) -> object:
+        return from_dict({"model": {"path": str(tmp_path)}, "environment": {"name": "arithmetic"},
+                          "grpo": {"temperature": temperature}})  # fmt: skip
+
+    for fine in (0.01, 1.0, 2.0):
+        check_config(config(fine), max_prompt_tokens=1)
+    with pytest.raises(ConfigError) as info:
+        check_config(config(4.0), max_prompt_tokens=1)
+    assert str(info.value) == (
+        "grpo.temperature: is 4, above the 2 vLLM serves (it refuses each request: temperature "
+        "must be in [0, 2]). Fix: set grpo.temperature to at most 2 (1.0 samples the policy as "
+        "it is)."
+    )
+    with pytest.raises(ConfigError, match=r"grpo.temperature: is 0.005: vLLM samples at 0.01"):
+        check_config(config(0.005), max_prompt_tokens=1)
+
+
+def test_the_temperature_range_is_the_installed_vllms() -> None:
+    """TEMPERATURE_RANGE against vLLM's own SamplingParams: the edges are served as asked,
+    beyond them refused or changed."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from asyncrl_vllm import TEMPERATURE_RANGE
+
+    low, high = TEMPERATURE_RANGE
+    assert SamplingParams(temperature=low).temperature == low
+    assert SamplingParams(temperature=high).temperature == high
+    refused = r"temperature must be in \[0, 2\]"
+    with pytest.raises(Exception, match=refused):  # noqa: B017 - vLLM's own error type
+        SamplingParams(temperature=high + 1e-6)
+    assert SamplingParams(temperature=low / 2).temperature == low  # not what was asked
+
+
 def engine_args(tmp_path, model_dir, cuda: bool, **options: object) -> dict:
     """The vLLM engine arguments the backend builds from ``options`` (no engine started)."""
     from types import SimpleNamespace

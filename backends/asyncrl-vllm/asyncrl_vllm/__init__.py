@@ -15,10 +15,16 @@ from typing import Any
 
 from asyncrl.backend import BackendPlugin, WorkerContext
 from asyncrl.config import Config
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, config_error
 
 __version__ = "0.1.0.dev0"
 __all__ = ["check_config", "plugin", "shm_bytes"]
+
+TEMPERATURE_RANGE = (0.01, 2.0)
+"""The sampling temperatures vLLM 0.32 serves as asked (``SamplingParams._verify_args``):
+above 2 it refuses every request (``temperature must be in [0, 2]``); below 0.01
+(``_MAX_TEMP``) it samples at 0.01, while the trainer would divide by the configured value.
+0 (greedy) is how evaluation samples, not a setting of ``grpo.temperature``."""
 
 
 def _create(ctx: WorkerContext) -> Any:
@@ -38,10 +44,22 @@ def _model_limit(model_path: str) -> int | None:
 
 
 def check_config(config: Config, *, max_prompt_tokens: int) -> None:
-    """``[generator.options]`` and the context length, before any engine starts."""
+    """``[generator.options]``, ``grpo.temperature`` against what vLLM serves
+    (:data:`TEMPERATURE_RANGE`) and the context length, before any engine starts."""
     from .options import parse_options
 
     options = parse_options(dict(config.generator.options))
+    low, high = TEMPERATURE_RANGE
+    temperature = config.grpo.temperature
+    if temperature > high:
+        raise config_error("grpo.temperature", f"is {temperature:g}, above the {high:g} vLLM "
+                           "serves (it refuses each request: temperature must be in [0, 2])",
+                           f"set grpo.temperature to at most {high:g} (1.0 samples the policy "
+                           "as it is)")  # fmt: skip
+    if 0 < temperature < low:
+        raise config_error("grpo.temperature", f"is {temperature:g}: vLLM samples at {low:g} "
+                           "below that, and the trainer's logprobs would not be the sampler's",
+                           f"set grpo.temperature to at least {low:g}")  # fmt: skip
     limit = options.max_model_len or _model_limit(config.model.path)
     need = max_prompt_tokens + config.grpo.max_new_tokens
     if limit is not None and need > limit:
