@@ -12,9 +12,10 @@ Catch at the level you can handle::
     ├── WorkerError                 a worker group can no longer serve (fatal for the run)
     │   ├── WorkerStartupError      a worker died or timed out before it was ready
     │   ├── WorkerDiedError         a worker process exited while the run was going
-    │   │   └── WorkerHungError     it answered no health probe, alive, and was killed
+    │   │   ├── WorkerHungError     it answered no health probe, alive, and was killed
+    │   │   └── WorkerOrphanedError its owner (a supervisor) died first; it only followed
     │   ├── EngineDeadError         (worker side) the backend's engine processes died
-    │   └── ControllerLostError     (worker side) the controller process is gone
+    │   └── ControllerLostError     (worker side) the controller exited, or fell silent
     ├── RefitError                  a weight transfer did not complete
     ├── NoSpaceError                a file system the run writes to is full (ENOSPC)
     └── RunError                    the run cannot go on (e.g. rollouts exhausted mid-step)
@@ -26,6 +27,7 @@ Catch at the level you can handle::
 
 from __future__ import annotations
 
+import signal
 import time
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "WorkerError",
     "WorkerHungError",
     "WorkerLostError",
+    "WorkerOrphanedError",
     "WorkerRestarting",
     "WorkerStartupError",
     "config_error",
@@ -245,6 +248,53 @@ class WorkerLostError(WorkerDiedError):
         self.silent_s, self.last_answer, self.timeout_s = silent_s, last_answer, timeout_s
 
 
+class WorkerOrphanedError(WorkerDiedError):
+    """A worker whose owner died first: its supervisor (a rollout rank,
+    :mod:`asyncrl.procs.supervisor`) or the torchrun agent that started it. Every worker
+    stops when its owner does (its owner watch, :func:`asyncrl.procs.process.die_with_parent`,
+    sends it SIGTERM: exit code 143), so its exit code says "stopped", not why: the owner's
+    death is the cause, and the message names it first. Nothing is left to start it again.
+
+    Attributes (besides :class:`WorkerDiedError`'s):
+        owner: what owned it (``supervisor``, ``torchrun agent``).
+        owner_pid: the owner's pid.
+        owner_status: the owner's exit status (``-N``: killed by signal N; ``None``: unknown).
+    """
+
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        exit_code: int | None,
+        log_path: str | None,
+        *,
+        owner: str,
+        owner_pid: int,
+        owner_status: int | None,
+    ) -> None:
+        code = "unknown" if exit_code is None else str(exit_code)
+        text = (
+            f"worker {group}:{rank}'s {owner} (pid {owner_pid}) {_how_it_ended(owner_status)}; "
+            f"the worker then ended on its owner watch (exit code {code}); its log: "
+            f"{log_path or 'n/a'}"
+        )
+        super().__init__(group, rank, exit_code, log_path, message=text)
+        self.owner, self.owner_pid, self.owner_status = owner, owner_pid, owner_status
+
+
+def _how_it_ended(status: int | None) -> str:
+    """A process's exit status in words: ``was killed (SIGKILL)``, ``exited with code 1``."""
+    if status is None:
+        return "exited (its exit status is unknown)"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"was killed ({name})"
+    return f"exited with code {status}"
+
+
 class WorkerRestarting(WorkerError):
     """A call to a rollout worker that died and is being started again
     (``failures.rollout_restarts``): the call is abandoned, its work goes elsewhere."""
@@ -262,8 +312,20 @@ class CollectiveTimeoutError(WorkerError):
 
 
 class ControllerLostError(WorkerError):
-    """A worker noticed that its controller's process exited; it stops its engine, removes the
-    run's socket and shared-memory directories the controller can no longer remove, and exits."""
+    """A worker noticed that its controller is gone: its process exited, or it sent nothing
+    for ``failures.heartbeat_interval_s + heartbeat_timeout_s`` (stopped, its event loop
+    blocked, its host gone or cut off; :mod:`asyncrl.worker.controller_watch`). The worker
+    stops its engine, removes the run's socket and shared-memory directories the controller
+    can no longer remove, and exits.
+
+    Attributes:
+        silent_s: how long the controller was silent, when its silence (not its exit) is
+            why (``None``: its process exited).
+    """
+
+    def __init__(self, message: str, *, silent_s: float | None = None) -> None:
+        super().__init__(message)
+        self.silent_s = silent_s
 
 
 class RefitError(AsyncRLError):

@@ -73,6 +73,7 @@ from asyncrl.errors import (
     ConfigError,
     PluginError,
     WorkerDiedError,
+    WorkerOrphanedError,
     flatten,
 )
 from asyncrl.procs.process import (
@@ -328,8 +329,14 @@ def _print_resume_hint(config: Config) -> None:
 
 
 def _stopped_by_signal(error: AsyncRLError) -> bool:
-    """A worker that exited because it got the stop signal too (a Ctrl-C reaches every rank)."""
-    return isinstance(error, WorkerDiedError) and stopped_by_signal(error.exit_code)
+    """A worker that exited because it got the stop signal too (a Ctrl-C reaches every rank);
+    not one that stopped because its owner was killed (the signal this rank got is torchrun's
+    answer to that death: the death is the cause)."""
+    return (
+        isinstance(error, WorkerDiedError)
+        and not isinstance(error, WorkerOrphanedError)
+        and stopped_by_signal(error.exit_code)
+    )
 
 
 def _asyncrl_error(exc: BaseException) -> AsyncRLError | None:

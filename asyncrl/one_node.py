@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from asyncrl.config import load_config, parse_overrides
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.procs.process import PARENT_ENV
+from asyncrl.procs.scratch import scratch_dir
 from asyncrl.run.runlock import check_free
 
 __all__ = ["RANK0_PID_ENV", "publish_rank0_pid", "self_launch"]
@@ -60,8 +60,9 @@ def self_launch(
     nproc = config.cluster.trainer_ranks + config.cluster.rollout_ranks
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[PARENT_ENV] = str(os.getpid())  # a rank orphaned while it starts stops at once
-    try:  # torchrun's per-attempt directories: in one that goes with the run
-        with tempfile.TemporaryDirectory(prefix="asyncrl-torchrun-") as scratch:
+    try:  # torchrun's per-attempt directories: in one that goes with the run (or, when
+        # this process is killed, with the next run's sweep)
+        with scratch_dir() as scratch:
             pid_file = os.path.join(scratch, "rank0.pid")
             os.environ[RANK0_PID_ENV] = pid_file
             before = signal.signal(signal.SIGUSR1, _forward_to_rank0(pid_file))

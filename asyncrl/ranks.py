@@ -25,7 +25,7 @@ from asyncrl.config import Config
 from asyncrl.errors import ConfigError, ControllerLostError, WorkerStartupError
 from asyncrl.obs import log as _log
 from asyncrl.procs.process import die_with_parent, exit_status, host_id, wait_exit_status
-from asyncrl.procs.supervisor import CONTROLLER_LOST
+from asyncrl.procs.supervisor import CONTROLLER_LOST, last_words_fd
 from asyncrl.wire.curve import KEYS_ENV, KeysError, RunKeys
 from asyncrl.wire.messages import host_name
 
@@ -96,7 +96,8 @@ async def _serve_until_signal(controller_pid: int = 0, **kwargs: Any) -> _Ending
     # Leaving the receiver restored SIGTERM's default action; the worker has stopped its
     # engine and is only exiting now, so a late SIGTERM must not turn that into a failure.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if isinstance(ending.error, ControllerLostError) and ending.controller_exit is None:
+    lost = ending.error if isinstance(ending.error, ControllerLostError) else None
+    if lost is not None and lost.silent_s is None and ending.controller_exit is None:
         code = exit_status(controller_pid) if controller_pid else None
         ending.controller_exit = "unknown" if code is None else str(code)
     return ending
@@ -111,9 +112,15 @@ def serve_rank(
     :data:`~asyncrl.procs.supervisor.CONTROLLER_LOST`).
 
     ``console``: a descriptor of the launch's stderr, kept by the rank that speaks for the run
-    when rank 0 (the controller) dies: it prints the one ``asyncrl: error`` line then.
+    when rank 0 (the controller) dies or falls silent: it prints the one ``asyncrl: error``
+    line then (a supervised worker writes it to its supervisor, which decides).
     """
     ending = anyio.run(lambda: _serve_until_signal(controller_pid, **kwargs))
+    lost = ending.error if isinstance(ending.error, ControllerLostError) else None
+    if lost is not None and lost.silent_s is not None:  # alive, or on another host: silent
+        if console is not None:
+            os.write(console, silent_controller_line(lost, kwargs.get("log_path", "?")))
+        return lost_code
     if ending.controller_exit is not None:
         if console is not None:
             from asyncrl.procs.supervisor import controller_lost_line
@@ -125,6 +132,15 @@ def serve_rank(
     if ending.error is not None:
         return 1
     return 128 + int(ending.signal) if ending.signal is not None else 0
+
+
+def silent_controller_line(lost: ControllerLostError, log_path: str) -> bytes:
+    """The one line a worker rank prints when it took the controller for gone on its
+    silence (its process may live on: stopped, its event loop blocked, another host's)."""
+    return (
+        f"asyncrl: error: {lost}; the workers stop their engines and remove the run's files "
+        f"(this rank's log: {log_path})\n"
+    ).encode()
 
 
 def worker_main(
@@ -153,6 +169,7 @@ def worker_main(
         return _supervise(group, rank, world, control, log_dir, max_restarts,
                           controller_pid=controller_pid, log_path=log_path)
     return serve_rank(
+        console=last_words_fd() if supervised else None,  # its supervisor decides
         lost_code=CONTROLLER_LOST if supervised else 1,
         control_address=control,
         group=group,

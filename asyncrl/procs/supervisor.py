@@ -15,9 +15,14 @@ it is spent (this side's count only keeps a crash loop from going on forever).
 
 Exits: the worker's own code once it exits 0 (``Shutdown``), after a stop signal (forwarded
 to the worker, which cleans up: 128 + N), once the controller is gone (1: its pid exited
-here, or the worker said so with :data:`CONTROLLER_LOST`, as on another node where the
-controller's pid cannot be watched), or once this rank's restarts are used up (the last
-code).
+here, or the worker said so with :data:`CONTROLLER_LOST`: on another node where the
+controller's pid cannot be watched, or a controller silent past the heartbeat's timeout), or
+once this rank's restarts are used up (the last code).
+
+The rank that speaks for the run (it keeps the launch's stderr) hands its worker a pipe
+(:data:`LAST_WORDS_ENV`): a worker that found the controller silent writes its one line
+there, and the supervisor prints it while the controller still lives (a dead one is named
+here, from its exit status).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from asyncrl.procs.process import (
     stopped_by_signal,
 )
 
-__all__ = ["supervise"]
+__all__ = ["LAST_WORDS_ENV", "last_words_fd", "supervise"]
 
 log = structlog.get_logger("asyncrl.procs.supervisor")
 
@@ -57,6 +62,9 @@ worker runtime bounds that at 30 s) or to notice the loss and clean up, before S
 then before SIGKILL."""
 GROUP_GONE_S = 10.0
 """How long to wait for a dead worker's leftover processes to go after SIGKILL."""
+LAST_WORDS_ENV = "ASYNCRL_LAST_WORDS_FD"
+"""In a supervised worker's environment: the descriptor of a pipe to its supervisor, where it
+writes the line it would print if it spoke for the run (:func:`last_words_fd`)."""
 
 
 def supervise(
@@ -86,7 +94,17 @@ def supervise(
     try:
         while True:
             env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})  # see die_with_parent
-            child[:] = [subprocess.Popen(list(cmd), start_new_session=True, env=env)]
+            words, to_words = os.pipe() if console is not None else (-1, -1)
+            try:
+                if to_words >= 0:
+                    env[LAST_WORDS_ENV] = str(to_words)
+                child[:] = [subprocess.Popen(list(cmd), start_new_session=True, env=env,
+                                             pass_fds=(to_words,) if to_words >= 0 else ())]  # fmt: skip
+            except BaseException:
+                _close(words)
+                raise
+            finally:
+                _close(to_words)
             pid = child[0].pid
             if stopping:  # a signal came while it was being started
                 kill_process_group(pid, stopping[0])
@@ -99,6 +117,7 @@ def supervise(
             time.sleep(STATUS_READ_S)
             code = child[0].wait()
             _kill_group(pid)
+            said = _last_words(words)
             if code != 0 and lost is not None and lost < 0 and not stopped_by_signal(lost):
                 # the controller was killed (it could not say so itself). Before the stop
                 # signal is taken for the reason: torchrun sends this rank one right after
@@ -110,6 +129,11 @@ def supervise(
                 return 128 + stopping[0] if stopping and code != 0 else _rank_code(code)
             if code == CONTROLLER_LOST:  # a new worker would wait for an Init never sent
                 log.error("controller_lost", restarts=restarts)
+                # its line, unless the controller exited (then it said why, or is named below)
+                if console is not None and said and not (
+                    controller_pid and has_exited(controller_pid)
+                ):
+                    os.write(console, said)
                 return 1
             if controller_pid and has_exited(controller_pid):
                 status = exit_status(controller_pid) if lost is None else lost
@@ -126,6 +150,39 @@ def supervise(
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def last_words_fd() -> int | None:
+    """In a supervised worker: the pipe to its supervisor (:data:`LAST_WORDS_ENV`, taken out
+    of the environment and kept from the worker's own children); ``None`` when it has none."""
+    value = os.environ.pop(LAST_WORDS_ENV, "")
+    if not value.isdigit():
+        return None
+    fd = int(value)
+    try:
+        os.set_inheritable(fd, False)
+    except OSError:  # not open here: started by hand, with the variable set
+        return None
+    return fd
+
+
+def _last_words(fd: int) -> bytes:
+    """What the exited worker wrote to its pipe (at most a line or so), and close it; what
+    its leftover processes, killed by now, could hold open does not block the read."""
+    if fd < 0:
+        return b""
+    try:
+        os.set_blocking(fd, False)
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
 
 
 def _wait(pid: int, controller_pid: int) -> bool:

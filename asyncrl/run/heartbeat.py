@@ -21,6 +21,11 @@ restarts a rollout worker (its groups go elsewhere) or stops the run, naming the
 
 :class:`HeartbeatTracker` is the pure part (who answered when, who is overdue), driven by
 the clock it is given; :class:`Heartbeat` does the I/O around it.
+
+The probes run the other way too: they are how every worker knows its controller still
+serves. A worker that hears nothing for ``heartbeat_interval_s + heartbeat_timeout_s`` (the
+time its own loop did not run taken out) takes the controller for gone and stops
+(:mod:`asyncrl.worker.controller_watch`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -33,10 +34,17 @@ import anyio.abc
 import structlog
 
 from asyncrl.config import Config
-from asyncrl.errors import WorkerDiedError, WorkerLostError, WorkerRestarting, WorkerStartupError
+from asyncrl.errors import (
+    WorkerDiedError,
+    WorkerHungError,
+    WorkerLostError,
+    WorkerOrphanedError,
+    WorkerRestarting,
+    WorkerStartupError,
+)
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.pool import SYNCING, RolloutPool
-from asyncrl.procs.process import parent_pid, stopped_by_signal, wait_pid_exit
+from asyncrl.procs.process import ProcessExit, parent_pid, stopped_by_signal, wait_pid_exit
 from asyncrl.procs.spawn import SpawnedGroup, watch_peer
 from asyncrl.run.book import RolloutBook
 from asyncrl.run.turns import Turn
@@ -184,16 +192,49 @@ class Restarts:
                 died, supervisor = await _remote_death(peer, lost), None
             else:
                 supervisor = parent_pid(peer.pid)  # read while it lives
+                # its owner's pidfd, opened while it lives: its exit status, even once reaped
+                owner = ProcessExit(supervisor) if supervisor and supervisor > 1 else None
                 try:
                     await watch_peer(peer, agent)
                 except WorkerDiedError as exc:
                     died = named(peer, exc)  # a hang it was killed for, if so
+                    died = await self._orphaned(peer, died, owner)
+                finally:
+                    if owner is not None:
+                        owner.close()
             back = await self._restart(control, peer, died, supervisor, tg)
             if back is None:
                 self._budget_spent(peer, died)
                 fatal(died)
                 raise (peer.last_words or died) from None
             peer = back
+
+    async def _orphaned(
+        self, peer: Any, died: WorkerDiedError, owner: ProcessExit | None
+    ) -> WorkerDiedError:
+        """What ``peer``'s death was when its owner (its parent while it served: a rollout
+        rank's supervisor, or the torchrun agent that started it) died first: a
+        :class:`WorkerOrphanedError` naming that death (the worker only obeyed its owner
+        watch: exit code 143); else ``died`` itself.
+
+        "First" is read from how the owner ended: killed by a signal. An owner that outlives
+        its worker ends by returning (a supervisor reaps its worker, then exits with a code;
+        it forwards SIGTERM and SIGINT instead of dying of them), so a signal death found
+        after the worker's is the one that came before it. An owner that is this process or
+        its own launcher is not named: its death stops this controller too, which says so.
+        """
+        if owner is None or owner.pid in (os.getpid(), os.getppid()):
+            return died
+        if isinstance(died, WorkerHungError) or not owner.exited():
+            return died
+        status = await owner.status(within_s=0.5)
+        if status is None or status >= 0:  # exited by itself, or unknown: not claimed
+            return died
+        return WorkerOrphanedError(
+            peer.group, peer.rank, died.exit_code, peer.log_path or None,
+            owner="supervisor" if self.of_group(peer.group) else "torchrun agent",
+            owner_pid=owner.pid, owner_status=status,
+        )  # fmt: skip
 
     def _budget_spent(self, peer: Any, died: WorkerDiedError) -> None:
         """Add a line to ``died`` when the restarts the run allowed were all used."""
@@ -230,6 +271,8 @@ class Restarts:
         """
         loops = self._loops
         if peer.group != "rollout" or loops is None or stopped_by_signal(died.exit_code):
+            return None
+        if isinstance(died, WorkerOrphanedError):  # its supervisor is gone: none comes back
             return None
         if isinstance(died, WorkerLostError) and self.survivable(peer):
             with anyio.move_on_after(self.config.failures.heartbeat_timeout_s):

@@ -10,10 +10,13 @@
                                    └─ Shutdown ────► stop serving; SIGTERM ignored from now
     answer: the role's call table (request type → method) → Reply, or Failure if it raised
 
-While it serves, two watchers run beside the calls::
+While it serves, watchers run beside the calls::
 
-    controller watch   pidfd of Init.controller_pid → ControllerLostError: stop the engine,
-                       remove the run's socket and shm directories, exit non-zero
+    controller watch   pidfd of Init.controller_pid (this host) → ControllerLostError: stop
+                       the engine, remove the run's socket and shm directories, exit non-zero
+    controller silence nothing heard from the controller for heartbeat_interval_s +
+                       heartbeat_timeout_s, time this loop did not run taken out (any host;
+                       asyncrl.worker.controller_watch) → ControllerLostError, as above
     engine watch       the backend's watch() (a rollout backend that has one)
                        → EngineDeadError → Dead
 
@@ -66,6 +69,7 @@ from asyncrl.wire.messages import (
     ToWorker,
     host_name,
 )
+from asyncrl.worker.controller_watch import ControllerSilence
 
 __all__ = ["Handler", "WorkerRuntime"]
 
@@ -98,8 +102,8 @@ class WorkerRuntime(abc.ABC):
         self.wctx = wctx
         self.identity = f"{wctx.group}:{wctx.rank}"
         self.tx = Codec(FromWorker)
-        self._heard = time.monotonic()
-        """When the controller last sent anything (:meth:`_watch_controller_silence`)."""
+        self._silence: ControllerSilence | None = None
+        """What this worker heard of the controller, while it watches its silence."""
         self.backend: Any = None
         self.created_at: float | None = None
         """When :meth:`load` had made the backend (wall clock: the start-up record's)."""
@@ -258,8 +262,11 @@ class WorkerRuntime(abc.ABC):
             self._start_serving(tg)
             while True:
                 frames = await self.control.recv()
-                self._heard = time.monotonic()
+                heard = time.monotonic()
                 msg = rx.decode(frames)
+                if self._silence is not None:
+                    probe = isinstance(msg, Call) and isinstance(msg.request, Health)
+                    self._silence.heard(heard, probe=probe)
                 if isinstance(msg, Shutdown):
                     log.info("worker_stopping", worker=self.identity)
                     if self.init.controller_pid != os.getpid():  # not the controller's rank
@@ -281,16 +288,20 @@ class WorkerRuntime(abc.ABC):
         """Serve calls until ``Shutdown``, with the controller and engine watchers beside.
 
         Raises:
-            ControllerLostError: the controller's process exited.
+            ControllerLostError: the controller's process exited, or it sent nothing for
+                ``heartbeat_interval_s + heartbeat_timeout_s`` while this loop ran.
             EngineDeadError: the backend's ``watch()`` saw its engine die.
         """
         try:
             async with anyio.create_task_group() as tg:
-                pid = self.init.controller_pid
-                if self.controller_remote:
-                    tg.start_soon(self._watch_controller_silence, name="controller-watch")
-                elif pid and pid != os.getpid():
-                    tg.start_soon(self._watch_controller, pid, name="controller-watch")
+                pid, remote = self.init.controller_pid, self.controller_remote
+                if remote or (pid and pid != os.getpid()):  # not this process (rank 0's)
+                    if not remote:  # its pid means something here: its exit, at once
+                        tg.start_soon(self._watch_controller, pid, name="controller-watch")
+                    self._silence = self._silence_watch()
+                if self._silence is not None:  # and its silence, whatever the host
+                    tg.start_soon(self._watch_controller_silence, self._silence,
+                                  name="controller-silence")  # fmt: skip
                 if self._engine_watch is not None:
                     self.engine_gone = anyio.Event()
                     tg.start_soon(self._watch_engine, self._engine_watch, name="engine-watch")
@@ -341,27 +352,59 @@ class WorkerRuntime(abc.ABC):
         host = self.init.controller_host
         return bool(host) and host != host_id()
 
-    async def _watch_controller_silence(self) -> None:
-        """A controller on another host cannot be watched by pid: once it has sent nothing
-        (its heartbeat probes come every ``heartbeat_interval_s``) for
-        ``heartbeat_timeout_s`` more than that, it is taken for gone."""
+    def _silence_watch(self) -> ControllerSilence | None:
+        """The watch of the controller's silence, from now on (``None``: the heartbeat is off,
+        so silence says nothing; on another host that leaves the controller unwatched)."""
         failures = self.wctx.config.failures
         if not failures.heartbeat_timeout_s:
-            log.warning("controller_unwatched", reason="the controller is on another host and "
-                        "failures.heartbeat_timeout_s = 0: nothing says when it is gone")  # fmt: skip
-            return
-        limit = failures.heartbeat_interval_s + failures.heartbeat_timeout_s
+            if self.controller_remote:
+                log.warning("controller_unwatched", reason="the controller is on another host "
+                            "and failures.heartbeat_timeout_s = 0: nothing says when it is gone")  # fmt: skip
+            return None
+        return ControllerSilence(
+            interval_s=failures.heartbeat_interval_s, timeout_s=failures.heartbeat_timeout_s,
+            startup_s=self.wctx.config.cluster.startup_timeout_s,
+            tick_s=min(1.0, failures.heartbeat_interval_s), now=time.monotonic(),
+        )  # fmt: skip
+
+    async def _watch_controller_silence(self, silence: ControllerSilence) -> None:
+        """Tick ``silence`` until the controller is found silent past its limit
+        (:mod:`asyncrl.worker.controller_watch`): its probes come every
+        ``heartbeat_interval_s``, and none came for ``heartbeat_timeout_s`` more, while this
+        worker's own loop ran.
+
+        Raises:
+            ControllerLostError: naming the controller, the seconds and the settings.
+        """
         while True:
-            silent = time.monotonic() - self._heard
-            if silent > limit:
-                host = host_name(self.init.controller_host)
-                raise ControllerLostError(
-                    f"the controller on host {host!r} sent worker {self.identity} nothing for "
-                    f"{silent:.1f} s (its heartbeat probes come every "
-                    f"{failures.heartbeat_interval_s:g} s; failures.heartbeat_timeout_s = "
-                    f"{failures.heartbeat_timeout_s:g} s): its node went away or was cut off"
-                )
-            await anyio.sleep(min(1.0, failures.heartbeat_interval_s))
+            await anyio.sleep(silence.tick_s)
+            silent = silence.tick(time.monotonic())
+            if silent is not None:
+                raise ControllerLostError(self._silent_message(silence, silent), silent_s=silent)
+
+    def _silent_message(self, silence: ControllerSilence, silent: float) -> str:
+        """Why the worker takes the controller for gone after ``silent`` seconds of silence."""
+        heartbeat = (
+            f"its heartbeat probes come every {silence.interval_s:g} s; "
+            f"failures.heartbeat_timeout_s = {silence.timeout_s:g} s"
+        )
+        if not silence.probed:  # it probes once every worker is ready
+            heartbeat += (f"; its heartbeat had not reached this worker, which waited "
+                          f"cluster.startup_timeout_s = {silence.startup_s:g} s more for it")  # fmt: skip
+        if silence.slept_in_silence_s:
+            heartbeat += (f"; {silence.slept_in_silence_s:.1f} s when this worker itself did "
+                          f"not run not counted")  # fmt: skip
+        if self.controller_remote:
+            host = host_name(self.init.controller_host)
+            return (
+                f"the controller on host {host!r} sent worker {self.identity} nothing for "
+                f"{silent:.1f} s ({heartbeat}): its node went away or was cut off"
+            )
+        return (
+            f"the controller (pid {self.init.controller_pid}) sent worker {self.identity} "
+            f"nothing for {silent:.1f} s ({heartbeat}), though its process lives: it is "
+            f"stopped (SIGSTOP, a debugger) or its event loop is blocked"
+        )
 
     async def _watch_controller(self, pid: int) -> None:
         await wait_pid_exit(pid)

@@ -135,8 +135,8 @@ async def serve(
         )  # fmt: skip
         await _ready(control, tx, role.backend_name(wctx.config), caps, stamps)
         await runtime.run()
-    except ControllerLostError:
-        log.error("controller_lost", worker=identity)
+    except ControllerLostError as exc:
+        log.error("controller_lost", worker=identity, silent_s=exc.silent_s, reason=str(exc))
         lost = True
         raise
     except Exception as exc:

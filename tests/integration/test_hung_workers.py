@@ -312,3 +312,67 @@ def test_launch_a_stopped_trainer_rank_stops_the_run_with_a_named_hung_error(
     assert "its last answer came at " in line, line
     assert named_after >= EARLIEST_S, named_after
     assert run.files_left() == []
+
+
+SUSPEND_S = 10.0
+"""A suspend of every process of the launch: about 3 times the workers' limit on the
+controller's silence (interval + timeout = 3.5 s)."""
+NAMED_SILENT_MAX_S = INTERVAL_S + TIMEOUT_S + 2 * INTERVAL_S
+"""The silence a worker names its stopped controller with, at most, on its own clock: its
+limit (interval + timeout), then its watch ticks every interval, one maybe late by as much.
+The wall clock from the SIGSTOP to the line has no such bound on a busy machine; its
+figures are printed and kept in docs/failures.md."""
+
+
+def test_launch_a_stopped_controller_is_named_by_its_worker_after_a_suspend_it_outlived(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Two ranks: rank 0 (the controller and trainer 0) and rank 1 (rollout 0's supervisor)
+    with its worker. First every process of the launch is stopped for 10 s, as a job
+    suspend does, and continued (the workers first, the controller 0.3 s later): the run
+    trains on, nobody named. Then rank 0 alone is stopped: the worker, on this host, names it
+    within interval + timeout in the launch's one ``asyncrl: error:`` line (rank 1 speaks)
+    and removes the run's files; the stopped rank 0 is then killed, as torchrun's agent does
+    30 s after it asked it to stop, and nothing of the launch is left."""
+    run = _Launch(tmp_path, model_dir, 2, run={"num_steps": 100_000}, failures=BEAT, **RUN)
+    try:
+        run.wait_steps(2)
+        agent = psutil.Process(run.proc.pid)
+        ranks = agent.children(recursive=True)
+        for proc in [agent, *ranks]:
+            proc.send_signal(signal.SIGSTOP)
+        time.sleep(SUSPEND_S)
+        steps = run.metrics.read_text().count('"train"')
+        for proc in reversed(ranks):  # the worker, its supervisor, then the controller
+            if _environ_rank(proc) == "0":
+                time.sleep(0.3)
+            proc.send_signal(signal.SIGCONT)
+        agent.send_signal(signal.SIGCONT)
+        run.wait_steps(steps + 5)  # it trains on
+        assert not [line for _, line in run.lines if line.startswith("asyncrl: ")], run.output()
+        rank0 = run.process(lambda p: _environ_rank(p) == "0")
+        rank0.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        deadline = stopped_at + HANG_GUARD_S
+        while not any(line.startswith("asyncrl: ") for _, line in run.lines):
+            assert time.monotonic() < deadline, run.output()
+            time.sleep(0.05)
+        (said_at, line), *more = [(t, x) for t, x in run.lines if x.startswith("asyncrl: ")]
+        named_after = said_at - stopped_at
+        assert run.files_left() == []  # removed by the worker, before its line
+        rank0.kill()  # never continued: what torchrun's agent does after its grace
+    finally:
+        rc = run.finish()
+    _report("launch controller (rank 0), SIGSTOP → its worker's asyncrl: error line",
+            named_after)
+    assert rc != 0 and more == [], run.output()
+    prefix = f"asyncrl: error: the controller (pid {rank0.pid}) sent worker rollout:0 nothing for "
+    assert line.startswith(prefix), line
+    silent_s = float(line.removeprefix(prefix).split(" s ")[0])
+    assert INTERVAL_S + TIMEOUT_S <= silent_s <= NAMED_SILENT_MAX_S, line  # (rounded to 0.1 s)
+    assert "not run" not in line, line  # the suspend it outlived is not part of this silence
+    assert (f"(its heartbeat probes come every {INTERVAL_S:g} s; failures.heartbeat_timeout_s "
+            f"= {TIMEOUT_S:g} s), though its process lives: it is stopped") in line, line
+    assert "the workers stop their engines and remove the run's files" in line, line
+    assert line.rstrip().endswith("rollout-0.log)"), line
+    assert TIMEOUT_S <= named_after, named_after  # its last probe came at most a tick before

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from asyncrl import launch, one_node, ranks
-from asyncrl.errors import PluginError
+from asyncrl.errors import PluginError, WorkerDiedError, WorkerOrphanedError
 from asyncrl.procs.process import PARENT_ENV
 
 # model_dir: the fixture in conftest.py
@@ -115,6 +115,8 @@ def test_the_front_door_gives_torchrun_a_log_dir_that_goes_with_the_run(
 
     def run(args: Any) -> None:
         assert os.path.isdir(args.log_dir)  # torchrun's per-attempt folders go there
+        # owned by this process: a later run's sweep leaves it while this one lives
+        assert Path(args.log_dir, "owner").read_text().split(" ")[0] == str(os.getpid())
         seen.append(args)
 
     monkeypatch.setattr("torch.distributed.run.run", run)
@@ -140,6 +142,18 @@ def test_the_front_door_exits_with_rank_0s_signal_and_cleans_up(
     monkeypatch.setattr("torch.distributed.run.run", run)
     assert launch.self_launch(str(config_file), []) == 128 + 15
     assert dirs and not os.path.exists(dirs[0])
+
+
+def test_a_worker_that_stopped_because_its_owner_was_killed_is_no_stop_signal() -> None:
+    """torchrun SIGTERMs rank 0 once a rank (a rollout supervisor) is killed, and the
+    supervisor's worker stops with 143 on its owner watch: rank 0 reports that death as the
+    run's cause, not "stopped by SIGTERM"; a worker that got the stop signal itself is a
+    stop."""
+    plain = WorkerDiedError("rollout", 0, 143, "/x/rollout-0.log")
+    orphan = WorkerOrphanedError("rollout", 0, 143, "/x/rollout-0.log", owner="supervisor",
+                                 owner_pid=7, owner_status=-signal.SIGKILL)  # fmt: skip
+    assert launch._stopped_by_signal(plain)
+    assert not launch._stopped_by_signal(orphan)
 
 
 RANK0 = """

@@ -8,14 +8,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import pytest
 
-from asyncrl.errors import WorkerDiedError, WorkerHungError, WorkerLostError
+from asyncrl.errors import (
+    WorkerDiedError,
+    WorkerHungError,
+    WorkerLostError,
+    WorkerOrphanedError,
+)
 from asyncrl.run.restarts import Restarts
 from asyncrl.wire.rpc import Peer
 
@@ -278,3 +286,116 @@ async def test_a_remote_worker_lost_whose_successor_comes_in_the_grace_is_restar
             await loops.refitting.wait()
         assert loops.calls == [("lost", WORKER), ("refit", WORKER)]
         tg.cancel_scope.cancel()
+
+
+# --------------------------------------------------------------------------- a dead owner
+_STOPS_WITH_ITS_OWNER = """
+import os, sys, time
+parent = os.getppid()
+while os.getppid() == parent:  # its owner watch: it stops once its owner is gone
+    time.sleep(0.02)
+sys.exit(143)  # as after the SIGTERM the owner watch sends
+"""
+
+
+def _owner_of(worker: str) -> tuple[subprocess.Popen, int]:
+    """A supervisor stand-in that starts ``worker`` and waits; it, and the worker's pid."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"w = subprocess.Popen([sys.executable, '-c', {worker!r}])\n"
+         "print(w.pid, flush=True)\n"
+         "w.wait()\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert owner.stdout is not None
+    return owner, int(owner.stdout.readline())
+
+
+def _end(owner: subprocess.Popen) -> None:
+    owner.kill()
+    owner.wait()
+    assert owner.stdout is not None
+    owner.stdout.close()
+
+
+@pytest.mark.parametrize("reaped", [False, True], ids=["zombie", "reaped"])
+async def test_a_worker_whose_supervisor_was_killed_is_reported_as_that(reaped: bool) -> None:
+    """SIGKILL of the supervisor: the worker stops on its owner watch (143). The run stops
+    naming the supervisor's death, with the worker's code beside it, not as "died with exit
+    code 143"; nothing restarts it (its supervisor is gone). ``reaped``: the supervisor's
+    zombie was reaped first (torchrun's agent polls its ranks), as on a real launch: the
+    status comes from the pidfd (Linux 6.15 and later)."""
+    if reaped and tuple(int(x) for x in os.uname().release.split(".")[:2]) < (6, 15):
+        pytest.skip("a reaped process's exit status needs Linux 6.15 (PIDFD_GET_INFO)")
+    loops, deaths = _Loops(), []
+    restarts = _restarts(loops, rollout_restarts=3)
+    owner, worker = _owner_of(_STOPS_WITH_ITS_OWNER)
+    caught: list[WorkerDiedError] = []
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    try:
+                        await restarts.watch(_Control(), _peer(worker), None, tg,
+                                             named=lambda p, d: d, fatal=deaths.append,
+                                             lost=_never)  # fmt: skip
+                    except WorkerDiedError as exc:
+                        caught.append(exc)
+
+                tg.start_soon(watch)
+                await anyio.sleep(0.2)  # watching: the owner's pidfd is open
+                owner.kill()
+                if reaped:
+                    owner.wait()
+            restarts.close()
+    finally:
+        _end(owner)
+    (err,) = caught
+    assert isinstance(err, WorkerOrphanedError)
+    assert str(err) == (
+        f"worker rollout:0's supervisor (pid {owner.pid}) was killed (SIGKILL); the worker "
+        "then ended on its owner watch (exit code 143); its log: /logs/rollout-0.log"
+    )
+    assert (err.exit_code, err.owner_pid, err.owner_status) == (143, owner.pid, -signal.SIGKILL)
+    assert deaths == [err] and loops.calls == []  # not restarted
+
+
+async def test_a_supervisor_that_ends_after_its_worker_is_not_named(tmp_path: Path) -> None:
+    """The worker stops by itself (143) and its supervisor exits 0 after reaping it, both
+    before the controller looks (its loop is held up meanwhile): the worker's death is
+    reported as it was."""
+    go = tmp_path / "go"
+    loops, deaths, caught = _Loops(), [], []
+    restarts = _restarts(loops, rollout_restarts=3)
+    owner, worker = _owner_of(
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "sys.exit(143)\n"
+    )
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    try:
+                        await restarts.watch(_Control(), _peer(worker), None, tg,
+                                             named=lambda p, d: d, fatal=deaths.append,
+                                             lost=_never)  # fmt: skip
+                    except WorkerDiedError as exc:
+                        caught.append(exc)
+
+                tg.start_soon(watch)
+                await anyio.sleep(0.2)  # watching
+                go.write_text("")
+                deadline = time.monotonic() + 10
+                while owner.poll() is None:  # the loop is held: nothing is looked at yet
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)  # noqa: ASYNC251
+            restarts.close()
+    finally:
+        _end(owner)
+    assert owner.returncode == 0
+    (err,) = caught
+    assert type(err) is WorkerDiedError
+    assert str(err) == "worker rollout:0 died with exit code 143; its log: /logs/rollout-0.log"

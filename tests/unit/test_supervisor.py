@@ -214,3 +214,51 @@ def test_a_worker_still_closing_when_the_controller_ends_exits_0(tmp_path: Path)
     assert code == 0 and runs(tmp_path) == 1
     assert os.read(read, 4096) == b""
     os.close(read)
+
+
+def _says_lost(tmp_path: Path, then: str = "") -> list[str]:
+    """A worker that writes its line to its supervisor's pipe, then (after ``then``) exits
+    as a worker that took the controller for gone on its silence does."""
+    from asyncrl.procs.supervisor import LAST_WORDS_ENV
+
+    return child(tmp_path, f"""
+        fd = int(os.environ[{LAST_WORDS_ENV!r}])
+        os.write(fd, b"asyncrl: error: the controller (pid 7) sent worker rollout:0 nothing\\n")
+        {then}
+        sys.exit({CONTROLLER_LOST})
+    """)
+
+
+def _console_of(cmd: list[str], controller: subprocess.Popen) -> tuple[int, bytes]:
+    read, write = os.pipe()
+    try:
+        code = supervise(cmd, max_restarts=3, controller_pid=controller.pid, console=write,
+                         backoff_s=0, log_path="/x/rollout-0.log")
+    finally:
+        controller.kill()
+        controller.wait()
+        os.close(write)
+    said = os.read(read, 4096)
+    os.close(read)
+    return code, said
+
+
+def test_a_silent_controllers_line_is_said_by_the_speaking_rank(tmp_path: Path) -> None:
+    """The worker found the controller silent, though its process lives (stopped): the
+    supervisor cannot tell why from the exit code, so it prints the worker's own line."""
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code, said = _console_of(_says_lost(tmp_path), controller)
+    assert code == 1 and runs(tmp_path) == 1
+    assert said == b"asyncrl: error: the controller (pid 7) sent worker rollout:0 nothing\n"
+
+
+def test_no_line_of_the_worker_once_the_controller_exited_by_itself(tmp_path: Path) -> None:
+    """A controller that exited 0 said its own words: the worker's are not printed too."""
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    code, said = _console_of(_says_lost(tmp_path, then=f"""
+        pid = {controller.pid}
+        while os.path.exists(f"/proc/{{pid}}") and "Z" not in open(f"/proc/{{pid}}/stat").read().split(")")[1][:3]:
+            time.sleep(0.01)
+    """), controller)
+    assert code == 1 and runs(tmp_path) == 1
+    assert said == b""

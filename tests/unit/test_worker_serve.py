@@ -404,6 +404,12 @@ async def test_an_aggregation_the_backend_cannot_normalize_is_refused_before_it_
             control.close()
 
 
+def _silence_config(failures: Any, startup_timeout_s: float = 60.0) -> Any:
+    """What the controller watch reads of a worker's config."""
+    return SimpleNamespace(failures=failures,
+                           cluster=SimpleNamespace(startup_timeout_s=startup_timeout_s))
+
+
 async def test_a_controller_on_another_host_is_taken_for_gone_when_it_falls_silent() -> None:
     """Its pid names nothing here: the worker watches what it hears instead. Health probes
     every 0.1 s keep it serving; once they stop, it raises ControllerLostError after
@@ -413,7 +419,7 @@ async def test_a_controller_on_another_host_is_taken_for_gone_when_it_falls_sile
 
     failures = FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
     wctx = WorkerContext(group="trainer", rank=0, world_size=1, local_rank=0,
-                         config=SimpleNamespace(failures=failures), run_dir="")  # type: ignore[arg-type]
+                         config=_silence_config(failures), run_dir="")  # type: ignore[arg-type]
     init = Init(run_id="r", config={}, data_address="", controller_pid=1,  # pid 1: not watched
                 controller_host="node0/boot/1")  # fmt: skip
     control = _Control()
@@ -449,3 +455,104 @@ async def test_a_controller_on_another_host_is_taken_for_gone_when_it_falls_sile
     # not before interval + timeout of silence; how much after is the event loop's (under
     # load, unbounded): fail_after(10) above is the hang guard
     assert took >= 0.6, took
+
+
+def _local_runtime(failures: Any) -> tuple[TrainerRuntime, _Control, int]:
+    """A trainer whose controller is a live process on this host (this test's parent:
+    its pid is watched, and it never exits during the test)."""
+    wctx = WorkerContext(group="trainer", rank=1, world_size=2, local_rank=1,
+                         config=_silence_config(failures), run_dir="")  # type: ignore[arg-type]
+    from asyncrl.procs.process import host_id
+
+    pid = os.getppid()
+    init = Init(run_id="r", config={}, data_address="", controller_pid=pid,
+                controller_host=host_id())  # fmt: skip
+    control = _Control()
+    rt = TrainerRuntime(None, control, init, wctx)
+    rt.adopt(_Trainer(), plugin="fake")
+    assert not rt.controller_remote
+    return rt, control, pid
+
+
+async def test_a_controller_on_this_host_that_falls_silent_is_named_though_it_lives() -> None:
+    """Its pid is watched for its exit; a controller that lives but sends nothing (stopped,
+    its loop blocked) is named on its silence too: probes every 0.1 s keep the worker
+    serving; once they stop it raises ControllerLostError after interval + timeout
+    (0.1 + 0.5 s) of silence, naming the controller's pid, the seconds and the settings."""
+    from asyncrl.config import FailuresConfig
+    from asyncrl.errors import ControllerLostError
+
+    rt, control, pid = _local_runtime(
+        FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5))
+    lost: list[ControllerLostError] = []
+    silent_from = 0.0
+
+    async def serve() -> None:
+        try:
+            await rt.run()
+        except ControllerLostError as exc:
+            lost.append(exc)
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve)
+                for i in range(10):  # 1 s of probes: it keeps serving
+                    control.call(i, Health())
+                    await control.answer()
+                    silent_from = anyio.current_time()
+                    await anyio.sleep(0.1)
+                assert not lost  # then no more probes
+        took = anyio.current_time() - silent_from
+    finally:
+        await rt.close()
+        control.close()
+    (error,) = lost
+    assert error.silent_s is not None and error.silent_s > 0.6
+    assert str(error) == (
+        f"the controller (pid {pid}) sent worker trainer:1 nothing for {error.silent_s:.1f} s "
+        "(its heartbeat probes come every 0.1 s; failures.heartbeat_timeout_s = 0.5 s), though "
+        "its process lives: it is stopped (SIGSTOP, a debugger) or its event loop is blocked"
+    )
+    assert took >= 0.6, took  # not before interval + timeout; fail_after(10): the hang guard
+
+
+async def test_a_silence_the_worker_slept_through_is_not_blamed_on_the_controller() -> None:
+    """The worker's own event loop does not run for 1.5 s (as when every process of the run
+    is stopped), more than the 0.6 s limit; the controller, held up as long, probes again
+    0.2 s after: the worker keeps serving. The time it did not run is what it forgave."""
+    import time
+
+    from asyncrl.config import FailuresConfig
+    from asyncrl.errors import ControllerLostError
+
+    rt, control, _ = _local_runtime(
+        FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5))
+    lost: list[ControllerLostError] = []
+
+    async def serve() -> None:
+        try:
+            await rt.run()
+        except ControllerLostError as exc:
+            lost.append(exc)
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve)
+                for i in range(5):
+                    control.call(i, Health())
+                    await control.answer()
+                    await anyio.sleep(0.1)
+                time.sleep(1.5)  # noqa: ASYNC251 - the whole loop stops, the worker's too
+                await anyio.sleep(0.2)  # the worker's watch ticks before the next probe
+                for i in range(5, 10):
+                    control.call(i, Health())
+                    await control.answer()
+                    await anyio.sleep(0.1)
+                assert not lost, lost
+                assert rt._silence is not None and rt._silence.slept_s > 1.0
+                control.shutdown()
+    finally:
+        await rt.close()
+        control.close()
