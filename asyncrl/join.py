@@ -67,7 +67,7 @@ def join_file(path: str | os.PathLike[str]) -> Any:
 
 def write_join_file(path: Path, control: str, keys: RunKeys | None) -> None:
     """``path`` (mode 0600, replaced whole): where the controller listens, this process as
-    the controller, and ``keys`` (``None`` over ``ipc://``)."""
+    the controller, and the run's ``keys``."""
     record = {
         "version": JOIN_VERSION, "control": control, "controller_pid": os.getpid(),
         "controller_host": host_id(), "keys": None if keys is None else keys.to_json(),
@@ -122,8 +122,6 @@ def read_join_file(path: Path, timeout_s: float, keys_file: str = "") -> Control
         raise ConfigError(f"{path}: its controller (pid {pid}) is gone: a join file left by "
                           "an earlier run. Fix: start the controller again (it writes a new "
                           "one)")  # fmt: skip
-    if not control.startswith("tcp://"):
-        return control, pid, None
     if keys_file:
         return control, pid, node_keys(keys_file)
     try:

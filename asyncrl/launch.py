@@ -162,10 +162,8 @@ def _controller_in_store(config: Config, store: Any) -> ControllerAt:
 
 
 def _rank_keys(config: Config, store: Any, control: str) -> RunKeys | None:
-    """The run's CURVE keys for a ``tcp://`` controller: ``cluster.keys_file``'s, or those
-    rank 0 put in torchrun's store."""
-    if not control.startswith("tcp://"):
-        return None
+    """The run's CURVE keys: ``cluster.keys_file``'s, or those rank 0 put in torchrun's
+    store (every socket is CURVE, ipc as tcp)."""
     if config.cluster.keys_file:
         return node_keys(config.cluster.keys_file)
     return RunKeys.from_json(store.get(_KEYS_KEY).decode(), "torchrun's store")
@@ -226,8 +224,8 @@ def _attacher(
     store: Any, worker_kwargs: dict[str, Any], *, publish_keys: bool, world: int,
     startup_s: float,
 ) -> AttachHook:
-    """Rank 0's attach hook: publish the controller's pid, its keys (``tcp``, unless every
-    rank reads them from ``cluster.keys_file``) and its address in torchrun's store, where
+    """Rank 0's attach hook: publish the controller's pid, its keys (unless every rank
+    reads them from ``cluster.keys_file``) and its address in torchrun's store, where
     the other ranks wait for them, and serve trainer rank 0 in the controller's tasks; while
     the ``world`` ranks start (``startup_s``), stop the run as soon as one says in the store
     that it could not (``ranks.watch_failed``)."""
@@ -300,6 +298,9 @@ def _report_end(config: Config, summary: Any, stopped_by: signal.Signals | None)
     if summary.rejected_frames:
         refused = ", ".join(f"{k} {v}" for k, v in sorted(summary.rejected_frames.items()))
         print(f"rejected frames: {refused} (see the frame_rejected log lines)")
+    if summary.refused_peers:
+        print(f"refused connections: {summary.refused_peers} without the run's keys (see the "
+              "peer_refused log lines)")
     print(f"metrics: {summary.metrics_path}")
     return 0
 

@@ -95,8 +95,8 @@ log = structlog.get_logger("asyncrl.run.controller")
 
 @dataclass(frozen=True)
 class Addresses:
-    """Where workers find the controller (handed to attached workers by the launcher), and,
-    with ``cluster.network = "tcp"``, the run's CURVE keys."""
+    """Where workers find the controller (handed to attached workers by the launcher), and the
+    run's CURVE keys (every socket's, ipc as tcp: docs/protocol.md, "Who may connect")."""
 
     run_id: str
     run_dir: str
@@ -109,14 +109,14 @@ class Addresses:
     @classmethod
     def make(cls, config: Config) -> Addresses:
         """A fresh run's: a private directory under ``/tmp`` (those of dead runs reaped first)
-        for its ipc sockets, and its log directory. With ``tcp`` the sockets are to be bound
-        on ``cluster.host`` (their ports read back: :meth:`bound`) and the keys are read from
-        ``cluster.keys_file`` or made.
+        for its ipc sockets, its log directory and its keys (read from ``cluster.keys_file``,
+        or made). With ``tcp`` the sockets are to be bound on ``cluster.host`` (their ports
+        read back: :meth:`bound`).
 
         Raises:
             ConfigError: ``cluster.keys_file`` cannot be read or is not a key file."""
         cluster = config.cluster
-        keys = _run_keys(cluster.keys_file) if cluster.network == "tcp" else None
+        keys = _run_keys(cluster.keys_file)
         run_id = uuid.uuid4().hex[:12]
         base = os.path.dirname(run_dir_of(run_id))
         make_private_dir(base)
@@ -125,11 +125,11 @@ class Addresses:
         Path(run_dir, CONTROLLER_PID_FILE).write_text(str(os.getpid()))
         log_dir = os.path.join(config.run.output_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
-        if keys is not None:
+        if cluster.network == "tcp":
             tcp = tcp_address(cluster.host)
             return cls(run_id, run_dir, tcp, tcp, tcp, log_dir, keys)
         sockets = [ipc_address(run_dir, name) for name in ("control", "data", "weights-0")]
-        return cls(run_id, run_dir, *sockets, log_dir)
+        return cls(run_id, run_dir, *sockets, log_dir, keys)
 
     def bound(self, control: str, data: str) -> Addresses:
         """These addresses with the endpoints the controller's sockets were bound to."""
@@ -278,7 +278,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             router = ctx.socket(ROUTER, bind=addr.control, router_mandatory=True)
             pull = ctx.socket(PULL, bind=addr.data, hwm=1000, copy=True)  # small messages
             self.addresses = addr = addr.bound(router.last_endpoint, pull.last_endpoint)
-            rejections = Rejections()
+            rejections = Rejections(ctx.guard)
             control = self._control_plane(router, addr, rejections, metrics)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(control.run, name="control-reader")

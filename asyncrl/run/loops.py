@@ -87,6 +87,9 @@ class RunSummary:
     """Frames each socket refused (``control``, ``data``, ``weights``); see docs/protocol.md."""
     resumed_from: int | None = None
     """The step a resumed run started from (``None``: a fresh run)."""
+    refused_peers: int = 0
+    """Connections the controller's sockets refused at the handshake: processes without the
+    run's keys, none of whose frames was read (docs/protocol.md, "Who may connect")."""
     checkpoint: str | None = None
     """The last checkpoint this run saved."""
     ledger: list[dict[str, Any]] = field(default_factory=list)
@@ -278,13 +281,15 @@ class Pipeline:
         status, out = self.status(), self.config.run.output_dir
         summary = RunSummary(
             list(self.history), list(self.evaluator.records), os.path.join(out, "metrics.jsonl"),
-            dict(self.rejections.counts), self.resumed_from, status.checkpoint, status.ledger,
+            dict(self.rejections.counts), self.rejections.refused_peers, self.resumed_from,
+            status.checkpoint, status.ledger,
         )
         if self.metrics is not None:
-            self.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames})
+            self.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames,
+                                "refused_peers": summary.refused_peers})  # fmt: skip
             self.metrics.write({"kind": "ledger", "epochs": summary.ledger})
         log.info("run_finished", summary=json.dumps(summary.evals),
-                 rejected_frames=summary.rejected_frames)  # fmt: skip
+                 rejected_frames=summary.rejected_frames, refused_peers=summary.refused_peers)  # fmt: skip
         return summary
 
     def request_checkpoint(self) -> anyio.Event:

@@ -113,10 +113,17 @@ def peer_name(identity: bytes | memoryview | str | None) -> str:
 class Rejections:
     """Counts frames a socket refused (undecodable, or from a peer that has no business
     sending them), per socket, and logs each with a printable reason. A rejected frame never
-    ends the run."""
+    ends the run. ``guard``: the :class:`Guard` of the same sockets, which refuses peers
+    without the run's keys before they send a frame (:attr:`refused_peers`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: Guard | None = None) -> None:
         self.counts: dict[str, int] = {}
+        self._guard = guard
+
+    @property
+    def refused_peers(self) -> int:
+        """Connections refused at the handshake (no run keys): nothing of theirs was read."""
+        return 0 if self._guard is None else self._guard.refusals()[0]
 
     def reject(self, sock: str, peer: str, reason: str) -> None:
         self.counts[sock] = self.counts.get(sock, 0) + 1
@@ -247,10 +254,12 @@ class AsyncSocket:
 class Context:
     """Owns one ``zmq.Context`` (never the process-global instance) and its sockets.
 
-    ``keys``: the run's CURVE keys (:mod:`asyncrl.wire.curve`). Every ``tcp://`` socket of
-    the context is CURVE with them (a bound one checks its peers through a :class:`Guard`);
-    without keys a ``tcp://`` address is refused. ``ipc://`` sockets are plain: the run's
-    0700 directory keeps others out."""
+    ``keys``: the run's CURVE keys (:mod:`asyncrl.wire.curve`). Every socket of the context
+    is CURVE with them, ``ipc://`` as well as ``tcp://`` (a bound one checks its peers through
+    a :class:`Guard`): the run's 0700 directory keeps other users out of its ipc sockets, and
+    the keys keep out this user's other processes (another run, a leftover worker, an agent's
+    code). Without keys a ``tcp://`` address is refused and ``ipc://`` sockets are plain (a
+    test's two ends in one process)."""
 
     def __init__(self, keys: RunKeys | None = None) -> None:
         self._ctx = zmq.Context()
@@ -260,7 +269,7 @@ class Context:
 
     @property
     def guard(self) -> Guard | None:
-        """The guard of the bound ``tcp://`` sockets (``None`` before the first)."""
+        """The guard of the bound sockets (``None`` before the first, and without keys)."""
         return self._guard
 
     def socket(
@@ -301,7 +310,7 @@ class Context:
             if bind is not None:
                 self._secure(sock, bind, server=True)
                 sock.bind(bind)
-                if self._guard is not None and bind.startswith("tcp://"):
+                if self._guard is not None:
                     self._guard.watch(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT))
             if connect is not None:
                 self._secure(sock, connect, server=False)
@@ -314,8 +323,9 @@ class Context:
         return wrapped
 
     def _secure(self, sock: zmq.Socket, address: str, *, server: bool) -> None:
-        """CURVE options for a ``tcp://`` socket (the guard started before its first bind)."""
-        if not address.startswith("tcp://") or self._keys is None:
+        """CURVE options for a socket of a context with keys (the guard started before its
+        first bind)."""
+        if self._keys is None:
             return
         if server and self._guard is None:
             self._guard = Guard(self._ctx, self._keys)

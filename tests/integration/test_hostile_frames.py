@@ -1,18 +1,25 @@
 """Malformed and foreign frames on every socket of a live run change nothing but a counter.
 
-While a run trains, a stranger connects to the controller's control socket (ROUTER), its data
-socket (PULL) and trainer rank 0's weight-transfer socket (ROUTER) and sends truncated
-msgpack, unknown tags, frames that name missing array frames, and well-formed messages it has
-no business sending (a Hello for a worker the run does not have, a Dead, replies to no call,
-results for groups that are not generating, weight pulls and acks from a non-receiver). The
-run must finish exactly as an undisturbed run with the same seed does (synchronous mode, so
-both see the same samples: same rewards, same losses, same evaluation) and report every
-refused frame, per socket.
+While a run trains, two processes connect to the controller's control socket (ROUTER), its
+data socket (PULL) and trainer rank 0's weight-transfer socket (ROUTER), and send truncated
+msgpack, unknown tags, frames that name missing array frames, and well-formed messages they
+have no business sending (a Hello for a worker the run does not have, a Dead, replies to no
+call, results for groups that are not generating, weight pulls and acks from a non-receiver):
+
+* a **stranger** (this user's, without the run's keys; also posing as ``rollout:0`` and
+  ``trainer:0``): every connection is refused at the CURVE handshake, so not one of its
+  frames is read (``refused_peers``, and no rejected frame);
+* an **insider** with the run's keys (a worker gone wrong): each frame is read, refused and
+  counted, per socket.
+
+The run must finish exactly as an undisturbed run with the same seed does (synchronous mode, so
+both see the same samples: same rewards, same losses, same evaluation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -48,12 +55,18 @@ from integration_support import assert_nothing_left, read_metrics, worker_pids  
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 
 
-async def _attack(ctl: asyncrl.Controller) -> dict[str, int]:
-    """Send the hostile frames; returns how many each socket must refuse."""
+async def _attack(ctl: asyncrl.Controller, *, keys: bool) -> dict[str, int]:
+    """Send the hostile frames, with the run's keys or without; returns how many each socket
+    must refuse (with them)."""
     addr = ctl.addresses
     assert addr is not None
-    ctx = Context()
+    ctx = Context(addr.keys if keys else None)
     try:
+        if not keys:  # posing as the run's workers, and a forged Dead in their name
+            for who, frames in (("rollout:0", [b"\x92\x01"]), ("trainer:0",
+                                Codec(FromWorker).encode(Dead(reason="forged")))):
+                await ctx.socket(DEALER, connect=addr.control, identity=who).send(frames)
+                await ctx.socket(DEALER, connect=addr.transfer, identity=who).send(frames)
         control = ctx.socket(DEALER, connect=addr.control, identity="intruder")
         anonymous = ctx.socket(DEALER, connect=addr.control)  # a binary identity
         tx = Codec(FromWorker)
@@ -129,13 +142,22 @@ async def test_hostile_frames_change_nothing_but_a_counter(
             with anyio.fail_after(60):
                 while ctl.status().step < 2:
                     await anyio.sleep(0.02)
-            sent = await _attack(ctl)
+            await _attack(ctl, keys=False)
+            sent = await _attack(ctl, keys=True)
     assert_nothing_left(ctl, pids.values())
     (summary,) = result
 
-    assert summary.rejected_frames == sent
+    assert summary.rejected_frames == sent  # the insider's, each read and refused
+    # the stranger's 4 connections to the controller's sockets (2 posing as workers, the
+    # intruder, an anonymous one) and its data socket: refused before a frame, retried by
+    # ZeroMQ meanwhile (each retry refused again)
+    assert summary.refused_peers >= 5, summary.refused_peers
+    # trainer rank 0's weights socket refused the stranger's 4 connections there, likewise
+    trainer_log = Path(hostile.run.output_dir, "logs", "trainer-0.log").read_text()
+    assert trainer_log.count("peer_refused") >= 4, trainer_log[-2000:]
     records = read_metrics(hostile)
-    assert [r["rejected_frames"] for r in records if r["kind"] == "sockets"] == [sent]
+    (sockets,) = [r for r in records if r["kind"] == "sockets"]
+    assert sockets == {**sockets, "rejected_frames": sent, "refused_peers": summary.refused_peers}
     # the run is the undisturbed run: same samples, same updates, same evaluation
     keys = ("reward", "accuracy", "loss", "grad_norm", "groups", "staleness_max")
     assert [{k: s[k] for k in keys} for s in summary.steps] == [
