@@ -51,6 +51,7 @@ __all__ = [
     "EngineWatch",
     "GenerationBackend",
     "KVCalibration",
+    "ReferencePolicy",
     "Reprefill",
     "SampleSink",
     "SentWeightsScoring",
@@ -237,6 +238,15 @@ class KVCalibration(Protocol):
         ``percentile`` across micro-batches, the max across ranks, ``amax * margin / 448``.
         Named ``model.layers.{i}.self_attn.{k,v,q}_scale``. Collective: every rank calls it
         and returns the same scales."""
+
+
+class ReferencePolicy(Protocol):
+    """Optional for a :class:`TrainingBackend`: a frozen reference policy, which a loss with
+    a KL term (``loss.kl_coef > 0``) needs (the trainer worker refuses such a run on a
+    backend without it, before it starts)."""
+
+    def reference_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+        """Like :meth:`~TrainingBackend.compute_logprobs`, under the reference policy."""
 
 
 class SentWeightsScoring(Protocol):

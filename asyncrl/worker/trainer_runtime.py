@@ -28,6 +28,7 @@ import anyio.lowlevel
 from asyncrl.backend import (
     BackendPlugin,
     KVCalibration,
+    ReferencePolicy,
     SentWeightsScoring,
     TrainingBackend,
     WorkerContext,
@@ -124,7 +125,7 @@ class TrainerRuntime(WorkerRuntime):
     ROLE = "trainer"
     PLUGIN_GROUP = "asyncrl.training_backends"
     PROTOCOL = TrainingBackend
-    OPTIONAL = (KVCalibration, SentWeightsScoring)
+    OPTIONAL = (KVCalibration, ReferencePolicy, SentWeightsScoring)
 
     backend: TrainingBackend
 
@@ -134,6 +135,8 @@ class TrainerRuntime(WorkerRuntime):
         self.sender: WeightSender | None = None
         """Rank 0 of a run with rollout workers: publishes each refit's weights."""
         self._calibrate: Callable[..., dict[str, float]] | None = None
+        self._reference: Callable[..., Any] | None = None
+        """The backend's ``reference_logprobs`` (``loss.kl_coef > 0``), if it has one."""
         self._sent: Callable[..., Any] | None = None
         """The backend's ``sent_logprobs`` (refit verification's trainer side), if it has one;
         without it, ``policy = "sent"`` scores with ``compute_logprobs``."""
@@ -170,6 +173,7 @@ class TrainerRuntime(WorkerRuntime):
     def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
         self._calibrate = methods["calibrate_kv_scales"]
         self._sent = methods["sent_logprobs"]
+        self._reference = methods["reference_logprobs"]
 
     async def _start(self) -> dict[str, Any]:
         """Raises PluginError: ``loss.aggregation`` needs a ``finish_step`` keyword the
@@ -207,7 +211,7 @@ class TrainerRuntime(WorkerRuntime):
         config = self.wctx.config
         needs = LossInputs.of(config)
         missing = sorted(needs.names - set(getattr(self.backend, "loss_inputs", ())))
-        if needs.reference and not hasattr(self.backend, "reference_logprobs"):
+        if needs.reference and self._reference is None:
             missing.append("reference_logprobs (a method)")
         if missing:
             raise PluginError(
@@ -270,7 +274,7 @@ class TrainerRuntime(WorkerRuntime):
     # ----------------------------------------------------------------- calls
     async def _compute_logprobs(self, req: ComputeLogprobs) -> Result:
         if req.policy == "reference":
-            method = getattr(self.backend, "reference_logprobs", None)
+            method = self._reference
             if method is None:
                 raise ProtocolError(f"training backend {type(self.backend).__name__} has no "
                                     "reference policy (no reference_logprobs)")  # fmt: skip
