@@ -336,15 +336,7 @@ def step_name(step: int) -> str:
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     """Committed checkpoint directories under ``root`` (those with a manifest), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()
-    ]
-    return [p for _, p in sorted(found)]
+    return _step_dirs(root, lambda p: (p / MANIFEST).is_file())
 
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
@@ -355,14 +347,16 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
 def without_manifest(root: str | os.PathLike[str]) -> list[Path]:
     """``step-*`` directories under ``root`` that have no manifest (damage: asyncrl never
     leaves one), oldest first."""
+    return _step_dirs(root, lambda p: p.is_dir() and not (p / MANIFEST).exists())
+
+
+def _step_dirs(root: str | os.PathLike[str], keep: Callable[[Path], bool]) -> list[Path]:
+    """The ``step-N`` entries under ``root`` that ``keep`` takes, by step, oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and p.is_dir() and not (p / MANIFEST).exists()
-    ]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and keep(p)]  # fmt: skip
     return [p for _, p in sorted(found)]
 
 
