@@ -30,7 +30,8 @@ def _resolve(base: Path, value: str) -> str:
 def from_dict(data: dict[str, Any], *, base_dir: str | os.PathLike[str] = ".") -> Config:
     """Build and validate a :class:`Config` from a plain mapping (e.g. parsed TOML).
 
-    Relative ``model.path`` and ``run.output_dir`` are resolved against ``base_dir``.
+    Relative ``model.path``, ``run.output_dir`` and the other paths are resolved against
+    ``base_dir`` (``environment.base_dir`` and ``gateway.agent_dir`` default to it).
     """
     return validate(_convert(data, base_dir))
 
@@ -53,6 +54,9 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
         run=msgspec.structs.replace(config.run, output_dir=output_dir),
         environment=msgspec.structs.replace(
             config.environment, base_dir=_resolve(base, config.environment.base_dir or ".")
+        ),
+        gateway=msgspec.structs.replace(
+            config.gateway, agent_dir=_resolve(base, config.gateway.agent_dir or ".")
         ),
         checkpoint=msgspec.structs.replace(
             config.checkpoint,

@@ -1,7 +1,7 @@
 """Managed agents: the command ``gateway.agent`` run once per session.
 
 The agent is started in a process group of its own under :mod:`asyncrl.gateway.agent_shim`
-(which kills the group if the controller exits), with ``OPENAI_BASE_URL`` (its session's
+(which ends everything the agent started when the agent exits, or the controller), with ``OPENAI_BASE_URL`` (its session's
 ``/s/<id>/v1``), ``OPENAI_API_KEY`` (the session's key), ``ASYNCRL_SESSION_ID`` and
 ``ASYNCRL_PROMPT_ID`` set, and the prompt on its stdin as one JSON object::
 
@@ -11,8 +11,14 @@ The agent is started in a process group of its own under :mod:`asyncrl.gateway.a
 stderr go to ``<run.output_dir>/logs/agents/<session>.log``. It exits 0 once it has its
 answer: the session ends and the environment scores the last reply. Any other exit fails the
 session (its group runs again under ``[failures]``). When the session ends first (its reward,
-its deadline, the run stopping), the agent's process group is killed; nothing it started
-outlives it.
+its deadline, the run stopping), the shim is told (SIGTERM) and ends everything the agent
+started, in its group or not (the shim is their subreaper); the controller SIGKILLs the
+shim's group if it is not gone within :data:`END_S`. Nothing the agent started outlives its
+session.
+
+The command is :func:`~asyncrl.gateway.agent_command.agent_command` of ``gateway.agent``, run
+in ``gateway.agent_dir``; at most ``gateway.max_agents`` agents run at once, and a session
+beyond that waits for a slot before its agent starts (its deadlines start with its agent).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -29,7 +35,9 @@ import anyio.abc
 import msgspec
 import structlog
 
+from asyncrl.config.gateway import GatewayConfig
 from asyncrl.gateway import agent_shim
+from asyncrl.gateway.agent_command import agent_command, agent_environment
 from asyncrl.gateway.schema import GatewayError
 from asyncrl.gateway.sessions import Finish, Session, SessionTable
 from asyncrl.procs.process import kill_process_group
@@ -38,6 +46,9 @@ __all__ = ["ManagedAgents"]
 
 log = structlog.get_logger("asyncrl.gateway.agents")
 
+END_S = 5.0
+"""Bound on the shim's end of an agent it was told to end (a scan of ``/proc`` and a SIGKILL
+to each process: milliseconds), before the controller SIGKILLs the shim's group."""
 REAP_S = 5.0
 """Bound on waiting for a killed agent's exit status."""
 STDIN_S = 10.0
@@ -50,33 +61,42 @@ class ManagedAgents:
     """Starts and ends the managed agent of each session.
 
     Args:
-        command: ``gateway.agent`` (argv).
-        env: ``gateway.agent_env``.
+        config: ``[gateway]`` (``agent``, ``agent_env``, ``agent_dir``, ``max_agents``,
+            ``keep_agent_logs``).
         log_dir: where each agent's output goes.
-        keep_logs: keep the logs of agents that exited 0 too.
         base_url: the gateway's URL once it listens.
     """
 
-    def __init__(
-        self, command: Sequence[str], env: Mapping[str, str], log_dir: str, keep_logs: bool,
-        base_url: Callable[[], str],
-    ) -> None:
-        self._command, self._env = list(command), dict(env)
-        self._log_dir, self._keep = Path(log_dir), keep_logs
+    def __init__(self, config: GatewayConfig, log_dir: str, base_url: Callable[[], str]) -> None:
+        self._command = agent_command(config.agent, config.agent_dir)
+        self._cwd, self._env = config.agent_dir, dict(config.agent_env)
+        self._log_dir, self._keep = Path(log_dir), config.keep_agent_logs
         self._base_url = base_url
+        self._slots = anyio.Semaphore(config.agents_at_once())
 
     async def run(
         self, session: Session, table: SessionTable, *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Run ``session``'s agent until it exits (then end the session with it) or until
-        cancelled (then kill its process group).
+        """Wait for a slot (``gateway.max_agents``), then run ``session``'s agent until it
+        exits (then end the session with it) or until cancelled (then end it and everything
+        it started). ``task_status`` is given once the agent has started: the session's
+        deadlines count from then.
 
-        Cancellation: the agent's process group is killed and reaped.
+        Cancellation: while waiting, stops waiting; once started, the agent and everything it
+        started are ended (the shim's end, then SIGKILL to its group) and reaped.
         """
+        async with self._slots:
+            session.claim()  # handed out now: the wait for a slot takes nothing from it
+            code, path = await self._run(session, task_status)
+        self._ended(session, code, path)
+
+    async def _run(
+        self, session: Session, task_status: anyio.abc.TaskStatus[None]
+    ) -> tuple[int, Path]:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         path = self._log_dir / f"{session.id}.log"
-        env = {**os.environ, **self._env,
+        env = {**agent_environment(self._env),
                "OPENAI_BASE_URL": f"{self._base_url()}/s/{session.id}/v1",
                "OPENAI_API_KEY": session.key, "ASYNCRL_SESSION_ID": session.id,
                "ASYNCRL_PROMPT_ID": session.prompt.id,
@@ -84,20 +104,29 @@ class ManagedAgents:
         with open(path, "wb") as out:
             process = await anyio.open_process(
                 [sys.executable, agent_shim.__file__, *self._command], stdin=subprocess.PIPE,
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self._cwd,
+                start_new_session=True,
             )  # fmt: skip
         task_status.started()
         code: int | None = None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._hand_prompt, process, session)
-                code = await process.wait()
+                code = await process.wait()  # the shim's: after it ended what the agent left
         finally:
             with anyio.CancelScope(shield=True):
-                kill_process_group(process.pid, signal.SIGKILL)  # what it left running too
+                if code is None:  # the session ended first: the shim ends the agent's tree
+                    try:
+                        process.terminate()
+                    except ProcessLookupError:
+                        pass
+                    with anyio.move_on_after(END_S):
+                        await process.wait()
+                kill_process_group(process.pid, signal.SIGKILL)  # its group: a last resort
                 with anyio.move_on_after(REAP_S):
                     await process.wait()
-        self._ended(session, code, path)
+        assert code is not None  # set unless the wait raised
+        return code, path
 
     def _ended(self, session: Session, code: int, path: Path) -> None:
         """The agent exited by itself with ``code``: end its session with that."""

@@ -1,7 +1,8 @@
 """What the controller checks before any process or file exists: the plugins load, the
-environment and the tokenizer load, the prompts fit, both backends accept their config, and
-``/dev/shm`` and the run's directories have room enough (:mod:`asyncrl.procs.space`); each mistake
-a ``ConfigError`` naming its field."""
+environment and the tokenizer load, the prompts fit, a managed agent's command can run (a
+short check process of its own, :mod:`asyncrl.gateway.agent_command`), both backends accept
+their config, and ``/dev/shm`` and the run's directories have room enough
+(:mod:`asyncrl.procs.space`); each mistake a ``ConfigError`` naming its field."""
 
 from __future__ import annotations
 
@@ -52,9 +53,11 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
         ChatTemplate.from_model(cfg.model.path, cfg.model.chat_template),
     )
     if cfg.gateway.enabled:
+        from asyncrl.gateway.agent_command import check_agent
         from asyncrl.gateway.gateway import check_gateway
 
         check_gateway(cfg, environment, tokenizer)
+        await check_agent(cfg.gateway)  # runs it once (bounded): a broken command stops here
     longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
     for section, plugin in (("trainer", trainer), ("generator", generator)):
         if plugin.check_config is not None:

@@ -9,9 +9,10 @@ whenever the model calls it, hands back the result, and returns the model's fina
 Two ways to run it:
 
 * **managed** (the gateway starts it once per session, ``[gateway] agent = ["python",
-  "examples/gateway_calc/calc_agent.py"]``): ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` are
-  set for it, the prompt comes on stdin as JSON; it prints its answer and exits 0, and the
-  run's environment scores the answer.
+  "gateway_calc/calc_agent.py"]`` in ``examples/tiny_gateway_calc.toml``: paths from the
+  config file's directory, ``python`` the run's interpreter): ``OPENAI_BASE_URL`` and
+  ``OPENAI_API_KEY`` are set for it, the prompt comes on stdin as JSON; it prints its answer
+  and exits 0, and the run's environment scores the answer.
 * **as a service** (``--service runs/tiny-gateway-calc/gateway.json``): one process runs many
   sessions at once, each taken from the gateway with the admin key (``POST /rl/sessions``),
   solved with :func:`solve`, and ended with the reward this program computes

@@ -9,7 +9,6 @@ a broken agent fails or truncates its session but never the run, and nothing is 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
-from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+from integration_support import alive, assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 
@@ -119,7 +118,10 @@ AGENT = """\
 import json, os, signal, subprocess, sys, time, urllib.request
 prompt = json.loads(sys.stdin.readline())
 index = int(prompt["prompt_id"].rpartition(":")[2])
-mode = {0: "hang", 1: "die", 2: "fail", 3: "orphan"}.get(index % 8, "ok")
+mode = {0: "hang", 1: "die", 2: "fail", 3: "orphan", 4: "daemon"}.get(index % 8, "ok")
+
+def left(pid):  # a process in a session of its own, out of the agent's group: noted
+    open(os.path.join(os.environ["PIDS_DIR"], str(pid)), "w").close()
 
 def ask(messages):
     req = urllib.request.Request(
@@ -140,8 +142,19 @@ if mode == "die":
 if mode == "fail":
     sys.exit(3)
 if mode == "orphan":  # a child that would outlive the agent, and the agent hangs
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    left(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                          start_new_session=True).pid)
     time.sleep(3600)
+if mode == "daemon":  # a daemon's double fork (setsid, then orphaned); the agent ends well
+    if os.fork() == 0:
+        os.setsid()
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(3600)
+            os._exit(0)
+        left(pid)
+        os._exit(0)
+    os.wait()
 messages += [{"role": "user", "content": "again"}]
 messages.append(ask(messages))
 print("done", flush=True)
@@ -151,18 +164,26 @@ print("done", flush=True)
 async def test_managed_agents_that_hang_die_or_fail_do_not_stop_the_run(
     make_config: Callable[..., Config], tmp_path: Path
 ) -> None:
-    script = tmp_path / "agent.py"
-    script.write_text(AGENT)
+    """Also: the command ``["python", "agent.py"]`` runs beside its directory
+    (``gateway.agent_dir``, the config file's by default) whatever the working directory, and
+    what agents left in sessions of their own is gone after the run."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    assert Path.cwd() != tmp_path
     cfg = make_config(
         run={"num_steps": 2}, grpo={"max_new_tokens": 4, "prompts_per_step": 4},
-        gateway={"enabled": True, "agent": [sys.executable, str(script)],
-                 "session_timeout_s": 4.0, "idle_timeout_s": 30.0},
+        # as many agents at once as sessions in flight: the run's time is its hung agents'
+        # deadlines (tests/unit/test_managed_agents.py tests the cap)
+        gateway={"enabled": True, "agent": ["python", "agent.py"], "agent_dir": str(tmp_path),
+                 "agent_env": {"PIDS_DIR": str(pids)}, "max_agents": 32,
+                 "session_timeout_s": 4.0, "claim_timeout_s": 2.0, "idle_timeout_s": 30.0},
         episode={"max_turns": 3, "max_context_tokens": 64, "on_truncation": "zero"},
         failures={"generation_retries": 2, "retry_backoff_s": 0.05, "max_failed_groups": 64},
         eval={"num_prompts": 0},
     )  # fmt: skip
     async with asyncrl.Controller(cfg) as ctl:
-        pids = worker_pids(ctl)
+        workers = worker_pids(ctl)
         summary = await ctl.train()
     train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
     assert len(train) == 2 and len(summary.steps) == 2
@@ -174,4 +195,7 @@ async def test_managed_agents_that_hang_die_or_fail_do_not_stop_the_run(
     # the agents that did not exit 0 keep their output (gateway.keep_agent_logs is off)
     assert len(logs) >= failed + truncated
     assert not [p for p in logs if "done" in p.read_text()]
-    assert_nothing_left(ctl, pids.values())
+    left = [int(p.name) for p in pids.iterdir()]
+    assert len(left) >= 4, left  # orphan makers and daemons, each step
+    assert alive(left) == [], f"processes the agents left in sessions of their own: {left}"
+    assert_nothing_left(ctl, workers.values())
