@@ -22,8 +22,9 @@ class RunConfig(Section):
     name: str = "asyncrl"
     """A label for logs and the metrics file."""
     output_dir: str = "runs/asyncrl"
-    """Where metrics (``metrics.jsonl``) and worker logs go. Relative paths are resolved
-    against the directory of the config file."""
+    """Where metrics (``metrics.jsonl``), worker logs and the trained samples
+    (``save_samples``) go. Relative paths are resolved against the directory of the config
+    file."""
     seed: int = 0
     """Seed for the dataloader order, sampling seeds and trainer initialisation."""
     num_steps: int = 10
@@ -50,6 +51,16 @@ class RunConfig(Section):
     gc_full_interval_s: float = 60.0
     """While training (with ``gc_young_interval_s``), a full collection this often: cyclic
     garbage among objects that outlived a young collection waits for it. ``0``: none."""
+    save_samples: bool = False
+    """Write every sequence each step trains to ``<output_dir>/samples-NNNNN.jsonl``, one JSON
+    line each: its ids, loss mask, behaviour logprobs, per-token weight versions, reward,
+    advantage, group and episode id (a gateway session's ``episode``, as ``POST
+    /rl/sessions`` answers it) (docs/observability.md, "Trained
+    samples"). Written off the event loop; a resume removes the lines of steps after its
+    checkpoint, so each step is there once."""
+    samples_file_mb: float = 256.0
+    """With ``save_samples``: a samples file that has reached this many MiB gets no more steps
+    (a step's lines stay in one file); the next step starts the next number."""
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """The controller's event loop under ``asyncrl run`` / ``asyncrl.launch`` (an embedding
     program runs its own). ``auto``: uvloop where it is installed (a dependency on Linux and
@@ -71,6 +82,10 @@ class RunConfig(Section):
         if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
             out.append(fail("run.event_loop", "uvloop is not installed",
                             "pip install uvloop, or use 'auto' (asyncio's loop without it)"))  # fmt: skip
+        if not 0 < self.samples_file_mb < float("inf"):
+            out.append(fail("run.samples_file_mb", f"must be > 0, got {self.samples_file_mb}",
+                            "give the size in MiB at which a samples file is closed, e.g. "
+                            "256"))  # fmt: skip
         young, full = self.gc_young_interval_s, self.gc_full_interval_s
         if young and full and full < young:
             out.append(fail("run.gc_full_interval_s", f"{full} s is below gc_young_interval_s",

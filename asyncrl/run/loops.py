@@ -13,7 +13,8 @@ them.
                     train pump ──TrainChunk──► trainer ranks (one open optimizer step)
                         │ ┌ weights lock ─ FinishStep ─ finish_step ─ Abort hopeless groups ─
                         ▼ └ (drain) ─ SendWeights ∥ ReceiveWeights ─ end_refit (gate reopens) ┘
-                    verify (when due), log the step, checkpoint / export, start a validation
+                    samples to disk (run.save_samples), verify (when due), log the step,
+                    checkpoint / export, start a validation
 
 Who wakes whom: a book change the rollout pump may wait for (a sample back, a chunk taken,
 a refit's end) fires ``changed``; a commit fires ``committed``, the train pump's only reason
@@ -47,6 +48,7 @@ from asyncrl.data.prompts import PromptStream, Tokenizer, sample_seed
 from asyncrl.environment import Environment
 from asyncrl.obs.console import Console
 from asyncrl.obs.startup import Startup
+from asyncrl.obs.samples import SampleExport
 from asyncrl.obs.steps import StepRecord, log_step
 from asyncrl.obs.collector import collector_paused, pace
 from asyncrl.obs.watchdog import LoopLag, LoopWatchdog
@@ -85,11 +87,11 @@ class RunSummary:
     metrics_path: str = ""
     rejected_frames: dict[str, int] = field(default_factory=dict)
     """Frames each socket refused (``control``, ``data``, ``weights``); see docs/protocol.md."""
-    resumed_from: int | None = None
-    """The step a resumed run started from (``None``: a fresh run)."""
     refused_peers: int = 0
     """Connections the controller's sockets refused at the handshake: processes without the
     run's keys, none of whose frames was read (docs/protocol.md, "Who may connect")."""
+    resumed_from: int | None = None
+    """The step a resumed run started from (``None``: a fresh run)."""
     checkpoint: str | None = None
     """The last checkpoint this run saved."""
     ledger: list[dict[str, Any]] = field(default_factory=list)
@@ -208,9 +210,14 @@ class Pipeline:
                 committed=self.committed, now=self.now, fail_group=self.redispatch.episode_failed,
                 deadline_s=math.inf if self.gateway is not None else None,
             )  # fmt: skip
+        self.samples: SampleExport | None = None
+        """``run.save_samples``: each trained step's sequences on disk (asyncrl/obs/samples.py)."""
+        if cfg.run.save_samples:
+            self.samples = SampleExport(cfg.run.output_dir, int(cfg.run.samples_file_mb * 2**20))
         self.checkpointer = Checkpointer(
             cfg, control=control, trainers=trainers, metrics=metrics,
             train_prompts=environment.dataset("train"), code=self._reward_code,
+            before_save=self.samples.flushed if self.samples is not None else None,
         )  # fmt: skip
         self.evaluator = Evaluator(
             cfg, control=control, environment=environment, tokenizer=tokenizer,
@@ -262,6 +269,8 @@ class Pipeline:
             if self.gateway is not None:
                 await tg.start(self.gateway.serve, name="gateway")
             tg.start_soon(self.lag.run, name="loop-lag")
+            if self.samples is not None:  # started: its files are cut back to the resumed step
+                await tg.start(self.samples.run, self.resumed_from or 0, name="samples-writer")
             dump_dir = os.path.join(cfg.run.output_dir, "logs")
             tg.start_soon(LoopWatchdog(cfg.run.stall_warning_s, dump_dir=dump_dir).run,
                           name="loop-watchdog")  # fmt: skip
@@ -272,6 +281,8 @@ class Pipeline:
             async with anyio.create_task_group() as pumps:
                 pumps.start_soon(self.rollout_pump, name="rollout-pump")
                 pumps.start_soon(self.train_pump, name="train-pump")
+            if self.samples is not None:
+                await self.samples.flushed()  # every trained step's lines, before the writer stops
             await self._finish()
             if cfg.eval.num_prompts and cfg.eval.at_end:
                 await self.evaluator.evaluate("end", self.book.generator_version)
@@ -280,9 +291,11 @@ class Pipeline:
     def _summary(self) -> RunSummary:
         status, out = self.status(), self.config.run.output_dir
         summary = RunSummary(
-            list(self.history), list(self.evaluator.records), os.path.join(out, "metrics.jsonl"),
-            dict(self.rejections.counts), self.rejections.refused_peers, self.resumed_from,
-            status.checkpoint, status.ledger,
+            steps=list(self.history), evals=list(self.evaluator.records),
+            metrics_path=os.path.join(out, "metrics.jsonl"),
+            rejected_frames=dict(self.rejections.counts),
+            refused_peers=self.rejections.refused_peers, resumed_from=self.resumed_from,
+            checkpoint=status.checkpoint, ledger=status.ledger,
         )
         if self.metrics is not None:
             self.metrics.write({"kind": "sockets", "rejected_frames": summary.rejected_frames,
@@ -427,6 +440,8 @@ class Pipeline:
         step = self.book.trainer_version
         rec = self._record(step)
         finish, stats = await self._train_and_publish(step, rec)
+        if self.samples is not None:  # what the trainer got, once the step counts
+            await self.samples.put(step + 1, rec.groups, rec.advantages)
         await anyio.lowlevel.checkpoint()  # the pumps go first: logging can wait
         await self.publisher.verify(step, rec)
         self._log_step(rec, finish[0], stats)

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,9 @@ class Checkpointer:
     """Saves checkpoints and exports for the loops; counts failed saves. ``train_prompts``:
     the environment's train split (its fingerprint goes into each manifest); ``code``: the
     run's reward code (:func:`code_fingerprints`, taken as the run started; ``None``: not
-    recorded, and a resume from these checkpoints does not compare it)."""
+    recorded, and a resume from these checkpoints does not compare it); ``before_save``:
+    awaited before a checkpoint's state is taken, to bring what a resume from it keeps up to
+    date (the trained samples' files: :meth:`asyncrl.obs.samples.SampleExport.flushed`)."""
 
     def __init__(
         self,
@@ -86,8 +88,10 @@ class Checkpointer:
         metrics: Any,
         train_prompts: Sequence[Any],
         code: dict[str, str] | None = None,
+        before_save: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
+        self._before_save = before_save
         self._train_prompts = train_prompts
         self._code = code
         """The code the run imported, read when it started (an edit since is not this run's)."""
@@ -156,6 +160,8 @@ class Checkpointer:
         checkpoint (the controller's state from ``snapshot()``) and export the trainer's
         weights as configured or requested."""
         save, export = self.due(version, finished)
+        if save and self._before_save is not None:  # what a resume from it keeps is written
+            await self._before_save()
         if save:  # the snapshot is one synchronous piece: it matches the weights
             await self.save(snapshot(), finished=finished)
         if export:

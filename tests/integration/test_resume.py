@@ -27,6 +27,7 @@ from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
 from asyncrl.procs import space  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import NoSpaceError, RunError  # noqa: E402
+from asyncrl.obs.samples import sample_files  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
@@ -54,19 +55,29 @@ def _trained_positions(summary: asyncrl.RunSummary) -> int:
     return sum(e["trained"] for e in summary.ledger)
 
 
+def _sample_lines(cfg: Config) -> list[dict]:
+    """The run's samples files (``run.save_samples``), every line, in order."""
+    return [json.loads(line) for path in sample_files(cfg.run.output_dir)
+            for line in path.read_text().splitlines()]  # fmt: skip
+
+
 async def test_resumed_run_equals_the_uninterrupted_one(make_config: Callable[..., Config]) -> None:
     """Synchronous training is deterministic (sampling seeds come from the group ids): a run
     resumed from its step-3 checkpoint (the next batch in flight or ready at that boundary)
     redoes steps 4-6 with the same batches and ends with the same weights, bit for bit."""
     steps, P = 6, 4
     cfg = make_config(
-        run={"num_steps": steps},
+        run={"num_steps": steps, "save_samples": True},
         pipeline=SYNC,
         trainer={"options": {"lr": 0.5, "optimizer": "adam"}},
         generator={"options": {"token_delay_s": 0.002}},
         checkpoint={"every_steps": 3, "keep_last": 3},
     )
     whole, whole_lp = await _run(cfg)
+    whole_lines = _sample_lines(cfg)
+    per_step = P * cfg.grpo.samples_per_prompt
+    assert [x["step"] for x in whole_lines] == [s for s in range(1, steps + 1)
+                                                for _ in range(per_step)]  # fmt: skip
     at3 = Path(cfg.checkpoint.dir) / "step-00000003"
     state = ckpt.open_checkpoint(at3).state()
     in_play = len(state.scheduler["redispatch"]) + len(state.groups)
@@ -87,6 +98,8 @@ async def test_resumed_run_equals_the_uninterrupted_one(make_config: Callable[..
     assert [r["step"] for r in resumes] == [3]
     # the start evaluation is not repeated by the resumed run
     assert [e["label"] for e in resumed.evals] == ["end"]
+    # the samples files: steps 4-6 of the first run were cut, and trained again the same
+    assert _sample_lines(cfg) == whole_lines
 
 
 async def test_refusals_name_the_problem_and_the_fix(make_config: Callable[..., Config]) -> None:
@@ -232,7 +245,7 @@ async def test_a_dead_trainer_stops_the_run_and_resume_goes_on_losing_nothing(
     import anyio
 
     cfg = make_config(
-        run={"num_steps": 6},
+        run={"num_steps": 6, "save_samples": True},
         eval={"num_prompts": 0},
         checkpoint={"every_steps": 2},
         generator={"options": {"token_delay_s": 0.002}},
@@ -262,6 +275,10 @@ async def test_a_dead_trainer_stops_the_run_and_resume_goes_on_losing_nothing(
     assert [s["step"] for s in summary.steps] == [3, 4, 5, 6]
     assert _trained_positions(summary) == 6 * cfg.grpo.prompts_per_step
     assert all(e["lost"] == 0 and e["repeated"] == 0 for e in summary.ledger)
+    # the samples files: each step once, in order, whatever the dead run wrote after step 2
+    per_step = cfg.grpo.prompts_per_step * cfg.grpo.samples_per_prompt
+    assert [x["step"] for x in _sample_lines(cfg)] == [s for s in range(1, 7)
+                                                       for _ in range(per_step)]  # fmt: skip
 
 
 async def test_max_num_epochs_ends_the_run_and_a_resume_respects_it(

@@ -102,6 +102,12 @@ class TrainerOptions(_Options):
     """Testing knob: the gradient of these steps is NaN, as an overflow in a backward pass
     would make it; ``finish_step`` then reports a NaN grad norm and, as every trainer must,
     leaves the weights as they were."""
+    batch_record_dir: str = ""
+    """Testing knob: append every batch ``train_chunk`` trains to
+    ``<dir>/trainer-<rank>.jsonl``, one JSON line per chunk as this rank got it (``step``,
+    ``tokens``, ``seq_lens``, ``prompt_lens``, ``loss_mask``, ``behaviour_logprobs``,
+    ``advantages``): the trainer's side, for tests that compare the run's record of what it
+    trained (``run.save_samples``) with what it did."""
 
 
 O = TypeVar("O", bound=_Options)

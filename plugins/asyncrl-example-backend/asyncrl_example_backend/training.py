@@ -30,6 +30,7 @@ when the controller spawned the group) while a one-rank run stays numpy only.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -178,6 +179,8 @@ class BigramTrainer:
         )  # fmt: skip
         if problem is not None:
             raise ValueError(f"train_chunk(step={step}): a malformed batch: {problem}")
+        if self.options.batch_record_dir:  # testing knob: what this rank trained
+            self._record_batch(step, batch)
         loss = self.ctx.config.loss
         grad, stats = ppo_gradient(
             self.weights,
@@ -242,6 +245,15 @@ class BigramTrainer:
             m_hat = self._m / (1 - b1**self._adam_t)
             v_hat = self._v / (1 - b2**self._adam_t)
             self.weights -= opts.lr * m_hat / (np.sqrt(v_hat) + opts.eps)
+
+    def _record_batch(self, step: int, batch: TrainBatch) -> None:
+        fields = ("tokens", "seq_lens", "prompt_lens", "loss_mask", "behaviour_logprobs",
+                  "advantages")  # fmt: skip
+        line = {"step": step, **{f: getattr(batch, f).tolist() for f in fields}}
+        os.makedirs(self.options.batch_record_dir, exist_ok=True)
+        path = os.path.join(self.options.batch_record_dir, f"trainer-{self.ctx.rank}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _check_open(self, step: int) -> None:
         if step != self._open_step:
