@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/gateway.py --quick          # a ~1-minute look (--verbose: progress)
     .venv/bin/python benchmarks/gateway.py --machine 2core  # benchmarks/results/gateway-2core.json
     .venv/bin/python benchmarks/gateway.py --sessions 1000 --seconds 120  # one setting, longer
+    .venv/bin/python benchmarks/gateway.py --sessions 1000 --hostile      # beside a hostile client
     python3 benchmarks/gateway.py --agent-procs 8 --sessions 1000 --seconds 40 --client raw
         # the GPU host's 16 cores (after source benchmarks/gpu/cpu_env.sh): docs/gateway.md
 
@@ -84,6 +85,10 @@ window:
   time over the window: a late client loop adds to the client overhead, not to the server's;
 - claims and rewards: their latency (p50, p99), and every non-200 answer by status.
 
+``--hostile`` adds a hostile client beside the agents (``benchmarks/hostile_client.py``: the
+largest bodies the gateway reads, back to back, and slow connections), from the start of the
+run; the window's figures then say what it cost the others, and what it was told.
+
 Results are printed and written to ``--out`` (default ``benchmarks/results/gateway-<machine>.json``
 with ``--machine``, else ``runs/benchmarks/gateway.json``).
 """
@@ -112,7 +117,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from results_file import write_results  # benchmarks/, beside this script
+import hostile_client  # benchmarks/, beside this script
+from results_file import write_results
 
 CALLS = 4
 """Chat calls a session."""
@@ -144,6 +150,9 @@ def config(model: Path, out: Path, args: argparse.Namespace, sessions: int) -> d
         "generator": {"backend": "bigram", "options": {"token_delay_s": args.token_delay}},
         "gateway": {"enabled": True, "max_concurrent_requests": MAX_CONCURRENT_REQUESTS},
         "eval": {"num_prompts": 0},
+        # the hostile client's sessions end before their first turn (a call over the context
+        # does): each one's group is dropped, and the run would stop after 16 of them
+        **({"failures": {"max_failed_groups": 1_000_000}} if args.hostile else {}),
     }
 
 
@@ -214,6 +223,7 @@ async def controller_child(args: argparse.Namespace) -> None:
         data = config(write_model_dir(tmp / "model"), tmp / "run", args, sessions)
         procs = max(1, min(args.agent_procs, sessions))
         outs = [tmp / f"agents-{i}.json" for i in range(procs)]
+        hostile_out = tmp / "hostile.json"
         agents = [subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--child", "agents",
              "--child-sessions", str(sessions // procs + (i < sessions % procs)),
@@ -222,6 +232,12 @@ async def controller_child(args: argparse.Namespace) -> None:
              "--agents-gc", args.agents_gc, "--client", args.client]
             + ["--verbose"] * (args.verbose and i == 0) + ["--shared-client"] * args.shared_client,
             stdin=subprocess.PIPE) for i, out in enumerate(outs)]  # fmt: skip
+        if args.hostile:
+            agents.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--child", "hostile",
+                 "--child-out", str(hostile_out), "--gateway-dir", str(tmp / "run"),
+                 "--hostile-big", str(args.hostile_big), "--hostile-slow",
+                 str(args.hostile_slow)], stdin=subprocess.PIPE))  # fmt: skip
         try:
             async with anyio.create_task_group() as probes:
                 probes.start_soon(lag_probe, lags)
@@ -240,7 +256,10 @@ async def controller_child(args: argparse.Namespace) -> None:
         if any(a.returncode != 0 for a in agents):
             raise SystemExit(f"the agents exited with {[a.returncode for a in agents]}")
         raw = merge([json.loads(out.read_text()) for out in outs])
+        hostile = json.loads(hostile_out.read_text()) if args.hostile else None
     out = summarize(raw, lags, load, window, sessions)
+    if hostile is not None:
+        out["hostile"] = hostile
     if CENSUS:
         out["gc_census_types"] = dict(CENSUS.most_common(40))
     out["gc_pauses_ms"] = gc_summary([p for p in pauses if window["start"] <= p.at <= window["end"]])
@@ -427,6 +446,18 @@ async def agents_child(args: argparse.Namespace) -> None:
                                           "errors": errors, "samples": samples, "lags": lags}))
 
 
+async def hostile_child(args: argparse.Namespace) -> None:
+    """The hostile client (``--child hostile``, ``hostile_client.py``) until a line on stdin."""
+    info_path = args.gateway_dir / "gateway.json"
+    with anyio.fail_after(300):
+        while not info_path.exists():
+            await anyio.sleep(0.05)
+    info = json.loads(info_path.read_text())
+    key = Path(info["key_file"]).read_text().strip()
+    await hostile_client.run(info["url"], key, args.hostile_big, args.hostile_slow,
+                             args.child_out)  # fmt: skip
+
+
 class Httpx:
     """``post(url, headers, body) -> (status, headers, body bytes)`` on an ``httpx.AsyncClient``."""
 
@@ -597,6 +628,14 @@ def report(results: dict[str, Any]) -> None:
             f"  claim: {fmt(r['claim_ms'])}; reward: {fmt(r['reward_ms'])}\n"
             f"  non-200 answers: {r['errors'] or 'none'}"
         )  # fmt: skip
+        if "hostile" in r:
+            h = r["hostile"]
+            print("  hostile client (the whole run): " + "; ".join(
+                f"{k} x{b['n']} {b['status']} (p50 {b['s_p50'] or 0:.2f} s, max "
+                f"{b['s_max'] or 0:.2f} s)" for k, b in h["bodies"].items()) + f"; {h['claims']} "
+                "sessions taken; slow connections cut: " + "; ".join(
+                f"{m} {c['cut']}x after p50 {c['after_s_p50'] or 0:.1f} s, told {c['answers']}"
+                for m, c in h["slow"].items()) + f"; errors {h['errors'] or 'none'}")  # fmt: skip
 
 
 def measure(args: argparse.Namespace, sessions: int) -> dict[str, Any]:
@@ -607,11 +646,13 @@ def measure(args: argparse.Namespace, sessions: int) -> dict[str, Any]:
                "--child-sessions", str(sessions), "--child-out", str(out)]  # fmt: skip
         cmd += ["--verbose"] * args.verbose + ["--shared-client"] * args.shared_client
         cmd += ["--loop", args.loop, "--agents-gc", args.agents_gc, "--client", args.client]
+        cmd += ["--hostile"] * args.hostile
         cmd += ["--profile", args.profile] * bool(args.profile) + ["--gc-census"] * args.gc_census
         if args.gc_young_interval is not None:
             cmd += ["--gc-young-interval", str(args.gc_young_interval)]
         for flag in ("prompts", "samples", "ranks", "turn_tokens", "token_delay", "agent_procs",
-                     "warmup_steps", "seconds", "single_seconds", "warmup_timeout"):  # fmt: skip
+                     "warmup_steps", "seconds", "single_seconds", "warmup_timeout",
+                     "hostile_big", "hostile_slow"):  # fmt: skip
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         t = time.monotonic()
         subprocess.run(cmd, check=True)
@@ -647,6 +688,9 @@ def main(args: argparse.Namespace) -> None:
             "one httpx.AsyncClient for all agents, a pool of as many connections"
             if args.shared_client else "httpx.AsyncClient per agent, one connection each",
             "quick": args.quick,
+            "hostile": {"big_connections": args.hostile_big, "body_bytes":
+                        hostile_client.MAX_BODY_BYTES, "slow_connections": args.hostile_slow}
+            if args.hostile else None,
             "machine": args.machine or "",
             "cpus": os.cpu_count(),
         },
@@ -703,6 +747,12 @@ if __name__ == "__main__":
     parser.add_argument("--agents-gc", choices=("on", "off"), default="off",
                         help="the load generator's garbage collector (off: a 2-minute run's "
                         "agents make little cyclic garbage, and its pauses are the client's)")
+    parser.add_argument("--hostile", action="store_true",
+                        help="a hostile client beside the agents (hostile_client.py)")
+    parser.add_argument("--hostile-big", type=int, default=1,
+                        help="--hostile: connections sending the largest bodies back to back")
+    parser.add_argument("--hostile-slow", type=int, default=60,
+                        help="--hostile: slow connections (a third each: head, body, silent)")
     parser.add_argument("--verbose", action="store_true",
                         help="progress every 5 s (the agents' counts, the run's step)")
     parser.add_argument("--machine", default="", help="names the results file, e.g. 2core")
@@ -721,5 +771,7 @@ if __name__ == "__main__":
         anyio.run(controller_child, parsed, backend_options=loop)
     elif parsed.child == "agents":
         anyio.run(agents_child, parsed, backend_options=loop)
+    elif parsed.child == "hostile":
+        anyio.run(hostile_child, parsed, backend_options=loop)
     else:
         main(parsed)

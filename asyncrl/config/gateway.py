@@ -5,7 +5,9 @@ Its checks sit with it; :func:`asyncrl.config.problems` gathers them.
 
 from __future__ import annotations
 
-from asyncrl.config.section import Section, at_least_one, fail
+import os
+
+from asyncrl.config.section import Section, at_least_one, fail, not_negative
 from asyncrl.errors import ConfigError
 
 __all__ = ["GatewayConfig"]
@@ -28,6 +30,33 @@ class GatewayConfig(Section):
     Empty: agents call in by themselves (``POST /rl/sessions`` with the admin key)."""
     agent_env: dict[str, str] = {}
     """More environment variables for the managed agent."""
+    agent_dir: str = ""
+    """The managed agent's working directory (``""``: the config file's directory; a relative
+    path is taken from there), and what ``gateway.agent`` is resolved against: a first word
+    ``python`` or ``python3`` is the run's own interpreter (the one ``asyncrl`` runs in, its
+    virtualenv's, whatever ``PATH`` says); a first word with a ``/`` in it (``./agent.sh``)
+    is a path from this directory; any other first word is looked up on ``PATH``. The other
+    arguments are passed as written, and a relative path among them (``agent.py``) is found
+    from this directory since the agent runs in it: so ``["python", "agent.py"]`` beside the
+    config file runs the same whatever directory the run was started from. (Arguments are not
+    rewritten into absolute paths: an argument that only looks like a file, a model or a mode
+    name, keeps its meaning.)"""
+    max_agents: int = 0
+    """Managed agents running at once; a session beyond it waits for one to end before its
+    agent starts (its deadlines start with its agent). ``0``: 4 per CPU core this process
+    may use (``os.sched_getaffinity``; :meth:`agents_at_once`). An agent is a process start
+    (about 1 s of CPU for one that imports ``openai``) and then mostly a wait for the model,
+    so a few per core keep the cores busy without a long queue for them: 64 sessions of
+    such agents on 2 cores held the controller's loop lag p99 at 12 ms with 8 at once,
+    against 203 ms (and a load of 55) with all 64, for 30% fewer sessions a second
+    (docs/gateway.md, "Managed agents"). Raise it for agents that wait long on the model
+    (turns of seconds) or do little of their own."""
+    check_agent: bool = True
+    """Check the managed agent's command before the run starts (and in ``asyncrl
+    check-config``), once, within 30 s: its program is found; a Python agent's script (or
+    ``-m`` module) is found and the modules its script imports at the top resolve in the
+    interpreter that runs it; any other command must answer ``--help`` with exit code 0.
+    Turn it off only for a program that cannot answer ``--help``."""
     keep_agent_logs: bool = False
     """Keep every managed agent's output (``<run.output_dir>/logs/agents/``); by default only
     those of agents that did not exit 0 are kept."""
@@ -53,6 +82,50 @@ class GatewayConfig(Section):
     """HTTP requests served at once; more get 429 (with ``Retry-After``)."""
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest request body; a larger one gets 413."""
+    max_json_values: int = 131072
+    """Most JSON values in a request body, counted before it is decoded; more get 413.
+    Counted as its commas, brackets and braces, those inside strings too (an upper bound; in
+    a worker thread, about 1 ms a 4 MiB body; skipped for bodies of at most twice this many
+    bytes, which cannot hold more). Decoding takes the
+    controller's loop up to ~55 ns a value and cannot be moved off it (the decoder holds the
+    GIL): a 4 MiB body of empty objects took 77 ms; this bounds it to ~7 ms. A request needs
+    a few values a message, a few dozen a tool, and one a token id of a text completion's
+    prompt; prose has about a comma every 60 characters."""
+    max_messages: int = 2048
+    """Most messages in a chat request; more get 400 (``array_above_max_length``) before
+    anything else is done with them. Each message costs the loop a few microseconds to
+    compare with the record and template (100,000 in a 4 MB body held it about a second); an
+    agent that keeps a long history stays far below (a hundred tool calls are ~200
+    messages)."""
+    max_tools: int = 128
+    """Most tool definitions in a chat request (OpenAI's own limit); more get 400."""
+    max_request_tokens: int = 0
+    """Most tokens a call's conversation may come to as the engine would get it (templated
+    and encoded): past it the call gets 400 (``context_length_exceeded``) and the session
+    ends truncated, as when it fills ``episode.max_context_tokens``. Counted once it is
+    encoded (off the event loop for a request of 64 KiB or more), before the engine is
+    asked; a text completion's prompt of token ids is counted before anything else, and a
+    big request's one message far longer than this (or the context) allows is counted on a
+    prefix before it is templated (docs/gateway.md). ``0``: no limit but the context."""
+    request_head_timeout_s: float = 10.0
+    """Longest wait for a request's head (its request line and headers), from the
+    connection's start or the request's first byte: past it the connection is closed, with
+    408 when part of a head came. A client writes a head in one go; this cuts connections
+    that send nothing, or a byte at a time (each one held a socket for as long as it
+    liked)."""
+    request_body_timeout_s: float = 30.0
+    """Longest wait for a request's whole body, from the end of its head: past it the
+    request gets 408 and its connection is closed. 30 s lets a 4 MiB body come at 140
+    KB/s."""
+    keep_alive_timeout_s: float = 30.0
+    """An idle keep-alive connection (its last response sent, no next request begun) is
+    closed after this long. Longer than the clients' own pool expiry (httpx's 5 s,
+    aiohttp's 15 s), so a client does not reuse a connection the gateway is closing."""
+    max_connections: int = 8192
+    """Connections open at once; a connection beyond it gets 429 (with ``Retry-After``) for
+    its first request, and is closed. Each one is a file descriptor of the controller's
+    process: keep it under that process's limit (``ulimit -n``), beyond which new
+    connections are not even accepted."""
     model_name: str = ""
     """The model's name in ``/v1/models`` and in responses (``""``: the model directory's
     name). A request may name any model: agents often hard-code one."""
@@ -60,13 +133,21 @@ class GatewayConfig(Section):
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[gateway]``."""
         out = at_least_one({"gateway.max_concurrent_requests": self.max_concurrent_requests,
-                            "gateway.max_body_bytes": self.max_body_bytes})  # fmt: skip
+                            "gateway.max_body_bytes": self.max_body_bytes,
+                            "gateway.max_json_values": self.max_json_values,
+                            "gateway.max_messages": self.max_messages,
+                            "gateway.max_connections": self.max_connections})  # fmt: skip
+        out += not_negative({"gateway.max_tools": self.max_tools},
+                            "use 0 to refuse every request that defines tools")  # fmt: skip
+        out += not_negative({"gateway.max_request_tokens": self.max_request_tokens},
+                            "use 0 for no limit but episode.max_context_tokens")  # fmt: skip
         if not 0 <= self.port <= 65535:
             out.append(fail("gateway.port", f"is {self.port}",
                             "use 0 (a free port) or a port number up to 65535"))  # fmt: skip
         if not self.host.strip():
             out.append(fail("gateway.host", "is empty", 'use "127.0.0.1" (this machine only)'))
-        for name in ("session_timeout_s", "claim_timeout_s", "idle_timeout_s"):
+        for name in ("session_timeout_s", "claim_timeout_s", "idle_timeout_s",
+                     "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 out.append(fail(f"gateway.{name}", f"must be > 0, got {value}",
@@ -80,8 +161,18 @@ class GatewayConfig(Section):
             out.append(fail("gateway.agent", f"is {self.agent!r}",
                             'give the command as a list of non-empty strings, e.g. '
                             '["python", "agent.py"]'))  # fmt: skip
+        if self.max_agents < 0:
+            out.append(fail("gateway.max_agents", f"must be >= 0, got {self.max_agents}",
+                            "use 0 (4 per CPU core) or a number of agents"))  # fmt: skip
         for key in self.agent_env:
             if key in ("OPENAI_BASE_URL", "OPENAI_API_KEY"):
                 out.append(fail(f"gateway.agent_env.{key}", "is set by the gateway per session",
                                 "leave it out"))  # fmt: skip
         return out
+
+    def agents_at_once(self) -> int:
+        """:attr:`max_agents`, its default (``0``) resolved: 4 per CPU core this process may
+        use."""
+        if self.max_agents:
+            return self.max_agents
+        return 4 * len(os.sched_getaffinity(0))

@@ -5,8 +5,10 @@ Pure and I/O-free apart from reading ``tokenizer.json`` once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -18,9 +20,27 @@ from asyncrl.errors import RunError, config_error
 if TYPE_CHECKING:
     from asyncrl.data.chat import ChatTemplate
 
-__all__ = ["PromptStream", "Tokenizer", "prompt_batches", "sample_seed"]
+__all__ = ["PromptStream", "Tokenizer", "prompt_batches", "sample_seed", "unlocked"]
 
 log = structlog.get_logger("asyncrl.data.prompts")
+
+UNLOCKED_CHARS = 64 * 1024
+"""Texts this long are encoded with the GIL released (:meth:`Tokenizer.encode_rendered`); a
+shorter one costs less than the GIL's hand-back to the loop's thread can (up to 5 ms while
+another thread computes), unless the thread encoding it is not the loop's (:func:`unlocked`)."""
+
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def unlocked() -> Iterator[None]:
+    """Within it, this thread encodes every text with the GIL released: for a worker thread,
+    which has nothing to gain from keeping it, while the event loop's thread runs."""
+    _THREAD.unlocked = True
+    try:
+        yield
+    finally:
+        _THREAD.unlocked = False
 
 
 class Tokenizer:
@@ -103,7 +123,12 @@ class Tokenizer:
 
     def encode_rendered(self, text: str) -> list[int]:
         """Text a chat template rendered (it writes its own special tokens), encoded without
-        adding any, as :meth:`encode_prompts` encodes a chat prompt."""
+        adding any, as :meth:`encode_prompts` encodes a chat prompt. A long text is encoded
+        with the GIL released (``tokenizers`` releases it in ``encode_batch`` only), so a
+        worker thread that encodes it leaves the event loop's thread running: the gateway
+        records big calls so (a 4 MB conversation took seconds)."""
+        if len(text) >= UNLOCKED_CHARS or getattr(_THREAD, "unlocked", False):
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode_verbatim(self, ids: Sequence[int]) -> str:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ import structlog
 
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.data.deadlines import Overdue, in_thread
-from asyncrl.data.prompts import Tokenizer
+from asyncrl.data.prompts import Tokenizer, unlocked
 from asyncrl.env.episode import Episode, EpisodeLimit, Generated
 from asyncrl.env.tool_parsers import ToolCallParser
 from asyncrl.env.trajectory import TrajectoryError
@@ -56,6 +57,18 @@ from asyncrl.gateway.sessions import Call, Finish, Session, SessionTable
 __all__ = ["Gateway", "SessionFailed", "check_gateway"]
 
 log = structlog.get_logger("asyncrl.gateway")
+
+OFF_LOOP_BYTES = 64 * 1024
+"""A call whose body is this big is recorded in a worker thread: its messages compared with the
+record, templated and encoded (the encoding with the GIL released, see
+:meth:`~asyncrl.data.prompts.Tokenizer.encode_rendered`), one such call at a time. On the loop,
+a 4 MB body of 100,000 messages held it about a second; a smaller one is recorded in less time
+than the hand-over to a thread takes."""
+PREFIX_CHARS_PER_TOKEN = 16
+"""A message longer than this many characters a token of the limit is counted on a prefix
+before it is templated (:func:`_too_long`): far more than natural text takes (3-5 for the
+tokenizers of LLMs), so a message that fits is never counted twice."""
+_WORD_END = re.compile(r"\S(?= )")
 
 
 class SessionFailed(Exception):
@@ -95,6 +108,8 @@ class Gateway:
         model_name: the name responses give.
         score_timeout_s: ``failures.reward_timeout_s``.
         agents: runs a managed agent for a session (``None``: agents call in themselves).
+        context_tokens: ``episode.max_context_tokens`` (``0``: not known here): a big call
+            whose one message certainly exceeds it is refused before it is templated.
     """
 
     def __init__(
@@ -107,14 +122,21 @@ class Gateway:
         model_name: str,
         score_timeout_s: float,
         agents: Any = None,
+        context_tokens: int = 0,
     ) -> None:
         self.config = config
+        limits = ((config.max_request_tokens, "gateway.max_request_tokens"),
+                  (context_tokens, "episode.max_context_tokens"))  # fmt: skip
+        self._token_limit = min(((n, key) for n, key in limits if n), default=None)
+        """The fewest tokens a call's conversation may come to, and its key."""
         self._env, self._tok, self._parser = environment, tokenizer, parser
         self.model_name = model_name
         self._score_timeout_s = score_timeout_s
         self._agents = agents
         self.sessions = SessionTable()
         self._token_text: dict[int, str] = {}
+        self._recorder: anyio.CapacityLimiter | None = None
+        """The worker thread that records big calls (made on first use: it needs the loop)."""
         self.stats: dict[str, float] = {"calls": 0, "restarts": 0, "sessions": 0,
                                         "expired_unclaimed": 0, "expired_idle": 0,
                                         "stall_s": 0.0}  # fmt: skip
@@ -234,10 +256,11 @@ class Gateway:
         try:
             with anyio.CancelScope() as scope:
                 if call.serving(scope):
+                    big = call.size >= OFF_LOOP_BYTES
                     if call.kind == "chat":
-                        result = await self._chat(episode, convo, call.request)
+                        result = await self._chat(episode, convo, call.request, big)
                     else:
-                        result = await self._complete(episode, convo, call.request)
+                        result = await self._complete(episode, convo, call.request, big)
                     call.answer(result)
             if call.cancelled is not None:
                 call.fail(call.cancelled)
@@ -259,13 +282,27 @@ class Gateway:
             call.fail(GatewayError(503, "the gateway is stopping", code="run_ending"))
             raise
 
-    async def _chat(self, episode: Episode, convo: _Conversation, req: ChatRequest) -> CallResult:
+    async def _chat(
+        self, episode: Episode, convo: _Conversation, req: ChatRequest, big: bool = False
+    ) -> CallResult:
         self._check_api(convo, "chat")
         req.check()
+        # what a template renders whole: not an assistant's content (a reasoning trace may go)
+        texts = lambda: [template_message(m)["content"] for m in req.messages  # noqa: E731
+                         if m.role != "assistant"]  # fmt: skip
+        await self._record(big, texts, self._record_chat, episode, convo, req)
+        result = await self._generate(episode, convo, req,
+                                      self._parser if req.parses_tools else None)  # fmt: skip
+        convo.chat.replied([c.reply for c in result.choices])
+        convo.api = "chat"
+        return result
+
+    def _record_chat(
+        self, episode: Episode, convo: _Conversation, req: ChatRequest, restarts: list[bool]
+    ) -> None:
         plan = convo.chat.plan(req.messages, req.tools)
         if convo.broken or not isinstance(plan, Continue):
-            if convo.chat.started:
-                self.stats["restarts"] += 1
+            restarts.append(convo.chat.started)
             episode.restart([template_message(m) for m in req.messages],
                             tool_definitions(req.tools))  # fmt: skip
             convo.chat.restarted(req.messages, req.tools)
@@ -279,26 +316,81 @@ class Gateway:
                 episode.add_messages(*[template_message(m) for m in plan.new])
                 convo.chat.observed(plan.new)
                 convo.awaiting = False
-        result = await self._generate(episode, convo, req,
-                                      self._parser if req.parses_tools else None)  # fmt: skip
-        convo.chat.replied([c.reply for c in result.choices])
-        convo.api = "chat"
-        return result
 
     async def _complete(
-        self, episode: Episode, convo: _Conversation, req: CompletionRequest
+        self, episode: Episode, convo: _Conversation, req: CompletionRequest, big: bool = False
     ) -> CallResult:
         self._check_api(convo, "completion")
         req.check()
         prompt = req.single_prompt()
-        if not self._goes_on(episode, convo, prompt):
-            if episode.turns:
-                self.stats["restarts"] += 1
-            episode.restart_text(prompt)
-            convo.pending, convo.broken, convo.awaiting = [], False, False
+        if isinstance(prompt, list):  # token ids: counted before anything is done with them
+            self._check_tokens(len(prompt))
+        texts = lambda: [prompt] if isinstance(prompt, str) else []  # noqa: E731
+        await self._record(big, texts, self._record_completion, episode, convo, prompt)
         result = await self._generate(episode, convo, req, None)
         convo.api = "completion"
         return result
+
+    def _record_completion(
+        self, episode: Episode, convo: _Conversation, prompt: str | list[int],
+        restarts: list[bool],
+    ) -> None:  # fmt: skip
+        if not self._goes_on(episode, convo, prompt):
+            restarts.append(bool(episode.turns))
+            episode.restart_text(prompt)
+            convo.pending, convo.broken, convo.awaiting = [], False, False
+
+    async def _record(
+        self, big: bool, texts: Callable[[], list[str]], record: Any, episode: Episode,
+        *args: Any,
+    ) -> None:  # fmt: skip
+        """Record a call's messages or prompt with ``record(episode, *args, restarts)`` and
+        check ``gateway.max_request_tokens``. ``big``: in the worker thread, after the
+        longest of ``texts()`` (its message contents a template renders whole) is counted on a
+        prefix when it is long enough to be hopeless (:func:`_too_long`), and the
+        conversation is templated and encoded there too (it is read before the engine is
+        asked), while the loop goes on; the episode's task waits for the call meanwhile, so
+        nothing else touches its record.
+
+        Raises:
+            EpisodeLimit: the conversation comes to more than ``gateway.max_request_tokens``,
+                or one message to more than that or the context (nothing recorded then).
+            TrajectoryError: the template refuses the messages.
+
+        Cancellation: a thread already started finishes first (the record stays whole).
+        """
+        restarts: list[bool] = []  # whether a segment restarted (counted even if it failed)
+
+        def run() -> int | None:
+            if big and self._token_limit is not None:
+                longest = max(texts(), key=len, default="")
+                limit, key = self._token_limit
+                counted = _too_long(self._tok, longest, limit)
+                if counted:
+                    raise EpisodeLimit("context", f"a message's first {counted} characters "
+                                       f"alone come to more than {limit} tokens ({key}): "
+                                       "the conversation cannot fit")  # fmt: skip
+            record(episode, *args, restarts)
+            return episode.context_tokens if big or self.config.max_request_tokens else None
+
+        try:
+            if big:
+                if self._recorder is None:
+                    self._recorder = anyio.CapacityLimiter(1)
+                tokens = await anyio.to_thread.run_sync(_unlocked, run, limiter=self._recorder)
+            else:
+                tokens = run()
+        finally:
+            self.stats["restarts"] += sum(restarts)
+        if tokens is not None:
+            self._check_tokens(tokens)
+
+    def _check_tokens(self, tokens: int) -> None:
+        """Raises: EpisodeLimit: ``tokens`` are more than ``gateway.max_request_tokens``."""
+        limit = self.config.max_request_tokens
+        if limit and tokens > limit:
+            raise EpisodeLimit("context", f"the call's conversation comes to {tokens} tokens, "
+                               f"more than gateway.max_request_tokens ({limit})")  # fmt: skip
 
     def _goes_on(self, episode: Episode, convo: _Conversation, prompt: str | list[int]) -> bool:
         """Whether a completion ``prompt`` continues what is recorded (after keeping the
@@ -455,11 +547,12 @@ def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCa
 
     Raises:
         ConfigError: no chat template; a managed agent with an environment that has no
-            ``score``, or an agent command that is not found.
+            ``score``.
         PluginError: ``episode.tool_parser`` names no installed parser.
-    """
-    import shutil
 
+    The managed agent's command is checked apart, once
+    (:func:`~asyncrl.gateway.agent_command.check_agent`: it runs a process).
+    """
     from asyncrl.env.tool_parsers import load_tool_parser
     from asyncrl.errors import config_error
 
@@ -473,10 +566,32 @@ def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCa
                            "score(prompt, completion) to score a managed agent's answer",
                            "give the environment a score method, or run the agents yourself "
                            "and post rewards (leave gateway.agent empty)")  # fmt: skip
-    if gw.agent and shutil.which(gw.agent[0]) is None:
-        raise config_error("gateway.agent", f"the command {gw.agent[0]!r} is not found",
-                           "give a program on PATH or a path to one")  # fmt: skip
     return load_tool_parser(config.episode.tool_parser, "episode.tool_parser")
+
+
+def _unlocked(run: Callable[[], Any]) -> Any:
+    """``run()`` in a worker thread, every text it encodes encoded with the GIL released."""
+    with unlocked():
+        return run()
+
+
+def _too_long(tok: Tokenizer, text: str, limit: int) -> int:
+    """How many characters of ``text`` were counted to show that it alone comes to more
+    than ``limit`` tokens (``0``: not shown, or not tried). Tried on a text of more than
+    ``PREFIX_CHARS_PER_TOKEN`` characters a token of the limit (a margin of 64 tokens
+    added): its prefix of that many characters, cut where a word begins (before a space
+    that follows a non-space: where the pre-tokenizers of LLM tokenizers, byte-level BPE and
+    SentencePiece alike, start a piece, so the prefix is encoded as it is in the whole), is
+    encoded; more than the limit there, and more in the whole. A text with no such place
+    near the cut is not tried (encoded whole, in the worker thread)."""
+    size = PREFIX_CHARS_PER_TOKEN * (limit + 64)
+    if len(text) <= size:
+        return 0
+    ends = list(_WORD_END.finditer(text, max(0, size - 4096), size))
+    if not ends:
+        return 0
+    cut = ends[-1].end()
+    return cut if len(tok.encode_rendered(text[:cut])) > limit + 64 else 0
 
 
 def _scores(environment: Any) -> bool:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 from msgspec import Meta, Struct
 
 __all__ = [
@@ -37,8 +38,10 @@ __all__ = [
     "RewardRequest",
     "SessionRequest",
     "ToolDef",
+    "check_lengths",
     "decode",
     "error_body",
+    "json_values",
     "unsupported",
 ]
 
@@ -324,6 +327,33 @@ def decode(body: bytes, kind: type[Any]) -> Any:
         raise GatewayError(400, f"invalid request: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
+
+
+def json_values(body: bytes) -> int:
+    """An upper bound on the JSON values in ``body``, without decoding it: its commas,
+    brackets and braces, plus one (a container of k values holds k - 1 commas; those inside
+    strings are counted too). Numpy's comparisons: about 0.2 ms a MiB."""
+    a = np.frombuffer(body, np.uint8)
+    return 1 + sum(int(np.count_nonzero(a == ord(c))) for c in ",[{")
+
+
+def check_lengths(req: Any, *, max_messages: int, max_tools: int) -> None:
+    """A chat request holds at most ``max_messages`` messages and ``max_tools`` tools
+    (``gateway.max_messages``, ``gateway.max_tools``); other requests pass.
+
+    Raises:
+        GatewayError: 400 (``array_above_max_length``, as OpenAI says it) naming the
+            parameter and the config key.
+    """
+    if not isinstance(req, ChatRequest):
+        return
+    for param, values, limit in (("messages", req.messages, max_messages),
+                                 ("tools", req.tools or (), max_tools)):  # fmt: skip
+        if len(values) > limit:
+            raise GatewayError(400, f"Invalid '{param}': array too long. Expected an array "
+                               f"with maximum length {limit}, but got an array with length "
+                               f"{len(values)} instead (gateway.max_{param})", param=param,
+                               code="array_above_max_length")  # fmt: skip
 
 
 def _is_ids(values: list[Any]) -> bool:

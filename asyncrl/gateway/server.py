@@ -12,9 +12,12 @@ Routes (every one needs ``Authorization: Bearer <key>``)::
     POST   /s/<id>/v1/completions              its key
 
 No key: 401. A session's key anywhere but its own session, or the admin key on a session's
-model routes: 403. Bodies over ``gateway.max_body_bytes``: 413; more than
-``gateway.max_concurrent_requests`` requests at once: 429 with ``Retry-After``. Every error
-has an OpenAI-style body (``{"error": {"message", "type", "param", "code"}}``).
+model routes: 403. Bodies over ``gateway.max_body_bytes``, or holding more than
+``gateway.max_json_values`` JSON values: 413; a chat request over ``gateway.max_messages`` or
+``gateway.max_tools``: 400; more than ``gateway.max_concurrent_requests`` requests at once:
+429 with ``Retry-After``. What a connection may hold (the deadlines of a request's head and
+body, its head's size, ``gateway.max_connections``) is :mod:`asyncrl.gateway.connections`'s.
+Every error has an OpenAI-style body (``{"error": {"message", "type", "param", "code"}}``).
 
 uvicorn runs on the controller's event loop, inside its task group: :meth:`GatewayServer.serve`
 binds the socket itself (the port read back from it), starts uvicorn on it with uvicorn's
@@ -28,6 +31,7 @@ logged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import os
@@ -50,6 +54,7 @@ from starlette.routing import Route
 
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.gateway import replies
+from asyncrl.gateway.connections import ConnectionLimits, GuardedHttp
 from asyncrl.gateway.gateway import Gateway, check_gateway
 from asyncrl.gateway.schema import (
     ChatRequest,
@@ -57,8 +62,10 @@ from asyncrl.gateway.schema import (
     GatewayError,
     RewardRequest,
     SessionRequest,
+    check_lengths,
     decode,
     error_body,
+    json_values,
     now_s,
 )
 from asyncrl.gateway.sessions import Call, Finish, Session, digest, make_key
@@ -71,8 +78,6 @@ GRACE_S = 2
 """Calls in progress when the run ends get this long to finish before they are cancelled."""
 STOP_S = 10.0
 """Bound on uvicorn's shutdown after the grace (then its connections are dropped)."""
-MAX_HEADER_BYTES = 64 * 1024
-"""Largest request head (h11)."""
 
 _JSON = "application/json"
 _SSE = "text/event-stream; charset=utf-8"
@@ -208,10 +213,13 @@ class GatewayServer:
         port = sock.getsockname()[1]
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
         self.url = f"http://{host}:{port}"
+        limits = ConnectionLimits(cfg.request_head_timeout_s, cfg.request_body_timeout_s,
+                                  cfg.max_connections)  # fmt: skip
         server = _Server(uvicorn.Config(
             self.app(), lifespan="off", log_config=None, access_log=False, server_header=False,
-            timeout_graceful_shutdown=GRACE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-            backlog=4096, timeout_keep_alive=30, proxy_headers=False,
+            timeout_graceful_shutdown=GRACE_S, ws="none", backlog=4096, proxy_headers=False,
+            http=functools.partial(GuardedHttp, limits=limits),  # type: ignore[arg-type]
+            timeout_keep_alive=cfg.keep_alive_timeout_s,  # type: ignore[arg-type]
         ))  # fmt: skip
         done = anyio.Event()
 
@@ -309,11 +317,34 @@ class GatewayServer:
             raise GatewayError(499, "the client closed the connection", code="cancelled") from None
         return b"".join(chunks)
 
+    async def _decode(self, body: bytes, kind: type[Any]) -> Any:
+        """``body`` as a ``kind`` struct (:func:`~asyncrl.gateway.schema.decode`), after the
+        request limits that decoding would not respect: a body that may hold more than
+        ``gateway.max_json_values`` values is not decoded (their count, an upper bound, is
+        only taken for a body big enough to hold that many, in a worker thread: numpy's
+        comparisons release the GIL, and on the loop they took 1-5 ms of a 4 MiB body), and
+        a chat request's messages and tools are counted before anything else is done with
+        them.
+
+        Raises:
+            GatewayError: 413 (too many values), 400 (too many messages or tools, or what
+                :func:`~asyncrl.gateway.schema.decode` raises).
+        """
+        cfg = self._cfg
+        big = len(body) > 2 * cfg.max_json_values
+        if big and await anyio.to_thread.run_sync(json_values, body) > cfg.max_json_values:
+            raise GatewayError(413, f"the request body holds more than {cfg.max_json_values} "
+                               "JSON values (gateway.max_json_values; counted as its commas, "
+                               "brackets and braces)", code="request_too_large")  # fmt: skip
+        req = decode(body, kind)
+        check_lengths(req, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+        return req
+
     # ------------------------------------------------------------------ /rl
     async def _new_session(self, request: Request) -> Response:
         self._admin(request)
         body = await self._body(request)
-        req = decode(body, SessionRequest) if body.strip() else SessionRequest()
+        req = await self._decode(body, SessionRequest) if body.strip() else SessionRequest()
         session = await self._sessions.claim(req.prompt_id, req.wait_s)
         prompt = session.prompt
         return _json(msgspec.json.encode({
@@ -333,7 +364,7 @@ class GatewayServer:
     async def _reward(self, request: Request) -> Response:
         self._admin(request)
         session = self._sessions.get(request.path_params["sid"])
-        req = decode(await self._body(request), RewardRequest)
+        req = await self._decode(await self._body(request), RewardRequest)
         _still(session, request)
         if req.reward is None and not req.rewards and not self._gw.scores:
             raise GatewayError(400, "give reward or rewards: the run's environment has no "
@@ -377,9 +408,9 @@ class GatewayServer:
         # its head (httpx does) makes the handler wait on the client's loop
         arrived = time.perf_counter() - (checked - began)
         _still(session, request)
-        req = decode(body, schema)
+        req = await self._decode(body, schema)
         req.check()
-        call = Call(kind, req)
+        call = Call(kind, req, size=len(body))
         session.take(call)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch, call, request)
@@ -512,9 +543,10 @@ def build_gateway(
     agents = None
     if gw.agent:
         log_dir = os.path.join(config.run.output_dir, "logs", "agents")
-        agents = ManagedAgents(gw.agent, gw.agent_env, log_dir, gw.keep_agent_logs,
+        agents = ManagedAgents(gw, log_dir,
                                base_url=lambda: server.url if server is not None else "")  # fmt: skip
     gateway = Gateway(gw, environment, tokenizer=tokenizer, parser=parser, model_name=name,
-                      score_timeout_s=config.failures.reward_timeout_s, agents=agents)  # fmt: skip
+                      score_timeout_s=config.failures.reward_timeout_s, agents=agents,
+                      context_tokens=config.episode.max_context_tokens)  # fmt: skip
     server = GatewayServer(gateway, gw, config.run.output_dir)
     return gateway, server

@@ -83,6 +83,8 @@ class Call:
     finished: anyio.Event = field(default_factory=anyio.Event)
     _scope: anyio.CancelScope | None = None
     _cancelled: GatewayError | None = None
+    size: int = 0
+    """The request body's bytes (a big one is recorded off the event loop)."""
 
     def answer(self, result: Any) -> None:
         if self.result is None and self.error is None:

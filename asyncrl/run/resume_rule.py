@@ -54,6 +54,8 @@ HARMLESS = (
     # how long, where to, how it is logged
     "run.name", "run.output_dir", "run.num_steps", "run.max_num_epochs", "run.log_format", "run.stall_warning_s",
     "run.gc_freeze", "run.gc_young_interval_s", "run.gc_full_interval_s", "run.event_loop",
+    # what is written of the trained samples (the files are cut back to the checkpoint's step)
+    "run.save_samples", "run.samples_file_mb",
     # where the model and the data are: what they hold is compared (fingerprints)
     "model.path", "environment.base_dir", "model.allow_moe_mismatch",
     # placement, time limits and capacities: the same computation, elsewhere or faster
@@ -68,6 +70,10 @@ HARMLESS = (
     # where the gateway listens and how it guards itself (what it trains on is not here)
     "gateway.host", "gateway.port", "gateway.max_concurrent_requests", "gateway.max_body_bytes",
     "gateway.keep_agent_logs", "gateway.model_name", "gateway.idle_timeout_s",
+    "gateway.agent_dir", "gateway.max_agents", "gateway.check_agent", "gateway.claim_timeout_s",
+    "gateway.max_json_values", "gateway.max_messages", "gateway.max_tools",
+    "gateway.max_request_tokens", "gateway.request_head_timeout_s",
+    "gateway.request_body_timeout_s", "gateway.keep_alive_timeout_s", "gateway.max_connections",
 )  # fmt: skip
 """Settings a resumed run may change freely (each change is logged); every other setting
 must match the checkpoint's unless allowed. A prefix covers its whole section."""

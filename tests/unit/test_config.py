@@ -128,6 +128,7 @@ def test_unknown_sampler_is_rejected(tmp_path: Path, model_dir: Path) -> None:
         ("[run]\ngc_young_interval_s = -1\n", "run.gc_young_interval_s", "0: Python's own"),
         ("[run]\ngc_full_interval_s = inf\n", "run.gc_full_interval_s", "seconds >= 0"),
         ("[run]\ngc_full_interval_s = 0.01\n", "run.gc_full_interval_s", "at least 0.05"),
+        ("[run]\nsamples_file_mb = 0\n", "run.samples_file_mb", "e.g. 256"),
         (
             "[grpo]\nprompts_per_step = 4\n[pipeline]\nmin_groups_for_streaming_train = 5\n",
             "pipeline.min_groups_for_streaming_train",

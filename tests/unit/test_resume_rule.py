@@ -71,7 +71,9 @@ HARMLESS_CHANGES = [
     ("cluster", {"rollout_ranks": 4}), ("refit", {"bucket_size_mb": 64}),
     ("failures", {"max_failed_groups": 0}), ("trainer", {"micro_batch_size": 2}),
     ("model", {"path": "/elsewhere"}), ("run", {"output_dir": "/runs/b"}),
-    ("run", {"event_loop": "asyncio"}),
+    ("run", {"event_loop": "asyncio"}), ("run", {"save_samples": True}),
+    ("run", {"samples_file_mb": 16.0}), ("gateway", {"agent_dir": "/elsewhere"}),
+    ("gateway", {"max_agents": 8}), ("gateway", {"check_agent": False}),
 ]  # fmt: skip
 
 
@@ -447,3 +449,4 @@ async def test_an_edited_reward_is_refused_on_resume_with_the_fix(
     [line] = [e for e in logs if e["event"] == "resume_not_compared"]
     assert line["log_level"] == "info" and line["checkpoint"] == str(path)
     assert line["what"].startswith("environment.code: the checkpoint holds no fingerprint")
+
