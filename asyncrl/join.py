@@ -59,18 +59,19 @@ def join_file(path: str | os.PathLike[str]) -> Any:
     target = Path(path)
 
     async def attach(addresses: Addresses, tg: anyio.abc.TaskGroup) -> None:
+        assert addresses.keys is not None  # every run has its keys (ipc is CURVE too)
         write_join_file(target, addresses.control, addresses.keys)
         tg.start_soon(_remove_at_end, target, name="join-file")
 
     return attach
 
 
-def write_join_file(path: Path, control: str, keys: RunKeys | None) -> None:
+def write_join_file(path: Path, control: str, keys: RunKeys) -> None:
     """``path`` (mode 0600, replaced whole): where the controller listens, this process as
     the controller, and the run's ``keys``."""
     record = {
         "version": JOIN_VERSION, "control": control, "controller_pid": os.getpid(),
-        "controller_host": host_id(), "keys": None if keys is None else keys.to_json(),
+        "controller_host": host_id(), "keys": keys.to_json(),
     }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -28,9 +28,10 @@ def test_what_the_controller_writes_a_rank_reads(tmp_path: Path) -> None:
     control, pid, read = read_join_file(path, 1.0)
     assert (control, pid) == ("tcp://10.0.0.5:4000", os.getpid())
     assert read is not None and read.to_json() == keys.to_json()
-    # ipc: no keys; another key file named by the config wins over the join file's
-    write_join_file(path, "ipc:///tmp/x/control.sock", None)
-    assert read_join_file(path, 1.0)[2] is None
+    # ipc carries the keys too (every socket is CURVE); another key file named by the config
+    # wins over the join file's
+    write_join_file(path, "ipc:///tmp/x/control.sock", keys)
+    assert read_join_file(path, 1.0)[2].to_json() == keys.to_json()
     write_join_file(path, "tcp://10.0.0.5:4000", keys)
     other = RunKeys.generate()
     other.write(str(tmp_path / "keys.json"))
@@ -39,7 +40,8 @@ def test_what_the_controller_writes_a_rank_reads(tmp_path: Path) -> None:
 
 def test_a_rank_waits_for_a_controller_that_starts_later(tmp_path: Path) -> None:
     path = tmp_path / "join.json"
-    writer = threading.Timer(0.5, write_join_file, (path, "ipc:///tmp/x/c.sock", None))
+    writer = threading.Timer(0.5, write_join_file, (path, "ipc:///tmp/x/c.sock",
+                                                    RunKeys.generate()))
     writer.start()
     t0 = time.monotonic()
     assert read_join_file(path, 10.0)[0] == "ipc:///tmp/x/c.sock"
