@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.procs.process import stat_fields
 from asyncrl.wire.messages import WorkerStamps
 
 __all__ = ["Startup", "describe", "process_start_time"]
@@ -31,11 +32,10 @@ def process_start_time(pid: int = 0) -> float | None:
     """When process ``pid`` (0: this one) started, in seconds since the epoch (10 ms
     resolution; ``None`` where ``/proc`` cannot tell). Python and every import it did before
     this call come after it."""
+    fields = stat_fields(pid or os.getpid()) or []
     try:
-        with open(f"/proc/{pid or os.getpid()}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
         ticks = int(fields[19])  # field 22, starttime: clock ticks after the boot
-    except (OSError, ValueError, IndexError):
+    except (ValueError, IndexError):
         return None
     booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
     return booted + ticks / os.sysconf("SC_CLK_TCK")

@@ -44,6 +44,7 @@ __all__ = [
     "parent_pid",
     "pid_exists",
     "process_name",
+    "stat_fields",
     "stopped_by_signal",
     "wait_exit_status",
     "wait_pid_exit",
@@ -153,16 +154,31 @@ class ProcessExit:
             await anyio.sleep(0.01)
 
 
+def stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[0]`` is field 3, the
+    state; ``[n]`` is field ``n + 3``); ``None`` when there is no such process here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def boot_id() -> str | None:
+    """This boot's id (``None`` where ``/proc`` does not say): with a pid, names a process
+    across reboots."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
 def exit_status(pid: int) -> int | None:
     """The exit status of an exited, not yet reaped process: ``-N`` when signal ``N`` killed
     it, else its exit code. ``None`` when it is still running or already reaped."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-    except OSError:
-        return None
+    fields = stat_fields(pid)
     # fields[0] is field 3 (the state); the exit code is field 52 (Linux >= 3.5)
-    if len(fields) < 50 or fields[0] not in (b"Z", b"X"):
+    if fields is None or len(fields) < 50 or fields[0] not in (b"Z", b"X"):
         return None
     return _decode_wait_status(int(fields[49]))
 
@@ -199,10 +215,10 @@ def _reaped_status(pidfd: int) -> int | None:
 
 def parent_pid(pid: int) -> int | None:
     """The parent of process ``pid`` (``None`` if it is gone)."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
+        return None if fields is None else int(fields[1])
+    except (ValueError, IndexError):
         return None
 
 
@@ -211,9 +227,10 @@ def host_id() -> str:
     processes can watch, signal or wait for each other's pids only when these are equal
     (another machine, or another pid namespace on this one, numbers its processes apart)."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # not Linux: the name alone
+        boot, pid_ns = boot_id(), os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot = None
+    if boot is None:  # not Linux: the name alone
         boot, pid_ns = "", 0
     return f"{socket.gethostname()}/{boot}/{pid_ns}"
 
@@ -242,10 +259,8 @@ def is_dying(pid: int) -> bool:
     """Whether process ``pid`` has exited or has begun to: a killed process with many threads
     is marked exiting at once, but its pidfd fires only when its last thread is gone, which
     can come after a child it took down with it has exited."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return True  # reaped
     return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
 

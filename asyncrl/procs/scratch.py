@@ -20,23 +20,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from asyncrl.procs.process import boot_id, stat_fields
+
 __all__ = ["OWNER_FILE", "PREFIX", "identity", "scratch_dir", "sweep"]
 
 PREFIX = "asyncrl-torchrun-"
 OWNER_FILE = "owner"
 """In each scratch directory: ``<pid> <start ticks> <boot id>`` of the process that owns it."""
-_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 def identity(pid: int) -> str | None:
     """``<pid> <start ticks> <boot id>`` of live process ``pid``; ``None`` when there is no
     such process, or it has exited (a zombie)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()
-        boot = Path(_BOOT_ID).read_text().strip()
-    except OSError:
-        return None
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):  # field 3, the state
+    fields, boot = stat_fields(pid), boot_id()
+    if fields is None or boot is None or len(fields) < 20 or fields[0] in (b"Z", b"X"):
         return None
     return f"{pid} {int(fields[19])} {boot}"  # field 22: starttime, in ticks after boot
 
