@@ -95,9 +95,14 @@ class ControllerSilence:
         not run taken out) when it is past :attr:`limit_s`, else ``None``."""
         late = now - self._last_tick - self.tick_s
         if late > self.tick_s:  # this loop did not run: what it missed proves nothing
-            self._heard = min(self._heard + late, now)
             self.slept_s += late
-            self.slept_in_silence_s += late
+            # a message heard since the last tick later than a tick counts as late came
+            # after this loop woke up (before, the loop would have ticked on time): the
+            # silence since it is all awake. One heard earlier may precede the sleep:
+            # forgiven, as a late tick is (the watch names later, never sooner)
+            if self._heard <= self._last_tick + 2 * self.tick_s:
+                self._heard = min(self._heard + late, now)
+                self.slept_in_silence_s += late
         self._last_tick = max(self._last_tick, now)
         silent = now - self._heard
         return silent if silent > self.limit_s else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.worker.controller_watch import ControllerSilence
@@ -174,6 +174,10 @@ def _runs(draw: st.DrawFn) -> tuple[float, float, list[tuple[float, float]], flo
 
 @settings(max_examples=300, deadline=None)
 @given(_runs())
+# a probe heard just after a resume: forgiving the sleep must not move the silence's start
+# past it (the watch then named 1.3 ms late, found by CI)
+@example((5.0, 20.515625, [(97.0, 99.0), (111.0, 112.0), (148.0, 148.5), (183.5, 186.5)],
+          187.0, 812))
 def test_random_suspensions_and_stops_match_the_reference(
     run: tuple[float, float, list[tuple[float, float]], float | None, int],
 ) -> None:
