@@ -24,6 +24,10 @@ group                           loaded in             the entry point names
 ``asyncrl.tool_parsers``        controller (the       a :class:`~asyncrl.env.tool_parsers.ToolCallParser`
                                 episodes that parse   (or a class making one with no arguments)
                                 tool calls)           reading the tool calls in a turn's text
+``asyncrl.services``            controller (check +   a :class:`~asyncrl.services.Service`: a part
+                                served beside the     served on the controller's loop, which may
+                                run's loops)          stand in front of the environment (the
+                                                      gateway)
 =============================== ===================== ===========================================
 
 Only groups something loads are listed; reward functions get their group when they become
@@ -57,16 +61,21 @@ GROUPS = MappingProxyType(
         "asyncrl.weight_transfers": "weight transfer",
         "asyncrl.metrics_sinks": "metrics sink",
         "asyncrl.tool_parsers": "tool-call parser",
+        "asyncrl.services": "service",
     }
 )
 
 _HINTS = {
     ("asyncrl.generation_backends", "vllm"): "pip install -e backends/asyncrl-vllm[cpu]",
     ("asyncrl.training_backends", "fsdp2"): "pip install -e backends/asyncrl-fsdp",
+    ("asyncrl.training_backends", "deepspeed"): "pip install -e backends/asyncrl-deepspeed",
+    ("asyncrl.weight_transfers", "cuda_ipc"): "pip install -e backends/asyncrl-torch",
+    ("asyncrl.weight_transfers", "nccl"): "pip install -e backends/asyncrl-torch",
     ("asyncrl.environments", "arithmetic"): "pip install -e plugins/asyncrl-arith",
-    ("asyncrl.metrics_sinks", "tensorboard"): "pip install 'asyncrl[tensorboard]'",
-    ("asyncrl.metrics_sinks", "wandb"): "pip install 'asyncrl[wandb]'",
-    ("asyncrl.metrics_sinks", "mlflow"): "pip install 'asyncrl[mlflow]'",
+    ("asyncrl.services", "gateway"): "pip install -e plugins/asyncrl-gateway",
+    ("asyncrl.metrics_sinks", "tensorboard"): "pip install -e 'plugins/asyncrl-trackers[tensorboard]'",
+    ("asyncrl.metrics_sinks", "wandb"): "pip install -e 'plugins/asyncrl-trackers[wandb]'",
+    ("asyncrl.metrics_sinks", "mlflow"): "pip install -e 'plugins/asyncrl-trackers[mlflow]'",
 }
 
 

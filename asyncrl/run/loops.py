@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ from asyncrl.run.intake import Feeder, Scorer
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales
 from asyncrl.run.wake import Signal
+from asyncrl.services import Served, enabled_services, load_service
 from asyncrl.run.restarts import Redispatcher, Restarts, send_generate
 from asyncrl.run.saving import Checkpointer, Resume
 from asyncrl.wire.messages import GenRequest, StepResult, TokenBatch
@@ -146,12 +146,13 @@ class Pipeline:
         self.config, self.control, self.tok = config, control, tokenizer
         self.trainers, self.restarts, self.metrics = trainers, restarts, metrics
         self.rollouts = restarts.workers
-        self.gateway: Any = None
-        """The gateway's HTTP server (``[gateway]`` enabled): its sessions are the episodes."""
-        if config.gateway.enabled:
-            from asyncrl.gateway.server import build_gateway
-
-            environment, self.gateway = build_gateway(config, environment, tokenizer=tokenizer)
+        self.services: dict[str, Served] = {}
+        """The run's services (``[gateway]`` enabled): one may stand in front of the
+        environment (the gateway's sessions are the episodes)."""
+        for name in enabled_services(config):
+            served = load_service(name, f"{name}.enabled").build(config, environment, tokenizer)
+            environment = served.environment
+            self.services[name] = served
         self.episodic = isinstance(environment, EpisodeEnvironment)
         """A multi-turn environment: each group is ``n`` episodes (:mod:`asyncrl.run.episodes`)."""
         self.book = RolloutBook(scheduler, self.rollouts, episodes=self.episodic)
@@ -208,7 +209,8 @@ class Pipeline:
                 cfg, environment, tokenizer=tokenizer, book=self.book, control=control,
                 serving=lambda: self.restarts.serving, changed=self.changed,
                 committed=self.committed, now=self.now, fail_group=self.redispatch.episode_failed,
-                deadline_s=math.inf if self.gateway is not None else None,
+                deadline_s=min((s.episode_deadline_s for s in self.services.values()
+                                if s.episode_deadline_s is not None), default=None),
             )  # fmt: skip
         self.samples: SampleExport | None = None
         """``run.save_samples``: each trained step's sequences on disk (asyncrl/obs/samples.py)."""
@@ -266,8 +268,8 @@ class Pipeline:
             tg.start_soon(self.feeder.run, name="buffer-feeder")
             if self.episodes is not None:
                 await tg.start(self.episodes.run, name="episodes")
-            if self.gateway is not None:
-                await tg.start(self.gateway.serve, name="gateway")
+            for name, served in self.services.items():
+                await tg.start(served.serve, name=name)
             tg.start_soon(self.lag.run, name="loop-lag")
             if self.samples is not None:  # started: its files are cut back to the resumed step
                 await tg.start(self.samples.run, self.resumed_from or 0, name="samples-writer")

@@ -1,6 +1,6 @@
 """What the controller checks before any process or file exists: the plugins load, the
-environment and the tokenizer load, the prompts fit, a managed agent's command can run (a
-short check process of its own, :mod:`asyncrl.gateway.agent_command`), both backends accept
+environment and the tokenizer load, the prompts fit, each service accepts the run (the
+gateway's managed agent command runs once), both backends accept
 their config, and ``/dev/shm`` and the run's directories have room enough
 (:mod:`asyncrl.procs.space`); each mistake a ``ConfigError`` naming its field."""
 
@@ -21,6 +21,7 @@ from asyncrl.data.chat import ChatTemplate
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError, config_error
 from asyncrl.data.prompts import Tokenizer
+from asyncrl.services import enabled_services, load_service
 from asyncrl.sinks import check_sinks
 from asyncrl.procs.space import check_space
 
@@ -52,12 +53,8 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
         _eos_token_id(cfg.model.path),
         ChatTemplate.from_model(cfg.model.path, cfg.model.chat_template),
     )
-    if cfg.gateway.enabled:
-        from asyncrl.gateway.agent_command import check_agent
-        from asyncrl.gateway.gateway import check_gateway
-
-        check_gateway(cfg, environment, tokenizer)
-        await check_agent(cfg.gateway)  # runs it once (bounded): a broken command stops here
+    for name in enabled_services(cfg):
+        await load_service(name, f"{name}.enabled").check(cfg, environment, tokenizer)
     longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
     for section, plugin in (("trainer", trainer), ("generator", generator)):
         if plugin.check_config is not None:

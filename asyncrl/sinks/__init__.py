@@ -2,25 +2,22 @@
 
 Every record the controller writes (:class:`~asyncrl.obs.log.MetricsWriter`) goes to each sink
 the config lists; ``jsonl`` (``<run.output_dir>/metrics.jsonl``, read by ``asyncrl plot`` and
-``--resume``) is always one of them. The built-ins:
+``--resume``) is always one of them. The first-party ones:
 
-=============== ============================== ===============================================
-name            needs                          options (``[metrics.options.<name>]``)
-=============== ============================== ===============================================
-``jsonl``       nothing                        none
-``tensorboard`` ``asyncrl[tensorboard]``       ``dir`` (default ``<run.output_dir>/tensorboard``)
-                (tensorboardX: no torch, no
-                TensorFlow)
-``wandb``       ``asyncrl[wandb]``             ``project``, ``entity``, ``name``, ``mode``
-                                               (``online``/``offline``/``disabled``/``auto``),
-                                               ``dir``, ``tags``
-``mlflow``      ``asyncrl[mlflow]``            ``tracking_uri`` (default
-                (mlflow-skinny)                ``MLFLOW_TRACKING_URI``, else
-                                               ``file:<run.output_dir>/mlruns``),
-                                               ``experiment``, ``run_name``
-=============== ============================== ===============================================
+=============== ======================================= ======================================
+name            needs                                   options (``[metrics.options.<name>]``)
+=============== ======================================= ======================================
+``jsonl``       nothing (built in)                      none
+``tensorboard`` ``plugins/asyncrl-trackers[tensorboard]`` ``dir`` (default
+                (tensorboardX: no torch, no TensorFlow)  ``<run.output_dir>/tensorboard``)
+``wandb``       ``plugins/asyncrl-trackers[wandb]``     ``project``, ``entity``, ``name``,
+                                                        ``mode``, ``dir``, ``tags``
+``mlflow``      ``plugins/asyncrl-trackers[mlflow]``    ``tracking_uri``, ``experiment``,
+                (mlflow-skinny)                         ``run_name``
+=============== ======================================= ======================================
 
-``pip install 'asyncrl[trackers]'`` installs all three trackers. Relative ``dir`` options are
+The trackers are a distribution of their own (``pip install -e 'plugins/asyncrl-trackers[all]'``
+installs all three; docs/observability.md says what each writes). Relative ``dir`` options are
 taken relative to ``run.output_dir``.
 
 Writing a sink
@@ -36,7 +33,7 @@ run. A :class:`Sink` has three methods:
 * ``log_config(config)``: the run's resolved config (plain builtins), once, when the
   controller writes its ``config`` record (its first);
 * ``log(record)``: every record, all kinds (``config`` too, after ``log_config``): see
-  :mod:`asyncrl.sinks.mapping` for what trackers make of them; a sink must not mutate it;
+  :mod:`asyncrl_trackers.mapping` for what trackers make of them; a sink must not mutate it;
 * ``close()``: flush and release everything; called once, last.
 
 Unless the plugin says ``synchronous=True`` (``jsonl`` does: it must never lose a record),

@@ -19,10 +19,11 @@ Two staging buffers (``k`` = 0, 1) are used in turn, so packing bucket i+1 overl
 bucket i. A handle is the transfer's own msgspec struct, encoded to bytes (never pickled); a
 reader decodes it with the same struct.
 
-Built in: ``shm`` (files in ``/dev/shm``; CPU, any tensors), ``cuda_ipc`` (device buffers
-exported once as CUDA IPC handles; trainer and engine on one node, on the same GPU or on
-different ones) and ``nccl`` (each bucket broadcast over a collective group of the sender and
-the readers: NCCL between GPUs, gloo on the CPU).
+Built in: ``shm`` (files in ``/dev/shm``; CPU, any tensors). The torch distribution
+(``backends/asyncrl-torch``) adds ``cuda_ipc`` (device buffers exported once as CUDA IPC handles;
+trainer and engine on one node, on the same GPU or on different ones) and ``nccl`` (each bucket
+broadcast over a collective group of the sender and the readers: NCCL between GPUs, gloo on
+the CPU).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from typing import Any, NamedTuple, Protocol
 
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.plugins import available, load
+
+IDENTITY_ENV_VAR = "ASYNCRL_TRANSFER_IDENTITY"
+"""Set by a generation backend in each engine process it starts, to ``"<group>:<rank>"``: the
+reader's name in a transfer that places readers itself (``nccl``: the rank in its broadcast
+group)."""
 
 __all__ = [
     "Opener",

@@ -25,7 +25,7 @@ from refit import model_config  # noqa: E402
 from asyncrl.backend import WeightTensor  # noqa: E402
 from asyncrl.worker.buckets import Packer, manifest_of  # noqa: E402
 from asyncrl.transfers import StagingSpec  # noqa: E402
-from asyncrl.transfers.cuda_ipc import CudaIpcStager  # noqa: E402
+from asyncrl_torch.transfers.cuda_ipc import CudaIpcStager  # noqa: E402
 
 
 def state_of(size: str, device: str) -> dict:

@@ -1,4 +1,4 @@
-"""The training-backend contract (asyncrl.testing.training) on every first-party backend.
+"""The training-backend contract (asyncrl_torch.contract.suite) on every first-party backend.
 
 Each class runs the backend under real ``torchrun`` (gloo, CPU) and compares it with the
 suite's float64 single-process reference.
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from asyncrl.testing.training import TrainingBackendContract  # noqa: E402
+from asyncrl_torch.contract.suite import TrainingBackendContract  # noqa: E402
 
 
 class TestFSDP2OneRank(TrainingBackendContract):

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from asyncrl.worker.buckets import align  # noqa: E402
 from asyncrl.transfers import StagingSpec  # noqa: E402
-from asyncrl.transfers.cuda_ipc import DEFER_BELOW_BYTES, CudaIpcStager  # noqa: E402
+from asyncrl_torch.transfers.cuda_ipc import DEFER_BELOW_BYTES, CudaIpcStager  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

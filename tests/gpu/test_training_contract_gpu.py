@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from asyncrl.testing.training import TrainingBackendContract  # noqa: E402
+from asyncrl_torch.contract.suite import TrainingBackendContract  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from asyncrl.transfers import Receiver, StagingSpec
-from asyncrl.transfers.nccl import IDENTITY_ENV_VAR, NcclOpener, NcclStager
+from asyncrl_torch.transfers.nccl import IDENTITY_ENV_VAR, NcclOpener, NcclStager
 
 WAIT_S = 60.0
 

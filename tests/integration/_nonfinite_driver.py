@@ -231,7 +231,7 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     # every result is on disk and the backend closed: skip the interpreter's teardown, where a
-    # rank's C++ side sometimes aborted (see the barrier above; asyncrl.testing.contract_rank)
+    # rank's C++ side sometimes aborted (see the barrier above; asyncrl_torch.contract.rank)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -29,8 +29,8 @@ from asyncrl.env.segments import TrajectorySample
 from asyncrl.env.tool_parsers import HERMES
 from asyncrl.env.trajectory import Trajectory
 from asyncrl.environment import Prompt, Score
-from asyncrl.gateway.gateway import Gateway
-from asyncrl.gateway.server import GatewayServer
+from asyncrl_gateway.gateway import Gateway
+from asyncrl_gateway.server import GatewayServer
 import chat_support
 import trajectory_support as ts
 

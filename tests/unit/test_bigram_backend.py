@@ -1,6 +1,6 @@
 """The example ``bigram`` backends in-process: their math against independent references.
 
-The gradient is checked against torch autograd through :func:`asyncrl.training.loss.ppo_clip_loss`
+The gradient is checked against torch autograd through :func:`asyncrl_torch.loss.ppo_clip_loss`
 (the loss every trainer must implement), sampling against the softmax it claims to sample
 from, and refit against a real bucket file.
 """
@@ -162,7 +162,7 @@ def test_response_tokens_follow_the_packing() -> None:
 
 def test_gradient_matches_torch_autograd_of_the_core_loss(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from asyncrl.training.loss import ppo_clip_loss
+    from asyncrl_torch.loss import ppo_clip_loss
 
     cfg = _config(tmp_path)
     rng = np.random.default_rng(0)
@@ -543,7 +543,7 @@ def test_loss_aggregation_against_the_objective_written_per_sequence(
     torch = pytest.importorskip("torch")
     from asyncrl.policy.grpo import per_sequence_mean, trained_per_sequence
     from asyncrl.run.assembly import normalizer
-    from asyncrl.training.loss import ppo_clip_loss
+    from asyncrl_torch.loss import ppo_clip_loss
 
     cfg = _config(tmp_path, trainer={"options": {"lr": 0.3, "max_grad_norm": 0.0}},
                   loss={"aggregation": aggregation, "aggregation_constant": 7})  # fmt: skip

@@ -2,7 +2,7 @@
 request's JSON values, messages, tools and tokens (each refused before the work it bounds,
 with an OpenAI-style 4xx naming its config key), a big call recorded off the loop, the head
 and body deadlines, the idle keep-alive deadline, the head's size and the connection cap
-(``asyncrl/gateway/connections.py``). After each, the gateway still serves a session end to
+(``plugins/asyncrl-gateway/asyncrl_gateway/connections.py``). After each, the gateway still serves a session end to
 end.
 
 Every test runs the real uvicorn server on 127.0.0.1 over a scripted engine
@@ -160,7 +160,7 @@ async def test_max_request_tokens_ends_the_session_truncated(
 
 
 def test_a_prefix_cut_where_a_word_begins_is_encoded_as_in_the_whole(model: gs.Model) -> None:
-    from asyncrl.gateway.gateway import _too_long
+    from asyncrl_gateway.gateway import _too_long
 
     text = "The answer is 46, and 12+34 is 46 too.  Tabs\tand\nnewlines. " * 200
     cut = _too_long(model.tok, text, 10)

@@ -23,10 +23,10 @@ import pytest
 from asyncrl.env.episode import EpisodeLimit
 from asyncrl.env.tool_parsers import HERMES
 from asyncrl.environment import Prompt
-from asyncrl.gateway import agent_shim
-from asyncrl.gateway.conversation import ChatLog, Continue, Reply, Restart, cut_at_stop, reply_of
-from asyncrl.gateway.schema import GatewayError, Message, ToolDef
-from asyncrl.gateway.sessions import Call, Finish, SessionTable
+from asyncrl_gateway import agent_shim
+from asyncrl_gateway.conversation import ChatLog, Continue, Reply, Restart, cut_at_stop, reply_of
+from asyncrl_gateway.schema import GatewayError, Message, ToolDef
+from asyncrl_gateway.sessions import Call, Finish, SessionTable
 
 
 # ------------------------------------------------------------------------------ stop sequences
@@ -422,7 +422,7 @@ def test_the_gateway_is_checked_before_anything_starts() -> None:
 
     from asyncrl.config.gateway import GatewayConfig
     from asyncrl.errors import ConfigError, PluginError
-    from asyncrl.gateway.gateway import check_gateway
+    from asyncrl_gateway.gateway import check_gateway
 
     class Scores:
         def score(self, prompt: Prompt, completion: str) -> None: ...

@@ -24,7 +24,7 @@ import pytest
 import structlog
 
 from asyncrl.config.gateway import GatewayConfig
-from asyncrl.gateway.gateway import SessionFailed
+from asyncrl_gateway.gateway import SessionFailed
 import gateway_support as gs
 
 pytestmark = pytest.mark.asyncio

@@ -30,7 +30,7 @@ from asyncrl.wire.messages import TrainBatch
 
 torch = pytest.importorskip("torch")
 
-from asyncrl.training.loss import kl_to_reference  # noqa: E402
+from asyncrl_torch.loss import kl_to_reference  # noqa: E402
 
 
 def kl_python(lp: float, ref: float, estimator: str) -> float:

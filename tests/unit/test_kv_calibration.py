@@ -1,4 +1,4 @@
-"""asyncrl.training.kv_calibration against float64 hand computations on a tiny random Qwen2."""
+"""asyncrl_torch.kv_calibration against float64 hand computations on a tiny random Qwen2."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from asyncrl.training.kv_calibration import (
+from asyncrl_torch.kv_calibration import (
     all_reduce_max,
     calibrate_kv_scales,
     combine_amax,
@@ -21,7 +21,7 @@ from asyncrl.training.kv_calibration import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from asyncrl.training.batches import dummy_micro_batch, make_micro_batch
+from asyncrl_torch.batches import dummy_micro_batch, make_micro_batch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""asyncrl.training.loss and asyncrl.training.batches against hand computations in float64."""
+"""asyncrl_torch.loss and asyncrl_torch.batches against hand computations in float64."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncrl.training.loss import ppo_clip_loss  # noqa: E402
+from asyncrl_torch.loss import ppo_clip_loss  # noqa: E402
 from asyncrl.policy.packing import check_packed, micro_batch_bounds  # noqa: E402
-from asyncrl.training.batches import (  # noqa: E402
+from asyncrl_torch.batches import (  # noqa: E402
     dummy_micro_batch,
     make_micro_batch,
     response_logprobs,

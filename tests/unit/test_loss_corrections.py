@@ -1,4 +1,4 @@
-"""The loss's off-policy corrections and GSPO's sequence ratio (asyncrl.training.loss) against
+"""The loss's off-policy corrections and GSPO's sequence ratio (asyncrl_torch.loss) against
 float64 implementations written here token by token from the formulas (IcePop's double-sided
 mask; a sequence mask on the geometric mean of the trainer/generator ratio; GSPO, Zheng et
 al. 2025: s_i = exp(mean_t log(pi/pi_old)), eq. 7), and gradient checks: torch's gradcheck
@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncrl.training.loss import ppo_clip_loss  # noqa: E402
+from asyncrl_torch.loss import ppo_clip_loss  # noqa: E402
 
 LOW, HIGH, CAP, E_LOW, E_HIGH = 0.6, 1.5, 2.0, 0.2, 0.28
 F64 = torch.float64
@@ -182,7 +182,7 @@ def test_masking_needs_the_trainers_own_proximal_and_the_bigram_engine_refuses_t
 ) -> None:
     from asyncrl.config import from_dict
     from asyncrl.errors import ConfigError
-    from asyncrl.training.options import TrainerOptions, parse_options
+    from asyncrl_torch.options import TrainerOptions, parse_options
 
     (tmp_path / "config.json").write_text('{"vocab_size": 8}')
     (tmp_path / "tokenizer.json").write_text("{}")

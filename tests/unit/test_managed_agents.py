@@ -20,10 +20,10 @@ from asyncrl.config import load_config
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.environment import Prompt
 from asyncrl.errors import ConfigError
-from asyncrl.gateway import agent_shim
-from asyncrl.gateway.agent_command import agent_command, check_agent
-from asyncrl.gateway.agents import ManagedAgents
-from asyncrl.gateway.sessions import SessionTable
+from asyncrl_gateway import agent_shim
+from asyncrl_gateway.agent_command import agent_command, check_agent
+from asyncrl_gateway.agents import ManagedAgents
+from asyncrl_gateway.sessions import SessionTable
 
 # model_dir: the fixture in conftest.py
 

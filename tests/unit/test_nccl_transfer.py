@@ -1,4 +1,4 @@
-"""The ``nccl`` weight transfer (asyncrl.transfers.nccl) over gloo on the CPU, with real
+"""The ``nccl`` weight transfer (asyncrl_torch.transfers.nccl) over gloo on the CPU, with real
 processes: this process is the sender (trainer rank 0), spawned processes are the readers.
 
 The sender drives the stager the way :mod:`asyncrl.worker.weights` does (begin, then per bucket
@@ -22,8 +22,8 @@ import pytest
 
 from asyncrl.procs.process import host_id
 from asyncrl.transfers import Receiver, StagingSpec
-from asyncrl.transfers.collective import Place, fan_out, place_in
-from asyncrl.transfers.nccl import (
+from asyncrl_torch.transfers.collective import Place, fan_out, place_in
+from asyncrl_torch.transfers.nccl import (
     IDENTITY_ENV_VAR,
     NCCL,
     TIMEOUT_ENV_VAR,

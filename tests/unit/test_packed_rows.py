@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from asyncrl.training.batches import (  # noqa: E402
+from asyncrl_torch.batches import (  # noqa: E402
     PACKING_TOLERANCE,
     MicroBatch,
     PackingCheck,

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from asyncrl.policy.packing import Layout, check_packed, length_order, token_budget_bounds
 from asyncrl.policy.grpo import take_sequences
-from asyncrl.training.batches import plan_micro_batches, restore_order
+from asyncrl_torch.batches import plan_micro_batches, restore_order
 from asyncrl.wire.messages import TrainBatch
-from asyncrl.training.byte_groups import byte_groups
-from asyncrl.training.step_ledger import StepLedger, StepStateError
+from asyncrl_torch.byte_groups import byte_groups
+from asyncrl_torch.step_ledger import StepLedger, StepStateError
 
 
 @st.composite

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
@@ -17,13 +19,53 @@ def test_import_asyncrl_does_not_import_torch_or_engines() -> None:
     code = (
         "import sys, asyncrl, asyncrl.run.controller, asyncrl.run.loops, asyncrl.worker.runtime, asyncrl.launch;"
         # what a training backend's check_config loads in the controller
-        "import asyncrl.policy.packing, asyncrl.training, asyncrl.training.options, asyncrl_fsdp,"
+        "import asyncrl.policy.packing, asyncrl_torch, asyncrl_torch.options, asyncrl_fsdp,"
         " asyncrl_deepspeed, asyncrl_fsdp.options, asyncrl_deepspeed.options;"
         "asyncrl.plugins.load('asyncrl.training_backends', 'deepspeed');"
         "print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+CORE = Path(asyncrl.__file__).parent
+
+LAZY_TORCH = {
+    "ranks.py": "torchrun's rendezvous store (a rank's handshake with rank 0), in the rank itself",
+    "one_node.py": "torchrun's own runner, which `asyncrl run` calls for one node",
+    "transfers/shm.py": "a zero-copy byte view of a torch tensor a torch trainer hands it",
+    "worker/export.py": "the bytes of a torch trainer's tensor, copied to the host",
+}
+"""The core's only mentions of torch: each inside the function that needs it, never at import."""
+
+
+def test_every_core_module_imports_without_torch_or_an_optional_part() -> None:
+    """The core is every module under asyncrl/: importing all of them loads no torch, no
+    engine and none of the optional distributions (the torch side, the gateway, its server)."""
+    modules = sorted(
+        "asyncrl." + ".".join(p.relative_to(CORE).with_suffix("").parts).removesuffix(".__init__")
+        for p in CORE.rglob("*.py") if p.name != "__main__.py"
+    )
+    assert len(modules) > 100  # the tree was found
+    heavy = ("torch", "vllm", "deepspeed", "transformers", "asyncrl_torch", "asyncrl_gateway",
+             "starlette", "uvicorn")
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_torch_is_named_only_where_listed() -> None:
+    """A new ``import torch`` in the core belongs in asyncrl-torch (backends/asyncrl-torch)."""
+    pattern = re.compile(r"^\s*(import torch|from torch[\w.]* import)", re.M)
+    found = {str(p.relative_to(CORE)) for p in CORE.rglob("*.py") if pattern.search(p.read_text())}
+    assert found == set(LAZY_TORCH), f"torch imported in the core at {sorted(found - set(LAZY_TORCH))}"
+    for name in LAZY_TORCH:  # never at module level
+        top = [line for line in (CORE / name).read_text().splitlines()
+               if line.startswith(("import torch", "from torch"))]
+        assert not top, f"{name} imports torch at module level: {top}"
 
 
 def test_a_worker_imports_no_controller() -> None:
@@ -33,7 +75,7 @@ def test_a_worker_imports_no_controller() -> None:
     code = (
         "import sys, asyncrl, asyncrl.launch, asyncrl.worker.runtime;"
         "print(sorted(m for m in sys.modules if m.startswith(('asyncrl.run.controller',"
-        " 'asyncrl.run.loops', 'asyncrl.gateway'))));"
+        " 'asyncrl.run.loops', 'asyncrl_gateway'))));"
         "from asyncrl import Controller; print(Controller.__module__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

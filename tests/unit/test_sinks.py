@@ -24,7 +24,7 @@ from asyncrl import plugins
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.sinks import GROUP, SinkPlugin, check_sinks, load_sinks, sink_names
-from asyncrl.sinks.mapping import (
+from asyncrl_trackers.mapping import (
     Scalars,
     Table,
     config_params,
@@ -292,9 +292,9 @@ def test_missing_tracker_package_fails_on_load_with_the_install_hint(
     for package, name in (("tensorboardX", "tensorboard"), ("wandb", "wandb"),
                           ("mlflow", "mlflow")):
         monkeypatch.setitem(sys.modules, package, None)  # import fails: not installed
-        monkeypatch.delitem(sys.modules, f"asyncrl.sinks.{name}", raising=False)
+        monkeypatch.delitem(sys.modules, f"asyncrl_trackers.{name}", raising=False)
         with pytest.raises(PluginError, match=rf"metrics\.sinks: .*{name}.*failed to import.*"
-                           rf"pip install 'asyncrl\[{name}\]'"):
+                           rf"pip install -e 'plugins/asyncrl-trackers\[{name}\]'"):
             load_sinks([name], {})
 
 

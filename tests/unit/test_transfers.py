@@ -146,7 +146,7 @@ def test_cuda_ipc_reader_keeps_one_mapping_per_sender_buffer(monkeypatch) -> Non
     torch = pytest.importorskip("torch")
     import msgspec
 
-    from asyncrl.transfers import cuda_ipc
+    from asyncrl_torch.transfers import cuda_ipc
 
     rebuilt: list[int] = []
 

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2/3 training backend.
 
 The call sequence, lockstep micro-batching, the loss and the step ledger are
-:class:`asyncrl.training.DistributedTrainer`'s; this module builds the DeepSpeed engine,
+:class:`asyncrl_torch.DistributedTrainer`'s; this module builds the DeepSpeed engine,
 applies the step, gathers weights and saves state.
 
 Gradient accumulation. The engine runs with ``managed_gradient_accumulation = false``: each
@@ -17,7 +17,7 @@ backend sets the ZeRO optimizer's loss scale to ``num_loss_tokens / world_size``
 (``override_loss_scale``; it is 1 during backward, so no loss is scaled there). DeepSpeed then
 divides the gradient by that scale once, reports the gradient norm unscaled and clips with
 it: the update equals one big batch normalized by its token count (checked against a float64
-single-process reference by :mod:`asyncrl.testing.training`; measured 0 and 6e-9 relative
+single-process reference by :mod:`asyncrl_torch.contract.suite`; measured 0 and 6e-9 relative
 grad-norm error for ZeRO-2 and ZeRO-3 on 2 CPU ranks).
 """
 
@@ -44,8 +44,8 @@ if not torch.cuda.is_available():
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 from asyncrl.backend import WeightTensor, WorkerContext  # noqa: E402
-from asyncrl.training import DistributedTrainer  # noqa: E402
-from asyncrl.training.byte_groups import byte_groups  # noqa: E402
+from asyncrl_torch import DistributedTrainer  # noqa: E402
+from asyncrl_torch.byte_groups import byte_groups  # noqa: E402
 
 from .options import DeepSpeedOptions, parse_options  # noqa: E402
 

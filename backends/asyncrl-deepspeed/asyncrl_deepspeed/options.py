@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.training.options import TrainerOptions, option_error
-from asyncrl.training.options import parse_options as parse_trainer_options
+from asyncrl_torch.options import TrainerOptions, option_error
+from asyncrl_torch.options import parse_options as parse_trainer_options
 
 __all__ = ["DeepSpeedOptions", "OWNED_ZERO_KEYS", "parse_options"]
 

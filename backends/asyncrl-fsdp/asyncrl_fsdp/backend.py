@@ -1,7 +1,7 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) training backend.
 
 The call sequence, lockstep micro-batching, the loss and the step ledger are
-:class:`asyncrl.training.DistributedTrainer`'s; this module shards the model, applies the
+:class:`asyncrl_torch.DistributedTrainer`'s; this module shards the model, applies the
 step and gathers weights.
 
 Gradient normalization. Every micro-batch back-propagates the raw *sum* of its token losses.
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from asyncrl.backend import WeightTensor, WorkerContext
-from asyncrl.training import DistributedTrainer
+from asyncrl_torch import DistributedTrainer
 
 from .options import FSDPOptions, parse_options
 

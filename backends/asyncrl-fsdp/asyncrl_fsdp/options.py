@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from asyncrl.training.options import TrainerOptions
-from asyncrl.training.options import parse_options as parse_trainer_options
+from asyncrl_torch.options import TrainerOptions
+from asyncrl_torch.options import parse_options as parse_trainer_options
 
 __all__ = ["FSDPOptions", "parse_options"]
 

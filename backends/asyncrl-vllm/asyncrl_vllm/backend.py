@@ -30,7 +30,7 @@ import structlog
 from asyncrl.backend import SampleSink, WorkerContext
 from asyncrl.errors import ConfigError, EngineDeadError, flatten
 from asyncrl.wire.messages import GenRequest, Sample, TokenBatch
-from asyncrl.transfers.nccl import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
+from asyncrl.transfers import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 
 from .idle import ENV_VAR as IDLE_ENV_VAR
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options

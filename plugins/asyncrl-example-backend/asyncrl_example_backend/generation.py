@@ -256,7 +256,7 @@ class BigramGenerator:
         """``entry``'s bytes of a bucket of another transfer, copied to numpy."""
         if self._opener is None:
             from asyncrl.transfers import load_transfer
-            from asyncrl.transfers.nccl import IDENTITY_ENV_VAR
+            from asyncrl.transfers import IDENTITY_ENV_VAR
 
             os.environ.setdefault(IDENTITY_ENV_VAR, f"{self.ctx.group}:{self.ctx.rank}")
             self._opener = load_transfer(bucket.transport).opener()

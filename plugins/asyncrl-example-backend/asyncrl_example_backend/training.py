@@ -6,7 +6,7 @@ token, with ``lp = log softmax(W[prev] / T)[tok]`` and ``b`` the generator's log
     r    = exp(lp - b)
     loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)        (summed over tokens)
 
-which is :func:`asyncrl.training.loss.ppo_clip_loss` with the behaviour policy as proximal
+which is :func:`asyncrl_torch.loss.ppo_clip_loss` with the behaviour policy as proximal
 policy (so its importance weight is 1). Only the tokens the batch's ``loss_mask`` selects
 train: the others (observations inserted into a multi-turn sequence, with placeholder
 behaviour logprobs) are left out before any arithmetic, and the step is normalized by the

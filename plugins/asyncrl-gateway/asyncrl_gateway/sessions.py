@@ -43,7 +43,7 @@ from typing import Any
 import anyio
 
 from asyncrl.environment import Prompt
-from asyncrl.gateway.schema import GatewayError
+from asyncrl_gateway.schema import GatewayError
 
 __all__ = ["Call", "Finish", "Session", "SessionTable", "digest", "make_key"]
 

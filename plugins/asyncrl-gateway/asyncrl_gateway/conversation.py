@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.env.tool_parsers import ToolCallParser
-from asyncrl.gateway.schema import Message, ToolDef
+from asyncrl_gateway.schema import Message, ToolDef
 
 __all__ = [
     "ChatLog",

@@ -16,7 +16,7 @@ model routes: 403. Bodies over ``gateway.max_body_bytes``, or holding more than
 ``gateway.max_json_values`` JSON values: 413; a chat request over ``gateway.max_messages`` or
 ``gateway.max_tools``: 400; more than ``gateway.max_concurrent_requests`` requests at once:
 429 with ``Retry-After``. What a connection may hold (the deadlines of a request's head and
-body, its head's size, ``gateway.max_connections``) is :mod:`asyncrl.gateway.connections`'s.
+body, its head's size, ``gateway.max_connections``) is :mod:`asyncrl_gateway.connections`'s.
 Every error has an OpenAI-style body (``{"error": {"message", "type", "param", "code"}}``).
 
 uvicorn runs on the controller's event loop, inside its task group: :meth:`GatewayServer.serve`
@@ -53,10 +53,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncrl.config.gateway import GatewayConfig
-from asyncrl.gateway import replies
-from asyncrl.gateway.connections import ConnectionLimits, GuardedHttp
-from asyncrl.gateway.gateway import Gateway, check_gateway
-from asyncrl.gateway.schema import (
+from asyncrl_gateway import replies
+from asyncrl_gateway.connections import ConnectionLimits, GuardedHttp
+from asyncrl_gateway.gateway import Gateway, check_gateway
+from asyncrl_gateway.schema import (
     ChatRequest,
     CompletionRequest,
     GatewayError,
@@ -68,11 +68,11 @@ from asyncrl.gateway.schema import (
     json_values,
     now_s,
 )
-from asyncrl.gateway.sessions import Call, Finish, Session, digest, make_key
+from asyncrl_gateway.sessions import Call, Finish, Session, digest, make_key
 
 __all__ = ["GatewayServer"]
 
-log = structlog.get_logger("asyncrl.gateway.server")
+log = structlog.get_logger("asyncrl_gateway.server")
 
 GRACE_S = 2
 """Calls in progress when the run ends get this long to finish before they are cancelled."""
@@ -318,7 +318,7 @@ class GatewayServer:
         return b"".join(chunks)
 
     async def _decode(self, body: bytes, kind: type[Any]) -> Any:
-        """``body`` as a ``kind`` struct (:func:`~asyncrl.gateway.schema.decode`), after the
+        """``body`` as a ``kind`` struct (:func:`~asyncrl_gateway.schema.decode`), after the
         request limits that decoding would not respect: a body that may hold more than
         ``gateway.max_json_values`` values is not decoded (their count, an upper bound, is
         only taken for a body big enough to hold that many, in a worker thread: numpy's
@@ -328,7 +328,7 @@ class GatewayServer:
 
         Raises:
             GatewayError: 413 (too many values), 400 (too many messages or tools, or what
-                :func:`~asyncrl.gateway.schema.decode` raises).
+                :func:`~asyncrl_gateway.schema.decode` raises).
         """
         cfg = self._cfg
         big = len(body) > 2 * cfg.max_json_values
@@ -494,7 +494,7 @@ async def _watch(call: Call, request: Request) -> None:
 
 def _still(session: Session, request: Request) -> None:
     """``session`` is still the request's after its body came: not offered again meanwhile
-    under another id (:meth:`~asyncrl.gateway.sessions.SessionTable.reoffer`).
+    under another id (:meth:`~asyncrl_gateway.sessions.SessionTable.reoffer`).
 
     Raises:
         GatewayError: 410, why it was offered again.
@@ -531,10 +531,10 @@ def build_gateway(
     ``[episode].tool_parser`` and ``failures.reward_timeout_s``.
 
     Raises:
-        ConfigError, PluginError: as :func:`~asyncrl.gateway.gateway.check_gateway` (the
+        ConfigError, PluginError: as :func:`~asyncrl_gateway.gateway.check_gateway` (the
             controller's preflight runs it before anything starts).
     """
-    from asyncrl.gateway.agents import ManagedAgents
+    from asyncrl_gateway.agents import ManagedAgents
 
     gw = config.gateway
     parser = check_gateway(config, environment, tokenizer)

@@ -1,7 +1,7 @@
-"""One rank of the training-backend contract (:mod:`asyncrl.testing.training`).
+"""One rank of the training-backend contract (:mod:`asyncrl_torch.contract.suite`).
 
 Run by the suite as ``torchrun --standalone --nproc-per-node W -m
-asyncrl.testing.contract_rank SPEC.json``. Each rank builds the backend named in the spec
+asyncrl_torch.contract.rank SPEC.json``. Each rank builds the backend named in the spec
 through its entry point, runs the scenario below, and writes what it saw to the spec's
 ``out`` directory: ``rank{r}.json`` (step and chunk results, errors) and, on rank 0, ``.npy``
 arrays (logprobs, behaviour logprobs, exported weights as ``weights-{tag}.npz``). No pickle.
@@ -405,7 +405,7 @@ def launch_ranks(spec: dict[str, Any], world_size: int, timeout: float) -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         *torchrun_log_args(str(scratch)),
-        "--nproc-per-node", str(world_size), "-m", "asyncrl.testing.contract_rank",
+        "--nproc-per-node", str(world_size), "-m", "asyncrl_torch.contract.rank",
         str(spec_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

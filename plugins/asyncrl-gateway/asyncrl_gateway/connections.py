@@ -31,7 +31,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from asyncrl.gateway.schema import error_body
+from asyncrl_gateway.schema import error_body
 
 __all__ = ["ConnectionLimits", "GuardedHttp", "MAX_HEAD_BYTES"]
 

@@ -31,7 +31,7 @@ other models passes straight through the wrapper unrecorded (it records only the
 modules of the model it was built for). Nested recorders must exit in reverse order.
 
 Padding. The trainer's micro-batches are right-padded without an attention mask (see
-:class:`asyncrl.training.batches.MicroBatch`). :meth:`QKVAmaxRecorder.sample` takes an optional
+:class:`asyncrl_torch.batches.MicroBatch`). :meth:`QKVAmaxRecorder.sample` takes an optional
 ``[batch, seq]`` boolean mask of the positions to count; :func:`valid_positions` derives it
 from a micro-batch: a sequence with response tokens ends right after its last one, so its
 pads are excluded exactly. A sequence without response tokens has an unknown length (its pad
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncrl.training.batches import MicroBatch
+from asyncrl_torch.batches import MicroBatch
 
 if TYPE_CHECKING:
     from transformers.modeling_utils import AttentionInterface

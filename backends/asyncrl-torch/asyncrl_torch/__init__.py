@@ -15,7 +15,7 @@ same loss, batching and step bookkeeping:
 - :mod:`.byte_groups`: full weights in byte-budgeted groups for sharded exporters.
 
 The contract suite that checks a backend against a float64 reference is
-:mod:`asyncrl.testing.training`.
+:mod:`asyncrl_torch.contract.suite`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["DistributedTrainer", "StepStateError"]
 
 if TYPE_CHECKING:
-    from asyncrl.training.step_ledger import StepStateError
-    from asyncrl.training.trainer import DistributedTrainer
+    from asyncrl_torch.step_ledger import StepStateError
+    from asyncrl_torch.trainer import DistributedTrainer
 
 
 def __getattr__(name: str) -> Any:
-    # lazy, so that asyncrl.training.options stays importable without torch
+    # lazy, so that asyncrl_torch.options stays importable without torch
     if name == "DistributedTrainer":
-        from asyncrl.training.trainer import DistributedTrainer
+        from asyncrl_torch.trainer import DistributedTrainer
 
         return DistributedTrainer
     if name == "StepStateError":
-        from asyncrl.training.step_ledger import StepStateError
+        from asyncrl_torch.step_ledger import StepStateError
 
         return StepStateError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,7 +63,7 @@ with 4 readers on another host, 3 copies of each bucket crossed the link (64 MiB
 to 4 readers beyond a veth pair: 203 MB sent on it). So with gloo the sender's group holds the readers of its own host
 and one reader per other host (its *leader*, the first of that host's receivers); each
 leader passes every bucket on to its host's other readers over a group of their own
-(:func:`~asyncrl.transfers.collective.fan_out`; ``NcclHandle.fans``): one copy per host on
+(:func:`~asyncrl_torch.transfers.collective.fan_out`; ``NcclHandle.fans``): one copy per host on
 the link. NCCL needs none of this: its rings are laid out by node, entering each node once
 and going on within it over NVLink or PCIe peer copies, so the sender's NCCL group holds
 every reader (NCCL's design; not measured here, with one GPU).
@@ -100,7 +100,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer
-from asyncrl.transfers.collective import (
+from asyncrl_torch.transfers.collective import (
     _PREFIX,
     CLOSE_GRACE_S,
     HOST_ENV_VAR,

@@ -2,7 +2,7 @@
 
 ::
 
-    from asyncrl.testing.training import TrainingBackendContract
+    from asyncrl_torch.contract.suite import TrainingBackendContract
 
     class TestMyBackend(TrainingBackendContract):
         backend = "my-backend"      # the asyncrl.training_backends entry-point name
@@ -10,7 +10,7 @@
         options = {"my_knob": 3}    # extra [trainer.options]
 
 The suite builds a tiny random Qwen2 model, runs the backend under ``torchrun`` through
-:mod:`asyncrl.testing.contract_rank` (the scenario is in its docstring), and compares what the
+:mod:`asyncrl_torch.contract.rank` (the scenario is in its docstring), and compares what the
 ranks saw with an independent single-process **float64** reference written here: plain
 transformers, one sequence per forward, the same loss written out token by token, the
 gradient clipped by hand and AdamW applied by hand. It checks that
@@ -34,7 +34,7 @@ gradient clipped by hand and AdamW applied by hand. It checks that
   reference: a mask of all ones is the step without a mask.
 
 The backend must accept the shared hyperparameter names of
-:class:`asyncrl.training.options.TrainerOptions` (``lr``, ``betas``, ``eps``, ``weight_decay``,
+:class:`asyncrl_torch.options.TrainerOptions` (``lr``, ``betas``, ``eps``, ``weight_decay``,
 ``max_grad_norm``, ``attn_implementation``, ``num_threads``); override
 :meth:`TrainingBackendContract.backend_options` to map them onto other names.
 """
@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from asyncrl.testing.contract_rank import (
+from asyncrl_torch.contract.rank import (
     FULLY_MASKED,
     MASKED_CHUNKS,
     NUM_SEQUENCES,

@@ -1,4 +1,4 @@
-"""Collective-group plumbing of the ``nccl`` weight transfer (:mod:`asyncrl.transfers.nccl`):
+"""Collective-group plumbing of the ``nccl`` weight transfer (:mod:`asyncrl_torch.transfers.nccl`):
 timeouts, the advertised store host, a standalone process group (NCCL or gloo, built without
 ``init_process_group``), bounded broadcasts and the sender's broadcast thread. Imports torch
 only when a group is made."""
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-IDENTITY_ENV_VAR = "ASYNCRL_TRANSFER_IDENTITY"
-"""The reader's receiver identity (``rollout:<rank>``), set for the engine's processes."""
+from asyncrl.transfers import IDENTITY_ENV_VAR
+
 HOST_ENV_VAR = "ASYNCRL_NCCL_HOST"
 """The address readers reach the sender's store at (default: this host name's address)."""
 TIMEOUT_ENV_VAR = "ASYNCRL_NCCL_TIMEOUT_S"

@@ -1,4 +1,4 @@
-"""The ``wandb`` metrics sink (Weights & Biases): ``pip install 'asyncrl[wandb]'``.
+"""The ``wandb`` metrics sink (Weights & Biases): ``pip install -e 'plugins/asyncrl-trackers[wandb]'``.
 
 One W&B run per asyncrl run (id: the controller's run id; created with
 ``reinit="create_new"``, so a host's own ``wandb.run`` is left alone, and with
@@ -28,13 +28,13 @@ import msgspec
 
 from asyncrl.errors import PluginError
 from asyncrl.sinks import SinkPlugin, parse_options
-from asyncrl.sinks.mapping import scalars, table
+from asyncrl_trackers.mapping import scalars, table
 
 try:
     import wandb
 except ImportError as exc:  # fail when the plugin is loaded, before any process starts
     raise PluginError(
-        "the wandb metrics sink needs the wandb package: pip install 'asyncrl[wandb]'"
+        "the wandb metrics sink needs the wandb package: pip install -e 'plugins/asyncrl-trackers[wandb]'"
     ) from exc
 
 __all__ = ["PLUGIN", "WandbSink"]

@@ -1,9 +1,9 @@
-"""The ``mlflow`` metrics sink: ``pip install 'asyncrl[mlflow]'`` (mlflow-skinny: the client
+"""The ``mlflow`` metrics sink: ``pip install -e 'plugins/asyncrl-trackers[mlflow]'`` (mlflow-skinny: the client
 only, no server, no pandas).
 
 One MLflow run per asyncrl run (tag ``asyncrl.run_id``), in the experiment ``experiment``
 (created when missing). ``train/*`` and ``eval/*`` scalars are metrics at their steps
-(:mod:`asyncrl.sinks.mapping`), a ``/`` after the first one written ``.``
+(:mod:`asyncrl_trackers.mapping`), a ``/`` after the first one written ``.``
 (``train/reward/correct`` is ``train/reward.correct``: the file store cannot hold both it and
 ``train/reward``) and characters MLflow refuses in a name written ``_``; the resolved
 config is the run's parameters (flattened to ``section.key``, long values cut to MLflow's
@@ -33,7 +33,7 @@ import msgspec
 
 from asyncrl.errors import PluginError
 from asyncrl.sinks import SinkPlugin, parse_options
-from asyncrl.sinks.mapping import config_params, scalars, table
+from asyncrl_trackers.mapping import config_params, scalars, table
 
 try:
     import mlflow  # noqa: F401 - the package itself first: its submodules may be cached
@@ -41,7 +41,7 @@ try:
     from mlflow.tracking import MlflowClient
 except ImportError as exc:  # fail when the plugin is loaded, before any process starts
     raise PluginError(
-        "the mlflow metrics sink needs mlflow (or mlflow-skinny): pip install 'asyncrl[mlflow]'"
+        "the mlflow metrics sink needs mlflow (or mlflow-skinny): pip install -e 'plugins/asyncrl-trackers[mlflow]'"
     ) from exc
 
 __all__ = ["PLUGIN", "MlflowSink"]

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from asyncrl.gateway.conversation import Reply
+from asyncrl_gateway.conversation import Reply
 
 __all__ = ["CallResult", "Choice", "chat_chunks", "chat_response", "completion_chunks",
            "completion_response", "headers", "role_chunk", "sse"]  # fmt: skip

@@ -1,7 +1,7 @@
 """The ``tensorboard`` metrics sink, through tensorboardX (no torch, no TensorFlow):
-``pip install 'asyncrl[tensorboard]'``, then ``tensorboard --logdir <run.output_dir>/tensorboard``.
+``pip install -e 'plugins/asyncrl-trackers[tensorboard]'``, then ``tensorboard --logdir <run.output_dir>/tensorboard``.
 
-Writes ``train/*`` and ``eval/*`` scalars at their steps (:mod:`asyncrl.sinks.mapping`), the
+Writes ``train/*`` and ``eval/*`` scalars at their steps (:mod:`asyncrl_trackers.mapping`), the
 resolved config as the text ``config`` (JSON, step 0) and each ``completions`` record as the
 text ``completions`` (a markdown table) at its step.
 
@@ -19,13 +19,13 @@ import msgspec
 
 from asyncrl.errors import PluginError
 from asyncrl.sinks import SinkPlugin, parse_options
-from asyncrl.sinks.mapping import config_text, markdown_table, scalars, table
+from asyncrl_trackers.mapping import config_text, markdown_table, scalars, table
 
 try:
     from tensorboardX import SummaryWriter
 except ImportError as exc:  # fail when the plugin is loaded, before any process starts
     raise PluginError(
-        "the tensorboard metrics sink needs tensorboardX: pip install 'asyncrl[tensorboard]'"
+        "the tensorboard metrics sink needs tensorboardX: pip install -e 'plugins/asyncrl-trackers[tensorboard]'"
     ) from exc
 
 __all__ = ["PLUGIN", "TensorBoardSink"]

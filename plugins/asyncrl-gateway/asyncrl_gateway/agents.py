@@ -1,6 +1,6 @@
 """Managed agents: the command ``gateway.agent`` run once per session.
 
-The agent is started in a process group of its own under :mod:`asyncrl.gateway.agent_shim`
+The agent is started in a process group of its own under :mod:`asyncrl_gateway.agent_shim`
 (which ends everything the agent started when the agent exits, or the controller), with ``OPENAI_BASE_URL`` (its session's
 ``/s/<id>/v1``), ``OPENAI_API_KEY`` (the session's key), ``ASYNCRL_SESSION_ID`` and
 ``ASYNCRL_PROMPT_ID`` set, and the prompt on its stdin as one JSON object::
@@ -16,7 +16,7 @@ started, in its group or not (the shim is their subreaper); the controller SIGKI
 shim's group if it is not gone within :data:`END_S`. Nothing the agent started outlives its
 session.
 
-The command is :func:`~asyncrl.gateway.agent_command.agent_command` of ``gateway.agent``, run
+The command is :func:`~asyncrl_gateway.agent_command.agent_command` of ``gateway.agent``, run
 in ``gateway.agent_dir``; at most ``gateway.max_agents`` agents run at once, and a session
 beyond that waits for a slot before its agent starts (its deadlines start with its agent).
 """
@@ -36,15 +36,15 @@ import msgspec
 import structlog
 
 from asyncrl.config.gateway import GatewayConfig
-from asyncrl.gateway import agent_shim
-from asyncrl.gateway.agent_command import agent_command, agent_environment
-from asyncrl.gateway.schema import GatewayError
-from asyncrl.gateway.sessions import Finish, Session, SessionTable
+from asyncrl_gateway import agent_shim
+from asyncrl_gateway.agent_command import agent_command, agent_environment
+from asyncrl_gateway.schema import GatewayError
+from asyncrl_gateway.sessions import Finish, Session, SessionTable
 from asyncrl.procs.process import kill_process_group
 
 __all__ = ["ManagedAgents"]
 
-log = structlog.get_logger("asyncrl.gateway.agents")
+log = structlog.get_logger("asyncrl_gateway.agents")
 
 END_S = 5.0
 """Bound on the shim's end of an agent it was told to end (a scan of ``/proc`` and a SIGKILL

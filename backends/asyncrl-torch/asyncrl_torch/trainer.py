@@ -29,7 +29,7 @@ the global loss sum, and :meth:`_apply_step` divides it by ``num_loss_tokens`` e
 Only the tokens a batch's ``loss_mask`` marks train: the others (observations the controller
 inserted into a multi-turn sequence) are forwarded as context but add neither loss, nor
 gradient, nor statistics, and are not counted in ``num_loss_tokens``.
-The contract suite (:mod:`asyncrl.testing.training`) checks the result against a float64
+The contract suite (:mod:`asyncrl_torch.contract.suite`) checks the result against a float64
 single-process reference, so an engine's own averaging over ranks or accumulation steps
 cannot slip through.
 
@@ -59,7 +59,7 @@ from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatc
 from asyncrl.policy.grpo import AnyBatch
 from asyncrl.policy.packing import Layout, check_packed
 
-from asyncrl.training.batches import (
+from asyncrl_torch.batches import (
     MicroBatch,
     dummy_micro_batch,
     make_micro_batch,
@@ -70,10 +70,10 @@ from asyncrl.training.batches import (
     restore_order,
     to_device,
 )
-from asyncrl.training.kv_calibration import all_reduce_max, calibrate_kv_scales
-from asyncrl.training.step_ledger import StepLedger
-from asyncrl.training.loss import kl_to_reference, ppo_clip_loss
-from asyncrl.training.options import TrainerOptions
+from asyncrl_torch.kv_calibration import all_reduce_max, calibrate_kv_scales
+from asyncrl_torch.step_ledger import StepLedger
+from asyncrl_torch.loss import kl_to_reference, ppo_clip_loss
+from asyncrl_torch.options import TrainerOptions
 
 __all__ = ["DistributedTrainer"]
 
@@ -213,7 +213,7 @@ class DistributedTrainer:
 
     def _check_packing(self) -> None:
         """``trainer.pack_sequences``: refuse to start if a packed sequence's logprobs depend
-        on the sequence before it in the row (:func:`~asyncrl.training.batches.packing_check`).
+        on the sequence before it in the row (:func:`~asyncrl_torch.batches.packing_check`).
         If the model's attention ignored the boundaries, every packed step would train on
         wrong logprobs without any error."""
         with torch.no_grad():
@@ -416,7 +416,7 @@ class DistributedTrainer:
         self, batch: TokenBatch, *, percentile: float, margin: float, include_q: bool
     ) -> dict[str, float]:
         """FP8 KV-cache scales of the current weights on this rank's ``batch`` (see
-        :mod:`asyncrl.training.kv_calibration`); every rank returns the same, maxed across
+        :mod:`asyncrl_torch.kv_calibration`); every rank returns the same, maxed across
         ranks."""
         self._started()
         problem = check_packed(
@@ -437,7 +437,7 @@ class DistributedTrainer:
     def _plan(
         self, batch: AnyBatch, problem: str | None
     ) -> tuple[AnyBatch, list[tuple[int, int]], np.ndarray | None]:
-        """:func:`~asyncrl.training.batches.plan_micro_batches` by ``[trainer]``; no
+        """:func:`~asyncrl_torch.batches.plan_micro_batches` by ``[trainer]``; no
         micro-batch for a malformed batch."""
         if problem is not None:
             return batch, [], None

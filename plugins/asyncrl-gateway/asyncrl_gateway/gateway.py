@@ -7,7 +7,7 @@ opens a session, hands it to an agent (the lobby for agents that call in, or a m
 process), and serves the session's calls in the episode's own task, so they go through the
 same scheduler, staleness bound and refits as any episode's turns: a call waiting for a refit
 waits; a call whose episode the run cancels is answered 410. The HTTP side is
-:mod:`asyncrl.gateway.server`; what is pure (request types, the conversation, replies, the
+:mod:`asyncrl_gateway.server`; what is pure (request types, the conversation, replies, the
 session table) lives in the modules beside it.
 
 One call, token-exact::
@@ -42,7 +42,7 @@ from asyncrl.env.episode import Episode, EpisodeLimit, Generated
 from asyncrl.env.tool_parsers import ToolCallParser
 from asyncrl.env.trajectory import TrajectoryError
 from asyncrl.environment import Prompt, Score
-from asyncrl.gateway.conversation import (
+from asyncrl_gateway.conversation import (
     ChatLog,
     Continue,
     cut_at_stop,
@@ -50,9 +50,9 @@ from asyncrl.gateway.conversation import (
     template_message,
     tool_definitions,
 )
-from asyncrl.gateway.replies import CallResult, Choice
-from asyncrl.gateway.schema import ChatRequest, CompletionRequest, GatewayError, now_s
-from asyncrl.gateway.sessions import Call, Finish, Session, SessionTable
+from asyncrl_gateway.replies import CallResult, Choice
+from asyncrl_gateway.schema import ChatRequest, CompletionRequest, GatewayError, now_s
+from asyncrl_gateway.sessions import Call, Finish, Session, SessionTable
 
 __all__ = ["Gateway", "SessionFailed", "check_gateway"]
 
@@ -551,7 +551,7 @@ def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCa
         PluginError: ``episode.tool_parser`` names no installed parser.
 
     The managed agent's command is checked apart, once
-    (:func:`~asyncrl.gateway.agent_command.check_agent`: it runs a process).
+    (:func:`~asyncrl_gateway.agent_command.check_agent`: it runs a process).
     """
     from asyncrl.env.tool_parsers import load_tool_parser
     from asyncrl.errors import config_error

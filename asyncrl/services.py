@@ -1,0 +1,71 @@
+"""Services: optional parts served on the controller's loop beside the run's own loops, found
+through the entry-point group ``asyncrl.services`` like every other plugin. The
+OpenAI-compatible gateway (``plugins/asyncrl-gateway``, ``[gateway] enabled = true``) is one.
+
+A service may stand in front of the run's environment: the gateway's sessions are the run's
+episodes, their turns the calls of an agent program. The controller asks a service three
+things, in this order::
+
+    service = load_service("gateway", "gateway.enabled")  # imported and checked once
+    await service.check(config, environment, tokenizer)    # preflight: before any process
+    served = service.build(config, environment, tokenizer) # when the run's loops are built
+    environment = served.environment                       # the episodes come from here
+    await task_group.start(served.serve)                   # lives as long as the run
+
+Which services a run has is read from its config (:func:`enabled_services`): a service's
+settings are a config section of its own, whose ``enabled`` switches it on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from asyncrl import plugins
+from asyncrl.backend import check_backend
+from asyncrl.environment import Environment
+
+__all__ = ["GROUP", "Served", "Service", "enabled_services", "load_service"]
+
+GROUP = "asyncrl.services"
+
+
+class Served(Protocol):
+    """A service built for one run."""
+
+    environment: Environment
+    """Where the run's episodes come from: the run's environment, or one the service puts in
+    front of it (the gateway's sessions)."""
+    episode_deadline_s: float | None
+    """Each episode's deadline, in place of ``episode.deadline_s`` (``None``: that one). The
+    gateway's is infinite: a session waits on an agent program, which has deadlines of its own."""
+
+    async def serve(self, *, task_status: Any = ...) -> None:
+        """Serve until cancelled; ``task_status.started()`` once clients can connect."""
+
+
+class Service(Protocol):
+    """What an entry point of ``asyncrl.services`` names."""
+
+    async def check(self, config: Any, environment: Environment, tokenizer: Any) -> None:
+        """Everything the service needs of the run, checked before any process or file
+        exists; a mistake is a ``ConfigError`` naming its field."""
+
+    def build(self, config: Any, environment: Environment, tokenizer: Any) -> Served:
+        """The service for this run, around the run's ``environment``; not yet serving."""
+
+
+def enabled_services(config: Any) -> list[str]:
+    """The services ``config`` switches on, by entry point name (the config section's name)."""
+    return ["gateway"] if config.gateway.enabled else []
+
+
+def load_service(name: str, field: str) -> Service:
+    """Import service ``name`` and check it against :class:`Service`, once.
+
+    Raises:
+        PluginError: not installed (naming ``field`` and how to install it), failed to import,
+            or a method missing or of the wrong kind (naming the plugin and the method).
+    """
+    service = plugins.load(GROUP, name, field)
+    check_backend(service, Service, plugin=name, group=GROUP)
+    return service
