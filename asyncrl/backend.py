@@ -24,7 +24,6 @@ This module imports neither torch nor any engine.
 from __future__ import annotations
 
 import collections
-import difflib
 import inspect
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +34,13 @@ import structlog
 
 from asyncrl.config import Config
 from asyncrl.errors import PluginError
-from asyncrl.plugins import GROUPS
+from asyncrl.plugins import (
+    GROUPS,
+    declared_attributes,
+    declared_methods,
+    method_problem,
+    public_names,
+)
 from asyncrl.wire.messages import (
     ChunkResult,
     GenRequest,
@@ -51,6 +56,7 @@ __all__ = [
     "EngineWatch",
     "GenerationBackend",
     "KVCalibration",
+    "ReadsLossInputs",
     "ReferencePolicy",
     "Reprefill",
     "SampleSink",
@@ -249,6 +255,17 @@ class ReferencePolicy(Protocol):
         """Like :meth:`~TrainingBackend.compute_logprobs`, under the reference policy."""
 
 
+class ReadsLossInputs(Protocol):
+    """Optional for a :class:`TrainingBackend` whose ``train_chunk`` reads optional
+    :class:`~asyncrl.wire.messages.TrainBatch` fields: the trainer worker refuses, before the
+    backend starts, a run whose loss needs a field the backend does not list (docs/losses.md)."""
+
+    loss_inputs: frozenset[str]
+    """The fields it reads, of ``proximal_logprobs`` (the ratio's denominator instead of the
+    forward's own) and ``reference_logprobs`` (the KL term against the reference policy): a
+    set, frozenset, list or tuple of those names."""
+
+
 class SentWeightsScoring(Protocol):
     """Optional for a :class:`TrainingBackend` whose weights are not the ones it sends: float32
     master weights that :meth:`~TrainingBackend.iter_weights` rounds to ``model.dtype``. Refit
@@ -362,12 +379,13 @@ def check_backend(
     plugin: str,
     group: str,
     optional: Sequence[type] = (),
-) -> dict[str, Callable[..., Any] | None]:
+) -> dict[str, Any]:
     """Check a just-created backend against the protocol of its group, once, before it starts.
 
     Every method ``protocol`` declares must be present, callable, and ``async def`` exactly
     where the protocol's is. The methods of the ``optional`` protocols may be absent; present,
-    they are checked the same way. Checked here rather than on first use, a misspelt method
+    they are checked the same way; their attributes (:class:`ReadsLossInputs`'s) may be absent,
+    and present must not be methods. Checked here rather than on first use, a misspelt method
     is one error at start-up instead of a failed call in the middle of a run, and the runtime
     calls methods directly instead of probing with ``getattr`` on every call.
 
@@ -377,24 +395,31 @@ def check_backend(
         plugin: the backend's entry point name (``generator.backend`` / ``trainer.backend``).
         group: its entry point group, e.g. ``asyncrl.generation_backends``.
         optional: protocols whose methods the backend may have (:class:`EngineWatch`,
-            :class:`KVCalibration`).
+            :class:`KVCalibration`, :class:`ReadsLossInputs`).
 
     Returns:
-        Each optional method by name: the backend's bound method, or ``None`` without one.
+        Each optional method and attribute by name: the backend's bound method (its value),
+        or ``None`` without one.
 
     Raises:
         PluginError: naming the plugin, its group and every method that is missing (with a
             did-you-mean for a near name the backend has), not callable, or of the wrong kind.
     """
-    required = _declared(protocol)
-    extra = {name: is_async for proto in optional for name, is_async in _declared(proto).items()}
-    spare = [n for n in dir(backend) if not n.startswith("_") and n not in required | extra]
+    required = declared_methods(protocol)
+    extra = {name: kind for proto in optional for name, kind in declared_methods(proto).items()}
+    fields = [name for proto in optional for name in declared_attributes(proto)]
+    spare = public_names(backend, [*required, *extra, *fields])
     problems = [_problem(backend, name, is_async, spare) for name, is_async in required.items()]
-    found = {name: getattr(backend, name, None) for name in extra}
+    found: dict[str, Any] = {name: getattr(backend, name, None) for name in [*extra, *fields]}
     problems += [
         _problem(backend, name, is_async, spare)
         for name, is_async in extra.items()
         if found[name] is not None
+    ]
+    problems += [
+        f"{name!r} must be an attribute, not a method"
+        for name in fields
+        if inspect.ismethod(found[name]) or inspect.isfunction(found[name])
     ]
     wrong = [p for p in problems if p]
     if wrong:
@@ -407,29 +432,12 @@ def check_backend(
     return found
 
 
-def _declared(protocol: type) -> dict[str, bool]:
-    """The public methods ``protocol`` declares, each with whether it is ``async def``."""
-    return {
-        name: inspect.iscoroutinefunction(fn)
-        for name, fn in vars(protocol).items()
-        if inspect.isfunction(fn) and not name.startswith("_")
-    }
-
-
 def _problem(backend: Any, name: str, is_async: bool, spare: Sequence[str]) -> str:
     """What is wrong with ``backend``'s method ``name`` ('' when nothing is); ``spare``: the
     backend's other public names, where a misspelt method would be."""
-    method = getattr(backend, name, None)
-    if method is None:
-        near = difflib.get_close_matches(name, spare, n=1, cutoff=0.7)
-        return f"no method {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
-    if not callable(method):
-        return f"{name!r} is not callable (it is a {type(method).__name__})"
-    if is_async and not inspect.iscoroutinefunction(method):
-        return f"{name!r} must be `async def` (the worker awaits it on its event loop)"
-    if not is_async and inspect.iscoroutinefunction(method):
-        return f"{name!r} must be a plain method, not `async def` (it runs in the trainer's thread)"
-    return ""
+    return method_problem(backend, name, is_async, spare,
+                          awaited="the worker awaits it on its event loop",
+                          plain="it runs in the trainer's thread")  # fmt: skip
 
 
 def drain_weights(weights: Iterator[WeightTensor], *, after_failure: bool = False) -> None:

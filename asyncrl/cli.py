@@ -139,7 +139,7 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
     import shutil
     from pathlib import Path
 
-    from asyncrl.run import checkpoint_dir as ckpt
+    from asyncrl.checkpoints import directory as ckpt
 
     try:
         checkpoint = ckpt.open_checkpoint(ckpt.resolve(spec, spec))
@@ -181,7 +181,7 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
 def _refuse_nonfinite(checkpoint: Any, model: Any) -> None:
     """A checkpoint whose model holds NaNs or infinities (one written before asyncrl refused to
     save such weights) is not exported."""
-    from asyncrl.run import checkpoint_dir as ckpt
+    from asyncrl.checkpoints import directory as ckpt
     from asyncrl.worker.export import nonfinite_tensors
 
     for path in sorted(model.glob("*.safetensors")):

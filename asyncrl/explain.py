@@ -59,22 +59,10 @@ def explain(exc: msgspec.ValidationError, root: type, prefix: str = "") -> str:
     return f"{prefix}.{message}" if prefix else message
 
 
-REMOVED = {
-    "refit.verify_tolerance_fp8_kv": (
-        "removed: refit verification measures the two sides' disagreement before the first "
-        "update, the FP8 KV cache's included, and judges refits by it (docs/refit.md). Fix: "
-        "remove it (refit.verify_noise_factor sets the margin)"
-    ),
-}
-"""Keys that existed once: what an unknown-key error says of them instead of a guess."""
-
-
 def _explain(text: str, root: type, prefix: str = "") -> str:
     if m := _UNKNOWN.match(text):
         key, section = m.group(1), m.group(2) or ""
         field = f"{section}.{key}" if section else key
-        if not prefix and field in REMOVED:
-            return f"{field}: {REMOVED[field]}"
         node = _struct_at(root, section)
         known = [f.name for f in node.fields] if node is not None else []
         close = difflib.get_close_matches(key, known, n=1)

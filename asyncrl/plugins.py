@@ -38,11 +38,22 @@ first use. A missing name, a name registered twice, or a target that fails to im
 :class:`~asyncrl.errors.PluginError` with an install hint: a missing backend must never
 silently change a run. ``ASYNCRL_PLUGINS`` (comma-separated ``group:name`` or ``name``) is an
 optional allowlist.
+
+What a loaded plugin made is checked against its protocol once, when it loads (a backend by
+:func:`asyncrl.backend.check_backend`, an environment by
+:func:`asyncrl.env.capabilities.check_environment`, a sampler by
+:func:`asyncrl.policy.sampler_table.make_sampler`), with the helpers at the end of this module:
+the methods a protocol declares (:func:`declared_methods`), what is wrong with one of them on
+an object (:func:`method_problem`, with a did-you-mean), so that the run calls what it found
+directly and never probes a plugin object with ``getattr`` afterwards.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
@@ -50,7 +61,18 @@ from typing import Any
 
 from asyncrl.errors import PluginError
 
-__all__ = ["GROUPS", "PluginInfo", "available", "load", "require"]
+__all__ = [
+    "GROUPS",
+    "PluginInfo",
+    "available",
+    "declared_attributes",
+    "declared_methods",
+    "did_you_mean",
+    "load",
+    "method_problem",
+    "public_names",
+    "require",
+]
 
 GROUPS = MappingProxyType(
     {
@@ -158,3 +180,48 @@ def load(group: str, name: str, field: str | None = None) -> Any:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
     raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------ a plugin object's members
+def declared_methods(protocol: type) -> dict[str, bool]:
+    """The public methods ``protocol`` declares, each with whether it is ``async def``."""
+    return {
+        name: inspect.iscoroutinefunction(fn)
+        for name, fn in vars(protocol).items()
+        if inspect.isfunction(fn) and not name.startswith("_")
+    }
+
+
+def declared_attributes(protocol: type) -> list[str]:
+    """The public attributes ``protocol`` declares (annotated names, not methods)."""
+    return [n for n in vars(protocol).get("__annotations__", {}) if not n.startswith("_")]
+
+
+def public_names(obj: Any, known: Sequence[str] = ()) -> list[str]:
+    """``obj``'s public names other than ``known``: where a misspelt member would be."""
+    return [n for n in dir(obj) if not n.startswith("_") and n not in known]
+
+
+def did_you_mean(name: str, spare: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the name of ``spare`` nearest ``name``; ``""`` for none."""
+    near = difflib.get_close_matches(name, list(spare), n=1, cutoff=0.7)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def method_problem(
+    obj: Any, name: str, is_async: bool, spare: Sequence[str], *, awaited: str, plain: str
+) -> str:
+    """What is wrong with ``obj``'s method ``name`` (``""`` when nothing is): missing (with a
+    did-you-mean among ``spare``, ``obj``'s other public names), not callable, or not
+    ``async def`` exactly where ``is_async`` says. ``awaited`` and ``plain`` say why, for the
+    message (who awaits an async method; where a plain one runs)."""
+    method = getattr(obj, name, None)
+    if method is None:
+        return f"no method {name!r}" + did_you_mean(name, spare)
+    if not callable(method):
+        return f"{name!r} is not callable (it is a {type(method).__name__})"
+    if is_async and not inspect.iscoroutinefunction(method):
+        return f"{name!r} must be `async def` ({awaited})"
+    if not is_async and inspect.iscoroutinefunction(method):
+        return f"{name!r} must be a plain method, not `async def` ({plain})"
+    return ""

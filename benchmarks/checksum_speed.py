@@ -7,11 +7,11 @@ Measured, best of three each:
 * ``hashlib`` in memory, 1 MiB updates: SHA-256 (what the manifests use) against the
   standard library's other digests (BLAKE2b is often the faster one in software; with SHA
   extensions in the CPU, SHA-256 is);
-* :func:`asyncrl.run.checksums.seal_tree` (hash + fsync, several files at once, as a save commits)
-  and :func:`asyncrl.run.checksums.verify_tree` (as a resume checks) over ``--files`` files of
+* :func:`asyncrl.checkpoints.checksums.seal_tree` (hash + fsync, several files at once, as a save commits)
+  and :func:`asyncrl.checkpoints.checksums.verify_tree` (as a resume checks) over ``--files`` files of
   ``--file-mb`` MiB in a temporary directory (page cache warm: the bytes were just written, as
   a checkpoint's are when it commits; a resume after a reboot reads from the disk instead);
-* the train split's fingerprint (:mod:`asyncrl.run.resume_rule`) for 100 000 short prompts.
+* the train split's fingerprint (:mod:`asyncrl.checkpoints.resume_rule`) for 100 000 short prompts.
 
 Results: a table on stdout and ``--out`` (JSON).
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 
 def _checksums() -> Any:
-    """``asyncrl/run/checksums.py`` by its path: it needs the standard library alone, so the
+    """``asyncrl/checkpoints/checksums.py`` by its path: it needs the standard library alone, so the
     measurement also runs on a host without asyncrl's dependencies."""
     import importlib.util
 
@@ -89,7 +89,7 @@ def on_files(num: int, mb: int) -> dict[str, Any]:
 def data_fingerprint(num: int = 100_000) -> dict[str, Any] | None:
     try:
         from asyncrl.environment import Prompt
-        from asyncrl.run.resume_rule import _data_digest
+        from asyncrl.checkpoints.resume_rule import _data_digest
     except ImportError:  # a host without asyncrl's dependencies
         return None
     prompts = [Prompt(id=f"p{i}", text=f"What is {i} + {i % 97}?", answer=i + i % 97)

@@ -27,15 +27,15 @@ Two settings, each a fresh pair of interpreters (children of this script):
 
 Each turn generates at most ``--turn-tokens`` tokens (it stops at the end token: about 1 in
 20 of an untrained bigram's) at ``--token-delay`` s a token (~0.8 s a call by default, as
-``benchmarks/episodes.py``; an LLM's turn takes seconds). ``[gateway]
-max_concurrent_requests`` is 2,048 (no 429 at 1,000 agents).
+``benchmarks/episodes.py``; an LLM's turn takes seconds). The gateway serves at most 2,048
+requests at once here (``Guards.max_concurrent_requests``; no 429 at 1,000 agents).
 
 The controller's child starts the load generator (the agents) as child interpreters of its
 own (``--agent-procs``; 8 on the GPU host's 16 cores), so the agents' CPU is not spent on the
 controller's loop (on 2 cores they still share the machine with it, the trainer and the
 rollout ranks). Their garbage collector is off (``--agents-gc on`` to compare): its pauses
 stalled their loops up to 111 ms, a tail charged to the gateway. Both sides run on
-``--loop`` (default: uvloop where installed, as ``run.event_loop = "auto"`` gives
+``--loop`` (default: uvloop where installed, as ``asyncrl.launch.EVENT_LOOP = "auto"`` gives
 ``asyncrl run``). Two clients (``--client``):
 
 - ``raw`` (:class:`RawHTTP`): one keep-alive HTTP/1.1 connection per agent, each request
@@ -133,9 +133,7 @@ def config(model: Path, out: Path, args: argparse.Namespace, sessions: int) -> d
     return {
         "model": {"path": str(model)},
         "environment": {"name": "repeat-digit"},
-        "run": {"num_steps": 100_000, "seed": 0, "output_dir": str(out),  # cancelled first
-                **({} if args.gc_young_interval is None
-                   else {"gc_young_interval_s": args.gc_young_interval})},  # fmt: skip
+        "run": {"num_steps": 100_000, "seed": 0, "output_dir": str(out)},  # cancelled first
         "cluster": {"trainer_ranks": 1, "rollout_ranks": args.ranks, "shutdown_grace_s": 5.0},
         "grpo": {"prompts_per_step": prompts, "samples_per_prompt": samples,
                  "max_new_tokens": args.turn_tokens},  # fmt: skip
@@ -148,7 +146,7 @@ def config(model: Path, out: Path, args: argparse.Namespace, sessions: int) -> d
         "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
         "trainer": {"backend": "bigram", "options": {"lr": 0.5}},
         "generator": {"backend": "bigram", "options": {"token_delay_s": args.token_delay}},
-        "gateway": {"enabled": True, "max_concurrent_requests": MAX_CONCURRENT_REQUESTS},
+        "gateway": {"enabled": True},  # its guards: controller_child
         "eval": {"num_prompts": 0},
         # the hostile client's sessions end before their first turn (a call over the context
         # does): each one's group is dropped, and the run would stop after 16 of them
@@ -162,9 +160,15 @@ async def controller_child(args: argparse.Namespace) -> None:
     import asyncrl
     import asyncrl.obs.log
     from asyncrl.config import from_dict
+    from asyncrl.obs import collector
     from asyncrl_example_backend.model import write_model_dir
+    from asyncrl_gateway import server
 
     asyncrl.obs.log.configure("console", level="error")  # a program's choice
+    # read when the run starts: the gateway's request cap, the collector's clock
+    server.GUARDS = server.Guards(max_concurrent_requests=MAX_CONCURRENT_REQUESTS)
+    if args.gc_young_interval is not None:
+        collector.GC_YOUNG_INTERVAL_S = args.gc_young_interval
     sessions = args.child_sessions
     warmup = 1 if sessions == 1 else args.warmup_steps
     seconds = args.single_seconds if sessions == 1 else args.seconds
@@ -680,7 +684,7 @@ def main(args: argparse.Namespace) -> None:
             "agent_processes": args.agent_procs,
             "event_loop": args.loop,
             "agents_gc": args.agents_gc,
-            "gc_young_interval_s": "the config's default" if args.gc_young_interval is None
+            "gc_young_interval_s": "the default (0.05)" if args.gc_young_interval is None
             else args.gc_young_interval,
             "http_parser": "httptools" if importlib.util.find_spec("httptools") else "h11",
             "client": "one keep-alive connection per agent, a raw HTTP/1.1 client (RawHTTP)"
@@ -731,8 +735,8 @@ if __name__ == "__main__":
                         help="count the objects each collection examines (slow, outside the "
                              "timing; for diagnosis)")
     parser.add_argument("--gc-young-interval", type=float, default=None,
-                        help="run.gc_young_interval_s (default: the config's; 0: Python's "
-                             "own collector, to compare)")
+                        help="asyncrl.obs.collector.GC_YOUNG_INTERVAL_S (default: its 0.05; "
+                             "0: Python's own collector, to compare)")
     parser.add_argument("--agent-procs", type=int, default=1,
                         help="load generator processes (the agents split between them)")
     parser.add_argument("--shared-client", action="store_true",
@@ -740,8 +744,8 @@ if __name__ == "__main__":
                         "connections (slow in httpcore's pool at 1,000: see the docstring)")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"),
                         default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-                        help="the event loop of the controller (default: run.event_loop's "
-                        "'auto', what asyncrl run uses) and of the agents")
+                        help="the event loop of the controller (default: EVENT_LOOP's 'auto', "
+                        "what asyncrl run uses) and of the agents")
     parser.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                         help="the agents' HTTP client (raw: see RawHTTP)")
     parser.add_argument("--agents-gc", choices=("on", "off"), default="off",

@@ -5,10 +5,10 @@ its own, started by the controller's child with the agents); it stops at a line 
 writes what it saw as JSON to ``--child-out``.
 
 - ``--hostile-big`` connections (default 1), each sending, back to back, bodies of the whole
-  ``gateway.max_body_bytes`` (4 MiB) as a session's chat call, in turn: ``messages`` (~140,000
-  one-letter messages: what held the loop ~1 s a request), ``text`` (one message of 4 MiB of
-  text: templating and encoding) and ``values`` (one message and 4 MiB of zeros in a field
-  the gateway ignores: decoding). It takes a session with ``POST /rl/sessions``, makes one
+  ``MAX_BODY_BYTES`` (4 MiB, asyncrl_gateway.server) as a session's chat call, in turn:
+  ``messages`` (~140,000 one-letter messages: what held the loop ~1 s a request), ``text``
+  (one message of 4 MiB of text: templating and encoding) and ``values`` (one message and
+  4 MiB of zeros in a field the gateway ignores: decoding). It takes a session with ``POST /rl/sessions``, makes one
   plain call on it (so that a call over the context ends it truncated, trained with reward
   0, rather than failing its group before its first turn: that would end the other sessions
   of the group, whose agents' calls would get 410, and measure the failure policy rather
@@ -32,7 +32,7 @@ import anyio
 import anyio.abc
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-"""``gateway.max_body_bytes``'s default: the largest body the gateway reads."""
+"""``asyncrl_gateway.server.MAX_BODY_BYTES``: the largest body the gateway reads."""
 
 
 def bodies(size: int) -> dict[str, bytes]:

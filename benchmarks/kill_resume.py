@@ -53,7 +53,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
+from asyncrl.checkpoints import directory as ckpt  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.config import parse_overrides  # noqa: E402
 from asyncrl.procs.space import shm_dir  # noqa: E402

@@ -88,8 +88,7 @@ def base_config(model: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     return {
         "model": {"path": str(model)},
         "environment": {"name": "repeat-digit"},
-        "run": {"num_steps": args.steps, "seed": 0, "output_dir": str(out)}
-        | ({} if args.gc_young_interval is None else {"gc_young_interval_s": args.gc_young_interval}),
+        "run": {"num_steps": args.steps, "seed": 0, "output_dir": str(out)},
         "cluster": {"trainer_ranks": 1, "rollout_ranks": 1, "shutdown_grace_s": 5.0},
         "grpo": {
             "prompts_per_step": args.prompts,
@@ -414,6 +413,10 @@ async def main(args: argparse.Namespace) -> None:
     asyncrl.obs.log.configure(
         "console", level="warning"
     )  # a program's choice; asyncrl never logs on import
+    if args.gc_young_interval is not None:  # read when each run starts
+        from asyncrl.obs import collector
+
+        collector.GC_YOUNG_INTERVAL_S = args.gc_young_interval
     mean_sample_s = args.median * math.exp(0.5) * args.token_delay
     if args.seq_delay < 0:  # default: a step trains about as long as a mean sample generates
         args.seq_delay = mean_sample_s / (args.prompts * args.samples)
@@ -515,7 +518,8 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--gc-young-interval", type=float, default=None,
-        help="run.gc_young_interval_s for every run (default: the config's; 0: Python's own)",
+        help="asyncrl.obs.collector.GC_YOUNG_INTERVAL_S for every run (default: its 0.05; 0: "
+        "Python's own)",
     )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)

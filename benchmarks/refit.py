@@ -511,7 +511,8 @@ def main() -> None:
                              "(in this process, next to the engine's client)")
     parser.add_argument("--staging-buffers", default="2",
                         type=lambda s: [int(x) for x in s.split(",")],
-                        help="1gpu: refit.staging_buffers, comma-separated cases")
+                        help="1gpu: staging buffers (asyncrl.transfers.STAGING_BUFFERS), "
+                        "comma-separated cases")
     parser.add_argument("--transport", default=None,
                         help="weight transfer (default: cuda_ipc on cuda, shm on cpu)")
     args = parser.parse_args()

@@ -108,9 +108,9 @@ def run_config(size: str, dtype: str, lr: float, args: argparse.Namespace, work:
         sections = run_sections(model, data, rewards)
         tokens = args.max_tokens
     sections["model"]["dtype"] = dtype
+    # probes of asyncrl.policy.verify.PROBE_SEQUENCES (16) sequences
     sections["refit"] = {
         **sections.get("refit", {}), "verify_first_steps": args.steps, "verify_every_steps": 0,
-        "verify_num_sequences": 16,
     }  # fmt: skip
     return {
         **sections,

@@ -1,8 +1,9 @@
 """Where a test run's time went, from the JUnit XML files pytest wrote (``--junitxml``): each
-stage's wall time against its budget and its test counts, each suite's (``tests/<suite>``)
-test time summed over its tests, and the slowest tests of the whole run (setup, call and
-teardown together), so that a change that slows the suite is seen in the log of the run it
-slowed. A stage on two workers shows about twice its wall time in test time.
+stage's wall time against its budget and its test counts, each suite's (``tests/<suite>``; a
+distribution's own tests as ``backends/<name>`` or ``plugins/<name>``) test time summed over
+its tests, and the slowest tests of the whole run (setup, call and teardown together), so
+that a change that slows the suite is seen in the log of the run it slowed. A stage on two
+workers shows about twice its wall time in test time.
 
     python scripts/suite_report.py DIR [--slowest 10]
 
@@ -64,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     suites: dict[str, list[tuple[str, float, str]]] = {}
     for case in every:
         suites.setdefault("/".join(case[0].split("/")[:2]), []).append(case)
-    print(f"\n{'suite':<18} {'tests':>6} {'test time':>10}")
+    print(f"\n{'suite':<26} {'tests':>6} {'test time':>10}")
     for suite, cases in sorted(suites.items()):
-        print(f"{suite:<18} {len(cases):>6} {sum(c[1] for c in cases):>9.0f}s")
+        print(f"{suite:<26} {len(cases):>6} {sum(c[1] for c in cases):>9.0f}s")
     for line in over:
         print(f"OVER BUDGET: {line}. Find what slowed it (the slowest tests below, the stage's "
               "--durations) or, if it had to grow, raise its budget in scripts/test.sh with "

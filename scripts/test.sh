@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install everything, then run the test suite in two stages, each on both cores:
-#   unit:    pure logic and in-process sockets (-n 2);
+#   unit:    pure logic and in-process sockets (-n 2): tests/unit and the optional
+#            distributions' own tests (backends/asyncrl-torch/tests,
+#            plugins/asyncrl-gateway/tests, plugins/asyncrl-trackers/tests; that each passes
+#            on its own install is scripts/test_own_installs.sh's, which CI does not run);
 #   engines: contract (the training-backend contract on fsdp2 and deepspeed under torchrun),
 #            integration (real processes on the numpy bigram engine, the fault matrix) and
 #            e2e (vLLM CPU build + FSDP2 / DeepSpeed) with gpu (skipped without CUDA), on two
@@ -28,10 +31,11 @@ fi
 # the report (suite_report.py: "over budget"), so that the change that slowed it sees it in
 # its own log; one past twice its budget is stopped and fails the run (a hang). Failing at the
 # budget itself would fail CI on a machine slower than this one.
+UNIT="tests/unit backends/asyncrl-torch/tests plugins/asyncrl-gateway/tests plugins/asyncrl-trackers/tests"
 if [ "${1:-}" = fast ]; then
-  STAGES=("unit 3 -n 2 tests/unit" "end-to-end 1 -m fast tests/integration")
+  STAGES=("unit 3 -n 2 $UNIT" "end-to-end 1 -m fast tests/integration")
 else
-  STAGES=("unit 3 -n 2 tests/unit"
+  STAGES=("unit 3 -n 2 $UNIT"
           "engines 30 -n 2 --dist loadscope tests/e2e tests/gpu tests/contract tests/integration")
 fi
 report=$(mktemp -d)

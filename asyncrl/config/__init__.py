@@ -15,6 +15,7 @@ their field docstrings by ``scripts/gen_config_docs.py``):
 ``operations`` ``[eval]``, ``[checkpoint]``, ``[export]``, ``[failures]``, ``[metrics]``
 ``root``       :class:`Config`, what derives from it, :func:`problems`, :func:`validate`
 ``loading``    :func:`load_config`, :func:`from_dict`, :func:`to_dict`
+``removed``    keys that existed once, each with what replaced it (the loader's error)
 ``modes``      what the asynchrony settings amount to (``asyncrl check-config``'s report)
 ============== ===========================================================================
 

@@ -17,38 +17,42 @@ __all__ = ["EpisodeConfig"]
 class EpisodeConfig(Section):
     max_turns: int = 8
     """Turns (engine requests) one episode may take; ``generate()`` past them raises
-    ``EpisodeLimit("turns")``."""
+    ``EpisodeLimit("turns")``. Set it to what the task needs (tool calls plus the answer)."""
     max_context_tokens: int = 4096
     """Tokens in one episode's whole conversation (prompt, turns, observations); a turn is cut
     to what is left, and ``generate()`` with nothing left raises ``EpisodeLimit("context")``.
-    At most the engine's context (vLLM's ``max_model_len``)."""
+    At most the engine's context (vLLM's ``max_model_len``). Raise it for long conversations, up
+    to the engine's context."""
     max_turn_tokens: int = 0
-    """Tokens one turn may generate (``0``: ``grpo.max_new_tokens``)."""
+    """Tokens one turn may generate (``0``: ``grpo.max_new_tokens``). Set it when one turn
+    should be shorter than ``grpo.max_new_tokens``."""
     deadline_s: float = 600.0
     """Wall-clock deadline of one episode (turns, tools and the environment's own awaits); an
-    episode past it is cancelled and truncated (``"deadline"``)."""
+    episode past it is cancelled and truncated (``"deadline"``). Raise it for slow tools or long
+    episodes."""
     on_truncation: Literal["zero", "mask"] = "zero"
     """A truncated episode (a limit hit, or the deadline): ``zero`` trains it with reward 0;
-    ``mask`` gives it reward 0 in its group's baseline but trains none of its tokens (as
-    DAPO's overlong filtering). An episode that catches ``EpisodeLimit`` scores itself."""
+    ``mask`` gives it reward 0 in its group's baseline but trains none of its tokens (as DAPO's
+    overlong filtering). An episode that catches ``EpisodeLimit`` scores itself. Set ``mask``
+    when cut-off episodes should not count as wrong answers."""
     on_template_mismatch: Literal["split", "refuse"] = "split"
     """When re-rendering the conversation with the chat template would not reproduce the
     tokens already recorded (a template that drops earlier reasoning, or adds or strips a
     boundary token): ``split`` trains the episode as several samples, cut there; ``refuse``
-    fails the episode naming the turn and the first difference."""
+    fails the episode naming the turn and the first difference. Set ``refuse`` to find out why a
+    template does not re-render what was recorded."""
     tool_parser: str = "hermes"
     """The tool-call parser (``asyncrl.tool_parsers`` entry point) that reads tool calls from
-    generated text: ``hermes`` (Qwen2.5/Qwen3 ``<tool_call>``), ``llama3_json``, ``mistral``."""
+    generated text: ``hermes`` (Qwen2.5/Qwen3 ``<tool_call>``), ``llama3_json``, ``mistral``.
+    Set it to the parser of the model's tool-call format."""
     tool_timeout_s: float = 30.0
-    """Deadline of one tool call; a tool past it is cancelled and the model reads a timeout."""
-    max_concurrent_tools: int = 64
-    """Tool calls running at once across the run (more wait their turn)."""
+    """Deadline of one tool call; a tool past it is cancelled and the model reads a timeout.
+    Raise it for slow tools."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[episode]``."""
         out = at_least_one({"episode.max_turns": self.max_turns,
-                            "episode.max_context_tokens": self.max_context_tokens,
-                            "episode.max_concurrent_tools": self.max_concurrent_tools})  # fmt: skip
+                            "episode.max_context_tokens": self.max_context_tokens})  # fmt: skip
         if self.max_turn_tokens < 0:
             out.append(fail("episode.max_turn_tokens", f"must be >= 0, got {self.max_turn_tokens}",
                             "use 0 for grpo.max_new_tokens"))  # fmt: skip

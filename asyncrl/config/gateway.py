@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from asyncrl.config.section import Section, at_least_one, fail, not_negative
+from asyncrl.config.section import Section, fail, not_negative
 from asyncrl.errors import ConfigError
 
 __all__ = ["GatewayConfig"]
@@ -17,19 +17,23 @@ class GatewayConfig(Section):
     enabled: bool = False
     """Serve the run's episodes as sessions of an OpenAI-compatible endpoint: each episode is
     one agent's conversation, its calls recorded token-exact and trained with the reward the
-    session ends with."""
+    session ends with. Turn it on to train an agent program that calls an OpenAI-compatible API."""
     host: str = "127.0.0.1"
     """The address to listen on. Anything but a loopback address exposes the gateway to the
-    network (every call still needs a key)."""
+    network (every call still needs a key). Set another address only for agents on other
+    machines."""
     port: int = 0
-    """The port (``0``: a free one, written to ``<run.output_dir>/gateway.json``)."""
+    """The port (``0``: a free one, written to ``<run.output_dir>/gateway.json``). Set a fixed
+    port when agents cannot read ``gateway.json``."""
     agent: list[str] = []
     """The managed agent: a command (argv) the controller runs once per session, with
     ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` set for it and the prompt as JSON on its stdin;
     the environment's ``score(prompt, completion)`` scores its last answer when it exits 0.
-    Empty: agents call in by themselves (``POST /rl/sessions`` with the admin key)."""
+    Empty: agents call in by themselves (``POST /rl/sessions`` with the admin key). Set it to
+    have the controller start an agent per session."""
     agent_env: dict[str, str] = {}
-    """More environment variables for the managed agent."""
+    """More environment variables for the managed agent. Set what your agent needs (its tools'
+    keys, its settings)."""
     agent_dir: str = ""
     """The managed agent's working directory (``""``: the config file's directory; a relative
     path is taken from there), and what ``gateway.agent`` is resolved against: a first word
@@ -59,10 +63,12 @@ class GatewayConfig(Section):
     Turn it off only for a program that cannot answer ``--help``."""
     keep_agent_logs: bool = False
     """Keep every managed agent's output (``<run.output_dir>/logs/agents/``); by default only
-    those of agents that did not exit 0 are kept."""
+    those of agents that did not exit 0 are kept. Turn it on to read what successful agents did
+    too."""
     session_timeout_s: float = 600.0
     """A session's whole deadline, from the moment it is handed out: past it the session
-    ends truncated (``episode.on_truncation``) and a managed agent is killed."""
+    ends truncated (``episode.on_truncation``) and a managed agent is killed. Raise it for
+    agents that run longer."""
     claim_timeout_s: float = 20.0
     """Longest wait for the first model call of a session taken with ``POST /rl/sessions``:
     past it the session is offered again (to the next ``POST /rl/sessions``, under a new id
@@ -77,28 +83,8 @@ class GatewayConfig(Section):
     idle_timeout_s: float = 120.0
     """Longest wait between two calls of a session, or from its last call to its reward (the
     agent's tools and its own work run in between): past it the session fails (its agent
-    went away) and its group runs again under ``[failures]``."""
-    max_concurrent_requests: int = 4096
-    """HTTP requests served at once; more get 429 (with ``Retry-After``)."""
-    max_body_bytes: int = 4 * 1024 * 1024
-    """Largest request body; a larger one gets 413."""
-    max_json_values: int = 131072
-    """Most JSON values in a request body, counted before it is decoded; more get 413.
-    Counted as its commas, brackets and braces, those inside strings too (an upper bound; in
-    a worker thread, about 1 ms a 4 MiB body; skipped for bodies of at most twice this many
-    bytes, which cannot hold more). Decoding takes the
-    controller's loop up to ~55 ns a value and cannot be moved off it (the decoder holds the
-    GIL): a 4 MiB body of empty objects took 77 ms; this bounds it to ~7 ms. A request needs
-    a few values a message, a few dozen a tool, and one a token id of a text completion's
-    prompt; prose has about a comma every 60 characters."""
-    max_messages: int = 2048
-    """Most messages in a chat request; more get 400 (``array_above_max_length``) before
-    anything else is done with them. Each message costs the loop a few microseconds to
-    compare with the record and template (100,000 in a 4 MB body held it about a second); an
-    agent that keeps a long history stays far below (a hundred tool calls are ~200
-    messages)."""
-    max_tools: int = 128
-    """Most tool definitions in a chat request (OpenAI's own limit); more get 400."""
+    went away) and its group runs again under ``[failures]``. Raise it for agents whose tools or
+    own work take longer between calls."""
     max_request_tokens: int = 0
     """Most tokens a call's conversation may come to as the engine would get it (templated
     and encoded): past it the call gets 400 (``context_length_exceeded``) and the session
@@ -106,48 +92,19 @@ class GatewayConfig(Section):
     encoded (off the event loop for a request of 64 KiB or more), before the engine is
     asked; a text completion's prompt of token ids is counted before anything else, and a
     big request's one message far longer than this (or the context) allows is counted on a
-    prefix before it is templated (docs/gateway.md). ``0``: no limit but the context."""
-    request_head_timeout_s: float = 10.0
-    """Longest wait for a request's head (its request line and headers), from the
-    connection's start or the request's first byte: past it the connection is closed, with
-    408 when part of a head came. A client writes a head in one go; this cuts connections
-    that send nothing, or a byte at a time (each one held a socket for as long as it
-    liked)."""
-    request_body_timeout_s: float = 30.0
-    """Longest wait for a request's whole body, from the end of its head: past it the
-    request gets 408 and its connection is closed. 30 s lets a 4 MiB body come at 140
-    KB/s."""
-    keep_alive_timeout_s: float = 30.0
-    """An idle keep-alive connection (its last response sent, no next request begun) is
-    closed after this long. Longer than the clients' own pool expiry (httpx's 5 s,
-    aiohttp's 15 s), so a client does not reuse a connection the gateway is closing."""
-    max_connections: int = 8192
-    """Connections open at once; a connection beyond it gets 429 (with ``Retry-After``) for
-    its first request, and is closed. Each one is a file descriptor of the controller's
-    process: keep it under that process's limit (``ulimit -n``), beyond which new
-    connections are not even accepted."""
-    model_name: str = ""
-    """The model's name in ``/v1/models`` and in responses (``""``: the model directory's
-    name). A request may name any model: agents often hard-code one."""
+    prefix before it is templated (docs/gateway.md). ``0``: no limit but the context. Set it to
+    end sessions whose conversation grows beyond what you want to train on."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[gateway]``."""
-        out = at_least_one({"gateway.max_concurrent_requests": self.max_concurrent_requests,
-                            "gateway.max_body_bytes": self.max_body_bytes,
-                            "gateway.max_json_values": self.max_json_values,
-                            "gateway.max_messages": self.max_messages,
-                            "gateway.max_connections": self.max_connections})  # fmt: skip
-        out += not_negative({"gateway.max_tools": self.max_tools},
-                            "use 0 to refuse every request that defines tools")  # fmt: skip
-        out += not_negative({"gateway.max_request_tokens": self.max_request_tokens},
+        out = not_negative({"gateway.max_request_tokens": self.max_request_tokens},
                             "use 0 for no limit but episode.max_context_tokens")  # fmt: skip
         if not 0 <= self.port <= 65535:
             out.append(fail("gateway.port", f"is {self.port}",
                             "use 0 (a free port) or a port number up to 65535"))  # fmt: skip
         if not self.host.strip():
             out.append(fail("gateway.host", "is empty", 'use "127.0.0.1" (this machine only)'))
-        for name in ("session_timeout_s", "claim_timeout_s", "idle_timeout_s",
-                     "request_head_timeout_s", "request_body_timeout_s", "keep_alive_timeout_s"):
+        for name in ("session_timeout_s", "claim_timeout_s", "idle_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 out.append(fail(f"gateway.{name}", f"must be > 0, got {value}",

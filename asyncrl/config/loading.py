@@ -1,7 +1,8 @@
 """From a TOML file (or a mapping) to a validated :class:`~asyncrl.config.Config`, and back to
 plain builtins.
 
-Loading is two steps: the typed struct (unknown keys and wrong types are named by
+Loading is two steps: the typed struct (a key that was removed says what replaced it:
+:mod:`asyncrl.config.removed`; other unknown keys and wrong types are named by
 :func:`~asyncrl.explain.explain`; relative paths resolved against the config file's
 directory), then :func:`~asyncrl.config.root.validate` (cross-field invariants).
 """
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.explain import explain
+from asyncrl.config.removed import refuse_removed
 from asyncrl.config.root import Config, validate
 from asyncrl.errors import ConfigError
 
@@ -37,6 +39,7 @@ def from_dict(data: dict[str, Any], *, base_dir: str | os.PathLike[str] = ".") -
 
 
 def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
+    refuse_removed(data)
     try:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:

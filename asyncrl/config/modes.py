@@ -37,6 +37,8 @@ def _line(sampler: Any) -> str:
 def describe(config: Config) -> ModeReport:
     """The mode, capacities and advice for a validated config (its sampler describes the
     mode and its capacity; no sampler is singled out by name)."""
+    from asyncrl.run.refit import DRAIN_TIMEOUT_S  # the controller's, imported when asked
+
     sampler = config.sampler
     sync = sampler.max_staleness == 0  # on-policy (sync), whichever sampler keeps it
     P, N = config.grpo.prompts_per_step, config.grpo.samples_per_prompt
@@ -52,7 +54,7 @@ def describe(config: Config) -> ModeReport:
             f"{chunk} (1 to {math.ceil(P / chunk)} chunks per optimizer step)"
         ),
         "refit": (
-            "drain first (at most %gs), then " % config.refit.drain_timeout_s
+            "drain first (at most %gs), then " % DRAIN_TIMEOUT_S
             if config.refit.drain
             else ""
         )

@@ -6,7 +6,6 @@ every section's.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 from pathlib import Path
@@ -20,52 +19,34 @@ __all__ = ["ClusterConfig", "EnvironmentConfig", "ModelConfig", "RunConfig"]
 
 class RunConfig(Section):
     name: str = "asyncrl"
-    """A label for logs and the metrics file."""
+    """A label for logs and the metrics file. Set it to tell runs apart in the logs and the
+    metrics sinks."""
     output_dir: str = "runs/asyncrl"
     """Where metrics (``metrics.jsonl``), worker logs and the trained samples
     (``save_samples``) go. Relative paths are resolved against the directory of the config
-    file."""
+    file. Give each run its own (a live run holds its directory: a second one is refused)."""
     seed: int = 0
-    """Seed for the dataloader order, sampling seeds and trainer initialisation."""
+    """Seed for the dataloader order, sampling seeds and trainer initialisation. Change it for
+    another draw of the same run (a seed sweep)."""
     num_steps: int = 10
-    """Number of optimizer steps (= weight versions) to train."""
+    """Number of optimizer steps (= weight versions) to train. Set it to the training length;
+    raise it to train on from a finished run's checkpoint (``--resume``)."""
     max_num_epochs: int = 0
     """Also end the run after this many passes over the train split (each pass its size //
     ``grpo.prompts_per_step`` steps; the run stops at whichever bound comes first). 0: no
-    bound."""
+    bound. Set it to stop after a number of passes over a small train split."""
     log_format: Literal["auto", "console", "json"] = "auto"
-    """Log rendering when asyncrl configures logging itself (CLI and workers)."""
-    stall_warning_s: float = 10.0
-    """When the controller's event loop has not turned for this long (a blocking call starves
-    both pumps), a watchdog thread logs every thread's stack (also ``logs/stall-*.txt``). 0: off."""
-    gc_freeze: bool = True
-    """While training, exclude the objects alive at its start from the garbage collector's
-    scans (``gc.freeze``; undone at the end): a full collection over the start-up heap stalled
-    the controller's event loop 20-30 ms, 5 ms with it."""
-    gc_young_interval_s: float = 0.05
-    """While training, Python's automatic garbage collector is off and the controller runs
-    a young collection this often (a few ms each), and a full one every
-    ``gc_full_interval_s`` (asyncrl/obs/collector.py). Left to itself, the collector came
-    rarely and then scanned every call and episode in flight: at 1,000 gateway sessions, 92 ms
-    pauses, with nothing to collect (benchmarks/gateway.py). ``0``: Python's own collector."""
-    gc_full_interval_s: float = 60.0
-    """While training (with ``gc_young_interval_s``), a full collection this often: cyclic
-    garbage among objects that outlived a young collection waits for it. ``0``: none."""
+    """Log rendering when asyncrl configures logging itself (CLI and workers): ``auto`` is
+    ``console`` on a terminal, else ``json``. Set ``json`` for a log collector, ``console``
+    to read the logs of a run that is not on a terminal."""
     save_samples: bool = False
     """Write every sequence each step trains to ``<output_dir>/samples-NNNNN.jsonl``, one JSON
     line each: its ids, loss mask, behaviour logprobs, per-token weight versions, reward,
     advantage, group and episode id (a gateway session's ``episode``, as ``POST
     /rl/sessions`` answers it) (docs/observability.md, "Trained
     samples"). Written off the event loop; a resume removes the lines of steps after its
-    checkpoint, so each step is there once."""
-    samples_file_mb: float = 256.0
-    """With ``save_samples``: a samples file that has reached this many MiB gets no more steps
-    (a step's lines stay in one file); the next step starts the next number."""
-    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
-    """The controller's event loop under ``asyncrl run`` / ``asyncrl.launch`` (an embedding
-    program runs its own). ``auto``: uvloop where it is installed (a dependency on Linux and
-    macOS), else asyncio's. At 1,000 gateway sessions uvloop took the loop's lag p50 from 2.2
-    to 0.8 ms and 10% more calls a second (docs/gateway.md)."""
+    checkpoint, so each step is there once. Turn it on to inspect or reuse what was trained
+    (files of up to 256 MiB each: ``asyncrl.obs.sample_export.SAMPLES_FILE_MB``)."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[run]``."""
@@ -73,55 +54,34 @@ class RunConfig(Section):
         if self.max_num_epochs < 0:
             out.append(fail("run.max_num_epochs", f"must be >= 0, got {self.max_num_epochs}",
                             "use 0 (no bound) or a number of passes over the train split"))  # fmt: skip
-        for key in ("gc_young_interval_s", "gc_full_interval_s"):
-            value = getattr(self, key)
-            if not 0 <= value < float("inf"):
-                out.append(fail(f"run.{key}", f"{value} is not a duration",
-                                "give seconds >= 0 (0: Python's own collector / no full "
-                                "collections)"))  # fmt: skip
-        if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
-            out.append(fail("run.event_loop", "uvloop is not installed",
-                            "pip install uvloop, or use 'auto' (asyncio's loop without it)"))  # fmt: skip
-        if not 0 < self.samples_file_mb < float("inf"):
-            out.append(fail("run.samples_file_mb", f"must be > 0, got {self.samples_file_mb}",
-                            "give the size in MiB at which a samples file is closed, e.g. "
-                            "256"))  # fmt: skip
-        young, full = self.gc_young_interval_s, self.gc_full_interval_s
-        if young and full and full < young:
-            out.append(fail("run.gc_full_interval_s", f"{full} s is below gc_young_interval_s",
-                            f"use e.g. 60 (at least {young:g}), or 0 for none"))  # fmt: skip
         return out
-
-    def loop_options(self) -> dict[str, Any]:
-        """``anyio.run``'s ``backend_options`` for :attr:`event_loop`."""
-        uvloop = self.event_loop == "uvloop" or (
-            self.event_loop == "auto" and importlib.util.find_spec("uvloop") is not None
-        )
-        return {"use_uvloop": uvloop}
 
 
 class ModelConfig(Section):
     path: str
     """A Hugging Face causal-LM directory (``config.json``, weights, ``tokenizer.json``).
-    Relative paths are resolved against the directory of the config file."""
+    Relative paths are resolved against the directory of the config file. Always set: the model
+    to train."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """The generators' weight and compute dtype. The trainer keeps float32 master weights and
     computes in float32 (FSDP2's ``mixed_precision = "bf16"`` option computes in bf16), so by
     default the two sides differ by bf16 rounding: measured mean |logprob difference| 0.006-0.015
     on the demo, which the loss's importance weights correct and refit verification bounds.
-    ``float32`` makes the generator match the trainer at a cost in speed and memory."""
+    ``float32`` makes the generator match the trainer at a cost in speed and memory. Set
+    ``float32`` when that mismatch matters more than speed (a small model, a debugging run)."""
     chat_template: str = "auto"
     """How prompts given as chat messages are rendered (in the controller, once, to the exact
     token ids the engine gets): ``"auto"`` uses the model directory's template
     (``chat_template.jinja``, else ``chat_template.json``, else ``tokenizer_config.json``'s
     ``chat_template``: a string, or the one named ``default``); a path to a
     ``.jinja`` file (relative to the config file) uses that one. Plain-text prompts are encoded
-    as they are."""
+    as they are. Point it at a ``.jinja`` file when the model directory has no template or not
+    the one to train with."""
     allow_moe_mismatch: bool = False
     """Train a mixture-of-experts model although its generator and trainer may route a token
     to different experts (docs/losses.md, "Mixture-of-experts models"): asyncrl does not
     replay the generator's routes in the trainer, so a MoE model is refused unless this is
-    true."""
+    true. Set it to train a MoE model anyway, watching the steps' ``mismatch_k3``."""
 
     def problems(self) -> list[ConfigError]:
         """What is missing from the model directory, and a MoE model not accepted (the
@@ -165,40 +125,47 @@ class ModelConfig(Section):
 
 class ClusterConfig(Section):
     trainer_ranks: int = 1
-    """Training ranks (one torch.distributed group)."""
+    """Training ranks (one torch.distributed group). Raise it to train on several GPUs (the
+    backend shards the model over them)."""
     rollout_ranks: int = 1
-    """Generation ranks, one engine each."""
+    """Generation ranks, one engine each. Raise it for more generation throughput."""
     startup_timeout_s: float = 600.0
-    """How long workers may take to connect and report ready (engine start included)."""
+    """How long workers may take to connect and report ready (engine start included). Raise it
+    for a large model or a slow disk whose engine takes longer to load."""
     call_timeout_s: float = 900.0
-    """Upper bound on any single RPC (a train chunk, a refit)."""
+    """Upper bound on any single RPC (a train chunk, a refit). Raise it when one train chunk or
+    refit of a large model legitimately takes longer."""
     shutdown_grace_s: float = 20.0
     """After asking workers to stop, wait this long before SIGTERM, and again before SIGKILL.
     A vLLM engine takes 5-10 s to close on a small CPU host; a worker that is leaving in order
     ignores the SIGTERM (it cannot turn a clean exit into a failure), so only a hung one is
-    killed, after twice this."""
-    torchrun: str = "torchrun"
-    """The torchrun executable used when the controller spawns worker groups itself."""
+    killed, after twice this. Raise it for engines that take longer to close in order."""
     trainer_gpus: list[int] = []
     """GPU of each trainer rank, as indexes of the GPUs its node shows (``[0]``). Empty: rank
-    r uses the GPU of its local rank."""
+    r uses the GPU of its local rank. Set it to place the trainer on particular GPUs (a node
+    shared with other jobs)."""
     rollout_gpus: list[int] = []
     """GPU of each rollout rank's engine (``[1]``: the engine on GPU 1, e.g. next to a trainer
     on GPU 0; ``[0]`` with ``trainer_gpus = [0]``: both share GPU 0). The engine still sees
     the node's other GPUs, after its own, so that it can map a trainer's CUDA IPC buffers.
-    Empty: vLLM's default, the first visible GPU."""
+    Empty: vLLM's default, the first visible GPU. Set it to place each engine on a GPU of your
+    choice."""
     network: Literal["ipc", "tcp"] = "ipc"
     """How workers reach the controller's sockets (control, data) and trainer rank 0's
     weights socket. ``ipc``: Unix sockets in the run's 0700 directory (one host). ``tcp``:
     TCP on ``host``, ephemeral ports, every connection ZeroMQ CURVE with the run's keys
-    (docs/multi-node.md); what ranks on other hosts need."""
+    (docs/multi-node.md); what ranks on other hosts need. Set ``tcp`` when ranks run on more
+    than one host."""
     host: str = "127.0.0.1"
     """With ``network = "tcp"``: the address of the controller's node that the sockets bind
-    to and the workers dial (its address on the cluster network for several nodes)."""
+    to and the workers dial (its address on the cluster network for several nodes). Set it to
+    that address when ranks run on other hosts."""
     keys_file: str = ""
     """With ``network = "tcp"``: the run's CURVE keys, a JSON file of mode 0600 every node
     can read (``python -m asyncrl.wire.curve FILE`` writes one). Empty: keys made for the run
-    and handed to the workers in their environment (a launch: through torchrun's store)."""
+    and handed to the workers in their environment (a launch: through torchrun's store). Set it
+    when others can reach torchrun's rendezvous port (its store has no authentication;
+    docs/multi-node.md)."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[cluster]``."""
@@ -230,12 +197,15 @@ class ClusterConfig(Section):
 
 class EnvironmentConfig(Section):
     name: str
-    """Environment plugin (entry point group ``asyncrl.environments``)."""
+    """Environment plugin (entry point group ``asyncrl.environments``). Always set: the task to
+    train on."""
     options: dict[str, Any] = {}
-    """Environment-specific options, validated by the environment."""
+    """Environment-specific options, validated by the environment. Set what the environment
+    documents (data files, reward functions...)."""
     base_dir: str = ""
     """The directory relative paths in ``options`` are taken from (``""``: the config file's
-    directory); given to a factory that takes a ``base_dir`` keyword."""
+    directory); given to a factory that takes a ``base_dir`` keyword. Set it only when those
+    paths are relative to another directory (an embedding program's data)."""
 
     def problems(self) -> list[ConfigError]:
         """None: the environment checks its own options (``asyncrl run``'s preflight)."""

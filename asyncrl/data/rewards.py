@@ -74,7 +74,7 @@ class Reward:
     module_file: str | None = None
     """The source file of the module ``origin`` names (``None``: it has none, e.g. a
     built-in module): hashed into the checkpoint's fingerprints of the reward code
-    (:func:`asyncrl.run.resume_rule.code_fingerprints`)."""
+    (:func:`asyncrl.checkpoints.resume_rule.code_fingerprints`)."""
 
     def _kwargs(self, prompt: Prompt, completion: str) -> dict[str, Any]:
         given = {"completion": completion, "answer": prompt.answer, "prompt": prompt}

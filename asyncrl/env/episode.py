@@ -390,7 +390,9 @@ class Episode:
 @runtime_checkable
 class EpisodeEnvironment(Protocol):
     """A multi-turn environment (see the module docstring). It may also have a ``tools``
-    attribute: the tools its episodes call (:func:`asyncrl.env.tools.tool`)."""
+    attribute: the tools its episodes call (:func:`asyncrl.env.tools.tool`;
+    :class:`~asyncrl.environment.HasTools`, checked once by
+    :func:`~asyncrl.env.capabilities.check_environment`)."""
 
     def dataset(self, split: Literal["train", "eval"]) -> Sequence[Prompt]:
         """The prompts of ``split`` (as :class:`asyncrl.environment.Environment`)."""

@@ -12,18 +12,23 @@ meanwhile waited (the agents' p99 111 ms). See docs/gateway.md "Costs".
 So while the loops run, the automatic collector is off and this module's task collects on a
 clock::
 
-    every run.gc_young_interval_s (0.05 s)   gc.collect(0): what was made since, still alive
-                                             (a few ms: its survivors move on and are not
-                                             scanned again by the next one)
-    every run.gc_full_interval_s (60 s)      gc.collect(2) instead: cycles among older
-                                             objects (none found in the benchmarks)
+    every GC_YOUNG_INTERVAL_S (0.05 s)   gc.collect(0): what was made since, still alive
+                                         (a few ms: its survivors move on and are not
+                                         scanned again by the next one)
+    every GC_FULL_INTERVAL_S (60 s)      gc.collect(2) instead: cycles among older
+                                         objects (none found in the benchmarks)
 
 Objects that outlive a young collection are freed by reference counting as before; only
 *cyclic* garbage among them waits for the next full collection, so memory stays bounded by
-what the process makes in cycles per ``gc_full_interval_s``. ``run.gc_freeze`` keeps the
+what the process makes in cycles per ``GC_FULL_INTERVAL_S``. ``GC_FREEZE`` keeps the
 objects alive at the start (the loaded modules, the dataset) out of every scan. Everything is
 undone at the end (a raise or cancellation included), so an embedding host gets its
-collector back as it was. ``gc_young_interval_s = 0``: Python's own collector, untouched.
+collector back as it was. ``GC_YOUNG_INTERVAL_S = 0``: Python's own collector, untouched.
+
+These were the config keys ``run.gc_freeze``, ``run.gc_young_interval_s`` and
+``run.gc_full_interval_s`` until nobody needed to set them (issue 50); a benchmark that
+compares with Python's own collector sets ``GC_YOUNG_INTERVAL_S`` before the run starts
+(benchmarks/gateway.py ``--gc-young-interval``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,25 @@ from contextlib import contextmanager
 
 import anyio
 
-__all__ = ["Pacing", "collector_paused", "pace"]
+__all__ = [
+    "GC_FREEZE", "GC_FULL_INTERVAL_S", "GC_YOUNG_INTERVAL_S", "Pacing", "collector_paused", "pace",
+]  # fmt: skip
+
+GC_FREEZE = True
+"""While training, exclude the objects alive at its start from the collector's scans
+(``gc.freeze``; undone at the end): a full collection over the start-up heap stalled the
+controller's event loop 20-30 ms, 5 ms with it."""
+
+GC_YOUNG_INTERVAL_S = 0.05
+"""While training, the automatic collector is off and a young collection runs this often (a
+few ms each). Left to itself, the collector came rarely and then scanned every call and
+episode in flight: at 1,000 gateway sessions, 92 ms pauses with nothing to collect
+(benchmarks/gateway.py; docs/gateway.md, "Costs"). ``0``: Python's own collector."""
+
+GC_FULL_INTERVAL_S = 60.0
+"""While training (with :data:`GC_YOUNG_INTERVAL_S`), a full collection this often: cyclic
+garbage among objects that outlived a young collection waits for it (none was found in the
+benchmarks). ``0``: none."""
 
 
 class Pacing:

@@ -4,9 +4,10 @@
   (:func:`asyncrl.obs.log.configure`): a log line written through it first clears the progress bar
   and redraws it after, so bar and log lines never garble each other.
 * :func:`progress_line` formats the bar from a step's ``train`` record (pure).
-* :class:`Console` follows the run's steps: it draws the bar (``metrics.progress``: ``auto``
-  only on an interactive terminal, so non-interactive logs stay free of carriage returns) and,
-  every ``metrics.completions_every`` steps, picks a few completions with their rewards
+* :class:`Console` follows the run's steps: it draws the bar (only on an interactive
+  terminal, so non-interactive logs stay free of carriage returns) and, every
+  ``metrics.completions_every`` steps, picks :data:`COMPLETIONS_SHOWN` completions with their
+  rewards
   (:func:`pick_completions`), prints them (a block on a console, one structured log event in
   JSON logs) and writes them as a ``completions`` record for the metrics sinks' tables.
 
@@ -27,6 +28,7 @@ import structlog
 from asyncrl.obs.startup import describe
 
 __all__ = [
+    "COMPLETIONS_SHOWN",
     "TERMINAL",
     "Console",
     "Terminal",
@@ -37,6 +39,12 @@ __all__ = [
 ]
 
 log = structlog.get_logger("asyncrl.obs.console")
+
+COMPLETIONS_SHOWN = 3
+"""Completions shown every ``metrics.completions_every`` steps (one per group, the first groups
+of the step): enough to see what the model writes, few enough for a terminal screen. Once the
+config key ``metrics.completions_count`` (issue 50), as ``metrics.progress`` was the bar's
+``auto`` (drawn on an interactive terminal only, the only setting that made sense)."""
 
 _CLEAR = "\r\x1b[K"
 
@@ -239,9 +247,9 @@ class Console:
         return cls(
             total_steps=total_steps,
             samples_per_prompt=config.grpo.samples_per_prompt,
-            progress=m.progress,
+            progress="auto",
             completions_every=m.completions_every,
-            completions_count=m.completions_count,
+            completions_count=COMPLETIONS_SHOWN,
             decode=decode,
             write_record=metrics.write if metrics is not None else None,
         )

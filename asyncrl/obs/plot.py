@@ -118,8 +118,9 @@ def _bound(records: list[dict[str, Any]]) -> int | None:
         return None
     try:
         from asyncrl.config import from_dict
+        from asyncrl.config.removed import without_removed
 
-        return int(from_dict(config).sampler.max_staleness)
+        return int(from_dict(without_removed(config)).sampler.max_staleness)
     except Exception:  # noqa: BLE001 - a config of another version, a missing sampler plugin
         return None
 

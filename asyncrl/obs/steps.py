@@ -9,7 +9,7 @@ import numpy as np
 import structlog
 
 from asyncrl.policy.groups import CompletedSample, Group
-from asyncrl.policy.refresh import kl_estimate
+from asyncrl.policy.loss_inputs import kl_estimate
 from asyncrl.wire.messages import ChunkResult, StepResult, TrainBatch
 from asyncrl.policy.schedule import StepStats
 from asyncrl.obs.timeline import worker_spans
@@ -73,7 +73,7 @@ class StepRecord:
     verify_s: float = 0.0
     refresh_s: dict[str, float] = field(default_factory=dict)
     """Time the trainer ranks spent on this step's logprob refreshes, by kind (``proximal``,
-    ``reference``): what :class:`~asyncrl.policy.refresh.LossInputs` asked for."""
+    ``reference``): what :class:`~asyncrl.policy.loss_inputs.LossInputs` asked for."""
     kl_sum: float = 0.0
     """With the KL term in the reward: the sum of its estimates over the trained tokens."""
     kl_tokens: int = 0

@@ -23,7 +23,14 @@ from pathlib import Path
 import anyio
 import structlog
 
-__all__ = ["LoopLag", "LoopWatchdog", "stacks"]
+__all__ = ["STALL_WARNING_S", "LoopLag", "LoopWatchdog", "stacks"]
+
+STALL_WARNING_S = 10.0
+"""The controller's watchdog threshold: when its event loop has not turned for this long (a
+blocking call starves both pumps), every thread's stack is logged (also
+``<run.output_dir>/logs/stall-*.txt``). Once the config key ``run.stall_warning_s`` (issue 50):
+the loop's lag p99 stays in milliseconds even at 1,000 gateway sessions (docs/gateway.md), so
+10 s is never a slow turn, always something stuck; ``0``: off."""
 
 log = structlog.get_logger("asyncrl.obs.watchdog")
 

@@ -3,7 +3,7 @@
 =========================================  ===================================================
 failure                                    decision (``[failures]``)
 =========================================  ===================================================
-a generation fails in the engine or its    retried after a back-off (``retry_backoff_s``,
+a generation fails in the engine or its    retried after a back-off (:data:`RETRY_BACKOFF_S`,
 worker (any exception from ``generate``)   doubled each time), the same prompt for the same
                                            step, up to ``generation_retries`` times; then
                                            dropped
@@ -14,7 +14,7 @@ non-finite reward, or a reward call runs
 past ``reward_timeout_s``
 a train call raises on a trainer rank      the step's groups go back to the buffer and the step
 (``TrainChunk`` / ``FinishStep``; the      is assembled and trained again, up to
-trainer drops the step's gradients)        ``train_step_retries`` times; then the run stops
+trainer drops the step's gradients)        :data:`TRAIN_STEP_RETRIES` times; then it stops
 a step's loss or gradient norm is not      the trainer did not apply it (the weights are
 finite                                     unchanged); skipped, up to ``max_nonfinite_steps``
                                            times in the run; then the run stops naming the
@@ -41,23 +41,33 @@ import structlog
 
 from asyncrl.errors import RunError
 
-__all__ = ["FailureBudget", "Limits"]
+__all__ = ["RETRY_BACKOFF_S", "TRAIN_STEP_RETRIES", "FailureBudget", "FailureLimits"]
 
 log = structlog.get_logger("asyncrl.policy.failures")
 
+RETRY_BACKOFF_S = 1.0
+"""Wait before the first retry of a group whose generation failed; doubled for each further
+one (1, 2, 4 s for ``failures.generation_retries = 3``): long enough for an engine that
+restarts a request queue, short against a step. Read when a retry is scheduled, so a test sets
+it lower (tests/integration/test_failures.py). Once the config key ``failures.retry_backoff_s``
+(issue 50)."""
 
-class Limits(Protocol):
+TRAIN_STEP_RETRIES = 1
+"""Times a step whose train call raised on a trainer rank (out of memory in one
+micro-batch...; the trainer drops the step's gradients) is trained again from the same groups;
+then the run stops. One: a passing failure (a fragmented allocator) is survived, a repeatable
+one stops the run at the second try instead of looping. A trainer that died or hung is not
+retried. Once the config key ``failures.train_step_retries`` (issue 50)."""
+
+
+class FailureLimits(Protocol):
     """What the budget reads of ``[failures]`` (:class:`asyncrl.config.FailuresConfig` is one:
     the policy states what it needs rather than importing the config above it)."""
 
     @property
     def generation_retries(self) -> int: ...
     @property
-    def retry_backoff_s(self) -> float: ...
-    @property
     def max_failed_groups(self) -> int: ...
-    @property
-    def train_step_retries(self) -> int: ...
     @property
     def max_nonfinite_steps(self) -> int: ...
 
@@ -66,7 +76,7 @@ class Limits(Protocol):
 class FailureBudget:
     """Retry decisions and counts for one run."""
 
-    config: Limits
+    config: FailureLimits
     step_failures: int = 0
     """Failures of the step being assembled now (reset when a step succeeds)."""
     nonfinite_steps: int = 0
@@ -94,7 +104,7 @@ class FailureBudget:
             why = "retries spent" if retryable else "the request itself is at fault"
             log.error("generation_failed", action=f"dropped ({why})", **fields)
             return None
-        delay = self.config.retry_backoff_s * 2 ** (attempt - 1)
+        delay = RETRY_BACKOFF_S * 2 ** (attempt - 1)
         log.warning("generation_failed", action=f"retry in {delay:g} s", **fields)
         return delay
 
@@ -115,7 +125,7 @@ class FailureBudget:
     def step_failed(self, step: int, error: str) -> bool:
         """A train call of step ``step`` failed on a trainer: whether to train it again."""
         self.step_failures += 1
-        retry = self.step_failures <= self.config.train_step_retries
+        retry = self.step_failures <= TRAIN_STEP_RETRIES
         action = "the step's groups go back; training it again" if retry else "stop"
         log.error(
             "train_step_failed", step=step, error=error, attempt=self.step_failures, action=action

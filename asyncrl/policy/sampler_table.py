@@ -78,33 +78,69 @@ def make_sampler(table: Any) -> Any:
     """Build the sampler ``[pipeline.sampler]`` names (a :class:`~asyncrl.policy.samplers.Sampler`).
 
     Raises:
-        ConfigError: as :func:`resolve_sampler`, or a knob value the sampler refuses.
+        ConfigError: as :func:`resolve_sampler`, a knob value the sampler refuses, or a
+            sampler that does not implement the protocol (:func:`_check_sampler`).
     """
     struct = resolve_sampler(table)
-    plugin = _sampler_plugin(msgspec.inspect.type_info(type(struct)).tag)
+    tag = msgspec.inspect.type_info(type(struct)).tag
+    plugin = _sampler_plugin(tag)
     try:
         sampler = plugin.create(struct)
     except ValueError as exc:
         raise ConfigError(f"pipeline.sampler.{exc}") from None
-    missing = [
-        m
-        for m in (
-            "admit",
-            "select",
-            "evict",
-            "should_abort_inflight",
-            "required_buffer_capacity",
-            "state_dict",
-            "load_state_dict",
-            "max_staleness",
-            "over_dispatch",
-            "name",
-        )
-        if not hasattr(sampler, m)
-    ]
-    if missing:
-        raise ConfigError(
-            f"pipeline.sampler.name: the {struct.__class__.__name__} sampler lacks "
-            f"{', '.join(missing)} (asyncrl.policy.samplers.Sampler). Fix: implement them"
-        )
+    _check_sampler(sampler, str(tag))
     return sampler
+
+
+_ATTRIBUTE_KINDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "max_staleness": (int,),
+    "over_dispatch": (int, float),
+}
+"""What each attribute :class:`~asyncrl.policy.samplers.Sampler` declares must be."""
+
+
+def _check_sampler(sampler: Any, name: str) -> None:
+    """Check a just-made sampler against :class:`~asyncrl.policy.samplers.Sampler` and its
+    optional protocols (:class:`~asyncrl.policy.samplers.DescribesMode`,
+    :class:`~asyncrl.policy.samplers.DecidesInFlight`), once, when it is made: every method
+    present, callable and a plain method; every attribute of its kind; the optional ones, when
+    present, the same (the in-flight choice one of the known ones).
+
+    Raises:
+        ConfigError: naming ``pipeline.sampler.name``, the sampler and every member that is
+            missing (with a did-you-mean), not callable, or of the wrong kind.
+    """
+    methods = plugins.declared_methods(samplers.Sampler)
+    optional = plugins.declared_methods(samplers.DescribesMode)
+    attributes = plugins.declared_attributes(samplers.Sampler)
+    known = [*methods, *optional, *attributes,
+             *plugins.declared_attributes(samplers.DecidesInFlight)]  # fmt: skip
+    spare = plugins.public_names(sampler, known)
+    why = "the scheduler calls it on the controller's event loop"
+    problems = [
+        plugins.method_problem(sampler, m, is_async, spare, awaited=why, plain=why)
+        for m, is_async in methods.items()
+    ]
+    problems += [
+        plugins.method_problem(sampler, m, is_async, spare, awaited=why, plain=why)
+        for m, is_async in optional.items()
+        if getattr(sampler, m, None) is not None
+    ]
+    for attr in attributes:
+        value = getattr(sampler, attr, None)
+        kinds = _ATTRIBUTE_KINDS.get(attr, (object,))
+        if value is None:
+            problems.append(f"no attribute {attr!r}{plugins.did_you_mean(attr, spare)}")
+        elif isinstance(value, bool) or not isinstance(value, kinds):
+            want = " or ".join(k.__name__ for k in kinds)
+            problems.append(f"{attr!r} must be a {want}, got {value!r}")
+    problems = [p for p in problems if p]
+    cls = type(sampler)
+    if problems:
+        raise ConfigError(
+            f"pipeline.sampler.name: the sampler {name!r} ({cls.__module__}.{cls.__qualname__}) "
+            f"does not implement asyncrl.policy.samplers.Sampler: {'; '.join(problems)}. Fix: "
+            f"define {'them' if len(problems) > 1 else 'it'} as the protocol says"
+        )
+    samplers.in_flight_at_refit(sampler)  # DecidesInFlight: a choice it knows, or a ConfigError

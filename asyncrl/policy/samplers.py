@@ -213,7 +213,9 @@ class InOrderConfig(_Knobs, tag="in_order", tag_field="name"):
     """Exact batch→step matching: the batch dispatched k-th trains at step k."""
 
     max_lookahead_versions: int = 1
-    """How many weight versions generation may run ahead (0 = synchronous on-policy)."""
+    """How many weight versions generation may run ahead (0 = synchronous on-policy). 1 overlaps
+    each step's generation with the previous step's training; raise it to run further ahead, at
+    the cost of staleness."""
 
 
 class InOrderSampler:
@@ -320,7 +322,8 @@ class GatedConfig(_Knobs, tag="gated", tag_field="name"):
     """Streaming with gated dispatch: any complete groups, oldest first, none wasted."""
 
     max_staleness_versions: int = 1
-    """W: the most versions a group may lag the weights it is trained against (>= 1)."""
+    """W: the most versions a group may lag the weights it is trained against (>= 1). Raise it
+    for throughput at the cost of staleness."""
 
 
 class GatedSampler:
@@ -427,11 +430,13 @@ class OversampledConfig(_Knobs, tag="oversampled", tag_field="name"):
     """Streaming with over-sampling: generation never waits for the trainer."""
 
     max_staleness_versions: int = 1
-    """W: groups older than this are evicted (ready) or aborted at refit (generating)."""
+    """W: groups older than this are evicted (ready) or aborted at refit (generating). Raise it
+    for throughput at the cost of staleness."""
     over_sampling_ratio: float = 1.5
     """r >= 1: groups dispatched but not yet trained, evicted or aborted are capped at
     ``ceil(r * prompts_per_step * (W + 1))``, r times what a gated sampler keeps in flight:
-    it bounds the waste."""
+    it bounds the waste. Raise it when long stragglers hold steps back (more generation is
+    wasted)."""
 
 
 class OversampledSampler(_Windowed):
@@ -475,7 +480,8 @@ class ReadyFirstConfig(_Knobs, tag="ready_first", tag_field="name"):
     """Train whatever completes first within the staleness bound."""
 
     max_staleness_versions: int = 1
-    """W: groups older than this are evicted (ready) or aborted at refit (generating)."""
+    """W: groups older than this are evicted (ready) or aborted at refit (generating). Raise it
+    for throughput at the cost of staleness."""
 
 
 class ReadyFirstSampler(_Windowed):

@@ -102,5 +102,6 @@ class StepStats:
     """Ready groups dropped by dynamic sampling: their rewards were all (nearly) equal, so
     their advantages would all be 0 (``grpo.dynamic_sampling``)."""
     filter_cap_reached: bool = False
-    """The step dropped ``grpo.dynamic_sampling_max_drops`` groups and trained the rest of
+    """The step dropped as many groups as dynamic sampling may (4 x ``grpo.prompts_per_step``:
+    :data:`asyncrl.run.scheduling.DYNAMIC_SAMPLING_DROPS_PER_PROMPT`) and trained the rest of
     its uniform groups as they were."""

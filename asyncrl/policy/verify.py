@@ -7,7 +7,7 @@ small model: 0.1 nats on average; float32: 1e-5), so no fixed tolerance fits eve
 :class:`RefitCheck` measures it instead: before the first update, when both sides hold the
 weights loaded from the same files, it scores the *probe batch* on both (the *baseline*); a
 verified refit fails when the disagreement rises far beyond the noise measured so far
-(``refit.verify_noise_factor`` times it, or it plus ``refit.verify_noise_floor``): the
+(:data:`NOISE_FACTOR` times it, or it plus :data:`NOISE_FLOOR`): the
 baseline, or the largest disagreement of a refit that passed since, because the rounding
 grows as the policy sharpens (the CPU demo: 2.5x over 30 steps) while a stale engine's jumps.
 A refit that leaves part of the engine on old weights (a tensor or a bucket not loaded, an
@@ -34,8 +34,34 @@ import numpy as np
 from asyncrl.errors import RefitError
 
 __all__ = [
-    "Agreement", "RefitCheck", "compare", "make_probe", "probe_sequences", "verification_due",
+    "MAX_NOISE", "NOISE_FACTOR", "NOISE_FLOOR", "PROBE_SEQUENCES", "TOLERANCE", "Agreement",
+    "RefitCheck", "compare", "make_probe", "probe_sequences", "verification_due",
 ]  # fmt: skip
+
+# The margins of the check: config keys ``refit.verify_noise_factor``, ``verify_noise_floor``,
+# ``verify_max_noise``, ``verify_tolerance`` and ``verify_num_sequences`` until issue 50
+# (measured once, never needed changing; whether and how often to verify stay keys:
+# ``refit.verify_first_steps``, ``refit.verify_every_steps``).
+NOISE_FACTOR = 3.0
+"""A verified refit fails when a generator's mean |logprob - trainer's logprob| on the probe
+exceeds this many times the noise measured so far (the baseline: both sides on the same weights
+before the first update; then the largest disagreement of a refit that passed). On the CPU demo
+the baseline was 0.0044 (bfloat16) and 2.7e-7 (float32), correct refits after it stayed within
+1.5x, and a refit that left the engine on old weights measured 40-150x (docs/refit.md)."""
+NOISE_FLOOR = 0.001
+"""The bound is at least the noise plus this (nats), for sides that agree to float32 rounding
+(2.7e-7 on the CPU demo, at most 3.8e-7 after real steps), where 3x the noise is no margin."""
+MAX_NOISE = 0.5
+"""The most the baseline itself may be (nats): beyond it the two sides do not run the same
+model (another path or revision, another tokenizer, a far dtype), and the run stops at its
+first step. bfloat16 rounding of small models measured up to ~0.1."""
+TOLERANCE: float | None = None
+"""A fixed bound on the mean |logprob difference| (nats) instead of the measured one
+(``None``: measured); the baseline is then held to it too."""
+PROBE_SEQUENCES = 16
+"""Sequences in the probe batch (one per prompt group first): enough tokens that a stale
+bucket shows in the mean, few enough that scoring them on both sides costs a fraction of a
+step."""
 
 
 def verification_due(version: int, first: int, every: int) -> bool:
@@ -51,7 +77,7 @@ def verification_due(version: int, first: int, every: int) -> bool:
     return version <= first or (every > 0 and version % every == 0)
 
 
-FIXED = "refit.verify_tolerance"
+FIXED = "asyncrl.policy.verify.TOLERANCE"
 """The setting of a fixed bound (:attr:`Agreement.setting`)."""
 
 @dataclass(frozen=True)
@@ -142,10 +168,10 @@ class RefitCheck:
     trainer's, of the same tokens) and raises what :meth:`Agreement.check` raises.
 
     Args:
-        factor: ``refit.verify_noise_factor``.
-        floor: ``refit.verify_noise_floor`` (nats).
-        max_noise: ``refit.verify_max_noise``: the most the baseline may be.
-        fixed: ``refit.verify_tolerance``: a fixed bound instead of the measured one.
+        factor: :data:`NOISE_FACTOR`.
+        floor: :data:`NOISE_FLOOR` (nats).
+        max_noise: :data:`MAX_NOISE`: the most the baseline may be.
+        fixed: :data:`TOLERANCE`: a fixed bound instead of the measured one.
     """
 
     def __init__(
@@ -159,10 +185,11 @@ class RefitCheck:
         """The trainer's probe logprobs at the last version judged (or the baseline's)."""
 
     @classmethod
-    def of(cls, refit: Any) -> RefitCheck:
-        """From a :class:`~asyncrl.config.RefitConfig`."""
-        return cls(factor=refit.verify_noise_factor, floor=refit.verify_noise_floor,
-                   max_noise=refit.verify_max_noise, fixed=refit.verify_tolerance)  # fmt: skip
+    def measured(cls) -> RefitCheck:
+        """With the module's margins (:data:`NOISE_FACTOR`, :data:`NOISE_FLOOR`,
+        :data:`MAX_NOISE`, :data:`TOLERANCE`), read when called."""
+        return cls(factor=NOISE_FACTOR, floor=NOISE_FLOOR, max_noise=MAX_NOISE,
+                   fixed=TOLERANCE)  # fmt: skip
 
     @property
     def started(self) -> bool:
@@ -176,7 +203,7 @@ class RefitCheck:
             return self.fixed, FIXED
         assert self.noise is not None, "judged before the baseline"
         return max(self.factor * self.noise, self.noise + self.floor), (
-            "refit.verify_noise_factor x that, at least that + refit.verify_noise_floor"
+            "asyncrl.policy.verify.NOISE_FACTOR x that, at least that + NOISE_FLOOR"
         )
 
     def baseline(
@@ -195,8 +222,8 @@ class RefitCheck:
             return []
         self.noise = max(a.mean_abs for a in agreements)
         self._last = (version, np.asarray(trainer, np.float64))
-        limit, key = (self.fixed, "refit.verify_tolerance") if self.fixed is not None else (
-            self.max_noise, "refit.verify_max_noise")  # fmt: skip
+        limit, key = (self.fixed, FIXED) if self.fixed is not None else (
+            self.max_noise, "asyncrl.policy.verify.MAX_NOISE")  # fmt: skip
         for a in agreements:
             if a.mean_abs > limit:
                 raise RefitError(
@@ -206,7 +233,8 @@ class RefitCheck:
                     f"{a.mean_abs:.4f} (max {a.max_abs:.3f}) > {key} = {limit:g}: they do not "
                     "run the same model (another model path or revision, another tokenizer, "
                     "a dtype far from the other side's). Fix: load the same model.path on "
-                    f"both sides; only if this is your model's rounding, raise {key}"
+                    "both sides; only if this is your model's rounding, turn the check off "
+                    "(refit.verify_first_steps = 0 and refit.verify_every_steps = 0)"
                 )
         return [replace(a, baseline=self.noise) for a in agreements]
 

@@ -7,9 +7,9 @@ the run will put there, and raises a :class:`~asyncrl.errors.ConfigError` naming
 the fixes:
 
 * shared memory (``/dev/shm``) with ``refit.transport = "shm"``: trainer rank 0 stages the
-  refit buckets in ``refit.staging_buffers`` files there, each as large as the largest
-  bucket it holds: ``min(refit.bucket_size_mb, the model)`` unless one tensor is larger (it
-  travels alone). The model's size is read from its safetensors headers. Plus what a
+  refit buckets in ``asyncrl.transfers.STAGING_BUFFERS`` (2) files there, each as large as the
+  largest bucket it holds: ``min(refit.bucket_size_mb, the model)`` unless one tensor is
+  larger (it travels alone). The model's size is read from its safetensors headers. Plus what a
   backend's engine needs there (``BackendPlugin.shm_bytes``: vLLM's message queues).
 * ``run.output_dir`` (logs, ``metrics.jsonl``): :data:`OUTPUT_FLOOR_BYTES`; the checkpoint
   directory: one checkpoint at the least (the trainer's float32 weights, plus the
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl import transfers
 from asyncrl.errors import ConfigError, NoSpaceError, RemoteCallError, flatten
 from asyncrl.safetensors import read_safetensors_header
 
@@ -286,8 +287,8 @@ def shm_fix(base: str, transfer: bool = True) -> str:
     )
     if transfer:
         fix += (
-            ", or lower refit.bucket_size_mb or refit.staging_buffers (each staging buffer "
-            'holds one bucket), or use another refit.transport ("nccl"; "cuda_ipc" on GPUs), '
+            ", or lower refit.bucket_size_mb (each of the 2 staging buffers holds one "
+            'bucket), or use another refit.transport ("nccl"; "cuda_ipc" on GPUs), '
             "which stages nothing there"
         )
     return fix
@@ -296,28 +297,29 @@ def shm_fix(base: str, transfer: bool = True) -> str:
 def shm_need(cfg: Any, size: ModelSize | None) -> int:
     """Bytes the ``shm`` transfer's staging files will hold in ``/dev/shm``.
 
-    Each of the ``refit.staging_buffers`` buffers is sized for the largest bucket it holds:
-    at most ``bucket_size_mb`` (plus one alignment), or one tensor larger than that; and the
-    buckets of all the buffers are distinct parts of the model, so together they hold at
-    most the whole model. The bytes are counted in ``model.dtype``, the dtype the trainer
+    Each of the :data:`~asyncrl.transfers.STAGING_BUFFERS` buffers is sized for the largest
+    bucket it holds: at most ``bucket_size_mb`` (plus one alignment), or one tensor larger
+    than that; and the buckets of all the buffers are distinct parts of the model, so together
+    they hold at most the whole model. The bytes are counted in ``model.dtype``, the dtype the trainer
     sends every weight in (``TrainingBackend.weight_specs``), whatever the files store (a
     float32 checkpoint served in bfloat16 sends half its file size); counting every tensor
     of the files, buffers included, and rounding each tensor up to the alignment errs on the
     large side. Without safetensors headers the largest tensor is taken to fit a bucket.
-    Without weight files (a model the backend builds itself): ``staging_buffers`` full
+    Without weight files (a model the backend builds itself): ``STAGING_BUFFERS`` full
     buckets, the most the transfer can stage. Each file is rounded up to whole pages.
     """
     refit = cfg.refit
+    buffers = transfers.STAGING_BUFFERS
     bucket = refit.bucket_size_mb << 20
     per_element = _DTYPE_BYTES[cfg.model.dtype]
     if size is None:
-        per_buffer, total = bucket, refit.staging_buffers * bucket
+        per_buffer, total = bucket, buffers * bucket
     else:
         largest = size.largest * per_element
         per_buffer = max(bucket + _ALIGN, largest + _ALIGN)
         total = size.served_bytes(cfg.model.dtype) + max(size.tensors, 1) * _ALIGN
-    need = min(refit.staging_buffers * per_buffer, total)
-    pages = -(-need // _PAGE) + refit.staging_buffers
+    need = min(buffers * per_buffer, total)
+    pages = -(-need // _PAGE) + buffers
     return pages * _PAGE
 
 
@@ -332,8 +334,9 @@ def _check_shm(cfg: Any, size: ModelSize | None, engines: Mapping[str, int]) -> 
             else f"refit.bucket_size_mb = {cfg.refit.bucket_size_mb} MiB (model.path holds no "
             "weight file to size the model by)"
         )
-        parts.append((shm_need(cfg, size), f"the shm weight transfer's refit.staging_buffers "
-                                           f"= {cfg.refit.staging_buffers} files of up to {how}"))
+        parts.append((shm_need(cfg, size), f"the shm weight transfer's "
+                                           f"{transfers.STAGING_BUFFERS} staging files of up to "
+                                           f"{how}"))
     engine = max(engines.items(), key=lambda item: item[1], default=("", 0))
     if engine[1] > 0:
         # engines start at once, and their queues are sparse files (pages are taken as they

@@ -38,6 +38,7 @@ from asyncrl.procs.space import shm_dir
 
 __all__ = [
     "CONTROLLER_PID_FILE",
+    "TORCHRUN",
     "SpawnedGroup",
     "parse_torchrun_exit",
     "reap_stale_runs",
@@ -51,6 +52,12 @@ __all__ = [
 
 CONTROLLER_PID_FILE = "controller.pid"
 """In each run's private directory: the pid of the controller that owns it."""
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+"""How the controller starts a worker group: torchrun as a module of the controller's own
+interpreter, so the workers run the same Python and packages whatever ``PATH`` says (the
+``torchrun`` script on ``PATH`` may be another environment's). Once the config key
+``cluster.torchrun`` (issue 50), whose default already meant this."""
 
 log = structlog.get_logger("asyncrl.procs.spawn")
 
@@ -92,7 +99,6 @@ async def spawn_group(
     control_address: str,
     log_dir: str,
     scratch_dir: str,
-    torchrun: str,
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
 ) -> SpawnedGroup:
@@ -105,11 +111,8 @@ async def spawn_group(
     """
     os.makedirs(log_dir, exist_ok=True)
     agent_log = os.path.join(log_dir, f"torchrun-{group}.log")
-    runner = [torchrun] if os.path.sep in torchrun or torchrun != "torchrun" else [
-        sys.executable, "-m", "torch.distributed.run"
-    ]
     cmd = [
-        *runner,
+        *TORCHRUN,
         "--standalone",
         f"--nproc-per-node={nproc}",
         "--monitor-interval=0.5",

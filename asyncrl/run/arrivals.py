@@ -1,12 +1,12 @@
 """What the rollout book answers and decides (pure data): the kind of each message from a
 rollout worker (:class:`Arrival`), a group to request (:class:`Sent`), a chunk handed out
 (:class:`Taken`), what a lost worker left (:class:`Lost`), what an abort must reach
-(:class:`Aborts`), and the checks of one sample. :mod:`asyncrl.run.book` re-exports them: its
-callers read them as ``book.COMPLETE``, ``book.Sent``...
+(:class:`Aborts`), and the checks of one sample.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -14,15 +14,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncrl.policy.groups import Group
-from asyncrl.run.turns import Turn
+from asyncrl.run.turns import TurnRequest
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 
 if TYPE_CHECKING:
     from asyncrl.environment import Prompt
 
 __all__ = [
+    "ENDED",
+    "STICKY_TURNS",
     "Aborts",
     "Arrival",
+    "ArrivalKind",
     "BookError",
     "Lost",
     "Sent",
@@ -32,29 +35,42 @@ __all__ = [
     "stranger",
 ]
 
-# What a message from a rollout worker turned out to be (Arrival.kind).
-REJECTED = "rejected"
-"""A stranger's (no such group in flight on that worker) or a duplicate: nothing changed."""
-MALFORMED = "malformed"
-"""A sample from the right worker that breaks the contract: nothing changed; stop the run."""
-PENDING = "pending"
-"""Stored; more samples of its group are to come."""
-DISCARDED = "discarded"
-"""The last sample of a group being aborted: the group is gone."""
-COMPLETE = "complete"
-"""The last sample of its group: score the group, then :meth:`RolloutBook.commit` it (or
-:meth:`RolloutBook.score_failed`)."""
-EVAL_PENDING = "eval_pending"
-EVAL_COMPLETE = "eval_complete"
-"""The sample of an evaluation group that completes it: the group is the caller's now."""
-IN_FLIGHT = "in_flight"
-"""``GroupFailed`` for a training group in flight: decide, then :meth:`RolloutBook.failed`."""
-EVALUATION = "evaluation"
-"""``GroupFailed`` for an evaluation group."""
-TURN = "turn"
-"""The sample of an episode's turn: hand it to the episode waiting for it."""
-TURN_FAILED = "turn_failed"
-"""``GroupFailed`` for an episode's turn (the turn is gone): tell the episode waiting for it."""
+class ArrivalKind(enum.Enum):
+    """What a message from a rollout worker turned out to be (:attr:`Arrival.kind`).
+
+    For a sample (:meth:`RolloutBook.sample_arrived`):
+
+    - ``REJECTED``: a stranger's (no such group in flight on that worker) or a duplicate:
+      nothing changed;
+    - ``MALFORMED``: a sample from the right worker that breaks the contract: nothing changed;
+      stop the run;
+    - ``PENDING``: stored; more samples of its group are to come;
+    - ``DISCARDED``: the last sample of a group being aborted (the group is gone), or an
+      abandoned turn's;
+    - ``COMPLETE``: the last sample of its group: score the group, then
+      :meth:`RolloutBook.commit` it (or :meth:`RolloutBook.score_failed`);
+    - ``EVAL_PENDING`` / ``EVAL_COMPLETE``: an evaluation group's; the one that completes it
+      hands the group to the caller;
+    - ``TURN``: the sample of an episode's turn: hand it to the episode waiting for it.
+
+    For a ``GroupFailed`` (:meth:`RolloutBook.check_failure`): ``REJECTED``; ``IN_FLIGHT`` (a
+    training group in flight: decide, then :meth:`RolloutBook.failed`); ``EVALUATION`` (an
+    evaluation group's); ``TURN_FAILED`` (an episode's turn, gone: tell the episode waiting for
+    it); ``DISCARDED`` (an abandoned turn's).
+    """
+
+    REJECTED = "rejected"
+    MALFORMED = "malformed"
+    PENDING = "pending"
+    DISCARDED = "discarded"
+    COMPLETE = "complete"
+    EVAL_PENDING = "eval_pending"
+    EVAL_COMPLETE = "eval_complete"
+    TURN = "turn"
+    IN_FLIGHT = "in_flight"
+    EVALUATION = "evaluation"
+    TURN_FAILED = "turn_failed"
+
 
 STICKY_TURNS = 4
 """An episode's next turn stays on the worker that served its last one (whose prefix cache
@@ -73,7 +89,7 @@ class BookError(RuntimeError):
 class Arrival:
     """What :meth:`RolloutBook.sample_arrived` or :meth:`RolloutBook.check_failure` found."""
 
-    kind: str
+    kind: ArrivalKind
     group: Group | None = None
     """``COMPLETE`` / ``EVAL_COMPLETE``: the group to score (read it; the book changes it
     only at :meth:`RolloutBook.commit`). ``IN_FLIGHT``: the group that failed."""
@@ -81,7 +97,7 @@ class Arrival:
     """``REJECTED`` / ``MALFORMED``: what is wrong."""
     aborting: bool = False
     """``IN_FLIGHT``: the group is being aborted (already counted; nothing to retry)."""
-    turn: Turn | None = None
+    turn: TurnRequest | None = None
     """``TURN`` / ``TURN_FAILED``: the turn (no longer in flight)."""
     sample: Sample | None = None
     """``TURN``: its sample."""
@@ -117,7 +133,7 @@ class Lost:
     """Training groups dispatched again."""
     evals: int
     """Evaluation groups waiting for a worker again."""
-    turns: list[Turn]
+    turns: list[TurnRequest]
     """Episodes' turns that were on the worker (tell their episodes)."""
 
 
@@ -183,7 +199,7 @@ def stamped(sample: Sample, dispatched_at: int) -> Sample:
 
 def stranger(msg: SampleDone | GroupFailed, on_worker: bool) -> Arrival:
     return Arrival(
-        REJECTED,
+        ArrivalKind.REJECTED,
         detail=f"{type(msg).__name__} for group {msg.group_id!r}, which is not generating"
         + (f" on {msg.worker!r}" if on_worker else ""),
     )
@@ -194,12 +210,12 @@ def store(group: Group, msg: SampleDone) -> Arrival | None:
     samples = group.samples
     if not 0 <= msg.index < len(samples) or samples[msg.index] is not None:
         return Arrival(
-            REJECTED,
+            ArrivalKind.REJECTED,
             detail=f"sample {msg.index} of group {msg.group_id!r}: out of range or already "
             "received",
         )
     problem = malformed(msg.sample, group.start_version)
     if problem:
-        return Arrival(MALFORMED, detail=problem)
+        return Arrival(ArrivalKind.MALFORMED, detail=problem)
     samples[msg.index] = stamped(msg.sample, group.start_version)
     return None

@@ -45,23 +45,13 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.policy.schedule import Scheduler, StepStats, Wait
 from asyncrl.policy.slots import ABORTING, GENERATING, READY, SCORING
-from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run.arrivals import (  # re-exported: the book's callers read them here
-    COMPLETE,
-    DISCARDED,
+from asyncrl.checkpoints import directory as ckpt
+from asyncrl.run.arrivals import (
     ENDED,
-    EVAL_COMPLETE,
-    EVAL_PENDING,
-    EVALUATION,
-    IN_FLIGHT,
-    MALFORMED,
-    PENDING,
-    REJECTED,
     STICKY_TURNS,
-    TURN,
-    TURN_FAILED,
     Aborts,
     Arrival,
+    ArrivalKind,
     BookError,
     Lost,
     Sent,
@@ -71,18 +61,18 @@ from asyncrl.run.arrivals import (  # re-exported: the book's callers read them 
     store,
     stranger,
 )
-from asyncrl.run.turns import Turn, TurnTable
+from asyncrl.run.turns import TurnRequest, TurnTable
 from asyncrl.wire.messages import GroupFailed, SampleDone
 
 if TYPE_CHECKING:
     from asyncrl.environment import Prompt
 
-__all__ = ["Aborts", "Arrival", "BookError", "Lost", "RolloutBook", "Sent", "Taken", "malformed"]
+__all__ = ["RolloutBook"]
 
 _IN_FLIGHT = (GENERATING, ABORTING)
-_PENDING = Arrival(PENDING)
-_EVAL_PENDING = Arrival(EVAL_PENDING)
-_DISCARDED = Arrival(DISCARDED)
+_PENDING = Arrival(ArrivalKind.PENDING)
+_EVAL_PENDING = Arrival(ArrivalKind.EVAL_PENDING)
+_DISCARDED = Arrival(ArrivalKind.DISCARDED)
 
 
 def _view(name: str, doc: str) -> Any:
@@ -272,7 +262,7 @@ class RolloutBook:
         if outcome == "discard":
             del self._groups[group.group_id]
             return _DISCARDED
-        return Arrival(COMPLETE, group)
+        return Arrival(ArrivalKind.COMPLETE, group)
 
     def _turn_sample(self, msg: SampleDone) -> Arrival:
         entry = self._turns.get(msg.group_id)
@@ -281,13 +271,13 @@ class RolloutBook:
             return stranger(msg, on_worker=True)
         problem = malformed(msg.sample, entry.version)
         if problem:
-            return Arrival(MALFORMED, detail=problem)
+            return Arrival(ArrivalKind.MALFORMED, detail=problem)
         self._end_turn(entry)
         if entry.abandoned:
             return _DISCARDED
-        return Arrival(TURN, turn=entry, sample=stamped(msg.sample, entry.version))
+        return Arrival(ArrivalKind.TURN, turn=entry, sample=stamped(msg.sample, entry.version))
 
-    def _end_turn(self, entry: Turn) -> None:
+    def _end_turn(self, entry: TurnRequest) -> None:
         self._turns.end(entry.turn_id)
         self._load[entry.worker] -= 1
 
@@ -301,7 +291,7 @@ class RolloutBook:
         if any(s is None for s in group.samples):
             return _EVAL_PENDING
         del self._evals[msg.group_id]
-        return Arrival(EVAL_COMPLETE, group)
+        return Arrival(ArrivalKind.EVAL_COMPLETE, group)
 
     def check_failure(self, msg: GroupFailed) -> Arrival:
         """Which group a ``GroupFailed`` is about: ``REJECTED`` (a stranger's),
@@ -314,17 +304,17 @@ class RolloutBook:
             if turn.worker != msg.worker:
                 return stranger(msg, on_worker=True)
             self._end_turn(turn)
-            return _DISCARDED if turn.abandoned else Arrival(TURN_FAILED, turn=turn)
+            return _DISCARDED if turn.abandoned else Arrival(ArrivalKind.TURN_FAILED, turn=turn)
         group = self._groups.get(gid)
         state = self._sched.state_of(gid)
         if group is not None and state in _IN_FLIGHT:
             if group.worker != msg.worker:
                 return stranger(msg, on_worker=True)
-            return Arrival(IN_FLIGHT, group, aborting=state == ABORTING)
+            return Arrival(ArrivalKind.IN_FLIGHT, group, aborting=state == ABORTING)
         group = self._evals.get(gid)
         if group is None or group.worker != msg.worker:
             return stranger(msg, on_worker=group is not None)
-        return Arrival(EVALUATION, group)
+        return Arrival(ArrivalKind.EVALUATION, group)
 
     def failed(self, group_id: str, *, retry: bool) -> dict[str, list[str]]:
         """Generation of ``group_id`` (in flight) failed; its samples still to come never

@@ -44,7 +44,7 @@ import anyio.abc
 import numpy as np
 import structlog
 
-from asyncrl.run.saving import code_fingerprints, open_resume
+from asyncrl.checkpoints.saving import code_fingerprints, open_resume
 from asyncrl.config import Config, to_dict
 from asyncrl.errors import (
     AsyncRLError,
@@ -182,7 +182,7 @@ class Controller(anyio.AsyncContextManagerMixin):
 
     Entering raises :class:`~asyncrl.errors.WorkerStartupError` if a worker dies or the
     handshake exceeds ``cluster.startup_timeout_s``, and
-    :class:`~asyncrl.run.checkpoint_dir.CheckpointError` (before anything starts) for a checkpoint
+    :class:`~asyncrl.checkpoints.directory.CheckpointError` (before anything starts) for a checkpoint
     that is missing, corrupt, from another run or of a finished run, and
     :class:`~asyncrl.errors.RunDirectoryInUseError` while another live run holds
     ``run.output_dir``, ``checkpoint.dir`` or ``export.dir`` (held until the block is left);
@@ -384,7 +384,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             for group, n in groups.items():
                 spawned = await spawn_group(
                     group=group, nproc=n, control_address=addr.control, log_dir=addr.log_dir,
-                    scratch_dir=addr.run_dir, torchrun=cfg.torchrun,
+                    scratch_dir=addr.run_dir,
                     env={**worker_env(group), **addr.worker_env()},
                     args=worker_args(self._restarts.of_group(group)),
                 )  # fmt: skip

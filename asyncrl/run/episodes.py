@@ -21,17 +21,17 @@ aborted; the group is retried after a back-off, or dropped.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.abc
-import numpy as np
 import structlog
 
 from asyncrl.config import Config
 from asyncrl.data.prompts import Tokenizer, sample_seed
+from asyncrl.env.capabilities import check_environment
 from asyncrl.env.episode import (
     Episode,
     EpisodeEnvironment,
@@ -44,14 +44,16 @@ from asyncrl.env.episode import (
 from asyncrl.env.tool_parsers import ToolCallParser
 from asyncrl.env.trajectory import PrefixMismatchError
 from asyncrl.env.toolbox import ToolBox
+from asyncrl.env.tools import Tool
 from asyncrl.environment import Prompt, Score
-from asyncrl.env.segments import TrajectorySample
-from asyncrl.policy.groups import CompletedSample, Part
+from asyncrl.policy.groups import CompletedSample
 from asyncrl.run import book as bk
+from asyncrl.run.arrivals import ArrivalKind, Sent
+from asyncrl.run.context import RunContext
+from asyncrl.run.episode_sample import training_sample
 from asyncrl.run.wake import Pacer, Signal
-from asyncrl.run.turns import Turn, turn_id
+from asyncrl.run.turns import TurnRequest, turn_id
 from asyncrl.wire.messages import GenRequest, Sample
-from asyncrl.wire.rpc import ControlPlane
 
 __all__ = ["EpisodeFailed", "EpisodeRunner", "TurnLost", "build_runner"]
 
@@ -63,6 +65,13 @@ does not count (the turn goes to another worker at once)."""
 
 ABORT_TIMEOUT_S = 10.0
 """Bound on telling a worker to abort the turn of a cancelled episode (shielded)."""
+
+TOOL_CONCURRENCY = 64
+"""Tool calls running at once across the run (more wait their turn, the wait counted in
+``tool_wait_*``; docs/environments.md). A guard against runaway fan-out, not a measured
+optimum (no measurement chose 64): a step's ``tool_in_flight_max`` says how close a run comes,
+and a tool that must be rationed (a rate-limited API) limits itself. Once the config key
+``episode.max_concurrent_tools`` (issue 50)."""
 
 
 class EpisodeFailed(Exception):
@@ -124,7 +133,7 @@ class _GroupRun:
     was cancelled or failed (its episodes then end unreported: the book forgot them). An
     episode whose task starts after the cancel gets a scope cancelled already."""
 
-    sent: bk.Sent
+    sent: Sent
     dispatch: int = 0
     """The group's retries before this dispatch (its turn ids must differ from theirs)."""
     scopes: dict[int, anyio.CancelScope] = field(default_factory=dict)
@@ -167,6 +176,9 @@ class EpisodeRunner:
         limits, deadline_s, on_truncation, temperature, seed: ``[episode]`` and ``[grpo]``.
         tools, parser: the run's tools and tool-call parser (``None``: the environment has no
             tools).
+        take_metrics: the environment's ``take_metrics`` (:class:`~asyncrl.environment.StepMetrics`,
+            as :func:`~asyncrl.env.capabilities.check_environment` found it; ``None``: it has
+            none), whose figures go into each step record.
     """
 
     def __init__(
@@ -189,6 +201,7 @@ class EpisodeRunner:
         seed: int,
         tools: ToolBox | None = None,
         parser: ToolCallParser | None = None,
+        take_metrics: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self._env, self._book, self._record = environment, book, record
         self._send, self._abort, self._serving = send, abort, serving
@@ -197,6 +210,7 @@ class EpisodeRunner:
         self._limits, self._deadline_s, self._on_truncation = limits, deadline_s, on_truncation
         self._temperature, self._seed = temperature, seed
         self._tools, self._parser = tools, parser
+        self._env_metrics = take_metrics
         self._slots: dict[str, _Slot] = {}
         """Turn id → where its answer goes, for every turn an episode waits for."""
         self._runs: dict[str, _GroupRun] = {}
@@ -221,7 +235,7 @@ class EpisodeRunner:
             finally:
                 self._tg = None
 
-    def start(self, sent: bk.Sent) -> None:
+    def start(self, sent: Sent) -> None:
         """Start the ``sent.n`` episodes of a group the book dispatched."""
         if self._tg is None:
             raise RuntimeError("EpisodeRunner.start() before run()")
@@ -243,9 +257,8 @@ class EpisodeRunner:
         clock (``tool_busy``: the timeline's tool lanes), and the environment's own figures
         if it has a ``take_metrics()`` (the gateway's ``gateway_*``)."""
         out: dict[str, Any] = dict(self.take_stats().metrics())
-        figures = getattr(self._env, "take_metrics", None)  # the gateway's, say
-        if callable(figures):
-            out.update(figures())
+        if self._env_metrics is not None:  # the gateway's, say
+            out.update(self._env_metrics())
         if self._tools is not None:
             tools = self._tools.take_stats()
             out.update(tools.metrics())
@@ -253,19 +266,19 @@ class EpisodeRunner:
         return out
 
     # ------------------------------------------------------------------ what comes back
-    def turn_arrived(self, turn: Turn, sample: Sample) -> None:
+    def turn_arrived(self, turn: TurnRequest, sample: Sample) -> None:
         """The book's ``TURN``: hand the sample to the episode waiting for it."""
         slot = self._slots.get(turn.turn_id)
         if slot is not None:
             slot.answer(sample)
 
-    def turn_failed(self, turn: Turn, error: str, retryable: bool) -> None:
+    def turn_failed(self, turn: TurnRequest, error: str, retryable: bool) -> None:
         """The book's ``TURN_FAILED``: the worker could not generate the turn."""
         slot = self._slots.get(turn.turn_id)
         if slot is not None:
             slot.answer(None, TurnLost(error, retryable=retryable, counts=True))
 
-    def turns_lost(self, turns: Sequence[Turn]) -> None:
+    def turns_lost(self, turns: Sequence[TurnRequest]) -> None:
         """Their worker died: each episode asks another worker (not counted as a failure)."""
         for turn in turns:
             slot = self._slots.get(turn.turn_id)
@@ -304,7 +317,7 @@ class EpisodeRunner:
             return
         arrival = self._book.episode_ended(gid, index, sample)
         self._changed.notify()
-        if arrival.kind == bk.COMPLETE:  # scored already: ready to train
+        if arrival.kind is ArrivalKind.COMPLETE:  # scored already: ready to train
             assert arrival.group is not None
             if self._book.commit(gid, list(arrival.group.samples), self._now()):
                 self._committed.notify()
@@ -404,37 +417,19 @@ class EpisodeRunner:
             stats.truncated[truncated] = stats.truncated.get(truncated, 0) + 1
 
     def _sample(self, record: Record, score: Score, truncated: str | None) -> CompletedSample:
-        """The episode as one training sample with its own prompt (the template's render,
-        tools included); the segments a template split off come along and train with the
-        same reward. Only generated tokens train; ``mask`` truncation trains none.
+        """The episode as one training sample (:func:`asyncrl.run.episode_sample.training_sample`).
 
         Raises:
             EpisodeFailed: the episode generated nothing (no turn to train).
         """
-        parts = [self._part(s, truncated) for s in record.samples()]
-        if not parts and truncated == "deadline":  # a slow engine: worth another try
+        sample = training_sample(record.samples(), score, truncated,
+                                 mask_truncated=self._on_truncation == "mask")  # fmt: skip
+        if sample is None and truncated == "deadline":  # a slow engine: worth another try
             raise EpisodeFailed(f"episode.deadline_s ({self._deadline_s:g} s) passed before "
                                 "its first turn ended")  # fmt: skip
-        if not parts:
+        if sample is None:
             raise EpisodeFailed("run_episode returned before its first turn", retryable=False)
-        *earlier, last = parts
-        return CompletedSample(
-            token_ids=last.token_ids, logprobs=last.logprobs,
-            finish_reason=truncated or last.finish_reason, reward=float(score.reward),
-            correct=bool(score.correct), components=dict(score.components),
-            loss_mask=last.loss_mask, prompt_ids=last.prompt_ids, earlier=tuple(earlier),
-            versions=last.versions,
-        )  # fmt: skip
-
-    def _part(self, sample: TrajectorySample, truncated: str | None) -> Part:
-        mask = sample.loss_mask
-        if truncated is not None and self._on_truncation == "mask":
-            mask = np.zeros_like(mask)
-        return Part(
-            prompt_ids=sample.prompt_ids, token_ids=sample.response_ids,
-            logprobs=sample.logprobs, loss_mask=mask, finish_reason=sample.finish_reason,
-            versions=sample.versions,
-        )  # fmt: skip
+        return sample
 
     # ------------------------------------------------------------------ one turn
     async def _turn(self, asker: _Asker, prompt_ids: list[int], max_tokens: int) -> Generated:
@@ -516,37 +511,29 @@ class EpisodeRunner:
 
 
 def _tools(
-    environment: EpisodeEnvironment, config: Config, now: Callable[[], float]
+    tools: Sequence[Tool], config: Config, now: Callable[[], float]
 ) -> tuple[ToolBox | None, ToolCallParser | None]:
-    """The environment's tools (its ``tools`` attribute) in one :class:`ToolBox`, and the
-    ``episode.tool_parser``; ``(None, None)`` without tools.
+    """The environment's tools (checked: :class:`~asyncrl.environment.HasTools`) in one
+    :class:`ToolBox`, and the ``episode.tool_parser``; ``(None, None)`` without tools.
 
     Raises:
-        ConfigError: a tool is not a :func:`~asyncrl.env.tools.tool` function.
         PluginError: ``episode.tool_parser`` names no installed parser.
     """
     from asyncrl.env.tool_parsers import load_tool_parser
 
-    tools = list(getattr(environment, "tools", None) or ())
     if not tools:
         return None, None
     ep = config.episode
-    box = ToolBox(tools, timeout_s=ep.tool_timeout_s, max_concurrent=ep.max_concurrent_tools,
+    box = ToolBox(tools, timeout_s=ep.tool_timeout_s, max_concurrent=TOOL_CONCURRENCY,
                   now=now)  # fmt: skip
     return box, load_tool_parser(ep.tool_parser, "episode.tool_parser")
 
 
 def build_runner(
-    config: Config,
+    ctx: RunContext,
     environment: EpisodeEnvironment,
     *,
     tokenizer: Tokenizer,
-    book: bk.RolloutBook,
-    control: ControlPlane,
-    serving: Callable[[], Sequence[str]],
-    changed: Signal,
-    committed: Signal,
-    now: Callable[[], float],
     fail_group: Callable[[str, str, str, bool, anyio.abc.TaskGroup], dict[str, list[str]]],
     deadline_s: float | None = None,
 ) -> EpisodeRunner:
@@ -555,25 +542,30 @@ def build_runner(
     token-exact :class:`~asyncrl.env.trajectory.Trajectory` (the model's chat template and its
     end-of-turn tokens), and turn requests sent as one-request ``Generate`` casts (no reply:
     the sample is the answer). ``deadline_s`` overrides ``episode.deadline_s`` (the gateway
-    keeps its sessions' deadlines itself: an episode waiting for an agent has none).
+    keeps its sessions' deadlines itself: an episode waiting for an agent has none). The
+    environment's optional capabilities (``tools``, ``take_metrics``) are checked once, here
+    (:func:`~asyncrl.env.capabilities.check_environment`), and the runner is given them.
 
     Raises:
-        ConfigError: the model has no chat template, or the environment's tools are not
-            :func:`~asyncrl.env.tools.tool` functions.
-        PluginError: ``episode.tool_parser`` names no installed parser.
+        ConfigError: the model has no chat template.
+        PluginError: ``episode.tool_parser`` names no installed parser; the environment's
+            ``tools`` are not :func:`~asyncrl.env.tools.tool` functions, or another of its
+            optional capabilities is of the wrong kind (naming it and the member).
     """
     from asyncrl.env.trajectory import Trajectory
     from asyncrl.errors import config_error
     from asyncrl.run.preflight import end_token_ids
     from asyncrl.wire.messages import Abort, Generate
 
+    config, book, control, now = ctx.config, ctx.book, ctx.control, ctx.now
     ep, timeout = config.episode, config.cluster.call_timeout_s
     template = tokenizer.chat_template
     if template is None:
         raise config_error("model.chat_template", "a multi-turn environment needs a chat template "
                            "and the model directory has none",
                            "save one with the tokenizer, or set model.chat_template")  # fmt: skip
-    box, parser = _tools(environment, config, now)
+    parts = check_environment(environment, config.environment.name, scored=True)
+    box, parser = _tools(parts.tools, config, now)
     definitions = box.definitions() if box is not None else None
     ends = end_token_ids(config.model.path) or None
 
@@ -590,9 +582,10 @@ def build_runner(
     limits = Limits(ep.max_turns, ep.max_context_tokens,
                     ep.max_turn_tokens or config.grpo.max_new_tokens)  # fmt: skip
     return EpisodeRunner(
-        environment, book=book, record=record, send=send, abort=abort, serving=serving,
-        changed=changed, committed=committed, now=now, fail_group=fail_group, limits=limits,
+        environment, book=book, record=record, send=send, abort=abort, serving=ctx.serving,
+        changed=ctx.changed, committed=ctx.committed, now=now, fail_group=fail_group, limits=limits,
         deadline_s=ep.deadline_s if deadline_s is None else deadline_s,
         on_truncation=ep.on_truncation,
         temperature=config.grpo.temperature, seed=config.run.seed, tools=box, parser=parser,
+        take_metrics=parts.take_metrics,
     )  # fmt: skip

@@ -10,7 +10,6 @@ owns the results (which groups of each evaluation are scored, which were correct
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,17 +17,15 @@ import anyio
 import numpy as np
 import structlog
 
-from asyncrl.config import Config
 from asyncrl.environment import Environment
 from asyncrl.data.prompts import Tokenizer
 from asyncrl.errors import RunError
-from asyncrl.run.book import RolloutBook
+from asyncrl.run.context import RunContext
 
 if TYPE_CHECKING:
     from asyncrl.run.episodes import EpisodeRunner
 from asyncrl.run.restarts import send_generate
 from asyncrl.wire.messages import GenRequest
-from asyncrl.wire.rpc import ControlPlane
 
 __all__ = ["Evaluator"]
 
@@ -66,27 +63,18 @@ class Evaluator:
 
     def __init__(
         self,
-        config: Config,
+        ctx: RunContext,
         *,
-        control: ControlPlane,
         environment: Environment,
         tokenizer: Tokenizer,
-        book: RolloutBook,
-        serving: Callable[[], list[str]],
-        metrics: Any,
-        now: Callable[[], float] = time.perf_counter,
         episodes: EpisodeRunner | None = None,
     ) -> None:
-        self.config = config
+        self.config, self.control, self.book = ctx.config, ctx.control, ctx.book
+        self.serving, self.metrics, self.now = ctx.serving, ctx.metrics, ctx.now
         self.episodes = episodes
         """A multi-turn environment's runner: it evaluates by running greedy episodes."""
-        self.control = control
         self.env = environment
         self.tok = tokenizer
-        self.book = book
-        self.serving = serving
-        self.metrics = metrics
-        self.now = now
         self.records: list[dict[str, Any]] = []
         """Every evaluation of the run, in order."""
         self._running: anyio.Event | None = None

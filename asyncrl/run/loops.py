@@ -47,24 +47,28 @@ from asyncrl.data.prompts import PromptStream, Tokenizer, sample_seed
 from asyncrl.environment import Environment
 from asyncrl.obs.console import Console
 from asyncrl.obs.startup import Startup
-from asyncrl.obs.samples import SampleExport
+from asyncrl.obs import collector, sample_export, watchdog
+from asyncrl.obs.sample_export import SampleExport
 from asyncrl.obs.steps import StepRecord, log_step
 from asyncrl.obs.collector import collector_paused, pace
 from asyncrl.obs.watchdog import LoopLag, LoopWatchdog
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.schedule import Scheduler, StepStats
-from asyncrl.run.assembly import Publisher, StepAssembler
+from asyncrl.run.train_step import StepAssembler
 from asyncrl.env.episode import EpisodeEnvironment
-from asyncrl.run.book import RolloutBook, Sent
+from asyncrl.run.arrivals import Sent
+from asyncrl.run.book import RolloutBook
+from asyncrl.run.context import RunContext
 from asyncrl.run.episodes import EpisodeRunner, build_runner
 from asyncrl.run.evaluation import Evaluator
-from asyncrl.run.intake import Feeder, Scorer
+from asyncrl.run.intake import Feeder
+from asyncrl.run.scoring import Scorer
 from asyncrl.run.probes import Probes
-from asyncrl.run.refit import KVScales
+from asyncrl.run.refit import KVScales, Publisher
 from asyncrl.run.wake import Signal
 from asyncrl.services import Served, enabled_services, load_service
 from asyncrl.run.restarts import Redispatcher, Restarts, send_generate
-from asyncrl.run.saving import Checkpointer, Resume
+from asyncrl.checkpoints.saving import Checkpointer, Resume
 from asyncrl.wire.messages import GenRequest, StepResult, TokenBatch
 from asyncrl.wire.rpc import ControlPlane
 from asyncrl.wire.transport import AsyncSocket, Rejections
@@ -123,7 +127,7 @@ class Pipeline:
     :class:`~asyncrl.run.controller.Controller` builds it once the workers are ready and
     runs it in its task group; ``restarts`` says which rollout workers serve;
     ``reward_code``: the reward code's fingerprints taken as the run started (each checkpoint
-    records them: :func:`asyncrl.run.saving.code_fingerprints`)."""
+    records them: :func:`asyncrl.checkpoints.saving.code_fingerprints`)."""
 
     def __init__(
         self,
@@ -188,50 +192,42 @@ class Pipeline:
         self, environment: Environment, tokenizer: Tokenizer, data: AsyncSocket, transfer: str
     ) -> None:
         cfg, control, trainers, metrics = self.config, self.control, self.trainers, self.metrics
+        ctx = RunContext(
+            cfg, control, trainers, self.book, serving=lambda: self.restarts.serving,
+            changed=self.changed, committed=self.committed, failures=self.failures,
+            probes=self.probes, metrics=metrics, now=self.now,
+        )  # fmt: skip
         kv = KVScales(control, trainers, self.rollouts, cfg.refit,
                       timeout_s=cfg.cluster.call_timeout_s, metrics=metrics)  # fmt: skip
-        self.publisher = Publisher(
-            cfg, control=control, trainers=trainers, book=self.book,
-            serving=lambda: self.restarts.serving, kv=kv, probes=self.probes,
-            transfer_address=transfer, changed=self.changed,
-            rejections=self.rejections, metrics=metrics, now=self.now,
-            cancel_episodes=self._cancel_episodes,
-        )  # fmt: skip
-        self.assembler = StepAssembler(
-            cfg, control=control, trainers=trainers, book=self.book,
-            committed=self.committed, changed=self.changed, failures=self.failures,
-            probes=self.probes, now=self.now, before_training=self.publisher.baseline,
-        )  # fmt: skip
+        self.publisher = Publisher(ctx, kv=kv, transfer_address=transfer,
+                                   rejections=self.rejections,
+                                   cancel_episodes=self._cancel_episodes)  # fmt: skip
+        self.assembler = StepAssembler(ctx, before_training=self.publisher.baseline)
         self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
         self.episodes: EpisodeRunner | None = None
         if self.episodic:
             self.episodes = build_runner(
-                cfg, environment, tokenizer=tokenizer, book=self.book, control=control,
-                serving=lambda: self.restarts.serving, changed=self.changed,
-                committed=self.committed, now=self.now, fail_group=self.redispatch.episode_failed,
+                ctx, environment, tokenizer=tokenizer, fail_group=self.redispatch.episode_failed,
                 deadline_s=min((s.episode_deadline_s for s in self.services.values()
                                 if s.episode_deadline_s is not None), default=None),
             )  # fmt: skip
         self.samples: SampleExport | None = None
-        """``run.save_samples``: each trained step's sequences on disk (asyncrl/obs/samples.py)."""
+        """``run.save_samples``: each trained step's sequences on disk (asyncrl/obs/sample_export.py)."""
         if cfg.run.save_samples:
-            self.samples = SampleExport(cfg.run.output_dir, int(cfg.run.samples_file_mb * 2**20))
+            self.samples = SampleExport(cfg.run.output_dir,
+                                        int(sample_export.SAMPLES_FILE_MB * 2**20))  # fmt: skip
         self.checkpointer = Checkpointer(
             cfg, control=control, trainers=trainers, metrics=metrics,
             train_prompts=environment.dataset("train"), code=self._reward_code,
             before_save=self.samples.flushed if self.samples is not None else None,
         )  # fmt: skip
-        self.evaluator = Evaluator(
-            cfg, control=control, environment=environment, tokenizer=tokenizer,
-            book=self.book, serving=lambda: self.restarts.serving, metrics=metrics, now=self.now,
-            episodes=self.episodes,
-        )  # fmt: skip
+        self.evaluator = Evaluator(ctx, environment=environment, tokenizer=tokenizer,
+                                   episodes=self.episodes)  # fmt: skip
         self.scorer = Scorer(environment, tokenizer, cfg.environment.name,
                              timeout_s=cfg.failures.reward_timeout_s)  # fmt: skip
         self.feeder = Feeder(
-            cfg, data=data, book=self.book, scorer=self.scorer, evaluator=self.evaluator,
+            ctx, data=data, scorer=self.scorer, evaluator=self.evaluator,
             redispatch=self.redispatch, rejections=self.rejections,
-            changed=self.changed, committed=self.committed, now=self.now,
             step_record=lambda: self._record(self.book.trainer_version), turns=self.episodes,
         )  # fmt: skip
 
@@ -253,7 +249,7 @@ class Pipeline:
         Cancellation: the loops stop; checkpoint requests still waiting are answered.
         """
         try:
-            with collector_paused(self.config.run.gc_freeze, self.config.run.gc_young_interval_s):
+            with collector_paused(collector.GC_FREEZE, collector.GC_YOUNG_INTERVAL_S):
                 await self._run()
         finally:
             self.checkpointer.close()
@@ -262,8 +258,8 @@ class Pipeline:
     async def _run(self) -> None:
         cfg = self.config
         async with anyio.create_task_group() as tg:
-            if cfg.run.gc_young_interval_s:
-                tg.start_soon(pace, cfg.run.gc_young_interval_s, cfg.run.gc_full_interval_s,
+            if collector.GC_YOUNG_INTERVAL_S:
+                tg.start_soon(pace, collector.GC_YOUNG_INTERVAL_S, collector.GC_FULL_INTERVAL_S,
                               name="gc-pacer")  # fmt: skip
             tg.start_soon(self.feeder.run, name="buffer-feeder")
             if self.episodes is not None:
@@ -274,7 +270,7 @@ class Pipeline:
             if self.samples is not None:  # started: its files are cut back to the resumed step
                 await tg.start(self.samples.run, self.resumed_from or 0, name="samples-writer")
             dump_dir = os.path.join(cfg.run.output_dir, "logs")
-            tg.start_soon(LoopWatchdog(cfg.run.stall_warning_s, dump_dir=dump_dir).run,
+            tg.start_soon(LoopWatchdog(watchdog.STALL_WARNING_S, dump_dir=dump_dir).run,
                           name="loop-watchdog")  # fmt: skip
             async with self._weights:
                 await self.publisher.first(self.resumed_from is not None, self.prompts, self.tok)

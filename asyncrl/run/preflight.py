@@ -1,5 +1,6 @@
 """What the controller checks before any process or file exists: the plugins load, the
-environment and the tokenizer load, the prompts fit, each service accepts the run (the
+environment (its optional capabilities checked: :mod:`asyncrl.env.capabilities`) and the
+tokenizer load, the prompts fit, each service accepts the run (the
 gateway's managed agent command runs once), both backends accept
 their config, and ``/dev/shm`` and the run's directories have room enough
 (:mod:`asyncrl.procs.space`); each mistake a ``ConfigError`` naming its field."""
@@ -18,6 +19,7 @@ import anyio
 from asyncrl import plugins
 from asyncrl.backend import BackendPlugin
 from asyncrl.data.chat import ChatTemplate
+from asyncrl.env.capabilities import check_environment
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError, config_error
 from asyncrl.data.prompts import Tokenizer
@@ -31,7 +33,9 @@ __all__ = ["check_before_spawn", "end_token_ids", "make_environment"]
 async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
     """Load the environment and the tokenizer, measure the prompts and run both backends'
     ``check_config``: every mistake a plugin can see is a ``ConfigError`` (or
-    ``PluginError``) naming its field, raised before any process or file exists."""
+    ``PluginError``) naming its field, raised before any process or file exists (an
+    environment that does not keep its contract: a ``PluginError`` naming it and the member,
+    :func:`~asyncrl.env.capabilities.check_environment`)."""
     await anyio.to_thread.run_sync(check_sinks, cfg)  # imports the trackers' packages
     trainer = BackendPlugin.of(
         plugins.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
@@ -40,6 +44,8 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
         plugins.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
     )
     environment = make_environment(cfg)
+    # its optional capabilities, once; a way to score unless a service stands in front of it
+    check_environment(environment, cfg.environment.name, scored=not enabled_services(cfg))
     train = len(environment.dataset("train"))
     if train < cfg.grpo.prompts_per_step:
         raise config_error(
@@ -88,7 +94,12 @@ def _plugin_errors(field: str, what: str, fix: str) -> Iterator[None]:
 
 def make_environment(cfg: Config) -> Any:
     """The configured environment, from its ``asyncrl.environments`` factory: called as
-    ``factory(options, seed)``, with ``base_dir=`` too when the factory takes it."""
+    ``factory(options, seed)``, with ``base_dir=`` too when the factory takes it
+    (:func:`check_before_spawn` then checks it against the environment contract).
+
+    Raises:
+        ConfigError: the factory refused its options.
+    """
     make_env = plugins.load("asyncrl.environments", cfg.environment.name, "environment.name")
     kwargs: dict[str, Any] = {}
     try:

@@ -4,13 +4,12 @@ verification and behind ``Controller.generator_logprobs`` / ``trainer_logprobs``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
 import anyio
 import numpy as np
+
 from asyncrl.errors import WorkerRestarting
 from asyncrl.policy.grpo import shard_tokens
-from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, Score, TokenBatch
+from asyncrl.wire.messages import ComputeLogprobs, LogprobsResult, ScoreTokens, TokenBatch
 from asyncrl.wire.rpc import ControlPlane
 
 __all__ = ["Probes"]
@@ -43,7 +42,7 @@ class Probes:
     ) -> np.ndarray:
         """Logprobs of ``batch``'s response tokens under one generator's current weights."""
         result = await self.control.call(
-            worker, Score(batch=batch, temperature=temperature), timeout_s=self.timeout_s
+            worker, ScoreTokens(batch=batch, temperature=temperature), timeout_s=self.timeout_s
         )
         assert isinstance(result, LogprobsResult)
         return np.asarray(result.logprobs, np.float32)

@@ -1,36 +1,80 @@
-"""The controller's side of a refit: trainer rank 0 sends, every generator receives, at once
-(the bytes themselves go straight from trainer to generators; see :mod:`asyncrl.worker.weights`), with
-FP8 KV-cache scales calibrated by the trainers when the generators serve an FP8 KV cache."""
+"""Where a refit is ordered: after each optimizer step the :class:`Publisher` closes the
+rollout gate, aborts or drains what the mode says, calibrates FP8 KV-cache scales when the
+generators serve an FP8 KV cache, has trainer rank 0 send while every generator receives, at
+once (the bytes go straight from trainer to generators: :mod:`asyncrl.worker.weights`),
+verifies the refit when due, and reopens the gate on the new version.
+
+::
+
+    Publisher.publish():  book.finish_step() (gate closes) ─► Abort hopeless groups ─► drain
+                          (optional) ─► KV scales ─► SendWeights ∥ ReceiveWeights ─►
+                          book.end_refit() (gate reopens)
+
+Every method that refits runs under the pipeline's weights lock (:mod:`asyncrl.run.loops`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import numpy as np
 import structlog
 
 from asyncrl.config import RefitConfig
-from asyncrl.errors import RefitError, flatten
+from asyncrl.data.prompts import PromptStream, Tokenizer
+from asyncrl.errors import RefitError, WorkerError, flatten
+from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.grpo import shard_tokens
+from asyncrl.policy.samplers import in_flight_at_refit
+from asyncrl.policy.schedule import StepStats
+from asyncrl.policy import verify
+from asyncrl.policy.verify import Agreement, RefitCheck, make_probe, verification_due
+from asyncrl.run.arrivals import Aborts
+from asyncrl.run.context import RunContext
 from asyncrl.wire.messages import (
+    Abort,
     CalibrateKV,
     KVScalesResult,
     ReceiveWeights,
+    ReceiverGone,
     SendWeights,
     TokenBatch,
     WeightsResult,
 )
-from asyncrl.data.prompts import PromptStream, Tokenizer
 from asyncrl.wire.rpc import ControlPlane
-from asyncrl.policy.verify import make_probe
+from asyncrl.wire.transport import Rejections
 
 __all__ = [
-    "KVScales", "RefitReport", "calibrate_kv", "fp8_kv_cache", "fp8_query", "refit_generators"
+    "DRAIN_TIMEOUT_S", "KV_CALIBRATION_MARGIN", "KV_CALIBRATION_PERCENTILE",
+    "KV_CALIBRATION_SEQUENCES", "KVScales", "Publisher", "RefitReport", "calibrate_kv",
+    "fp8_kv_cache", "fp8_query", "refit_generators",
 ]
+
+DRAIN_TIMEOUT_S = 60.0
+"""With ``refit.drain``: the longest a drain before a refit waits for the samples in flight;
+after it the refit goes ahead with what is still running (counted in the step's
+``drain_timeouts``). A sample of ``grpo.max_new_tokens`` finishes in seconds on a serving
+engine; a minute only cuts off a stuck one. Once the config key ``refit.drain_timeout_s``
+(issue 50)."""
+
+# FP8 KV-cache calibration (docs/refit.md, "FP8 KV cache"); config keys
+# ``refit.kv_calibration_sequences``, ``_percentile`` and ``_margin`` until issue 50 (the switch
+# that stays a key: ``refit.kv_calibrate_q``).
+KV_CALIBRATION_SEQUENCES = 64
+"""Sequences the trainers calibrate FP8 KV-cache scales on after every step (of the step's,
+one per group first), and before the first step (training prompts)."""
+KV_CALIBRATION_PERCENTILE = 99.9
+"""Percentile, across micro-batches, of each layer's per-micro-batch amax (then the max across
+trainer ranks): one outlier micro-batch does not set the scale alone."""
+KV_CALIBRATION_MARGIN = 1.05
+"""Head-room for the next step's data: ``scale = amax * margin / 448`` (448: FP8 E4M3's
+largest value)."""
 
 log = structlog.get_logger("asyncrl.run.refit")
 
@@ -66,8 +110,8 @@ async def calibrate_kv(
     requests = [
         CalibrateKV(
             batch=part,
-            percentile=refit.kv_calibration_percentile,
-            margin=refit.kv_calibration_margin,
+            percentile=KV_CALIBRATION_PERCENTILE,
+            margin=KV_CALIBRATION_MARGIN,
             include_q=include_q or refit.kv_calibrate_q,
         )
         for part in shard_tokens(batch, len(trainers))
@@ -132,7 +176,7 @@ class KVScales:
         will dispatch (each token after the first counts: there are no responses yet)."""
         if not self.enabled:
             return None
-        n = self._refit.kv_calibration_sequences
+        n = KV_CALIBRATION_SEQUENCES
         seqs = [p for p in await prompts.peek_first(n, tokenizer) if len(p) > 1]
         batch = TokenBatch(
             tokens=np.asarray([t for s in seqs for t in s], np.int32),
@@ -145,9 +189,7 @@ class KVScales:
         """Scales of the weights a step produced, on (a sample of) that step's sequences."""
         if not self.enabled:
             return None
-        return await self.calibrate(
-            make_probe(groups, self._refit.kv_calibration_sequences), version
-        )
+        return await self.calibrate(make_probe(groups, KV_CALIBRATION_SEQUENCES), version)
 
 
 class RefitReport(NamedTuple):
@@ -264,3 +306,201 @@ async def _refit_once(
         rejected_frames=max((r.rejected_frames for r in senders), default=0),
         pack_s=max((r.pack_s for r in senders), default=0.0),
     )
+
+
+class Publisher:
+    """Publishes the trainer's weights to the generators. Every method that refits
+    (:meth:`publish`, :meth:`first`, :meth:`refit_worker`) expects the caller to hold the
+    weights lock: the trainer's weights are those sent, and the generators serve them when
+    it returns. :meth:`abort` (engines told to drop groups), :meth:`verify` and
+    :meth:`check_verified` need no lock.
+
+    ``serving()``: the rollout workers that serve now (a refit goes to them; one that dies
+    meanwhile is left out, it is restarted: :meth:`receiver_gone`).
+    """
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        *,
+        kv: KVScales,
+        transfer_address: str,
+        rejections: Rejections,
+        cancel_episodes: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        config = self.config = ctx.config
+        self.control, self.trainers, self.book = ctx.control, ctx.trainers, ctx.book
+        self.serving, self.probes, self.changed = ctx.serving, ctx.probes, ctx.changed
+        self.metrics, self.now = ctx.metrics, ctx.now
+        self._cancel_episodes = cancel_episodes
+        """Cancels the episodes of aborted groups (a multi-turn environment's runner)."""
+        self.kv = kv
+        self.transfer_address = transfer_address
+        self.rejections = rejections
+        self.report = RefitReport()
+        """What the last step's refit reported (the generators' busy time, the packing)."""
+        self._kv_scales: dict[str, float] | None = None
+        """The FP8 KV-cache scales of the last refit (a restarted worker gets them too)."""
+        self._probe: TokenBatch | None = None
+        """The refit-verification probe batch, frozen from the first trained step."""
+        self.check = RefitCheck.measured()
+        """Judges verified refits against the baseline measured before the first update."""
+        self._reprefill = in_flight_at_refit(config.sampler) == "reprefill"
+        """Requests in flight at a step's refit recompute their KV cache (the sampler's
+        choice; docs/modes.md)."""
+
+    async def publish(self, step: int, rec: StepRecord) -> StepStats:
+        """Step ``step`` took its optimizer step: bump the version, abort what became
+        hopeless, refit. Returns the step's counters. Cancellation: the refit is abandoned
+        (the run is over)."""
+        # the version bump and the gate's closing are one book event: no dispatch can see
+        # version v+1 before the generators serve it
+        self.book.finish_step()
+        self.changed.notify()
+        rec.refit_start = refit_start = self.now()
+        log.debug("refit_started", version=step + 1)
+        await self.abort(self.book.begin_refit())
+        if self.config.refit.drain:
+            await self._drain(rec)
+        rec.inflight_at_refit = self.book.inflight_samples
+        kv_scales = await self.kv.after_step(rec.groups, step + 1)
+        self.report = await self._refit(
+            step + 1, kv_scales, self.serving(), reprefill=self._reprefill
+        )
+        self._kv_scales = kv_scales
+        rec.refit_end = self.now()
+        rec.refit_s = rec.refit_end - refit_start
+        stats = self.book.end_refit()
+        self.changed.notify()
+        return stats
+
+    async def abort(self, aborts: Aborts) -> None:
+        """Tell each engine to abort its groups and episodes' turns (their samples still come
+        back, cut short, and free their slots), and cancel the aborted groups' episodes."""
+        if aborts.count:
+            log.info("groups_aborted", count=aborts.count, trainer_version=self.book.trainer_version)
+        if aborts.episodes:
+            assert self._cancel_episodes is not None
+            self._cancel_episodes(aborts.episodes)
+        async with anyio.create_task_group() as tg:
+            for worker, gids in aborts.by_worker.items():
+                tg.start_soon(self._abort_on, worker, gids)
+
+    async def _abort_on(self, worker: str, group_ids: list[str]) -> None:
+        # a worker that died: its groups were dispatched again (worker_lost)
+        await self.control.call_unless_restarting(
+            worker, Abort(group_ids=group_ids), timeout_s=self.config.cluster.call_timeout_s
+        )
+
+    async def _drain(self, rec: StepRecord) -> None:
+        """Wait until no sample is generating, at most :data:`DRAIN_TIMEOUT_S`."""
+        start = self.now()
+        with anyio.move_on_after(DRAIN_TIMEOUT_S) as scope:
+            while not self.book.drained:
+                await self.changed.wait()
+        rec.drain_s = self.now() - start
+        if scope.cancelled_caught:
+            rec.drain_timeouts += 1
+            log.warning(
+                "drain_timed_out",
+                inflight_samples=self.book.inflight_samples,
+                timeout_s=DRAIN_TIMEOUT_S,
+            )
+
+    async def first(self, resumed: bool, prompts: PromptStream, tokenizer: Tokenizer) -> None:
+        """Before the first dispatch: a resumed run refits the generators from the restored
+        weights (the engines start from ``model.path``); with an FP8 KV cache, every run
+        refits with calibrated scales, so no step runs on scales of 1.0."""
+        if resumed or self.kv.enabled:
+            kv_scales = await self.kv.initial(prompts, tokenizer)
+            self.report = await self._refit(self.book.trainer_version, kv_scales, self.serving())
+            self._kv_scales = kv_scales
+
+    async def receiver_gone(self, worker: str) -> None:
+        """Rollout ``worker`` died: tell trainer rank 0, so a refit under way leaves it out
+        now (its own pid watch sees nothing of another host's process). Needs no lock. A
+        trainer that is gone is its own watcher's to report."""
+        with contextlib.suppress(WorkerError):
+            await self.control.cast(self.trainers[0], ReceiverGone(receiver=worker))
+
+    async def refit_worker(self, worker: str) -> int:
+        """Refit restarted ``worker`` alone to the trainer's weights, with the last FP8
+        KV-cache scales; returns their version."""
+        version = self.book.trainer_version
+        await self._refit(version, self._kv_scales, [worker])
+        return version
+
+    async def _refit(
+        self, version: int, kv_scales: dict[str, float] | None, receivers: list[str],
+        *, reprefill: bool = False,
+    ) -> RefitReport:
+        """Send weights ``version`` (and FP8 KV-cache scales) from the trainers to
+        ``receivers`` (``reprefill``: their requests in flight recompute their KV cache);
+        return when they serve them. Cancellation: abandons the transfer."""
+        report = await refit_generators(
+            self.control,
+            self.trainers,
+            receivers,
+            version=version,
+            transfer_address=self.transfer_address,
+            refit=self.config.refit,
+            timeout_s=self.config.cluster.call_timeout_s,
+            kv_scales=kv_scales,
+            reprefill=reprefill,
+        )
+        if report.rejected_frames:  # the sender's count covers the whole run
+            self.rejections.counts["weights"] = report.rejected_frames
+        return report
+
+    async def baseline(self, step: int, rec: StepRecord) -> None:
+        """Before the trainers train any of step ``step`` (its first chunk is in ``rec``),
+        until the refit check has its baseline: freeze the probe batch from the step's groups
+        and score it on both sides, which hold the same weights now (docs/refit.md, 'Refit
+        verification'). Before any backward pass: a forward between a backward and its
+        optimizer step left FSDP2 (one rank, float32) unable to free a gathered parameter at
+        the next backward.
+
+        Raises:
+            RefitError: the two sides disagree beyond ``asyncrl.policy.verify.MAX_NOISE``
+                already.
+        """
+        cfg = self.config.refit
+        if self.check.started or not (cfg.verify_first_steps or cfg.verify_every_steps):
+            return
+        if self._probe is None:
+            self._probe = make_probe(rec.groups, verify.PROBE_SEQUENCES)
+        if self._probe is None:
+            return  # no tokens to probe with yet: the next step's
+        start = self.now()
+        agreements = self.check.baseline(step, *await self.probes.scores(self._probe))
+        self._record_verified(agreements, baseline=True)
+        rec.verify_s += self.now() - start
+
+    async def verify(self, step: int, rec: StepRecord) -> None:
+        """After step ``step``'s refit, when due (``refit.verify_first_steps``,
+        ``verify_every_steps``) and once the baseline was measured: every generator's
+        logprobs of the probe batch against the trainer's, judged into ``rec.verify``."""
+        cfg = self.config.refit
+        if self.check.started and verification_due(
+            step + 1, cfg.verify_first_steps, cfg.verify_every_steps
+        ):
+            start = self.now()
+            assert self._probe is not None
+            rec.verify = self.check.judge(step + 1, *await self.probes.scores(self._probe))
+            self._record_verified(rec.verify)
+            rec.verify_s += self.now() - start
+
+    def _record_verified(self, agreements: list[Agreement], *, baseline: bool = False) -> None:
+        """A record per generator, ``refit_verify`` (a judged refit) or ``refit_baseline``
+        (before any update), and a log line."""
+        kind = "refit_baseline" if baseline else "refit_verify"
+        for a in agreements:
+            if self.metrics is not None:
+                self.metrics.write({"kind": kind, **a.metrics(), "time": self.now()})
+            log.info("refit_baseline" if baseline else "refit_verified", **a.metrics())
+
+    @staticmethod
+    def check_verified(rec: StepRecord) -> None:
+        """Stop the run if a generator disagreed with the trainer in ``rec.verify``."""
+        for agreement in rec.verify:
+            agreement.check()

@@ -1,6 +1,6 @@
 """The logprob refreshes a step's loss needs, run on the trainer ranks chunk by chunk.
 
-:class:`~asyncrl.policy.refresh.LossInputs` says which (pure); :class:`Refresher` asks the
+:class:`~asyncrl.policy.loss_inputs.LossInputs` says which (pure); :class:`Refresher` asks the
 trainers for them as each chunk streams in, before any optimizer step of the RL step, and
 records what each cost. With the KL term in the reward it also remakes the chunk's advantages
 from the rewards less the KL penalty.
@@ -18,7 +18,7 @@ from asyncrl.config import Config
 from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.groups import Group
 from asyncrl.policy.grpo import advantages_of, per_sample, per_sequence
-from asyncrl.policy.refresh import LossInputs, kl_estimate, sequence_sums
+from asyncrl.policy.loss_inputs import LossInputs, kl_estimate, sequence_sums
 from asyncrl.run.probes import Probes
 from asyncrl.wire.messages import TokenBatch, TrainBatch
 

@@ -47,7 +47,7 @@ from asyncrl.policy.pool import SYNCING, RolloutPool
 from asyncrl.procs.process import ProcessExit, parent_pid, stopped_by_signal, wait_pid_exit
 from asyncrl.procs.spawn import SpawnedGroup, watch_peer
 from asyncrl.run.book import RolloutBook
-from asyncrl.run.turns import Turn
+from asyncrl.run.turns import TurnRequest
 from asyncrl.policy.groups import Group
 from asyncrl.wire.messages import Generate, GenRequest, GroupFailed
 from asyncrl.wire.rpc import ControlPlane
@@ -416,7 +416,7 @@ class Redispatcher:
         self.book.retry(gid)  # ignored if it was aborted meanwhile (hopeless, the end)
         self._wake()
 
-    def worker_lost(self, worker: str) -> list[Turn]:
+    def worker_lost(self, worker: str) -> list[TurnRequest]:
         """``worker`` died: its training groups are dispatched again first (same prompt, same
         step, no back-off, outside the failure budget) and its evaluation groups wait for a
         worker that serves. Returns the episodes' turns it was generating (each episode asks

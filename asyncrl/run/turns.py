@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Turn", "TurnTable", "turn_id"]
+__all__ = ["TurnRequest", "TurnTable", "turn_id"]
 
 
 def turn_id(group_id: str, index: int, k: int, dispatch: int = 0) -> str:
@@ -31,7 +31,7 @@ def turn_id(group_id: str, index: int, k: int, dispatch: int = 0) -> str:
 
 
 @dataclass(slots=True)
-class Turn:
+class TurnRequest:
     """One turn request in flight."""
 
     turn_id: str
@@ -51,7 +51,7 @@ class TurnTable:
     """The turns in flight, by id, and how many each worker serves."""
 
     def __init__(self) -> None:
-        self._turns: dict[str, Turn] = {}
+        self._turns: dict[str, TurnRequest] = {}
         self._per_worker: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -60,11 +60,11 @@ class TurnTable:
     def __contains__(self, turn: str) -> bool:
         return turn in self._turns
 
-    def __iter__(self) -> Iterator[Turn]:
+    def __iter__(self) -> Iterator[TurnRequest]:
         """The turns in flight, in the order they were sent."""
         return iter(list(self._turns.values()))
 
-    def get(self, turn: str) -> Turn | None:
+    def get(self, turn: str) -> TurnRequest | None:
         return self._turns.get(turn)
 
     def on(self, worker: str) -> int:
@@ -74,7 +74,7 @@ class TurnTable:
     def start(
         self, turn: str, group_id: str, index: int, worker: str, *, version: int = 0,
         evaluation: bool = False,
-    ) -> Turn:
+    ) -> TurnRequest:
         """Record a turn sent to ``worker``.
 
         Raises:
@@ -82,11 +82,11 @@ class TurnTable:
         """
         if turn in self._turns:
             raise ValueError(f"turn {turn!r} is in flight already")
-        entry = self._turns[turn] = Turn(turn, group_id, index, worker, version, evaluation=evaluation)
+        entry = self._turns[turn] = TurnRequest(turn, group_id, index, worker, version, evaluation=evaluation)
         self._per_worker[worker] += 1
         return entry
 
-    def end(self, turn: str) -> Turn:
+    def end(self, turn: str) -> TurnRequest:
         """The turn's sample came back, or its worker said it failed: it is gone.
 
         Raises:
@@ -105,7 +105,7 @@ class TurnTable:
         entry.abandoned = True
         return True
 
-    def lose(self, worker: str) -> list[Turn]:
+    def lose(self, worker: str) -> list[TurnRequest]:
         """``worker`` died: its turns are gone (returned, in the order they were sent)."""
         lost = [t for t in self._turns.values() if t.worker == worker]
         for t in lost:
@@ -113,7 +113,7 @@ class TurnTable:
         self._per_worker[worker] = 0
         return lost
 
-    def of_group(self, group_id: str) -> list[Turn]:
+    def of_group(self, group_id: str) -> list[TurnRequest]:
         """The turns in flight of ``group_id``'s episodes."""
         return [t for t in self._turns.values() if t.group_id == group_id]
 

@@ -46,10 +46,16 @@ before any process starts.
 ``check_options(options)`` (optional) raises :class:`~asyncrl.errors.ConfigError` naming
 ``metrics.options.<name>.<key>`` for options the sink would refuse; the controller calls it
 before any process starts. :func:`parse_options` does that for an options struct.
+
+A bare factory may carry the same two as attributes of its own (``make.check_options``,
+``make.synchronous``). Either way they are read and checked once, when the sink loads
+(:meth:`SinkPlugin.of`): a ``check_options`` that is not a plain function, or a ``synchronous``
+that is not a bool, is a :class:`~asyncrl.errors.PluginError` naming the sink and the member.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -105,19 +111,50 @@ class SinkPlugin:
 
     @classmethod
     def of(cls, obj: Any, name: str = "?") -> SinkPlugin:
-        """``obj`` as a plugin: a :class:`SinkPlugin` as is; a bare factory wrapped (its
-        ``check_options`` and ``synchronous`` attributes, when set, are used)."""
+        """``obj`` as a plugin, checked: a :class:`SinkPlugin` as is; a bare factory wrapped
+        (its ``check_options`` and ``synchronous`` attributes, when set, are used). The one
+        place a sink's optional members are read.
+
+        Raises:
+            PluginError: ``obj`` is neither; ``make`` is not callable, ``check_options`` not a
+                plain function, or ``synchronous`` not a bool (naming the sink and the member).
+        """
         if isinstance(obj, SinkPlugin):
-            return obj
-        if callable(obj):
-            return cls(
+            plugin = obj
+        elif callable(obj):
+            synchronous = getattr(obj, "synchronous", None)
+            plugin = cls(
                 make=obj,
                 check_options=getattr(obj, "check_options", None),
-                synchronous=bool(getattr(obj, "synchronous", False)),
+                synchronous=False if synchronous is None else synchronous,
             )
+        else:
+            raise PluginError(
+                f"metrics sink {name!r}: the entry point must name a SinkPlugin or a factory, "
+                f"got {obj!r}"
+            )
+        _check(plugin, name)
+        return plugin
+
+
+def _check(plugin: SinkPlugin, name: str) -> None:
+    """Raises PluginError: a member of ``plugin`` is of the wrong kind."""
+    problems = []
+    if not callable(plugin.make):
+        problems.append(f"'make' is not callable (it is a {type(plugin.make).__name__})")
+    check = plugin.check_options
+    if check is not None and not callable(check):
+        problems.append(f"'check_options' is not callable (it is a {type(check).__name__})")
+    elif check is not None and inspect.iscoroutinefunction(check):
+        problems.append("'check_options' must be a plain function, not `async def` (the "
+                        "controller calls it before any process starts)")  # fmt: skip
+    if not isinstance(plugin.synchronous, bool):
+        problems.append(f"'synchronous' must be a bool (True or False), got "
+                        f"{plugin.synchronous!r}")  # fmt: skip
+    if problems:
         raise PluginError(
-            f"metrics sink {name!r}: the entry point must name a SinkPlugin or a factory, "
-            f"got {obj!r}"
+            f"metrics sink {name!r} ({GROUP}): {'; '.join(problems)}. Fix: make "
+            f"{'them' if len(problems) > 1 else 'it'} what asyncrl.plugin.sink.SinkPlugin says"
         )
 
 

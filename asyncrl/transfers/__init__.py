@@ -41,6 +41,7 @@ reader's name in a transfer that places readers itself (``nccl``: the rank in it
 group)."""
 
 __all__ = [
+    "STAGING_BUFFERS",
     "Opener",
     "Receiver",
     "Stager",
@@ -50,6 +51,15 @@ __all__ = [
 ]
 
 GROUP = "asyncrl.weight_transfers"
+
+STAGING_BUFFERS = 2
+"""Staging buffers the trainer fills in turn (each at most ``refit.bucket_size_mb``; an engine
+mirroring buckets from another GPU keeps one buffer per staging buffer too). A buffer is
+refilled only once every generator acknowledged its bucket. A third buffer took a 7B refit on
+one H200 from 32.8 to 28.0 ms for 1 GiB more memory, and buys nothing with an engine on another
+GPU, where the link bounds the refit (docs/refit.md;
+benchmarks/results/refit-h200-1gpu-staging-buffers.jsonl). Once the config key
+``refit.staging_buffers`` (issue 50)."""
 
 
 class Receiver(NamedTuple):
@@ -76,8 +86,8 @@ class StagingSpec:
     device: str
     """The trainer's device (``cpu``, ``cuda:0``); device transfers allocate their buffers
     there."""
-    buffers: int = 2
-    """Staging buffers to keep, filled in turn (``refit.staging_buffers``)."""
+    buffers: int = STAGING_BUFFERS
+    """Staging buffers to keep, filled in turn (:data:`STAGING_BUFFERS`)."""
 
 
 class Stager(Protocol):

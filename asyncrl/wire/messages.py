@@ -86,7 +86,7 @@ class Abort(msgspec.Struct, tag="abort", **_CTRL):
     group_ids: list[str]
 
 
-class Score(msgspec.Struct, tag="score", **_CTRL):
+class ScoreTokens(msgspec.Struct, tag="score", **_CTRL):
     """Return the engine's logprobs of the response tokens of fixed sequences."""
 
     batch: TokenBatch
@@ -209,7 +209,7 @@ class Health(msgspec.Struct, tag="health", **_CTRL):
 Request = Union[
     Generate,
     Abort,
-    Score,
+    ScoreTokens,
     ReceiveWeights,
     ComputeLogprobs,
     BeginStep,

@@ -8,7 +8,7 @@ it past the bucket size, and a tensor larger than that travels alone in a bucket
 :func:`bucket_layout` computes that layout from the sizes alone, the one place of the rule:
 :class:`Packer` sizes its staging buffers with it before the first tensor exists and puts in
 each bucket exactly the tensors it says; :func:`check_manifest`, :func:`check_bucket` and
-:class:`Arrivals` check what a receiver is sent against it.
+:class:`BucketArrivals` check what a receiver is sent against it.
 
 Pure: no sockets, no event loop, no threads, no torch (a stager is whatever the transfer
 plugin gave; a tensor's data is only asked for its size and dtype), so every rule here is
@@ -30,7 +30,7 @@ from asyncrl.wire.messages import Bucket, Manifest, TensorEntry
 __all__ = [
     "ALIGN",
     "DTYPE_SIZES",
-    "Arrivals",
+    "BucketArrivals",
     "Packer",
     "align",
     "bucket_layout",
@@ -227,7 +227,7 @@ class Packer:
         return entries, used, last
 
 
-class Arrivals:
+class BucketArrivals:
     """What one refit has received (receiver side), checked against its manifest: each
     bucket must be the next one and fit it. No I/O.
 

@@ -50,7 +50,7 @@ from asyncrl.wire.messages import (
     Result,
     Sample,
     SampleDone,
-    Score,
+    ScoreTokens,
 )
 from asyncrl.wire.transport import PUSH
 from asyncrl.worker.base import Handler, WorkerRuntime
@@ -137,7 +137,7 @@ class RolloutRuntime(WorkerRuntime):
         return {
             Generate: self._generate,
             Abort: self._abort,
-            Score: self._score,
+            ScoreTokens: self._score,
             ReceiveWeights: self._receive_weights,
         }
 
@@ -202,7 +202,7 @@ class RolloutRuntime(WorkerRuntime):
         await self.backend.abort(list(req.group_ids))
         return Empty()
 
-    async def _score(self, req: Score) -> Result:
+    async def _score(self, req: ScoreTokens) -> Result:
         return LogprobsResult(logprobs=await self.backend.score(req.batch, req.temperature))
 
     async def _receive_weights(self, req: ReceiveWeights) -> Result:

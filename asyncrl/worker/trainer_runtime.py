@@ -28,6 +28,7 @@ import anyio.lowlevel
 from asyncrl.backend import (
     BackendPlugin,
     KVCalibration,
+    ReadsLossInputs,
     ReferencePolicy,
     SentWeightsScoring,
     TrainingBackend,
@@ -36,7 +37,8 @@ from asyncrl.backend import (
 )
 from asyncrl.config import Config
 from asyncrl.errors import CollectiveTimeoutError, PluginError, ProtocolError
-from asyncrl.policy.refresh import LossInputs
+from asyncrl.plugins import did_you_mean
+from asyncrl.policy.loss_inputs import LossInputs
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.wire.messages import (
     BeginStep,
@@ -125,7 +127,7 @@ class TrainerRuntime(WorkerRuntime):
     ROLE = "trainer"
     PLUGIN_GROUP = "asyncrl.training_backends"
     PROTOCOL = TrainingBackend
-    OPTIONAL = (KVCalibration, ReferencePolicy, SentWeightsScoring)
+    OPTIONAL = (KVCalibration, ReferencePolicy, SentWeightsScoring, ReadsLossInputs)
 
     backend: TrainingBackend
 
@@ -140,6 +142,9 @@ class TrainerRuntime(WorkerRuntime):
         self._sent: Callable[..., Any] | None = None
         """The backend's ``sent_logprobs`` (refit verification's trainer side), if it has one;
         without it, ``policy = "sent"`` scores with ``compute_logprobs``."""
+        self._loss_inputs: Any = None
+        """The backend's ``loss_inputs`` (:class:`~asyncrl.backend.ReadsLossInputs`), if it has
+        them; checked by :meth:`_check_loss_inputs`."""
         self._queue: Any = None
         """Calls waiting for the backend's thread, in arrival order (the send end of a stream
         of ``CALL_QUEUE_SIZE``, opened by :meth:`_start_serving`, closed when serving ends)."""
@@ -174,6 +179,7 @@ class TrainerRuntime(WorkerRuntime):
         self._calibrate = methods["calibrate_kv_scales"]
         self._sent = methods["sent_logprobs"]
         self._reference = methods["reference_logprobs"]
+        self._loss_inputs = methods["loss_inputs"]
 
     async def _start(self) -> dict[str, Any]:
         """Raises PluginError: ``loss.aggregation`` needs a ``finish_step`` keyword the
@@ -191,10 +197,7 @@ class TrainerRuntime(WorkerRuntime):
         caps = await self.thread.run(self.backend.start)
         if self.wctx.rank == 0 and self.init.transfer_address:
             config = self.wctx.config
-            spec = StagingSpec(
-                self.init.run_id, self.wctx.rank, str(caps.get("device", "cpu")),
-                buffers=config.refit.staging_buffers,
-            )
+            spec = StagingSpec(self.init.run_id, self.wctx.rank, str(caps.get("device", "cpu")))
             transfer = load_transfer(config.refit.transport)
             address = self.init.transfer_address
             if address.startswith("tcp://"):  # on this node (the controller's may be another)
@@ -205,12 +208,14 @@ class TrainerRuntime(WorkerRuntime):
         return caps
 
     def _check_loss_inputs(self) -> None:
-        """Raises PluginError: the run's loss needs an input (proximal or reference
-        logprobs) that the backend's ``loss_inputs`` does not list, or a reference forward
-        it cannot run (before it starts)."""
+        """Raises PluginError: the backend's ``loss_inputs`` is not a collection of the
+        optional fields' names, or the run's loss needs an input (proximal or reference
+        logprobs) that it does not list, or a reference forward it cannot run (before it
+        starts)."""
         config = self.wctx.config
+        reads = _loss_inputs(self._loss_inputs, config.trainer.backend)
         needs = LossInputs.of(config)
-        missing = sorted(needs.names - set(getattr(self.backend, "loss_inputs", ())))
+        missing = sorted(needs.names - reads)
         if needs.reference and self._reference is None:
             missing.append("reference_logprobs (a method)")
         if missing:
@@ -374,6 +379,37 @@ class TrainerRuntime(WorkerRuntime):
         )
         await self.thread.run(export)
         return Empty()
+
+
+LOSS_INPUT_FIELDS = ("proximal_logprobs", "reference_logprobs")
+"""The optional :class:`~asyncrl.wire.messages.TrainBatch` fields a backend's ``loss_inputs``
+may list (:class:`~asyncrl.backend.ReadsLossInputs`)."""
+
+
+def _loss_inputs(value: Any, plugin: str) -> frozenset[str]:
+    """A backend's ``loss_inputs`` (``None``: it has none) as a set of field names.
+
+    Raises:
+        PluginError: not a set, frozenset, list or tuple of strings (a bare string, say), or a
+            name that is none of :data:`LOSS_INPUT_FIELDS` (with a did-you-mean).
+    """
+    if value is None:
+        return frozenset()
+    where = f"training backend {plugin!r} (asyncrl.training_backends): its loss_inputs"
+    fix = ("Fix: list the fields its train_chunk reads, e.g. loss_inputs = "
+           f"frozenset({{{LOSS_INPUT_FIELDS[0]!r}}}) (asyncrl.backend.ReadsLossInputs)")
+    if not isinstance(value, (set, frozenset, list, tuple)) or not all(
+        isinstance(v, str) for v in value
+    ):
+        names = ", ".join(LOSS_INPUT_FIELDS)
+        raise PluginError(f"{where} must be a set of field names ({names}), got {value!r} "
+                          f"(a {type(value).__name__}). {fix}")  # fmt: skip
+    unknown = [v for v in value if v not in LOSS_INPUT_FIELDS]
+    if unknown:
+        near = did_you_mean(unknown[0], LOSS_INPUT_FIELDS)
+        raise PluginError(f"{where} names {unknown[0]!r}{near}, which is no optional TrainBatch "
+                          f"field (those are {', '.join(LOSS_INPUT_FIELDS)}). {fix}")  # fmt: skip
+    return frozenset(value)
 
 
 def _takes(method: Callable[..., Any], keyword: str) -> bool:

@@ -14,7 +14,7 @@ The controller only says "version v" to both sides and waits for both to answer:
         ───────────── Bucket(v, 1, B, last) ─────►  backend.load_weight_bucket(B)
         ◄──────────── BucketAck(v, 1) ────────────  backend.finish_weight_update(v)
 
-The staging buffers (``refit.staging_buffers``, two by default) are used in turn, so the
+The staging buffers (:data:`asyncrl.transfers.STAGING_BUFFERS`, two) are used in turn, so the
 trainer packs bucket k+1 while generators load bucket k; a buffer is rewritten only after
 every receiver acknowledged its bucket, so n buffers let the trainer run up to n - 1 buckets
 ahead of the slowest generator. Each bucket's entries
@@ -67,7 +67,7 @@ from asyncrl.wire.transport import (
     Rejections,
     peer_name,
 )
-from asyncrl.worker.buckets import DTYPE_SIZES, Arrivals, Packer, check_bucket, manifest_of
+from asyncrl.worker.buckets import DTYPE_SIZES, BucketArrivals, Packer, check_bucket, manifest_of
 
 # DTYPE_SIZES and check_bucket live in asyncrl.worker.buckets; they stay importable from here
 __all__ = ["DTYPE_SIZES", "WeightReceiver", "WeightSender", "check_bucket"]
@@ -419,7 +419,7 @@ class WeightReceiver:
     async def _begin(
         self, version: int, backend: GenerationBackend, transport: str,
         kv_scales: dict[str, float] | None, timeout_s: float,
-    ) -> Arrivals:
+    ) -> BucketArrivals:
         """Pull ``version``, check its manifest, have ``backend`` begin the update, and
         acknowledge the manifest (with the reason if it does not fit). Raises as
         :meth:`receive` says; a WorkerError (the engine died) goes unrefused."""
@@ -428,7 +428,7 @@ class WeightReceiver:
         if not isinstance(manifest, Manifest):
             raise RefitError(f"expected the manifest of v{version}, got {type(manifest).__name__}")
         try:
-            arrivals = Arrivals(manifest, transport)
+            arrivals = BucketArrivals(manifest, transport)
             await backend.begin_weight_update(
                 version, list(manifest.entries), kv_scales=kv_scales
             )
@@ -441,7 +441,7 @@ class WeightReceiver:
         return arrivals
 
     async def _stream(
-        self, backend: GenerationBackend, arrivals: Arrivals, version: int, timeout_s: float
+        self, backend: GenerationBackend, arrivals: BucketArrivals, version: int, timeout_s: float
     ) -> None:
         """Take the buckets of ``version`` in order until the last, each checked by
         ``arrivals`` and loaded by its own task (loads overlap, acknowledgements go in order:

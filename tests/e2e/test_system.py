@@ -21,6 +21,7 @@ from asyncrl import Controller
 from asyncrl.config import Config, from_dict
 from asyncrl.procs.spawn import torchrun_log_args
 from asyncrl.policy.grpo import pack_tokens
+from asyncrl.run import refit as refit_module
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from integration_support import (  # noqa: E402
@@ -180,7 +181,7 @@ async def test_a_frozen_trainer_serves_the_checkpoint_unchanged(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("trainer", ["fsdp2", "deepspeed-zero2-2ranks"])
 async def test_fp8_kv_cache_scales_are_calibrated_and_forwarded(
-    tmp_path: Path, qwen_dir: Path, trainer: str
+    tmp_path: Path, qwen_dir: Path, trainer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An FP8 KV-cache engine with two trainer ranks: the trainers calibrate scales before the
     first dispatch (v0) and after every step, every refit carries them, they change as the
@@ -194,7 +195,6 @@ async def test_fp8_kv_cache_scales_are_calibrated_and_forwarded(
             "cluster": {"trainer_ranks": 2, "rollout_ranks": 1, "startup_timeout_s": 400},
             "grpo": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 6},
             "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 0}},
-            "refit": {"kv_calibration_sequences": 16},
             "trainer": {"backend": backend, "options": {"lr": 0.02, **options}},
             "generator": {
                 "backend": "vllm",
@@ -204,6 +204,7 @@ async def test_fp8_kv_cache_scales_are_calibrated_and_forwarded(
             },
         }
     )
+    monkeypatch.setattr(refit_module, "KV_CALIBRATION_SEQUENCES", 16)  # the CPU engine's time
     batch = fixed_sequences(np.random.default_rng(0))
     mark_test_start()
     async with Controller(config) as ctl:

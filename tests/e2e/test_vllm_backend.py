@@ -28,7 +28,7 @@ from asyncrl import plugins
 from asyncrl.backend import GenerationBackend, WeightBucketView, WorkerContext
 from asyncrl.errors import RefitError
 from asyncrl.transfers.shm import ShmHandle
-from asyncrl.config import RefitConfig, from_dict
+from asyncrl.config import from_dict
 from asyncrl.policy.verify import RefitCheck
 from asyncrl.backend import generate_all
 from asyncrl.wire.messages import GenRequest, TensorEntry, TokenBatch
@@ -611,7 +611,7 @@ async def test_the_refit_check_passes_right_refits_and_catches_planted_faults(
     start = {k: p.detach().to(torch.bfloat16) for k, p in
              transformers.AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
     await refit(backend, write_buckets(tmp_path, base, start, count=3), base)
-    check = RefitCheck.of(RefitConfig())
+    check = RefitCheck.measured()
     (first,) = check.baseline(base, {"rollout:0": await backend.score(batch, 1.0)}, trainer(None))
     bound = check.bound()[0]
     print(f"\nbaseline {first.mean_abs:.4f} (max {first.max_abs:.3f}), bound {bound:.4f}")
@@ -657,7 +657,7 @@ async def test_the_refit_check_passes_right_refits_and_catches_planted_faults(
 
     other = build_model(tmp_path / "other", seed=8)
     with pytest.raises(RefitError, match="do not run the same model"):
-        RefitCheck.of(RefitConfig()).baseline(
+        RefitCheck.measured().baseline(
             base + 4, {"rollout:0": await backend.score(batch, 1.0)},
             np.concatenate([ref_logprobs(hf_model(other), t, p) for t, p in sequences]),
         )  # fmt: skip

@@ -273,7 +273,6 @@ async def test_the_refit_check_passes_right_refits_and_catches_planted_faults(
     within its bound, and every planted fault caught: a tensor left out of the manifest, a
     bucket the engine never loaded, one layer left on the previous version, an engine that
     kept its weights, another model (tests/e2e/test_vllm_backend.py on the CPU build)."""
-    from asyncrl.config import RefitConfig
     from asyncrl.errors import RefitError
     from asyncrl.policy.verify import RefitCheck
     from asyncrl.wire.messages import TensorEntry
@@ -288,7 +287,7 @@ async def test_the_refit_check_passes_right_refits_and_catches_planted_faults(
     async def engines() -> dict[str, np.ndarray]:
         return {"rollout:0": await backend.score(batch, 1.0)}
 
-    check = RefitCheck.of(RefitConfig())
+    check = RefitCheck.measured()
     base = backend.version
     (first,) = check.baseline(base, await engines(), trainer())
     print(f"\nbaseline {first.mean_abs:.5f} (max {first.max_abs:.4f}), bound {check.bound()[0]:.5f}")
@@ -344,7 +343,7 @@ async def test_the_refit_check_passes_right_refits_and_catches_planted_faults(
         # agree to 0.05 on every token, as no two trained models do)
         other = build(tmp_path / "other", seed=8, init=0.2)
         with pytest.raises(RefitError, match="do not run the same model") as refused:
-            RefitCheck.of(RefitConfig()).baseline(base + 4, await engines(), trainer(model=other))
+            RefitCheck.measured().baseline(base + 4, await engines(), trainer(model=other))
         print(str(refused.value)[:160])
     finally:
         pair.close()

@@ -214,7 +214,8 @@ def run_files(run_id: str) -> list[str]:
 
 # --------------------------------------------------------------------------- TensorBoard files
 # An independent reader of TensorBoard's event files (TFRecord framing with masked CRC-32C),
-# written from the format, for the sink tests and the end-to-end run.
+# written from the format, for the end-to-end run (the trackers' own tests keep a copy:
+# plugins/asyncrl-trackers/tests/test_trackers.py).
 def _crc32c(data: bytes) -> int:
     crc = 0xFFFFFFFF
     for byte in data:

@@ -5,7 +5,7 @@ error, into NaN weights. Here the trainer's part of a checkpoint is written by t
 backend (FSDP2's torch distributed checkpoint; DeepSpeed ZeRO-2's model and optimizer files)
 under torchrun with one rank, after one optimizer step (``_save_state_driver.py``: ~25 s per
 backend on a 2-core host, the cheapest way to a real shard), and committed with
-:func:`asyncrl.run.checkpoint_dir.commit` as the checkpointer does. The resume goes through the
+:func:`asyncrl.checkpoints.directory.commit` as the checkpointer does. The resume goes through the
 embedded controller, whose check comes before any worker exists (the generator is the bigram
 one: nothing of it starts).
 """
@@ -27,8 +27,8 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
-from asyncrl.run.saving import open_resume, run_fingerprints  # noqa: E402
+from asyncrl.checkpoints import directory as ckpt  # noqa: E402
+from asyncrl.checkpoints.saving import open_resume, run_fingerprints  # noqa: E402
 from asyncrl.config import from_dict, to_dict  # noqa: E402
 from asyncrl.run.preflight import make_environment  # noqa: E402
 from integration_support import run_torchrun_driver  # noqa: E402

@@ -25,7 +25,10 @@ pytest.importorskip(
 import asyncrl  # noqa: E402
 from asyncrl.procs.space import shm_dir  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
-from asyncrl.obs.samples import sample_files  # noqa: E402
+from asyncrl.obs import sample_export  # noqa: E402
+from asyncrl.obs.sample_export import sample_files  # noqa: E402
+from asyncrl.policy import verify  # noqa: E402
+from asyncrl.run import scheduling  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
 from asyncrl_example_backend.model import (  # noqa: E402
     initial_table,
@@ -86,12 +89,14 @@ async def _logprobs_everywhere(ctl: asyncrl.Controller, rollouts: int) -> dict[s
     ids=lambda v: str(v),
 )
 async def test_train_completes_and_cleans_up(
-    make_config: Callable[..., Config], tmp_path: Path, rollout_ranks: int, lookahead: int
+    make_config: Callable[..., Config], tmp_path: Path, rollout_ranks: int, lookahead: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     num_steps = 3
     record = tmp_path / "trainer-record"
+    monkeypatch.setattr(sample_export, "SAMPLES_FILE_MB", 0.001)  # a file a step
     cfg = make_config(
-        run={"num_steps": num_steps, "save_samples": True, "samples_file_mb": 0.001},
+        run={"num_steps": num_steps, "save_samples": True},
         cluster={"rollout_ranks": rollout_ranks},
         pipeline={"sampler": {"max_lookahead_versions": lookahead}},
         trainer={"options": {"batch_record_dir": str(record)}},
@@ -115,7 +120,7 @@ async def test_train_completes_and_cleans_up(
     assert any(r["grad_norm"] > 0 for r in train)
 
     # the samples files (run.save_samples) hold exactly what the trainer got, step by step,
-    # a file a step (each step is over samples_file_mb's 1 KiB)
+    # a file a step (each step is over SAMPLES_FILE_MB's 1 KiB)
     trained = _trained_by_step(record)
     assert sorted(trained) == list(range(1, num_steps + 1))
     assert _exported_by_step(cfg) == trained
@@ -196,22 +201,24 @@ async def test_lookahead_one_overlaps_generation_with_training(
     assert overlap[1] == [True] * (num_steps - 2)
 
 
-async def test_refit_verification_is_logged_on_schedule(make_config: Callable[..., Config]) -> None:
+async def test_refit_verification_is_logged_on_schedule(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Versions 1-2 (the first refits) and every 3rd after are verified; each check is a
-    metrics record per generator, and a right refit agrees to float32 rounding. (With three
-    staging buffers: the trainer keeps the shm files ``refit.staging_buffers`` asks for.)"""
+    metrics record per generator, and a right refit agrees to float32 rounding. (The trainer
+    keeps the ``asyncrl.transfers.STAGING_BUFFERS`` shm files, two.)"""
+    monkeypatch.setattr(verify, "PROBE_SEQUENCES", 5)
     cfg = make_config(
         run={"num_steps": 7},
         cluster={"rollout_ranks": 2},
-        refit={"verify_first_steps": 2, "verify_every_steps": 3, "verify_num_sequences": 5,
-               "staging_buffers": 3},
+        refit={"verify_first_steps": 2, "verify_every_steps": 3},
         eval={"num_prompts": 0},
     )
     async with asyncrl.Controller(cfg) as ctl:
         await ctl.train()
         assert ctl.addresses is not None
         staged = sorted(os.listdir(shm_dir(ctl.addresses.run_id)))
-        assert staged == ["w0-0.bin", "w0-1.bin", "w0-2.bin"]
+        assert staged == ["w0-0.bin", "w0-1.bin"]
         # torchrun's own directories live in the run's private one (gone with it), not /tmp
         scratch = sorted(os.listdir(ctl.addresses.run_dir))
         assert {"torchelastic-trainer", "torchelastic-rollout"} <= set(scratch), scratch
@@ -232,17 +239,17 @@ async def test_refit_verification_is_logged_on_schedule(make_config: Callable[..
 
 
 async def test_a_generator_that_misses_a_refit_stops_the_run(
-    make_config: Callable[..., Config],
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """rollout:0 silently keeps its old weights from version 2 on: the verification after
     refit 2 stops the run with a RefitError naming the generator, the version, that it still
     serves version 1's weights, and the fix. The bigram's two sides agree to < 1e-6 before
     any update (the baseline) and one SGD step moves its logprobs by 2e-4 to 8e-4 (measured),
-    so the floor above the baseline is 1e-4 here (1e-3 by default)."""
+    so the floor above the baseline is 1e-4 here (1e-3 by default: NOISE_FLOOR)."""
+    monkeypatch.setattr(verify, "NOISE_FLOOR", 1e-4)
     cfg = make_config(
         run={"num_steps": 50},
         generator={"options": {"stale_from_version": 2}},
-        refit={"verify_noise_floor": 1e-4},
         eval={"num_prompts": 0},
     )
     ctl = asyncrl.Controller(cfg)
@@ -253,7 +260,7 @@ async def test_a_generator_that_misses_a_refit_stops_the_run(
     message = str(info.value)
     assert "weight version 2" in message and "rollout:0" in message
     assert "closer to the trainer's at version 1" in message and "older weights" in message
-    assert "refit.verify_noise_floor" in message
+    assert "NOISE_FLOOR" in message
     train = [r for r in read_metrics(cfg) if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]  # stopped right at the first bad refit
     assert train[1]["refit_verify_mean_abs"] > train[1]["refit_verify_bound"]
@@ -342,18 +349,20 @@ async def test_a_loss_input_the_backend_cannot_read_is_refused_before_it_starts(
 
 
 async def test_dynamic_sampling_drops_groups_up_to_its_cap_and_the_run_goes_on(
-    make_config: Callable[..., Config],
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A spread threshold no group passes: each step drops exactly its cap of 2 groups
-    (fresh prompts refill it), then trains the rest as they are, and says so."""
+    """A spread threshold no group passes: each step drops exactly its cap of 2 groups (one
+    per prompt of the step; fresh prompts refill it), then trains the rest as they are, and
+    says so."""
+    monkeypatch.setattr(scheduling, "DYNAMIC_SAMPLING_MIN_STD", 10.0)
+    monkeypatch.setattr(scheduling, "DYNAMIC_SAMPLING_DROPS_PER_PROMPT", 1)
     cfg = make_config(run={"num_steps": 2}, eval={"num_prompts": 0},
-                      grpo={"dynamic_sampling": True, "dynamic_sampling_min_std": 10.0,
-                            "dynamic_sampling_max_drops": 2})  # fmt: skip
+                      grpo={"prompts_per_step": 2, "dynamic_sampling": True})  # fmt: skip
     async with asyncrl.Controller(cfg) as ctl:
         summary = await ctl.train()
     assert [(r["filtered_groups"], r["filter_cap_reached"]) for r in summary.steps] == [
         (2, True), (2, True)]
-    assert all(r["groups"] == 4 for r in summary.steps)
+    assert all(r["groups"] == 2 for r in summary.steps)
     dropped = {e["epoch"]: e["dropped"] for e in summary.ledger}
     assert sum(d.get("zero_variance", 0) for d in dropped.values()) == 4
 

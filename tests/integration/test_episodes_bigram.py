@@ -20,6 +20,7 @@ pytest.importorskip(
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import ConfigError  # noqa: E402
+from asyncrl.policy import failures as failure_policy  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
@@ -57,7 +58,7 @@ async def test_episodes_train_and_evaluate(
 
 
 async def test_a_broken_agent_fails_its_group_not_the_run(
-    make_config: Callable[..., Config],
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The episodes of the prompts of one digit raise: each time such a group fails (its
     other episodes cancelled), it is retried after a back-off, then dropped for good and
@@ -66,9 +67,10 @@ async def test_a_broken_agent_fails_its_group_not_the_run(
         environment={"name": "repeat-digit-turns", "options": {"fail_digits": ["7"]}},
         run={"num_steps": 3},
         grpo={"max_new_tokens": 4},
-        failures={"generation_retries": 1, "retry_backoff_s": 0.05, "max_failed_groups": 64},
+        failures={"generation_retries": 1, "max_failed_groups": 64},
         eval={"num_prompts": 0},
     )
+    monkeypatch.setattr(failure_policy, "RETRY_BACKOFF_S", 0.05)
     async with asyncrl.Controller(cfg) as ctl:
         pids = worker_pids(ctl)
         summary = await ctl.train()

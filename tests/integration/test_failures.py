@@ -22,14 +22,20 @@ import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.data.deadlines import abandoned_threads  # noqa: E402
 from asyncrl.errors import RunError  # noqa: E402
-from asyncrl.run.intake import ScoreTimeout  # noqa: E402
+from asyncrl.policy import failures as failure_policy  # noqa: E402
+from asyncrl.run.scoring import ScoreTimeout  # noqa: E402
 from integration_support import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 
 STEPS, P = 3, 4
-QUICK = {"retry_backoff_s": 0.05}
 FAULTY = [f"train:{i}" for i in range(0, 64, 4)]  # a quarter of the prompts
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries after 0.05 s (doubled), not RETRY_BACKOFF_S's 1 s: the tests stay quick."""
+    monkeypatch.setattr(failure_policy, "RETRY_BACKOFF_S", 0.05)
 
 
 async def _train(cfg: Config) -> asyncrl.RunSummary:
@@ -56,7 +62,6 @@ async def test_an_engine_failure_is_retried(make_config: Callable[..., Config]) 
     cfg = make_config(
         run={"num_steps": STEPS},
         generator={"options": {"fail_groups": ["g1", "g5"], "fail_times": 2}},
-        failures=QUICK,
         eval={"num_prompts": 0},
     )
     summary = await _train(cfg)
@@ -72,7 +77,7 @@ async def test_a_group_that_keeps_failing_is_dropped_and_replaced(
     cfg = make_config(
         run={"num_steps": STEPS},
         generator={"options": {"fail_groups": ["g2"], "fail_times": 99}},
-        failures={**QUICK, "generation_retries": 1},
+        failures={"generation_retries": 1},
         eval={"num_prompts": 0},
     )
     summary = await _train(cfg)
@@ -84,7 +89,7 @@ async def test_a_group_that_keeps_failing_is_dropped_and_replaced(
         "strict",
         run={"num_steps": STEPS},
         generator={"options": {"fail_groups": ["g2"], "fail_times": 99}},
-        failures={**QUICK, "generation_retries": 1, "max_failed_groups": 0},
+        failures={"generation_retries": 1, "max_failed_groups": 0},
         eval={"num_prompts": 0},
     )
     with pytest.raises(RunError, match=r"1 groups failed for good.*group g2 .*injected engine"
@@ -103,7 +108,7 @@ async def test_a_request_at_fault_is_dropped_without_retry(
         run={"num_steps": STEPS},
         pipeline={"sampler": {"name": "gated", "max_staleness_versions": 1}},
         generator={"options": {"request_error_token": vocab["3"]}},
-        failures={**QUICK, "max_failed_groups": 100},
+        failures={"max_failed_groups": 100},
         eval={"num_prompts": 0},
     )
     summary = await _train(cfg)
@@ -166,7 +171,9 @@ async def test_a_reward_function_that_hangs(
             await anyio.sleep(0.05)
 
 
-async def test_a_failed_train_step_is_trained_again(make_config: Callable[..., Config]) -> None:
+async def test_a_failed_train_step_is_trained_again(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = make_config(
         run={"num_steps": STEPS},
         trainer={"options": {"fail_chunk_at_step": 1, "fail_chunk_times": 1}},
@@ -180,9 +187,9 @@ async def test_a_failed_train_step_is_trained_again(make_config: Callable[..., C
         "strict",
         run={"num_steps": STEPS},
         trainer={"options": {"fail_chunk_at_step": 1, "fail_chunk_times": 5}},
-        failures={"train_step_retries": 2},
         eval={"num_prompts": 0},
     )
-    with pytest.raises(RunError, match=r"step 1 failed 3 times \(failures.train_step_retries = 2"
-                       r"\).*injected train_chunk failure 3"):  # fmt: skip
+    monkeypatch.setattr(failure_policy, "TRAIN_STEP_RETRIES", 2)
+    with pytest.raises(RunError, match=r"step 1 failed 3 times \(asyncrl.policy.failures."
+                       r"TRAIN_STEP_RETRIES = 2\).*injected train_chunk failure 3"):  # fmt: skip
         await _train(strict)

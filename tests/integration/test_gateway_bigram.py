@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai")
 
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
+from asyncrl.policy import failures as failure_policy  # noqa: E402
 from integration_support import alive, assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
@@ -162,7 +163,7 @@ print("done", flush=True)
 
 
 async def test_managed_agents_that_hang_die_or_fail_do_not_stop_the_run(
-    make_config: Callable[..., Config], tmp_path: Path
+    make_config: Callable[..., Config], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Also: the command ``["python", "agent.py"]`` runs beside its directory
     (``gateway.agent_dir``, the config file's by default) whatever the working directory, and
@@ -174,14 +175,15 @@ async def test_managed_agents_that_hang_die_or_fail_do_not_stop_the_run(
     cfg = make_config(
         run={"num_steps": 2}, grpo={"max_new_tokens": 4, "prompts_per_step": 4},
         # as many agents at once as sessions in flight: the run's time is its hung agents'
-        # deadlines (tests/unit/test_managed_agents.py tests the cap)
+        # deadlines (plugins/asyncrl-gateway/tests/test_managed_agents.py tests the cap)
         gateway={"enabled": True, "agent": ["python", "agent.py"], "agent_dir": str(tmp_path),
                  "agent_env": {"PIDS_DIR": str(pids)}, "max_agents": 32,
                  "session_timeout_s": 4.0, "claim_timeout_s": 2.0, "idle_timeout_s": 30.0},
         episode={"max_turns": 3, "max_context_tokens": 64, "on_truncation": "zero"},
-        failures={"generation_retries": 2, "retry_backoff_s": 0.05, "max_failed_groups": 64},
+        failures={"generation_retries": 2, "max_failed_groups": 64},
         eval={"num_prompts": 0},
     )  # fmt: skip
+    monkeypatch.setattr(failure_policy, "RETRY_BACKOFF_S", 0.05)
     async with asyncrl.Controller(cfg) as ctl:
         workers = worker_pids(ctl)
         summary = await ctl.train()

@@ -87,7 +87,7 @@ def test_mixed_launch_runs_to_completion(tmp_path: Path, model_dir: Path) -> Non
     assert "worker_ready" in (tmp_path / "out" / "logs" / "rollout-0.log").read_text()
     run_id = next(r["run_id"] for r in records if r["kind"] == "config")
     assert f'"run_id": "{run_id}"' in out
-    # run.event_loop = "auto": the controller on uvloop (installed with asyncrl on Linux)
+    # asyncrl.launch.EVENT_LOOP = "auto": the controller on uvloop (installed with asyncrl on Linux)
     assert '"event_loop": "uvloop"' in out, out[-4000:]
     assert not list(Path("/tmp").glob(f"asyncrl-*/{run_id}")), "socket dir left behind"
     assert not os.path.exists(shm_dir(run_id)), "shm dir left behind"

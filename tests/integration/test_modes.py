@@ -23,6 +23,7 @@ from integration_support import read_metrics
 import asyncrl
 from asyncrl.config import Config
 from asyncrl.config.modes import describe
+from asyncrl.run import refit as refit_module
 
 pytestmark = pytest.mark.asyncio
 
@@ -173,14 +174,17 @@ async def test_drain_leaves_nothing_in_flight_at_the_refit(
     steps = await run(
         make_config,
         "drain",
-        refit={"drain": True, "drain_timeout_s": 30.0},
+        refit={"drain": True},
         pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 1}},
     )
     assert all(r["inflight_at_refit"] == 0 and r["drain_timeouts"] == 0 for r in steps), steps
     assert any(r["drain_s"] > 0 for r in steps)
 
 
-async def test_drain_timeout_lets_the_refit_go_ahead(make_config: Callable[..., Config]) -> None:
+async def test_drain_timeout_lets_the_refit_go_ahead(
+    make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(refit_module, "DRAIN_TIMEOUT_S", 0.05)
     steps = await run(
         make_config,
         "drain-timeout",
@@ -188,7 +192,7 @@ async def test_drain_timeout_lets_the_refit_go_ahead(make_config: Callable[..., 
             "backend": "bigram",
             "options": {"length_median": 40.0, "length_sigma": 0.1, "token_delay_s": 0.02},
         },
-        refit={"drain": True, "drain_timeout_s": 0.05},
+        refit={"drain": True},
         pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 1}},
         run={"num_steps": 3},
     )

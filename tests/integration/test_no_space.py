@@ -124,7 +124,7 @@ def test_a_small_dev_shm_is_refused_before_the_run_starts(tmp_path: Path) -> Non
     need = (-(-need // 4096) + 2) * 4096
     assert line.startswith("asyncrl: error: refit.transport: /dev/shm has "), line
     assert f" free, and the run needs {need} bytes (" in line, line
-    for fix in ("docker run --shm-size", "refit.bucket_size_mb", "refit.staging_buffers",
+    for fix in ("docker run --shm-size", "refit.bucket_size_mb", "2 staging buffers",
                 "another refit.transport"):
         assert fix in line.partition("Fix:")[2], (fix, line)
     assert "exit code -7" not in files["stderr"]
@@ -198,7 +198,8 @@ def test_reserve_on_a_full_tmpfs_raises_instead_of_sigbus(tmp_path: Path) -> Non
 def test_checkpoint_directory_full_is_one_named_line(tmp_path: Path) -> None:
     """checkpoint.dir on a 64 KiB tmpfs with 12 KiB free (the pre-spawn check wants 6 KiB for
     a checkpoint of the 1 Ki float32 weights the model's header declares; the run's lock
-    file takes a page), a save after every step, three failures allowed: the first save
+    file takes a page), a save after every step, three failures allowed (MAX_SAVE_FAILURES):
+    the first save
     (about 40 KiB of bigram state) stops the run at once (a full disk does not empty
     itself), in one line naming ENOSPC, the save, the free and needed bytes; metrics.jsonl
     stays whole."""
@@ -206,7 +207,7 @@ def test_checkpoint_directory_full_is_one_named_line(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     ck.mkdir()
     _launch_config(tmp_path, model, run={"num_steps": 5},
-                   checkpoint={"dir": str(ck), "every_steps": 1, "max_failures": 3})
+                   checkpoint={"dir": str(ck), "every_steps": 1})
     files = _in_namespace(tmp_path, (
         f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(ck))} || exit 3; "
         f"dd if=/dev/zero of={shlex.quote(str(ck / 'filler'))} bs=4k count=13 2>/dev/null; "

@@ -23,11 +23,12 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
+from asyncrl.checkpoints import directory as ckpt  # noqa: E402
+from asyncrl.checkpoints import saving  # noqa: E402
 from asyncrl.procs import space  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.errors import NoSpaceError, RunError  # noqa: E402
-from asyncrl.obs.samples import sample_files  # noqa: E402
+from asyncrl.obs.sample_export import sample_files  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 
@@ -130,7 +131,7 @@ async def test_refusals_name_the_problem_and_the_fix(make_config: Callable[..., 
 async def test_a_failed_save_keeps_the_previous_checkpoint(
     make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The second save fails with an I/O error: the run goes on (checkpoint.max_failures),
+    """The second save fails with an I/O error: the run goes on (MAX_SAVE_FAILURES),
     the first checkpoint stays whole and resumable, nothing of the failed save remains. The
     same save hitting ENOSPC (its controller state goes to /dev/full) stops the run at once
     with a NoSpaceError (docs/failures.md), the first checkpoint still whole."""
@@ -172,11 +173,12 @@ async def test_a_failed_save_keeps_the_previous_checkpoint(
         "strict",
         run={"num_steps": 3},
         pipeline=SYNC,
-        checkpoint={"every_steps": 1, "max_failures": 0},
+        checkpoint={"every_steps": 1},
         eval={"num_prompts": 0},
     )
-    with pytest.raises(RunError, match=r"the checkpoint of step 2 could not be saved \(checkpoint"
-                       r"\.max_failures = 0: the first failure stops the run\); the last: .*"
+    monkeypatch.setattr(saving, "MAX_SAVE_FAILURES", 0)
+    with pytest.raises(RunError, match=r"the checkpoint of step 2 could not be saved \(MAX_SAVE_"
+                       r"FAILURES = 0: the first failure stops the run\); the last: .*"
                        r"Input/output error.*Fix: the device or network file system under "):
         await _run(strict)
 

@@ -22,7 +22,7 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
+from asyncrl.checkpoints import directory as ckpt  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
 

@@ -32,7 +32,7 @@ def _write_config(tmp_path: Path, model_dir: Path) -> Path:
     data = merge(BASE, {
         "run": {"num_steps": 4, "output_dir": "out"},
         "cluster": {"rollout_ranks": 2},
-        "metrics": {"completions_every": 2, "completions_count": 2},
+        "metrics": {"completions_every": 2},  # COMPLETIONS_SHOWN = 3 of the step's 4 groups
     })  # fmt: skip
     data["model"] = {"path": str(model_dir)}
     path = tmp_path / "run.toml"
@@ -82,8 +82,8 @@ def test_a_terminal_gets_the_bar_and_completion_blocks(tmp_path: Path, model_dir
     # the bar is redrawn in place (erase-line) and reaches the last step
     assert "\r\x1b[K" in out and "step 4/4 " in out, out[-3000:]
     assert "tok/s" in out
-    assert "── step 2: 2 sampled completions ──" in out
-    assert "── step 4: 2 sampled completions ──" in out
+    assert "── step 2: 3 sampled completions ──" in out
+    assert "── step 4: 3 sampled completions ──" in out
     assert "    completion: " in out
     # where the time to step 1 went, as a line of text once (asyncrl run's launch as origin)
     started = [line for line in out.splitlines() if "start-up: first step " in line]
@@ -99,7 +99,7 @@ def test_plain_logs_get_no_bar_and_completions_as_json(tmp_path: Path, model_dir
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     shown = [e for e in events if e.get("event") == "sampled_completions"]
     assert [e["step"] for e in shown] == [2, 4]
-    assert all(len(e["completions"]) == 2 for e in shown)
+    assert all(len(e["completions"]) == 3 for e in shown)
     (startup,) = [e for e in events if e.get("event") == "startup_measured"]
     assert set(startup["by_worker"]) == {"trainer:0", "rollout:0", "rollout:1"}, startup
     assert startup["first_step_s"] > startup["launch"] > 0

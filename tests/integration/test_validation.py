@@ -15,7 +15,7 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl.run import checkpoint_dir as ckpt  # noqa: E402
+from asyncrl.checkpoints import directory as ckpt  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from integration_support import read_metrics  # noqa: E402
 

@@ -542,7 +542,7 @@ def test_loss_aggregation_against_the_objective_written_per_sequence(
     chunks, a sequence with no trained token among them."""
     torch = pytest.importorskip("torch")
     from asyncrl.policy.grpo import per_sequence_mean, trained_per_sequence
-    from asyncrl.run.assembly import normalizer
+    from asyncrl.run.train_step import normalizer
     from asyncrl_torch.loss import ppo_clip_loss
 
     cfg = _config(tmp_path, trainer={"options": {"lr": 0.3, "max_grad_norm": 0.0}},
@@ -584,3 +584,23 @@ def test_loss_aggregation_against_the_objective_written_per_sequence(
     # the scaled advantages are rounded to float32 again: measured 2.5e-10 (sequence_mean),
     # 4e-19 (constant)
     np.testing.assert_allclose(trainer.weights, w0 - 0.3 * w.grad.numpy(), rtol=0, atol=7.5e-10)
+
+
+def test_the_bigram_trainer_refuses_sequence_ratios_and_the_current_proximal(tmp_path) -> None:
+    """Masking and GSPO need the trainer's own proximal (fsdp2 or deepspeed): the bigram
+    engine refuses them before anything starts, and takes the defaults (the config's side:
+    backends/asyncrl-torch/tests/test_loss_corrections.py)."""
+    from asyncrl_example_backend import training_plugin
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 8}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+
+    def cfg(loss: dict) -> Config:
+        return from_dict({"model": {"path": str(tmp_path)}, "environment": {"name": "repeat-digit"},
+                          "loss": loss})  # fmt: skip
+
+    with pytest.raises(ConfigError, match="need fsdp2 or deepspeed"):
+        training_plugin.check_config(cfg({"ratio_level": "sequence"}), max_prompt_tokens=8)
+    with pytest.raises(ConfigError, match="proximal_policy = 'current' need fsdp2"):
+        training_plugin.check_config(cfg({"proximal_policy": "current"}), max_prompt_tokens=8)
+    training_plugin.check_config(cfg({}), max_prompt_tokens=8)  # the defaults are its own

@@ -40,9 +40,11 @@ from hypothesis import strategies as st
 from asyncrl.environment import Prompt
 from asyncrl.policy.groups import CompletedSample
 from asyncrl.policy.schedule import Wait
-from asyncrl.run import book as bk
-from asyncrl.run.book import RolloutBook, Sent
-from asyncrl.run.checkpoint_dir import ControllerState
+from asyncrl.run import arrivals
+from asyncrl.run.arrivals import ArrivalKind
+from asyncrl.run.arrivals import Sent
+from asyncrl.run.book import RolloutBook
+from asyncrl.checkpoints.directory import ControllerState
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 from schedule_support import SAMPLERS, caps, scheduler, shape_strategies
 
@@ -175,11 +177,11 @@ class World:
         arrival = self.book.sample_arrived(SampleDone(gid, w, i, CUT if aborting else DONE))
         self.set_fate(key, "back")
         last = all(self.fate[k] == "back" for k in self.samples_of(gid))
-        expected = bk.PENDING if not last else bk.DISCARDED if aborting else bk.COMPLETE
+        expected = ArrivalKind.PENDING if not last else ArrivalKind.DISCARDED if aborting else ArrivalKind.COMPLETE
         assert arrival.kind == expected, (arrival, expected)
-        if expected == bk.DISCARDED:
+        if expected == ArrivalKind.DISCARDED:
             self.end(gid, "aborted")
-        elif expected == bk.COMPLETE:
+        elif expected == ArrivalKind.COMPLETE:
             assert arrival.group is not None and arrival.group.group_id == gid
             assert all(s is not None for s in arrival.group.samples)
             self.state[gid] = "scoring"
@@ -200,10 +202,10 @@ class World:
                     choices.append((gid, self.worker_of[gid], self.rng.choice(backs)))
                 choices.append((gid, self.worker_of[gid], self.cfg["N"]))  # out of range
         gid, w, i = self.rng.choice(choices)
-        assert self.book.sample_arrived(SampleDone(gid, w, i, DONE)).kind == bk.REJECTED
+        assert self.book.sample_arrived(SampleDone(gid, w, i, DONE)).kind == ArrivalKind.REJECTED
         if gid not in self.state or w != self.worker_of[gid]:
             failed = GroupFailed(gid, w, "E", "x")
-            assert self.book.check_failure(failed).kind == bk.REJECTED
+            assert self.book.check_failure(failed).kind == ArrivalKind.REJECTED
         assert self.views() == before
         self.counts["rejected"] += 1
 
@@ -224,7 +226,7 @@ class World:
         gid = self.rng.choice(gids)
         arrival = self.book.check_failure(GroupFailed(gid, self.worker_of[gid], "E", "boom"))
         aborting = self.state[gid] == "aborting"
-        assert arrival.kind == bk.IN_FLIGHT and arrival.aborting == aborting
+        assert arrival.kind == ArrivalKind.IN_FLIGHT and arrival.aborting == aborting
         retry = self.rng.random() < 0.6
         self.book.failed(gid, retry=retry)
         self.forget_owed(gid)
@@ -290,7 +292,7 @@ class World:
 
     def eval_back(self, w: str, gid: str) -> None:
         arrival = self.book.sample_arrived(SampleDone(gid, w, 0, DONE))
-        assert arrival.kind == bk.EVAL_COMPLETE and arrival.group is not None
+        assert arrival.kind == ArrivalKind.EVAL_COMPLETE and arrival.group is not None
         del self.evals[gid]
         self.counts["evaluation_samples"] += 1
 
@@ -301,7 +303,7 @@ class World:
             w = self.evals.pop(gid)
             if w != "waiting":
                 self.owed[w] = [k for k in self.owed[w] if k[0] != gid]
-                assert self.book.sample_arrived(SampleDone(gid, w, 0, DONE)).kind == bk.REJECTED
+                assert self.book.sample_arrived(SampleDone(gid, w, 0, DONE)).kind == ArrivalKind.REJECTED
 
     # ------------------------------------------------------------------ train side
     def train(self) -> bool:
@@ -327,7 +329,7 @@ class World:
             self.refit_pending = True
         return bool(chunk.groups or chunk.evicted)
 
-    def aborted(self, aborts: bk.Aborts) -> None:
+    def aborted(self, aborts: arrivals.Aborts) -> None:
         for gid in aborts.gone:  # nothing of it on an engine: gone at once
             assert self.state.pop(gid) in ("retrying", "due"), gid
         for w, gids in aborts.by_worker.items():
@@ -540,11 +542,11 @@ def test_a_stranger_is_refused_with_its_reason_and_restore_wants_a_fresh_book() 
     gid, worker = next(iter(world.worker_of.items()))
     other = next(w for w in world.workers if w != worker)
     arrival = world.book.sample_arrived(SampleDone(gid, other, 0, DONE))
-    assert arrival.kind == bk.REJECTED
+    assert arrival.kind == ArrivalKind.REJECTED
     assert arrival.detail == f"SampleDone for group {gid!r}, which is not generating on {other!r}"
     bad = Sample(TOKENS, LOGPROBS[:2], "stop")
     arrival = world.book.sample_arrived(SampleDone(gid, worker, 0, bad))
-    assert (arrival.kind, arrival.detail) == (bk.MALFORMED, "(3,) tokens but (2,) logprobs")
+    assert (arrival.kind, arrival.detail) == (ArrivalKind.MALFORMED, "(3,) tokens but (2,) logprobs")
     world.check()
-    with pytest.raises(bk.BookError, match="fresh book"):
+    with pytest.raises(arrivals.BookError, match="fresh book"):
         world.book.restore(world.fresh_book().snapshot())

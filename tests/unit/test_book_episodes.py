@@ -43,8 +43,10 @@ from hypothesis import strategies as st
 from asyncrl.environment import Prompt
 from asyncrl.policy.groups import CompletedSample
 from asyncrl.policy.schedule import Wait
-from asyncrl.run import book as bk
-from asyncrl.run.book import RolloutBook, Sent
+from asyncrl.run import arrivals
+from asyncrl.run.arrivals import ArrivalKind
+from asyncrl.run.arrivals import Sent
+from asyncrl.run.book import RolloutBook
 from asyncrl.run.turns import turn_id
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 from schedule_support import SAMPLERS, caps, scheduler, shape_strategies
@@ -228,7 +230,7 @@ class World:
             return
         assert w in self.serving, f"turn {tid} placed on {w!r}, which does not serve"
         least = min(loads.values())
-        if previous in loads and loads[previous] <= least + bk.STICKY_TURNS:
+        if previous in loads and loads[previous] <= least + arrivals.STICKY_TURNS:
             assert w == previous, (tid, w, previous, loads)
             self.counts["turns_kept_on_previous"] += loads[previous] > least
         else:
@@ -256,12 +258,12 @@ class World:
         if self.fails_now():
             arrival = self.book.check_failure(GroupFailed(rec.tid, w, "E", "boom"))
             fate = "discarded" if rec.abandoned else "failed"
-            assert arrival.kind == (bk.DISCARDED if rec.abandoned else bk.TURN_FAILED), arrival
+            assert arrival.kind == (ArrivalKind.DISCARDED if rec.abandoned else ArrivalKind.TURN_FAILED), arrival
         else:
             sample, expected = (CUT, None) if rec.abandoned else self.generated(rec)
             arrival = self.book.sample_arrived(SampleDone(rec.tid, w, 0, sample))
             fate = "discarded" if rec.abandoned else "answered"
-            assert arrival.kind == (bk.DISCARDED if rec.abandoned else bk.TURN), arrival
+            assert arrival.kind == (ArrivalKind.DISCARDED if rec.abandoned else ArrivalKind.TURN), arrival
             if expected is not None:
                 assert arrival.sample is not None
                 assert arrival.sample.token_ids is sample.token_ids
@@ -313,18 +315,18 @@ class World:
         else:
             return self.fail_group(ep, retryable=True)
         if group.state == "flight" and self.rng.random() < 0.05:  # only an abort ends one so
-            with pytest.raises(bk.BookError, match="without a sample"):
+            with pytest.raises(arrivals.BookError, match="without a sample"):
                 self.book.episode_ended(ep.gid, ep.index, None)
         assert ep.state in RUNNING, f"episode {ep.gid}/{ep.index} ended twice"
         arrival = self.book.episode_ended(ep.gid, ep.index, sample)
         ep.state, ep.sample = "ended", sample
         last = all(e.state == "ended" for e in group.episodes)
         aborting = group.state == "aborting"
-        expected = bk.PENDING if not last else bk.DISCARDED if aborting else bk.COMPLETE
+        expected = ArrivalKind.PENDING if not last else ArrivalKind.DISCARDED if aborting else ArrivalKind.COMPLETE
         assert arrival.kind == expected, (arrival, expected)
-        if expected == bk.DISCARDED:
+        if expected == ArrivalKind.DISCARDED:
             self.end_group(ep.gid, "aborted")
-        elif expected == bk.COMPLETE:  # scored already: the runner commits at once
+        elif expected == ArrivalKind.COMPLETE:  # scored already: the runner commits at once
             assert arrival.group is not None and arrival.group.group_id == ep.gid
             got = list(arrival.group.samples)
             assert all(a is e.sample for a, e in zip(got, group.episodes, strict=True))
@@ -418,19 +420,19 @@ class World:
         flying = [g for g, r in self.groups.items() if r.state in ("flight", "aborting")]
         choices += [(g, anyone, 0) for g in flying]
         tid, w, i = self.rng.choice(choices)
-        assert self.book.sample_arrived(SampleDone(tid, w, i, DONE)).kind == bk.REJECTED
+        assert self.book.sample_arrived(SampleDone(tid, w, i, DONE)).kind == ArrivalKind.REJECTED
         if i == 0:
-            assert self.book.check_failure(GroupFailed(tid, w, "E", "x")).kind == bk.REJECTED
+            assert self.book.check_failure(GroupFailed(tid, w, "E", "x")).kind == ArrivalKind.REJECTED
             assert tid in self.inflight or self.book.abandon_turn(tid) is None
         if self.inflight and self.rng.random() < 0.3:
             rec = self.rng.choice(list(self.inflight.values()))
             bad = SampleDone(rec.tid, rec.worker, 0, Sample(TOKENS, LOGPROBS[:2], "stop"))
-            assert self.book.sample_arrived(bad).kind == bk.MALFORMED
+            assert self.book.sample_arrived(bad).kind == ArrivalKind.MALFORMED
             # tokens older than the version the turn was sent at (a worker serving old
             # weights, or an engine's wrong labels): refused, or the bound would not hold
             old = np.array([rec.version - 1, rec.version, rec.version], np.int32)
             stale = SampleDone(rec.tid, rec.worker, 0, Sample(TOKENS, LOGPROBS, "stop", old))
-            assert self.book.sample_arrived(stale).kind == bk.MALFORMED
+            assert self.book.sample_arrived(stale).kind == ArrivalKind.MALFORMED
         assert self.views() == before
         self.counts["rejected"] += 1
 
@@ -470,7 +472,7 @@ class World:
             self.refit_pending = True
         return bool(chunk.groups or chunk.evicted)
 
-    def aborted(self, aborts: bk.Aborts) -> None:
+    def aborted(self, aborts: arrivals.Aborts) -> None:
         """Groups aborted at a refit or at close: those waiting for their retry are gone; the
         turns of the others' episodes are listed under their workers (abandoned: their samples
         still come back), and their episodes are cancelled."""
@@ -681,14 +683,14 @@ def test_misuse_is_refused_and_a_retried_group_gets_fresh_turn_ids() -> None:
     world = World(random.Random(0), config("gated", 1, 2, 1, 1, 1.0, 0, 1.0, 1.0, 2, True))
     assert world.dispatch()
     gid = next(iter(world.groups))
-    with pytest.raises(bk.BookError, match="not running"):
+    with pytest.raises(arrivals.BookError, match="not running"):
         world.book.start_turn("x", gid, 2, world.serving)
     first = turn_id(gid, 0, 0)
     assert world.book.start_turn(first, gid, 0, world.serving) == "rollout:0"
     # the least loaded now is rollout:1, but rollout:0 is at most STICKY_TURNS busier
     second = turn_id(gid, 1, 0)
     assert world.book.start_turn(second, gid, 1, world.serving, "rollout:0") == "rollout:0"
-    with pytest.raises(bk.BookError, match="without a sample"):
+    with pytest.raises(arrivals.BookError, match="without a sample"):
         world.book.episode_ended(gid, 0, None)
     assert world.book.failed(gid, retry=True) == {"rollout:0": [first, second]}
     world.book.retry(gid)
@@ -699,11 +701,11 @@ def test_misuse_is_refused_and_a_retried_group_gets_fresh_turn_ids() -> None:
     assert world.book.start_turn(again, gid, 0, world.serving) == "rollout:1"
     with pytest.raises(ValueError, match="in flight already"):  # what the old ids ran into
         world.book.start_turn(first, gid, 1, world.serving)
-    assert world.book.sample_arrived(SampleDone(first, "rollout:0", 0, CUT)).kind == bk.DISCARDED
+    assert world.book.sample_arrived(SampleDone(first, "rollout:0", 0, CUT)).kind == ArrivalKind.DISCARDED
     arrival = world.book.sample_arrived(SampleDone(again, "rollout:1", 0, DONE))
-    assert arrival.kind == bk.TURN and arrival.turn is not None and arrival.turn.index == 0
+    assert arrival.kind == ArrivalKind.TURN and arrival.turn is not None and arrival.turn.index == 0
     sample = CompletedSample(TOKENS, LOGPROBS, "stop", 1.0, True)
-    assert world.book.episode_ended(gid, 0, sample).kind == bk.PENDING
-    with pytest.raises(bk.BookError, match="not running"):
+    assert world.book.episode_ended(gid, 0, sample).kind == ArrivalKind.PENDING
+    with pytest.raises(arrivals.BookError, match="not running"):
         world.book.episode_ended(gid, 0, sample)
     assert world.book.problems() == []

@@ -1,4 +1,4 @@
-"""Checkpoints on disk (:mod:`asyncrl.run.checkpoint_dir`): atomic commit, retention, resolution,
+"""Checkpoints on disk (:mod:`asyncrl.checkpoints.directory`): atomic commit, retention, resolution,
 checksums of every file, and every way a checkpoint is refused, each with the fix."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import structlog
 
-from asyncrl.run import checkpoint_dir as ckpt
+from asyncrl.checkpoints import directory as ckpt
 from asyncrl.policy.groups import CompletedSample, Group, Part
 
 

@@ -1,6 +1,6 @@
-"""Failed checkpoint saves (:meth:`asyncrl.run.saving.Checkpointer.save`): exactly
-``checkpoint.max_failures`` failures in a row stop the run, and each cause (by its errno) is
-told its own fix."""
+"""Failed checkpoint saves (:meth:`asyncrl.checkpoints.saving.Checkpointer.save`): exactly
+``MAX_SAVE_FAILURES`` failures in a row stop the run, and each cause (by its errno) is told its
+own fix."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 
 from asyncrl.config import from_dict
 from asyncrl.errors import NoSpaceError, RemoteCallError, RunError
-from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run.saving import Checkpointer
+from asyncrl.checkpoints import directory as ckpt
+from asyncrl.checkpoints import saving
+from asyncrl.checkpoints.saving import Checkpointer
 from asyncrl.wire.messages import SaveState
 
 
@@ -37,11 +38,10 @@ class Trainers:
         return [None] * len(workers)
 
 
-def _saver(tmp_path: Path, model_dir: Path, trainers: Trainers, **checkpoint: Any) -> Checkpointer:
+def _saver(tmp_path: Path, model_dir: Path, trainers: Trainers) -> Checkpointer:
     config = from_dict({
         "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
-        "run": {"output_dir": str(tmp_path / "out")},
-        "checkpoint": {"save_model": False, **checkpoint},
+        "run": {"output_dir": str(tmp_path / "out")}, "checkpoint": {"save_model": False},
     })  # fmt: skip
     return Checkpointer(config, control=trainers, trainers=["trainer:0"],  # type: ignore[arg-type]
                         metrics=None, train_prompts=())  # fmt: skip
@@ -78,32 +78,39 @@ async def _saves_until_stopped(saver: Checkpointer, outcomes: str) -> int | None
     ],
 )
 async def test_max_failures_failures_in_a_row_stop_the_run(
-    tmp_path: Path, model_dir: Path, max_failures: int, outcomes: str, stopped_at: int | None
+    tmp_path: Path, model_dir: Path, max_failures: int, outcomes: str, stopped_at: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(saving, "MAX_SAVE_FAILURES", max_failures)
     trainers = Trainers()
-    saver = _saver(tmp_path, model_dir, trainers, max_failures=max_failures)
+    saver = _saver(tmp_path, model_dir, trainers)
     assert await _saves_until_stopped(saver, outcomes) == stopped_at
     assert trainers.saves == (stopped_at or len(outcomes))
     assert saver.failures == (max(max_failures, 1) if stopped_at else 2)
 
 
 @pytest.mark.anyio
-async def test_the_stop_names_the_count_and_the_last_error(tmp_path: Path, model_dir: Path):
-    saver = _saver(tmp_path, model_dir, Trainers(), max_failures=2)
+async def test_the_stop_names_the_count_and_the_last_error(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(saving, "MAX_SAVE_FAILURES", 2)
+    saver = _saver(tmp_path, model_dir, Trainers())
     assert await saver.save(_state(1), finished=False) is None  # type: ignore[arg-type]
     with pytest.raises(RunError) as stopped:
         await saver.save(_state(2), finished=False)
     assert str(stopped.value).startswith(
-        "2 checkpoint saves in a row failed (checkpoint.max_failures = 2); the last: "
+        "2 checkpoint saves in a row failed (MAX_SAVE_FAILURES = 2, "
+        "asyncrl.checkpoints.saving); the last: "
         "RemoteCallError: SaveState failed on worker trainer:0: OSError: [Errno 5] "
         "Input/output error: '/ck/trainer/x.distcp'. Fix: the device or network file system "
         f"under {saver.config.checkpoint.dir} reported an I/O error"
     )
-    first = _saver(tmp_path / "first", model_dir, Trainers(), max_failures=0)
+    monkeypatch.setattr(saving, "MAX_SAVE_FAILURES", 0)
+    first = _saver(tmp_path / "first", model_dir, Trainers())
     with pytest.raises(RunError) as stopped:
         await first.save(_state(7), finished=False)
     assert str(stopped.value).startswith(
-        "the checkpoint of step 7 could not be saved (checkpoint.max_failures = 0: the first "
+        "the checkpoint of step 7 could not be saved (MAX_SAVE_FAILURES = 0: the first "
         "failure stops the run); the last: RemoteCallError: "
     )
 
@@ -135,14 +142,15 @@ async def test_each_errno_is_told_its_own_fix(
     of the checkpoint (a local OSError)."""
     error = OSError(number, text, "/ck/.tmp-step-00000001-1/x")
     trainers = Trainers(error)
-    saver = _saver(tmp_path, model_dir, trainers, max_failures=1)
+    monkeypatch.setattr(saving, "MAX_SAVE_FAILURES", 1)
+    saver = _saver(tmp_path, model_dir, trainers)
     if where == "controller":
         trainers.fail = False
 
         def commit(*args: Any, **kwargs: Any) -> None:
             raise error
 
-        monkeypatch.setattr("asyncrl.run.checkpoint_dir.commit", commit)
+        monkeypatch.setattr("asyncrl.checkpoints.directory.commit", commit)
     with pytest.raises(RunError) as stopped:
         await saver.save(_state(1), finished=False)
     message = str(stopped.value)
@@ -170,10 +178,10 @@ async def test_each_errno_is_told_its_own_fix(
 async def test_a_full_disk_or_quota_stops_at_once_with_its_own_fix(
     tmp_path: Path, model_dir: Path, number: int, text: str, head: str, fix: str
 ) -> None:
-    """No budget for either (max_failures = 3 is not used): a quota is not a full disk, and
-    is not told that the file system has no room."""
+    """No budget for either (MAX_SAVE_FAILURES = 3 is not used): a quota is not a full disk,
+    and is not told that the file system has no room."""
     trainers = Trainers(OSError(number, text, "/ck/x"))
-    saver = _saver(tmp_path, model_dir, trainers, max_failures=3)
+    saver = _saver(tmp_path, model_dir, trainers)
     with pytest.raises(NoSpaceError) as stopped:
         await saver.save(_state(1), finished=False)
     message = str(stopped.value)

@@ -122,7 +122,7 @@ def _safetensors(values: list[float]) -> bytes:
 def _checkpoint(
     root: Path, step: int, *, with_model: bool, weights: list[float] = [0.0, 1.5, -2.0, 0.25]
 ) -> Path:
-    from asyncrl.run import checkpoint_dir as ckpt
+    from asyncrl.checkpoints import directory as ckpt
 
     tmp = ckpt.start_save(root, step)
     if with_model:

@@ -26,7 +26,7 @@ from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.data.dataset import AsyncDatasetEnvironment, DatasetEnvironment, make_environment
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import ConfigError
-from asyncrl.run.intake import ASYNC_SCORE_CONCURRENCY, ScoreError, Scorer
+from asyncrl.run.scoring import ASYNC_SCORE_CONCURRENCY, ScoreError, Scorer
 from asyncrl.wire.messages import StepResult
 from asyncrl.data.rewards import RewardError
 from asyncrl.policy.slots import StepStats

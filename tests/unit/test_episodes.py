@@ -20,8 +20,10 @@ from asyncrl.env.segments import TrajectorySample
 from asyncrl.env.trajectory import PrefixMismatchError
 from asyncrl.environment import Prompt, Score
 from asyncrl.policy.groups import CompletedSample
-from asyncrl.run import book as bk
-from asyncrl.run.book import RolloutBook, Sent
+
+from asyncrl.run.arrivals import ArrivalKind
+from asyncrl.run.arrivals import Sent
+from asyncrl.run.book import RolloutBook
 from asyncrl.run.episodes import EpisodeRunner
 from asyncrl.run.wake import Signal
 from asyncrl.wire.messages import GenRequest, GroupFailed, Sample, SampleDone
@@ -137,14 +139,14 @@ class Engines:
         """What the feeder does with a sample."""
         arrival = self.book.sample_arrived(msg)
         assert self.runner is not None
-        if arrival.kind == bk.TURN:
+        if arrival.kind == ArrivalKind.TURN:
             self.runner.turn_arrived(arrival.turn, arrival.sample)
         assert self.book.problems() == []
 
     def deliver_failure(self, msg: GroupFailed) -> None:
         arrival = self.book.check_failure(msg)
         assert self.runner is not None
-        if arrival.kind == bk.TURN_FAILED:
+        if arrival.kind == ArrivalKind.TURN_FAILED:
             self.runner.turn_failed(arrival.turn, f"{msg.error_type}: {msg.message}", True)
         assert self.book.problems() == []
 

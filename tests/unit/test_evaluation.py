@@ -26,7 +26,9 @@ from asyncrl.errors import RunError, flatten
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.run.book import RolloutBook
 from asyncrl.run.evaluation import Evaluator
-from asyncrl.run.intake import Feeder, ScoreError
+from asyncrl.run.context import RunContext
+from asyncrl.run.intake import Feeder
+from asyncrl.run.scoring import ScoreError
 from asyncrl.run.wake import Signal
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataMessage, Generate, Sample, SampleDone
@@ -119,13 +121,15 @@ class _Run:
         self.book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=1), WORKERS)
         env = SimpleNamespace(dataset=lambda split: PROMPTS)
         tok = SimpleNamespace(encode_prompts=lambda ps: [[7, i] for i, _ in enumerate(ps)])
-        self.evaluator = Evaluator(config, control=control, environment=env, tokenizer=tok,  # type: ignore[arg-type]
-                                   book=self.book, serving=lambda: serving, metrics=None)  # fmt: skip
+        ctx = RunContext(
+            config, control, [], self.book, serving=lambda: serving, changed=Signal(),  # type: ignore[arg-type]
+            committed=Signal(), failures=None, probes=None, metrics=None, now=time.perf_counter,  # type: ignore[arg-type]
+        )  # fmt: skip
+        self.evaluator = Evaluator(ctx, environment=env, tokenizer=tok)  # type: ignore[arg-type]
         self.socket = _Socket()
         self.feeder = Feeder(
-            config, data=self.socket, book=self.book, scorer=_Scorer(),  # type: ignore[arg-type]
+            ctx, data=self.socket, scorer=_Scorer(),  # type: ignore[arg-type]
             evaluator=self.evaluator, redispatch=None, rejections=Rejections(),  # type: ignore[arg-type]
-            changed=Signal(), committed=Signal(), now=time.perf_counter,
             step_record=lambda: None,  # type: ignore[arg-type,return-value]
         )  # fmt: skip
         self.control = control

@@ -15,7 +15,8 @@ import pytest
 from asyncrl.environment import Prompt
 from asyncrl.errors import RunError
 from asyncrl.policy.failures import FailureBudget
-from asyncrl.run.book import RolloutBook, Sent
+from asyncrl.run.arrivals import Sent
+from asyncrl.run.book import RolloutBook
 from asyncrl.run.restarts import Redispatcher
 from asyncrl.wire.messages import GroupFailed
 from schedule_support import SAMPLERS, scheduler
@@ -35,8 +36,7 @@ class _TaskGroup:
 
 class _World:
     def __init__(self, retries: int, max_failed_groups: int = 5) -> None:
-        limits = SimpleNamespace(generation_retries=retries, retry_backoff_s=0.5,
-                                 max_failed_groups=max_failed_groups, train_step_retries=0,
+        limits = SimpleNamespace(generation_retries=retries, max_failed_groups=max_failed_groups,
                                  max_nonfinite_steps=0)  # fmt: skip
         self.budget = FailureBudget(limits)  # type: ignore[arg-type]
         self.book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=2), WORKERS)
@@ -68,7 +68,7 @@ def test_retries_back_off_and_a_worker_death_spends_none() -> None:
         assert sent.group_id == first.group_id
         w.fail(sent)
         w.book.retry(sent.group_id)
-    assert w.tg.delays == [0.5, 1.0]  # two retries; the third failure dropped it
+    assert w.tg.delays == [1.0, 2.0]  # RETRY_BACKOFF_S, doubled; the third failure dropped it
     assert w.book.failed_groups == 1 and w.book.problems() == []
 
 
@@ -93,8 +93,8 @@ def test_a_retried_group_that_ends_otherwise_leaves_nothing_in_the_budget() -> N
 def test_a_dropped_group_whose_cause_names_its_fix_gives_one_fix() -> None:
     """The run's last words hold one Fix: the cause's when it names one (a template
     mismatch refused), else where to look."""
-    limits = SimpleNamespace(generation_retries=3, retry_backoff_s=0.5, max_failed_groups=1,
-                             train_step_retries=0, max_nonfinite_steps=0)  # fmt: skip
+    limits = SimpleNamespace(generation_retries=3, max_failed_groups=1,
+                             max_nonfinite_steps=0)  # fmt: skip
     budget = FailureBudget(limits)  # type: ignore[arg-type]
     budget.check_dropped(1, "within the budget")
     cause = ("group g1 (prompt p1): episode g1/0: run_episode raised PrefixMismatchError: the "

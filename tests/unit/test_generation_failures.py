@@ -96,7 +96,7 @@ async def test_a_failure_after_the_watch_saw_the_engine_die_is_left_to_the_dead_
     refit's ReceiveWeights) becomes no GroupFailed and no Failure reply (the controller would
     retry the group against its budget, or stop the run on the refit's error): the worker's
     Dead says why, and the worker is restarted."""
-    from asyncrl.wire.messages import Call, Score
+    from asyncrl.wire.messages import Call, ScoreTokens
 
     rt = _runtime(_Backend(RuntimeError("EngineCore encountered an issue")))
     rt.engine_gone = anyio.Event()
@@ -104,7 +104,7 @@ async def test_a_failure_after_the_watch_saw_the_engine_die_is_left_to_the_dead_
     out, inbox = anyio.create_memory_object_stream[object](4)
     with out, inbox:
         await rt._generate_one(REQ, out)
-        await rt.answer(Call(call_id=3, request=Score(batch=BATCH)))
+        await rt.answer(Call(call_id=3, request=ScoreTokens(batch=BATCH)))
         assert inbox.statistics().current_buffer_used == 0
     assert rt.control.sent == []
 
@@ -117,7 +117,7 @@ async def test_a_failure_with_a_live_engine_is_reported_at_once(exc: Exception) 
     death caused (the EngineWatch contract), so any other failure is the group's or the
     call's own: reported without waiting for a verdict (it once waited 1 s for every one,
     a prompt too long included)."""
-    from asyncrl.wire.messages import Call, Score
+    from asyncrl.wire.messages import Call, ScoreTokens
 
     class Alive:
         """A watch that runs, over an engine that lives: no verdict ever comes."""
@@ -137,7 +137,7 @@ async def test_a_failure_with_a_live_engine_is_reported_at_once(exc: Exception) 
     with out, inbox:
         await rt._generate_one(REQ, out)
         failed = inbox.receive_nowait()
-        await rt.answer(Call(call_id=4, request=Score(batch=BATCH)))
+        await rt.answer(Call(call_id=4, request=ScoreTokens(batch=BATCH)))
     assert alive.waited == 0
     assert isinstance(failed, GroupFailed) and failed.error_type == type(exc).__name__
     assert failed.retryable == (not isinstance(exc, RequestError))

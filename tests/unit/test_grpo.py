@@ -222,7 +222,7 @@ def test_a_bad_loss_mask_is_refused_when_its_sample_is_built() -> None:
 def test_trained_tokens_per_sequence_and_the_aggregation_normalizer(tmp_path) -> None:
     from asyncrl.config import from_dict
     from asyncrl.policy.grpo import per_sequence_mean, trained_per_sequence
-    from asyncrl.run.assembly import normalizer
+    from asyncrl.run.train_step import normalizer
     from asyncrl.wire.messages import TrainBatch
 
     tb = pack_tokens([[5], [6, 7], [8]], [[1, 2, 3], [], [4, 4]])

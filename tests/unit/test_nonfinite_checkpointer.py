@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.run.saving import Checkpointer
+from asyncrl.checkpoints.saving import Checkpointer
 from asyncrl.config import from_dict
 from asyncrl.errors import NonFiniteError, RemoteCallError
 from asyncrl.wire.messages import SaveState
@@ -44,9 +44,8 @@ async def test_a_refused_save_stops_the_run_at_once(tmp_path: Path) -> None:
             "model": {"path": str(tmp_path / "model")},
             "environment": {"name": "repeat-digit"},
             "run": {"output_dir": str(tmp_path / "out")},
-            "checkpoint": {"max_failures": 5},
         }
-    )
+    )  # a budget of failed saves (MAX_SAVE_FAILURES = 3) is not spent on a NaN: it stops at once
     control = RefusingTrainers()
     saver = Checkpointer(
         config, control=control, trainers=["trainer:0"],  # type: ignore[arg-type]

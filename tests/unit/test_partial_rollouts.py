@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from asyncrl.policy.groups import CompletedSample, Group, Part
-from asyncrl.run import book as bk
+from asyncrl.run import arrivals
+from asyncrl.run.arrivals import ArrivalKind
 from asyncrl.run.arrivals import store
-from asyncrl.run.checkpoint_dir import SavedSample
+from asyncrl.checkpoints.directory import SavedSample
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataMessage, Sample, SampleDone
 
@@ -30,7 +31,7 @@ def group(start_version: int) -> Group:
     return Group("g0", "p0", [1], start_version, None, 0.0, [None, None], index=0, worker="w")
 
 
-def arrive(g: Group, index: int, versions: list[int] | None) -> bk.Arrival | None:
+def arrive(g: Group, index: int, versions: list[int] | None) -> arrivals.Arrival | None:
     v = np.zeros(0, np.int32) if versions is None else np.array(versions, np.int32)
     return store(g, SampleDone("g0", "w", index, Sample(TOKENS, LPS, "stop", v)))
 
@@ -43,10 +44,10 @@ def test_versions_are_kept_stamped_or_refused_against_the_dispatch_version() -> 
     assert g.samples[1].versions.tolist() == [2, 2, 2, 2]
     g = group(start_version=2)
     refused = arrive(g, 0, [1, 2, 2, 2])
-    assert refused is not None and refused.kind == bk.MALFORMED
+    assert refused is not None and refused.kind == ArrivalKind.MALFORMED
     assert "older than v2" in refused.detail
     refused = arrive(g, 0, [2, 2])
-    assert refused is not None and refused.kind == bk.MALFORMED and "versions of shape" in refused.detail
+    assert refused is not None and refused.kind == ArrivalKind.MALFORMED and "versions of shape" in refused.detail
     assert g.samples == [None, None]  # nothing taken
 
 
@@ -94,7 +95,7 @@ def test_a_scored_single_turn_sample_keeps_its_versions() -> None:
     """The feeder's scoring carries a sample's per-token versions into what trains (the
     step's token staleness reads them; they were once dropped here)."""
     from asyncrl.environment import Prompt
-    from asyncrl.run.intake import score_samples
+    from asyncrl.run.scoring import score_samples
 
     env = SimpleNamespace(score=lambda prompt, completion: SimpleNamespace(reward=1.0, correct=True))
     tok = SimpleNamespace(decode=lambda ids: "x")
@@ -200,6 +201,7 @@ async def _feed_a_turn(versions: np.ndarray) -> Sample:
     import anyio
 
     from asyncrl.run.book import RolloutBook
+    from asyncrl.run.context import RunContext
     from asyncrl.run.intake import Feeder
     from asyncrl.run.wake import Signal
     from asyncrl.wire.transport import Rejections
@@ -208,15 +210,17 @@ async def _feed_a_turn(versions: np.ndarray) -> Sample:
     book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=1, N=1, steps=1), ["w"],
                        episodes=True)  # fmt: skip
     sent = book.dispatch(["w"], lambda i: (SimpleNamespace(id="p", display="p"), [1]), 0.0)
-    assert isinstance(sent, bk.Sent)
+    assert isinstance(sent, arrivals.Sent)
     assert book.start_turn("t#0", sent.group_id, 0, ["w"]) == "w"
     got: list[Sample] = []
     turns = SimpleNamespace(turn_arrived=lambda turn, sample: got.append(sample))
     tx, rx = anyio.create_memory_object_stream[list](4)
     data = SimpleNamespace(recv=rx.receive, recv_nowait=lambda: None)
+    ctx = RunContext(SimpleNamespace(), None, [], book, serving=lambda: ["w"], changed=Signal(),
+                     committed=Signal(), failures=None, probes=None, metrics=None,
+                     now=lambda: 0.0)  # type: ignore[arg-type]  # fmt: skip
     feeder = Feeder(
-        SimpleNamespace(), data=data, book=book, scorer=None, evaluator=None, redispatch=None,
-        rejections=Rejections(), changed=Signal(), committed=Signal(), now=lambda: 0.0,
+        ctx, data=data, scorer=None, evaluator=None, redispatch=None, rejections=Rejections(),
         step_record=lambda: None, turns=turns,
     )  # type: ignore[arg-type]  # fmt: skip
     tx.send_nowait(Codec(DataMessage).encode(

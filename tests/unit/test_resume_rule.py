@@ -1,4 +1,4 @@
-"""The rule for resuming with changed settings (:mod:`asyncrl.run.resume_rule`): which settings
+"""The rule for resuming with changed settings (:mod:`asyncrl.checkpoints.resume_rule`): which settings
 are strict, which are harmless, what ``--allow-changed`` lets through, and the fingerprints
 that compare the model directory, the chat template, the data and the reward code by
 content."""
@@ -21,10 +21,10 @@ from asyncrl.config import Config, EnvironmentConfig, ModelConfig, from_dict, to
 from asyncrl.data.dataset import make_environment
 from asyncrl.data.rewards import Reward
 from asyncrl.environment import Prompt
-from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run.saving import Checkpointer, open_resume
-from asyncrl.run.saving import code_fingerprints as code_of
-from asyncrl.run.resume_rule import (
+from asyncrl.checkpoints import directory as ckpt
+from asyncrl.checkpoints.saving import Checkpointer, open_resume
+from asyncrl.checkpoints.saving import code_fingerprints as code_of
+from asyncrl.checkpoints.resume_rule import (
     FINGERPRINT_FIELDS, HARMLESS, code_fingerprints, compare, fingerprints,
 )  # fmt: skip
 
@@ -71,8 +71,8 @@ HARMLESS_CHANGES = [
     ("cluster", {"rollout_ranks": 4}), ("refit", {"bucket_size_mb": 64}),
     ("failures", {"max_failed_groups": 0}), ("trainer", {"micro_batch_size": 2}),
     ("model", {"path": "/elsewhere"}), ("run", {"output_dir": "/runs/b"}),
-    ("run", {"event_loop": "asyncio"}), ("run", {"save_samples": True}),
-    ("run", {"samples_file_mb": 16.0}), ("gateway", {"agent_dir": "/elsewhere"}),
+    ("cluster", {"shutdown_grace_s": 5.0}), ("run", {"save_samples": True}),
+    ("refit", {"drain": True}), ("gateway", {"agent_dir": "/elsewhere"}),
     ("gateway", {"max_agents": 8}), ("gateway", {"check_agent": False}),
 ]  # fmt: skip
 
@@ -121,6 +121,33 @@ def test_the_issue_s_changes_and_the_allow_forms() -> None:
     # a setting a checkpoint lacks (or the run lacks) is a change too
     lr_dropped = compare(saved, _side(_config(trainer={"options": {}})))
     assert lr_dropped.refused == ["trainer.options.lr: 0.0001 -> '(unset)'"]
+
+
+def test_a_checkpoint_whose_config_holds_removed_keys_resumes() -> None:
+    """A checkpoint saved before issue 50 stored keys that are constants now: they are
+    dropped, not refused (the run resumes), and one stored with another value than the code
+    uses now is listed with the harmless changes, naming what replaced it."""
+    old = _config()
+    old["run"] |= {"gc_freeze": True, "event_loop": "auto", "samples_file_mb": 256.0}
+    old["refit"] |= {"staging_buffers": 2, "verify_noise_factor": 3.0}
+    old["grpo"] |= {"dynamic_sampling_min_std": 0.0, "dynamic_sampling_max_drops": 0}
+    old["gateway"] |= {"max_messages": 2048, "model_name": ""}
+    same = compare(_side(old), _side(_config()))
+    assert (same.refused, same.allowed, same.harmless, same.unknown) == ([], [], [], [])
+    old["grpo"]["dynamic_sampling_min_std"] = 0.5
+    old["cluster"]["torchrun"] = "/opt/bin/torchrun"
+    changed = compare(_side(old), _side(_config()), ["loss"])
+    assert changed.refused == [] and changed.allowed == [] and changed.unknown == []
+    assert changed.harmless == [
+        "cluster.torchrun: '/opt/bin/torchrun' -> 'torchrun' (removed: the constant "
+        "asyncrl.procs.spawn.TORCHRUN: this interpreter's `python -m torch.distributed.run`, "
+        "what the default meant)",
+        "grpo.dynamic_sampling_min_std: 0.5 -> 0.0 (removed: the constant "
+        "asyncrl.run.scheduling.DYNAMIC_SAMPLING_MIN_STD = 0.0)",
+    ]
+    # the strict settings around them are still compared
+    moved = compare(_side(old), _side(_config(grpo={"temperature": 2.0})))
+    assert moved.refused == ["grpo.temperature: 1.0 -> 2.0"]
 
 
 def test_harmless_names_only_existing_settings() -> None:
@@ -450,3 +477,34 @@ async def test_an_edited_reward_is_refused_on_resume_with_the_fix(
     assert line["log_level"] == "info" and line["checkpoint"] == str(path)
     assert line["what"].startswith("environment.code: the checkpoint holds no fingerprint")
 
+
+@pytest.mark.anyio
+async def test_a_checkpoint_saved_with_keys_removed_since_resumes(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """The whole path: a checkpoint whose manifest's config holds keys that are constants now
+    (as one saved before issue 50 does) is opened for a resume with today's config; a removed
+    key it stored with another value is logged with the harmless changes."""
+    cfg = from_dict({
+        "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
+        "run": {"output_dir": str(tmp_path / "out")}, "checkpoint": {"save_model": False},
+    })  # fmt: skip
+    saver = Checkpointer(cfg, control=SavingTrainers(), trainers=["trainer:0"], metrics=None,
+                         train_prompts=PROMPTS)  # type: ignore[arg-type]
+    state = ckpt.ControllerState(step=1, finished=False, groups=[], scheduler={
+        "ledger": {"trained": [[0, 1]], "num_repeated": 0}, "redispatch": []})  # fmt: skip
+    path = await saver.save(state, finished=False)
+    assert path is not None
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["config"]["run"] |= {"gc_young_interval_s": 0.05, "event_loop": "auto"}
+    manifest["config"]["refit"] |= {"verify_num_sequences": 16, "staging_buffers": 3}
+    manifest["config"]["gateway"] |= {"request_head_timeout_s": 10.0, "model_name": ""}
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    manifest["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    resume = open_resume(cfg, "latest", train_prompts=PROMPTS)
+    assert resume is not None and resume.state.step == 1
+    assert resume.changes.refused == [] and resume.changes.harmless == [
+        "refit.staging_buffers: 3 -> 2 (removed: the constant "
+        "asyncrl.transfers.STAGING_BUFFERS = 2)"]

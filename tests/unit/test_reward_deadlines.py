@@ -23,11 +23,11 @@ import pytest
 
 from asyncrl.data import deadlines
 
-from asyncrl.run import intake
+from asyncrl.run import scoring
 from asyncrl.data.dataset import AsyncDatasetEnvironment, make_environment
 from asyncrl.data.deadlines import AbandonedThreadsError, abandoned_threads
 from asyncrl.environment import Prompt, Score
-from asyncrl.run.intake import ScoreError, ScoreTimeout, Scorer
+from asyncrl.run.scoring import ScoreError, ScoreTimeout, Scorer
 from scoring_support import DigitsTokenizer, group_of
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.anyio]
@@ -270,7 +270,7 @@ async def test_only_an_environment_that_allows_it_scores_on_the_loop(
 ) -> None:
     """A cheap ``score()`` runs on the event loop only with ``score_on_loop = True`` (where a
     hang could not be stopped); its first group goes to a thread all the same."""
-    monkeypatch.setattr(intake, "INLINE_SCORE_MAX_S", 60.0)  # any measured cost is cheap
+    monkeypatch.setattr(scoring, "INLINE_SCORE_MAX_S", 60.0)  # any measured cost is cheap
     plain = HangingEnv()
     scorer = Scorer(plain, DigitsTokenizer(), "plain", timeout_s=60)  # type: ignore[arg-type]
     group = group_of(Prompt(id="p", text="x"), [[1]])
@@ -293,7 +293,7 @@ def test_a_process_with_an_abandoned_thread_exits(tmp_path: Path) -> None:
         import threading, anyio, numpy as np
         from asyncrl.environment import Prompt, Score
         from asyncrl.policy.groups import Group
-        from asyncrl.run.intake import ScoreTimeout, Scorer
+        from asyncrl.run.scoring import ScoreTimeout, Scorer
         from asyncrl.wire.messages import Sample
 
         class Env:

@@ -1,4 +1,4 @@
-"""The trained samples on disk (asyncrl/obs/samples.py): each line against a hand-written
+"""The trained samples on disk (asyncrl/obs/sample_export.py): each line against a hand-written
 one and against the batch the trainer is sent, rotation by size at step boundaries, the cut
 back to a resumed step, a full disk, and the writer task off the event loop."""
 
@@ -18,13 +18,13 @@ import pytest
 
 from asyncrl.config import from_dict
 from asyncrl.errors import NoSpaceError
-from asyncrl.obs import samples as export
-from asyncrl.obs.samples import SampleExport, SampleFiles, SampleLine, sample_files, step_lines
+from asyncrl.obs import sample_export as export
+from asyncrl.obs.sample_export import SampleExport, SampleFiles, SampleLine, sample_files, step_lines
 from asyncrl.policy.grpo import pack_groups
 from asyncrl.policy.groups import CompletedSample, Group, Part
 from asyncrl.procs import space
-from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run.saving import Checkpointer
+from asyncrl.checkpoints import directory as ckpt
+from asyncrl.checkpoints.saving import Checkpointer
 from asyncrl.wire.messages import SaveState
 
 

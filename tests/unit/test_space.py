@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from asyncrl import transfers
 from asyncrl.procs import space
 from asyncrl.config import from_dict
 from asyncrl.errors import ConfigError, NoSpaceError, RemoteCallError
@@ -87,7 +88,9 @@ def test_model_size_without_weight_files(tmp_path: Path) -> None:
     assert size.served_bytes("float32") == 2000  # as if stored in 2-byte elements
 
 
-def test_shm_need_hand_computed(tmp_path: Path, model: Path) -> None:
+def test_shm_need_hand_computed(
+    tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # buckets of 1 MiB, the largest tensor 3 Mi elements = 6 MiB in bfloat16: each buffer
     # holds at most 6 MiB + 256 (that tensor alone), two of them; the whole model is
     # 10 MiB + 2 KiB + 3 * 256 (each tensor aligned) -> min(12 MiB + 512, ...) = 10 MiB + 2816
@@ -97,12 +100,13 @@ def test_shm_need_hand_computed(tmp_path: Path, model: Path) -> None:
     assert space.shm_need(cfg, space.model_size(str(model))) == pages * 4096
     # buckets of 2 MiB and 4 buffers in float32: each buffer at most 12 MiB + 256 (the
     # 12 MiB tensor), the model 20 MiB + 4 KiB + 768 -> the model bounds it
-    cfg = make_config(tmp_path, model, model={"dtype": "float32"},
-                      refit={"bucket_size_mb": 2, "staging_buffers": 4})
+    monkeypatch.setattr(transfers, "STAGING_BUFFERS", 4)
+    cfg = make_config(tmp_path, model, model={"dtype": "float32"}, refit={"bucket_size_mb": 2})
     need = 20 * MiB + 4096 + 768
     assert space.shm_need(cfg, space.model_size(str(model))) == (-(-need // 4096) + 4) * 4096
-    # no weight files: staging_buffers full buckets
-    cfg = make_config(tmp_path, model, refit={"bucket_size_mb": 3, "staging_buffers": 2})
+    # no weight files: STAGING_BUFFERS (2) full buckets
+    monkeypatch.setattr(transfers, "STAGING_BUFFERS", 2)
+    cfg = make_config(tmp_path, model, refit={"bucket_size_mb": 3})
     assert space.shm_need(cfg, None) == 6 * MiB + 2 * 4096
 
 
@@ -117,8 +121,8 @@ def test_check_space_names_free_needed_and_the_fixes(
         space.check_space(cfg)
     text = str(err.value)
     assert text.startswith(f"refit.transport: /dev/shm has {need - 1} bytes")
-    assert f"needs {need} bytes" in text and "refit.staging_buffers = 2" in text
-    for fix in ("--shm-size", "refit.bucket_size_mb", "refit.staging_buffers", '"nccl"'):
+    assert f"needs {need} bytes" in text and "transfer's 2 staging files" in text
+    for fix in ("--shm-size", "refit.bucket_size_mb", "2 staging buffers", '"nccl"'):
         assert fix in text.partition("Fix:")[2], fix
     free["/dev/shm"] = need
     space.check_space(cfg)  # exactly enough

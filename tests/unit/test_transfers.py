@@ -1,6 +1,7 @@
 """Weight transfer plugins and the pieces of the vLLM backend's refit that need no engine:
-the registry, the ``shm`` stager/opener pair, ``cuda_ipc``'s refusal without a GPU, the
-manifest check against a checkpoint's safetensors headers, GPU placement, FP8 detection."""
+the registry, the ``shm`` stager/opener pair, the manifest check against a checkpoint's
+safetensors headers, GPU placement, FP8 detection. (``cuda_ipc`` without a GPU is
+asyncrl_torch's: backends/asyncrl-torch/tests/test_cuda_ipc.py.)"""
 
 from __future__ import annotations
 
@@ -71,12 +72,6 @@ def test_shm_stager_and_opener_round_trip_and_growth() -> None:
     assert leftover == []  # the bucket files are removed by close
 
 
-def test_cuda_ipc_needs_a_trainer_on_a_gpu() -> None:
-    pytest.importorskip("torch")
-    with pytest.raises(RuntimeError, match="needs a trainer on a GPU .* use 'shm' on CPU"):
-        load_transfer("cuda_ipc").stager(StagingSpec("x", 0, "cpu"))
-
-
 def _safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
     header = {n: {"dtype": "BF16", "shape": s, "data_offsets": [0, 0]} for n, s in shapes.items()}
     header["__metadata__"] = {"format": "pt"}
@@ -138,44 +133,6 @@ def test_engine_gpu_out_of_range_names_the_field() -> None:
 def test_fp8_kv_cache_is_seen_in_any_generator() -> None:
     assert not fp8_kv_cache([{"kv_cache_dtype": "auto"}, {}])
     assert fp8_kv_cache([{"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8_e4m3"}])
-
-
-def test_cuda_ipc_reader_keeps_one_mapping_per_sender_buffer(monkeypatch) -> None:
-    """A buffer that grew is announced with a new handle: the reader drops the old mapping (so
-    the sender's old allocation can be freed) and keeps the other buffer's."""
-    torch = pytest.importorskip("torch")
-    import msgspec
-
-    from asyncrl_torch.transfers import cuda_ipc
-
-    rebuilt: list[int] = []
-
-    def fake_rebuild(*args: object) -> object:
-        rebuilt.append(args[1][0])  # the buffer size
-        return object()
-
-    monkeypatch.setattr(cuda_ipc, "device_index_by_uuid", lambda uuid: 0)
-    monkeypatch.setattr(torch.multiprocessing.reductions, "rebuild_cuda_tensor", fake_rebuild)
-
-    def handle(slot: int, nbytes: int, stager: str = "run/0/a") -> bytes:
-        return msgspec.msgpack.encode(cuda_ipc.CudaIpcHandle(
-            stager=stager, slot=slot, gpu_uuid="GPU-x", nbytes=nbytes,
-            storage_handle=bytes([slot, nbytes % 256]), storage_size_bytes=nbytes,
-            storage_offset_bytes=0, ref_counter_handle=b"r", ref_counter_offset=0,
-            event_handle=b"", event_sync_required=False,
-        ))
-
-    opener = cuda_ipc.CudaIpcOpener()
-    a0, b0 = opener.open(handle(0, 100)), opener.open(handle(1, 100))
-    assert opener.open(handle(0, 100)) is a0 and rebuilt == [100, 100]  # mapped once
-    a1 = opener.open(handle(0, 300))  # buffer 0 grew
-    assert a1 is not a0 and rebuilt == [100, 100, 300]
-    assert opener.open(handle(1, 100)) is b0
-    assert len(opener._open) == 2  # the old buffer 0 mapping is gone
-    opener.open(handle(0, 100, stager="run/0/b"))  # another sender's buffer: kept apart
-    assert len(opener._open) == 3
-    opener.close()
-    assert opener._open == {}
 
 
 class _Peer:

@@ -11,7 +11,6 @@ from asyncrl.errors import RefitError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.config import RefitConfig
 from asyncrl.policy.verify import RefitCheck, compare, probe_sequences, verification_due
 
 
@@ -46,11 +45,11 @@ def test_the_bound_is_the_baseline_times_the_factor_or_plus_the_floor() -> None:
     (base,) = check.baseline(0, {"rollout:0": t0 + [0.1, -0.1, 0.1, -0.1]}, t0)
     assert check.started and base.baseline == pytest.approx(0.1) and base.version == 0
     bound, setting = check.bound()
-    assert bound == pytest.approx(0.3) and "verify_noise_factor" in setting
+    assert bound == pytest.approx(0.3) and "NOISE_FACTOR" in setting
     fine = _check()
     fine.baseline(0, {"rollout:0": t0 + 0.001}, t0)
     assert fine.bound()[0] == pytest.approx(0.011)
-    assert _check(fixed=0.05).bound() == (0.05, "refit.verify_tolerance")
+    assert _check(fixed=0.05).bound() == (0.05, "asyncrl.policy.verify.TOLERANCE")
 
 
 def test_judged_refits_by_hand() -> None:
@@ -106,8 +105,8 @@ def test_the_noise_follows_refits_that_pass_and_not_those_that_fail() -> None:
 
 
 def test_a_fixed_bound_is_named_as_fixed() -> None:
-    """With ``refit.verify_tolerance`` set, the error names that setting and its value, not a
-    bound derived from measured rounding."""
+    """With a fixed bound (``asyncrl.policy.verify.TOLERANCE``), the error names that setting
+    and its value, not a bound derived from measured rounding."""
     t = np.array([-1.0, -2.0, -3.0])
     check = _check(fixed=0.05)
     check.baseline(0, {"rollout:0": t + 0.01}, t)
@@ -115,21 +114,22 @@ def test_a_fixed_bound_is_named_as_fixed() -> None:
     with pytest.raises(RefitError) as failed:
         a.check()
     text = str(failed.value)
-    assert "> refit.verify_tolerance = 0.05, a fixed bound (their rounding measured before " \
-        "any update: 0.0100)" in text
-    assert "measured so far" not in text and "verify_noise_factor" not in text
+    assert "> asyncrl.policy.verify.TOLERANCE = 0.05, a fixed bound (their rounding measured " \
+        "before any update: 0.0100)" in text
+    assert "measured so far" not in text and "NOISE_FACTOR" not in text
 
 
 def test_a_baseline_beyond_max_noise_is_another_model() -> None:
     t0 = np.array([-1.0, -2.0])
-    with pytest.raises(RefitError, match=r"before any update.*0\.8000.*refit.verify_max_noise = 0\.5"):
+    with pytest.raises(RefitError, match=r"before any update.*0\.8000.*asyncrl.policy.verify."
+                       r"MAX_NOISE = 0\.5.*refit.verify_first_steps = 0"):
         _check().baseline(3, {"rollout:0": t0 - 0.8}, t0)
-    with pytest.raises(RefitError, match=r"refit.verify_tolerance = 0\.01"):
+    with pytest.raises(RefitError, match=r"asyncrl.policy.verify.TOLERANCE = 0\.01"):
         _check(fixed=0.01).baseline(3, {"rollout:0": t0 - 0.05}, t0)
 
 
 def test_the_defaults_are_the_documented_ones() -> None:
-    check = RefitCheck.of(RefitConfig())
+    check = RefitCheck.measured()
     assert (check.factor, check.floor, check.max_noise, check.fixed) == (3.0, 0.001, 0.5, None)
 
 

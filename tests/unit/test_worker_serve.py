@@ -40,7 +40,7 @@ from asyncrl.wire.messages import (
     Reply,
     Sample,
     SampleDone,
-    Score,
+    ScoreTokens,
     Shutdown,
     TokenBatch,
     ToWorker,
@@ -193,7 +193,7 @@ async def test_rollout_calls_overlap_and_a_trainer_request_is_a_failure() -> Non
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(rt.serve_calls)
-            control.call(1, Score(batch=BATCH))  # waits for the abort: served concurrently
+            control.call(1, ScoreTokens(batch=BATCH))  # waits for the abort: served concurrently
             control.call(2, Abort(group_ids=["g0"]))
             answers = [await control.answer(), await control.answer()]
             assert [a.call_id for a in answers] == [2, 1]
@@ -232,8 +232,8 @@ async def test_a_cast_the_worker_cannot_serve_is_fatal(role: str) -> None:
         rt: Any = RolloutRuntime(None, control, INIT, _wctx("rollout"))
         rt.adopt(_Generator(), plugin="fake")
         rt.data = _Data()
-        request: Any = Score(batch=BATCH)
-        want = "a rollout worker cannot serve Score unanswered"
+        request: Any = ScoreTokens(batch=BATCH)
+        want = "a rollout worker cannot serve ScoreTokens unanswered"
     else:
         rt = TrainerRuntime(None, control, INIT, _wctx("trainer"))
         rt.adopt(_Trainer(), plugin="fake")

@@ -43,7 +43,7 @@ if not torch.cuda.is_available():
     # (the module by its name: ``deepspeed.comm.torch`` as an attribute is PyTorch itself)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
-from asyncrl.backend import WeightTensor, WorkerContext  # noqa: E402
+from asyncrl.plugin.backend import WeightTensor, WorkerContext  # noqa: E402
 from asyncrl_torch import DistributedTrainer  # noqa: E402
 from asyncrl_torch.byte_groups import byte_groups  # noqa: E402
 
@@ -81,7 +81,7 @@ def deepspeed_config(opts: DeepSpeedOptions, *, micro_batch_size: int, world_siz
 
 
 class DeepSpeedBackend(DistributedTrainer):
-    """:class:`~asyncrl.backend.TrainingBackend` over DeepSpeed ZeRO (see the module
+    """:class:`~asyncrl.plugin.backend.TrainingBackend` over DeepSpeed ZeRO (see the module
     docstring)."""
 
     name = "deepspeed"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.backend import BackendPlugin, WorkerContext
-from asyncrl.config import Config
+from asyncrl.plugin.backend import BackendPlugin, WorkerContext
+from asyncrl.plugin.common import Config
 
 __all__ = ["check_config", "frozen_plugin", "plugin"]
 

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from asyncrl.backend import WeightTensor, WorkerContext
+from asyncrl.plugin.backend import WeightTensor, WorkerContext
 from asyncrl_torch import DistributedTrainer
 
 from .options import FSDPOptions, parse_options
@@ -113,7 +113,7 @@ class _Gathered:
 
 
 class FSDPBackend(DistributedTrainer):
-    """:class:`~asyncrl.backend.TrainingBackend` over FSDP2 (see the module docstring)."""
+    """:class:`~asyncrl.plugin.backend.TrainingBackend` over FSDP2 (see the module docstring)."""
 
     name = "fsdp2"
     _opts: FSDPOptions

@@ -21,8 +21,7 @@ import os
 
 import torch
 
-from asyncrl.policy.packing import Layout
-from asyncrl.wire.messages import TrainBatch
+from asyncrl.plugin.backend import Layout, TrainBatch
 
 from .backend import FSDPBackend
 
@@ -32,7 +31,7 @@ MARKER = "frozen.json"
 
 
 class FrozenBackend(FSDPBackend):
-    """:class:`~asyncrl.backend.TrainingBackend` whose steps change nothing (see the module
+    """:class:`~asyncrl.plugin.backend.TrainingBackend` whose steps change nothing (see the module
     docstring)."""
 
     name = "frozen"

@@ -7,7 +7,7 @@ same loss, batching and step bookkeeping:
 
 - :mod:`.loss`: the clipped-surrogate loss as a token *sum* (:func:`ppo_clip_loss`);
 - :mod:`.batches`: packed batches to right-padded micro-batches and response logprobs (the
-  layout itself is :class:`asyncrl.policy.packing.Layout`);
+  layout itself is :class:`asyncrl.plugin.backend.Layout`);
 - :mod:`.trainer`: :class:`DistributedTrainer`, the base class of the ``fsdp2`` and
   ``deepspeed`` backends (lockstep micro-batching, the step ledger, exact normalization);
 - :mod:`.kv_calibration`: FP8 KV-cache scales from the trainer's own forwards;

@@ -1,8 +1,8 @@
 """Packed batches to padded micro-batches, and response-token logprobs (torch).
 
-The layout of a packed batch is :class:`asyncrl.policy.packing.Layout`'s. The logprob of the response
-token at position p is read from the logits at p - 1, divided by the temperature before the
-log-softmax. Flat per-token arrays (behaviour logprobs, results) list the response tokens
+The layout of a packed batch is :class:`asyncrl.plugin.backend.Layout`'s. The logprob of the
+response token at position p is read from the logits at p - 1, divided by the temperature before
+the log-softmax. Flat per-token arrays (behaviour logprobs, results) list the response tokens
 sequence by sequence, in position order.
 """
 
@@ -14,8 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.policy.grpo import AnyBatch, take_sequences
-from asyncrl.policy.packing import Layout, length_order, micro_batch_bounds, token_budget_bounds
+from asyncrl.plugin.backend import (
+    AnyBatch,
+    Layout,
+    length_order,
+    micro_batch_bounds,
+    take_sequences,
+    token_budget_bounds,
+)
 
 __all__ = [
     "MicroBatch",
@@ -122,7 +128,7 @@ def plan_micro_batches(
     sequences were put in (None: as they came). ``max_tokens > 0``
     (``trainer.max_tokens_per_micro_batch``): with ``packed`` (``trainer.pack_sequences``)
     ranges in the batch's order whose lengths sum to at most ``max_tokens``, else sorted by
-    length and cut by :func:`~asyncrl.policy.packing.token_budget_bounds`; ``max_tokens``
+    length and cut by :func:`~asyncrl.plugin.backend.token_budget_bounds`; ``max_tokens``
     0: ranges of ``micro_batch_size`` sequences."""
     if max_tokens <= 0:
         return batch, micro_batch_bounds(len(batch.seq_lens), micro_batch_size), None
@@ -140,7 +146,7 @@ packed sequence's logprobs may move when the sequence before it is replaced
 where attention stops at the boundary: exactly 0, in any dtype (H100, Qwen2.5-0.5B shape,
 FSDP2 bf16, benchmarks/results/packing-check-h100.log; 2-layer Qwen2s on the CPU, float32 and
 bf16, 3 seeds); where it leaks 0.15-0.22 (those CPU models, transformers' default init,
-tests/unit/test_packed_rows.py). The bound sits between: about 3x bf16's rounding of these
+backends/asyncrl-torch/tests/test_packed_rows.py). The bound sits between: about 3x bf16's rounding of these
 logprobs (the packed row against each sequence alone: 0.0205 on that H100), in case a kernel
 is not deterministic, and a third of the smallest leak."""
 

@@ -11,8 +11,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from asyncrl.errors import ConfigError
-from asyncrl.explain import explain
+from asyncrl.plugin.common import ConfigError, explain
 
 __all__ = ["TrainerOptions", "option_error", "parse_options"]
 

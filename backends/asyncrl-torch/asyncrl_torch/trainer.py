@@ -20,7 +20,7 @@ before the engine sees it; one whose gradient norm is not finite is not applied 
 (``failures.max_nonfinite_steps``). The weights are checked for NaN and infinities when the
 model is loaded, after :meth:`load_state` (a corrupted checkpoint) and before
 :meth:`save_state` (one ``aminmax`` per local shard and one all-reduce: every rank raises the
-same :class:`~asyncrl.errors.NonFiniteError`).
+same :class:`~asyncrl.plugin.backend.NonFiniteError`).
 
 Gradient normalization. A step's chunks stream in one by one and nobody knows the step's
 token count until :meth:`finish_step`, so every micro-batch back-propagates the raw *sum* of
@@ -45,7 +45,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import structlog
@@ -53,11 +53,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from asyncrl.backend import WeightTensor, WorkerContext
-from asyncrl.errors import ConfigError, NonFiniteError
-from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
-from asyncrl.policy.grpo import AnyBatch
-from asyncrl.policy.packing import Layout, check_packed
+from asyncrl.plugin.backend import (
+    AnyBatch,
+    ChunkResult,
+    Layout,
+    NonFiniteError,
+    StepResult,
+    TokenBatch,
+    TrainBatch,
+    WeightTensor,
+    WorkerContext,
+    check_packed,
+)
+from asyncrl.plugin.common import ConfigError
 
 from asyncrl_torch.batches import (
     MicroBatch,
@@ -81,8 +89,29 @@ _PER_TOKEN_INPUTS = ("behaviour_logprobs", "proximal_logprobs", "reference_logpr
 
 log = structlog.get_logger()
 
+
+class ChunkSums(NamedTuple):
+    """What one chunk's micro-batches add up to on this rank (its :class:`ChunkResult`)."""
+
+    loss_sum: float
+    clipped_tokens: float
+    is_weight_sum: float
+    abs_logprob_diff_sum: float
+    masked_tokens: float
+    mismatch_k3_sum: float
+    abs_logprob_diff_max: float
+    """The largest, not a sum."""
+    kl_sum: float
+
+
+_SUMMED = ChunkSums._fields.index("abs_logprob_diff_max")
+"""The fields before it are sums of each micro-batch's loss statistics, stacked in this order."""
+_MAX = _SUMMED
+_KL = ChunkSums._fields.index("kl_sum")
+
+
 class DistributedTrainer:
-    """Base of a :class:`~asyncrl.backend.TrainingBackend` over an HF causal LM.
+    """Base of a :class:`~asyncrl.plugin.backend.TrainingBackend` over an HF causal LM.
 
     Subclasses implement :meth:`_wrap`, :meth:`_backward`, :meth:`_apply_step`,
     :meth:`_zero_grad`, :meth:`iter_weights`, :meth:`_save_state` and :meth:`_load_state`;
@@ -93,7 +122,7 @@ class DistributedTrainer:
     """Used in log events and errors."""
 
     loss_inputs = frozenset({"proximal_logprobs", "reference_logprobs"})
-    """The optional :class:`~asyncrl.wire.messages.TrainBatch` fields the loss reads (the
+    """The optional :class:`~asyncrl.plugin.backend.TrainBatch` fields the loss reads (the
     worker runtime refuses a run whose loss needs one a backend does not list)."""
 
     def __init__(self, ctx: WorkerContext, options: TrainerOptions) -> None:
@@ -322,7 +351,7 @@ class DistributedTrainer:
     def sent_logprobs(self, batch: TokenBatch, temperature: float, dtype: str) -> np.ndarray:
         """:meth:`compute_logprobs` on the weights as :meth:`iter_weights` sends them: each
         local part rounded to ``dtype`` in place for the forward, then put back bit for bit
-        (:class:`~asyncrl.backend.SentWeightsScoring`)."""
+        (:class:`~asyncrl.plugin.backend.SentWeightsScoring`)."""
         module = self._started()
         module.eval()
         with self._rounded_weights(getattr(torch, dtype)):
@@ -504,23 +533,23 @@ class DistributedTrainer:
             self._discard("train_chunk failed")
             raise
         num_tokens = int(np.count_nonzero(batch.loss_mask))  # trained tokens only
-        self._ledger.add_chunk(step, num_tokens, sums[0])
+        self._ledger.add_chunk(step, num_tokens, sums.loss_sum)
         return ChunkResult(
             num_sequences=len(batch.seq_lens),
             num_loss_tokens=num_tokens,
-            loss_sum=sums[0],
-            clipped_tokens=int(sums[1]),
-            is_weight_sum=sums[2],
-            abs_logprob_diff_sum=sums[3],
-            masked_tokens=int(sums[4]),
-            mismatch_k3_sum=sums[5],
-            abs_logprob_diff_max=sums[6],
-            kl_sum=sums[7],
+            loss_sum=sums.loss_sum,
+            clipped_tokens=int(sums.clipped_tokens),
+            is_weight_sum=sums.is_weight_sum,
+            abs_logprob_diff_sum=sums.abs_logprob_diff_sum,
+            masked_tokens=int(sums.masked_tokens),
+            mismatch_k3_sum=sums.mismatch_k3_sum,
+            abs_logprob_diff_max=sums.abs_logprob_diff_max,
+            kl_sum=sums.kl_sum,
         )
 
     def _forward_backward(
         self, batch: TrainBatch, layout: Layout, bounds: list[tuple[int, int]], passes: int
-    ) -> list[float]:
+    ) -> ChunkSums:
         assert self._module is not None
         loss_cfg = self._ctx.config.loss
         temperature = self._ctx.config.grpo.temperature
@@ -534,8 +563,8 @@ class DistributedTrainer:
         tensors = {k: to_device(v.astype(np.float32), self._device)
                    for k, v in per_token.items() if v is not None}  # fmt: skip
         trains = to_device(batch.loss_mask.astype(np.bool_), self._device)
-        # loss, clipped, IS weights, |diff|, masked, k3 (sums), the largest |diff|, KL (sum)
-        sums = torch.zeros(8, dtype=torch.float64, device=self._device)
+        # on the device, in ChunkSums' order: nothing waits for the GPU until the chunk ends
+        sums = torch.zeros(len(ChunkSums._fields), dtype=torch.float64, device=self._device)
         self._module.train()
         for i in range(passes):
             mb = self._micro_batch(batch, bounds, i)
@@ -565,10 +594,10 @@ class DistributedTrainer:
             masked = loss_sum.new_zeros(()) if stats.masked_tokens is None else stats.masked_tokens
             step_sums = torch.stack([loss_sum.detach(), stats.clipped_tokens, stats.is_weight_sum,
                                      stats.abs_logprob_diff_sum, masked, stats.mismatch_k3_sum])  # fmt: skip
-            sums[:6] += step_sums.to(torch.float64)
-            sums[6] = torch.maximum(sums[6], stats.abs_logprob_diff_max.to(torch.float64))
-            sums[7] += kl.detach().to(torch.float64)
-        return sums.tolist()
+            sums[:_SUMMED] += step_sums.to(torch.float64)
+            sums[_MAX] = torch.maximum(sums[_MAX], stats.abs_logprob_diff_max.to(torch.float64))
+            sums[_KL] += kl.detach().to(torch.float64)
+        return ChunkSums(*sums.tolist())
 
     def finish_step(
         self, step: int, num_loss_tokens: int, *, normalizer: float | None = None

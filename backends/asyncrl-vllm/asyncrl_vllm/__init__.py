@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from asyncrl.backend import BackendPlugin, WorkerContext
-from asyncrl.config import Config
-from asyncrl.errors import ConfigError, config_error
+from asyncrl.plugin.backend import BackendPlugin, WorkerContext
+from asyncrl.plugin.common import Config, ConfigError, config_error
 
 __version__ = "0.1.0.dev0"
 __all__ = ["check_config", "plugin", "shm_bytes"]

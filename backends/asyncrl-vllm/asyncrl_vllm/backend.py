@@ -27,10 +27,16 @@ import anyio
 import numpy as np
 import structlog
 
-from asyncrl.backend import SampleSink, WorkerContext
-from asyncrl.errors import ConfigError, EngineDeadError, flatten
-from asyncrl.wire.messages import GenRequest, Sample, TokenBatch
-from asyncrl.transfers import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
+from asyncrl.plugin.backend import (
+    EngineDeadError,
+    GenRequest,
+    Sample,
+    SampleSink,
+    TokenBatch,
+    WorkerContext,
+)
+from asyncrl.plugin.common import ConfigError, flatten
+from asyncrl.plugin.transfer import IDENTITY_ENV_VAR as TRANSFER_IDENTITY_ENV_VAR
 
 from .idle import ENV_VAR as IDLE_ENV_VAR
 from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
@@ -129,7 +135,7 @@ def make_engine(args: Any, *, cuda: bool) -> Any:
 
 
 class VLLMBackend(EngineWeights):
-    """:class:`~asyncrl.backend.GenerationBackend` on a vLLM ``AsyncLLM``."""
+    """:class:`~asyncrl.plugin.backend.GenerationBackend` on a vLLM ``AsyncLLM``."""
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
@@ -387,8 +393,8 @@ class VLLMBackend(EngineWeights):
 
     async def watch(self) -> None:
         """Never return while the engine's processes run and answer; raise
-        :class:`~asyncrl.errors.EngineDeadError` naming the first one that exits (its exit code
-        when we can read it), or the core when it leaves a liveness probe unanswered for
+        :class:`~asyncrl.plugin.backend.EngineDeadError` naming the first one that exits (its
+        exit code when we can read it), or the core when it leaves a liveness probe unanswered for
         ``failures.heartbeat_timeout_s`` (a hung engine behind this worker's live event loop),
         so the worker stops at once. Every call into the engine ends then too
         (:class:`~asyncrl_vllm.death.EngineDeath`). Cancellation: stops watching."""

@@ -6,7 +6,7 @@ dead engine never return (``pause_generation``, a ``collective_rpc`` into a kill
 of the engine's processes exits (the backend also declares it when vLLM's own errors say the
 engine is gone first), and :meth:`~EngineDeath.race` ends a call into the engine's workers
 (the backend's ``_bounded`` calls: pause, resume, loads, aborts) with
-:class:`~asyncrl.errors.EngineDeadError` then, also one made in a shielded scope (a refit's
+:class:`~asyncrl.plugin.backend.EngineDeadError` then, also one made in a shielded scope (a refit's
 abort after the watch cancelled the worker), which would otherwise hold the worker until
 ``rpc_timeout_s`` while its heartbeat goes unanswered. Generation and scoring requests need
 no race: vLLM's front end fails them itself when the engine dies.
@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 import anyio
 
-from asyncrl.errors import EngineDeadError
-from asyncrl.procs.process import ProcessExit, is_dying, parent_pid, process_name
+from asyncrl.plugin.backend import EngineDeadError
+from asyncrl.plugin.common import ProcessExit, is_dying, parent_pid, process_name
 
 __all__ = ["EngineDeath", "Probe", "first_death"]
 

@@ -1,6 +1,6 @@
 """What goes to vLLM for one sample and what comes back (no vLLM import at module level):
 the engine input, the checks on a request, its ``SamplingParams``, and the finished
-completion as a :class:`~asyncrl.wire.messages.Sample` with its tokens' weight versions."""
+completion as a :class:`~asyncrl.plugin.backend.Sample` with its tokens' weight versions."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.errors import RequestError
-from asyncrl.wire.messages import GenRequest, Sample
+from asyncrl.plugin.backend import GenRequest, RequestError, Sample
 
 __all__ = ["CUT_SHORT", "check_request", "engine_prompt", "sample_of", "sampling_params",
            "versions_of"]  # fmt: skip

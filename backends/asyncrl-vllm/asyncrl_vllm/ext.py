@@ -311,7 +311,7 @@ class AsyncRLWorkerExtension:
         """The bucket's memory, and whether its handle is stable across refits."""
         openers = self.__dict__.setdefault("_asyncrl_openers", {})
         if transport not in openers:
-            from asyncrl.transfers import load_transfer
+            from asyncrl.plugin.transfer import load_transfer
 
             transfer = load_transfer(transport)
             openers[transport] = (transfer.opener(), transfer.stable_handles)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.safetensors import read_safetensors_header
+from asyncrl.plugin.backend import read_safetensors_header
 
 __all__ = ["checkpoint_shapes", "manifest_problems"]
 

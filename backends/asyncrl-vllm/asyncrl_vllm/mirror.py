@@ -7,7 +7,7 @@ tensors). So the engine copies the whole bucket over the link into a buffer on i
 
 Done one after the other, the link idles while the engine scatters: 7B in 15 buckets of 1 GiB
 took 55.8 ms of loads against a 38.8 ms link floor. A :class:`Mirror` keeps one buffer per
-sender buffer (the trainer stages in ``refit.staging_buffers`` of them, two by default, used
+sender buffer (the trainer stages in ``asyncrl.transfers.STAGING_BUFFERS`` of them, two, used
 in turn; a buffer not used during a refit is dropped at the next), copies on streams of its
 own, and
 lets the bucket be acknowledged as soon as *its copy* is done: the trainer refills its buffer

@@ -2,7 +2,7 @@
 
 asyncrl keeps backend options as an opaque table; this module converts it to
 :class:`VLLMOptions` (unknown fields rejected) and raises
-:class:`~asyncrl.errors.ConfigError` naming the bad field. It imports neither torch nor vLLM.
+:class:`~asyncrl.plugin.common.ConfigError` naming the bad field. It imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.explain import explain
-from asyncrl.errors import ConfigError
+from asyncrl.plugin.common import ConfigError, explain
 
 __all__ = ["GEMM_ENV_VAR", "RESERVED_ENGINE_ARGS", "VLLMOptions", "parse_options"]
 

@@ -24,9 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.backend import WeightBucketView
-from asyncrl.errors import RefitError
-from asyncrl.wire.messages import TensorEntry
+from asyncrl.plugin.backend import RefitError, TensorEntry, WeightBucketView
 
 from .manifest import checkpoint_shapes, manifest_problems
 

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from asyncrl.wire.messages import TokenBatch
-from asyncrl.policy.packing import Layout, check_packed
+from asyncrl.plugin.backend import Layout, TokenBatch, check_packed
 
 __all__ = ["response_logprobs", "split_batch"]
 

@@ -35,9 +35,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.env.tools import tool
-from asyncrl.environment import Prompt, Score
-from asyncrl.errors import ConfigError
+from asyncrl.plugin.common import ConfigError
+from asyncrl.plugin.environment import Prompt, Score, tool
 
 __all__ = ["CalcEnv", "CalcOptions", "calc", "evaluate_expression", "make_environment"]
 

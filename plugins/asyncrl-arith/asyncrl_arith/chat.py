@@ -25,8 +25,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from asyncrl.env.tool_parsers import ParsedTurn, make_call_id
-from asyncrl.env.tools import ToolCall, ToolCallError
+from asyncrl.plugin.environment import ParsedTurn, ToolCall, ToolCallError, make_call_id
 
 __all__ = ["PARSER", "TEMPLATE", "TEMPLATE_FILE", "CompactParser", "write_chat_template"]
 
@@ -50,7 +49,7 @@ TEMPLATE_FILE = "chat_template.jinja"
 
 def write_chat_template(model_dir: str | Path) -> Path:
     """Write :data:`TEMPLATE` as ``model_dir/chat_template.jinja`` (where
-    :meth:`asyncrl.data.chat.ChatTemplate.from_model` looks first); returns its path."""
+    :meth:`asyncrl.plugin.environment.ChatTemplate.from_model` looks first); returns its path."""
     path = Path(model_dir) / TEMPLATE_FILE
     path.write_text(TEMPLATE)
     return path

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.environment import Prompt, Score
-from asyncrl.errors import ConfigError
+from asyncrl.plugin.common import ConfigError
+from asyncrl.plugin.environment import Prompt, Score
 
 from .env import ArithmeticOptions, make_environment as make_arithmetic
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.errors import ConfigError
+from asyncrl.plugin.common import ConfigError
 
 from .env import make_environment
 from .sft import SFTSettings

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.environment import Environment, Prompt
+from asyncrl.plugin.environment import Environment, Prompt
 
 from .model import EOS_ID, PAD_ID
 

@@ -10,8 +10,10 @@ It is two things at once:
                  numpy math (log-softmax, logprobs of packed batches) both roles share
   ``options``    the ``[generator.options]`` / ``[trainer.options]`` structs (msgspec,
                  unknown fields rejected, errors name the field)
-  ``generation`` :class:`~asyncrl.backend.GenerationBackend`: sampling, abort, score, refit
-  ``training``   :class:`~asyncrl.backend.TrainingBackend`: exact GRPO/PPO gradients, SGD/Adam
+  ``generation`` a :class:`~asyncrl.plugin.backend.GenerationBackend`: sampling, abort, score,
+                 refit
+  ``training``   a :class:`~asyncrl.plugin.backend.TrainingBackend`: exact GRPO/PPO gradients,
+                 SGD/Adam
   ``testenv``    ``repeat-digit``, a *testing* environment whose reward a bigram can learn
   ============== =============================================================================
 
@@ -30,9 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.backend import BackendPlugin, WorkerContext
-from asyncrl.errors import ConfigError
-from asyncrl.config import Config
+from asyncrl.plugin.backend import BackendPlugin, WorkerContext
+from asyncrl.plugin.common import Config, ConfigError
 
 __version__ = "0.1.0.dev0"
 __all__ = ["generation_plugin", "training_plugin"]

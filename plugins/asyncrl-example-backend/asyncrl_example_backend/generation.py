@@ -22,10 +22,17 @@ import anyio.lowlevel
 import numpy as np
 import structlog
 
-from asyncrl.backend import SampleSink, WeightBucketView, WorkerContext
-from asyncrl.errors import RequestError
-from asyncrl.wire.messages import GenRequest, Sample, TensorEntry, TokenBatch
-from asyncrl.transfers.shm import read_bytes
+from asyncrl.plugin.backend import (
+    GenRequest,
+    RequestError,
+    Sample,
+    SampleSink,
+    TensorEntry,
+    TokenBatch,
+    WeightBucketView,
+    WorkerContext,
+)
+from asyncrl.plugin.transfer import read_bytes
 
 from . import __version__
 from .model import (
@@ -255,8 +262,7 @@ class BigramGenerator:
     def _read(self, bucket: WeightBucketView, entry: TensorEntry) -> np.ndarray:
         """``entry``'s bytes of a bucket of another transfer, copied to numpy."""
         if self._opener is None:
-            from asyncrl.transfers import load_transfer
-            from asyncrl.transfers import IDENTITY_ENV_VAR
+            from asyncrl.plugin.transfer import IDENTITY_ENV_VAR, load_transfer
 
             os.environ.setdefault(IDENTITY_ENV_VAR, f"{self.ctx.group}:{self.ctx.rank}")
             self._opener = load_transfer(bucket.transport).opener()

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.errors import ConfigError
-from asyncrl.wire.messages import TokenBatch
-from asyncrl.policy.packing import Layout
+from asyncrl.plugin.backend import Layout, TokenBatch
+from asyncrl.plugin.common import ConfigError
 
 __all__ = [
     "TENSOR_NAME",

@@ -1,7 +1,7 @@
 """The backend's options: ``[generator.options]`` and ``[trainer.options]``.
 
 asyncrl keeps plugin options as an opaque table; the plugin converts it to its own struct,
-rejecting unknown fields, and raises :class:`~asyncrl.errors.ConfigError` naming the field.
+rejecting unknown fields, and raises :class:`~asyncrl.plugin.common.ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from asyncrl.explain import explain
-from asyncrl.errors import ConfigError
+from asyncrl.plugin.common import ConfigError, explain
 
 __all__ = ["GeneratorOptions", "TrainerOptions", "mark_phase", "parse_options"]
 
@@ -54,7 +53,7 @@ class GeneratorOptions(_Options):
     """Testing knob: see ``fail_groups`` (a large number: the group always fails)."""
     request_error_token: int = -1
     """Testing knob: ``generate()`` of a prompt holding this token id raises
-    ``asyncrl.errors.RequestError`` (the request's own data is at fault); -1 never does."""
+    ``asyncrl.plugin.backend.RequestError`` (the request's own data is at fault); -1 never does."""
     max_concurrent_samples: int = 0
     """Samples this engine generates at once (its batch slots, as vLLM's ``max_num_seqs``);
     the others wait for a free slot. 0 = no limit."""

@@ -22,9 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.explain import explain
-from asyncrl.environment import Prompt, Score
-from asyncrl.errors import ConfigError
+from asyncrl.plugin.common import ConfigError, explain
+from asyncrl.plugin.environment import Prompt, Score
 
 __all__ = ["RepeatDigitEnv", "RepeatDigitTurnsEnv", "make_environment", "make_turns_environment"]
 

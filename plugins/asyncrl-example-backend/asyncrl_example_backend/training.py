@@ -19,7 +19,7 @@ binds (``A > 0, r > 1 + eps_high`` or ``A < 0, r < 1 - eps_low``) the gradient i
 in chunks equals one big batch. The runtime calls these methods on one thread, in order. A
 step whose loss or gradient norm is not finite is not applied (the weights and Adam's moments
 stay as they were), and weights that are not finite are never saved nor taken from a
-checkpoint (:class:`~asyncrl.errors.NonFiniteError`).
+checkpoint (:class:`~asyncrl.plugin.backend.NonFiniteError`).
 
 Several ranks (``cluster.trainer_ranks > 1``) train data-parallel: each rank gets its share of
 every chunk, and ``finish_step`` sums the gradient buffers over ranks (one gloo all-reduce)
@@ -38,10 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.backend import WeightTensor, WorkerContext
-from asyncrl.errors import NonFiniteError
-from asyncrl.policy.packing import check_packed
-from asyncrl.wire.messages import ChunkResult, StepResult, TokenBatch, TrainBatch
+from asyncrl.plugin.backend import (
+    ChunkResult,
+    NonFiniteError,
+    StepResult,
+    TokenBatch,
+    TrainBatch,
+    WeightTensor,
+    WorkerContext,
+    check_packed,
+)
 
 from . import __version__
 from .model import TENSOR_NAME, ModelSpec, initial_table, log_softmax, response_tokens
@@ -67,7 +73,8 @@ def ppo_gradient(
 
     Returns ``(grad [V, V] float64, stats)`` with ``stats`` holding ``loss_sum``,
     ``num_loss_tokens`` (the trained tokens), ``clipped_tokens``, ``abs_logprob_diff_sum``,
-    ``abs_logprob_diff_max`` and ``mismatch_k3_sum`` (as :class:`~asyncrl.wire.messages.ChunkResult`).
+    ``abs_logprob_diff_max`` and ``mismatch_k3_sum`` (as
+    :class:`~asyncrl.plugin.backend.ChunkResult`).
     """
     w = np.asarray(table, dtype=np.float64)
     prev, tok, seq = response_tokens(batch)

@@ -18,14 +18,14 @@ from typing import Any
 
 import anyio
 
-from asyncrl.environment import Environment
+from asyncrl.plugin.environment import Environment
 
 __all__ = ["SERVICE", "GatewayService", "ServedGateway"]
 
 
 @dataclass(frozen=True)
 class ServedGateway:
-    """The gateway built for one run (:class:`asyncrl.services.Served`)."""
+    """The gateway built for one run (:class:`asyncrl.plugin.service.Served`)."""
 
     environment: Any
     """The :class:`~asyncrl_gateway.gateway.Gateway`: the run's episodes are its sessions."""
@@ -39,7 +39,7 @@ class ServedGateway:
 
 
 class GatewayService:
-    """:class:`asyncrl.services.Service` for the gateway."""
+    """:class:`asyncrl.plugin.service.Service` for the gateway."""
 
     async def check(self, config: Any, environment: Environment, tokenizer: Any) -> None:
         from asyncrl_gateway.agent_command import check_agent

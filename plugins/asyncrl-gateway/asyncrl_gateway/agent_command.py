@@ -33,8 +33,8 @@ from collections.abc import Mapping, Sequence
 import anyio
 import anyio.to_thread
 
-from asyncrl.config.gateway import GatewayConfig
-from asyncrl.errors import config_error
+from asyncrl.plugin.common import config_error
+from asyncrl.plugin.service import GatewayConfig
 
 __all__ = ["CHECK_S", "agent_command", "agent_environment", "check_agent"]
 

@@ -35,12 +35,12 @@ import anyio.abc
 import msgspec
 import structlog
 
-from asyncrl.config.gateway import GatewayConfig
+from asyncrl.plugin.common import kill_process_group
+from asyncrl.plugin.service import GatewayConfig
 from asyncrl_gateway import agent_shim
 from asyncrl_gateway.agent_command import agent_command, agent_environment
 from asyncrl_gateway.schema import GatewayError
 from asyncrl_gateway.sessions import Finish, Session, SessionTable
-from asyncrl.procs.process import kill_process_group
 
 __all__ = ["ManagedAgents"]
 

@@ -1,5 +1,6 @@
 """What one HTTP connection may hold of the gateway: its request's head and body each within a
-deadline, a head of bounded size, and a place among ``gateway.max_connections``.
+deadline, a head of bounded size, and a place among ``MAX_CONNECTIONS``
+(:mod:`asyncrl_gateway.server`'s guards).
 
 uvicorn bounds none of this with its httptools parser (the one it picks when httptools is
 installed, as it is here): it arms no timer while a request's head or body arrives (its
@@ -9,14 +10,14 @@ only, and its ``limit_concurrency`` answers a plain-text 503. :class:`GuardedHtt
 httptools protocol with these added, per connection and on the loop's own timers (no task
 per connection)::
 
-    connection made ─► head deadline (request_head_timeout_s)
+    connection made ─► head deadline (REQUEST_HEAD_TIMEOUT_S)
     first byte of a request (or of anything) after an idle time ─► head deadline
-    head complete ─► body deadline (request_body_timeout_s) ─► body complete: none
-    response sent ─► uvicorn's keep-alive timer (keep_alive_timeout_s)
+    head complete ─► body deadline (REQUEST_BODY_TIMEOUT_S) ─► body complete: none
+    response sent ─► uvicorn's keep-alive timer (KEEP_ALIVE_TIMEOUT_S)
 
 A deadline that passes closes the connection, with a 408 when part of the request came
 (nothing came: closed as an idle one is); a head over ``MAX_HEAD_BYTES`` gets 431; the first
-request of a connection made beyond ``gateway.max_connections`` gets 429 with
+request of a connection made beyond ``MAX_CONNECTIONS`` gets 429 with
 ``Retry-After``. Every answer has the OpenAI error body and ``Connection: close``.
 """
 
@@ -112,10 +113,10 @@ class GuardedHttp(HttpToolsProtocol):
         else:
             if phase == "head":
                 what = f"the request's head did not arrive within {self._limits.head_timeout_s:g} s"
-                key = "gateway.request_head_timeout_s"
+                key = "the gateway's REQUEST_HEAD_TIMEOUT_S"
             else:
                 what = f"the request's body did not arrive within {self._limits.body_timeout_s:g} s"
-                key = "gateway.request_body_timeout_s"
+                key = "the gateway's REQUEST_BODY_TIMEOUT_S"
             if cycle is not None:  # the app waits for the body: it sees a disconnect
                 cycle.disconnected = True
                 cycle.message_event.set()
@@ -192,7 +193,7 @@ class GuardedHttp(HttpToolsProtocol):
         if self._beyond_cap:
             limit = self._limits.max_connections
             raise _Refused(http_error(
-                429, f"too many connections at once (gateway.max_connections = {limit}); "
+                429, f"too many connections at once (the gateway's MAX_CONNECTIONS = {limit}); "
                 "retry shortly", code="too_many_connections", kind="rate_limit_error",
                 retry_after_s=1, extra=self._defaults()))  # fmt: skip
         self._arm("body", self._limits.body_timeout_s)

@@ -1,7 +1,7 @@
 """One session's conversation as the agent sees it, against what the episode recorded (pure).
 
 An OpenAI client sends the whole conversation with every call. The episode (its
-:class:`~asyncrl.env.trajectory.Trajectory`) records tokens: the prompt rendered once, each
+:class:`~asyncrl.plugin.environment.Trajectory`) records tokens: the prompt rendered once, each
 turn's ids exactly as the engine generated them, each observation rendered once and appended.
 :class:`ChatLog` holds the same conversation message by message, in the agent's terms (the
 replies as the gateway returned them: tool calls parsed, stop sequences cut), and tells for
@@ -28,13 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.env.tool_parsers import ToolCallParser
+from asyncrl.plugin.environment import ToolCallParser
 from asyncrl_gateway.schema import Message, ToolDef
 
 __all__ = [
     "ChatLog",
     "Continue",
-    "Reply",
+    "ModelReply",
     "Restart",
     "cut_at_stop",
     "reply_of",
@@ -105,7 +105,7 @@ def tool_definitions(tools: Sequence[ToolDef] | None) -> list[dict[str, Any]] | 
 
 
 @dataclass(frozen=True)
-class Reply:
+class ModelReply:
     """One choice as the agent gets it."""
 
     content: str | None
@@ -151,18 +151,18 @@ def cut_at_stop(text_of: Callable[[int], str], n: int, stops: Sequence[str]) -> 
     return lo, full[:at]
 
 
-def reply_of(text: str, finish_reason: str, parser: ToolCallParser | None) -> Reply:
+def reply_of(text: str, finish_reason: str, parser: ToolCallParser | None) -> ModelReply:
     """The agent's view of a turn's ``text`` (already cut at a stop sequence): tool calls read
     by ``parser`` when it is given (the request has tools and ``tool_choice`` is not
     ``"none"``)."""
     reason = "length" if finish_reason == "length" else "stop"
     if parser is None:
-        return Reply(text, (), reason)
+        return ModelReply(text, (), reason)
     parsed = parser.parse(text)
     if parsed.errors or not parsed.calls:
-        return Reply(text, (), reason)
+        return ModelReply(text, (), reason)
     calls = tuple((c.id, c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in parsed.calls)
-    return Reply(parsed.content or None, calls, "tool_calls")
+    return ModelReply(parsed.content or None, calls, "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class ChatLog:
         self._choices = []
         self._awaiting = True
 
-    def replied(self, replies: Sequence[Reply]) -> None:
+    def replied(self, replies: Sequence[ModelReply]) -> None:
         """A call was answered: one reply (recorded), or several (one to be chosen)."""
         if len(replies) == 1:
             self._keys.append(replies[0].key())

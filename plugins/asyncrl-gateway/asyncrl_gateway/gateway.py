@@ -35,13 +35,21 @@ import anyio
 import numpy as np
 import structlog
 
-from asyncrl.config.gateway import GatewayConfig
-from asyncrl.data.deadlines import Overdue, in_thread
-from asyncrl.data.prompts import Tokenizer, unlocked
-from asyncrl.env.episode import Episode, EpisodeLimit, Generated
-from asyncrl.env.tool_parsers import ToolCallParser
-from asyncrl.env.trajectory import TrajectoryError
-from asyncrl.environment import Prompt, Score
+from asyncrl.plugin.environment import (
+    Episode,
+    EpisodeLimit,
+    Generated,
+    Overdue,
+    Prompt,
+    Score,
+    Tokenizer,
+    ToolCallParser,
+    TrajectoryError,
+    check_environment,
+    in_thread,
+    unlocked,
+)
+from asyncrl.plugin.service import GatewayConfig
 from asyncrl_gateway.conversation import (
     ChatLog,
     Continue,
@@ -52,7 +60,7 @@ from asyncrl_gateway.conversation import (
 )
 from asyncrl_gateway.replies import CallResult, Choice
 from asyncrl_gateway.schema import ChatRequest, CompletionRequest, GatewayError, now_s
-from asyncrl_gateway.sessions import Call, Finish, Session, SessionTable
+from asyncrl_gateway.sessions import HttpCall, Finish, Session, SessionTable
 
 __all__ = ["Gateway", "SessionFailed", "check_gateway"]
 
@@ -61,9 +69,9 @@ log = structlog.get_logger("asyncrl.gateway")
 OFF_LOOP_BYTES = 64 * 1024
 """A call whose body is this big is recorded in a worker thread: its messages compared with the
 record, templated and encoded (the encoding with the GIL released, see
-:meth:`~asyncrl.data.prompts.Tokenizer.encode_rendered`), one such call at a time. On the loop,
-a 4 MB body of 100,000 messages held it about a second; a smaller one is recorded in less time
-than the hand-over to a thread takes."""
+:meth:`~asyncrl.plugin.environment.Tokenizer.encode_rendered`), one such call at a time. On the
+loop, a 4 MB body of 100,000 messages held it about a second; a smaller one is recorded in less
+time than the hand-over to a thread takes."""
 PREFIX_CHARS_PER_TOKEN = 16
 """A message longer than this many characters a token of the limit is counted on a prefix
 before it is templated (:func:`_too_long`): far more than natural text takes (3-5 for the
@@ -101,8 +109,9 @@ class Gateway:
 
     Args:
         config: ``[gateway]``.
-        environment: the run's environment (its ``dataset``; its ``score`` for sessions that
-            end without a reward).
+        environment: the run's environment (its ``dataset``; its ``score_async`` or ``score``
+            for sessions that end without a reward), checked once here
+            (:func:`~asyncrl.plugin.environment.check_environment`).
         tokenizer: the model's tokenizer (token texts for ``logprobs``, completion prompts).
         parser: the run's tool-call parser (``episode.tool_parser``).
         model_name: the name responses give.
@@ -110,6 +119,11 @@ class Gateway:
         agents: runs a managed agent for a session (``None``: agents call in themselves).
         context_tokens: ``episode.max_context_tokens`` (``0``: not known here): a big call
             whose one message certainly exceeds it is refused before it is templated.
+        env_name: ``environment.name`` (in messages).
+
+    Raises:
+        PluginError: the environment does not keep its contract (a capability of the wrong
+            kind), naming it and the member.
     """
 
     def __init__(
@@ -123,6 +137,7 @@ class Gateway:
         score_timeout_s: float,
         agents: Any = None,
         context_tokens: int = 0,
+        env_name: str = "environment",
     ) -> None:
         self.config = config
         limits = ((config.max_request_tokens, "gateway.max_request_tokens"),
@@ -130,6 +145,8 @@ class Gateway:
         self._token_limit = min(((n, key) for n, key in limits if n), default=None)
         """The fewest tokens a call's conversation may come to, and its key."""
         self._env, self._tok, self._parser = environment, tokenizer, parser
+        self._parts = check_environment(environment, env_name)
+        """What the environment scores with, found once (``score_async`` or ``score``)."""
         self.model_name = model_name
         self._score_timeout_s = score_timeout_s
         self._agents = agents
@@ -153,7 +170,7 @@ class Gateway:
     @property
     def scores(self) -> bool:
         """Whether the environment can score a session's last answer."""
-        return _scores(self._env)
+        return self._parts.scores
 
     async def run_episode(self, prompt: Prompt, episode: Episode) -> Score:
         """One session: handed to an agent, its calls served, ended by its reward (or scored
@@ -248,10 +265,10 @@ class Gateway:
 
     # ------------------------------------------------------------------ one call
     async def _serve(
-        self, session: Session, episode: Episode, convo: _Conversation, call: Call
+        self, session: Session, episode: Episode, convo: _Conversation, call: HttpCall
     ) -> None:
         """Serve one call (in its handler's task): answered or failed on every way out; what
-        ends the episode goes to :attr:`Call.raised` for the episode's task."""
+        ends the episode goes to :attr:`HttpCall.raised` for the episode's task."""
         self.stats["calls"] += 1
         try:
             with anyio.CancelScope() as scope:
@@ -508,17 +525,39 @@ class Gateway:
             reward = finish.reward if finish.reward is not None else sum(finish.rewards.values())
             return Score(reward=float(reward), correct=bool(finish.correct),
                          components=dict(finish.rewards))  # fmt: skip
-        try:
-            score = await in_thread(self._env.score, prompt, convo.answer,
-                                    timeout_s=self._score_timeout_s)  # fmt: skip
-        except Overdue as exc:
-            raise SessionFailed(f"score() did not return within {exc.timeout_s:g} s "
-                                "(failures.reward_timeout_s)") from None  # fmt: skip
-        except Exception as exc:
-            raise SessionFailed(f"score() raised {type(exc).__name__}: {exc}") from exc
+        score = await self._scored(prompt, convo.answer)
         if not math.isfinite(float(score.reward)):
             raise SessionFailed(f"score() returned a non-finite reward ({score.reward})")
         return score
+
+    async def _scored(self, prompt: Prompt, answer: str) -> Score:
+        """The environment's score of a session's last answer: ``score_async`` awaited, or
+        ``score`` on a daemon thread, under ``failures.reward_timeout_s``.
+
+        Raises:
+            SessionFailed: it raised, ran past the deadline, or the environment has neither.
+        """
+        timeout_s = self._score_timeout_s
+        late = f"did not return within {timeout_s:g} s (failures.reward_timeout_s)"
+        parts = self._parts
+        if parts.score_async is not None:
+            with anyio.move_on_after(timeout_s) as deadline:
+                try:
+                    return await parts.score_async(prompt, answer)
+                except Exception as exc:
+                    raise SessionFailed(f"score_async() raised {type(exc).__name__}: "
+                                        f"{exc}") from exc  # fmt: skip
+            assert deadline.cancelled_caught
+            raise SessionFailed(f"score_async() {late}")
+        if parts.score is None:
+            raise SessionFailed("the session ended without a reward, and the environment has "
+                                "no score(prompt, completion) to score it with")  # fmt: skip
+        try:
+            return await in_thread(parts.score, prompt, answer, timeout_s=timeout_s)
+        except Overdue:
+            raise SessionFailed(f"score() {late}") from None
+        except Exception as exc:
+            raise SessionFailed(f"score() raised {type(exc).__name__}: {exc}") from exc
 
     def take_metrics(self) -> dict[str, float]:
         """A step record's ``gateway_*`` figures: calls, restarts, sessions scored, sessions
@@ -547,25 +586,28 @@ def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCa
 
     Raises:
         ConfigError: no chat template; a managed agent with an environment that has no
-            ``score``.
-        PluginError: ``episode.tool_parser`` names no installed parser.
+            ``score`` (nor ``score_async``).
+        PluginError: ``episode.tool_parser`` names no installed parser; the environment does
+            not keep its contract (:func:`~asyncrl.plugin.environment.check_environment`).
 
     The managed agent's command is checked apart, once
     (:func:`~asyncrl_gateway.agent_command.check_agent`: it runs a process).
     """
-    from asyncrl.env.tool_parsers import load_tool_parser
-    from asyncrl.errors import config_error
+    from asyncrl.plugin.common import config_error
+    from asyncrl.plugin.environment import load_tool_parser
 
     gw = config.gateway
     if tokenizer.chat_template is None:
         raise config_error("model.chat_template", "the gateway records sessions with the "
                            "model's chat template and the model directory has none",
                            "save one with the tokenizer, or set model.chat_template")  # fmt: skip
-    if gw.agent and not _scores(environment):
+    parts = check_environment(environment, config.environment.name)
+    if gw.agent and not parts.scores:
         raise config_error("gateway.agent", f"environment {config.environment.name!r} has no "
-                           "score(prompt, completion) to score a managed agent's answer",
-                           "give the environment a score method, or run the agents yourself "
-                           "and post rewards (leave gateway.agent empty)")  # fmt: skip
+                           "score(prompt, completion) or score_async to score a managed "
+                           "agent's answer", "give the environment a score method, or run "
+                           "the agents yourself and post rewards (leave gateway.agent "
+                           "empty)")  # fmt: skip
     return load_tool_parser(config.episode.tool_parser, "episode.tool_parser")
 
 
@@ -592,11 +634,6 @@ def _too_long(tok: Tokenizer, text: str, limit: int) -> int:
         return 0
     cut = ends[-1].end()
     return cut if len(tok.encode_rendered(text[:cut])) > limit + 64 else 0
-
-
-def _scores(environment: Any) -> bool:
-    """Whether ``environment`` has a ``score(prompt, completion)``."""
-    return callable(getattr(environment, "score", None))
 
 
 def _prefix(c: Generated, k: int, finish_reason: str | None = None) -> Generated:

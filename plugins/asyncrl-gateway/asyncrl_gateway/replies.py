@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from asyncrl_gateway.conversation import Reply
+from asyncrl_gateway.conversation import ModelReply
 
 __all__ = ["CallResult", "Choice", "chat_chunks", "chat_response", "completion_chunks",
            "completion_response", "headers", "role_chunk", "sse"]  # fmt: skip
@@ -31,7 +31,7 @@ _encode = msgspec.json.Encoder().encode
 class Choice:
     """One choice of a call: what the agent reads, and the tokens recorded for it."""
 
-    reply: Reply
+    reply: ModelReply
     """The text (a completion's is ``reply.content``) and tool calls."""
     token_ids: np.ndarray
     logprobs: np.ndarray

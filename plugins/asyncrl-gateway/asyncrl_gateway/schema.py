@@ -339,11 +339,11 @@ def json_values(body: bytes) -> int:
 
 def check_lengths(req: Any, *, max_messages: int, max_tools: int) -> None:
     """A chat request holds at most ``max_messages`` messages and ``max_tools`` tools
-    (``gateway.max_messages``, ``gateway.max_tools``); other requests pass.
+    (:data:`asyncrl_gateway.server.MAX_MESSAGES`, ``MAX_TOOLS``); other requests pass.
 
     Raises:
         GatewayError: 400 (``array_above_max_length``, as OpenAI says it) naming the
-            parameter and the config key.
+            parameter and the limit.
     """
     if not isinstance(req, ChatRequest):
         return
@@ -352,7 +352,8 @@ def check_lengths(req: Any, *, max_messages: int, max_tools: int) -> None:
         if len(values) > limit:
             raise GatewayError(400, f"Invalid '{param}': array too long. Expected an array "
                                f"with maximum length {limit}, but got an array with length "
-                               f"{len(values)} instead (gateway.max_{param})", param=param,
+                               f"{len(values)} instead (the gateway's MAX_{param.upper()})",
+                               param=param,
                                code="array_above_max_length")  # fmt: skip
 
 

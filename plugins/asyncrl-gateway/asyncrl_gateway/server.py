@@ -12,11 +12,13 @@ Routes (every one needs ``Authorization: Bearer <key>``)::
     POST   /s/<id>/v1/completions              its key
 
 No key: 401. A session's key anywhere but its own session, or the admin key on a session's
-model routes: 403. Bodies over ``gateway.max_body_bytes``, or holding more than
-``gateway.max_json_values`` JSON values: 413; a chat request over ``gateway.max_messages`` or
-``gateway.max_tools``: 400; more than ``gateway.max_concurrent_requests`` requests at once:
-429 with ``Retry-After``. What a connection may hold (the deadlines of a request's head and
-body, its head's size, ``gateway.max_connections``) is :mod:`asyncrl_gateway.connections`'s.
+model routes: 403. Bodies over :data:`MAX_BODY_BYTES`, or holding more than
+:data:`MAX_JSON_VALUES` JSON values: 413; a chat request over :data:`MAX_MESSAGES` or
+:data:`MAX_TOOLS`: 400; more than :data:`MAX_CONCURRENT_REQUESTS` requests at once: 429 with
+``Retry-After``. What a connection may hold (the deadlines of a request's head and body, its
+head's size, :data:`MAX_CONNECTIONS`) is :mod:`asyncrl_gateway.connections`'s. These guards
+(:class:`Guards`) are defences against broken or hostile clients, not decisions of a run: they
+were ``[gateway]`` keys until issue 50, and a test passes :class:`Guards` of its own.
 Every error has an OpenAI-style body (``{"error": {"message", "type", "param", "code"}}``).
 
 uvicorn runs on the controller's event loop, inside its task group: :meth:`GatewayServer.serve`
@@ -38,6 +40,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from asyncrl.config.gateway import GatewayConfig
+from asyncrl.plugin.service import GatewayConfig
 from asyncrl_gateway import replies
 from asyncrl_gateway.connections import ConnectionLimits, GuardedHttp
 from asyncrl_gateway.gateway import Gateway, check_gateway
@@ -68,9 +71,13 @@ from asyncrl_gateway.schema import (
     json_values,
     now_s,
 )
-from asyncrl_gateway.sessions import Call, Finish, Session, digest, make_key
+from asyncrl_gateway.sessions import HttpCall, Finish, Session, digest, make_key
 
-__all__ = ["GatewayServer"]
+__all__ = [
+    "GUARDS", "KEEP_ALIVE_TIMEOUT_S", "MAX_BODY_BYTES", "MAX_CONCURRENT_REQUESTS",
+    "MAX_CONNECTIONS", "MAX_JSON_VALUES", "MAX_MESSAGES", "MAX_TOOLS", "REQUEST_BODY_TIMEOUT_S",
+    "REQUEST_HEAD_TIMEOUT_S", "GatewayServer", "Guards",
+]  # fmt: skip
 
 log = structlog.get_logger("asyncrl_gateway.server")
 
@@ -81,6 +88,70 @@ STOP_S = 10.0
 
 _JSON = "application/json"
 _SSE = "text/event-stream; charset=utf-8"
+
+# What one request or connection may hold of the controller's loop (docs/gateway.md, "One
+# request, one connection"; measured with benchmarks/hostile_client.py and
+# benchmarks/gateway.py --hostile). Each was a ``gateway.*`` key of the same name until issue 50.
+MAX_CONCURRENT_REQUESTS = 4096
+"""HTTP requests served at once; more get 429 (with ``Retry-After``) before their body is read.
+1,000 agents at once got no 429 at half this (benchmarks/gateway.py ran with 2,048); 2,000
+concurrent connections on a server limited to 32 were each answered 200 or 429, the run going
+on (tests/test_gateway_security.py)."""
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest request body; a larger one gets 413, on ``Content-Length`` before it is read and
+while a chunked one is. 4 MiB holds a conversation of about a million tokens of text."""
+MAX_JSON_VALUES = 131072
+"""Most JSON values in a request body, counted before it is decoded; more get 413. Counted as
+its commas, brackets and braces, those inside strings too (an upper bound; in a worker thread,
+about 1 ms a 4 MiB body; skipped for bodies of at most twice this many bytes, which cannot hold
+more). Decoding takes the loop up to ~55 ns a value and cannot be moved off it (the decoder
+holds the GIL): a 4 MiB body of empty objects took 77 ms; this bounds it to ~7 ms. A request
+needs a few values a message, a few dozen a tool, one a token id of a text completion's
+prompt; prose has about a comma every 60 characters."""
+MAX_MESSAGES = 2048
+"""Most messages in a chat request; more get 400 (``array_above_max_length``) before anything
+else is done with them. Each costs the loop a few microseconds to compare with the record and
+template (100,000 in a 4 MB body held it about a second); an agent that keeps a long history
+stays far below (a hundred tool calls are ~200 messages)."""
+MAX_TOOLS = 128
+"""Most tool definitions in a chat request (OpenAI's own limit); more get 400."""
+REQUEST_HEAD_TIMEOUT_S = 10.0
+"""Longest wait for a request's head (its request line and headers), from the connection's
+start or the request's first byte: past it the connection is closed, with 408 when part of a
+head came. A client writes a head in one go; this cuts connections that send nothing, or a
+byte at a time (each one held a socket for as long as it liked)."""
+REQUEST_BODY_TIMEOUT_S = 30.0
+"""Longest wait for a request's whole body, from the end of its head: past it the request gets
+408 and its connection is closed. 30 s lets a 4 MiB body come at 140 KB/s."""
+KEEP_ALIVE_TIMEOUT_S = 30.0
+"""An idle keep-alive connection (its last response sent, no next request begun) is closed
+after this long: longer than the clients' own pool expiry (httpx's 5 s, aiohttp's 15 s), so a
+client does not reuse a connection the gateway is closing."""
+MAX_CONNECTIONS = 8192
+"""Connections open at once; a connection beyond it gets 429 (with ``Retry-After``) for its
+first request, and is closed. Each one is a file descriptor of the controller's process;
+past the process's own limit (``ulimit -n``) new connections are not even accepted (asyncio
+stops accepting for a second at a time), so on a host with a lower limit that one binds
+first."""
+
+
+@dataclass(frozen=True)
+class Guards:
+    """The guards one server applies (defaults: the module's constants above)."""
+
+    max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_json_values: int = MAX_JSON_VALUES
+    max_messages: int = MAX_MESSAGES
+    max_tools: int = MAX_TOOLS
+    request_head_timeout_s: float = REQUEST_HEAD_TIMEOUT_S
+    request_body_timeout_s: float = REQUEST_BODY_TIMEOUT_S
+    keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+
+
+GUARDS = Guards()
+"""What a run's gateway serves with."""
 
 
 def _json(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -121,8 +192,8 @@ class _Limit:
         if scope["type"] != "http":
             return await self._app(scope, receive, send)
         if self.active >= self._limit:
-            body = error_body(f"too many requests at once (gateway.max_concurrent_requests = "
-                              f"{self._limit}); retry shortly", kind="rate_limit_error",
+            body = error_body(f"too many requests at once (the gateway serves {self._limit}: "
+                              "MAX_CONCURRENT_REQUESTS); retry shortly", kind="rate_limit_error",
                               code="rate_limit_exceeded")  # fmt: skip
             await send({"type": "http.response.start", "status": 429, "headers": [
                 (b"content-type", _JSON.encode()), (b"retry-after", b"1"),
@@ -155,10 +226,15 @@ class GatewayServer:
         gateway: the run's gateway (its sessions and their calls).
         config: ``[gateway]``.
         output_dir: ``run.output_dir`` (``gateway.json`` and ``gateway.key`` go there).
+        guards: what a request or a connection may hold (:data:`GUARDS`; tests pass tighter
+            ones).
     """
 
-    def __init__(self, gateway: Gateway, config: GatewayConfig, output_dir: str) -> None:
-        self._gw, self._cfg = gateway, config
+    def __init__(
+        self, gateway: Gateway, config: GatewayConfig, output_dir: str,
+        guards: Guards | None = None,
+    ) -> None:  # fmt: skip
+        self._gw, self._cfg, self._guards = gateway, config, guards or GUARDS
         self._sessions = gateway.sessions
         self._dir = Path(output_dir)
         self.admin_key = make_key()
@@ -196,7 +272,7 @@ class GatewayServer:
 
         app = Starlette(routes=routes, exception_handlers={
             HTTPException: http_error, GatewayError: gateway_error})  # fmt: skip
-        self._limit = _Limit(app, self._cfg.max_concurrent_requests, calls)
+        self._limit = _Limit(app, self._guards.max_concurrent_requests, calls)
         return self._limit
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -213,13 +289,14 @@ class GatewayServer:
         port = sock.getsockname()[1]
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
         self.url = f"http://{host}:{port}"
-        limits = ConnectionLimits(cfg.request_head_timeout_s, cfg.request_body_timeout_s,
-                                  cfg.max_connections)  # fmt: skip
+        guards = self._guards
+        limits = ConnectionLimits(guards.request_head_timeout_s, guards.request_body_timeout_s,
+                                  guards.max_connections)  # fmt: skip
         server = _Server(uvicorn.Config(
             self.app(), lifespan="off", log_config=None, access_log=False, server_header=False,
             timeout_graceful_shutdown=GRACE_S, ws="none", backlog=4096, proxy_headers=False,
             http=functools.partial(GuardedHttp, limits=limits),  # type: ignore[arg-type]
-            timeout_keep_alive=cfg.keep_alive_timeout_s,  # type: ignore[arg-type]
+            timeout_keep_alive=guards.keep_alive_timeout_s,  # type: ignore[arg-type]
         ))  # fmt: skip
         done = anyio.Event()
 
@@ -302,7 +379,7 @@ class GatewayServer:
         return session
 
     async def _body(self, request: Request) -> bytes:
-        limit = self._cfg.max_body_bytes
+        limit = self._guards.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
@@ -320,7 +397,7 @@ class GatewayServer:
     async def _decode(self, body: bytes, kind: type[Any]) -> Any:
         """``body`` as a ``kind`` struct (:func:`~asyncrl_gateway.schema.decode`), after the
         request limits that decoding would not respect: a body that may hold more than
-        ``gateway.max_json_values`` values is not decoded (their count, an upper bound, is
+        :data:`MAX_JSON_VALUES` values is not decoded (their count, an upper bound, is
         only taken for a body big enough to hold that many, in a worker thread: numpy's
         comparisons release the GIL, and on the loop they took 1-5 ms of a 4 MiB body), and
         a chat request's messages and tools are counted before anything else is done with
@@ -330,14 +407,15 @@ class GatewayServer:
             GatewayError: 413 (too many values), 400 (too many messages or tools, or what
                 :func:`~asyncrl_gateway.schema.decode` raises).
         """
-        cfg = self._cfg
-        big = len(body) > 2 * cfg.max_json_values
-        if big and await anyio.to_thread.run_sync(json_values, body) > cfg.max_json_values:
-            raise GatewayError(413, f"the request body holds more than {cfg.max_json_values} "
-                               "JSON values (gateway.max_json_values; counted as its commas, "
-                               "brackets and braces)", code="request_too_large")  # fmt: skip
+        guards = self._guards
+        big = len(body) > 2 * guards.max_json_values
+        if big and await anyio.to_thread.run_sync(json_values, body) > guards.max_json_values:
+            raise GatewayError(413, f"the request body holds more than {guards.max_json_values} "
+                               "JSON values (the gateway's MAX_JSON_VALUES; counted as its "
+                               "commas, brackets and braces)",
+                               code="request_too_large")  # fmt: skip
         req = decode(body, kind)
-        check_lengths(req, max_messages=cfg.max_messages, max_tools=cfg.max_tools)
+        check_lengths(req, max_messages=guards.max_messages, max_tools=guards.max_tools)
         return req
 
     # ------------------------------------------------------------------ /rl
@@ -410,7 +488,7 @@ class GatewayServer:
         _still(session, request)
         req = await self._decode(body, schema)
         req.check()
-        call = Call(kind, req, size=len(body))
+        call = HttpCall(kind, req, size=len(body))
         session.take(call)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch, call, request)
@@ -480,7 +558,7 @@ async def _respond(send: Any, headers: dict[str, str], chunks: list[bytes], medi
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _watch(call: Call, request: Request) -> None:
+async def _watch(call: HttpCall, request: Request) -> None:
     """Cancel ``call`` if its client goes away before it is served (its engine requests are
     aborted)."""
     while True:
@@ -507,7 +585,7 @@ def _still(session: Session, request: Request) -> None:
 
 def _too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"the request body is larger than {limit} bytes "
-                        "(gateway.max_body_bytes)", code="request_too_large")  # fmt: skip
+                        "(the gateway's MAX_BODY_BYTES)", code="request_too_large")  # fmt: skip
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -538,7 +616,7 @@ def build_gateway(
 
     gw = config.gateway
     parser = check_gateway(config, environment, tokenizer)
-    name = gw.model_name or Path(config.model.path).name
+    name = Path(config.model.path).name  # what /v1/models and the responses call the model
     server: GatewayServer | None = None
     agents = None
     if gw.agent:
@@ -547,6 +625,7 @@ def build_gateway(
                                base_url=lambda: server.url if server is not None else "")  # fmt: skip
     gateway = Gateway(gw, environment, tokenizer=tokenizer, parser=parser, model_name=name,
                       score_timeout_s=config.failures.reward_timeout_s, agents=agents,
-                      context_tokens=config.episode.max_context_tokens)  # fmt: skip
+                      context_tokens=config.episode.max_context_tokens,
+                      env_name=config.environment.name)  # fmt: skip
     server = GatewayServer(gateway, gw, config.run.output_dir)
     return gateway, server

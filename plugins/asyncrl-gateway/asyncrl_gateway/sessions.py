@@ -42,10 +42,10 @@ from typing import Any
 
 import anyio
 
-from asyncrl.environment import Prompt
+from asyncrl.plugin.environment import Prompt
 from asyncrl_gateway.schema import GatewayError
 
-__all__ = ["Call", "Finish", "Session", "SessionTable", "digest", "make_key"]
+__all__ = ["HttpCall", "Finish", "Session", "SessionTable", "digest", "make_key"]
 
 TOMBSTONES = 8192
 """Ended sessions remembered (their ids answer 410 rather than 404)."""
@@ -69,7 +69,7 @@ def digest(key: str) -> bytes:
 
 
 @dataclass(eq=False)
-class Call:
+class HttpCall:
     """One HTTP call of a session, served in its handler's task (:meth:`Session.serve`)."""
 
     kind: str
@@ -141,8 +141,8 @@ class Session:
         self._claimed = anyio.Event()
         self._called = anyio.Event()
         """Set by the first call taken, or the session's end (:meth:`first_call`)."""
-        self._serve: Callable[[Call], Awaitable[None]] | None = None
-        self._busy: Call | None = None
+        self._serve: Callable[[HttpCall], Awaitable[None]] | None = None
+        self._busy: HttpCall | None = None
         self._finish: Finish | None = None
         self._raised: BaseException | None = None
         self._changed = anyio.Event()
@@ -160,7 +160,7 @@ class Session:
         self._changed = anyio.Event()
 
     # ------------------------------------------------------------------ the episode's side
-    def serve_with(self, serve: Callable[[Call], Awaitable[None]]) -> None:
+    def serve_with(self, serve: Callable[[HttpCall], Awaitable[None]]) -> None:
         """Calls are served by ``serve`` (which answers or fails each, and raises nothing but
         its task's cancellation)."""
         self._serve = serve
@@ -180,7 +180,7 @@ class Session:
         when ``idle_s`` pass with no call running.
 
         Raises:
-            BaseException: what a call raised that ends the episode (:attr:`Call.raised`).
+            BaseException: what a call raised that ends the episode (:attr:`HttpCall.raised`).
         """
         while True:  # woken by the end or a raise only, not by every call: it looks again
             if self._raised is not None:  # at the idle deadline
@@ -232,7 +232,7 @@ class Session:
         self._claimed = anyio.Event()
         self.claimed_at = self._last = anyio.current_time()
 
-    def take(self, call: Call) -> None:
+    def take(self, call: HttpCall) -> None:
         """``call`` is the session's one call now; :meth:`serve` it next.
 
         Raises:
@@ -249,7 +249,7 @@ class Session:
         self._last = anyio.current_time()
         self._called.set()
 
-    async def serve(self, call: Call) -> None:
+    async def serve(self, call: HttpCall) -> None:
         """Serve ``call`` (taken) in this task: it is answered or failed when this returns."""
         assert self._busy is call and self._serve is not None
         try:

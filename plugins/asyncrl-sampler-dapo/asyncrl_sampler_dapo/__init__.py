@@ -1,6 +1,6 @@
 """DAPO-style dynamic sampling as an asyncrl sampler plugin (entry point ``dynamic``).
 
-Over-sampled streaming (:class:`asyncrl.policy.samplers.OversampledSampler`) plus one rule: a ready
+Over-sampled streaming (:class:`asyncrl.plugin.sampler.OversampledSampler`) plus one rule: a ready
 group whose rewards are all (nearly) equal is evicted instead of trained, because its GRPO
 advantages are all zero. A guard keeps a solved (or hopeless) task from filtering forever: when
 more than ``max_filtered_fraction`` of the last ``window_groups`` ready groups were filtered
@@ -13,7 +13,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-from asyncrl.policy.samplers import (
+from asyncrl.plugin.sampler import (
     OversampledConfig,
     OversampledSampler,
     SamplerPlugin,

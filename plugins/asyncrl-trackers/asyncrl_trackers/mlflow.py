@@ -31,8 +31,8 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import PluginError
-from asyncrl.sinks import SinkPlugin, parse_options
+from asyncrl.plugin.common import PluginError
+from asyncrl.plugin.sink import SinkPlugin, parse_options
 from asyncrl_trackers.mapping import config_params, scalars, table
 
 try:

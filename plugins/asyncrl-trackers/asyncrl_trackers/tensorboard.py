@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import PluginError
-from asyncrl.sinks import SinkPlugin, parse_options
+from asyncrl.plugin.common import PluginError
+from asyncrl.plugin.sink import SinkPlugin, parse_options
 from asyncrl_trackers.mapping import config_text, markdown_table, scalars, table
 
 try:

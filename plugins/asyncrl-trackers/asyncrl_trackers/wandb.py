@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from asyncrl.errors import PluginError
-from asyncrl.sinks import SinkPlugin, parse_options
+from asyncrl.plugin.common import PluginError
+from asyncrl.plugin.sink import SinkPlugin, parse_options
 from asyncrl_trackers.mapping import scalars, table
 
 try:

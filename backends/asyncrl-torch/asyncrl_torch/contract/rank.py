@@ -40,8 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.wire.messages import TokenBatch, TrainBatch
-from asyncrl.policy.packing import Layout
+from asyncrl.plugin.backend import Layout, TokenBatch, TrainBatch
 
 NUM_SEQUENCES = 16
 EMPTY_RESPONSE = 5  # this sequence has no response token
@@ -166,9 +165,8 @@ def num_tokens(
 # --------------------------------------------------------------------------- the rank
 class _Rank:
     def __init__(self, spec: dict[str, Any]) -> None:
-        from asyncrl.backend import WorkerContext
-        from asyncrl.config import from_dict
-        from asyncrl.plugins import load
+        from asyncrl.plugin.backend import WorkerContext
+        from asyncrl.plugin.common import from_dict, load
 
         self.spec = spec
         self.rank = int(os.environ["RANK"])
@@ -266,7 +264,7 @@ class _Rank:
     def export_hf(self, tag: str) -> None:
         """The current weights as a Hugging Face directory ``out/<tag>`` (shards of 64 KiB, so
         a tiny model still gets several and an index)."""
-        from asyncrl.worker.export import export_model
+        from asyncrl.plugin.backend import export_model
 
         export_model(
             self.backend,
@@ -283,10 +281,11 @@ class _Rank:
         np.save(self.out / f"logprobs-{tag}-rank{self.rank}.npy", lp)
 
     def sent_logprobs_all(self, tag: str) -> None:
-        """If the backend has ``sent_logprobs`` (:class:`~asyncrl.backend.SentWeightsScoring`):
-        every sequence scored on the weights rounded to bfloat16 (``sent-{tag}-rank{r}.npy``),
-        then on the weights as they are again (``after-sent-{tag}-rank{r}.npy``)."""
-        from asyncrl.backend import SentWeightsScoring, TrainingBackend, check_backend
+        """If the backend has ``sent_logprobs``
+        (:class:`~asyncrl.plugin.backend.SentWeightsScoring`): every sequence scored on the
+        weights rounded to bfloat16 (``sent-{tag}-rank{r}.npy``), then on the weights as they are
+        again (``after-sent-{tag}-rank{r}.npy``)."""
+        from asyncrl.plugin.backend import SentWeightsScoring, TrainingBackend, check_backend
 
         found = check_backend(self.backend, TrainingBackend, plugin=self.spec["backend"],
                               group="asyncrl.training_backends", optional=(SentWeightsScoring,))  # fmt: skip
@@ -396,7 +395,7 @@ def launch_ranks(spec: dict[str, Any], world_size: int, timeout: float) -> None:
 
     import pytest
 
-    from asyncrl.procs.spawn import torchrun_log_args
+    from asyncrl.plugin.backend import torchrun_log_args
 
     spec_path = Path(spec["out"]) / f"spec-{spec['phase']}.json"
     spec_path.write_text(json.dumps(spec))

@@ -384,7 +384,7 @@ class TrainingBackendContract:
         torch's default 10 or 30 minutes, with the error the worker runtime turns into a
         ``CollectiveTimeoutError`` (its event loop still answers the heartbeat, so nothing
         else would see the hang)."""
-        from asyncrl.worker.trainer_runtime import collective_timed_out
+        from asyncrl.plugin.backend import collective_timed_out
 
         if self.world_size < 2:
             pytest.skip("one rank: no collective to be stuck in")
@@ -522,7 +522,9 @@ class TrainingBackendContract:
         bfloat16, as a float64 forward of the rounded export does; the weights afterwards are
         the trainer's bit for bit, and so are its logprobs."""
         if not contract.ranks[0].get("sent_logprobs"):
-            pytest.skip("the backend has no sent_logprobs (asyncrl.backend.SentWeightsScoring)")
+            pytest.skip(
+                "the backend has no sent_logprobs (asyncrl.plugin.backend.SentWeightsScoring)"
+            )
         export = contract.out / "hf-step1"
         rounded = _worst_logprob_diff(contract, export, "sent-step1", round_to="bfloat16")
         unrounded = _worst_logprob_diff(contract, export, "sent-step1")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from asyncrl.transfers import IDENTITY_ENV_VAR
+from asyncrl.plugin.transfer import IDENTITY_ENV_VAR
 
 HOST_ENV_VAR = "ASYNCRL_NCCL_HOST"
 """The address readers reach the sender's store at (default: this host name's address)."""

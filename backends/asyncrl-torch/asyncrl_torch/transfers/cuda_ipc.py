@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer
+from asyncrl.plugin.transfer import Receiver, StagingSpec, WeightTransfer
 
 __all__ = ["CUDA_IPC", "DEFER_BELOW_BYTES", "CudaIpcHandle", "device_index_by_uuid"]
 

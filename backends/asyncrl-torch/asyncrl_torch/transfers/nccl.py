@@ -99,7 +99,8 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer
+from asyncrl.plugin.common import host_id
+from asyncrl.plugin.transfer import Receiver, StagingSpec, WeightTransfer
 from asyncrl_torch.transfers.collective import (
     _PREFIX,
     CLOSE_GRACE_S,
@@ -118,7 +119,6 @@ from asyncrl_torch.transfers.collective import (
     fan_out,
     place_in,
 )
-from asyncrl.procs.process import host_id
 
 __all__ = [
     "CLOSE_GRACE_S",

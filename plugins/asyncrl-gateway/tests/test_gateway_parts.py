@@ -24,9 +24,9 @@ from asyncrl.env.episode import EpisodeLimit
 from asyncrl.env.tool_parsers import HERMES
 from asyncrl.environment import Prompt
 from asyncrl_gateway import agent_shim
-from asyncrl_gateway.conversation import ChatLog, Continue, Reply, Restart, cut_at_stop, reply_of
+from asyncrl_gateway.conversation import ChatLog, Continue, ModelReply, Restart, cut_at_stop, reply_of
 from asyncrl_gateway.schema import GatewayError, Message, ToolDef
-from asyncrl_gateway.sessions import Call, Finish, SessionTable
+from asyncrl_gateway.sessions import HttpCall, Finish, SessionTable
 
 
 # ------------------------------------------------------------------------------ stop sequences
@@ -73,7 +73,7 @@ def test_a_tool_loop_goes_on_and_an_edited_history_restarts() -> None:
     first = [_m("system", "be brief"), _m("user", "1+2?")]
     assert isinstance(log.plan(first, None), Restart)  # the first call starts the record
     log.restarted(first, None)
-    reply = Reply(None, (("c1", "calc", '{"expression": "1+2"}'),), "tool_calls")
+    reply = ModelReply(None, (("c1", "calc", '{"expression": "1+2"}'),), "tool_calls")
     log.replied([reply])
     # the agent echoes the reply with its arguments spaced differently and extra fields
     echoed = msgspec.convert({"role": "assistant", "content": "", "refusal": None, "tool_calls": [
@@ -83,7 +83,7 @@ def test_a_tool_loop_goes_on_and_an_edited_history_restarts() -> None:
     plan = log.plan([*first, echoed, tool], None)
     assert isinstance(plan, Continue) and plan.new == [tool] and plan.choice is None
     log.observed([tool])
-    log.replied([Reply("3", (), "stop")])
+    log.replied([ModelReply("3", (), "stop")])
     # asking again with nothing new where a reply was given: a new segment
     assert isinstance(log.plan([*first, echoed, tool], None), Restart)
     # the answer echoed with text parts, then a user turn: goes on
@@ -104,7 +104,7 @@ def test_several_choices_wait_for_the_one_the_agent_goes_on_with() -> None:
     log = ChatLog()
     first = [_m("user", "hi")]
     log.restarted(first, None)
-    log.replied([Reply("a"), Reply("b"), Reply("c")])
+    log.replied([ModelReply("a"), ModelReply("b"), ModelReply("c")])
     nxt = _m("user", "more")
     plan = log.plan([*first, _m("assistant", "b"), nxt], None)
     assert isinstance(plan, Continue) and plan.choice == 1 and plan.new == [nxt]
@@ -121,9 +121,9 @@ def test_replies_read_tool_calls_or_return_the_text() -> None:
     assert r.finish_reason == "tool_calls" and r.content == "Let me add."
     ((cid, name, args),) = r.tool_calls
     assert name == "calc" and json.loads(args) == {"expression": "1+2"} and cid
-    assert reply_of(call, "stop", None) == Reply(call, (), "stop")  # tool_choice "none"
+    assert reply_of(call, "stop", None) == ModelReply(call, (), "stop")  # tool_choice "none"
     broken = '<tool_call>\n{"name": "calc", "arguments": {</tool_call>'
-    assert reply_of(broken, "length", HERMES) == Reply(broken, (), "length")  # as text
+    assert reply_of(broken, "length", HERMES) == ModelReply(broken, (), "length")  # as text
 
 
 # ------------------------------------------------------------------------------ sessions
@@ -238,11 +238,11 @@ async def test_an_ended_session_is_freed_without_the_cyclic_collector() -> None:
         gc.enable()
 
 
-async def _serve_for(session: object, call: Call) -> None:
+async def _serve_for(session: object, call: HttpCall) -> None:
     await _serve(call)
 
 
-async def _serve(call: Call) -> None:
+async def _serve(call: HttpCall) -> None:
     """A session's serve function: ``"hang"`` waits until cancelled, ``"limit"`` ends the
     episode, anything else is answered at once."""
     with anyio.CancelScope() as scope:
@@ -263,7 +263,7 @@ async def test_one_call_at_a_time_an_idle_deadline_and_an_end_that_cancels_the_c
     s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
     s.serve_with(_serve)
     assert await s.next(0.05) is None  # idle: no call came
-    first, second = Call("chat", "hang"), Call("chat", "quick")
+    first, second = HttpCall("chat", "hang"), HttpCall("chat", "quick")
     async with anyio.create_task_group() as tg:
         s.take(first)
         tg.start_soon(s.serve, first)
@@ -322,7 +322,7 @@ async def test_a_session_never_called_goes_back_to_the_front_of_the_lobby_with_n
     # it was admitted first: the next claim gets it, not the one opened since
     assert await table.claim(None, 0) is s
     began = anyio.current_time()  # its first-call deadline starts again at this hand-out
-    call = Call("chat", "quick")
+    call = HttpCall("chat", "quick")
     s.take(call)
     await s.serve(call)
     assert await s.first_call(0.1) is True and anyio.current_time() - began < 0.05
@@ -350,14 +350,14 @@ async def test_a_call_that_ends_the_episode_raises_in_its_task_and_an_end_waits_
     table = SessionTable()
     s = table.open(Prompt(id="p", text="x"), "g/0", evaluation=False, claimed=True)
     s.serve_with(_serve)
-    ok, limit = Call("chat", "quick"), Call("chat", "limit")
+    ok, limit = HttpCall("chat", "quick"), HttpCall("chat", "limit")
     for call in (ok, limit):
         s.take(call)
         await s.serve(call)
     assert ok.result == "ok" and limit.error is not None and s.answered == 1
     with pytest.raises(EpisodeLimit):
         await s.next(5)
-    hang = Call("chat", "hang")
+    hang = HttpCall("chat", "hang")
     async with anyio.create_task_group() as tg:
         s.take(hang)
         tg.start_soon(s.serve, hang)
@@ -424,7 +424,10 @@ def test_the_gateway_is_checked_before_anything_starts() -> None:
     from asyncrl.errors import ConfigError, PluginError
     from asyncrl_gateway.gateway import check_gateway
 
-    class Scores:
+    class Prompts:  # its agents post the rewards: no score
+        def dataset(self, split: str) -> list[Prompt]: ...
+
+    class Scores(Prompts):
         def score(self, prompt: Prompt, completion: str) -> None: ...
 
     def config(agent: list[str], parser: str = "hermes") -> SimpleNamespace:
@@ -437,7 +440,7 @@ def test_the_gateway_is_checked_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="model.chat_template"):
         check_gateway(config([]), Scores(), SimpleNamespace(chat_template=None))
     with pytest.raises(ConfigError, match="gateway.agent.*no score"):
-        check_gateway(config([sys.executable]), object(), templated)
+        check_gateway(config([sys.executable]), Prompts(), templated)
     with pytest.raises(PluginError, match="episode.tool_parser"):
         check_gateway(config([], parser="no-such-parser"), Scores(), templated)
 

@@ -25,7 +25,11 @@ import structlog
 
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl_gateway.gateway import SessionFailed
+from asyncrl_gateway.server import Guards
 import gateway_support as gs
+
+GUARD_FIELDS = frozenset(Guards.__dataclass_fields__)
+"""``serving()`` keywords that go to the server's :class:`Guards` (once ``[gateway]`` keys)."""
 
 pytestmark = pytest.mark.asyncio
 
@@ -115,7 +119,9 @@ async def serving(
     limits: httpx.Limits | None = None, **config: Any,
 ) -> AsyncIterator[Run]:  # fmt: skip
     engine = engine or gs.ScriptedEngine(model, 0)
-    h = gs.Harness(model, engine, GatewayConfig(enabled=True, **config), out)
+    guards = {k: config.pop(k) for k in list(config) if k in GUARD_FIELDS}  # the server's own
+    h = gs.Harness(model, engine, GatewayConfig(enabled=True, **config), out,
+                   guards=Guards(**guards))  # fmt: skip
     with anyio.fail_after(50):
         async with gs.running(h):
             limits = limits or httpx.Limits()

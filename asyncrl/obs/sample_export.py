@@ -13,7 +13,7 @@ samples").
 The lines are made from the step's groups in the order :func:`~asyncrl.policy.grpo.pack_groups`
 packed them (each sample's sequences: those its episode split off, then its own), with the
 advantage each sequence trained with. Files are numbered from ``00000``; each holds whole
-steps, and the one a step took past ``run.samples_file_mb`` is the last to get lines (the next
+steps, and the one a step took past :data:`SAMPLES_FILE_MB` is the last to get lines (the next
 step starts the next file). When the writer starts it removes the lines of every step after
 the one the run starts from (a resume from step k keeps steps 1..k, a fresh run none): the
 files hold each step once, in order, whatever was written after the checkpoint and however
@@ -47,9 +47,17 @@ from asyncrl.policy.groups import Group
 from asyncrl.procs.space import is_no_space, no_space
 from asyncrl.sinks.jsonl import cut_torn_line
 
-__all__ = ["SampleExport", "SampleFiles", "SampleLine", "sample_files", "step_lines"]
+__all__ = [
+    "SAMPLES_FILE_MB", "SampleExport", "SampleFiles", "SampleLine", "sample_files", "step_lines",
+]  # fmt: skip
 
-log = structlog.get_logger("asyncrl.obs.samples")
+SAMPLES_FILE_MB = 256.0
+"""A samples file that has reached this many MiB gets no more steps (a step's lines stay in
+one file); the next step starts the next number. Once the config key ``run.samples_file_mb``
+(issue 50: nobody set it): 256 MiB is a few hundred steps of a small model's samples, a file
+an editor or ``jq`` still opens whole."""
+
+log = structlog.get_logger("asyncrl.obs.sample_export")
 
 QUEUE_STEPS = 2
 """Steps queued for the writer before :meth:`SampleExport.put` waits."""

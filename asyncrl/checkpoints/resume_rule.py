@@ -38,8 +38,9 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.config.removed import REMOVED
 from asyncrl.data.chat import ChatTemplate
-from asyncrl.data.rewards import Reward
+from asyncrl.env.capabilities import rewards_of
 from asyncrl.worker.export import WEIGHT_SUFFIXES
 
 __all__ = [
@@ -52,15 +53,14 @@ ALL = "all"
 
 HARMLESS = (
     # how long, where to, how it is logged
-    "run.name", "run.output_dir", "run.num_steps", "run.max_num_epochs", "run.log_format", "run.stall_warning_s",
-    "run.gc_freeze", "run.gc_young_interval_s", "run.gc_full_interval_s", "run.event_loop",
+    "run.name", "run.output_dir", "run.num_steps", "run.max_num_epochs", "run.log_format",
     # what is written of the trained samples (the files are cut back to the checkpoint's step)
-    "run.save_samples", "run.samples_file_mb",
+    "run.save_samples",
     # where the model and the data are: what they hold is compared (fingerprints)
     "model.path", "environment.base_dir", "model.allow_moe_mismatch",
     # placement, time limits and capacities: the same computation, elsewhere or faster
     "cluster.rollout_ranks", "cluster.startup_timeout_s", "cluster.call_timeout_s",
-    "cluster.shutdown_grace_s", "cluster.torchrun", "cluster.trainer_gpus",
+    "cluster.shutdown_grace_s", "cluster.trainer_gpus",
     "cluster.rollout_gpus", "pipeline.min_groups_for_streaming_train",
     "pipeline.max_inflight_samples", "pipeline.max_buffered_groups", "trainer.micro_batch_size",
     # moving the same weights to the generators, and checking them
@@ -68,15 +68,17 @@ HARMLESS = (
     # evaluation, saving, exporting, failure budgets, metrics
     "eval", "checkpoint", "export", "failures", "metrics",
     # where the gateway listens and how it guards itself (what it trains on is not here)
-    "gateway.host", "gateway.port", "gateway.max_concurrent_requests", "gateway.max_body_bytes",
-    "gateway.keep_agent_logs", "gateway.model_name", "gateway.idle_timeout_s",
+    "gateway.host", "gateway.port", "gateway.keep_agent_logs", "gateway.idle_timeout_s",
     "gateway.agent_dir", "gateway.max_agents", "gateway.check_agent", "gateway.claim_timeout_s",
-    "gateway.max_json_values", "gateway.max_messages", "gateway.max_tools",
-    "gateway.max_request_tokens", "gateway.request_head_timeout_s",
-    "gateway.request_body_timeout_s", "gateway.keep_alive_timeout_s", "gateway.max_connections",
+    "gateway.max_request_tokens",
 )  # fmt: skip
 """Settings a resumed run may change freely (each change is logged); every other setting
-must match the checkpoint's unless allowed. A prefix covers its whole section."""
+must match the checkpoint's unless allowed. A prefix covers its whole section.
+
+A key that was removed (:data:`asyncrl.config.removed.REMOVED`: the tuning constants of issue
+50) is not compared: a checkpoint that stored one resumes, the key dropped; where its stored
+value differs from the one the code now uses, the difference is listed with the harmless
+ones (logged), naming what replaced the key."""
 
 CODE = "environment.code"
 """The reward code's fingerprints (:func:`code_fingerprints`), by the name ``--allow-changed``
@@ -124,11 +126,15 @@ _OWN_DIR = Path(__file__).resolve().parents[1]
 """asyncrl's own package directory: its files are not fingerprinted as reward code."""
 
 
-def code_fingerprints(environment: Any, modules: Iterable[str] = ()) -> dict[str, str]:
+def code_fingerprints(
+    environment: Any, modules: Iterable[str] = (), *, name: str = "environment"
+) -> dict[str, str]:
     """The code that scores a run, by content: ``{what: "<file> sha256 <hex>; ..."}``, for
 
-    * each reward function of the environment (``environment.rewards``, as the ``dataset``
-      environment loads them from its ``rewards`` option), keyed by its ``function`` string
+    * each reward function of the environment (its ``rewards``,
+      :class:`~asyncrl.environment.HasRewards`, as the ``dataset`` environment loads them from
+      its ``rewards`` option; ``name``: the environment's in a message if they are of the wrong
+      kind), keyed by its ``function`` string
       (``"my_rewards:exact"``, ``"rewards/math.py:exact"``): the file of the module that
       string names (imported by path or by import path) and, when the function is defined in
       another module (imported into it), that module's file too;
@@ -146,12 +152,11 @@ def code_fingerprints(environment: Any, modules: Iterable[str] = ()) -> dict[str
     files); call it when the run starts, just after the code was imported, so that an edit
     made while the run trains shows at the next resume."""
     out: dict[str, str] = {}
-    for reward in getattr(environment, "rewards", None) or ():
-        if isinstance(reward, Reward):
-            files = [reward.module_file, _source_file(reward.fn)]
-            digest = _files_digest(files)
-            if digest:
-                out[reward.origin] = digest
+    for reward in rewards_of(environment, name):
+        files = [reward.module_file, _source_file(reward.fn)]
+        digest = _files_digest(files)
+        if digest:
+            out[reward.origin] = digest
     owners: list[tuple[str, str | None]] = []
     for name in modules:
         module = sys.modules.get(name)
@@ -337,6 +342,7 @@ def compare(
     allow = [a.strip() for a in allow if a.strip()]
     old, new = _compared(saved), _compared(current)
     changes = Changes()
+    changes.harmless += _drop_removed(old, new)
     known = (ALL, *FINGERPRINT_FIELDS)  # a content name is known even when it has no leaf
     changes.unknown = [
         name for name in allow
@@ -387,6 +393,20 @@ def _code_not_compared(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
                 "module cannot be noticed on this resume; the checkpoints this run saves "
                 "record it")
     return ""
+
+
+def _drop_removed(*sides: dict[str, Any]) -> list[str]:
+    """Remove the keys that are no longer settings (:mod:`asyncrl.config.removed`) from the
+    compared leaves of each side; returns ``key: stored -> now (removed: ...)`` for each one a
+    side stored with another value than the code now uses."""
+    lines: list[str] = []
+    for leaves in sides:
+        for key in [k for k in leaves if k in REMOVED]:
+            stored, now = leaves.pop(key), REMOVED[key].default
+            if stored != now:
+                lines.append(f"{key}: {_show(stored)} -> {_show(now)} (removed: "
+                             f"{REMOVED[key].now})")  # fmt: skip
+    return lines
 
 
 def _covers(name: str, key: str) -> bool:

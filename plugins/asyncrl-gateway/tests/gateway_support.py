@@ -1,6 +1,6 @@
 """A gateway over a scripted engine, for the gateway's tests: the real :class:`Gateway`,
 :class:`GatewayServer` (uvicorn on 127.0.0.1), sessions, trajectories (the Qwen2.5 template of
-``trajectory_support``) and episodes; only the engine and the episode runner are stand-ins.
+``gateway_model``) and episodes; only the engine and the episode runner are stand-ins.
 
 The engine (:class:`ScriptedEngine`) samples a turn as a real one would hand it back: token
 ids (a Hermes tool call, an answer, or random text, drawn per request), logprobs, an end
@@ -30,9 +30,8 @@ from asyncrl.env.tool_parsers import HERMES
 from asyncrl.env.trajectory import Trajectory
 from asyncrl.environment import Prompt, Score
 from asyncrl_gateway.gateway import Gateway
-from asyncrl_gateway.server import GatewayServer
-import chat_support
-import trajectory_support as ts
+from asyncrl_gateway.server import GatewayServer, Guards
+import gateway_model as gm
 
 CALC_TOOL = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate a sum like 12+34.",
@@ -48,10 +47,10 @@ class Model:
 
 
 def make_model(path: Path) -> Model:
-    fam = ts.FAMILIES["qwen25"]
-    corpus = [*ts.corpus(), json.dumps(CALC_TOOL), '<tool_call>\n{"name": "calc", '
+    fam = gm.QWEN25_FAMILY
+    corpus = [*gm.corpus(), json.dumps(CALC_TOOL), '<tool_call>\n{"name": "calc", '
               '"arguments": {"expression": "12+34"}}\n</tool_call>', "The answer is 46."]  # fmt: skip
-    d = chat_support.model_dir(path, fam.template, fam.tokens, corpus=corpus,
+    d = gm.model_dir(path, fam.template, fam.tokens, corpus=corpus,
                                specials=fam.specials, nfc=fam.nfc, vocab_size=1000)  # fmt: skip
     template = ChatTemplate.from_model(str(d))
     assert template is not None
@@ -87,7 +86,7 @@ class ScriptedEngine:
             return f'<tool_call>\n{{"name": "calc", "arguments": {{"expression": "{a}+{b}"}}}}\n</tool_call>'
         if r < self.tool_rate + 0.25:
             return f"The answer is {self._rng.randint(0, 200)}."
-        return ts.random_text(self._rng, 1, 12)
+        return gm.random_text(self._rng, 1, 12)
 
     async def generate(self, episode: str, prompt_ids: list[int], max_tokens: int) -> Generated:
         if self.delay_s:
@@ -133,14 +132,15 @@ class Harness:
     episode runner would (each one's task calls ``run_episode``)."""
 
     def __init__(self, model: Model, engine: ScriptedEngine, config: GatewayConfig,
-                 out: Path, *, agents: Any = None, limits: Limits | None = None) -> None:  # fmt: skip
+                 out: Path, *, agents: Any = None, limits: Limits | None = None,
+                 guards: Guards | None = None) -> None:  # fmt: skip
         self.model, self.engine = model, engine
         self.env = Env()
         self.limits = limits or Limits(max_turns=12, max_context_tokens=4000, max_turn_tokens=64)
         self.gateway = Gateway(config, self.env, tokenizer=model.tok, parser=HERMES,
                                model_name="tiny", score_timeout_s=5.0,
                                agents=agents)  # fmt: skip
-        self.server = GatewayServer(self.gateway, config, str(out))
+        self.server = GatewayServer(self.gateway, config, str(out), guards)
         self.played: list[Played] = []
         self._tg: Any = None
 

@@ -1,5 +1,5 @@
-"""One optimizer step on the trainer ranks, assembled from the rollout book's chunks, then
-published to the generators.
+"""One optimizer step on the trainer ranks, assembled from the rollout book's chunks (then
+published to the generators by :class:`asyncrl.run.refit.Publisher`).
 
 ::
 
@@ -7,9 +7,7 @@ published to the generators.
                             chunk) ─► TrainChunk per chunk
     ── the caller takes the weights lock ──
     StepAssembler.finish(): FinishStep
-    Publisher.publish():    book.finish_step() (gate closes) ─► Abort hopeless groups ─► drain
-                            (optional) ─► KV scales ─► SendWeights ∥ ReceiveWeights ─►
-                            book.end_refit() (gate reopens)
+    Publisher.publish():    the refit (asyncrl/run/refit.py)
     ── the caller releases it ──
 
 The step streams in: each chunk is packed, sharded over the trainer ranks and trained as soon
@@ -17,8 +15,8 @@ as the book hands it out; gradients are normalized once, by the step's count of 
 tokens (those its batches' ``loss_mask`` selects, as the trainers counted them in their
 ``ChunkResult`` s), at ``FinishStep``. A train call that raises on a trainer rank (the worker
 lives on; the trainer drops the step's gradients) gives the step's groups back to the buffer
-and the step is assembled and trained again, within ``failures.train_step_retries``
-(:mod:`asyncrl.policy.failures`).
+and the step is assembled and trained again, within
+:data:`~asyncrl.policy.failures.TRAIN_STEP_RETRIES` (:mod:`asyncrl.policy.failures`).
 """
 
 from __future__ import annotations
@@ -36,10 +34,9 @@ import numpy as np
 import structlog
 
 from asyncrl.config import Config
-from asyncrl.data.prompts import PromptStream, Tokenizer
-from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, WorkerError, flatten
+from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, flatten
 from asyncrl.obs.steps import StepRecord
-from asyncrl.policy.failures import FailureBudget
+from asyncrl.policy import failures as failure_policy
 from asyncrl.policy.grpo import (
     concat_batches,
     mini_batches,
@@ -49,29 +46,18 @@ from asyncrl.policy.grpo import (
     shard_batch,
     trained_per_sequence,
 )
-from asyncrl.policy.samplers import in_flight_at_refit
-from asyncrl.policy.schedule import StepStats
-from asyncrl.policy.verify import Agreement, RefitCheck, make_probe, verification_due
-from asyncrl.run.book import Aborts, RolloutBook
-from asyncrl.run.wake import Signal
-from asyncrl.run.probes import Probes
-from asyncrl.run.refit import KVScales, RefitReport, refit_generators
+from asyncrl.run.context import RunContext
 from asyncrl.run.refresh import Refresher
 from asyncrl.wire.messages import (
-    Abort,
     BeginStep,
     FinishStep,
-    ReceiverGone,
-    TokenBatch,
     TrainBatch,
     TrainChunk,
 )
-from asyncrl.wire.rpc import ControlPlane
-from asyncrl.wire.transport import Rejections
 
-__all__ = ["Publisher", "StepAssembler"]
+__all__ = ["StepAssembler", "normalizer"]
 
-log = structlog.get_logger("asyncrl.run.assembly")
+log = structlog.get_logger("asyncrl.run.train_step")
 
 
 class _StepFailed(Exception):
@@ -87,26 +73,15 @@ class StepAssembler:
 
     def __init__(
         self,
-        config: Config,
+        ctx: RunContext,
         *,
-        control: ControlPlane,
-        trainers: list[str],
-        book: RolloutBook,
-        committed: Signal,
-        changed: Signal,
-        failures: FailureBudget,
-        probes: Probes,
-        now: Callable[[], float],
         before_training: Callable[[int, StepRecord], Awaitable[None]] | None = None,
     ) -> None:
-        self.config = config
-        self.control = control
-        self.trainers = trainers
-        self.book = book
-        self.committed = committed
-        self.changed = changed
-        self.failures = failures
-        self.now = now
+        config = self.config = ctx.config
+        self.control, self.trainers, self.book = ctx.control, ctx.trainers, ctx.book
+        self.committed, self.changed = ctx.committed, ctx.changed
+        self.failures, self.now = ctx.failures, ctx.now
+        probes, now = ctx.probes, ctx.now
         self._before_training = before_training
         """Called with a step's first chunk in, before the trainers train any of it (the
         refit check's baseline: :meth:`Publisher.baseline`)."""
@@ -128,7 +103,7 @@ class StepAssembler:
         finished); a step that fails on a trainer is assembled again.
 
         Raises:
-            RunError: the step failed more often than ``failures.train_step_retries``.
+            RunError: the step failed more often than ``TRAIN_STEP_RETRIES`` allows.
         """
         while True:
             try:
@@ -144,7 +119,7 @@ class StepAssembler:
         again (:meth:`train`, then this).
 
         Raises:
-            RunError: the step failed more often than ``failures.train_step_retries``.
+            RunError: the step failed more often than ``TRAIN_STEP_RETRIES`` allows.
             NonFiniteError: a loss or gradient norm that is not finite, once
                 ``failures.max_nonfinite_steps`` such steps were skipped.
         """
@@ -222,9 +197,9 @@ class StepAssembler:
         ready again (or the run stops, the retries spent)."""
         if not self.failures.step_failed(step, str(exc.error).splitlines()[0]):
             raise RunError(
-                f"step {step} failed {self.failures.step_failures} times "
-                f"(failures.train_step_retries = "
-                f"{self.config.failures.train_step_retries}); the last: {exc.error}"
+                f"step {step} failed {self.failures.step_failures} times (asyncrl.policy."
+                f"failures.TRAIN_STEP_RETRIES = {failure_policy.TRAIN_STEP_RETRIES}); the last: "
+                f"{exc.error}"
             ) from exc.error
         self.book.abort_step()
         rec.restart()
@@ -327,216 +302,6 @@ def _step_failures() -> Iterator[None]:
         if leaves and all(isinstance(e, RemoteCallError) for e in leaves):
             raise _StepFailed(leaves[0]) from exc
         raise
-
-
-class Publisher:
-    """Publishes the trainer's weights to the generators. Every method that refits
-    (:meth:`publish`, :meth:`first`, :meth:`refit_worker`) expects the caller to hold the
-    weights lock: the trainer's weights are those sent, and the generators serve them when
-    it returns. :meth:`abort` (engines told to drop groups), :meth:`verify` and
-    :meth:`check_verified` need no lock.
-
-    ``serving()``: the rollout workers that serve now (a refit goes to them; one that dies
-    meanwhile is left out, it is restarted: :meth:`receiver_gone`).
-    """
-
-    def __init__(
-        self,
-        config: Config,
-        *,
-        control: ControlPlane,
-        trainers: list[str],
-        book: RolloutBook,
-        serving: Callable[[], list[str]],
-        kv: KVScales,
-        probes: Probes,
-        transfer_address: str,
-        changed: Signal,
-        rejections: Rejections,
-        metrics: Any,
-        now: Callable[[], float],
-        cancel_episodes: Callable[[list[str]], None] | None = None,
-    ) -> None:
-        self.config = config
-        self.control = control
-        self.trainers = trainers
-        self.book = book
-        self._cancel_episodes = cancel_episodes
-        """Cancels the episodes of aborted groups (a multi-turn environment's runner)."""
-        self.serving = serving
-        self.kv = kv
-        self.probes = probes
-        self.transfer_address = transfer_address
-        self.changed = changed
-        self.rejections = rejections
-        self.metrics = metrics
-        self.now = now
-        self.report = RefitReport()
-        """What the last step's refit reported (the generators' busy time, the packing)."""
-        self._kv_scales: dict[str, float] | None = None
-        """The FP8 KV-cache scales of the last refit (a restarted worker gets them too)."""
-        self._probe: TokenBatch | None = None
-        """The refit-verification probe batch, frozen from the first trained step."""
-        self.check = RefitCheck.of(config.refit)
-        """Judges verified refits against the baseline measured before the first update."""
-        self._reprefill = in_flight_at_refit(config.sampler) == "reprefill"
-        """Requests in flight at a step's refit recompute their KV cache (the sampler's
-        choice; docs/modes.md)."""
-
-    async def publish(self, step: int, rec: StepRecord) -> StepStats:
-        """Step ``step`` took its optimizer step: bump the version, abort what became
-        hopeless, refit. Returns the step's counters. Cancellation: the refit is abandoned
-        (the run is over)."""
-        # the version bump and the gate's closing are one book event: no dispatch can see
-        # version v+1 before the generators serve it
-        self.book.finish_step()
-        self.changed.notify()
-        rec.refit_start = refit_start = self.now()
-        log.debug("refit_started", version=step + 1)
-        await self.abort(self.book.begin_refit())
-        if self.config.refit.drain:
-            await self._drain(rec)
-        rec.inflight_at_refit = self.book.inflight_samples
-        kv_scales = await self.kv.after_step(rec.groups, step + 1)
-        self.report = await self._refit(
-            step + 1, kv_scales, self.serving(), reprefill=self._reprefill
-        )
-        self._kv_scales = kv_scales
-        rec.refit_end = self.now()
-        rec.refit_s = rec.refit_end - refit_start
-        stats = self.book.end_refit()
-        self.changed.notify()
-        return stats
-
-    async def abort(self, aborts: Aborts) -> None:
-        """Tell each engine to abort its groups and episodes' turns (their samples still come
-        back, cut short, and free their slots), and cancel the aborted groups' episodes."""
-        if aborts.count:
-            log.info("groups_aborted", count=aborts.count, trainer_version=self.book.trainer_version)
-        if aborts.episodes:
-            assert self._cancel_episodes is not None
-            self._cancel_episodes(aborts.episodes)
-        async with anyio.create_task_group() as tg:
-            for worker, gids in aborts.by_worker.items():
-                tg.start_soon(self._abort_on, worker, gids)
-
-    async def _abort_on(self, worker: str, group_ids: list[str]) -> None:
-        # a worker that died: its groups were dispatched again (worker_lost)
-        await self.control.call_unless_restarting(
-            worker, Abort(group_ids=group_ids), timeout_s=self.config.cluster.call_timeout_s
-        )
-
-    async def _drain(self, rec: StepRecord) -> None:
-        """Wait until no sample is generating, at most ``refit.drain_timeout_s``."""
-        start = self.now()
-        with anyio.move_on_after(self.config.refit.drain_timeout_s) as scope:
-            while not self.book.drained:
-                await self.changed.wait()
-        rec.drain_s = self.now() - start
-        if scope.cancelled_caught:
-            rec.drain_timeouts += 1
-            log.warning(
-                "drain_timed_out",
-                inflight_samples=self.book.inflight_samples,
-                timeout_s=self.config.refit.drain_timeout_s,
-            )
-
-    async def first(self, resumed: bool, prompts: PromptStream, tokenizer: Tokenizer) -> None:
-        """Before the first dispatch: a resumed run refits the generators from the restored
-        weights (the engines start from ``model.path``); with an FP8 KV cache, every run
-        refits with calibrated scales, so no step runs on scales of 1.0."""
-        if resumed or self.kv.enabled:
-            kv_scales = await self.kv.initial(prompts, tokenizer)
-            self.report = await self._refit(self.book.trainer_version, kv_scales, self.serving())
-            self._kv_scales = kv_scales
-
-    async def receiver_gone(self, worker: str) -> None:
-        """Rollout ``worker`` died: tell trainer rank 0, so a refit under way leaves it out
-        now (its own pid watch sees nothing of another host's process). Needs no lock. A
-        trainer that is gone is its own watcher's to report."""
-        with contextlib.suppress(WorkerError):
-            await self.control.cast(self.trainers[0], ReceiverGone(receiver=worker))
-
-    async def refit_worker(self, worker: str) -> int:
-        """Refit restarted ``worker`` alone to the trainer's weights, with the last FP8
-        KV-cache scales; returns their version."""
-        version = self.book.trainer_version
-        await self._refit(version, self._kv_scales, [worker])
-        return version
-
-    async def _refit(
-        self, version: int, kv_scales: dict[str, float] | None, receivers: list[str],
-        *, reprefill: bool = False,
-    ) -> RefitReport:
-        """Send weights ``version`` (and FP8 KV-cache scales) from the trainers to
-        ``receivers`` (``reprefill``: their requests in flight recompute their KV cache);
-        return when they serve them. Cancellation: abandons the transfer."""
-        report = await refit_generators(
-            self.control,
-            self.trainers,
-            receivers,
-            version=version,
-            transfer_address=self.transfer_address,
-            refit=self.config.refit,
-            timeout_s=self.config.cluster.call_timeout_s,
-            kv_scales=kv_scales,
-            reprefill=reprefill,
-        )
-        if report.rejected_frames:  # the sender's count covers the whole run
-            self.rejections.counts["weights"] = report.rejected_frames
-        return report
-
-    async def baseline(self, step: int, rec: StepRecord) -> None:
-        """Before the trainers train any of step ``step`` (its first chunk is in ``rec``),
-        until the refit check has its baseline: freeze the probe batch from the step's groups
-        and score it on both sides, which hold the same weights now (docs/refit.md, 'Refit
-        verification'). Before any backward pass: a forward between a backward and its
-        optimizer step left FSDP2 (one rank, float32) unable to free a gathered parameter at
-        the next backward.
-
-        Raises:
-            RefitError: the two sides disagree beyond ``refit.verify_max_noise`` already.
-        """
-        cfg = self.config.refit
-        if self.check.started or not (cfg.verify_first_steps or cfg.verify_every_steps):
-            return
-        if self._probe is None:
-            self._probe = make_probe(rec.groups, cfg.verify_num_sequences)
-        if self._probe is None:
-            return  # no tokens to probe with yet: the next step's
-        start = self.now()
-        agreements = self.check.baseline(step, *await self.probes.scores(self._probe))
-        self._record_verified(agreements, baseline=True)
-        rec.verify_s += self.now() - start
-
-    async def verify(self, step: int, rec: StepRecord) -> None:
-        """After step ``step``'s refit, when due (``refit.verify_first_steps``,
-        ``verify_every_steps``) and once the baseline was measured: every generator's
-        logprobs of the probe batch against the trainer's, judged into ``rec.verify``."""
-        cfg = self.config.refit
-        if self.check.started and verification_due(
-            step + 1, cfg.verify_first_steps, cfg.verify_every_steps
-        ):
-            start = self.now()
-            assert self._probe is not None
-            rec.verify = self.check.judge(step + 1, *await self.probes.scores(self._probe))
-            self._record_verified(rec.verify)
-            rec.verify_s += self.now() - start
-
-    def _record_verified(self, agreements: list[Agreement], *, baseline: bool = False) -> None:
-        """A record per generator, ``refit_verify`` (a judged refit) or ``refit_baseline``
-        (before any update), and a log line."""
-        kind = "refit_baseline" if baseline else "refit_verify"
-        for a in agreements:
-            if self.metrics is not None:
-                self.metrics.write({"kind": kind, **a.metrics(), "time": self.now()})
-            log.info("refit_baseline" if baseline else "refit_verified", **a.metrics())
-
-    @staticmethod
-    def check_verified(rec: StepRecord) -> None:
-        """Stop the run if a generator disagreed with the trainer in ``rec.verify``."""
-        for agreement in rec.verify:
-            agreement.check()
 
 
 def _mini_step_record(epoch: int, index: int, results: list[Any], finish: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ nor deletes it), each start warns about it, ``--resume latest`` refuses to pass 
 it is the newest (:func:`resolve`: resuming an older one silently would drop its steps), and
 a save of its step sets it aside as ``<name>.rejected-no-manifest`` (:func:`set_aside`).
 
-Every file is hashed while it is made durable (:func:`asyncrl.run.checksums.seal_tree`), and
+Every file is hashed while it is made durable (:func:`asyncrl.checkpoints.checksums.seal_tree`), and
 :meth:`Checkpoint.verify` checks them all before a resume loads anything: a flipped bit in a
 trainer shard is refused with the file's name, never trained on.
 
@@ -51,7 +51,7 @@ import numpy as np
 import structlog
 
 from asyncrl.policy.groups import CompletedSample, Group, Part
-from asyncrl.run.checksums import HASH, digest_bytes, seal_tree, verify_tree
+from asyncrl.checkpoints.checksums import HASH, digest_bytes, seal_tree, verify_tree
 from asyncrl.errors import AsyncRLError
 from asyncrl.procs.process import pid_exists
 
@@ -77,7 +77,7 @@ __all__ = [
     "start_save",
 ]
 
-log = structlog.get_logger("asyncrl.run.checkpoint_dir")
+log = structlog.get_logger("asyncrl.checkpoints.directory")
 
 FORMAT = 3
 """Bump when a checkpoint written by this version cannot be read by an older one, or the
@@ -549,7 +549,7 @@ def commit(
 ) -> Path:
     """Write the controller's state into ``tmp``; hash every file and make it durable (the
     trainer's and the model's were written by other processes); write the manifest with the
-    files' digests, ``fingerprints`` (:func:`asyncrl.run.resume_rule.fingerprints`) and its own
+    files' digests, ``fingerprints`` (:func:`asyncrl.checkpoints.resume_rule.fingerprints`) and its own
     digest; rename ``tmp`` to its final name (replacing a checkpoint of the same step).
     Blocking: run it in a worker thread."""
     _write_durable(tmp / CONTROLLER_FILE, state)

@@ -4,10 +4,10 @@ The train pump calls :meth:`Checkpointer.after_step` once each step's refit is d
 open, the rollout gate open). The controller's state is snapshotted there, in one synchronous
 piece, so it matches the trainer's weights exactly; the trainer ranks then write their state
 while generation goes on (only the next step waits), and the controller commits the
-checkpoint atomically (:mod:`asyncrl.run.checkpoint_dir`).
+checkpoint atomically (:mod:`asyncrl.checkpoints.directory`).
 
 A save that fails (a trainer that cannot write) leaves the previous checkpoint as it was, is
-logged and counted, and the run goes on; ``checkpoint.max_failures`` failures in a row stop
+logged and counted, and the run goes on; :data:`MAX_SAVE_FAILURES` failures in a row stop
 it. A full disk (ENOSPC) stops the run at once with a :class:`~asyncrl.errors.NoSpaceError`
 (the previous checkpoint is still whole): it does not empty itself between saves, and every
 step trained after it would be lost to the next crash.
@@ -28,8 +28,8 @@ from typing import Any
 import anyio
 import structlog
 
-from asyncrl.run import checkpoint_dir as ckpt
-from asyncrl.run import resume_rule
+from asyncrl.checkpoints import directory as ckpt
+from asyncrl.checkpoints import resume_rule
 from asyncrl.run.scheduling import run_steps
 from asyncrl.procs import space
 from asyncrl import plugins
@@ -40,9 +40,16 @@ from asyncrl.errors import (
 from asyncrl.wire.messages import ExportModel, LoadState, SaveState
 from asyncrl.wire.rpc import ControlPlane
 
-__all__ = ["Checkpointer", "Resume", "open_resume"]
+__all__ = ["MAX_SAVE_FAILURES", "Checkpointer", "Resume", "open_resume"]
 
-log = structlog.get_logger("asyncrl.run.saving")
+log = structlog.get_logger("asyncrl.checkpoints.saving")
+
+MAX_SAVE_FAILURES = 3
+"""Failed periodic saves in a row that stop the run (an I/O error, a trainer that cannot
+write): the run goes on after fewer, and the third stops it (0 and 1: the first), as does a
+failed final save, or a full disk at once. Three: a passing hiccup of a network file system
+costs a checkpoint or two, not the run, while a broken one stops it within three checkpoint
+intervals. Once the config key ``checkpoint.max_failures`` (issue 50)."""
 
 
 def run_fingerprints(
@@ -50,14 +57,14 @@ def run_fingerprints(
 ) -> dict[str, Any]:
     """What a checkpoint's manifest records of the run beyond its config (the model's files,
     the chat template's text, the train split, the reward code ``code``:
-    :func:`code_fingerprints`): :func:`asyncrl.run.resume_rule.fingerprints`."""
+    :func:`code_fingerprints`): :func:`asyncrl.checkpoints.resume_rule.fingerprints`."""
     return resume_rule.fingerprints(
         cfg.model.path, cfg.model.chat_template, train_prompts, code
     )
 
 
 def code_fingerprints(cfg: Config, environment: Any) -> dict[str, str]:
-    """The reward code of ``environment`` (:func:`asyncrl.run.resume_rule.code_fingerprints`),
+    """The reward code of ``environment`` (:func:`asyncrl.checkpoints.resume_rule.code_fingerprints`),
     with the module of its factory as ``environment.name``'s entry point names it. Blocking
     (reads a few source files and the entry points): run it in a worker thread, once, as the
     run starts (the controller hands it to :func:`open_resume` and the :class:`Checkpointer`)."""
@@ -68,7 +75,7 @@ def code_fingerprints(cfg: Config, environment: Any) -> dict[str, str]:
         found = None
     if found is not None:
         modules.append(found.value.partition(":")[0].strip())
-    return resume_rule.code_fingerprints(environment, modules)
+    return resume_rule.code_fingerprints(environment, modules, name=cfg.environment.name)
 
 
 class Checkpointer:
@@ -77,7 +84,7 @@ class Checkpointer:
     run's reward code (:func:`code_fingerprints`, taken as the run started; ``None``: not
     recorded, and a resume from these checkpoints does not compare it); ``before_save``:
     awaited before a checkpoint's state is taken, to bring what a resume from it keeps up to
-    date (the trained samples' files: :meth:`asyncrl.obs.samples.SampleExport.flushed`)."""
+    date (the trained samples' files: :meth:`asyncrl.obs.sample_export.SampleExport.flushed`)."""
 
     def __init__(
         self,
@@ -275,7 +282,7 @@ class Checkpointer:
         tmp: Path | None = None,
     ) -> None:
         self.failures += 1
-        limit = self.config.checkpoint.max_failures
+        limit = MAX_SAVE_FAILURES
         full = self._no_space(step, exc, written, tmp)
         exc = space.full_leaf(exc) or flatten(exc)[0]  # what a group of trainer calls hides
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -305,11 +312,11 @@ class Checkpointer:
             if finished:
                 what = "the final checkpoint could not be saved"
             elif self.failures == 1:
-                what = (f"the checkpoint of step {step} could not be saved (checkpoint."
-                        f"max_failures = {limit}: the first failure stops the run)")  # fmt: skip
+                what = (f"the checkpoint of step {step} could not be saved (MAX_SAVE_FAILURES "
+                        f"= {limit}: the first failure stops the run)")  # fmt: skip
             else:
-                what = (f"{self.failures} checkpoint saves in a row failed (checkpoint."
-                        f"max_failures = {limit})")  # fmt: skip
+                what = (f"{self.failures} checkpoint saves in a row failed (MAX_SAVE_FAILURES "
+                        f"= {limit}, asyncrl.checkpoints.saving)")  # fmt: skip
             raise RunError(f"{what}; the last: {type(exc).__name__}: {first}. Fix: {fix}") from exc
 
     def _no_space(
@@ -455,7 +462,7 @@ def open_resume(
     code: dict[str, str] | None = None,
 ) -> Resume | None:
     """The checkpoint to resume, or ``None`` (``spec`` is ``None``). Checked before anything
-    loads it: this run's settings against the checkpoint's (:mod:`asyncrl.run.resume_rule`;
+    loads it: this run's settings against the checkpoint's (:mod:`asyncrl.checkpoints.resume_rule`;
     ``allow_changed`` names the strict changes accepted; ``code``: the run's reward code,
     :func:`code_fingerprints`, ``None``: not compared), not finished, every file's size and
     digest. Saves that never finished are cleaned up first. Blocking: run it in a worker

@@ -1,0 +1,196 @@
+"""Config keys that existed once, and what replaced them: a config that still sets one gets a
+:class:`~asyncrl.errors.ConfigError` that says so (:func:`refuse_removed`, run by the loader
+before the typed struct is built), and a checkpoint whose stored config holds one still resumes
+(:mod:`asyncrl.checkpoints.resume_rule` drops it, comparing its value with :attr:`Removed.default`).
+
+Issue 50 cut the reference (docs/configuration.md) to the keys a user decides with: the
+tuning constants became module constants next to the code that uses them, each with the
+measurement or reason that chose its value. The constants are named here as text (importing
+their modules would pull the controller, the torch side or a plugin into the config);
+tests/unit/test_config.py checks each against its module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.errors import ConfigError
+from asyncrl.errors import config_error as fail
+
+__all__ = [
+    "REMOVED", "Removed", "message", "refuse_removed", "removed_in", "without_removed",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Removed:
+    """One removed key."""
+
+    default: Any
+    """Its default when it was a key, which the code has used since (a checkpoint that
+    stored another value resumes with this one, logged)."""
+    now: str
+    """What replaced it: the constant (``module.NAME``), or what the code does instead."""
+    why: str = ""
+    """Why it is no longer a key, or what to do instead (when ``now`` does not say)."""
+    constant: str = ""
+    """The constant's dotted path, when it is one whose value is :attr:`default` (checked by
+    the tests)."""
+
+
+def _constant(path: str, default: Any, why: str = "") -> Removed:
+    return Removed(default, f"the constant {path} = {default!r}", why, constant=path)
+
+
+_TUNING = "a tuning constant nobody needed to change"
+_GUARD = "a defence against broken or hostile clients, not a decision of a run"
+
+REMOVED: dict[str, Removed] = {
+    # -- before issue 50
+    "refit.verify_tolerance_fp8_kv": Removed(
+        0.2,
+        "refit verification measures the two sides' disagreement before the first update, "
+        "the FP8 KV cache's included, and judges refits by it (docs/refit.md)",
+        "the margin is asyncrl.policy.verify.NOISE_FACTOR",
+    ),
+    # -- issue 50: [run]
+    "run.stall_warning_s": _constant("asyncrl.obs.watchdog.STALL_WARNING_S", 10.0, _TUNING),
+    "run.gc_freeze": _constant("asyncrl.obs.collector.GC_FREEZE", True, _TUNING),
+    "run.gc_young_interval_s": _constant(
+        "asyncrl.obs.collector.GC_YOUNG_INTERVAL_S", 0.05, _TUNING
+    ),
+    "run.gc_full_interval_s": _constant("asyncrl.obs.collector.GC_FULL_INTERVAL_S", 60.0, _TUNING),
+    "run.samples_file_mb": _constant(
+        "asyncrl.obs.sample_export.SAMPLES_FILE_MB", 256.0, _TUNING
+    ),
+    "run.event_loop": _constant(
+        "asyncrl.launch.EVENT_LOOP", "auto", "uvloop where it is installed, else asyncio's"
+    ),
+    # -- [cluster]
+    "cluster.torchrun": Removed(
+        "torchrun",
+        "the constant asyncrl.procs.spawn.TORCHRUN: this interpreter's "
+        "`python -m torch.distributed.run`, what the default meant",
+        "worker groups run with the controller's own Python whatever PATH says",
+    ),
+    # -- [grpo]
+    "grpo.dynamic_sampling_min_std": _constant(
+        "asyncrl.run.scheduling.DYNAMIC_SAMPLING_MIN_STD", 0.0,
+        "dynamic sampling drops the groups whose rewards are all equal, as DAPO does",
+    ),
+    "grpo.dynamic_sampling_max_drops": Removed(
+        0,
+        "4 x grpo.prompts_per_step, what 0 meant "
+        "(asyncrl.run.scheduling.DYNAMIC_SAMPLING_DROPS_PER_PROMPT = 4)",
+        _TUNING,
+    ),
+    # -- [refit]
+    "refit.staging_buffers": _constant("asyncrl.transfers.STAGING_BUFFERS", 2, _TUNING),
+    "refit.drain_timeout_s": _constant("asyncrl.run.refit.DRAIN_TIMEOUT_S", 60.0, _TUNING),
+    "refit.verify_noise_factor": _constant("asyncrl.policy.verify.NOISE_FACTOR", 3.0, _TUNING),
+    "refit.verify_noise_floor": _constant("asyncrl.policy.verify.NOISE_FLOOR", 0.001, _TUNING),
+    "refit.verify_max_noise": _constant(
+        "asyncrl.policy.verify.MAX_NOISE", 0.5,
+        "to skip the check for a model whose two sides disagree more, set "
+        "refit.verify_first_steps = 0 and refit.verify_every_steps = 0",
+    ),
+    "refit.verify_tolerance": _constant("asyncrl.policy.verify.TOLERANCE", None, _TUNING),
+    "refit.verify_num_sequences": _constant(
+        "asyncrl.policy.verify.PROBE_SEQUENCES", 16, _TUNING
+    ),
+    "refit.kv_calibration_sequences": _constant(
+        "asyncrl.run.refit.KV_CALIBRATION_SEQUENCES", 64, _TUNING
+    ),
+    "refit.kv_calibration_percentile": _constant(
+        "asyncrl.run.refit.KV_CALIBRATION_PERCENTILE", 99.9, _TUNING
+    ),
+    "refit.kv_calibration_margin": _constant(
+        "asyncrl.run.refit.KV_CALIBRATION_MARGIN", 1.05, _TUNING
+    ),
+    # -- [checkpoint], [failures], [metrics], [episode]
+    "checkpoint.max_failures": _constant(
+        "asyncrl.checkpoints.saving.MAX_SAVE_FAILURES", 3, _TUNING
+    ),
+    "failures.retry_backoff_s": _constant("asyncrl.policy.failures.RETRY_BACKOFF_S", 1.0, _TUNING),
+    "failures.train_step_retries": _constant(
+        "asyncrl.policy.failures.TRAIN_STEP_RETRIES", 1, _TUNING
+    ),
+    "metrics.completions_count": _constant("asyncrl.obs.console.COMPLETIONS_SHOWN", 3, _TUNING),
+    "metrics.progress": Removed(
+        "auto", "the progress bar shows on an interactive terminal only (what 'auto' did)",
+        "plain logs stay free of it",
+    ),
+    "episode.max_concurrent_tools": _constant(
+        "asyncrl.run.episodes.TOOL_CONCURRENCY", 64, _TUNING
+    ),
+    # -- [gateway]: the guards of asyncrl_gateway.server (a test passes its own Guards)
+    "gateway.max_concurrent_requests": _constant(
+        "asyncrl_gateway.server.MAX_CONCURRENT_REQUESTS", 4096, _GUARD
+    ),
+    "gateway.max_body_bytes": _constant(
+        "asyncrl_gateway.server.MAX_BODY_BYTES", 4 * 1024 * 1024, _GUARD
+    ),
+    "gateway.max_json_values": _constant("asyncrl_gateway.server.MAX_JSON_VALUES", 131072, _GUARD),
+    "gateway.max_messages": _constant("asyncrl_gateway.server.MAX_MESSAGES", 2048, _GUARD),
+    "gateway.max_tools": _constant("asyncrl_gateway.server.MAX_TOOLS", 128, _GUARD),
+    "gateway.request_head_timeout_s": _constant(
+        "asyncrl_gateway.server.REQUEST_HEAD_TIMEOUT_S", 10.0, _GUARD
+    ),
+    "gateway.request_body_timeout_s": _constant(
+        "asyncrl_gateway.server.REQUEST_BODY_TIMEOUT_S", 30.0, _GUARD
+    ),
+    "gateway.keep_alive_timeout_s": _constant(
+        "asyncrl_gateway.server.KEEP_ALIVE_TIMEOUT_S", 30.0, _GUARD
+    ),
+    "gateway.max_connections": _constant(
+        "asyncrl_gateway.server.MAX_CONNECTIONS", 8192, _GUARD
+    ),
+    "gateway.model_name": Removed(
+        "", "the model directory's name, in /v1/models and in every response",
+        "a request may name any model, so an agent that hard-codes one works as it is",
+    ),
+}  # fmt: skip
+"""Every removed key (``section.key``) and what replaced it."""
+
+
+def message(key: str) -> str:
+    """What an error says of removed ``key``: ``<key>: removed: ... Fix: ...``."""
+    entry = REMOVED[key]
+    why = f" ({entry.why})" if entry.why else ""
+    fix = "remove it from the config (docs/configuration.md lists the keys)"
+    return str(fail(key, f"removed: {entry.now}{why}", fix))
+
+
+def removed_in(data: Mapping[str, Any]) -> list[str]:
+    """The removed keys ``data`` (a config as plain tables, e.g. parsed TOML) sets, in the
+    order of :data:`REMOVED`."""
+    found = []
+    for key in REMOVED:
+        section, _, name = key.partition(".")
+        table = data.get(section)
+        if isinstance(table, Mapping) and name in table:
+            found.append(key)
+    return found
+
+
+def refuse_removed(data: Mapping[str, Any]) -> None:
+    """Raise when ``data`` sets a removed key.
+
+    Raises:
+        ConfigError: naming each removed key it sets, what replaced it and the fix.
+    """
+    found = removed_in(data)
+    if found:
+        raise ConfigError("\n".join(message(key) for key in found))
+
+
+def without_removed(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a config as plain tables) without the removed keys it sets: a config a run of
+    an older asyncrl recorded, read by this one (``asyncrl plot``)."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    for key in removed_in(data):
+        section, _, name = key.partition(".")
+        del out[section][name]
+    return out

@@ -1,0 +1,39 @@
+"""The plugin API for staleness samplers (an ``asyncrl.samplers`` entry point): the policy
+half of the scheduler (docs/modes.md).
+
+- ``SamplerPlugin``: what a sampler entry point names: its config struct and a factory.
+- ``Sampler``: the protocol: admit, select, evict, abort, and the state a checkpoint keeps.
+- ``DecidesInFlight``: optional: what becomes of the requests in flight at a refit.
+- ``DescribesMode``: optional: the sampler's mode in one line, for ``asyncrl check-config``.
+- ``SchedulerView``: the scheduler's state as a sampler sees it (read-only).
+- ``GroupView``: one live group as the scheduler shows it (read-only).
+- ``OversampledConfig``: the built-in ``oversampled`` sampler's config, to build on.
+- ``OversampledSampler``: the built-in ``oversampled`` sampler, to build on.
+- ``Scheduler``: the real scheduler, to drive a sampler with in its tests.
+"""
+
+from __future__ import annotations
+
+from asyncrl.policy.samplers import (
+    DecidesInFlight,
+    DescribesMode,
+    GroupView,
+    OversampledConfig,
+    OversampledSampler,
+    Sampler,
+    SamplerPlugin,
+    SchedulerView,
+)
+from asyncrl.policy.schedule import Scheduler
+
+__all__ = [
+    "DecidesInFlight",
+    "DescribesMode",
+    "GroupView",
+    "OversampledConfig",
+    "OversampledSampler",
+    "Sampler",
+    "SamplerPlugin",
+    "Scheduler",
+    "SchedulerView",
+]

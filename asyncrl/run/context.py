@@ -1,0 +1,49 @@
+"""What the parts of a run share: one frozen :class:`RunContext`, built once by the pipeline
+(:mod:`asyncrl.run.loops`) and handed to each part in place of a dozen keyword arguments.
+
+It holds references, not state: each part keeps its own (the book its groups, the publisher its
+refit report); the context only says where the shared ones are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.policy.failures import FailureBudget
+    from asyncrl.run.book import RolloutBook
+    from asyncrl.run.probes import Probes
+    from asyncrl.run.wake import Signal
+    from asyncrl.wire.rpc import ControlPlane
+
+__all__ = ["RunContext"]
+
+
+@dataclass(frozen=True, eq=False)
+class RunContext:
+    """The run's shared parts, as the train pump, the refit, the episodes, the evaluation and
+    the feeder see them."""
+
+    config: Config
+    control: ControlPlane
+    """Calls to the workers."""
+    trainers: list[str]
+    """The trainer ranks' worker names (``trainer:<rank>``)."""
+    book: RolloutBook
+    """The one owner of the run's groups between dispatch and the trainer."""
+    serving: Callable[[], Sequence[str]]
+    """The rollout workers that serve now (one restarting is not among them)."""
+    changed: Signal
+    """A book change: what the rollout pump (or a drain) waits for."""
+    committed: Signal
+    """A commit: the train pump's only reason to look again."""
+    failures: FailureBudget
+    probes: Probes
+    """Fixed token sequences scored on the engines and on the trainer."""
+    metrics: Any
+    """The run's metrics writer (:class:`~asyncrl.obs.log.MetricsWriter`)."""
+    now: Callable[[], float]
+    """Seconds since the run's clock origin."""
