@@ -30,7 +30,7 @@ import structlog
 
 from asyncrl.checkpoints import directory as ckpt
 from asyncrl.checkpoints import resume_rule
-from asyncrl.run.scheduling import run_steps
+from asyncrl.config.modes import run_steps
 from asyncrl.procs import space
 from asyncrl import plugins
 from asyncrl.config import Config, to_dict

@@ -14,7 +14,15 @@ from asyncrl import plugins
 from asyncrl.config.section import Section, at_least_one, fail, not_negative
 from asyncrl.errors import ConfigError
 
-__all__ = ["GeneratorConfig", "RefitConfig", "TrainerConfig"]
+__all__ = ["DRAIN_TIMEOUT_S", "GeneratorConfig", "RefitConfig", "TrainerConfig"]
+
+
+DRAIN_TIMEOUT_S = 60.0
+"""With ``refit.drain``: the longest a drain before a refit waits for the samples in flight;
+after it the refit goes ahead with what is still running (counted in the step's
+``drain_timeouts``). A sample of ``grpo.max_new_tokens`` finishes in seconds on a serving
+engine; a minute only cuts off a stuck one. Once the config key ``refit.drain_timeout_s``
+(issue 50)."""
 
 
 class RefitConfig(Section):
@@ -39,7 +47,7 @@ class RefitConfig(Section):
     faster."""
     drain: bool = False
     """Before each refit, stop dispatching and wait for every sample in flight to finish
-    (for a minute at most: ``asyncrl.run.refit.DRAIN_TIMEOUT_S``), so no sample is generated
+    (for a minute at most: ``DRAIN_TIMEOUT_S``), so no sample is generated
     by two weight versions (slower: generation idles while the last samples finish). Without
     it, samples in flight continue across the weight update (their per-token logprobs say
     which version produced each token). Turn it on when every sample must come from one

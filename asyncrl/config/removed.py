@@ -77,13 +77,13 @@ REMOVED: dict[str, Removed] = {
     ),
     # -- [grpo]
     "grpo.dynamic_sampling_min_std": _constant(
-        "asyncrl.run.scheduling.DYNAMIC_SAMPLING_MIN_STD", 0.0,
+        "asyncrl.config.modes.DYNAMIC_SAMPLING_MIN_STD", 0.0,
         "dynamic sampling drops the groups whose rewards are all equal, as DAPO does",
     ),
     "grpo.dynamic_sampling_max_drops": Removed(
         0,
         "4 x grpo.prompts_per_step, what 0 meant "
-        "(asyncrl.run.scheduling.DYNAMIC_SAMPLING_DROPS_PER_PROMPT = 4)",
+        "(asyncrl.config.modes.DYNAMIC_SAMPLING_DROPS_PER_PROMPT = 4)",
         _TUNING,
     ),
     # -- [refit]

@@ -103,5 +103,5 @@ class StepStats:
     their advantages would all be 0 (``grpo.dynamic_sampling``)."""
     filter_cap_reached: bool = False
     """The step dropped as many groups as dynamic sampling may (4 x ``grpo.prompts_per_step``:
-    :data:`asyncrl.run.scheduling.DYNAMIC_SAMPLING_DROPS_PER_PROMPT`) and trained the rest of
+    :data:`asyncrl.config.modes.DYNAMIC_SAMPLING_DROPS_PER_PROMPT`) and trained the rest of
     its uniform groups as they were."""

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl import transfers
 from asyncrl.errors import ConfigError, NoSpaceError, RemoteCallError, flatten
 from asyncrl.safetensors import read_safetensors_header
 
@@ -294,10 +293,11 @@ def shm_fix(base: str, transfer: bool = True) -> str:
     return fix
 
 
-def shm_need(cfg: Any, size: ModelSize | None) -> int:
+def shm_need(cfg: Any, size: ModelSize | None, buffers: int) -> int:
     """Bytes the ``shm`` transfer's staging files will hold in ``/dev/shm``.
 
-    Each of the :data:`~asyncrl.transfers.STAGING_BUFFERS` buffers is sized for the largest
+    Each of the ``buffers`` staging buffers (:data:`asyncrl.transfers.STAGING_BUFFERS`) is
+    sized for the largest
     bucket it holds: at most ``bucket_size_mb`` (plus one alignment), or one tensor larger
     than that; and the buckets of all the buffers are distinct parts of the model, so together
     they hold at most the whole model. The bytes are counted in ``model.dtype``, the dtype the trainer
@@ -305,11 +305,10 @@ def shm_need(cfg: Any, size: ModelSize | None) -> int:
     float32 checkpoint served in bfloat16 sends half its file size); counting every tensor
     of the files, buffers included, and rounding each tensor up to the alignment errs on the
     large side. Without safetensors headers the largest tensor is taken to fit a bucket.
-    Without weight files (a model the backend builds itself): ``STAGING_BUFFERS`` full
+    Without weight files (a model the backend builds itself): ``buffers`` full
     buckets, the most the transfer can stage. Each file is rounded up to whole pages.
     """
     refit = cfg.refit
-    buffers = transfers.STAGING_BUFFERS
     bucket = refit.bucket_size_mb << 20
     per_element = _DTYPE_BYTES[cfg.model.dtype]
     if size is None:
@@ -323,7 +322,9 @@ def shm_need(cfg: Any, size: ModelSize | None) -> int:
     return pages * _PAGE
 
 
-def _check_shm(cfg: Any, size: ModelSize | None, engines: Mapping[str, int]) -> None:
+def _check_shm(
+    cfg: Any, size: ModelSize | None, engines: Mapping[str, int], buffers: int
+) -> None:
     parts: list[tuple[int, str]] = []
     transfer = cfg.refit.transport == "shm"
     if transfer:
@@ -334,9 +335,8 @@ def _check_shm(cfg: Any, size: ModelSize | None, engines: Mapping[str, int]) -> 
             else f"refit.bucket_size_mb = {cfg.refit.bucket_size_mb} MiB (model.path holds no "
             "weight file to size the model by)"
         )
-        parts.append((shm_need(cfg, size), f"the shm weight transfer's "
-                                           f"{transfers.STAGING_BUFFERS} staging files of up to "
-                                           f"{how}"))
+        parts.append((shm_need(cfg, size, buffers), f"the shm weight transfer's {buffers} "
+                                                    f"staging files of up to {how}"))
     engine = max(engines.items(), key=lambda item: item[1], default=("", 0))
     if engine[1] > 0:
         # engines start at once, and their queues are sparse files (pages are taken as they
@@ -402,12 +402,15 @@ def _check_disks(cfg: Any, size: ModelSize | None) -> None:
         )
 
 
-def check_space(cfg: Any, engines: Mapping[str, int] | None = None) -> None:
+def check_space(
+    cfg: Any, engines: Mapping[str, int] | None = None, *, staging_buffers: int
+) -> None:
     """Raise :class:`~asyncrl.errors.ConfigError` when ``/dev/shm`` or a directory the run
     writes to has less room than the run needs (module docstring). ``engines``: what each
     backend says one of its ranks needs free in ``/dev/shm`` at its start
-    (``BackendPlugin.shm_bytes``), by its field (``generator.backend``). Blocking (reads the
+    (``BackendPlugin.shm_bytes``), by its field (``generator.backend``); ``staging_buffers``:
+    the buffers the ``shm`` transfer stages in turn. Blocking (reads the
     model's headers): call it off the event loop."""
     size = model_size(cfg.model.path)
-    _check_shm(cfg, size, engines or {})
+    _check_shm(cfg, size, engines or {}, staging_buffers)
     _check_disks(cfg, size)

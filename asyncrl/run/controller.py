@@ -66,7 +66,7 @@ from asyncrl.procs.spawn import (
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.obs.startup import Startup
 from asyncrl.wire.messages import Hello, Init, TokenBatch
-from asyncrl.run.scheduling import make_scheduler
+from asyncrl.config.modes import make_scheduler
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn

@@ -7,6 +7,7 @@ their config, and ``/dev/shm`` and the run's directories have room enough
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -26,6 +27,7 @@ from asyncrl.data.prompts import Tokenizer
 from asyncrl.services import enabled_services, load_service
 from asyncrl.sinks import check_sinks
 from asyncrl.procs.space import check_space
+from asyncrl.transfers import STAGING_BUFFERS
 
 __all__ = ["check_before_spawn", "end_token_ids", "make_environment"]
 
@@ -76,7 +78,8 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
         for section, plugin in (("trainer", trainer), ("generator", generator))
         if plugin.shm_bytes is not None
     }
-    await anyio.to_thread.run_sync(check_space, cfg, engines)  # /dev/shm, disks: room enough
+    need = functools.partial(check_space, cfg, engines, staging_buffers=STAGING_BUFFERS)
+    await anyio.to_thread.run_sync(need)  # /dev/shm, disks: room enough
     return environment, tokenizer
 
 

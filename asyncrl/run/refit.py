@@ -27,6 +27,7 @@ import numpy as np
 import structlog
 
 from asyncrl.config import RefitConfig
+from asyncrl.config.engines import DRAIN_TIMEOUT_S
 from asyncrl.data.prompts import PromptStream, Tokenizer
 from asyncrl.errors import RefitError, WorkerError, flatten
 from asyncrl.obs.steps import StepRecord
@@ -51,17 +52,10 @@ from asyncrl.wire.rpc import ControlPlane
 from asyncrl.wire.transport import Rejections
 
 __all__ = [
-    "DRAIN_TIMEOUT_S", "KV_CALIBRATION_MARGIN", "KV_CALIBRATION_PERCENTILE",
+    "KV_CALIBRATION_MARGIN", "KV_CALIBRATION_PERCENTILE",
     "KV_CALIBRATION_SEQUENCES", "KVScales", "Publisher", "RefitReport", "calibrate_kv",
     "fp8_kv_cache", "fp8_query", "refit_generators",
 ]
-
-DRAIN_TIMEOUT_S = 60.0
-"""With ``refit.drain``: the longest a drain before a refit waits for the samples in flight;
-after it the refit goes ahead with what is still running (counted in the step's
-``drain_timeouts``). A sample of ``grpo.max_new_tokens`` finishes in seconds on a serving
-engine; a minute only cuts off a stuck one. Once the config key ``refit.drain_timeout_s``
-(issue 50)."""
 
 # FP8 KV-cache calibration (docs/refit.md, "FP8 KV cache"); config keys
 # ``refit.kv_calibration_sequences``, ``_percentile`` and ``_margin`` until issue 50 (the switch

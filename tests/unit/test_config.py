@@ -292,7 +292,7 @@ def test_the_sampler_is_built_once_per_config(
     """Loading checks the sampler; every later question (capacities, the staleness bound,
     the mode) asks that same sampler. Only a scheduler gets a fresh one (it drives it)."""
     from asyncrl.config.modes import describe
-    from asyncrl.run.scheduling import make_scheduler
+    from asyncrl.config.modes import make_scheduler
 
     built = _counting_samplers(monkeypatch)
     cfg = load_config(write(tmp_path, BASE + "[pipeline.sampler]\nname = 'gated'\n"))

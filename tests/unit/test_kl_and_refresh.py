@@ -154,7 +154,7 @@ def test_kl_in_the_reward_penalizes_each_sample_by_its_sampled_tokens() -> None:
 
 
 def test_max_num_epochs_bounds_the_runs_steps(tmp_path) -> None:
-    from asyncrl.run.scheduling import make_scheduler, run_steps
+    from asyncrl.config.modes import make_scheduler, run_steps
 
     cfg = _config(tmp_path, run={"num_steps": 100, "max_num_epochs": 3}, grpo={"prompts_per_step": 8})
     assert run_steps(cfg, 50) == 3 * (50 // 8) == 18  # each pass drops its remainder

@@ -143,7 +143,7 @@ def test_a_checkpoint_whose_config_holds_removed_keys_resumes() -> None:
         "asyncrl.procs.spawn.TORCHRUN: this interpreter's `python -m torch.distributed.run`, "
         "what the default meant)",
         "grpo.dynamic_sampling_min_std: 0.5 -> 0.0 (removed: the constant "
-        "asyncrl.run.scheduling.DYNAMIC_SAMPLING_MIN_STD = 0.0)",
+        "asyncrl.config.modes.DYNAMIC_SAMPLING_MIN_STD = 0.0)",
     ]
     # the strict settings around them are still compared
     moved = compare(_side(old), _side(_config(grpo={"temperature": 2.0})))

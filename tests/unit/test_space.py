@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from asyncrl import transfers
 from asyncrl.procs import space
 from asyncrl.config import from_dict
 from asyncrl.errors import ConfigError, NoSpaceError, RemoteCallError
@@ -97,56 +96,55 @@ def test_shm_need_hand_computed(
     cfg = make_config(tmp_path, model, refit={"bucket_size_mb": 1})
     need = 10 * MiB + 2048 + 3 * 256
     pages = -(-need // 4096) + 2
-    assert space.shm_need(cfg, space.model_size(str(model))) == pages * 4096
+    assert space.shm_need(cfg, space.model_size(str(model)), 2) == pages * 4096
     # buckets of 2 MiB and 4 buffers in float32: each buffer at most 12 MiB + 256 (the
     # 12 MiB tensor), the model 20 MiB + 4 KiB + 768 -> the model bounds it
-    monkeypatch.setattr(transfers, "STAGING_BUFFERS", 4)
     cfg = make_config(tmp_path, model, model={"dtype": "float32"}, refit={"bucket_size_mb": 2})
     need = 20 * MiB + 4096 + 768
-    assert space.shm_need(cfg, space.model_size(str(model))) == (-(-need // 4096) + 4) * 4096
+    assert space.shm_need(cfg, space.model_size(str(model)), 4) == (-(-need // 4096) + 4) * 4096
     # no weight files: STAGING_BUFFERS (2) full buckets
-    monkeypatch.setattr(transfers, "STAGING_BUFFERS", 2)
     cfg = make_config(tmp_path, model, refit={"bucket_size_mb": 3})
-    assert space.shm_need(cfg, None) == 6 * MiB + 2 * 4096
+    assert space.shm_need(cfg, None, 2) == 6 * MiB + 2 * 4096
 
 
 def test_check_space_names_free_needed_and_the_fixes(
     tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = make_config(tmp_path, model, refit={"bucket_size_mb": 1})
-    need = space.shm_need(cfg, space.model_size(str(model)))
+    need = space.shm_need(cfg, space.model_size(str(model)), 2)
     free = {"/dev/shm": need - 1}
     monkeypatch.setattr(space, "free_bytes", lambda path: free.get(path, 1 << 40))
     with pytest.raises(ConfigError) as err:
-        space.check_space(cfg)
+        space.check_space(cfg, staging_buffers=2)
     text = str(err.value)
     assert text.startswith(f"refit.transport: /dev/shm has {need - 1} bytes")
     assert f"needs {need} bytes" in text and "transfer's 2 staging files" in text
     for fix in ("--shm-size", "refit.bucket_size_mb", "2 staging buffers", '"nccl"'):
         assert fix in text.partition("Fix:")[2], fix
     free["/dev/shm"] = need
-    space.check_space(cfg)  # exactly enough
+    space.check_space(cfg, staging_buffers=2)  # exactly enough
     # another transfer stages nothing in /dev/shm
     free["/dev/shm"] = 0
-    space.check_space(make_config(tmp_path, model, refit={"transport": "nccl"}))
+    space.check_space(make_config(tmp_path, model, refit={"transport": "nccl"}),
+                      staging_buffers=2)
 
 
 def test_check_space_adds_the_larger_engine_need(
     tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = make_config(tmp_path, model, refit={"bucket_size_mb": 1})
-    transfer = space.shm_need(cfg, space.model_size(str(model)))
+    transfer = space.shm_need(cfg, space.model_size(str(model)), 2)
     engines = {"trainer.backend": 1000, "generator.backend": 240 << 20}
     need = transfer + (240 << 20)  # the larger one: engines start at once, sparse queues
     free = {"/dev/shm": need - 1}
     monkeypatch.setattr(space, "free_bytes", lambda path: free.get(path, 1 << 40))
     with pytest.raises(ConfigError) as err:
-        space.check_space(cfg, engines)
+        space.check_space(cfg, engines, staging_buffers=2)
     text = str(err.value)
     assert f"the run needs {need} bytes" in text
     assert f"; {240 << 20} bytes (240.0 MiB) for what generator.backend = 'bigram' needs" in text
     free["/dev/shm"] = need
-    space.check_space(cfg, engines)
+    space.check_space(cfg, engines, staging_buffers=2)
     # no shm transfer: the engine alone, named by its field
     cfg = make_config(tmp_path, model, refit={"transport": "nccl"})
     free["/dev/shm"] = (240 << 20) - 1
@@ -154,7 +152,7 @@ def test_check_space_adds_the_larger_engine_need(
                                           r"251658240 bytes .*Fix: give /dev/shm more room "
                                           r"\(docker run --shm-size=8g, or --ipc=host; [^;]*\), "
                                           r"or free it$"):
-        space.check_space(cfg, engines)
+        space.check_space(cfg, engines, staging_buffers=2)
 
 
 def test_check_space_on_disks_adds_up_per_file_system(
@@ -169,14 +167,14 @@ def test_check_space_on_disks_adds_up_per_file_system(
     monkeypatch.setattr(space, "free_bytes",
                         lambda path: 1 << 40 if path == "/dev/shm" else total - 1)
     with pytest.raises(ConfigError) as err:
-        space.check_space(cfg)
+        space.check_space(cfg, staging_buffers=2)
     text = str(err.value)
     assert text.startswith("run.output_dir: the file system of ")
     assert f"{total - 1} bytes" in text and f"needs {total} bytes" in text
     assert f"one checkpoint in {cfg.checkpoint.dir} ({checkpoint} bytes" in text
     assert "run.output_dir and checkpoint.dir and export.dir" in text
     monkeypatch.setattr(space, "free_bytes", lambda path: total)
-    space.check_space(cfg)
+    space.check_space(cfg, staging_buffers=2)
 
 
 def test_full_disk_recognised_here_and_on_workers() -> None:
