@@ -40,7 +40,7 @@ from asyncrl.errors import (
 from asyncrl.wire.messages import ExportModel, LoadState, SaveState
 from asyncrl.wire.rpc import ControlPlane
 
-__all__ = ["MAX_SAVE_FAILURES", "Checkpointer", "Resume", "open_resume"]
+__all__ = ["MAX_SAVE_FAILURES", "Checkpointer", "Resume", "open_resume", "reward_code_of"]
 
 log = structlog.get_logger("asyncrl.checkpoints.saving")
 
@@ -57,13 +57,13 @@ def run_fingerprints(
 ) -> dict[str, Any]:
     """What a checkpoint's manifest records of the run beyond its config (the model's files,
     the chat template's text, the train split, the reward code ``code``:
-    :func:`code_fingerprints`): :func:`asyncrl.checkpoints.resume_rule.fingerprints`."""
+    :func:`reward_code_of`): :func:`asyncrl.checkpoints.resume_rule.fingerprints`."""
     return resume_rule.fingerprints(
         cfg.model.path, cfg.model.chat_template, train_prompts, code
     )
 
 
-def code_fingerprints(cfg: Config, environment: Any) -> dict[str, str]:
+def reward_code_of(cfg: Config, environment: Any) -> dict[str, str]:
     """The reward code of ``environment`` (:func:`asyncrl.checkpoints.resume_rule.code_fingerprints`),
     with the module of its factory as ``environment.name``'s entry point names it. Blocking
     (reads a few source files and the entry points): run it in a worker thread, once, as the
@@ -81,7 +81,7 @@ def code_fingerprints(cfg: Config, environment: Any) -> dict[str, str]:
 class Checkpointer:
     """Saves checkpoints and exports for the loops; counts failed saves. ``train_prompts``:
     the environment's train split (its fingerprint goes into each manifest); ``code``: the
-    run's reward code (:func:`code_fingerprints`, taken as the run started; ``None``: not
+    run's reward code (:func:`reward_code_of`, taken as the run started; ``None``: not
     recorded, and a resume from these checkpoints does not compare it); ``before_save``:
     awaited before a checkpoint's state is taken, to bring what a resume from it keeps up to
     date (the trained samples' files: :meth:`asyncrl.obs.sample_export.SampleExport.flushed`)."""
@@ -464,7 +464,7 @@ def open_resume(
     """The checkpoint to resume, or ``None`` (``spec`` is ``None``). Checked before anything
     loads it: this run's settings against the checkpoint's (:mod:`asyncrl.checkpoints.resume_rule`;
     ``allow_changed`` names the strict changes accepted; ``code``: the run's reward code,
-    :func:`code_fingerprints`, ``None``: not compared), not finished, every file's size and
+    :func:`reward_code_of`, ``None``: not compared), not finished, every file's size and
     digest. Saves that never finished are cleaned up first. Blocking: run it in a worker
     thread.
 

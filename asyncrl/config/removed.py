@@ -88,7 +88,7 @@ REMOVED: dict[str, Removed] = {
     ),
     # -- [refit]
     "refit.staging_buffers": _constant("asyncrl.transfers.STAGING_BUFFERS", 2, _TUNING),
-    "refit.drain_timeout_s": _constant("asyncrl.run.refit.DRAIN_TIMEOUT_S", 60.0, _TUNING),
+    "refit.drain_timeout_s": _constant("asyncrl.config.engines.DRAIN_TIMEOUT_S", 60.0, _TUNING),
     "refit.verify_noise_factor": _constant("asyncrl.policy.verify.NOISE_FACTOR", 3.0, _TUNING),
     "refit.verify_noise_floor": _constant("asyncrl.policy.verify.NOISE_FLOOR", 0.001, _TUNING),
     "refit.verify_max_noise": _constant(

@@ -1,1 +1,1 @@
-"""Processes and their files: spawning, supervising, watching, run locks, disk space."""
+"""Processes and their files: spawning, supervising, watching, scratch files, disk space."""

@@ -44,7 +44,7 @@ import anyio.abc
 import numpy as np
 import structlog
 
-from asyncrl.checkpoints.saving import code_fingerprints, open_resume
+from asyncrl.checkpoints.saving import open_resume, reward_code_of
 from asyncrl.config import Config, to_dict
 from asyncrl.errors import (
     AsyncRLError,
@@ -262,7 +262,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         its workers, its loops; all closed and removed on the way out."""
         cfg = self.config
         # the reward code as imported: compared on resume, recorded in each checkpoint
-        code = await anyio.to_thread.run_sync(code_fingerprints, cfg, environment)
+        code = await anyio.to_thread.run_sync(reward_code_of, cfg, environment)
         resume = await anyio.to_thread.run_sync(lambda: open_resume(
             cfg, self._resume, train_prompts=environment.dataset("train"),
             allow_changed=self._allow_changed, code=code,

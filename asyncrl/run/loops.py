@@ -127,7 +127,7 @@ class Pipeline:
     :class:`~asyncrl.run.controller.Controller` builds it once the workers are ready and
     runs it in its task group; ``restarts`` says which rollout workers serve;
     ``reward_code``: the reward code's fingerprints taken as the run started (each checkpoint
-    records them: :func:`asyncrl.checkpoints.saving.code_fingerprints`)."""
+    records them: :func:`asyncrl.checkpoints.saving.reward_code_of`)."""
 
     def __init__(
         self,
@@ -261,7 +261,7 @@ class Pipeline:
             if collector.GC_YOUNG_INTERVAL_S:
                 tg.start_soon(pace, collector.GC_YOUNG_INTERVAL_S, collector.GC_FULL_INTERVAL_S,
                               name="gc-pacer")  # fmt: skip
-            tg.start_soon(self.feeder.run, name="buffer-feeder")
+            tg.start_soon(self.feeder.run, name="feeder")
             if self.episodes is not None:
                 await tg.start(self.episodes.run, name="episodes")
             for name, served in self.services.items():

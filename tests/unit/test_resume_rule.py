@@ -23,7 +23,7 @@ from asyncrl.data.rewards import Reward
 from asyncrl.environment import Prompt
 from asyncrl.checkpoints import directory as ckpt
 from asyncrl.checkpoints.saving import Checkpointer, open_resume
-from asyncrl.checkpoints.saving import code_fingerprints as code_of
+from asyncrl.checkpoints.saving import reward_code_of as code_of
 from asyncrl.checkpoints.resume_rule import (
     FINGERPRINT_FIELDS, HARMLESS, code_fingerprints, compare, fingerprints,
 )  # fmt: skip

@@ -4,7 +4,7 @@ arrive as OpenAI calls (docs/gateway.md).
 :class:`Gateway` wraps the run's environment (its prompts, and its ``score`` for sessions that
 end without a reward) and is what the episode runner runs: ``run_episode(prompt, episode)``
 opens a session, hands it to an agent (the lobby for agents that call in, or a managed agent
-process), and serves the session's calls in the episode's own task, so they go through the
+process), and serves the session's calls in their HTTP handlers' tasks, so they go through the
 same scheduler, staleness bound and refits as any episode's turns: a call waiting for a refit
 waits; a call whose episode the run cancels is answered 410. The HTTP side is
 :mod:`asyncrl_gateway.server`; what is pure (request types, the conversation, replies, the
