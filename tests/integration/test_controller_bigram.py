@@ -28,7 +28,7 @@ from asyncrl.config import Config  # noqa: E402
 from asyncrl.obs import sample_export  # noqa: E402
 from asyncrl.obs.sample_export import sample_files  # noqa: E402
 from asyncrl.policy import verify  # noqa: E402
-from asyncrl.run import scheduling  # noqa: E402
+from asyncrl.config import modes  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
 from asyncrl_example_backend.model import (  # noqa: E402
     initial_table,
@@ -354,8 +354,8 @@ async def test_dynamic_sampling_drops_groups_up_to_its_cap_and_the_run_goes_on(
     """A spread threshold no group passes: each step drops exactly its cap of 2 groups (one
     per prompt of the step; fresh prompts refill it), then trains the rest as they are, and
     says so."""
-    monkeypatch.setattr(scheduling, "DYNAMIC_SAMPLING_MIN_STD", 10.0)
-    monkeypatch.setattr(scheduling, "DYNAMIC_SAMPLING_DROPS_PER_PROMPT", 1)
+    monkeypatch.setattr(modes, "DYNAMIC_SAMPLING_MIN_STD", 10.0)
+    monkeypatch.setattr(modes, "DYNAMIC_SAMPLING_DROPS_PER_PROMPT", 1)
     cfg = make_config(run={"num_steps": 2}, eval={"num_prompts": 0},
                       grpo={"prompts_per_step": 2, "dynamic_sampling": True})  # fmt: skip
     async with asyncrl.Controller(cfg) as ctl:
