@@ -22,6 +22,7 @@ import os
 import torch
 
 from asyncrl.plugin.backend import Layout, TrainBatch
+from asyncrl_torch.trainer import ChunkSums
 
 from .backend import FSDPBackend
 
@@ -43,9 +44,8 @@ class FrozenBackend(FSDPBackend):
 
     def _forward_backward(
         self, batch: TrainBatch, layout: Layout, bounds: list[tuple[int, int]], passes: int
-    ) -> list[float]:
-        # loss, clipped, IS weights, |diff|, masked, k3, largest |diff|, KL: nothing trained
-        return [0.0] * 8
+    ) -> ChunkSums:
+        return ChunkSums(*[0.0] * len(ChunkSums._fields))  # nothing trained
 
     def _zero_grad(self) -> None:
         pass  # no gradient is ever made

@@ -83,7 +83,7 @@ from asyncrl_torch.step_ledger import StepLedger
 from asyncrl_torch.loss import kl_to_reference, ppo_clip_loss
 from asyncrl_torch.options import TrainerOptions
 
-__all__ = ["DistributedTrainer"]
+__all__ = ["ChunkSums", "DistributedTrainer"]
 
 _PER_TOKEN_INPUTS = ("behaviour_logprobs", "proximal_logprobs", "reference_logprobs")
 
