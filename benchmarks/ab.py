@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,12 +52,26 @@ def _register() -> Any:
     return module.register
 
 
+def _project_names(tree: Path) -> set[str]:
+    """The distributions of ``tree``: its pyproject.toml files' project names."""
+    files = [tree / "pyproject.toml", *tree.glob("backends/*/pyproject.toml"),
+             *tree.glob("plugins/*/pyproject.toml")]  # fmt: skip
+    return {tomllib.loads(f.read_text())["project"]["name"] for f in files}
+
+
 def side_env(tree: Path, metadata: Path) -> tuple[dict[str, str], list[str]]:
     """``PYTHONPATH`` for one side: its dist-infos (written into ``metadata``), then its tree,
     plugins and backends, then what ``PYTHONPATH`` held already (dependencies unpacked into a
     folder, as on the GPU host); and the packages those project roots hold (``asyncrl``,
     ``asyncrl_example_backend``...), which the side must import from its own tree."""
     roots = _register()(tree, metadata)
+    for name in sorted(_project_names(ROOT) - _project_names(tree)):
+        # a distribution the side predates (one split off the core since): an empty
+        # dist-info first on the path hides the venv's, whose entry points would name the
+        # side's own plugins a second time
+        info = metadata / f"{name.replace('-', '_')}-0.dist-info"
+        info.mkdir(exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
     packages = [p.name for root in roots for p in sorted(Path(root).iterdir())
                 if (p / "__init__.py").is_file()]  # fmt: skip
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
