@@ -379,6 +379,8 @@ def check_backend(
     plugin: str,
     group: str,
     optional: Sequence[type] = (),
+    awaited: str = "the worker awaits it on its event loop",
+    plain: str = "it runs in the trainer's thread",
 ) -> dict[str, Any]:
     """Check a just-created backend against the protocol of its group, once, before it starts.
 
@@ -396,6 +398,8 @@ def check_backend(
         group: its entry point group, e.g. ``asyncrl.generation_backends``.
         optional: protocols whose methods the backend may have (:class:`EngineWatch`,
             :class:`KVCalibration`, :class:`ReadsLossInputs`).
+        awaited, plain: why a method must be ``async def``, or must not be, in the message
+            (a worker's backend's, by default; a service's are the controller's).
 
     Returns:
         Each optional method and attribute by name: the backend's bound method (its value),
@@ -409,10 +413,13 @@ def check_backend(
     extra = {name: kind for proto in optional for name, kind in declared_methods(proto).items()}
     fields = [name for proto in optional for name in declared_attributes(proto)]
     spare = public_names(backend, [*required, *extra, *fields])
-    problems = [_problem(backend, name, is_async, spare) for name, is_async in required.items()]
+    def problem(name: str, is_async: bool) -> str:
+        return method_problem(backend, name, is_async, spare, awaited=awaited, plain=plain)
+
+    problems = [problem(name, is_async) for name, is_async in required.items()]
     found: dict[str, Any] = {name: getattr(backend, name, None) for name in [*extra, *fields]}
     problems += [
-        _problem(backend, name, is_async, spare)
+        problem(name, is_async)
         for name, is_async in extra.items()
         if found[name] is not None
     ]
@@ -430,14 +437,6 @@ def check_backend(
             f"{'them' if len(wrong) > 1 else 'it'} as asyncrl.backend.{protocol.__name__} says"
         )
     return found
-
-
-def _problem(backend: Any, name: str, is_async: bool, spare: Sequence[str]) -> str:
-    """What is wrong with ``backend``'s method ``name`` ('' when nothing is); ``spare``: the
-    backend's other public names, where a misspelt method would be."""
-    return method_problem(backend, name, is_async, spare,
-                          awaited="the worker awaits it on its event loop",
-                          plain="it runs in the trainer's thread")  # fmt: skip
 
 
 def drain_weights(weights: Iterator[WeightTensor], *, after_failure: bool = False) -> None:

@@ -67,5 +67,7 @@ def load_service(name: str, field: str) -> Service:
             or a method missing or of the wrong kind (naming the plugin and the method).
     """
     service = plugins.load(GROUP, name, field)
-    check_backend(service, Service, plugin=name, group=GROUP)
+    check_backend(service, Service, plugin=name, group=GROUP,
+                  awaited="the controller awaits it on its event loop",
+                  plain="the controller calls it as it builds the run's loops")  # fmt: skip
     return service

@@ -31,7 +31,7 @@ import structlog
 
 from asyncrl.config import Config
 from asyncrl.data.prompts import Tokenizer, sample_seed
-from asyncrl.env.capabilities import check_environment
+from asyncrl.env.capabilities import EnvironmentParts, check_environment
 from asyncrl.env.episode import (
     Episode,
     EpisodeEnvironment,
@@ -536,6 +536,7 @@ def build_runner(
     tokenizer: Tokenizer,
     fail_group: Callable[[str, str, str, bool, anyio.abc.TaskGroup], dict[str, list[str]]],
     deadline_s: float | None = None,
+    parts: EnvironmentParts | None = None,
 ) -> EpisodeRunner:
     """The run's episode runner, from ``[episode]``: the environment's tools (its ``tools``
     attribute) in one :class:`ToolBox` with the ``episode.tool_parser``, each episode's
@@ -543,8 +544,9 @@ def build_runner(
     end-of-turn tokens), and turn requests sent as one-request ``Generate`` casts (no reply:
     the sample is the answer). ``deadline_s`` overrides ``episode.deadline_s`` (the gateway
     keeps its sessions' deadlines itself: an episode waiting for an agent has none). The
-    environment's optional capabilities (``tools``, ``take_metrics``) are checked once, here
-    (:func:`~asyncrl.env.capabilities.check_environment`), and the runner is given them.
+    environment's optional capabilities (``tools``, ``take_metrics``) are ``parts``, as the
+    caller's :func:`~asyncrl.env.capabilities.check_environment` found them (without: checked
+    here), and the runner is given them.
 
     Raises:
         ConfigError: the model has no chat template.
@@ -564,7 +566,8 @@ def build_runner(
         raise config_error("model.chat_template", "a multi-turn environment needs a chat template "
                            "and the model directory has none",
                            "save one with the tokenizer, or set model.chat_template")  # fmt: skip
-    parts = check_environment(environment, config.environment.name, scored=True)
+    if parts is None:
+        parts = check_environment(environment, config.environment.name, scored=True)
     box, parser = _tools(parts.tools, config, now)
     definitions = box.definitions() if box is not None else None
     ends = end_token_ids(config.model.path) or None

@@ -44,6 +44,7 @@ import structlog
 
 from asyncrl.config import Config
 from asyncrl.data.prompts import PromptStream, Tokenizer, sample_seed
+from asyncrl.env.capabilities import check_environment
 from asyncrl.environment import Environment
 from asyncrl.obs.console import Console
 from asyncrl.obs.startup import Startup
@@ -204,12 +205,15 @@ class Pipeline:
                                    cancel_episodes=self._cancel_episodes)  # fmt: skip
         self.assembler = StepAssembler(ctx, before_training=self.publisher.baseline)
         self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
+        # the environment the run trains on (a service's, if one stands in front), checked once
+        parts = check_environment(environment, cfg.environment.name, scored=True)
         self.episodes: EpisodeRunner | None = None
         if self.episodic:
             self.episodes = build_runner(
                 ctx, environment, tokenizer=tokenizer, fail_group=self.redispatch.episode_failed,
                 deadline_s=min((s.episode_deadline_s for s in self.services.values()
                                 if s.episode_deadline_s is not None), default=None),
+                parts=parts,
             )  # fmt: skip
         self.samples: SampleExport | None = None
         """``run.save_samples``: each trained step's sequences on disk (asyncrl/obs/sample_export.py)."""
@@ -224,7 +228,7 @@ class Pipeline:
         self.evaluator = Evaluator(ctx, environment=environment, tokenizer=tokenizer,
                                    episodes=self.episodes)  # fmt: skip
         self.scorer = Scorer(environment, tokenizer, cfg.environment.name,
-                             timeout_s=cfg.failures.reward_timeout_s)  # fmt: skip
+                             timeout_s=cfg.failures.reward_timeout_s, parts=parts)  # fmt: skip
         self.feeder = Feeder(
             ctx, data=data, scorer=self.scorer, evaluator=self.evaluator,
             redispatch=self.redispatch, rejections=self.rejections,

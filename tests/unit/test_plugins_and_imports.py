@@ -140,3 +140,28 @@ def test_require_names_the_config_field() -> None:
     assert plugins.require("asyncrl.training_backends", "fsdp2", "trainer.backend").name == "fsdp2"
     with pytest.raises(PluginError, match=r"generator.backend: no generation backend named 'vlm'"):
         plugins.require("asyncrl.generation_backends", "vlm", "generator.backend")
+
+
+class _BrokenService:
+    """A service whose ``build`` is ``async def`` and whose ``check`` is misspelt."""
+
+    async def chek(self, config: object, environment: object, tokenizer: object) -> None: ...
+
+    async def build(self, config: object, environment: object, tokenizer: object) -> None: ...
+
+
+def test_a_service_is_checked_once_as_it_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway, as installed, keeps the service contract; one that does not is refused
+    naming the plugin, each method and why, in the controller's words (not a worker's)."""
+    from asyncrl import services
+
+    assert callable(services.load_service("gateway", "gateway.enabled").build)
+    monkeypatch.setattr(services.plugins, "load", lambda group, name, field: _BrokenService())
+    with pytest.raises(PluginError) as refused:
+        services.load_service("broken", "broken.enabled")
+    text = str(refused.value)
+    assert "service 'broken' (asyncrl.services" in text
+    assert "no method 'check' (did you mean 'chek'?)" in text
+    assert "'build' must be a plain method, not `async def` (the controller calls it as it " \
+           "builds the run's loops)" in text
+    assert "trainer" not in text and "worker" not in text
