@@ -13,7 +13,9 @@ here:
   the version it started on;
 * accounting: every dispatched group ends exactly once as trained, evicted (ready but too
   old), aborted (generating and hopeless, or still generating at the end) or unused (complete
-  but untrained at the end), and its samples are counted;
+  but untrained at the end), and its samples are counted: each event once, in the open
+  step's :class:`StepStats` (handed out by :meth:`Scheduler.end_refit`); the run's totals
+  (:attr:`Scheduler.totals`) are the sum of the ended steps' counts and the open step's;
 * a step trains exactly ``prompts_per_step`` groups;
 * dynamic sampling (optional): a ready group whose rewards' spread is at most
   ``filter_min_std`` is dropped instead of trained (the step's quota keeps filling), at most
@@ -59,6 +61,7 @@ from asyncrl.policy.slots import (
     RETRYING,
     SCORING,
     Chunk,
+    Counts,
     Dispatch,
     SchedulerError,
     Slot,
@@ -68,6 +71,7 @@ from asyncrl.policy.slots import (
 
 __all__ = [
     "Chunk",
+    "Counts",
     "Dispatch",
     "SchedulerError",
     "Scheduler",
@@ -75,6 +79,12 @@ __all__ = [
     "StepStats",
     "Wait",
 ]
+
+
+def _total(counter: str, doc: str) -> Any:
+    """A read-only property: the run's total of the :class:`Counts` field ``counter`` (the
+    ended steps' and the open step's), under the name callers have always read."""
+    return property(lambda s: getattr(s._ended, counter) + getattr(s.stats, counter), doc=doc)
 
 
 class Scheduler:
@@ -145,17 +155,12 @@ class Scheduler:
         self._next_index = 0
         self._redispatch: list[tuple[int, int | None]] = []
         """Prompt indices (and target steps) to dispatch again first (after a resume)."""
-        self.dispatched = 0
-        self.trained = 0
-        self.evicted = 0
-        self.filtered = 0
-        self.aborted = 0
-        self.wasted_samples = 0
-        self.unused = 0
-        """Complete groups left untrained when the run ended (:meth:`close`)."""
-        self.failed_groups = 0
-        """Groups dropped because their generation or scoring failed for good."""
         self.stats = StepStats()
+        """The open step's counters: where every event is counted (:meth:`end_refit` hands
+        them out and starts new ones)."""
+        self._ended = Counts()
+        """The counts of every step :meth:`end_refit` ended, and a resumed checkpoint's
+        totals: the run's totals but the open step's (:attr:`totals`)."""
         self.ledger = PromptLedger(prompts_per_epoch)
         self._taken: list[Slot] = []
         """The open step's groups (given back to READY by :meth:`abort_step`)."""
@@ -188,6 +193,22 @@ class Scheduler:
     def drained(self) -> bool:
         """No sample is being generated."""
         return self.inflight_samples == 0
+
+    # the run's totals: the ended steps' counts and the open step's, never counted apart
+    @property
+    def totals(self) -> Counts:
+        """The run's counts so far: every ended step's (and a resumed checkpoint's) plus the
+        open step's."""
+        return self._ended + self.stats
+
+    dispatched = _total("dispatched_groups", "Groups dispatched (a retry is not counted again).")
+    trained = _total("trained_groups", "Groups trained.")
+    evicted = _total("evicted_groups", "Ready groups the sampler dropped as too old.")
+    filtered = _total("filtered_groups", "Ready groups dynamic sampling dropped.")
+    aborted = _total("aborted_groups", "Generating groups aborted.")
+    unused = _total("unused_groups", "Complete groups left untrained at the end (close()).")
+    failed_groups = _total("failed_groups", "Groups that failed for good.")
+    wasted_samples = _total("wasted_samples", "Samples of the groups that left untrained.")
 
     def ledger_report(self) -> list[Any]:
         """The prompt ledger per epoch (:meth:`PromptLedger.report`), with the positions still
@@ -266,7 +287,7 @@ class Scheduler:
         self.stats.inflight_samples_max = max(
             self.stats.inflight_samples_max, self.inflight_samples
         )
-        self.dispatched += 1
+        self.stats.dispatched_groups += 1
         return Dispatch(slot.group_id, index, slot.start_version, target, n)
 
     def sample_finished(self, group_id: str) -> str | None:
@@ -311,7 +332,6 @@ class Scheduler:
             self.stats.generation_retries += 1
             return
         self._drop(slot, "failed")
-        self.failed_groups += 1
         self.stats.failed_groups += 1
         self._replace_stamped(slot)
 
@@ -368,7 +388,6 @@ class Scheduler:
             if slot.state != READY:
                 raise SchedulerError(f"{self.sampler.name} evicted {slot.group_id} ({slot.state})")
             self._drop(slot, "evicted")
-            self.evicted += 1
             self.stats.evicted_groups += 1
             evicted.append(slot.group_id)
         remaining = self.prompts_per_step - self.taken
@@ -416,7 +435,6 @@ class Scheduler:
                 self.stats.filter_cap_reached = True
                 continue
             self._drop(slot, "zero_variance")
-            self.filtered += 1
             self.stats.filtered_groups += 1
             self._replace_stamped(slot)
             dropped.append(slot.group_id)
@@ -430,7 +448,7 @@ class Scheduler:
                 f"step {self.trainer_version} has {self.taken} of {self.prompts_per_step} groups"
             )
         self.trainer_version += 1
-        self.trained += self.taken
+        self.stats.trained_groups += self.taken
         self.ledger.record_trained(s.index for s in self._taken)
         self._taken = []
         self.taken = 0
@@ -468,12 +486,13 @@ class Scheduler:
 
     def end_refit(self) -> StepStats:
         """The generators serve the trainer's version: the gate reopens. Returns the finished
-        step's counters (and starts new ones)."""
+        step's counters (folded into the run's totals) and starts new ones."""
         if self.gate_open:
             raise SchedulerError("end_refit() without a refit")
         self.generator_version = self.trainer_version
         self.gate_open = True
         stats, self.stats = self.stats, StepStats(inflight_samples_max=self.inflight_samples)
+        self._ended += stats  # a copy of its counts: the caller's object stays its own
         return stats
 
     def close(self) -> list[str]:
@@ -482,8 +501,8 @@ class Scheduler:
         for slot in [s for s in self._slots.values() if s.state in (SCORING, READY)]:
             self._forget(slot)
             self.ledger.record_dropped([slot.index], "unused")
-            self.unused += 1
-            self.wasted_samples += slot.n
+            self.stats.unused_groups += 1
+            self.stats.wasted_samples += slot.n
         return [
             self._abort(s) for s in list(self._slots.values()) if s.state in (GENERATING, RETRYING)
         ]
@@ -499,9 +518,7 @@ class Scheduler:
             if slot.group_id in self._retry:
                 self._retry.remove(slot.group_id)
         self.ledger.record_dropped([slot.index], "aborted")
-        self.aborted += 1
         self.stats.aborted_groups += 1
-        self.wasted_samples += slot.n
         self.stats.wasted_samples += slot.n
         return slot.group_id
 
@@ -510,7 +527,6 @@ class Scheduler:
         ``reason``, its samples wasted."""
         self._forget(slot)
         self.ledger.record_dropped([slot.index], reason)
-        self.wasted_samples += slot.n
         self.stats.wasted_samples += slot.n
 
     def _replace_stamped(self, slot: Slot) -> None:
@@ -535,21 +551,28 @@ class Scheduler:
         prompt: versions, counters, the prompt-stream cursor, the sampler's state, the ready
         groups (kept as they are: the caller saves their samples) and the prompts of every
         other untrained group (generating or being scored: dispatched again first on
-        resume)."""
+        resume).
+
+        The counters saved are the run's :attr:`totals`, the open step's included (what it
+        counted since the last :meth:`end_refit`: dispatches, failures, drops); the open
+        step's own record starts again at the resume. ``unused`` is not saved: only
+        :meth:`close` counts it, after the run's last step boundary.
+        """
         if self.taken or not self.gate_open:
             raise SchedulerError("state_dict() is taken between steps (no open step or refit)")
         live = self.live
+        totals = self.totals
         return {
             "trainer_version": self.trainer_version,
             "next_index": self._next_index,
             # the groups dispatched again on resume are counted when they are
-            "dispatched": self.dispatched - sum(1 for s in live if s.state != READY),
-            "trained": self.trained,
-            "evicted": self.evicted,
-            "filtered": self.filtered,
-            "aborted": self.aborted,
-            "wasted_samples": self.wasted_samples,
-            "failed_groups": self.failed_groups,
+            "dispatched": totals.dispatched_groups - sum(1 for s in live if s.state != READY),
+            "trained": totals.trained_groups,
+            "evicted": totals.evicted_groups,
+            "filtered": totals.filtered_groups,
+            "aborted": totals.aborted_groups,
+            "wasted_samples": totals.wasted_samples,
+            "failed_groups": totals.failed_groups,
             "ledger": self.ledger.state_dict(),
             "ready": [
                 {
@@ -578,16 +601,22 @@ class Scheduler:
         Their start versions and completion order (``ready_seq``) are kept, so the staleness
         bound holds for them exactly as it would have without the interruption and a state
         saved again at once equals the one restored; the redispatched prompts start on the
-        version the generators serve after the resume's refit.
+        version the generators serve after the resume's refit. The saved totals count as
+        ended steps' (:attr:`totals`); the open step's counters start at 0.
         """
-        if self._slots or self.dispatched:
+        if self._slots or self.totals != Counts():
             raise SchedulerError("load_state_dict() needs a fresh scheduler")
         self.trainer_version = self.generator_version = int(state["trainer_version"])
         self._next_index = int(state["next_index"])
-        for key in ("dispatched", "trained", "evicted", "aborted", "wasted_samples"):
-            setattr(self, key, int(state[key]))
-        self.failed_groups = int(state["failed_groups"])
-        self.filtered = int(state.get("filtered", 0))  # absent before dynamic sampling
+        self._ended = Counts(
+            dispatched_groups=int(state["dispatched"]),
+            trained_groups=int(state["trained"]),
+            evicted_groups=int(state["evicted"]),
+            filtered_groups=int(state.get("filtered", 0)),  # absent before dynamic sampling
+            aborted_groups=int(state["aborted"]),
+            failed_groups=int(state["failed_groups"]),
+            wasted_samples=int(state["wasted_samples"]),
+        )
         self.ledger = PromptLedger.from_state_dict(state["ledger"])
         self._redispatch = [
             (int(i), None if int(t) < 0 else int(t)) for i, t in state["redispatch"]

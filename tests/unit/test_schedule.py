@@ -17,7 +17,7 @@ from asyncrl.policy.samplers import (
     Sampler,
     slack,
 )
-from asyncrl.policy.schedule import Dispatch, Scheduler, SchedulerError, Wait
+from asyncrl.policy.schedule import Counts, Dispatch, Scheduler, SchedulerError, StepStats, Wait
 from schedule_support import scheduler
 
 
@@ -200,6 +200,53 @@ def test_state_dict_resumes_without_losing_or_repeating_a_prompt() -> None:
     train_step(resumed, ["g2", "g3"])
     nxt, _ = dispatch_all(resumed)
     assert [d.index for d in nxt] == [6, 7]  # the stream continues where it stopped
+
+
+def test_run_totals_are_the_steps_counts_and_survive_a_resume_between_steps() -> None:
+    """Each event is counted once, in the open step's counters; the run's totals are the
+    ended steps' plus the open step's, and a checkpoint between steps keeps what the open
+    step counted since the last refit (here a group failed for good and new dispatches)."""
+    s = make(in_order(1), P=2, steps=4)
+    dispatch_all(s)  # g0..g3: steps 0 and 1
+    for gid in ("g0", "g1"):
+        complete(s, gid)
+    s.next_chunk()
+    s.finish_step()
+    s.begin_refit()
+    step0 = s.end_refit()
+    assert (step0.dispatched_groups, step0.trained_groups, step0.wasted_samples) == (4, 2, 0)
+    assert s.totals == Counts() + step0 and (s.dispatched, s.trained) == (4, 2)
+    s.failed("g2", retry=False)  # between steps: the open step counts it
+    again, _ = dispatch_all(s)  # g2's fresh prompt for step 1, then step 2's two
+    assert [(d.index, d.target_step) for d in again] == [(4, 1), (5, 2), (6, 2)]
+    assert (s.stats.failed_groups, s.stats.wasted_samples, s.stats.dispatched_groups) == (1, 2, 3)
+    assert (s.failed_groups, s.wasted_samples, s.dispatched) == (1, 2, 7)
+    assert s.totals == step0 + s.stats
+    state = s.state_dict()
+    # g3..g6 are generating: dispatched again (and counted again) on resume
+    assert (state["failed_groups"], state["wasted_samples"], state["dispatched"]) == (1, 2, 3)
+    resumed = make(in_order(1), P=2, steps=4)
+    resumed.load_state_dict(state)
+    assert resumed.stats == StepStats()  # the open step's record starts again
+    assert (resumed.failed_groups, resumed.wasted_samples, resumed.trained) == (1, 2, 2)
+    assert resumed.state_dict() == state
+    dispatch_all(resumed)
+    assert resumed.dispatched == s.dispatched and resumed.stats.dispatched_groups == 4
+
+
+def test_close_counts_unused_groups_in_the_open_step() -> None:
+    s = make(OversampledSampler(OversampledConfig(over_sampling_ratio=2.0)), P=1, N=3, steps=1)
+    ds, _ = dispatch_all(s)
+    assert len(ds) == 2
+    for d in ds:
+        complete(s, d.group_id)
+    assert len(s.next_chunk().groups) == 1
+    s.finish_step()
+    s.begin_refit()
+    assert s.end_refit().trained_groups == 1
+    assert s.close() == []  # the other group is ready: unused, not aborted
+    assert (s.stats.unused_groups, s.stats.wasted_samples) == (1, 3)
+    assert (s.unused, s.wasted_samples, s.trained) == (1, 3, 1)
 
 
 def test_state_dict_only_between_steps() -> None:

@@ -13,6 +13,10 @@ its own ledger of what happened and checks it against the rules the modes promis
 * live groups and samples in flight stay within their caps;
 * every dispatched group ends exactly once as trained, evicted, aborted or unused, and the
   scheduler's counters (and wasted samples = N per wasted group) agree with the ledger;
+* each event is counted once, in the open step's counters: after every action those equal
+  what the ledger saw since the last refit's end (and each step's counters handed out by
+  ``end_refit`` equal what it saw in that step), and the run's totals equal the sum of the
+  steps' handed out plus the open step's (a resume starting from the totals it saved);
 * ``gated`` and ``in_order`` waste nothing; the run never deadlocks;
 * with ``crashes``, the controller dies at random step boundaries: a fresh scheduler restores
   the saved state, the samples in flight are lost, the ready groups survive, and every rule
@@ -35,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.policy.samplers import OversampledConfig, OversampledSampler
-from asyncrl.policy.schedule import Dispatch, Scheduler, SchedulerError
+from asyncrl.policy.schedule import Counts, Dispatch, Scheduler, SchedulerError, StepStats
 from schedule_support import SAMPLERS as BUILT_IN
 from schedule_support import caps, scheduler, shape_strategies
 
@@ -47,6 +51,35 @@ SAMPLERS = {
     ),
 }
 WASTE_FREE = {"in_order", "gated"}
+
+
+def step_counts(stats: StepStats) -> Counter[str]:
+    """A step's counters as the ledger below sees its events (an eviction and a drop of
+    dynamic sampling are both a ready group leaving: told apart only at the run's end)."""
+    return +Counter(
+        dispatched=stats.dispatched_groups,
+        trained=stats.trained_groups,
+        dropped=stats.evicted_groups + stats.filtered_groups,
+        aborted=stats.aborted_groups,
+        failed=stats.failed_groups,
+        unused=stats.unused_groups,
+        wasted=stats.wasted_samples,
+    )
+
+
+def check_totals(s: Scheduler, base: Counts, handed: Counts, seen: Counter[str]) -> None:
+    """Each event counted once: the open step's counters are what the ledger ``seen`` since
+    the last refit's end, and the run's totals are the fold of ``base`` (a resume's saved
+    totals), the steps' counters ``handed`` out by ``end_refit`` since, and the open
+    step's; each run-wide count reads that fold."""
+    assert step_counts(s.stats) == +seen, (step_counts(s.stats), seen)
+    t = s.totals
+    assert t == base + handed + s.stats, (t, base, handed, s.stats)
+    assert (s.dispatched, s.trained, s.evicted, s.filtered, s.aborted, s.unused,
+            s.failed_groups, s.wasted_samples) == (
+        t.dispatched_groups, t.trained_groups, t.evicted_groups, t.filtered_groups,
+        t.aborted_groups, t.unused_groups, t.failed_groups, t.wasted_samples,
+    )  # fmt: skip
 
 
 def run_schedule(
@@ -98,9 +131,14 @@ def run_schedule(
     # enough of them train (dispatch waits meanwhile)
     retries = 0  # generation failures retried: counted in the step stats, unlike worker deaths
     counted = 0  # the step stats' generation_retries, summed
+    seen: Counter[str] = Counter()  # events since the last refit's end, as step_counts() names them
+    base = Counts()  # the totals the scheduler started from (a resume's)
+    handed = Counts()  # the steps' counters end_refit handed out since
 
     def note_aborted(ids: list[str]) -> None:
         aborted_by_scheduler.update(ids)
+        seen["aborted"] += len(ids)
+        seen["wasted"] += N * len(ids)
         for gid in ids:  # a retrying group has nothing on an engine: gone at once
             if gid in retrying or gid in due:
                 retrying.discard(gid)
@@ -110,8 +148,9 @@ def run_schedule(
     def crash_and_resume() -> Scheduler:
         """The controller dies right after saving at this step boundary: what was generating
         or being scored is gone (its prompts are dispatched again), ready groups survive."""
-        nonlocal counted
+        nonlocal counted, base, handed
         counted += s.stats.generation_retries  # the open step's, lost with the controller
+        totals = s.totals
         state = s.state_dict()
         ready = {g for g in start if s.tracks(g) and s.slot(g).ready}
         for gid, _ in running:  # the samples of aborting groups vanish with the engines
@@ -129,7 +168,35 @@ def run_schedule(
         new = fresh()
         assert set(new.load_state_dict(state)) == ready
         assert new.num_live == len(ready) and new.inflight_samples == 0
+        # the totals go on, the open step's counts in them; the prompts dispatched again
+        # are counted again when they are
+        again = len(lost - aborted_by_scheduler)
+        totals.dispatched_groups -= again
+        assert new.totals == totals and new.stats == StepStats(), (new.totals, totals)
+        base, handed = new.totals, Counts()
+        seen.clear()
         return new
+
+    def end_refit() -> None:
+        nonlocal counted, handed
+        stats = s.end_refit()
+        assert step_counts(stats) == +seen, (step_counts(stats), seen)  # the step's own events
+        counted += stats.generation_retries
+        handed += stats
+        seen.clear()
+
+    def dispatched(d: Dispatch) -> None:
+        """A dispatch the ledger takes in: a retry (same group, same prompt, same step) is
+        not a new dispatch."""
+        if d.group_id in due:
+            due.discard(d.group_id)
+            assert (index[d.group_id], target[d.group_id]) == (d.index, d.target_step)
+        else:
+            assert d.group_id not in start
+            seen["dispatched"] += 1
+        start[d.group_id], index[d.group_id] = d.start_version, d.index
+        target[d.group_id] = d.target_step
+        running.extend((d.group_id, k) for k in range(N))
 
     def finish_one(i: int) -> None:
         gid, _ = running.pop(i)
@@ -148,6 +215,8 @@ def run_schedule(
         for gid in chunk.evicted:
             assert gid not in trained and gid not in evicted
             evicted.add(gid)
+            seen["dropped"] += 1
+            seen["wasted"] += N
         for gid in chunk.groups:
             assert gid not in trained, f"{gid} trained twice"
             assert done_samples[gid] == N and gid not in scoring
@@ -162,6 +231,7 @@ def run_schedule(
         if per_step[s.trainer_version] < P:
             return False
         s.finish_step()
+        seen["trained"] += P
         note_aborted(s.begin_refit())
         return True
 
@@ -198,18 +268,11 @@ def run_schedule(
                 if not isinstance(d, Dispatch):
                     break
                 assert not refit_pending
-                if d.group_id in due:  # a retry: same group, same prompt, same step
-                    due.discard(d.group_id)
-                    assert (index[d.group_id], target[d.group_id]) == (d.index, d.target_step)
-                else:
-                    assert d.group_id not in start
-                    assert s.num_live <= cap  # a new group never takes live past the cap
-                start[d.group_id], index[d.group_id] = d.start_version, d.index
-                target[d.group_id] = d.target_step
+                assert d.group_id in due or s.num_live <= cap  # a new group: never past the cap
                 assert (
                     d.start_version == s.trainer_version
                 )  # generators serve the trainer's version
-                running += [(d.group_id, k) for k in range(N)]
+                dispatched(d)
         elif move == "finish":
             # heavy-tailed completion: mostly a random sample, sometimes the oldest one
             finish_one(rng.randrange(len(running)) if rng.random() < 0.8 else 0)
@@ -219,7 +282,7 @@ def run_schedule(
             rewards[gid] = [float(rng.random() < 0.5) for _ in range(N)]
             s.committed(gid, rewards[gid])
         elif move == "end_refit":
-            counted += s.end_refit().generation_retries
+            end_refit()
             refit_pending = False
         elif move == "train":
             refit_pending = record_chunk(s.next_chunk())
@@ -240,6 +303,8 @@ def run_schedule(
                 retries += 1
             else:
                 failed.add(gid)
+                seen["failed"] += 1
+                seen["wasted"] += N
         elif move == "lost":  # its worker died: sent again first, not a retry of its own
             gid = rng.choice(sorted({g for g, _ in running} - aborted_by_scheduler))
             running[:] = [(g, k) for g, k in running if g != gid]
@@ -250,6 +315,8 @@ def run_schedule(
             gid = scoring.pop(rng.randrange(len(scoring)))
             s.failed(gid, retry=True)  # nothing to retry once generated: dropped
             failed.add(gid)
+            seen["failed"] += 1
+            seen["wasted"] += N
         elif move == "retry":
             gid = rng.choice(sorted(retrying))
             retrying.discard(gid)
@@ -263,6 +330,7 @@ def run_schedule(
         given_back = given_back and s.num_live > cap
         assert s.num_live <= cap or given_back
         assert s.inflight_samples == len(running) <= max_inflight
+        check_totals(s, base, handed, seen)
         if not running and not scoring and not refit_pending and s.gate_open:
             # nothing in flight: the pumps must be able to move, else it is a deadlock
             if retrying:  # a back-off still running: the pump would wait for it
@@ -271,24 +339,25 @@ def run_schedule(
                 s.retry(gid)
             probe = s.dispatch()
             if isinstance(probe, Dispatch):
-                due.discard(probe.group_id)
-                start[probe.group_id], index[probe.group_id] = probe.start_version, probe.index
-                target[probe.group_id] = probe.target_step
-                running += [(probe.group_id, k) for k in range(N)]
+                dispatched(probe)
             else:
                 chunk = s.next_chunk()
                 assert chunk.groups or chunk.evicted, (
                     f"deadlock: dispatch waits ({probe.reason}) and no chunk is ready"
                 )
                 refit_pending = record_chunk(chunk)  # into the ledger as a train move would
+        check_totals(s, base, handed, seen)
     if refit_pending:
-        counted += s.end_refit().generation_retries
+        end_refit()
     counted += s.stats.generation_retries
     assert counted == retries, (counted, retries)
     note_aborted(s.close())
     while running:
         finish_one(rng.randrange(len(running)))
     unused = set(start) - set(trained) - evicted - aborted_by_scheduler - failed
+    seen["unused"] += len(unused)  # counted by close(), in the open step's counters too
+    seen["wasted"] += N * len(unused)
+    check_totals(s, base, handed, seen)
 
     assert all(per_step[k] == P for k in range(steps)), per_step
     assert len(trained) == steps * P
