@@ -434,7 +434,8 @@ def check_backend(
         raise PluginError(
             f"{GROUPS.get(group, group)} {plugin!r} ({group}: {cls.__module__}.{cls.__qualname__})"
             f" does not implement {protocol.__name__}: {'; '.join(wrong)}. Fix: define "
-            f"{'them' if len(wrong) > 1 else 'it'} as asyncrl.backend.{protocol.__name__} says"
+            f"{'them' if len(wrong) > 1 else 'it'} as "
+            f"{protocol.__module__}.{protocol.__name__} says"
         )
     return found
 

@@ -313,7 +313,7 @@ class CollectiveTimeoutError(WorkerError):
 
 class ControllerLostError(WorkerError):
     """A worker noticed that its controller is gone: its process exited, or it sent nothing
-    for ``failures.heartbeat_interval_s + heartbeat_timeout_s`` (stopped, its event loop
+    for its probe interval + ``failures.heartbeat_timeout_s`` (stopped, its event loop
     blocked, its host gone or cut off; :mod:`asyncrl.worker.controller_watch`). The worker
     stops its engine, removes the run's socket and shared-memory directories the controller
     can no longer remove, and exits.

@@ -68,6 +68,7 @@ __all__ = [
     "declared_attributes",
     "declared_methods",
     "did_you_mean",
+    "install_hint",
     "load",
     "method_problem",
     "public_names",
@@ -142,6 +143,12 @@ def available(group: str) -> dict[str, PluginInfo]:
     return found
 
 
+def install_hint(group: str, name: str) -> str:
+    """The command that installs first-party plugin ``name`` of ``group`` (``""``: not a
+    first-party one): what an error about it missing tells the user to run."""
+    return _HINTS.get((group, name), "")
+
+
 def require(group: str, name: str, field: str | None = None) -> PluginInfo:
     """Check that ``name`` is installed in ``group`` without importing it (used before any
     worker is spawned, so a typo in ``field`` fails fast).
@@ -153,7 +160,7 @@ def require(group: str, name: str, field: str | None = None) -> PluginInfo:
     plugins = available(group)
     if name in plugins:
         return plugins[name]
-    hint = _HINTS.get((group, name))
+    hint = install_hint(group, name)
     known = ", ".join(sorted(plugins)) or "none"
     msg = f"no {GROUPS[group]} named {name!r} is installed (installed: {known})"
     if field:

@@ -94,7 +94,7 @@ def config(model: Path, out: Path, args: argparse.Namespace, prompts: int) -> di
             "min_groups_for_streaming_train": max(1, prompts // 4),
             "max_inflight_samples": episodes,
         },
-        "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
+        "refit": {"bucket_size_mb": 1, "verify_every_steps": 0},
         "trainer": {"backend": "bigram", "options": {"lr": 0.5}},
         "generator": {
             "backend": "bigram",

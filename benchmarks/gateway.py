@@ -143,7 +143,7 @@ def config(model: Path, out: Path, args: argparse.Namespace, sessions: int) -> d
             "min_groups_for_streaming_train": max(1, prompts // 4),
             "max_inflight_samples": episodes,
         },
-        "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
+        "refit": {"bucket_size_mb": 1, "verify_every_steps": 0},
         "trainer": {"backend": "bigram", "options": {"lr": 0.5}},
         "generator": {"backend": "bigram", "options": {"token_delay_s": args.token_delay}},
         "gateway": {"enabled": True},  # its guards: controller_child

@@ -63,7 +63,7 @@ def config(model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
                  "max_new_tokens": 8},
         "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 0},
                      "max_inflight_samples": sessions},
-        "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
+        "refit": {"bucket_size_mb": 1, "verify_every_steps": 0},
         "trainer": {"backend": "bigram", "options": {"lr": 0.5}},
         "generator": {"backend": "bigram", "options": {"token_delay_s": args.token_delay}},
         "episode": {"max_turns": 3, "max_context_tokens": 64},
@@ -97,6 +97,7 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     import asyncrl
     from asyncrl.config import from_dict
     from asyncrl_example_backend.model import write_model_dir
+    from asyncrl_gateway.config import gateway_config
 
     root = Path(tempfile.mkdtemp(prefix="managed-agents-"))
     conf = root / "conf"
@@ -141,7 +142,7 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     q = lambda xs, p: float(np.quantile(xs, p))  # noqa: E731
     return {
         "max_agents": args.max_agents or "default",
-        "agents_at_once_limit": cfg.gateway.agents_at_once(),
+        "agents_at_once_limit": gateway_config(cfg).agents_at_once(),
         "cores": len(os.sched_getaffinity(0)),
         "steps": len(steps),
         "sessions": sum(r["episodes"] for r in train),

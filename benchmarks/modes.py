@@ -95,7 +95,7 @@ def base_config(model: Path, out: Path, args: argparse.Namespace) -> dict[str, A
             "samples_per_prompt": args.samples,
             "max_new_tokens": args.max_tokens,
         },
-        "refit": {"bucket_size_mb": 1, "verify_first_steps": 0, "verify_every_steps": 0},
+        "refit": {"bucket_size_mb": 1, "verify_every_steps": 0},
         "trainer": {
             "backend": "bigram",
             "options": {"lr": 0.5, "sequence_delay_s": args.seq_delay},
@@ -273,7 +273,6 @@ async def part_vllm(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]
                 "run.output_dir": str(tmp / name.replace(" ", "_").replace(",", "")),
                 "eval.num_prompts": 0,
                 "grpo.max_new_tokens": 6,
-                "refit.verify_first_steps": 0,
                 "refit.verify_every_steps": 0,
                 "pipeline.sampler": mode["sampler"],
                 "pipeline.min_groups_for_streaming_train": mode["chunk"],

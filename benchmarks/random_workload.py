@@ -161,8 +161,7 @@ def run_sections(model: Path, data: Path, rewards: Path) -> dict[str, Any]:
         "model": {"path": str(model)},
         "cluster": {"trainer_ranks": 1, "rollout_ranks": 1}
         | ({"trainer_gpus": [0], "rollout_gpus": [0]} if gpu else {}),
-        "refit": {"transport": "cuda_ipc" if gpu else "shm",
-                  "verify_first_steps": 0, "verify_every_steps": 0},  # fmt: skip
+        "refit": {"transport": "cuda_ipc" if gpu else "shm", "verify_every_steps": 0},
         "environment": {
             "name": "dataset",
             "options": {"train": str(data), "prompt_field": "text", "id_field": "id",

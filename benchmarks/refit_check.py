@@ -9,7 +9,7 @@ version's weights would be caught.
         --steps 30 --machine h100                                # one GPU
 
 Each run is the real controller with a vLLM rank and an FSDP2 rank (on one GPU where there is
-one), every refit verified (``refit.verify_first_steps = --steps``), twice: at ``--lr`` (real
+one), every refit verified (``refit.verify_every_steps = 1``), twice: at ``--lr`` (real
 steps) and at a learning rate of 1e-12 (the weights never move: every refit is one of equal weights,
 whatever the gradient). Models: ``demo`` is the CPU demo's warm-started tiny Qwen2 on its
 arithmetic task; ``demo-llama`` a Llama-3-shaped model of the same size (random weights);
@@ -109,9 +109,7 @@ def run_config(size: str, dtype: str, lr: float, args: argparse.Namespace, work:
         tokens = args.max_tokens
     sections["model"]["dtype"] = dtype
     # probes of asyncrl.policy.verify.PROBE_SEQUENCES (16) sequences
-    sections["refit"] = {
-        **sections.get("refit", {}), "verify_first_steps": args.steps, "verify_every_steps": 0,
-    }  # fmt: skip
+    sections["refit"] = {**sections.get("refit", {}), "verify_every_steps": 1}
     return {
         **sections,
         "run": {"output_dir": str(out), "num_steps": args.steps, "seed": 0},

@@ -1,6 +1,7 @@
 """Write docs/configuration.md from the field docstrings of the section structs in asyncrl/config/
 (one module per theme; and, for the built-in samplers' ``[pipeline.sampler]`` knobs,
-asyncrl/policy/samplers.py).
+asyncrl/policy/samplers.py), then those of the first-party services' sections, each from its
+plugin (:data:`SERVICES`), under a heading of its own.
 
     .venv/bin/python scripts/gen_config_docs.py
 """
@@ -18,7 +19,11 @@ SECTIONS = {  # in the page's order
     "RefitConfig": "refit", "TrainerConfig": "trainer", "GeneratorConfig": "generator",
     "EnvironmentConfig": "environment", "EvalConfig": "eval",
     "CheckpointConfig": "checkpoint", "ExportConfig": "export", "FailuresConfig": "failures",
-    "MetricsConfig": "metrics", "EpisodeConfig": "episode", "GatewayConfig": "gateway",
+    "MetricsConfig": "metrics", "EpisodeConfig": "episode",
+}
+SERVICES = {  # a first-party service's table: its plugin's distribution, module and struct
+    "gateway": ("plugins/asyncrl-gateway", "asyncrl_gateway/config.py", "GatewayConfig",
+                "the OpenAI-compatible gateway (docs/gateway.md)"),
 }
 
 
@@ -44,6 +49,8 @@ def fields(cls: ast.ClassDef) -> list[tuple[str, str, str]]:
     out, body = [], cls.body
     for i, node in enumerate(body):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if ast.unparse(node.annotation).startswith(("ClassVar", "typing.ClassVar")):
+                continue  # a class attribute (a section's HARMLESS), not a key
             default = _default(node.value)
             doc = ""
             nxt = body[i + 1] if i + 1 < len(body) else None
@@ -78,7 +85,8 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the section structs in `asyncrl/config/` by `scripts/gen_config_docs.py`.",
+        "Generated from the section structs in `asyncrl/config/` (and the first-party services' "
+        "sections from their plugins) by `scripts/gen_config_docs.py`.",
         "Unknown keys are errors; relative paths resolve against the config file's directory.",
         "Backend and environment `options` tables are validated by the plugin (see "
         "docs/backends/).",
@@ -89,7 +97,31 @@ def render() -> str:
         lines += table(classes[name])
         if name == "PipelineConfig":
             lines += sampler_sections()
-    return "\n".join(lines)
+    return "\n".join(lines + service_sections())
+
+
+def service_sections() -> list[str]:
+    """The services' sections: a service's plugin owns its table (docs/plugins.md, "A
+    service's section"); the first-party ones are listed here, each under its plugin's name."""
+    lines = [
+        "## Services' sections",
+        "",
+        "A service (an `asyncrl.services` plugin) owns the top-level table of its name: the "
+        "plugin defines and checks its keys, and documents them. A table that is neither a "
+        "section above nor an installed service's is an error. The first-party services' "
+        "sections follow, generated from their plugins.",
+        "",
+    ]
+    for section, (dist, module, cls, what) in SERVICES.items():
+        path = ROOT / dist / module
+        [node] = [n for n in ast.parse(path.read_text()).body
+                  if isinstance(n, ast.ClassDef) and n.name == cls]  # fmt: skip
+        lines += [f"### `[{section}]`: the `{Path(dist).name}` plugin's section", "",
+                  f"The section of {what}, defined in `{dist}/{module}` (`{cls}`); without "
+                  f"the plugin installed the table is refused with the command that installs "
+                  "it.", ""]  # fmt: skip
+        lines += table(node)
+    return lines
 
 
 def table(node: ast.ClassDef) -> list[str]:

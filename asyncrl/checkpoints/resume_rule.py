@@ -8,7 +8,9 @@ resumed run that changes any of it is refused, naming each field (``saved -> cur
 the fix, unless the user names the field in ``--allow-changed`` (``Controller(...,
 allow_changed=...)``). The settings in :data:`HARMLESS` (how the run is executed, observed and
 saved) are only logged. **Everything else is strict**: a field added later is refused until
-someone judges it harmless and lists it here.
+someone judges it harmless and lists it here. A service's section (``[gateway]``) is its
+plugin's: the keys it names harmless are its section's ``HARMLESS``, and it is compared only
+where the service is switched on (:func:`compare`).
 
 What the config does not say is compared by content (:func:`fingerprints`, saved in each
 manifest): the model directory's files (``model.config``, ``model.tokenizer``,
@@ -38,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.config import CORE_SECTIONS
 from asyncrl.config.removed import REMOVED
 from asyncrl.data.chat import ChatTemplate
 from asyncrl.env.capabilities import rewards_of
@@ -67,13 +70,10 @@ HARMLESS = (
     "refit",
     # evaluation, saving, exporting, failure budgets, metrics
     "eval", "checkpoint", "export", "failures", "metrics",
-    # where the gateway listens and how it guards itself (what it trains on is not here)
-    "gateway.host", "gateway.port", "gateway.keep_agent_logs", "gateway.idle_timeout_s",
-    "gateway.agent_dir", "gateway.max_agents", "gateway.check_agent", "gateway.claim_timeout_s",
-    "gateway.max_request_tokens",
 )  # fmt: skip
 """Settings a resumed run may change freely (each change is logged); every other setting
-must match the checkpoint's unless allowed. A prefix covers its whole section.
+must match the checkpoint's unless allowed. A prefix covers its whole section. A service's
+section names its own (its ``HARMLESS``; :func:`asyncrl.services.harmless_keys`).
 
 A key that was removed (:data:`asyncrl.config.removed.REMOVED`: the tuning constants of issue
 50) is not compared: a checkpoint that stored one resumes, the key dropped; where its stored
@@ -323,7 +323,7 @@ class Changes:
     allowed: list[str] = field(default_factory=list)
     """Strict settings that differ, accepted by ``--allow-changed``."""
     harmless: list[str] = field(default_factory=list)
-    """Settings in :data:`HARMLESS` that differ."""
+    """Settings in :data:`HARMLESS` (or a service's harmless keys) that differ."""
     names: list[str] = field(default_factory=list)
     """For the refusal's fix: what ``--allow-changed`` would need."""
     unknown: list[str] = field(default_factory=list)
@@ -334,13 +334,27 @@ class Changes:
 
 
 def compare(
-    saved: Mapping[str, Any], current: Mapping[str, Any], allow: Iterable[str] = ()
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    allow: Iterable[str] = (),
+    harmless: Iterable[str] = (),
 ) -> Changes:
     """Apply the rule to two ``{"config": ..., "fingerprints": ...}``: the checkpoint's and
     this run's. ``allow``: fields or sections (``loss``, ``grpo.temperature``,
-    ``model.tokenizer``) whose changes are accepted, or ``all``."""
+    ``model.tokenizer``) whose changes are accepted, or ``all``. ``harmless``: the keys of
+    this run's services' sections that are harmless as :data:`HARMLESS`'s are
+    (:func:`asyncrl.services.harmless_keys`).
+
+    A service's section (a top-level table that is not the core's) means something only
+    where the service runs: switched on at both sides, each of its keys is compared; on at
+    one side only, its ``enabled`` alone (a table absent counts as off: the settings of a
+    service that is off do nothing); on at neither, nothing. So a checkpoint of an older
+    asyncrl, which stored a ``[gateway]`` switched off for every run, resumes in a run
+    without the gateway installed."""
     allow = [a.strip() for a in allow if a.strip()]
     old, new = _compared(saved), _compared(current)
+    _services_compared(saved, current, old, new)
+    harmless = (*HARMLESS, *harmless)
     changes = Changes()
     changes.harmless += _drop_removed(old, new)
     known = (ALL, *FINGERPRINT_FIELDS)  # a content name is known even when it has no leaf
@@ -363,7 +377,7 @@ def compare(
         if was == now:
             continue
         line = f"{key}: {_show(was)} -> {_show(now)}"
-        if any(_covers(h, key) for h in HARMLESS):
+        if any(_covers(h, key) for h in harmless):
             changes.harmless.append(line)
         elif ALL in allow or any(_covers(name, key) for name in allow):
             changes.allowed.append(line)
@@ -407,6 +421,29 @@ def _drop_removed(*sides: dict[str, Any]) -> list[str]:
                 lines.append(f"{key}: {_show(stored)} -> {_show(now)} (removed: "
                              f"{REMOVED[key].now})")  # fmt: skip
     return lines
+
+
+def _services_compared(
+    saved: Mapping[str, Any], current: Mapping[str, Any], *leaves: dict[str, Any]
+) -> None:
+    """Keep in ``leaves`` (the checkpoint's compared leaves, this run's) what :func:`compare`
+    compares of each service's section: all of it where the service is on at both sides,
+    its ``enabled`` (``False`` where the table is absent) where it is on at one, nothing
+    where it is on at neither."""
+    configs = [side.get("config") or {} for side in (saved, current)]
+    for name in sorted({*configs[0], *configs[1]} - set(CORE_SECTIONS)):
+        on = [_enabled(config.get(name)) for config in configs]
+        if all(on):
+            continue
+        for side, enabled in zip(leaves, on, strict=True):
+            for key in [k for k in side if _covers(name, k)]:
+                del side[key]
+            if any(on):
+                side[f"{name}.enabled"] = enabled
+
+
+def _enabled(table: Any) -> bool:
+    return isinstance(table, Mapping) and table.get("enabled") is True
 
 
 def _covers(name: str, key: str) -> bool:

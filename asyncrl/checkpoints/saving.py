@@ -37,6 +37,7 @@ from asyncrl.config import Config, to_dict
 from asyncrl.errors import (
     NonFiniteError, NoSpaceError, PluginError, RemoteCallError, RunError, flatten,
 )  # fmt: skip
+from asyncrl.services import harmless_keys
 from asyncrl.wire.messages import ExportModel, LoadState, SaveState
 from asyncrl.wire.rpc import ControlPlane
 
@@ -486,7 +487,7 @@ def open_resume(
              "fingerprints": checkpoint.manifest["fingerprints"]}  # fmt: skip
     current = {"config": to_dict(cfg),
                "fingerprints": run_fingerprints(cfg, train_prompts, code)}  # fmt: skip
-    changes = resume_rule.compare(saved, current, allow)
+    changes = resume_rule.compare(saved, current, allow, harmless_keys(cfg))
     for line in changes.not_compared:
         log.info("resume_not_compared", checkpoint=str(checkpoint.path), what=line)
     _refuse_changes(checkpoint, changes)

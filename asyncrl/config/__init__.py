@@ -19,6 +19,9 @@ their field docstrings by ``scripts/gen_config_docs.py``):
 ``modes``      what the asynchrony settings amount to (``asyncrl check-config``'s report)
 ============== ===========================================================================
 
+A service's section (``[gateway]``) is not here: its plugin defines it, and the loader keeps
+it in ``Config.services`` (:mod:`asyncrl.services`); :data:`CORE_SECTIONS` names the core's.
+
 :func:`explain` (msgspec's validation errors as ``<field>: <problem>. Fix: <fix>.``) lives in
 :mod:`asyncrl.explain`, at the bottom of the package; it is re-exported here.
 
@@ -45,12 +48,19 @@ from asyncrl.config.operations import (
     FailuresConfig,
     MetricsConfig,
 )
-from asyncrl.config.root import Config, problems, required_buffer_capacity, validate
+from asyncrl.config.root import (
+    CORE_SECTIONS,
+    Config,
+    problems,
+    required_buffer_capacity,
+    validate,
+)
 from asyncrl.config.setup import ClusterConfig, EnvironmentConfig, ModelConfig, RunConfig
 from asyncrl.policy.sampler_table import make_sampler, resolve_sampler
 
 __all__ = [
     "explain",
+    "CORE_SECTIONS",
     "CheckpointConfig",
     "ClusterConfig",
     "Config",

@@ -56,23 +56,15 @@ class RefitConfig(Section):
     """Upper bound on one bucket hand-off between trainer and generator; past it the refit
     fails. Raise it only for a transfer that legitimately takes longer per bucket (a slow
     link between nodes)."""
-    verify_first_steps: int = 3
-    """Verify the first this many refits: right after the refit, the generators and the
-    trainer score a fixed probe batch (sequences of the first trained step) and the run stops
-    with a ``RefitError`` if they disagree far beyond what they did before any update (the
-    margins: ``asyncrl.policy.verify``; docs/refit.md, 'Refit verification'). ``0`` with
-    ``verify_every_steps = 0``: no verification (a benchmark, or a model whose two sides
-    disagree by more than the check allows)."""
     verify_every_steps: int = 10
-    """After the first ones, verify every this many weight versions (0 = never). Lower it
-    while bringing up a new backend or transfer; 0 saves the probe's forwards."""
-    kv_calibrate_q: bool = False
-    """Also calibrate query scales when no generator asks for them. A generator whose
-    attention quantizes the query with a static scale (vLLM's FlashAttention 3 with an FP8 KV
-    cache reports ``kv_quantized_query``) gets them in any case: left at 1.0, small queries
-    lose most of their precision (measured on an H200: mean |trainer - vLLM| logprob 0.085
-    instead of bf16's 0.0095). Turn it on for an FP8-KV engine that quantizes the query but
-    does not report it. (The calibration's own settings: ``asyncrl.run.refit.KV_CALIBRATION_*``.)"""
+    """Verify the first refits (``asyncrl.policy.verify.VERIFY_FIRST_STEPS``, 3) and then
+    every this many weight versions: right after the refit, the generators and the trainer
+    score a fixed probe batch (sequences of the first trained step) and the run stops with a
+    ``RefitError`` if they disagree far beyond what they did before any update (the margins:
+    ``asyncrl.policy.verify``; docs/refit.md, 'Refit verification'). ``0``: no verification at
+    all, not even the baseline (a benchmark, or a model whose two sides disagree by more than
+    the check allows). Lower it (1: every refit) while bringing up a new backend or transfer;
+    0 saves the probe's forwards."""
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[refit]``, and whether its transport is installed."""
@@ -86,10 +78,7 @@ class RefitConfig(Section):
                     f"use one of: {', '.join(sorted(transfers)) or 'none (reinstall asyncrl)'}",
                 )
             )
-        return out + not_negative({
-            "refit.verify_first_steps": self.verify_first_steps,
-            "refit.verify_every_steps": self.verify_every_steps,
-        })  # fmt: skip
+        return out + not_negative({"refit.verify_every_steps": self.verify_every_steps})
 
 
 class TrainerConfig(Section):

@@ -35,12 +35,6 @@ class EpisodeConfig(Section):
     ``mask`` gives it reward 0 in its group's baseline but trains none of its tokens (as DAPO's
     overlong filtering). An episode that catches ``EpisodeLimit`` scores itself. Set ``mask``
     when cut-off episodes should not count as wrong answers."""
-    on_template_mismatch: Literal["split", "refuse"] = "split"
-    """When re-rendering the conversation with the chat template would not reproduce the
-    tokens already recorded (a template that drops earlier reasoning, or adds or strips a
-    boundary token): ``split`` trains the episode as several samples, cut there; ``refuse``
-    fails the episode naming the turn and the first difference. Set ``refuse`` to find out why a
-    template does not re-render what was recorded."""
     tool_parser: str = "hermes"
     """The tool-call parser (``asyncrl.tool_parsers`` entry point) that reads tool calls from
     generated text: ``hermes`` (Qwen2.5/Qwen3 ``<tool_call>``), ``llama3_json``, ``mistral``.

@@ -5,10 +5,16 @@ Loading is two steps: the typed struct (a key that was removed says what replace
 :mod:`asyncrl.config.removed`; other unknown keys and wrong types are named by
 :func:`~asyncrl.explain.explain`; relative paths resolved against the config file's
 directory), then :func:`~asyncrl.config.root.validate` (cross-field invariants).
+
+A top-level table that is not one of the core's (:data:`~asyncrl.config.root.CORE_SECTIONS`)
+is a service's section (:mod:`asyncrl.services`): the service of that name is imported (only
+then), the table converted to its ``section`` struct and its paths resolved, and the result
+kept in ``Config.services``; :func:`to_dict` writes it back as the same table.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from pathlib import Path
@@ -18,8 +24,10 @@ import msgspec
 
 from asyncrl.explain import explain
 from asyncrl.config.removed import refuse_removed
-from asyncrl.config.root import Config, validate
+from asyncrl.config.root import CORE_SECTIONS, Config, validate
 from asyncrl.errors import ConfigError
+from asyncrl.errors import config_error as fail
+from asyncrl.plugins import GROUPS, available, install_hint
 
 __all__ = ["from_dict", "load_config", "load_unvalidated", "parse_overrides", "to_dict"]
 
@@ -33,18 +41,29 @@ def from_dict(data: dict[str, Any], *, base_dir: str | os.PathLike[str] = ".") -
     """Build and validate a :class:`Config` from a plain mapping (e.g. parsed TOML).
 
     Relative ``model.path``, ``run.output_dir`` and the other paths are resolved against
-    ``base_dir`` (``environment.base_dir`` and ``gateway.agent_dir`` default to it).
+    ``base_dir`` (``environment.base_dir`` defaults to it; a service's section resolves its
+    own, e.g. ``gateway.agent_dir``).
+
+    Raises:
+        ConfigError: a key unknown, removed or mistyped, a table that is neither a core
+            section nor an installed service's, or a broken invariant.
+        PluginError: a service named by a table fails to import or to keep its contract.
     """
     return validate(_convert(data, base_dir))
 
 
 def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
     refuse_removed(data)
+    tables = {name: value for name, value in data.items() if name not in CORE_SECTIONS}
     try:
-        config = msgspec.convert(data, Config)
+        config = msgspec.convert(
+            {k: v for k, v in data.items() if k in CORE_SECTIONS}, Config
+        )
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(exc, Config)) from None
     base = Path(base_dir)
+    if tables:
+        config = msgspec.structs.replace(config, services=_services(tables, base))
     output_dir = _resolve(base, config.run.output_dir)
     template = config.model.chat_template
     if template != "auto":
@@ -57,9 +76,6 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
         run=msgspec.structs.replace(config.run, output_dir=output_dir),
         environment=msgspec.structs.replace(
             config.environment, base_dir=_resolve(base, config.environment.base_dir or ".")
-        ),
-        gateway=msgspec.structs.replace(
-            config.gateway, agent_dir=_resolve(base, config.gateway.agent_dir or ".")
         ),
         checkpoint=msgspec.structs.replace(
             config.checkpoint,
@@ -75,6 +91,53 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
             config, cluster=msgspec.structs.replace(config.cluster, keys_file=keys_file)
         )
     return config
+
+
+def _services(tables: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Each table as the section of the service of its name, converted, its paths resolved.
+
+    Raises:
+        ConfigError: a table that names no installed service (the first-party one not
+            installed: how to install it; else the core's sections and the installed
+            services), one that is not a table, or a key unknown or mistyped in it.
+        PluginError: the service fails to import or its section breaks the contract.
+    """
+    # asyncrl.services imports the backend contracts, which import this package
+    from asyncrl.services import GROUP, load_section
+
+    installed = available(GROUP)
+    services: dict[str, Any] = {}
+    for name, table in tables.items():
+        if name not in installed:
+            raise _unknown_table(name, GROUP, list(installed))
+        if not isinstance(table, dict):
+            raise fail(name, f"is {table!r}, not a table",
+                       f"write the service's settings as a [{name}] table")  # fmt: skip
+        spec = load_section(name, name)
+        try:
+            section = msgspec.convert(table, spec.type)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(explain(exc, spec.type, prefix=name)) from None
+        if spec.resolve_paths is not None:
+            section = spec.resolve_paths(section, base)
+        services[name] = section
+    return services
+
+
+def _unknown_table(name: str, group: str, installed: list[str]) -> ConfigError:
+    """The error for top-level table ``name``, neither a core section nor the section of an
+    installed service (of ``group``): for a first-party service, how to install it (as
+    :func:`asyncrl.plugins.require` says it); else what the tables may be."""
+    hint = install_hint(group, name)
+    if hint:
+        return fail(name, f"is the section of the {GROUPS[group]} {name!r}, which is not "
+                    "installed", f"install it with: {hint} (or remove the [{name}] "
+                    "table)")  # fmt: skip
+    near = difflib.get_close_matches(name, [*CORE_SECTIONS, *installed], n=1)
+    return fail(name, "is neither a section of the config nor an installed service's",
+                f"{f'did you mean {near[0]!r}? ' if near else ''}rename or remove it "
+                f"(sections: {', '.join(CORE_SECTIONS)}; installed services: "
+                f"{', '.join(sorted(installed)) or 'none'})")  # fmt: skip
 
 
 def load_config(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Config:
@@ -124,9 +187,14 @@ def load_unvalidated(
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def to_dict(config: Config) -> dict[str, Any]:
-    """The config as plain builtins (for logging and for handing to workers)."""
-    return msgspec.to_builtins(config)
+def to_dict(config: Config, *, services: bool = True) -> dict[str, Any]:
+    """The config as plain builtins, as a TOML file would hold it: what a checkpoint stores
+    and a resume compares, each service's section back as its top-level table
+    (``from_dict(to_dict(c)) == c``). ``services=False``: the core's sections alone, what a
+    worker is handed (it serves no service, and converts them without loading any)."""
+    data = msgspec.to_builtins(config)
+    sections = data.pop("services")
+    return {**data, **sections} if services else data
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -13,7 +13,24 @@ import msgspec
 from asyncrl.config.section import Section, fail, not_negative
 from asyncrl.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "EvalConfig", "ExportConfig", "FailuresConfig", "MetricsConfig"]
+__all__ = [
+    "HEARTBEAT_INTERVAL_S", "PROBES_PER_TIMEOUT", "CheckpointConfig", "EvalConfig", "ExportConfig",
+    "FailuresConfig", "MetricsConfig",
+]  # fmt: skip
+
+# The heartbeat's probe interval (docs/failures.md, "Hung workers"): the config key
+# ``failures.heartbeat_interval_s`` until issue 50, now derived from ``heartbeat_timeout_s``
+# (:attr:`FailuresConfig.heartbeat_interval_s`), so a shorter timeout needs no second setting.
+HEARTBEAT_INTERVAL_S = 5.0
+"""The longest time between two probes of a worker: its default when it was a key. A probe
+is one small ``Health`` message per worker, answered by its event loop at once, so 5 s costs
+nothing; a hung worker is found at most this long after ``heartbeat_timeout_s``, and a worker
+takes a silent controller for gone after this plus the timeout (65 s by default)."""
+PROBES_PER_TIMEOUT = 12
+"""Probes that fit in ``heartbeat_timeout_s`` at least: the defaults' 60 s / 5 s. A shorter
+timeout probes more often, so a hang is still found within a twelfth of the timeout after it,
+and a worker takes a silent controller for gone within a twelfth past the timeout too (the
+tests' 3 s timeout: probes every 0.25 s, a controller named after 3.25 s of silence)."""
 
 
 class EvalConfig(Section):
@@ -121,18 +138,16 @@ class FailuresConfig(Section):
     more. With ``refit.transport = "nccl"`` a death in the middle of a refit fails that
     refit for every generator (one broadcast group): it is done again without the dead one.
     Lower it (0) to stop at the first death; raise it for long runs on unreliable engines."""
-    heartbeat_interval_s: float = 5.0
-    """Every worker is sent a health probe this often; its event loop answers it at once,
-    whatever call it is serving. Change it with ``heartbeat_timeout_s`` (a few probes must fit
-    in the timeout)."""
     heartbeat_timeout_s: float = 60.0
-    """A worker that answers no probe for this long while its process lives (stopped,
-    deadlocked, its loop blocked) is hung: it is named (group, rank, last answer, log file)
-    and handled as a death, so a rollout worker is restarted under ``rollout_restarts`` and a
-    trainer stops the run. Each worker likewise stops once it heard nothing from the
-    controller for ``heartbeat_interval_s`` + this long (stopped, its loop blocked, its host
-    gone), time its own loop did not run not counted. ``0``: no heartbeat. Raise it when
-    workers' event loops may be legitimately busy for longer; lower it to notice hangs sooner."""
+    """Every worker is sent a health probe every twelfth of this, 5 s at most (its event loop
+    answers it at once, whatever call it is serving); a worker that answers no probe for this
+    long while its process lives (stopped, deadlocked, its loop blocked) is hung: it is named
+    (group, rank, last answer, log file) and handled as a death, so a rollout worker is
+    restarted under ``rollout_restarts`` and a trainer stops the run. Each worker likewise stops
+    once it heard nothing from the controller for the probe interval + this long (stopped, its
+    loop blocked, its host gone), time its own loop did not run not counted. ``0``: no
+    heartbeat. Raise it when workers' event loops may be legitimately busy for longer; lower it
+    to notice hangs sooner."""
     collective_timeout_s: float | None = None
     """A trainer rank whose torch collective waits longer than this (a rank stuck in its
     compute or gone, ranks out of step) fails the call with a ``CollectiveTimeoutError``, and
@@ -142,6 +157,14 @@ class FailuresConfig(Section):
     heartbeat's timeout (``0``: torch's defaults, 10 min on NCCL, 30 min on gloo). Raise it
     when ranks legitimately wait long on each other (checkpoints written to a slow shared
     file system)."""
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Seconds between two probes of a worker: ``heartbeat_timeout_s`` /
+        :data:`PROBES_PER_TIMEOUT`, :data:`HEARTBEAT_INTERVAL_S` at most (5 s by default).
+        Derived, not a key: the controller and every worker compute it from the same
+        timeout."""
+        return min(HEARTBEAT_INTERVAL_S, self.heartbeat_timeout_s / PROBES_PER_TIMEOUT)
 
     def collective_timeout(self) -> float:
         """The trainer's collective timeout in seconds; ``0``: torch's default."""
@@ -155,12 +178,6 @@ class FailuresConfig(Section):
         if not 0 < self.reward_timeout_s < float("inf"):
             out.append(fail("failures.reward_timeout_s", "must be > 0 and finite", "use e.g. 60"))
         timeout = self.heartbeat_timeout_s
-        if timeout and not 0 < self.heartbeat_interval_s < timeout:
-            out.append(fail(
-                "failures.heartbeat_interval_s",
-                f"must be > 0 and below heartbeat_timeout_s ({timeout})",
-                "use e.g. 5 (a few probes fit in the timeout)",
-            ))  # fmt: skip
         if not 0 <= timeout < float("inf"):
             out.append(fail("failures.heartbeat_timeout_s", "must be >= 0 and finite",
                             "use e.g. 60, or 0 to turn the heartbeat off"))  # fmt: skip

@@ -94,7 +94,7 @@ REMOVED: dict[str, Removed] = {
     "refit.verify_max_noise": _constant(
         "asyncrl.policy.verify.MAX_NOISE", 0.5,
         "to skip the check for a model whose two sides disagree more, set "
-        "refit.verify_first_steps = 0 and refit.verify_every_steps = 0",
+        "refit.verify_every_steps = 0",
     ),
     "refit.verify_tolerance": _constant("asyncrl.policy.verify.TOLERANCE", None, _TUNING),
     "refit.verify_num_sequences": _constant(
@@ -109,6 +109,16 @@ REMOVED: dict[str, Removed] = {
     "refit.kv_calibration_margin": _constant(
         "asyncrl.run.refit.KV_CALIBRATION_MARGIN", 1.05, _TUNING
     ),
+    "refit.verify_first_steps": _constant(
+        "asyncrl.policy.verify.VERIFY_FIRST_STEPS", 3,
+        "refit.verify_every_steps = 0 turns verification off, the first refits' included",
+    ),
+    "refit.kv_calibrate_q": Removed(
+        False,
+        "query scales are calibrated exactly when a generator reports the capability "
+        "kv_quantized_query (vLLM's FlashAttention 3 with an FP8 KV cache does)",
+        "an engine that quantizes the query without reporting it is its plugin's bug: report it",
+    ),
     # -- [checkpoint], [failures], [metrics], [episode]
     "checkpoint.max_failures": _constant(
         "asyncrl.checkpoints.saving.MAX_SAVE_FAILURES", 3, _TUNING
@@ -117,6 +127,13 @@ REMOVED: dict[str, Removed] = {
     "failures.train_step_retries": _constant(
         "asyncrl.policy.failures.TRAIN_STEP_RETRIES", 1, _TUNING
     ),
+    "failures.heartbeat_interval_s": Removed(
+        5.0,
+        "derived from failures.heartbeat_timeout_s: a twelfth of it, 5 s at most "
+        "(asyncrl.config.operations.PROBES_PER_TIMEOUT = 12, HEARTBEAT_INTERVAL_S = 5.0)",
+        "set heartbeat_timeout_s alone",
+        constant="asyncrl.config.operations.HEARTBEAT_INTERVAL_S",
+    ),
     "metrics.completions_count": _constant("asyncrl.obs.console.COMPLETIONS_SHOWN", 3, _TUNING),
     "metrics.progress": Removed(
         "auto", "the progress bar shows on an interactive terminal only (what 'auto' did)",
@@ -124,6 +141,13 @@ REMOVED: dict[str, Removed] = {
     ),
     "episode.max_concurrent_tools": _constant(
         "asyncrl.run.episodes.TOOL_CONCURRENCY", 64, _TUNING
+    ),
+    "episode.on_template_mismatch": Removed(
+        "split",
+        "an episode the chat template does not re-render is always split into several "
+        "samples, and the split logged: an episode_split warning naming the turn and the "
+        "first difference (the first asyncrl.run.episodes.SPLITS_LOGGED = 10 of a run)",
+        "that log says why a template does not re-render what was recorded, what 'refuse' was for",
     ),
     # -- [gateway]: the guards of asyncrl_gateway.server (a test passes its own Guards)
     "gateway.max_concurrent_requests": _constant(

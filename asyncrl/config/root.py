@@ -9,13 +9,13 @@ whether a restarted rollout worker can join it.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import msgspec
 
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
 from asyncrl.config.episodes import EpisodeConfig
-from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.operations import (
     CheckpointConfig,
     EvalConfig,
@@ -30,7 +30,7 @@ from asyncrl.policy.sampler_table import make_sampler, resolve_sampler
 from asyncrl.policy.samplers import Sampler
 from asyncrl.transfers import load_transfer
 
-__all__ = ["Config", "problems", "required_buffer_capacity", "validate"]
+__all__ = ["CORE_SECTIONS", "Config", "problems", "required_buffer_capacity", "validate"]
 
 
 class Config(Section, dict=True):
@@ -57,7 +57,11 @@ class Config(Section, dict=True):
     failures: FailuresConfig = FailuresConfig()
     metrics: MetricsConfig = MetricsConfig()
     episode: EpisodeConfig = EpisodeConfig()
-    gateway: GatewayConfig = GatewayConfig()
+    services: dict[str, Any] = {}
+    """Each service's section (``asyncrl.services``), by the service's name, as its plugin's
+    struct: the top-level table of that name (``[gateway]``), which the loader converts with
+    the service's ``section`` type (:func:`asyncrl.config.loading.from_dict`). Not a table of
+    the TOML itself: the core names no service."""
 
     @functools.cached_property
     def sampler(self) -> Sampler:
@@ -101,6 +105,10 @@ class Config(Section, dict=True):
         return make_sampler(self.pipeline.sampler)
 
 
+CORE_SECTIONS = tuple(name for name in Config.__struct_fields__ if name != "services")
+"""The core's top-level tables, in order; any other is a service's section (or a mistake)."""
+
+
 def required_buffer_capacity(config: Config) -> int:
     """Groups the buffer must hold so that the pumps can never deadlock (the sampler's rule)."""
     return config.sampler.required_buffer_capacity(config.grpo.prompts_per_step)
@@ -117,7 +125,7 @@ def problems(config: Config) -> list[ConfigError]:
     for section in (
         config.refit, config.trainer, config.generator, config.environment, config.eval,
         config.checkpoint, config.export, config.failures, config.metrics, config.episode,
-        config.gateway,
+        *config.services.values(),  # each service's section: its problems() checked as it loaded
     ):  # fmt: skip
         out += section.problems()
     return out + config.model.problems()

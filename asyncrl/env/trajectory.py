@@ -22,11 +22,12 @@ template that trims turns drops a turn's edge whitespace, one may write a differ
 than the model generated (Llama's ``<|eot_id|>`` where the model wrote ``<|eom_id|>``), or
 move a block (Mistral's ``[AVAILABLE_TOOLS]`` goes before the last user message). Every
 observation is checked, on text: the render must start with the recorded text (prompt renders,
-the decoded generated ids, the inserted texts). On a mismatch, ``on_mismatch="split"`` closes
-the current segment as one training sample (up to its last generated token) and starts a new one
-whose prompt is the template's own render of the conversation so far (what a chat server would
-send the model); ``"refuse"`` raises :class:`PrefixMismatchError`. :attr:`Trajectory.splits`
-counts the splits.
+the decoded generated ids, the inserted texts). On a mismatch, ``on_mismatch="split"`` (what a
+run does) closes the current segment as one training sample (up to its last generated token)
+and starts a new one whose prompt is the template's own render of the conversation so far (what
+a chat server would send the model), and tells ``on_split`` where the texts differ
+(:class:`TemplateMismatch`: the run logs it); ``"refuse"`` (a check of a template, as a test
+makes) raises :class:`PrefixMismatchError`. :attr:`Trajectory.splits` counts the splits.
 
 **The assistant message** added to the conversation (for the agent, the reward and later
 renders) holds the turn's ids decoded with every special token written out (Qwen3's ``<think>``,
@@ -52,7 +53,9 @@ from asyncrl.data.prompts import Tokenizer
 from asyncrl.env.segments import Segment, TrajectorySample
 from asyncrl.errors import AsyncRLError, ConfigError
 
-__all__ = ["PrefixMismatchError", "Trajectory", "TrajectoryError", "TrajectorySample"]
+__all__ = [
+    "PrefixMismatchError", "TemplateMismatch", "Trajectory", "TrajectoryError", "TrajectorySample",
+]  # fmt: skip
 
 OnMismatch = Literal["split", "refuse"]
 _EXCERPT = 40  # characters of each text shown around a mismatch
@@ -64,9 +67,40 @@ class TrajectoryError(AsyncRLError):
     which fails its episode. The message names the episode, the turn and the fix."""
 
 
+@dataclass(frozen=True)
+class TemplateMismatch:
+    """Where the chat template's re-render of the conversation first differs from the text
+    recorded: why a trajectory split an episode (or refused it)."""
+
+    episode: str
+    turn: int
+    """Turns generated before the observation that failed the check."""
+    position: int
+    """The first differing character in the current segment's text."""
+    where: str
+    """The piece of the segment that holds it (the prompt, a turn's generated text, an
+    observation), and where that piece starts."""
+    recorded: str
+    """The recorded text from a little before :attr:`position`."""
+    rendered: str
+    """The template's text from the same place."""
+
+    def describe(self) -> str:
+        """The mismatch in words: the episode, the turn, the first difference and its likely
+        causes."""
+        return (
+            f"episode {self.episode!r}, the observation after turn {self.turn}: the chat "
+            f"template does not re-render the tokens recorded so far: from character "
+            f"{self.position} (in {self.where}) the recorded text reads {self.recorded!r} where "
+            f"the template now renders {self.rendered!r} (a template that drops earlier "
+            "reasoning, trims a turn, writes another end token or moves a block)"
+        )
+
+
 class PrefixMismatchError(TrajectoryError):
     """The chat template does not re-render the tokens recorded so far, and the trajectory was
-    told to refuse such episodes (``on_mismatch="refuse"``).
+    told to refuse such episodes (``on_mismatch="refuse"``: a check of a template; a run
+    splits them).
 
     Attributes:
         episode: the episode's name.
@@ -96,6 +130,8 @@ class _Next:
     text: str
     ids: list[int]
     split: bool
+    mismatch: TemplateMismatch | None = None
+    """Why it splits (a template mismatch; ``None`` otherwise)."""
 
 
 def _assistant(text: str) -> dict[str, Any]:
@@ -120,6 +156,8 @@ class Trajectory:
         end_token_ids: the ids that end a turn (the engine's stop tokens); default the
             tokenizer's EOS.
         on_mismatch: ``"split"`` or ``"refuse"`` an episode the template does not re-render.
+        on_split: called with each split's :class:`TemplateMismatch` when it is taken (the
+            next turn added); the run logs it.
         assistant_message: turns a generated text into the assistant message recorded in
             the conversation (default ``{"role": "assistant", "content": text}``); the prefix
             check holds whatever it returns to the tokens.
@@ -139,6 +177,7 @@ class Trajectory:
         episode: str = "?",
         end_token_ids: Collection[int] | None = None,
         on_mismatch: OnMismatch = "split",
+        on_split: Callable[[TemplateMismatch], None] | None = None,
         assistant_message: Callable[[str], Mapping[str, Any]] = _assistant,
     ) -> None:
         self.episode = episode
@@ -147,6 +186,7 @@ class Trajectory:
                 f"on_mismatch is {on_mismatch!r}", 'give "split" or "refuse"'
             )
         self._on_mismatch = on_mismatch
+        self._on_split = on_split
         self._template = template
         self._tok = tokenizer
         self._tools = None if tools is None else [dict(t) for t in tools]
@@ -454,10 +494,11 @@ class Trajectory:
         if text.startswith(recorded):
             suffix = text[len(recorded) :]
             self._next = _Next(suffix, self._tok.encode_rendered(suffix), split=False)
-        elif self._on_mismatch == "split":
-            self._next = _Next(text, self._tok.encode_rendered(text), split=True)
-        else:
-            raise self._mismatch(recorded, text)
+            return self._next
+        mismatch = self._mismatch(recorded, text)
+        if self._on_mismatch == "refuse":
+            raise self._refused(mismatch)
+        self._next = _Next(text, self._tok.encode_rendered(text), split=True, mismatch=mismatch)
         return self._next
 
     def _commit(self) -> None:
@@ -472,6 +513,8 @@ class Trajectory:
                 self._closed.append(closed)
             self._segment = Segment(nxt.text, nxt.ids)
             self._splits += 1
+            if nxt.mismatch is not None and self._on_split is not None:
+                self._on_split(nxt.mismatch)
         else:
             self._segment.insert(nxt.ids, nxt.text, what)
         self._next = None
@@ -559,25 +602,24 @@ class Trajectory:
             )
         return dict(message)
 
-    def _mismatch(self, recorded: str, rendered: str) -> PrefixMismatchError:
+    def _mismatch(self, recorded: str, rendered: str) -> TemplateMismatch:
         pos = _common_prefix(recorded, rendered)
         start = max(0, pos - _EXCERPT // 2)
-        seen, got = recorded[start : pos + _EXCERPT], rendered[start : pos + _EXCERPT]
-        where = self._segment.where(pos)
+        return TemplateMismatch(
+            episode=self.episode, turn=self._turns, position=pos,
+            where=self._segment.where(pos), recorded=recorded[start : pos + _EXCERPT],
+            rendered=rendered[start : pos + _EXCERPT],
+        )  # fmt: skip
+
+    @staticmethod
+    def _refused(m: TemplateMismatch) -> PrefixMismatchError:
         return PrefixMismatchError(
-            f"episode {self.episode!r}, the observation after turn {self._turns}: the chat "
-            f"template does not re-render the tokens recorded so far: from character {pos} "
-            f"(in {where}) the recorded text reads {seen!r} where the template now renders "
-            f"{got!r} (a template that drops earlier reasoning, trims a turn, writes another "
-            'end token or moves a block). Fix: set episode.on_template_mismatch = "split" to '
-            "train such an episode as several samples, or use a chat template that renders "
-            "earlier turns unchanged.",
-            episode=self.episode,
-            turn=self._turns,
-            position=pos,
-            recorded=seen,
-            rendered=got,
-        )
+            f"{m.describe()}. Fix: use a chat template that renders earlier turns unchanged, "
+            'or let the trajectory split such an episode into several samples (on_mismatch = '
+            '"split", what a run does).',
+            episode=m.episode, turn=m.turn, position=m.position, recorded=m.recorded,
+            rendered=m.rendered,
+        )  # fmt: skip
 
     def _error(self, problem: str, fix: str) -> TrajectoryError:
         return TrajectoryError(f"episode {self.episode!r}: {problem}. Fix: {fix}.")

@@ -117,10 +117,11 @@ def _bound(records: list[dict[str, Any]]) -> int | None:
     if not config:
         return None
     try:
-        from asyncrl.config import from_dict
+        from asyncrl.config import CORE_SECTIONS, from_dict
         from asyncrl.config.removed import without_removed
 
-        return int(from_dict(without_removed(config)).sampler.max_staleness)
+        core = {k: v for k, v in config.items() if k in CORE_SECTIONS}  # no service's plugin
+        return int(from_dict(without_removed(core)).sampler.max_staleness)
     except Exception:  # noqa: BLE001 - a config of another version, a missing sampler plugin
         return None
 

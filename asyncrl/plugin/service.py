@@ -3,15 +3,20 @@ controller's loop beside the run's own, which may stand in front of the run's en
 (the OpenAI-compatible gateway, ``plugins/asyncrl-gateway``). A service in front of the
 environment also imports :mod:`asyncrl.plugin.environment`.
 
-- ``Service``: the protocol: ``check`` (the preflight) and ``build`` (one run's service).
+- ``Service``: the protocol: its config ``section``, ``check`` (the preflight) and ``build``
+  (one run's service).
 - ``Served``: a service built for one run: the environment episodes come from, their deadline,
   and ``serve``.
-- ``GatewayConfig``: the run config's ``[gateway]`` section (``config.gateway``).
+- ``Section``: the base of a service's config section (frozen, keyword-only, unknown keys
+  refused): subclass it with ``enabled: bool = False`` and ``problems()``, and optionally
+  ``resolve_paths(base_dir)`` and ``HARMLESS`` (docs/plugins.md, "A service's section").
+- ``fail``: a ``ConfigError`` for one of the section's fields, ``<field>: <problem>. Fix:
+  <fix>.``, what ``problems()`` returns.
 """
 
 from __future__ import annotations
 
-from asyncrl.config.gateway import GatewayConfig
+from asyncrl.config.section import Section, fail
 from asyncrl.services import Served, Service
 
-__all__ = ["GatewayConfig", "Served", "Service"]
+__all__ = ["Section", "Served", "Service", "fail"]

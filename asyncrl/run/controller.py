@@ -319,11 +319,14 @@ class Controller(anyio.AsyncContextManagerMixin):
         each its ``Init`` (trainer rank 0 the weights address too)."""
         cfg = self.config
         config_dict = to_dict(cfg)
+        # a worker serves no service: it is handed the core's sections alone, which it
+        # converts without importing a service's plugin
+        worker_config = to_dict(cfg, services=False)
         own_host = host_id()
 
         def make_init(hello: Hello) -> Init:
             transfer = addr.transfer if (hello.group, hello.rank) == ("trainer", 0) else ""
-            return Init(run_id=addr.run_id, config=config_dict, data_address=addr.data,
+            return Init(run_id=addr.run_id, config=worker_config, data_address=addr.data,
                         transfer_address=transfer, controller_pid=os.getpid(),
                         controller_host=own_host)  # fmt: skip
 

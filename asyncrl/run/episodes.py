@@ -42,7 +42,7 @@ from asyncrl.env.episode import (
     Record,
 )
 from asyncrl.env.tool_parsers import ToolCallParser
-from asyncrl.env.trajectory import PrefixMismatchError
+from asyncrl.env.trajectory import TemplateMismatch
 from asyncrl.env.toolbox import ToolBox
 from asyncrl.env.tools import Tool
 from asyncrl.environment import Prompt, Score
@@ -72,6 +72,33 @@ TOOL_CONCURRENCY = 64
 optimum (no measurement chose 64): a step's ``tool_in_flight_max`` says how close a run comes,
 and a tool that must be rationed (a rate-limited API) limits itself. Once the config key
 ``episode.max_concurrent_tools`` (issue 50)."""
+
+
+SPLITS_LOGGED = 10
+"""Template splits of a run logged (``episode_split`` warnings); the step's ``episode_splits``
+counts them all. A template that splits does so in most episodes (Qwen3's at every user turn
+after reasoning), so the first few say why (the turn and the first difference, what the
+``episode.on_template_mismatch = "refuse"`` of before issue 50 was for) and the rest would only
+repeat it."""
+
+
+class _SplitLog:
+    """Logs the first :data:`SPLITS_LOGGED` template splits of a run
+    (:class:`~asyncrl.env.trajectory.TemplateMismatch`: the episode, the turn and where the
+    template's re-render first differs from what was recorded)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def __call__(self, mismatch: TemplateMismatch) -> None:
+        self.seen += 1
+        if self.seen <= SPLITS_LOGGED:
+            log.warning("episode_split", episode=mismatch.episode, turn=mismatch.turn,
+                        position=mismatch.position, where=mismatch.where,
+                        recorded=mismatch.recorded, rendered=mismatch.rendered,
+                        note=f"the first {SPLITS_LOGGED} of the run are logged; the step's "
+                        "episode_splits counts them all (docs/environments.md, 'The prefix "
+                        "check')")  # fmt: skip
 
 
 class EpisodeFailed(Exception):
@@ -396,9 +423,8 @@ class EpisodeRunner:
                 truncated = limit.reason
             except (EpisodeFailed, anyio.get_cancelled_exc_class()):
                 raise
-            except Exception as exc:  # a template mismatch refused: the same on a retry
-                raise EpisodeFailed(f"run_episode raised {type(exc).__name__}: {exc}",
-                                    retryable=not isinstance(exc, PrefixMismatchError)) from exc
+            except Exception as exc:
+                raise EpisodeFailed(f"run_episode raised {type(exc).__name__}: {exc}") from exc
         if deadline.cancelled_caught:
             truncated = "deadline"
         if not isinstance(score, Score):
@@ -572,9 +598,11 @@ def build_runner(
     definitions = box.definitions() if box is not None else None
     ends = end_token_ids(config.model.path) or None
 
+    split = _SplitLog()
+
     def record(prompt: Prompt) -> Record:
         return Trajectory(template, tokenizer, prompt.chat(), tools=definitions, episode=prompt.id,
-                          end_token_ids=ends, on_mismatch=ep.on_template_mismatch)  # fmt: skip
+                          end_token_ids=ends, on_split=split)  # fmt: skip
 
     async def send(worker: str, request: Any) -> None:
         await control.cast_unless_restarting(worker, Generate(requests=[request]))

@@ -191,8 +191,8 @@ class Heartbeat:
     """The controller's heartbeat task and what it learnt: which processes it killed as hung.
 
     Args:
-        failures: the run's ``[failures]`` (``heartbeat_interval_s``, ``heartbeat_timeout_s``;
-            a timeout of 0 turns the heartbeat off).
+        failures: the run's ``[failures]`` (``heartbeat_timeout_s``, a timeout of 0 turns
+            the heartbeat off; the probe interval derived from it, ``heartbeat_interval_s``).
         clock: monotonic seconds (a test's fake clock).
     """
 

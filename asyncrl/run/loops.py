@@ -198,7 +198,7 @@ class Pipeline:
             changed=self.changed, committed=self.committed, failures=self.failures,
             probes=self.probes, metrics=metrics, now=self.now,
         )  # fmt: skip
-        kv = KVScales(control, trainers, self.rollouts, cfg.refit,
+        kv = KVScales(control, trainers, self.rollouts,
                       timeout_s=cfg.cluster.call_timeout_s, metrics=metrics)  # fmt: skip
         self.publisher = Publisher(ctx, kv=kv, transfer_address=transfer,
                                    rejections=self.rejections,

@@ -58,8 +58,9 @@ __all__ = [
 ]
 
 # FP8 KV-cache calibration (docs/refit.md, "FP8 KV cache"); config keys
-# ``refit.kv_calibration_sequences``, ``_percentile`` and ``_margin`` until issue 50 (the switch
-# that stays a key: ``refit.kv_calibrate_q``).
+# ``refit.kv_calibration_sequences``, ``_percentile`` and ``_margin`` until issue 50, and
+# ``refit.kv_calibrate_q`` (query scales for an engine that did not report
+# ``kv_quantized_query``: such an engine's plugin should report it).
 KV_CALIBRATION_SEQUENCES = 64
 """Sequences the trainers calibrate FP8 KV-cache scales on after every step (of the step's,
 one per group first), and before the first step (training prompts)."""
@@ -89,14 +90,13 @@ async def calibrate_kv(
     control: ControlPlane,
     trainers: list[str],
     batch: TokenBatch,
-    refit: RefitConfig,
     *,
     timeout_s: float,
     include_q: bool = False,
 ) -> dict[str, float]:
     """FP8 KV-cache scales of the trainers' current weights on ``batch`` (dealt over the
-    ranks, which max their amaxes together), with query scales if ``include_q`` or
-    ``refit.kv_calibrate_q``.
+    ranks, which max their amaxes together), with query scales if ``include_q`` (a generator
+    reported ``kv_quantized_query``: :func:`fp8_query`).
 
     Raises:
         RefitError: the ranks disagree (they must have reduced to the same scales).
@@ -106,7 +106,7 @@ async def calibrate_kv(
             batch=part,
             percentile=KV_CALIBRATION_PERCENTILE,
             margin=KV_CALIBRATION_MARGIN,
-            include_q=include_q or refit.kv_calibrate_q,
+            include_q=include_q,
         )
         for part in shard_tokens(batch, len(trainers))
     ]
@@ -127,7 +127,6 @@ class KVScales:
         control: ControlPlane,
         trainers: list[str],
         rollouts: list[str],
-        refit: RefitConfig,
         *,
         timeout_s: float,
         metrics: Any = None,
@@ -135,7 +134,7 @@ class KVScales:
         caps = [control.peers[w].capabilities for w in rollouts]
         self.enabled = fp8_kv_cache(caps)
         self.include_q = fp8_query(caps)
-        self._control, self._trainers, self._refit = control, trainers, refit
+        self._control, self._trainers = control, trainers
         self._timeout_s, self._metrics = timeout_s, metrics
 
     async def calibrate(self, batch: TokenBatch | None, version: int) -> dict[str, float] | None:
@@ -147,7 +146,7 @@ class KVScales:
             raise RefitError(f"no sequences to calibrate the FP8 KV-cache scales of v{version}")
         start = time.perf_counter()
         scales = await calibrate_kv(
-            self._control, self._trainers, batch, self._refit, timeout_s=self._timeout_s,
+            self._control, self._trainers, batch, timeout_s=self._timeout_s,
             include_q=self.include_q,
         )
         if self._metrics is not None:
@@ -459,7 +458,7 @@ class Publisher:
                 already.
         """
         cfg = self.config.refit
-        if self.check.started or not (cfg.verify_first_steps or cfg.verify_every_steps):
+        if self.check.started or not cfg.verify_every_steps:
             return
         if self._probe is None:
             self._probe = make_probe(rec.groups, verify.PROBE_SEQUENCES)
@@ -471,13 +470,11 @@ class Publisher:
         rec.verify_s += self.now() - start
 
     async def verify(self, step: int, rec: StepRecord) -> None:
-        """After step ``step``'s refit, when due (``refit.verify_first_steps``,
-        ``verify_every_steps``) and once the baseline was measured: every generator's
+        """After step ``step``'s refit, when due (``VERIFY_FIRST_STEPS``,
+        ``refit.verify_every_steps``) and once the baseline was measured: every generator's
         logprobs of the probe batch against the trainer's, judged into ``rec.verify``."""
         cfg = self.config.refit
-        if self.check.started and verification_due(
-            step + 1, cfg.verify_first_steps, cfg.verify_every_steps
-        ):
+        if self.check.started and verification_due(step + 1, cfg.verify_every_steps):
             start = self.now()
             assert self._probe is not None
             rec.verify = self.check.judge(step + 1, *await self.probes.scores(self._probe))

@@ -385,7 +385,7 @@ class WorkerRuntime(abc.ABC):
     def _silent_message(self, silence: ControllerSilence, silent: float) -> str:
         """Why the worker takes the controller for gone after ``silent`` seconds of silence."""
         heartbeat = (
-            f"its heartbeat probes come every {silence.interval_s:g} s; "
+            f"its heartbeat probes come every {silence.interval_s:.3g} s; "
             f"failures.heartbeat_timeout_s = {silence.timeout_s:g} s"
         )
         if not silence.probed:  # it probes once every worker is ready

@@ -17,6 +17,7 @@ import pytest
 from asyncrl import Controller
 from asyncrl.config import load_config
 from asyncrl.config.modes import describe
+from asyncrl.policy import verify
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from integration_support import assert_nothing_left, mark_test_start, read_metrics, worker_pids  # noqa: E402
@@ -45,9 +46,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 async def test_example_mode_runs_with_real_engines(
-    tmp_path: Path, model_dir: Path, name: str
+    tmp_path: Path, model_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bound, waste_free = EXPECTED[name]
+    monkeypatch.setattr(verify, "VERIFY_FIRST_STEPS", 1)  # the first refit's check is enough
     config = load_config(
         EXAMPLES / name,
         {
@@ -55,7 +57,6 @@ async def test_example_mode_runs_with_real_engines(
             "run.output_dir": str(tmp_path / "out"),
             "run.num_steps": 3,
             "eval.num_prompts": 0,
-            "refit.verify_first_steps": 1,
         },
     )
     report = describe(config)

@@ -24,6 +24,7 @@ import psutil  # noqa: E402
 import transformers  # noqa: E402
 
 from asyncrl import plugins  # noqa: E402
+from asyncrl.config import FailuresConfig  # noqa: E402
 from asyncrl.errors import EngineDeadError  # noqa: E402
 from asyncrl.wire.messages import TensorEntry  # noqa: E402
 
@@ -129,7 +130,8 @@ async def test_engine_death_during_a_refit_is_seen_at_once(model_dir: Path, tmp_
 
 
 PROBE_TIMEOUT_S = 3.0
-PROBE_INTERVAL_S = 0.5
+PROBE_INTERVAL_S = FailuresConfig(heartbeat_timeout_s=PROBE_TIMEOUT_S).heartbeat_interval_s
+"""The probe interval derived from that timeout: 0.25 s (a twelfth of it)."""
 
 
 def probed_ctx(model_dir: Path, run_dir: Path):
@@ -142,10 +144,7 @@ def probed_ctx(model_dir: Path, run_dir: Path):
         "model": {"path": str(model_dir)},
         "environment": {"name": "arithmetic"},
         "generator": {"backend": "vllm", "options": dict(base.config.generator.options)},
-        "failures": {
-            "heartbeat_interval_s": PROBE_INTERVAL_S,
-            "heartbeat_timeout_s": PROBE_TIMEOUT_S,
-        },
+        "failures": {"heartbeat_timeout_s": PROBE_TIMEOUT_S},
     }
     return WorkerContext("rollout", 0, 1, 0, from_dict(raw), str(run_dir))
 

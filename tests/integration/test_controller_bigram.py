@@ -204,14 +204,15 @@ async def test_lookahead_one_overlaps_generation_with_training(
 async def test_refit_verification_is_logged_on_schedule(
     make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Versions 1-2 (the first refits) and every 3rd after are verified; each check is a
-    metrics record per generator, and a right refit agrees to float32 rounding. (The trainer
-    keeps the ``asyncrl.transfers.STAGING_BUFFERS`` shm files, two.)"""
+    """Versions 1-3 (the first refits: ``asyncrl.policy.verify.VERIFY_FIRST_STEPS``) and every
+    3rd after are verified; each check is a metrics record per generator, and a right refit
+    agrees to float32 rounding. (The trainer keeps the ``asyncrl.transfers.STAGING_BUFFERS``
+    shm files, two.)"""
     monkeypatch.setattr(verify, "PROBE_SEQUENCES", 5)
     cfg = make_config(
         run={"num_steps": 7},
         cluster={"rollout_ranks": 2},
-        refit={"verify_first_steps": 2, "verify_every_steps": 3},
+        refit={"verify_every_steps": 3},
         eval={"num_prompts": 0},
     )
     async with asyncrl.Controller(cfg) as ctl:

@@ -30,7 +30,7 @@ pytest.importorskip(
 )
 
 import asyncrl  # noqa: E402
-from asyncrl.config import Config  # noqa: E402
+from asyncrl.config import Config, FailuresConfig  # noqa: E402
 from asyncrl.errors import WorkerHungError  # noqa: E402
 from asyncrl.procs.process import has_exited  # noqa: E402
 from asyncrl.procs.spawn import torchrun_log_args  # noqa: E402
@@ -47,8 +47,10 @@ from integration_support import (  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("no_stray_processes"), pytest.mark.timeout(240)]
 
-INTERVAL_S, TIMEOUT_S = 0.5, 3.0
-BEAT = {"heartbeat_interval_s": INTERVAL_S, "heartbeat_timeout_s": TIMEOUT_S}
+TIMEOUT_S = 3.0
+BEAT = {"heartbeat_timeout_s": TIMEOUT_S}
+INTERVAL_S = FailuresConfig(**BEAT).heartbeat_interval_s
+"""The probe interval the run derives from the timeout: 0.25 s (a twelfth of it)."""
 EARLIEST_S = TIMEOUT_S - INTERVAL_S
 """SIGSTOP → kill, at least: the last answer may have come up to a tick before the stop."""
 SILENT_MAX_S = TIMEOUT_S + 2 * INTERVAL_S
@@ -316,7 +318,7 @@ def test_launch_a_stopped_trainer_rank_stops_the_run_with_a_named_hung_error(
 
 SUSPEND_S = 10.0
 """A suspend of every process of the launch: about 3 times the workers' limit on the
-controller's silence (interval + timeout = 3.5 s)."""
+controller's silence (interval + timeout = 3.25 s)."""
 NAMED_SILENT_MAX_S = INTERVAL_S + TIMEOUT_S + 2 * INTERVAL_S
 """The silence a worker names its stopped controller with, at most, on its own clock: its
 limit (interval + timeout), then its watch ticks every interval, one maybe late by as much.
@@ -371,7 +373,7 @@ def test_launch_a_stopped_controller_is_named_by_its_worker_after_a_suspend_it_o
     silent_s = float(line.removeprefix(prefix).split(" s ")[0])
     assert INTERVAL_S + TIMEOUT_S <= silent_s <= NAMED_SILENT_MAX_S, line  # (rounded to 0.1 s)
     assert "not run" not in line, line  # the suspend it outlived is not part of this silence
-    assert (f"(its heartbeat probes come every {INTERVAL_S:g} s; failures.heartbeat_timeout_s "
+    assert (f"(its heartbeat probes come every {INTERVAL_S:.3g} s; failures.heartbeat_timeout_s "
             f"= {TIMEOUT_S:g} s), though its process lives: it is stopped") in line, line
     assert "the workers stop their engines and remove the run's files" in line, line
     assert line.rstrip().endswith("rollout-0.log)"), line

@@ -44,7 +44,8 @@ def test_unknown_key_is_named_with_a_fix(tmp_path: Path, model_dir: Path) -> Non
     message = str(info.value)
     assert "grpo.prompts_per_stepp: unknown key. Fix: did you mean 'prompts_per_step'?" in message
     assert "keys of [grpo]: prompts_per_step, samples_per_prompt" in message
-    with pytest.raises(ConfigError, match=r"refti: unknown key. Fix: did you mean 'refit'\?"):
+    with pytest.raises(ConfigError, match=r"refti: is neither a section of the config nor an "
+                       r"installed service's. Fix: did you mean 'refit'\?"):  # fmt: skip
         load_config(write(tmp_path, BASE + "[refti]\ntimeout_s = 3\n"))
 
 
@@ -108,6 +109,14 @@ def test_a_removed_key_says_what_replaced_it(tmp_path: Path, model_dir: Path) ->
          "grpo.dynamic_sampling_max_drops: removed: 4 x grpo.prompts_per_step"),
         ("[cluster]\ntorchrun = '/opt/torchrun'\n",
          "cluster.torchrun: removed: the constant asyncrl.procs.spawn.TORCHRUN"),
+        ("[refit]\nverify_first_steps = 0\n", "refit.verify_first_steps: removed: the constant "
+         "asyncrl.policy.verify.VERIFY_FIRST_STEPS = 3 (refit.verify_every_steps = 0 turns"),
+        ("[refit]\nkv_calibrate_q = true\n", "refit.kv_calibrate_q: removed: query scales are "
+         "calibrated exactly when a generator reports the capability kv_quantized_query"),
+        ("[failures]\nheartbeat_interval_s = 1.0\n", "failures.heartbeat_interval_s: removed: "
+         "derived from failures.heartbeat_timeout_s: a twelfth of it, 5 s at most"),
+        ("[episode]\non_template_mismatch = 'refuse'\n", "episode.on_template_mismatch: removed: "
+         "an episode the chat template does not re-render is always split"),
     ],
 )
 def test_a_key_removed_in_issue_50_names_its_constant(
@@ -154,7 +163,15 @@ def test_each_removed_key_is_gone_and_its_constant_holds_its_default() -> None:
     sections = {f.name: f.type for f in msgspec.inspect.type_info(Config).fields}
     for key, entry in REMOVED.items():
         section, _, name = key.partition(".")
-        fields = {f.name for f in sections[section].fields}
+        if section in sections:
+            fields = {f.name for f in sections[section].fields}
+        else:  # a service's section (the gateway's), from its plugin
+            from asyncrl.plugins import available
+            from asyncrl.services import GROUP, load_section
+
+            if section not in available(GROUP):
+                pytest.skip(f"the service {section!r} is not installed")
+            fields = {f.name for f in msgspec.structs.fields(load_section(section, section).type)}
         assert name not in fields, key
         if not entry.constant:
             continue
@@ -162,6 +179,26 @@ def test_each_removed_key_is_gone_and_its_constant_holds_its_default() -> None:
         if module.startswith("asyncrl_gateway"):
             pytest.importorskip("asyncrl_gateway")
         assert getattr(importlib.import_module(module), attr) == entry.default, key
+
+
+def test_the_heartbeat_interval_is_derived_from_its_timeout() -> None:
+    """A twelfth of ``failures.heartbeat_timeout_s``, 5 s at most: the defaults' 5 s, a short
+    timeout's shorter; a property of the section, not a key (nothing of it is written in a
+    config, a checkpoint or the reference)."""
+    import msgspec
+
+    from asyncrl.config import FailuresConfig
+    from asyncrl.config.operations import HEARTBEAT_INTERVAL_S, PROBES_PER_TIMEOUT
+
+    assert (HEARTBEAT_INTERVAL_S, PROBES_PER_TIMEOUT) == (5.0, 12)
+    assert FailuresConfig().heartbeat_interval_s == 5.0  # 60 s / 12
+    assert FailuresConfig(heartbeat_timeout_s=120.0).heartbeat_interval_s == 5.0
+    assert FailuresConfig(heartbeat_timeout_s=3.0).heartbeat_interval_s == 0.25
+    fields = {f.name for f in msgspec.inspect.type_info(FailuresConfig).fields}
+    assert "heartbeat_interval_s" not in fields
+    assert b"interval" not in msgspec.json.encode(FailuresConfig())
+    reference = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    assert "heartbeat_interval_s" not in reference
 
 
 @pytest.mark.parametrize(
@@ -382,7 +419,7 @@ is_cap = 0.5
 [pipeline]
 max_buffered_groups = 1
 [refit]
-verify_first_steps = -1
+verify_every_steps = -1
 [trainer]
 micro_batch_size = 0
 max_tokens_per_micro_batch = -1
@@ -400,7 +437,7 @@ completions_every = -1
     found = problems(load_unvalidated(write(tmp_path, body)))
     assert [str(exc).split(":")[0] for exc in found] == [
         "run.num_steps", "cluster.rollout_gpus", "grpo.temperature", "loss.is_cap",
-        "pipeline.max_buffered_groups", "refit.verify_first_steps", "trainer.micro_batch_size",
+        "pipeline.max_buffered_groups", "refit.verify_every_steps", "trainer.micro_batch_size",
         "trainer.max_tokens_per_micro_batch", "eval.num_prompts", "checkpoint.keep_last", "export.every_steps",
         "failures.reward_timeout_s", "metrics.completions_every", "model.path", "model.path",
     ]  # fmt: skip

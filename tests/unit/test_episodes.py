@@ -17,7 +17,7 @@ import pytest
 
 from asyncrl.env.episode import Limits
 from asyncrl.env.segments import TrajectorySample
-from asyncrl.env.trajectory import PrefixMismatchError
+from asyncrl.env.trajectory import TemplateMismatch
 from asyncrl.environment import Prompt, Score
 from asyncrl.policy.groups import CompletedSample
 
@@ -313,23 +313,28 @@ async def test_an_agent_that_raises_fails_its_group_and_cancels_the_others() -> 
     assert not h.committed and h.book.problems() == []
 
 
-async def test_a_refused_template_mismatch_fails_its_group_without_a_retry() -> None:
-    """The template re-renders the same conversation the same way on a retry: the group is
-    dropped at once (not retried ``failures.generation_retries`` times)."""
-    refused = PrefixMismatchError('the template differs. Fix: set episode.on_template_mismatch '
-                                  '= "split".', episode="g/1", turn=1, position=3, recorded="a",
-                                  rendered="b")  # fmt: skip
-    h = Harness(Env(turns=2, raise_in=refused, sleep=5.0))
+def test_the_first_template_splits_of_a_run_are_logged_with_why() -> None:
+    """Each split is told to the run's split log; the first ``SPLITS_LOGGED`` are warnings
+    naming the episode, the turn and the first difference, the rest only counted (the step's
+    ``episode_splits``)."""
+    import structlog
 
-    async def body(h: Harness) -> None:
-        h.runner.start(h.dispatch())
-        await wait_until(lambda: h.failed)
-        await wait_until(lambda: not h.runner._runs)  # noqa: SLF001 - every episode ended
+    from asyncrl.run import episodes
 
-    await h.run(body)
-    ((gid, error, retryable),) = h.failed
-    assert "run_episode raised PrefixMismatchError: the template differs" in error
-    assert retryable is False and error.count("Fix:") == 1
+    split = episodes._SplitLog()  # noqa: SLF001 - what build_runner gives every Trajectory
+    why = TemplateMismatch(episode="g/1", turn=2, position=31, where="turn 1's generated "
+                           "text, which starts at character 31, token 9", recorded="<think>",
+                           rendered="A1<|im_end|>")  # fmt: skip
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(episodes.SPLITS_LOGGED + 3):
+            split(why)
+    assert split.seen == episodes.SPLITS_LOGGED + 3
+    assert [e["event"] for e in logs] == ["episode_split"] * episodes.SPLITS_LOGGED
+    first = logs[0]
+    assert first["log_level"] == "warning"
+    assert (first["episode"], first["turn"], first["position"]) == ("g/1", 2, 31)
+    assert (first["recorded"], first["rendered"]) == ("<think>", "A1<|im_end|>")
+    assert first["where"].startswith("turn 1's generated text")
 
 
 async def test_an_aborted_group_cancels_its_episodes_and_aborts_their_turns() -> None:

@@ -91,14 +91,15 @@ def test_a_retried_group_that_ends_otherwise_leaves_nothing_in_the_budget() -> N
 
 
 def test_a_dropped_group_whose_cause_names_its_fix_gives_one_fix() -> None:
-    """The run's last words hold one Fix: the cause's when it names one (a template
-    mismatch refused), else where to look."""
+    """The run's last words hold one Fix: the cause's when it names one (an agent that
+    misused its trajectory), else where to look."""
     limits = SimpleNamespace(generation_retries=3, max_failed_groups=1,
                              max_nonfinite_steps=0)  # fmt: skip
     budget = FailureBudget(limits)  # type: ignore[arg-type]
     budget.check_dropped(1, "within the budget")
-    cause = ("group g1 (prompt p1): episode g1/0: run_episode raised PrefixMismatchError: the "
-             'template differs. Fix: set episode.on_template_mismatch = "split".')  # fmt: skip
+    cause = ("group g1 (prompt p1): episode g1/0: run_episode raised TrajectoryError: episode "
+             "'p1': turn 2 came while turn 1 awaits an observation. Fix: add_messages() or "
+             "add_tokens() between two turns.")  # fmt: skip
     with pytest.raises(RunError) as e:
         budget.check_dropped(2, cause)
     assert str(e.value) == ("2 groups failed for good (failures.max_failed_groups = 1; raise "

@@ -184,10 +184,10 @@ class _LiveLLM(_WedgedLLM):
 
 
 def _vllm_backend(
-    lost: bool, pids: list[int] = (), heartbeat: tuple[float, float] = (5.0, 0.0), llm=None
+    lost: bool, pids: list[int] = (), heartbeat_timeout_s: float = 0.0, llm=None
 ) -> object:
-    """A vLLM backend around a stand-in front end (``_WedgedLLM`` by default);
-    ``heartbeat``: the run's ``failures.heartbeat_interval_s`` and ``_timeout_s`` (0: off)."""
+    """A vLLM backend around a stand-in front end (``_WedgedLLM`` by default), with the run's
+    ``failures.heartbeat_timeout_s`` (0: off; the probe interval: a twelfth of it)."""
     from types import SimpleNamespace
 
     from asyncrl.config import FailuresConfig
@@ -198,8 +198,7 @@ def _vllm_backend(
     b = VLLMBackend.__new__(VLLMBackend)
     b._death, b._reaper = EngineDeath(), _Reaper(lost, pids)
     b.options, b._llm = VLLMOptions(rpc_timeout_s=300.0), llm or _WedgedLLM()
-    interval, timeout = heartbeat
-    failures = FailuresConfig(heartbeat_interval_s=interval, heartbeat_timeout_s=timeout)
+    failures = FailuresConfig(heartbeat_timeout_s=heartbeat_timeout_s)
     b.ctx = SimpleNamespace(config=SimpleNamespace(failures=failures))
     return b
 
@@ -213,15 +212,16 @@ async def test_an_engine_that_stops_answering_is_named_by_the_watch_probe() -> N
 
     engine = subprocess.Popen(["sleep", "60"])
     try:
-        live = _vllm_backend(False, [engine.pid], heartbeat=(0.05, 0.3), llm=_LiveLLM())
+        live = _vllm_backend(False, [engine.pid], heartbeat_timeout_s=0.3, llm=_LiveLLM())
         with anyio.move_on_after(1.0) as waited:
             await live.watch()
         assert waited.cancelled_caught  # no verdict while it answers
-        # probed again and again, never sooner than an interval (0.05 s) after an answer:
-        # at most 1 s / 0.05 s + 1 times (how many fewer is the machine's load)
-        assert 2 <= live._llm.entered <= 21, live._llm.entered
+        # probed again and again, never sooner than an interval (0.3 s / 12 = 0.025 s) after
+        # an answer: at most 1 s / 0.025 s + 1 times (how many fewer is the machine's load)
+        assert live.ctx.config.failures.heartbeat_interval_s == pytest.approx(0.025)
+        assert 2 <= live._llm.entered <= 41, live._llm.entered
 
-        hung = _vllm_backend(False, [engine.pid], heartbeat=(0.05, 0.3))
+        hung = _vllm_backend(False, [engine.pid], heartbeat_timeout_s=0.3)
         start = time.monotonic()
         with anyio.fail_after(5), pytest.raises(EngineDeadError) as caught:
             await hung.watch()
@@ -234,7 +234,7 @@ async def test_an_engine_that_stops_answering_is_named_by_the_watch_probe() -> N
         with anyio.fail_after(5), pytest.raises(EngineDeadError, match="liveness probe"):
             await hung._rpc("asyncrl_finish_reload")
 
-        off = _vllm_backend(False, [engine.pid], heartbeat=(5.0, 0.0))
+        off = _vllm_backend(False, [engine.pid], heartbeat_timeout_s=0.0)
         with anyio.move_on_after(0.5):
             await off.watch()
         assert off._llm.entered == 0  # heartbeat off: no probe

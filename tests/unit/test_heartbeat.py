@@ -176,7 +176,7 @@ def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
 async def test_the_silent_worker_is_killed_and_named_and_the_answering_one_lives(
     run_dir: str, sleepers: list[subprocess.Popen[bytes]]
 ) -> None:
-    beat = Heartbeat(FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6))
+    beat = Heartbeat(FailuresConfig(heartbeat_timeout_s=0.6))
     talker, silent = sleepers
     async with control_plane(run_dir) as (control, ctx, address, tg):
         good = FakeWorker(ctx, address, "rollout", 0, talker.pid)
@@ -207,7 +207,8 @@ async def test_the_silent_worker_is_killed_and_named_and_the_answering_one_lives
     assert hung["log"] == "/logs/trainer-0.log"
     # the silence it was found with, on the heartbeat's clock: past the timeout, by less than
     # two intervals (a tick more than an interval late is forgiven), however busy the machine
-    assert 0.6 <= hung["silent_s"] <= 0.6 + 2 * 0.1, hung
+    assert beat.interval_s == pytest.approx(0.05)  # the timeout / PROBES_PER_TIMEOUT
+    assert 0.6 <= hung["silent_s"] <= 0.6 + 2 * beat.interval_s, hung
     assert hung["action"] == "killed (SIGKILL)" and hung["last_answer"] is None
 
     peers = {p.identity: p for p in control.peers.values()}
@@ -230,7 +231,7 @@ async def test_the_controllers_own_process_is_not_probed(
     """Rank 0 of a launch serves trainer rank 0 in the controller's process: never killed."""
     sent: list[Any] = []
     monkeypatch.setattr(signal, "pidfd_send_signal", lambda *args: sent.append(args))
-    beat = Heartbeat(FailuresConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.2))
+    beat = Heartbeat(FailuresConfig(heartbeat_timeout_s=0.2))
     async with control_plane(run_dir) as (control, ctx, address, tg):
         await FakeWorker(ctx, address, "trainer", 0, os.getpid()).handshake()
         with anyio.fail_after(5):
@@ -252,7 +253,7 @@ async def test_a_silent_worker_on_another_host_is_declared_lost_not_signalled(
     opened: list[int] = []
     real_open = os.pidfd_open
     monkeypatch.setattr(os, "pidfd_open", lambda pid, *a: opened.append(pid) or real_open(pid, *a))
-    beat = Heartbeat(FailuresConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6))
+    beat = Heartbeat(FailuresConfig(heartbeat_timeout_s=0.6))
     async with control_plane(run_dir, host="node0/b/1", remote_ok=True) as (control, ctx, address, tg):
         far = FakeWorker(ctx, address, "rollout", 0, os.getpid() + 1)
         await far.handshake(host="node1/b/2")

@@ -32,12 +32,23 @@ PROMPTS = [Prompt(id=f"p{i}", text=f"{i} + 1 =", answer=i + 1) for i in range(5)
 
 
 def _config(**sections: dict) -> dict:
-    """A whole default config as the manifest stores it, with ``sections`` merged in."""
+    """A whole default config as the manifest stores it, with ``sections`` merged in (a
+    service's section, absent by default, is the table given)."""
     base = Config(model=ModelConfig(path="/m"), environment=EnvironmentConfig(name="arith"))
     data = to_dict(base)
     for section, values in sections.items():
-        data[section] = {**data[section], **values}
+        data[section] = {**data.get(section, {}), **values}
     return data
+
+
+OLD_GATEWAY = {
+    "enabled": False, "host": "127.0.0.1", "port": 0, "agent": [], "agent_env": {},
+    "agent_dir": "/conf", "max_agents": 0, "check_agent": True, "keep_agent_logs": False,
+    "session_timeout_s": 600.0, "claim_timeout_s": 20.0, "idle_timeout_s": 120.0,
+    "max_request_tokens": 0,
+}  # fmt: skip
+"""What every checkpoint stored of ``[gateway]`` while it was a core section, written out
+(not read from the plugin): its defaults, switched off, in every run's config."""
 
 
 def _side(config: dict, fp: dict | None = None) -> dict:
@@ -72,8 +83,7 @@ HARMLESS_CHANGES = [
     ("failures", {"max_failed_groups": 0}), ("trainer", {"micro_batch_size": 2}),
     ("model", {"path": "/elsewhere"}), ("run", {"output_dir": "/runs/b"}),
     ("cluster", {"shutdown_grace_s": 5.0}), ("run", {"save_samples": True}),
-    ("refit", {"drain": True}), ("gateway", {"agent_dir": "/elsewhere"}),
-    ("gateway", {"max_agents": 8}), ("gateway", {"check_agent": False}),
+    ("refit", {"drain": True}),
 ]  # fmt: skip
 
 
@@ -131,7 +141,7 @@ def test_a_checkpoint_whose_config_holds_removed_keys_resumes() -> None:
     old["run"] |= {"gc_freeze": True, "event_loop": "auto", "samples_file_mb": 256.0}
     old["refit"] |= {"staging_buffers": 2, "verify_noise_factor": 3.0}
     old["grpo"] |= {"dynamic_sampling_min_std": 0.0, "dynamic_sampling_max_drops": 0}
-    old["gateway"] |= {"max_messages": 2048, "model_name": ""}
+    old["gateway"] = {**OLD_GATEWAY, "max_messages": 2048, "model_name": ""}
     same = compare(_side(old), _side(_config()))
     assert (same.refused, same.allowed, same.harmless, same.unknown) == ([], [], [], [])
     old["grpo"]["dynamic_sampling_min_std"] = 0.5
@@ -148,6 +158,55 @@ def test_a_checkpoint_whose_config_holds_removed_keys_resumes() -> None:
     # the strict settings around them are still compared
     moved = compare(_side(old), _side(_config(grpo={"temperature": 2.0})))
     assert moved.refused == ["grpo.temperature: 1.0 -> 2.0"]
+
+
+def test_an_old_checkpoint_s_switched_off_gateway_is_no_change() -> None:
+    """A checkpoint from before services owned their sections stored ``[gateway]`` switched
+    off for every run: a run without the gateway resumes from it, nothing refused, allowed or
+    logged; a service's settings count only where it is on (the whole path, the gateway not
+    installed: test_a_checkpoint_saved_with_keys_removed_since_resumes)."""
+    old = _config(gateway=OLD_GATEWAY)
+    same = compare(_side(old), _side(_config()))
+    assert (same.refused, same.allowed, same.harmless, same.unknown) == ([], [], [], [])
+    # switched off, its settings do nothing: changed, they are not a change
+    old["gateway"] |= {"agent": ["python", "a.py"], "session_timeout_s": 5.0}
+    off = compare(_side(old), _side(_config(gateway={"enabled": False, "port": 9})))
+    assert (off.refused, off.allowed, off.harmless) == ([], [], [])
+    # on in the checkpoint, absent now: the one change is that it is off
+    old["gateway"]["enabled"] = True
+    dropped = compare(_side(old), _side(_config()))
+    assert dropped.refused == ["gateway.enabled: True -> False"]
+    assert dropped.names == ["gateway.enabled"] and dropped.harmless == []
+    assert compare(_side(old), _side(_config()), ["gateway"]).allowed == dropped.refused
+
+
+def _gateway_on(**values: object) -> Config:
+    """A config with the gateway switched on."""
+    from asyncrl_gateway.config import GatewayConfig
+
+    return Config(model=ModelConfig(path="/m"), environment=EnvironmentConfig(name="arith"),
+                  services={"gateway": GatewayConfig(enabled=True, **values)})  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [{"agent_dir": "/elsewhere"}, {"max_agents": 8},
+                                    {"check_agent": False}, {"port": 8000}])  # fmt: skip
+def test_an_enabled_service_s_harmless_keys_are_its_section_s(values: dict) -> None:
+    """On at both sides, a service's section is compared key by key: what its section's
+    ``HARMLESS`` names is only logged, the rest is strict (the core's HARMLESS names none of
+    the gateway's keys any more)."""
+    pytest.importorskip("asyncrl_gateway")
+    from asyncrl.services import harmless_keys
+
+    keys = harmless_keys(_gateway_on())
+    assert "gateway.port" in keys and "gateway.agent" not in keys
+    saved, now = _side(to_dict(_gateway_on())), _side(to_dict(_gateway_on(**values)))
+    changes = compare(saved, now, harmless=keys)
+    assert changes.refused == [] and changes.allowed == []
+    assert [line.split(":")[0] for line in changes.harmless] == [f"gateway.{next(iter(values))}"]
+    assert compare(saved, now).refused  # the core's HARMLESS does not cover it
+    agent = _side(to_dict(_gateway_on(agent=["python", "a.py"])))
+    assert compare(saved, agent, harmless=keys).refused == [
+        "gateway.agent: [] -> ['python', 'a.py']"]
 
 
 def test_harmless_names_only_existing_settings() -> None:
@@ -480,11 +539,18 @@ async def test_an_edited_reward_is_refused_on_resume_with_the_fix(
 
 @pytest.mark.anyio
 async def test_a_checkpoint_saved_with_keys_removed_since_resumes(
-    tmp_path: Path, model_dir: Path
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole path: a checkpoint whose manifest's config holds keys that are constants now
     (as one saved before issue 50 does) is opened for a resume with today's config; a removed
-    key it stored with another value is logged with the harmless changes."""
+    key it stored with another value is logged with the harmless changes. It holds the
+    ``[gateway]`` switched off that every run stored while the gateway's section was the
+    core's: a run without the gateway, not even installed, resumes from it."""
+    from asyncrl import plugins
+
+    real = plugins.entry_points
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [] if group == "asyncrl.services"
+                        else real(group=group))  # fmt: skip
     cfg = from_dict({
         "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},
         "run": {"output_dir": str(tmp_path / "out")}, "checkpoint": {"save_model": False},
@@ -498,7 +564,8 @@ async def test_a_checkpoint_saved_with_keys_removed_since_resumes(
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["config"]["run"] |= {"gc_young_interval_s": 0.05, "event_loop": "auto"}
     manifest["config"]["refit"] |= {"verify_num_sequences": 16, "staging_buffers": 3}
-    manifest["config"]["gateway"] |= {"request_head_timeout_s": 10.0, "model_name": ""}
+    manifest["config"]["gateway"] = {**OLD_GATEWAY, "request_head_timeout_s": 10.0,
+                                     "model_name": ""}  # fmt: skip
     rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     canonical = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
     manifest["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()

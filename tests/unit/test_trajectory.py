@@ -29,6 +29,7 @@ from asyncrl.data.chat import ChatTemplate
 from asyncrl.data.prompts import Tokenizer
 from asyncrl.env.trajectory import (
     PrefixMismatchError,
+    TemplateMismatch,
     Trajectory,
     TrajectoryError,
     TrajectorySample,
@@ -365,8 +366,11 @@ def _qwen3_episode(m: Model, **kw: Any) -> Trajectory:
 
 
 def test_qwen3_splits_where_reasoning_is_dropped(models: dict[str, Model]) -> None:
+    """The split is taken with the next turn, and ``on_split`` is told why then (once): the
+    episode, the turn and where the texts first differ (what a run logs)."""
     m = models["qwen3"]
-    traj = _qwen3_episode(m)
+    told: list[TemplateMismatch] = []
+    traj = _qwen3_episode(m, on_split=told.append)
     second_prompt = (  # hand-written: both earlier turns lose their reasoning
         "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
@@ -374,9 +378,20 @@ def test_qwen3_splits_where_reasoning_is_dropped(models: dict[str, Model]) -> No
         "<|im_start|>assistant\n"
     )
     assert traj.prompt_ids == m.enc(second_prompt)
-    assert traj.splits == 0  # counted when the split is taken, by the next turn
+    assert traj.prompt_ids == m.enc(second_prompt)  # asked again: still the one mismatch
+    assert traj.splits == 0 and told == []  # counted when the split is taken, by the next turn
     _turn(m, traj, "<think>\nt\n</think>\n\nA3")
     assert traj.splits == 1
+    (why,) = told
+    prompt = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert (why.episode, why.turn, why.position) == ("e", 2, len(prompt))  # where turn 1 starts
+    assert why.where == f"turn 1's generated text, which starts at character {len(prompt)}, " \
+        f"token {len(m.enc(prompt))}"
+    # 20 characters before the difference: the recorded reasoning, the template's answer
+    assert why.recorded.startswith(prompt[-20:] + "<think>\nr\n</think>")
+    assert why.rendered.startswith(prompt[-20:] + "A1<|im_end|>")
+    assert why.describe().startswith("episode 'e', the observation after turn 2: the chat "
+                                     "template does not re-render")
     first, second = traj.samples()
     assert m.dec(first.response_ids.tolist()).endswith("A2<|im_end|>")
     assert first.turns == 2 and second.turns == 1
@@ -400,7 +415,8 @@ def test_qwen3_refused_names_the_episode_turn_and_place(models: dict[str, Model]
     message = str(e)
     assert message.startswith("episode 'e', the observation after turn 2")
     assert f"in turn 1's generated text, which starts at character {len(prompt)}" in message
-    assert 'Fix: set episode.on_template_mismatch = "split"' in message  # the config key
+    assert "Fix: use a chat template that renders earlier turns unchanged" in message
+    assert 'on_mismatch = "split", what a run does' in message
     assert message.count("Fix:") == 1
     with pytest.raises(PrefixMismatchError):
         _turn(m, traj, "x")  # nothing was recorded: the same refusal

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from asyncrl.errors import ConfigError
-from asyncrl.config import RefitConfig
 from asyncrl.wire.messages import KVScalesResult, TensorEntry, TokenBatch
 from asyncrl.run.refit import KVScales, fp8_kv_cache
 from asyncrl.transfers import Receiver, StagingSpec, WeightTransfer, load_transfer
@@ -154,23 +153,22 @@ class _Control:
 
 
 @pytest.mark.parametrize(
-    ("caps", "force", "want_q"),
+    ("caps", "want_q"),
     [
-        ([{"kv_cache_dtype": "fp8", "kv_quantized_query": True}, {}], False, True),
-        ([{"kv_cache_dtype": "fp8", "kv_quantized_query": False}], False, False),
-        ([{"kv_cache_dtype": "fp8"}], True, True),  # refit.kv_calibrate_q forces them
+        ([{"kv_cache_dtype": "fp8", "kv_quantized_query": True}, {}], True),
+        ([{"kv_cache_dtype": "fp8", "kv_quantized_query": False}], False),
+        ([{"kv_cache_dtype": "fp8"}], False),  # not reported: not calibrated
     ],
 )
 @pytest.mark.anyio
 async def test_query_scales_are_calibrated_when_a_generator_quantizes_the_query(
-    caps: list[dict], force: bool, want_q: bool
+    caps: list[dict], want_q: bool
 ) -> None:
     """FA3 with an FP8 KV cache quantizes the query with its static q scale: a generator that
     says so gets calibrated q scales without any setting (left at 1.0 they cost the GPU demo
-    9x the bf16 logprob error)."""
+    9x the bf16 logprob error); one that does not say so gets none."""
     control = _Control(caps)
-    kv = KVScales(control, ["trainer:0", "trainer:1"], list(control.peers),
-                  RefitConfig(kv_calibrate_q=force), timeout_s=5)
+    kv = KVScales(control, ["trainer:0", "trainer:1"], list(control.peers), timeout_s=5)
     batch = TokenBatch(np.arange(8, dtype=np.int32), np.array([4, 4], np.int32),
                        np.array([1, 1], np.int32))
     assert kv.enabled

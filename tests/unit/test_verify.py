@@ -15,10 +15,13 @@ from asyncrl.policy.verify import RefitCheck, compare, probe_sequences, verifica
 
 
 def test_schedule_first_then_every() -> None:
-    due = [v for v in range(0, 31) if verification_due(v, first=3, every=10)]
+    """The first VERIFY_FIRST_STEPS (3) versions, then every ``every``-th; ``every = 0``: none,
+    the first ones neither."""
+    due = [v for v in range(0, 31) if verification_due(v, every=10)]
     assert due == [1, 2, 3, 10, 20, 30]
-    assert [v for v in range(0, 12) if verification_due(v, first=0, every=0)] == []
-    assert [v for v in range(0, 6) if verification_due(v, first=2, every=0)] == [1, 2]
+    assert [v for v in range(0, 8) if verification_due(v, every=1)] == list(range(1, 8))
+    assert [v for v in range(0, 12) if verification_due(v, every=2)] == [1, 2, 3, 4, 6, 8, 10]
+    assert [v for v in range(0, 31) if verification_due(v, every=0)] == []
 
 
 def test_compare_against_hand_computation() -> None:
@@ -122,7 +125,7 @@ def test_a_fixed_bound_is_named_as_fixed() -> None:
 def test_a_baseline_beyond_max_noise_is_another_model() -> None:
     t0 = np.array([-1.0, -2.0])
     with pytest.raises(RefitError, match=r"before any update.*0\.8000.*asyncrl.policy.verify."
-                       r"MAX_NOISE = 0\.5.*refit.verify_first_steps = 0"):
+                       r"MAX_NOISE = 0\.5.*\(refit.verify_every_steps = 0\)"):
         _check().baseline(3, {"rollout:0": t0 - 0.8}, t0)
     with pytest.raises(RefitError, match=r"asyncrl.policy.verify.TOLERANCE = 0\.01"):
         _check(fixed=0.01).baseline(3, {"rollout:0": t0 - 0.05}, t0)

@@ -34,7 +34,7 @@ import anyio
 import anyio.to_thread
 
 from asyncrl.plugin.common import config_error
-from asyncrl.plugin.service import GatewayConfig
+from asyncrl_gateway.config import GatewayConfig
 
 __all__ = ["CHECK_S", "agent_command", "agent_environment", "check_agent"]
 

@@ -36,9 +36,9 @@ import msgspec
 import structlog
 
 from asyncrl.plugin.common import kill_process_group
-from asyncrl.plugin.service import GatewayConfig
 from asyncrl_gateway import agent_shim
 from asyncrl_gateway.agent_command import agent_command, agent_environment
+from asyncrl_gateway.config import GatewayConfig
 from asyncrl_gateway.schema import GatewayError
 from asyncrl_gateway.sessions import Finish, Session, SessionTable
 

@@ -49,7 +49,7 @@ from asyncrl.plugin.environment import (
     in_thread,
     unlocked,
 )
-from asyncrl.plugin.service import GatewayConfig
+from asyncrl_gateway.config import GatewayConfig, gateway_config
 from asyncrl_gateway.conversation import (
     ChatLog,
     Continue,
@@ -596,7 +596,7 @@ def check_gateway(config: Any, environment: Any, tokenizer: Tokenizer) -> ToolCa
     from asyncrl.plugin.common import config_error
     from asyncrl.plugin.environment import load_tool_parser
 
-    gw = config.gateway
+    gw = gateway_config(config)
     if tokenizer.chat_template is None:
         raise config_error("model.chat_template", "the gateway records sessions with the "
                            "model's chat template and the model directory has none",

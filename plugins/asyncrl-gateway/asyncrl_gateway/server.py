@@ -55,8 +55,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from asyncrl.plugin.service import GatewayConfig
 from asyncrl_gateway import replies
+from asyncrl_gateway.config import GatewayConfig, gateway_config
 from asyncrl_gateway.connections import ConnectionLimits, GuardedHttp
 from asyncrl_gateway.gateway import Gateway, check_gateway
 from asyncrl_gateway.schema import (
@@ -614,7 +614,7 @@ def build_gateway(
     """
     from asyncrl_gateway.agents import ManagedAgents
 
-    gw = config.gateway
+    gw = gateway_config(config)
     parser = check_gateway(config, environment, tokenizer)
     name = Path(config.model.path).name  # what /v1/models and the responses call the model
     server: GatewayServer | None = None

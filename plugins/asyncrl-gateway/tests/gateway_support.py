@@ -21,7 +21,6 @@ from typing import Any, AsyncIterator
 import anyio
 import numpy as np
 
-from asyncrl.config.gateway import GatewayConfig
 from asyncrl.data.chat import ChatTemplate
 from asyncrl.data.prompts import Tokenizer
 from asyncrl.env.episode import Episode, EpisodeLimit, Generated, Limits
@@ -29,6 +28,7 @@ from asyncrl.env.segments import TrajectorySample
 from asyncrl.env.tool_parsers import HERMES
 from asyncrl.env.trajectory import Trajectory
 from asyncrl.environment import Prompt, Score
+from asyncrl_gateway.config import GatewayConfig
 from asyncrl_gateway.gateway import Gateway
 from asyncrl_gateway.server import GatewayServer, Guards
 import gateway_model as gm

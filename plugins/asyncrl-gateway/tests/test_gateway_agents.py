@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import gateway_support as gs
-from asyncrl.config.gateway import GatewayConfig
+from asyncrl_gateway.config import GatewayConfig
 
 openai = pytest.importorskip("openai")
 

@@ -281,7 +281,7 @@ async def test_an_idle_keep_alive_connection_is_closed(model: gs.Model, tmp_path
 def test_the_limits_are_checked_in_the_config() -> None:
     """What is left of the limits in ``[gateway]`` (the others are the server's
     :class:`~asyncrl_gateway.server.Guards`, constants since issue 50) is checked there."""
-    from asyncrl.config.gateway import GatewayConfig
+    from asyncrl_gateway.config import GatewayConfig
     from asyncrl_gateway.server import GUARDS, Guards
 
     assert GatewayConfig().problems() == [] and GUARDS == Guards()

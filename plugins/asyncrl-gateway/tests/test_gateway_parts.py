@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import os
 import random
 import signal
 import subprocess
@@ -420,8 +419,8 @@ def test_the_gateway_is_checked_before_anything_starts() -> None:
     installed. Each mistake is one ConfigError (or PluginError) naming its field."""
     from types import SimpleNamespace
 
-    from asyncrl.config.gateway import GatewayConfig
     from asyncrl.errors import ConfigError, PluginError
+    from asyncrl_gateway.config import GatewayConfig
     from asyncrl_gateway.gateway import check_gateway
 
     class Prompts:  # its agents post the rewards: no score
@@ -431,7 +430,7 @@ def test_the_gateway_is_checked_before_anything_starts() -> None:
         def score(self, prompt: Prompt, completion: str) -> None: ...
 
     def config(agent: list[str], parser: str = "hermes") -> SimpleNamespace:
-        return SimpleNamespace(gateway=GatewayConfig(enabled=True, agent=agent),
+        return SimpleNamespace(services={"gateway": GatewayConfig(enabled=True, agent=agent)},
                                environment=SimpleNamespace(name="env"),
                                episode=SimpleNamespace(tool_parser=parser))  # fmt: skip
 
@@ -446,7 +445,7 @@ def test_the_gateway_is_checked_before_anything_starts() -> None:
 
 
 def test_the_deadlines_are_checked_with_the_config() -> None:
-    from asyncrl.config.gateway import GatewayConfig
+    from asyncrl_gateway.config import GatewayConfig
 
     assert GatewayConfig().claim_timeout_s == 20.0 and GatewayConfig().problems() == []
     (zero,) = GatewayConfig(claim_timeout_s=0).problems()

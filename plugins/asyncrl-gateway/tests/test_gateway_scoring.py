@@ -10,9 +10,9 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncrl.config.gateway import GatewayConfig
 from asyncrl.environment import Prompt, Score
 from asyncrl.errors import PluginError
+from asyncrl_gateway.config import GatewayConfig
 from asyncrl_gateway.gateway import Gateway, SessionFailed
 
 pytestmark = pytest.mark.asyncio

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import structlog
 
-from asyncrl.config.gateway import GatewayConfig
+from asyncrl_gateway.config import GatewayConfig
 from asyncrl_gateway.gateway import SessionFailed
 from asyncrl_gateway.server import Guards
 import gateway_support as gs

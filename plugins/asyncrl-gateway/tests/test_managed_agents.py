@@ -17,12 +17,12 @@ import anyio
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.config.gateway import GatewayConfig
 from asyncrl.environment import Prompt
 from asyncrl.errors import ConfigError
 from asyncrl_gateway import agent_shim
 from asyncrl_gateway.agent_command import agent_command, check_agent
 from asyncrl_gateway.agents import ManagedAgents
+from asyncrl_gateway.config import GatewayConfig, gateway_config
 from asyncrl_gateway.sessions import SessionTable
 
 # model_dir: the fixture in conftest.py
@@ -37,12 +37,11 @@ def test_the_command_is_resolved_against_the_config_file_s_directory(
     path = conf / "run.toml"
     path.write_text(f'[model]\npath = "{model_dir}"\n[environment]\nname = "arithmetic"\n'
                     '[gateway]\nenabled = true\nagent = ["python", "agent.py"]\n')  # fmt: skip
-    cfg = load_config(path)
-    assert cfg.gateway.agent_dir == str(conf)  # wherever the run was started from
-    assert cfg.gateway.agent == ["python", "agent.py"]  # kept as written (resume compares it)
-    assert load_config(path, {"gateway.agent_dir": "agents"}).gateway.agent_dir == str(
-        conf / "agents"
-    )
+    gateway = gateway_config(load_config(path))
+    assert gateway.agent_dir == str(conf)  # wherever the run was started from
+    assert gateway.agent == ["python", "agent.py"]  # kept as written (resume compares it)
+    moved = gateway_config(load_config(path, {"gateway.agent_dir": "agents"}))
+    assert moved.agent_dir == str(conf / "agents")
     assert agent_command(["python", "agent.py"], "/d") == [sys.executable, "agent.py"]
     assert agent_command(["python3", "-m", "a.b"], "/d") == [sys.executable, "-m", "a.b"]
     assert agent_command(["./run.sh", "x"], "/d") == ["/d/./run.sh", "x"]

@@ -1,19 +1,44 @@
-"""``[gateway]``: the OpenAI-compatible gateway that trains agent programs (docs/gateway.md).
+"""``[gateway]``: the gateway's section of the run config (docs/gateway.md), which this plugin
+owns as every service owns its own (docs/plugins.md, "A service's section").
 
-Its checks sit with it; :func:`asyncrl.config.problems` gathers them.
+The loader converts the run's ``[gateway]`` table to :class:`GatewayConfig` (importing this
+plugin only when the table is there), resolves its paths (:meth:`GatewayConfig.resolve_paths`)
+and gathers its checks (:meth:`GatewayConfig.problems`) with the core's; the section is then
+``config.services["gateway"]``, read through :func:`gateway_config`.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import ClassVar
 
-from asyncrl.config.section import Section, fail, not_negative
-from asyncrl.errors import ConfigError
+import msgspec
 
-__all__ = ["GatewayConfig"]
+from asyncrl.plugin.common import Config, ConfigError
+from asyncrl.plugin.service import Section, fail
+
+__all__ = ["GatewayConfig", "gateway_config"]
+
+
+def gateway_config(config: Config) -> GatewayConfig:
+    """The run's ``[gateway]`` section (its defaults, switched off, for a run without the
+    table): the one place the plugin looks it up in ``config.services``."""
+    section = config.services.get("gateway")
+    return section if section is not None else GatewayConfig()
 
 
 class GatewayConfig(Section):
+    """The gateway's settings; ``enabled`` switches the service on."""
+
+    HARMLESS: ClassVar[tuple[str, ...]] = (
+        "host", "port", "keep_agent_logs", "idle_timeout_s", "agent_dir", "max_agents",
+        "check_agent", "claim_timeout_s", "max_request_tokens",
+    )  # fmt: skip
+    """What a resumed run may change (docs/checkpointing.md): where the gateway listens, how
+    it runs its agents and how it guards itself. What it trains on (the agent's command and
+    environment, a session's whole deadline) is not here."""
+
     enabled: bool = False
     """Serve the run's episodes as sessions of an OpenAI-compatible endpoint: each episode is
     one agent's conversation, its calls recorded token-exact and trained with the reward the
@@ -97,8 +122,11 @@ class GatewayConfig(Section):
 
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[gateway]``."""
-        out = not_negative({"gateway.max_request_tokens": self.max_request_tokens},
-                            "use 0 for no limit but episode.max_context_tokens")  # fmt: skip
+        out: list[ConfigError] = []
+        if self.max_request_tokens < 0:
+            out.append(fail("gateway.max_request_tokens",
+                            f"must be >= 0, got {self.max_request_tokens}",
+                            "use 0 for no limit but episode.max_context_tokens"))  # fmt: skip
         if not 0 <= self.port <= 65535:
             out.append(fail("gateway.port", f"is {self.port}",
                             "use 0 (a free port) or a port number up to 65535"))  # fmt: skip
@@ -126,6 +154,14 @@ class GatewayConfig(Section):
                 out.append(fail(f"gateway.agent_env.{key}", "is set by the gateway per session",
                                 "leave it out"))  # fmt: skip
         return out
+
+    def resolve_paths(self, base_dir: Path) -> GatewayConfig:
+        """``agent_dir`` made absolute against ``base_dir`` (the config file's directory),
+        ``""`` meaning that directory: the agent then runs the same whatever directory the run
+        was started from. A path already absolute (``~`` expanded) is kept."""
+        path = Path(os.path.expanduser(self.agent_dir or "."))
+        resolved = path if path.is_absolute() else (base_dir / path).resolve()
+        return msgspec.structs.replace(self, agent_dir=str(resolved))
 
     def agents_at_once(self) -> int:
         """:attr:`max_agents`, its default (``0``) resolved: 4 per CPU core this process may
