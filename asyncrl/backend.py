@@ -24,8 +24,7 @@ This module imports neither torch nor any engine.
 from __future__ import annotations
 
 import collections
-import inspect
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,13 +33,7 @@ import structlog
 
 from asyncrl.config import Config
 from asyncrl.errors import PluginError
-from asyncrl.plugins import (
-    GROUPS,
-    declared_attributes,
-    declared_methods,
-    method_problem,
-    public_names,
-)
+from asyncrl.plugins import GROUPS, check_members
 from asyncrl.wire.messages import (
     ChunkResult,
     GenRequest,
@@ -379,17 +372,17 @@ def check_backend(
     plugin: str,
     group: str,
     optional: Sequence[type] = (),
+    may_lack: Collection[str] = (),
     awaited: str = "the worker awaits it on its event loop",
     plain: str = "it runs in the trainer's thread",
 ) -> dict[str, Any]:
-    """Check a just-created backend against the protocol of its group, once, before it starts.
-
-    Every method ``protocol`` declares must be present, callable, and ``async def`` exactly
-    where the protocol's is. The methods of the ``optional`` protocols may be absent; present,
-    they are checked the same way; their attributes (:class:`ReadsLossInputs`'s) may be absent,
-    and present must not be methods. Checked here rather than on first use, a misspelt method
-    is one error at start-up instead of a failed call in the middle of a run, and the runtime
-    calls methods directly instead of probing with ``getattr`` on every call.
+    """Check a just-created backend against the protocol of its group, once, before it starts
+    (:func:`asyncrl.plugins.check_members`): every method ``protocol`` declares present,
+    callable, and ``async def`` exactly where the protocol's is; those of the ``optional``
+    protocols the same when present, their attributes (:class:`ReadsLossInputs`'s) not methods.
+    Checked here rather than on first use, a misspelt method is one error at start-up instead
+    of a failed call in the middle of a run, and the runtime calls methods directly instead of
+    probing with ``getattr`` on every call.
 
     Args:
         backend: what the plugin's factory returned.
@@ -398,37 +391,21 @@ def check_backend(
         group: its entry point group, e.g. ``asyncrl.generation_backends``.
         optional: protocols whose methods the backend may have (:class:`EngineWatch`,
             :class:`KVCalibration`, :class:`ReadsLossInputs`).
+        may_lack: members of ``protocol`` it may lack, which the caller checks in its own
+            words (a service's ``section``).
         awaited, plain: why a method must be ``async def``, or must not be, in the message
             (a worker's backend's, by default; a service's are the controller's).
 
     Returns:
-        Each optional method and attribute by name: the backend's bound method (its value),
-        or ``None`` without one.
+        Each optional member by name: the backend's bound method or the attribute's value, or
+        ``None`` without one.
 
     Raises:
         PluginError: naming the plugin, its group and every method that is missing (with a
             did-you-mean for a near name the backend has), not callable, or of the wrong kind.
     """
-    required = declared_methods(protocol)
-    extra = {name: kind for proto in optional for name, kind in declared_methods(proto).items()}
-    fields = [name for proto in optional for name in declared_attributes(proto)]
-    spare = public_names(backend, [*required, *extra, *fields])
-    def problem(name: str, is_async: bool) -> str:
-        return method_problem(backend, name, is_async, spare, awaited=awaited, plain=plain)
-
-    problems = [problem(name, is_async) for name, is_async in required.items()]
-    found: dict[str, Any] = {name: getattr(backend, name, None) for name in [*extra, *fields]}
-    problems += [
-        problem(name, is_async)
-        for name, is_async in extra.items()
-        if found[name] is not None
-    ]
-    problems += [
-        f"{name!r} must be an attribute, not a method"
-        for name in fields
-        if inspect.ismethod(found[name]) or inspect.isfunction(found[name])
-    ]
-    wrong = [p for p in problems if p]
+    found, wrong = check_members(backend, protocol, optional=optional, may_lack=may_lack,
+                                 awaited=awaited, plain=plain)  # fmt: skip
     if wrong:
         cls = backend if isinstance(backend, type) else type(backend)
         raise PluginError(

@@ -42,10 +42,9 @@ optional allowlist.
 What a loaded plugin made is checked against its protocol once, when it loads (a backend by
 :func:`asyncrl.backend.check_backend`, an environment by
 :func:`asyncrl.env.capabilities.check_environment`, a sampler by
-:func:`asyncrl.policy.sampler_table.make_sampler`), with the helpers at the end of this module:
-the methods a protocol declares (:func:`declared_methods`), what is wrong with one of them on
-an object (:func:`method_problem`, with a did-you-mean), so that the run calls what it found
-directly and never probes a plugin object with ``getattr`` afterwards.
+:func:`asyncrl.policy.sampler_table.make_sampler`), each with :func:`check_members` and an
+error in its own words, so that the run calls what it found directly and never probes a
+plugin object with ``getattr`` afterwards.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
@@ -65,12 +64,10 @@ __all__ = [
     "GROUPS",
     "PluginInfo",
     "available",
-    "declared_attributes",
-    "declared_methods",
+    "check_members",
     "did_you_mean",
     "install_hint",
     "load",
-    "method_problem",
     "public_names",
     "require",
 ]
@@ -190,16 +187,68 @@ def load(group: str, name: str, field: str | None = None) -> Any:
 
 
 # ------------------------------------------------------------------ a plugin object's members
-def declared_methods(protocol: type) -> dict[str, bool]:
+def check_members(
+    obj: Any,
+    protocol: type,
+    *,
+    optional: Sequence[type] = (),
+    may_lack: Collection[str] = (),
+    awaited: str | Mapping[str, str],
+    plain: str | Mapping[str, str],
+    kinds: Mapping[str, Callable[[str, Any], str]] = MappingProxyType({}),
+) -> tuple[dict[str, Any], list[str]]:
+    """Check ``obj`` against ``protocol`` and the ``optional`` protocols, once, as it loads.
+
+    Every method and attribute ``protocol`` declares must be present (not ``None``), but those
+    named in ``may_lack``; those of ``optional`` may be absent. A missing one gets a
+    did-you-mean for the nearest public name ``obj`` has. A method present must be callable
+    and ``async def`` exactly where its protocol's is; an attribute present must be what
+    ``kinds`` says of it, or without an entry there, not a method.
+
+    Args:
+        awaited, plain: why a method must be ``async def``, or must not be, for the message:
+            one reason for every method, or one per method name.
+        kinds: by attribute name, ``kinds[name](name, value)``: what is wrong with the value
+            of a present one (``""``: nothing).
+
+    Returns:
+        What may be absent (the members of ``optional`` and ``may_lack``), by name: the bound
+        method or the value, ``None`` without one; and what is wrong, each naming the member,
+        for the caller's error (which names the plugin and the fix).
+    """
+    protocols = (protocol, *optional)
+    methods = {n: is_async for p in protocols for n, is_async in _methods(p).items()}
+    attributes = dict.fromkeys(n for p in protocols for n in _attributes(p))
+    needed = {*_methods(protocol), *_attributes(protocol)} - set(may_lack)
+    values = {n: getattr(obj, n, None) for n in [*methods, *attributes]}
+    spare = public_names(obj, list(values))
+    problems = [f"no {'method' if n in methods else 'attribute'} {n!r}{did_you_mean(n, spare)}"
+                for n, value in values.items() if value is None and n in needed]  # fmt: skip
+    for name, is_async in methods.items():
+        method, why = values[name], awaited if is_async else plain
+        why = why if isinstance(why, str) else why[name]
+        if method is not None and not callable(method):
+            problems.append(f"{name!r} is not callable (it is a {type(method).__name__})")
+        elif method is not None and is_async != inspect.iscoroutinefunction(method):
+            kind = "`async def`" if is_async else "a plain method, not `async def`"
+            problems.append(f"{name!r} must be {kind} ({why})")
+    for name in attributes:
+        value = values[name]
+        if value is not None and name in kinds:
+            problems.append(kinds[name](name, value))
+        elif inspect.ismethod(value) or inspect.isfunction(value):
+            problems.append(f"{name!r} must be an attribute, not a method")
+    found = {n: v for n, v in values.items() if n not in needed}
+    return found, [p for p in problems if p]
+
+
+def _methods(protocol: type) -> dict[str, bool]:
     """The public methods ``protocol`` declares, each with whether it is ``async def``."""
-    return {
-        name: inspect.iscoroutinefunction(fn)
-        for name, fn in vars(protocol).items()
-        if inspect.isfunction(fn) and not name.startswith("_")
-    }
+    return {n: inspect.iscoroutinefunction(fn) for n, fn in vars(protocol).items()
+            if inspect.isfunction(fn) and not n.startswith("_")}  # fmt: skip
 
 
-def declared_attributes(protocol: type) -> list[str]:
+def _attributes(protocol: type) -> list[str]:
     """The public attributes ``protocol`` declares (annotated names, not methods)."""
     return [n for n in vars(protocol).get("__annotations__", {}) if not n.startswith("_")]
 
@@ -213,22 +262,3 @@ def did_you_mean(name: str, spare: Sequence[str]) -> str:
     """`` (did you mean 'x'?)`` for the name of ``spare`` nearest ``name``; ``""`` for none."""
     near = difflib.get_close_matches(name, list(spare), n=1, cutoff=0.7)
     return f" (did you mean {near[0]!r}?)" if near else ""
-
-
-def method_problem(
-    obj: Any, name: str, is_async: bool, spare: Sequence[str], *, awaited: str, plain: str
-) -> str:
-    """What is wrong with ``obj``'s method ``name`` (``""`` when nothing is): missing (with a
-    did-you-mean among ``spare``, ``obj``'s other public names), not callable, or not
-    ``async def`` exactly where ``is_async`` says. ``awaited`` and ``plain`` say why, for the
-    message (who awaits an async method; where a plain one runs)."""
-    method = getattr(obj, name, None)
-    if method is None:
-        return f"no method {name!r}" + did_you_mean(name, spare)
-    if not callable(method):
-        return f"{name!r} is not callable (it is a {type(method).__name__})"
-    if is_async and not inspect.iscoroutinefunction(method):
-        return f"{name!r} must be `async def` ({awaited})"
-    if not is_async and inspect.iscoroutinefunction(method):
-        return f"{name!r} must be a plain method, not `async def` ({plain})"
-    return ""

@@ -159,18 +159,17 @@ def load_section(name: str, field: str) -> SectionSpec:
 
 def _load(name: str, field: str) -> tuple[Service, SectionSpec]:
     service = plugins.load(GROUP, name, field)
-    check_backend(service, Service, plugin=name, group=GROUP,
-                  awaited="the controller awaits it on its event loop",
-                  plain="the controller calls it as it builds the run's loops")  # fmt: skip
-    return service, _check_section(service, name)
+    found = check_backend(service, Service, plugin=name, group=GROUP, may_lack=("section",),
+                          awaited="the controller awaits it on its event loop",
+                          plain="the controller calls it as it builds the run's loops")  # fmt: skip
+    return service, _check_section(service, found["section"], name)
 
 
-def _check_section(service: Any, name: str) -> SectionSpec:
-    """``service``'s section, checked against :class:`ServiceSection` (and the optional
+def _check_section(service: Any, section: Any, name: str) -> SectionSpec:
+    """``service``'s ``section``, checked against :class:`ServiceSection` (and the optional
     :class:`ResolvesPaths` and :class:`NamesHarmless`) once, as it loads."""
     cls = service if isinstance(service, type) else type(service)
     where = f"{plugins.GROUPS[GROUP]} {name!r} ({GROUP}: {cls.__module__}.{cls.__qualname__})"
-    section = getattr(service, "section", None)  # the one look, as it loads
     if not (isinstance(section, type) and issubclass(section, Section)):
         raise PluginError(
             f"{where} has no config section: its `section` is {section!r}. Fix: set the "

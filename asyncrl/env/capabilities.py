@@ -13,7 +13,8 @@ directly, never probing the environment with ``getattr`` on its way (docs/enviro
 'Optional capabilities').
 
 It lives here rather than in :mod:`asyncrl.environment` because it knows the tools' and the
-rewards' types (:mod:`asyncrl.env.tools`, :mod:`asyncrl.data.rewards`), which stand above it.
+rewards' types (:mod:`asyncrl.env.tools`, :mod:`asyncrl.data.rewards`), which stand above it,
+and asks the run's :class:`~asyncrl.env.toolbox.ToolBox` whether the tools' names are distinct.
 """
 
 from __future__ import annotations
@@ -24,23 +25,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.data.rewards import Reward
+from asyncrl.env.episode import EpisodeEnvironment
+from asyncrl.env.toolbox import ToolBox
 from asyncrl.env.tools import Tool
-from asyncrl.environment import Prompt, Score
+from asyncrl.environment import (
+    AsyncScoring, Environment, HasRewards, HasTools, Prompt, Score, ScoresOnLoop, StepMetrics,
+)  # fmt: skip
 from asyncrl.errors import PluginError
-from asyncrl.plugins import did_you_mean, method_problem, public_names
+from asyncrl.plugins import check_members, did_you_mean, public_names
 
 __all__ = ["EnvironmentParts", "check_environment", "rewards_of"]
 
-_ON_LOOP = "the controller awaits it on its event loop"
-_METHODS: dict[str, tuple[bool, str]] = {
-    "dataset": (False, "the controller calls it as the run starts"),
-    "score": (False, "it runs on a worker thread; an async one is named score_async"),
-    "score_async": (True, _ON_LOOP),
-    "run_episode": (True, _ON_LOOP),
-    "take_metrics": (False, "the controller calls it once a step, on its event loop"),
+_OPTIONAL = (AsyncScoring, ScoresOnLoop, StepMetrics, HasTools, HasRewards, EpisodeEnvironment)
+_PLAIN = {
+    "dataset": "the controller calls it as the run starts",
+    "score": "it runs on a worker thread; an async one is named score_async",
+    "take_metrics": "the controller calls it once a step, on its event loop",
 }
-"""Each method of the contract: whether it is ``async def``, and why (for the message)."""
-_ATTRIBUTES = ("score_on_loop", "tools", "rewards")
+"""Why each plain method of the contract is plain (for the message); the async ones
+(``score_async``, ``run_episode``) are awaited on the controller's event loop."""
 _SCORERS = ("score", "score_async", "run_episode")
 
 
@@ -93,22 +96,13 @@ def check_environment(environment: Any, name: str, *, scored: bool = False) -> E
         PluginError: naming the environment, its class and every member that is missing (with
             a did-you-mean for a near name it has), not callable, or of the wrong kind.
     """
-    known = [*_METHODS, *_ATTRIBUTES]
-    spare = public_names(environment, known)
-    found = {m: getattr(environment, m, None) for m in known}
-    problems = [
-        method_problem(environment, m, is_async, spare, awaited=why, plain=why)
-        for m, (is_async, why) in _METHODS.items()
-        if m == "dataset" or found[m] is not None
-    ]
-    on_loop = found["score_on_loop"]
-    if on_loop is not None and not isinstance(on_loop, bool):
-        problems.append(f"'score_on_loop' must be a bool (True or False), got {on_loop!r} "
-                        f"(a {type(on_loop).__name__})")  # fmt: skip
-    tools, tool_problem = _tools(found["tools"])
-    rewards, reward_problem = _rewards(found["rewards"])
-    problems += [tool_problem, reward_problem]
+    found, problems = check_members(
+        environment, Environment, optional=_OPTIONAL, may_lack=("score",), plain=_PLAIN,
+        awaited="the controller awaits it on its event loop",
+        kinds={"score_on_loop": _on_loop, "tools": _tools, "rewards": _rewards},
+    )  # fmt: skip
     if scored and all(found[m] is None for m in _SCORERS):
+        spare = public_names(environment, [*found, "dataset"])
         near = "".join(did_you_mean(m, spare) for m in _SCORERS)
         problems.append("no way to score a completion: no method 'score', 'score_async' or "
                         f"'run_episode'{near}")  # fmt: skip
@@ -117,11 +111,11 @@ def check_environment(environment: Any, name: str, *, scored: bool = False) -> E
         name=name,
         score=found["score"],
         score_async=found["score_async"],
-        score_on_loop=bool(on_loop),
+        score_on_loop=bool(found["score_on_loop"]),
         run_episode=found["run_episode"],
         take_metrics=found["take_metrics"],
-        tools=tools,
-        rewards=rewards,
+        tools=tuple(found["tools"] or ()),
+        rewards=tuple(found["rewards"] or ()),
     )
 
 
@@ -132,9 +126,9 @@ def rewards_of(environment: Any, name: str) -> tuple[Reward, ...]:
     Raises:
         PluginError: its ``rewards`` are not a list or tuple of reward functions.
     """
-    rewards, problem = _rewards(getattr(environment, "rewards", None))
-    _raise(environment, name, [problem])
-    return rewards
+    rewards = getattr(environment, "rewards", None)
+    _raise(environment, name, [] if rewards is None else [_rewards("rewards", rewards)])
+    return tuple(rewards or ())
 
 
 def _raise(environment: Any, name: str, problems: list[str]) -> None:
@@ -150,35 +144,38 @@ def _raise(environment: Any, name: str, problems: list[str]) -> None:
     )
 
 
-def _tools(value: Any) -> tuple[tuple[Tool, ...], str]:
-    """``tools`` as a tuple, and what is wrong with it (``""``: nothing)."""
-    if value is None:
-        return (), ""
+def _on_loop(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return ""
+    return f"{name!r} must be a bool (True or False), got {value!r} (a {type(value).__name__})"
+
+
+def _tools(name: str, value: Any) -> str:
+    """What is wrong with ``tools`` (``""``: nothing); distinct names are the run's
+    :class:`~asyncrl.env.toolbox.ToolBox`'s rule, asked of it here."""
     if not isinstance(value, (list, tuple)):
-        return (), ("'tools' must be a list or tuple of @tool functions "
-                    f"(asyncrl.plugin.environment.tool), got a {type(value).__name__}")  # fmt: skip
-    seen: set[str] = set()
+        return (f"{name!r} must be a list or tuple of @tool functions "
+                f"(asyncrl.plugin.environment.tool), got a {type(value).__name__}")  # fmt: skip
     for i, t in enumerate(value):
         if not isinstance(t, Tool):
             plain = inspect.isfunction(t) or inspect.ismethod(t)
             what = f"the function {t.__name__!r}" if plain else f"a {type(t).__name__}"
-            return (), f"'tools'[{i}] is {what}, not a tool: decorate it with @tool"
-        if t.name in seen:
-            return (), f"'tools' holds two tools named {t.name!r} (rename one: @tool(name=...))"
-        seen.add(t.name)
-    return tuple(value), ""
+            return f"{name!r}[{i}] is {what}, not a tool: decorate it with @tool"
+    try:
+        ToolBox(value)
+    except ValueError as exc:
+        return f"{name!r}: {exc}"
+    return ""
 
 
-def _rewards(value: Any) -> tuple[tuple[Reward, ...], str]:
-    """``rewards`` as a tuple, and what is wrong with it (``""``: nothing)."""
-    if value is None:
-        return (), ""
+def _rewards(name: str, value: Any) -> str:
+    """What is wrong with ``rewards`` (``""``: nothing)."""
     if isinstance(value, (list, tuple)) and all(isinstance(r, Reward) for r in value):
-        return tuple(value), ""
+        return ""
     got = f"a {type(value).__name__}"
     if isinstance(value, (list, tuple)) and value:
         got += f" of {', '.join(sorted({type(r).__name__ for r in value}))}"
-    return (), ("'rewards' must be a list or tuple of reward functions as "
-                "asyncrl.data.rewards.load_rewards makes them (their files are fingerprinted "
-                f"for a resume), got {got}; name the attribute otherwise if it is something "
-                "else")  # fmt: skip
+    return (f"{name!r} must be a list or tuple of reward functions as "
+            "asyncrl.data.rewards.load_rewards makes them (their files are fingerprinted "
+            f"for a resume), got {got}; name the attribute otherwise if it is something "
+            "else")  # fmt: skip

@@ -103,39 +103,20 @@ _ATTRIBUTE_KINDS: dict[str, tuple[type, ...]] = {
 def _check_sampler(sampler: Any, name: str) -> None:
     """Check a just-made sampler against :class:`~asyncrl.policy.samplers.Sampler` and its
     optional protocols (:class:`~asyncrl.policy.samplers.DescribesMode`,
-    :class:`~asyncrl.policy.samplers.DecidesInFlight`), once, when it is made: every method
-    present, callable and a plain method; every attribute of its kind; the optional ones, when
-    present, the same (the in-flight choice one of the known ones).
+    :class:`~asyncrl.policy.samplers.DecidesInFlight`), once, when it is made
+    (:func:`asyncrl.plugins.check_members`): every method present, callable and a plain
+    method; every attribute of its kind; the optional ones, when present, the same (the
+    in-flight choice one of the known ones).
 
     Raises:
         ConfigError: naming ``pipeline.sampler.name``, the sampler and every member that is
             missing (with a did-you-mean), not callable, or of the wrong kind.
     """
-    methods = plugins.declared_methods(samplers.Sampler)
-    optional = plugins.declared_methods(samplers.DescribesMode)
-    attributes = plugins.declared_attributes(samplers.Sampler)
-    known = [*methods, *optional, *attributes,
-             *plugins.declared_attributes(samplers.DecidesInFlight)]  # fmt: skip
-    spare = plugins.public_names(sampler, known)
     why = "the scheduler calls it on the controller's event loop"
-    problems = [
-        plugins.method_problem(sampler, m, is_async, spare, awaited=why, plain=why)
-        for m, is_async in methods.items()
-    ]
-    problems += [
-        plugins.method_problem(sampler, m, is_async, spare, awaited=why, plain=why)
-        for m, is_async in optional.items()
-        if getattr(sampler, m, None) is not None
-    ]
-    for attr in attributes:
-        value = getattr(sampler, attr, None)
-        kinds = _ATTRIBUTE_KINDS.get(attr, (object,))
-        if value is None:
-            problems.append(f"no attribute {attr!r}{plugins.did_you_mean(attr, spare)}")
-        elif isinstance(value, bool) or not isinstance(value, kinds):
-            want = " or ".join(k.__name__ for k in kinds)
-            problems.append(f"{attr!r} must be a {want}, got {value!r}")
-    problems = [p for p in problems if p]
+    _, problems = plugins.check_members(
+        sampler, samplers.Sampler, optional=(samplers.DescribesMode, samplers.DecidesInFlight),
+        awaited=why, plain=why, kinds=dict.fromkeys(_ATTRIBUTE_KINDS, _kind_problem),
+    )  # fmt: skip
     cls = type(sampler)
     if problems:
         raise ConfigError(
@@ -144,3 +125,10 @@ def _check_sampler(sampler: Any, name: str) -> None:
             f"define {'them' if len(problems) > 1 else 'it'} as the protocol says"
         )
     samplers.in_flight_at_refit(sampler)  # DecidesInFlight: a choice it knows, or a ConfigError
+
+
+def _kind_problem(attr: str, value: Any) -> str:
+    kinds = _ATTRIBUTE_KINDS[attr]
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        return f"{attr!r} must be a {' or '.join(k.__name__ for k in kinds)}, got {value!r}"
+    return ""

@@ -182,7 +182,7 @@ def _episodic(**members: Any) -> Any:
     ({"tools": [calc, calc.fn]}, "tools",
      "'tools'[1] is the function 'calc', not a tool: decorate it with @tool"),
     ({"tools": (calc, "calc")}, "tools", "'tools'[1] is a str, not a tool"),
-    ({"tools": [calc, calc]}, "tools", "'tools' holds two tools named 'calc'"),
+    ({"tools": [calc, calc]}, "tools", "'tools': two tools are named 'calc': rename one"),
     ({"run_episode": lambda self, p, e: None}, "run_episode",
      "'run_episode' must be `async def` (the controller awaits it on its event loop)"),
 ])  # fmt: skip
