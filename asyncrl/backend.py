@@ -14,7 +14,7 @@ them in one dedicated thread, one call at a time, in the order the controller se
 collectives line up across ranks.
 
 The worker checks a backend against its protocol once, when it is created
-(:func:`check_backend`): a missing, misspelt or wrongly ``async`` method is one
+(:func:`check_plugin`): a missing, misspelt or wrongly ``async`` method is one
 :class:`~asyncrl.errors.PluginError` before the engine starts, and the runtime then calls the
 methods directly.
 
@@ -24,7 +24,7 @@ This module imports neither torch nor any engine.
 from __future__ import annotations
 
 import collections
-from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,8 +32,6 @@ import numpy as np
 import structlog
 
 from asyncrl.config import Config
-from asyncrl.errors import PluginError
-from asyncrl.plugins import GROUPS, check_members
 from asyncrl.wire.messages import (
     ChunkResult,
     GenRequest,
@@ -58,7 +56,6 @@ __all__ = [
     "WeightBucketView",
     "WeightTensor",
     "WorkerContext",
-    "check_backend",
     "drain_weights",
     "generate_all",
 ]
@@ -363,58 +360,6 @@ class TrainingBackend(Protocol):
 
     def close(self) -> None:
         """Destroy the process group and free memory. Idempotent."""
-
-
-def check_backend(
-    backend: Any,
-    protocol: type,
-    *,
-    plugin: str,
-    group: str,
-    optional: Sequence[type] = (),
-    may_lack: Collection[str] = (),
-    awaited: str = "the worker awaits it on its event loop",
-    plain: str = "it runs in the trainer's thread",
-) -> dict[str, Any]:
-    """Check a just-created backend against the protocol of its group, once, before it starts
-    (:func:`asyncrl.plugins.check_members`): every method ``protocol`` declares present,
-    callable, and ``async def`` exactly where the protocol's is; those of the ``optional``
-    protocols the same when present, their attributes (:class:`ReadsLossInputs`'s) not methods.
-    Checked here rather than on first use, a misspelt method is one error at start-up instead
-    of a failed call in the middle of a run, and the runtime calls methods directly instead of
-    probing with ``getattr`` on every call.
-
-    Args:
-        backend: what the plugin's factory returned.
-        protocol: :class:`GenerationBackend` or :class:`TrainingBackend`.
-        plugin: the backend's entry point name (``generator.backend`` / ``trainer.backend``).
-        group: its entry point group, e.g. ``asyncrl.generation_backends``.
-        optional: protocols whose methods the backend may have (:class:`EngineWatch`,
-            :class:`KVCalibration`, :class:`ReadsLossInputs`).
-        may_lack: members of ``protocol`` it may lack, which the caller checks in its own
-            words (a service's ``section``).
-        awaited, plain: why a method must be ``async def``, or must not be, in the message
-            (a worker's backend's, by default; a service's are the controller's).
-
-    Returns:
-        Each optional member by name: the backend's bound method or the attribute's value, or
-        ``None`` without one.
-
-    Raises:
-        PluginError: naming the plugin, its group and every method that is missing (with a
-            did-you-mean for a near name the backend has), not callable, or of the wrong kind.
-    """
-    found, wrong = check_members(backend, protocol, optional=optional, may_lack=may_lack,
-                                 awaited=awaited, plain=plain)  # fmt: skip
-    if wrong:
-        cls = backend if isinstance(backend, type) else type(backend)
-        raise PluginError(
-            f"{GROUPS.get(group, group)} {plugin!r} ({group}: {cls.__module__}.{cls.__qualname__})"
-            f" does not implement {protocol.__name__}: {'; '.join(wrong)}. Fix: define "
-            f"{'them' if len(wrong) > 1 else 'it'} as "
-            f"{protocol.__module__}.{protocol.__name__} says"
-        )
-    return found
 
 
 def drain_weights(weights: Iterator[WeightTensor], *, after_failure: bool = False) -> None:

@@ -40,7 +40,7 @@ silently change a run. ``ASYNCRL_PLUGINS`` (comma-separated ``group:name`` or ``
 optional allowlist.
 
 What a loaded plugin made is checked against its protocol once, when it loads (a backend by
-:func:`asyncrl.backend.check_backend`, an environment by
+:func:`check_plugin`, an environment by
 :func:`asyncrl.env.capabilities.check_environment`, a sampler by
 :func:`asyncrl.policy.sampler_table.make_sampler`), each with :func:`check_members` and an
 error in its own words, so that the run calls what it found directly and never probes a
@@ -65,6 +65,7 @@ __all__ = [
     "PluginInfo",
     "available",
     "check_members",
+    "check_plugin",
     "did_you_mean",
     "install_hint",
     "load",
@@ -240,6 +241,58 @@ def check_members(
             problems.append(f"{name!r} must be an attribute, not a method")
     found = {n: v for n, v in values.items() if n not in needed}
     return found, [p for p in problems if p]
+
+
+def check_plugin(
+    backend: Any,
+    protocol: type,
+    *,
+    plugin: str,
+    group: str,
+    optional: Sequence[type] = (),
+    may_lack: Collection[str] = (),
+    awaited: str = "the worker awaits it on its event loop",
+    plain: str = "it runs in the trainer's thread",
+) -> dict[str, Any]:
+    """Check a just-created plugin object (a backend, a service) against the protocol of its
+    group, once, before it starts (:func:`check_members`): every method ``protocol`` declares present,
+    callable, and ``async def`` exactly where the protocol's is; those of the ``optional``
+    protocols the same when present, their attributes (:class:`ReadsLossInputs`'s) not methods.
+    Checked here rather than on first use, a misspelt method is one error at start-up instead
+    of a failed call in the middle of a run, and the runtime calls methods directly instead of
+    probing with ``getattr`` on every call.
+
+    Args:
+        backend: what the plugin's factory returned.
+        protocol: :class:`GenerationBackend` or :class:`TrainingBackend`.
+        plugin: the backend's entry point name (``generator.backend`` / ``trainer.backend``).
+        group: its entry point group, e.g. ``asyncrl.generation_backends``.
+        optional: protocols whose methods the backend may have (:class:`EngineWatch`,
+            :class:`KVCalibration`, :class:`ReadsLossInputs`).
+        may_lack: members of ``protocol`` it may lack, which the caller checks in its own
+            words (a service's ``section``).
+        awaited, plain: why a method must be ``async def``, or must not be, in the message
+            (a worker's backend's, by default; a service's are the controller's).
+
+    Returns:
+        Each optional member by name: the backend's bound method or the attribute's value, or
+        ``None`` without one.
+
+    Raises:
+        PluginError: naming the plugin, its group and every method that is missing (with a
+            did-you-mean for a near name the backend has), not callable, or of the wrong kind.
+    """
+    found, wrong = check_members(backend, protocol, optional=optional, may_lack=may_lack,
+                                 awaited=awaited, plain=plain)  # fmt: skip
+    if wrong:
+        cls = backend if isinstance(backend, type) else type(backend)
+        raise PluginError(
+            f"{GROUPS.get(group, group)} {plugin!r} ({group}: {cls.__module__}.{cls.__qualname__})"
+            f" does not implement {protocol.__name__}: {'; '.join(wrong)}. Fix: define "
+            f"{'them' if len(wrong) > 1 else 'it'} as "
+            f"{protocol.__module__}.{protocol.__name__} says"
+        )
+    return found
 
 
 def _methods(protocol: type) -> dict[str, bool]:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Protocol, Self
 import msgspec
 
 from asyncrl import plugins
-from asyncrl.backend import check_backend
+from asyncrl.plugins import check_plugin
 from asyncrl.config.section import Section
 from asyncrl.environment import Environment
 from asyncrl.errors import ConfigError, PluginError
@@ -159,7 +159,7 @@ def load_section(name: str, field: str) -> SectionSpec:
 
 def _load(name: str, field: str) -> tuple[Service, SectionSpec]:
     service = plugins.load(GROUP, name, field)
-    found = check_backend(service, Service, plugin=name, group=GROUP, may_lack=("section",),
+    found = check_plugin(service, Service, plugin=name, group=GROUP, may_lack=("section",),
                           awaited="the controller awaits it on its event loop",
                           plain="the controller calls it as it builds the run's loops")  # fmt: skip
     return service, _check_section(service, found["section"], name)
@@ -188,7 +188,7 @@ def _check_section(service: Any, section: Any, name: str) -> SectionSpec:
             f"give it the field `enabled: bool = False` ([{name}] enabled = true switches the "
             "service on; a run without the table must not have it)"
         )
-    found = check_backend(section, ServiceSection, plugin=name, group=GROUP,
+    found = check_plugin(section, ServiceSection, plugin=name, group=GROUP,
                           optional=(ResolvesPaths, NamesHarmless),
                           awaited="the loader calls it as it reads the config",
                           plain="the loader calls it as it reads the config")  # fmt: skip

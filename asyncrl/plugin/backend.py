@@ -20,7 +20,7 @@ Protocols and the plugin:
 - ``SampleSink``: the ``emit(index, sample)`` callback ``generate`` hands each sample to.
 - ``WeightTensor``: one full tensor a training backend's ``iter_weights`` yields.
 - ``WeightBucketView``: one received refit bucket a generation backend loads.
-- ``check_backend``: the check every worker runs on a new backend (for a plugin's own tests).
+- ``check_plugin``: the check every worker runs on a new backend (for a plugin's own tests).
 - ``drain_weights``: run an ``iter_weights()`` to its end (a rank that sends nothing).
 - ``generate_all``: run one ``generate`` and return the samples in index order (tests).
 
@@ -72,11 +72,11 @@ from asyncrl.backend import (
     WeightBucketView,
     WeightTensor,
     WorkerContext,
-    check_backend,
     drain_weights,
     generate_all,
 )
 from asyncrl.errors import EngineDeadError, NonFiniteError, RefitError, RequestError
+from asyncrl.plugins import check_plugin
 from asyncrl.policy.grpo import AnyBatch, take_sequences
 from asyncrl.policy.packing import (
     Layout,
@@ -126,7 +126,7 @@ __all__ = [
     "WeightBucketView",
     "WeightTensor",
     "WorkerContext",
-    "check_backend",
+    "check_plugin",
     "check_packed",
     "collective_timed_out",
     "drain_weights",

@@ -49,7 +49,8 @@ import anyio.abc
 import structlog
 
 from asyncrl import plugins
-from asyncrl.backend import BackendPlugin, WorkerContext, check_backend
+from asyncrl.backend import BackendPlugin, WorkerContext
+from asyncrl.plugins import check_plugin
 from asyncrl.config import Config
 from asyncrl.errors import ControllerLostError, ProtocolError, WorkerError, flatten
 from asyncrl.procs.process import host_id, wait_pid_exit
@@ -133,7 +134,7 @@ class WorkerRuntime(abc.ABC):
 
     @abc.abstractmethod
     def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
-        """Keep the optional methods :func:`~asyncrl.backend.check_backend` resolved."""
+        """Keep the optional methods :func:`~asyncrl.plugins.check_plugin` resolved."""
 
     @abc.abstractmethod
     async def _start(self) -> dict[str, Any]:
@@ -186,7 +187,7 @@ class WorkerRuntime(abc.ABC):
         Raises:
             PluginError: it does not implement the protocol (it is not kept).
         """
-        optional = check_backend(
+        optional = check_plugin(
             backend, self.PROTOCOL, plugin=plugin, group=self.PLUGIN_GROUP, optional=self.OPTIONAL
         )
         self.backend = backend

@@ -20,8 +20,8 @@ from asyncrl.backend import (
     Reprefill,
     TrainingBackend,
     WorkerContext,
-    check_backend,
 )
+from asyncrl.plugins import check_plugin
 from asyncrl.errors import PluginError
 from asyncrl.wire.messages import Init
 from asyncrl.worker.rollout_runtime import RolloutRuntime
@@ -66,7 +66,7 @@ def _trainer(*, drop: str = "", extra: dict[str, Any] | None = None) -> type:
 
 
 def _check_gen(backend: Any) -> dict[str, Any]:
-    return check_backend(backend, GenerationBackend, plugin="fake", group=GEN,
+    return check_plugin(backend, GenerationBackend, plugin="fake", group=GEN,
                          optional=(EngineWatch,))
 
 
@@ -86,7 +86,7 @@ def test_a_complete_backend_passes_and_its_optional_methods_resolve_once() -> No
     found = _check_gen(backend)
     assert found["watch"] is not None and found["watch"].__self__ is backend
     trainer = _trainer(extra={"calibrate_kv_scales": _sync_method()})()
-    found = check_backend(trainer, TrainingBackend, plugin="t", group=TRAIN,
+    found = check_plugin(trainer, TrainingBackend, plugin="t", group=TRAIN,
                           optional=(KVCalibration,))
     assert found["calibrate_kv_scales"].__self__ is trainer
 
@@ -110,7 +110,7 @@ def test_a_misspelt_method_gets_a_did_you_mean() -> None:
         _check_gen(backend())
     with pytest.raises(PluginError, match=r"no method 'compute_logprobs' \(did you mean "
                                           r"'compute_logprob'\?\)"):
-        check_backend(_trainer(drop="compute_logprobs",
+        check_plugin(_trainer(drop="compute_logprobs",
                                extra={"compute_logprob": _sync_method()})(),
                       TrainingBackend, plugin="t", group=TRAIN)
 
@@ -119,7 +119,7 @@ def test_a_sync_method_where_async_is_required_and_the_reverse() -> None:
     with pytest.raises(PluginError, match=r"'score' must be `async def`"):
         _check_gen(_generator(extra={"score": _sync_method()})())
     with pytest.raises(PluginError, match=r"'train_chunk' must be a plain method, not `async def`"):
-        check_backend(_trainer(extra={"train_chunk": _async_method()})(), TrainingBackend,
+        check_plugin(_trainer(extra={"train_chunk": _async_method()})(), TrainingBackend,
                       plugin="t", group=TRAIN)
     with pytest.raises(PluginError, match=r"'watch' must be `async def`"):  # optional, present
         _check_gen(_generator(extra={"watch": _sync_method()})())
@@ -237,12 +237,12 @@ def test_the_shipped_backends_pass() -> None:
 
     assert _check_gen(BigramGenerator) == {"watch": None}
     assert _check_gen(VLLMBackend)["watch"] is VLLMBackend.watch
-    assert check_backend(BigramTrainer, TrainingBackend, plugin="bigram", group=TRAIN,
+    assert check_plugin(BigramTrainer, TrainingBackend, plugin="bigram", group=TRAIN,
                          optional=(KVCalibration,)) == {"calibrate_kv_scales": None}
     from asyncrl_deepspeed.backend import DeepSpeedBackend
     from asyncrl_fsdp.backend import FSDPBackend
 
     for cls in (FSDPBackend, DeepSpeedBackend):
-        found = check_backend(cls, TrainingBackend, plugin=cls.__name__, group=TRAIN,
+        found = check_plugin(cls, TrainingBackend, plugin=cls.__name__, group=TRAIN,
                               optional=(KVCalibration,))
         assert found["calibrate_kv_scales"] is not None

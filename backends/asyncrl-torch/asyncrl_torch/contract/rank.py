@@ -285,9 +285,9 @@ class _Rank:
         (:class:`~asyncrl.plugin.backend.SentWeightsScoring`): every sequence scored on the
         weights rounded to bfloat16 (``sent-{tag}-rank{r}.npy``), then on the weights as they are
         again (``after-sent-{tag}-rank{r}.npy``)."""
-        from asyncrl.plugin.backend import SentWeightsScoring, TrainingBackend, check_backend
+        from asyncrl.plugin.backend import SentWeightsScoring, TrainingBackend, check_plugin
 
-        found = check_backend(self.backend, TrainingBackend, plugin=self.spec["backend"],
+        found = check_plugin(self.backend, TrainingBackend, plugin=self.spec["backend"],
                               group="asyncrl.training_backends", optional=(SentWeightsScoring,))  # fmt: skip
         self.report["sent_logprobs"] = found["sent_logprobs"] is not None
         if found["sent_logprobs"] is None:
