@@ -73,7 +73,7 @@ HARMLESS = (
 )  # fmt: skip
 """Settings a resumed run may change freely (each change is logged); every other setting
 must match the checkpoint's unless allowed. A prefix covers its whole section. A service's
-section names its own (its ``HARMLESS``; :func:`asyncrl.services.harmless_keys`).
+section names its own (its ``HARMLESS``; :func:`asyncrl.config.service_sections.harmless_keys`).
 
 A key that was removed (:data:`asyncrl.config.removed.REMOVED`: the tuning constants of issue
 50) is not compared: a checkpoint that stored one resumes, the key dropped; where its stored
@@ -343,7 +343,7 @@ def compare(
     this run's. ``allow``: fields or sections (``loss``, ``grpo.temperature``,
     ``model.tokenizer``) whose changes are accepted, or ``all``. ``harmless``: the keys of
     this run's services' sections that are harmless as :data:`HARMLESS`'s are
-    (:func:`asyncrl.services.harmless_keys`).
+    (:func:`asyncrl.config.service_sections.harmless_keys`).
 
     A service's section (a top-level table that is not the core's) means something only
     where the service runs: switched on at both sides, each of its keys is compared; on at

@@ -37,7 +37,7 @@ from asyncrl.config import Config, to_dict
 from asyncrl.errors import (
     NonFiniteError, NoSpaceError, PluginError, RemoteCallError, RunError, flatten,
 )  # fmt: skip
-from asyncrl.services import harmless_keys
+from asyncrl.config.service_sections import harmless_keys
 from asyncrl.wire.messages import ExportModel, LoadState, SaveState
 from asyncrl.wire.rpc import ControlPlane
 

@@ -25,6 +25,7 @@ import msgspec
 from asyncrl.explain import explain
 from asyncrl.config.removed import refuse_removed
 from asyncrl.config.root import CORE_SECTIONS, Config, validate
+from asyncrl.config.service_sections import GROUP, load_section
 from asyncrl.errors import ConfigError
 from asyncrl.errors import config_error as fail
 from asyncrl.plugins import GROUPS, available, install_hint
@@ -102,9 +103,6 @@ def _services(tables: dict[str, Any], base: Path) -> dict[str, Any]:
             services), one that is not a table, or a key unknown or mistyped in it.
         PluginError: the service fails to import or its section breaks the contract.
     """
-    # asyncrl.services imports the backend contracts, which import this package
-    from asyncrl.services import GROUP, load_section
-
     installed = available(GROUP)
     services: dict[str, Any] = {}
     for name, table in tables.items():

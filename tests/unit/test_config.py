@@ -167,7 +167,7 @@ def test_each_removed_key_is_gone_and_its_constant_holds_its_default() -> None:
             fields = {f.name for f in sections[section].fields}
         else:  # a service's section (the gateway's), from its plugin
             from asyncrl.plugins import available
-            from asyncrl.services import GROUP, load_section
+            from asyncrl.config.service_sections import GROUP, load_section
 
             if section not in available(GROUP):
                 pytest.skip(f"the service {section!r} is not installed")

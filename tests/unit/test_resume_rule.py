@@ -195,7 +195,7 @@ def test_an_enabled_service_s_harmless_keys_are_its_section_s(values: dict) -> N
     ``HARMLESS`` names is only logged, the rest is strict (the core's HARMLESS names none of
     the gateway's keys any more)."""
     pytest.importorskip("asyncrl_gateway")
-    from asyncrl.services import harmless_keys
+    from asyncrl.config.service_sections import harmless_keys
 
     keys = harmless_keys(_gateway_on())
     assert "gateway.port" in keys and "gateway.agent" not in keys

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from asyncrl import plugins, services
+from asyncrl.config import service_sections
 from asyncrl.config import CORE_SECTIONS, Config, from_dict, load_config, to_dict
 from asyncrl.errors import ConfigError, PluginError
 
@@ -111,7 +112,7 @@ def test_a_service_s_table_becomes_its_section(tmp_path: Path, model_dir: Path, 
     assert type(section).__name__ == "NotesConfig" and section.enabled
     assert section.log_dir == str(tmp_path / "logs")  # its own resolve_paths, from the file's dir
     assert services.enabled_services(cfg) == ["notes"]
-    assert services.harmless_keys(cfg) == ["notes.log_dir"]
+    assert service_sections.harmless_keys(cfg) == ["notes.log_dir"]
     off = load_config(write(tmp_path, "[notes]\nevery_s = 2.0\n"))
     assert off.services["notes"].every_s == 2.0 and services.enabled_services(off) == []
     assert services.enabled_services(load_config(write(tmp_path, "[notes]\n"),
@@ -255,7 +256,7 @@ async def _async_problems(self: object) -> list[ConfigError]:
         (_Plain, "has no config section: its `section` is <class"),
         (_Switch, "has no config section"),
         (_section(), "does not implement ServiceSection: no method 'problems'. Fix: define it "
-         "as asyncrl.services.ServiceSection says"),
+         "as asyncrl.config.service_sections.ServiceSection says"),
         (_section(problems=_async_problems), "'problems' must be a plain method, not `async "
          "def` (the loader calls it as it reads the config)"),
         (_section(problems=_Plain.problems, HARMLESS=("port",)), "its section's HARMLESS is "
@@ -276,7 +277,7 @@ def test_a_section_that_breaks_the_contract_is_refused_as_it_loads(
     Service.section = section  # type: ignore[attr-defined]
     monkeypatch.setattr(services.plugins, "load", lambda group, name, field: Service())
     with pytest.raises(PluginError) as refused:
-        services.load_section("custom", "custom")
+        service_sections.load_section("custom", "custom")
     text = str(refused.value)
     assert text.startswith("service 'custom' (asyncrl.services: ") and problem in text, text
 
@@ -293,7 +294,7 @@ def test_a_well_formed_section_loads_with_what_it_declares(
         service = type("Service", (), {"section": section, "check": _async_check,
                                        "build": lambda self, c, e, t: None})()  # fmt: skip
         monkeypatch.setattr(services.plugins, "load", lambda group, name, field: service)
-        spec = services.load_section("custom", "custom")
+        spec = service_sections.load_section("custom", "custom")
         assert (spec.type, spec.harmless, spec.resolve_paths) == (section, harmless, resolves)
 
 
