@@ -22,7 +22,6 @@ import anyio.lowlevel
 import structlog
 
 from asyncrl.errors import ProtocolError, RunError
-from asyncrl.obs.steps import StepRecord
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.wire.codec import Codec
 from asyncrl.run.arrivals import ArrivalKind as Kind
@@ -58,9 +57,9 @@ class TurnReceiver(Protocol):
 class Feeder:
     """Reads the data socket into the rollout book; scores and commits complete groups.
 
-    ``step_record()`` is the open step's record (it counts the samples the engines cut
-    short); ``changed`` wakes the rollout pump (once per batch of samples), ``committed`` the
-    train pump (once per commit).
+    It counts the samples the engines cut short, by the step open when each arrived (a step
+    record takes its count: :meth:`take_aborted`); ``changed`` wakes the rollout pump (once
+    per batch of samples), ``committed`` the train pump (once per commit).
     """
 
     def __init__(
@@ -72,7 +71,6 @@ class Feeder:
         evaluator: Evaluator,
         redispatch: Redispatcher,
         rejections: Rejections,
-        step_record: Callable[[], StepRecord],
         turns: TurnReceiver | None = None,
     ) -> None:
         self.config, self.book, self.now = ctx.config, ctx.book, ctx.now
@@ -84,7 +82,10 @@ class Feeder:
         self.evaluator = evaluator
         self.redispatch = redispatch
         self.rejections = rejections
-        self.step_record = step_record
+        self._aborted: dict[int, int] = {}
+        """Samples cut short (finish reason ``abort``) by the trainer version they arrived at,
+        until a step's record takes its count: those a step's refit aborts arrive with the
+        version already bumped, so they count toward the next step."""
 
     async def run(self) -> None:
         """Read samples from the data socket until cancelled.
@@ -115,6 +116,11 @@ class Feeder:
                     frames = self.data.recv_nowait()
                 self.changed.notify()
                 await anyio.lowlevel.checkpoint()
+
+    def take_aborted(self, step: int) -> int:
+        """The samples the engines cut short while step ``step`` was open (the trainer at
+        version ``step``), handed to its record once: the count is forgotten here."""
+        return self._aborted.pop(step, 0)
 
     def _take_frames(self, codec: Codec, frames: Any, tg: anyio.abc.TaskGroup) -> None:
         try:
@@ -170,7 +176,8 @@ class Feeder:
                 pass
             case Kind.PENDING | Kind.DISCARDED | Kind.COMPLETE as kind:
                 if msg.sample.finish_reason == "abort":
-                    self.step_record().aborted_samples += 1
+                    version = self.book.trainer_version
+                    self._aborted[version] = self._aborted.get(version, 0) + 1
                 if kind is Kind.COMPLETE:
                     assert arrival.group is not None
                     self._complete(arrival.group, tg)

@@ -50,12 +50,12 @@ from asyncrl.obs.console import Console
 from asyncrl.obs.startup import Startup
 from asyncrl.obs import collector, sample_export, watchdog
 from asyncrl.obs.sample_export import SampleExport
-from asyncrl.obs.steps import StepRecord, log_step
+from asyncrl.obs.steps import RefitRecord, RolloutRecord, StepRecord, WorkerTimes, log_step
 from asyncrl.obs.collector import collector_paused, pace
 from asyncrl.obs.watchdog import LoopLag, LoopWatchdog
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.schedule import Scheduler, StepStats
-from asyncrl.run.train_step import StepAssembler
+from asyncrl.run.train_step import StepAssembler, Trained
 from asyncrl.env.episode import EpisodeEnvironment
 from asyncrl.run.arrivals import Sent
 from asyncrl.run.book import RolloutBook
@@ -171,7 +171,6 @@ class Pipeline:
         """The run's start up to its workers being ready: its record follows step 1's."""
         self.changed = Signal()  # a book change the rollout pump (or a drain) may wait for
         self.committed = Signal()  # a commit: the train pump's only reason to look again
-        self.steps: dict[int, StepRecord] = {}
         self.rejections = rejections if rejections is not None else Rejections()
         self._gate_wait_s = 0.0  # dispatch time spent waiting for a refit, since the last step
         self.lag = LoopLag()  # event-loop wake-up delays (each step record takes them)
@@ -203,7 +202,6 @@ class Pipeline:
         self.publisher = Publisher(ctx, kv=kv, transfer_address=transfer,
                                    rejections=self.rejections,
                                    cancel_episodes=self._cancel_episodes)  # fmt: skip
-        self.assembler = StepAssembler(ctx, before_training=self.publisher.baseline)
         self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
         # the environment the run trains on (a service's, if one stands in front), checked once
         parts = check_environment(environment, cfg.environment.name, scored=True)
@@ -227,12 +225,16 @@ class Pipeline:
         )  # fmt: skip
         self.evaluator = Evaluator(ctx, environment=environment, tokenizer=tokenizer,
                                    episodes=self.episodes)  # fmt: skip
+        # a validation of the weights a refit replaces is waited for before they are taken
+        # (not the other way round: a validation may wait for a restarted worker, whose
+        # refit needs them)
+        self.assembler = StepAssembler(ctx, before_training=self.publisher.baseline,
+                                       before_finish=self.evaluator.wait_validation)  # fmt: skip
         self.scorer = Scorer(environment, tokenizer, cfg.environment.name,
                              timeout_s=cfg.failures.reward_timeout_s, parts=parts)  # fmt: skip
         self.feeder = Feeder(
             ctx, data=data, scorer=self.scorer, evaluator=self.evaluator,
-            redispatch=self.redispatch, rejections=self.rejections,
-            step_record=lambda: self._record(self.book.trainer_version), turns=self.episodes,
+            redispatch=self.redispatch, rejections=self.rejections, turns=self.episodes,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the controller's API
@@ -375,9 +377,6 @@ class Pipeline:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _record(self, step: int) -> StepRecord:
-        return self.steps.setdefault(step, StepRecord(step))
-
     # ------------------------------------------------------------------ rollout pump
     async def rollout_pump(self) -> None:
         """Dispatch groups whenever the book allows, in one ``Generate`` per worker per
@@ -440,16 +439,18 @@ class Pipeline:
     async def _step(self, validations: anyio.abc.TaskGroup) -> None:
         """One step: trained and published, verified when due, logged, saved."""
         step = self.book.trainer_version
-        rec = self._record(step)
-        finish, stats = await self._train_and_publish(step, rec)
+        trained, stats, refit = await self._train_and_publish(step)
+        train = trained.record
         if self.samples is not None:  # what the trainer got, once the step counts
-            await self.samples.put(step + 1, rec.groups, rec.advantages)
+            await self.samples.put(step + 1, train.groups, train.advantages)
         await anyio.lowlevel.checkpoint()  # the pumps go first: logging can wait
-        await self.publisher.verify(step, rec)
-        self._log_step(rec, finish[0], stats)
+        verification = await self.publisher.verify(step)
+        workers = WorkerTimes.of(self.control.take_served(), self.trainers)
+        rec = StepRecord(step, train=train, refit=refit, verification=verification,
+                         rollout=self._take_rollout(step), workers=workers)  # fmt: skip
+        self._log_step(rec, trained.results[0], stats)
         await anyio.lowlevel.checkpoint()  # the record took ~1 ms; the next chunk's packing another
-        del self.steps[step]
-        self.publisher.check_verified(rec)
+        self.publisher.check_verified(verification)
         # a step boundary: no step open, the gate open, the trainer at step + 1
         book = self.book
         await self.checkpointer.after_step(book.trainer_version, book.finished, book.snapshot)
@@ -457,20 +458,18 @@ class Pipeline:
         if every and num_prompts and (step + 1) % every == 0:
             self.evaluator.start_validation(validations, step + 1, self.checkpointer.note_eval)
 
-    async def _train_and_publish(self, step: int, rec: StepRecord) -> tuple[list[Any], StepStats]:
+    async def _train_and_publish(self, step: int) -> tuple[Trained, StepStats, RefitRecord]:
         """Train step ``step``, take its optimizer step and refit the generators. The
         weights are held from ``FinishStep`` to the end of the refit; a validation of the
-        weights the refit replaces is waited for before they are taken (not the other way
-        round: a validation may wait for a restarted worker, whose refit needs them)."""
+        weights the refit replaces is waited for before they are taken (the assembler's
+        ``before_finish``)."""
         while True:
-            await self.assembler.train(step, rec)
-            t = self.now()
-            await self.evaluator.wait_validation()
-            rec.waited(t, self.now())
+            await self.assembler.train(step)
             async with self._weights:
-                finish = await self.assembler.finish(step, rec)
-                if finish is not None:
-                    return finish, await self.publisher.publish(step, rec)
+                trained = await self.assembler.finish(step)
+                if trained is not None:
+                    stats, refit = await self.publisher.publish(step, trained.record.groups)
+                    return trained, stats, refit
             # FinishStep failed on a trainer: the step's groups are ready again
 
     async def _finish(self) -> None:
@@ -482,25 +481,27 @@ class Pipeline:
             while not self.book.drained:
                 await self.changed.wait()
 
+    def _take_rollout(self, step: int) -> RolloutRecord:
+        """The rollout side's counters for step ``step``'s record, each taken from the one
+        place that counts it (and reset there)."""
+        gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
+        return RolloutRecord(aborted_samples=self.feeder.take_aborted(step),
+                             gate_wait_s=gate_wait_s, score_s=self.scorer.take_spent())  # fmt: skip
+
     def _log_step(self, rec: StepRecord, result: StepResult, stats: StepStats) -> None:
-        rec.gate_wait_s, self._gate_wait_s = self._gate_wait_s, 0.0
-        rec.take_served(self.control.take_served(), self.trainers)
-        rec.engine_busy_s = self.publisher.report.busy_s
-        rec.score_s = self.scorer.take_spent()
-        rec.refit_pack_s = self.publisher.report.pack_s
         book = self.book
         record = rec.metrics(
-            result, rec.refit_s, stats, buffer_ready=book.num_ready, buffer_live=book.num_live,
-            inflight_samples=book.inflight_samples, loop_lags=self.lag.take(),
-            rejected_frames=self.rejections.total, now=self.now(),
+            result, rec.refit.refit_s, stats, buffer_ready=book.num_ready,
+            buffer_live=book.num_live, inflight_samples=book.inflight_samples,
+            loop_lags=self.lag.take(), rejected_frames=self.rejections.total, now=self.now(),
         )  # fmt: skip
         if self.episodes is not None:
             record.update(self.episodes.take_metrics())
         self.history.append(record)
         if self.metrics is not None:
             self.metrics.write({"kind": "train", **record})
-        log_step(record, result, rec.refit_s, rec)
-        self.console.step(record, rec.groups)
+        log_step(record, result, rec.refit.refit_s, rec)
+        self.console.step(record, rec.train.groups)
         if self.startup is not None:
             self._log_startup(record)
 

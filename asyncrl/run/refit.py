@@ -30,7 +30,7 @@ from asyncrl.config import RefitConfig
 from asyncrl.config.engines import DRAIN_TIMEOUT_S
 from asyncrl.data.prompts import PromptStream, Tokenizer
 from asyncrl.errors import RefitError, WorkerError, flatten
-from asyncrl.obs.steps import StepRecord
+from asyncrl.obs.steps import RefitRecord, Verification
 from asyncrl.policy.grpo import shard_tokens
 from asyncrl.policy.samplers import in_flight_at_refit
 from asyncrl.policy.schedule import StepStats
@@ -330,42 +330,44 @@ class Publisher:
         self.kv = kv
         self.transfer_address = transfer_address
         self.rejections = rejections
-        self.report = RefitReport()
-        """What the last step's refit reported (the generators' busy time, the packing)."""
         self._kv_scales: dict[str, float] | None = None
         """The FP8 KV-cache scales of the last refit (a restarted worker gets them too)."""
         self._probe: TokenBatch | None = None
         """The refit-verification probe batch, frozen from the first trained step."""
         self.check = RefitCheck.measured()
         """Judges verified refits against the baseline measured before the first update."""
+        self._baseline_s = 0.0
+        """Time the baseline took, not yet reported: the step it was measured in reports it
+        with its verification (:meth:`verify`)."""
         self._reprefill = in_flight_at_refit(config.sampler) == "reprefill"
         """Requests in flight at a step's refit recompute their KV cache (the sampler's
         choice; docs/modes.md)."""
 
-    async def publish(self, step: int, rec: StepRecord) -> StepStats:
-        """Step ``step`` took its optimizer step: bump the version, abort what became
-        hopeless, refit. Returns the step's counters. Cancellation: the refit is abandoned
-        (the run is over)."""
+    async def publish(self, step: int, groups: Sequence[Any]) -> tuple[StepStats, RefitRecord]:
+        """Step ``step`` (trained on ``groups``) took its optimizer step: bump the version,
+        abort what became hopeless, refit. Returns the step's counters and what its refit
+        measured. Cancellation: the refit is abandoned (the run is over)."""
         # the version bump and the gate's closing are one book event: no dispatch can see
         # version v+1 before the generators serve it
         self.book.finish_step()
         self.changed.notify()
-        rec.refit_start = refit_start = self.now()
+        refit_start = self.now()
         log.debug("refit_started", version=step + 1)
         await self.abort(self.book.begin_refit())
-        if self.config.refit.drain:
-            await self._drain(rec)
-        rec.inflight_at_refit = self.book.inflight_samples
-        kv_scales = await self.kv.after_step(rec.groups, step + 1)
-        self.report = await self._refit(
-            step + 1, kv_scales, self.serving(), reprefill=self._reprefill
-        )
+        drain_s, drain_timeouts = await self._drain() if self.config.refit.drain else (0.0, 0)
+        inflight_at_refit = self.book.inflight_samples
+        kv_scales = await self.kv.after_step(groups, step + 1)
+        report = await self._refit(step + 1, kv_scales, self.serving(), reprefill=self._reprefill)
         self._kv_scales = kv_scales
-        rec.refit_end = self.now()
-        rec.refit_s = rec.refit_end - refit_start
+        refit_end = self.now()
+        refit = RefitRecord(
+            refit_start=refit_start, refit_end=refit_end, refit_s=refit_end - refit_start,
+            drain_s=drain_s, drain_timeouts=drain_timeouts, inflight_at_refit=inflight_at_refit,
+            engine_busy_s=report.busy_s, refit_pack_s=report.pack_s,
+        )  # fmt: skip
         stats = self.book.end_refit()
         self.changed.notify()
-        return stats
+        return stats, refit
 
     async def abort(self, aborts: Aborts) -> None:
         """Tell each engine to abort its groups and episodes' turns (their samples still come
@@ -385,20 +387,22 @@ class Publisher:
             worker, Abort(group_ids=group_ids), timeout_s=self.config.cluster.call_timeout_s
         )
 
-    async def _drain(self, rec: StepRecord) -> None:
-        """Wait until no sample is generating, at most :data:`DRAIN_TIMEOUT_S`."""
+    async def _drain(self) -> tuple[float, int]:
+        """Wait until no sample is generating, at most :data:`DRAIN_TIMEOUT_S`; returns the
+        seconds waited and 1 if the wait timed out (else 0)."""
         start = self.now()
         with anyio.move_on_after(DRAIN_TIMEOUT_S) as scope:
             while not self.book.drained:
                 await self.changed.wait()
-        rec.drain_s = self.now() - start
-        if scope.cancelled_caught:
-            rec.drain_timeouts += 1
-            log.warning(
-                "drain_timed_out",
-                inflight_samples=self.book.inflight_samples,
-                timeout_s=DRAIN_TIMEOUT_S,
-            )
+        drain_s = self.now() - start
+        if not scope.cancelled_caught:
+            return drain_s, 0
+        log.warning(
+            "drain_timed_out",
+            inflight_samples=self.book.inflight_samples,
+            timeout_s=DRAIN_TIMEOUT_S,
+        )
+        return drain_s, 1
 
     async def first(self, resumed: bool, prompts: PromptStream, tokenizer: Tokenizer) -> None:
         """Before the first dispatch: a resumed run refits the generators from the restored
@@ -406,7 +410,7 @@ class Publisher:
         refits with calibrated scales, so no step runs on scales of 1.0."""
         if resumed or self.kv.enabled:
             kv_scales = await self.kv.initial(prompts, tokenizer)
-            self.report = await self._refit(self.book.trainer_version, kv_scales, self.serving())
+            await self._refit(self.book.trainer_version, kv_scales, self.serving())
             self._kv_scales = kv_scales
 
     async def receiver_gone(self, worker: str) -> None:
@@ -445,9 +449,9 @@ class Publisher:
             self.rejections.counts["weights"] = report.rejected_frames
         return report
 
-    async def baseline(self, step: int, rec: StepRecord) -> None:
-        """Before the trainers train any of step ``step`` (its first chunk is in ``rec``),
-        until the refit check has its baseline: freeze the probe batch from the step's groups
+    async def baseline(self, step: int, groups: Sequence[Any]) -> None:
+        """Before the trainers train any of step ``step`` (its first chunk's ``groups`` are
+        in), until the refit check has its baseline: freeze the probe batch from the groups
         and score it on both sides, which hold the same weights now (docs/refit.md, 'Refit
         verification'). Before any backward pass: a forward between a backward and its
         optimizer step left FSDP2 (one rank, float32) unable to free a gathered parameter at
@@ -461,25 +465,30 @@ class Publisher:
         if self.check.started or not cfg.verify_every_steps:
             return
         if self._probe is None:
-            self._probe = make_probe(rec.groups, verify.PROBE_SEQUENCES)
+            self._probe = make_probe(groups, verify.PROBE_SEQUENCES)
         if self._probe is None:
             return  # no tokens to probe with yet: the next step's
         start = self.now()
         agreements = self.check.baseline(step, *await self.probes.scores(self._probe))
         self._record_verified(agreements, baseline=True)
-        rec.verify_s += self.now() - start
+        self._baseline_s += self.now() - start
 
-    async def verify(self, step: int, rec: StepRecord) -> None:
+    async def verify(self, step: int) -> Verification:
         """After step ``step``'s refit, when due (``VERIFY_FIRST_STEPS``,
         ``refit.verify_every_steps``) and once the baseline was measured: every generator's
-        logprobs of the probe batch against the trainer's, judged into ``rec.verify``."""
+        logprobs of the probe batch against the trainer's, judged. Returns the judgements
+        (none when not due) and the time spent on them, with the baseline's when this step
+        measured it. Cancellation: the check is abandoned (the run is over)."""
         cfg = self.config.refit
+        seconds, self._baseline_s = self._baseline_s, 0.0
+        agreements: list[Agreement] = []
         if self.check.started and verification_due(step + 1, cfg.verify_every_steps):
             start = self.now()
             assert self._probe is not None
-            rec.verify = self.check.judge(step + 1, *await self.probes.scores(self._probe))
-            self._record_verified(rec.verify)
-            rec.verify_s += self.now() - start
+            agreements = self.check.judge(step + 1, *await self.probes.scores(self._probe))
+            self._record_verified(agreements)
+            seconds += self.now() - start
+        return Verification(tuple(agreements), seconds)
 
     def _record_verified(self, agreements: list[Agreement], *, baseline: bool = False) -> None:
         """A record per generator, ``refit_verify`` (a judged refit) or ``refit_baseline``
@@ -491,7 +500,7 @@ class Publisher:
             log.info("refit_baseline" if baseline else "refit_verified", **a.metrics())
 
     @staticmethod
-    def check_verified(rec: StepRecord) -> None:
-        """Stop the run if a generator disagreed with the trainer in ``rec.verify``."""
-        for agreement in rec.verify:
+    def check_verified(verification: Verification) -> None:
+        """Stop the run if a generator disagreed with the trainer in ``verification``."""
+        for agreement in verification.agreements:
             agreement.check()

@@ -17,6 +17,10 @@ tokens (those its batches' ``loss_mask`` selects, as the trainers counted them i
 lives on; the trainer drops the step's gradients) gives the step's groups back to the buffer
 and the step is assembled and trained again, within
 :data:`~asyncrl.policy.failures.TRAIN_STEP_RETRIES` (:mod:`asyncrl.policy.failures`).
+
+The step's :class:`~asyncrl.obs.steps.TrainRecord` (its chunks, the trainer's time and waits,
+what the refreshes measured) is this module's alone: opened by :meth:`StepAssembler.train`,
+written only here, and handed over with the trainers' results by :meth:`StepAssembler.finish`.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -35,8 +39,9 @@ import structlog
 
 from asyncrl.config import Config
 from asyncrl.errors import NonFiniteError, RemoteCallError, RunError, flatten
-from asyncrl.obs.steps import StepRecord
+from asyncrl.obs.steps import Mismatch, TrainRecord
 from asyncrl.policy import failures as failure_policy
+from asyncrl.policy.groups import Group
 from asyncrl.policy.grpo import (
     concat_batches,
     mini_batches,
@@ -47,7 +52,7 @@ from asyncrl.policy.grpo import (
     trained_per_sequence,
 )
 from asyncrl.run.context import RunContext
-from asyncrl.run.refresh import Refresher
+from asyncrl.run.refresh import Refreshed, Refresher
 from asyncrl.wire.messages import (
     BeginStep,
     FinishStep,
@@ -55,7 +60,7 @@ from asyncrl.wire.messages import (
     TrainChunk,
 )
 
-__all__ = ["StepAssembler", "normalizer"]
+__all__ = ["StepAssembler", "Trained", "normalizer"]
 
 log = structlog.get_logger("asyncrl.run.train_step")
 
@@ -68,6 +73,15 @@ class _StepFailed(Exception):
         self.error = error
 
 
+class Trained(NamedTuple):
+    """A step whose optimizer step was taken (:meth:`StepAssembler.finish`)."""
+
+    results: list[Any]
+    """The trainers' ``StepResult`` s."""
+    record: TrainRecord
+    """The step's training, handed over: the assembler no longer holds it."""
+
+
 class StepAssembler:
     """Trains steps for the train pump from the rollout book's chunks."""
 
@@ -75,7 +89,8 @@ class StepAssembler:
         self,
         ctx: RunContext,
         *,
-        before_training: Callable[[int, StepRecord], Awaitable[None]] | None = None,
+        before_training: Callable[[int, Sequence[Group]], Awaitable[None]] | None = None,
+        before_finish: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         config = self.config = ctx.config
         self.control, self.trainers, self.book = ctx.control, ctx.trainers, ctx.book
@@ -83,8 +98,15 @@ class StepAssembler:
         self.failures, self.now = ctx.failures, ctx.now
         probes, now = ctx.probes, ctx.now
         self._before_training = before_training
-        """Called with a step's first chunk in, before the trainers train any of it (the
-        refit check's baseline: :meth:`Publisher.baseline`)."""
+        """Called with a step's first chunk's groups in, before the trainers train any of it
+        (the refit check's baseline: :meth:`Publisher.baseline`)."""
+        self._before_finish = before_finish
+        """Awaited once a step has all its groups in, before :meth:`finish` may take the
+        weights (a validation of the weights the step's refit replaces): a wait of the
+        trainer's, recorded with its others."""
+        self._open: TrainRecord | None = None
+        """The step being trained, until :meth:`finish` hands it over (a step that failed
+        on a trainer is trained again into it)."""
         g = config.grpo
         self._advantage_options: dict[str, Any] = dict(
             normalize=g.normalize_advantages, environment=config.environment.name,
@@ -98,31 +120,41 @@ class StepAssembler:
         """Several optimizer steps per RL step: chunks are packed and refreshed as they
         stream in, and trained once the step has all its groups (:meth:`finish`)."""
 
-    async def train(self, step: int, rec: StepRecord) -> None:
+    async def train(self, step: int) -> None:
         """Train step ``step`` chunk by chunk until it has all its groups (not yet
-        finished); a step that fails on a trainer is assembled again.
+        finished), then wait for ``before_finish``; a step that fails on a trainer is
+        assembled again. Cancellation: the step is abandoned (the run is over).
 
         Raises:
             RunError: the step failed more often than ``TRAIN_STEP_RETRIES`` allows.
         """
+        if self._open is None:
+            self._open = TrainRecord()
+        rec = self._open
         while True:
             try:
                 await self._train_chunks(step, rec)
-                return
+                break
             except _StepFailed as exc:
                 self._give_back(step, rec, exc)
+        if self._before_finish is not None:
+            t = self.now()
+            await self._before_finish()
+            rec.waited(t, self.now())
 
-    async def finish(self, step: int, rec: StepRecord) -> list[Any] | None:
+    async def finish(self, step: int) -> Trained | None:
         """Take the optimizer step of the trained step ``step`` (``FinishStep``); the caller
-        holds the weights. Returns the trainers' ``StepResult``s, or ``None`` when the call
-        failed on a trainer: the step's groups are ready again and the step must be trained
-        again (:meth:`train`, then this).
+        holds the weights. Returns the trainers' ``StepResult``s with the step's record, or
+        ``None`` when the call failed on a trainer: the step's groups are ready again and
+        the step must be trained again (:meth:`train`, then this).
 
         Raises:
             RunError: the step failed more often than ``TRAIN_STEP_RETRIES`` allows.
             NonFiniteError: a loss or gradient norm that is not finite, once
                 ``failures.max_nonfinite_steps`` such steps were skipped.
         """
+        rec = self._open
+        assert rec is not None, "finish() before train()"
         busy = self.now()
         try:
             if self._mini_batched:
@@ -135,10 +167,11 @@ class StepAssembler:
         rec.train_end = self.now()
         rec.train_busy_s += rec.train_end - busy
         self.failures.step_done()
-        return finish
+        self._open = None
+        return Trained(finish, rec)
 
     async def _finish_step(
-        self, step: int, rec: StepRecord, results: list[Any], sequences: int
+        self, step: int, rec: TrainRecord, results: list[Any], sequences: int
     ) -> list[Any]:
         """``FinishStep`` over the trained chunks' ``results`` (``sequences`` of them train
         a token); the step's loss or gradient norm checked for finiteness.
@@ -153,7 +186,7 @@ class StepAssembler:
         self._check_finite(step, rec, finish)
         return finish
 
-    async def _mini_steps(self, step: int, rec: StepRecord) -> list[Any]:
+    async def _mini_steps(self, step: int, rec: TrainRecord) -> list[Any]:
         """The RL step's optimizer steps: ``grpo.update_epochs`` passes over its sequences,
         each ``grpo.mini_steps`` mini-batches of one optimizer step; returns the trainers'
         last results, with the mean loss over the mini-steps.
@@ -192,7 +225,7 @@ class StepAssembler:
         return [msgspec.structs.replace(r, loss=float(np.mean(losses)), num_loss_tokens=tokens)
                 for r in finish]  # fmt: skip
 
-    def _give_back(self, step: int, rec: StepRecord, exc: _StepFailed) -> None:
+    def _give_back(self, step: int, rec: TrainRecord, exc: _StepFailed) -> None:
         """A train call failed: the trainers dropped the step's gradients, so its groups are
         ready again (or the run stops, the retries spent)."""
         if not self.failures.step_failed(step, str(exc.error).splitlines()[0]):
@@ -205,7 +238,7 @@ class StepAssembler:
         rec.restart()
         self.committed.notify()
 
-    def _check_finite(self, step: int, rec: StepRecord, finish: list[Any]) -> None:
+    def _check_finite(self, step: int, rec: TrainRecord, finish: list[Any]) -> None:
         """A step whose loss or gradient norm is not finite was not applied by the trainers:
         skip it within ``failures.max_nonfinite_steps``, else stop the run naming the likely
         cause."""
@@ -225,7 +258,7 @@ class StepAssembler:
                             **self._advantage_options)
         )  # fmt: skip
 
-    async def _train_chunks(self, step: int, rec: StepRecord) -> None:
+    async def _train_chunks(self, step: int, rec: TrainRecord) -> None:
         """Open step ``step`` on the trainers and train it chunk by chunk as the book hands
         out groups, until it has ``grpo.prompts_per_step``.
 
@@ -246,7 +279,7 @@ class StepAssembler:
                 continue
             rec.groups += chunk.groups  # before any await: a failed step gives them back
             if self._before_training is not None and not opened and not rec.batches:
-                await self._before_training(step, rec)
+                await self._before_training(step, tuple(rec.groups))
             if not opened and not self._mini_batched:
                 rec.train_start = self.now()
                 log.debug("step_started", step=step)
@@ -262,14 +295,15 @@ class StepAssembler:
             rec.train_busy_s += self.now() - busy
             rec.chunks += 1
 
-    async def _pack(self, groups: list[Any], rec: StepRecord) -> TrainBatch:
+    async def _pack(self, groups: list[Any], rec: TrainRecord) -> TrainBatch:
         """A chunk's groups as a refreshed :class:`TrainBatch` (``loss.aggregation``
-        applied); its advantages and sequences counted in ``rec``."""
+        applied); its advantages, sequences and refresh counted in ``rec``."""
         cfg = self.config
         batch = pack_groups(groups, **self._advantage_options)
         if self.refresher.active:
             with _step_failures():  # a refresh that raised on a trainer: the step again
-                batch = await self.refresher.refresh(batch, groups, rec)
+                batch, measured = await self.refresher.refresh(batch, groups)
+            _add_refresh(rec, measured)
         rec.advantages.append(batch.advantages)
         trained = trained_per_sequence(batch)
         rec.sequences += int(np.count_nonzero(trained))
@@ -289,6 +323,17 @@ class StepAssembler:
             return await self.control.call_each(
                 self.trainers, requests, timeout_s=self.config.cluster.call_timeout_s
             )
+
+
+def _add_refresh(rec: TrainRecord, measured: Refreshed) -> None:
+    """A chunk's refresh into its step's record: seconds by kind, the KL in the reward, the
+    mismatch over the step's trained tokens so far."""
+    for kind, seconds in measured.seconds.items():
+        rec.refresh_s[kind] = rec.refresh_s.get(kind, 0.0) + seconds
+    rec.kl_sum += measured.kl_sum
+    rec.kl_tokens += measured.kl_tokens
+    if measured.mismatch is not None:
+        rec.mismatch = (rec.mismatch or Mismatch()).merged(measured.mismatch)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from asyncrl.run.scoring import ASYNC_SCORE_CONCURRENCY, ScoreError, Scorer
 from asyncrl.wire.messages import StepResult
 from asyncrl.data.rewards import RewardError
 from asyncrl.policy.slots import StepStats
-from asyncrl.obs.steps import StepRecord
+from asyncrl.obs.steps import StepRecord, TrainRecord
 from scoring_support import DigitsTokenizer, group_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -718,8 +718,7 @@ def test_step_metrics_average_each_component() -> None:
             components,
         )
 
-    rec = StepRecord(step=4)
-    rec.groups = [
+    groups = [
         Group(
             "g0",
             "p0",
@@ -743,7 +742,7 @@ def test_step_metrics_average_each_component() -> None:
             index=1,
         ),
     ]
-    record = rec.metrics(
+    record = StepRecord(step=4, train=TrainRecord(groups=groups)).metrics(
         StepResult(step=4, loss=0.1, grad_norm=1.0, num_loss_tokens=4, lr=1e-6, seconds=1.0),
         0.0,
         StepStats(),

@@ -130,7 +130,6 @@ class _Run:
         self.feeder = Feeder(
             ctx, data=self.socket, scorer=_Scorer(),  # type: ignore[arg-type]
             evaluator=self.evaluator, redispatch=None, rejections=Rejections(),  # type: ignore[arg-type]
-            step_record=lambda: None,  # type: ignore[arg-type,return-value]
         )  # fmt: skip
         self.control = control
 

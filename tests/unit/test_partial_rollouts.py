@@ -109,7 +109,7 @@ def test_token_staleness_counts_every_trained_token_at_its_own_version() -> None
     """The step record's per-token staleness against a count token by token, written here:
     single-turn samples across a refit, masked episode samples with a split-off part, and
     samples restored without versions (their group's start version)."""
-    from asyncrl.obs.steps import StepRecord
+    from asyncrl.obs.steps import StepRecord, TrainRecord
 
     rng = np.random.default_rng(7)
     step, groups, expected = 6, [], []
@@ -139,7 +139,7 @@ def test_token_staleness_counts_every_trained_token_at_its_own_version() -> None
                                                  "stop", 0.0, False))  # fmt: skip
                 expected += [(step - start, False)] * n
         groups.append(g)
-    rec = StepRecord(step=step, groups=groups)
+    rec = StepRecord(step=step, train=TrainRecord(groups=groups))
     got = rec._token_staleness()
     stale = [s for s, _ in expected]
     hist: dict[str, int] = {}
@@ -221,7 +221,7 @@ async def _feed_a_turn(versions: np.ndarray) -> Sample:
                      now=lambda: 0.0)  # type: ignore[arg-type]  # fmt: skip
     feeder = Feeder(
         ctx, data=data, scorer=None, evaluator=None, redispatch=None, rejections=Rejections(),
-        step_record=lambda: None, turns=turns,
+        turns=turns,
     )  # type: ignore[arg-type]  # fmt: skip
     tx.send_nowait(Codec(DataMessage).encode(
         SampleDone("t#0", "w", 0, Sample(TOKENS, LPS, "stop", versions))))  # fmt: skip
