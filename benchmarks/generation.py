@@ -439,8 +439,9 @@ async def part_options(
 
 
 def selected(words: str) -> dict[str, dict[str, Any]]:
-    """The :data:`OPTIONS` rows whose name contains one of ``words`` (comma-separated; all
-    when empty), in their order; the first row (asyncrl's request shape, the ratios' base)
+    """The :data:`OPTIONS` rows named by ``words`` (comma-separated; all when empty), in
+    their order: a word that is a row's whole name selects that row alone, any other word the
+    rows whose name contains it; the first row (asyncrl's request shape, the ratios' base)
     always.
 
     Raises:
@@ -451,8 +452,9 @@ def selected(words: str) -> dict[str, dict[str, Any]]:
     if unknown:
         raise SystemExit(f"--rows: {', '.join(unknown)} names no row of {list(OPTIONS)}")
     first = next(iter(OPTIONS))
+    parts = [w for w in wanted if w not in OPTIONS]
     return {n: c for n, c in OPTIONS.items()
-            if not wanted or n == first or any(w in n for w in wanted)}  # fmt: skip
+            if not wanted or n == first or n in wanted or any(w in n for w in parts)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- report
