@@ -1,7 +1,7 @@
 """asyncrl: asynchronous GRPO post-training of LLMs with one anyio controller.
 
 ``import asyncrl`` never imports torch or an engine; backends are plugins found through
-entry points (see :mod:`asyncrl.plugins`). Nor does it import the controller until
+entry points (see :mod:`asyncrl.registry`). Nor does it import the controller until
 ``asyncrl.Controller`` (or ``RunStatus``, ``RunSummary``) is first asked for: a worker
 process, which imports asyncrl too, needs none of it (half its import time).
 

@@ -90,13 +90,13 @@ def check_config(
 
 
 def list_plugins(out: TextIO) -> int:
-    from asyncrl import plugins
+    from asyncrl import registry
 
     broken = 0
-    for group, kind in plugins.GROUPS.items():
+    for group, kind in registry.GROUPS.items():
         print(f"{group} ({kind}s)", file=out)
         try:
-            found = plugins.available(group)
+            found = registry.available(group)
         except PluginError as exc:  # a name registered twice
             print(f"  BROKEN: {exc}", file=out)
             broken += 1
@@ -107,7 +107,7 @@ def list_plugins(out: TextIO) -> int:
         for name, info in sorted(found.items()):
             line = f"  {name:<{width}}  {info.distribution} {info.version}  ({info.value})"
             try:
-                plugins.load(group, name)
+                registry.load(group, name)
             except PluginError as exc:
                 line += f"\n  {' ' * width}  BROKEN: {str(exc).split(' failed to import: ')[-1]}"
                 broken += 1

@@ -73,7 +73,7 @@ class RunDirectoryInUseError(ConfigError):
 
 class PluginError(AsyncRLError):
     """A plugin entry point is missing, ambiguous or failed to import, or the backend it made
-    does not implement its protocol (:func:`asyncrl.plugins.check_plugin`)."""
+    does not implement its protocol (:func:`asyncrl.registry.check_plugin`)."""
 
 
 class ProtocolError(AsyncRLError):

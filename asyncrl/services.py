@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.config.service_sections import GROUP, section_of
 from asyncrl.environment import Environment
-from asyncrl.plugins import check_plugin
+from asyncrl.registry import check_plugin
 
 __all__ = ["GROUP", "Served", "Service", "enabled_services", "load_service"]
 
@@ -78,7 +78,7 @@ def load_service(name: str, field: str) -> Service:
             section that is not one
             (:func:`~asyncrl.config.service_sections.section_of`).
     """
-    service = plugins.load(GROUP, name, field)
+    service = registry.load(GROUP, name, field)
     check_plugin(service, Service, plugin=name, group=GROUP, may_lack=("section",),
                  awaited="the controller awaits it on its event loop",
                  plain="the controller calls it as it builds the run's loops")  # fmt: skip

@@ -351,13 +351,13 @@ def report(case: dict, results, floor_s: float, out_path: Path | None) -> None:
 async def one_gpu(args: argparse.Namespace) -> None:
     import torch
 
-    from asyncrl import plugins
+    from asyncrl import registry
     from refit_support import LocalRefit
 
     cpu = args.device == "cpu"
     for size in args.sizes:
         model_dir = write_model(size, args.work, "cpu" if cpu else "cuda:0")
-        backend = plugins.load("asyncrl.generation_backends", "vllm")(
+        backend = registry.load("asyncrl.generation_backends", "vllm")(
             engine_ctx(model_dir, None if cpu else 0, args.work, args.transport, args.mirror[0])
         )
         t0 = time.perf_counter()
@@ -413,7 +413,7 @@ async def fsdp2(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from asyncrl import plugins
+    from asyncrl import registry
     from asyncrl.backend import WorkerContext
     from refit_support import LocalRefit
 
@@ -430,7 +430,7 @@ async def fsdp2(args: argparse.Namespace) -> None:
         dist.barrier()  # rank 0 wrote the model
         cfg = engine_ctx(model_dir, None if cpu else 0, args.work, args.transport).config
         # the trainer joins the process group this benchmark made (the embedded path)
-        trainer = plugins.load("asyncrl.training_backends", "fsdp2")(
+        trainer = registry.load("asyncrl.training_backends", "fsdp2")(
             WorkerContext("trainer", rank, world, rank, cfg, str(args.work))
         )
         t0 = time.perf_counter()
@@ -444,7 +444,7 @@ async def fsdp2(args: argparse.Namespace) -> None:
             if rank == 0:  # one engine per placement, started together
                 for placement in placements:
                     gpu = None if cpu else 0 if placement == "same" else 1
-                    engines[placement] = plugins.load("asyncrl.generation_backends", "vllm")(
+                    engines[placement] = registry.load("asyncrl.generation_backends", "vllm")(
                         engine_ctx(model_dir, gpu, args.work, args.transport, args.mirror[0])
                     )
                 t0 = time.perf_counter()

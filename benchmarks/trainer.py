@@ -108,7 +108,7 @@ def all_ranks_tokens(args: argparse.Namespace, world: int, *, responses: bool) -
 def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[float]:
     from asyncrl.backend import WorkerContext
     from asyncrl.config import from_dict
-    from asyncrl.plugins import load
+    from asyncrl.registry import load
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     options = {"lr": LR, "mixed_precision": "bf16", "attn_implementation": "sdpa",

@@ -32,7 +32,7 @@ from asyncrl.checkpoints import directory as ckpt
 from asyncrl.checkpoints import resume_rule
 from asyncrl.config.modes import run_steps
 from asyncrl.procs import space
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.config import Config, to_dict
 from asyncrl.errors import (
     NonFiniteError, NoSpaceError, PluginError, RemoteCallError, RunError, flatten,
@@ -71,7 +71,7 @@ def reward_code_of(cfg: Config, environment: Any) -> dict[str, str]:
     run starts (the controller hands it to :func:`open_resume` and the :class:`Checkpointer`)."""
     modules = []
     try:
-        found = plugins.available("asyncrl.environments").get(cfg.environment.name)
+        found = registry.available("asyncrl.environments").get(cfg.environment.name)
     except PluginError:  # registered twice: the run was refused before this
         found = None
     if found is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.config.section import Section, at_least_one, fail, not_negative
 from asyncrl.errors import ConfigError
 
@@ -69,7 +69,7 @@ class RefitConfig(Section):
     def problems(self) -> list[ConfigError]:
         """Every broken invariant of ``[refit]``, and whether its transport is installed."""
         out = at_least_one({"refit.bucket_size_mb": self.bucket_size_mb})
-        transfers = plugins.available("asyncrl.weight_transfers")
+        transfers = registry.available("asyncrl.weight_transfers")
         if self.transport not in transfers:
             out.append(
                 fail(

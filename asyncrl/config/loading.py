@@ -28,7 +28,7 @@ from asyncrl.config.root import CORE_SECTIONS, Config, validate
 from asyncrl.config.service_sections import GROUP, load_section
 from asyncrl.errors import ConfigError
 from asyncrl.errors import config_error as fail
-from asyncrl.plugins import GROUPS, available, install_hint
+from asyncrl.registry import GROUPS, available, install_hint
 
 __all__ = ["from_dict", "load_config", "load_unvalidated", "parse_overrides", "to_dict"]
 
@@ -125,7 +125,7 @@ def _services(tables: dict[str, Any], base: Path) -> dict[str, Any]:
 def _unknown_table(name: str, group: str, installed: list[str]) -> ConfigError:
     """The error for top-level table ``name``, neither a core section nor the section of an
     installed service (of ``group``): for a first-party service, how to install it (as
-    :func:`asyncrl.plugins.require` says it); else what the tables may be."""
+    :func:`asyncrl.registry.require` says it); else what the tables may be."""
     hint = install_hint(group, name)
     if hint:
         return fail(name, f"is the section of the {GROUPS[group]} {name!r}, which is not "

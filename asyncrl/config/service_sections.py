@@ -17,10 +17,10 @@ from typing import Any, ClassVar, Protocol, Self
 
 import msgspec
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.config.section import Section
 from asyncrl.errors import ConfigError, PluginError
-from asyncrl.plugins import check_plugin
+from asyncrl.registry import check_plugin
 
 __all__ = [
     "GROUP", "NamesHarmless", "ResolvesPaths", "SectionSpec", "ServiceSection",
@@ -101,7 +101,7 @@ def load_section(name: str, field: str) -> SectionSpec:
             ``resolve_paths`` or ``HARMLESS`` of the wrong kind, each naming the plugin and
             the fix.
     """
-    return section_of(plugins.load(GROUP, name, field), name)
+    return section_of(registry.load(GROUP, name, field), name)
 
 
 def section_of(service: Any, name: str) -> SectionSpec:
@@ -110,7 +110,7 @@ def section_of(service: Any, name: str) -> SectionSpec:
     section = check_plugin(service, _HasSection, plugin=name, group=GROUP,
                            may_lack=("section",))["section"]
     cls = service if isinstance(service, type) else type(service)
-    where = f"{plugins.GROUPS[GROUP]} {name!r} ({GROUP}: {cls.__module__}.{cls.__qualname__})"
+    where = f"{registry.GROUPS[GROUP]} {name!r} ({GROUP}: {cls.__module__}.{cls.__qualname__})"
     if not (isinstance(section, type) and issubclass(section, Section)):
         raise PluginError(
             f"{where} has no config section: its `section` is {section!r}. Fix: set the "

@@ -32,7 +32,7 @@ from asyncrl.environment import (
     AsyncScoring, Environment, HasRewards, HasTools, Prompt, Score, ScoresOnLoop, StepMetrics,
 )  # fmt: skip
 from asyncrl.errors import PluginError
-from asyncrl.plugins import check_members, did_you_mean, public_names
+from asyncrl.registry import check_members, did_you_mean, public_names
 
 __all__ = ["EnvironmentParts", "check_environment", "rewards_of"]
 

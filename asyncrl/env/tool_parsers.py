@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.env.tools import ToolCall, ToolCallError
 from asyncrl.errors import PluginError
 
@@ -104,7 +104,7 @@ def load_tool_parser(name: str, field: str | None = None) -> ToolCallParser:
         PluginError: not installed (naming ``field`` and what is installed), registered
             twice, failing to import, or not a parser (no ``parse`` method).
     """
-    found = plugins.load(GROUP, name, field)
+    found = registry.load(GROUP, name, field)
     parser = found() if isinstance(found, type) else found
     if not callable(getattr(parser, "parse", None)):
         where = f"{field}: " if field else ""

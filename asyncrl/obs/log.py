@@ -19,7 +19,7 @@ from typing import Any, Literal
 import structlog
 import structlog.tracebacks
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.obs.console import claim_terminal
 from asyncrl.sinks import GROUP, Sink, SinkPlugin, load_sinks
 from asyncrl.sinks.threaded import SinkThread, deliver
@@ -110,7 +110,7 @@ class MetricsWriter:
     ) -> None:
         found = dict(sinks or {})
         if "jsonl" not in found:
-            found = {"jsonl": plugins.load(GROUP, "jsonl", "metrics.sinks"), **found}
+            found = {"jsonl": registry.load(GROUP, "jsonl", "metrics.sinks"), **found}
         chosen = {name: SinkPlugin.of(obj, name) for name, obj in found.items()}
         options = options or {}
         for name, plugin in chosen.items():

@@ -76,7 +76,7 @@ from asyncrl.backend import (
     generate_all,
 )
 from asyncrl.errors import EngineDeadError, NonFiniteError, RefitError, RequestError
-from asyncrl.plugins import check_plugin
+from asyncrl.registry import check_plugin
 from asyncrl.policy.grpo import AnyBatch, take_sequences
 from asyncrl.policy.packing import (
     Layout,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from asyncrl.config import Config, from_dict
 from asyncrl.errors import ConfigError, PluginError, config_error, flatten
 from asyncrl.explain import explain
-from asyncrl.plugins import load
+from asyncrl.registry import load
 from asyncrl.procs.process import (
     ProcessExit,
     host_id,

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import plugins
+from asyncrl import registry
 
 from asyncrl.policy import samplers
 from asyncrl.errors import ConfigError, PluginError
@@ -39,9 +39,9 @@ def _sampler_plugin(name: Any) -> samplers.SamplerPlugin:
             "docs/modes.md)",
         )
     try:
-        plugin = plugins.load("asyncrl.samplers", name, "pipeline.sampler.name")
+        plugin = registry.load("asyncrl.samplers", name, "pipeline.sampler.name")
     except PluginError as exc:
-        close = difflib.get_close_matches(name, list(plugins.available("asyncrl.samplers")), n=1)
+        close = difflib.get_close_matches(name, list(registry.available("asyncrl.samplers")), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{exc}. Fix: pick an installed sampler{hint}; docs/modes.md") from None
     if not isinstance(plugin, samplers.SamplerPlugin):
@@ -104,7 +104,7 @@ def _check_sampler(sampler: Any, name: str) -> None:
     """Check a just-made sampler against :class:`~asyncrl.policy.samplers.Sampler` and its
     optional protocols (:class:`~asyncrl.policy.samplers.DescribesMode`,
     :class:`~asyncrl.policy.samplers.DecidesInFlight`), once, when it is made
-    (:func:`asyncrl.plugins.check_members`): every method present, callable and a plain
+    (:func:`asyncrl.registry.check_members`): every method present, callable and a plain
     method; every attribute of its kind; the optional ones, when present, the same (the
     in-flight choice one of the known ones).
 
@@ -113,7 +113,7 @@ def _check_sampler(sampler: Any, name: str) -> None:
             missing (with a did-you-mean), not callable, or of the wrong kind.
     """
     why = "the scheduler calls it on the controller's event loop"
-    _, problems = plugins.check_members(
+    _, problems = registry.check_members(
         sampler, samplers.Sampler, optional=(samplers.DescribesMode, samplers.DecidesInFlight),
         awaited=why, plain=why, kinds=dict.fromkeys(_ATTRIBUTE_KINDS, _kind_problem),
     )  # fmt: skip

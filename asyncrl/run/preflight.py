@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.backend import BackendPlugin
 from asyncrl.data.chat import ChatTemplate
 from asyncrl.env.capabilities import check_environment
@@ -40,10 +40,10 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
     :func:`~asyncrl.env.capabilities.check_environment`)."""
     await anyio.to_thread.run_sync(check_sinks, cfg)  # imports the trackers' packages
     trainer = BackendPlugin.of(
-        plugins.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
+        registry.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
     )
     generator = BackendPlugin.of(
-        plugins.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
+        registry.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
     )
     environment = make_environment(cfg)
     # its optional capabilities, once; a way to score unless a service stands in front of it
@@ -103,7 +103,7 @@ def make_environment(cfg: Config) -> Any:
     Raises:
         ConfigError: the factory refused its options.
     """
-    make_env = plugins.load("asyncrl.environments", cfg.environment.name, "environment.name")
+    make_env = registry.load("asyncrl.environments", cfg.environment.name, "environment.name")
     kwargs: dict[str, Any] = {}
     try:
         params = inspect.signature(make_env).parameters

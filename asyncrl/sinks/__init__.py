@@ -62,7 +62,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.errors import ConfigError, PluginError, config_error
 from asyncrl.explain import explain
 
@@ -202,7 +202,7 @@ def load_sinks(
             )
     loaded: dict[str, SinkPlugin] = {}
     for name in names:
-        plugin = SinkPlugin.of(plugins.load(GROUP, name, "metrics.sinks"), name)
+        plugin = SinkPlugin.of(registry.load(GROUP, name, "metrics.sinks"), name)
         if plugin.check_options is not None:
             plugin.check_options(dict(options.get(name, {})))
         loaded[name] = plugin

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from asyncrl.errors import ConfigError, PluginError
-from asyncrl.plugins import available, load
+from asyncrl.registry import available, load
 
 IDENTITY_ENV_VAR = "ASYNCRL_TRANSFER_IDENTITY"
 """Set by a generation backend in each engine process it starts, to ``"<group>:<rank>"``: the

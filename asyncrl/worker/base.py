@@ -48,9 +48,9 @@ import anyio
 import anyio.abc
 import structlog
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.backend import BackendPlugin, WorkerContext
-from asyncrl.plugins import check_plugin
+from asyncrl.registry import check_plugin
 from asyncrl.config import Config
 from asyncrl.errors import ControllerLostError, ProtocolError, WorkerError, flatten
 from asyncrl.procs.process import host_id, wait_pid_exit
@@ -134,7 +134,7 @@ class WorkerRuntime(abc.ABC):
 
     @abc.abstractmethod
     def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
-        """Keep the optional methods :func:`~asyncrl.plugins.check_plugin` resolved."""
+        """Keep the optional methods :func:`~asyncrl.registry.check_plugin` resolved."""
 
     @abc.abstractmethod
     async def _start(self) -> dict[str, Any]:
@@ -172,7 +172,7 @@ class WorkerRuntime(abc.ABC):
             Exception: whatever the plugin's factory or ``start`` raised.
         """
         name = self.backend_name(self.wctx.config)
-        plugin = BackendPlugin.of(plugins.load(self.PLUGIN_GROUP, name))
+        plugin = BackendPlugin.of(registry.load(self.PLUGIN_GROUP, name))
         self.adopt(await self._create(plugin), plugin=name)
         self.created_at = time.time()
         caps = await self._start()

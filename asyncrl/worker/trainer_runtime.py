@@ -37,7 +37,7 @@ from asyncrl.backend import (
 )
 from asyncrl.config import Config
 from asyncrl.errors import CollectiveTimeoutError, PluginError, ProtocolError
-from asyncrl.plugins import did_you_mean
+from asyncrl.registry import did_you_mean
 from asyncrl.policy.loss_inputs import LossInputs
 from asyncrl.transfers import StagingSpec, load_transfer
 from asyncrl.wire.messages import (

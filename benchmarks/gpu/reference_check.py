@@ -22,7 +22,7 @@ import transformers
 
 from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
-from asyncrl.plugins import load
+from asyncrl.registry import load
 from asyncrl.wire.messages import TokenBatch, TrainBatch
 
 

@@ -17,14 +17,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from refit import engine_ctx, write_model  # noqa: E402
 
-from asyncrl import plugins  # noqa: E402
+from asyncrl import registry  # noqa: E402
 
 
 async def main() -> None:
     work = Path("/tmp/asyncrl-refit-bench")
     work.mkdir(parents=True, exist_ok=True)
     ctx = engine_ctx(write_model("0.5b", work), 0, work, "cuda_ipc")
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(ctx)
+    backend = registry.load("asyncrl.generation_backends", "vllm")(ctx)
     await backend.start()
     llm = backend._llm
     calls = [

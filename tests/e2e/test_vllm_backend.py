@@ -24,7 +24,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.backend import GenerationBackend, WeightBucketView, WorkerContext
 from asyncrl.errors import RefitError
 from asyncrl.transfers.shm import ShmHandle
@@ -190,7 +190,7 @@ def sequences() -> list[tuple[list[int], int]]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def backend(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     ctx = make_ctx(model_dir, tmp_path_factory.mktemp("run"))
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(ctx)
+    backend = registry.load("asyncrl.generation_backends", "vllm")(ctx)
     backend.capabilities = await backend.start()
     yield backend
     await backend.close()
@@ -496,7 +496,7 @@ async def test_direct_mode_replays_compiled_copies(model_dir, sequences, tmp_pat
     (every tensor, fused q/k/v and gate/up included) as one batched copy per bucket (the
     buckets are refilled in place, as the shm stager does), and the engine matches
     transformers."""
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(
+    backend = registry.load("asyncrl.generation_backends", "vllm")(
         make_ctx(model_dir, tmp_path, weight_load_mode="direct", cpu_gemm_kernel="torch",
                  prefix_cache_after_refit="reset")
     )
@@ -692,7 +692,7 @@ async def test_close_leaves_no_process_behind(backend) -> None:
 async def test_fp8_kv_scales_reach_the_cpu_attention_kernel(model_dir, tmp_path) -> None:
     """With an FP8 KV cache (AVX-512 hosts), forwarded scales change what attention reads;
     the same scales give the same output again."""
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(
+    backend = registry.load("asyncrl.generation_backends", "vllm")(
         make_ctx(model_dir, tmp_path, kv_cache_dtype="fp8")
     )
     try:
@@ -735,13 +735,13 @@ def test_sigkill_of_the_owner_leaves_no_process_behind(model_dir, tmp_path) -> N
     script.write_text(
         textwrap.dedent(f"""
         import asyncio, os
-        from asyncrl import plugins
+        from asyncrl import registry
         from asyncrl.backend import WorkerContext
         from asyncrl.config import from_dict
 
         async def main():
             ctx = WorkerContext("rollout", 0, 1, 0, from_dict({config!r}), {str(tmp_path)!r})
-            backend = plugins.load("asyncrl.generation_backends", "vllm")(ctx)
+            backend = registry.load("asyncrl.generation_backends", "vllm")(ctx)
             await backend.start()
             with open({str(pid_file)!r} + ".tmp", "w") as f:
                 f.write(backend._ipc_dir + " " + " ".join(map(str, backend.engine_pids())))

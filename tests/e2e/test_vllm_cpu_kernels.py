@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
-from asyncrl import plugins  # noqa: E402
+from asyncrl import registry  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_vllm_backend import (  # noqa: E402
@@ -84,7 +84,7 @@ async def test_refit_matches_the_trainer_on_each_cpu_kernel(
     rng = np.random.default_rng(1)
     sequences = [([1] + rng.integers(4, 51, n - 1).tolist(), p) for p, n in [(6, 30), (14, 40)]]
     batch = token_batch(sequences)
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(
+    backend = registry.load("asyncrl.generation_backends", "vllm")(
         make_ctx(model_dir, tmp_path, cpu_gemm_kernel=kernel, enforce_eager=eager)
     )
     try:
@@ -124,7 +124,7 @@ async def test_a_fresh_engines_first_short_prompt_on_amx(
     reason = _skip_reason("sgl")
     if reason:
         pytest.skip(reason)
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(
+    backend = registry.load("asyncrl.generation_backends", "vllm")(
         make_ctx(model_dir, tmp_path, cpu_gemm_kernel="sgl")
     )
     caps = await backend.start()

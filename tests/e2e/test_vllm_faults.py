@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 import psutil  # noqa: E402
 import transformers  # noqa: E402
 
-from asyncrl import plugins  # noqa: E402
+from asyncrl import registry  # noqa: E402
 from asyncrl.config import FailuresConfig  # noqa: E402
 from asyncrl.errors import EngineDeadError  # noqa: E402
 from asyncrl.wire.messages import TensorEntry  # noqa: E402
@@ -86,7 +86,7 @@ async def _signal_while_watched(
 @pytest.mark.asyncio
 async def test_engine_death_during_a_refit_is_seen_at_once(model_dir: Path, tmp_path: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(make_ctx(model_dir, tmp_path))
+    backend = registry.load("asyncrl.generation_backends", "vllm")(make_ctx(model_dir, tmp_path))
     await backend.start()
     pids = backend.engine_pids()
     ipc_dir = backend._ipc_dir
@@ -156,7 +156,7 @@ async def test_a_stopped_engine_behind_a_live_worker_is_named_by_its_probe(
     """SIGSTOP one engine process: it does not exit, and the worker's own loop still answers
     the controller's heartbeat. The watch's liveness probe of the engine core names the hang
     within ``failures.heartbeat_timeout_s``, and close() kills the stopped processes."""
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(probed_ctx(model_dir, tmp_path))
+    backend = registry.load("asyncrl.generation_backends", "vllm")(probed_ctx(model_dir, tmp_path))
     await backend.start()
     pids = backend.engine_pids()
     ipc_dir = backend._ipc_dir

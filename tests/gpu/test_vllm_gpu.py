@@ -23,7 +23,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
 from asyncrl.backend import generate_all
@@ -113,7 +113,7 @@ def sequences():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def backend(model_dir, tmp_path_factory):
-    b = plugins.load("asyncrl.generation_backends", "vllm")(
+    b = registry.load("asyncrl.generation_backends", "vllm")(
         ctx_for(model_dir, tmp_path_factory.mktemp("run"))
     )
     b.capabilities = await b.start()
@@ -364,7 +364,7 @@ async def test_held_logprobs_match_transformers(engine, model_dir) -> None:
 
 @pytest.mark.asyncio
 async def test_fp8_kv_scales_reach_the_kernels(model_dir, tmp_path) -> None:
-    b = plugins.load("asyncrl.generation_backends", "vllm")(
+    b = registry.load("asyncrl.generation_backends", "vllm")(
         ctx_for(model_dir, tmp_path, kv_cache_dtype="fp8")
     )
     try:
@@ -412,7 +412,7 @@ async def test_held_rows_are_vllms_own_on_the_async_scheduler(model_dir, tmp_pat
     tally = tmp_path / "tally.json"
     monkeypatch.setenv("ASYNCRL_HELD_CHECK", str(tally))
     extra = {"scheduler_cls": "held_check.CheckingScheduler", "num_gpu_blocks_override": 64}
-    b = plugins.load("asyncrl.generation_backends", "vllm")(
+    b = registry.load("asyncrl.generation_backends", "vllm")(
         ctx_for(model_dir, tmp_path, extra_engine_args=extra)
     )
     await b.start()

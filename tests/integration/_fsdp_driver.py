@@ -32,7 +32,7 @@ import torch.distributed as dist
 from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
 from asyncrl.wire.messages import TokenBatch, TrainBatch
-from asyncrl.plugins import load
+from asyncrl.registry import load
 
 TEMPERATURE = 0.7
 LOSS = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "is_cap": 2.0}

@@ -38,7 +38,7 @@ from asyncrl.backend import WorkerContext, drain_weights
 from asyncrl.config import from_dict
 from asyncrl.worker.export import export_model
 from asyncrl.wire.messages import TokenBatch, TrainBatch
-from asyncrl.plugins import load
+from asyncrl.registry import load
 
 TEMPERATURE = 0.7
 NUM_SEQUENCES = 8

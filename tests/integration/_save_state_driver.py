@@ -22,7 +22,7 @@ from asyncrl.backend import WorkerContext
 from asyncrl.config import from_dict
 from asyncrl.worker.export import export_model
 from asyncrl.wire.messages import TrainBatch
-from asyncrl.plugins import load
+from asyncrl.registry import load
 
 
 def _step(backend, vocab_size: int, rank: int) -> None:

@@ -19,7 +19,7 @@ pytest.importorskip("asyncrl_arith", reason="pip install -e plugins/asyncrl-arit
 
 from asyncrl.backend import WorkerContext  # noqa: E402
 from asyncrl.config import from_dict  # noqa: E402
-from asyncrl.plugins import load  # noqa: E402
+from asyncrl.registry import load  # noqa: E402
 from asyncrl.policy.grpo import pack_tokens  # noqa: E402
 from asyncrl.wire.messages import TrainBatch  # noqa: E402
 

@@ -191,7 +191,7 @@ def _ctx(qwen_dir: str, options: dict) -> WorkerContext:
     ],
 )
 def test_bad_options_raise_config_error_naming_the_field(qwen_dir, options, field):
-    from asyncrl.plugins import load
+    from asyncrl.registry import load
 
     factory = load("asyncrl.training_backends", "fsdp2")
     with pytest.raises(ConfigError, match=field):

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from asyncrl.backend import WorkerContext  # noqa: E402
 from asyncrl.config import from_dict  # noqa: E402
-from asyncrl.plugins import load  # noqa: E402
+from asyncrl.registry import load  # noqa: E402
 from asyncrl.wire.messages import TokenBatch, TrainBatch  # noqa: E402
 from integration_support import in_fresh_process  # noqa: E402
 

@@ -166,7 +166,7 @@ def test_each_removed_key_is_gone_and_its_constant_holds_its_default() -> None:
         if section in sections:
             fields = {f.name for f in sections[section].fields}
         else:  # a service's section (the gateway's), from its plugin
-            from asyncrl.plugins import available
+            from asyncrl.registry import available
             from asyncrl.config.service_sections import GROUP, load_section
 
             if section not in available(GROUP):
@@ -302,11 +302,11 @@ def test_configuration_reference_is_up_to_date() -> None:
 def _counting_samplers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Route every sampler plugin's factory through a counter; returns the list of built
     samplers' names (one entry per factory call)."""
-    from asyncrl import plugins
+    from asyncrl import registry
     from asyncrl.policy.samplers import SamplerPlugin
 
     built: list[str] = []
-    real_load = plugins.load
+    real_load = registry.load
 
     def load(group: str, name: str, *args: object, **kwargs: object) -> object:
         obj = real_load(group, name, *args, **kwargs)
@@ -319,7 +319,7 @@ def _counting_samplers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         return SamplerPlugin(obj.config, create)
 
-    monkeypatch.setattr(plugins, "load", load)
+    monkeypatch.setattr(registry, "load", load)
     return built
 
 

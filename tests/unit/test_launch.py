@@ -63,7 +63,7 @@ def _duplicate_plugin(monkeypatch: pytest.MonkeyPatch) -> str:
     def available(group: str) -> Any:
         raise PluginError(message)
 
-    monkeypatch.setattr("asyncrl.plugins.available", available)
+    monkeypatch.setattr("asyncrl.registry.available", available)
     return message
 
 

@@ -247,7 +247,7 @@ def test_rewards_are_what_is_fingerprinted() -> None:
 def test_a_sink_of_the_wrong_kind_is_refused_when_it_loads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from asyncrl import plugins
+    from asyncrl import registry
     from asyncrl.sinks import SinkPlugin, load_sinks
 
     def make(options: dict[str, Any], **kwargs: Any) -> Any:
@@ -269,8 +269,8 @@ def test_a_sink_of_the_wrong_kind_is_refused_when_it_loads(
     seen: list[dict[str, Any]] = []
     make.synchronous = True  # type: ignore[attr-defined]
     make.check_options = seen.append  # type: ignore[attr-defined]
-    real = plugins.load
-    monkeypatch.setattr(plugins, "load", lambda group, name, field=None: (
+    real = registry.load
+    monkeypatch.setattr(registry, "load", lambda group, name, field=None: (
         make if name == "csv" else real(group, name, field)))  # fmt: skip
     loaded = load_sinks(["csv"], {"csv": {"path": "x.csv"}})
     assert seen == [{"path": "x.csv"}]  # its check_options, called at load
@@ -312,13 +312,13 @@ class _Sampler:
 
 
 def _make(monkeypatch: pytest.MonkeyPatch, **members: Any) -> Any:
-    from asyncrl import plugins
+    from asyncrl import registry
     from asyncrl.policy.sampler_table import make_sampler
     from asyncrl.policy.samplers import SamplerPlugin
 
     cls = type("Broken", (_Sampler,), members)
     plugin = SamplerPlugin(config=_Knobs, create=lambda config: cls())
-    monkeypatch.setattr(plugins, "load", lambda group, name, field=None: plugin)
+    monkeypatch.setattr(registry, "load", lambda group, name, field=None: plugin)
     return make_sampler({"name": "broken"})
 
 

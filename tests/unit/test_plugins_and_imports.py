@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import asyncrl
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.errors import PluginError
 
 
@@ -21,7 +21,7 @@ def test_import_asyncrl_does_not_import_torch_or_engines() -> None:
         # what a training backend's check_config loads in the controller
         "import asyncrl.policy.packing, asyncrl_torch, asyncrl_torch.options, asyncrl_fsdp,"
         " asyncrl_deepspeed, asyncrl_fsdp.options, asyncrl_deepspeed.options;"
-        "asyncrl.plugins.load('asyncrl.training_backends', 'deepspeed');"
+        "asyncrl.registry.load('asyncrl.training_backends', 'deepspeed');"
         "print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -88,58 +88,58 @@ def test_public_exports() -> None:
 
 
 def test_first_party_plugins_are_registered() -> None:
-    assert "vllm" in plugins.available("asyncrl.generation_backends")
-    assert {"fsdp2", "deepspeed"} <= set(plugins.available("asyncrl.training_backends"))
-    assert "arithmetic" in plugins.available("asyncrl.environments")
-    samplers = plugins.available("asyncrl.samplers")
+    assert "vllm" in registry.available("asyncrl.generation_backends")
+    assert {"fsdp2", "deepspeed"} <= set(registry.available("asyncrl.training_backends"))
+    assert "arithmetic" in registry.available("asyncrl.environments")
+    samplers = registry.available("asyncrl.samplers")
     assert {"in_order", "gated", "oversampled", "ready_first", "dynamic"} <= set(samplers)
     from asyncrl.policy.samplers import SamplerPlugin
 
     for name in samplers:  # every registered sampler loads and names its own struct's tag
-        plugin = plugins.load("asyncrl.samplers", name)
+        plugin = registry.load("asyncrl.samplers", name)
         assert isinstance(plugin, SamplerPlugin)
         assert plugin.config.__struct_config__.tag == name
 
 
 def test_missing_plugin_names_install_hint() -> None:
     with pytest.raises(PluginError, match=r"no training backend named 'nope'.*installed: .*fsdp2"):
-        plugins.load("asyncrl.training_backends", "nope")
+        registry.load("asyncrl.training_backends", "nope")
     with pytest.raises(PluginError, match="unknown plugin group"):
-        plugins.available("asyncrl.nothing")
+        registry.available("asyncrl.nothing")
 
 
 def fake_eps(monkeypatch: pytest.MonkeyPatch, eps: list[EntryPoint]) -> None:
-    monkeypatch.setattr(plugins, "entry_points", lambda group: [e for e in eps if e.group == group])
+    monkeypatch.setattr(registry, "entry_points", lambda group: [e for e in eps if e.group == group])
 
 
 def test_duplicate_names_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     g = "asyncrl.environments"
     fake_eps(monkeypatch, [EntryPoint("x", "os:getcwd", g), EntryPoint("x", "os:getpid", g)])
     with pytest.raises(PluginError, match="registered twice"):
-        plugins.load(g, "x")
+        registry.load(g, "x")
 
 
 def test_import_failure_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
     g = "asyncrl.environments"
     fake_eps(monkeypatch, [EntryPoint("broken", "no_such_module_xyz:f", g)])
     with pytest.raises(PluginError, match="failed to import.*ModuleNotFoundError"):
-        plugins.load(g, "broken")
+        registry.load(g, "broken")
 
 
 def test_allowlist(monkeypatch: pytest.MonkeyPatch) -> None:
     g = "asyncrl.environments"
     fake_eps(monkeypatch, [EntryPoint("a", "os:getcwd", g), EntryPoint("b", "os:getpid", g)])
     monkeypatch.setenv("ASYNCRL_PLUGINS", "asyncrl.environments:a")
-    assert list(plugins.available(g)) == ["a"]
+    assert list(registry.available(g)) == ["a"]
     import os
 
-    assert plugins.load(g, "a") is os.getcwd
+    assert registry.load(g, "a") is os.getcwd
 
 
 def test_require_names_the_config_field() -> None:
-    assert plugins.require("asyncrl.training_backends", "fsdp2", "trainer.backend").name == "fsdp2"
+    assert registry.require("asyncrl.training_backends", "fsdp2", "trainer.backend").name == "fsdp2"
     with pytest.raises(PluginError, match=r"generator.backend: no generation backend named 'vlm'"):
-        plugins.require("asyncrl.generation_backends", "vlm", "generator.backend")
+        registry.require("asyncrl.generation_backends", "vlm", "generator.backend")
 
 
 class _BrokenService:
@@ -156,7 +156,7 @@ def test_a_service_is_checked_once_as_it_loads(monkeypatch: pytest.MonkeyPatch) 
     from asyncrl import services
 
     assert callable(services.load_service("gateway", "gateway.enabled").build)
-    monkeypatch.setattr(services.plugins, "load", lambda group, name, field: _BrokenService())
+    monkeypatch.setattr(services.registry, "load", lambda group, name, field: _BrokenService())
     with pytest.raises(PluginError) as refused:
         services.load_service("broken", "broken.enabled")
     text = str(refused.value)

@@ -546,10 +546,10 @@ async def test_a_checkpoint_saved_with_keys_removed_since_resumes(
     key it stored with another value is logged with the harmless changes. It holds the
     ``[gateway]`` switched off that every run stored while the gateway's section was the
     core's: a run without the gateway, not even installed, resumes from it."""
-    from asyncrl import plugins
+    from asyncrl import registry
 
-    real = plugins.entry_points
-    monkeypatch.setattr(plugins, "entry_points", lambda group: [] if group == "asyncrl.services"
+    real = registry.entry_points
+    monkeypatch.setattr(registry, "entry_points", lambda group: [] if group == "asyncrl.services"
                         else real(group=group))  # fmt: skip
     cfg = from_dict({
         "model": {"path": str(model_dir)}, "environment": {"name": "repeat-digit"},

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from asyncrl import plugins, services
+from asyncrl import registry, services
 from asyncrl.config import service_sections
 from asyncrl.config import CORE_SECTIONS, Config, from_dict, load_config, to_dict
 from asyncrl.errors import ConfigError, PluginError
@@ -91,8 +91,8 @@ def notes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _only_services(monkeypatch: pytest.MonkeyPatch, installed: list[EntryPoint]) -> None:
-    real = plugins.entry_points
-    monkeypatch.setattr(plugins, "entry_points", lambda group: installed
+    real = registry.entry_points
+    monkeypatch.setattr(registry, "entry_points", lambda group: installed
                         if group == services.GROUP else real(group=group))  # fmt: skip
 
 
@@ -275,7 +275,7 @@ def test_a_section_that_breaks_the_contract_is_refused_as_it_loads(
         def build(self, config: object, environment: object, tokenizer: object) -> None: ...
 
     Service.section = section  # type: ignore[attr-defined]
-    monkeypatch.setattr(services.plugins, "load", lambda group, name, field: Service())
+    monkeypatch.setattr(services.registry, "load", lambda group, name, field: Service())
     with pytest.raises(PluginError) as refused:
         service_sections.load_section("custom", "custom")
     text = str(refused.value)
@@ -293,7 +293,7 @@ def test_a_well_formed_section_loads_with_what_it_declares(
     for section, harmless, resolves in ((custom, ("enabled",), resolve), (bare, (), None)):
         service = type("Service", (), {"section": section, "check": _async_check,
                                        "build": lambda self, c, e, t: None})()  # fmt: skip
-        monkeypatch.setattr(services.plugins, "load", lambda group, name, field: service)
+        monkeypatch.setattr(services.registry, "load", lambda group, name, field: service)
         spec = service_sections.load_section("custom", "custom")
         assert (spec.type, spec.harmless, spec.resolve_paths) == (section, harmless, resolves)
 

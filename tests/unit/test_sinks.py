@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.sinks import GROUP, SinkPlugin, check_sinks, load_sinks, sink_names
@@ -203,5 +203,5 @@ def test_unknown_sink_is_a_plugin_error() -> None:
 
 
 def test_plugins_lists_the_group() -> None:
-    assert GROUP in plugins.GROUPS
-    assert "jsonl" in plugins.available(GROUP)
+    assert GROUP in registry.GROUPS
+    assert "jsonl" in registry.available(GROUP)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.env.tool_parsers import (
     HERMES,
     LLAMA3_JSON,
@@ -233,7 +233,7 @@ def test_tool_message() -> None:
 
 # ------------------------------------------------------------------------ the plugin group
 def test_the_built_ins_load_through_the_plugin_group() -> None:
-    assert "asyncrl.tool_parsers" in plugins.GROUPS
+    assert "asyncrl.tool_parsers" in registry.GROUPS
     for name, parser in PARSERS.items():
         loaded = load_tool_parser(name)
         assert loaded is parser and isinstance(loaded, ToolCallParser) and loaded.name == name
@@ -257,8 +257,8 @@ def test_an_entry_point_that_is_not_a_parser_is_refused(monkeypatch: pytest.Monk
         def parse(self, text: str) -> ParsedTurn:
             return ParsedTurn(content=text)
 
-    monkeypatch.setattr(plugins, "load", lambda group, name, field=None: Fresh)
+    monkeypatch.setattr(registry, "load", lambda group, name, field=None: Fresh)
     assert load_tool_parser("fresh").parse(" x ").content == " x "  # a class: made
-    monkeypatch.setattr(plugins, "load", lambda group, name, field=None: len)
+    monkeypatch.setattr(registry, "load", lambda group, name, field=None: len)
     with pytest.raises(PluginError, match="tool-call parser 'bad' is a builtin_function"):
         load_tool_parser("bad")

@@ -21,7 +21,7 @@ from asyncrl.backend import (
     TrainingBackend,
     WorkerContext,
 )
-from asyncrl.plugins import check_plugin
+from asyncrl.registry import check_plugin
 from asyncrl.errors import PluginError
 from asyncrl.wire.messages import Init
 from asyncrl.worker.rollout_runtime import RolloutRuntime
@@ -148,7 +148,7 @@ INIT = Init(run_id="r", config={}, data_address="")
 async def test_the_runtime_refuses_a_backend_before_starting_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """``load`` creates, checks, then starts: a backend that fails the check is never
     started nor kept (so not closed either), and the error is the check's."""
-    from asyncrl import plugins
+    from asyncrl import registry
 
     started: list[str] = []
 
@@ -157,7 +157,7 @@ async def test_the_runtime_refuses_a_backend_before_starting_it(monkeypatch: pyt
         return {}
 
     broken = _generator(drop="abort", extra={"start": start, "abrot": _async_method()})
-    monkeypatch.setattr(plugins, "load", lambda group, name: lambda ctx: broken())
+    monkeypatch.setattr(registry, "load", lambda group, name: lambda ctx: broken())
     monkeypatch.setattr(RolloutRuntime, "backend_name", staticmethod(lambda config: "fake"))
     rt = RolloutRuntime(None, None, INIT, _wctx("rollout"))
     with pytest.raises(PluginError, match=r"generation backend 'fake' .* no method 'abort' "
@@ -170,7 +170,7 @@ async def test_the_runtime_refuses_a_backend_before_starting_it(monkeypatch: pyt
 async def test_the_trainer_runtime_creates_and_checks_on_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from asyncrl import plugins
+    from asyncrl import registry
 
     made_on: list[int] = []
 
@@ -178,7 +178,7 @@ async def test_the_trainer_runtime_creates_and_checks_on_its_thread(monkeypatch:
         made_on.append(threading.get_ident())
         return _trainer(extra={"begin_step": _async_method()})()
 
-    monkeypatch.setattr(plugins, "load", lambda group, name: factory)
+    monkeypatch.setattr(registry, "load", lambda group, name: factory)
     monkeypatch.setattr(TrainerRuntime, "backend_name", staticmethod(lambda config: "t"))
     rt = TrainerRuntime(None, None, INIT, _wctx("trainer"))
     try:
@@ -196,7 +196,7 @@ async def test_a_sampler_that_reprefills_needs_a_backend_that_can(
 ) -> None:
     """``in_flight_at_refit = "reprefill"`` on a backend without ``reprefill_in_flight``: the
     worker refuses before starting it, naming the knob and the fix; with one, it starts."""
-    from asyncrl import plugins
+    from asyncrl import registry
     from asyncrl.config import from_dict
     from asyncrl.errors import ConfigError
 
@@ -214,7 +214,7 @@ async def test_a_sampler_that_reprefills_needs_a_backend_that_can(
 
     for extra, refused in (({}, True), ({"reprefill_in_flight": _async_method()}, False)):
         backend = _generator(extra={"start": start, **extra})
-        monkeypatch.setattr(plugins, "load", lambda group, name, b=backend: lambda ctx: b())
+        monkeypatch.setattr(registry, "load", lambda group, name, b=backend: lambda ctx: b())
         wctx = WorkerContext(group="rollout", rank=0, world_size=1, local_rank=0,
                              config=config, run_dir="")  # fmt: skip
         sockets = SimpleNamespace(socket=lambda *args, **kwargs: None)  # no data socket here

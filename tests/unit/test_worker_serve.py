@@ -256,7 +256,7 @@ async def test_a_backend_that_breaks_its_protocol_is_the_workers_dead_message(
     """Through ``serve`` over a real ROUTER: the worker says ``Hello``, gets ``Init``, and its
     backend (missing ``score``) is refused before it starts: ``Dead`` names the plugin, its
     group and the method, and ``serve`` raises the same ``PluginError``."""
-    from asyncrl import plugins
+    from asyncrl import registry
     from asyncrl.errors import PluginError
     from asyncrl.wire.messages import Dead, Hello
     from asyncrl.wire.transport import ROUTER, Context
@@ -265,7 +265,7 @@ async def test_a_backend_that_breaks_its_protocol_is_the_workers_dead_message(
     class NoScore(_Generator):
         score = None  # type: ignore[assignment]
 
-    monkeypatch.setattr(plugins, "load", lambda group, name: lambda ctx: NoScore())
+    monkeypatch.setattr(registry, "load", lambda group, name: lambda ctx: NoScore())
     config = {"model": {"path": str(tmp_path)}, "environment": {"name": "repeat-digit"},
               "trainer": {"backend": "bigram"}, "generator": {"backend": "scoreless"}}
     ctx = Context()

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.sinks import GROUP, load_sinks
@@ -139,7 +139,7 @@ def test_missing_tracker_package_fails_on_load_with_the_install_hint(
 
 
 def test_plugins_lists_the_trackers() -> None:
-    assert {"jsonl", "tensorboard", "wandb", "mlflow"} <= set(plugins.available(GROUP))
+    assert {"jsonl", "tensorboard", "wandb", "mlflow"} <= set(registry.available(GROUP))
 
 
 # ------------------------------------------------------------------ TensorBoard files
