@@ -12,7 +12,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.wire.messages import TokenBatch
 from asyncrl_vllm.kv_scales import resolve_kv_scales
 from asyncrl_vllm.options import VLLMOptions, parse_options
-from asyncrl_vllm.scoring import response_logprobs, split_batch
+from asyncrl_vllm.prompt_logprobs import response_logprobs, split_batch
 
 
 # --------------------------------------------------------------------------- options

@@ -45,7 +45,7 @@ from .death import UNNAMED, EngineDeath, Probe
 from .reaper import Reaper
 from .refit import EngineWeights, _Update
 from .engine_io import check_request, engine_prompt, sample_of, sampling_params
-from .scoring import response_logprobs, split_batch
+from .prompt_logprobs import response_logprobs, split_batch
 
 __all__ = ["VLLMBackend", "make_engine"]
 
