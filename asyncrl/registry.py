@@ -42,7 +42,7 @@ optional allowlist.
 What a loaded plugin made is checked against its protocol once, when it loads (a backend by
 :func:`check_plugin`, an environment by
 :func:`asyncrl.env.capabilities.check_environment`, a sampler by
-:func:`asyncrl.policy.sampler_table.make_sampler`), each with :func:`check_members` and an
+:func:`asyncrl.policy.sampler_choice.make_sampler`), each with :func:`check_members` and an
 error in its own words, so that the run calls what it found directly and never probes a
 plugin object with ``getattr`` afterwards.
 """

@@ -56,7 +56,7 @@ from asyncrl.config.root import (
     validate,
 )
 from asyncrl.config.setup import ClusterConfig, EnvironmentConfig, ModelConfig, RunConfig
-from asyncrl.policy.sampler_table import make_sampler, resolve_sampler
+from asyncrl.policy.sampler_choice import make_sampler, resolve_sampler
 
 __all__ = [
     "explain",

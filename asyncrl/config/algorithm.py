@@ -1,7 +1,7 @@
 """``[grpo]``, ``[loss]`` and ``[pipeline]``: the algorithm and the staleness policy.
 
 ``[pipeline.sampler]`` stays an opaque table here: its ``name`` picks a sampler plugin, which
-converts the rest to its own struct (:mod:`asyncrl.policy.sampler_table`) and answers for its
+converts the rest to its own struct (:mod:`asyncrl.policy.sampler_choice`) and answers for its
 capacities. Each section's checks sit with it; :func:`asyncrl.config.problems` gathers them.
 """
 
@@ -14,7 +14,7 @@ import msgspec
 
 from asyncrl.config.section import Section, at_least_one, fail, not_negative
 from asyncrl.errors import ConfigError
-from asyncrl.policy.sampler_table import default_table
+from asyncrl.policy.sampler_choice import default_table
 
 
 __all__ = ["GRPOConfig", "LossConfig", "PipelineConfig"]

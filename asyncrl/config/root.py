@@ -26,7 +26,7 @@ from asyncrl.config.operations import (
 from asyncrl.config.section import Section, fail
 from asyncrl.config.setup import ClusterConfig, EnvironmentConfig, ModelConfig, RunConfig
 from asyncrl.errors import ConfigError
-from asyncrl.policy.sampler_table import make_sampler, resolve_sampler
+from asyncrl.policy.sampler_choice import make_sampler, resolve_sampler
 from asyncrl.policy.samplers import Sampler
 from asyncrl.transfers import load_transfer
 
@@ -71,7 +71,7 @@ class Config(Section, dict=True):
         :meth:`make_sampler`.
 
         Raises:
-            ConfigError: as :func:`~asyncrl.policy.sampler_table.make_sampler` (nothing is
+            ConfigError: as :func:`~asyncrl.policy.sampler_choice.make_sampler` (nothing is
                 kept, so each read raises again).
         """
         return make_sampler(self.pipeline.sampler)

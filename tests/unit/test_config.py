@@ -80,7 +80,7 @@ def test_gpu_placement_needs_one_index_per_rank(
         ("name = 'in_order'\nmax_lookahead_versions = 0\n", InOrderConfig(max_lookahead_versions=0), 16),
     ],
 )
-def test_sampler_table_becomes_its_own_struct_with_its_capacity(
+def test_sampler_choice_becomes_its_own_struct_with_its_capacity(
     tmp_path: Path, model_dir: Path, table: str, expected: object, buffer: int
 ) -> None:
     cfg = load_config(write(tmp_path, BASE + "[pipeline.sampler]\n" + table))

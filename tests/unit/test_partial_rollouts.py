@@ -175,7 +175,7 @@ def test_a_checkpoint_keeps_the_versions_and_reads_one_without_them() -> None:
 @pytest.mark.parametrize("name", ["in_order", "gated", "oversampled", "ready_first", "dynamic"])
 def test_every_built_in_sampler_continues_by_default_and_can_reprefill(name: str) -> None:
     from asyncrl.errors import ConfigError
-    from asyncrl.policy.sampler_table import make_sampler
+    from asyncrl.policy.sampler_choice import make_sampler
     from asyncrl.policy.samplers import in_flight_at_refit
 
     assert in_flight_at_refit(make_sampler({"name": name})) == "continue"

@@ -313,7 +313,7 @@ class _Sampler:
 
 def _make(monkeypatch: pytest.MonkeyPatch, **members: Any) -> Any:
     from asyncrl import registry
-    from asyncrl.policy.sampler_table import make_sampler
+    from asyncrl.policy.sampler_choice import make_sampler
     from asyncrl.policy.samplers import SamplerPlugin
 
     cls = type("Broken", (_Sampler,), members)
