@@ -36,12 +36,13 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
 
 from asyncrl.config import CORE_SECTIONS
-from asyncrl.config.removed import REMOVED
+from asyncrl.config.removed import REMOVED, Removed
 from asyncrl.data.chat import ChatTemplate
 from asyncrl.env.capabilities import rewards_of
 from asyncrl.worker.export import WEIGHT_SUFFIXES
@@ -76,9 +77,10 @@ must match the checkpoint's unless allowed. A prefix covers its whole section. A
 section names its own (its ``HARMLESS``; :func:`asyncrl.config.service_sections.harmless_keys`).
 
 A key that was removed (:data:`asyncrl.config.removed.REMOVED`: the tuning constants of issue
-50) is not compared: a checkpoint that stored one resumes, the key dropped; where its stored
-value differs from the one the code now uses, the difference is listed with the harmless
-ones (logged), naming what replaced the key."""
+50; a service's section names its own, its ``REMOVED``) is not compared: a checkpoint that
+stored one resumes, the key dropped; where its stored value differs from the one the code now
+uses, the difference is listed with the harmless ones (logged), naming what replaced the
+key."""
 
 CODE = "environment.code"
 """The reward code's fingerprints (:func:`code_fingerprints`), by the name ``--allow-changed``
@@ -338,25 +340,29 @@ def compare(
     current: Mapping[str, Any],
     allow: Iterable[str] = (),
     harmless: Iterable[str] = (),
+    removed: Mapping[str, Removed] = MappingProxyType({}),
 ) -> Changes:
     """Apply the rule to two ``{"config": ..., "fingerprints": ...}``: the checkpoint's and
     this run's. ``allow``: fields or sections (``loss``, ``grpo.temperature``,
     ``model.tokenizer``) whose changes are accepted, or ``all``. ``harmless``: the keys of
     this run's services' sections that are harmless as :data:`HARMLESS`'s are
-    (:func:`asyncrl.config.service_sections.harmless_keys`).
+    (:func:`asyncrl.config.service_sections.harmless_keys`). ``removed``: the keys they name
+    removed, dropped as :data:`~asyncrl.config.removed.REMOVED`'s are
+    (:func:`asyncrl.config.service_sections.removed_keys`).
 
     A service's section (a top-level table that is not the core's) means something only
     where the service runs: switched on at both sides, each of its keys is compared; on at
     one side only, its ``enabled`` alone (a table absent counts as off: the settings of a
     service that is off do nothing); on at neither, nothing. So a checkpoint of an older
     asyncrl, which stored a ``[gateway]`` switched off for every run, resumes in a run
-    without the gateway installed."""
+    without the gateway installed. (A section compared key by key is that of a service on in
+    this run, so loaded: its own ``removed`` keys are known.)"""
     allow = [a.strip() for a in allow if a.strip()]
     old, new = _compared(saved), _compared(current)
     _services_compared(saved, current, old, new)
     harmless = (*HARMLESS, *harmless)
     changes = Changes()
-    changes.harmless += _drop_removed(old, new)
+    changes.harmless += _drop_removed({**REMOVED, **removed}, old, new)
     known = (ALL, *FINGERPRINT_FIELDS)  # a content name is known even when it has no leaf
     changes.unknown = [
         name for name in allow
@@ -409,17 +415,18 @@ def _code_not_compared(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     return ""
 
 
-def _drop_removed(*sides: dict[str, Any]) -> list[str]:
-    """Remove the keys that are no longer settings (:mod:`asyncrl.config.removed`) from the
-    compared leaves of each side; returns ``key: stored -> now (removed: ...)`` for each one a
-    side stored with another value than the code now uses."""
+def _drop_removed(removed: Mapping[str, Removed], *sides: dict[str, Any]) -> list[str]:
+    """Remove the keys that are no longer settings (``removed``: the core's and this run's
+    services', :mod:`asyncrl.config.removed`) from the compared leaves of each side; returns
+    ``key: stored -> now (removed: ...)`` for each one a side stored with another value than
+    the code now uses."""
     lines: list[str] = []
     for leaves in sides:
-        for key in [k for k in leaves if k in REMOVED]:
-            stored, now = leaves.pop(key), REMOVED[key].default
+        for key in [k for k in leaves if k in removed]:
+            stored, now = leaves.pop(key), removed[key].default
             if stored != now:
                 lines.append(f"{key}: {_show(stored)} -> {_show(now)} (removed: "
-                             f"{REMOVED[key].now})")  # fmt: skip
+                             f"{removed[key].now})")  # fmt: skip
     return lines
 
 

@@ -37,7 +37,7 @@ from asyncrl.config import Config, to_dict
 from asyncrl.errors import (
     NonFiniteError, NoSpaceError, PluginError, RemoteCallError, RunError, flatten,
 )  # fmt: skip
-from asyncrl.config.service_sections import harmless_keys
+from asyncrl.config.service_sections import harmless_keys, removed_keys
 from asyncrl.wire.messages import ExportModel, LoadState, SaveState
 from asyncrl.wire.rpc import ControlPlane
 
@@ -487,7 +487,8 @@ def open_resume(
              "fingerprints": checkpoint.manifest["fingerprints"]}  # fmt: skip
     current = {"config": to_dict(cfg),
                "fingerprints": run_fingerprints(cfg, train_prompts, code)}  # fmt: skip
-    changes = resume_rule.compare(saved, current, allow, harmless_keys(cfg))
+    changes = resume_rule.compare(saved, current, allow, harmless_keys(cfg),
+                                  removed_keys(cfg))  # fmt: skip
     for line in changes.not_compared:
         log.info("resume_not_compared", checkpoint=str(checkpoint.path), what=line)
     _refuse_changes(checkpoint, changes)

@@ -2,9 +2,9 @@
 plain builtins.
 
 Loading is two steps: the typed struct (a key that was removed says what replaced it:
-:mod:`asyncrl.config.removed`; other unknown keys and wrong types are named by
-:func:`~asyncrl.explain.explain`; relative paths resolved against the config file's
-directory), then :func:`~asyncrl.config.root.validate` (cross-field invariants).
+:mod:`asyncrl.config.removed`, or the ``REMOVED`` of a service's section; other unknown keys and
+wrong types are named by :func:`~asyncrl.explain.explain`; relative paths resolved against the
+config file's directory), then :func:`~asyncrl.config.root.validate` (cross-field invariants).
 
 A top-level table that is not one of the core's (:data:`~asyncrl.config.root.CORE_SECTIONS`)
 is a service's section (:mod:`asyncrl.services`): the service of that name is imported (only
@@ -25,7 +25,7 @@ import msgspec
 from asyncrl.explain import explain
 from asyncrl.config.removed import refuse_removed
 from asyncrl.config.root import CORE_SECTIONS, Config, validate
-from asyncrl.config.service_sections import GROUP, load_section
+from asyncrl.config.service_sections import GROUP, SectionSpec, load_section
 from asyncrl.errors import ConfigError
 from asyncrl.errors import config_error as fail
 from asyncrl.registry import GROUPS, available, install_hint
@@ -100,18 +100,24 @@ def _services(tables: dict[str, Any], base: Path) -> dict[str, Any]:
     Raises:
         ConfigError: a table that names no installed service (the first-party one not
             installed: how to install it; else the core's sections and the installed
-            services), one that is not a table, or a key unknown or mistyped in it.
+            services), one that is not a table, a key its section names removed (every one
+            the tables set, what replaced it), or a key unknown or mistyped in it.
         PluginError: the service fails to import or its section breaks the contract.
     """
     installed = available(GROUP)
-    services: dict[str, Any] = {}
+    specs: dict[str, SectionSpec] = {}
     for name, table in tables.items():
         if name not in installed:
             raise _unknown_table(name, GROUP, list(installed))
         if not isinstance(table, dict):
             raise fail(name, f"is {table!r}, not a table",
                        f"write the service's settings as a [{name}] table")  # fmt: skip
-        spec = load_section(name, name)
+        specs[name] = load_section(name, name)
+    refuse_removed(tables, {f"{name}.{key}": entry for name, spec in specs.items()
+                            for key, entry in spec.removed.items()})  # fmt: skip
+    services: dict[str, Any] = {}
+    for name, table in tables.items():
+        spec = specs[name]
         try:
             section = msgspec.convert(table, spec.type)
         except msgspec.ValidationError as exc:

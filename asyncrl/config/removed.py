@@ -6,8 +6,13 @@ before the typed struct is built), and a checkpoint whose stored config holds on
 Issue 50 cut the reference (docs/configuration.md) to the keys a user decides with: the
 tuning constants became module constants next to the code that uses them, each with the
 measurement or reason that chose its value. The constants are named here as text (importing
-their modules would pull the controller, the torch side or a plugin into the config);
+their modules would pull the controller or the torch side into the config);
 tests/unit/test_config.py checks each against its module.
+
+:data:`REMOVED` holds the core's sections' keys alone. A service's section names its own
+removed keys (its ``REMOVED``, :class:`asyncrl.config.service_sections.NamesRemoved`, of the
+same :class:`Removed` entries): the loader refuses them and the resume rule drops them the same
+way.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from asyncrl.errors import ConfigError
 from asyncrl.errors import config_error as fail
 
 __all__ = [
-    "REMOVED", "Removed", "message", "refuse_removed", "removed_in", "without_removed",
+    "REMOVED", "Removed", "became_constant", "message", "refuse_removed", "removed_in",
+    "without_removed",
 ]  # fmt: skip
 
 
@@ -40,12 +46,13 @@ class Removed:
     the tests)."""
 
 
-def _constant(path: str, default: Any, why: str = "") -> Removed:
+def became_constant(path: str, default: Any, why: str = "") -> Removed:
+    """A key that became the module constant ``path`` (``module.NAME``), whose value is its
+    last ``default``: what replaced it says so, and the tests check the constant holds it."""
     return Removed(default, f"the constant {path} = {default!r}", why, constant=path)
 
 
 _TUNING = "a tuning constant nobody needed to change"
-_GUARD = "a defence against broken or hostile clients, not a decision of a run"
 
 REMOVED: dict[str, Removed] = {
     # -- before issue 50
@@ -56,16 +63,18 @@ REMOVED: dict[str, Removed] = {
         "the margin is asyncrl.policy.verify.NOISE_FACTOR",
     ),
     # -- issue 50: [run]
-    "run.stall_warning_s": _constant("asyncrl.obs.watchdog.STALL_WARNING_S", 10.0, _TUNING),
-    "run.gc_freeze": _constant("asyncrl.obs.collector.GC_FREEZE", True, _TUNING),
-    "run.gc_young_interval_s": _constant(
+    "run.stall_warning_s": became_constant("asyncrl.obs.watchdog.STALL_WARNING_S", 10.0, _TUNING),
+    "run.gc_freeze": became_constant("asyncrl.obs.collector.GC_FREEZE", True, _TUNING),
+    "run.gc_young_interval_s": became_constant(
         "asyncrl.obs.collector.GC_YOUNG_INTERVAL_S", 0.05, _TUNING
     ),
-    "run.gc_full_interval_s": _constant("asyncrl.obs.collector.GC_FULL_INTERVAL_S", 60.0, _TUNING),
-    "run.samples_file_mb": _constant(
+    "run.gc_full_interval_s": became_constant(
+        "asyncrl.obs.collector.GC_FULL_INTERVAL_S", 60.0, _TUNING
+    ),
+    "run.samples_file_mb": became_constant(
         "asyncrl.obs.sample_export.SAMPLES_FILE_MB", 256.0, _TUNING
     ),
-    "run.event_loop": _constant(
+    "run.event_loop": became_constant(
         "asyncrl.launch.EVENT_LOOP", "auto", "uvloop where it is installed, else asyncio's"
     ),
     # -- [cluster]
@@ -76,7 +85,7 @@ REMOVED: dict[str, Removed] = {
         "worker groups run with the controller's own Python whatever PATH says",
     ),
     # -- [grpo]
-    "grpo.dynamic_sampling_min_std": _constant(
+    "grpo.dynamic_sampling_min_std": became_constant(
         "asyncrl.config.modes.DYNAMIC_SAMPLING_MIN_STD", 0.0,
         "dynamic sampling drops the groups whose rewards are all equal, as DAPO does",
     ),
@@ -87,29 +96,35 @@ REMOVED: dict[str, Removed] = {
         _TUNING,
     ),
     # -- [refit]
-    "refit.staging_buffers": _constant("asyncrl.transfers.STAGING_BUFFERS", 2, _TUNING),
-    "refit.drain_timeout_s": _constant("asyncrl.config.engines.DRAIN_TIMEOUT_S", 60.0, _TUNING),
-    "refit.verify_noise_factor": _constant("asyncrl.policy.verify.NOISE_FACTOR", 3.0, _TUNING),
-    "refit.verify_noise_floor": _constant("asyncrl.policy.verify.NOISE_FLOOR", 0.001, _TUNING),
-    "refit.verify_max_noise": _constant(
+    "refit.staging_buffers": became_constant("asyncrl.transfers.STAGING_BUFFERS", 2, _TUNING),
+    "refit.drain_timeout_s": became_constant(
+        "asyncrl.config.engines.DRAIN_TIMEOUT_S", 60.0, _TUNING
+    ),
+    "refit.verify_noise_factor": became_constant(
+        "asyncrl.policy.verify.NOISE_FACTOR", 3.0, _TUNING
+    ),
+    "refit.verify_noise_floor": became_constant(
+        "asyncrl.policy.verify.NOISE_FLOOR", 0.001, _TUNING
+    ),
+    "refit.verify_max_noise": became_constant(
         "asyncrl.policy.verify.MAX_NOISE", 0.5,
         "to skip the check for a model whose two sides disagree more, set "
         "refit.verify_every_steps = 0",
     ),
-    "refit.verify_tolerance": _constant("asyncrl.policy.verify.TOLERANCE", None, _TUNING),
-    "refit.verify_num_sequences": _constant(
+    "refit.verify_tolerance": became_constant("asyncrl.policy.verify.TOLERANCE", None, _TUNING),
+    "refit.verify_num_sequences": became_constant(
         "asyncrl.policy.verify.PROBE_SEQUENCES", 16, _TUNING
     ),
-    "refit.kv_calibration_sequences": _constant(
+    "refit.kv_calibration_sequences": became_constant(
         "asyncrl.run.refit.KV_CALIBRATION_SEQUENCES", 64, _TUNING
     ),
-    "refit.kv_calibration_percentile": _constant(
+    "refit.kv_calibration_percentile": became_constant(
         "asyncrl.run.refit.KV_CALIBRATION_PERCENTILE", 99.9, _TUNING
     ),
-    "refit.kv_calibration_margin": _constant(
+    "refit.kv_calibration_margin": became_constant(
         "asyncrl.run.refit.KV_CALIBRATION_MARGIN", 1.05, _TUNING
     ),
-    "refit.verify_first_steps": _constant(
+    "refit.verify_first_steps": became_constant(
         "asyncrl.policy.verify.VERIFY_FIRST_STEPS", 3,
         "refit.verify_every_steps = 0 turns verification off, the first refits' included",
     ),
@@ -120,11 +135,13 @@ REMOVED: dict[str, Removed] = {
         "an engine that quantizes the query without reporting it is its plugin's bug: report it",
     ),
     # -- [checkpoint], [failures], [metrics], [episode]
-    "checkpoint.max_failures": _constant(
+    "checkpoint.max_failures": became_constant(
         "asyncrl.checkpoints.saving.MAX_SAVE_FAILURES", 3, _TUNING
     ),
-    "failures.retry_backoff_s": _constant("asyncrl.policy.failures.RETRY_BACKOFF_S", 1.0, _TUNING),
-    "failures.train_step_retries": _constant(
+    "failures.retry_backoff_s": became_constant(
+        "asyncrl.policy.failures.RETRY_BACKOFF_S", 1.0, _TUNING
+    ),
+    "failures.train_step_retries": became_constant(
         "asyncrl.policy.failures.TRAIN_STEP_RETRIES", 1, _TUNING
     ),
     "failures.heartbeat_interval_s": Removed(
@@ -134,12 +151,14 @@ REMOVED: dict[str, Removed] = {
         "set heartbeat_timeout_s alone",
         constant="asyncrl.config.operations.HEARTBEAT_INTERVAL_S",
     ),
-    "metrics.completions_count": _constant("asyncrl.obs.console.COMPLETIONS_SHOWN", 3, _TUNING),
+    "metrics.completions_count": became_constant(
+        "asyncrl.obs.console.COMPLETIONS_SHOWN", 3, _TUNING
+    ),
     "metrics.progress": Removed(
         "auto", "the progress bar shows on an interactive terminal only (what 'auto' did)",
         "plain logs stay free of it",
     ),
-    "episode.max_concurrent_tools": _constant(
+    "episode.max_concurrent_tools": became_constant(
         "asyncrl.run.episodes.TOOL_CONCURRENCY", 64, _TUNING
     ),
     "episode.on_template_mismatch": Removed(
@@ -149,49 +168,24 @@ REMOVED: dict[str, Removed] = {
         "first difference (the first asyncrl.run.episodes.SPLITS_LOGGED = 10 of a run)",
         "that log says why a template does not re-render what was recorded, what 'refuse' was for",
     ),
-    # -- [gateway]: the guards of asyncrl_gateway.server (a test passes its own Guards)
-    "gateway.max_concurrent_requests": _constant(
-        "asyncrl_gateway.server.MAX_CONCURRENT_REQUESTS", 4096, _GUARD
-    ),
-    "gateway.max_body_bytes": _constant(
-        "asyncrl_gateway.server.MAX_BODY_BYTES", 4 * 1024 * 1024, _GUARD
-    ),
-    "gateway.max_json_values": _constant("asyncrl_gateway.server.MAX_JSON_VALUES", 131072, _GUARD),
-    "gateway.max_messages": _constant("asyncrl_gateway.server.MAX_MESSAGES", 2048, _GUARD),
-    "gateway.max_tools": _constant("asyncrl_gateway.server.MAX_TOOLS", 128, _GUARD),
-    "gateway.request_head_timeout_s": _constant(
-        "asyncrl_gateway.server.REQUEST_HEAD_TIMEOUT_S", 10.0, _GUARD
-    ),
-    "gateway.request_body_timeout_s": _constant(
-        "asyncrl_gateway.server.REQUEST_BODY_TIMEOUT_S", 30.0, _GUARD
-    ),
-    "gateway.keep_alive_timeout_s": _constant(
-        "asyncrl_gateway.server.KEEP_ALIVE_TIMEOUT_S", 30.0, _GUARD
-    ),
-    "gateway.max_connections": _constant(
-        "asyncrl_gateway.server.MAX_CONNECTIONS", 8192, _GUARD
-    ),
-    "gateway.model_name": Removed(
-        "", "the model directory's name, in /v1/models and in every response",
-        "a request may name any model, so an agent that hard-codes one works as it is",
-    ),
 }  # fmt: skip
 """Every removed key (``section.key``) and what replaced it."""
 
 
-def message(key: str) -> str:
-    """What an error says of removed ``key``: ``<key>: removed: ... Fix: ...``."""
-    entry = REMOVED[key]
+def message(key: str, entry: Removed | None = None) -> str:
+    """What an error says of removed ``key`` (``section.key``; ``entry`` its :class:`Removed`,
+    :data:`REMOVED`'s by default): ``<key>: removed: ... Fix: ...``."""
+    entry = REMOVED[key] if entry is None else entry
     why = f" ({entry.why})" if entry.why else ""
     fix = "remove it from the config (docs/configuration.md lists the keys)"
     return str(fail(key, f"removed: {entry.now}{why}", fix))
 
 
-def removed_in(data: Mapping[str, Any]) -> list[str]:
-    """The removed keys ``data`` (a config as plain tables, e.g. parsed TOML) sets, in the
-    order of :data:`REMOVED`."""
+def removed_in(data: Mapping[str, Any], removed: Mapping[str, Removed] = REMOVED) -> list[str]:
+    """The keys of ``removed`` (``section.key``: :data:`REMOVED`, or a service's) that
+    ``data`` (a config as plain tables, e.g. parsed TOML) sets, in the order of ``removed``."""
     found = []
-    for key in REMOVED:
+    for key in removed:
         section, _, name = key.partition(".")
         table = data.get(section)
         if isinstance(table, Mapping) and name in table:
@@ -199,15 +193,16 @@ def removed_in(data: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def refuse_removed(data: Mapping[str, Any]) -> None:
-    """Raise when ``data`` sets a removed key.
+def refuse_removed(data: Mapping[str, Any], removed: Mapping[str, Removed] = REMOVED) -> None:
+    """Raise when ``data`` sets a key of ``removed`` (:data:`REMOVED` by default; the loader
+    passes the services' sections' as well).
 
     Raises:
         ConfigError: naming each removed key it sets, what replaced it and the fix.
     """
-    found = removed_in(data)
+    found = removed_in(data, removed)
     if found:
-        raise ConfigError("\n".join(message(key) for key in found))
+        raise ConfigError("\n".join(message(key, removed[key]) for key in found))
 
 
 def without_removed(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,21 +10,23 @@ run-time contract), so that reading a config never needs the controller's side o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, Self
 
 import msgspec
 
 from asyncrl import registry
+from asyncrl.config.removed import Removed
 from asyncrl.config.section import Section
 from asyncrl.errors import ConfigError, PluginError
 from asyncrl.registry import check_plugin
 
 __all__ = [
-    "GROUP", "NamesHarmless", "ResolvesPaths", "SectionSpec", "ServiceSection",
-    "harmless_keys", "load_section", "section_of",
+    "GROUP", "NamesHarmless", "NamesRemoved", "ResolvesPaths", "SectionSpec", "ServiceSection",
+    "harmless_keys", "load_section", "removed_keys", "section_of",
 ]  # fmt: skip
 
 GROUP = "asyncrl.services"
@@ -67,6 +69,18 @@ class NamesHarmless(Protocol):
     key of an enabled service must match the checkpoint's unless allowed by name."""
 
 
+class NamesRemoved(Protocol):
+    """Optional: the keys the section had once, and what replaced them."""
+
+    REMOVED: ClassVar[Mapping[str, Removed]]
+    """By its former key's name (without the section's, ``max_tools`` of ``[gateway]``), what
+    replaced it (:class:`asyncrl.config.removed.Removed`, ``became_constant(...)`` for one
+    that became a module constant): a config that still sets one is refused naming it and the
+    fix, as a removed key of the core's is; a checkpoint that stored one resumes, the key
+    dropped, and a value other than its ``default`` logged (:mod:`asyncrl.config.removed`).
+    No name of it may be a field's."""
+
+
 @dataclass(frozen=True)
 class SectionSpec:
     """A service's section as checked when the service loaded: what the loader and the resume
@@ -76,6 +90,9 @@ class SectionSpec:
     """The struct the service's table is converted to."""
     harmless: tuple[str, ...]
     """Its :attr:`NamesHarmless.HARMLESS` (``()`` without one)."""
+    removed: Mapping[str, Removed]
+    """Its :attr:`NamesRemoved.REMOVED`, by the key's name without the section's (empty
+    without one)."""
     resolve_paths: Callable[[Any, Path], Any] | None
     """Its :meth:`ResolvesPaths.resolve_paths` (unbound: called with the section), or
     ``None`` without one."""
@@ -89,24 +106,32 @@ def harmless_keys(config: Any) -> list[str]:
             for key in load_section(name, name).harmless]  # fmt: skip
 
 
+def removed_keys(config: Any) -> dict[str, Removed]:
+    """By ``<name>.<key>``, each key the sections of ``config``'s services name removed (for
+    :func:`asyncrl.checkpoints.resume_rule.compare`, as :func:`harmless_keys`)."""
+    return {f"{name}.{key}": entry for name in config.services
+            for key, entry in load_section(name, name).removed.items()}  # fmt: skip
+
+
 def load_section(name: str, field: str) -> SectionSpec:
     """Import service ``name`` and return its section, checked: its struct, its harmless
-    keys and its path resolver. The rest of the service's contract is checked when the
-    controller loads it to run it (:func:`asyncrl.services.load_service`).
+    keys, its removed keys and its path resolver. The rest of the service's contract is
+    checked when the controller loads it to run it (:func:`asyncrl.services.load_service`).
 
     Raises:
         PluginError: not installed (naming ``field`` and how to install it), failed to
             import, or a section that is no :class:`~asyncrl.config.section.Section`
             subclass, has no ``enabled: bool = False``, no ``problems()``, a
-            ``resolve_paths`` or ``HARMLESS`` of the wrong kind, each naming the plugin and
-            the fix.
+            ``resolve_paths``, ``HARMLESS`` or ``REMOVED`` of the wrong kind, each naming the
+            plugin and the fix.
     """
     return section_of(registry.load(GROUP, name, field), name)
 
 
 def section_of(service: Any, name: str) -> SectionSpec:
     """``service``'s ``section``, checked against :class:`ServiceSection` (and the optional
-    :class:`ResolvesPaths` and :class:`NamesHarmless`) once, as it loads."""
+    :class:`ResolvesPaths`, :class:`NamesHarmless` and :class:`NamesRemoved`) once, as it
+    loads."""
     section = check_plugin(service, _HasSection, plugin=name, group=GROUP,
                            may_lack=("section",))["section"]
     cls = service if isinstance(service, type) else type(service)
@@ -130,7 +155,7 @@ def section_of(service: Any, name: str) -> SectionSpec:
             "service on; a run without the table must not have it)"
         )
     found = check_plugin(section, ServiceSection, plugin=name, group=GROUP,
-                          optional=(ResolvesPaths, NamesHarmless),
+                          optional=(ResolvesPaths, NamesHarmless, NamesRemoved),
                           awaited="the loader calls it as it reads the config",
                           plain="the loader calls it as it reads the config")  # fmt: skip
     harmless = found["HARMLESS"] if found["HARMLESS"] is not None else ()
@@ -142,4 +167,16 @@ def section_of(service: Any, name: str) -> SectionSpec:
             f"list the field names of {section.__qualname__} a resumed run may change "
             f"(keys: {', '.join(fields)})"
         )
-    return SectionSpec(section, harmless, found["resolve_paths"])
+    removed = found["REMOVED"] if found["REMOVED"] is not None else {}
+    if not (isinstance(removed, Mapping) and all(
+        isinstance(key, str) and key and "." not in key and key not in fields
+        and isinstance(entry, Removed) for key, entry in removed.items()
+    )):
+        raise PluginError(
+            f"{where}: its section's REMOVED is {removed!r}, not a mapping of keys it no longer "
+            "has to what replaced them. Fix: map each former key's name (no field of "
+            f"{section.__qualname__}, without the section's name) to an "
+            "asyncrl.plugin.service.Removed (docs/plugins.md, \"A service's section\")"
+        )
+    return SectionSpec(section, harmless, MappingProxyType(dict(removed)),
+                       found["resolve_paths"])  # fmt: skip

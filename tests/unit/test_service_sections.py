@@ -21,6 +21,7 @@ from asyncrl import registry, services
 from asyncrl.config import service_sections
 from asyncrl.config import CORE_SECTIONS, Config, from_dict, load_config, to_dict
 from asyncrl.errors import ConfigError, PluginError
+from asyncrl.plugin.service import Removed
 
 # model_dir: the fixture in conftest.py
 
@@ -34,11 +35,18 @@ from typing import ClassVar
 
 import msgspec
 
-from asyncrl.plugin.service import Section, fail
+from asyncrl.plugin.service import Removed, Section, became_constant, fail
+
+FLUSH_EVERY = 64
 
 
 class NotesConfig(Section):
     HARMLESS: ClassVar[tuple[str, ...]] = ("log_dir",)
+    REMOVED: ClassVar[dict[str, Removed]] = {
+        "flush_s": Removed(5.0, "notes.every_s, each note flushed as it is written",
+                           "set every_s alone"),
+        "flush_every": became_constant("notes_service.FLUSH_EVERY", 64),
+    }
 
     enabled: bool = False
     log_dir: str = ""
@@ -171,10 +179,106 @@ def test_the_gateway_not_installed_says_how_to_install_it(
     with pytest.raises(ConfigError) as overridden:
         load_config(write(tmp_path, ""), {"gateway.enabled": True})
     assert str(overridden.value).endswith(hint)
-    # a removed key of the gateway is named as removed first, installed or not
-    with pytest.raises(ConfigError, match=r"gateway.max_tools: removed: the constant "
-                       r"asyncrl_gateway.server.MAX_TOOLS = 128"):  # fmt: skip
+    # the gateway's section names its removed keys, so without it a table setting one is
+    # refused as any [gateway] is
+    with pytest.raises(ConfigError) as removed:
         load_config(write(tmp_path, "[gateway]\nmax_tools = 8\n"))
+    assert str(removed.value).endswith(hint)
+
+
+def test_a_removed_key_of_the_gateway_names_its_constant(tmp_path: Path, model_dir: Path) -> None:
+    pytest.importorskip("asyncrl_gateway")
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, "[gateway]\nenabled = true\nmax_tools = 8\n"
+                          "model_name = 'm'\n"))  # fmt: skip
+    assert str(refused.value).splitlines()[1:] == [
+        "gateway.model_name: removed: the model directory's name, in /v1/models and in every "
+        "response (a request may name any model, so an agent that hard-codes one works as it "
+        "is). Fix: remove it from the config (docs/configuration.md lists the keys)."]
+    assert str(refused.value).splitlines()[0].endswith(
+        "gateway.max_tools: removed: the constant asyncrl_gateway.server.MAX_TOOLS = 128 (a "
+        "defence against broken or hostile clients, not a decision of a run). Fix: remove it "
+        "from the config (docs/configuration.md lists the keys).")
+
+
+def test_a_removed_key_of_a_service_s_section_is_refused_naming_what_replaced_it(
+    tmp_path: Path, model_dir: Path, notes: None
+) -> None:
+    """The keys a section names in its ``REMOVED`` are refused as the core's removed keys
+    are: each one set (in the file or by ``--set``), what replaced it and the fix, in one
+    error, before the table is converted (not as an unknown key)."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, "[run]\nname = 'r'\n[notes]\nflush_every = 8\n"
+                          "flush_s = 1.0\n"), {"notes.every_s": 0.0})  # fmt: skip
+    lines = str(refused.value).splitlines()
+    assert lines[0].endswith("run.toml: notes.flush_s: removed: notes.every_s, each note "
+                             "flushed as it is written (set every_s alone). Fix: remove it from "
+                             "the config (docs/configuration.md lists the keys).")  # fmt: skip
+    assert lines[1:] == ["notes.flush_every: removed: the constant notes_service.FLUSH_EVERY = "
+                         "64. Fix: remove it from the config (docs/configuration.md lists the "
+                         "keys)."]  # fmt: skip
+    assert "unknown key" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"notes.flush_s: removed: notes.every_s"):
+        load_config(write(tmp_path, "[notes]\nenabled = true\n"), {"notes.flush_s": 2.0})
+    import notes_service  # the constant it names holds its default, as the core's are checked
+
+    entry = service_sections.load_section("notes", "notes").removed["flush_every"]
+    assert getattr(notes_service, entry.constant.rpartition(".")[2]) == entry.default
+
+
+class _SavingTrainers:
+    """A control plane whose trainers save nothing."""
+
+    async def call_each(self, workers: list, requests: list, *, timeout_s: float) -> list:
+        return [None] * len(workers)
+
+
+@pytest.mark.anyio
+async def test_a_checkpoint_holding_a_service_s_removed_key_resumes(
+    tmp_path: Path, model_dir: Path, notes: None
+) -> None:
+    """A checkpoint whose stored ``[notes]`` (on) holds keys its section names removed
+    resumes with them dropped: a stored value other than the entry's default is listed with
+    the harmless changes, naming what replaced it; the section's other keys are still
+    compared."""
+    import hashlib
+    import json
+
+    from asyncrl.checkpoints import directory as ckpt
+    from asyncrl.checkpoints.resume_rule import compare
+    from asyncrl.checkpoints.saving import Checkpointer, open_resume
+    from asyncrl.environment import Prompt
+
+    prompts = [Prompt(id=f"p{i}", text=f"{i} + 1 =", answer=i + 1) for i in range(3)]
+    cfg = load_config(write(tmp_path, f"[run]\noutput_dir = '{tmp_path / 'out'}'\n"
+                            "[checkpoint]\nsave_model = false\n[notes]\nenabled = true\n"))
+    saver = Checkpointer(cfg, control=_SavingTrainers(), trainers=["trainer:0"], metrics=None,
+                         train_prompts=prompts)  # type: ignore[arg-type]
+    state = ckpt.ControllerState(step=1, finished=False, groups=[], scheduler={
+        "ledger": {"trained": [[0, 1]], "num_repeated": 0}, "redispatch": []})  # fmt: skip
+    path = await saver.save(state, finished=False)
+    assert path is not None
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["config"]["notes"] |= {"flush_s": 1.0, "flush_every": 64}
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    manifest["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    resume = open_resume(cfg, "latest", train_prompts=prompts)
+    assert resume is not None and resume.state.step == 1
+    assert (resume.changes.refused, resume.changes.allowed) == ([], [])
+    assert resume.changes.harmless == [
+        "notes.flush_s: 1.0 -> 5.0 (removed: notes.every_s, each note flushed as it is "
+        "written)"]
+    # without the section's REMOVED, the stored keys would be changes of an enabled section
+    saved = {"config": manifest["config"]}
+    assert compare(saved, {"config": to_dict(cfg)}).refused == [
+        "notes.flush_every: 64 -> '(unset)'", "notes.flush_s: 1.0 -> '(unset)'"]
+    # the rest of the section is compared as before
+    manifest["config"]["notes"]["every_s"] = 3.0
+    moved = compare({"config": manifest["config"]}, {"config": to_dict(cfg)},
+                    removed=service_sections.removed_keys(cfg))  # fmt: skip
+    assert moved.refused == ["notes.every_s: 3.0 -> 1.0"]
 
 
 def test_to_dict_writes_the_gateway_back_as_its_table(tmp_path: Path, model_dir: Path) -> None:
@@ -264,6 +368,17 @@ async def _async_problems(self: object) -> list[ConfigError]:
          "run may change (keys: enabled)"),
         (_section(problems=_Plain.problems, resolve_paths="here"), "'resolve_paths' is not "
          "callable"),
+        (_section(problems=_Plain.problems, REMOVED={"enabled": Removed(False, "always on")}),
+         "its section's REMOVED is {'enabled': Removed(default=False, now='always on', why='', "
+         "constant='')}, not a mapping of keys it no longer has to what replaced them. Fix: map "
+         "each former key's name (no field of Custom, without the section's name) to an "
+         "asyncrl.plugin.service.Removed"),
+        (_section(problems=_Plain.problems, REMOVED={"port": 8080}), "its section's REMOVED is "
+         "{'port': 8080}, not a mapping"),
+        (_section(problems=_Plain.problems, REMOVED={"custom.port": Removed(0, "gone")}),
+         "its section's REMOVED is {'custom.port': "),
+        (_section(problems=_Plain.problems, REMOVED=("port",)), "its section's REMOVED is "
+         "('port',), not a mapping"),
     ],
 )
 def test_a_section_that_breaks_the_contract_is_refused_as_it_loads(
@@ -288,14 +403,18 @@ def test_a_well_formed_section_loads_with_what_it_declares(
     def resolve(self: object, base_dir: Path) -> object:
         return self
 
-    custom = _section(problems=_Plain.problems, HARMLESS=("enabled",), resolve_paths=resolve)
+    removed = {"port": Removed(0, "a free port, always")}
+    custom = _section(problems=_Plain.problems, HARMLESS=("enabled",), resolve_paths=resolve,
+                      REMOVED=removed)  # fmt: skip
     bare = _section(problems=_Plain.problems)
-    for section, harmless, resolves in ((custom, ("enabled",), resolve), (bare, (), None)):
+    for section, harmless, resolves, gone in ((custom, ("enabled",), resolve, removed),
+                                              (bare, (), None, {})):  # fmt: skip
         service = type("Service", (), {"section": section, "check": _async_check,
                                        "build": lambda self, c, e, t: None})()  # fmt: skip
         monkeypatch.setattr(services.registry, "load", lambda group, name, field: service)
         spec = service_sections.load_section("custom", "custom")
         assert (spec.type, spec.harmless, spec.resolve_paths) == (section, harmless, resolves)
+        assert spec.removed == gone
 
 
 async def _async_check(self: object, config: object, environment: object, tok: object) -> None:

@@ -10,15 +10,18 @@ and gathers its checks (:meth:`GatewayConfig.problems`) with the core's; the sec
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
 import msgspec
 
 from asyncrl.plugin.common import Config, ConfigError
-from asyncrl.plugin.service import Section, fail
+from asyncrl.plugin.service import Removed, Section, became_constant, fail
 
 __all__ = ["GatewayConfig", "gateway_config"]
+
+_GUARD = "a defence against broken or hostile clients, not a decision of a run"
 
 
 def gateway_config(config: Config) -> GatewayConfig:
@@ -38,6 +41,40 @@ class GatewayConfig(Section):
     """What a resumed run may change (docs/checkpointing.md): where the gateway listens, how
     it runs its agents and how it guards itself. What it trains on (the agent's command and
     environment, a session's whole deadline) is not here."""
+
+    REMOVED: ClassVar[Mapping[str, Removed]] = {
+        # issue 50: the guards of asyncrl_gateway.server (a test passes its own Guards), named
+        # as text: importing the server would pull uvicorn into reading a config
+        "max_concurrent_requests": became_constant(
+            "asyncrl_gateway.server.MAX_CONCURRENT_REQUESTS", 4096, _GUARD
+        ),
+        "max_body_bytes": became_constant(
+            "asyncrl_gateway.server.MAX_BODY_BYTES", 4 * 1024 * 1024, _GUARD
+        ),
+        "max_json_values": became_constant(
+            "asyncrl_gateway.server.MAX_JSON_VALUES", 131072, _GUARD
+        ),
+        "max_messages": became_constant("asyncrl_gateway.server.MAX_MESSAGES", 2048, _GUARD),
+        "max_tools": became_constant("asyncrl_gateway.server.MAX_TOOLS", 128, _GUARD),
+        "request_head_timeout_s": became_constant(
+            "asyncrl_gateway.server.REQUEST_HEAD_TIMEOUT_S", 10.0, _GUARD
+        ),
+        "request_body_timeout_s": became_constant(
+            "asyncrl_gateway.server.REQUEST_BODY_TIMEOUT_S", 30.0, _GUARD
+        ),
+        "keep_alive_timeout_s": became_constant(
+            "asyncrl_gateway.server.KEEP_ALIVE_TIMEOUT_S", 30.0, _GUARD
+        ),
+        "max_connections": became_constant(
+            "asyncrl_gateway.server.MAX_CONNECTIONS", 8192, _GUARD
+        ),
+        "model_name": Removed(
+            "", "the model directory's name, in /v1/models and in every response",
+            "a request may name any model, so an agent that hard-codes one works as it is",
+        ),
+    }  # fmt: skip
+    """Its keys that are no more (docs/plugins.md, "A service's section"): a config that sets
+    one is refused naming what replaced it; a checkpoint that stored one resumes."""
 
     enabled: bool = False
     """Serve the run's episodes as sessions of an OpenAI-compatible endpoint: each episode is
