@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncrl import registry
+from asyncrl import plugins
 from asyncrl.backend import generate_all
 from asyncrl.wire.messages import GenRequest
 
@@ -56,7 +56,7 @@ def tally_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def started(model_dir: Path, run_dir: Path, **options: object):
-    backend = registry.load("asyncrl.generation_backends", "vllm")(make_ctx(model_dir, run_dir,
+    backend = plugins.load("asyncrl.generation_backends", "vllm")(make_ctx(model_dir, run_dir,
                                                                            **options))
     await backend.start()
     return backend
@@ -161,8 +161,7 @@ async def test_aborts_leave_nothing_held(checking, tally_file) -> None:
 def worst_entry_error(results: list[dict], ref) -> float:
     """Largest |engine - reference| over every (token, logprob) entry of ``results``
     (:func:`run_batch`), the reference being float64 log-softmax of ``ref``'s logits; checks
-    on the way that each row starts with the sampled token and has k + 1 entries (k when the
-    sampled token is one of the top k)."""
+    on the way that each row starts with the sampled token and has k + 1 entries."""
     worst = 0.0
     for r in results:
         assert r["reason"] in ("stop", "length")
@@ -175,11 +174,14 @@ def worst_entry_error(results: list[dict], ref) -> float:
             logits = ref(torch.tensor([seq])).logits[0].double()
         lp = torch.log_softmax(logits, dim=-1)[len(r["prompt"]) - 1 : len(seq) - 1].numpy()
         for pos, (token, entries) in enumerate(zip(r["tokens"], r["rows"], strict=True)):
-            # k + 1 entries, or k when the sampled token is itself among the top k (one
-            # entry per token id: seen on the CPU build under load, 2 entries for k = 2)
-            ids_here = [tid for tid, _ in entries]
-            assert entries[0][0] == token and len(set(ids_here)) == len(ids_here)
-            assert len(entries) in (r["k"], r["k"] + 1), entries
+            assert entries[0][0] == token
+            if r["kind"] == "FINAL_ONLY":  # asyncrl's requests: every row whole
+                assert len(entries) == r["k"] + 1, entries
+            else:
+                # a streamed row came back one entry short twice on a loaded 2-core machine
+                # (k = 2: 2 entries; pieces merged by the front end), never in CI; asyncrl
+                # streams nothing, so it is only bounded here (docs/backends/vllm.md)
+                assert r["k"] <= len(entries) <= r["k"] + 1, entries
             for tid, value in entries:
                 worst = max(worst, abs(value - lp[pos, tid]))
     # the front end may merge a streamed request's steps; each piece had its logprobs
