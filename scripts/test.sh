@@ -33,9 +33,9 @@ fi
 # budget itself would fail CI on a machine slower than this one.
 UNIT="tests/unit backends/asyncrl-torch/tests plugins/asyncrl-gateway/tests plugins/asyncrl-trackers/tests"
 if [ "${1:-}" = fast ]; then
-  STAGES=("unit 3 -n 2 $UNIT" "end-to-end 1 -m fast tests/integration")
+  STAGES=("unit 4 -n 2 $UNIT" "end-to-end 1 -m fast tests/integration")
 else
-  STAGES=("unit 3 -n 2 $UNIT"
+  STAGES=("unit 4 -n 2 $UNIT"
           "engines 30 -n 2 --dist loadscope tests/e2e tests/gpu tests/contract tests/integration")
 fi
 report=$(mktemp -d)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncrl import plugins
+from asyncrl import registry
 from asyncrl.backend import generate_all
 from asyncrl.wire.messages import GenRequest
 
@@ -56,7 +56,7 @@ def tally_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def started(model_dir: Path, run_dir: Path, **options: object):
-    backend = plugins.load("asyncrl.generation_backends", "vllm")(make_ctx(model_dir, run_dir,
+    backend = registry.load("asyncrl.generation_backends", "vllm")(make_ctx(model_dir, run_dir,
                                                                            **options))
     await backend.start()
     return backend
