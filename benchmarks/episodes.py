@@ -22,7 +22,7 @@ over the steady state (from the end of step 2 to the last step):
 - **episodes/s** (and turns/s): episodes that ended with a score, from the ``train`` records'
   ``episodes`` and ``episode_turns_mean``;
 - **episodes in flight**: the run's :meth:`~asyncrl.Controller.status` (``inflight_samples``,
-  ``turns_in_flight``) sampled every 100 ms: mean, p10, p50, max;
+  ``requests_in_flight``: its turns) sampled every 100 ms: mean, p10, p50, max;
 - **loop lag**: how late a 10 ms sleep wakes on the controller's loop, sampled by the
   benchmark as :class:`~asyncrl.obs.watchdog.LoopLag` does (p50, p99, max, pooled), and each
   step's ``loop_lag_p99_s`` as the run records it; and how busy the loop's thread was (its
@@ -160,7 +160,7 @@ async def one_run(
                 continue
             traced = tracemalloc.get_traced_memory()[0] if trace else 0
             load.append((time.perf_counter(), status.inflight_samples,
-                         status.turns_in_flight, rss_bytes(), traced))  # fmt: skip
+                         status.requests_in_flight, rss_bytes(), traced))  # fmt: skip
             probe_s.append(time.perf_counter() - t)
             if status.step >= 2 and not steady:
                 steady.append((time.perf_counter(), time.thread_time()))

@@ -1,5 +1,5 @@
 """What the rollout book answers and decides (pure data): the kind of each message from a
-rollout worker (:class:`Arrival`), a group to request (:class:`Sent`), a chunk handed out
+rollout worker (:class:`Arrival`), a group dispatched (:class:`Sent`), a chunk handed out
 (:class:`Taken`), what a lost worker left (:class:`Lost`), what an abort must reach
 (:class:`Aborts`), and the checks of one sample.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncrl.policy.groups import Group
-from asyncrl.run.turns import TurnRequest
+from asyncrl.run.requests import Request
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 
 if TYPE_CHECKING:
@@ -40,23 +40,24 @@ class ArrivalKind(enum.Enum):
 
     For a sample (:meth:`RolloutBook.sample_arrived`):
 
-    - ``REJECTED``: a stranger's (no such group in flight on that worker) or a duplicate:
+    - ``REJECTED``: a stranger's (no such request in flight on that worker) or a duplicate:
       nothing changed;
     - ``MALFORMED``: a sample from the right worker that breaks the contract: nothing changed;
       stop the run;
-    - ``PENDING``: stored; more samples of its group are to come;
+    - ``PENDING``: stored; more episodes of its group are to come;
     - ``DISCARDED``: the last sample of a group being aborted (the group is gone), or an
-      abandoned turn's;
-    - ``COMPLETE``: the last sample of its group: score the group, then
+      abandoned request's;
+    - ``COMPLETE``: the last episode of its group: score the group, then
       :meth:`RolloutBook.commit` it (or :meth:`RolloutBook.score_failed`);
-    - ``EVAL_PENDING`` / ``EVAL_COMPLETE``: an evaluation group's; the one that completes it
-      hands the group to the caller;
-    - ``TURN``: the sample of an episode's turn: hand it to the episode waiting for it.
+    - ``ANSWER``: the sample of an answered request (an episode's turn, an evaluation's
+      prompt): hand it to whoever waits for it.
 
     For a ``GroupFailed`` (:meth:`RolloutBook.check_failure`): ``REJECTED``; ``IN_FLIGHT`` (a
-    training group in flight: decide, then :meth:`RolloutBook.failed`); ``EVALUATION`` (an
-    evaluation group's); ``TURN_FAILED`` (an episode's turn, gone: tell the episode waiting for
-    it); ``DISCARDED`` (an abandoned turn's).
+    group in flight: decide, then :meth:`RolloutBook.failed`); ``ANSWER_FAILED`` (an answered
+    request, gone: tell whoever waits); ``DISCARDED`` (an abandoned request's).
+
+    A multi-turn episode's end (:meth:`RolloutBook.episode_ended`) is ``PENDING``,
+    ``DISCARDED`` or ``COMPLETE``, as a sample is.
     """
 
     REJECTED = "rejected"
@@ -64,12 +65,9 @@ class ArrivalKind(enum.Enum):
     PENDING = "pending"
     DISCARDED = "discarded"
     COMPLETE = "complete"
-    EVAL_PENDING = "eval_pending"
-    EVAL_COMPLETE = "eval_complete"
-    TURN = "turn"
+    ANSWER = "answer"
     IN_FLIGHT = "in_flight"
-    EVALUATION = "evaluation"
-    TURN_FAILED = "turn_failed"
+    ANSWER_FAILED = "answer_failed"
 
 
 STICKY_TURNS = 4
@@ -91,16 +89,16 @@ class Arrival:
 
     kind: ArrivalKind
     group: Group | None = None
-    """``COMPLETE`` / ``EVAL_COMPLETE``: the group to score (read it; the book changes it
-    only at :meth:`RolloutBook.commit`). ``IN_FLIGHT``: the group that failed."""
+    """``COMPLETE``: the group to score (read it; the book changes it only at
+    :meth:`RolloutBook.commit`). ``IN_FLIGHT``: the group that failed."""
     detail: str = ""
     """``REJECTED`` / ``MALFORMED``: what is wrong."""
     aborting: bool = False
     """``IN_FLIGHT``: the group is being aborted (already counted; nothing to retry)."""
-    turn: TurnRequest | None = None
-    """``TURN`` / ``TURN_FAILED``: the turn (no longer in flight)."""
+    request: Request | None = None
+    """``ANSWER`` / ``ANSWER_FAILED``: the answered request (no longer in flight)."""
     sample: Sample | None = None
-    """``TURN``: its sample."""
+    """``ANSWER``: its sample."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +128,9 @@ class Lost:
     """What :meth:`RolloutBook.worker_lost` did."""
 
     again: int
-    """Training groups dispatched again."""
-    evals: int
-    """Evaluation groups waiting for a worker again."""
-    turns: list[TurnRequest]
-    """Episodes' turns that were on the worker (tell their episodes)."""
+    """Groups dispatched again."""
+    answered: list[Request]
+    """Answered requests that were on the worker (tell whoever waits for each)."""
 
 
 @dataclass(frozen=True)
@@ -142,8 +138,8 @@ class Aborts:
     """Groups aborted at a refit or at the end of the run."""
 
     by_worker: dict[str, list[str]]
-    """Groups (and episodes' turns) on an engine, by worker: each must abort its own (their
-    samples still come back, cut short, and then the group is gone)."""
+    """Requests on an engine (a group's id, an episode's turn's), by worker: each must abort
+    its own (their samples still come back, cut short, and then the group is gone)."""
     gone: list[str]
     """Groups that were waiting for their retry: nothing of theirs is on an engine; gone."""
     episodes: list[str] = field(default_factory=list)

@@ -4,42 +4,47 @@
 says. It wraps the :class:`~asyncrl.policy.schedule.Scheduler`, which keeps each group's
 state and every scheduling rule (gate, capacities, staleness, accounting), and keeps what the
 scheduler does not: each group's payload (a :class:`~asyncrl.policy.groups.Group`: prompt,
-worker, samples), the samples in flight per rollout worker, and the evaluation requests.
-Nothing else holds a reference to its tables.
+samples) and the engine requests in flight (:class:`~asyncrl.run.requests.RequestTable`),
+which give each rollout worker's load. Nothing else holds a reference to its tables.
 
-Life of a group in the book (the scheduler's states in capitals)::
+Every group is ``n`` episodes, and one path takes each from dispatch to commit::
 
-    dispatch() ──► GENERATING on a worker ──sample_arrived() × n──► SCORING ──commit()──► READY
-       ▲              │  │ begin_refit()/close(): ABORTING ──samples back──► gone         │
-       │ retry()      │  │ worker_lost(): dispatched again at once (same prompt)          │
-    RETRYING ◄──failed(retry=True)    failed(retry=False) / score_failed(): dropped       │
-                                                                                          │
-    next_chunk(): evicted ──► gone;  taken ──finish_step()──► trained (the trainer's) ◄───┘
+    dispatch() ──► GENERATING ──each episode's sample: sample_arrived() / episode_ended()──►
+       ▲              │  │ begin_refit()/close(): ABORTING ──its samples back──► gone
+       │ retry()      │  │ worker_lost(): dispatched again at once (same prompt)
+    RETRYING ◄──failed(retry=True)    failed(retry=False) / score_failed(): dropped
+                      └── the last episode: COMPLETE ──► SCORING ──commit()──► READY
+
+    next_chunk(): evicted ──► gone;  taken ──finish_step()──► trained (the trainer's)
                               abort_step(): READY again
 
-A multi-turn environment's group is ``n`` *episodes* (:mod:`asyncrl.run.episodes`), bound to no
-worker: each turn is one request (:meth:`start_turn`) on the least loaded worker, or the one of
-the episode's last turn while not much busier (its prefix cache); the turns in flight are the
-book's :class:`~asyncrl.run.turns.TurnTable`. A turn's sample comes back as ``TURN``; an ended
-episode's scored sample goes to :meth:`episode_ended`. Aborting such a group lists its turns
-under their workers and the group under ``Aborts.episodes`` (its episodes are cancelled).
+A single-turn environment's episodes are one turn each, so the group is sent as one request
+of ``n`` seeded samples on the least loaded worker (the engine shares their prompt's prefix),
+and each sample that comes back fills its episode's slot (``PENDING``, then ``COMPLETE``:
+score the group and :meth:`commit` it). A multi-turn environment's episodes
+(:mod:`asyncrl.run.episodes`) ask for one turn at a time (:meth:`start_turn`): an answered
+request on the least loaded worker, or on the one of the episode's last turn while not much
+busier (its prefix cache), whose sample goes back to the episode (``ANSWER``); an ended
+episode's scored sample goes to :meth:`episode_ended`, and its group's ``COMPLETE`` is
+committed as it is. An evaluation's prompts (:mod:`asyncrl.run.evaluation`) are answered
+requests that belong to no group: nothing trains on them. Aborting a group lists its requests
+under their workers, and a group of episodes under ``Aborts.episodes`` (its episodes are
+cancelled).
 
-Evaluation groups (``eval-<label>-<i>``) are not the scheduler's: :meth:`add_evals` queues
-them, :meth:`place_evals` spreads them over the workers that serve, their samples come back
-through :meth:`sample_arrived` like any other, and a worker lost sends them back to the queue.
-
-Invariants, written once in :meth:`problems` (tests/unit/test_book.py drives the real class
-through random schedules and checks them after every action, against a ledger of its own):
-a payload for exactly the groups the scheduler tracks (and for the open step's); the load of
-each worker equals the samples still to come of the groups in flight on it plus its turns in
-flight; the samples (episodes) still to come add up to the scheduler's samples in flight,
-which stay within ``max_inflight_samples``; a turn belongs to an episode still running in a
-group in flight; a scored or ready group has all its samples.
+Invariants, written once in :meth:`problems` (tests/unit/test_book.py and
+test_book_episodes.py drive the real class through random schedules and check them after every
+action, against a ledger of their own): a payload for exactly the groups the scheduler tracks
+(and for the open step's); a single-turn group in flight has its request, owing the samples
+still to come; the samples (episodes) still to come add up to the scheduler's samples in
+flight, which stay within ``max_inflight_samples``; an episode's request belongs to an episode
+still running in a group in flight; each worker's load is what its requests owe; a scored or
+ready group has all its samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.policy.groups import CompletedSample, Group
@@ -61,7 +66,7 @@ from asyncrl.run.arrivals import (
     store,
     stranger,
 )
-from asyncrl.run.turns import TurnRequest, TurnTable
+from asyncrl.run.requests import RequestTable
 from asyncrl.wire.messages import GroupFailed, SampleDone
 
 if TYPE_CHECKING:
@@ -71,7 +76,6 @@ __all__ = ["RolloutBook"]
 
 _IN_FLIGHT = (GENERATING, ABORTING)
 _PENDING = Arrival(ArrivalKind.PENDING)
-_EVAL_PENDING = Arrival(ArrivalKind.EVAL_PENDING)
 _DISCARDED = Arrival(ArrivalKind.DISCARDED)
 
 
@@ -86,6 +90,7 @@ class RolloutBook:
     Args:
         scheduler: a fresh scheduler (the book's from now on: nothing else calls it).
         workers: the rollout workers' identities (their load starts at 0).
+        episodes: the run's groups are groups of multi-turn episodes.
     """
 
     def __init__(
@@ -94,20 +99,14 @@ class RolloutBook:
         self._sched = scheduler
         self._episodes = episodes
         """Whether the run's groups are groups of episodes (a multi-turn environment)."""
-        self._turns = TurnTable()
-        """The episodes' turns in flight (counted in ``_load`` too)."""
+        self._requests = RequestTable()
+        """The engine requests in flight: groups', episodes' turns, evaluations' prompts."""
+        self._workers = tuple(workers)
         self._groups: dict[str, Group] = {}
         """The payload of every group the scheduler tracks, by id, in dispatch order."""
         self._taken: list[Group] = []
         """The open step's groups (the scheduler no longer tracks them; a failed step gives
         them back)."""
-        self._load = dict.fromkeys(workers, 0)
-        """Samples still to come and turns in flight per rollout worker (dispatch goes to the
-        least loaded)."""
-        self._evals: dict[str, Group] = {}
-        """Evaluation groups on a worker, by id."""
-        self._evals_waiting: list[Group] = []
-        """Evaluation groups waiting for a worker that serves."""
 
     # ------------------------------------------------------------------ views
     # the scheduler's counters, read-only (the book is the scheduler's only caller)
@@ -129,13 +128,13 @@ class RolloutBook:
         return self._sched.ledger_report()
 
     def load(self, worker: str) -> int:
-        """Samples still to come from ``worker``, and its turns in flight."""
-        return self._load[worker]
+        """Samples still to come from ``worker`` (of groups, turns and evaluations)."""
+        return self._requests.owed(worker)
 
     @property
-    def turns_in_flight(self) -> int:
-        """Episodes' turns being generated."""
-        return len(self._turns)
+    def requests_in_flight(self) -> int:
+        """Engine requests in flight (groups', episodes' turns, evaluations' prompts)."""
+        return len(self._requests)
 
     # ------------------------------------------------------------------ rollout side
     def dispatch(
@@ -144,9 +143,11 @@ class RolloutBook:
         prompt_of: Callable[[int], tuple[Prompt, list[int]]],
         now: float,
     ) -> Sent | Wait:
-        """Dispatch one more group if the scheduler allows it now, to the least loaded of
-        ``serving``: a group dispatched again keeps its prompt, a new one takes prompt-stream
-        position ``index`` from ``prompt_of(index)``. ``Wait("workers")``: none serves."""
+        """Dispatch one more group if the scheduler allows it now: a group of single-turn
+        episodes as one request to the least loaded of ``serving``, a group of multi-turn
+        episodes to no worker (each turn picks its own). A group dispatched again keeps its
+        prompt, a new one takes prompt-stream position ``index`` from ``prompt_of(index)``.
+        ``Wait("workers")``: none serves."""
         if not serving:
             return Wait("finished" if self._sched.finished else "workers")
         d = self._sched.dispatch()
@@ -158,10 +159,11 @@ class RolloutBook:
             prompt, prompt_ids = before.prompt, before.prompt_ids
         else:
             prompt, prompt_ids = prompt_of(d.index)
-        worker = ""  # a group of episodes: each turn picks its worker
+        worker = ""  # a group of multi-turn episodes: each turn picks its worker
         if not self._episodes:
-            worker = min(serving, key=self._load.__getitem__)
-            self._load[worker] += d.n
+            worker = self._least_loaded(serving)
+            self._requests.start(d.group_id, d.group_id, 0, d.n, worker,
+                                 version=d.start_version, answered=False)  # fmt: skip
         self._groups[d.group_id] = Group(
             d.group_id, prompt.id, prompt_ids, d.start_version, d.target_step, now, [None] * d.n,
             index=d.index, worker=worker, prompt_text=prompt.display, prompt=prompt,
@@ -169,60 +171,55 @@ class RolloutBook:
         return Sent(d.group_id, worker, prompt_ids, d.n, prompt)
 
     def start_turn(
-        self, turn: str, group_id: str, index: int, serving: Sequence[str], previous: str = ""
+        self, request: str, serving: Sequence[str], previous: str = "", *, group_id: str = "",
+        index: int = 0,
     ) -> str | None:
-        """Episode ``index`` of ``group_id`` asks for a turn (request id ``turn``): the worker
-        to send it to, charged with it, or ``None`` when the group is no longer generating
-        (being aborted: the episode stops) or no worker serves (ask again once one does).
-        ``previous``: the worker of the episode's last turn, kept while it is at most
-        ``STICKY_TURNS`` busier than the least loaded."""
-        group = self._groups.get(group_id)
-        if group is None or self._sched.state_of(group_id) != GENERATING or not serving:
-            return None
-        if not 0 <= index < len(group.samples) or group.samples[index] is not None:
-            raise BookError(f"episode {index} of {group_id} is not running")
-        return self._place_turn(turn, group_id, index, serving, previous, evaluation=False)
+        """Place an answered request (id ``request``): a turn of episode ``index`` of
+        ``group_id``, or, with no ``group_id``, an evaluation's prompt (no group waits for it).
+        Returns the worker to send it to, charged with it; ``None`` when no worker serves (ask
+        again once one does) or the group is no longer generating (being aborted: the episode
+        stops). ``previous``: the worker of the episode's last turn, kept while it is at most
+        ``STICKY_TURNS`` busier than the least loaded.
 
-    def start_eval_turn(
-        self, turn: str, episode: str, serving: Sequence[str], previous: str = ""
-    ) -> str | None:
-        """A turn of evaluation episode ``episode`` (not the scheduler's: its evaluation
-        waits for it), placed as :meth:`start_turn` places one; ``None`` while no worker
-        serves."""
+        Raises:
+            BookError: episode ``index`` of ``group_id`` is not running.
+        """
+        if group_id:
+            group = self._groups.get(group_id)
+            if group is None or self._sched.state_of(group_id) != GENERATING:
+                return None
+            if not 0 <= index < len(group.samples) or group.samples[index] is not None:
+                raise BookError(f"episode {index} of {group_id} is not running")
         if not serving:
             return None
-        return self._place_turn(turn, episode, 0, serving, previous, evaluation=True)
-
-    def _place_turn(
-        self, turn: str, group_id: str, index: int, serving: Sequence[str], previous: str,
-        *, evaluation: bool,
-    ) -> str:
-        worker = min(serving, key=self._load.__getitem__)
-        if previous in serving and self._load[previous] <= self._load[worker] + STICKY_TURNS:
+        worker = self._least_loaded(serving)
+        if previous in serving and self.load(previous) <= self.load(worker) + STICKY_TURNS:
             worker = previous
-        version = self._sched.generator_version
-        self._turns.start(turn, group_id, index, worker, version=version, evaluation=evaluation)
-        self._load[worker] += 1
+        self._requests.start(request, group_id, index, 1, worker,
+                             version=self._sched.generator_version, answered=True)  # fmt: skip
         return worker
+
+    def _least_loaded(self, serving: Sequence[str]) -> str:
+        return min(serving, key=self._requests.owed)
 
     def generating(self, group_id: str) -> bool:
         """Whether ``group_id`` is generating (not being aborted, failed or done)."""
         return self._sched.state_of(group_id) == GENERATING
 
-    def abandon_turn(self, turn: str) -> str | None:
-        """The episode waiting for ``turn`` stopped (cancelled): its sample is discarded when it
-        comes. Returns the worker to tell to abort it, ``None`` when it is not in flight or
-        abandoned already (an abort of its group told the worker)."""
-        entry = self._turns.get(turn)
-        if entry is None or not self._turns.abandon(turn):
+    def abandon_turn(self, request: str) -> str | None:
+        """Whoever waits for answered request ``request`` stopped (cancelled): its sample is
+        discarded when it comes. Returns the worker to tell to abort it, ``None`` when it is
+        not in flight or abandoned already (an abort of its group told the worker)."""
+        entry = self._requests.get(request)
+        if entry is None or not entry.answered or not self._requests.abandon(request):
             return None
         return entry.worker
 
     def episode_ended(self, group_id: str, index: int, sample: CompletedSample | None) -> Arrival:
-        """Episode ``index`` of ``group_id`` ended: with its scored ``sample``, or with none
-        (cancelled because its group is being aborted). ``COMPLETE`` with the group's last:
-        :meth:`commit` it (its samples are scored already); ``DISCARDED`` with the last of a
-        group being aborted; else ``PENDING``.
+        """Multi-turn episode ``index`` of ``group_id`` ended: with its scored ``sample``, or
+        with none (cancelled because its group is being aborted). ``COMPLETE`` with the
+        group's last: :meth:`commit` it (its samples are scored already); ``DISCARDED`` with
+        the last of a group being aborted; else ``PENDING``.
 
         Raises:
             BookError: no such episode running, or no sample from a group still generating.
@@ -236,26 +233,33 @@ class RolloutBook:
         return self._finished_one(group)
 
     def sample_arrived(self, msg: SampleDone) -> Arrival:
-        """Take one sample (complete, or cut short by an abort) from a rollout worker. Only
-        a sample of a group in flight on that worker, at an index not yet received, and well
-        formed is taken; anything else changes nothing."""
-        gid = msg.group_id
-        if gid in self._turns:
-            return self._turn_sample(msg)
-        group = self._groups.get(gid)
-        if group is None or self._sched.state_of(gid) not in _IN_FLIGHT:
-            return self._eval_sample(msg)
-        if group.worker != msg.worker:
+        """Take one sample (complete, or cut short by an abort) from a rollout worker: only
+        a sample of a request in flight on that worker, at an index not yet received, and
+        well formed is taken; anything else changes nothing. An answered request's sample
+        is an ``ANSWER`` (``DISCARDED`` when abandoned); a group's fills its episode's slot."""
+        entry = self._requests.get(msg.group_id)
+        if entry is None or entry.worker != msg.worker:
+            return stranger(msg, on_worker=entry is not None)
+        if not entry.answered:
+            group = self._groups[entry.group_id]
+            refused = store(group, msg)
+            if refused is not None:
+                return refused
+            self._requests.received(entry)
+            return self._finished_one(group)
+        if msg.index != 0:
             return stranger(msg, on_worker=True)
-        refused = store(group, msg)
-        if refused is not None:
-            return refused
-        self._load[group.worker] -= 1
-        return self._finished_one(group)
+        problem = malformed(msg.sample, entry.version)
+        if problem:
+            return Arrival(ArrivalKind.MALFORMED, detail=problem)
+        self._requests.end(entry.request_id)
+        if entry.abandoned:
+            return _DISCARDED
+        return Arrival(ArrivalKind.ANSWER, request=entry, sample=stamped(msg.sample, entry.version))
 
     def _finished_one(self, group: Group) -> Arrival:
-        """One more sample (or episode) of ``group`` is back: ``PENDING``, ``DISCARDED`` (the
-        last of a group being aborted: it is gone) or ``COMPLETE``."""
+        """One more episode of ``group`` is back: ``PENDING``, ``DISCARDED`` (the last of a
+        group being aborted: it is gone) or ``COMPLETE``."""
         outcome = self._sched.sample_finished(group.group_id)
         if outcome is None:
             return _PENDING
@@ -264,57 +268,22 @@ class RolloutBook:
             return _DISCARDED
         return Arrival(ArrivalKind.COMPLETE, group)
 
-    def _turn_sample(self, msg: SampleDone) -> Arrival:
-        entry = self._turns.get(msg.group_id)
-        assert entry is not None
-        if entry.worker != msg.worker or msg.index != 0:
-            return stranger(msg, on_worker=True)
-        problem = malformed(msg.sample, entry.version)
-        if problem:
-            return Arrival(ArrivalKind.MALFORMED, detail=problem)
-        self._end_turn(entry)
-        if entry.abandoned:
-            return _DISCARDED
-        return Arrival(ArrivalKind.TURN, turn=entry, sample=stamped(msg.sample, entry.version))
-
-    def _end_turn(self, entry: TurnRequest) -> None:
-        self._turns.end(entry.turn_id)
-        self._load[entry.worker] -= 1
-
-    def _eval_sample(self, msg: SampleDone) -> Arrival:
-        group = self._evals.get(msg.group_id)
-        if group is None or group.worker != msg.worker:
-            return stranger(msg, on_worker=group is not None)
-        refused = store(group, msg)
-        if refused is not None:
-            return refused
-        if any(s is None for s in group.samples):
-            return _EVAL_PENDING
-        del self._evals[msg.group_id]
-        return Arrival(ArrivalKind.EVAL_COMPLETE, group)
-
     def check_failure(self, msg: GroupFailed) -> Arrival:
-        """Which group a ``GroupFailed`` is about: ``REJECTED`` (a stranger's),
-        ``EVALUATION``, or ``IN_FLIGHT`` (then call :meth:`failed`); these change nothing. For
-        an episode's turn: ``TURN_FAILED`` (tell its episode), or ``DISCARDED`` (abandoned);
-        the turn is gone."""
-        gid = msg.group_id
-        turn = self._turns.get(gid)
-        if turn is not None:  # an episode's turn: it is gone
-            if turn.worker != msg.worker:
-                return stranger(msg, on_worker=True)
-            self._end_turn(turn)
-            return _DISCARDED if turn.abandoned else Arrival(ArrivalKind.TURN_FAILED, turn=turn)
-        group = self._groups.get(gid)
-        state = self._sched.state_of(gid)
-        if group is not None and state in _IN_FLIGHT:
-            if group.worker != msg.worker:
-                return stranger(msg, on_worker=True)
-            return Arrival(ArrivalKind.IN_FLIGHT, group, aborting=state == ABORTING)
-        group = self._evals.get(gid)
-        if group is None or group.worker != msg.worker:
-            return stranger(msg, on_worker=group is not None)
-        return Arrival(ArrivalKind.EVALUATION, group)
+        """Which request a ``GroupFailed`` is about: ``REJECTED`` (a stranger's), or a
+        group's ``IN_FLIGHT`` (then call :meth:`failed`); these change nothing. For an answered
+        request: ``ANSWER_FAILED`` (tell whoever waits), or ``DISCARDED`` (abandoned); the
+        request is gone."""
+        entry = self._requests.get(msg.group_id)
+        if entry is None or entry.worker != msg.worker:
+            return stranger(msg, on_worker=entry is not None)
+        if entry.answered:
+            self._requests.end(entry.request_id)
+            if entry.abandoned:
+                return _DISCARDED
+            return Arrival(ArrivalKind.ANSWER_FAILED, request=entry)
+        group = self._groups[entry.group_id]
+        aborting = self._sched.state_of(entry.group_id) == ABORTING
+        return Arrival(ArrivalKind.IN_FLIGHT, group, aborting=aborting)
 
     def failed(self, group_id: str, *, retry: bool) -> dict[str, list[str]]:
         """Generation of ``group_id`` (in flight) failed; its samples still to come never
@@ -322,13 +291,13 @@ class RolloutBook:
         dropped and counted. A group being aborted is simply gone. A group of episodes: the
         turns its episodes still wait for are abandoned and returned by worker (tell each to
         abort them); the caller cancels the episodes, which then end unreported."""
-        group = self._in_flight(group_id)
+        self._in_flight(group_id)
         turns: dict[str, list[str]] = {}
-        if group.worker:
-            self._load[group.worker] -= sum(1 for s in group.samples if s is None)
-        for turn in self._turns.of_group(group_id):
-            if self._turns.abandon(turn.turn_id):
-                turns.setdefault(turn.worker, []).append(turn.turn_id)
+        for entry in self._requests.of_group(group_id):
+            if not entry.answered:  # the group's own request: gone with what it owed
+                self._requests.end(entry.request_id)
+            elif self._requests.abandon(entry.request_id):
+                turns.setdefault(entry.worker, []).append(entry.request_id)
         self._sched.failed(group_id, retry=retry)
         if not self._sched.tracks(group_id):
             del self._groups[group_id]
@@ -368,29 +337,22 @@ class RolloutBook:
         return True
 
     def worker_lost(self, worker: str) -> Lost:
-        """``worker`` died: its training groups are dispatched again first (same prompt, same
-        step, no back-off; those being aborted are simply gone), its evaluation groups
-        wait for a worker that serves, and the episodes' turns on it are gone (their
-        episodes ask another worker; abandoned ones are simply forgotten)."""
-        again = 0
-        for gid, group in list(self._groups.items()):
-            state = self._sched.state_of(gid)
-            if group.worker != worker or state not in _IN_FLIGHT:
-                continue
-            if state == ABORTING:
-                self._sched.failed(gid, retry=False)  # already counted as aborted: gone
-                del self._groups[gid]
+        """``worker`` died: its groups in flight are dispatched again first (same prompt, same
+        step, no back-off; those being aborted are simply gone), and its answered requests
+        are gone (returned: whoever waits asks another worker; abandoned ones are simply
+        forgotten)."""
+        again, answered = 0, []
+        for entry in self._requests.lose(worker):
+            if entry.answered:
+                if not entry.abandoned:
+                    answered.append(entry)
+            elif self._sched.state_of(entry.group_id) == ABORTING:
+                self._sched.failed(entry.group_id, retry=False)  # counted as aborted: gone
+                del self._groups[entry.group_id]
             else:
-                self._sched.requeue(gid)  # not a failure of the group: no retry counted
+                self._sched.requeue(entry.group_id)  # not the group's failure: no retry counted
                 again += 1
-        lost = [g for g in self._evals.values() if g.worker == worker]
-        for group in lost:
-            del self._evals[group.group_id]
-            group.samples, group.worker = [None] * len(group.samples), ""
-        self._evals_waiting += lost
-        turns = [t for t in self._turns.lose(worker) if not t.abandoned]
-        self._load[worker] = 0
-        return Lost(again, len(lost), turns)
+        return Lost(again, answered)
 
     # ------------------------------------------------------------------ train side
     def next_chunk(self) -> Taken:
@@ -444,14 +406,15 @@ class RolloutBook:
             if not self._sched.tracks(gid):  # it was waiting for its retry: gone at once
                 del self._groups[gid]
                 gone.append(gid)
-            elif self._groups[gid].worker:  # on an engine: its samples still come back
-                by_worker.setdefault(self._groups[gid].worker, []).append(gid)
-            else:  # episodes: cancel them; their turns' samples still come back
+                continue
+            if self._episodes:  # cancel them; their turns' samples still come back
                 episodes.append(gid)
-                for turn in self._turns.of_group(gid):
-                    if self._turns.abandon(turn.turn_id):
-                        by_worker.setdefault(turn.worker, []).append(turn.turn_id)
-                        turns += 1
+            for entry in self._requests.of_group(gid):
+                if not entry.answered:  # on an engine: its samples still come back
+                    by_worker.setdefault(entry.worker, []).append(gid)
+                elif self._requests.abandon(entry.request_id):
+                    by_worker.setdefault(entry.worker, []).append(entry.request_id)
+                    turns += 1
         return Aborts(by_worker, gone, episodes, turns)
 
     def _in_flight(self, group_id: str) -> Group:
@@ -459,49 +422,6 @@ class RolloutBook:
         if group is None or self._sched.state_of(group_id) not in _IN_FLIGHT:
             raise BookError(f"group {group_id!r} is not in flight")
         return group
-
-    # ------------------------------------------------------------------ evaluation
-    def add_evals(
-        self,
-        label: str,
-        prompts: Sequence[tuple[Prompt, list[int]]],
-        version: int,
-        now: float,
-    ) -> list[str]:
-        """Queue one greedy sample of each of ``prompts`` (group ids ``eval-<label>-<i>``)
-        for :meth:`place_evals`; returns their ids."""
-        groups = [
-            Group(f"eval-{label}-{i}", prompt.id, ids, version, None, now, [None],
-                  index=i, prompt_text=prompt.display, prompt=prompt)
-            for i, (prompt, ids) in enumerate(prompts)
-        ]  # fmt: skip
-        queued = set(self._evals) | {g.group_id for g in self._evals_waiting}
-        if groups and groups[0].group_id in queued:
-            raise BookError(f"an evaluation labelled {label!r} is already running")
-        self._evals_waiting += groups
-        return [g.group_id for g in groups]
-
-    def place_evals(self, serving: Sequence[str]) -> dict[str, list[Sent]]:
-        """Spread the waiting evaluation groups over ``serving`` (none: they keep waiting);
-        returns what to request from each worker."""
-        placed: dict[str, list[Sent]] = {}
-        if not serving:
-            return placed
-        for i, group in enumerate(self._evals_waiting):
-            group.worker = serving[i % len(serving)]
-            self._evals[group.group_id] = group
-            sent = Sent(group.group_id, group.worker, group.prompt_ids, len(group.samples))
-            placed.setdefault(group.worker, []).append(sent)
-        self._evals_waiting = []
-        return placed
-
-    def drop_evals(self, group_ids: Iterable[str]) -> None:
-        """Forget these evaluation groups (done, or their evaluation was abandoned): a
-        sample of theirs that still comes is a stranger's."""
-        ids = set(group_ids)
-        for gid in ids:
-            self._evals.pop(gid, None)
-        self._evals_waiting = [g for g in self._evals_waiting if g.group_id not in ids]
 
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> ckpt.ControllerState:
@@ -523,7 +443,7 @@ class RolloutBook:
         Raises:
             CheckpointError: the state lists ready groups without their samples.
         """
-        if self._groups or self._taken or self._evals or self._evals_waiting:
+        if self._groups or self._taken or len(self._requests):
             raise BookError("restore() needs a fresh book")
         payloads = {g.group_id: g for g in state.groups}
         restored = self._sched.load_state_dict(state.scheduler)
@@ -551,38 +471,38 @@ class RolloutBook:
             out.append(f"groups {odd} have a payload without a state, or the reverse")
         if len(self._taken) != self._sched.taken:
             out.append(f"{len(self._taken)} payloads for the {self._sched.taken} groups taken")
-        load = dict.fromkeys(self._load, 0)
         to_come, running = 0, set()
         for gid, group in self._groups.items():
             state, missing = states.get(gid), sum(1 for s in group.samples if s is None)
             if state in _IN_FLIGHT:
                 to_come += missing
-                if not group.worker:  # episodes: their turns are counted below
+                if self._episodes:
                     running |= {(gid, i) for i, s in enumerate(group.samples) if s is None}
-                elif group.worker not in load:
-                    out.append(f"{gid} is in flight on unknown worker {group.worker!r}")
-                else:
-                    load[group.worker] += missing
+                    continue
+                entry = self._requests.get(gid)
+                if entry is None or entry.to_come != missing:
+                    owed = "none" if entry is None else entry.to_come
+                    out.append(f"{gid} is in flight with {missing} samples to come; its "
+                               f"request owes {owed}")  # fmt: skip
             elif state in (SCORING, READY) and missing:
                 out.append(f"{gid} is {state} with {missing} samples missing")
-        for turn in self._turns:
-            if turn.worker not in load:
-                out.append(f"turn {turn.turn_id} is in flight on unknown worker {turn.worker!r}")
-                continue
-            load[turn.worker] += 1
-            if turn.evaluation:
-                continue
-            if not turn.abandoned and (turn.group_id, turn.index) not in running:
-                out.append(f"turn {turn.turn_id} belongs to no running episode")
-        if load != self._load:
-            out.append(f"load per worker {self._load}, samples and turns to come {load}")
+        owed: Counter[str] = Counter()
+        for entry in self._requests:
+            if entry.worker not in self._workers:
+                out.append(f"request {entry.request_id} is in flight on unknown worker "
+                           f"{entry.worker!r}")  # fmt: skip
+            owed[entry.worker] += entry.to_come
+            if entry.answered and not entry.evaluation and not entry.abandoned:
+                if (entry.group_id, entry.index) not in running:
+                    out.append(f"request {entry.request_id} belongs to no running episode")
+            elif not entry.answered and states.get(entry.group_id) not in _IN_FLIGHT:
+                out.append(f"request {entry.request_id} is of a group not in flight")
+        loads = {w: self.load(w) for w in self._workers}
+        if loads != {w: owed[w] for w in self._workers}:
+            out.append(f"load per worker {loads}, samples owed {dict(owed)}")
         if to_come != self._sched.inflight_samples:
             out.append(f"{to_come} samples to come, the scheduler has "
                        f"{self._sched.inflight_samples} samples in flight")  # fmt: skip
         if self._sched.inflight_samples > self._sched.max_inflight_samples:
             out.append(f"{self._sched.inflight_samples} samples in flight, above the cap")
-        strays = [g.group_id for g in self._evals.values() if g.worker not in self._load]
-        if strays:
-            out.append(f"evaluation groups {strays[:5]} on unknown workers")
         return out
-

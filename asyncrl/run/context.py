@@ -47,3 +47,11 @@ class RunContext:
     """The run's metrics writer (:class:`~asyncrl.obs.log.MetricsWriter`)."""
     now: Callable[[], float]
     """Seconds since the run's clock origin."""
+
+    def commit(self, group_id: str, samples: list[Any]) -> None:
+        """The one place a group becomes ready to train: its episodes' scored ``samples``, in
+        order (a single-turn group's once the feeder scored them, a multi-turn group's as its
+        episodes ended). A group the run ended meanwhile is not committed (counted as
+        unused)."""
+        if self.book.commit(group_id, samples, self.now()):
+            self.committed.notify()

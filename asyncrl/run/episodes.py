@@ -4,15 +4,13 @@
 
     rollout pump ──book.dispatch()──► Sent: a group of n episodes (no worker)
         └─► EpisodeRunner.start(sent): n episode tasks, each ``environment.run_episode``
-              Episode.generate() ──book.start_turn()──► a worker ──Cast(Generate([1 request]))──►
-              Feeder ◄──SampleDone── worker; book.sample_arrived(): TURN ──turn_arrived()──► it
-              the episode returns its Score ──book.episode_ended()──► COMPLETE: commit
+              Episode.generate() ──Asker.ask()──► one answered request per turn
+              (:mod:`asyncrl.run.asking`), its sample back to the episode
+              the episode returns its Score ──book.episode_ended()──► COMPLETE: ctx.commit()
 
-The book (:mod:`asyncrl.run.book`) owns what is in flight, turns included; the runner owns
-what waits: the episode tasks, each one's cancel scope, and the slot each turn's answer is
-delivered into. Every turn request ends exactly one way: its sample comes back (``TURN``), its
-worker reports it failed (``TURN_FAILED``), its worker is lost (:meth:`turns_lost`), or its
-episode is cancelled (the book abandons it and the worker is told to abort it).
+The book (:mod:`asyncrl.run.book`) owns what is in flight, turns included; the asker owns the
+slot each turn's answer is delivered into; the runner owns the episode tasks and each one's
+cancel scope.
 
 An episode's failure (``run_episode`` raised, or a turn failed for good) fails its group under
 ``[failures]``, as a failed generation does: its other episodes are cancelled and their turns
@@ -21,7 +19,7 @@ aborted; the group is retried after a back-off, or dropped.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +28,7 @@ import anyio.abc
 import structlog
 
 from asyncrl.config import Config
-from asyncrl.data.prompts import Tokenizer, sample_seed
+from asyncrl.data.prompts import Tokenizer
 from asyncrl.env.capabilities import EnvironmentParts, check_environment
 from asyncrl.env.episode import (
     Episode,
@@ -49,22 +47,14 @@ from asyncrl.environment import Prompt, Score
 from asyncrl.policy.groups import CompletedSample
 from asyncrl.run import book as bk
 from asyncrl.run.arrivals import ArrivalKind, Sent
+from asyncrl.run.asking import Asker, Question, RequestFailed
 from asyncrl.run.context import RunContext
 from asyncrl.run.episode_sample import training_sample
 from asyncrl.run.wake import Pacer, Signal
-from asyncrl.run.turns import TurnRequest, turn_id
-from asyncrl.wire.messages import GenRequest, Sample
 
-__all__ = ["EpisodeFailed", "EpisodeRunner", "TurnLost", "build_runner"]
+__all__ = ["EpisodeFailed", "EpisodeRunner", "build_runner"]
 
 log = structlog.get_logger("asyncrl.run.episodes")
-
-TURN_ATTEMPTS = 3
-"""Requests one turn may take when its worker reports a (retryable) failure; a worker lost
-does not count (the turn goes to another worker at once)."""
-
-ABORT_TIMEOUT_S = 10.0
-"""Bound on telling a worker to abort the turn of a cancelled episode (shielded)."""
 
 TOOL_CONCURRENCY = 64
 """Tool calls running at once across the run (more wait their turn, the wait counted in
@@ -101,57 +91,8 @@ class _SplitLog:
                         "check')")  # fmt: skip
 
 
-class EpisodeFailed(Exception):
-    """An episode cannot go on: its environment raised, or a turn failed for good."""
-
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-
-
-class TurnLost(Exception):
-    """Why a turn request ended without a sample (internal to the runner)."""
-
-    def __init__(self, message: str, *, retryable: bool, counts: bool) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-        self.counts = counts
-        """Whether it counts against ``TURN_ATTEMPTS`` (a lost worker does not)."""
-
-
-@dataclass
-class _Slot:
-    """Where one turn request's answer is delivered."""
-
-    done: anyio.Event = field(default_factory=anyio.Event)
-    sample: Sample | None = None
-    lost: TurnLost | None = None
-
-    def answer(self, sample: Sample | None, lost: TurnLost | None = None) -> None:
-        self.sample, self.lost = sample, lost
-        self.done.set()
-
-
-@dataclass
-class _Asker:
-    """One episode's turn requests: their ids (``k`` counts requests, retries included) and
-    the worker of the last one."""
-
-    group_id: str
-    index: int
-    evaluation: bool = False
-    worker: str = ""
-    requests: int = 0
-    dispatch: int = 0
-    """The group's dispatches before this one (its retries): part of each turn id."""
-
-    @property
-    def episode(self) -> str:
-        return f"{self.group_id}/{self.index}"
-
-    def next_id(self) -> str:
-        self.requests += 1
-        return turn_id(self.group_id, self.index, self.requests - 1, self.dispatch)
+class EpisodeFailed(RequestFailed):
+    """An episode cannot go on: its environment raised, or returned nothing to train."""
 
 
 @dataclass
@@ -190,17 +131,15 @@ class EpisodeRunner:
     Args:
         environment: the multi-turn environment.
         book: the run's rollout book (the owner of every group and turn in flight).
+        asker: where each turn is asked of an engine (:mod:`asyncrl.run.asking`).
         record: a fresh token-exact record for a prompt (``Trajectory``).
-        send: ``send(worker, request)``: ask ``worker`` for one turn (a ``GenRequest``).
-        abort: ``abort(worker, turn_ids)``: tell ``worker`` to abort these turns.
-        serving: the rollout workers that serve now.
-        changed: the book changed (an episode ended); also waited on while no worker serves.
-        committed: a group is ready to train.
-        now: the run's clock.
+        commit: ``commit(group_id, samples)``: a group's episodes all ended, scored
+            (:meth:`RunContext.commit <asyncrl.run.context.RunContext.commit>`).
+        changed: the book changed (an episode ended).
         fail_group: ``fail_group(group_id, prompt_id, error, retryable, tg)``: an episode
             failed (a back-off before its group's retry runs in ``tg``); returns the turns to
             abort by worker (the book's answer).
-        limits, deadline_s, on_truncation, temperature, seed: ``[episode]`` and ``[grpo]``.
+        limits, deadline_s, on_truncation, temperature: ``[episode]`` and ``[grpo]``.
         tools, parser: the run's tools and tool-call parser (``None``: the environment has no
             tools).
         take_metrics: the environment's ``take_metrics`` (:class:`~asyncrl.environment.StepMetrics`,
@@ -213,33 +152,25 @@ class EpisodeRunner:
         environment: EpisodeEnvironment,
         *,
         book: bk.RolloutBook,
+        asker: Asker,
         record: Callable[[Prompt], Record],
-        send: Callable[[str, Any], Awaitable[Any]],
-        abort: Callable[[str, list[str]], Awaitable[Any]],
-        serving: Callable[[], Sequence[str]],
+        commit: Callable[[str, list[Any]], None],
         changed: Signal,
-        committed: Signal,
-        now: Callable[[], float],
         fail_group: Callable[[str, str, str, bool, anyio.abc.TaskGroup], dict[str, list[str]]],
         limits: Limits,
         deadline_s: float,
         on_truncation: str,
         temperature: float,
-        seed: int,
         tools: ToolBox | None = None,
         parser: ToolCallParser | None = None,
         take_metrics: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
-        self._env, self._book, self._record = environment, book, record
-        self._send, self._abort, self._serving = send, abort, serving
-        self._changed, self._committed, self._now = changed, committed, now
-        self._fail_group = fail_group
+        self._env, self._book, self._asker, self._record = environment, book, asker, record
+        self._commit, self._changed, self._fail_group = commit, changed, fail_group
         self._limits, self._deadline_s, self._on_truncation = limits, deadline_s, on_truncation
-        self._temperature, self._seed = temperature, seed
+        self._temperature = temperature
         self._tools, self._parser = tools, parser
         self._env_metrics = take_metrics
-        self._slots: dict[str, _Slot] = {}
-        """Turn id → where its answer goes, for every turn an episode waits for."""
         self._runs: dict[str, _GroupRun] = {}
         """Group id → its current dispatch."""
         self._tg: anyio.abc.TaskGroup | None = None
@@ -292,27 +223,7 @@ class EpisodeRunner:
             out["tool_busy"] = tools.busy_by_tool()
         return out
 
-    # ------------------------------------------------------------------ what comes back
-    def turn_arrived(self, turn: TurnRequest, sample: Sample) -> None:
-        """The book's ``TURN``: hand the sample to the episode waiting for it."""
-        slot = self._slots.get(turn.turn_id)
-        if slot is not None:
-            slot.answer(sample)
-
-    def turn_failed(self, turn: TurnRequest, error: str, retryable: bool) -> None:
-        """The book's ``TURN_FAILED``: the worker could not generate the turn."""
-        slot = self._slots.get(turn.turn_id)
-        if slot is not None:
-            slot.answer(None, TurnLost(error, retryable=retryable, counts=True))
-
-    def turns_lost(self, turns: Sequence[TurnRequest]) -> None:
-        """Their worker died: each episode asks another worker (not counted as a failure)."""
-        for turn in turns:
-            slot = self._slots.get(turn.turn_id)
-            if slot is not None:
-                lost = TurnLost(f"worker {turn.worker} died", retryable=True, counts=False)
-                slot.answer(None, lost)
-
+    # ------------------------------------------------------------------ aborts
     def cancel(self, group_ids: Sequence[str]) -> None:
         """The book aborted these groups: cancel their episodes (each then ends with no
         sample; their turns were abandoned by the book and their workers told)."""
@@ -326,11 +237,11 @@ class EpisodeRunner:
         gid = run.sent.group_id
         scope = run.scope(index)
         sample: CompletedSample | None = None
-        failure: EpisodeFailed | None = None
+        failure: RequestFailed | None = None
         try:
             with scope:
                 sample = await self._play(run, index)
-        except EpisodeFailed as exc:
+        except RequestFailed as exc:
             failure = exc
         finally:
             del run.scopes[index]
@@ -346,10 +257,9 @@ class EpisodeRunner:
         self._changed.notify()
         if arrival.kind is ArrivalKind.COMPLETE:  # scored already: ready to train
             assert arrival.group is not None
-            if self._book.commit(gid, list(arrival.group.samples), self._now()):
-                self._committed.notify()
+            self._commit(gid, list(arrival.group.samples))
 
-    def _failed(self, run: _GroupRun, index: int, failure: EpisodeFailed) -> None:
+    def _failed(self, run: _GroupRun, index: int, failure: RequestFailed) -> None:
         gid = run.sent.group_id
         self._stats.failed += 1
         run.failed = True
@@ -360,32 +270,36 @@ class EpisodeRunner:
                                  failure.retryable, self._tg)  # fmt: skip
         if turns:
             for worker, ids in turns.items():
-                self._tg.start_soon(self._abort_quietly, worker, ids)
+                self._tg.start_soon(self._asker.abort_quietly, worker, ids)
 
     async def _play(self, run: _GroupRun, index: int) -> CompletedSample | None:
         """Run episode ``index`` of ``run``'s group to its score; ``None`` when cancelled.
 
         Raises:
-            EpisodeFailed: the environment raised, or a turn failed for good.
+            RequestFailed: the environment raised, or a turn failed for good.
         """
         sent = run.sent
         assert sent.prompt is not None
         await self._pacer.turn()
         record = self._record(sent.prompt)
-        asker = _Asker(sent.group_id, index, dispatch=run.dispatch)
-        episode = self._episode_of(asker, sent.prompt, record)
+        question = Question(sent.group_id, index, dispatch=run.dispatch)
+        episode = self._episode_of(question, sent.prompt, record)
         truncated, score = await self._until_done(episode, sent.prompt)
         self._count(episode, truncated, record.splits)
         return self._sample(record, score, truncated)
 
-    def _episode_of(self, asker: _Asker, prompt: Prompt, record: Record) -> Episode:
+    def _episode_of(self, question: Question, prompt: Prompt, record: Record) -> Episode:
         async def source(prompt_ids: list[int], max_tokens: int) -> Generated:
-            return await self._turn(asker, prompt_ids, max_tokens)
+            sample, version = await self._asker.ask(question, prompt_ids, max_tokens,
+                                                    self._temperature)  # fmt: skip
+            await self._pacer.turn()  # the agent goes on from here: one episode per pass
+            return Generated(sample.token_ids, sample.logprobs, sample.finish_reason, version,
+                             sample.versions)  # fmt: skip
 
         return Episode(
-            episode_id=asker.episode, prompt=prompt, record=record, source=source,
+            episode_id=question.episode, prompt=prompt, record=record, source=source,
             limits=self._limits, tools=self._tools, parser=self._parser,
-            evaluation=asker.evaluation,
+            evaluation=question.evaluation,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ evaluation
@@ -398,13 +312,13 @@ class EpisodeRunner:
         scores: list[Score | None] = [None] * len(prompts)
 
         async def one(i: int) -> None:
-            asker = _Asker(f"eval-{label}-{i}", 0, evaluation=True)
+            question = Question(f"eval-{label}-{i}", 0, evaluation=True)
             await self._pacer.turn()
-            episode = self._episode_of(asker, prompts[i], self._record(prompts[i]))
+            episode = self._episode_of(question, prompts[i], self._record(prompts[i]))
             try:
                 scores[i] = (await self._until_done(episode, prompts[i]))[1]
-            except EpisodeFailed as exc:
-                log.warning("eval_episode_failed", episode=asker.episode, error=str(exc))
+            except RequestFailed as exc:
+                log.warning("eval_episode_failed", episode=question.episode, error=str(exc))
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
@@ -421,7 +335,7 @@ class EpisodeRunner:
                 score = await self._env.run_episode(prompt, episode)
             except EpisodeLimit as limit:
                 truncated = limit.reason
-            except (EpisodeFailed, anyio.get_cancelled_exc_class()):
+            except (RequestFailed, anyio.get_cancelled_exc_class()):
                 raise
             except Exception as exc:
                 raise EpisodeFailed(f"run_episode raised {type(exc).__name__}: {exc}") from exc
@@ -457,84 +371,6 @@ class EpisodeRunner:
             raise EpisodeFailed("run_episode returned before its first turn", retryable=False)
         return sample
 
-    # ------------------------------------------------------------------ one turn
-    async def _turn(self, asker: _Asker, prompt_ids: list[int], max_tokens: int) -> Generated:
-        """One turn of ``asker``'s episode: a request on a worker the book picks (the last
-        one while it is not much busier), retried on another when its worker is lost, and
-        at most ``TURN_ATTEMPTS`` times when its worker reports a failure.
-
-        Raises:
-            EpisodeFailed: the turn failed ``TURN_ATTEMPTS`` times, or for good.
-
-        Cancellation: the turn is abandoned and its worker told to abort it.
-        """
-        failures = 0
-        while True:
-            tid = asker.next_id()
-            chosen = asker.worker = await self._place(asker, tid)
-            version = self._book.generator_version
-            try:
-                sample = await self._request(tid, chosen, prompt_ids, max_tokens, asker.evaluation)
-            except TurnLost as lost:
-                failures += lost.counts
-                if not lost.retryable or failures >= TURN_ATTEMPTS:
-                    raise EpisodeFailed(f"turn failed on {chosen}: {lost}",
-                                        retryable=lost.retryable) from None  # fmt: skip
-                continue
-            await self._pacer.turn()  # the agent goes on from here: one episode per pass
-            return Generated(
-                sample.token_ids, sample.logprobs, sample.finish_reason, version, sample.versions
-            )
-
-    async def _place(self, asker: _Asker, tid: str) -> str:
-        """The worker for turn ``tid`` (the book charges it); waits while none serves."""
-        book = self._book
-        while True:
-            serving = self._serving()
-            if asker.evaluation:
-                chosen = book.start_eval_turn(tid, asker.group_id, serving, asker.worker)
-            else:
-                chosen = book.start_turn(tid, asker.group_id, asker.index, serving, asker.worker)
-            if chosen is not None:
-                return chosen
-            if not asker.evaluation and not book.generating(asker.group_id):
-                # its group is being aborted: the runner cancels this episode at once
-                await anyio.sleep_forever()
-            await self._changed.wait()
-
-    async def _request(
-        self, tid: str, worker: str, prompt_ids: list[int], max_tokens: int, greedy: bool
-    ) -> Sample:
-        slot = self._slots[tid] = _Slot()
-        request = GenRequest(
-            group_id=tid, prompt_ids=prompt_ids, n=1, max_tokens=max_tokens,
-            temperature=self._temperature, greedy=greedy, seed=sample_seed(self._seed, tid),
-        )  # fmt: skip
-        try:
-            await self._send(worker, request)
-            await slot.done.wait()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                to = self._book.abandon_turn(tid)
-                if to is not None:
-                    await self._abort_quietly(to, [tid])
-            raise
-        finally:
-            del self._slots[tid]
-        if slot.lost is not None:
-            raise slot.lost
-        assert slot.sample is not None
-        return slot.sample
-
-    async def _abort_quietly(self, worker: str, turn_ids: list[str]) -> None:
-        """Tell ``worker`` to abort these turns, bounded; a failure is only logged (the
-        turns' samples, if any, are discarded when they come)."""
-        with anyio.move_on_after(ABORT_TIMEOUT_S):
-            try:
-                await self._abort(worker, turn_ids)
-            except Exception as exc:  # noqa: BLE001 - the worker may be gone; nothing waits
-                log.warning("turn_abort_failed", worker=worker, turns=len(turn_ids), error=str(exc))
-
 
 def _tools(
     tools: Sequence[Tool], config: Config, now: Callable[[], float]
@@ -560,6 +396,7 @@ def build_runner(
     environment: EpisodeEnvironment,
     *,
     tokenizer: Tokenizer,
+    asker: Asker,
     fail_group: Callable[[str, str, str, bool, anyio.abc.TaskGroup], dict[str, list[str]]],
     deadline_s: float | None = None,
     parts: EnvironmentParts | None = None,
@@ -567,8 +404,7 @@ def build_runner(
     """The run's episode runner, from ``[episode]``: the environment's tools (its ``tools``
     attribute) in one :class:`ToolBox` with the ``episode.tool_parser``, each episode's
     token-exact :class:`~asyncrl.env.trajectory.Trajectory` (the model's chat template and its
-    end-of-turn tokens), and turn requests sent as one-request ``Generate`` casts (no reply:
-    the sample is the answer). ``deadline_s`` overrides ``episode.deadline_s`` (the gateway
+    end-of-turn tokens), and each turn asked through ``asker``. ``deadline_s`` overrides ``episode.deadline_s`` (the gateway
     keeps its sessions' deadlines itself: an episode waiting for an agent has none). The
     environment's optional capabilities (``tools``, ``take_metrics``) are ``parts``, as the
     caller's :func:`~asyncrl.env.capabilities.check_environment` found them (without: checked
@@ -583,10 +419,8 @@ def build_runner(
     from asyncrl.env.trajectory import Trajectory
     from asyncrl.errors import config_error
     from asyncrl.run.preflight import end_token_ids
-    from asyncrl.wire.messages import Abort, Generate
 
-    config, book, control, now = ctx.config, ctx.book, ctx.control, ctx.now
-    ep, timeout = config.episode, config.cluster.call_timeout_s
+    config, now, ep = ctx.config, ctx.now, ctx.config.episode
     template = tokenizer.chat_template
     if template is None:
         raise config_error("model.chat_template", "a multi-turn environment needs a chat template "
@@ -604,19 +438,13 @@ def build_runner(
         return Trajectory(template, tokenizer, prompt.chat(), tools=definitions, episode=prompt.id,
                           end_token_ids=ends, on_split=split)  # fmt: skip
 
-    async def send(worker: str, request: Any) -> None:
-        await control.cast_unless_restarting(worker, Generate(requests=[request]))
-
-    async def abort(worker: str, turn_ids: list[str]) -> None:
-        await control.call_unless_restarting(worker, Abort(group_ids=turn_ids), timeout_s=timeout)
-
     limits = Limits(ep.max_turns, ep.max_context_tokens,
                     ep.max_turn_tokens or config.grpo.max_new_tokens)  # fmt: skip
     return EpisodeRunner(
-        environment, book=book, record=record, send=send, abort=abort, serving=ctx.serving,
-        changed=ctx.changed, committed=ctx.committed, now=now, fail_group=fail_group, limits=limits,
+        environment, book=ctx.book, asker=asker, record=record, commit=ctx.commit,
+        changed=ctx.changed, fail_group=fail_group, limits=limits,
         deadline_s=ep.deadline_s if deadline_s is None else deadline_s,
-        on_truncation=ep.on_truncation,
-        temperature=config.grpo.temperature, seed=config.run.seed, tools=box, parser=parser,
+        on_truncation=ep.on_truncation, temperature=config.grpo.temperature, tools=box,
+        parser=parser,
         take_metrics=parts.take_metrics,
     )  # fmt: skip

@@ -5,16 +5,14 @@ commits them.
 ::
 
     PULL ──► Feeder ──book.sample_arrived()──► stored │ rejected (counted) │ complete
-                                                                            │ score (inline or thread)
-                            evaluation group ◄── Evaluator.scored() ◄───────┤
-                                                  book.commit() ◄───────────┘ ──► committed
+                          answer: to whoever asked ◄──┘                     │ score (inline or thread)
+                          (asking.py: an episode's turn, an evaluation)     └──► ctx.commit()
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -22,17 +20,16 @@ import anyio.lowlevel
 import structlog
 
 from asyncrl.errors import ProtocolError, RunError
-from asyncrl.policy.groups import CompletedSample, Group
+from asyncrl.policy.groups import Group
 from asyncrl.wire.codec import Codec
 from asyncrl.run.arrivals import ArrivalKind as Kind
+from asyncrl.run.asking import Asker
 from asyncrl.run.context import RunContext
 from asyncrl.run.scoring import ScoreError, Scorer
-from asyncrl.run.turns import TurnRequest
-from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, Sample, SampleDone
+from asyncrl.wire.messages import DataBatch, DataMessage, GroupFailed, SampleDone
 from asyncrl.wire.transport import AsyncSocket, Rejections, peer_name
 
 if TYPE_CHECKING:
-    from asyncrl.run.evaluation import Evaluator
     from asyncrl.run.restarts import Redispatcher
 
 __all__ = ["Feeder"]
@@ -46,20 +43,12 @@ FEED_SLICE_S = 0.0005
 log = structlog.get_logger("asyncrl.run.intake")
 
 
-class TurnReceiver(Protocol):
-    """Where episodes' turns go (:class:`~asyncrl.run.episodes.EpisodeRunner`)."""
-
-    def turn_arrived(self, turn: TurnRequest, sample: Sample) -> None: ...
-
-    def turn_failed(self, turn: TurnRequest, error: str, retryable: bool) -> None: ...
-
-
 class Feeder:
     """Reads the data socket into the rollout book; scores and commits complete groups.
 
     It counts the samples the engines cut short, by the step open when each arrived (a step
     record takes its count: :meth:`take_aborted`); ``changed`` wakes the rollout pump (once
-    per batch of samples), ``committed`` the train pump (once per commit).
+    per batch of samples).
     """
 
     def __init__(
@@ -68,18 +57,16 @@ class Feeder:
         *,
         data: AsyncSocket,
         scorer: Scorer,
-        evaluator: Evaluator,
+        asker: Asker,
         redispatch: Redispatcher,
         rejections: Rejections,
-        turns: TurnReceiver | None = None,
     ) -> None:
-        self.config, self.book, self.now = ctx.config, ctx.book, ctx.now
-        self.changed, self.committed = ctx.changed, ctx.committed
-        self.turns = turns
-        """Where an episode's turn goes (the episode runner; ``None``: single-turn)."""
+        self.ctx, self.config, self.book = ctx, ctx.config, ctx.book
+        self.changed = ctx.changed
+        self.asker = asker
+        """Where an answered request's sample goes (an episode's turn, an evaluation's)."""
         self.data = data
         self.scorer = scorer
-        self.evaluator = evaluator
         self.redispatch = redispatch
         self.rejections = rejections
         self._aborted: dict[int, int] = {}
@@ -92,12 +79,10 @@ class Feeder:
 
         A frame that does not decode, or a sample for a group that is not generating (a late
         duplicate, a stranger's), is rejected and counted (socket ``data``); it never ends the
-        run. A malformed sample from the worker the group was sent to, a generation failure
-        of an evaluation group, or an environment whose ``score()`` raises or returns a
-        non-finite reward (``failures.on_reward_error = "fail_run"``) ends it with a
-        :class:`~asyncrl.errors.RunError` naming the culprit. Under ``"drop_group"`` such a
-        training group is dropped (within ``failures.max_failed_groups``) and such an
-        evaluation group counted as incorrect.
+        run. A malformed sample from the worker the request was sent to, or an environment
+        whose ``score()`` raises or returns a non-finite reward (``failures.on_reward_error =
+        "fail_run"``) ends it with a :class:`~asyncrl.errors.RunError` naming the culprit.
+        Under ``"drop_group"`` such a group is dropped (within ``failures.max_failed_groups``).
 
         Cancellation: stops reading; scoring tasks in flight are cancelled with it.
         """
@@ -139,13 +124,10 @@ class Feeder:
         match arrival.kind:
             case Kind.REJECTED:
                 self.rejections.reject("data", peer_name(msg.worker), arrival.detail)
-            case Kind.EVALUATION:
+            case Kind.ANSWER_FAILED:
+                assert arrival.request is not None
                 error = f"{msg.error_type}: {msg.message}"
-                raise RunError(f"evaluation group {msg.group_id} failed on {msg.worker}: {error}")
-            case Kind.TURN_FAILED:
-                assert self.turns is not None and arrival.turn is not None
-                error = f"{msg.error_type}: {msg.message}"
-                self.turns.turn_failed(arrival.turn, error, msg.retryable)
+                self.asker.failed(arrival.request, error, msg.retryable)
             case Kind.IN_FLIGHT:
                 assert arrival.group is not None
                 self.redispatch.group_failed(arrival.group, msg, arrival.aborting, tg)
@@ -165,15 +147,9 @@ class Feeder:
                     f"{msg.group_id}: {arrival.detail}; the generation backend "
                     f"{self.config.generator.backend!r} broke its contract"
                 )
-            case Kind.TURN:
-                assert self.turns is not None and arrival.turn is not None
-                assert arrival.sample is not None
-                self.turns.turn_arrived(arrival.turn, arrival.sample)  # as the book took it
-            case Kind.EVAL_COMPLETE:
-                assert arrival.group is not None
-                self._score_eval(arrival.group, tg)
-            case Kind.EVAL_PENDING:
-                pass
+            case Kind.ANSWER:
+                assert arrival.request is not None and arrival.sample is not None
+                self.asker.answered(arrival.request, arrival.sample)  # as the book took it
             case Kind.PENDING | Kind.DISCARDED | Kind.COMPLETE as kind:
                 if msg.sample.finish_reason == "abort":
                     version = self.book.trainer_version
@@ -185,44 +161,25 @@ class Feeder:
                 raise AssertionError(f"sample_arrived answered {other}")
 
     def _complete(self, group: Group, tg: anyio.abc.TaskGroup) -> None:
-        """A group's last sample arrived: score and commit it."""
-        self._score(group, tg, self._commit, self._score_failed)
-
-    def _score_eval(self, group: Group, tg: anyio.abc.TaskGroup) -> None:
-        """An evaluation group's sample arrived: score it for its evaluation."""
-        self._score(group, tg, self.evaluator.scored, self._eval_score_failed)
-
-    def _score(
-        self,
-        group: Group,
-        tg: anyio.abc.TaskGroup,
-        scored: Callable[[str, list[CompletedSample]], None],
-        failed: Callable[[Group, ScoreError], None],
-    ) -> None:
-        """Score ``group`` now (a cheap environment) or in a task (scoring in a thread), then
-        ``scored(group_id, samples)``, or ``failed(group, error)``."""
+        """A group's last sample arrived: score it now (a cheap environment) or in a task
+        (scoring in a thread), then commit it."""
         if not self.scorer.cheap:
-            tg.start_soon(self._score_threaded, group, scored, failed)
+            tg.start_soon(self._score_threaded, group)
             return
         try:
             samples = self.scorer.inline(group)
         except ScoreError as exc:
-            failed(group, exc)
+            self._score_failed(group, exc)
         else:
-            scored(group.group_id, samples)
+            self.ctx.commit(group.group_id, samples)
 
-    async def _score_threaded(
-        self,
-        group: Group,
-        scored: Callable[[str, list[CompletedSample]], None],
-        failed: Callable[[Group, ScoreError], None],
-    ) -> None:
+    async def _score_threaded(self, group: Group) -> None:
         try:
             samples = await self.scorer.threaded(group)
         except ScoreError as exc:
-            failed(group, exc)
+            self._score_failed(group, exc)
         else:
-            scored(group.group_id, samples)
+            self.ctx.commit(group.group_id, samples)
 
     def _score_failed(self, group: Group, exc: ScoreError) -> None:
         """``failures.on_reward_error``: stop the run, or drop the group."""
@@ -231,16 +188,3 @@ class Feeder:
         gid = group.group_id
         log.error("reward_failed", group_id=gid, error=str(exc), action="group dropped")
         self.redispatch.score_failed(gid, f"group {gid}: {exc}")
-
-    def _eval_score_failed(self, group: Group, exc: ScoreError) -> None:
-        """``failures.on_reward_error``: stop the run, or count the evaluation group as
-        incorrect (it is not the run's to drop; the evaluation goes on)."""
-        if self.config.failures.on_reward_error == "fail_run":
-            raise exc
-        gid = group.group_id
-        log.error("reward_failed", group_id=gid, error=str(exc), action="counted as incorrect")
-        self.evaluator.score_failed(gid, len(group.samples))
-
-    def _commit(self, gid: str, samples: list[CompletedSample]) -> None:
-        if self.book.commit(gid, samples, self.now()):  # False: the run ended meanwhile
-            self.committed.notify()

@@ -60,6 +60,7 @@ from asyncrl.env.episode import EpisodeEnvironment
 from asyncrl.run.arrivals import Sent
 from asyncrl.run.book import RolloutBook
 from asyncrl.run.context import RunContext
+from asyncrl.run.asking import build_asker
 from asyncrl.run.episodes import EpisodeRunner, build_runner
 from asyncrl.run.evaluation import Evaluator
 from asyncrl.run.intake import Feeder
@@ -119,8 +120,9 @@ class RunStatus:
     counts from it."""
     inflight_samples: int = 0
     """Training samples being generated now (a multi-turn run's: episodes running)."""
-    turns_in_flight: int = 0
-    """A multi-turn run's turn requests on the rollout workers now."""
+    requests_in_flight: int = 0
+    """Requests on the rollout workers' engines now: a single-turn group's (``n`` samples
+    each), a multi-turn episode's turn, an evaluation prompt's."""
 
 
 class Pipeline:
@@ -205,10 +207,14 @@ class Pipeline:
         self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
         # the environment the run trains on (a service's, if one stands in front), checked once
         parts = check_environment(environment, cfg.environment.name, scored=True)
+        self.asker = build_asker(ctx)
+        self.scorer = Scorer(environment, tokenizer, cfg.environment.name,
+                             timeout_s=cfg.failures.reward_timeout_s, parts=parts)  # fmt: skip
         self.episodes: EpisodeRunner | None = None
         if self.episodic:
             self.episodes = build_runner(
-                ctx, environment, tokenizer=tokenizer, fail_group=self.redispatch.episode_failed,
+                ctx, environment, tokenizer=tokenizer, asker=self.asker,
+                fail_group=self.redispatch.episode_failed,
                 deadline_s=min((s.episode_deadline_s for s in self.services.values()
                                 if s.episode_deadline_s is not None), default=None),
                 parts=parts,
@@ -224,18 +230,15 @@ class Pipeline:
             before_save=self.samples.flushed if self.samples is not None else None,
         )  # fmt: skip
         self.evaluator = Evaluator(ctx, environment=environment, tokenizer=tokenizer,
+                                   asker=self.asker, scorer=self.scorer,
                                    episodes=self.episodes)  # fmt: skip
         # a validation of the weights a refit replaces is waited for before they are taken
         # (not the other way round: a validation may wait for a restarted worker, whose
         # refit needs them)
         self.assembler = StepAssembler(ctx, before_training=self.publisher.baseline,
                                        before_finish=self.evaluator.wait_validation)  # fmt: skip
-        self.scorer = Scorer(environment, tokenizer, cfg.environment.name,
-                             timeout_s=cfg.failures.reward_timeout_s, parts=parts)  # fmt: skip
-        self.feeder = Feeder(
-            ctx, data=data, scorer=self.scorer, evaluator=self.evaluator,
-            redispatch=self.redispatch, rejections=self.rejections, turns=self.episodes,
-        )  # fmt: skip
+        self.feeder = Feeder(ctx, data=data, scorer=self.scorer, asker=self.asker,
+                             redispatch=self.redispatch, rejections=self.rejections)  # fmt: skip
 
     # ------------------------------------------------------------------ the controller's API
     async def resume(self, resume: Resume) -> None:
@@ -329,7 +332,7 @@ class Pipeline:
             workers=self.control.pids(),
             clock_origin=self.t0,
             inflight_samples=self.book.inflight_samples,
-            turns_in_flight=self.book.turns_in_flight,
+            requests_in_flight=self.book.requests_in_flight,
         )
 
     async def generator_logprobs(
@@ -352,10 +355,7 @@ class Pipeline:
         """Rollout ``worker`` died and is being restarted: a refit under way leaves it out,
         its groups go to the workers that serve, or wait for one."""
         await self.publisher.receiver_gone(worker)
-        turns = self.redispatch.worker_lost(worker)
-        if self.episodes is not None:
-            self.episodes.turns_lost(turns)
-        await self.evaluator.resend()
+        self.asker.lost(self.redispatch.worker_lost(worker))
 
     async def refit_worker(self, worker: str) -> int:
         """Refit restarted ``worker`` to the trainer's weights (with the last FP8 KV-cache
@@ -366,7 +366,6 @@ class Pipeline:
 
     async def worker_serves(self, worker: str) -> None:
         """Restarted ``worker`` serves the current weights: it takes work again."""
-        await self.evaluator.resend()
         self.changed.notify()
 
     # ------------------------------------------------------------------ helpers

@@ -18,7 +18,7 @@
   :class:`Redispatcher`. The failure budget decides (:mod:`asyncrl.policy.failures`); the
   rollout book keeps the groups and their prompts (:mod:`asyncrl.run.book`).
 
-* Requests go out with :func:`send_generate` (the rollout pump's and the evaluations'): a
+* Requests go out with :func:`send_generate` (the rollout pump's groups): a
   worker found restarting is skipped, its groups come back through ``worker_lost``.
 """
 
@@ -47,7 +47,7 @@ from asyncrl.policy.pool import SYNCING, RolloutPool
 from asyncrl.procs.process import ProcessExit, parent_pid, stopped_by_signal, wait_pid_exit
 from asyncrl.procs.spawn import SpawnedGroup, watch_peer
 from asyncrl.run.book import RolloutBook
-from asyncrl.run.turns import TurnRequest
+from asyncrl.run.requests import Request
 from asyncrl.policy.groups import Group
 from asyncrl.wire.messages import Generate, GenRequest, GroupFailed
 from asyncrl.wire.rpc import ControlPlane
@@ -416,13 +416,12 @@ class Redispatcher:
         self.book.retry(gid)  # ignored if it was aborted meanwhile (hopeless, the end)
         self._wake()
 
-    def worker_lost(self, worker: str) -> list[TurnRequest]:
-        """``worker`` died: its training groups are dispatched again first (same prompt, same
-        step, no back-off, outside the failure budget) and its evaluation groups wait for a
-        worker that serves. Returns the episodes' turns it was generating (each episode asks
-        another worker)."""
+    def worker_lost(self, worker: str) -> list[Request]:
+        """``worker`` died: its groups are dispatched again first (same prompt, same step, no
+        back-off, outside the failure budget). Returns the answered requests it was
+        generating (episodes' turns, evaluations' prompts: each asker asks another worker)."""
         lost = self.book.worker_lost(worker)
         log.info("groups_redispatched", worker=worker, groups=lost.again,
-                 evaluation_groups=lost.evals, turns=len(lost.turns))  # fmt: skip
+                 requests=len(lost.answered))  # fmt: skip
         self._wake()
-        return lost.turns
+        return lost.answered

@@ -175,6 +175,11 @@ class Scorer:
     def cheap(self) -> bool:
         return self._on_loop and self._score_async is None and self._cost_s < INLINE_SCORE_MAX_S
 
+    async def score(self, group: Group) -> list[CompletedSample]:
+        """Score a group inline while the environment is :attr:`cheap`, else
+        :meth:`threaded` (raising as it does)."""
+        return self.inline(group) if self.cheap else await self.threaded(group)
+
     def inline(self, group: Group) -> list[CompletedSample]:
         """Score a group on the calling thread, with no deadline (see the class docstring)."""
         samples, cost = self._timed(group, None)

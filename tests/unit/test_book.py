@@ -90,7 +90,11 @@ class World:
         self.refit_pending = False
         self.given_back = False
         self.evals: dict[str, str] = {}
-        """Evaluation groups: waiting, or on a worker."""
+        """Evaluation prompts: waiting, or the worker their request is on."""
+        self.eval_asks: Counter[str] = Counter()
+        """Requests each evaluation prompt made (its request ids count them, as the asker's)."""
+        self.abandoned: set[str] = set()
+        """Evaluation requests given up on (still owed: discarded when they come)."""
         self.eval_label = 0
         self.counts: Counter[str] = Counter()
         self.retries = 0
@@ -125,7 +129,7 @@ class World:
         self.fates[fate] += 1
 
     def owed_by(self, worker: str) -> int:
-        return sum(1 for g, _, _ in self.owed[worker] if not g.startswith("eval"))
+        return len(self.owed[worker])
 
     def forget_owed(self, gid: str) -> None:
         w = self.worker_of.get(gid)
@@ -246,7 +250,7 @@ class World:
     def worker_dies(self) -> None:
         w = self.rng.choice(self.serving)
         lost = self.book.worker_lost(w)
-        again, evals = lost.again, lost.evals
+        again = lost.again
         expect_again = 0
         for gid in [g for g, s in self.state.items() if s in ("flight", "aborting")]:
             if self.worker_of[gid] != w:
@@ -258,9 +262,11 @@ class World:
                 self.state[gid] = "due"
                 expect_again += 1
         lost_evals = [g for g, s in self.evals.items() if s == w]
-        assert (again, evals) == (expect_again, len(lost_evals))
-        for gid in lost_evals:
+        assert again == expect_again
+        assert sorted(r.request_id for r in lost.answered) == sorted(map(self.eval_id, lost_evals))
+        for gid in lost_evals:  # their askers ask again, on a worker that serves
             self.evals[gid] = "waiting"
+        self.abandoned -= {k[0] for k in self.owed[w]}
         self.owed[w] = []
         self.serving.remove(w)
         self.counts["deaths"] += 1
@@ -271,39 +277,52 @@ class World:
         self.place_evals()
 
     # ------------------------------------------------------------------ evaluations
+    def eval_id(self, gid: str) -> str:
+        """The id of evaluation prompt ``gid``'s latest request."""
+        return f"{gid}/0#{self.eval_asks[gid] - 1}"
+
     def start_eval(self) -> None:
         self.eval_label += 1
-        prompts = [self.prompt_of(1000 + i) for i in range(self.rng.randint(0, 3))]
-        ids = self.book.add_evals(f"e{self.eval_label}", prompts, 0, 0.0)
-        assert len(ids) == len(prompts)
-        self.evals.update(dict.fromkeys(ids, "waiting"))
+        for i in range(self.rng.randint(0, 3)):
+            self.evals[f"eval-e{self.eval_label}-{i}"] = "waiting"
         self.place_evals()
 
     def place_evals(self) -> None:
-        placed = self.book.place_evals(self.serving)
-        waiting = [g for g, s in self.evals.items() if s == "waiting"]
-        got = [s.group_id for sent in placed.values() for s in sent]
-        assert sorted(got) == (sorted(waiting) if self.serving else [])
-        for w, sent in placed.items():
-            assert w in self.serving
-            for s in sent:
-                self.evals[s.group_id] = w
-                self.owed[w].append((s.group_id, 0, 0))
+        """Each waiting evaluation prompt asks for its sample (an answered request of no
+        group), on the least loaded worker that serves; none serving: it waits."""
+        for gid in [g for g, s in self.evals.items() if s == "waiting"]:
+            loads = {w: self.owed_by(w) for w in self.serving}
+            self.eval_asks[gid] += 1
+            w = self.book.start_turn(self.eval_id(gid), self.serving)
+            if not self.serving:
+                assert w is None
+                self.eval_asks[gid] -= 1
+                continue
+            assert w in self.serving and loads[w] == min(loads.values()), (w, loads)
+            self.evals[gid] = w
+            self.owed[w].append((self.eval_id(gid), 0, 0))
 
-    def eval_back(self, w: str, gid: str) -> None:
-        arrival = self.book.sample_arrived(SampleDone(gid, w, 0, DONE))
-        assert arrival.kind == ArrivalKind.EVAL_COMPLETE and arrival.group is not None
-        del self.evals[gid]
+    def eval_back(self, w: str, tid: str) -> None:
+        arrival = self.book.sample_arrived(SampleDone(tid, w, 0, DONE))
+        if tid in self.abandoned:
+            self.abandoned.remove(tid)
+            assert arrival.kind == ArrivalKind.DISCARDED, arrival
+            return
+        assert arrival.kind == ArrivalKind.ANSWER and arrival.request is not None
+        assert arrival.request.request_id == tid and arrival.request.evaluation
+        del self.evals[tid.split("/")[0]]
         self.counts["evaluation_samples"] += 1
 
     def drop_evals(self) -> None:
-        gids = list(self.evals)
-        self.book.drop_evals(gids)
-        for gid in gids:
-            w = self.evals.pop(gid)
+        """The evaluation is given up (cancelled): its requests in flight are abandoned (the
+        worker to tell named once); their samples are discarded when they come."""
+        for gid, w in list(self.evals.items()):
             if w != "waiting":
-                self.owed[w] = [k for k in self.owed[w] if k[0] != gid]
-                assert self.book.sample_arrived(SampleDone(gid, w, 0, DONE)).kind == ArrivalKind.REJECTED
+                tid = self.eval_id(gid)
+                assert self.book.abandon_turn(tid) == w
+                assert self.book.abandon_turn(tid) is None
+                self.abandoned.add(tid)
+            del self.evals[gid]
 
     # ------------------------------------------------------------------ train side
     def train(self) -> bool:
@@ -381,6 +400,7 @@ class World:
         self.book, self.serving, self.retries = fresh, list(self.workers), 0
         self.owed = {w: [] for w in self.workers}
         self.evals.clear()
+        self.abandoned.clear()
         self.counts["crashes"] += 1
 
     # ------------------------------------------------------------------ checks

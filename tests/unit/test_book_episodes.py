@@ -47,7 +47,7 @@ from asyncrl.run import arrivals
 from asyncrl.run.arrivals import ArrivalKind
 from asyncrl.run.arrivals import Sent
 from asyncrl.run.book import RolloutBook
-from asyncrl.run.turns import turn_id
+from asyncrl.run.requests import request_id as turn_id
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
 from schedule_support import SAMPLERS, caps, scheduler, shape_strategies
 
@@ -221,9 +221,9 @@ class World:
             previous = max(loads, key=loads.__getitem__)
         tid = ep.next_id()
         if evaluation:
-            w = self.book.start_eval_turn(tid, ep.gid, self.serving, previous)
+            w = self.book.start_turn(tid, self.serving, previous)
         else:
-            w = self.book.start_turn(tid, ep.gid, ep.index, self.serving, previous)
+            w = self.book.start_turn(tid, self.serving, previous, group_id=ep.gid, index=ep.index)
         if (not evaluation and self.groups[ep.gid].state != "flight") or not self.serving:
             assert w is None, f"turn {tid} placed for a group not generating, or on no worker"
             self.counts["turns_refused"] += 1
@@ -258,18 +258,18 @@ class World:
         if self.fails_now():
             arrival = self.book.check_failure(GroupFailed(rec.tid, w, "E", "boom"))
             fate = "discarded" if rec.abandoned else "failed"
-            assert arrival.kind == (ArrivalKind.DISCARDED if rec.abandoned else ArrivalKind.TURN_FAILED), arrival
+            assert arrival.kind == (ArrivalKind.DISCARDED if rec.abandoned else ArrivalKind.ANSWER_FAILED), arrival
         else:
             sample, expected = (CUT, None) if rec.abandoned else self.generated(rec)
             arrival = self.book.sample_arrived(SampleDone(rec.tid, w, 0, sample))
             fate = "discarded" if rec.abandoned else "answered"
-            assert arrival.kind == (ArrivalKind.DISCARDED if rec.abandoned else ArrivalKind.TURN), arrival
+            assert arrival.kind == (ArrivalKind.DISCARDED if rec.abandoned else ArrivalKind.ANSWER), arrival
             if expected is not None:
                 assert arrival.sample is not None
                 assert arrival.sample.token_ids is sample.token_ids
                 assert arrival.sample.versions.tolist() == expected, (arrival, expected)
                 rec.episode.versions += expected
-        assert rec.abandoned or (arrival.turn is not None and arrival.turn.turn_id == rec.tid)
+        assert rec.abandoned or (arrival.request is not None and arrival.request.request_id == rec.tid)
         self.end_turn(rec, fate)
 
     def generated(self, rec: TurnRec) -> tuple[Sample, list[int]]:
@@ -371,8 +371,8 @@ class World:
         w = self.rng.choice(self.serving)
         expected = {rec.tid for rec in self.owed[w] if not rec.abandoned}
         lost = self.book.worker_lost(w)
-        assert (lost.again, lost.evals) == (0, 0)  # groups of episodes are on no worker
-        assert sorted(t.turn_id for t in lost.turns) == sorted(expected)
+        assert lost.again == 0  # groups of episodes are on no worker
+        assert sorted(t.request_id for t in lost.answered) == sorted(expected)
         for rec in self.owed[w]:
             self.end_turn(rec, "discarded" if rec.abandoned else "lost")
         self.owed[w] = []
@@ -508,7 +508,7 @@ class World:
     # ------------------------------------------------------------------ checks
     def views(self) -> tuple[Any, ...]:
         b = self.book
-        return (b.inflight_samples, b.num_live, b.num_ready, b.taken, b.turns_in_flight,
+        return (b.inflight_samples, b.num_live, b.num_ready, b.taken, b.requests_in_flight,
                 tuple(b.load(w) for w in self.workers), tuple(b.problems()))  # fmt: skip
 
     def check(self) -> None:
@@ -516,7 +516,7 @@ class World:
         b = self.book
         for w in self.workers:
             assert b.load(w) == len(self.owed[w]), f"{w}: load {b.load(w)}, owes {self.owed[w]}"
-        assert b.turns_in_flight == len(self.inflight) == sum(map(len, self.owed.values()))
+        assert b.requests_in_flight == len(self.inflight) == sum(map(len, self.owed.values()))
         running = sum(1 for r in self.groups.values() if r.state in ("flight", "aborting")
                       for e in r.episodes if e.state in RUNNING)  # fmt: skip
         assert b.inflight_samples == running, f"{b.inflight_samples} in flight, {running} running"
@@ -552,7 +552,7 @@ class World:
 
     def check_end(self) -> None:
         b = self.book
-        assert b.drained and not self.groups and not self.inflight and b.turns_in_flight == 0
+        assert b.drained and not self.groups and not self.inflight and b.requests_in_flight == 0
         assert all(b.load(w) == 0 for w in self.workers)
         assert set(self.turn_fates) <= TURN_FATES and set(self.group_fates) <= GROUP_FATES
         assert self.turn_fates.total() == len(self.ended_turns) == self.counts["turns"]
@@ -684,12 +684,12 @@ def test_misuse_is_refused_and_a_retried_group_gets_fresh_turn_ids() -> None:
     assert world.dispatch()
     gid = next(iter(world.groups))
     with pytest.raises(arrivals.BookError, match="not running"):
-        world.book.start_turn("x", gid, 2, world.serving)
+        world.book.start_turn("x", world.serving, group_id=gid, index=2)
     first = turn_id(gid, 0, 0)
-    assert world.book.start_turn(first, gid, 0, world.serving) == "rollout:0"
+    assert world.book.start_turn(first, world.serving, group_id=gid, index=0) == "rollout:0"
     # the least loaded now is rollout:1, but rollout:0 is at most STICKY_TURNS busier
     second = turn_id(gid, 1, 0)
-    assert world.book.start_turn(second, gid, 1, world.serving, "rollout:0") == "rollout:0"
+    assert world.book.start_turn(second, world.serving, "rollout:0", group_id=gid, index=1) == "rollout:0"
     with pytest.raises(arrivals.BookError, match="without a sample"):
         world.book.episode_ended(gid, 0, None)
     assert world.book.failed(gid, retry=True) == {"rollout:0": [first, second]}
@@ -698,12 +698,12 @@ def test_misuse_is_refused_and_a_retried_group_gets_fresh_turn_ids() -> None:
     assert isinstance(sent, Sent) and sent.group_id == gid and world.book.retries(gid) == 1
     again = turn_id(gid, 0, 0, world.book.retries(gid))
     assert again == f"{gid}/0@1#0" and again != first
-    assert world.book.start_turn(again, gid, 0, world.serving) == "rollout:1"
+    assert world.book.start_turn(again, world.serving, group_id=gid, index=0) == "rollout:1"
     with pytest.raises(ValueError, match="in flight already"):  # what the old ids ran into
-        world.book.start_turn(first, gid, 1, world.serving)
+        world.book.start_turn(first, world.serving, group_id=gid, index=1)
     assert world.book.sample_arrived(SampleDone(first, "rollout:0", 0, CUT)).kind == ArrivalKind.DISCARDED
     arrival = world.book.sample_arrived(SampleDone(again, "rollout:1", 0, DONE))
-    assert arrival.kind == ArrivalKind.TURN and arrival.turn is not None and arrival.turn.index == 0
+    assert arrival.kind == ArrivalKind.ANSWER and arrival.request is not None and arrival.request.index == 0
     sample = CompletedSample(TOKENS, LOGPROBS, "stop", 1.0, True)
     assert world.book.episode_ended(gid, 0, sample).kind == ArrivalKind.PENDING
     with pytest.raises(arrivals.BookError, match="not running"):

@@ -1,7 +1,7 @@
 """The episode runner (:mod:`asyncrl.run.episodes`) with the real rollout book and scheduler.
 
 The test plays the rollout workers (each turn request is answered by a task that feeds the
-book's ``sample_arrived`` and hands a ``TURN`` to the runner, as the feeder does) and a record
+book's ``sample_arrived`` and hands an ``ANSWER`` to the asker, as the feeder does) and a record
 that stands for the token-exact trajectory (its own tests: test_trajectory.py). After every
 answer the book's own invariants must hold.
 """
@@ -23,6 +23,7 @@ from asyncrl.policy.groups import CompletedSample
 
 from asyncrl.run.arrivals import ArrivalKind
 from asyncrl.run.arrivals import Sent
+from asyncrl.run.asking import Asker
 from asyncrl.run.book import RolloutBook
 from asyncrl.run.episodes import EpisodeRunner
 from asyncrl.run.wake import Signal
@@ -102,7 +103,7 @@ class Engines:
 
     def __init__(self, book: RolloutBook) -> None:
         self.book = book
-        self.runner: EpisodeRunner | None = None
+        self.asker: Asker | None = None
         self.sent: list[tuple[str, GenRequest]] = []
         self.aborted: list[tuple[str, list[str]]] = []
         self.dead: set[str] = set()
@@ -138,16 +139,16 @@ class Engines:
     def deliver(self, msg: SampleDone) -> None:
         """What the feeder does with a sample."""
         arrival = self.book.sample_arrived(msg)
-        assert self.runner is not None
-        if arrival.kind == ArrivalKind.TURN:
-            self.runner.turn_arrived(arrival.turn, arrival.sample)
+        assert self.asker is not None
+        if arrival.kind == ArrivalKind.ANSWER:
+            self.asker.answered(arrival.request, arrival.sample)
         assert self.book.problems() == []
 
     def deliver_failure(self, msg: GroupFailed) -> None:
         arrival = self.book.check_failure(msg)
-        assert self.runner is not None
-        if arrival.kind == ArrivalKind.TURN_FAILED:
-            self.runner.turn_failed(arrival.turn, f"{msg.error_type}: {msg.message}", True)
+        assert self.asker is not None
+        if arrival.kind == ArrivalKind.ANSWER_FAILED:
+            self.asker.failed(arrival.request, f"{msg.error_type}: {msg.message}", True)
         assert self.book.problems() == []
 
 
@@ -186,15 +187,28 @@ class Harness:
         self.committed: list[tuple[str, list[CompletedSample]]] = []
         self.failed: list[tuple[str, str, bool]] = []
         self.on_commit = Signal()
-        self.runner = EpisodeRunner(
-            env, book=self.book, record=FakeRecord, send=self.engines.send,
-            abort=self.engines.abort, serving=lambda: [w for w in WORKERS
-                                                       if w not in self.engines.dead],
-            changed=Signal(), committed=self.on_commit, now=lambda: 0.0, fail_group=self._fail,
-            limits=limits or Limits(max_turns=8, max_context_tokens=100, max_turn_tokens=2),
-            deadline_s=deadline_s, on_truncation=on_truncation, temperature=1.0, seed=0,
+        changed = Signal()
+        self.asker = Asker(
+            self.book, send=self.engines.send, abort=self.engines.abort,
+            serving=lambda: [w for w in WORKERS if w not in self.engines.dead], changed=changed,
+            seed=0,
         )  # fmt: skip
-        self.engines.runner = self.runner
+        self.runner = EpisodeRunner(
+            env, book=self.book, asker=self.asker, record=FakeRecord, commit=self._commit,
+            changed=changed, fail_group=self._fail,
+            limits=limits or Limits(max_turns=8, max_context_tokens=100, max_turn_tokens=2),
+            deadline_s=deadline_s, on_truncation=on_truncation, temperature=1.0,
+        )  # fmt: skip
+        self.engines.asker = self.asker
+
+    def _commit(self, gid: str, samples: list[Any]) -> None:
+        if self.book.commit(gid, samples, 0.0):
+            self.on_commit.notify()
+
+    @property
+    def in_flight(self) -> int:
+        """Turns the engines still owe."""
+        return sum(self.book.load(w) for w in WORKERS)
 
     async def _collect(self) -> None:
         """What the train pump does: take the ready groups."""
@@ -264,8 +278,8 @@ async def test_a_lost_worker_sends_the_turn_elsewhere_not_counted() -> None:
         h.engines.dead.add(victim)
         # what the controller does when a worker dies (Pipeline.worker_lost)
         lost = h.book.worker_lost(victim)
-        assert len(lost.turns) == 1 and lost.turns[0].worker == victim
-        h.runner.turns_lost(lost.turns)
+        assert len(lost.answered) == 1 and lost.answered[0].worker == victim
+        h.asker.lost(lost.answered)
         assert h.book.problems() == []
         h.engines.hold.set()
         await wait_until(lambda: h.committed)
@@ -296,7 +310,7 @@ async def test_engine_failures_are_retried_then_fail_the_group() -> None:
     await h.run(body2)
     ((gid, error, retryable),) = h.failed
     assert "EngineError: boom" in error and retryable
-    assert h.book.problems() == [] and h.book.turns_in_flight == 0
+    assert h.book.problems() == [] and h.in_flight == 0
 
 
 async def test_an_agent_that_raises_fails_its_group_and_cancels_the_others() -> None:
@@ -343,14 +357,14 @@ async def test_an_aborted_group_cancels_its_episodes_and_aborts_their_turns() ->
     async def body(h: Harness) -> None:
         h.engines.hold = anyio.Event()
         h.runner.start(h.dispatch())
-        await wait_until(lambda: h.book.turns_in_flight == 2)
+        await wait_until(lambda: h.in_flight == 2)
         aborts = h.book.close()
         assert len(aborts.episodes) == 1 and aborts.turns == 2 and aborts.count == 1
         h.runner.cancel(aborts.episodes)
         await wait_until(lambda: not h.runner._runs)  # noqa: SLF001
-        assert h.book.turns_in_flight == 2  # abandoned: their samples still come back
+        assert h.in_flight == 2  # abandoned: their samples still come back
         h.engines.hold.set()
-        await wait_until(lambda: h.book.turns_in_flight == 0)
+        await wait_until(lambda: h.in_flight == 0)
 
     await h.run(body)
     assert not h.committed and not h.failed and h.book.problems() == []
@@ -429,10 +443,10 @@ async def request_abort_latency() -> float:
         h.engines.aborted.append((worker, ids))
         aborted_after.append(anyio.current_time() - deadline)
 
-    h.runner._abort = timed_abort  # noqa: SLF001 - the clock stops when the abort is sent
+    h.asker._abort = timed_abort  # noqa: SLF001 - the clock stops when the abort is sent
     deadline = anyio.current_time() + 0.05
     await h.run(waiting)
-    assert h.book.turns_in_flight == 1 and h.book.problems() == []  # abandoned, owed
+    assert h.in_flight == 1 and h.book.problems() == []  # abandoned, owed
     return aborted_after[0]
 
 
@@ -499,7 +513,7 @@ async def test_a_group_aborted_before_its_episodes_start_still_ends() -> None:
         await wait_until(lambda: not h.runner._runs)  # noqa: SLF001
 
     await h.run(body)
-    assert h.book.drained and h.book.turns_in_flight == 0 and h.book.problems() == []
+    assert h.book.drained and h.in_flight == 0 and h.book.problems() == []
     assert not h.engines.sent
 
 

@@ -1,13 +1,14 @@
 """Held-out evaluations end to end on the controller's side: the real :class:`Evaluator`,
-:class:`RolloutBook` and :class:`Feeder` (its samples arrive through a fake data socket,
-encoded as a worker would send them), around a fake control plane that records each
-``Generate`` and fake scoring.
+:class:`Asker`, :class:`RolloutBook` and :class:`Feeder` (its samples arrive through a fake
+data socket, encoded as a worker would send them), around a fake control plane that records
+each ``Generate`` and fake scoring.
 
-* every worker gets its requests at once: one worker slow to answer holds up no other;
+* every prompt is asked at once: one worker slow to take its requests holds up no other;
 * an evaluation not done in time stops the run naming the evaluation, what is missing, who
   serves and the setting (not a bare ``TimeoutError``);
-* a group whose scoring fails counts as incorrect under ``on_reward_error = "drop_group"``
+* a prompt whose scoring fails counts as incorrect under ``on_reward_error = "drop_group"``
   (the evaluation goes on), and stops the run under ``"fail_run"``;
+* a worker lost mid-evaluation: its prompts are asked again of one that serves;
 * two evaluations at once keep their results apart.
 """
 
@@ -24,6 +25,7 @@ import pytest
 from asyncrl.environment import Prompt
 from asyncrl.errors import RunError, flatten
 from asyncrl.policy.groups import CompletedSample, Group
+from asyncrl.run.asking import build_asker
 from asyncrl.run.book import RolloutBook
 from asyncrl.run.evaluation import Evaluator
 from asyncrl.run.context import RunContext
@@ -54,6 +56,7 @@ def _config(on_reward_error: str = "fail_run", call_timeout_s: float = 10.0) -> 
         grpo=SimpleNamespace(max_new_tokens=8),
         failures=SimpleNamespace(on_reward_error=on_reward_error),
         generator=SimpleNamespace(backend="fake"),
+        run=SimpleNamespace(seed=0),
     )
 
 
@@ -75,6 +78,9 @@ class _Control:
         if worker in self.hold:
             await self.all_called.wait()
         return True
+
+    async def call_unless_restarting(self, worker: str, request: Any, **kw: Any) -> Any:
+        return None  # an Abort of a cancelled evaluation's requests
 
 
 class _Socket:
@@ -106,6 +112,9 @@ class _Scorer:
 
     cheap = True
 
+    async def score(self, group: Group) -> list[CompletedSample]:
+        return self.inline(group)
+
     def inline(self, group: Group) -> list[CompletedSample]:
         if group.prompt_id == "eval:3":
             raise ScoreError(f"score() raised ValueError for prompt {group.prompt_id!r}")
@@ -119,17 +128,20 @@ class _Run:
 
     def __init__(self, config: Any, control: _Control, serving: list[str]) -> None:
         self.book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=1), WORKERS)
+        self.changed = Signal()
         env = SimpleNamespace(dataset=lambda split: PROMPTS)
         tok = SimpleNamespace(encode_prompts=lambda ps: [[7, i] for i, _ in enumerate(ps)])
         ctx = RunContext(
-            config, control, [], self.book, serving=lambda: serving, changed=Signal(),  # type: ignore[arg-type]
+            config, control, [], self.book, serving=lambda: serving, changed=self.changed,  # type: ignore[arg-type]
             committed=Signal(), failures=None, probes=None, metrics=None, now=time.perf_counter,  # type: ignore[arg-type]
         )  # fmt: skip
-        self.evaluator = Evaluator(ctx, environment=env, tokenizer=tok)  # type: ignore[arg-type]
+        self.asker = build_asker(ctx)
+        self.evaluator = Evaluator(ctx, environment=env, tokenizer=tok, asker=self.asker,
+                                   scorer=_Scorer())  # type: ignore[arg-type]  # fmt: skip
         self.socket = _Socket()
         self.feeder = Feeder(
-            ctx, data=self.socket, scorer=_Scorer(),  # type: ignore[arg-type]
-            evaluator=self.evaluator, redispatch=None, rejections=Rejections(),  # type: ignore[arg-type]
+            ctx, data=self.socket, scorer=_Scorer(), asker=self.asker,  # type: ignore[arg-type]
+            redispatch=None, rejections=Rejections(),  # type: ignore[arg-type]
         )  # fmt: skip
         self.control = control
 
@@ -140,7 +152,7 @@ class _Run:
         self.socket.close()
 
     def answer(self) -> None:
-        """Each worker sends the sample of every evaluation group it was asked for."""
+        """Each worker sends the sample of every request it was sent."""
         for worker, gids in self.control.sent.items():
             for gid in gids:
                 self.socket.send(SampleDone(gid, worker, 0, SAMPLE))
@@ -148,8 +160,8 @@ class _Run:
 
 
 async def test_each_worker_gets_its_requests_at_once_and_scoring_failures_count_as_wrong() -> None:
-    """Under ``drop_group``: rollout:0 answers its ``Generate`` only once rollout:1 got its
-    own (sent one worker after the other, the evaluation would never start); a group whose
+    """Under ``drop_group``: rollout:0 takes its ``Generate`` only once rollout:1 got one
+    (asked one prompt after the other, the evaluation would never start); a prompt whose
     reward raised counts as incorrect, and the evaluation finishes."""
     control = _Control(hold=("rollout:0",))
     with _Run(_config("drop_group"), control, WORKERS) as run, anyio.fail_after(10):
@@ -189,17 +201,50 @@ async def test_a_reward_error_in_an_evaluation_stops_the_run_under_fail_run() ->
 
 
 async def test_an_evaluation_not_done_in_time_names_what_is_missing() -> None:
-    """No worker serves (both restarting): the groups wait, and the evaluation stops the run
-    with an error naming the evaluation, its outstanding groups, who serves and the setting."""
+    """No worker serves (both restarting): the prompts wait, and the evaluation stops the run
+    with an error naming the evaluation, its outstanding prompts, who serves and the
+    setting."""
     with _Run(_config(call_timeout_s=0.2), _Control(), serving=[]) as run:
         with pytest.raises(RunError) as info, anyio.fail_after(5):
             await run.evaluator.evaluate("step-4", 4)
     text = str(info.value)
-    assert text.startswith("evaluation 'step-4': 4 of its 4 groups were not generated and scored "
-                           "within 0.2 s (cluster.call_timeout_s)")  # fmt: skip
-    assert "outstanding: eval-step-4-0, eval-step-4-1, eval-step-4-2, eval-step-4-3;" in text
+    assert text.startswith("evaluation 'step-4': 4 of its 4 prompts were not generated and "
+                           "scored within 0.2 s (cluster.call_timeout_s)")  # fmt: skip
+    assert "outstanding: eval:0, eval:1, eval:2, eval:3;" in text
     assert "rollout workers serving: none (every one is restarting)" in text
-    assert run.book.place_evals(WORKERS) == {}  # its requests were dropped from the book
+    assert run.book.requests_in_flight == 0  # nothing was placed
+
+
+async def test_a_worker_lost_mid_evaluation_has_its_prompts_asked_again_elsewhere() -> None:
+    """rollout:0 dies with its requests unanswered (what the controller does then:
+    ``asker.lost(book.worker_lost(w).answered)``): they go to rollout:1, and the evaluation ends with
+    every prompt scored."""
+    control, serving = _Control(), list(WORKERS)
+    records: list[dict[str, Any]] = []
+    with _Run(_config("drop_group"), control, serving) as run, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run.feeder.run)
+
+            async def evaluate() -> None:
+                records.append(await run.evaluator.evaluate("start", 0))
+
+            tg.start_soon(evaluate)
+            while sum(map(len, control.sent.values())) < 4:
+                await anyio.sleep(0.01)
+            lost = control.sent.pop("rollout:0")
+            serving.remove("rollout:0")
+            run.asker.lost(run.book.worker_lost("rollout:0").answered)
+            while sum(map(len, control.sent.values())) < 4:
+                await anyio.sleep(0.01)
+            assert sorted(control.sent) == ["rollout:1"]
+            # a fresh request id for each prompt asked again
+            assert not set(lost) & set(control.sent["rollout:1"])
+            run.answer()
+            while not records:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    assert (records[0]["accuracy"], records[0]["failed_groups"]) == (0.25, 1)
+    assert run.book.requests_in_flight == 0
 
 
 async def test_two_evaluations_at_once_keep_their_results_apart() -> None:
@@ -219,7 +264,6 @@ async def test_two_evaluations_at_once_keep_their_results_apart() -> None:
             run.answer()
             while len(records) < 2:
                 await anyio.sleep(0.01)
-            run.evaluator.scored("eval-a-0", [])  # once its evaluation is over: ignored
             tg.cancel_scope.cancel()
     assert sorted(records) == ["a", "b"]
     assert [(r["accuracy"], r["failed_groups"]) for r in records.values()] == [(0.25, 1)] * 2

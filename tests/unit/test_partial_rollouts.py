@@ -211,17 +211,16 @@ async def _feed_a_turn(versions: np.ndarray) -> Sample:
                        episodes=True)  # fmt: skip
     sent = book.dispatch(["w"], lambda i: (SimpleNamespace(id="p", display="p"), [1]), 0.0)
     assert isinstance(sent, arrivals.Sent)
-    assert book.start_turn("t#0", sent.group_id, 0, ["w"]) == "w"
+    assert book.start_turn("t#0", ["w"], group_id=sent.group_id, index=0) == "w"
     got: list[Sample] = []
-    turns = SimpleNamespace(turn_arrived=lambda turn, sample: got.append(sample))
+    asker = SimpleNamespace(answered=lambda request, sample: got.append(sample))
     tx, rx = anyio.create_memory_object_stream[list](4)
     data = SimpleNamespace(recv=rx.receive, recv_nowait=lambda: None)
     ctx = RunContext(SimpleNamespace(), None, [], book, serving=lambda: ["w"], changed=Signal(),
                      committed=Signal(), failures=None, probes=None, metrics=None,
                      now=lambda: 0.0)  # type: ignore[arg-type]  # fmt: skip
     feeder = Feeder(
-        ctx, data=data, scorer=None, evaluator=None, redispatch=None, rejections=Rejections(),
-        turns=turns,
+        ctx, data=data, scorer=None, asker=asker, redispatch=None, rejections=Rejections(),
     )  # type: ignore[arg-type]  # fmt: skip
     tx.send_nowait(Codec(DataMessage).encode(
         SampleDone("t#0", "w", 0, Sample(TOKENS, LPS, "stop", versions))))  # fmt: skip

@@ -160,7 +160,7 @@ def _runner(env: Any, model_dir: Path) -> Any:
         failures=None, probes=None, metrics=None, now=time.perf_counter,  # type: ignore[arg-type]
     )  # fmt: skip
     tokenizer = type("Tok", (), {"chat_template": object()})()
-    return build_runner(ctx, env, tokenizer=tokenizer, fail_group=lambda *a: {})  # type: ignore[arg-type]
+    return build_runner(ctx, env, tokenizer=tokenizer, asker=None, fail_group=lambda *a: {})  # type: ignore[arg-type]
 
 
 async def _run_episode(self: Any, prompt: Prompt, episode: Any) -> Score:
