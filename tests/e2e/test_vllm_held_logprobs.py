@@ -178,10 +178,15 @@ def worst_entry_error(results: list[dict], ref) -> float:
             if r["kind"] == "FINAL_ONLY":  # asyncrl's requests: every row whole
                 assert len(entries) == r["k"] + 1, entries
             else:
-                # a streamed row came back one entry short twice on a loaded 2-core machine
-                # (k = 2: 2 entries; pieces merged by the front end), never in CI; asyncrl
-                # streams nothing, so it is only bounded here (docs/backends/vllm.md)
-                assert r["k"] <= len(entries) <= r["k"] + 1, entries
+                # k + 1 entries; or k where the front end merged streamed pieces (a consumer
+                # behind the engine: FlatLogprobs.extend goes through a dict per row) and the
+                # sampled token was also among the top k, folded into one entry
+                # (docs/backends/vllm.md, "Known vLLM quirks met")
+                ids = [tid for tid, _ in entries]
+                folded = len(ids) == r["k"] and len(set(ids)) == r["k"]
+                assert len(ids) == r["k"] + 1 or folded, entries
+                if folded:  # the sampled token is one of the k best (within the engine's rounding)
+                    assert (lp[pos] > lp[pos, token] + 2 * TOL).sum() < r["k"], (entries, pos)
             for tid, value in entries:
                 worst = max(worst, abs(value - lp[pos, tid]))
     # the front end may merge a streamed request's steps; each piece had its logprobs
