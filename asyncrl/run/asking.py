@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -28,7 +28,10 @@ from asyncrl.run.requests import Request, request_id
 from asyncrl.run.wake import Signal
 from asyncrl.wire.messages import GenRequest, Sample
 
-__all__ = ["ABORT_TIMEOUT_S", "ASK_ATTEMPTS", "Asker", "Question", "RequestFailed"]
+if TYPE_CHECKING:
+    from asyncrl.run.context import RunContext
+
+__all__ = ["ABORT_TIMEOUT_S", "ASK_ATTEMPTS", "Asker", "Question", "RequestFailed", "build_asker"]
 
 log = structlog.get_logger("asyncrl.run.asking")
 
@@ -217,10 +220,9 @@ class Asker:
                             error=str(exc))  # fmt: skip
 
 
-def build_asker(ctx: Any) -> Asker:
-    """The run's asker (a :class:`~asyncrl.run.context.RunContext`): requests sent as
-    one-request ``Generate`` casts (no reply: the sample is the answer), aborts as calls
-    bounded by ``cluster.call_timeout_s``."""
+def build_asker(ctx: RunContext) -> Asker:
+    """The run's asker: requests sent as one-request ``Generate`` casts (no reply: the sample
+    is the answer), aborts as calls bounded by ``cluster.call_timeout_s``."""
     from asyncrl.wire.messages import Abort, Generate
 
     control, timeout = ctx.control, ctx.config.cluster.call_timeout_s
