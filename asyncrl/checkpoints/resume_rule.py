@@ -359,14 +359,14 @@ def compare(
     this run, so loaded: its own ``removed`` keys are known.)"""
     allow = [a.strip() for a in allow if a.strip()]
     old, new = _compared(saved), _compared(current)
+    named = {*old, *new}  # every setting either side has, a service's that is off included
     _services_compared(saved, current, old, new)
     harmless = (*HARMLESS, *harmless)
     changes = Changes()
     changes.harmless += _drop_removed({**REMOVED, **removed}, old, new)
     known = (ALL, *FINGERPRINT_FIELDS)  # a content name is known even when it has no leaf
     changes.unknown = [
-        name for name in allow
-        if name not in known and not any(_covers(name, k) for k in (*old, *new))
+        name for name in allow if name not in known and not any(_covers(name, k) for k in named)
     ]  # fmt: skip
     why = _code_not_compared(saved, current)
     if why:  # nothing to compare one side's code with: neither a change nor the same

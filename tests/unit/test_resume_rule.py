@@ -172,6 +172,10 @@ def test_an_old_checkpoint_s_switched_off_gateway_is_no_change() -> None:
     old["gateway"] |= {"agent": ["python", "a.py"], "session_timeout_s": 5.0}
     off = compare(_side(old), _side(_config(gateway={"enabled": False, "port": 9})))
     assert (off.refused, off.allowed, off.harmless) == ([], [], [])
+    # naming it in --allow-changed is no mistake: it is a setting, with nothing to accept
+    named = compare(_side(old), _side(_config(gateway={"enabled": False})), ["gateway.port"])
+    assert (named.unknown, named.allowed) == ([], [])
+    assert compare(_side(old), _side(_config()), ["gateway.prot"]).unknown == ["gateway.prot"]
     # on in the checkpoint, absent now: the one change is that it is off
     old["gateway"]["enabled"] = True
     dropped = compare(_side(old), _side(_config()))
