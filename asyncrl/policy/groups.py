@@ -177,8 +177,8 @@ class Group:
     index: int = field(kw_only=True)
     """The group's position in the prompt stream (what the prompt ledger records)."""
     worker: str = field(default="", kw_only=True)
-    """The rollout worker that generates (or generated) it ("" for a group restored from a
-    checkpoint, or an evaluation group not sent yet)."""
+    """The rollout worker a single-turn group's request went to ("" for a group of multi-turn
+    episodes, whose turns each pick one, or a group restored from a checkpoint)."""
     prompt_text: str = field(default="", kw_only=True)
     """The prompt as one line of text, for completion tables ("" when restored)."""
     prompt: Prompt | None = field(default=None, kw_only=True, repr=False)

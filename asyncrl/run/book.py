@@ -487,6 +487,7 @@ class RolloutBook:
             elif state in (SCORING, READY) and missing:
                 out.append(f"{gid} is {state} with {missing} samples missing")
         owed: Counter[str] = Counter()
+        out += self._requests.problems()
         for entry in self._requests:
             if entry.worker not in self._workers:
                 out.append(f"request {entry.request_id} is in flight on unknown worker "

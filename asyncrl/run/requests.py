@@ -73,6 +73,8 @@ class RequestTable:
     def __init__(self) -> None:
         self._requests: dict[str, Request] = {}
         self._owed: Counter[str] = Counter()
+        self._by_group: dict[str, dict[str, Request]] = {}
+        """The same requests by group id (a refit's aborts and a failure look a group's up)."""
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -104,6 +106,7 @@ class RequestTable:
             raise ValueError(f"request {request!r} is in flight already")
         entry = Request(request, group_id, index, n, worker, version, answered, to_come=n)
         self._requests[request] = entry
+        self._by_group.setdefault(group_id, {})[request] = entry
         self._owed[worker] += n
         return entry
 
@@ -112,7 +115,7 @@ class RequestTable:
         entry.to_come -= 1
         self._owed[entry.worker] -= 1
         if entry.to_come == 0:
-            del self._requests[entry.request_id]
+            self._forget(entry)
 
     def end(self, request: str) -> Request:
         """Its worker said it failed, or its answer came back: it is gone, with whatever it
@@ -121,7 +124,8 @@ class RequestTable:
         Raises:
             KeyError: no such request in flight.
         """
-        entry = self._requests.pop(request)
+        entry = self._requests[request]
+        self._forget(entry)
         self._owed[entry.worker] -= entry.to_come
         entry.to_come = 0
         return entry
@@ -139,10 +143,26 @@ class RequestTable:
         """``worker`` died: its requests are gone (returned, in the order they were sent)."""
         lost = [r for r in self._requests.values() if r.worker == worker]
         for r in lost:
-            del self._requests[r.request_id]
+            self._forget(r)
         self._owed[worker] = 0
         return lost
 
     def of_group(self, group_id: str) -> list[Request]:
-        """The requests in flight of ``group_id`` (its own, or its episodes' turns)."""
-        return [r for r in self._requests.values() if r.group_id == group_id]
+        """The requests in flight of ``group_id`` (its own, or its episodes' turns), in the
+        order they were sent."""
+        return list(self._by_group.get(group_id, {}).values())
+
+    def problems(self) -> list[str]:
+        """Where the table by group is not the table by id (none: ``[]``); for tests."""
+        indexed = {rid: e for of_group in self._by_group.values() for rid, e in of_group.items()}
+        if indexed != self._requests or not all(self._by_group.values()):
+            odd = sorted(indexed.keys() ^ self._requests.keys())[:5]
+            return [f"requests {odd} are in one of the tables by id and by group, not both"]
+        return []
+
+    def _forget(self, entry: Request) -> None:
+        del self._requests[entry.request_id]
+        of_group = self._by_group[entry.group_id]
+        del of_group[entry.request_id]
+        if not of_group:
+            del self._by_group[entry.group_id]
