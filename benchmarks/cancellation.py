@@ -14,7 +14,7 @@ Each path is driven by the very function its unit test calls (``tests/unit/test_
   (a daemon thread);
 - ``episode request``: an episode's deadline strikes while its turn is in flight; until the
   abort of that turn's request is sent (the :class:`~asyncrl.run.episodes.EpisodeRunner` on
-  the real rollout book and scheduler, the workers played by the test's harness);
+  the real live groups and rollout phase, the workers played by the test's harness);
 - ``episode tool``: the group of an episode in a tool call is aborted; until the tool's
   ``finally``.
 

@@ -51,6 +51,7 @@ import numpy as np
 import structlog
 
 from asyncrl.policy.groups import CompletedSample, Group, Part
+from asyncrl.policy.live import LiveGroups
 from asyncrl.checkpoints.checksums import HASH, digest_bytes, seal_tree, verify_tree
 from asyncrl.errors import AsyncRLError
 from asyncrl.procs.process import pid_exists
@@ -65,6 +66,8 @@ __all__ = [
     "commit",
     "decode_state",
     "encode_state",
+    "restore",
+    "snapshot",
     "latest",
     "list_checkpoints",
     "open_checkpoint",
@@ -239,13 +242,47 @@ class ControllerState(msgspec.Struct, kw_only=True):
     """The trainer version: optimizer steps taken."""
     finished: bool
     scheduler: dict[str, Any]
-    """:meth:`asyncrl.policy.schedule.Scheduler.state_dict` (versions, counters, prompt-stream
+    """:meth:`asyncrl.policy.live.LiveGroups.state_dict` (versions, counters, prompt-stream
     cursor, the sampler's state, the prompt ledger, ready groups, prompts to dispatch
     again)."""
     groups: list[SavedGroup]
     """The ready groups' payloads, in the scheduler's order."""
     evals: list[dict[str, Any]] = []
     """Held-out evaluations so far."""
+
+
+def snapshot(table: LiveGroups) -> ControllerState:
+    """The run's live groups at a step boundary (no open step, no refit): the table's state
+    (with the prompt ledger) and the ready groups' samples, in the table's order."""
+    return ControllerState(
+        step=table.trainer_version,
+        finished=table.finished,
+        scheduler=table.state_dict(),
+        groups=[SavedGroup.of(g) for g in table.ready_groups()],
+    )
+
+
+def restore(table: LiveGroups, state: ControllerState) -> tuple[int, set[int]]:
+    """Load a :func:`snapshot` into a fresh table (nothing dispatched yet). Returns where the
+    prompt stream goes on: the first position to read, and the positions before the old
+    frontier to skip (those not dispatched again).
+
+    Raises:
+        CheckpointError: the state lists ready groups without their samples.
+    """
+    records = {g.group_id: g.group() for g in state.groups}
+    ready = {f"g{int(g['index'])}" for g in state.scheduler.get("ready", [])}
+    if ready != records.keys():
+        missing = sorted(ready - records.keys())
+        raise CheckpointError(
+            f"the checkpoint of step {state.step} lists ready groups {missing[:5]} without "
+            "their samples. Fix: resume from an older checkpoint"
+        )
+    table.load_state_dict(state.scheduler, records)
+    again = {int(i) for i, _ in state.scheduler["redispatch"]}
+    frontier = table.next_index
+    start = min(again | {frontier})
+    return start, set(range(start, frontier)) - again
 
 
 def encode_state(state: ControllerState) -> bytes:

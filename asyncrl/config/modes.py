@@ -1,7 +1,7 @@
 """What a config's asynchrony settings amount to: the mode in one line, the derived
 capacities, and advice (pure; ``asyncrl check-config`` prints it, docs/modes.md explains it);
-and the run's :class:`~asyncrl.policy.schedule.Scheduler`, built from the same settings
-(:func:`make_scheduler`: the controller builds one per run).
+and the run's table of live groups (:class:`~asyncrl.policy.live.LiveGroups`), built from the
+same settings (:func:`make_groups`: the controller builds one per run).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 from asyncrl.config import Config, required_buffer_capacity
 from asyncrl.config.engines import DRAIN_TIMEOUT_S
 from asyncrl.policy.samplers import DescribesMode, in_flight_at_refit
-from asyncrl.policy.schedule import Scheduler
+from asyncrl.policy.live import LiveGroups
 
 __all__ = [
     "DYNAMIC_SAMPLING_DROPS_PER_PROMPT", "DYNAMIC_SAMPLING_MIN_STD", "ModeReport", "describe",
-    "make_scheduler", "objective", "run_steps",
+    "make_groups", "objective", "run_steps",
 ]
 
 
@@ -207,13 +207,13 @@ solved or hopeless task cannot stall the run (docs/losses.md, "Dynamic sampling"
 config key ``grpo.dynamic_sampling_max_drops`` (issue 50), whose default ``0`` meant this."""
 
 
-def make_scheduler(cfg: Config, train_prompts: int = 0) -> Scheduler:
-    """The run's :class:`~asyncrl.policy.schedule.Scheduler` with the configured sampler (a
+def make_groups(cfg: Config, train_prompts: int = 0) -> LiveGroups:
+    """The run's :class:`~asyncrl.policy.live.LiveGroups` with the configured sampler (a
     fresh one: it keeps state) and caps (``train_prompts``: the train split's size, for the
     ledger's epochs: each epoch drops the remainder of a batch)."""
     g = cfg.grpo
     per_step = g.prompts_per_step
-    return Scheduler(
+    return LiveGroups(
         cfg.make_sampler(),
         prompts_per_step=per_step,
         samples_per_prompt=cfg.grpo.samples_per_prompt,

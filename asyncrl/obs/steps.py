@@ -25,7 +25,7 @@ import structlog
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.policy.loss_inputs import kl_estimate
 from asyncrl.wire.messages import ChunkResult, StepResult, TrainBatch
-from asyncrl.policy.schedule import StepStats
+from asyncrl.policy.counts import StepStats
 from asyncrl.obs.timeline import worker_spans
 from asyncrl.policy.verify import Agreement
 

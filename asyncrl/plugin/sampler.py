@@ -9,7 +9,9 @@ half of the scheduler (docs/modes.md).
 - ``GroupView``: one live group as the scheduler shows it (read-only).
 - ``OversampledConfig``: the built-in ``oversampled`` sampler's config, to build on.
 - ``OversampledSampler``: the built-in ``oversampled`` sampler, to build on.
-- ``Scheduler``: the real scheduler, to drive a sampler with in its tests.
+- ``LiveGroups``: the run's table of live groups (what a sampler sees), for its tests.
+- ``RolloutPhase``: the real rollout phase (dispatch to commit), for its tests.
+- ``TrainPhase``: the real train phase (chunks, steps), for its tests.
 """
 
 from __future__ import annotations
@@ -24,16 +26,20 @@ from asyncrl.policy.samplers import (
     SamplerPlugin,
     SchedulerView,
 )
-from asyncrl.policy.schedule import Scheduler
+from asyncrl.policy.live import LiveGroups
+from asyncrl.run.rollout_phase import RolloutPhase
+from asyncrl.run.train_phase import TrainPhase
 
 __all__ = [
     "DecidesInFlight",
     "DescribesMode",
     "GroupView",
+    "LiveGroups",
     "OversampledConfig",
     "OversampledSampler",
+    "RolloutPhase",
     "Sampler",
     "SamplerPlugin",
-    "Scheduler",
     "SchedulerView",
+    "TrainPhase",
 ]

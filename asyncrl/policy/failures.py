@@ -29,7 +29,7 @@ worker is restarted in place and its groups are sent again outside this budget
 (which resumes from its last checkpoint).
 
 The budget keeps no table of groups: how many times a group's generation was retried is the
-scheduler's to count, with the group (:class:`~asyncrl.policy.slots.Slot`), and is handed in.
+live groups' to count, with the group (:class:`~asyncrl.policy.groups.Group`), and is handed in.
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
-"""A prompt group's payload, one object from dispatch to the optimizer step.
+"""A prompt group, one record from dispatch to the optimizer step: its state and its payload.
 
-Pure data. The :class:`~asyncrl.run.book.RolloutBook` keeps one :class:`Group` per group it
-tracks (the scheduler keeps the group's state, :mod:`asyncrl.policy.schedule`); the same object
-goes from generating to scored to trained, so a sample is reshaped only where it must be: the
-raw sample as it arrives, then the scored sample the trainer packs.
+Pure data. The table of live groups (:class:`~asyncrl.policy.live.LiveGroups`) keeps one
+:class:`Group` per group it tracks; the same object goes from generating to scored to trained,
+so a sample is reshaped only where it must be: the raw sample as it arrives, then the scored
+sample the trainer packs. Its states::
+
+    GENERATING ──its n samples (episodes) back──► SCORING ──committed──► READY ──► taken
+        │  ▲ dispatched again                                              (the open step's)
+        ▼  │
+    RETRYING (generation failed or its worker died; still live)
+    ABORTING (hopeless at a refit, or the run ended; its samples still come back)
 """
 
 from __future__ import annotations
@@ -17,7 +23,22 @@ import numpy as np
 if TYPE_CHECKING:
     from asyncrl.environment import Prompt
 
-__all__ = ["CompletedSample", "Group", "Part", "Rewards", "aligned_mask"]
+__all__ = [
+    "ABORTING",
+    "GENERATING",
+    "READY",
+    "RETRYING",
+    "SCORING",
+    "CompletedSample",
+    "Group",
+    "Part",
+    "Rewards",
+    "aligned_mask",
+]
+
+GENERATING, SCORING, READY, ABORTING = "generating", "scoring", "ready", "aborting"
+RETRYING = "retrying"
+"""Generation failed and will be tried again (still live: it keeps its place and its step)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +183,9 @@ class Rewards(Sequence[float]):
 
 @dataclass
 class Group:
+    """One dispatched group: what samplers see as a ``GroupView`` (its ids, versions, state
+    and rewards) and what the trainer packs (its prompt and samples)."""
+
     group_id: str
     prompt_id: str
     prompt_ids: list[int]
@@ -184,8 +208,27 @@ class Group:
     prompt: Prompt | None = field(default=None, kw_only=True, repr=False)
     """The prompt itself, for scoring and for dispatching the group again (``None`` when
     restored from a checkpoint: such a group is scored already)."""
+    state: str = field(default=GENERATING, kw_only=True)
+    finished: int = field(default=0, kw_only=True)
+    """Samples (episodes) back of this dispatch, complete or cut short."""
+    ready_seq: int = field(default=-1, kw_only=True)
+    """Completion order among ready groups (-1 while not ready)."""
+    retries: int = field(default=0, kw_only=True)
+    """Times its generation failed and was retried (a worker's death is not counted)."""
+    informative: bool = field(default=False, kw_only=True)
+    """Dynamic sampling found its rewards spread out (it keeps it, and does not look again)."""
 
     @property
-    def rewards(self) -> Rewards:
-        """The scored samples' rewards (a view, not a copy)."""
-        return Rewards(self.samples)
+    def n(self) -> int:
+        """Samples (episodes) in the group."""
+        return len(self.samples)
+
+    @property
+    def ready(self) -> bool:
+        """Scored: every sample came back and has its reward."""
+        return self.state == READY
+
+    @property
+    def rewards(self) -> Sequence[float]:
+        """The scored samples' rewards once ready (a view, not a copy); empty before."""
+        return Rewards(self.samples) if self.state == READY else ()

@@ -1,8 +1,9 @@
-"""Staleness samplers: the policy half of the scheduler (pure, no I/O).
+"""Staleness samplers: the policy half of scheduling (pure, no I/O).
 
-A sampler answers four questions for :class:`~asyncrl.policy.schedule.Scheduler`, which owns every
-piece of state and checks every invariant (capacity, the staleness bound, each group counted
-once); the sampler only chooses:
+A sampler answers four questions for the run's two phases (:mod:`asyncrl.run.rollout_phase`,
+:mod:`asyncrl.run.train_phase`), which with the table of live groups
+(:class:`~asyncrl.policy.live.LiveGroups`) own every piece of state and check every invariant
+(capacity, the staleness bound, each group counted once); the sampler only chooses:
 
 * :meth:`Sampler.admit` — may one more prompt group be dispatched now, and for which step
   (``None`` when it is not bound to one)? This is where generation is held back;

@@ -1,7 +1,7 @@
-"""What the rollout book answers and decides (pure data): the kind of each message from a
-rollout worker (:class:`Arrival`), a group dispatched (:class:`Sent`), a chunk handed out
-(:class:`Taken`), what a lost worker left (:class:`Lost`), what an abort must reach
-(:class:`Aborts`), and the checks of one sample.
+"""What the rollout phase answers and decides (pure data): the kind of each message from a
+rollout worker (:class:`Arrival`), a group dispatched (:class:`Sent`), what a lost worker left
+(:class:`Lost`), what an abort must reach (:class:`Aborts`), and the checks of one sample
+(:mod:`asyncrl.run.rollout_phase`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "BookError",
     "Lost",
     "Sent",
-    "Taken",
     "malformed",
     "store",
     "stranger",
@@ -38,7 +37,7 @@ __all__ = [
 class ArrivalKind(enum.Enum):
     """What a message from a rollout worker turned out to be (:attr:`Arrival.kind`).
 
-    For a sample (:meth:`RolloutBook.sample_arrived`):
+    For a sample (:meth:`RolloutPhase.sample_arrived`):
 
     - ``REJECTED``: a stranger's (no such request in flight on that worker) or a duplicate:
       nothing changed;
@@ -48,15 +47,15 @@ class ArrivalKind(enum.Enum):
     - ``DISCARDED``: the last sample of a group being aborted (the group is gone), or an
       abandoned request's;
     - ``COMPLETE``: the last episode of its group: score the group, then
-      :meth:`RolloutBook.commit` it (or :meth:`RolloutBook.score_failed`);
+      :meth:`RolloutPhase.commit` it (or :meth:`RolloutPhase.score_failed`);
     - ``ANSWER``: the sample of an answered request (an episode's turn, an evaluation's
       prompt): hand it to whoever waits for it.
 
-    For a ``GroupFailed`` (:meth:`RolloutBook.check_failure`): ``REJECTED``; ``IN_FLIGHT`` (a
-    group in flight: decide, then :meth:`RolloutBook.failed`); ``ANSWER_FAILED`` (an answered
+    For a ``GroupFailed`` (:meth:`RolloutPhase.check_failure`): ``REJECTED``; ``IN_FLIGHT`` (a
+    group in flight: decide, then :meth:`RolloutPhase.failed`); ``ANSWER_FAILED`` (an answered
     request, gone: tell whoever waits); ``DISCARDED`` (an abandoned request's).
 
-    A multi-turn episode's end (:meth:`RolloutBook.episode_ended`) is ``PENDING``,
+    A multi-turn episode's end (:meth:`RolloutPhase.episode_ended`) is ``PENDING``,
     ``DISCARDED`` or ``COMPLETE``, as a sample is.
     """
 
@@ -80,17 +79,17 @@ ENDED = "ended"
 
 
 class BookError(RuntimeError):
-    """An event the book's state does not allow (a bug in a caller)."""
+    """An event the rollout phase's state does not allow (a bug in a caller)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """What :meth:`RolloutBook.sample_arrived` or :meth:`RolloutBook.check_failure` found."""
+    """What :meth:`RolloutPhase.sample_arrived` or :meth:`RolloutPhase.check_failure` found."""
 
     kind: ArrivalKind
     group: Group | None = None
     """``COMPLETE``: the group to score (read it; the book changes it only at
-    :meth:`RolloutBook.commit`). ``IN_FLIGHT``: the group that failed."""
+    :meth:`RolloutPhase.commit`). ``IN_FLIGHT``: the group that failed."""
     detail: str = ""
     """``REJECTED`` / ``MALFORMED``: what is wrong."""
     aborting: bool = False
@@ -115,17 +114,8 @@ class Sent:
 
 
 @dataclass(frozen=True)
-class Taken:
-    """What :meth:`RolloutBook.next_chunk` handed out: groups for the open step (empty:
-    wait for a commit) and the ids of groups evicted for good."""
-
-    groups: list[Group]
-    evicted: list[str]
-
-
-@dataclass(frozen=True)
 class Lost:
-    """What :meth:`RolloutBook.worker_lost` did."""
+    """What :meth:`RolloutPhase.worker_lost` did."""
 
     again: int
     """Groups dispatched again."""

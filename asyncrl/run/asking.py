@@ -3,13 +3,13 @@ evaluation's prompt.
 
 ::
 
-    Asker.ask() ──book.start_turn()──► a worker ──Cast(Generate([1 request]))──► engine
-    Feeder ◄──SampleDone── worker; book.sample_arrived(): ANSWER ──answered()──► the asker
+    Asker.ask() ──rollout.start_turn()──► a worker ──Cast(Generate([1 request]))──► engine
+    Feeder ◄──SampleDone── worker; rollout.sample_arrived(): ANSWER ──answered()──► the asker
 
-The book (:mod:`asyncrl.run.book`) owns the requests in flight; the :class:`Asker` owns what
+The rollout phase (:mod:`asyncrl.run.rollout_phase`) owns the requests in flight; the :class:`Asker` owns what
 waits: the slot each request's answer is delivered into. Every answered request ends exactly
 one way: its sample comes back (``ANSWER``), its worker reports it failed (``ANSWER_FAILED``),
-its worker is lost (:meth:`Asker.lost`), or whoever asked is cancelled (the book abandons the
+its worker is lost (:meth:`Asker.lost`), or whoever asked is cancelled (the rollout phase abandons the
 request and the worker is told to abort it).
 """
 
@@ -23,7 +23,8 @@ import anyio
 import structlog
 
 from asyncrl.data.prompts import sample_seed
-from asyncrl.run.book import RolloutBook
+from asyncrl.policy.live import LiveGroups
+from asyncrl.run.rollout_phase import RolloutPhase
 from asyncrl.run.requests import Request, request_id
 from asyncrl.run.wake import Signal
 from asyncrl.wire.messages import GenRequest, Sample
@@ -101,17 +102,19 @@ class Asker:
     """Asks the engines for one sample at a time on behalf of episodes and evaluations.
 
     Args:
-        book: the run's rollout book (the owner of every request in flight).
+        rollout: the run's rollout phase (the owner of every request in flight).
+        groups: the run's live groups (the version the generators serve).
         send: ``send(worker, request)``: ask ``worker`` for one sample (a ``GenRequest``).
         abort: ``abort(worker, request_ids)``: tell ``worker`` to abort these requests.
         serving: the rollout workers that serve now.
-        changed: the book changed; waited on while no worker serves.
+        changed: the live groups changed; waited on while no worker serves.
         seed: ``run.seed`` (each request's sampling seed derives from it and its id).
     """
 
     def __init__(
         self,
-        book: RolloutBook,
+        rollout: RolloutPhase,
+        groups: LiveGroups,
         *,
         send: Callable[[str, GenRequest], Awaitable[Any]],
         abort: Callable[[str, list[str]], Awaitable[Any]],
@@ -119,20 +122,21 @@ class Asker:
         changed: Signal,
         seed: int,
     ) -> None:
-        self._book, self._send, self._abort = book, send, abort
+        self._rollout, self._groups = rollout, groups
+        self._send, self._abort = send, abort
         self._serving, self._changed, self._seed = serving, changed, seed
         self._slots: dict[str, _Slot] = {}
         """Request id → where its answer goes, for every request someone waits for."""
 
     # ------------------------------------------------------------------ what comes back
     def answered(self, request: Request, sample: Sample) -> None:
-        """The book's ``ANSWER``: hand the sample to whoever waits for it."""
+        """The rollout phase's ``ANSWER``: hand the sample to whoever waits for it."""
         slot = self._slots.get(request.request_id)
         if slot is not None:
             slot.answer(sample)
 
     def failed(self, request: Request, error: str, retryable: bool) -> None:
-        """The book's ``ANSWER_FAILED``: the worker could not generate it."""
+        """The rollout phase's ``ANSWER_FAILED``: the worker could not generate it."""
         slot = self._slots.get(request.request_id)
         if slot is not None:
             slot.answer(None, _Lost(error, retryable=retryable, counts=True))
@@ -150,7 +154,7 @@ class Asker:
         self, question: Question, prompt_ids: list[int], max_tokens: int, temperature: float
     ) -> tuple[Sample, int]:
         """One sample of ``prompt_ids`` (greedy for an evaluation) and the weight version the
-        generators served when it was asked: a request on a worker the book picks, asked
+        generators served when it was asked: a request on a worker the rollout phase picks, asked
         again on another when its worker is lost, and at most :data:`ASK_ATTEMPTS` times when
         its worker reports a failure.
 
@@ -163,7 +167,7 @@ class Asker:
         while True:
             rid = question.next_id()
             chosen = question.worker = await self._place(question, rid)
-            version = self._book.generator_version
+            version = self._groups.generator_version
             request = GenRequest(
                 group_id=rid, prompt_ids=prompt_ids, n=1, max_tokens=max_tokens,
                 temperature=temperature, greedy=question.evaluation,
@@ -178,15 +182,15 @@ class Asker:
                                         retryable=lost.retryable) from None  # fmt: skip
 
     async def _place(self, question: Question, rid: str) -> str:
-        """The worker for request ``rid`` (the book charges it); waits while none serves."""
-        book = self._book
+        """The worker for request ``rid`` (the rollout phase charges it); waits while none serves."""
+        rollout = self._rollout
         group_id = "" if question.evaluation else question.group_id
         while True:
-            chosen = book.start_turn(rid, self._serving(), question.worker, group_id=group_id,
+            chosen = rollout.start_turn(rid, self._serving(), question.worker, group_id=group_id,
                                      index=question.index)  # fmt: skip
             if chosen is not None:
                 return chosen
-            if group_id and not book.generating(group_id):
+            if group_id and not rollout.generating(group_id):
                 # its group is being aborted: the episode is cancelled at once
                 await anyio.sleep_forever()
             await self._changed.wait()
@@ -198,7 +202,7 @@ class Asker:
             await slot.done.wait()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                to = self._book.abandon_turn(rid)
+                to = self._rollout.abandon_turn(rid)
                 if to is not None:
                     await self.abort_quietly(to, [rid])
             raise
@@ -234,5 +238,5 @@ def build_asker(ctx: RunContext) -> Asker:
         await control.call_unless_restarting(worker, Abort(group_ids=request_ids),
                                              timeout_s=timeout)  # fmt: skip
 
-    return Asker(ctx.book, send=send, abort=abort, serving=ctx.serving, changed=ctx.changed,
+    return Asker(ctx.rollout, ctx.groups, send=send, abort=abort, serving=ctx.serving, changed=ctx.changed,
                  seed=ctx.config.run.seed)  # fmt: skip

@@ -66,7 +66,7 @@ from asyncrl.procs.spawn import (
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.obs.startup import Startup
 from asyncrl.wire.messages import Hello, Init, TokenBatch
-from asyncrl.config.modes import make_scheduler
+from asyncrl.config.modes import make_groups
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
@@ -291,7 +291,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                     self._pipeline = Pipeline(
                         cfg, control=control, data_socket=pull, environment=environment,
                         tokenizer=tokenizer,
-                        scheduler=make_scheduler(cfg, len(environment.dataset("train"))),
+                        groups=make_groups(cfg, len(environment.dataset("train"))),
                         trainers=trainers, restarts=self._restarts,
                         transfer_address=addr.weights(control.peers["trainer:0"].capabilities),
                         metrics=metrics, clock_origin=t0, startup=startup,

@@ -2,13 +2,13 @@
 
 ::
 
-    rollout pump ──book.dispatch()──► Sent: a group of n episodes (no worker)
+    rollout pump ──rollout.dispatch()──► Sent: a group of n episodes (no worker)
         └─► EpisodeRunner.start(sent): n episode tasks, each ``environment.run_episode``
               Episode.generate() ──Asker.ask()──► one answered request per turn
               (:mod:`asyncrl.run.asking`), its sample back to the episode
-              the episode returns its Score ──book.episode_ended()──► COMPLETE: ctx.commit()
+              the episode returns its Score ──rollout.episode_ended()──► COMPLETE: ctx.commit()
 
-The book (:mod:`asyncrl.run.book`) owns what is in flight, turns included; the asker owns the
+The rollout phase (:mod:`asyncrl.run.rollout_phase`) owns what is in flight, turns included; the asker owns the
 slot each turn's answer is delivered into; the runner owns the episode tasks and each one's
 cancel scope.
 
@@ -45,7 +45,7 @@ from asyncrl.env.toolbox import ToolBox
 from asyncrl.env.tools import Tool
 from asyncrl.environment import Prompt, Score
 from asyncrl.policy.groups import CompletedSample
-from asyncrl.run import book as bk
+from asyncrl.run.rollout_phase import RolloutPhase
 from asyncrl.run.arrivals import ArrivalKind, Sent
 from asyncrl.run.asking import Asker, Question, RequestFailed
 from asyncrl.run.context import RunContext
@@ -98,7 +98,7 @@ class EpisodeFailed(RequestFailed):
 @dataclass
 class _GroupRun:
     """One dispatch of a group: its episodes' cancel scopes, how many ended, and whether it
-    was cancelled or failed (its episodes then end unreported: the book forgot them). An
+    was cancelled or failed (its episodes then end unreported: the rollout phase forgot them). An
     episode whose task starts after the cancel gets a scope cancelled already."""
 
     sent: Sent
@@ -130,15 +130,15 @@ class EpisodeRunner:
 
     Args:
         environment: the multi-turn environment.
-        book: the run's rollout book (the owner of every group and turn in flight).
+        rollout: the run's rollout phase (the owner of every turn in flight).
         asker: where each turn is asked of an engine (:mod:`asyncrl.run.asking`).
         record: a fresh token-exact record for a prompt (``Trajectory``).
         commit: ``commit(group_id, samples)``: a group's episodes all ended, scored
             (:meth:`RunContext.commit <asyncrl.run.context.RunContext.commit>`).
-        changed: the book changed (an episode ended).
+        changed: the live groups changed (an episode ended).
         fail_group: ``fail_group(group_id, prompt_id, error, retryable, tg)``: an episode
             failed (a back-off before its group's retry runs in ``tg``); returns the turns to
-            abort by worker (the book's answer).
+            abort by worker (the rollout phase's answer).
         limits, deadline_s, on_truncation, temperature: ``[episode]`` and ``[grpo]``.
         tools, parser: the run's tools and tool-call parser (``None``: the environment has no
             tools).
@@ -151,7 +151,7 @@ class EpisodeRunner:
         self,
         environment: EpisodeEnvironment,
         *,
-        book: bk.RolloutBook,
+        rollout: RolloutPhase,
         asker: Asker,
         record: Callable[[Prompt], Record],
         commit: Callable[[str, list[Any]], None],
@@ -165,7 +165,7 @@ class EpisodeRunner:
         parser: ToolCallParser | None = None,
         take_metrics: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
-        self._env, self._book, self._asker, self._record = environment, book, asker, record
+        self._env, self._rollout, self._asker, self._record = environment, rollout, asker, record
         self._commit, self._changed, self._fail_group = commit, changed, fail_group
         self._limits, self._deadline_s, self._on_truncation = limits, deadline_s, on_truncation
         self._temperature = temperature
@@ -194,11 +194,11 @@ class EpisodeRunner:
                 self._tg = None
 
     def start(self, sent: Sent) -> None:
-        """Start the ``sent.n`` episodes of a group the book dispatched."""
+        """Start the ``sent.n`` episodes of a group the rollout phase dispatched."""
         if self._tg is None:
             raise RuntimeError("EpisodeRunner.start() before run()")
         assert sent.prompt is not None and not sent.worker
-        run = _GroupRun(sent, dispatch=self._book.retries(sent.group_id))
+        run = _GroupRun(sent, dispatch=self._rollout.retries(sent.group_id))
         self._runs[sent.group_id] = run
         for i in range(sent.n):
             self._tg.start_soon(self._episode, run, i, name=f"episode-{sent.group_id}/{i}")
@@ -225,8 +225,8 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ aborts
     def cancel(self, group_ids: Sequence[str]) -> None:
-        """The book aborted these groups: cancel their episodes (each then ends with no
-        sample; their turns were abandoned by the book and their workers told)."""
+        """The rollout phase aborted these groups: cancel their episodes (each then ends with no
+        sample; their turns were abandoned by the rollout phase and their workers told)."""
         for gid in group_ids:
             run = self._runs.get(gid)
             if run is not None:
@@ -249,11 +249,11 @@ class EpisodeRunner:
             if run.ended == run.sent.n and self._runs.get(gid) is run:
                 del self._runs[gid]
         if run.failed:
-            return  # its group failed meanwhile: the book forgot it
+            return  # its group failed meanwhile: the rollout phase forgot it
         if failure is not None:
             self._failed(run, index, failure)
             return
-        arrival = self._book.episode_ended(gid, index, sample)
+        arrival = self._rollout.episode_ended(gid, index, sample)
         self._changed.notify()
         if arrival.kind is ArrivalKind.COMPLETE:  # scored already: ready to train
             assert arrival.group is not None
@@ -441,7 +441,7 @@ def build_runner(
     limits = Limits(ep.max_turns, ep.max_context_tokens,
                     ep.max_turn_tokens or config.grpo.max_new_tokens)  # fmt: skip
     return EpisodeRunner(
-        environment, book=ctx.book, asker=asker, record=record, commit=ctx.commit,
+        environment, rollout=ctx.rollout, asker=asker, record=record, commit=ctx.commit,
         changed=ctx.changed, fail_group=fail_group, limits=limits,
         deadline_s=ep.deadline_s if deadline_s is None else deadline_s,
         on_truncation=ep.on_truncation, temperature=config.grpo.temperature, tools=box,

@@ -1,10 +1,10 @@
-"""What comes in on the data socket: the feeder that hands each sample to the rollout book
-(:mod:`asyncrl.run.book`), has complete groups scored (:mod:`asyncrl.run.scoring`) and
+"""What comes in on the data socket: the feeder that hands each sample to the rollout phase
+(:mod:`asyncrl.run.rollout_phase`), has complete groups scored (:mod:`asyncrl.run.scoring`) and
 commits them.
 
 ::
 
-    PULL ──► Feeder ──book.sample_arrived()──► stored │ rejected (counted) │ complete
+    PULL ──► Feeder ──rollout.sample_arrived()──► stored │ rejected (counted) │ complete
                           answer: to whoever asked ◄──┘                     │ score (inline or thread)
                           (asking.py: an episode's turn, an evaluation)     └──► ctx.commit()
 """
@@ -44,7 +44,7 @@ log = structlog.get_logger("asyncrl.run.intake")
 
 
 class Feeder:
-    """Reads the data socket into the rollout book; scores and commits complete groups.
+    """Reads the data socket into the rollout phase; scores and commits complete groups.
 
     It counts the samples the engines cut short, by the step open when each arrived (a step
     record takes its count: :meth:`take_aborted`); ``changed`` wakes the rollout pump (once
@@ -61,7 +61,7 @@ class Feeder:
         redispatch: Redispatcher,
         rejections: Rejections,
     ) -> None:
-        self.ctx, self.config, self.book = ctx, ctx.config, ctx.book
+        self.ctx, self.config, self.rollout = ctx, ctx.config, ctx.rollout
         self.changed = ctx.changed
         self.asker = asker
         """Where an answered request's sample goes (an episode's turn, an evaluation's)."""
@@ -120,7 +120,7 @@ class Feeder:
                 self._take_sample(item, tg)
 
     def _take_failure(self, msg: GroupFailed, tg: anyio.abc.TaskGroup) -> None:
-        arrival = self.book.check_failure(msg)
+        arrival = self.rollout.check_failure(msg)
         match arrival.kind:
             case Kind.REJECTED:
                 self.rejections.reject("data", peer_name(msg.worker), arrival.detail)
@@ -137,7 +137,7 @@ class Feeder:
                 raise AssertionError(f"check_failure answered {other}")
 
     def _take_sample(self, msg: SampleDone, tg: anyio.abc.TaskGroup) -> None:
-        arrival = self.book.sample_arrived(msg)
+        arrival = self.rollout.sample_arrived(msg)
         match arrival.kind:
             case Kind.REJECTED:
                 self.rejections.reject("data", peer_name(msg.worker), arrival.detail)
@@ -149,10 +149,10 @@ class Feeder:
                 )
             case Kind.ANSWER:
                 assert arrival.request is not None and arrival.sample is not None
-                self.asker.answered(arrival.request, arrival.sample)  # as the book took it
+                self.asker.answered(arrival.request, arrival.sample)  # as the rollout phase took it
             case Kind.PENDING | Kind.DISCARDED | Kind.COMPLETE as kind:
                 if msg.sample.finish_reason == "abort":
-                    version = self.book.trainer_version
+                    version = self.ctx.groups.trainer_version
                     self._aborted[version] = self._aborted.get(version, 0) + 1
                 if kind is Kind.COMPLETE:
                     assert arrival.group is not None

@@ -1,24 +1,25 @@
-"""The run's loops around the rollout book, on one event loop, and what the controller asks of
+"""The run's loops around its live groups, on one event loop, and what the controller asks of
 them.
 
 ::
 
     prompt stream ──► rollout pump ──Generate (one per worker)──► rollout workers
-                        │ book.dispatch(): gate, capacity, samples            │ SampleDone each
+                        │ rollout.dispatch(): gate, capacity, samples         │ SampleDone each
                         │ in flight, the sampler, the least loaded worker      │ (a DataBatch if
                         ▼                                                      ▼  ready together)
-                    RolloutBook (asyncrl.run.book: every group, the load  ◄── Feeder (intake):
-                        │ per worker, evaluations; wraps the Scheduler)       sample_arrived,
-                        ▼ next_chunk(): evictions + a chunk of ready groups   score, commit
+                    LiveGroups (asyncrl.policy.live: every group)  ◄── RolloutPhase ◄── Feeder
+                        │ ▲ the rollout phase: requests, load per worker       sample_arrived,
+                        │ └ (asyncrl.run.rollout_phase), evaluations           score, commit
+                        ▼ training.next_chunk(): evictions + a chunk (asyncrl.run.train_phase)
                     train pump ──TrainChunk──► trainer ranks (one open optimizer step)
                         │ ┌ weights lock ─ FinishStep ─ finish_step ─ Abort hopeless groups ─
                         ▼ └ (drain) ─ SendWeights ∥ ReceiveWeights ─ end_refit (gate reopens) ┘
                     samples to disk (run.save_samples), verify (when due), log the step,
                     checkpoint / export, start a validation
 
-Who wakes whom: a book change the rollout pump may wait for (a sample back, a chunk taken,
+Who wakes whom: a change the rollout pump may wait for (a sample back, a chunk taken,
 a refit's end) fires ``changed``; a commit fires ``committed``, the train pump's only reason
-to look again. The pumps hold no group state: they carry out the book's decisions and time
+to look again. The pumps hold no group state: they carry out the phases' decisions and time
 the waits. Nothing here blocks the loop (prompts are tokenized and samples scored in threads).
 
 The controller calls :meth:`Pipeline.resume`, ``run``, ``request_checkpoint`` /
@@ -54,11 +55,14 @@ from asyncrl.obs.steps import RefitRecord, RolloutRecord, StepRecord, WorkerTime
 from asyncrl.obs.collector import collector_paused, pace
 from asyncrl.obs.watchdog import LoopLag, LoopWatchdog
 from asyncrl.policy.failures import FailureBudget
-from asyncrl.policy.schedule import Scheduler, StepStats
+from asyncrl.policy.counts import StepStats
+from asyncrl.policy.live import LiveGroups
 from asyncrl.run.train_step import StepAssembler, Trained
 from asyncrl.env.episode import EpisodeEnvironment
 from asyncrl.run.arrivals import Sent
-from asyncrl.run.book import RolloutBook
+from asyncrl.run.rollout_phase import RolloutPhase
+from asyncrl.run.train_phase import TrainPhase
+from asyncrl.checkpoints import directory as ckpt
 from asyncrl.run.context import RunContext
 from asyncrl.run.asking import build_asker
 from asyncrl.run.episodes import EpisodeRunner, build_runner
@@ -126,7 +130,7 @@ class RunStatus:
 
 
 class Pipeline:
-    """The run's loops around its :class:`~asyncrl.run.book.RolloutBook`. The
+    """The run's loops around its :class:`~asyncrl.policy.live.LiveGroups`. The
     :class:`~asyncrl.run.controller.Controller` builds it once the workers are ready and
     runs it in its task group; ``restarts`` says which rollout workers serve;
     ``reward_code``: the reward code's fingerprints taken as the run started (each checkpoint
@@ -140,7 +144,7 @@ class Pipeline:
         data_socket: AsyncSocket,
         environment: Environment,
         tokenizer: Tokenizer,
-        scheduler: Scheduler,
+        groups: LiveGroups,
         trainers: list[str],
         restarts: Restarts,
         transfer_address: str,
@@ -162,16 +166,18 @@ class Pipeline:
             self.services[name] = served
         self.episodic = isinstance(environment, EpisodeEnvironment)
         """A multi-turn environment: each group is ``n`` episodes (:mod:`asyncrl.run.episodes`)."""
-        self.book = RolloutBook(scheduler, self.rollouts, episodes=self.episodic)
+        self.groups = groups
+        self.rollout = RolloutPhase(groups, self.rollouts, episodes=self.episodic)
+        self.training = TrainPhase(groups)
         self.console = Console.for_run(config, tokenizer.decode, metrics,  # progress, samples
-                                       total_steps=scheduler.num_steps)  # fmt: skip
-        if scheduler.num_steps < config.run.num_steps:
-            log.info("run_bounded_by_epochs", steps=scheduler.num_steps,
+                                       total_steps=groups.num_steps)  # fmt: skip
+        if groups.num_steps < config.run.num_steps:
+            log.info("run_bounded_by_epochs", steps=groups.num_steps,
                      max_num_epochs=config.run.max_num_epochs, num_steps=config.run.num_steps)  # fmt: skip
         self.t0 = clock_origin
         self.startup = startup
         """The run's start up to its workers being ready: its record follows step 1's."""
-        self.changed = Signal()  # a book change the rollout pump (or a drain) may wait for
+        self.changed = Signal()  # a change the rollout pump (or a drain) may wait for
         self.committed = Signal()  # a commit: the train pump's only reason to look again
         self.rejections = rejections if rejections is not None else Rejections()
         self._gate_wait_s = 0.0  # dispatch time spent waiting for a refit, since the last step
@@ -195,7 +201,8 @@ class Pipeline:
     ) -> None:
         cfg, control, trainers, metrics = self.config, self.control, self.trainers, self.metrics
         ctx = RunContext(
-            cfg, control, trainers, self.book, serving=lambda: self.restarts.serving,
+            cfg, control, trainers, self.groups, self.rollout, self.training,
+            serving=lambda: self.restarts.serving,
             changed=self.changed, committed=self.committed, failures=self.failures,
             probes=self.probes, metrics=metrics, now=self.now,
         )  # fmt: skip
@@ -204,7 +211,8 @@ class Pipeline:
         self.publisher = Publisher(ctx, kv=kv, transfer_address=transfer,
                                    rejections=self.rejections,
                                    cancel_episodes=self._cancel_episodes)  # fmt: skip
-        self.redispatch = Redispatcher(self.book, failures=self.failures, wake=self.changed.notify)
+        self.redispatch = Redispatcher(self.rollout, self.groups, failures=self.failures,
+                                       wake=self.changed.notify)  # fmt: skip
         # the environment the run trains on (a service's, if one stands in front), checked once
         parts = check_environment(environment, cfg.environment.name, scored=True)
         self.asker = build_asker(ctx)
@@ -242,11 +250,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the controller's API
     async def resume(self, resume: Resume) -> None:
-        """Take over a checkpoint before anything is dispatched: the book (the scheduler,
-        its ready groups with their samples, the prompts to dispatch again, the prompt
+        """Take over a checkpoint before anything is dispatched: the live groups (their
+        counts and versions, the ready groups with their samples, the prompts to dispatch again, the prompt
         ledger), the prompt stream's position, and the trainers' state. Cancellation: the
         trainers' load is abandoned (the run stops)."""
-        start, skip = self.book.restore(resume.state)
+        start, skip = ckpt.restore(self.groups, resume.state)
         self.prompts.skip_to(start, skip=skip)
         self.resumed_from = resume.state.step
         await self.checkpointer.resume(resume)
@@ -284,7 +292,7 @@ class Pipeline:
             async with self._weights:
                 await self.publisher.first(self.resumed_from is not None, self.prompts, self.tok)
             if cfg.eval.num_prompts and cfg.eval.at_start and self.resumed_from is None:
-                await self.evaluator.evaluate("start", self.book.generator_version)
+                await self.evaluator.evaluate("start", self.groups.generator_version)
             async with anyio.create_task_group() as pumps:
                 pumps.start_soon(self.rollout_pump, name="rollout-pump")
                 pumps.start_soon(self.train_pump, name="train-pump")
@@ -292,7 +300,7 @@ class Pipeline:
                 await self.samples.flushed()  # every trained step's lines, before the writer stops
             await self._finish()
             if cfg.eval.num_prompts and cfg.eval.at_end:
-                await self.evaluator.evaluate("end", self.book.generator_version)
+                await self.evaluator.evaluate("end", self.groups.generator_version)
             tg.cancel_scope.cancel()
 
     def _summary(self) -> RunSummary:
@@ -326,13 +334,13 @@ class Pipeline:
     def status(self) -> RunStatus:
         last = self.checkpointer.last
         return RunStatus(
-            step=self.book.trainer_version,
+            step=self.groups.trainer_version,
             checkpoint=str(last) if last is not None else None,
-            ledger=[dataclasses.asdict(e) for e in self.book.ledger_report()],
+            ledger=[dataclasses.asdict(e) for e in self.groups.ledger_report()],
             workers=self.control.pids(),
             clock_origin=self.t0,
-            inflight_samples=self.book.inflight_samples,
-            requests_in_flight=self.book.requests_in_flight,
+            inflight_samples=self.groups.inflight_samples,
+            requests_in_flight=self.rollout.requests_in_flight,
         )
 
     async def generator_logprobs(
@@ -378,22 +386,22 @@ class Pipeline:
 
     # ------------------------------------------------------------------ rollout pump
     async def rollout_pump(self) -> None:
-        """Dispatch groups whenever the book allows, in one ``Generate`` per worker per
+        """Dispatch groups whenever the rollout phase allows, in one ``Generate`` per worker per
         round, until the run's last step is trained.
 
-        Cancellation: stops dispatching; groups already dispatched stay in the book.
+        Cancellation: stops dispatching; groups already dispatched stay live.
         """
-        ahead = self.book.max_buffered_groups
-        while not self.book.finished:
+        ahead = self.groups.max_buffered_groups
+        while not self.groups.finished:
             # tokenize the next prompts off-loop before deciding: a decision and its
             # Generate must not be separated by a refit
-            await self.prompts.prefetch(self.book.next_index + ahead, self.tok)
+            await self.prompts.prefetch(self.groups.next_index + ahead, self.tok)
             serving, now = self.restarts.serving, self.now()
             sent: list[Sent] = []
             # at most DISPATCH_ROUND groups per round: a first round of hundreds would hold
             # the loop for tens of milliseconds
             while len(sent) < DISPATCH_ROUND and isinstance(
-                d := self.book.dispatch(serving, self.prompts.get, now), Sent
+                d := self.rollout.dispatch(serving, self.prompts.get, now), Sent
             ):
                 sent.append(d)
             if sent and self.episodes is not None:
@@ -426,18 +434,18 @@ class Pipeline:
 
     # ------------------------------------------------------------------ train pump
     async def train_pump(self) -> None:
-        """Train each step from the book's chunks, publish it, save, until the run's last
+        """Train each step from the train phase's chunks, publish it, save, until the run's last
         step is trained.
 
         Cancellation: an open optimizer step is abandoned (the run is over).
         """
         async with anyio.create_task_group() as validations:
-            while not self.book.finished:
+            while not self.groups.finished:
                 await self._step(validations)
 
     async def _step(self, validations: anyio.abc.TaskGroup) -> None:
         """One step: trained and published, verified when due, logged, saved."""
-        step = self.book.trainer_version
+        step = self.groups.trainer_version
         trained, stats, refit = await self._train_and_publish(step)
         train = trained.record
         if self.samples is not None:  # what the trainer got, once the step counts
@@ -451,8 +459,9 @@ class Pipeline:
         await anyio.lowlevel.checkpoint()  # the record took ~1 ms; the next chunk's packing another
         self.publisher.check_verified(verification)
         # a step boundary: no step open, the gate open, the trainer at step + 1
-        book = self.book
-        await self.checkpointer.after_step(book.trainer_version, book.finished, book.snapshot)
+        groups = self.groups
+        await self.checkpointer.after_step(groups.trainer_version, groups.finished,
+                                           lambda: ckpt.snapshot(groups))  # fmt: skip
         every, num_prompts = self.config.eval.every_steps, self.config.eval.num_prompts
         if every and num_prompts and (step + 1) % every == 0:
             self.evaluator.start_validation(validations, step + 1, self.checkpointer.note_eval)
@@ -475,9 +484,9 @@ class Pipeline:
         """The last step is trained: abort what is still generating and wait (bounded) for
         its samples, so the engines are idle for the final evaluation and every dispatched
         group is accounted for."""
-        await self.publisher.abort(self.book.close())
+        await self.publisher.abort(self.rollout.close())
         with anyio.move_on_after(self.config.cluster.call_timeout_s):
-            while not self.book.drained:
+            while not self.groups.drained:
                 await self.changed.wait()
 
     def _take_rollout(self, step: int) -> RolloutRecord:
@@ -488,10 +497,10 @@ class Pipeline:
                              gate_wait_s=gate_wait_s, score_s=self.scorer.take_spent())  # fmt: skip
 
     def _log_step(self, rec: StepRecord, result: StepResult, stats: StepStats) -> None:
-        book = self.book
+        groups = self.groups
         record = rec.metrics(
-            result, rec.refit.refit_s, stats, buffer_ready=book.num_ready,
-            buffer_live=book.num_live, inflight_samples=book.inflight_samples,
+            result, rec.refit.refit_s, stats, buffer_ready=groups.num_ready,
+            buffer_live=groups.num_live, inflight_samples=groups.inflight_samples,
             loop_lags=self.lag.take(), rejected_frames=self.rejections.total, now=self.now(),
         )  # fmt: skip
         if self.episodes is not None:

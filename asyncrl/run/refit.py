@@ -6,9 +6,9 @@ verifies the refit when due, and reopens the gate on the new version.
 
 ::
 
-    Publisher.publish():  book.finish_step() (gate closes) ─► Abort hopeless groups ─► drain
+    Publisher.publish():  training.finish_step() (gate closes) ─► Abort hopeless groups ─► drain
                           (optional) ─► KV scales ─► SendWeights ∥ ReceiveWeights ─►
-                          book.end_refit() (gate reopens)
+                          training.end_refit() (gate reopens)
 
 Every method that refits runs under the pipeline's weights lock (:mod:`asyncrl.run.loops`).
 """
@@ -33,7 +33,7 @@ from asyncrl.errors import RefitError, WorkerError, flatten
 from asyncrl.obs.steps import RefitRecord, Verification
 from asyncrl.policy.grpo import shard_tokens
 from asyncrl.policy.samplers import in_flight_at_refit
-from asyncrl.policy.schedule import StepStats
+from asyncrl.policy.counts import StepStats
 from asyncrl.policy import verify
 from asyncrl.policy.verify import Agreement, RefitCheck, make_probe, verification_due
 from asyncrl.run.arrivals import Aborts
@@ -322,7 +322,8 @@ class Publisher:
         cancel_episodes: Callable[[list[str]], None] | None = None,
     ) -> None:
         config = self.config = ctx.config
-        self.control, self.trainers, self.book = ctx.control, ctx.trainers, ctx.book
+        self.control, self.trainers = ctx.control, ctx.trainers
+        self.groups, self.rollout, self.training = ctx.groups, ctx.rollout, ctx.training
         self.serving, self.probes, self.changed = ctx.serving, ctx.probes, ctx.changed
         self.metrics, self.now = ctx.metrics, ctx.now
         self._cancel_episodes = cancel_episodes
@@ -347,15 +348,15 @@ class Publisher:
         """Step ``step`` (trained on ``groups``) took its optimizer step: bump the version,
         abort what became hopeless, refit. Returns the step's counters and what its refit
         measured. Cancellation: the refit is abandoned (the run is over)."""
-        # the version bump and the gate's closing are one book event: no dispatch can see
+        # the version bump and the gate's closing are one event of the live groups: no dispatch can see
         # version v+1 before the generators serve it
-        self.book.finish_step()
+        self.training.finish_step()
         self.changed.notify()
         refit_start = self.now()
         log.debug("refit_started", version=step + 1)
-        await self.abort(self.book.begin_refit())
+        await self.abort(self.rollout.begin_refit())
         drain_s, drain_timeouts = await self._drain() if self.config.refit.drain else (0.0, 0)
-        inflight_at_refit = self.book.inflight_samples
+        inflight_at_refit = self.groups.inflight_samples
         kv_scales = await self.kv.after_step(groups, step + 1)
         report = await self._refit(step + 1, kv_scales, self.serving(), reprefill=self._reprefill)
         self._kv_scales = kv_scales
@@ -365,7 +366,7 @@ class Publisher:
             drain_s=drain_s, drain_timeouts=drain_timeouts, inflight_at_refit=inflight_at_refit,
             engine_busy_s=report.busy_s, refit_pack_s=report.pack_s,
         )  # fmt: skip
-        stats = self.book.end_refit()
+        stats = self.training.end_refit()
         self.changed.notify()
         return stats, refit
 
@@ -373,7 +374,7 @@ class Publisher:
         """Tell each engine to abort its groups and episodes' turns (their samples still come
         back, cut short, and free their slots), and cancel the aborted groups' episodes."""
         if aborts.count:
-            log.info("groups_aborted", count=aborts.count, trainer_version=self.book.trainer_version)
+            log.info("groups_aborted", count=aborts.count, trainer_version=self.groups.trainer_version)
         if aborts.episodes:
             assert self._cancel_episodes is not None
             self._cancel_episodes(aborts.episodes)
@@ -392,14 +393,14 @@ class Publisher:
         seconds waited and 1 if the wait timed out (else 0)."""
         start = self.now()
         with anyio.move_on_after(DRAIN_TIMEOUT_S) as scope:
-            while not self.book.drained:
+            while not self.groups.drained:
                 await self.changed.wait()
         drain_s = self.now() - start
         if not scope.cancelled_caught:
             return drain_s, 0
         log.warning(
             "drain_timed_out",
-            inflight_samples=self.book.inflight_samples,
+            inflight_samples=self.groups.inflight_samples,
             timeout_s=DRAIN_TIMEOUT_S,
         )
         return drain_s, 1
@@ -410,7 +411,7 @@ class Publisher:
         refits with calibrated scales, so no step runs on scales of 1.0."""
         if resumed or self.kv.enabled:
             kv_scales = await self.kv.initial(prompts, tokenizer)
-            await self._refit(self.book.trainer_version, kv_scales, self.serving())
+            await self._refit(self.groups.trainer_version, kv_scales, self.serving())
             self._kv_scales = kv_scales
 
     async def receiver_gone(self, worker: str) -> None:
@@ -423,7 +424,7 @@ class Publisher:
     async def refit_worker(self, worker: str) -> int:
         """Refit restarted ``worker`` alone to the trainer's weights, with the last FP8
         KV-cache scales; returns their version."""
-        version = self.book.trainer_version
+        version = self.groups.trainer_version
         await self._refit(version, self._kv_scales, [worker])
         return version
 

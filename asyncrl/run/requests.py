@@ -15,7 +15,7 @@ samples of one prompt, and every sample that comes back is looked up here first:
   flight); an evaluation's is ``eval-<label>-<i>/0#<k>`` and belongs to no scheduler group.
 
 :class:`RequestTable` keeps which requests are in flight on which worker and how many samples
-each still owes: a worker's load. The :class:`~asyncrl.run.book.RolloutBook` owns it.
+each still owes: a worker's load. The :class:`~asyncrl.run.rollout_phase.RolloutPhase` owns it.
 
 A request ends when its last sample comes back (complete, or cut short by an abort), when its
 worker reports it failed, or when its worker is lost. A coroutine that stops waiting for its

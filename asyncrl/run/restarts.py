@@ -16,7 +16,7 @@
 * A generation that fails is retried after a back-off, or dropped within the failure budget;
   a group whose scoring fails is dropped; a lost worker's groups are sent again at once:
   :class:`Redispatcher`. The failure budget decides (:mod:`asyncrl.policy.failures`); the
-  rollout book keeps the groups and their prompts (:mod:`asyncrl.run.book`).
+  live groups keep the groups and their prompts (:mod:`asyncrl.policy.live`).
 
 * Requests go out with :func:`send_generate` (the rollout pump's groups): a
   worker found restarting is skipped, its groups come back through ``worker_lost``.
@@ -46,7 +46,8 @@ from asyncrl.policy.failures import FailureBudget
 from asyncrl.policy.pool import SYNCING, RolloutPool
 from asyncrl.procs.process import ProcessExit, parent_pid, stopped_by_signal, wait_pid_exit
 from asyncrl.procs.spawn import SpawnedGroup, watch_peer
-from asyncrl.run.book import RolloutBook
+from asyncrl.policy.live import LiveGroups
+from asyncrl.run.rollout_phase import RolloutPhase
 from asyncrl.run.requests import Request
 from asyncrl.policy.groups import Group
 from asyncrl.wire.messages import Generate, GenRequest, GroupFailed
@@ -357,9 +358,10 @@ class Redispatcher:
     """Failed and lost groups' fates. ``wake`` wakes the rollout pump."""
 
     def __init__(
-        self, book: RolloutBook, *, failures: FailureBudget, wake: Callable[[], None]
+        self, rollout: RolloutPhase, groups: LiveGroups, *, failures: FailureBudget,
+        wake: Callable[[], None],
     ) -> None:
-        self.book = book
+        self.rollout, self.groups = rollout, groups
         self.failures = failures
         self._wake = wake
 
@@ -378,7 +380,7 @@ class Redispatcher:
         """An episode of group ``gid`` failed (``error`` names it): the group fails as
         :meth:`group_failed` says. Returns the turns its other episodes still wait for, by
         worker (abandoned: tell each worker to abort them)."""
-        aborting = not self.book.generating(gid)
+        aborting = not self.rollout.generating(gid)
         return self._failed(gid, prompt_id, error, retryable, aborting, "", tg)
 
     def _failed(
@@ -386,19 +388,19 @@ class Redispatcher:
         worker: str, tg: anyio.abc.TaskGroup,
     ) -> dict[str, list[str]]:
         if aborting:  # counted as aborted already: gone, nothing to retry
-            turns = self.book.failed(gid, retry=False)
+            turns = self.rollout.failed(gid, retry=False)
             self._wake()
             return turns
         delay = self.failures.generation_failed(
-            gid, prompt_id, retries=self.book.retries(gid), retryable=retryable,
+            gid, prompt_id, retries=self.rollout.retries(gid), retryable=retryable,
             error=error, worker=worker or "an episode",
         )  # fmt: skip
-        turns = self.book.failed(gid, retry=delay is not None)
+        turns = self.rollout.failed(gid, retry=delay is not None)
         self._wake()
         if delay is None:
             where = f" on {worker}" if worker else ""
             self.failures.check_dropped(
-                self.book.failed_groups, f"group {gid} (prompt {prompt_id}){where}: {error}"
+                self.groups.failed_groups, f"group {gid} (prompt {prompt_id}){where}: {error}"
             )
         else:
             tg.start_soon(self._retry_after, gid, delay)
@@ -407,20 +409,20 @@ class Redispatcher:
     def score_failed(self, gid: str, what: str) -> None:
         """Drop a group whose scoring failed; the run stops once the failure budget is spent
         (a group the end of the run left unused is not counted)."""
-        if self.book.score_failed(gid):
+        if self.rollout.score_failed(gid):
             self._wake()
-            self.failures.check_dropped(self.book.failed_groups, what)
+            self.failures.check_dropped(self.groups.failed_groups, what)
 
     async def _retry_after(self, gid: str, delay: float) -> None:
         await anyio.sleep(delay)
-        self.book.retry(gid)  # ignored if it was aborted meanwhile (hopeless, the end)
+        self.rollout.retry(gid)  # ignored if it was aborted meanwhile (hopeless, the end)
         self._wake()
 
     def worker_lost(self, worker: str) -> list[Request]:
         """``worker`` died: its groups are dispatched again first (same prompt, same step, no
         back-off, outside the failure budget). Returns the answered requests it was
         generating (episodes' turns, evaluations' prompts: each asker asks another worker)."""
-        lost = self.book.worker_lost(worker)
+        lost = self.rollout.worker_lost(worker)
         log.info("groups_redispatched", worker=worker, groups=lost.again,
                  requests=len(lost.answered))  # fmt: skip
         self._wake()

@@ -1,9 +1,9 @@
-"""One optimizer step on the trainer ranks, assembled from the rollout book's chunks (then
+"""One optimizer step on the trainer ranks, assembled from the train phase's chunks (then
 published to the generators by :class:`asyncrl.run.refit.Publisher`).
 
 ::
 
-    StepAssembler.train():  book.next_chunk() ─► evictions ─► ready groups ─► BeginStep (first
+    StepAssembler.train():  training.next_chunk() ─► evictions ─► ready groups ─► BeginStep (first
                             chunk) ─► TrainChunk per chunk
     ── the caller takes the weights lock ──
     StepAssembler.finish(): FinishStep
@@ -11,7 +11,7 @@ published to the generators by :class:`asyncrl.run.refit.Publisher`).
     ── the caller releases it ──
 
 The step streams in: each chunk is packed, sharded over the trainer ranks and trained as soon
-as the book hands it out; gradients are normalized once, by the step's count of trained
+as the train phase hands it out; gradients are normalized once, by the step's count of trained
 tokens (those its batches' ``loss_mask`` selects, as the trainers counted them in their
 ``ChunkResult`` s), at ``FinishStep``. A train call that raises on a trainer rank (the worker
 lives on; the trainer drops the step's gradients) gives the step's groups back to the buffer
@@ -83,7 +83,7 @@ class Trained(NamedTuple):
 
 
 class StepAssembler:
-    """Trains steps for the train pump from the rollout book's chunks."""
+    """Trains steps for the train pump from the train phase's chunks."""
 
     def __init__(
         self,
@@ -93,7 +93,8 @@ class StepAssembler:
         before_finish: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         config = self.config = ctx.config
-        self.control, self.trainers, self.book = ctx.control, ctx.trainers, ctx.book
+        self.control, self.trainers = ctx.control, ctx.trainers
+        self.groups, self.training = ctx.groups, ctx.training
         self.committed, self.changed = ctx.committed, ctx.changed
         self.failures, self.now = ctx.failures, ctx.now
         probes, now = ctx.probes, ctx.now
@@ -234,7 +235,7 @@ class StepAssembler:
                 f"failures.TRAIN_STEP_RETRIES = {failure_policy.TRAIN_STEP_RETRIES}); the last: "
                 f"{exc.error}"
             ) from exc.error
-        self.book.abort_step()
+        self.training.abort_step()
         rec.restart()
         self.committed.notify()
 
@@ -259,15 +260,15 @@ class StepAssembler:
         )  # fmt: skip
 
     async def _train_chunks(self, step: int, rec: TrainRecord) -> None:
-        """Open step ``step`` on the trainers and train it chunk by chunk as the book hands
+        """Open step ``step`` on the trainers and train it chunk by chunk as the train phase hands
         out groups, until it has ``grpo.prompts_per_step``.
 
         Raises:
             _StepFailed: a train call raised on a trainer (the worker lives on).
         """
         opened = False
-        while self.book.taken < self.config.grpo.prompts_per_step:
-            chunk = self.book.next_chunk()
+        while self.groups.taken < self.config.grpo.prompts_per_step:
+            chunk = self.training.next_chunk()
             for gid in chunk.evicted:
                 log.info("group_evicted", group_id=gid, step=step)
             if chunk.evicted or chunk.groups:

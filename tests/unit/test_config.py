@@ -333,7 +333,7 @@ def test_the_sampler_is_built_once_per_config(
     """Loading checks the sampler; every later question (capacities, the staleness bound,
     the mode) asks that same sampler. Only a scheduler gets a fresh one (it drives it)."""
     from asyncrl.config.modes import describe
-    from asyncrl.config.modes import make_scheduler
+    from asyncrl.config.modes import make_groups
 
     built = _counting_samplers(monkeypatch)
     cfg = load_config(write(tmp_path, BASE + "[pipeline.sampler]\nname = 'gated'\n"))
@@ -343,7 +343,7 @@ def test_the_sampler_is_built_once_per_config(
     assert cfg.sampler is cfg.sampler and cfg.sampler.max_staleness == 1
     assert "staleness <= 1" in describe(cfg).mode
     assert built == ["gated"]
-    scheduler = make_scheduler(cfg)
+    scheduler = make_groups(cfg)
     assert built == ["gated", "gated"] and scheduler.sampler is not cfg.sampler
 
 

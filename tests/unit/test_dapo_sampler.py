@@ -1,27 +1,19 @@
-"""The example sampler plugin (plugins/asyncrl-sampler-dapo) through the real scheduler and
-the real entry point."""
+"""The example sampler plugin (plugins/asyncrl-sampler-dapo) through the real table of live
+groups, its two real phases (``schedule_support.Phases``) and the real entry point."""
 
 from __future__ import annotations
 
 from asyncrl_sampler_dapo import DynamicConfig, DynamicSampler
 
 from asyncrl.config import make_sampler
-from asyncrl.policy.schedule import Dispatch, Scheduler
+from schedule_support import Dispatch, Phases, phases
 
 
-def run(rewards_of: dict[int, list[float]], fraction: float = 0.9) -> tuple[Scheduler, list[str]]:
+def run(rewards_of: dict[int, list[float]], fraction: float = 0.9) -> tuple[Phases, list[str]]:
     sampler = DynamicSampler(
         DynamicConfig(over_sampling_ratio=2.0, max_filtered_fraction=fraction, window_groups=4)
     )
-    s = Scheduler(
-        sampler,
-        prompts_per_step=2,
-        samples_per_prompt=2,
-        num_steps=1,
-        max_buffered_groups=8,
-        max_inflight_samples=16,
-        min_chunk_groups=2,
-    )
+    s = phases(sampler, P=2, N=2, steps=1, cap=8, inflight=16, min_chunk=2)
     trained: list[str] = []
     while not s.finished:
         d = s.dispatch()

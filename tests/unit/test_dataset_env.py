@@ -29,7 +29,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.run.scoring import ASYNC_SCORE_CONCURRENCY, ScoreError, Scorer
 from asyncrl.wire.messages import StepResult
 from asyncrl.data.rewards import RewardError
-from asyncrl.policy.slots import StepStats
+from asyncrl.policy.counts import StepStats
 from asyncrl.obs.steps import StepRecord, TrainRecord
 from scoring_support import DigitsTokenizer, group_of
 

@@ -1,9 +1,10 @@
-"""The episode runner (:mod:`asyncrl.run.episodes`) with the real rollout book and scheduler.
+"""The episode runner (:mod:`asyncrl.run.episodes`) with the real rollout phase, train phase
+and live groups.
 
 The test plays the rollout workers (each turn request is answered by a task that feeds the
-book's ``sample_arrived`` and hands an ``ANSWER`` to the asker, as the feeder does) and a record
-that stands for the token-exact trajectory (its own tests: test_trajectory.py). After every
-answer the book's own invariants must hold.
+rollout phase's ``sample_arrived`` and hands an ``ANSWER`` to the asker, as the feeder does)
+and a record that stands for the token-exact trajectory (its own tests: test_trajectory.py).
+After every answer the rollout phase's own invariants (and the live groups') must hold.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from asyncrl.policy.groups import CompletedSample
 from asyncrl.run.arrivals import ArrivalKind
 from asyncrl.run.arrivals import Sent
 from asyncrl.run.asking import Asker
-from asyncrl.run.book import RolloutBook
 from asyncrl.run.episodes import EpisodeRunner
+from asyncrl.run.rollout_phase import RolloutPhase
+from asyncrl.run.train_phase import TrainPhase
 from asyncrl.run.wake import Signal
 from asyncrl.wire.messages import GenRequest, GroupFailed, Sample, SampleDone
-from schedule_support import SAMPLERS, scheduler
+from schedule_support import SAMPLERS, live_groups
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -101,8 +103,8 @@ class Engines:
     """The rollout workers: each request is answered with ``[len(prompt), 7]`` (stop) after
     ``delay`` seconds, unless the worker is ``dead`` (then nothing comes) or told to fail it."""
 
-    def __init__(self, book: RolloutBook) -> None:
-        self.book = book
+    def __init__(self, rollout: RolloutPhase) -> None:
+        self.rollout = rollout
         self.asker: Asker | None = None
         self.sent: list[tuple[str, GenRequest]] = []
         self.aborted: list[tuple[str, list[str]]] = []
@@ -138,18 +140,18 @@ class Engines:
 
     def deliver(self, msg: SampleDone) -> None:
         """What the feeder does with a sample."""
-        arrival = self.book.sample_arrived(msg)
+        arrival = self.rollout.sample_arrived(msg)
         assert self.asker is not None
         if arrival.kind == ArrivalKind.ANSWER:
             self.asker.answered(arrival.request, arrival.sample)
-        assert self.book.problems() == []
+        assert self.rollout.problems() == []
 
     def deliver_failure(self, msg: GroupFailed) -> None:
-        arrival = self.book.check_failure(msg)
+        arrival = self.rollout.check_failure(msg)
         assert self.asker is not None
         if arrival.kind == ArrivalKind.ANSWER_FAILED:
             self.asker.failed(arrival.request, f"{msg.error_type}: {msg.message}", True)
-        assert self.book.problems() == []
+        assert self.rollout.problems() == []
 
 
 class Env:
@@ -181,20 +183,21 @@ class Env:
 class Harness:
     def __init__(self, env: Env, *, N: int = 2, limits: Limits | None = None,
                  deadline_s: float = 10.0, on_truncation: str = "zero") -> None:
-        sched = scheduler(SAMPLERS["gated"](1, 1.0), P=1, N=N, steps=1)
-        self.book = RolloutBook(sched, WORKERS, episodes=True)
-        self.engines = Engines(self.book)
+        self.groups = live_groups(SAMPLERS["gated"](1, 1.0), P=1, N=N, steps=1)
+        self.rollout = RolloutPhase(self.groups, WORKERS, episodes=True)
+        self.training = TrainPhase(self.groups)
+        self.engines = Engines(self.rollout)
         self.committed: list[tuple[str, list[CompletedSample]]] = []
         self.failed: list[tuple[str, str, bool]] = []
         self.on_commit = Signal()
         changed = Signal()
         self.asker = Asker(
-            self.book, send=self.engines.send, abort=self.engines.abort,
+            self.rollout, self.groups, send=self.engines.send, abort=self.engines.abort,
             serving=lambda: [w for w in WORKERS if w not in self.engines.dead], changed=changed,
             seed=0,
         )  # fmt: skip
         self.runner = EpisodeRunner(
-            env, book=self.book, asker=self.asker, record=FakeRecord, commit=self._commit,
+            env, rollout=self.rollout, asker=self.asker, record=FakeRecord, commit=self._commit,
             changed=changed, fail_group=self._fail,
             limits=limits or Limits(max_turns=8, max_context_tokens=100, max_turn_tokens=2),
             deadline_s=deadline_s, on_truncation=on_truncation, temperature=1.0,
@@ -202,28 +205,28 @@ class Harness:
         self.engines.asker = self.asker
 
     def _commit(self, gid: str, samples: list[Any]) -> None:
-        if self.book.commit(gid, samples, 0.0):
+        if self.rollout.commit(gid, samples, 0.0):
             self.on_commit.notify()
 
     @property
     def in_flight(self) -> int:
         """Turns the engines still owe."""
-        return sum(self.book.load(w) for w in WORKERS)
+        return sum(self.rollout.load(w) for w in WORKERS)
 
     async def _collect(self) -> None:
         """What the train pump does: take the ready groups."""
         while True:
             await self.on_commit.wait()
-            for group in self.book.next_chunk().groups:
+            for group in self.training.next_chunk().groups:
                 self.committed.append((group.group_id, group.samples))
 
     def _fail(self, gid: str, prompt_id: str, error: str, retryable: bool,
               tg: Any) -> dict[str, list[str]]:
         self.failed.append((gid, error, retryable))
-        return self.book.failed(gid, retry=False)
+        return self.rollout.failed(gid, retry=False)
 
     def dispatch(self) -> Sent:
-        d = self.book.dispatch(WORKERS, lambda i: (PROMPT, [1, 2]), 0.0)
+        d = self.rollout.dispatch(WORKERS, lambda i: (PROMPT, [1, 2]), 0.0)
         assert isinstance(d, Sent) and d.worker == "" and d.prompt == PROMPT
         return d
 
@@ -251,7 +254,7 @@ async def test_a_group_of_episodes_trains_generated_tokens_only() -> None:
 
     await h.run(body)
     ((gid, samples),) = h.committed
-    assert len(samples) == 2 and h.book.problems() == []
+    assert len(samples) == 2 and h.rollout.problems() == []
     for s in samples:
         # prompt [1, 2]; turn 1 answers [2, 7]; the tool inserts OBS; turn 2 answers [5, 7]
         np.testing.assert_array_equal(s.token_ids, [2, 7, OBS, 5, 7])
@@ -277,10 +280,10 @@ async def test_a_lost_worker_sends_the_turn_elsewhere_not_counted() -> None:
         victim = h.engines.sent[0][0]
         h.engines.dead.add(victim)
         # what the controller does when a worker dies (Pipeline.worker_lost)
-        lost = h.book.worker_lost(victim)
+        lost = h.rollout.worker_lost(victim)
         assert len(lost.answered) == 1 and lost.answered[0].worker == victim
         h.asker.lost(lost.answered)
-        assert h.book.problems() == []
+        assert h.rollout.problems() == []
         h.engines.hold.set()
         await wait_until(lambda: h.committed)
 
@@ -310,7 +313,7 @@ async def test_engine_failures_are_retried_then_fail_the_group() -> None:
     await h.run(body2)
     ((gid, error, retryable),) = h.failed
     assert "EngineError: boom" in error and retryable
-    assert h.book.problems() == [] and h.in_flight == 0
+    assert h.rollout.problems() == [] and h.in_flight == 0
 
 
 async def test_an_agent_that_raises_fails_its_group_and_cancels_the_others() -> None:
@@ -324,7 +327,7 @@ async def test_an_agent_that_raises_fails_its_group_and_cancels_the_others() -> 
     await h.run(body)
     ((gid, error, retryable),) = h.failed
     assert "run_episode raised ValueError: the agent broke" in error and retryable
-    assert not h.committed and h.book.problems() == []
+    assert not h.committed and h.rollout.problems() == []
 
 
 def test_the_first_template_splits_of_a_run_are_logged_with_why() -> None:
@@ -358,7 +361,7 @@ async def test_an_aborted_group_cancels_its_episodes_and_aborts_their_turns() ->
         h.engines.hold = anyio.Event()
         h.runner.start(h.dispatch())
         await wait_until(lambda: h.in_flight == 2)
-        aborts = h.book.close()
+        aborts = h.rollout.close()
         assert len(aborts.episodes) == 1 and aborts.turns == 2 and aborts.count == 1
         h.runner.cancel(aborts.episodes)
         await wait_until(lambda: not h.runner._runs)  # noqa: SLF001
@@ -367,8 +370,8 @@ async def test_an_aborted_group_cancels_its_episodes_and_aborts_their_turns() ->
         await wait_until(lambda: h.in_flight == 0)
 
     await h.run(body)
-    assert not h.committed and not h.failed and h.book.problems() == []
-    assert h.book.drained
+    assert not h.committed and not h.failed and h.rollout.problems() == []
+    assert h.groups.drained
 
 
 async def test_limits_truncate_and_the_config_says_how_it_trains() -> None:
@@ -429,7 +432,7 @@ needs hundreds of trials (300 without a miss for 95% confidence): the benchmark'
 
 async def request_abort_latency() -> float:
     """Seconds from an episode's deadline, which strikes while its turn is in flight, to the
-    abort of that turn's request (the book abandons the turn and its worker is told). The
+    abort of that turn's request (the rollout phase abandons the turn and its worker is told). The
     deadline is counted from before the episode starts: the figure errs high, never low."""
     h = Harness(Env(turns=1), N=1, deadline_s=0.05)
     aborted_after: list[float] = []
@@ -446,7 +449,7 @@ async def request_abort_latency() -> float:
     h.asker._abort = timed_abort  # noqa: SLF001 - the clock stops when the abort is sent
     deadline = anyio.current_time() + 0.05
     await h.run(waiting)
-    assert h.in_flight == 1 and h.book.problems() == []  # abandoned, owed
+    assert h.in_flight == 1 and h.rollout.problems() == []  # abandoned, owed
     return aborted_after[0]
 
 
@@ -483,7 +486,7 @@ async def tool_cancel_latency() -> float:
     async def in_tool(h: Harness) -> None:
         h.runner.start(h.dispatch())
         await wait_until(lambda: h.runner._tools.in_flight() == 1)  # noqa: SLF001
-        aborts = h.book.close()
+        aborts = h.rollout.close()
         begun.append(anyio.current_time())
         h.runner.cancel(aborts.episodes)
         await wait_until(lambda: ended)
@@ -494,7 +497,7 @@ async def tool_cancel_latency() -> float:
 
 async def test_cancelling_an_episode_aborts_its_request_and_its_tool_at_once() -> None:
     """An episode past its deadline while a turn is in flight has that request aborted (the
-    book abandons it, its worker is told); one cancelled while a tool runs has the tool
+    rollout phase abandons it, its worker is told); one cancelled while a tool runs has the tool
     cancelled (its ``finally`` runs). Both within the issue's 1 s, every time."""
     request_s = [await request_abort_latency() for _ in range(CANCEL_TRIALS)]
     tool_s = [await tool_cancel_latency() for _ in range(CANCEL_TRIALS)]
@@ -508,26 +511,26 @@ async def test_a_group_aborted_before_its_episodes_start_still_ends() -> None:
 
     async def body(h: Harness) -> None:
         h.runner.start(h.dispatch())
-        aborts = h.book.close()  # nothing has run yet
+        aborts = h.rollout.close()  # nothing has run yet
         h.runner.cancel(aborts.episodes)
         await wait_until(lambda: not h.runner._runs)  # noqa: SLF001
 
     await h.run(body)
-    assert h.book.drained and h.in_flight == 0 and h.book.problems() == []
+    assert h.groups.drained and h.in_flight == 0 and h.rollout.problems() == []
     assert not h.engines.sent
 
 
 async def test_a_retried_group_never_reuses_a_turn_id_still_in_flight() -> None:
     """Episode 1 raises; its group fails and is dispatched again at once, while episode 0's
     abandoned turn is still on its engine (held). The new dispatch's turns get ids of their
-    own (``@1``): before, its first turn repeated ``g0/0#0`` and the book refused it."""
+    own (``@1``): before, its first turn repeated ``g0/0#0`` and the rollout phase refused it."""
     h = Harness(Env(turns=2, raise_in=True))
     retried: list[Sent] = []
 
     def fail_and_retry(gid: str, prompt_id: str, error: str, retryable: bool,
                        tg: Any) -> dict[str, list[str]]:
-        turns = h.book.failed(gid, retry=True)
-        h.book.retry(gid)
+        turns = h.rollout.failed(gid, retry=True)
+        h.rollout.retry(gid)
         retried.append(h.dispatch())
         h.runner.start(retried[-1])
         return turns

@@ -1,7 +1,7 @@
 """Held-out evaluations end to end on the controller's side: the real :class:`Evaluator`,
-:class:`Asker`, :class:`RolloutBook` and :class:`Feeder` (its samples arrive through a fake
-data socket, encoded as a worker would send them), around a fake control plane that records
-each ``Generate`` and fake scoring.
+:class:`Asker`, :class:`RolloutPhase` (on the live groups) and :class:`Feeder` (its samples
+arrive through a fake data socket, encoded as a worker would send them), around a fake control
+plane that records each ``Generate`` and fake scoring.
 
 * every prompt is asked at once: one worker slow to take its requests holds up no other;
 * an evaluation not done in time stops the run naming the evaluation, what is missing, who
@@ -26,16 +26,17 @@ from asyncrl.environment import Prompt
 from asyncrl.errors import RunError, flatten
 from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.run.asking import build_asker
-from asyncrl.run.book import RolloutBook
 from asyncrl.run.evaluation import Evaluator
 from asyncrl.run.context import RunContext
 from asyncrl.run.intake import Feeder
+from asyncrl.run.rollout_phase import RolloutPhase
 from asyncrl.run.scoring import ScoreError
+from asyncrl.run.train_phase import TrainPhase
 from asyncrl.run.wake import Signal
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import DataMessage, Generate, Sample, SampleDone
 from asyncrl.wire.transport import Rejections
-from schedule_support import SAMPLERS, scheduler
+from schedule_support import SAMPLERS, live_groups
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -124,15 +125,18 @@ class _Scorer:
 
 
 class _Run:
-    """An evaluator, the book and the feeder as a pipeline builds them."""
+    """An evaluator, the rollout phase (on the live groups) and the feeder as a pipeline
+    builds them."""
 
     def __init__(self, config: Any, control: _Control, serving: list[str]) -> None:
-        self.book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=1), WORKERS)
+        self.groups = live_groups(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=1)
+        self.rollout = RolloutPhase(self.groups, WORKERS)
         self.changed = Signal()
         env = SimpleNamespace(dataset=lambda split: PROMPTS)
         tok = SimpleNamespace(encode_prompts=lambda ps: [[7, i] for i, _ in enumerate(ps)])
         ctx = RunContext(
-            config, control, [], self.book, serving=lambda: serving, changed=self.changed,  # type: ignore[arg-type]
+            config, control, [], self.groups, self.rollout, TrainPhase(self.groups),  # type: ignore[arg-type]
+            serving=lambda: serving, changed=self.changed,
             committed=Signal(), failures=None, probes=None, metrics=None, now=time.perf_counter,  # type: ignore[arg-type]
         )  # fmt: skip
         self.asker = build_asker(ctx)
@@ -212,13 +216,13 @@ async def test_an_evaluation_not_done_in_time_names_what_is_missing() -> None:
                            "scored within 0.2 s (cluster.call_timeout_s)")  # fmt: skip
     assert "outstanding: eval:0, eval:1, eval:2, eval:3;" in text
     assert "rollout workers serving: none (every one is restarting)" in text
-    assert run.book.requests_in_flight == 0  # nothing was placed
+    assert run.rollout.requests_in_flight == 0  # nothing was placed
 
 
 async def test_a_worker_lost_mid_evaluation_has_its_prompts_asked_again_elsewhere() -> None:
     """rollout:0 dies with its requests unanswered (what the controller does then:
-    ``asker.lost(book.worker_lost(w).answered)``): they go to rollout:1, and the evaluation ends with
-    every prompt scored."""
+    ``asker.lost(rollout.worker_lost(w).answered)``): they go to rollout:1, and the evaluation
+    ends with every prompt scored."""
     control, serving = _Control(), list(WORKERS)
     records: list[dict[str, Any]] = []
     with _Run(_config("drop_group"), control, serving) as run, anyio.fail_after(10):
@@ -233,7 +237,7 @@ async def test_a_worker_lost_mid_evaluation_has_its_prompts_asked_again_elsewher
                 await anyio.sleep(0.01)
             lost = control.sent.pop("rollout:0")
             serving.remove("rollout:0")
-            run.asker.lost(run.book.worker_lost("rollout:0").answered)
+            run.asker.lost(run.rollout.worker_lost("rollout:0").answered)
             while sum(map(len, control.sent.values())) < 4:
                 await anyio.sleep(0.01)
             assert sorted(control.sent) == ["rollout:1"]
@@ -244,7 +248,7 @@ async def test_a_worker_lost_mid_evaluation_has_its_prompts_asked_again_elsewher
                 await anyio.sleep(0.01)
             tg.cancel_scope.cancel()
     assert (records[0]["accuracy"], records[0]["failed_groups"]) == (0.25, 1)
-    assert run.book.requests_in_flight == 0
+    assert run.rollout.requests_in_flight == 0
 
 
 async def test_two_evaluations_at_once_keep_their_results_apart() -> None:

@@ -1,8 +1,8 @@
-"""Failed generations through the real :class:`Redispatcher`, :class:`RolloutBook` and
-:class:`FailureBudget`: a group is retried after a doubling back-off until its
+"""Failed generations through the real :class:`Redispatcher`, :class:`RolloutPhase` (on the
+live groups) and :class:`FailureBudget`: a group is retried after a doubling back-off until its
 ``generation_retries`` are spent, then dropped; a worker's death sends its groups again
 without spending any; a request at fault is dropped at once; and nothing of a group outlives
-it in the budget (its retries are counted with the group, in the book)."""
+it in the budget (its retries are counted with the group, in the live groups)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from asyncrl.environment import Prompt
 from asyncrl.errors import RunError
 from asyncrl.policy.failures import FailureBudget
 from asyncrl.run.arrivals import Sent
-from asyncrl.run.book import RolloutBook
 from asyncrl.run.restarts import Redispatcher
+from asyncrl.run.rollout_phase import RolloutPhase
 from asyncrl.wire.messages import GroupFailed
-from schedule_support import SAMPLERS, scheduler
+from schedule_support import SAMPLERS, live_groups
 
 WORKERS = ["rollout:0", "rollout:1"]
 
@@ -39,18 +39,20 @@ class _World:
         limits = SimpleNamespace(generation_retries=retries, max_failed_groups=max_failed_groups,
                                  max_nonfinite_steps=0)  # fmt: skip
         self.budget = FailureBudget(limits)  # type: ignore[arg-type]
-        self.book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=2), WORKERS)
-        self.redispatch = Redispatcher(self.book, failures=self.budget, wake=lambda: None)
+        self.groups = live_groups(SAMPLERS["gated"](1, 1.0), P=2, N=2, steps=2)
+        self.rollout = RolloutPhase(self.groups, WORKERS)
+        self.redispatch = Redispatcher(self.rollout, self.groups, failures=self.budget,
+                                       wake=lambda: None)  # fmt: skip
         self.tg = _TaskGroup()
 
     def dispatch(self) -> Sent:
-        sent = self.book.dispatch(WORKERS, lambda i: (Prompt(f"p{i}", "x"), [i]), time.time())
+        sent = self.rollout.dispatch(WORKERS, lambda i: (Prompt(f"p{i}", "x"), [i]), time.time())
         assert isinstance(sent, Sent)
         return sent
 
     def fail(self, sent: Sent, retryable: bool = True) -> None:
         msg = GroupFailed(sent.group_id, sent.worker, "RuntimeError", "boom", retryable)
-        arrival = self.book.check_failure(msg)
+        arrival = self.rollout.check_failure(msg)
         assert arrival.group is not None
         self.redispatch.group_failed(arrival.group, msg, arrival.aborting, self.tg)  # type: ignore[arg-type]
 
@@ -59,7 +61,7 @@ def test_retries_back_off_and_a_worker_death_spends_none() -> None:
     w = _World(retries=2)
     first = w.dispatch()
     w.fail(first)
-    w.book.retry(first.group_id)
+    w.rollout.retry(first.group_id)
     again = w.dispatch()
     assert again.group_id == first.group_id
     w.redispatch.worker_lost(again.worker)  # its worker died: sent again, not a retry
@@ -67,9 +69,9 @@ def test_retries_back_off_and_a_worker_death_spends_none() -> None:
         sent = w.dispatch()
         assert sent.group_id == first.group_id
         w.fail(sent)
-        w.book.retry(sent.group_id)
+        w.rollout.retry(sent.group_id)
     assert w.tg.delays == [1.0, 2.0]  # RETRY_BACKOFF_S, doubled; the third failure dropped it
-    assert w.book.failed_groups == 1 and w.book.problems() == []
+    assert w.groups.failed_groups == 1 and w.rollout.problems() == []
 
 
 def test_a_request_at_fault_is_dropped_at_once_and_the_budget_stops_the_run() -> None:
@@ -81,12 +83,12 @@ def test_a_request_at_fault_is_dropped_at_once_and_the_budget_stops_the_run() ->
 
 def test_a_retried_group_that_ends_otherwise_leaves_nothing_in_the_budget() -> None:
     """Retried, then aborted (here by the end of the run) while it waits: the group is gone
-    from the book, and the budget keeps nothing of it."""
+    from the live groups, and the budget keeps nothing of it."""
     w = _World(retries=2)
     sent = w.dispatch()
     w.fail(sent)
-    aborts = w.book.close()
-    assert aborts.gone == [sent.group_id] and w.book.problems() == []
+    aborts = w.rollout.close()
+    assert aborts.gone == [sent.group_id] and w.rollout.problems() == []
     assert sent.group_id not in repr(vars(w.budget))
 
 

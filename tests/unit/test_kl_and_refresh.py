@@ -154,12 +154,12 @@ def test_kl_in_the_reward_penalizes_each_sample_by_its_sampled_tokens() -> None:
 
 
 def test_max_num_epochs_bounds_the_runs_steps(tmp_path) -> None:
-    from asyncrl.config.modes import make_scheduler, run_steps
+    from asyncrl.config.modes import make_groups, run_steps
 
     cfg = _config(tmp_path, run={"num_steps": 100, "max_num_epochs": 3}, grpo={"prompts_per_step": 8})
     assert run_steps(cfg, 50) == 3 * (50 // 8) == 18  # each pass drops its remainder
     assert run_steps(cfg, 1000) == 100  # num_steps comes first
-    assert make_scheduler(cfg, 50).num_steps == 18
+    assert make_groups(cfg, 50).num_steps == 18
     assert run_steps(_config(tmp_path, run={"num_steps": 7}), 10) == 7  # 0: no bound
     with pytest.raises(ConfigError, match="run.max_num_epochs"):
         _config(tmp_path, run={"max_num_epochs": -1})

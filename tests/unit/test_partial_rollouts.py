@@ -1,9 +1,9 @@
 """Partial rollouts: requests (single-turn samples, episodes' turns) in flight across refits.
 
-Per-token weight versions (protocol 9): what an engine reports, what the book keeps or
-refuses, what a sample trains, what a checkpoint keeps; and the sampler's choice of what
+Per-token weight versions (protocol 9): what an engine reports, what the rollout phase keeps
+or refuses, what a sample trains, what a checkpoint keeps; and the sampler's choice of what
 happens to the requests in flight at a refit. The end-to-end bound per token is the property
-test in test_book_episodes.py; the refit's order (re-prefill after the last bucket, before
+test in test_phases_episodes.py; the refit's order (re-prefill after the last bucket, before
 resuming) is in test_refit.py."""
 
 from __future__ import annotations
@@ -197,27 +197,29 @@ def test_a_plugin_sampler_without_the_choice_continues_and_a_bad_one_is_refused(
 
 async def _feed_a_turn(versions: np.ndarray) -> Sample:
     """The real feeder takes a turn's sample from the data socket (as a worker encodes it)
-    and hands the episode waiting for it what the book took."""
+    and hands the episode waiting for it what the rollout phase took."""
     import anyio
 
-    from asyncrl.run.book import RolloutBook
     from asyncrl.run.context import RunContext
     from asyncrl.run.intake import Feeder
+    from asyncrl.run.rollout_phase import RolloutPhase
+    from asyncrl.run.train_phase import TrainPhase
     from asyncrl.run.wake import Signal
     from asyncrl.wire.transport import Rejections
-    from schedule_support import SAMPLERS, scheduler
+    from schedule_support import SAMPLERS, live_groups
 
-    book = RolloutBook(scheduler(SAMPLERS["gated"](1, 1.0), P=1, N=1, steps=1), ["w"],
-                       episodes=True)  # fmt: skip
-    sent = book.dispatch(["w"], lambda i: (SimpleNamespace(id="p", display="p"), [1]), 0.0)
+    groups = live_groups(SAMPLERS["gated"](1, 1.0), P=1, N=1, steps=1)
+    rollout = RolloutPhase(groups, ["w"], episodes=True)
+    sent = rollout.dispatch(["w"], lambda i: (SimpleNamespace(id="p", display="p"), [1]), 0.0)
     assert isinstance(sent, arrivals.Sent)
-    assert book.start_turn("t#0", ["w"], group_id=sent.group_id, index=0) == "w"
+    assert rollout.start_turn("t#0", ["w"], group_id=sent.group_id, index=0) == "w"
     got: list[Sample] = []
     asker = SimpleNamespace(answered=lambda request, sample: got.append(sample))
     tx, rx = anyio.create_memory_object_stream[list](4)
     data = SimpleNamespace(recv=rx.receive, recv_nowait=lambda: None)
-    ctx = RunContext(SimpleNamespace(), None, [], book, serving=lambda: ["w"], changed=Signal(),
-                     committed=Signal(), failures=None, probes=None, metrics=None,
+    ctx = RunContext(SimpleNamespace(), None, [], groups, rollout, TrainPhase(groups),
+                     serving=lambda: ["w"], changed=Signal(), committed=Signal(),
+                     failures=None, probes=None, metrics=None,
                      now=lambda: 0.0)  # type: ignore[arg-type]  # fmt: skip
     feeder = Feeder(
         ctx, data=data, scorer=None, asker=asker, redispatch=None, rejections=Rejections(),

@@ -156,7 +156,7 @@ async def calc(expression: str) -> str:
 def _runner(env: Any, model_dir: Path) -> Any:
     config = from_dict({"model": {"path": str(model_dir)}, "environment": {"name": "judge"}})
     ctx = RunContext(
-        config, None, [], None, serving=lambda: [], changed=Signal(), committed=Signal(),  # type: ignore[arg-type]
+        config, None, [], None, None, None, serving=lambda: [], changed=Signal(), committed=Signal(),  # type: ignore[arg-type]
         failures=None, probes=None, metrics=None, now=time.perf_counter,  # type: ignore[arg-type]
     )  # fmt: skip
     tokenizer = type("Tok", (), {"chat_template": object()})()

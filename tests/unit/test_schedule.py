@@ -1,5 +1,5 @@
-"""The scheduler and each sampler on hand-made schedules (the random ones are in
-test_schedule_properties.py)."""
+"""The table of live groups, its two phases and each sampler on hand-made schedules (the
+random ones are in test_schedule_properties.py)."""
 
 from __future__ import annotations
 
@@ -17,23 +17,24 @@ from asyncrl.policy.samplers import (
     Sampler,
     slack,
 )
-from asyncrl.policy.schedule import Counts, Dispatch, Scheduler, SchedulerError, StepStats, Wait
-from schedule_support import scheduler
+from asyncrl.policy.counts import Counts, StepStats
+from asyncrl.policy.live import LiveGroups, SchedulerError, Wait
+from schedule_support import Dispatch, Phases, phases
 
 
-def make(sampler: Sampler, P: int = 2, N: int = 2, steps: int = 4, **caps: int) -> Scheduler:
+def make(sampler: Sampler, P: int = 2, N: int = 2, steps: int = 4, **caps: int) -> Phases:
     """A scheduler with this file's defaults (two prompts of two samples, four steps)."""
-    return scheduler(sampler, P=P, N=N, steps=steps, **caps)
+    return phases(sampler, P=P, N=N, steps=steps, **caps)
 
 
-def dispatch_all(s: Scheduler) -> tuple[list[Dispatch], Wait]:
+def dispatch_all(s: Phases) -> tuple[list[Dispatch], Wait]:
     out = []
     while isinstance(d := s.dispatch(), Dispatch):
         out.append(d)
     return out, d
 
 
-def complete(s: Scheduler, gid: str) -> None:
+def complete(s: Phases, gid: str) -> None:
     slot = s.slot(gid)
     for _ in range(slot.n - slot.finished):
         outcome = s.sample_finished(gid)
@@ -41,7 +42,7 @@ def complete(s: Scheduler, gid: str) -> None:
     s.committed(gid, [1.0] * slot.n)
 
 
-def train_step(s: Scheduler, gids: list[str]) -> list[str]:
+def train_step(s: Phases, gids: list[str]) -> list[str]:
     """Train exactly ``gids`` as the open step (asserting the scheduler picks them), refit."""
     chunk = s.next_chunk()
     assert sorted(chunk.groups) == sorted(gids), chunk
@@ -159,8 +160,8 @@ def test_ready_first_trains_in_completion_order() -> None:
 @pytest.mark.parametrize(
     "event, match",
     [
-        (lambda s: s.sample_finished("nope"), "unknown group"),
-        (lambda s: s.committed("g0"), "committed in state generating"),
+        (lambda s: s.table.sample_back(s.table.group("nope")), "unknown group"),
+        (lambda s: s.table.ready(s.table.group("g0")), "committed in state generating"),
         (lambda s: s.finish_step(), "has 0 of 2 groups"),
         (lambda s: s.end_refit(), "without a refit"),
         (lambda s: s.begin_refit(), "without finish_step"),
@@ -258,7 +259,7 @@ def test_state_dict_only_between_steps() -> None:
         s.state_dict()
 
 
-def finish_with(s: Scheduler, gid: str, rewards: list[float]) -> None:
+def finish_with(s: Phases, gid: str, rewards: list[float]) -> None:
     slot = s.slot(gid)
     for _ in range(slot.n - slot.finished):
         s.sample_finished(gid)
@@ -269,9 +270,9 @@ def test_dynamic_sampling_drops_uniform_groups_refills_the_step_and_stops_at_its
     """In sync mode (in_order, lookahead 0: every group is stamped for its step) a uniform
     group is dropped, and a fresh prompt for the same step is dispatched first; past the cap
     the step trains what it gets, and the next step's cap starts anew."""
-    s = Scheduler(in_order(0), prompts_per_step=2, samples_per_prompt=2, num_steps=3,
-                  max_buffered_groups=2, max_inflight_samples=4, min_chunk_groups=2,
-                  filter_min_std=0.0, filter_max_drops=2)  # fmt: skip
+    s = Phases(LiveGroups(in_order(0), prompts_per_step=2, samples_per_prompt=2, num_steps=3,
+                          max_buffered_groups=2, max_inflight_samples=4, min_chunk_groups=2,
+                          filter_min_std=0.0, filter_max_drops=2))  # fmt: skip
     (a, b), _ = dispatch_all(s)
     finish_with(s, a.group_id, [1.0, 1.0])  # solved: no learning signal
     finish_with(s, b.group_id, [0.0, 1.0])

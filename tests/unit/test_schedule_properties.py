@@ -1,4 +1,6 @@
-"""Property tests of the real :class:`asyncrl.policy.schedule.Scheduler` with every built-in sampler.
+"""Property tests of the real table of live groups (:class:`asyncrl.policy.live.LiveGroups`) and
+its two real phases (:mod:`asyncrl.run.rollout_phase`, :mod:`asyncrl.run.train_phase`) with
+every built-in sampler, driven one group-level event at a time (``schedule_support.Phases``).
 
 Each example is one random run: random capacities, window, chunk size, completion order of
 individual samples (a long sample holds its slot, not its group's admission), refit timing
@@ -39,9 +41,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.policy.samplers import OversampledConfig, OversampledSampler
-from asyncrl.policy.schedule import Counts, Dispatch, Scheduler, SchedulerError, StepStats
+from asyncrl.policy.counts import Counts, StepStats
+from asyncrl.policy.live import SchedulerError
 from schedule_support import SAMPLERS as BUILT_IN
-from schedule_support import caps, scheduler, shape_strategies
+from schedule_support import Dispatch, Phases, caps, phases, shape_strategies
 
 SAMPLERS = {
     **BUILT_IN,
@@ -67,7 +70,7 @@ def step_counts(stats: StepStats) -> Counter[str]:
     )
 
 
-def check_totals(s: Scheduler, base: Counts, handed: Counts, seen: Counter[str]) -> None:
+def check_totals(s: Phases, base: Counts, handed: Counts, seen: Counter[str]) -> None:
     """Each event counted once: the open step's counters are what the ledger ``seen`` since
     the last refit's end, and the run's totals are the fold of ``base`` (a resume's saved
     totals), the steps' counters ``handed`` out by ``end_refit`` since, and the open
@@ -102,10 +105,10 @@ def run_schedule(
     bound = W if name == "in_order" else max(1, W)
     cap, max_inflight, min_chunk = caps(sampler, P, N, extra, inflight_frac, chunk_frac)
 
-    def fresh() -> Scheduler:
-        return scheduler(SAMPLERS[name](W, ratio), P=P, N=N, steps=steps, cap=cap,
-                         inflight=max_inflight, min_chunk=min_chunk,
-                         filter_drops=filter_drops)  # fmt: skip
+    def fresh() -> Phases:
+        return phases(SAMPLERS[name](W, ratio), P=P, N=N, steps=steps, cap=cap,
+                      inflight=max_inflight, min_chunk=min_chunk,
+                      filter_drops=filter_drops)  # fmt: skip
 
     s = fresh()
 
@@ -145,7 +148,7 @@ def run_schedule(
                 due.discard(gid)
                 discarded.add(gid)
 
-    def crash_and_resume() -> Scheduler:
+    def crash_and_resume() -> Phases:
         """The controller dies right after saving at this step boundary: what was generating
         or being scored is gone (its prompts are dispatched again), ready groups survive."""
         nonlocal counted, base, handed
@@ -453,8 +456,8 @@ def test_a_sampler_breaking_the_bound_is_refused() -> None:
         def should_abort_inflight(self, group, trainer_version):
             return False
 
-    s = scheduler(Greedy(OversampledConfig(max_staleness_versions=1)), P=1, N=1, steps=5,
-                  cap=4, inflight=4)  # fmt: skip
+    s = phases(Greedy(OversampledConfig(max_staleness_versions=1)), P=1, N=1, steps=5,
+               cap=4, inflight=4)  # fmt: skip
     first = s.dispatch()
     assert isinstance(first, Dispatch)
     for _ in range(2):  # two steps trained by other groups while `first` waits

@@ -1,14 +1,16 @@
-"""Property test of the real :class:`asyncrl.run.book.RolloutBook` (with the real scheduler and
-the built-in samplers), driven through thousands of random schedules.
+"""Property test of the real rollout and train phases
+(:class:`asyncrl.run.rollout_phase.RolloutPhase`, :class:`asyncrl.run.train_phase.TrainPhase`)
+on the real table of live groups (:class:`asyncrl.policy.live.LiveGroups`) with the built-in
+samplers, driven through thousands of random schedules.
 
 The test plays the rollout workers' engines, the trainer and the controller's failures: it
 dispatches, returns samples one at a time in a random order (cut short once their group is
 aborted), sends strangers' and duplicate samples, commits or fails scoring, fails
 generations (retried or dropped), kills and brings back workers, trains chunks, fails open
 steps, refits, runs evaluations, checkpoints and restores, and crashes the controller (a
-fresh book restored from the last step boundary). It keeps a ledger of its own (what it sent,
-what each engine still owes, what became of each sample), never a second copy of the book's
-logic, and after every action checks:
+fresh table and phases restored from the last step boundary). It keeps a ledger of its own
+(what it sent, what each engine still owes, what became of each sample), never a second copy
+of the phases' logic, and after every action checks:
 
 * every dispatched sample has exactly one fate: still in flight (owed by an engine, or back
   and waiting for the rest of its group), or ended once as trained, evicted, aborted,
@@ -18,9 +20,9 @@ logic, and after every action checks:
   ``max_buffered_groups`` (a failed step giving its groups back may exceed it until they
   train; a new group never does); each worker's load equals the samples its engine owes;
   dispatch goes to the least loaded worker that serves;
-* the book's views (ready, taken, in flight) equal the ledger's, and the book's own
-  invariants (:meth:`RolloutBook.problems`) hold;
-* a checkpoint taken at any step boundary restores an equal book (the same snapshot, the
+* the table's views (ready, taken, in flight) equal the ledger's, and the invariants of the
+  rollout phase and the table (:meth:`RolloutPhase.problems`) hold;
+* a checkpoint taken at any step boundary restores an equal table (the same snapshot, the
   same views) and a prompt is never trained twice, across crashes too.
 """
 
@@ -37,16 +39,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncrl.checkpoints import directory as ckpt
+from asyncrl.checkpoints.directory import ControllerState
 from asyncrl.environment import Prompt
 from asyncrl.policy.groups import CompletedSample
-from asyncrl.policy.schedule import Wait
+from asyncrl.policy.live import LiveGroups, SchedulerError, Wait
 from asyncrl.run import arrivals
 from asyncrl.run.arrivals import ArrivalKind
 from asyncrl.run.arrivals import Sent
-from asyncrl.run.book import RolloutBook
-from asyncrl.checkpoints.directory import ControllerState
+from asyncrl.run.rollout_phase import RolloutPhase
+from asyncrl.run.train_phase import TrainPhase
 from asyncrl.wire.messages import GroupFailed, Sample, SampleDone
-from schedule_support import SAMPLERS, caps, scheduler, shape_strategies
+from schedule_support import SAMPLERS, caps, live_groups, shape_strategies
 
 TOKENS = np.array([3, 1, 4], dtype=np.int32)
 LOGPROBS = np.full(3, -0.5, dtype=np.float32)
@@ -58,8 +62,8 @@ ENDS = {"trained", "evicted", "aborted", "failed", "lost", "crashed", "unused"}
 
 
 def canonical(state: ControllerState) -> Any:
-    """A snapshot as plain data, its ready groups by prompt position (a restored scheduler
-    keeps them in that order; the one that saved them, in dispatch order)."""
+    """A snapshot as plain data, its ready groups by prompt position (a restored table keeps
+    them in that order; the one that saved them, in dispatch order)."""
     out = msgspec.to_builtins(state)
     out["scheduler"]["ready"].sort(key=lambda g: g["index"])
     out["groups"].sort(key=lambda g: g[1])  # SavedGroup is array-like: [group_id, index, ...]
@@ -67,13 +71,14 @@ def canonical(state: ControllerState) -> Any:
 
 
 class World:
-    """The engines, the trainer and the controller around one book, and the test's ledger."""
+    """The engines, the trainer and the controller around one table of live groups and its
+    two phases, and the test's ledger."""
 
     def __init__(self, rng: random.Random, cfg: dict[str, Any]) -> None:
         self.rng, self.cfg = rng, cfg
         self.workers = [f"rollout:{i}" for i in range(cfg["workers"])]
         self.serving = list(self.workers)
-        self.book = self.fresh_book()
+        self.table, self.rollout, self.training = self.fresh()
         self.fate: dict[tuple[str, int, int], str] = {}
         """Every sample dispatched: (group, attempt, index) -> fate."""
         self.fates: Counter[str] = Counter()
@@ -101,12 +106,13 @@ class World:
         """Generation failures retried since the last refit's end (a worker's death is
         not one): the step stats' ``generation_retries``."""
 
-    def fresh_book(self) -> RolloutBook:
+    def fresh(self) -> tuple[LiveGroups, RolloutPhase, TrainPhase]:
+        """A fresh table of live groups and its two phases."""
         c = self.cfg
-        sched = scheduler(SAMPLERS[c["sampler"]](c["W"], c["ratio"]), P=c["P"], N=c["N"],
-                          steps=c["steps"], cap=c["cap"], inflight=c["max_inflight"],
-                          min_chunk=c["min_chunk"])  # fmt: skip
-        return RolloutBook(sched, self.workers)
+        table = live_groups(SAMPLERS[c["sampler"]](c["W"], c["ratio"]), P=c["P"], N=c["N"],
+                            steps=c["steps"], cap=c["cap"], inflight=c["max_inflight"],
+                            min_chunk=c["min_chunk"])  # fmt: skip
+        return table, RolloutPhase(table, self.workers), TrainPhase(table)
 
     # ------------------------------------------------------------------ ledger helpers
     def samples_of(self, gid: str) -> list[tuple[str, int, int]]:
@@ -141,10 +147,10 @@ class World:
         """Up to 4 groups, as a dispatch round would; whether any went."""
         for k in range(self.rng.randint(1, 4)):
             loads = {w: self.owed_by(w) for w in self.serving}
-            sent = self.book.dispatch(self.serving, self.prompt_of, time.perf_counter())
+            sent = self.rollout.dispatch(self.serving, self.prompt_of, time.perf_counter())
             if not isinstance(sent, Sent):
                 assert isinstance(sent, Wait)
-                assert (sent.reason == "workers") == (not self.serving and not self.book.finished)
+                assert (sent.reason == "workers") == (not self.serving and not self.table.finished)
                 return k > 0
             gid = sent.group_id
             assert sent.worker in self.serving and loads[sent.worker] == min(loads.values())
@@ -155,7 +161,7 @@ class World:
             else:
                 (index,) = sent.prompt_ids  # prompt_of() gives position i the ids [i]
                 assert index not in self.trained_indices, f"prompt {index} dispatched again"
-                assert self.book.num_live <= self.cfg["cap"], "a new group went past the cap"
+                assert self.table.num_live <= self.cfg["cap"], "a new group went past the cap"
                 self.index_of[gid] = index
             self.attempt[gid] += 1
             self.state[gid], self.worker_of[gid] = "flight", sent.worker
@@ -178,7 +184,7 @@ class World:
         if gid.startswith("eval"):
             return self.eval_back(w, gid)
         aborting = self.state[gid] == "aborting"
-        arrival = self.book.sample_arrived(SampleDone(gid, w, i, CUT if aborting else DONE))
+        arrival = self.rollout.sample_arrived(SampleDone(gid, w, i, CUT if aborting else DONE))
         self.set_fate(key, "back")
         last = all(self.fate[k] == "back" for k in self.samples_of(gid))
         expected = ArrivalKind.PENDING if not last else ArrivalKind.DISCARDED if aborting else ArrivalKind.COMPLETE
@@ -206,10 +212,10 @@ class World:
                     choices.append((gid, self.worker_of[gid], self.rng.choice(backs)))
                 choices.append((gid, self.worker_of[gid], self.cfg["N"]))  # out of range
         gid, w, i = self.rng.choice(choices)
-        assert self.book.sample_arrived(SampleDone(gid, w, i, DONE)).kind == ArrivalKind.REJECTED
+        assert self.rollout.sample_arrived(SampleDone(gid, w, i, DONE)).kind == ArrivalKind.REJECTED
         if gid not in self.state or w != self.worker_of[gid]:
             failed = GroupFailed(gid, w, "E", "x")
-            assert self.book.check_failure(failed).kind == ArrivalKind.REJECTED
+            assert self.rollout.check_failure(failed).kind == ArrivalKind.REJECTED
         assert self.views() == before
         self.counts["rejected"] += 1
 
@@ -217,22 +223,22 @@ class World:
         gid = self.rng.choice([g for g, s in self.state.items() if s == "scoring"])
         rewards = [float(self.rng.random() < 0.5) for _ in range(self.cfg["N"])]
         scored = [CompletedSample(TOKENS, LOGPROBS, "stop", r, r > 0) for r in rewards]
-        assert self.book.commit(gid, scored, time.perf_counter())
+        assert self.rollout.commit(gid, scored, time.perf_counter())
         self.state[gid] = "ready"
 
     def score_fail(self) -> None:
         gid = self.rng.choice([g for g, s in self.state.items() if s == "scoring"])
-        assert self.book.score_failed(gid)
+        assert self.rollout.score_failed(gid)
         self.end(gid, "failed")
 
     def generation_fail(self) -> None:
         gids = sorted({k[0] for w in self.workers for k in self.owed[w]} & set(self.state))
         gid = self.rng.choice(gids)
-        arrival = self.book.check_failure(GroupFailed(gid, self.worker_of[gid], "E", "boom"))
+        arrival = self.rollout.check_failure(GroupFailed(gid, self.worker_of[gid], "E", "boom"))
         aborting = self.state[gid] == "aborting"
         assert arrival.kind == ArrivalKind.IN_FLIGHT and arrival.aborting == aborting
         retry = self.rng.random() < 0.6
-        self.book.failed(gid, retry=retry)
+        self.rollout.failed(gid, retry=retry)
         self.forget_owed(gid)
         if aborting:
             self.end(gid, "aborted")
@@ -244,12 +250,12 @@ class World:
 
     def retry(self) -> None:
         gid = self.rng.choice(sorted(g for g, s in self.state.items() if s == "retrying"))
-        self.book.retry(gid)
+        self.rollout.retry(gid)
         self.state[gid] = "due"
 
     def worker_dies(self) -> None:
         w = self.rng.choice(self.serving)
-        lost = self.book.worker_lost(w)
+        lost = self.rollout.worker_lost(w)
         again = lost.again
         expect_again = 0
         for gid in [g for g, s in self.state.items() if s in ("flight", "aborting")]:
@@ -293,7 +299,7 @@ class World:
         for gid in [g for g, s in self.evals.items() if s == "waiting"]:
             loads = {w: self.owed_by(w) for w in self.serving}
             self.eval_asks[gid] += 1
-            w = self.book.start_turn(self.eval_id(gid), self.serving)
+            w = self.rollout.start_turn(self.eval_id(gid), self.serving)
             if not self.serving:
                 assert w is None
                 self.eval_asks[gid] -= 1
@@ -303,7 +309,7 @@ class World:
             self.owed[w].append((self.eval_id(gid), 0, 0))
 
     def eval_back(self, w: str, tid: str) -> None:
-        arrival = self.book.sample_arrived(SampleDone(tid, w, 0, DONE))
+        arrival = self.rollout.sample_arrived(SampleDone(tid, w, 0, DONE))
         if tid in self.abandoned:
             self.abandoned.remove(tid)
             assert arrival.kind == ArrivalKind.DISCARDED, arrival
@@ -319,15 +325,15 @@ class World:
         for gid, w in list(self.evals.items()):
             if w != "waiting":
                 tid = self.eval_id(gid)
-                assert self.book.abandon_turn(tid) == w
-                assert self.book.abandon_turn(tid) is None
+                assert self.rollout.abandon_turn(tid) == w
+                assert self.rollout.abandon_turn(tid) is None
                 self.abandoned.add(tid)
             del self.evals[gid]
 
     # ------------------------------------------------------------------ train side
     def train(self) -> bool:
         """One chunk (and the step's end when it is full); whether anything happened."""
-        chunk = self.book.next_chunk()
+        chunk = self.training.next_chunk()
         for gid in chunk.evicted:
             assert self.state[gid] == "ready", (gid, self.state[gid])
             self.end(gid, "evicted")
@@ -337,14 +343,14 @@ class World:
             assert list(group.rewards) == [s.reward for s in group.samples]
             self.state[group.group_id] = "taken"
         taken = [g for g, s in self.state.items() if s == "taken"]
-        assert self.book.taken == len(taken)
+        assert self.table.taken == len(taken)
         if len(taken) == self.cfg["P"]:
-            self.book.finish_step()
+            self.training.finish_step()
             for gid in taken:
                 assert self.index_of[gid] not in self.trained_indices, "a prompt trained twice"
                 self.trained_indices.add(self.index_of[gid])
                 self.end(gid, "trained")
-            self.aborted(self.book.begin_refit())
+            self.aborted(self.rollout.begin_refit())
             self.refit_pending = True
         return bool(chunk.groups or chunk.evicted)
 
@@ -358,11 +364,11 @@ class World:
         assert aborts.count == len(aborts.gone) + sum(map(len, aborts.by_worker.values()))
 
     def end_refit(self) -> None:
-        assert self.book.end_refit().generation_retries == self.retries
+        assert self.training.end_refit().generation_retries == self.retries
         self.refit_pending, self.retries = False, 0
 
     def abort_step(self) -> None:
-        back = self.book.abort_step()
+        back = self.training.abort_step()
         taken = [g for g, s in self.state.items() if s == "taken"]
         assert back == len(taken)
         for gid in taken:
@@ -371,20 +377,21 @@ class World:
         self.counts["steps_given_back"] += 1
 
     # ------------------------------------------------------------------ persistence
-    def checkpoint(self) -> RolloutBook:
-        """Snapshot at this step boundary and restore into a fresh book: an equal book."""
-        snap = self.book.snapshot()
-        fresh = self.fresh_book()
-        start, skip = fresh.restore(snap)
-        assert canonical(fresh.snapshot()) == canonical(snap)
+    def checkpoint(self) -> tuple[LiveGroups, RolloutPhase, TrainPhase]:
+        """Snapshot at this step boundary and restore into a fresh table: an equal table."""
+        snap = ckpt.snapshot(self.table)
+        fresh = self.fresh()
+        table, rollout, _ = fresh
+        start, skip = ckpt.restore(table, snap)
+        assert canonical(ckpt.snapshot(table)) == canonical(snap)
         for view in ("trainer_version", "generator_version", "num_ready", "next_index",
                      "failed_groups"):  # fmt: skip
-            assert getattr(fresh, view) == getattr(self.book, view), view
+            assert getattr(table, view) == getattr(self.table, view), view
         # the rest of the live groups are in its prompts to dispatch again (the ledger's live)
-        assert fresh.num_live == fresh.num_ready and fresh.inflight_samples == 0
-        assert fresh.ledger_report() == self.book.ledger_report()
-        assert start <= fresh.next_index and all(start <= i < fresh.next_index for i in skip)
-        assert fresh.problems() == []
+        assert table.num_live == table.num_ready and table.inflight_samples == 0
+        assert table.ledger_report() == self.table.ledger_report()
+        assert start <= table.next_index and all(start <= i < table.next_index for i in skip)
+        assert rollout.problems() == []
         self.counts["checkpoints"] += 1
         return fresh
 
@@ -397,7 +404,8 @@ class World:
                 self.end(gid, "crashed")
             elif state in ("retrying", "due"):
                 del self.state[gid]  # its last attempt ended already (failed or lost)
-        self.book, self.serving, self.retries = fresh, list(self.workers), 0
+        self.table, self.rollout, self.training = fresh
+        self.serving, self.retries = list(self.workers), 0
         self.owed = {w: [] for w in self.workers}
         self.evals.clear()
         self.abandoned.clear()
@@ -405,31 +413,31 @@ class World:
 
     # ------------------------------------------------------------------ checks
     def views(self) -> tuple[Any, ...]:
-        b = self.book
-        return (b.inflight_samples, b.num_live, b.num_ready, b.taken,
-                tuple(b.load(w) for w in self.workers), tuple(b.problems()))  # fmt: skip
+        t, ro = self.table, self.rollout
+        return (t.inflight_samples, t.num_live, t.num_ready, t.taken,
+                tuple(ro.load(w) for w in self.workers), tuple(ro.problems()))  # fmt: skip
 
     def check(self) -> None:
-        """The ledger against the book, after every action."""
-        b, states = self.book, Counter(self.state.values())
+        """The ledger against the table and the phases, after every action."""
+        t, ro, states = self.table, self.rollout, Counter(self.state.values())
         for w in self.workers:
-            assert b.load(w) == self.owed_by(w), f"{w}: load {b.load(w)}, owes {self.owed_by(w)}"
+            assert ro.load(w) == self.owed_by(w), f"{w}: load {ro.load(w)}, owes {self.owed_by(w)}"
         owed = self.fates["flight"]
-        assert b.inflight_samples == owed, f"{b.inflight_samples} in flight, engines owe {owed}"
-        assert b.inflight_samples <= b.max_inflight_samples
-        assert b.num_ready == states["ready"] and b.taken == states["taken"]
+        assert t.inflight_samples == owed, f"{t.inflight_samples} in flight, engines owe {owed}"
+        assert t.inflight_samples <= t.max_inflight_samples
+        assert t.num_ready == states["ready"] and t.taken == states["taken"]
         live = sum(states[s] for s in ("flight", "retrying", "due", "scoring", "ready"))
-        assert b.num_live == live, (b.num_live, states)
-        self.given_back = self.given_back and b.num_live > self.cfg["cap"]
-        assert b.num_live <= self.cfg["cap"] or self.given_back
-        assert b.problems() == [], b.problems()
+        assert t.num_live == live, (t.num_live, states)
+        self.given_back = self.given_back and t.num_live > self.cfg["cap"]
+        assert t.num_live <= self.cfg["cap"] or self.given_back
+        assert ro.problems() == [], ro.problems()
 
     def check_end(self) -> None:
-        assert self.book.drained and not self.state and not any(self.owed.values())
+        assert self.table.drained and not self.state and not any(self.owed.values())
         fates = Counter(self.fate.values())
         assert fates == +self.fates and set(fates) <= ENDS, fates  # each ended once: see end()
         assert fates["trained"] == self.cfg["steps"] * self.cfg["P"] * self.cfg["N"]
-        report = self.book.ledger_report()
+        report = self.table.ledger_report()
         assert sum(e.trained for e in report) == len(self.trained_indices)
         assert all(e.lost == 0 and e.repeated == 0 for e in report)
         self.counts.update(fates)
@@ -438,7 +446,7 @@ class World:
 def run_schedule(rng: random.Random, cfg: dict[str, Any], faults: bool) -> Counter[str]:
     world = World(rng, cfg)
     actions = 0
-    while not world.book.finished:
+    while not world.table.finished:
         actions += 1
         assert actions < 100_000, "no progress"
         act = rng.choice(moves(world, faults))
@@ -450,11 +458,11 @@ def run_schedule(rng: random.Random, cfg: dict[str, Any], faults: bool) -> Count
     if world.refit_pending:
         world.end_refit()
     world.drop_evals()
-    world.aborted(world.book.close())
+    world.aborted(world.rollout.close())
     for gid, state in list(world.state.items()):
         assert state in ("aborting", "scoring", "ready"), (gid, state)  # all else aborted
         if state == "scoring":  # its scores come too late: counted as unused
-            assert not world.book.commit(gid, [], time.perf_counter())
+            assert not world.rollout.commit(gid, [], time.perf_counter())
         if state != "aborting":
             world.end(gid, "unused")
     while any(world.owed.values()):
@@ -466,9 +474,9 @@ def run_schedule(rng: random.Random, cfg: dict[str, Any], faults: bool) -> Count
 
 
 def moves(world: World, faults: bool) -> list[str]:
-    b, states = world.book, set(world.state.values())
+    t, states = world.table, set(world.state.values())
     out = []
-    boundary = b.taken == 0 and not world.refit_pending
+    boundary = t.taken == 0 and not world.refit_pending
     if not world.refit_pending:
         out += ["dispatch", "train"]
     if any(world.owed.values()):
@@ -485,7 +493,7 @@ def moves(world: World, faults: bool) -> list[str]:
         return out
     if boundary and world.counts["crashes"] < 2:
         out.append("crash")
-    if b.taken and not world.refit_pending:
+    if t.taken and not world.refit_pending:
         out.append("abort_step")
     if {k[0] for w in world.workers for k in world.owed[w]} & set(world.state):
         out.append("generation_fail")
@@ -503,13 +511,12 @@ def moves(world: World, faults: bool) -> list[str]:
 def unstick(world: World) -> bool:
     """With nothing in flight, nothing being scored and no refit going on, the pumps must
     still be able to move (as the controller's would: a back-off ends, a worker comes back)."""
-    b = world.book
-    if any(world.owed.values()) or world.refit_pending or b.finished:
+    if any(world.owed.values()) or world.refit_pending or world.table.finished:
         return True
     if "scoring" in world.state.values():
         return True
     for gid in [g for g, s in world.state.items() if s == "retrying"]:
-        b.retry(gid)
+        world.rollout.retry(gid)
         world.state[gid] = "due"
     if not world.serving:
         world.worker_back()
@@ -554,19 +561,19 @@ def test_the_random_schedules_reach_every_event() -> None:
         assert totals[event] > 0, (event, totals)
 
 
-def test_a_stranger_is_refused_with_its_reason_and_restore_wants_a_fresh_book() -> None:
+def test_a_stranger_is_refused_with_its_reason_and_restore_wants_a_fresh_table() -> None:
     """Two small cases by hand: a sample from the wrong worker is refused with its reason,
-    and restore() wants a fresh book."""
+    and restore() wants a fresh table."""
     world = World(random.Random(0), config("gated", 1, 2, 1, 2, 1.0, 0, 1.0, 1.0, 2))
     assert world.dispatch()
     gid, worker = next(iter(world.worker_of.items()))
     other = next(w for w in world.workers if w != worker)
-    arrival = world.book.sample_arrived(SampleDone(gid, other, 0, DONE))
+    arrival = world.rollout.sample_arrived(SampleDone(gid, other, 0, DONE))
     assert arrival.kind == ArrivalKind.REJECTED
     assert arrival.detail == f"SampleDone for group {gid!r}, which is not generating on {other!r}"
     bad = Sample(TOKENS, LOGPROBS[:2], "stop")
-    arrival = world.book.sample_arrived(SampleDone(gid, worker, 0, bad))
+    arrival = world.rollout.sample_arrived(SampleDone(gid, worker, 0, bad))
     assert (arrival.kind, arrival.detail) == (ArrivalKind.MALFORMED, "(3,) tokens but (2,) logprobs")
     world.check()
-    with pytest.raises(arrivals.BookError, match="fresh book"):
-        world.book.restore(world.fresh_book().snapshot())
+    with pytest.raises(SchedulerError, match="fresh table"):
+        ckpt.restore(world.table, ckpt.snapshot(world.fresh()[0]))
