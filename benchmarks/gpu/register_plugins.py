@@ -9,7 +9,7 @@ of the repo into TARGET, and prints the PYTHONPATH entries that make the code im
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tomllib
 from pathlib import Path
 
@@ -37,9 +37,11 @@ def register(tree: Path, target: Path) -> list[str]:
     return paths
 
 
-def main(target: str) -> None:
-    print(":".join(register(ROOT, Path(target))))
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="the folder to write the dist-infos into (e.g. /tmp/site)")
+    print(":".join(register(ROOT, Path(parser.parse_args().target))))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
