@@ -255,7 +255,7 @@ class LiveGroups:
         """RETRYING groups whose retry is due (dispatched before any new group)."""
         return len(self._retry)
 
-    def due_retry(self) -> Group:
+    def pop_due_retry(self) -> Group:
         """The first RETRYING group whose retry is due, taken off the queue.
 
         Raises:
@@ -312,14 +312,23 @@ class LiveGroups:
         )
 
     # ------------------------------------------------------------------ arrival and failure
-    def sample_back(self, group: Group) -> None:
-        """One sample (episode) of ``group`` (generating or being aborted) came back."""
+    def sample_back(self, group: Group) -> str:
+        """One sample (episode) of ``group`` (generating or being aborted) came back. Returns
+        ``"pending"`` (more to come), ``"complete"`` (its last: the group is SCORING) or
+        ``"discarded"`` (the last of a group being aborted, which is now gone)."""
         if group.state not in (GENERATING, ABORTING):
             raise SchedulerError(f"group {group.group_id} got a sample in state {group.state}")
         if group.finished >= group.n:
             raise SchedulerError(f"group {group.group_id} got more than {group.n} samples")
         group.finished += 1
         self.inflight_samples -= 1
+        if group.finished < group.n:
+            return "pending"
+        if group.state == ABORTING:
+            del self._groups[group.group_id]
+            return "discarded"
+        group.state = SCORING
+        return "complete"
 
     def samples_lost(self, group: Group) -> None:
         """``group``'s samples (episodes) not yet back never will (a failure, a lost
@@ -333,14 +342,18 @@ class LiveGroups:
             raise SchedulerError(f"group {group.group_id} removed in state {group.state}")
         del self._groups[group.group_id]
 
-    def to_retry(self, group: Group, *, due: bool) -> None:
-        """``group`` waits as RETRYING, still live (keeping its place and its step); ``due``:
-        its retry is due at once, else at :meth:`retry_due`."""
+    def to_retry(self, group: Group, *, failed: bool) -> None:
+        """``group`` waits as RETRYING, still live (keeping its place and its step).
+        ``failed``: its generation failed (a retry counted, due at :meth:`mark_retry_due`,
+        after the back-off); otherwise its worker was lost (due at once, not counted)."""
         group.state, group.finished = RETRYING, 0
-        if due:
+        if failed:
+            group.retries += 1
+            self.stats.generation_retries += 1
+        else:
             self._retry.append(group.group_id)
 
-    def retry_due(self, group_id: str) -> None:
+    def mark_retry_due(self, group_id: str) -> None:
         """A RETRYING group's back-off is over: it is dispatched again first (a group dropped
         meanwhile is ignored)."""
         group = self._groups.get(group_id)

@@ -178,11 +178,13 @@ class Asker:
             except _Lost as lost:
                 failures += lost.counts
                 if not lost.retryable or failures >= ASK_ATTEMPTS:
-                    raise RequestFailed(f"turn failed on {chosen}: {lost}",
+                    what = "evaluation prompt" if question.evaluation else "turn"
+                    raise RequestFailed(f"{what} {rid} failed on {chosen}: {lost}",
                                         retryable=lost.retryable) from None  # fmt: skip
 
     async def _place(self, question: Question, rid: str) -> str:
-        """The worker for request ``rid`` (the rollout phase charges it); waits while none serves."""
+        """The worker for request ``rid`` (the rollout phase charges it); waits while none
+        serves."""
         rollout = self._rollout
         group_id = "" if question.evaluation else question.group_id
         while True:

@@ -135,7 +135,7 @@ class RolloutPhase:
         if t.retries_due:  # live and admitted already: only the samples in flight hold it
             if t.inflight_samples + n > t.max_inflight_samples:
                 return Wait("samples")
-            group = t.due_retry()
+            group = t.pop_due_retry()
             t.restart(group)
         else:
             need = t.num_steps * t.prompts_per_step - t.trained - t.taken
@@ -250,14 +250,10 @@ class RolloutPhase:
     def _finished_one(self, group: Group) -> Arrival:
         """One more episode of ``group`` is back: ``PENDING``, ``DISCARDED`` (the last of a
         group being aborted: it is gone) or ``COMPLETE`` (score it)."""
-        self._table.sample_back(group)
-        if group.finished < group.n:
-            return _PENDING
-        if group.state == ABORTING:
-            self._table.remove(group)
-            return _DISCARDED
-        group.state = SCORING
-        return Arrival(ArrivalKind.COMPLETE, group)
+        outcome = self._table.sample_back(group)
+        if outcome == "complete":
+            return Arrival(ArrivalKind.COMPLETE, group)
+        return _PENDING if outcome == "pending" else _DISCARDED
 
     def check_failure(self, msg: GroupFailed) -> Arrival:
         """Which request a ``GroupFailed`` is about: ``REJECTED`` (a stranger's), or a
@@ -296,9 +292,7 @@ class RolloutPhase:
         if group.state == ABORTING:
             t.remove(group)
         elif retry:
-            group.retries += 1
-            t.stats.generation_retries += 1
-            t.to_retry(group, due=False)
+            t.to_retry(group, failed=True)
         else:
             t.drop(group, "failed")
         return turns
@@ -306,7 +300,7 @@ class RolloutPhase:
     def retry(self, group_id: str) -> None:
         """A failed group's back-off is over: :meth:`dispatch` sends it again first (one
         aborted or dropped meanwhile is ignored)."""
-        self._table.retry_due(group_id)
+        self._table.mark_retry_due(group_id)
 
     def score_failed(self, group_id: str) -> bool:
         """Scoring ``group_id`` failed: drop it (counted as failed). False: the run ended
@@ -334,7 +328,7 @@ class RolloutPhase:
             if group.state == ABORTING:
                 t.remove(group)  # counted as aborted already
             else:
-                t.to_retry(group, due=True)
+                t.to_retry(group, failed=False)
                 again += 1
         return Lost(again, answered)
 

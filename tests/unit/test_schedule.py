@@ -306,3 +306,17 @@ def test_without_dynamic_sampling_uniform_groups_train() -> None:
     finish_with(s, a.group_id, [1.0, 1.0])
     finish_with(s, b.group_id, [1.0, 1.0])
     assert sorted(s.next_chunk().groups) == ["g0", "g1"]
+
+
+def test_the_table_and_its_phases_share_no_method_name() -> None:
+    """Split by phase, not by layer: no class forwards to another under the same name (each
+    has its own ``problems``: the rollout phase's includes the table's)."""
+    from asyncrl.run.rollout_phase import RolloutPhase
+    from asyncrl.run.train_phase import TrainPhase
+
+    def public(cls: type) -> set[str]:
+        return {n for n in vars(cls) if not n.startswith("_")} - {"problems"}
+
+    table, rollout, train = public(LiveGroups), public(RolloutPhase), public(TrainPhase)
+    assert not table & rollout and not table & train and not rollout & train, (
+        table & rollout, table & train, rollout & train)  # fmt: skip
