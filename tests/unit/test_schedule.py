@@ -203,6 +203,28 @@ def test_state_dict_resumes_without_losing_or_repeating_a_prompt() -> None:
     assert [d.index for d in nxt] == [6, 7]  # the stream continues where it stopped
 
 
+def test_a_checkpoint_whose_ready_groups_lack_their_samples_is_refused_untouched() -> None:
+    """A snapshot lists its ready groups in the table's state and saves their samples beside
+    it; restoring one without the other is refused before the table changes, naming the fix."""
+    from asyncrl.checkpoints import directory as ckpt
+
+    s = make(in_order(1), P=2, steps=4)
+    dispatch_all(s)
+    complete(s, "g1")  # ready: its samples go in the snapshot
+    snap = ckpt.snapshot(s.table)
+    assert [g.group_id for g in snap.groups] == ["g1"]
+    fresh = make(in_order(1), P=2, steps=4)
+    broken = ckpt.ControllerState(step=snap.step, finished=snap.finished,
+                                  scheduler=snap.scheduler, groups=[])  # fmt: skip
+    with pytest.raises(ckpt.CheckpointError, match=r"lists ready groups \['g1'\] without their "
+                       r"samples\. Fix: resume from an older checkpoint"):  # fmt: skip
+        ckpt.restore(fresh.table, broken)
+    assert fresh.table.totals == Counts() and not fresh.table.live  # untouched: still fresh
+    # the stream restarts at 0 and skips 1 (g1 is restored ready); g0, g2, g3 go out again
+    assert ckpt.restore(fresh.table, snap) == (0, {1})
+    assert [g.group_id for g in fresh.table.ready_groups()] == ["g1"]
+
+
 def test_run_totals_are_the_steps_counts_and_survive_a_resume_between_steps() -> None:
     """Each event is counted once, in the open step's counters; the run's totals are the
     ended steps' plus the open step's, and a checkpoint between steps keeps what the open
