@@ -1,1 +1,1 @@
-"""The controller's run: lifecycle, the loops, the rollout book, steps, refits, checkpoints."""
+"""The controller's run: lifecycle, the loops, the rollout and train phases, steps, refits, checkpoints."""

@@ -26,8 +26,8 @@ __all__ = [
     "Aborts",
     "Arrival",
     "ArrivalKind",
-    "BookError",
     "Lost",
+    "RolloutError",
     "Sent",
     "malformed",
     "store",
@@ -78,7 +78,7 @@ ENDED = "ended"
 """The sample slot of an episode that ended without a sample (cancelled by an abort)."""
 
 
-class BookError(RuntimeError):
+class RolloutError(RuntimeError):
     """An event the rollout phase's state does not allow (a bug in a caller)."""
 
 
@@ -88,7 +88,7 @@ class Arrival:
 
     kind: ArrivalKind
     group: Group | None = None
-    """``COMPLETE``: the group to score (read it; the book changes it only at
+    """``COMPLETE``: the group to score (read it; the rollout phase changes it only at
     :meth:`RolloutPhase.commit`). ``IN_FLIGHT``: the group that failed."""
     detail: str = ""
     """``REJECTED`` / ``MALFORMED``: what is wrong."""

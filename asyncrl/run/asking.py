@@ -6,11 +6,11 @@ evaluation's prompt.
     Asker.ask() ──rollout.start_turn()──► a worker ──Cast(Generate([1 request]))──► engine
     Feeder ◄──SampleDone── worker; rollout.sample_arrived(): ANSWER ──answered()──► the asker
 
-The rollout phase (:mod:`asyncrl.run.rollout_phase`) owns the requests in flight; the :class:`Asker` owns what
-waits: the slot each request's answer is delivered into. Every answered request ends exactly
-one way: its sample comes back (``ANSWER``), its worker reports it failed (``ANSWER_FAILED``),
-its worker is lost (:meth:`Asker.lost`), or whoever asked is cancelled (the rollout phase abandons the
-request and the worker is told to abort it).
+The rollout phase (:mod:`asyncrl.run.rollout_phase`) owns the requests in flight; the
+:class:`Asker` owns what waits: the slot each request's answer is delivered into. Every answered
+request ends exactly one way: its sample comes back (``ANSWER``), its worker reports it failed
+(``ANSWER_FAILED``), its worker is lost (:meth:`Asker.lost`), or whoever asked is cancelled (the
+rollout phase abandons the request and the worker is told to abort it).
 """
 
 from __future__ import annotations
@@ -240,5 +240,5 @@ def build_asker(ctx: RunContext) -> Asker:
         await control.call_unless_restarting(worker, Abort(group_ids=request_ids),
                                              timeout_s=timeout)  # fmt: skip
 
-    return Asker(ctx.rollout, ctx.groups, send=send, abort=abort, serving=ctx.serving, changed=ctx.changed,
-                 seed=ctx.config.run.seed)  # fmt: skip
+    return Asker(ctx.rollout, ctx.groups, send=send, abort=abort, serving=ctx.serving,
+                 changed=ctx.changed, seed=ctx.config.run.seed)  # fmt: skip

@@ -8,9 +8,9 @@
               (:mod:`asyncrl.run.asking`), its sample back to the episode
               the episode returns its Score ──rollout.episode_ended()──► COMPLETE: ctx.commit()
 
-The rollout phase (:mod:`asyncrl.run.rollout_phase`) owns what is in flight, turns included; the asker owns the
-slot each turn's answer is delivered into; the runner owns the episode tasks and each one's
-cancel scope.
+The rollout phase (:mod:`asyncrl.run.rollout_phase`) owns what is in flight, turns included;
+the asker owns the slot each turn's answer is delivered into; the runner owns the episode tasks
+and each one's cancel scope.
 
 An episode's failure (``run_episode`` raised, or a turn failed for good) fails its group under
 ``[failures]``, as a failed generation does: its other episodes are cancelled and their turns

@@ -2,8 +2,8 @@
 
 Each eval prompt is one question asked of the same engines as training (an answered request,
 :mod:`asyncrl.run.asking`; a multi-turn environment's is a greedy episode, whose turns are),
-scored as training scores its samples; nothing trains on them. The book owns the requests in
-flight; the evaluator owns the results.
+scored as training scores its samples; nothing trains on them. The rollout phase owns the
+requests in flight; the evaluator owns the results.
 """
 
 from __future__ import annotations

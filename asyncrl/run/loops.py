@@ -251,9 +251,9 @@ class Pipeline:
     # ------------------------------------------------------------------ the controller's API
     async def resume(self, resume: Resume) -> None:
         """Take over a checkpoint before anything is dispatched: the live groups (their
-        counts and versions, the ready groups with their samples, the prompts to dispatch again, the prompt
-        ledger), the prompt stream's position, and the trainers' state. Cancellation: the
-        trainers' load is abandoned (the run stops)."""
+        counts and versions, the ready groups with their samples, the prompts to dispatch
+        again, the prompt ledger), the prompt stream's position, and the trainers' state.
+        Cancellation: the trainers' load is abandoned (the run stops)."""
         start, skip = ckpt.restore(self.groups, resume.state)
         self.prompts.skip_to(start, skip=skip)
         self.resumed_from = resume.state.step

@@ -348,8 +348,8 @@ class Publisher:
         """Step ``step`` (trained on ``groups``) took its optimizer step: bump the version,
         abort what became hopeless, refit. Returns the step's counters and what its refit
         measured. Cancellation: the refit is abandoned (the run is over)."""
-        # the version bump and the gate's closing are one event of the live groups: no dispatch can see
-        # version v+1 before the generators serve it
+        # the version bump and the gate's closing are one event of the live groups: no
+        # dispatch can see version v+1 before the generators serve it
         self.training.finish_step()
         self.changed.notify()
         refit_start = self.now()
@@ -374,7 +374,8 @@ class Publisher:
         """Tell each engine to abort its groups and episodes' turns (their samples still come
         back, cut short, and free their slots), and cancel the aborted groups' episodes."""
         if aborts.count:
-            log.info("groups_aborted", count=aborts.count, trainer_version=self.groups.trainer_version)
+            log.info("groups_aborted", count=aborts.count,
+                     trainer_version=self.groups.trainer_version)  # fmt: skip
         if aborts.episodes:
             assert self._cancel_episodes is not None
             self._cancel_episodes(aborts.episodes)

@@ -51,7 +51,7 @@ from asyncrl.run.arrivals import (
     Aborts,
     Arrival,
     ArrivalKind,
-    BookError,
+    RolloutError,
     Lost,
     Sent,
     malformed,
@@ -175,14 +175,14 @@ class RolloutPhase:
         ``STICKY_TURNS`` busier than the least loaded.
 
         Raises:
-            BookError: episode ``index`` of ``group_id`` is not running.
+            RolloutError: episode ``index`` of ``group_id`` is not running.
         """
         if group_id:
             group = self._table.get(group_id)
             if group is None or group.state != GENERATING:
                 return None
             if not 0 <= index < group.n or group.samples[index] is not None:
-                raise BookError(f"episode {index} of {group_id} is not running")
+                raise RolloutError(f"episode {index} of {group_id} is not running")
         if not serving:
             return None
         worker = self._least_loaded(serving)
@@ -212,13 +212,13 @@ class RolloutPhase:
         the last of a group being aborted; else ``PENDING``.
 
         Raises:
-            BookError: no such episode running, or no sample from a group still generating.
+            RolloutError: no such episode running, or no sample from a group still generating.
         """
         group = self._in_flight(group_id)
         if not 0 <= index < group.n or group.samples[index] is not None:
-            raise BookError(f"episode {index} of {group_id} is not running")
+            raise RolloutError(f"episode {index} of {group_id} is not running")
         if sample is None and group.state != ABORTING:
-            raise BookError(f"episode {index} of {group_id} ended without a sample")
+            raise RolloutError(f"episode {index} of {group_id} ended without a sample")
         group.samples[index] = sample if sample is not None else ENDED
         return self._finished_one(group)
 
@@ -340,7 +340,7 @@ class RolloutPhase:
         if group is None or group.state != SCORING:
             return False
         if len(samples) != group.n:
-            raise BookError(f"{group_id}: {len(samples)} scored samples for {group.n}")
+            raise RolloutError(f"{group_id}: {len(samples)} scored samples for {group.n}")
         group.samples = samples
         group.end_version = self._table.generator_version
         group.committed_at = now
@@ -396,7 +396,7 @@ class RolloutPhase:
     def _in_flight(self, group_id: str) -> Group:
         group = self._table.get(group_id)
         if group is None or group.state not in _IN_FLIGHT:
-            raise BookError(f"group {group_id!r} is not in flight")
+            raise RolloutError(f"group {group_id!r} is not in flight")
         return group
 
     # ------------------------------------------------------------------ invariants

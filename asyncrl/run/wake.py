@@ -1,5 +1,5 @@
-"""Wake-ups on the controller's loop: the signal the run's loops wait on (a book change, a
-commit), and the pacer that lets the episodes' work through one piece per pass."""
+"""Wake-ups on the controller's loop: the signal the run's loops wait on (a change of the live
+groups, a commit), and the pacer that lets the episodes' work through one piece per pass."""
 
 from __future__ import annotations
 

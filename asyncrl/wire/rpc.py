@@ -413,7 +413,7 @@ class ControlPlane:
 
         A worker whose socket is gone is not an error here: its process exited or is exiting,
         and its watcher reports the death; what it was asked for is then lost with it (the
-        book's ``worker_lost``), as for a worker that dies after taking it.
+        rollout phase's ``worker_lost``), as for a worker that dies after taking it.
 
         Raises:
             WorkerError: the worker is not connected or is marked dead.

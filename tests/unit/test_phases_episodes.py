@@ -328,7 +328,7 @@ class World:
         else:
             return self.fail_group(ep, retryable=True)
         if group.state == "flight" and self.rng.random() < 0.05:  # only an abort ends one so
-            with pytest.raises(arrivals.BookError, match="without a sample"):
+            with pytest.raises(arrivals.RolloutError, match="without a sample"):
                 self.rollout.episode_ended(ep.gid, ep.index, None)
         assert ep.state in RUNNING, f"episode {ep.gid}/{ep.index} ended twice"
         arrival = self.rollout.episode_ended(ep.gid, ep.index, sample)
@@ -695,14 +695,14 @@ def test_misuse_is_refused_and_a_retried_group_gets_fresh_turn_ids() -> None:
     world = World(random.Random(0), config("gated", 1, 2, 1, 1, 1.0, 0, 1.0, 1.0, 2, True))
     assert world.dispatch()
     gid = next(iter(world.groups))
-    with pytest.raises(arrivals.BookError, match="not running"):
+    with pytest.raises(arrivals.RolloutError, match="not running"):
         world.rollout.start_turn("x", world.serving, group_id=gid, index=2)
     first = turn_id(gid, 0, 0)
     assert world.rollout.start_turn(first, world.serving, group_id=gid, index=0) == "rollout:0"
     # the least loaded now is rollout:1, but rollout:0 is at most STICKY_TURNS busier
     second = turn_id(gid, 1, 0)
     assert world.rollout.start_turn(second, world.serving, "rollout:0", group_id=gid, index=1) == "rollout:0"
-    with pytest.raises(arrivals.BookError, match="without a sample"):
+    with pytest.raises(arrivals.RolloutError, match="without a sample"):
         world.rollout.episode_ended(gid, 0, None)
     assert world.rollout.failed(gid, retry=True) == {"rollout:0": [first, second]}
     world.rollout.retry(gid)
@@ -718,6 +718,6 @@ def test_misuse_is_refused_and_a_retried_group_gets_fresh_turn_ids() -> None:
     assert arrival.kind == ArrivalKind.ANSWER and arrival.request is not None and arrival.request.index == 0
     sample = CompletedSample(TOKENS, LOGPROBS, "stop", 1.0, True)
     assert world.rollout.episode_ended(gid, 0, sample).kind == ArrivalKind.PENDING
-    with pytest.raises(arrivals.BookError, match="not running"):
+    with pytest.raises(arrivals.RolloutError, match="not running"):
         world.rollout.episode_ended(gid, 0, sample)
     assert world.rollout.problems() == []
