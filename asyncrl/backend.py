@@ -109,6 +109,11 @@ class BackendPlugin:
     controller's check before any worker is spawned (:mod:`asyncrl.procs.space`). Cheap; imports
     no engine."""
 
+    adapters: bool = False
+    """Whether the backend trains (a training backend) or serves (a generation backend) LoRA
+    adapters: a run with ``[lora]`` is refused before any worker starts unless both of its
+    backends say so (docs/lora.md)."""
+
     def __call__(self, ctx: WorkerContext) -> Any:
         """Same as :attr:`create` (so a plugin can be used where a factory is expected)."""
         return self.create(ctx)

@@ -81,12 +81,39 @@ def check_config(
     width = max(len(k) for k in report.capacities)
     for key, value in report.capacities.items():
         print(f"  {key:<{width}}  {value}", file=out)
+    if config.lora.enabled:
+        print(_lora_line(config), file=out)
     for line in report.advice:
         print(f"advice: {line}", file=out)
     print("ok: no invariant is broken" + (
         "" if config_only else "; the plugins, the environment, the tokenizer and every "
         "plugin's options are fine"), file=out)
     return 0
+
+
+def _lora_line(config: Any) -> str:
+    """``[lora]``: the trainable parameters and the trainer memory they imply."""
+    from asyncrl.config.adapters import MemoryEstimate
+
+    lora, model = config.lora, config.model
+    targets = lora.targets(model.path)
+    head = f"lora: rank {lora.rank} on {', '.join(targets)}"
+    estimate = MemoryEstimate.of(lora, model.path, model.dtype)
+    if estimate is None:
+        return f"{head} (sizes not readable from {model.path}; the trainer logs them at start)"
+    return (
+        f"{head}: {estimate.trainable_parameters:,} trainable parameters "
+        f"({estimate.trainable_parameters / estimate.model_parameters:.2%} of "
+        f"{estimate.model_parameters:,}); trainer weights and optimizer "
+        f"{_size(estimate.base_bytes + estimate.adapter_bytes)} (base in {model.dtype} "
+        f"{_size(estimate.base_bytes)} + adapter, gradient and AdamW moments "
+        f"{_size(estimate.adapter_bytes)}) against {_size(estimate.full_bytes)} for full "
+        "fine-tuning (16 bytes a parameter); activations come on top"
+    )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def list_plugins(out: TextIO) -> int:

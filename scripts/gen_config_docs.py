@@ -16,7 +16,8 @@ CONFIG = ROOT / "asyncrl/config"
 SECTIONS = {  # in the page's order
     "RunConfig": "run", "ModelConfig": "model", "ClusterConfig": "cluster", "GRPOConfig": "grpo",
     "LossConfig": "loss", "PipelineConfig": "pipeline",
-    "RefitConfig": "refit", "TrainerConfig": "trainer", "GeneratorConfig": "generator",
+    "RefitConfig": "refit", "TrainerConfig": "trainer", "LoraConfig": "lora",
+    "GeneratorConfig": "generator",
     "EnvironmentConfig": "environment", "EvalConfig": "eval",
     "CheckpointConfig": "checkpoint", "ExportConfig": "export", "FailuresConfig": "failures",
     "MetricsConfig": "metrics", "EpisodeConfig": "episode",

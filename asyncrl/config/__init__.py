@@ -31,6 +31,7 @@ the layout, not the API.
 
 from __future__ import annotations
 
+from asyncrl.config.adapters import LoraConfig
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
 from asyncrl.explain import explain
@@ -70,6 +71,7 @@ __all__ = [
     "FailuresConfig",
     "GeneratorConfig",
     "GRPOConfig",
+    "LoraConfig",
     "LossConfig",
     "MetricsConfig",
     "ModelConfig",

@@ -86,6 +86,9 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
             config.export, dir=_resolve(base, config.export.dir or os.path.join(output_dir, "hf"))
         ),
     )
+    if config.lora.init_path:
+        config = msgspec.structs.replace(config, lora=msgspec.structs.replace(
+            config.lora, init_path=_resolve(base, config.lora.init_path)))
     if config.cluster.keys_file:
         keys_file = _resolve(base, config.cluster.keys_file)
         config = msgspec.structs.replace(

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.config.adapters import LoraConfig
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
 from asyncrl.config.episodes import EpisodeConfig
@@ -50,6 +51,7 @@ class Config(Section, dict=True):
     pipeline: PipelineConfig = PipelineConfig()
     refit: RefitConfig = RefitConfig()
     trainer: TrainerConfig = TrainerConfig()
+    lora: LoraConfig = LoraConfig()
     generator: GeneratorConfig = GeneratorConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -128,6 +130,7 @@ def problems(config: Config) -> list[ConfigError]:
         *config.services.values(),  # each service's section: its problems() checked as it loaded
     ):  # fmt: skip
         out += section.problems()
+    out += config.lora.problems(config.model.path)
     return out + config.model.problems()
 
 

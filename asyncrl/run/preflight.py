@@ -65,6 +65,15 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
         await load_service(name, f"{name}.enabled").check(cfg, environment, tokenizer)
     longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
     for section, plugin in (("trainer", trainer), ("generator", generator)):
+        if cfg.lora.enabled and not plugin.adapters:
+            backend = getattr(cfg, section).backend
+            raise config_error(
+                f"{section}.backend",
+                f"the {section} backend {backend!r} does not "
+                f"{'train' if section == 'trainer' else 'serve'} LoRA adapters (lora.rank = "
+                f"{cfg.lora.rank}; docs/lora.md says which backends do)",
+                "train the full weights (lora.rank = 0), or use a backend that does",
+            )
         if plugin.check_config is not None:
             backend = getattr(cfg, section).backend
             with _plugin_errors(

@@ -158,9 +158,13 @@ def write_hf_model(
     *,
     source_dir: str | os.PathLike[str],
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    adapter_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``tensors`` (in ``specs``' order, with data) as a Hugging Face directory at
     ``out`` (replaced if it exists), with the other files of ``source_dir``. Returns ``out``.
+    With ``adapter_config`` (a LoRA run: ``tensors`` are the adapter's) a PEFT adapter
+    directory instead: ``adapter_model.safetensors`` (one file) and that
+    ``adapter_config.json``, loadable by PEFT on the base and by vLLM as a LoRA adapter.
 
     Raises:
         ValueError: a tensor that is not the next one of ``specs`` (name, dtype or size).
@@ -172,9 +176,9 @@ def write_hf_model(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        shards = plan_shards(specs, shard_bytes)
+        shards = plan_shards(specs, shard_bytes) if adapter_config is None else [specs]
         names = (
-            ["model.safetensors"]
+            ["model.safetensors" if adapter_config is None else "adapter_model.safetensors"]
             if len(shards) == 1
             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         )
@@ -207,8 +211,11 @@ def write_hf_model(
                 "weight_map": {s.name: n for n, shard in zip(names, shards) for s in shard},
             }
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        dtypes = {s.dtype for s in specs}
-        copy_model_dir(source_dir, tmp, torch_dtype=dtypes.pop() if len(dtypes) == 1 else None)
+        if adapter_config is not None:
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+        else:
+            dtypes = {s.dtype for s in specs}
+            copy_model_dir(source_dir, tmp, torch_dtype=dtypes.pop() if len(dtypes) == 1 else None)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -235,16 +242,19 @@ def export_model(
     *,
     source_dir: str | os.PathLike[str],
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    adapter_config: dict[str, Any] | None = None,
 ) -> None:
     """One trainer rank's part of an export (blocking; on the trainer's thread): every rank
-    iterates ``backend.iter_weights()`` (the gathers are collective), rank 0 writes them."""
+    iterates ``backend.iter_weights()`` (the gathers are collective), rank 0 writes them (a
+    PEFT adapter directory with ``adapter_config``: :func:`write_hf_model`)."""
     it = backend.iter_weights()
     if rank != 0:
         drain_weights(it)
         return
     try:
         write_hf_model(
-            path, backend.weight_specs(), it, source_dir=source_dir, shard_bytes=shard_bytes
+            path, backend.weight_specs(), it, source_dir=source_dir, shard_bytes=shard_bytes,
+            adapter_config=adapter_config,
         )
     except BaseException:
         drain_weights(it, after_failure=True)

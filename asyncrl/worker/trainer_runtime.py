@@ -373,9 +373,11 @@ class TrainerRuntime(WorkerRuntime):
         return Empty()
 
     async def _export(self, req: ExportModel) -> Result:
+        config = self.wctx.config
+        adapter = config.lora.peft_config(config.model.path) if config.lora.enabled else None
         export = functools.partial(
             export_model, self.backend, self.wctx.rank, req.path,
-            source_dir=req.source_dir, shard_bytes=req.shard_bytes,
+            source_dir=req.source_dir, shard_bytes=req.shard_bytes, adapter_config=adapter,
         )
         await self.thread.run(export)
         return Empty()

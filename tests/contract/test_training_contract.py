@@ -62,6 +62,39 @@ class TestDeepSpeedZero3TwoRanks(TrainingBackendContract):
     options = {"zero_stage": 3, "export_bucket_mb": 1}
 
 
+LORA = {"rank": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+"""Attention and MLP layers, some of each: the shapes differ (v_proj is narrower)."""
+LORA_CLIP = {"max_grad_norm": 0.1}
+"""Below the adapter's gradient norm in the first step (0.24; the whole model's is ~1.5), so
+the clip is active there too."""
+
+
+class TestFSDP2TwoRanksLoRA(TrainingBackendContract):
+    """An adapter on a frozen base, sharded with it over two ranks."""
+
+    backend = "fsdp2"
+    world_size = 2
+    options = LORA_CLIP
+    lora = LORA
+    collective_timeout = False  # TestFSDP2TwoRanks runs the same stuck scenario
+
+
+class TestDeepSpeedZero2TwoRanksLoRA(TrainingBackendContract):
+    backend = "deepspeed"
+    world_size = 2
+    options = {"zero_stage": 2, **LORA_CLIP}
+    lora = LORA
+    collective_timeout = False  # TestDeepSpeedZero2TwoRanks runs the same stuck scenario
+
+
+class TestDeepSpeedZero3TwoRanksLoRA(TrainingBackendContract):
+    backend = "deepspeed"
+    world_size = 2
+    options = {"zero_stage": 3, "export_bucket_mb": 1, **LORA_CLIP}
+    lora = LORA
+    collective_timeout = False  # TestDeepSpeedZero3TwoRanks runs the same stuck scenario
+
+
 def test_deepspeed_on_the_cpu_compiles_no_op(tmp_path) -> None:
     """DeepSpeed started as the backend starts it, on the CPU accelerator, builds no C++ op:
     not its Adam (``torch_adam``) and not the shared-memory all-reduce its communication would

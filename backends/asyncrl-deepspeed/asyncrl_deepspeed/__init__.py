@@ -28,5 +28,5 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
     parse_options(dict(config.trainer.options))
 
 
-plugin = BackendPlugin(create=_create, check_config=check_config)
+plugin = BackendPlugin(create=_create, check_config=check_config, adapters=True)
 """The entry point ``asyncrl.training_backends:deepspeed``."""

@@ -45,6 +45,7 @@ if not torch.cuda.is_available():
 
 from asyncrl.plugin.backend import WeightTensor, WorkerContext  # noqa: E402
 from asyncrl_torch import DistributedTrainer  # noqa: E402
+from asyncrl_torch.trainer import full_numel, full_shape  # noqa: E402
 from asyncrl_torch.byte_groups import byte_groups  # noqa: E402
 
 from .options import DeepSpeedOptions, parse_options  # noqa: E402
@@ -105,8 +106,9 @@ class DeepSpeedBackend(DistributedTrainer):
             micro_batch_size=self._ctx.config.trainer.micro_batch_size,
             world_size=self._ctx.world_size,
         )
+        trained = [p for p in model.parameters() if p.requires_grad]  # [lora]: the adapter
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=config,
+            model=model, model_parameters=trained, config=config,
             dist_init_required=False,
         )  # fmt: skip
         engine.optimizer.override_loss_scale(1.0)
@@ -151,8 +153,12 @@ class DeepSpeedBackend(DistributedTrainer):
 
     # ------------------------------------------------------------------ state
     def _save_state(self, path: str) -> None:
-        """DeepSpeed's own checkpoint (model, ZeRO-partitioned optimizer state per rank)."""
-        self._engine.save_checkpoint(path, tag=_TAG, save_latest=False)
+        """DeepSpeed's own checkpoint (model, ZeRO-partitioned optimizer state per rank);
+        with ``[lora]`` the adapter and its optimizer state only (the base is
+        ``model.path``'s)."""
+        self._engine.save_checkpoint(
+            path, tag=_TAG, save_latest=False, exclude_frozen_parameters=self._adapter is not None
+        )
 
     def _load_state(self, path: str) -> None:
         if not os.path.isdir(os.path.join(path, _TAG)):
@@ -160,7 +166,8 @@ class DeepSpeedBackend(DistributedTrainer):
                 f"{path} holds no DeepSpeed state saved by this backend (no {_TAG}/ inside)"
             )
         loaded, _ = self._engine.load_checkpoint(
-            path, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            path, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+            load_module_strict=self._adapter is None,  # [lora]: the base was not saved
         )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the state under {path}")
@@ -182,11 +189,9 @@ class DeepSpeedBackend(DistributedTrainer):
                 yield name, param.detach()
 
     # ------------------------------------------------------------------ weights
-    def _full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(n, _full_shape(p)) for n, p in self._hf_model().named_parameters()]
-
     def iter_weights(self) -> Iterator[WeightTensor]:
-        """Every parameter in HF naming and ``model.dtype``, on this rank's device.
+        """Every parameter in HF naming (with ``[lora]``: the adapter's, under PEFT's saved
+        names) and ``model.dtype``, on this rank's device.
 
         ZeRO-2: every rank holds the whole model, so rank 0 yields its live parameters (no
         collective; ``stable``: they change only at the next step). ZeRO-3: parameters are
@@ -194,11 +199,10 @@ class DeepSpeedBackend(DistributedTrainer):
         group, :class:`deepspeed.zero.GatheredParameters`), and a group is partitioned again
         when the iteration moves past it; consume a yielded tensor before advancing.
         """
-        module = self._hf_model()
         name_dtype = self._ctx.config.model.dtype
         dtype = getattr(torch, name_dtype)
         sender = self._ctx.rank == 0
-        named = list(module.named_parameters())
+        named = self._sent_parameters()
         if self._opts.zero_stage < 3:
             for name, param in named:
                 if not sender:
@@ -208,24 +212,16 @@ class DeepSpeedBackend(DistributedTrainer):
                 yield WeightTensor(name, name_dtype, tuple(out.shape), out, stable=True)
             return
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        sizes = [_full_numel(p) * itemsize for _, p in named]
+        sizes = [full_numel(p) * itemsize for _, p in named]
         for group in byte_groups(sizes, self._opts.export_bucket_mb << 20):
             params = [named[i][1] for i in group]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 for i in group:
                     name, param = named[i]
-                    shape = _full_shape(param)
+                    shape = full_shape(param)
                     if not sender:
                         yield WeightTensor(name, name_dtype, shape)
                         continue
                     out = param.detach().to(dtype).contiguous()
                     yield WeightTensor(name, name_dtype, tuple(out.shape), out)
 
-
-def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
-    """A ZeRO-3 parameter's shape before partitioning (``ds_shape``), else its shape."""
-    return tuple(getattr(param, "ds_shape", param.shape))
-
-
-def _full_numel(param: torch.nn.Parameter) -> int:
-    return int(getattr(param, "ds_numel", param.numel()))

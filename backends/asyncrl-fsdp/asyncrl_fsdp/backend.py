@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -192,7 +196,7 @@ class FSDPBackend(DistributedTrainer):
         assert optimizer is not None
         fresh = not optimizer.state
         os.makedirs(path, exist_ok=True)
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=self._state_options())
         state = {"model": msd, "optimizer": osd, "fresh_optimizer": torch.tensor(int(fresh))}
         dcp.save(state, checkpoint_id=path)
         if fresh:
@@ -207,14 +211,22 @@ class FSDPBackend(DistributedTrainer):
             )
         optimizer = self._optimizer
         assert optimizer is not None
-        msd, osd = get_state_dict(model, optimizer)
+        options = self._state_options()
+        msd, osd = get_state_dict(model, optimizer, options=options)
         state = {"model": msd, "optimizer": osd, "fresh_optimizer": torch.tensor(0)}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            options=options,
+        )  # fmt: skip
         if int(state["fresh_optimizer"]):
             optimizer.state.clear()
+
+    def _state_options(self) -> StateDictOptions:
+        """With ``[lora]`` a checkpoint holds the adapter and its optimizer state only: the
+        frozen base is ``model.path``'s, loaded again on resume."""
+        frozen_too = self._adapter is None
+        return StateDictOptions(ignore_frozen_params=not frozen_too, strict=frozen_too)
 
     def _shard(self, model: torch.nn.Module, *, offload: bool = False) -> None:
         opts = self._opts
@@ -242,12 +254,11 @@ class FSDPBackend(DistributedTrainer):
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         opts = self._opts
+        trained = [p for p in model.parameters() if p.requires_grad]  # [lora]: the adapter
         if opts.optimizer == "sgd":
-            return torch.optim.SGD(
-                model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay
-            )
+            return torch.optim.SGD(trained, lr=opts.lr, weight_decay=opts.weight_decay)
         return torch.optim.AdamW(
-            model.parameters(),
+            trained,
             lr=opts.lr,
             betas=opts.betas,
             eps=opts.eps,
@@ -272,6 +283,9 @@ class FSDPBackend(DistributedTrainer):
         """
         model = self._started()
         dtype = getattr(torch, self._ctx.config.model.dtype)
+        if self._adapter is not None:
+            yield from self._iter_adapter(dtype)
+            return
         if self._ctx.world_size == 1:
             yield from self._iter_local(model, dtype)
             return
@@ -294,6 +308,22 @@ class FSDPBackend(DistributedTrainer):
                 yield WeightTensor(name, self._ctx.config.model.dtype, tuple(out.shape), out)
         finally:
             gathered.close()
+
+    def _iter_adapter(self, dtype: torch.dtype) -> Iterator[WeightTensor]:
+        """``[lora]``: the adapter's tensors alone, each gathered by itself (one all-gather
+        of a few hundred KiB per tensor on several ranks); the base is never unsharded."""
+        name_dtype = self._ctx.config.model.dtype
+        sender = self._ctx.rank == 0
+        for name, param in self._sent_parameters():
+            data = param.detach()
+            if isinstance(data, DTensor):
+                local = data.to_local()
+                data = local if tuple(local.shape) == tuple(param.shape) else data.full_tensor()
+            if not sender:
+                yield WeightTensor(name, name_dtype, tuple(param.shape))
+                continue
+            out = data.to(dtype).contiguous()
+            yield WeightTensor(name, name_dtype, tuple(out.shape), out)
 
     def _iter_local(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[WeightTensor]:
         """One rank holds every parameter whole (its shard is the tensor): no unit is gathered.

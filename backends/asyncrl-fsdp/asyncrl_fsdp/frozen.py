@@ -22,6 +22,7 @@ import os
 import torch
 
 from asyncrl.plugin.backend import Layout, TrainBatch
+from asyncrl.plugin.common import ConfigError
 from asyncrl_torch.trainer import ChunkSums
 
 from .backend import FSDPBackend
@@ -38,6 +39,11 @@ class FrozenBackend(FSDPBackend):
     name = "frozen"
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self._adapter is not None:
+            raise ConfigError(
+                "trainer.backend: 'frozen' trains nothing, so [lora] has nothing to train. "
+                "Fix: remove [lora] (lora.rank = 0), or train with fsdp2 or deepspeed"
+            )
         model.requires_grad_(False)
         self._shard(model)
         return model

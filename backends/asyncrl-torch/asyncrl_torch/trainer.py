@@ -67,6 +67,7 @@ from asyncrl.plugin.backend import (
 )
 from asyncrl.plugin.common import ConfigError
 
+from asyncrl_torch.adapters import AdapterSpec, add_adapter, saved_name
 from asyncrl_torch.batches import (
     MicroBatch,
     dummy_micro_batch,
@@ -83,7 +84,7 @@ from asyncrl_torch.step_ledger import StepLedger
 from asyncrl_torch.loss import kl_to_reference, ppo_clip_loss
 from asyncrl_torch.options import TrainerOptions
 
-__all__ = ["ChunkSums", "DistributedTrainer"]
+__all__ = ["ChunkSums", "DistributedTrainer", "full_numel", "full_shape"]
 
 _PER_TOKEN_INPUTS = ("behaviour_logprobs", "proximal_logprobs", "reference_logprobs")
 
@@ -131,7 +132,10 @@ class DistributedTrainer:
         self._log = log.bind(group=ctx.group, rank=ctx.rank, backend=self.name)
         self._module: torch.nn.Module | None = None
         self._reference: torch.nn.Module | None = None
-        """The frozen reference policy, loaded only when ``loss.kl_coef > 0``."""
+        """The frozen reference policy, loaded only when ``loss.kl_coef > 0`` without
+        ``[lora]`` (with it the reference is the base: the model with its adapter disabled)."""
+        self._adapter: AdapterSpec | None = None
+        """With ``[lora]``: the adapter this trainer trains (the module is a PEFT model)."""
         self._device = torch.device("cpu")
         self._vocab_size = 0
         self._owns_process_group = False
@@ -215,13 +219,18 @@ class DistributedTrainer:
             self._device = torch.device(f"cuda:{gpu}")
             torch.cuda.set_device(self._device)
         self._init_process_group()
+        lora = ctx.config.lora
+        # the base of an adapter stays in its storage dtype; full weights train in float32
+        dtype = getattr(torch, ctx.config.model.dtype) if lora.enabled else torch.float32
         model = AutoModelForCausalLM.from_pretrained(
-            ctx.config.model.path, dtype=torch.float32, attn_implementation=opts.attn_implementation
+            ctx.config.model.path, dtype=dtype, attn_implementation=opts.attn_implementation
         ).to(self._device)
         num_parameters = sum(p.numel() for p in model.parameters())  # a tied weight once
         self._vocab_size = model.get_input_embeddings().num_embeddings
+        if lora.enabled:
+            model, self._adapter = add_adapter(model, lora, ctx.config.model.path)
         self._module = self._wrap(model)
-        if ctx.config.loss.kl_coef > 0:  # else nothing is loaded, and no forward runs
+        if ctx.config.loss.kl_coef > 0 and not lora.enabled:  # else no second model
             self._reference = self._load_reference()
         self._check_finite_weights(
             f"the weights of the model at {ctx.config.model.path} (model.path)",
@@ -236,6 +245,9 @@ class DistributedTrainer:
             "backend_version": self._engine_version(),
             "device": str(self._device),
             "num_parameters": num_parameters,
+            "trainable_parameters": sum(
+                full_numel(p) for _, p in self._trained_parameters()
+            ),
         }
         self._log.info("trainer_backend_started", world_size=ctx.world_size, **caps)
         return caps
@@ -388,6 +400,15 @@ class DistributedTrainer:
         """Logprobs of ``batch``'s response tokens under the frozen reference policy
         (``loss.kl_coef > 0``), like :meth:`compute_logprobs`."""
         self._started()
+        if self._adapter is not None and self._ctx.config.loss.kl_coef > 0:
+            peft_model = self._hf_model()
+
+            def base_forward(mb: MicroBatch) -> torch.Tensor:
+                with peft_model.disable_adapter():  # the base: no second copy of the model
+                    return self._forward(mb)
+
+            self._module.eval()  # type: ignore[union-attr]
+            return self._logprobs(base_forward, batch, temperature, "reference_logprobs")
         if self._reference is None:
             raise RuntimeError(
                 f"{self.name}: no reference policy is loaded (loss.kl_coef is 0). Fix: set "
@@ -735,6 +756,28 @@ class DistributedTrainer:
         return [WeightTensor(n, dtype, shape) for n, shape in self._full_shapes()]
 
     def _full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, full shape)`` of every parameter in HF naming, in export order."""
-        module = self._started()
-        return [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+        """``(name, full shape)`` of every parameter sent, in export order."""
+        return [(n, full_shape(p)) for n, p in self._sent_parameters()]
+
+    def _trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of what the optimizer updates: every parameter, or with
+        ``[lora]`` the adapter's."""
+        return [(n, p) for n, p in self._hf_model().named_parameters() if p.requires_grad]
+
+    def _sent_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of what a refit or an export sends, in order: every
+        parameter in HF naming, or with ``[lora]`` the adapter's alone, under PEFT's saved
+        names (:func:`~asyncrl_torch.adapters.saved_name`)."""
+        if self._adapter is None:
+            return list(self._hf_model().named_parameters())
+        return [(saved_name(n), p) for n, p in self._trained_parameters()]
+
+
+def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """A parameter's whole shape: ZeRO-3's before partitioning (``ds_shape``), a DTensor's
+    global one, else its own."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def full_numel(param: torch.nn.Parameter) -> int:
+    return int(getattr(param, "ds_numel", param.numel()))

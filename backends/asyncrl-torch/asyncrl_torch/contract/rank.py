@@ -173,6 +173,7 @@ class _Rank:
         self.world = int(os.environ["WORLD_SIZE"])
         self.out = Path(spec["out"])
         config = from_dict(spec["config"])
+        self.config = config
         ctx = WorkerContext(
             group="trainer",
             rank=self.rank,
@@ -235,6 +236,8 @@ class _Rank:
             batch = train_batch(self.seqs, ids, self.behaviour, self.adv)
             res = self.backend.train_chunk(step, batch)
             results.append({f: getattr(res, f) for f in res.__struct_fields__})
+        if self.config.lora.enabled:
+            self.report.setdefault("base_gradients", []).extend(self.base_gradients())
         out = self.backend.finish_step(step, total)
         self.report[tag] = {
             "result": {f: getattr(out, f) for f in out.__struct_fields__},
@@ -263,16 +266,49 @@ class _Rank:
 
     def export_hf(self, tag: str) -> None:
         """The current weights as a Hugging Face directory ``out/<tag>`` (shards of 64 KiB, so
-        a tiny model still gets several and an index)."""
+        a tiny model still gets several and an index); an adapter as a PEFT directory."""
         from asyncrl.plugin.backend import export_model
 
+        model_dir = self.spec["config"]["model"]["path"]
+        lora = self.config.lora
         export_model(
             self.backend,
             self.rank,
             self.out / tag,
-            source_dir=self.spec["config"]["model"]["path"],
+            source_dir=model_dir,
             shard_bytes=64 << 10,
+            adapter_config=lora.peft_config(model_dir) if lora.enabled else None,
         )
+
+    def base_digest(self) -> str:
+        """``[lora]``: a digest of every frozen (non-adapter) parameter, bit for bit: whole
+        (FSDP2, ZeRO-2) or this rank's ZeRO-3 partition."""
+        import hashlib
+
+        import torch
+
+        from torch.distributed.tensor import DTensor
+
+        digest = hashlib.sha256()
+        for name, param in self.backend._hf_model().named_parameters():  # collective
+            if "lora_" in name:
+                continue
+            data, part = param.detach(), getattr(param, "ds_tensor", None)
+            if isinstance(data, DTensor):  # FSDP2's shard (a unit gathered: the whole tensor)
+                data = data.full_tensor()
+            elif part is not None:  # ZeRO-3's partition, without its uninitialized padding
+                valid = min(max(int(param.ds_numel) - self.rank * part.numel(), 0), part.numel())
+                data = part.detach().reshape(-1)[:valid]
+            digest.update(name.encode())
+            # a copy: numpy must not pin a storage FSDP2 resizes (a gathered unit's)
+            raw = data.reshape(-1).view(torch.uint8).to("cpu", copy=True)
+            digest.update(raw.numpy())
+        return digest.hexdigest()
+
+    def base_gradients(self) -> list[str]:
+        """``[lora]``: the frozen parameters that hold a gradient (there must be none)."""
+        module = self.backend._hf_model()
+        return [n for n, p in module.named_parameters() if "lora_" not in n and p.grad is not None]
 
     def logprobs_all(self, tag: str) -> None:
         """Logprobs of every sequence, dealt round-robin over the ranks (each saves its own)."""
@@ -434,6 +470,9 @@ def main(argv: list[str]) -> int:
         return stuck(rank, float(spec["sleep_s"]))
     try:
         rank.start()
+        lora = rank.config.lora.enabled
+        if lora:
+            rank.report["base_before"] = rank.base_digest()
         if phase == "main":
             rank.export("init")
             rank.logprobs_uneven()
@@ -465,6 +504,8 @@ def main(argv: list[str]) -> int:
             rank.backend.load_state(str(states / "s1"))
             rank.one_chunk(1, STEP1, "step1-resumed")
             rank.export("step1-resumed")
+        if lora:
+            rank.report["base_after"] = rank.base_digest()
         _leave_together()
     except BaseException:
         rank.report["failure"] = traceback.format_exc()

@@ -31,7 +31,10 @@ gradient clipped by hand and AdamW applied by hand. It checks that
   alone, normalized by their count, and ``num_loss_tokens`` is that count; the same step with
   huge placeholder behaviour logprobs and advantages where nothing trains gives the same
   result and weights. Every other step sends a mask of all ones, against the unmasked
-  reference: a mask of all ones is the step without a mask.
+  reference: a mask of all ones is the step without a mask;
+- with ``lora`` set (``[lora]``): all of the above for the adapter alone, against the LoRA
+  math in float64 (from an adapter whose ``lora_A`` and ``lora_B`` are both random), the export
+  a PEFT directory that PEFT loads, and a base that gets no gradient and keeps its bits.
 
 The backend must accept the shared hyperparameter names of
 :class:`asyncrl_torch.options.TrainerOptions` (``lr``, ``betas``, ``eps``, ``weight_decay``,
@@ -63,7 +66,9 @@ from asyncrl_torch.contract.rank import (
     shard_chunk,
 )
 
-__all__ = ["ContractRun", "Reference", "TrainingBackendContract", "build_tiny_qwen2"]
+__all__ = [
+    "ContractRun", "Reference", "TrainingBackendContract", "build_tiny_qwen2", "write_adapter",
+]
 
 HYPERPARAMETERS: dict[str, Any] = {
     "lr": 2e-3,
@@ -119,12 +124,64 @@ def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+ADAPTER_PREFIX = "base_model.model."
+"""PEFT's saved names of an adapter's tensors start with it, then the module's path."""
+
+
+def write_adapter(
+    model_dir: Path, out: Path, lora: dict[str, Any], *, seed: int = 1
+) -> Path:
+    """A PEFT LoRA adapter at ``out`` for the model at ``model_dir`` with ``lora``'s rank,
+    alpha and target modules, and random ``lora_A`` *and* ``lora_B`` (float32): unlike a fresh
+    adapter (``lora_B`` zero), both get a gradient from the first step."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from asyncrl.config import LoraConfig
+
+    config = LoraConfig(**lora)
+    targets = config.targets(str(model_dir))
+    hf = AutoConfig.from_pretrained(model_dir)
+    shapes = _linear_shapes(hf)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf.num_hidden_layers):
+        for path, (out_features, in_features) in shapes.items():
+            if path.rsplit(".", 1)[-1] not in targets:
+                continue
+            name = f"{ADAPTER_PREFIX}model.layers.{layer}.{path}"
+            a = torch.randn(config.rank, in_features, generator=generator) * 0.1
+            b = torch.randn(out_features, config.rank, generator=generator) * 0.1
+            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a, b
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(config.peft_config(str(model_dir))))
+    return out
+
+
+def _linear_shapes(hf: Any) -> dict[str, tuple[int, int]]:
+    """``(out, in)`` features of a Qwen2-shaped decoder layer's linear layers, by path."""
+    head = hf.hidden_size // hf.num_attention_heads
+    kv = hf.num_key_value_heads * head
+    h, i = hf.hidden_size, hf.intermediate_size
+    return {
+        "self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }  # fmt: skip
+
+
 # --------------------------------------------------------------------------- reference
 class Reference:
     """One big batch in float64: plain transformers, one sequence per forward, the loss
-    written out per token, clipping and AdamW by hand (torch.optim.AdamW's update rule)."""
+    written out per token, clipping and AdamW by hand (torch.optim.AdamW's update rule).
 
-    def __init__(self, model_dir: Path, hp: dict[str, Any]) -> None:
+    With ``adapter`` (a PEFT directory): the LoRA math written out, ``W x + (alpha / r) B A
+    x`` on each adapted layer, the base frozen; only ``A`` and ``B`` train, and
+    :meth:`weights` are theirs, under PEFT's saved names."""
+
+    def __init__(self, model_dir: Path, hp: dict[str, Any], adapter: Path | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -132,6 +189,9 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float64, attn_implementation="eager"
         )
+        self.lora: dict[str, Any] = {}
+        if adapter is not None:
+            self.lora = _attach_lora(self.model, adapter)
         self.hp = hp
         self.moments: dict[str, tuple[Any, Any]] = {}
         self.t = 0
@@ -189,7 +249,43 @@ class Reference:
         return {"loss": float(total.detach()) / n, "grad_norm": norm, "num_loss_tokens": n}
 
     def weights(self) -> dict[str, np.ndarray]:
+        if self.lora:
+            return {k: p.detach().numpy().copy() for k, p in self.lora.items()}
         return {k: v.detach().numpy().copy() for k, v in self.model.named_parameters()}
+
+
+def _attach_lora(model: Any, adapter: Path) -> dict[str, Any]:
+    """Freeze ``model`` and put the adapter at ``adapter`` on its layers, in float64; returns
+    the adapter's parameters by saved name."""
+    import torch
+    from safetensors.torch import load_file
+
+    class LoraLinear(torch.nn.Module):
+        def __init__(self, base: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor,
+                     scale: float) -> None:  # fmt: skip
+            super().__init__()
+            self.base, self.scale = base, scale
+            self.lora_A = torch.nn.Parameter(a.to(torch.float64))
+            self.lora_B = torch.nn.Parameter(b.to(torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + self.scale * ((x @ self.lora_A.T) @ self.lora_B.T)
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    model.requires_grad_(False)
+    out = {}
+    for key in sorted(tensors):
+        if not key.endswith(".lora_A.weight"):
+            continue
+        path = key[len(ADAPTER_PREFIX) : -len(".lora_A.weight")]
+        parent, leaf = path.rsplit(".", 1)
+        b_key = key.replace(".lora_A.", ".lora_B.")
+        layer = LoraLinear(model.get_submodule(path), tensors[key], tensors[b_key], scale)
+        setattr(model.get_submodule(parent), leaf, layer)
+        out[key], out[b_key] = layer.lora_A, layer.lora_B
+    return out
 
 
 # --------------------------------------------------------------------------- running it
@@ -212,6 +308,9 @@ class ContractRun:
     reference_masked_step: dict[str, float]
     """Step 1 from the state after step 0, over the trained tokens only."""
     reference_masked_weights: dict[str, np.ndarray]
+    vocab_size: int
+    lora: bool
+    """The scenario trained an adapter (``[lora]``): exports are the adapter's."""
 
     def weights(self, tag: str) -> dict[str, np.ndarray]:
         with np.load(self.out / f"weights-{tag}.npz") as f:
@@ -264,6 +363,7 @@ def run_contract(
     model_dir: Path | None = None,
     timeout: float = 300.0,
     trainer: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> ContractRun:
     """Run both phases of the scenario and the reference; see :class:`ContractRun`."""
     import torch
@@ -281,6 +381,9 @@ def run_contract(
         "trainer": {"backend": backend, "micro_batch_size": MICRO_BATCH_SIZE, "options": options,
                     **(trainer or {})},  # fmt: skip
     }
+    adapter = write_adapter(model_dir, work / "adapter", lora) if lora else None
+    if adapter is not None:
+        config["lora"] = {**(lora or {}), "init_path": str(adapter)}
     spec = {
         "backend": backend, "config": config, "vocab_size": vocab_size, "out": str(out),
         "states": str(states), "run_dir": str(run_dir),
@@ -303,7 +406,7 @@ def run_contract(
     behaviour = [behaviour_flat[bounds[i] : bounds[i + 1]] for i in range(NUM_SEQUENCES)]
     mask_flat = contract_loss_mask(seqs)
     masks = [mask_flat[bounds[i] : bounds[i + 1]] for i in range(NUM_SEQUENCES)]
-    ref = Reference(model_dir, hp)
+    ref = Reference(model_dir, hp, adapter)
     initial = ref.weights()
     with torch.no_grad():
         ref_lp = [ref.logprobs(t, p).numpy() for t, p in seqs]
@@ -311,7 +414,7 @@ def run_contract(
     for ids in ([i for c in STEP0_CHUNKS for i in c], STEP1):
         steps.append(ref.step(seqs, ids, behaviour, advantages))
         weights.append(ref.weights())
-    masked_ref = Reference(model_dir, hp)  # the masked step starts where step 1 does
+    masked_ref = Reference(model_dir, hp, adapter)  # the masked step starts where step 1 does
     masked_ref.step(seqs, [i for c in STEP0_CHUNKS for i in c], behaviour, advantages)
     masked_step = masked_ref.step(seqs, STEP1, behaviour, advantages, masks)
     return ContractRun(
@@ -319,6 +422,7 @@ def run_contract(
         advantages=advantages, reference_logprobs=ref_lp, reference_steps=steps,
         reference_weights=weights, initial_weights=initial, loss_mask=mask_flat,
         reference_masked_step=masked_step, reference_masked_weights=masked_ref.weights(),
+        vocab_size=vocab_size, lora=adapter is not None,
     )  # fmt: skip
 
 
@@ -341,6 +445,10 @@ class TrainingBackendContract:
     options: ClassVar[dict[str, Any]] = {}
     trainer: ClassVar[dict[str, Any]] = {}
     """Other ``[trainer]`` fields of the scenario, e.g. ``max_tokens_per_micro_batch``."""
+    lora: ClassVar[dict[str, Any]] = {}
+    """``[lora]`` of the scenario (rank, alpha, target modules): the backend trains an adapter
+    that starts from random ``lora_A`` and ``lora_B`` (:func:`write_adapter`), against the
+    float64 LoRA math, and must leave the base untouched."""
     collective_timeout: ClassVar[bool] = True
     """Run the stuck-collective test (two ranks or more). Its scenario takes ``backend``,
     ``options`` and ``world_size`` only: a class that varies only ``trainer`` fields of
@@ -374,6 +482,7 @@ class TrainingBackendContract:
             work,
             timeout=cls.timeout,
             trainer=cls.trainer,
+            lora=cls.lora or None,
         )
 
     def test_a_rank_missing_from_a_collective_fails_within_the_timeout(
@@ -422,7 +531,8 @@ class TrainingBackendContract:
         assert got["num_loss_tokens"] == want["num_loss_tokens"]
         assert _rel(got["grad_norm"], want["grad_norm"]) < self.grad_norm_rtol, (got, want)
         assert _rel(got["loss"], want["loss"]) < self.loss_rtol, (got, want)
-        assert want["grad_norm"] > HYPERPARAMETERS["max_grad_norm"]  # the clip mattered
+        clip = self.backend_options(dict(HYPERPARAMETERS))["max_grad_norm"]
+        assert want["grad_norm"] > clip  # the clip mattered
         diff, name = _max_diff(contract.weights("stream"), contract.reference_weights[0])
         assert diff < self.weight_atol, f"{name} differs by {diff:.3g} from the reference update"
 
@@ -434,7 +544,7 @@ class TrainingBackendContract:
         assert diff < self.weight_atol, f"{name} differs by {diff:.3g} from the reference update"
 
     def test_chunks_with_uneven_and_empty_shards_add_up(self, contract: ContractRun) -> None:
-        seqs = contract_sequences(len(contract.initial_weights["model.embed_tokens.weight"]))
+        seqs = contract_sequences(contract.vocab_size)
         for r, report in enumerate(contract.ranks):
             for c, (ids, chunk) in enumerate(zip(STEP0_CHUNKS, report["stream"]["chunks"])):
                 mine = shard_chunk(ids, c, self.world_size)[r]
@@ -499,12 +609,19 @@ class TrainingBackendContract:
         self, contract: ContractRun
     ) -> None:
         """The export after step 1 loads with transformers as it is (several shards and an
-        index); its weights are the trainer's bit for bit and its logprobs the trainer's."""
-        import torch
+        index); its weights are the trainer's bit for bit and its logprobs the trainer's. An
+        adapter's export is a PEFT directory that PEFT loads on the base."""
         from safetensors.numpy import load_file
-        from transformers import AutoModelForCausalLM
 
         export = contract.out / "hf-step1"
+        if contract.lora:
+            saved = load_file(str(export / "adapter_model.safetensors"))
+            diff, name = _max_diff(saved, contract.weights("step1"))
+            assert diff == 0.0, f"{name} is {diff:.3g} off the trainer's adapter"
+            assert not (export / "config.json").exists()  # the adapter alone, not a model
+            worst = _worst_logprob_diff(contract, export, "logprobs-step1")
+            assert worst < self.logprob_atol, f"export vs trainer logprobs: {worst:.3g}"
+            return
         index = json.loads((export / "model.safetensors.index.json").read_text())
         shards = sorted(set(index["weight_map"].values()))
         assert len(shards) > 1
@@ -539,6 +656,21 @@ class TrainingBackendContract:
             after = np.load(contract.out / f"after-sent-step1-rank{r}.npy")
             assert np.array_equal(before, after), f"rank {r}: logprobs changed by scoring as sent"
 
+    # ---------------------------------------------------------------- LoRA
+    def test_an_adapter_run_never_touches_the_base(self, contract: ContractRun) -> None:
+        """``[lora]``: no frozen parameter holds a gradient after any step's chunks (FSDP2
+        keeps ``.grad`` on parameters; ZeRO keeps its own partitions), every rank's part of
+        the base is the same bits at the end of both phases as at their start (steps,
+        discards, loads and scoring as sent), and the trainer counts the adapter's
+        parameters alone as trainable."""
+        if not contract.lora:
+            pytest.skip("full weights: the base trains")
+        for report in (*contract.ranks, *contract.resumed):
+            assert report.get("base_gradients", []) == [], report["base_gradients"][:5]
+            assert report["base_before"] == report["base_after"], "the frozen base changed"
+        adapter = sum(v.size for v in contract.initial_weights.values())
+        assert contract.ranks[0]["capabilities"]["trainable_parameters"] == adapter
+
     # ---------------------------------------------------------------- state
     def test_load_restores_the_saved_weights(self, contract: ContractRun) -> None:
         diff, name = _max_diff(contract.weights("loaded"), contract.weights("init"))
@@ -557,7 +689,7 @@ class TrainingBackendContract:
     def test_masked_step_matches_float64_reference(self, contract: ContractRun) -> None:
         """Only the tokens the mask selects train, and the step is normalized by their count
         (with 0.0 placeholders at the masked ones, as the controller writes them)."""
-        seqs = contract_sequences(len(contract.initial_weights["model.embed_tokens.weight"]))
+        seqs = contract_sequences(contract.vocab_size)
         got, want = contract.result("masked"), contract.reference_masked_step
         trained = num_tokens(seqs, STEP1, contract.loss_mask)
         assert 0 < trained < num_tokens(seqs, STEP1)  # the mask leaves tokens out
@@ -570,7 +702,7 @@ class TrainingBackendContract:
     def test_masked_chunks_count_trained_tokens_only(self, contract: ContractRun) -> None:
         """Each rank's ``ChunkResult`` counts its share's trained tokens; a chunk whose mask
         trains nothing (a fully masked sequence) is accepted and adds nothing."""
-        seqs = contract_sequences(len(contract.initial_weights["model.embed_tokens.weight"]))
+        seqs = contract_sequences(contract.vocab_size)
         for report in contract.ranks:
             for tag in ("masked", "masked-garbage"):
                 for ids, chunk in zip(report[tag]["shares"], report[tag]["chunks"]):
@@ -603,12 +735,20 @@ def _worst_logprob_diff(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    adapter = (model_dir / "adapter_config.json").is_file()
+    base = contract.model_dir if adapter else model_dir
+    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
+    if adapter:  # PEFT loads the export on the base; its layers are rounded apart, then merged
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, model_dir)
     if round_to is not None:
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(getattr(torch, round_to)))
     model = model.to(torch.float64).eval()
+    if adapter:
+        model = model.merge_and_unload()
     seqs = contract_sequences(model.config.vocab_size)
     world = len(contract.ranks)
     trainer = {}
