@@ -96,7 +96,10 @@ def _lora_line(config: Any) -> str:
     from asyncrl.config.adapters import MemoryEstimate
 
     lora, model = config.lora, config.model
-    targets = lora.targets(model.path)
+    try:
+        targets = lora.targets(model.path)
+    except ConfigError:  # no model_type to read: model.path is not the real model yet
+        return f"lora: rank {lora.rank} (no model family in {model.path}/config.json)"
     head = f"lora: rank {lora.rank} on {', '.join(targets)}"
     estimate = MemoryEstimate.of(lora, model.path, model.dtype)
     if estimate is None:

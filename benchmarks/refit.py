@@ -55,6 +55,7 @@ SHAPES = {
     "0.5b": (896, 24, 14, 2, 4864, 151936, True),
     "1.5b": (1536, 28, 12, 2, 8960, 151936, True),
     "7b": (3584, 28, 28, 4, 18944, 152064, False),
+    "8b": (4096, 36, 32, 8, 12288, 151936, False),  # Qwen3-8B's shapes (Qwen2 layers)
 }
 
 
@@ -101,10 +102,12 @@ def write_model(size: str, work: Path, device: str = "cuda:0") -> Path:
     return out
 
 
-def load_state(model_dir: Path, device: str) -> dict:
+def load_state(weights: Path, device: str) -> dict:
+    """The tensors of a safetensors file (or of a model directory's ``model.safetensors``)."""
     from safetensors.torch import load_file
 
-    return {n: t.to(device) for n, t in load_file(str(model_dir / "model.safetensors")).items()}
+    path = weights / "model.safetensors" if weights.is_dir() else weights
+    return {n: t.to(device) for n, t in load_file(str(path)).items()}
 
 
 def copy_floor(nbytes: int, src: str, dst: str, repeats: int = 5) -> float:
@@ -176,9 +179,9 @@ def engine_ctx(model_dir: Path, gpu: int | None, run_dir: Path, transport: str, 
     return WorkerContext("rollout", 0, 1, 0, config, str(run_dir), gpu=gpu)
 
 
-def _trainer_process(conn, transport: str, device: str, bucket_size: int, model_dir: str,  # noqa: ANN001
+def _trainer_process(conn, transport: str, device: str, bucket_size: int, weights: str,  # noqa: ANN001
                      address: str, run_id: str, buffers: int) -> None:
-    """Trainer rank 0 in a process of its own, as in a run: holds the model's tensors on
+    """Trainer rank 0 in a process of its own, as in a run: holds ``weights``' tensors on
     ``device`` and sends the version the parent names, until it names none. The pipe carries
     msgpack (versions down, ``WeightsResult`` up), nothing pickled."""
     import anyio
@@ -189,7 +192,7 @@ def _trainer_process(conn, transport: str, device: str, bucket_size: int, model_
     from asyncrl.wire.transport import Context
     from refit_support import dtype_name
 
-    state = load_state(Path(model_dir), device)
+    state = load_state(Path(weights), device)
     specs = [WeightTensor(n, dtype_name(t), tuple(t.shape)) for n, t in state.items()]
 
     def tensors():  # noqa: ANN202
@@ -220,7 +223,7 @@ class ProcessRefit:
     next to the engine's client: the processes of a run. (``refit_support.LocalRefit`` keeps
     both ends in this process, where packing competes with the engine's client for the GIL.)"""
 
-    def __init__(self, transport: str, device: str, *, bucket_size: int, model_dir: Path,
+    def __init__(self, transport: str, device: str, *, bucket_size: int, weights: Path,
                  buffers: int = 2) -> None:
         import multiprocessing
         import tempfile
@@ -238,7 +241,7 @@ class ProcessRefit:
         self._conn, child = mp.Pipe()
         self._proc = mp.Process(
             target=_trainer_process,
-            args=(child, transport, device, bucket_size, str(model_dir), address, self.run_id,
+            args=(child, transport, device, bucket_size, str(weights), address, self.run_id,
                   buffers),
             daemon=True,
         )
@@ -383,7 +386,7 @@ async def one_gpu(args: argparse.Namespace) -> None:
                     backend.options = msgspec.structs.replace(backend.options, refit_mirror=mirror)
                     if sender == "process":
                         pair = ProcessRefit(args.transport, device, bucket_size=bucket_mb << 20,
-                                            model_dir=model_dir, buffers=buffers)
+                                            weights=model_dir, buffers=buffers)
                     else:
                         pair = LocalRefit(args.transport, device, bucket_size=bucket_mb << 20,
                                           buffers=buffers)

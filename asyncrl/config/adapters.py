@@ -110,7 +110,7 @@ class LoraConfig(Section):
         if bad:
             out.append(fail("lora.target_modules", f"names {bad}: vLLM serves adapters on "
                             "linear layers inside the decoder only", "remove them"))  # fmt: skip
-        if model_dir and (Path(model_dir) / "config.json").is_file():  # else model.path says
+        if model_dir and model_type(Path(model_dir)):  # else model.path's checks say
             try:
                 targets = self.targets(model_dir)
             except ConfigError as exc:

@@ -52,6 +52,9 @@ Helpers of a torch trainer and of its contract suite:
 - ``take_sequences``: some sequences of a batch, with their per-token values.
 - ``read_safetensors_header``: a safetensors file's header and data offset (no torch).
 - ``export_model``: one trainer rank's part of an export of the model.
+- ``AdapterLeases``: which LoRA adapter versions an engine holds, and for which requests
+  (``[lora]``; docs/lora.md).
+- ``AdapterError``: an adapter version that cannot be installed or leased.
 - ``collective_timed_out``: whether an exception is a torch collective's timeout.
 - ``torchrun_log_args``: torchrun's ``--log-dir`` arguments, under a run's scratch directory.
 """
@@ -76,6 +79,7 @@ from asyncrl.backend import (
     generate_all,
 )
 from asyncrl.errors import EngineDeadError, NonFiniteError, RefitError, RequestError
+from asyncrl.policy.adapter_leases import AdapterError, AdapterLeases
 from asyncrl.registry import check_plugin
 from asyncrl.policy.grpo import AnyBatch, take_sequences
 from asyncrl.policy.packing import (
@@ -100,6 +104,8 @@ from asyncrl.worker.export import export_model
 from asyncrl.worker.trainer_runtime import collective_timed_out
 
 __all__ = [
+    "AdapterError",
+    "AdapterLeases",
     "AnyBatch",
     "BackendPlugin",
     "ChunkResult",

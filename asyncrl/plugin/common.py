@@ -4,6 +4,8 @@ checking, loading a plugin by name, and process helpers for a plugin with proces
 - ``Config``: the whole run config a ``check_config``/``check`` receives (read your table from
   ``config.generator.options``, ``config.trainer.options``, ...).
 - ``from_dict``: build and validate a ``Config`` from a plain mapping (a plugin's own tests).
+- ``LoraConfig``: ``[lora]`` (``config.lora``): the adapter's rank, alpha, targets, and its
+  ``adapter_config.json``.
 - ``ConfigError``: a config mistake, ``<field>: <problem>. Fix: <fix>.``; refuses a run before
   anything starts.
 - ``PluginError``: a plugin that is missing, fails to import or breaks its contract.
@@ -24,7 +26,7 @@ checking, loading a plugin by name, and process helpers for a plugin with proces
 
 from __future__ import annotations
 
-from asyncrl.config import Config, from_dict
+from asyncrl.config import Config, LoraConfig, from_dict
 from asyncrl.errors import ConfigError, PluginError, config_error, flatten
 from asyncrl.explain import explain
 from asyncrl.registry import load
@@ -42,6 +44,7 @@ from asyncrl.procs.process import (
 __all__ = [
     "Config",
     "ConfigError",
+    "LoraConfig",
     "PluginError",
     "ProcessExit",
     "config_error",

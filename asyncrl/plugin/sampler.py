@@ -4,6 +4,7 @@ half of the scheduler (docs/modes.md).
 - ``SamplerPlugin``: what a sampler entry point names: its config struct and a factory.
 - ``Sampler``: the protocol: admit, select, evict, abort, and the state a checkpoint keeps.
 - ``DecidesInFlight``: optional: what becomes of the requests in flight at a refit.
+- ``in_flight_at_refit``: a sampler's choice for them (``"continue"`` without one).
 - ``DescribesMode``: optional: the sampler's mode in one line, for ``asyncrl check-config``.
 - ``SchedulerView``: the scheduler's state as a sampler sees it (read-only).
 - ``GroupView``: one live group as the scheduler shows it (read-only).
@@ -25,6 +26,7 @@ from asyncrl.policy.samplers import (
     Sampler,
     SamplerPlugin,
     SchedulerView,
+    in_flight_at_refit,
 )
 from asyncrl.policy.live import LiveGroups
 from asyncrl.run.rollout_phase import RolloutPhase
@@ -42,4 +44,5 @@ __all__ = [
     "SamplerPlugin",
     "SchedulerView",
     "TrainPhase",
+    "in_flight_at_refit",
 ]

@@ -84,6 +84,18 @@ class AdapterLeases:
             AdapterError: ``version`` is not newer than the newest, or every slot would be held
                 (nothing changed: wait for the old versions' requests, or abort them).
         """
+        held = self.check_install(version)
+        unload = [v for v in self._resident if not self._holders[v]]
+        self._resident = [*held, version]
+        return unload
+
+    def check_install(self, version: int) -> list[int]:
+        """Raise what :meth:`install` would raise, changing nothing; returns the versions
+        that would stay resident beside ``version`` (those some request holds).
+
+        Raises:
+            AdapterError: as :meth:`install`.
+        """
         if self._resident and version <= self._resident[-1]:
             raise AdapterError(
                 f"adapter version {version} is not newer than the newest installed, "
@@ -98,9 +110,7 @@ class AdapterLeases:
                 "than the sampler's staleness bound + 1, or abort requests on old versions at "
                 "the refit (the sampler's in_flight_at_refit)"
             )
-        unload = [v for v in self._resident if not self._holders[v]]
-        self._resident = [*held, version]
-        return unload
+        return held
 
     def lease(self, request: str, version: int | None = None) -> int:
         """``request`` starts on ``version`` (the newest when ``None``) and holds it until

@@ -23,7 +23,7 @@ import torch
 from asyncrl.plugin.common import ConfigError
 
 if TYPE_CHECKING:
-    from asyncrl.config import LoraConfig
+    from asyncrl.plugin.common import LoraConfig
 
 __all__ = ["ADAPTER", "AdapterSpec", "add_adapter", "saved_name", "trainable"]
 

@@ -48,6 +48,10 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
     from .options import parse_options
 
     options = parse_options(dict(config.generator.options))
+    if config.lora.enabled:
+        from .adapters import check_adapter_config
+
+        check_adapter_config(config, options)
     low, high = TEMPERATURE_RANGE
     temperature = config.grpo.temperature
     if temperature > high:
@@ -107,5 +111,7 @@ def shm_bytes(config: Config) -> int:
     return _MQ_CHUNKS * ((chunk << 20) + 1 + tp)  # + each chunk's flags: writer, readers
 
 
-plugin = BackendPlugin(create=_create, check_config=check_config, shm_bytes=shm_bytes)
+plugin = BackendPlugin(
+    create=_create, check_config=check_config, shm_bytes=shm_bytes, adapters=True
+)
 """The entry point ``asyncrl.generation_backends:vllm``."""

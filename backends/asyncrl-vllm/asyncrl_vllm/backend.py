@@ -43,6 +43,7 @@ from .options import GEMM_ENV_VAR, VLLMOptions, parse_options
 from .processes import TORCHRUN_VARS, environ, gpu_first, mapped_shm, unlink_shm
 from .death import UNNAMED, EngineDeath, Probe
 from .reaper import Reaper
+from .adapters import EngineAdapters, lora_engine_args
 from .refit import EngineWeights, _Update
 from .engine_io import check_request, engine_prompt, sample_of, sampling_params
 from .prompt_logprobs import response_logprobs, split_batch
@@ -168,6 +169,12 @@ class VLLMBackend(EngineWeights):
         """Private directory for the engine's ipc sockets (vLLM puts them in /tmp otherwise
         and leaves them there when its processes are killed)."""
         self._log = log.bind(rank=ctx.rank)
+        self._adapters: EngineAdapters | None = (
+            EngineAdapters(ctx.config, self.options, self._rpc, self._log)
+            if ctx.config.lora.enabled
+            else None
+        )
+        """With ``[lora]``: the adapter versions served, and their leases (docs/lora.md)."""
 
     # ------------------------------------------------------------------ lifecycle
     def _engine_environ(self, cuda: bool) -> dict[str, str | None]:
@@ -232,6 +239,8 @@ class VLLMBackend(EngineWeights):
                 args[name] = getattr(o, name)
         if o.gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = o.gpu_memory_utilization
+        if cfg.lora.enabled:
+            args.update(lora_engine_args(cfg, o))
         args.update(o.extra_engine_args)
         return args
 
@@ -268,6 +277,8 @@ class VLLMBackend(EngineWeights):
             self._engine_shm = mapped_shm(self._reaper.engine_started())
             if hasattr(self._llm, "update_weight_version"):  # vLLM >= 0.30: label spans
                 await self._llm.update_weight_version(str(self.version))
+            if self._adapters is not None:
+                await self._adapters.start(self._llm)
             info = (await self._rpc("asyncrl_info"))[0]
             kernels = (await self._rpc("asyncrl_gemm_kernels"))[0]
             idle_spin = (await self._rpc("asyncrl_idle_spin"))[0]
@@ -455,9 +466,11 @@ class VLLMBackend(EngineWeights):
         rid = f"{request.group_id}/{i}"
         params = sampling_params(request, i, self._eos)
         final = None
+        version, adapter = self._adapters.lease(rid) if self._adapters else (0, None)
         self._requests.setdefault(request.group_id, set()).add(rid)
         try:
-            async with contextlib.aclosing(llm.generate(prompt, params, request_id=rid)) as out:
+            stream = llm.generate(prompt, params, request_id=rid, lora_request=adapter)
+            async with contextlib.aclosing(stream) as out:
                 async for item in out:
                     final = item
         finally:
@@ -466,13 +479,20 @@ class VLLMBackend(EngineWeights):
                 running.discard(rid)
                 if not running:
                     del self._requests[request.group_id]
+            if self._adapters is not None:
+                await self._adapters.release(rid)
         aborted = rid in self._aborted
         self._aborted.discard(rid)
         if final is None or not final.outputs:
             if aborted:  # aborted before vLLM produced anything
                 return Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), "abort")
             raise RuntimeError(f"group {request.group_id}: vLLM returned no output for {rid}")
-        return sample_of(final.outputs[0])
+        sample = sample_of(final.outputs[0])
+        if self._adapters is None:
+            return sample
+        n = len(sample.token_ids)  # every token by the adapter version it started on
+        return Sample(sample.token_ids, sample.logprobs, sample.finish_reason,
+                      self._adapters.versions(version, n))  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def _engine_errors(self) -> AsyncIterator[None]:
@@ -544,11 +564,17 @@ class VLLMBackend(EngineWeights):
 
         async def one(i: int, tokens: list[int], prompt_len: int) -> None:
             final = None
-            async with contextlib.aclosing(
-                llm.generate(self._prompt(tokens), params, request_id=f"{prefix}-{i}")
-            ) as stream:
-                async for out in stream:
-                    final = out
+            rid = f"{prefix}-{i}"
+            adapter = self._adapters.lease(rid)[1] if self._adapters else None  # the newest
+            try:
+                stream = llm.generate(self._prompt(tokens), params, request_id=rid,
+                                      lora_request=adapter)  # fmt: skip
+                async with contextlib.aclosing(stream) as out:
+                    async for item in out:
+                        final = item
+            finally:
+                if self._adapters is not None:
+                    await self._adapters.release(rid)
             prompt_lps = final.prompt_logprobs if final is not None else None
             if not hasattr(prompt_lps, "start_indices"):
                 raise RuntimeError("vLLM returned no flat prompt logprobs")

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .adapter_ext import WorkerAdapters
 from .copy_plan import CopyPlan
 from .kv_scales import resolve_kv_scales
 from .mirror import Mirror
@@ -213,8 +214,9 @@ def _bucket_weights(
     return weights
 
 
-class AsyncRLWorkerExtension:
-    """Mixed into vLLM's worker class. State lives in ``_asyncrl_*`` attributes."""
+class AsyncRLWorkerExtension(WorkerAdapters):
+    """Mixed into vLLM's worker class. State lives in ``_asyncrl_*`` attributes; the
+    ``[lora]`` methods are :class:`~asyncrl_vllm.adapter_ext.WorkerAdapters`'."""
 
     _asyncrl_mode: str | None = None
     """``layerwise`` or ``plain`` while a reload is open, else ``None``."""

@@ -108,6 +108,11 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     the engine core's critical path and decoded again by the front end. A sample aborted
     mid-way then comes back without tokens (aborted samples are never trained). ``false``:
     vLLM's own scheduler. ``extra_engine_args.scheduler_cls`` replaces it either way."""
+    lora_slots: int = 0
+    """With ``[lora]``: adapter versions the engine serves at once (vLLM's ``max_loras``): the
+    newest and every older one a request in flight still holds. 0: the sampler's staleness
+    bound + 2. Each slot costs the adapter's size in device memory. Raise it when a refit is
+    refused because every slot is held."""
     rpc_timeout_s: float = 300.0
     """Upper bound on one call into the engine's workers (loading one weight bucket)."""
     shutdown_timeout_s: float = 2.0

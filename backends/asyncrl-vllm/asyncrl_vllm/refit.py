@@ -78,6 +78,8 @@ class EngineWeights:
     _shapes: dict[str, list[int]] | None
     _tied: bool
     _salt: str | None
+    _adapters: Any
+    """``[lora]``: the :class:`~asyncrl_vllm.adapters.EngineAdapters` a refit goes to instead."""
 
     async def _invalidate_prefix_cache(self, version: int) -> None:
         """Make sure no block computed by older weights is reused (see the option
@@ -121,6 +123,9 @@ class EngineWeights:
         llm = self._require()
         if self._shapes is None:
             self._shapes = checkpoint_shapes(self.ctx.config.model.path)
+        if self._adapters is not None:  # an adapter version: no pause, the base untouched
+            self._adapters.begin(version, manifest, self._shapes)
+            return
         problems = manifest_problems(
             manifest, self._shapes, dtype=self.ctx.config.model.dtype, tied=self._tied
         )
@@ -162,6 +167,9 @@ class EngineWeights:
         Raises:
             RefitError: no matching begin, or bad KV-cache scale names (last bucket).
         """
+        if self._adapters is not None:
+            await self._adapters.load(bucket)
+            return
         update = self._update
         if update is None or update.version != bucket.version:
             raise RefitError(
@@ -207,6 +215,9 @@ class EngineWeights:
         Raises:
             RefitError: not during a refit, or vLLM refused the reset.
         """
+        if self._adapters is not None:
+            raise RefitError("reprefill_in_flight() with [lora]: a request keeps the adapter "
+                             "version it started on (use in_flight_at_refit = 'continue')")
         update = self._update
         if update is None:
             raise RefitError("reprefill_in_flight() outside a refit (the engine is not paused)")
@@ -217,7 +228,11 @@ class EngineWeights:
 
     async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
         """Close the reload. Without any bucket loaded the old weights are intact: resume
-        serving them. Otherwise stay paused (mixed weights must never serve)."""
+        serving them. Otherwise stay paused (mixed weights must never serve). With ``[lora]``
+        nothing was paused and the installed versions serve on."""
+        if self._adapters is not None:
+            await self._adapters.abort(version)
+            return
         update, self._update = self._update, None
         try:
             await self._rpc("asyncrl_finish_reload")
@@ -237,6 +252,11 @@ class EngineWeights:
                 the manifest's) never loaded, or the prefix-cache reset was refused.
         """
         llm = self._require()
+        if self._adapters is not None:
+            await self._adapters.finish(version)
+            self.version = version
+            self.last_refit = self._adapters.last_refit
+            return
         update = self._update
         if update is None or update.version != version:
             raise RefitError(f"finish_weight_update({version}) without a matching begin")

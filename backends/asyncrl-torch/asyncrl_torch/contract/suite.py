@@ -138,7 +138,7 @@ def write_adapter(
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from asyncrl.config import LoraConfig
+    from asyncrl.plugin.common import LoraConfig
 
     config = LoraConfig(**lora)
     targets = config.targets(str(model_dir))

@@ -1,0 +1,315 @@
+"""``[lora]`` in the vLLM backend: adapter versions served beside each other, installed from
+memory at each refit (docs/lora.md).
+
+With a rank in ``[lora]`` the engine keeps ``model.path``'s weights as they are and serves the
+trained adapter as vLLM LoRA adapters, one per weight *version*. A refit moves the adapter's
+tensors only, through the same buckets and transfers as full weights:
+
+::
+
+    begin_weight_update(v, manifest)  check the manifest against the checkpoint's shapes
+                                      (every target's lora_A [r, in] and lora_B [out, r]) and
+                                      that a slot is free (AdapterLeases); no pause
+    load_weight_bucket(b)             the workers copy the bucket's tensors out (staged)
+    finish_weight_update(v)           the workers build v's adapter from the staged tensors
+                                      with vLLM's own classes and register it; then the lease
+                                      table installs v, and versions nobody holds are removed
+
+Nothing is written to disk: the adapter's path is a name vLLM never reads (it only opens the
+path of an adapter it does not have registered, which the lease table rules out). Requests
+start on the newest version and keep it until they end (:class:`AdapterLeases`); every token of
+a sample is tagged with its request's version. The engine is never paused and its prefix cache
+is kept: vLLM keys cached blocks by adapter, so no version reads another's blocks.
+
+Version 0 is the base with the initial adapter: none (a fresh adapter's ``lora_B`` is zero, so
+the policy is the base) or ``lora.init_path``, which the engine loads from its directory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncrl.plugin.backend import AdapterError, AdapterLeases, RefitError, TensorEntry
+from asyncrl.plugin.common import Config, config_error
+
+from .options import VLLMOptions
+
+__all__ = [
+    "ADAPTER_PREFIX",
+    "EngineAdapters",
+    "MAX_LORA_RANKS",
+    "adapter_manifest_problems",
+    "adapter_slots",
+    "check_adapter_config",
+    "lora_engine_args",
+]
+
+ADAPTER_PREFIX = "base_model.model."
+"""PEFT's saved names: this, the module's path, then ``.lora_A.weight`` or ``.lora_B.weight``."""
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (0.26 and 0.32); the engine takes the least one
+that holds ``lora.rank``."""
+
+UNREAD_PATH = "/nonexistent/asyncrl-in-memory-adapter"
+"""The path of every in-memory adapter: absolute (a relative path that does not exist is taken
+for a Hugging Face Hub name and downloaded) and never read."""
+
+
+def adapter_slots(config: Config, lora_slots: int) -> int:
+    """Adapter versions one engine holds at once (vLLM's ``max_loras``): the option
+    ``lora_slots``, else the sampler's staleness bound + 2 (the newest, and every version a
+    request still in flight may hold)."""
+    return lora_slots or config.sampler.max_staleness + 2
+
+
+def check_adapter_config(config: Config, options: VLLMOptions) -> None:
+    """What a ``[lora]`` run needs of this backend, before any engine starts.
+
+    Raises:
+        ConfigError: a rank above vLLM's largest, too few slots, an FP8 KV cache, or a sampler
+            that re-prefills requests at a refit (not built for adapters).
+    """
+    from asyncrl.plugin.sampler import in_flight_at_refit
+
+    lora = config.lora
+    if lora.rank > MAX_LORA_RANKS[-1]:
+        raise config_error("lora.rank", f"{lora.rank} is above the {MAX_LORA_RANKS[-1]} vLLM "
+                           "serves", f"use a rank of at most {MAX_LORA_RANKS[-1]}")  # fmt: skip
+    if options.lora_slots == 1:
+        raise config_error("generator.options.lora_slots", "is 1: a refit needs a slot for the "
+                           "new version beside the one requests in flight hold",
+                           "use at least 2, or 0 for the sampler's staleness bound + 2")  # fmt: skip
+    kv = options.kv_cache_dtype
+    if kv.startswith("fp8"):
+        raise config_error("generator.options.kv_cache_dtype", f"is {kv!r}, but FP8 KV-cache "
+                           "scales are one set per engine and [lora] serves several adapter "
+                           "versions at once", "use kv_cache_dtype = \"auto\" with [lora]")  # fmt: skip
+    if in_flight_at_refit(config.sampler) == "reprefill":
+        raise config_error("pipeline.sampler.in_flight_at_refit", "is 'reprefill', which "
+                           "asyncrl does not do for adapters yet: a request keeps the adapter "
+                           "version it started on", "use 'continue' with [lora]")  # fmt: skip
+
+
+def lora_engine_args(config: Config, options: VLLMOptions) -> dict[str, Any]:
+    """vLLM's engine arguments for ``[lora]``: ``max_loras`` the slots, one more adapter
+    registered on the host (the version being installed, before the lease table lets an
+    old one go), and the least ``max_lora_rank`` that holds the rank."""
+    slots = adapter_slots(config, options.lora_slots)
+    rank = next(r for r in MAX_LORA_RANKS if r >= config.lora.rank)
+    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots + 1,
+            "max_lora_rank": rank}  # fmt: skip
+
+
+def adapter_manifest_problems(
+    manifest: list[Any], shapes: dict[str, list[int]], *, rank: int, targets: tuple[str, ...],
+    dtype: str,
+) -> list[str]:  # fmt: skip
+    """Everything wrong with an adapter refit's ``manifest`` (entries with ``name``, ``dtype``,
+    ``shape``) for an engine started from a checkpoint of ``shapes``: each target linear
+    layer ``W [out, in]`` must get ``lora_A [rank, in]`` and ``lora_B [out, rank]``, in
+    ``dtype``, and nothing else may come. At most three of each kind are listed."""
+    expected: dict[str, list[int]] = {}
+    for name, shape in shapes.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and len(shape) == 2 and module.rsplit(".", 1)[-1] in targets:
+            out_features, in_features = shape
+            expected[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = [rank, in_features]
+            expected[f"{ADAPTER_PREFIX}{module}.lora_B.weight"] = [out_features, rank]
+    unknown, wrong_shape, wrong_dtype = [], [], []
+    for e in manifest:
+        want = expected.get(e.name)
+        if want is None:
+            unknown.append(e.name)
+        elif list(e.shape) != want:
+            wrong_shape.append(f"{e.name} {list(e.shape)} (engine: {want})")
+        if e.dtype != dtype:
+            wrong_dtype.append(f"{e.name} {e.dtype}")
+    missing = sorted(set(expected) - {e.name for e in manifest})
+    problems: list[str] = []
+    for what, items in (
+        ("not a LoRA tensor of a target module", unknown), ("wrong shape", wrong_shape),
+        (f"not {dtype} (the engine's dtype)", wrong_dtype), ("missing from the refit", missing),
+    ):  # fmt: skip
+        if items:
+            more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+            problems.append(f"{what}: {', '.join(items[:3])}{more}")
+    return problems
+
+
+@dataclass
+class _Install:
+    version: int
+    started: float
+    expected: int
+    staged: int = 0
+    nbytes: int = 0
+    failed: bool = False
+    first_load: float | None = None
+
+
+class EngineAdapters:
+    """The adapter versions of one engine: the lease table, the refit in progress and the
+    calls that install and remove adapters in the engine's workers (``rpc``: the backend's
+    ``collective_rpc`` wrapper, bounded by ``rpc_timeout_s``).
+
+    Args:
+        config: the run's config (``[lora]``, ``model``).
+        options: the backend's ``[generator.options]``.
+        rpc: ``await rpc(method, *args)`` on every worker; returns their answers.
+        log: the backend's logger.
+    """
+
+    def __init__(self, config: Config, options: VLLMOptions, rpc: Any, log: Any) -> None:
+        self._config = config
+        self._rpc = rpc
+        self._log = log
+        self.leases = AdapterLeases(adapter_slots(config, options.lora_slots))
+        self._peft = config.lora.peft_config(config.model.path)
+        self._targets = config.lora.targets(config.model.path)
+        self._install: _Install | None = None
+        self.last_refit: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ requests
+    def lease(self, request_id: str) -> tuple[int, Any]:
+        """``request_id`` starts on the newest version: ``(version, LoRARequest)``, the
+        request ``None`` while version 0 is the bare base (a fresh adapter)."""
+        if self.leases.newest is None:
+            return 0, None
+        version = self.leases.lease(request_id)
+        return version, lora_request(version, self._path(version))
+
+    async def release(self, request_id: str) -> None:
+        """``request_id`` ended: its lease ends, and a version nobody holds any more (with a
+        newer one installed) is removed from the engine. Shielded: it runs to its end when the
+        request was cancelled."""
+        import anyio
+
+        unload = self.leases.release(request_id)
+        if unload:
+            with anyio.CancelScope(shield=True):
+                await self._remove(unload)
+
+    @staticmethod
+    def versions(version: int, n: int) -> np.ndarray:
+        """Every token's version: its request's (the adapter never changes under it)."""
+        return np.full(n, version, np.int32)
+
+    # ------------------------------------------------------------------ start
+    async def start(self, llm: Any) -> None:
+        """Version 0: ``lora.init_path``'s adapter, loaded by vLLM from that directory; nothing
+        for a fresh adapter (its policy is the base)."""
+        if not self._config.lora.init_path:
+            return
+        self.leases.check_install(0)
+        await llm.add_lora(lora_request(0, self._config.lora.init_path))
+        self.leases.install(0)
+
+    def _path(self, version: int) -> str:
+        if version == 0 and self._config.lora.init_path:
+            return self._config.lora.init_path
+        return f"{UNREAD_PATH}/v{version}"
+
+    # ------------------------------------------------------------------ refit
+    def begin(
+        self, version: int, manifest: list[TensorEntry], shapes: dict[str, list[int]]
+    ) -> None:
+        """Check the manifest and that a slot is free for ``version``, touching nothing.
+
+        Raises:
+            RefitError: the manifest does not fit the engine's model (what, listed), or every
+                slot is held by versions requests are still using (the fix named).
+        """
+        cfg = self._config
+        problems = adapter_manifest_problems(
+            manifest, shapes, rank=cfg.lora.rank, targets=self._targets, dtype=cfg.model.dtype
+        )
+        if problems:
+            raise RefitError(f"the adapter of v{version} does not fit the engine's model "
+                             f"({cfg.model.path}): " + "; ".join(problems))  # fmt: skip
+        try:
+            self.leases.check_install(version)
+        except AdapterError as exc:
+            raise RefitError(str(exc)) from None
+        self._install = _Install(version, time.perf_counter(), expected=len(manifest))
+
+    async def load(self, bucket: Any) -> None:
+        """Copy the bucket's tensors into the workers' staging (the bucket is free after).
+
+        Raises:
+            RefitError: no matching :meth:`begin`.
+        """
+        install = self._install
+        if install is None or install.version != bucket.version:
+            raise RefitError(f"bucket {bucket.index} of v{bucket.version} arrived without "
+                             f"begin_weight_update({bucket.version})")  # fmt: skip
+        entries = [[e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)]
+                   for e in bucket.entries]  # fmt: skip
+        if install.first_load is None:
+            install.first_load = time.perf_counter()
+        try:
+            await self._rpc("asyncrl_stage_adapter", bucket.transport, bucket.handle, entries,
+                            bucket.index == 0)  # fmt: skip
+        except BaseException:
+            install.failed = True
+            raise
+        install.staged += len(entries)
+        install.nbytes += sum(e.nbytes for e in bucket.entries)
+
+    async def finish(self, version: int) -> None:
+        """Build and register ``version``'s adapter in every worker, then install it in the
+        lease table (new requests start on it) and remove the versions nobody holds.
+
+        Raises:
+            RefitError: no matching begin, a bucket missing, or the workers refused the
+                adapter (the engine serves the older versions on, untouched).
+        """
+        install, self._install = self._install, None
+        if install is None or install.version != version:
+            raise RefitError(f"finish_weight_update({version}) without a matching begin")
+        if install.failed or install.staged != install.expected:
+            await self._rpc("asyncrl_drop_staged_adapter")
+            raise RefitError(f"the adapter of v{version} arrived only in part ({install.staged} "
+                             f"of the manifest's {install.expected} tensors)")  # fmt: skip
+        added = time.perf_counter()
+        try:
+            answers = await self._rpc("asyncrl_add_adapter", version + 1, self._peft)
+        except Exception as exc:
+            await self._rpc("asyncrl_drop_staged_adapter")
+            raise RefitError(f"the engine refused the adapter of v{version}: {exc}") from exc
+        unload = self.leases.install(version)
+        removed = time.perf_counter()
+        if unload:
+            await self._remove(unload)
+        done = time.perf_counter()
+        self.last_refit = {
+            "version": version, "adapter": True, "tensors": install.staged,
+            "bytes": install.nbytes, "seconds": done - install.started,
+            "loads_s": added - (install.first_load or added), "add_s": removed - added,
+            "worker_add_s": max(float(a["seconds"]) for a in answers),
+            "resident": list(self.leases.resident), "unloaded": unload,
+        }  # fmt: skip
+        self._log.info("adapter_installed", **self.last_refit)
+
+    async def abort(self, version: int) -> None:
+        """Drop what was staged; the installed versions serve on, untouched."""
+        self._install = None
+        await self._rpc("asyncrl_drop_staged_adapter")
+        self._log.warning("adapter_update_aborted", version=version,
+                          serving=self.leases.newest)  # fmt: skip
+
+    async def _remove(self, versions: list[int]) -> None:
+        await self._rpc("asyncrl_remove_adapters", [v + 1 for v in versions])
+
+
+def lora_request(version: int, path: str) -> Any:
+    """vLLM's request for adapter ``version`` (id ``version + 1``: vLLM refuses 0), named apart
+    from every other version (vLLM tells adapters apart by name). The fields after the first
+    three go by keyword: 0.26 has one more of them in the middle than 0.32."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"asyncrl-v{version}", version + 1, lora_path=path)
