@@ -12,10 +12,15 @@ Per case, the median of ``--repeats`` refits (the first apart):
 
 - ``trainer``: the trainer process's share (staging and announcing the buckets; its training
   would wait for it);
-- ``engine``: what the engine's loop spends inside the refit's calls (copying the buckets out
-  and building and registering the adapter: ``loads_s`` + ``add_s``, the time its scheduling
-  stops), and ``worker_add``: building and registering in the worker alone;
+- ``engine``: what the engine sees: the time its worker spends inside the refit's calls
+  (copying the bucket out, removing old versions, building and registering the adapter), the
+  only time its scheduling stops; ``adding`` is the building and registering alone, and
+  ``calls`` the calls' wall time (each waits for the engine's step in progress to end first);
 - ``whole``: from the trainer's first bucket to the version installed.
+
+Requests hold the version they started on, so back-to-back refits would fill the engine's
+slots: before each refit the script waits (untimed) until a slot is free, as a run's sampler
+bounds the versions in flight.
 
 Models are the random Qwen2-layer shapes of ``benchmarks/refit.py`` (``8b`` is Qwen3-8B's
 shapes), written once to ``--work``; the engine serves ranks up to the largest asked for.
@@ -136,7 +141,10 @@ async def lora_case(backend, model_dir: Path, rank: int, args, device: str) -> d
     rows = []
     try:
         await asyncio.sleep(0.5)  # the load is running
+        leases = backend._adapters.leases
         for _ in range(args.repeats + 1):
+            while sum(1 for v in leases.resident if leases.holders(v)) >= leases.slots - 1:
+                await asyncio.sleep(0.002)
             backend.next_version = getattr(backend, "next_version", 0) + 1  # never reused
             t0 = time.perf_counter()
             sent, _ = await pair.push(backend, backend.next_version)
@@ -152,13 +160,15 @@ async def lora_case(backend, model_dir: Path, rank: int, args, device: str) -> d
         "first_s": round(rows[0][0], 4),
         "whole_s": round(median([r[0] for r in rest]), 5),
         "trainer_s": round(median([r[2].pack_s for r in rest]), 5),
-        "engine_s": round(median([r[1]["loads_s"] + r[1]["add_s"] for r in rest]), 5),
+        "engine_s": round(median([r[1]["worker_s"] for r in rest]), 5),
         "worker_add_s": round(median([r[1]["worker_add_s"] for r in rest]), 5),
+        "calls_s": round(median([r[1]["loads_s"] for r in rest]), 5),
         "requests": load.done, "aborted": load.aborted, "device": args.device,
     }  # fmt: skip
     print(f"{row['size']:>11} lora r{rank:<4} {nbytes / 1e6:8.1f} MB {row['tensors']:4d} tensors"
           f" | whole {row['whole_s'] * 1e3:6.1f} ms, trainer {row['trainer_s'] * 1e3:6.1f} ms, "
-          f"engine {row['engine_s'] * 1e3:6.1f} ms (adding {row['worker_add_s'] * 1e3:5.1f}) | "
+          f"engine {row['engine_s'] * 1e3:6.1f} ms (adding {row['worker_add_s'] * 1e3:5.1f}; "
+          f"calls {row['calls_s'] * 1e3:6.1f}) | "
           f"first {row['first_s'] * 1e3:6.1f} ms | {load.done} requests beside, "
           f"{load.aborted} aborted", flush=True)  # fmt: skip
     return row

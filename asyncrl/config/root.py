@@ -131,6 +131,12 @@ def problems(config: Config) -> list[ConfigError]:
     ):  # fmt: skip
         out += section.problems()
     out += config.lora.problems(config.model.path)
+    if config.lora.enabled and config.loss.reference_path:
+        out.append(fail(
+            "loss.reference_path", "is set, but with [lora] the KL reference is the base "
+            "itself (model.path with the adapter disabled; no second model is loaded)",
+            "leave loss.reference_path empty with [lora]",
+        ))  # fmt: skip
     return out + config.model.problems()
 
 

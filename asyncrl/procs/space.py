@@ -359,6 +359,22 @@ def _check_shm(
     )
 
 
+def _adapter_size(cfg: Any) -> ModelSize | None:
+    """``[lora]``: the adapter, which is all a refit moves and a checkpoint or an export holds
+    (the base stays ``model.path``'s); ``None`` when its size cannot be read (the whole model
+    is counted then)."""
+    from asyncrl.config.adapters import MemoryEstimate
+
+    try:
+        estimate = MemoryEstimate.of(cfg.lora, cfg.model.path, cfg.model.dtype)
+    except ConfigError:  # no target modules known for this model
+        return None
+    if estimate is None:
+        return None
+    n = estimate.trainable_parameters
+    return ModelSize(elements=n, largest=n, stored_bytes=0)
+
+
 # --------------------------------------------------------------------------- disks
 def checkpoint_need(cfg: Any, size: ModelSize | None) -> int:
     """Bytes one checkpoint takes at the least: the trainer's float32 master weights (Adam's
@@ -412,5 +428,7 @@ def check_space(
     the buffers the ``shm`` transfer stages in turn. Blocking (reads the
     model's headers): call it off the event loop."""
     size = model_size(cfg.model.path)
+    if cfg.lora.enabled and size is not None:  # what moves and what is saved: the adapter
+        size = _adapter_size(cfg) or size
     _check_shm(cfg, size, engines or {}, staging_buffers)
     _check_disks(cfg, size)

@@ -22,36 +22,27 @@ case "$part" in
     ;;
   run)
     model=/tmp/asyncrl-lora-8b
+    # the 8B-shaped weights of benchmarks/lora_refit.py (written there first, or here), with
+    # the arithmetic task's tokenizer and token ids (its vocabulary fits in the embedding)
     python3 - "$model" <<'EOF' || exit 1
-import json, shutil, sys, tempfile, time
+import json, os, shutil, sys, tempfile
 from pathlib import Path
-import torch, transformers
-from safetensors.torch import save_file
+sys.path.insert(0, "benchmarks")
+import refit
 from asyncrl_arith.model import build_model
 out = Path(sys.argv[1])
 if not (out / "config.json").is_file():
-    t0 = time.time()
+    weights = refit.write_model("8b", Path("/tmp/asyncrl-refit-bench"), "cuda:0")
     tiny = build_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     out.mkdir(parents=True)
     for f in tiny.iterdir():
         if not f.name.endswith(".safetensors") and f.name != "config.json":
             shutil.copy(f, out / f.name)
-    config = transformers.AutoConfig.from_pretrained(tiny)
-    for k, v in dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, intermediate_size=12288, head_dim=128,
-                     max_position_embeddings=1024, tie_word_embeddings=False).items():
-        setattr(config, k, v)
-    config.torch_dtype = "bfloat16"
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in transformers.AutoModelForCausalLM.from_config(config).named_parameters()}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    state = {n: (torch.ones(s, dtype=torch.bfloat16, device="cuda") if n.endswith("norm.weight")
-                 else torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02).cpu()
-             for n, s in shapes.items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    print(f"8B-shaped model: {sum(t.numel() for t in state.values()) / 1e9:.2f} B parameters, "
-          f"written in {time.time() - t0:.0f} s", flush=True)
+    os.symlink(weights / "model.safetensors", out / "model.safetensors")
+    small, big = (json.loads((d / "config.json").read_text()) for d in (tiny, weights))
+    big.update({k: small[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in small})
+    (out / "config.json").write_text(json.dumps(big))
+    print("8B-shaped model ready", flush=True)
 EOF
     python3 -m asyncrl check-config examples/lora_8b_one_gpu.toml --config-only \
       --set "model.path=\"$model\"" | tail -2 | tee "$OUT/check.txt"

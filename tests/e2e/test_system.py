@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from asyncrl import Controller
-from asyncrl.config import Config, from_dict
+from asyncrl.config import Config, from_dict, to_dict
 from asyncrl.procs.spawn import torchrun_log_args
 from asyncrl.policy.grpo import pack_tokens
 from asyncrl.run import refit as refit_module
@@ -134,6 +134,31 @@ async def test_refit_keeps_generator_and_trainer_in_sync(
     else:
         assert steps[1]["gen_start"] >= steps[0]["train_end"]
         assert all(r["staleness_max"] == 0 for r in steps)
+
+
+@pytest.mark.asyncio
+async def test_a_lora_run_keeps_generator_and_trainer_in_sync(tmp_path: Path, qwen_dir: Path) -> None:
+    """``[lora]`` through the whole system: the trainer trains an adapter on the frozen base
+    (with a KL to the base, the adapter disabled), each refit moves the adapter alone and the
+    engine serves it as a new version; before and after training the two sides agree, the
+    engine really serves the trained adapter, and the checkpoint and the export are the
+    adapter's (a PEFT directory)."""
+    config = two_steps(
+        tmp_path, qwen_dir, lookahead=1, ranks=1,
+        trainer={"backend": "fsdp2", "options": {"lr": 0.05}},
+    )  # fmt: skip
+    config = from_dict({**to_dict(config), "lora": {"rank": 8}, "loss": {"kl_coef": 0.01}})
+    batch, (gen0, trn0), summary, (gen1, trn1) = await logprobs_around_training(config)
+    assert np.abs(gen0 - trn0).max() < BF16_TOL
+    assert np.abs(gen1 - trn1).max() < BF16_TOL
+    assert np.abs(trn1 - trn0).max() > 4 * BF16_TOL, "the adapter did not move the trainer"
+    assert np.abs(gen1 - gen0).max() > 4 * BF16_TOL, "the generator still serves the old adapter"
+    steps = [r for r in read_metrics(config) if r.get("kind") == "train"]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["grad_norm"] > 0 for r in steps)
+    assert steps[1]["kl_ref"] > 0  # the base (the adapter disabled) is the reference
+    export = Path(config.export.dir) / "final"
+    assert sorted(p.name for p in export.iterdir()) == ["adapter_config.json",
+                                                        "adapter_model.safetensors"]
 
 
 def reference_logprobs(model_dir: Path, batch: object) -> np.ndarray:

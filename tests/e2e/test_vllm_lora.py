@@ -175,8 +175,11 @@ async def test_every_request_is_served_by_the_adapter_it_leased(backend, model_d
                 if i == REQUESTS_PER_REFIT // 2:  # refit with half the requests in flight
                     await asyncio.sleep(0.02)
                     tg.create_task(install(backend, tmp_path, version, tensors))
-        resident = (await backend._rpc("asyncrl_adapters"))[0]
-        assert resident == [v + 1 for v in backend._adapters.leases.resident]
+        registered = (await backend._rpc("asyncrl_adapters"))[0]
+        leases = backend._adapters.leases
+        # the table's versions, and the one it let go at the install (removed at the next)
+        assert set(registered) - {v + 1 for v in leases.resident} <= {leases.newest}
+        assert len(registered) <= SLOTS + 1
     seconds = time.perf_counter() - started
     references = {v: merged(model_dir, t) for v, t in backend.installed.items()}
     mismatches = ambiguous = 0
@@ -238,7 +241,7 @@ async def test_a_refit_that_cannot_be_served_leaves_the_versions_serving(
         for i in range(SLOTS):
             await adapters.release(f"held-{i}")
     assert backend.version == version + SLOTS - 2
-    assert (await backend._rpc("asyncrl_adapters"))[0] == [backend.version + 1]
+    assert (await backend._rpc("asyncrl_adapters"))[0] == [backend.version + 1]  # all let go
     got = await generate_all(backend, GenRequest(group_id="after", prompt_ids=[1, 4], n=1,
                                                  max_tokens=4))  # fmt: skip
     assert set(got[0].versions.tolist()) == {backend.version}

@@ -62,6 +62,12 @@ def test_each_broken_setting_is_named(qwen_dir: Path, lora: dict[str, Any], fiel
     assert "Fix:" in str(info.value)
 
 
+def test_a_reference_model_is_refused_with_an_adapter(qwen_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"loss\.reference_path.*adapter disabled"):
+        from_dict({**config(qwen_dir, rank=8),
+                   "loss": {"reference_path": str(qwen_dir), "kl_coef": 0.1}})
+
+
 def test_a_family_without_defaults_asks_for_target_modules(model_dir: Path) -> None:
     (model_dir / "config.json").write_text(json.dumps({**QWEN2, "model_type": "mamba"}))
     with pytest.raises(ConfigError, match="lora.target_modules.*'mamba'"):

@@ -10,10 +10,17 @@ tensors only, through the same buckets and transfers as full weights:
     begin_weight_update(v, manifest)  check the manifest against the checkpoint's shapes
                                       (every target's lora_A [r, in] and lora_B [out, r]) and
                                       that a slot is free (AdapterLeases); no pause
-    load_weight_bucket(b)             the workers copy the bucket's tensors out (staged)
-    finish_weight_update(v)           the workers build v's adapter from the staged tensors
-                                      with vLLM's own classes and register it; then the lease
-                                      table installs v, and versions nobody holds are removed
+    load_weight_bucket(b)             the workers copy the bucket's tensors out (staged); the
+                                      last bucket's call also removes the old versions nobody
+                                      holds, builds v's adapter from the staged tensors with
+                                      vLLM's own classes and registers it
+    finish_weight_update(v)           the lease table installs v: new requests start on it
+
+A one-bucket adapter refit is one call into the engine's workers: each call waits for the
+engine's current step to end, which on a busy engine costs more than the work (on an H100
+serving requests, three calls took 30-50 ms where their work took 10). The version that was
+newest until the install is removed at the next refit's call if nobody held it then (it could
+still be leased until the install), or when its last request ends.
 
 Nothing is written to disk: the adapter's path is a name vLLM never reads (it only opens the
 path of an adapter it does not have registered, which the lease table rules out). Requests
@@ -28,7 +35,7 @@ the policy is the base) or ``lora.init_path``, which the engine loads from its d
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -149,7 +156,17 @@ class _Install:
     staged: int = 0
     nbytes: int = 0
     failed: bool = False
+    added: bool = False
+    """The last bucket's call registered the adapter in the workers."""
+    removed: list[int] = field(default_factory=list)
+    """Versions that call removed first."""
     first_load: float | None = None
+    loads_s: float = 0.0
+    """From the first bucket's call to the last one's answer."""
+    worker_s: float = 0.0
+    """Seconds the workers spent in the bucket calls (summed over buckets)."""
+    worker_add_s: float = 0.0
+    """Of which building and registering the adapter."""
 
 
 class EngineAdapters:
@@ -172,6 +189,9 @@ class EngineAdapters:
         self._peft = config.lora.peft_config(config.model.path)
         self._targets = config.lora.targets(config.model.path)
         self._install: _Install | None = None
+        self._unload_later: list[int] = []
+        """Versions the lease table let go at an install but still registered in the engine:
+        removed by the next refit's last call."""
         self.last_refit: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ requests
@@ -238,10 +258,13 @@ class EngineAdapters:
         self._install = _Install(version, time.perf_counter(), expected=len(manifest))
 
     async def load(self, bucket: Any) -> None:
-        """Copy the bucket's tensors into the workers' staging (the bucket is free after).
+        """Copy the bucket's tensors into the workers' staging (the bucket is free after); the
+        last bucket's call also builds and registers the adapter, after removing the versions
+        that can go now (older than the newest, held by nobody: nothing can lease them).
 
         Raises:
-            RefitError: no matching :meth:`begin`.
+            RefitError: no matching :meth:`begin`, a bucket missing before the last, or the
+                workers refused the adapter (the versions installed serve on, untouched).
         """
         install = self._install
         if install is None or install.version != bucket.version:
@@ -251,54 +274,68 @@ class EngineAdapters:
                    for e in bucket.entries]  # fmt: skip
         if install.first_load is None:
             install.first_load = time.perf_counter()
+        version = install.version
+        extra: list[Any] = []
+        if bucket.last:
+            if install.failed or install.staged + len(entries) != install.expected:
+                install.failed = True
+                raise RefitError(f"the adapter of v{version} arrived only in part "
+                                 f"({install.staged + len(entries)} of the manifest's "
+                                 f"{install.expected} tensors)")  # fmt: skip
+            newest = self.leases.newest
+            idle = [v for v in self.leases.resident if v != newest and not self.leases.holders(v)]
+            install.removed = sorted(set(self._unload_later) | set(idle))
+            extra = [[version + 1, self._peft], [v + 1 for v in install.removed]]
         try:
-            await self._rpc("asyncrl_stage_adapter", bucket.transport, bucket.handle, entries,
-                            bucket.index == 0)  # fmt: skip
-        except BaseException:
+            answers = await self._rpc("asyncrl_stage_adapter", bucket.transport, bucket.handle,
+                                      entries, bucket.index == 0, *extra)  # fmt: skip
+        except Exception as exc:
             install.failed = True
+            if bucket.last:
+                raise RefitError(f"the engine refused the adapter of v{version}: {exc}") from exc
             raise
         install.staged += len(entries)
         install.nbytes += sum(e.nbytes for e in bucket.entries)
+        install.worker_s += max(float(a["seconds"]) for a in answers)
+        if bucket.last:
+            install.added = True
+            self._unload_later = []
+            install.worker_add_s = max(float(a["added"]["seconds"]) for a in answers)
+        install.loads_s = time.perf_counter() - install.first_load
 
     async def finish(self, version: int) -> None:
-        """Build and register ``version``'s adapter in every worker, then install it in the
-        lease table (new requests start on it) and remove the versions nobody holds.
+        """Install ``version`` in the lease table (new requests start on it); the versions it
+        lets go are removed by the next refit's last call, or as their last request ends.
 
         Raises:
-            RefitError: no matching begin, a bucket missing, or the workers refused the
-                adapter (the engine serves the older versions on, untouched).
+            RefitError: no matching begin, or the adapter was not added (a bucket missing).
         """
         install, self._install = self._install, None
         if install is None or install.version != version:
             raise RefitError(f"finish_weight_update({version}) without a matching begin")
-        if install.failed or install.staged != install.expected:
-            await self._rpc("asyncrl_drop_staged_adapter")
-            raise RefitError(f"the adapter of v{version} arrived only in part ({install.staged} "
-                             f"of the manifest's {install.expected} tensors)")  # fmt: skip
-        added = time.perf_counter()
-        try:
-            answers = await self._rpc("asyncrl_add_adapter", version + 1, self._peft)
-        except Exception as exc:
-            await self._rpc("asyncrl_drop_staged_adapter")
-            raise RefitError(f"the engine refused the adapter of v{version}: {exc}") from exc
+        if not install.added:
+            await self.abort(version)
+            raise RefitError(f"the adapter of v{version} was never added: its last bucket did "
+                             "not arrive")  # fmt: skip
         unload = self.leases.install(version)
-        removed = time.perf_counter()
-        if unload:
-            await self._remove(unload)
+        self._unload_later = [v for v in unload if v not in install.removed]
         done = time.perf_counter()
         self.last_refit = {
             "version": version, "adapter": True, "tensors": install.staged,
             "bytes": install.nbytes, "seconds": done - install.started,
-            "loads_s": added - (install.first_load or added), "add_s": removed - added,
-            "worker_add_s": max(float(a["seconds"]) for a in answers),
-            "resident": list(self.leases.resident), "unloaded": unload,
+            "loads_s": install.loads_s, "worker_s": install.worker_s,
+            "worker_add_s": install.worker_add_s, "resident": list(self.leases.resident),
+            "removed": install.removed, "unload_later": self._unload_later,
         }  # fmt: skip
         self._log.info("adapter_installed", **self.last_refit)
 
     async def abort(self, version: int) -> None:
-        """Drop what was staged; the installed versions serve on, untouched."""
-        self._install = None
+        """Drop what was staged (and the adapter, if the last call added it); the installed
+        versions serve on, untouched."""
+        install, self._install = self._install, None
         await self._rpc("asyncrl_drop_staged_adapter")
+        if install is not None and install.added:
+            await self._rpc("asyncrl_remove_adapters", [version + 1])
         self._log.warning("adapter_update_aborted", version=version,
                           serving=self.leases.newest)  # fmt: skip
 

@@ -192,9 +192,9 @@ def _bucket_weights(
     mode: str,
 ) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for each of ``entries`` (``[name, dtype, shape, offset, nbytes]``):
-    a view of ``source`` (the bucket's ``memory`` or its mirror), or a private copy on
-    ``device`` where the bucket is on another device type or the loader keeps references
-    (``layerwise``).
+    a view of ``source`` (the bucket's ``memory``, its mirror, or with ``mode`` ``view`` a
+    private copy of it), or a private copy on ``device`` where the bucket is on another device
+    type or the loader keeps references (``layerwise``).
 
     Raises:
         ValueError: an entry's byte count does not match its dtype and shape, or its bytes
@@ -208,7 +208,7 @@ def _bucket_weights(
         if offset + nbytes > memory.numel():
             raise ValueError(f"{name}: bytes {offset}+{nbytes} outside the bucket")
         tensor = source[offset : offset + nbytes].view(dtype).view(shape)
-        if source.device.type != device.type or mode == "layerwise":
+        if mode != "view" and (source.device.type != device.type or mode == "layerwise"):
             tensor = tensor.to(device, copy=True)
         weights.append((name, tensor))
     return weights
