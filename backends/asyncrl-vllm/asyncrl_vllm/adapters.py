@@ -43,6 +43,7 @@ import numpy as np
 from asyncrl.plugin.backend import AdapterError, AdapterLeases, RefitError, TensorEntry
 from asyncrl.plugin.common import Config, config_error
 
+from .manifest import expected_problems
 from .options import VLLMOptions
 
 __all__ = [
@@ -127,25 +128,8 @@ def adapter_manifest_problems(
             out_features, in_features = shape
             expected[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = [rank, in_features]
             expected[f"{ADAPTER_PREFIX}{module}.lora_B.weight"] = [out_features, rank]
-    unknown, wrong_shape, wrong_dtype = [], [], []
-    for e in manifest:
-        want = expected.get(e.name)
-        if want is None:
-            unknown.append(e.name)
-        elif list(e.shape) != want:
-            wrong_shape.append(f"{e.name} {list(e.shape)} (engine: {want})")
-        if e.dtype != dtype:
-            wrong_dtype.append(f"{e.name} {e.dtype}")
-    missing = sorted(set(expected) - {e.name for e in manifest})
-    problems: list[str] = []
-    for what, items in (
-        ("not a LoRA tensor of a target module", unknown), ("wrong shape", wrong_shape),
-        (f"not {dtype} (the engine's dtype)", wrong_dtype), ("missing from the refit", missing),
-    ):  # fmt: skip
-        if items:
-            more = f" and {len(items) - 3} more" if len(items) > 3 else ""
-            problems.append(f"{what}: {', '.join(items[:3])}{more}")
-    return problems
+    return expected_problems(manifest, expected, dtype=dtype,
+                             foreign="not a LoRA tensor of a target module")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncrl.plugin.backend import read_safetensors_header
 
-__all__ = ["checkpoint_shapes", "manifest_problems"]
+__all__ = ["checkpoint_shapes", "expected_problems", "manifest_problems"]
 
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 """Checkpoint tensors vLLM drops on load (nothing to refit)."""
@@ -49,7 +49,18 @@ def manifest_problems(
     At most a few problems of each kind are listed, with counts."""
     expected = {n: s for n, s in shapes.items() if not n.endswith(IGNORED_SUFFIXES)}
     optional = {"lm_head.weight"} if tied else set()
-    problems: list[str] = []
+    return expected_problems(manifest, expected, dtype=dtype, optional=optional,
+                             foreign="not in the engine's model")  # fmt: skip
+
+
+def expected_problems(
+    manifest: Sequence[Any], expected: dict[str, list[int]], *, dtype: str,
+    optional: set[str] = frozenset(), foreign: str,  # type: ignore[assignment]
+) -> list[str]:  # fmt: skip
+    """What differs between ``manifest`` and the tensors ``expected`` (name: shape), each in
+    ``dtype``: names not expected (listed as ``foreign``), wrong shapes, wrong dtypes, and
+    expected names missing (but those in ``optional``). At most three of each kind are
+    listed, with a count of the rest."""
     unknown, wrong_shape, wrong_dtype = [], [], []
     for e in manifest:
         want = expected.get(e.name)
@@ -60,14 +71,11 @@ def manifest_problems(
         if e.dtype != dtype:
             wrong_dtype.append(f"{e.name} {e.dtype}")
     missing = sorted(set(expected) - {e.name for e in manifest} - optional)
-
-    def say(what: str, items: list[str]) -> None:
+    problems: list[str] = []
+    for what, items in ((foreign, unknown), ("wrong shape", wrong_shape),
+                        (f"not {dtype} (the engine's dtype)", wrong_dtype),
+                        ("missing from the refit", missing)):  # fmt: skip
         if items:
             more = f" and {len(items) - 3} more" if len(items) > 3 else ""
             problems.append(f"{what}: {', '.join(items[:3])}{more}")
-
-    say("not in the engine's model", unknown)
-    say("wrong shape", wrong_shape)
-    say(f"not {dtype} (the engine's dtype)", wrong_dtype)
-    say("missing from the refit", missing)
     return problems
