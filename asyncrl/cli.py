@@ -205,6 +205,9 @@ def export(spec: str, out: str, force: bool, stream: TextIO) -> int:
         shutil.rmtree(dest)
     tmp.rename(dest)
     print(f"exported step {checkpoint.step} of {checkpoint.path} to {dest}")
+    if (dest / "adapter_config.json").is_file():  # a [lora] run's: the adapter alone
+        print(f"a LoRA adapter (PEFT); the merged model: python -m asyncrl_torch.merge {dest} "
+              "MERGED_DIR")  # fmt: skip
     return 0
 
 
