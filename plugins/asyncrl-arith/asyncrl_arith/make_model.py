@@ -24,6 +24,7 @@ start may have seen the run's held-out problems.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -345,15 +346,18 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     try:
-        report = make_model(
-            args.out_dir,
-            seed=args.seed,
-            env_seed=args.env_seed,
-            env_options=env_options,
-            sft=sft,
-            force=args.force or args.ship,
-            from_scratch=args.from_scratch,
-        )
+        # stdout carries the report alone: libraries print there as they load (DeepSpeed's
+        # accelerator notice, when transformers pulls in accelerate, which imports it)
+        with contextlib.redirect_stdout(sys.stderr):
+            report = make_model(
+                args.out_dir,
+                seed=args.seed,
+                env_seed=args.env_seed,
+                env_options=env_options,
+                sft=sft,
+                force=args.force or args.ship,
+                from_scratch=args.from_scratch,
+            )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
