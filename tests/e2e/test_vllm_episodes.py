@@ -4,6 +4,11 @@ The ``repeat-digit-turns`` environment (two turns, a user turn between) on the t
 model with a chat template of its own: every turn is one vLLM request (ids ``g<k>/<i>#<j>``),
 the episodes of groups the end of the run aborts have their requests aborted in the engine,
 the trainer trains the generated tokens only, and evaluation runs greedy episodes.
+
+The run trains a LoRA adapter (``[lora]``): each turn leases the adapter version that is
+newest when it starts, so an episode's turns may span refits. Episodes with full weights run
+on the example engine (tests/integration/test_episodes_bigram.py), and full refits on vLLM in
+tests/e2e/test_system.py.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ async def test_episodes_on_vllm_and_fsdp2(tmp_path: Path, chat_qwen_dir: Path) -
             "pipeline": {"sampler": {"name": "in_order", "max_lookahead_versions": 1},
                          "min_groups_for_streaming_train": 4},  # fmt: skip
             "trainer": {"backend": "fsdp2", "options": {"lr": 0.02}},
+            "lora": {"rank": 8},
             "generator": {"backend": "vllm",
                           "options": {"cpu_kvcache_space_gib": 1, "enforce_eager": True}},
             "episode": {"max_turns": 2, "max_context_tokens": 64},
