@@ -34,6 +34,15 @@ class TestDeepSpeedZero3OneGPU(TrainingBackendContract):
     options = {"zero_stage": 3}
 
 
+class TestFSDP2OneGPULoRA(TrainingBackendContract):
+    """``[lora]`` on CUDA: the adapter against the float64 LoRA math (tests/contract's
+    scenario)."""
+
+    backend = "fsdp2"
+    options = {"max_grad_norm": 0.1}  # below the adapter's first gradient norm (0.24)
+    lora = {"rank": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
 @two_gpus
 class TestFSDP2TwoGPUs(TrainingBackendContract):
     backend = "fsdp2"
