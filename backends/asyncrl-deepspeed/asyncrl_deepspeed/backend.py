@@ -157,7 +157,7 @@ class DeepSpeedBackend(DistributedTrainer):
         with ``[lora]`` the adapter and its optimizer state only (the base is
         ``model.path``'s)."""
         self._engine.save_checkpoint(
-            path, tag=_TAG, save_latest=False, exclude_frozen_parameters=self._adapter is not None
+            path, tag=_TAG, save_latest=False, exclude_frozen_parameters=self._lora
         )
 
     def _load_state(self, path: str) -> None:
@@ -167,7 +167,7 @@ class DeepSpeedBackend(DistributedTrainer):
             )
         loaded, _ = self._engine.load_checkpoint(
             path, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
-            load_module_strict=self._adapter is None,  # [lora]: the base was not saved
+            load_module_strict=not self._lora,  # [lora]: the base was not saved
         )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the state under {path}")

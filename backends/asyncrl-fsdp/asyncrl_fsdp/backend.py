@@ -225,7 +225,7 @@ class FSDPBackend(DistributedTrainer):
     def _state_options(self) -> StateDictOptions:
         """With ``[lora]`` a checkpoint holds the adapter and its optimizer state only: the
         frozen base is ``model.path``'s, loaded again on resume."""
-        frozen_too = self._adapter is None
+        frozen_too = not self._lora
         return StateDictOptions(ignore_frozen_params=not frozen_too, strict=frozen_too)
 
     def _shard(self, model: torch.nn.Module, *, offload: bool = False) -> None:
@@ -283,7 +283,7 @@ class FSDPBackend(DistributedTrainer):
         """
         model = self._started()
         dtype = getattr(torch, self._ctx.config.model.dtype)
-        if self._adapter is not None:
+        if self._lora:
             yield from self._iter_adapter(dtype)
             return
         if self._ctx.world_size == 1:

@@ -39,7 +39,7 @@ class FrozenBackend(FSDPBackend):
     name = "frozen"
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self._adapter is not None:
+        if self._lora:
             raise ConfigError(
                 "trainer.backend: 'frozen' trains nothing, so [lora] has nothing to train. "
                 "Fix: remove [lora] (lora.rank = 0), or train with fsdp2 or deepspeed"

@@ -15,8 +15,7 @@ and PEFT load.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,25 +24,15 @@ from asyncrl.plugin.common import ConfigError
 if TYPE_CHECKING:
     from asyncrl.plugin.common import LoraConfig
 
-__all__ = ["ADAPTER", "AdapterSpec", "add_adapter", "saved_name", "trainable"]
+__all__ = ["ADAPTER", "add_adapter", "saved_name"]
 
 ADAPTER = "default"
 """The one adapter's name inside the PEFT model (PEFT's default)."""
 
 
-class AdapterSpec(NamedTuple):
-    """What the engine needs to serve the adapter (``adapter_config.json``'s fields)."""
-
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-
-
-def add_adapter(
-    model: torch.nn.Module, lora: LoraConfig, model_dir: str
-) -> tuple[Any, AdapterSpec]:
+def add_adapter(model: torch.nn.Module, lora: LoraConfig, model_dir: str) -> Any:
     """``model`` (the base, in its storage dtype) wrapped by PEFT with ``lora``'s adapter,
-    float32 and trainable, everything else frozen; and the adapter's spec.
+    float32 and trainable, everything else frozen.
 
     Raises:
         ConfigError: a target module that matches no linear layer of the model (PEFT itself
@@ -73,19 +62,12 @@ def add_adapter(
             raise RuntimeError(f"PEFT left {name} {state}")
         if param.requires_grad:
             param.data = param.data.float()
-    return peft_model, AdapterSpec(lora.rank, float(lora.alpha), tuple(sorted(targets)))
+    return peft_model
 
 
 def saved_name(name: str) -> str:
     """PEFT's saved name of an adapter parameter (the adapter's name dropped)."""
     return name.replace(f".{ADAPTER}.", ".")
-
-
-def trainable(
-    named: Iterable[tuple[str, torch.nn.Parameter]],
-) -> list[tuple[str, torch.nn.Parameter]]:
-    """The adapter's ``(name, parameter)`` pairs of ``named``, in order."""
-    return [(n, p) for n, p in named if p.requires_grad]
 
 
 def _matches(model: torch.nn.Module, target: str) -> bool:

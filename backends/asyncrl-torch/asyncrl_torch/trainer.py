@@ -67,7 +67,7 @@ from asyncrl.plugin.backend import (
 )
 from asyncrl.plugin.common import ConfigError
 
-from asyncrl_torch.adapters import AdapterSpec, add_adapter, saved_name
+from asyncrl_torch.adapters import add_adapter, saved_name
 from asyncrl_torch.batches import (
     MicroBatch,
     dummy_micro_batch,
@@ -134,13 +134,17 @@ class DistributedTrainer:
         self._reference: torch.nn.Module | None = None
         """The frozen reference policy, loaded only when ``loss.kl_coef > 0`` without
         ``[lora]`` (with it the reference is the base: the model with its adapter disabled)."""
-        self._adapter: AdapterSpec | None = None
-        """With ``[lora]``: the adapter this trainer trains (the module is a PEFT model)."""
         self._device = torch.device("cpu")
         self._vocab_size = 0
         self._owns_process_group = False
         self._ledger = StepLedger()
         self._closed = False
+
+    @property
+    def _lora(self) -> bool:
+        """``[lora]``: the module is a PEFT model whose adapter alone trains, is sent and is
+        saved."""
+        return self._ctx.config.lora.enabled
 
     # ------------------------------------------------------------------ engine hooks
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -228,7 +232,7 @@ class DistributedTrainer:
         num_parameters = sum(p.numel() for p in model.parameters())  # a tied weight once
         self._vocab_size = model.get_input_embeddings().num_embeddings
         if lora.enabled:
-            model, self._adapter = add_adapter(model, lora, ctx.config.model.path)
+            model = add_adapter(model, lora, ctx.config.model.path)
         self._module = self._wrap(model)
         if ctx.config.loss.kl_coef > 0 and not lora.enabled:  # else no second model
             self._reference = self._load_reference()
@@ -400,7 +404,7 @@ class DistributedTrainer:
         """Logprobs of ``batch``'s response tokens under the frozen reference policy
         (``loss.kl_coef > 0``), like :meth:`compute_logprobs`."""
         self._started()
-        if self._adapter is not None and self._ctx.config.loss.kl_coef > 0:
+        if self._lora and self._ctx.config.loss.kl_coef > 0:
             peft_model = self._hf_model()
 
             def base_forward(mb: MicroBatch) -> torch.Tensor:
@@ -768,7 +772,7 @@ class DistributedTrainer:
         """``(name, parameter)`` of what a refit or an export sends, in order: every
         parameter in HF naming, or with ``[lora]`` the adapter's alone, under PEFT's saved
         names (:func:`~asyncrl_torch.adapters.saved_name`)."""
-        if self._adapter is None:
+        if not self._lora:
             return list(self._hf_model().named_parameters())
         return [(saved_name(n), p) for n, p in self._trained_parameters()]
 
