@@ -94,6 +94,7 @@ def check_config(
 def _lora_line(config: Any) -> str:
     """``[lora]``: the trainable parameters and the trainer memory they imply."""
     from asyncrl.config.adapters import MemoryEstimate
+    from asyncrl.procs.space import model_size
 
     lora, model = config.lora, config.model
     try:
@@ -101,7 +102,8 @@ def _lora_line(config: Any) -> str:
     except ConfigError:  # no model_type to read: model.path is not the real model yet
         return f"lora: rank {lora.rank} (no model family in {model.path}/config.json)"
     head = f"lora: rank {lora.rank} on {', '.join(targets)}"
-    estimate = MemoryEstimate.of(lora, model.path, model.dtype)
+    size = model_size(model.path)
+    estimate = MemoryEstimate.of(lora, model.path, model.dtype, size.elements if size else 0)
     if estimate is None:
         return f"{head} (sizes not readable from {model.path}; the trainer logs them at start)"
     return (

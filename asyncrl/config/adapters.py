@@ -76,6 +76,16 @@ class LoraConfig(Section):
             )
         return DEFAULT_TARGETS[family]
 
+    def trainable_parameters(self, model_dir: str) -> int | None:
+        """The adapter's parameters on the model at ``model_dir``: ``rank * (in + out)`` over
+        every adapted layer, from ``config.json``; ``None`` when that cannot be read or a
+        target is not one of the usual projections.
+
+        Raises:
+            ConfigError: as :meth:`targets`.
+        """
+        return _adapter_parameters(Path(model_dir), self.targets(model_dir), self.rank)
+
     def peft_config(self, model_dir: str) -> dict[str, object]:
         """The ``adapter_config.json`` of this adapter on the model at ``model_dir`` (PEFT's
         LoRA fields; PEFT and vLLM default the others)."""
@@ -172,12 +182,20 @@ class MemoryEstimate(NamedTuple):
     """The same model fully fine-tuned: float32 weights, gradients and moments."""
 
     @classmethod
-    def of(cls, lora: LoraConfig, model_dir: str, dtype: str) -> MemoryEstimate | None:
-        """The estimate, or ``None`` when the model's shapes or sizes cannot be read from
-        its files (a target other than the usual projections, weights not in safetensors)."""
-        trainable = _adapter_parameters(Path(model_dir), lora.targets(model_dir), lora.rank)
-        total = _model_parameters(Path(model_dir))
-        if trainable is None or total is None:
+    def of(
+        cls, lora: LoraConfig, model_dir: str, dtype: str, model_parameters: int
+    ) -> MemoryEstimate | None:
+        """The estimate for a model of ``model_parameters`` (its weight files' count:
+        :func:`asyncrl.procs.space.model_size`), or ``None`` when the adapter's size cannot be
+        read from ``config.json`` (a target other than the usual projections) or the model's
+        is unknown (0).
+
+        Raises:
+            ConfigError: as :meth:`LoraConfig.targets`.
+        """
+        trainable = lora.trainable_parameters(model_dir)
+        total = model_parameters
+        if trainable is None or not total:
             return None
         itemsize = 2 if dtype == "bfloat16" else 4
         return cls(total, trainable, total * itemsize, trainable * 16, total * 16)
@@ -202,28 +220,6 @@ def _adapter_parameters(model_dir: Path, targets: tuple[str, ...], rank: int) ->
     if any(t not in sides for t in targets):
         return None
     return layers * rank * sum(sides[t] for t in targets)
-
-
-def _model_parameters(model_dir: Path) -> int | None:
-    """Parameters in the model's safetensors files (their headers only)."""
-    from asyncrl.safetensors import read_safetensors_header
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    try:
-        for path in files:
-            header, _ = read_safetensors_header(path)
-            for name, info in header.items():
-                if name != "__metadata__":
-                    count = 1
-                    for size in info["shape"]:
-                        count *= size
-                    total += count
-    except (OSError, ValueError, KeyError):
-        return None
-    return total
 
 
 def model_type(model_dir: Path) -> str:

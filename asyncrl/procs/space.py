@@ -47,6 +47,7 @@ __all__ = [
     "no_space",
     "no_space_in",
     "shm_base",
+    "trained_size",
     "shm_dir",
     "shm_fix",
     "shm_need",
@@ -359,20 +360,19 @@ def _check_shm(
     )
 
 
-def _adapter_size(cfg: Any) -> ModelSize | None:
-    """``[lora]``: the adapter, which is all a refit moves and a checkpoint or an export holds
-    (the base stays ``model.path``'s); ``None`` when its size cannot be read (the whole model
-    is counted then)."""
-    from asyncrl.config.adapters import MemoryEstimate
-
+def trained_size(cfg: Any) -> ModelSize | None:
+    """What a refit moves and a checkpoint or an export holds: the model's weights
+    (:func:`model_size`), or with ``[lora]`` the adapter's alone (the base stays
+    ``model.path``'s), unless its size cannot be read from ``config.json`` (the whole model is
+    counted then)."""
+    size = model_size(cfg.model.path)
+    if not cfg.lora.enabled or size is None:
+        return size
     try:
-        estimate = MemoryEstimate.of(cfg.lora, cfg.model.path, cfg.model.dtype)
+        n = cfg.lora.trainable_parameters(cfg.model.path)
     except ConfigError:  # no target modules known for this model
-        return None
-    if estimate is None:
-        return None
-    n = estimate.trainable_parameters
-    return ModelSize(elements=n, largest=n, stored_bytes=0)
+        return size
+    return size if n is None else ModelSize(elements=n, largest=n, stored_bytes=0)
 
 
 # --------------------------------------------------------------------------- disks
@@ -427,8 +427,6 @@ def check_space(
     (``BackendPlugin.shm_bytes``), by its field (``generator.backend``); ``staging_buffers``:
     the buffers the ``shm`` transfer stages in turn. Blocking (reads the
     model's headers): call it off the event loop."""
-    size = model_size(cfg.model.path)
-    if cfg.lora.enabled and size is not None:  # what moves and what is saved: the adapter
-        size = _adapter_size(cfg) or size
+    size = trained_size(cfg)
     _check_shm(cfg, size, engines or {}, staging_buffers)
     _check_disks(cfg, size)

@@ -124,12 +124,33 @@ def test_the_estimate_counts_the_adapters_parameters(qwen_dir: Path) -> None:
 
     save_file({"a": np.zeros((10, 3), np.float32), "b": np.zeros(5, np.float32)},
               str(qwen_dir / "model.safetensors"))  # fmt: skip
-    estimate = MemoryEstimate.of(LoraConfig(rank=8), str(qwen_dir), "bfloat16")
+    from asyncrl.procs.space import model_size
+
+    elements = model_size(str(qwen_dir)).elements
+    estimate = MemoryEstimate.of(LoraConfig(rank=8), str(qwen_dir), "bfloat16", elements)
     assert estimate is not None
     assert estimate.trainable_parameters == 3 * 8 * 1120 == 26_880
     assert estimate.model_parameters == 35
     assert (estimate.base_bytes, estimate.adapter_bytes, estimate.full_bytes) == (70, 26_880 * 16, 560)
-    assert MemoryEstimate.of(LoraConfig(rank=8, target_modules=["x"]), str(qwen_dir), "bfloat16") is None
+    assert MemoryEstimate.of(LoraConfig(rank=8, target_modules=["x"]), str(qwen_dir), "bfloat16",
+                             elements) is None  # fmt: skip
+
+
+def test_the_space_checks_count_the_adapter_not_the_model(qwen_dir: Path) -> None:
+    """A LoRA checkpoint, export and refit hold the adapter alone (the hand count above); with
+    full weights, or targets whose size ``config.json`` cannot give, the whole model."""
+    from safetensors.numpy import save_file
+
+    from asyncrl.procs.space import checkpoint_need, trained_size
+
+    save_file({"a": np.zeros((100, 1000), np.float32)}, str(qwen_dir / "model.safetensors"))
+    full = trained_size(from_dict(config(qwen_dir)))
+    lora = trained_size(from_dict(config(qwen_dir, rank=8)))
+    unknown = trained_size(from_dict(config(qwen_dir, rank=8, target_modules=["x_proj"])))
+    assert full is not None and lora is not None and unknown is not None
+    assert (full.elements, lora.elements, unknown.elements) == (100_000, 26_880, 100_000)
+    cfg = from_dict(config(qwen_dir, rank=8))
+    assert checkpoint_need(cfg, lora) == 26_880 * (4 + 2)  # float32 state + the bf16 export
 
 
 def test_check_config_prints_the_trainable_count(qwen_dir: Path, tmp_path: Path, capsys) -> None:
