@@ -43,7 +43,7 @@ import numpy as np
 from asyncrl.plugin.backend import AdapterError, AdapterLeases, RefitError, TensorEntry
 from asyncrl.plugin.common import Config, config_error
 
-from .manifest import expected_problems
+from .manifest import bucket_entries, expected_problems
 from .options import VLLMOptions
 
 __all__ = [
@@ -254,8 +254,7 @@ class EngineAdapters:
         if install is None or install.version != bucket.version:
             raise RefitError(f"bucket {bucket.index} of v{bucket.version} arrived without "
                              f"begin_weight_update({bucket.version})")  # fmt: skip
-        entries = [[e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)]
-                   for e in bucket.entries]  # fmt: skip
+        entries = bucket_entries(bucket)
         if install.first_load is None:
             install.first_load = time.perf_counter()
         version = install.version
@@ -319,7 +318,7 @@ class EngineAdapters:
         install, self._install = self._install, None
         await self._rpc("asyncrl_drop_staged_adapter")
         if install is not None and install.added:
-            await self._rpc("asyncrl_remove_adapters", [version + 1])
+            await self._remove([version])
         self._log.warning("adapter_update_aborted", version=version,
                           serving=self.leases.newest)  # fmt: skip
 

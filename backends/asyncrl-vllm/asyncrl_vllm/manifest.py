@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncrl.plugin.backend import read_safetensors_header
 
-__all__ = ["checkpoint_shapes", "expected_problems", "manifest_problems"]
+__all__ = ["bucket_entries", "checkpoint_shapes", "expected_problems", "manifest_problems"]
 
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 """Checkpoint tensors vLLM drops on load (nothing to refit)."""
@@ -39,6 +39,12 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, list[int]]:
             if name != "__metadata__":
                 shapes[name] = [int(d) for d in info["shape"]]
     return shapes
+
+
+def bucket_entries(bucket: Any) -> list[list[Any]]:
+    """A bucket's entries as the worker extension takes them: ``[name, dtype, shape, offset,
+    nbytes]`` each, plain lists (msgpack)."""
+    return [[e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)] for e in bucket.entries]
 
 
 def manifest_problems(

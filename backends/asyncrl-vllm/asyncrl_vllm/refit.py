@@ -26,7 +26,7 @@ from typing import Any
 
 from asyncrl.plugin.backend import RefitError, TensorEntry, WeightBucketView
 
-from .manifest import checkpoint_shapes, manifest_problems
+from .manifest import bucket_entries, checkpoint_shapes, manifest_problems
 
 __all__ = ["EngineWeights"]
 
@@ -176,9 +176,7 @@ class EngineWeights:
                 f"bucket {bucket.index} of v{bucket.version} arrived without "
                 f"begin_weight_update({bucket.version})"
             )
-        entries = [
-            [e.name, e.dtype, list(e.shape), int(e.offset), int(e.nbytes)] for e in bucket.entries
-        ]
+        entries = bucket_entries(bucket)
         opening = self.options.weight_load_mode if bucket.index == 0 else None
         if update.first_load is None:
             update.first_load = time.perf_counter()
