@@ -303,7 +303,9 @@ class Reprefill(Protocol):
         :meth:`~GenerationBackend.finish_weight_update`): drop the KV cache of every request
         in flight, so that once generation resumes the new weights recompute it from the
         request's tokens (prompt and those generated so far) before its next token. Nothing
-        generated is lost; the tokens keep the versions that generated them."""
+        generated is lost; the tokens keep the versions that generated them. (A backend that
+        serves ``[lora]`` adapter versions side by side moves each request to the new version
+        once it is installed, to the same effect.)"""
 
 
 @runtime_checkable

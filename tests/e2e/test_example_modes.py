@@ -8,6 +8,7 @@ depend on the engine."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -33,7 +34,13 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "modes"
 EXPECTED = {
     "sync.toml": (0, True),
     "oversampled.toml": (1, False),
+    "oversampled.toml+lora": (1, False),
 }
+LORA = {"lora.rank": 16, "trainer.options.lr": 1e-3, "run.num_steps": 5,
+        "pipeline.sampler.in_flight_at_refit": "reprefill"}  # fmt: skip
+"""The ``+lora`` case: adapters, and the requests in flight at each refit move to the new
+adapter version (docs/lora.md) while the staleness policy aborts the too stale ones. Five
+steps: in three, no request was in flight at a refit (2 cores)."""
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +57,15 @@ async def test_example_mode_runs_with_real_engines(
 ) -> None:
     bound, waste_free = EXPECTED[name]
     monkeypatch.setattr(verify, "VERIFY_FIRST_STEPS", 1)  # the first refit's check is enough
+    toml, _, variant = name.partition("+")
     config = load_config(
-        EXAMPLES / name,
+        EXAMPLES / toml,
         {
             "model.path": str(model_dir),
             "run.output_dir": str(tmp_path / "out"),
             "run.num_steps": 3,
             "eval.num_prompts": 0,
+            **(LORA if variant == "lora" else {}),
         },
     )
     report = describe(config)
@@ -67,7 +76,7 @@ async def test_example_mode_runs_with_real_engines(
         summary = await ctl.train()
     assert_nothing_left(ctl, pids)
     steps = [r for r in read_metrics(config) if r["kind"] == "train"]
-    assert len(steps) == len(summary.steps) == 3
+    assert len(steps) == len(summary.steps) == config.run.num_steps
     P = config.grpo.prompts_per_step
     for r in steps:
         hist = {int(k): v for k, v in r["staleness_hist"].items()}
@@ -80,3 +89,10 @@ async def test_example_mode_runs_with_real_engines(
     if name == "async_in_order.toml":
         assert steps[1]["staleness_max"] == 1  # batch 2 was generated while step 1 trained
     assert steps[0]["refit_verify_mean_abs"] <= steps[0]["refit_verify_bound"]
+    if variant == "lora":  # each refit installed an adapter and moved the requests in flight
+        log = (Path(config.run.output_dir) / "logs" / "rollout-0.log").read_text().splitlines()
+        assert sum('"adapter_installed"' in line for line in log) == config.run.num_steps
+        moved = sum(json.loads(x)["moved"] for x in log if '"requests_moved"' in x)
+        inflight = sum(r["inflight_at_refit"] for r in steps)
+        print(f"{name}: {inflight} samples in flight at the refits, {moved} moved")
+        assert moved <= inflight and (moved > 0 or inflight < 16)  # some end before the move

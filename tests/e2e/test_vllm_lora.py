@@ -113,9 +113,10 @@ async def backend(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 async def install(backend, tmp_path: Path, version: int, tensors: dict[str, torch.Tensor],
-                  buckets: int = 1) -> None:  # fmt: skip
+                  buckets: int = 1, reprefill: bool = False) -> None:  # fmt: skip
     backend.installed[version] = tensors
-    await refit(backend, write_buckets(tmp_path, version, tensors, buckets), version)
+    views = write_buckets(tmp_path, version, tensors, buckets)
+    await refit(backend, views, version, reprefill=reprefill)
     backend.most_resident = max(getattr(backend, "most_resident", 0),
                                 len(backend._adapters.leases.resident))  # fmt: skip
 
@@ -245,3 +246,50 @@ async def test_a_refit_that_cannot_be_served_leaves_the_versions_serving(
     got = await generate_all(backend, GenRequest(group_id="after", prompt_ids=[1, 4], n=1,
                                                  max_tokens=4))  # fmt: skip
     assert set(got[0].versions.tolist()) == {backend.version}
+
+
+@module_loop
+async def test_requests_in_flight_move_to_the_new_adapter_at_a_reprefill_refit(
+    backend, model_dir, tmp_path
+) -> None:
+    """``in_flight_at_refit = "reprefill"``: once the refit's adapter is installed, every
+    request in flight ends and its sample goes on from its tokens on the new version (the new
+    adapter prefills them again). Every token is tagged with the version that generated it, and
+    its logprob is that version's reference's given the tokens before it; the sample keeps its
+    token budget; the old version is let go when its last request moved."""
+    old = backend.version
+    tensors = adapter(model_dir, seed=77)
+    request = GenRequest(group_id="move", prompt_ids=[1, 9, 3], n=8, max_tokens=120,
+                         temperature=1.0, seed=5)  # fmt: skip
+    views = write_buckets(tmp_path, old + 1, tensors, 1)  # built before the requests go
+    backend.installed[old + 1] = tensors
+    backend._moves = True  # as a run with in_flight_at_refit = "reprefill" starts it
+    try:
+        inflight = asyncio.create_task(generate_all(backend, request))
+        await asyncio.sleep(0.1)
+        await refit(backend, views, old + 1, reprefill=True)
+        moved = backend.last_refit["moved"]
+        samples = await asyncio.wait_for(inflight, 60)
+    finally:
+        backend._moves = False
+    references = {v: merged(model_dir, backend.installed[v]) for v in (old, old + 1)}
+    worst = 0.0
+    spans = []
+    for sample in samples:
+        versions = sample.versions.tolist()
+        assert len(versions) == len(sample.token_ids) <= request.max_tokens
+        assert versions == sorted(versions) and set(versions) <= {old, old + 1}, versions
+        assert sample.finish_reason in ("stop", "length")
+        tokens = request.prompt_ids + sample.token_ids.tolist()
+        want = {v: ref_logprobs(m, tokens, len(request.prompt_ids)) for v, m in references.items()}
+        tagged = np.where(sample.versions == old, want[old], want[old + 1])
+        worst = max(worst, float(np.abs(tagged - sample.logprobs).max()))
+        spans.append(np.bincount(sample.versions - old, minlength=2).tolist())
+    print(f"moved {moved} of {len(samples)}: tokens per version {spans}; max |engine - "
+          f"reference| {worst:.4f}")  # fmt: skip
+    assert worst < TOL
+    # in flight at the move: every sample with tokens of the new version (all went before it)
+    assert sum(s[1] > 0 for s in spans) <= moved <= len(samples)
+    assert any(s[0] and s[1] for s in spans), "no sample kept its tokens across the move"
+    assert backend._adapters.leases.resident == (old + 1,)
+    assert (await backend._rpc("asyncrl_adapters"))[0] == [old + 2]

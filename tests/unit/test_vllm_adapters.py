@@ -205,3 +205,105 @@ def test_a_refused_or_partial_adapter_leaves_the_versions_serving(model_dir: Pat
         assert adapters.lease("b")[0] == 1
 
     anyio.run(main)
+
+
+class FrontEnd:
+    """vLLM's front end over the recording worker: ``collective_rpc`` answers as the worker
+    does, except the adapter's last call while ``wedged`` (the workers register the adapter,
+    and the answer never comes); ``abort`` records the request ids."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker, self.wedged, self.aborted = worker, False, []
+
+    async def collective_rpc(self, method: str, timeout: float, args: tuple = ()) -> list:
+        answers = await self.worker.rpc(method, *args)
+        if self.wedged and method == "asyncrl_stage_adapter" and len(args) > 4:
+            await anyio.sleep_forever()
+        return answers
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+
+
+def lora_backend(model_dir: Path, worker: Worker, rpc_timeout_s: float) -> Any:
+    """The vLLM backend's refit path with ``[lora]``, around the recording worker (the
+    backend's own ``_rpc``: bounded by ``rpc_timeout_s``)."""
+    from types import SimpleNamespace
+
+    from asyncrl_vllm.backend import VLLMBackend
+    from asyncrl_vllm.death import EngineDeath
+
+    b = VLLMBackend.__new__(VLLMBackend)
+    cfg = config(model_dir)
+    b.ctx, b.options = SimpleNamespace(config=cfg), parse_options({"rpc_timeout_s": rpc_timeout_s})
+    b._llm, b._death, b._reaper, b._shapes = FrontEnd(worker), EngineDeath(), None, SHAPES
+    b._requests, b._aborted, b._moving, b._log = {}, set(), set(), Log()
+    b._adapters = EngineAdapters(cfg, b.options, b._rpc, Log())
+    return b
+
+
+async def refit(b: Any, version: int, *, reprefill: bool = False) -> None:
+    entries = manifest()
+    await b.begin_weight_update(version, entries)
+    await b.load_weight_bucket(Bucket(version, 0, entries, True))
+    if reprefill:
+        await b.reprefill_in_flight()
+    await b.finish_weight_update(version, reset_prefix_cache=True)
+
+
+def test_an_adapter_refit_that_times_out_names_the_setting_and_serves_the_old_version(
+    model_dir: Path,
+) -> None:
+    """The last call never answers (the workers did register the adapter): the refit fails
+    after ``rpc_timeout_s`` naming that setting, the abort removes what the workers may have
+    added, requests go on leasing the old version, and the same version can be installed
+    again (a retried refit)."""
+
+    async def main() -> None:
+        worker = Worker()
+        b = lora_backend(model_dir, worker, rpc_timeout_s=0.2)
+        await refit(b, 1)
+        b._llm.wedged = True
+        await b.begin_weight_update(2, manifest())
+        with anyio.fail_after(5), pytest.raises(
+            RefitError, match=r"v2: vLLM did not answer collective_rpc\(asyncrl_stage_adapter\) "
+            r"within 0.2 s \(generator.options.rpc_timeout_s\)"
+        ):  # fmt: skip
+            await b.load_weight_bucket(Bucket(2, 0, manifest(), True))
+        assert worker.registered == {2, 3}  # added, though the answer never came
+        b._llm.wedged = False
+        await b.abort_weight_update(2, loaded_any=True)
+        assert worker.registered == {2} and b._adapters.leases.resident == (1,)
+        assert b._adapters.lease("r")[0] == 1 and b.version == 1
+        await b._adapters.release("r")
+        await refit(b, 2)
+        assert worker.registered == {2, 3} and b.version == 2  # v1 goes at the next refit
+
+    anyio.run(main)
+
+
+def test_a_reprefill_refit_moves_only_the_requests_on_older_versions(model_dir: Path) -> None:
+    """With ``[lora]``, ``reprefill_in_flight`` moves the requests in flight once the new
+    version is installed: the engine aborts those on older versions (a sample aborted by the
+    staleness policy stays aborted), and the refit reports how many moved. Outside a refit it
+    is refused."""
+
+    async def main() -> None:
+        worker = Worker()
+        b = lora_backend(model_dir, worker, rpc_timeout_s=5)
+        with pytest.raises(RefitError, match="outside a refit"):
+            await b.reprefill_in_flight()
+        await refit(b, 1)
+        for sid in ("g/0", "g/1", "h/0"):  # as _generate_sample leases and tracks them
+            b._adapters.lease(sid)
+            b._requests.setdefault(sid.split("/")[0], {})[sid] = sid
+        b._aborted.add("h/0")
+        await refit(b, 2)  # continue: nothing moves
+        assert b._llm.aborted == [] and "moved" not in b.last_refit
+        b._adapters.lease("g/2")  # started on v2
+        b._requests["g"]["g/2"] = "g/2"
+        await refit(b, 3, reprefill=True)
+        assert sorted(b._llm.aborted) == ["g/0", "g/1", "g/2"]
+        assert b._moving == {"g/0", "g/1", "g/2"} and b.last_refit["moved"] == 3
+
+    anyio.run(main)

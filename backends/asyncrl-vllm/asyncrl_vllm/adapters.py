@@ -25,7 +25,9 @@ still be leased until the install), or when its last request ends.
 Nothing is written to disk: the adapter's path is a name vLLM never reads (it only opens the
 path of an adapter it does not have registered, which the lease table rules out). Requests
 start on the newest version and keep it until they end (:class:`AdapterLeases`); every token of
-a sample is tagged with its request's version. The engine is never paused and its prefix cache
+a sample is tagged with its request's version. With ``in_flight_at_refit = "reprefill"`` a
+refit ends the requests in flight once its version is installed, and each sample goes on from
+its tokens so far as a new request on the new version (the backend's ``_move_in_flight``). The engine is never paused and its prefix cache
 is kept: vLLM keys cached blocks by adapter, so no version reads another's blocks.
 
 Version 0 is the base with the initial adapter: none (a fresh adapter's ``lora_B`` is zero, so
@@ -79,11 +81,8 @@ def check_adapter_config(config: Config, options: VLLMOptions) -> None:
     """What a ``[lora]`` run needs of this backend, before any engine starts.
 
     Raises:
-        ConfigError: a rank above vLLM's largest, too few slots, an FP8 KV cache, or a sampler
-            that re-prefills requests at a refit (not built for adapters).
+        ConfigError: a rank above vLLM's largest, too few slots, or an FP8 KV cache.
     """
-    from asyncrl.plugin.sampler import in_flight_at_refit
-
     lora = config.lora
     if lora.rank > MAX_LORA_RANKS[-1]:
         raise config_error("lora.rank", f"{lora.rank} is above the {MAX_LORA_RANKS[-1]} vLLM "
@@ -97,10 +96,6 @@ def check_adapter_config(config: Config, options: VLLMOptions) -> None:
         raise config_error("generator.options.kv_cache_dtype", f"is {kv!r}, but FP8 KV-cache "
                            "scales are one set per engine and [lora] serves several adapter "
                            "versions at once", "use kv_cache_dtype = \"auto\" with [lora]")  # fmt: skip
-    if in_flight_at_refit(config.sampler) == "reprefill":
-        raise config_error("pipeline.sampler.in_flight_at_refit", "is 'reprefill', which "
-                           "asyncrl does not do for adapters yet: a request keeps the adapter "
-                           "version it started on", "use 'continue' with [lora]")  # fmt: skip
 
 
 def lora_engine_args(config: Config, options: VLLMOptions) -> dict[str, Any]:
@@ -142,6 +137,9 @@ class _Install:
     failed: bool = False
     added: bool = False
     """The last bucket's call registered the adapter in the workers."""
+    adding: bool = False
+    """The last bucket's call was made: the workers may have registered the adapter even if
+    its answer never came (a timeout)."""
     removed: list[int] = field(default_factory=list)
     """Versions that call removed first."""
     first_load: float | None = None
@@ -151,6 +149,9 @@ class _Install:
     """Seconds the workers spent in the bucket calls (summed over buckets)."""
     worker_add_s: float = 0.0
     """Of which building and registering the adapter."""
+    move: bool = False
+    """The requests in flight go on under this version once it is installed (the sampler's
+    ``in_flight_at_refit = "reprefill"``)."""
 
 
 class EngineAdapters:
@@ -269,6 +270,7 @@ class EngineAdapters:
             idle = [v for v in self.leases.resident if v != newest and not self.leases.holders(v)]
             install.removed = sorted(set(self._unload_later) | set(idle))
             extra = [[version + 1, self._peft], [v + 1 for v in install.removed]]
+            install.adding = True
         try:
             answers = await self._rpc("asyncrl_stage_adapter", bucket.transport, bucket.handle,
                                       entries, bucket.index == 0, *extra)  # fmt: skip
@@ -286,9 +288,22 @@ class EngineAdapters:
             install.worker_add_s = max(float(a["added"]["seconds"]) for a in answers)
         install.loads_s = time.perf_counter() - install.first_load
 
-    async def finish(self, version: int) -> None:
+    def move_in_flight(self) -> None:
+        """The requests in flight are to go on under the version being installed, once it is
+        (:meth:`finish` says so to the backend, which moves them).
+
+        Raises:
+            RefitError: no refit in progress.
+        """
+        if self._install is None:
+            raise RefitError("reprefill_in_flight() outside a refit (no adapter is being "
+                             "installed)")  # fmt: skip
+        self._install.move = True
+
+    async def finish(self, version: int) -> bool:
         """Install ``version`` in the lease table (new requests start on it); the versions it
         lets go are removed by the next refit's last call, or as their last request ends.
+        Returns whether the requests in flight are to move to it (:meth:`move_in_flight`).
 
         Raises:
             RefitError: no matching begin, or the adapter was not added (a bucket missing).
@@ -311,13 +326,14 @@ class EngineAdapters:
             "removed": install.removed, "unload_later": self._unload_later,
         }  # fmt: skip
         self._log.info("adapter_installed", **self.last_refit)
+        return install.move
 
     async def abort(self, version: int) -> None:
-        """Drop what was staged (and the adapter, if the last call added it); the installed
-        versions serve on, untouched."""
+        """Drop what was staged (and the adapter, if the last call was made: it may have added
+        it though it failed or timed out); the installed versions serve on, untouched."""
         install, self._install = self._install, None
         await self._rpc("asyncrl_drop_staged_adapter")
-        if install is not None and install.added:
+        if install is not None and install.adding:
             await self._remove([version])
         self._log.warning("adapter_update_aborted", version=version,
                           serving=self.leases.newest)  # fmt: skip

@@ -210,12 +210,17 @@ class EngineWeights:
         refit (vLLM preempts them; on resume each is prefilled again, prompt and tokens so
         far, by the new weights). Bounded by ``rpc_timeout_s``.
 
+        With ``[lora]`` the requests in flight move to the new adapter version instead, once
+        it is installed (:meth:`finish_weight_update`): each sample goes on from its tokens so
+        far as a new request on the new version, which prefills them again; the tokens keep
+        the versions that generated them.
+
         Raises:
             RefitError: not during a refit, or vLLM refused the reset.
         """
         if self._adapters is not None:
-            raise RefitError("reprefill_in_flight() with [lora]: a request keeps the adapter "
-                             "version it started on (use in_flight_at_refit = 'continue')")
+            self._adapters.move_in_flight()
+            return
         update = self._update
         if update is None:
             raise RefitError("reprefill_in_flight() outside a refit (the engine is not paused)")
@@ -251,9 +256,11 @@ class EngineWeights:
         """
         llm = self._require()
         if self._adapters is not None:
-            await self._adapters.finish(version)
+            move = await self._adapters.finish(version)
             self.version = version
             self.last_refit = self._adapters.last_refit
+            if move:
+                self.last_refit["moved"] = await self._move_in_flight(version)
             return
         update = self._update
         if update is None or update.version != version:

@@ -12,7 +12,9 @@ costs"). :class:`HeldLogprobsScheduler` keeps those rows in the engine core
 request's last output, so the front end's final output is the same as before.
 
 Which requests: those with ``output_kind == FINAL_ONLY`` and 0 to :data:`MAX_HELD_LOGPROBS`
-logprobs. Every other request with logprobs (streamed output, or many logprobs per token)
+logprobs, unless their ``extra_args`` ask for them every step
+(:data:`~asyncrl_vllm.engine_io.STREAM_LOGPROBS`: a request that may be ended to go on under
+another adapter keeps its tokens). Every other request with logprobs (streamed output, or many logprobs per token)
 gets them per step, sliced here exactly as vLLM slices them. A held request that is
 aborted (or fails) ends without logprobs: vLLM's front end answers an abort itself, from
 what it has; :func:`asyncrl_vllm.engine_io.sample_of` cuts such a sample to the tokens that have
@@ -35,6 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 
+from .engine_io import STREAM_LOGPROBS
 from .logprob_rows import HeldRows, Rows, StepColumns
 
 __all__ = ["MAX_HELD_LOGPROBS", "HeldLogprobsScheduler", "unfit"]
@@ -108,6 +111,7 @@ class _HoldsLogprobs:
         if (
             params.output_kind == RequestOutputKind.FINAL_ONLY
             and 0 <= params.num_logprobs <= MAX_HELD_LOGPROBS
+            and not (params.extra_args or {}).get(STREAM_LOGPROBS)
         ):
             self._held.hold(request.request_id, params.num_logprobs)
         else:
