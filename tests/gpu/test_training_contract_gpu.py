@@ -43,6 +43,18 @@ class TestFSDP2OneGPULoRA(TrainingBackendContract):
     lora = {"rank": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
+class TestDeepSpeedZero2OneGPULoRA(TrainingBackendContract):
+    backend = "deepspeed"
+    options = {"zero_stage": 2, **TestFSDP2OneGPULoRA.options}
+    lora = TestFSDP2OneGPULoRA.lora
+
+
+class TestDeepSpeedZero3OneGPULoRA(TrainingBackendContract):
+    backend = "deepspeed"
+    options = {"zero_stage": 3, **TestFSDP2OneGPULoRA.options}
+    lora = TestFSDP2OneGPULoRA.lora
+
+
 @two_gpus
 class TestFSDP2TwoGPUs(TrainingBackendContract):
     backend = "fsdp2"
