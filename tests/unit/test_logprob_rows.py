@@ -149,23 +149,27 @@ class FakeVLLMScheduler:
 
 def script(seed: int):
     """40 steps of requests of every shape (held: final-only with 0-2 top logprobs; streamed:
-    DELTA, or more than 20 top logprobs; none), each scheduled now and then for 0-2 tokens,
+    DELTA, more than 20 top logprobs, or asked for; none), each scheduled now and then for 0-2 tokens,
     ending or aborted at random; a step's logprobs as wide as its widest request."""
     from vllm.sampling_params import RequestOutputKind as Kind
     from vllm.v1.outputs import LogprobsLists
 
     rng = np.random.default_rng(seed)
-    shapes = [(Kind.FINAL_ONLY, 0), (Kind.FINAL_ONLY, 2), (Kind.DELTA, 0), (Kind.DELTA, 1),
-              (Kind.FINAL_ONLY, None), (Kind.FINAL_ONLY, 30)]  # fmt: skip
+    from asyncrl_vllm.engine_io import STREAM_LOGPROBS
+
+    stream = {STREAM_LOGPROBS: True}  # a final-only request that asks for its rows every step
+    shapes = [(Kind.FINAL_ONLY, 0, None), (Kind.FINAL_ONLY, 2, None), (Kind.DELTA, 0, None),
+              (Kind.DELTA, 1, None), (Kind.FINAL_ONLY, None, None), (Kind.FINAL_ONLY, 30, None),
+              (Kind.FINAL_ONLY, 0, stream)]  # fmt: skip
     live: dict[str, int | None] = {}
     for step in range(40):
         added = []
         for _ in range(rng.integers(0, 3)):
-            kind, k = shapes[int(rng.integers(len(shapes)))]
+            kind, k, extra = shapes[int(rng.integers(len(shapes)))]
             rid = f"r{step}-{len(added)}"
             live[rid] = k
             added.append(SimpleNamespace(request_id=rid, sampling_params=SimpleNamespace(
-                num_logprobs=k, output_kind=kind)))  # fmt: skip
+                num_logprobs=k, output_kind=kind, extra_args=extra)))  # fmt: skip
         plan = {rid: (int(rng.integers(0, 3)), bool(rng.random() < 0.15))
                 for rid in live if rng.random() < 0.8}  # fmt: skip
         abort = [rid for rid in live if rid not in plan and rng.random() < 0.05]
@@ -220,6 +224,13 @@ def delivered(scheduler, seed: int) -> tuple[dict, dict]:
     return flat, when
 
 
+def held_shape(params, most: int) -> bool:
+    """Whether the scheduler should hold this request's rows to its end (written out here, not
+    taken from the scheduler)."""
+    asked = bool((params.extra_args or {}).get("asyncrl_stream_logprobs"))
+    return params.output_kind.name == "FINAL_ONLY" and params.num_logprobs <= most and not asked
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_scheduler_delivers_what_vllm_would_only_later(seed: int) -> None:
     """The real mix-in over a test double of vLLM's scheduler, against the double alone on
@@ -238,7 +249,7 @@ def test_the_scheduler_delivers_what_vllm_would_only_later(seed: int) -> None:
     requests = {r.request_id: r for added, *_ in script(seed) for r in added}
     for rid, ref in vllm_rows.items():
         params = requests[rid].sampling_params
-        is_held = params.output_kind.name == "FINAL_ONLY" and params.num_logprobs <= MAX_HELD_LOGPROBS
+        is_held = held_shape(params, MAX_HELD_LOGPROBS)
         if rid not in rows:  # a held request aborted before its end
             assert is_held, rid
             continue
@@ -252,6 +263,5 @@ def test_the_scheduler_delivers_what_vllm_would_only_later(seed: int) -> None:
     # what is still held or streamed is exactly the requests still running
     running = [requests[rid].sampling_params for rid in held.requests]
     kept = [p for p in running if p.num_logprobs is not None]
-    assert len(held._held) == sum(p.output_kind.name == "FINAL_ONLY"
-                                  and p.num_logprobs <= MAX_HELD_LOGPROBS for p in kept)
+    assert len(held._held) == sum(held_shape(p, MAX_HELD_LOGPROBS) for p in kept)
     assert len(held._held) + len(held._streamed) == len(kept)
