@@ -51,7 +51,8 @@ class LoraConfig(Section):
     """A PEFT adapter directory (``adapter_config.json`` and its weights) to start from, e.g.
     an SFT adapter; its rank, alpha and target modules must be this section's. Empty: a fresh
     adapter (``lora_B`` zero, so the first policy is the base). Relative paths are resolved
-    against the config file's directory."""
+    against the config file's directory; a Hugging Face Hub id is found in the local cache, as
+    ``model.path``'s is."""
 
     @property
     def enabled(self) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.explain import explain
+from asyncrl.config.hub import hub_id, resolve_hub
 from asyncrl.config.removed import refuse_removed
 from asyncrl.config.root import CORE_SECTIONS, Config, validate
 from asyncrl.config.service_sections import GROUP, SectionSpec, load_section
@@ -36,6 +37,16 @@ __all__ = ["from_dict", "load_config", "load_unvalidated", "parse_overrides", "t
 def _resolve(base: Path, value: str) -> str:
     path = Path(os.path.expanduser(value))
     return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def _resolve_source(field: str, base: Path, value: str, revision: str = "") -> str:
+    """A model or adapter: the directory ``value`` names relative to ``base``, else, when
+    ``value`` reads as a Hugging Face Hub id, its snapshot in the local cache
+    (:mod:`asyncrl.config.hub`)."""
+    path = _resolve(base, value)
+    if Path(path).exists() or not hub_id(value):
+        return path
+    return resolve_hub(field, value, revision)
 
 
 def from_dict(data: dict[str, Any], *, base_dir: str | os.PathLike[str] = ".") -> Config:
@@ -72,7 +83,9 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
     config = msgspec.structs.replace(
         config,
         model=msgspec.structs.replace(
-            config.model, path=_resolve(base, config.model.path), chat_template=template
+            config.model,
+            path=_resolve_source("model.path", base, config.model.path, config.model.revision),
+            chat_template=template,
         ),
         run=msgspec.structs.replace(config.run, output_dir=output_dir),
         environment=msgspec.structs.replace(
@@ -88,7 +101,8 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
     )
     if config.lora.init_path:
         config = msgspec.structs.replace(config, lora=msgspec.structs.replace(
-            config.lora, init_path=_resolve(base, config.lora.init_path)))
+            config.lora, init_path=_resolve_source("lora.init_path", base,
+                                                   config.lora.init_path)))  # fmt: skip
     if config.cluster.keys_file:
         keys_file = _resolve(base, config.cluster.keys_file)
         config = msgspec.structs.replace(

@@ -59,9 +59,15 @@ class RunConfig(Section):
 
 class ModelConfig(Section):
     path: str
-    """A Hugging Face causal-LM directory (``config.json``, weights, ``tokenizer.json``).
-    Relative paths are resolved against the directory of the config file. Always set: the model
-    to train."""
+    """A Hugging Face causal-LM directory (``config.json``, weights, ``tokenizer.json``), or
+    its Hugging Face Hub id (``"Qwen/Qwen2.5-1.5B-Instruct"``), found in the local Hugging Face
+    cache (``HF_HOME``; fetch it first with ``hf download ID``; docs/models.md). Relative paths
+    are resolved against the directory of the config file; a relative path that is no directory
+    there and reads as an id is taken for one. Always set: the model to train."""
+    revision: str = ""
+    """With a Hub id in ``path``: the branch, tag or commit to use (``""``: ``main``). Loading
+    replaces the id by its snapshot directory, which names the commit, so a resumed run uses
+    the same files. Set it to pin a model's version."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """The generators' weight and compute dtype. The trainer keeps float32 master weights and
     computes in float32 (FSDP2's ``mixed_precision = "bf16"`` option computes in bf16), so by

@@ -34,6 +34,7 @@ import structlog
 
 from asyncrl.backend import WorkerContext
 from asyncrl.config import Config
+from asyncrl.config.hub import localize
 from asyncrl.errors import ControllerLostError, ProtocolError
 from asyncrl.obs.startup import process_start_time
 from asyncrl.procs.process import has_exited, host_id
@@ -72,7 +73,7 @@ def _context(
     extra: dict[str, Any] | None,
 ) -> WorkerContext:
     """What the backend is told about where it runs, from the controller's ``Init``."""
-    config = msgspec.convert(init.config, Config)
+    config = localize(msgspec.convert(init.config, Config))  # its Hub snapshots, found here
     gpus = role.gpus(config)
     return WorkerContext(
         group=hello.group,
