@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .bucket_views import bucket_weights
+
 __all__ = ["WorkerAdapters"]
 
 
@@ -64,9 +66,7 @@ class WorkerAdapters:
         copy = memory[:span].to(device, copy=True)
         if memory.device.type == "cuda":
             torch.cuda.synchronize(memory.device)  # read before the sender refills it
-        from .ext import _bucket_weights
-
-        for name, tensor in _bucket_weights(entries, memory, copy, device, "view"):
+        for name, tensor in bucket_weights(entries, memory, copy, device, "view"):
             staged[name] = tensor
         out: dict[str, Any] = {"staged": len(staged)}
         if install is not None:

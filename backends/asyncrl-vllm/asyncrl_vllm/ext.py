@@ -38,7 +38,6 @@ AMX tile state on AMX CPUs (see :func:`_request_amx`), and applies a forced CPU 
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import signal
 import time
@@ -49,6 +48,7 @@ from typing import Any
 import torch
 
 from .adapter_ext import WorkerAdapters
+from .bucket_views import bucket_weights
 from .copy_plan import CopyPlan
 from .kv_scales import resolve_kv_scales
 from .mirror import Mirror
@@ -162,13 +162,6 @@ def _live_weight(layer: torch.nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.numel() > 0 and not weight.is_meta
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dtype
-
-
 def _reload_helpers() -> tuple[Any, Any] | None:
     try:
         from vllm.model_executor.model_loader.reload import (
@@ -182,36 +175,6 @@ def _reload_helpers() -> tuple[Any, Any] | None:
 
 def _is_attention(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("_k_scale", "_v_scale", "_k_scale_float"))
-
-
-def _bucket_weights(
-    entries: list[list[Any]],
-    memory: torch.Tensor,
-    source: torch.Tensor,
-    device: torch.device,
-    mode: str,
-) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for each of ``entries`` (``[name, dtype, shape, offset, nbytes]``):
-    a view of ``source`` (the bucket's ``memory``, its mirror, or with ``mode`` ``view`` a
-    private copy of it), or a private copy on ``device`` where the bucket is on another device
-    type or the loader keeps references (``layerwise``).
-
-    Raises:
-        ValueError: an entry's byte count does not match its dtype and shape, or its bytes
-            lie outside the bucket.
-    """
-    weights: list[tuple[str, torch.Tensor]] = []
-    for name, dtype_name, shape, offset, nbytes in entries:
-        dtype = _dtype(dtype_name)
-        if nbytes != math.prod(shape) * dtype.itemsize or offset < 0:
-            raise ValueError(f"{name}: {nbytes} bytes do not hold {dtype_name}{list(shape)}")
-        if offset + nbytes > memory.numel():
-            raise ValueError(f"{name}: bytes {offset}+{nbytes} outside the bucket")
-        tensor = source[offset : offset + nbytes].view(dtype).view(shape)
-        if mode != "view" and (source.device.type != device.type or mode == "layerwise"):
-            tensor = tensor.to(device, copy=True)
-        weights.append((name, tensor))
-    return weights
 
 
 class AsyncRLWorkerExtension(WorkerAdapters):
@@ -392,7 +355,7 @@ class AsyncRLWorkerExtension(WorkerAdapters):
             if direct is not None:
                 return self._asyncrl_loaded(start, memory, mode, len(entries), direct, True,
                                             finish, kv_scales, copied)
-        weights = _bucket_weights(entries, memory, source, device, mode)
+        weights = bucket_weights(entries, memory, source, device, mode)
         direct = self._asyncrl_load_weights(model, mode, weights, key)
         del weights
         return self._asyncrl_loaded(start, memory, mode, len(entries), direct, False, finish,
