@@ -31,7 +31,7 @@ from asyncrl.policy.verify import Agreement
 
 __all__ = [
     "Mismatch", "RefitRecord", "RolloutRecord", "StepRecord", "TrainRecord", "Verification",
-    "WorkerTimes", "log_step",
+    "WorkerTimes", "log_step", "trainer_memory",
 ]
 
 log = structlog.get_logger("asyncrl.run.loops")
@@ -428,6 +428,18 @@ def _reward_components(samples: list[CompletedSample]) -> dict[str, float]:
         values = [s.components[name] for s in samples if name in s.components]
         record[f"reward/{name}"] = float(np.mean(values))
     return record
+
+def trainer_memory(results: list[StepResult]) -> dict[str, float]:
+    """The step's accelerator memory peaks, the largest of the trainer ranks', in GiB
+    (``trainer_peak_allocated_gib``: its tensors; ``trainer_peak_reserved_gib``: its
+    allocator's hold on the device); nothing where the ranks did not measure them (CPU)."""
+    allocated = max(r.peak_allocated_bytes for r in results)
+    if not allocated:
+        return {}
+    reserved = max(r.peak_reserved_bytes for r in results)
+    return {"trainer_peak_allocated_gib": round(allocated / 2**30, 3),
+            "trainer_peak_reserved_gib": round(reserved / 2**30, 3)}  # fmt: skip
+
 
 def log_step(record: dict[str, Any], result: StepResult, refit_s: float, rec: StepRecord) -> None:
     """The ``step_finished`` log line of a step's record."""

@@ -51,7 +51,9 @@ from asyncrl.obs.console import Console
 from asyncrl.obs.startup import Startup
 from asyncrl.obs import collector, sample_export, watchdog
 from asyncrl.obs.sample_export import SampleExport
-from asyncrl.obs.steps import RefitRecord, RolloutRecord, StepRecord, WorkerTimes, log_step
+from asyncrl.obs.steps import (
+    RefitRecord, RolloutRecord, StepRecord, WorkerTimes, log_step, trainer_memory,
+)
 from asyncrl.obs.collector import collector_paused, pace
 from asyncrl.obs.watchdog import LoopLag, LoopWatchdog
 from asyncrl.policy.failures import FailureBudget
@@ -455,7 +457,7 @@ class Pipeline:
         workers = WorkerTimes.of(self.control.take_served(), self.trainers)
         rec = StepRecord(step, train=train, refit=refit, verification=verification,
                          rollout=self._take_rollout(step), workers=workers)  # fmt: skip
-        self._log_step(rec, trained.results[0], stats)
+        self._log_step(rec, trained.results, stats)
         await anyio.lowlevel.checkpoint()  # the record took ~1 ms; the next chunk's packing another
         self.publisher.check_verified(verification)
         # a step boundary: no step open, the gate open, the trainer at step + 1
@@ -496,13 +498,17 @@ class Pipeline:
         return RolloutRecord(aborted_samples=self.feeder.take_aborted(step),
                              gate_wait_s=gate_wait_s, score_s=self.scorer.take_spent())  # fmt: skip
 
-    def _log_step(self, rec: StepRecord, result: StepResult, stats: StepStats) -> None:
+    def _log_step(self, rec: StepRecord, results: list[StepResult], stats: StepStats) -> None:
+        """The step's record from the trainer ranks' ``results`` (rank 0's loss and norm, the
+        largest memory peaks)."""
         groups = self.groups
+        result = results[0]
         record = rec.metrics(
             result, rec.refit.refit_s, stats, buffer_ready=groups.num_ready,
             buffer_live=groups.num_live, inflight_samples=groups.inflight_samples,
             loop_lags=self.lag.take(), rejected_frames=self.rejections.total, now=self.now(),
         )  # fmt: skip
+        record.update(trainer_memory(results))
         if self.episodes is not None:
             record.update(self.episodes.take_metrics())
         self.history.append(record)

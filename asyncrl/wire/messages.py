@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -262,6 +262,12 @@ class StepResult(msgspec.Struct, tag="step_r", **_CTRL):
     num_loss_tokens: int
     lr: float
     seconds: float
+    peak_allocated_bytes: int = 0
+    """(protocol 16) The most accelerator memory this rank's tensors held since its previous
+    optimizer step (torch's ``max_memory_allocated``): 0 where it is not measured (CPU)."""
+    peak_reserved_bytes: int = 0
+    """(protocol 16) The most its allocator held from the device over the same time
+    (``max_memory_reserved``): what the GPU had to have free for it."""
 
 
 class WeightsResult(msgspec.Struct, tag="w_r", **_CTRL):

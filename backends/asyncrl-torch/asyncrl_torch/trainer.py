@@ -663,6 +663,7 @@ class DistributedTrainer:
             self._log.warning(
                 "step_not_applied_nonfinite", step=step, loss_sum=loss_sum, grad_norm=grad_norm
             )
+        allocated, reserved = self._memory_peaks()
         return StepResult(
             step=step,
             loss=loss_sum / divisor,
@@ -670,7 +671,20 @@ class DistributedTrainer:
             num_loss_tokens=num_loss_tokens,
             lr=self._opts.lr,
             seconds=time.monotonic() - open_step.started,
+            peak_allocated_bytes=allocated,
+            peak_reserved_bytes=reserved,
         )
+
+    def _memory_peaks(self) -> tuple[int, int]:
+        """The device memory this rank's tensors and its allocator held at most since the
+        previous call (the previous optimizer step: its logprob refreshes, forwards and
+        backwards, and this step); ``(0, 0)`` off CUDA. Starts the next interval."""
+        if self._device.type != "cuda":
+            return 0, 0
+        peaks = (torch.cuda.max_memory_allocated(self._device),
+                 torch.cuda.max_memory_reserved(self._device))  # fmt: skip
+        torch.cuda.reset_peak_memory_stats(self._device)
+        return peaks
 
     def _discard(self, reason: str) -> None:
         open_step = self._ledger.close()

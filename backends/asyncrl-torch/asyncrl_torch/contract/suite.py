@@ -566,6 +566,19 @@ class TrainingBackendContract:
                 for key in ("loss", "grad_norm", "num_loss_tokens"):
                     assert other[key] == first[key], (tag, key, r)
 
+    def test_each_rank_reports_its_memory_peaks_on_cuda(self, contract: ContractRun) -> None:
+        """On CUDA each rank's step reports the device memory it held at most (its tensors at
+        most what its allocator held); elsewhere 0, not measured."""
+        import torch
+
+        for r in range(self.world_size):
+            result = contract.result("step1", r)
+            allocated, reserved = result["peak_allocated_bytes"], result["peak_reserved_bytes"]
+            if torch.cuda.is_available():
+                assert 0 < allocated <= reserved, (r, allocated, reserved)
+            else:
+                assert allocated == reserved == 0, (r, allocated, reserved)
+
     def test_streamed_chunks_equal_one_chunk(self, contract: ContractRun) -> None:
         one, stream = contract.result("one"), contract.result("stream")
         assert _rel(one["grad_norm"], stream["grad_norm"]) < self.grad_norm_rtol
