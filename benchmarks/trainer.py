@@ -4,18 +4,19 @@ For every case, ``torchrun --nproc-per-node N`` runs one of:
 
 - ``asyncrl``: the backend as a trainer worker drives it (its entry point, a
   :class:`~asyncrl.backend.WorkerContext`, ``begin_step -> train_chunk -> finish_step`` on a
-  packed :class:`~asyncrl.wire.messages.TrainBatch`): lockstep micro-batches, the PPO loss as a token
-  sum, the step ledger, exact normalization at the end of the step;
+  packed :class:`~asyncrl.wire.messages.TrainBatch`): lockstep micro-batches, the PPO loss as
+  a token sum, the step ledger, exact normalization at the end of the step;
 - ``bare``: the same engine written as a plain loop on the same model and batch: FSDP2
   ``fully_shard`` per decoder layer + root (bf16 compute, float32 reduction), or
   ``deepspeed.initialize`` with the same ZeRO stage; per micro-batch a forward, the next-token
   logprobs of the response positions in float32, ``-(A * logprob).sum() / tokens``, backward;
   then clipping and AdamW.
 
-Both use the same model (Qwen2.5-0.5B's shape, random weights, built once under ``--model``),
-the same batch (``--seqs`` sequences of ``--seq-len`` tokens per GPU, prompt ``--prompt-len``),
-micro-batch size, bf16 compute with float32 master weights, sdpa attention and
-``torch.optim.AdamW``. ``--response-mean M`` gives the asyncrl cases long-tailed lengths
+Both use the same model (a Qwen2.5 architecture, ``--shape``, 0.5B by default; random
+weights, built once under ``--model``), the same batch (``--seqs`` sequences of ``--seq-len``
+tokens per GPU, prompt ``--prompt-len``), micro-batch size, bf16 compute with float32 master
+weights, sdpa attention and ``torch.optim.AdamW``; ``--lora R`` trains a rank-R adapter in the
+asyncrl cases instead. ``--response-mean M`` gives the asyncrl cases long-tailed lengths
 instead (responses log-normal with mean M and sigma 1, cut at ``--seq-len``, like RL samples),
 and ``--plans`` how they are cut into micro-batches: ``seqs`` (``--micro-batch-size``
 sequences, padded), ``budget:N`` (sorted by length, ``count x longest <= N``) or ``pack:N``
@@ -57,19 +58,35 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def build_model(path: Path, layers: int) -> None:
-    """Qwen2.5-0.5B's architecture with random weights (no download)."""
+SHAPES = {
+    # Qwen2.5's published shapes: hidden, intermediate, layers, heads, kv heads, vocab, tied
+    "0.5b": (896, 4864, 24, 14, 2, 151936, True),
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+    "3b": (2048, 11008, 36, 16, 2, 151936, True),
+    "7b": (3584, 18944, 28, 28, 4, 152064, False),
+}
+
+
+def build_model(path: Path, shape: str, layers: int | None) -> None:
+    """A Qwen2.5 architecture of ``shape`` (``layers``: fewer decoder layers) with random
+    weights (no download), made on the GPU where there is one (a 7B model's CPU init takes
+    minutes)."""
     import torch
     from tokenizers import Tokenizer, models
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
+    hidden, inter, depth, heads, kv, vocab, tied = SHAPES[shape]
     config = Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=1_000_000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
+        max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=tied,
+        torch_dtype="bfloat16",
     )  # fmt: skip
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
 
@@ -86,7 +103,7 @@ def make_batch(args: argparse.Namespace, rank: int):
     if args.response_mean > 0:  # log-normal, sigma 1: mean = exp(mu + 1/2)
         drawn = rng.lognormal(np.log(args.response_mean) - 0.5, 1.0, size=n)
         seq_lens = prompt + np.clip(np.rint(drawn), 1, length - prompt).astype(np.int32)
-    tokens = rng.integers(0, 151936, size=int(seq_lens.sum())).astype(np.int32)
+    tokens = rng.integers(0, 151936, size=int(seq_lens.sum())).astype(np.int32)  # < every vocab
     response = int((seq_lens - prompt).sum())
     return TrainBatch(
         tokens=tokens,
@@ -119,6 +136,7 @@ def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[flo
     config = from_dict({
         "model": {"path": args.model, "dtype": "bfloat16"},
         "environment": {"name": "benchmark"},
+        "lora": {"rank": args.lora},
         "trainer": {"backend": engine, "micro_batch_size": args.micro_batch_size,
                     "max_tokens_per_micro_batch": int(budget or 0),
                     "pack_sequences": kind == "pack", "options": options},
@@ -270,6 +288,10 @@ def rank_main(args: argparse.Namespace) -> None:
             "median_s": round(median, 4), "tok_per_s": round(tokens / median),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
             if torch.cuda.is_available() else None,
+            "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            if torch.cuda.is_available() else None,
+            "shape": args.shape, "layers": args.layers, "lora": args.lora,
+            "prompt_len": args.prompt_len,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         }), flush=True)  # fmt: skip
 
@@ -290,8 +312,12 @@ def main() -> None:
     ap.add_argument("--plan", default="seqs", help=argparse.SUPPRESS)  # set on the ranks
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--model", default="/tmp/asyncrl-bench-qwen2-0.5b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
+                    help="the Qwen2.5 architecture of the random model")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's)")
+    ap.add_argument("--lora", type=int, default=0,
+                    help="train a LoRA adapter of this rank (asyncrl cases; 0: full weights)")
+    ap.add_argument("--model", default="", help="where the model is built (default: /tmp/...)")
     ap.add_argument("--out", default="benchmarks/results/trainer.jsonl")
     ap.add_argument("--profile", action="store_true", help="print the top operators of a step")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # set on the ranks
@@ -299,8 +325,11 @@ def main() -> None:
     if args.case:
         rank_main(args)
         return
+    args.model = args.model or f"/tmp/asyncrl-bench-qwen2-{args.shape}-{args.layers or 'all'}"
     if not (Path(args.model) / "config.json").exists():
-        build_model(Path(args.model), args.layers)
+        build_model(Path(args.model), args.shape, args.layers)
+    if args.lora and any(not CASES[case][2] for case in args.cases.split(",")):
+        raise SystemExit("--lora is for the asyncrl cases only (the bare loops train full weights)")
     rows = []
     runs = [(case, plan) for case in args.cases.split(",")
             for plan in (args.plans.split(",") if CASES[case][2] else ["seqs"])]  # fmt: skip
@@ -313,7 +342,7 @@ def main() -> None:
                    "--nproc-per-node", str(gpus), __file__, "--case", case, f"--plan={plan}",
                    *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("seqs", "seq_len", "prompt_len", "micro_batch_size", "steps",
-                              "warmup", "model", "response_mean")],
+                              "warmup", "model", "response_mean", "shape", "layers", "lora")],
                    *(["--profile"] if args.profile else [])]  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True)
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
