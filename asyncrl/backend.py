@@ -113,6 +113,12 @@ class BackendPlugin:
     """Whether the backend trains (a training backend) or serves (a generation backend) LoRA
     adapters: a run with ``[lora]`` is refused before any worker starts unless both of its
     backends say so (docs/lora.md)."""
+    gpu_memory: Callable[[Any, Any, int | None], Any] | None = None
+    """``gpu_memory(config, shape, gpu_bytes)``: what one process of the backend holds on its
+    GPU before activations (a :class:`~asyncrl.procs.gpu_memory.MemoryNeed`; ``shape`` a
+    :class:`~asyncrl.procs.gpu_memory.ModelShape`, ``gpu_bytes`` its GPU's memory or ``None``),
+    for the run's memory plan, checked before any worker is spawned (docs/one-gpu.md). Cheap;
+    imports no engine. ``None``: the plan counts nothing for the backend."""
 
     def __call__(self, ctx: WorkerContext) -> Any:
         """Same as :attr:`create` (so a plugin can be used where a factory is expected)."""

@@ -17,7 +17,8 @@ anything starts), the exit code is rank 0's (0, 1 for a failed run, 128 + N afte
 resolved asynchrony mode in one line, the derived capacities, advice, and every broken
 invariant with its fix; then it runs what ``asyncrl run`` checks before it starts a process
 (the plugins load, the environment and the tokenizer load, the prompts fit, every plugin
-accepts its options; ``--config-only`` skips this). Exit codes: 0 valid, 2 invalid (as
+accepts its options, and the memory plan fits the GPUs: ``--gpu-memory-gib G`` plans for GPUs
+of G GiB; ``--config-only`` skips this). Exit codes: 0 valid, 2 invalid (as
 ``asyncrl.launch`` uses for a config mistake).
 
 ``plugins`` lists every installed plugin by entry-point group, with its distribution and
@@ -46,7 +47,8 @@ __all__ = ["main"]
 
 
 def check_config(
-    path: str, set_args: list[str], out: TextIO, *, config_only: bool = False
+    path: str, set_args: list[str], out: TextIO, *, config_only: bool = False,
+    gpu_memory_gib: float | None = None,
 ) -> int:
     from asyncrl import config as cfgmod
     from asyncrl.config import parse_overrides
@@ -83,12 +85,35 @@ def check_config(
         print(f"  {key:<{width}}  {value}", file=out)
     if config.lora.enabled:
         print(_lora_line(config), file=out)
+    if not config_only:
+        plan = _memory_plan(config, gpu_memory_gib)
+        for line in plan.lines():
+            print(line, file=out)
+        found = plan.problems()
+        if found:
+            print(f"{path}: {len(found)} problem{'s' * (len(found) > 1)}:", file=out)
+            for exc in found:
+                print(f"  - {exc}", file=out)
+            return 2
     for line in report.advice:
         print(f"advice: {line}", file=out)
     print("ok: no invariant is broken" + (
         "" if config_only else "; the plugins, the environment, the tokenizer and every "
         "plugin's options are fine"), file=out)
     return 0
+
+
+def _memory_plan(config: Any, gpu_memory_gib: float | None) -> Any:
+    """The run's memory plan on this host's GPUs, or on GPUs of ``gpu_memory_gib`` each (as
+    many as the config places processes on)."""
+    from asyncrl.procs.gpu_memory import GiB, gpu_totals
+    from asyncrl.run.preflight import memory_plan
+
+    if gpu_memory_gib is None:
+        return memory_plan(config, gpu_totals())
+    c = config.cluster
+    count = 1 + max([*c.trainer_gpus, *c.rollout_gpus, c.trainer_ranks - 1, 0])
+    return memory_plan(config, [int(gpu_memory_gib * GiB)] * count)
 
 
 def _lora_line(config: Any) -> str:
@@ -243,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plugins":
         return list_plugins(sys.stdout)
     if args.command == "check-config":
-        return check_config(args.config, args.set, sys.stdout, config_only=args.config_only)
+        return check_config(args.config, args.set, sys.stdout, config_only=args.config_only,
+                            gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip
     if args.command == "export":
         return export(args.checkpoint, args.out, args.force, sys.stderr)
     parser.error(f"unknown command {args.command!r}")
@@ -318,6 +344,13 @@ def _add_check_config(sub: Any) -> None:
         help="check the file alone: skip loading the plugins, the environment's data and the "
         "tokenizer, and the plugins' checks of their options (what `asyncrl run` does before "
         "it starts anything)",
+    )
+    check.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        metavar="G",
+        help="plan the run's memory for GPUs of G GiB each instead of this host's (planning "
+        "on a machine without them)",
     )
 
 

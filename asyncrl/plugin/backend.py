@@ -7,7 +7,9 @@ are in :mod:`asyncrl.plugin.common`.
 Protocols and the plugin:
 
 - ``BackendPlugin``: what a backend entry point names: ``create(ctx)``, ``check_config``,
-  ``shm_bytes``.
+  ``shm_bytes``, ``adapters``, ``gpu_memory``.
+- ``MemoryNeed``: what ``gpu_memory`` returns (the parts one process holds on its GPU).
+- ``ModelShape``: the model's size and shape ``gpu_memory`` gets.
 - ``WorkerContext``: what ``create`` learns of its place in the run (group, rank, config, ...).
 - ``GenerationBackend``: the protocol of one inference engine per rollout rank (async).
 - ``TrainingBackend``: the protocol of one rank of a training group (blocking).
@@ -89,6 +91,7 @@ from asyncrl.policy.packing import (
     micro_batch_bounds,
     token_budget_bounds,
 )
+from asyncrl.procs.gpu_memory import MemoryNeed, ModelShape
 from asyncrl.procs.spawn import torchrun_log_args
 from asyncrl.safetensors import read_safetensors_header
 from asyncrl.wire.messages import (
@@ -115,6 +118,8 @@ __all__ = [
     "GenerationBackend",
     "KVCalibration",
     "Layout",
+    "MemoryNeed",
+    "ModelShape",
     "NonFiniteError",
     "ReadsLossInputs",
     "ReferencePolicy",

@@ -2,8 +2,9 @@
 environment (its optional capabilities checked: :mod:`asyncrl.env.capabilities`) and the
 tokenizer load, the prompts fit, each service accepts the run (the
 gateway's managed agent command runs once), both backends accept
-their config, and ``/dev/shm`` and the run's directories have room enough
-(:mod:`asyncrl.procs.space`); each mistake a ``ConfigError`` naming its field."""
+their config, ``/dev/shm`` and the run's directories have room enough
+(:mod:`asyncrl.procs.space`), and so do the GPUs (the memory plan,
+:mod:`asyncrl.procs.gpu_memory`); each mistake a ``ConfigError`` naming its field."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from asyncrl.errors import AsyncRLError, config_error
 from asyncrl.data.prompts import Tokenizer
 from asyncrl.services import enabled_services, load_service
 from asyncrl.sinks import check_sinks
+from asyncrl.procs.gpu_memory import MemoryPlan, gpu_totals, plan_memory
 from asyncrl.procs.space import check_space
 from asyncrl.transfers import STAGING_BUFFERS
 
-__all__ = ["check_before_spawn", "end_token_ids", "make_environment"]
+__all__ = ["check_before_spawn", "end_token_ids", "make_environment", "memory_plan"]
 
 
 async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
@@ -89,7 +91,22 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
     }
     need = functools.partial(check_space, cfg, engines, staging_buffers=STAGING_BUFFERS)
     await anyio.to_thread.run_sync(need)  # /dev/shm, disks: room enough
+    plan = await anyio.to_thread.run_sync(memory_plan, cfg, gpu_totals())
+    for problem in plan.problems():  # the GPUs: room enough before any activation
+        raise problem
     return environment, tokenizer
+
+
+def memory_plan(cfg: Config, gpus: list[int] | None) -> MemoryPlan:
+    """The run's memory plan on ``gpus`` (each GPU's bytes; ``None``: unknown here), from its
+    backends' ``gpu_memory`` (:mod:`asyncrl.procs.gpu_memory`)."""
+    trainer = BackendPlugin.of(
+        registry.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
+    )
+    generator = BackendPlugin.of(
+        registry.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
+    )
+    return plan_memory(cfg, trainer.gpu_memory, generator.gpu_memory, gpus)
 
 
 @contextmanager

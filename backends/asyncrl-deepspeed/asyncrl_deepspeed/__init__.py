@@ -12,7 +12,7 @@ from typing import Any
 from asyncrl.plugin.backend import BackendPlugin, WorkerContext
 from asyncrl.plugin.common import Config
 
-__all__ = ["check_config", "plugin"]
+__all__ = ["check_config", "gpu_memory", "plugin"]
 
 
 def _create(ctx: WorkerContext) -> Any:
@@ -28,5 +28,18 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
     parse_options(dict(config.trainer.options))
 
 
-plugin = BackendPlugin(create=_create, check_config=check_config, adapters=True)
+def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
+    """One trainer rank's share before activations (:mod:`asyncrl_torch.memory`)."""
+    from asyncrl_torch.memory import trainer_need
+
+    from .options import parse_options
+
+    opts = parse_options(dict(config.trainer.options))
+    return trainer_need(config, shape, gpu_bytes, backend="deepspeed", zero_stage=opts.zero_stage,
+                        bf16=opts.mixed_precision == "bf16",
+                        reference_offload=opts.reference_offload)  # fmt: skip
+
+
+plugin = BackendPlugin(create=_create, check_config=check_config, adapters=True,
+                       gpu_memory=gpu_memory)  # fmt: skip
 """The entry point ``asyncrl.training_backends:deepspeed``."""

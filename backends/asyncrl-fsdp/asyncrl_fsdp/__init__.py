@@ -14,7 +14,7 @@ from typing import Any
 from asyncrl.plugin.backend import BackendPlugin, WorkerContext
 from asyncrl.plugin.common import Config
 
-__all__ = ["check_config", "frozen_plugin", "plugin"]
+__all__ = ["check_config", "frozen_plugin", "gpu_memory", "plugin"]
 
 
 def _create(ctx: WorkerContext) -> Any:
@@ -36,8 +36,28 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
     parse_options(dict(config.trainer.options))
 
 
-plugin = BackendPlugin(create=_create, check_config=check_config, adapters=True)
+def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
+    """One trainer rank's share before activations (:mod:`asyncrl_torch.memory`)."""
+    from asyncrl_torch.memory import trainer_need
+
+    from .options import parse_options
+
+    opts = parse_options(dict(config.trainer.options))
+    return trainer_need(config, shape, gpu_bytes, backend="fsdp2", optimizer=opts.optimizer,
+                        bf16=opts.mixed_precision == "bf16",
+                        reference_offload=opts.reference_offload)  # fmt: skip
+
+
+def _frozen_gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
+    from asyncrl_torch.memory import trainer_need
+
+    return trainer_need(config, shape, gpu_bytes, backend="frozen")
+
+
+plugin = BackendPlugin(create=_create, check_config=check_config, adapters=True,
+                       gpu_memory=gpu_memory)  # fmt: skip
 """The entry point ``asyncrl.training_backends:fsdp2``."""
 
-frozen_plugin = BackendPlugin(create=_create_frozen, check_config=check_config)
+frozen_plugin = BackendPlugin(create=_create_frozen, check_config=check_config,
+                              gpu_memory=_frozen_gpu_memory)  # fmt: skip
 """The entry point ``asyncrl.training_backends:frozen`` (same ``[trainer.options]``)."""

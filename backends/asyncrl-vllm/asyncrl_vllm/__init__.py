@@ -17,7 +17,7 @@ from asyncrl.plugin.backend import BackendPlugin, WorkerContext
 from asyncrl.plugin.common import Config, ConfigError, config_error
 
 __version__ = "0.1.0.dev0"
-__all__ = ["check_config", "plugin", "shm_bytes"]
+__all__ = ["check_config", "gpu_memory", "plugin", "shm_bytes"]
 
 TEMPERATURE_RANGE = (0.01, 2.0)
 """The sampling temperatures vLLM 0.32 serves as asked (``SamplingParams._verify_args``):
@@ -111,7 +111,39 @@ def shm_bytes(config: Config) -> int:
     return _MQ_CHUNKS * ((chunk << 20) + 1 + tp)  # + each chunk's flags: writer, readers
 
 
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's own default of ``gpu_memory_utilization`` (0.26 and 0.32)."""
+
+
+def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
+    """What one engine holds on its GPU from its start: ``gpu_memory_utilization`` of it
+    (its weights, the KV cache and vLLM's own buffers inside that share, whatever the batch
+    uses), and with ``[lora]`` the adapter versions it registers, built outside that share
+    (docs/lora.md). Where the GPU's size is unknown, its weights only."""
+    from asyncrl.plugin.backend import MemoryNeed
+
+    from .adapters import adapter_slots
+    from .options import parse_options
+
+    opts = parse_options(dict(config.generator.options))
+    itemsize = 2 if config.model.dtype == "bfloat16" else 4
+    weights = itemsize * shape.parameters // max(1, opts.tensor_parallel_size)
+    util = opts.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    parts = [(f"weights {config.model.dtype}", weights)]
+    if gpu_bytes:
+        parts.append((f"KV cache and buffers, to gpu_memory_utilization {util:g}",
+                      max(0, int(util * gpu_bytes) - weights)))  # fmt: skip
+    if config.lora.enabled:
+        versions = adapter_slots(config, opts.lora_slots) + 1
+        adapter = itemsize * (config.lora.trainable_parameters(config.model.path) or 0)
+        parts.append((f"{versions} adapter versions", versions * adapter))
+    fixes = [f"lower generator.options.gpu_memory_utilization (now {util:g}: the engine holds "
+             "that share of its GPU from its start, whatever it uses)"]  # fmt: skip
+    return MemoryNeed(tuple(parts), tuple(fixes))
+
+
 plugin = BackendPlugin(
-    create=_create, check_config=check_config, shm_bytes=shm_bytes, adapters=True
+    create=_create, check_config=check_config, shm_bytes=shm_bytes, adapters=True,
+    gpu_memory=gpu_memory,
 )
 """The entry point ``asyncrl.generation_backends:vllm``."""

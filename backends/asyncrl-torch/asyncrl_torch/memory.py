@@ -1,0 +1,87 @@
+"""What one trainer rank of the ``fsdp2``, ``deepspeed`` and ``frozen`` backends holds on its
+GPU before activations, for the run's memory plan (:mod:`asyncrl.procs.gpu_memory`). Imports
+no torch: the controller computes it before any worker starts.
+
+With ``P`` the model's parameters, ``N`` the trainer ranks and ``T`` an adapter's (bytes):
+
+========================  ====================================  ==============================
+state                     full weights                          ``[lora]``
+========================  ====================================  ==============================
+weights                   float32 ``4P``; ZeRO-2 with bf16:     the base in ``model.dtype``,
+                          a bf16 copy ``2P`` + master ``4P/N``  the adapter float32 ``4T``
+gradients                 float32 ``4P``                        float32 ``4T``
+AdamW moments             float32 ``8P`` (SGD: none)            float32 ``8T``
+KL reference              ``2P`` (bf16) or ``4P``, unless       none: the base with the adapter
+                          ``reference_offload``                 disabled
+========================  ====================================  ==============================
+
+FSDP2 and ZeRO-3 shard all of it over the ranks (``/N``); ZeRO-2 shards the gradients and the
+optimizer only, each rank keeping the whole model's weights. Measured against it on an H200
+(``benchmarks/results/trainer-h200-1gpu.jsonl``, Qwen2.5-0.5B's shape, FSDP2, one rank): the
+peak allocated at 2 and 8 sequences of 2,048 tokens extrapolates to 8.4 GiB at no token,
+beside these 7.4 GiB: the other 1.0 GiB is working memory (gathers, buffers) that grows with
+the model, counted here as an eighth of the state on top.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.plugin.common import Config
+
+__all__ = ["trainer_need"]
+
+WORKING_SHARE = 0.125
+"""Working memory beyond the state, as a share of the state's bytes: 1.0 of 7.4 GiB (0.135)
+on the 0.5B measurement above, rounded down, since the plan must not refuse what fits."""
+
+
+def trainer_need(
+    config: Config, shape: Any, gpu_bytes: int | None, *, backend: str, zero_stage: int = 0,
+    bf16: bool = False, optimizer: str = "adamw", reference_offload: bool = False,
+) -> Any:  # fmt: skip
+    """One trainer rank's :class:`~asyncrl.procs.gpu_memory.MemoryNeed` (``backend``:
+    ``fsdp2``, ``deepspeed`` (``zero_stage`` 2 or 3; ``bf16``: its bf16 mode) or ``frozen``)."""
+    from asyncrl.plugin.backend import MemoryNeed
+
+    n = max(1, config.cluster.trainer_ranks)
+    p = shape.parameters
+    shard = f", 1/{n} each" if n > 1 else ""
+    whole_weights = backend == "deepspeed" and zero_stage == 2
+    lora = config.lora
+    parts: list[tuple[str, int]] = []
+    if backend == "frozen":
+        parts.append((f"weights float32{shard}", 4 * p // n))
+        return MemoryNeed(tuple(parts), ())
+    if lora.enabled:
+        itemsize = 2 if config.model.dtype == "bfloat16" else 4
+        base = itemsize * p if whole_weights else itemsize * p // n
+        t = lora.trainable_parameters(config.model.path) or 0
+        parts += [(f"base {config.model.dtype}" + ("" if whole_weights else shard), base),
+                  (f"adapter, gradient, AdamW moments float32{shard}", 16 * t // n)]  # fmt: skip
+        fixes = ["lower lora.rank"] if 16 * t > base else []
+    else:
+        if whole_weights and bf16:
+            parts += [("weights bf16 (whole)", 2 * p),
+                      (f"master weights float32{shard}", 4 * p // n)]  # fmt: skip
+        elif whole_weights:
+            parts.append(("weights float32 (whole)", 4 * p))
+        else:
+            parts.append((f"weights float32{shard}", 4 * p // n))
+        parts.append((f"gradients float32{shard}", 4 * p // n))
+        if optimizer == "adamw":
+            parts.append((f"AdamW moments float32{shard}", 8 * p // n))
+        if config.loss.kl_coef > 0 and not reference_offload:
+            parts.append((f"KL reference {'bf16' if bf16 else 'float32'}{shard}",
+                          (2 if bf16 else 4) * p // n))  # fmt: skip
+        fixes = ["train a LoRA adapter instead of every weight ([lora] rank = 16...)"]
+        if backend == "deepspeed" and zero_stage == 2:
+            fixes.append("shard the weights too (trainer.options.zero_stage = 3)")
+        fixes.append("add trainer ranks on other GPUs (cluster.trainer_ranks: the state is "
+                     "sharded over them)")  # fmt: skip
+        if config.loss.kl_coef > 0 and not reference_offload:
+            fixes.append("keep the KL reference in host memory "
+                         "(trainer.options.reference_offload = true)")  # fmt: skip
+    state = sum(b for _, b in parts)
+    parts.append(("working memory (estimated)", int(state * WORKING_SHARE)))
+    return MemoryNeed(tuple(parts), tuple(fixes))

@@ -1,0 +1,157 @@
+"""The memory plan against hand computations: what each trainer rank and engine holds before
+activations, per GPU, and the refusals with their fixes (the plugins' own ``gpu_memory``, as
+the controller loads them)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from asyncrl.cli import main
+from asyncrl.config import from_dict
+from asyncrl.errors import ConfigError
+from asyncrl.procs.gpu_memory import CUDA_CONTEXT_BYTES, GiB, ModelShape
+from asyncrl.run.preflight import memory_plan
+
+# Qwen2.5's published shapes and parameter counts (a tied embedding counted once)
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)  # fmt: skip
+P_1_5B = 1_543_714_304
+QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)  # fmt: skip
+P_7B = 7_615_616_512
+
+
+def model(tmp_path: Path, shape: dict, parameters: int) -> Path:
+    """A model directory that says its shape and size (a safetensors header of one tensor of
+    ``parameters`` elements, without the bytes: only headers are read)."""
+    d = tmp_path / f"m{parameters}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", **shape}))
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(d / "tokenizer.json"))
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [parameters],
+                               "data_offsets": [0, 2 * parameters]}}).encode()  # fmt: skip
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return d
+
+
+def config(path: Path, **sections):
+    base = {"model": {"path": str(path)}, "environment": {"name": "arithmetic"},
+            "trainer": {"backend": "fsdp2"}, "generator": {"backend": "vllm"}}  # fmt: skip
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return from_dict(base)
+
+
+def test_the_shape_is_read_from_config_json_and_the_headers(tmp_path: Path) -> None:
+    shape = ModelShape.of(str(model(tmp_path, QWEN_1_5B, P_1_5B)))
+    assert shape == ModelShape(P_1_5B, 28, 1536, 2, 128, 151936)
+
+
+def test_full_weights_on_one_rank_hold_18_bytes_a_parameter(tmp_path: Path) -> None:
+    """FSDP2, one rank: float32 weights, gradients (4 + 4) and AdamW's moments (8), and an
+    eighth of that working memory: 18 bytes a parameter. The engine beside it holds
+    gpu_memory_utilization of the GPU."""
+    cfg = config(model(tmp_path, QWEN_1_5B, P_1_5B), cluster={"rollout_gpus": [0]},
+                 generator={"options": {"gpu_memory_utilization": 0.3}})  # fmt: skip
+    plan = memory_plan(cfg, [80 * GiB])
+    trainer, engine = plan.processes
+    assert (trainer.gpu, engine.gpu) == (0, 0)
+    assert dict(trainer.need.parts)["AdamW moments float32"] == 8 * P_1_5B
+    assert trainer.need.total == 18 * P_1_5B
+    assert engine.need.total == int(0.3 * 80 * GiB)
+    assert plan.need(0) == 18 * P_1_5B + int(0.3 * 80 * GiB) + 2 * CUDA_CONTEXT_BYTES
+    assert plan.problems() == []
+
+
+def test_sharded_and_whole_weights_over_two_ranks(tmp_path: Path) -> None:
+    """Two trainer ranks: FSDP2 and ZeRO-3 shard everything (9 bytes a parameter each);
+    ZeRO-2 keeps the whole float32 weights on each (4 + 12 / 2 = 10, + the eighth)."""
+    path = model(tmp_path, QWEN_1_5B, P_1_5B)
+    two = {"trainer_ranks": 2, "rollout_gpus": [2]}
+    fsdp = memory_plan(config(path, cluster=two), [80 * GiB] * 3)
+    z3 = memory_plan(config(path, cluster=two, trainer={
+        "backend": "deepspeed", "options": {"zero_stage": 3}}), [80 * GiB] * 3)  # fmt: skip
+    z2 = memory_plan(config(path, cluster=two, trainer={
+        "backend": "deepspeed", "options": {"zero_stage": 2}}), [80 * GiB] * 3)  # fmt: skip
+    assert [p.gpu for p in fsdp.processes] == [0, 1, 2]
+    assert fsdp.processes[0].need.total == z3.processes[0].need.total == 9 * P_1_5B
+    assert z2.processes[1].need.total == int(10 * P_1_5B * 1.125)
+
+
+def test_a_full_fine_tune_that_cannot_fit_is_refused_with_lora_among_the_fixes(
+    tmp_path: Path,
+) -> None:
+    """A 7B model's full fine-tune on one 80 GiB GPU: its state alone is ~128 GiB."""
+    cfg = config(model(tmp_path, QWEN_7B, P_7B), cluster={"rollout_gpus": [1]})
+    (problem,) = memory_plan(cfg, [80 * GiB, 80 * GiB]).problems()
+    message = str(problem)
+    # 18 bytes a parameter: 137.1e9 bytes, 127.7 GiB, and a CUDA context of 0.5
+    assert message.startswith("cluster.trainer_gpus: GPU 0 has 80.0 GiB, and its processes "
+                              "hold 128.2 GiB before any activation")  # fmt: skip
+    assert "train a LoRA adapter instead" in message and "cluster.trainer_ranks" in message
+
+
+def test_an_engine_at_vllms_default_beside_a_trainer_is_refused_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    path = model(tmp_path, QWEN_1_5B, P_1_5B)
+    (problem,) = memory_plan(config(path), [80 * GiB]).problems()  # both on GPU 0
+    assert "lower generator.options.gpu_memory_utilization (now 0.9" in str(problem)
+    assert "put the trainer and the engines on different GPUs" in str(problem)
+    assert memory_plan(config(path, cluster={"rollout_gpus": [1]}),
+                       [80 * GiB] * 2).problems() == []  # fmt: skip
+    (beyond,) = memory_plan(config(path, cluster={"rollout_gpus": [1]}), [80 * GiB]).problems()
+    assert str(beyond).startswith("cluster.rollout_gpus: places a process on GPU 1, but this "
+                                  "node shows 1")  # fmt: skip
+
+
+def test_lora_on_a_7b_model_fits_one_gpu_beside_its_engine(tmp_path: Path) -> None:
+    """The frozen base in bf16 (2 bytes a parameter), the rank-32 adapter's float32 state,
+    and the engine's registered versions: fits one 80 GiB GPU beside a 0.4 engine."""
+    path = model(tmp_path, QWEN_7B, P_7B)
+    cfg = config(path, lora={"rank": 32}, cluster={"rollout_gpus": [0]},
+                 generator={"options": {"gpu_memory_utilization": 0.4}})  # fmt: skip
+    plan = memory_plan(cfg, [80 * GiB])
+    trainer, engine = plan.processes
+    adapter = 28 * 32 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))
+    assert dict(trainer.need.parts)["base bfloat16"] == 2 * P_7B
+    assert dict(trainer.need.parts)["adapter, gradient, AdamW moments float32"] == 16 * adapter
+    assert dict(engine.need.parts)["4 adapter versions"] == 4 * 2 * adapter  # slots 3, + 1
+    assert plan.problems() == []
+
+
+def test_check_config_prints_the_plan_and_refuses_what_cannot_fit(tmp_path: Path, capsys) -> None:
+    path = model(tmp_path, QWEN_7B, P_7B)
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[model]\npath = "{path}"\n[environment]\nname = "arithmetic"\n'
+                    '[cluster]\nrollout_gpus = [1]\n')  # fmt: skip
+    assert main(["check-config", str(toml), "--gpu-memory-gib", "80"]) == 2
+    out = capsys.readouterr().out
+    assert "memory plan (before activations" in out and "GPU 0: 128.2 GiB of 80.0 GiB" in out
+    assert "1 problem:" in out and "train a LoRA adapter instead" in out
+    assert main(["check-config", str(toml), "--gpu-memory-gib", "80", "--set",
+                 "lora.rank=16"]) == 0  # fmt: skip
+    assert main(["check-config", str(toml)]) == 0  # no GPU here: no verdict
+    assert "no GPU seen here: no verdict" in capsys.readouterr().out
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller's preflight (what ``asyncrl run`` does first) on a host whose GPUs are
+    80 GiB each, as nvidia-smi would say."""
+    import anyio
+
+    from asyncrl.run import preflight
+
+    monkeypatch.setattr(preflight, "gpu_totals", lambda: [80 * GiB, 80 * GiB])
+    cfg = config(model(tmp_path, QWEN_7B, P_7B), cluster={"rollout_gpus": [1]})
+    with pytest.raises(ConfigError, match=r"^cluster.trainer_gpus: GPU 0 has 80.0 GiB"):
+        anyio.run(preflight.check_before_spawn, cfg)
+    anyio.run(preflight.check_before_spawn, config(cfg.model.path, lora={"rank": 16},
+                                                   cluster={"rollout_gpus": [1]}))  # fmt: skip
