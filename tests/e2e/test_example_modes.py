@@ -1,10 +1,11 @@
 """Shipped mode configs (examples/modes/*.toml) run end to end with the real engines (vLLM CPU
 build + FSDP2) for a few steps, and their staleness metrics match their mode: the on-policy
-one, and the one that aborts requests in the engine (over-sampling). Every shipped mode
-config's settings are run on the bigram engine by
-``tests/integration/test_modes.py::test_each_shipped_mode_config_keeps_its_bound``; the modes
-between these two differ from them in the controller's scheduling only, which does not
-depend on the engine."""
+one, and the one that aborts requests in the engine (over-sampling), here with LoRA and its
+requests moved to each new adapter version (the same mode with full weights runs in
+``test_modes_benchmark.py``). Every shipped mode config's settings are run on the bigram
+engine by ``tests/integration/test_modes.py::test_each_shipped_mode_config_keeps_its_bound``;
+the modes between these two differ from them in the controller's scheduling only, which does
+not depend on the engine."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ EXAMPLES = Path(__file__).parents[2] / "examples" / "modes"
 # config -> (staleness bound, wastes nothing)
 EXPECTED = {
     "sync.toml": (0, True),
-    "oversampled.toml": (1, False),
     "oversampled.toml+lora": (1, False),
 }
 LORA = {"lora.rank": 16, "trainer.options.lr": 1e-3, "run.num_steps": 5,
