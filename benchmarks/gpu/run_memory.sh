@@ -11,8 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-trainer/*.whl 2>&1 | tail -2
-export PYTHONPATH=$(python3 benchmarks/gpu/register_plugins.py /tmp/site):/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/gpu/gpu_env.sh  # the carried wheels, the checkout's plugins on the path
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 kind=$1; shapes=$2; seq_len=${SEQ_LEN:-1024}
 lora=0; [ "$kind" = lora ] && lora=32
