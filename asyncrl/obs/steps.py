@@ -429,16 +429,21 @@ def _reward_components(samples: list[CompletedSample]) -> dict[str, float]:
         record[f"reward/{name}"] = float(np.mean(values))
     return record
 
-def trainer_memory(results: list[StepResult]) -> dict[str, float]:
+def trainer_memory(results: list[StepResult], planned: int | None = None) -> dict[str, float]:
     """The step's accelerator memory peaks, the largest of the trainer ranks', in GiB
     (``trainer_peak_allocated_gib``: its tensors; ``trainer_peak_reserved_gib``: its
-    allocator's hold on the device); nothing where the ranks did not measure them (CPU)."""
+    allocator's hold on the device), and beside them ``trainer_plan_gib``, what the memory plan
+    said a rank holds before activations (``planned`` bytes, when known); nothing where the
+    ranks did not measure them (CPU)."""
     allocated = max(r.peak_allocated_bytes for r in results)
     if not allocated:
         return {}
     reserved = max(r.peak_reserved_bytes for r in results)
-    return {"trainer_peak_allocated_gib": round(allocated / 2**30, 3),
-            "trainer_peak_reserved_gib": round(reserved / 2**30, 3)}  # fmt: skip
+    out = {"trainer_peak_allocated_gib": round(allocated / 2**30, 3),
+           "trainer_peak_reserved_gib": round(reserved / 2**30, 3)}  # fmt: skip
+    if planned:
+        out["trainer_plan_gib"] = round(planned / 2**30, 3)
+    return out
 
 
 def log_step(record: dict[str, Any], result: StepResult, refit_s: float, rec: StepRecord) -> None:

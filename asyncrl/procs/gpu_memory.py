@@ -138,6 +138,13 @@ class MemoryPlan:
         """What the processes on ``gpu`` hold, their CUDA contexts included."""
         return sum(p.need.total + CUDA_CONTEXT_BYTES for p in self.on(gpu) if p.need)
 
+    def trainer_bytes(self) -> int | None:
+        """What the largest trainer rank holds before activations (``None``: its backend says
+        nothing): what the step records set beside the measured peaks."""
+        needs = [p.need.total for p in self.processes
+                 if p.label.startswith("trainer:") and p.need is not None]  # fmt: skip
+        return max(needs) if needs else None
+
     def lines(self) -> list[str]:
         """The plan as ``check-config`` prints it."""
         out = [f"memory plan (before activations; {self.model}):"]

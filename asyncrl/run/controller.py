@@ -247,17 +247,19 @@ class Controller(anyio.AsyncContextManagerMixin):
         # plugin, option and tokenizer errors (a bad environment option, a generator option,
         # a context too short for the prompts...) come before anything exists on disk: nothing
         # is left to clean up when they raise
-        environment, tokenizer = await check_before_spawn(cfg)
+        environment, tokenizer, memory = await check_before_spawn(cfg)
         # one run per directory: a second one is refused here, before anything of it exists
         lock = lock_run(cfg)
         try:
-            async with self._owning(environment, tokenizer):
+            async with self._owning(environment, tokenizer, memory.trainer_bytes()):
                 yield
         finally:
             lock.release()
 
     @asynccontextmanager
-    async def _owning(self, environment: Any, tokenizer: Any) -> AsyncIterator[None]:
+    async def _owning(
+        self, environment: Any, tokenizer: Any, planned_trainer_bytes: int | None
+    ) -> AsyncIterator[None]:
         """The run proper, once it owns its directories: its sockets, clock and metrics file,
         its workers, its loops; all closed and removed on the way out."""
         cfg = self.config
@@ -296,6 +298,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                         transfer_address=addr.weights(control.peers["trainer:0"].capabilities),
                         metrics=metrics, clock_origin=t0, startup=startup,
                         rejections=rejections, reward_code=code,
+                        planned_trainer_bytes=planned_trainer_bytes,
                     )  # fmt: skip
                     self._restarts.bind(self._pipeline, metrics)
                     if resume is not None:

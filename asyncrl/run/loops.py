@@ -155,8 +155,12 @@ class Pipeline:
         startup: Startup | None = None,
         rejections: Rejections | None = None,
         reward_code: dict[str, str] | None = None,
+        planned_trainer_bytes: int | None = None,
     ) -> None:
         self.config, self.control, self.tok = config, control, tokenizer
+        self.planned_trainer_bytes = planned_trainer_bytes
+        """What the memory plan says a trainer rank holds before activations (``None``: not
+        known): each step's record sets it beside the measured peaks."""
         self.trainers, self.restarts, self.metrics = trainers, restarts, metrics
         self.rollouts = restarts.workers
         self.services: dict[str, Served] = {}
@@ -508,7 +512,7 @@ class Pipeline:
             buffer_live=groups.num_live, inflight_samples=groups.inflight_samples,
             loop_lags=self.lag.take(), rejected_frames=self.rejections.total, now=self.now(),
         )  # fmt: skip
-        record.update(trainer_memory(results))
+        record.update(trainer_memory(results, self.planned_trainer_bytes))
         if self.episodes is not None:
             record.update(self.episodes.take_metrics())
         self.history.append(record)

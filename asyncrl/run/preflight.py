@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -31,10 +31,19 @@ from asyncrl.procs.gpu_memory import MemoryPlan, gpu_totals, plan_memory
 from asyncrl.procs.space import check_space
 from asyncrl.transfers import STAGING_BUFFERS
 
-__all__ = ["check_before_spawn", "end_token_ids", "make_environment", "memory_plan"]
+__all__ = ["Preflight", "check_before_spawn", "end_token_ids", "make_environment", "memory_plan"]
 
 
-async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
+class Preflight(NamedTuple):
+    """What the checks before spawning made, for the run to use."""
+
+    environment: Any
+    tokenizer: Tokenizer
+    memory: MemoryPlan
+    """The memory plan on this host's GPUs (no verdict without them)."""
+
+
+async def check_before_spawn(cfg: Config) -> Preflight:
     """Load the environment and the tokenizer, measure the prompts and run both backends'
     ``check_config``: every mistake a plugin can see is a ``ConfigError`` (or
     ``PluginError``) naming its field, raised before any process or file exists (an
@@ -94,7 +103,7 @@ async def check_before_spawn(cfg: Config) -> tuple[Any, Tokenizer]:
     plan = await anyio.to_thread.run_sync(memory_plan, cfg, gpu_totals())
     for problem in plan.problems():  # the GPUs: room enough before any activation
         raise problem
-    return environment, tokenizer
+    return Preflight(environment, tokenizer, plan)
 
 
 def memory_plan(cfg: Config, gpus: list[int] | None) -> MemoryPlan:

@@ -66,6 +66,7 @@ def test_full_weights_on_one_rank_hold_18_bytes_a_parameter(tmp_path: Path) -> N
     assert engine.need.total == int(0.3 * 80 * GiB)
     assert plan.need(0) == 18 * P_1_5B + int(0.3 * 80 * GiB) + 2 * CUDA_CONTEXT_BYTES
     assert plan.problems() == []
+    assert plan.trainer_bytes() == 18 * P_1_5B  # what each step's record sets beside its peaks
 
 
 def test_sharded_and_whole_weights_over_two_ranks(tmp_path: Path) -> None:
@@ -153,5 +154,6 @@ def test_a_run_that_cannot_fit_is_refused_before_any_process_starts(
     cfg = config(model(tmp_path, QWEN_7B, P_7B), cluster={"rollout_gpus": [1]})
     with pytest.raises(ConfigError, match=r"^cluster.trainer_gpus: GPU 0 has 80.0 GiB"):
         anyio.run(preflight.check_before_spawn, cfg)
-    anyio.run(preflight.check_before_spawn, config(cfg.model.path, lora={"rank": 16},
-                                                   cluster={"rollout_gpus": [1]}))  # fmt: skip
+    lora = config(cfg.model.path, lora={"rank": 16}, cluster={"rollout_gpus": [1]})
+    done = anyio.run(preflight.check_before_spawn, lora)
+    assert done.memory.trainer_bytes() > 2 * P_7B  # the bf16 base and more
