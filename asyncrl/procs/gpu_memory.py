@@ -212,11 +212,17 @@ def plan_memory(
     """The plan of ``config``'s processes (each group's ``gpu_memory``, ``None`` if its plugin
     has none) on ``gpus`` (each GPU's bytes; ``None``: unknown). Trainer rank r runs on
     ``cluster.trainer_gpus[r]``, else GPU r; rollout rank r on ``cluster.rollout_gpus[r]``,
-    else GPU 0 (vLLM's default, the first it sees), as the workers place them on one node."""
+    else GPU 0 (vLLM's default, the first it sees), as the workers place them on one node.
+    A run over TCP (several nodes) gets no verdict: its ranks' nodes are not known here."""
     c = config.cluster
     shape = ModelShape.of(config.model.path)
     notes = [] if shape else [f"the model's size cannot be read from {config.model.path}: "
                               "the backends' shares are unknown"]  # fmt: skip
+    if c.network == "tcp" and gpus is not None:
+        # ranks on other nodes: which of them share this node's GPUs is not known here
+        notes.append("cluster.network = \"tcp\" (ranks on several nodes): each process's "
+                     "share is shown, with no verdict")  # fmt: skip
+        gpus = None
     processes = []
     for group, ranks, placed, default, estimate in (
         ("trainer", c.trainer_ranks, c.trainer_gpus, None, trainer),

@@ -84,6 +84,15 @@ def test_sharded_and_whole_weights_over_two_ranks(tmp_path: Path) -> None:
     assert z2.processes[1].need.total == int(10 * P_1_5B * 1.125)
 
 
+def test_ranks_over_tcp_get_no_verdict(tmp_path: Path) -> None:
+    """Several nodes: trainer rank 8 is on another node's GPU 0, not on a ninth GPU here."""
+    nodes = {"trainer_ranks": 16, "rollout_ranks": 2, "rollout_gpus": [7, 7], "network": "tcp"}
+    cfg = config(model(tmp_path, QWEN_1_5B, P_1_5B), cluster=nodes)
+    plan = memory_plan(cfg, [80 * GiB] * 8)
+    assert plan.problems() == [] and plan.gpus is None
+    assert any("several nodes" in line for line in plan.lines())
+
+
 def test_a_full_fine_tune_that_cannot_fit_is_refused_with_lora_among_the_fixes(
     tmp_path: Path,
 ) -> None:
