@@ -67,13 +67,14 @@ def check_config(
             print(f"  - {exc}", file=out)
         return 2
     config = cfgmod.validate(raw)
+    memory = None
     if not config_only:
         import anyio
 
         from asyncrl.run.preflight import check_before_spawn
 
         try:  # what `asyncrl run` checks before it starts a process
-            anyio.run(check_before_spawn, config)
+            memory = anyio.run(check_before_spawn, config).memory
         except (ConfigError, PluginError) as exc:
             print(f"invalid: {exc}", file=out)
             return 2
@@ -85,8 +86,8 @@ def check_config(
         print(f"  {key:<{width}}  {value}", file=out)
     if config.lora.enabled:
         print(_lora_line(config), file=out)
-    if not config_only:
-        plan = _memory_plan(config, gpu_memory_gib)
+    if memory is not None:
+        plan = memory if gpu_memory_gib is None else _memory_plan(config, gpu_memory_gib)
         for line in plan.lines():
             print(line, file=out)
         found = plan.problems()
@@ -103,14 +104,12 @@ def check_config(
     return 0
 
 
-def _memory_plan(config: Any, gpu_memory_gib: float | None) -> Any:
-    """The run's memory plan on this host's GPUs, or on GPUs of ``gpu_memory_gib`` each (as
-    many as the config places processes on)."""
-    from asyncrl.procs.gpu_memory import GiB, gpu_totals
+def _memory_plan(config: Any, gpu_memory_gib: float) -> Any:
+    """The run's memory plan on GPUs of ``gpu_memory_gib`` each (as many as the config places
+    processes on); the preflight's is on this host's."""
+    from asyncrl.procs.gpu_memory import GiB
     from asyncrl.run.preflight import memory_plan
 
-    if gpu_memory_gib is None:
-        return memory_plan(config, gpu_totals())
     c = config.cluster
     count = 1 + max([*c.trainer_gpus, *c.rollout_gpus, c.trainer_ranks - 1, 0])
     return memory_plan(config, [int(gpu_memory_gib * GiB)] * count)
@@ -128,7 +127,7 @@ def _lora_line(config: Any) -> str:
         return f"lora: rank {lora.rank} (no model family in {model.path}/config.json)"
     head = f"lora: rank {lora.rank} on {', '.join(targets)}"
     size = model_size(model.path)
-    estimate = MemoryEstimate.of(lora, model.path, model.dtype, size.elements if size else 0)
+    estimate = MemoryEstimate.of(lora, model, size.elements if size else 0)
     if estimate is None:
         return f"{head} (sizes not readable from {model.path}; the trainer logs them at start)"
     return (

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from asyncrl.config.section import Section, fail
 from asyncrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from asyncrl.config.setup import ModelConfig
 
 __all__ = ["DEFAULT_TARGETS", "LoraConfig", "MemoryEstimate", "model_type"]
 
@@ -184,9 +187,9 @@ class MemoryEstimate(NamedTuple):
 
     @classmethod
     def of(
-        cls, lora: LoraConfig, model_dir: str, dtype: str, model_parameters: int
+        cls, lora: LoraConfig, model: ModelConfig, model_parameters: int
     ) -> MemoryEstimate | None:
-        """The estimate for a model of ``model_parameters`` (its weight files' count:
+        """The estimate for ``model`` of ``model_parameters`` (its weight files' count:
         :func:`asyncrl.procs.space.model_size`), or ``None`` when the adapter's size cannot be
         read from ``config.json`` (a target other than the usual projections) or the model's
         is unknown (0).
@@ -194,12 +197,11 @@ class MemoryEstimate(NamedTuple):
         Raises:
             ConfigError: as :meth:`LoraConfig.targets`.
         """
-        trainable = lora.trainable_parameters(model_dir)
+        trainable = lora.trainable_parameters(model.path)
         total = model_parameters
         if trainable is None or not total:
             return None
-        itemsize = 2 if dtype == "bfloat16" else 4
-        return cls(total, trainable, total * itemsize, trainable * 16, total * 16)
+        return cls(total, trainable, total * model.itemsize, trainable * 16, total * 16)
 
 
 def _adapter_parameters(model_dir: Path, targets: tuple[str, ...], rank: int) -> int | None:

@@ -89,6 +89,11 @@ class ModelConfig(Section):
     replay the generator's routes in the trainer, so a MoE model is refused unless this is
     true. Set it to train a MoE model anyway, watching the steps' ``mismatch_k3``."""
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one weight in ``dtype``: what the memory estimates count a parameter as."""
+        return 2 if self.dtype == "bfloat16" else 4
+
     def problems(self) -> list[ConfigError]:
         """What is missing from the model directory, and a MoE model not accepted (the
         config's only look at files)."""

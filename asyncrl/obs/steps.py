@@ -429,6 +429,7 @@ def _reward_components(samples: list[CompletedSample]) -> dict[str, float]:
         record[f"reward/{name}"] = float(np.mean(values))
     return record
 
+
 def trainer_memory(results: list[StepResult], planned: int | None = None) -> dict[str, float]:
     """The step's accelerator memory peaks, the largest of the trainer ranks', in GiB
     (``trainer_peak_allocated_gib``: its tensors; ``trainer_peak_reserved_gib``: its

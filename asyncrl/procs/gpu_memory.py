@@ -158,8 +158,8 @@ class MemoryPlan:
                     continue
                 parts = ", ".join(f"{what} {_gib(b)}" for what, b in p.need.parts)
                 out.append(f"    {p.label}: {_gib(p.need.total)} ({parts})")
-            if p_count := len(self.on(gpu)):
-                out.append(f"    CUDA contexts: {_gib(p_count * CUDA_CONTEXT_BYTES)} (assumed)")
+            contexts = len(self.on(gpu)) * CUDA_CONTEXT_BYTES
+            out.append(f"    CUDA contexts: {_gib(contexts)} (assumed)")
         out += [f"  {note}" for note in self.notes]
         if self.gpus is None:
             out.append("  no GPU seen here: no verdict (check-config --gpu-memory-gib G plans "

@@ -100,7 +100,9 @@ async def check_before_spawn(cfg: Config) -> Preflight:
     }
     need = functools.partial(check_space, cfg, engines, staging_buffers=STAGING_BUFFERS)
     await anyio.to_thread.run_sync(need)  # /dev/shm, disks: room enough
-    plan = await anyio.to_thread.run_sync(memory_plan, cfg, gpu_totals())
+    plan = await anyio.to_thread.run_sync(  # nvidia-smi, the safetensors headers: off the loop
+        lambda: plan_memory(cfg, trainer.gpu_memory, generator.gpu_memory, gpu_totals())
+    )
     for problem in plan.problems():  # the GPUs: room enough before any activation
         raise problem
     return Preflight(environment, tokenizer, plan)
@@ -108,7 +110,8 @@ async def check_before_spawn(cfg: Config) -> Preflight:
 
 def memory_plan(cfg: Config, gpus: list[int] | None) -> MemoryPlan:
     """The run's memory plan on ``gpus`` (each GPU's bytes; ``None``: unknown here), from its
-    backends' ``gpu_memory`` (:mod:`asyncrl.procs.gpu_memory`)."""
+    backends' ``gpu_memory`` (:mod:`asyncrl.procs.gpu_memory`): for planning on other GPUs
+    than this host's, which :func:`check_before_spawn` plans on."""
     trainer = BackendPlugin.of(
         registry.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
     )

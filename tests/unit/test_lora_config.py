@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from asyncrl.cli import main
-from asyncrl.config import LoraConfig, from_dict, problems
+from asyncrl.config import LoraConfig, ModelConfig, from_dict, problems
 from asyncrl.config.adapters import DEFAULT_TARGETS, MemoryEstimate
 from asyncrl.errors import ConfigError
 
@@ -127,13 +127,13 @@ def test_the_estimate_counts_the_adapters_parameters(qwen_dir: Path) -> None:
     from asyncrl.procs.space import model_size
 
     elements = model_size(str(qwen_dir)).elements
-    estimate = MemoryEstimate.of(LoraConfig(rank=8), str(qwen_dir), "bfloat16", elements)
+    model = ModelConfig(path=str(qwen_dir), dtype="bfloat16")
+    estimate = MemoryEstimate.of(LoraConfig(rank=8), model, elements)
     assert estimate is not None
     assert estimate.trainable_parameters == 3 * 8 * 1120 == 26_880
     assert estimate.model_parameters == 35
     assert (estimate.base_bytes, estimate.adapter_bytes, estimate.full_bytes) == (70, 26_880 * 16, 560)
-    assert MemoryEstimate.of(LoraConfig(rank=8, target_modules=["x"]), str(qwen_dir), "bfloat16",
-                             elements) is None  # fmt: skip
+    assert MemoryEstimate.of(LoraConfig(rank=8, target_modules=["x"]), model, elements) is None
 
 
 def test_the_space_checks_count_the_adapter_not_the_model(qwen_dir: Path) -> None:

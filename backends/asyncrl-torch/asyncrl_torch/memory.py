@@ -54,7 +54,7 @@ def trainer_need(
         parts.append((f"weights float32{shard}", 4 * p // n))
         return MemoryNeed(tuple(parts), ())
     if lora.enabled:
-        itemsize = 2 if config.model.dtype == "bfloat16" else 4
+        itemsize = config.model.itemsize
         base = itemsize * p if whole_weights else itemsize * p // n
         t = lora.trainable_parameters(config.model.path) or 0
         parts += [(f"base {config.model.dtype}" + ("" if whole_weights else shard), base),

@@ -126,7 +126,7 @@ def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
     from .options import parse_options
 
     opts = parse_options(dict(config.generator.options))
-    itemsize = 2 if config.model.dtype == "bfloat16" else 4
+    itemsize = config.model.itemsize
     weights = itemsize * shape.parameters // max(1, opts.tensor_parallel_size)
     util = opts.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     parts = [(f"weights {config.model.dtype}", weights)]

@@ -27,8 +27,9 @@ path of an adapter it does not have registered, which the lease table rules out)
 start on the newest version and keep it until they end (:class:`AdapterLeases`); every token of
 a sample is tagged with its request's version. With ``in_flight_at_refit = "reprefill"`` a
 refit ends the requests in flight once its version is installed, and each sample goes on from
-its tokens so far as a new request on the new version (the backend's ``_move_in_flight``). The engine is never paused and its prefix cache
-is kept: vLLM keys cached blocks by adapter, so no version reads another's blocks.
+its tokens so far as a new request on the new version (the backend's ``_move_in_flight``).
+The engine is never paused and its prefix cache is kept: vLLM keys cached blocks by adapter,
+so no version reads another's blocks.
 
 Version 0 is the base with the initial adapter: none (a fresh adapter's ``lora_B`` is zero, so
 the policy is the base) or ``lora.init_path``, which the engine loads from its directory.

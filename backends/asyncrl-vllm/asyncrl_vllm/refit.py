@@ -258,9 +258,8 @@ class EngineWeights:
         if self._adapters is not None:
             move = await self._adapters.finish(version)
             self.version = version
-            self.last_refit = self._adapters.last_refit
-            if move:
-                self.last_refit["moved"] = await self._move_in_flight(version)
+            moved = {"moved": await self._move_in_flight(version)} if move else {}
+            self.last_refit = {**self._adapters.last_refit, **moved}
             return
         update = self._update
         if update is None or update.version != version:

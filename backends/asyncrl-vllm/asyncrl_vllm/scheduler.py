@@ -14,7 +14,8 @@ request's last output, so the front end's final output is the same as before.
 Which requests: those with ``output_kind == FINAL_ONLY`` and 0 to :data:`MAX_HELD_LOGPROBS`
 logprobs, unless their ``extra_args`` ask for them every step
 (:data:`~asyncrl_vllm.engine_io.STREAM_LOGPROBS`: a request that may be ended to go on under
-another adapter keeps its tokens). Every other request with logprobs (streamed output, or many logprobs per token)
+another adapter keeps its tokens). Every other request with logprobs (streamed output, or many
+logprobs per token)
 gets them per step, sliced here exactly as vLLM slices them. A held request that is
 aborted (or fails) ends without logprobs: vLLM's front end answers an abort itself, from
 what it has; :func:`asyncrl_vllm.engine_io.sample_of` cuts such a sample to the tokens that have
