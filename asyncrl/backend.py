@@ -52,6 +52,8 @@ __all__ = [
     "Reprefill",
     "SampleSink",
     "SentWeightsScoring",
+    "Sleeps",
+    "StateOffload",
     "TrainingBackend",
     "WeightBucketView",
     "WeightTensor",
@@ -312,6 +314,41 @@ class Reprefill(Protocol):
         generated is lost; the tokens keep the versions that generated them. (A backend that
         serves ``[lora]`` adapter versions side by side moves each request to the new version
         once it is installed, to the same effect.)"""
+
+
+class Sleeps(Protocol):
+    """Optional for a :class:`GenerationBackend` that shares its GPU with a trainer rank:
+    what ``cluster.placement = "take_turns"`` needs (the worker refuses to start such a run on
+    a backend without it). The engine sleeps while the trainer steps; the next refit wakes it
+    (:meth:`~GenerationBackend.begin_weight_update` brings the weights' memory back and loads
+    the new weights into it, :meth:`~GenerationBackend.finish_weight_update` the KV cache's,
+    then serving resumes). docs/one-gpu.md."""
+
+    async def sleep(self) -> dict[str, Any]:
+        """Release the engine's GPU memory: the KV cache, and the weights where the next refit
+        replaces them all (with ``[lora]`` the base weights are kept, in host memory). Nothing
+        is lost: a request in flight stops, keeps its tokens, and goes on from them after the
+        wake (its prompt and those tokens prefilled again by the new weights); a request that
+        arrives while asleep waits for the wake. Returns facts for the run's records
+        (``sleep_s``, ``held``: requests held, ``freed_bytes`` where known). Asleep already:
+        does nothing."""
+
+
+class StateOffload(Protocol):
+    """Optional for a :class:`TrainingBackend` on a GPU: with ``cluster.placement =
+    "take_turns"``, the trainer's optimizer state goes to host memory while the engine
+    generates, and its gradients are freed (the controller asks only when they do not fit
+    beside the engine: docs/one-gpu.md). The parameters stay: they are the refit's source."""
+
+    def state_to_host(self) -> int:
+        """Between steps: move the optimizer state to host memory and free the gradients;
+        returns the bytes that left the GPU. Already there (or a CPU trainer): 0. Collective
+        only if the backend's own offload is."""
+
+    def state_to_device(self) -> int:
+        """Bring what :meth:`state_to_host` moved back, before the next step; returns the
+        bytes moved. A step after ``state_to_host`` → ``state_to_device`` equals the step
+        without them, bit for bit. Nothing moved: 0."""
 
 
 @runtime_checkable

@@ -70,6 +70,15 @@ def describe(config: Config) -> ModeReport:
             else "requests in flight go on"
         ),
     }
+    if config.cluster.placement == "take_turns":
+        capacities["placement"] = (
+            "take turns: the engines sleep while the trainer steps (one chunk per step), the "
+            "refit wakes them; samples in flight at the switch "
+            + ("are drained first (at most %gs), the rest " % DRAIN_TIMEOUT_S
+               if config.refit.drain else "")
+            + "stop, and go on from their tokens after the wake (prefilled again by the new "
+            "weights)"
+        )  # fmt: skip
     capacities["objective"] = objective(config)
     advice = _objective_advice(config, chunk < P)
     if chunk < P and sync:

@@ -189,6 +189,15 @@ def _pipeline_problems(config: Config) -> list[ConfigError]:
                 f"set it to at most {g.prompts_per_step}",
             )
         )
+    chunk = p.min_groups_for_streaming_train
+    if config.cluster.placement == "take_turns" and 0 < chunk < g.prompts_per_step:
+        out.append(fail(
+            "pipeline.min_groups_for_streaming_train",
+            f"{chunk} streams chunks into a step while the engines generate, but with "
+            "cluster.placement = \"take_turns\" the trainer steps only while they sleep, so a "
+            "step's groups go to it at once",
+            "set it to 0 (or remove it), or use cluster.placement = \"resident\"",
+        ))  # fmt: skip
     need = required_buffer_capacity(config)
     if config.max_buffered_groups < need:
         out.append(

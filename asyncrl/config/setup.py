@@ -161,6 +161,21 @@ class ClusterConfig(Section):
     the node's other GPUs, after its own, so that it can map a trainer's CUDA IPC buffers.
     Empty: vLLM's default, the first visible GPU. Set it to place each engine on a GPU of your
     choice."""
+    placement: Literal["resident", "take_turns"] = "resident"
+    """How a trainer rank and an engine on the same GPU share it. ``resident``: both stay
+    loaded side by side, the memory split between them (``generator.options.
+    gpu_memory_utilization``), generation and training overlapping as the mode allows.
+    ``take_turns``: the engine sleeps (its KV cache and weights released) while the trainer
+    steps, and the refit wakes it with the new weights; while the engine generates, the
+    trainer's optimizer state waits in host memory (``trainer_offload``). Set ``take_turns``
+    on one GPU when trainer and engine do not both fit, or to give each the whole GPU in its
+    turn (docs/one-gpu.md)."""
+    trainer_offload: Literal["auto", "always", "never"] = "auto"
+    """With ``placement = "take_turns"``: whether the trainer's optimizer state goes to host
+    memory (and its gradients are freed) while the engine generates. ``auto``: when the memory
+    plan says the trainer's whole state and the engine's share do not fit on the GPU together
+    (never without a plan: no GPU to plan for). Set ``always`` or ``never`` to decide
+    yourself."""
     network: Literal["ipc", "tcp"] = "ipc"
     """How workers reach the controller's sockets (control, data) and trainer rank 0's
     weights socket. ``ipc``: Unix sockets in the run's 0700 directory (one host). ``tcp``:
@@ -196,6 +211,12 @@ class ClusterConfig(Section):
                         f"give {ranks} indexes, or leave it empty for the default placement",
                     )
                 )
+        if self.placement == "take_turns":
+            out += self._turn_problems()
+        elif self.trainer_offload != "auto":
+            out.append(fail("cluster.trainer_offload", f"is {self.trainer_offload!r}, but only "
+                            "placement = \"take_turns\" offloads the trainer's state",
+                            "set cluster.placement = \"take_turns\", or remove it"))  # fmt: skip
         if self.network == "tcp" and not self.host.strip():
             out.append(fail("cluster.host", "is empty", "give the controller node's address, "
                             "e.g. 127.0.0.1 on one host"))  # fmt: skip
@@ -203,6 +224,27 @@ class ClusterConfig(Section):
             out.append(fail("cluster.keys_file", "is set but cluster.network is 'ipc' (no "
                             "socket would use it)", "set cluster.network = \"tcp\", or leave "
                             "keys_file empty"))  # fmt: skip
+        return out
+
+
+    def _turn_problems(self) -> list[ConfigError]:
+        """``placement = "take_turns"``: every engine shares a GPU with a trainer rank, on one
+        host."""
+        out = []
+        if self.network == "tcp":
+            out.append(fail("cluster.placement", "take_turns runs on one host, and "
+                            "cluster.network = \"tcp\" is for ranks on several",
+                            "use placement = \"resident\" across hosts"))  # fmt: skip
+        trainer_gpus = self.trainer_gpus or list(range(self.trainer_ranks))
+        rollout_gpus = self.rollout_gpus or [0] * self.rollout_ranks
+        alone = sorted({g for g in rollout_gpus if g not in trainer_gpus})
+        if alone:
+            out.append(fail(
+                "cluster.placement", f"take_turns, but the engines on GPU(s) {alone} share "
+                "them with no trainer rank: there is nobody to take turns with",
+                "put each engine on a trainer rank's GPU (cluster.rollout_gpus), or use "
+                "placement = \"resident\"",
+            ))  # fmt: skip
         return out
 
 

@@ -15,6 +15,8 @@ Protocols and the plugin:
 - ``TrainingBackend``: the protocol of one rank of a training group (blocking).
 - ``EngineWatch``: optional for a generation backend with processes of its own: ``watch()``.
 - ``Reprefill``: optional for a generation backend: recompute in-flight requests' KV at a refit.
+- ``Sleeps``: optional for a generation backend: sleep while the trainer steps on its GPU.
+- ``StateOffload``: optional for a training backend: its optimizer state to host memory and back.
 - ``KVCalibration``: optional for a training backend: FP8 KV-cache scales.
 - ``ReadsLossInputs``: optional for a training backend: the loss inputs it reads (``loss_inputs``).
 - ``ReferencePolicy``: optional for a training backend: a frozen reference policy's logprobs.
@@ -73,6 +75,8 @@ from asyncrl.backend import (
     Reprefill,
     SampleSink,
     SentWeightsScoring,
+    Sleeps,
+    StateOffload,
     TrainingBackend,
     WeightBucketView,
     WeightTensor,
@@ -129,6 +133,8 @@ __all__ = [
     "Sample",
     "SampleSink",
     "SentWeightsScoring",
+    "Sleeps",
+    "StateOffload",
     "StepResult",
     "TensorEntry",
     "TokenBatch",

@@ -15,6 +15,7 @@ safetensors headers, the GPUs' memory from ``nvidia-smi``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -79,6 +80,9 @@ class MemoryNeed:
     """``(what, bytes)``, e.g. ``("AdamW moments, float32, 1/2 shard", 3.9e9)``."""
     fixes: tuple[str, ...] = ()
     """What would lower it, for a plan that does not fit (the settings named)."""
+    movable: int = 0
+    """Of the parts, the bytes a trainer moves to host memory (or frees) between steps when it
+    takes turns with an engine: its optimizer state and gradients (docs/one-gpu.md)."""
 
     @property
     def total(self) -> int:
@@ -130,13 +134,33 @@ class MemoryPlan:
     model: str
     shape: ModelShape | None = None
     notes: list[str] = field(default_factory=list)
+    take_turns: bool = False
+    """``cluster.placement = "take_turns"``: on a GPU with a trainer rank and engines, the
+    engines sleep while the trainer steps (holding only their CUDA contexts, an assumption)."""
+    offload: bool = False
+    """With turns: the trainers' optimizer state and gradients leave the GPU while the engines
+    generate (``cluster.trainer_offload``, decided from this plan when ``auto``)."""
 
     def on(self, gpu: int) -> list[Process]:
         return [p for p in self.processes if p.gpu == gpu]
 
     def need(self, gpu: int) -> int:
-        """What the processes on ``gpu`` hold, their CUDA contexts included."""
-        return sum(p.need.total + CUDA_CONTEXT_BYTES for p in self.on(gpu) if p.need)
+        """What the processes on ``gpu`` hold at most, their CUDA contexts included (with
+        turns: in the costlier of the two turns)."""
+        return max(self.turns(gpu).values())
+
+    def turns(self, gpu: int) -> dict[str, int]:
+        """What ``gpu`` holds in each turn: ``{"resident": ...}`` where nothing takes turns,
+        else ``{"generating": ..., "stepping": ...}`` (contexts included)."""
+        procs = [p for p in self.on(gpu) if p.need is not None]
+        contexts = len(self.on(gpu)) * CUDA_CONTEXT_BYTES
+        trainers = [p.need for p in procs if p.label.startswith("trainer:") and p.need]
+        engines = [p.need for p in procs if not p.label.startswith("trainer:") and p.need]
+        if not (self.take_turns and trainers and engines):
+            return {"resident": sum(p.need.total for p in procs if p.need) + contexts}
+        kept = sum(t.total - (t.movable if self.offload else 0) for t in trainers)
+        return {"generating": kept + sum(e.total for e in engines) + contexts,
+                "stepping": sum(t.total for t in trainers) + contexts}  # fmt: skip
 
     def trainer_bytes(self) -> int | None:
         """What the largest trainer rank holds before activations (``None``: its backend says
@@ -151,7 +175,7 @@ class MemoryPlan:
         for gpu in sorted({p.gpu for p in self.processes}):
             total = self.gpus[gpu] if self.gpus and gpu < len(self.gpus) else None
             have = f" of {_gib(total)}" if total else ""
-            out.append(f"  GPU {gpu}: {_gib(self.need(gpu))}{have}")
+            out.append(f"  GPU {gpu}: {_gib(self.need(gpu))}{have}{self._turn_line(gpu)}")
             for p in self.on(gpu):
                 if p.need is None:
                     out.append(f"    {p.label}: its backend does not say")
@@ -165,6 +189,15 @@ class MemoryPlan:
             out.append("  no GPU seen here: no verdict (check-config --gpu-memory-gib G plans "
                        "for GPUs of G GiB)")  # fmt: skip
         return out
+
+    def _turn_line(self, gpu: int) -> str:
+        turns = self.turns(gpu)
+        if "generating" not in turns:
+            return ""
+        moved = ("optimizer state and gradients in host memory" if self.offload
+                 else "the trainer's state kept")  # fmt: skip
+        return (f" (taking turns: engines generating {_gib(turns['generating'])}, {moved}; "
+                f"trainer stepping {_gib(turns['stepping'])}, engines asleep)")
 
     def problems(self) -> list[ConfigError]:
         """Each GPU whose processes need more than it has, with the fixes."""
@@ -183,6 +216,19 @@ class MemoryPlan:
                 continue
             who = "; ".join(f"{p.label} {_gib(p.need.total)}" for p in self.on(gpu) if p.need)
             fixes = [f for p in self.on(gpu) if p.need for f in p.need.fixes]
+            turns = self.turns(gpu)
+            if turns.get("generating", 0) > total:  # the engines' turn does not fit
+                engines = sum(p.need.total for p in self.on(gpu)
+                              if p.need and not p.label.startswith("trainer:"))  # fmt: skip
+                room = total - (turns["generating"] - engines)
+                fixes.insert(0, f"let the engines take at most {_gib(max(room, 0))} "
+                                f"({max(room, 0) / total:.2f} of the GPU) beside the trainer's "
+                                "resident state (generator.options.gpu_memory_utilization)"
+                                + ("" if self.offload else ", or offload the trainer's state "
+                                   "(cluster.trainer_offload = \"always\")"))  # fmt: skip
+            elif "resident" in turns and len(self.on(gpu)) > 1:
+                fixes.append("take turns on the GPU (cluster.placement = \"take_turns\": the "
+                             "engines sleep while the trainer steps)")  # fmt: skip
             if len(self.on(gpu)) > 1:
                 fixes.append("put the trainer and the engines on different GPUs "
                              "(cluster.trainer_gpus, cluster.rollout_gpus)")  # fmt: skip
@@ -233,4 +279,15 @@ def plan_memory(
             total = gpus[gpu] if gpus and gpu < len(gpus) else None
             need = estimate(config, shape, total) if estimate and shape else None
             processes.append(Process(f"{group}:{r}", gpu, need))
-    return MemoryPlan(processes, gpus, config.model.path, shape, notes)
+    plan = MemoryPlan(processes, gpus, config.model.path, shape, notes,
+                      take_turns=c.placement == "take_turns")  # fmt: skip
+    if not plan.take_turns:
+        return plan
+    if c.trainer_offload == "auto":  # offload where the whole state does not fit beside
+        whole = MemoryPlan(processes, gpus, config.model.path, shape, take_turns=True)
+        offload = gpus is not None and any(
+            whole.turns(g).get("generating", 0) > gpus[g] for g in {p.gpu for p in processes}
+            if g < len(gpus))  # fmt: skip
+    else:
+        offload = c.trainer_offload == "always"
+    return dataclasses.replace(plan, offload=offload)

@@ -70,6 +70,7 @@ from asyncrl.config.modes import make_groups
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
+from asyncrl.procs.gpu_memory import MemoryPlan
 from asyncrl.run.restarts import Restarts
 from asyncrl.procs.process import exit_status, has_exited, host_id, stopped_by_signal
 from asyncrl.procs.space import shm_dir
@@ -251,17 +252,19 @@ class Controller(anyio.AsyncContextManagerMixin):
         # one run per directory: a second one is refused here, before anything of it exists
         lock = lock_run(cfg)
         try:
-            async with self._owning(environment, tokenizer, memory.trainer_bytes()):
+            async with self._owning(environment, tokenizer, memory):
                 yield
         finally:
             lock.release()
 
     @asynccontextmanager
     async def _owning(
-        self, environment: Any, tokenizer: Any, planned_trainer_bytes: int | None
+        self, environment: Any, tokenizer: Any, memory: MemoryPlan
     ) -> AsyncIterator[None]:
         """The run proper, once it owns its directories: its sockets, clock and metrics file,
-        its workers, its loops; all closed and removed on the way out."""
+        its workers, its loops; all closed and removed on the way out. ``memory``: the plan
+        the preflight made (what a trainer rank holds, whether its state leaves the GPU while
+        the engines take their turn)."""
         cfg = self.config
         # the reward code as imported: compared on resume, recorded in each checkpoint
         code = await anyio.to_thread.run_sync(reward_code_of, cfg, environment)
@@ -298,7 +301,8 @@ class Controller(anyio.AsyncContextManagerMixin):
                         transfer_address=addr.weights(control.peers["trainer:0"].capabilities),
                         metrics=metrics, clock_origin=t0, startup=startup,
                         rejections=rejections, reward_code=code,
-                        planned_trainer_bytes=planned_trainer_bytes,
+                        planned_trainer_bytes=memory.trainer_bytes(),
+                        offload_trainer_state=memory.offload,
                     )  # fmt: skip
                     self._restarts.bind(self._pipeline, metrics)
                     if resume is not None:

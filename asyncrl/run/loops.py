@@ -35,6 +35,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -73,6 +74,7 @@ from asyncrl.run.intake import Feeder
 from asyncrl.run.scoring import Scorer
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales, Publisher
+from asyncrl.run.turns import Turns
 from asyncrl.run.wake import Signal
 from asyncrl.services import Served, enabled_services, load_service
 from asyncrl.run.restarts import Redispatcher, Restarts, send_generate
@@ -156,6 +158,7 @@ class Pipeline:
         rejections: Rejections | None = None,
         reward_code: dict[str, str] | None = None,
         planned_trainer_bytes: int | None = None,
+        offload_trainer_state: bool = False,
     ) -> None:
         self.config, self.control, self.tok = config, control, tokenizer
         self.planned_trainer_bytes = planned_trainer_bytes
@@ -201,6 +204,11 @@ class Pipeline:
         self.resumed_from: int | None = None  # the trainer version a resumed run started from
         self._reward_code = reward_code
         self._build_parts(environment, tokenizer, data_socket, transfer_address)
+        self.turns = Turns(self._ctx, offload=offload_trainer_state,
+                           before_sleep=self.evaluator.wait_validation,
+                           drain=self.publisher.drain if config.refit.drain else None)  # fmt: skip
+        """Whose turn it is on a GPU the trainer and the engines share (``cluster.placement =
+        "take_turns"``; off otherwise)."""
 
     def _build_parts(
         self, environment: Environment, tokenizer: Tokenizer, data: AsyncSocket, transfer: str
@@ -212,6 +220,7 @@ class Pipeline:
             changed=self.changed, committed=self.committed, failures=self.failures,
             probes=self.probes, metrics=metrics, now=self.now,
         )  # fmt: skip
+        self._ctx = ctx
         kv = KVScales(control, trainers, self.rollouts,
                       timeout_s=cfg.cluster.call_timeout_s, metrics=metrics)  # fmt: skip
         self.publisher = Publisher(ctx, kv=kv, transfer_address=transfer,
@@ -249,7 +258,7 @@ class Pipeline:
         # a validation of the weights a refit replaces is waited for before they are taken
         # (not the other way round: a validation may wait for a restarted worker, whose
         # refit needs them)
-        self.assembler = StepAssembler(ctx, before_training=self.publisher.baseline,
+        self.assembler = StepAssembler(ctx, before_training=self._before_training,
                                        before_finish=self.evaluator.wait_validation)  # fmt: skip
         self.feeder = Feeder(ctx, data=data, scorer=self.scorer, asker=self.asker,
                              redispatch=self.redispatch, rejections=self.rejections)  # fmt: skip
@@ -383,6 +392,12 @@ class Pipeline:
         self.changed.notify()
 
     # ------------------------------------------------------------------ helpers
+    async def _before_training(self, step: int, groups: Sequence[Any]) -> None:
+        """A step's first chunk is in: the refit check's baseline (until it has one: both
+        sides score its probe), then the trainer's turn on a shared GPU (the engines sleep)."""
+        await self.publisher.baseline(step, groups)
+        await self.turns.to_trainer()
+
     def _cancel_episodes(self, group_ids: list[str]) -> None:
         assert self.episodes is not None  # only a multi-turn run has groups of episodes
         self.episodes.cancel(group_ids)
@@ -399,6 +414,11 @@ class Pipeline:
         """
         ahead = self.groups.max_buffered_groups
         while not self.groups.finished:
+            if not self.turns.dispatching:  # the trainer's turn on a shared GPU
+                started = self.now()
+                await self.changed.wait()
+                self._gate_wait_s += self.now() - started
+                continue
             # tokenize the next prompts off-loop before deciding: a decision and its
             # Generate must not be separated by a refit
             await self.prompts.prefetch(self.groups.next_index + ahead, self.tok)
@@ -482,7 +502,9 @@ class Pipeline:
             async with self._weights:
                 trained = await self.assembler.finish(step)
                 if trained is not None:
+                    await self.turns.before_refit()  # the trainer's state out of the way
                     stats, refit = await self.publisher.publish(step, trained.record.groups)
+                    self.turns.to_engines()  # the refit woke them
                     return trained, stats, refit
             # FinishStep failed on a trainer: the step's groups are ready again
 
@@ -513,6 +535,7 @@ class Pipeline:
             loop_lags=self.lag.take(), rejected_frames=self.rejections.total, now=self.now(),
         )  # fmt: skip
         record.update(trainer_memory(results, self.planned_trainer_bytes))
+        record.update(self.turns.take())
         if self.episodes is not None:
             record.update(self.episodes.take_metrics())
         self.history.append(record)

@@ -355,7 +355,9 @@ class Publisher:
         refit_start = self.now()
         log.debug("refit_started", version=step + 1)
         await self.abort(self.rollout.begin_refit())
-        drain_s, drain_timeouts = await self._drain() if self.config.refit.drain else (0.0, 0)
+        # taking turns, the engines sleep now: a drain came before the sleep (asyncrl.run.turns)
+        drain = self.config.refit.drain and self.config.cluster.placement != "take_turns"
+        drain_s, drain_timeouts = await self.drain() if drain else (0.0, 0)
         inflight_at_refit = self.groups.inflight_samples
         kv_scales = await self.kv.after_step(groups, step + 1)
         report = await self._refit(step + 1, kv_scales, self.serving(), reprefill=self._reprefill)
@@ -389,7 +391,7 @@ class Publisher:
             worker, Abort(group_ids=group_ids), timeout_s=self.config.cluster.call_timeout_s
         )
 
-    async def _drain(self) -> tuple[float, int]:
+    async def drain(self) -> tuple[float, int]:
         """Wait until no sample is generating, at most :data:`DRAIN_TIMEOUT_S`; returns the
         seconds waited and 1 if the wait timed out (else 0)."""
         start = self.now()

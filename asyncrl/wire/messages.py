@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -201,6 +201,20 @@ class ReceiverGone(msgspec.Struct, tag="rcv_gone", **_CTRL):
     receiver: str
 
 
+class Sleep(msgspec.Struct, tag="sleep", **_CTRL):
+    """(protocol 17) Rollout: the engine sleeps, its GPU memory released, while the trainer
+    steps (``cluster.placement = "take_turns"``); requests are held, not dropped, and the next
+    :class:`ReceiveWeights` wakes it. Answered with a :class:`TurnResult`."""
+
+
+class MoveState(msgspec.Struct, tag="move_state", **_CTRL):
+    """(protocol 17) Trainer, between steps: the optimizer state to host memory (``to =
+    "host"``, gradients freed) while the engine generates, or back (``"device"``) before the
+    next step. Answered with a :class:`TurnResult`."""
+
+    to: str
+
+
 class Health(msgspec.Struct, tag="health", **_CTRL):
     """Either group: answered at once from the worker's event loop, never queued behind a
     call, so an answer says the worker's loop turns (the controller's heartbeat)."""
@@ -221,6 +235,8 @@ Request = Union[
     LoadState,
     ExportModel,
     ReceiverGone,
+    Sleep,
+    MoveState,
     Health,
 ]
 
@@ -291,13 +307,24 @@ class KVScalesResult(msgspec.Struct, tag="kv_r", **_CTRL):
     """``{"model.layers.{i}.self_attn.{k,v,q}_scale": scale}`` (dequantisation multipliers)."""
 
 
+class TurnResult(msgspec.Struct, tag="turn_r", **_CTRL):
+    """(protocol 17) What a :class:`Sleep` or a :class:`MoveState` did."""
+
+    seconds: float
+    moved_bytes: int = 0
+    """GPU memory released (a sleep's, where the engine says) or moved (the state's)."""
+    held: int = 0
+    """A sleep's: requests in flight that stopped and wait for the wake."""
+
+
 class HealthResult(msgspec.Struct, tag="health_r", **_CTRL):
     pid: int
     busy: bool = False
 
 
 Result = Union[
-    Empty, LogprobsResult, ChunkResult, StepResult, WeightsResult, KVScalesResult, HealthResult
+    Empty, LogprobsResult, ChunkResult, StepResult, WeightsResult, KVScalesResult, HealthResult,
+    TurnResult,
 ]
 
 

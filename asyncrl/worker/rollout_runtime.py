@@ -29,6 +29,7 @@ from asyncrl.backend import (
     EngineWatch,
     GenerationBackend,
     Reprefill,
+    Sleeps,
     WorkerContext,
 )
 from asyncrl.config import Config
@@ -51,6 +52,8 @@ from asyncrl.wire.messages import (
     Sample,
     SampleDone,
     ScoreTokens,
+    Sleep,
+    TurnResult,
 )
 from asyncrl.wire.transport import PUSH
 from asyncrl.worker.base import Handler, WorkerRuntime
@@ -106,7 +109,7 @@ class RolloutRuntime(WorkerRuntime):
     ROLE = "rollout"
     PLUGIN_GROUP = "asyncrl.generation_backends"
     PROTOCOL = GenerationBackend
-    OPTIONAL = (EngineWatch, Reprefill)
+    OPTIONAL = (EngineWatch, Reprefill, Sleeps)
 
     backend: GenerationBackend
 
@@ -124,6 +127,8 @@ class RolloutRuntime(WorkerRuntime):
         """The serving task group: generations run in it (while serving)."""
         self._reprefill: Callable[[], Awaitable[None]] | None = None
         """The backend's ``reprefill_in_flight`` (:class:`~asyncrl.backend.Reprefill`)."""
+        self._sleep: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        """The backend's ``sleep`` (:class:`~asyncrl.backend.Sleeps`)."""
 
     @staticmethod
     def backend_name(config: Config) -> str:
@@ -139,6 +144,7 @@ class RolloutRuntime(WorkerRuntime):
             Abort: self._abort,
             ScoreTokens: self._score,
             ReceiveWeights: self._receive_weights,
+            Sleep: self._sleep_engine,
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -148,6 +154,7 @@ class RolloutRuntime(WorkerRuntime):
     def _use_optional(self, methods: dict[str, Callable[..., Any] | None]) -> None:
         self._engine_watch = methods["watch"]
         self._reprefill = methods["reprefill_in_flight"]
+        self._sleep = methods["sleep"]
 
     async def _start(self) -> dict[str, Any]:
         """Start the backend (after checking it can do what the config asks of it).
@@ -162,6 +169,13 @@ class RolloutRuntime(WorkerRuntime):
                 f"generator backend {config.generator.backend!r} cannot re-prefill the "
                 "requests in flight at a refit (it has no reprefill_in_flight)",
                 'set it to "continue", or use a backend that can (vllm)',
+            )
+        if self._sleep is None and config.cluster.placement == "take_turns":
+            raise config_error(
+                "cluster.placement",
+                f"generator backend {config.generator.backend!r} cannot sleep while the "
+                "trainer steps (it has no sleep)",
+                'set it to "resident", or use a backend that can (vllm)',
             )
         self.data = self.ctx.socket(PUSH, connect=self.init.data_address, hwm=256)
         return await self.backend.start()
@@ -220,6 +234,15 @@ class RolloutRuntime(WorkerRuntime):
             timeout_s=req.timeout_s,
         )
         return msgspec.structs.replace(received, busy_s=self.busy.take())
+
+    async def _sleep_engine(self, req: Sleep) -> Result:
+        if self._sleep is None:  # the worker refused to start such a run
+            raise RuntimeError("Sleep sent to an engine that cannot sleep")
+        start = time.perf_counter()
+        facts = await self._sleep()
+        return TurnResult(seconds=time.perf_counter() - start,
+                          moved_bytes=int(facts.get("freed_bytes", 0)),
+                          held=int(facts.get("held", 0)))  # fmt: skip
 
     # ----------------------------------------------------------------- generations
     async def _generate_one(self, req: GenRequest, outbox: Any) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from asyncrl.backend import (
     ReadsLossInputs,
     ReferencePolicy,
     SentWeightsScoring,
+    StateOffload,
     TrainingBackend,
     WorkerContext,
     drain_weights,
@@ -52,11 +54,13 @@ from asyncrl.wire.messages import (
     KVScalesResult,
     LoadState,
     LogprobsResult,
+    MoveState,
     ReceiverGone,
     Result,
     SaveState,
     SendWeights,
     TrainChunk,
+    TurnResult,
 )
 from asyncrl.wire.transport import toward
 from asyncrl.worker.base import Handler, WorkerRuntime
@@ -127,7 +131,7 @@ class TrainerRuntime(WorkerRuntime):
     ROLE = "trainer"
     PLUGIN_GROUP = "asyncrl.training_backends"
     PROTOCOL = TrainingBackend
-    OPTIONAL = (KVCalibration, ReferencePolicy, SentWeightsScoring, ReadsLossInputs)
+    OPTIONAL = (KVCalibration, ReferencePolicy, SentWeightsScoring, ReadsLossInputs, StateOffload)
 
     backend: TrainingBackend
 
@@ -145,6 +149,9 @@ class TrainerRuntime(WorkerRuntime):
         self._loss_inputs: Any = None
         """The backend's ``loss_inputs`` (:class:`~asyncrl.backend.ReadsLossInputs`), if it has
         them; checked by :meth:`_check_loss_inputs`."""
+        self._state_moves: tuple[Callable[[], int], Callable[[], int]] | None = None
+        """The backend's ``state_to_host`` and ``state_to_device``
+        (:class:`~asyncrl.backend.StateOffload`), if it has them."""
         self._queue: Any = None
         """Calls waiting for the backend's thread, in arrival order (the send end of a stream
         of ``CALL_QUEUE_SIZE``, opened by :meth:`_start_serving`, closed when serving ends)."""
@@ -169,6 +176,7 @@ class TrainerRuntime(WorkerRuntime):
             LoadState: self._load_state,
             ExportModel: self._export,
             ReceiverGone: self._receiver_gone,
+            MoveState: self._move_state,
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -180,6 +188,8 @@ class TrainerRuntime(WorkerRuntime):
         self._sent = methods["sent_logprobs"]
         self._reference = methods["reference_logprobs"]
         self._loss_inputs = methods["loss_inputs"]
+        moves = (methods["state_to_host"], methods["state_to_device"])
+        self._state_moves = moves if None not in moves else None
 
     async def _start(self) -> dict[str, Any]:
         """Raises PluginError: ``loss.aggregation`` needs a ``finish_step`` keyword the
@@ -194,6 +204,10 @@ class TrainerRuntime(WorkerRuntime):
                 "to the backend (docs/plugins.md)"
             )
         self._check_loss_inputs()
+        cluster = self.wctx.config.cluster
+        if cluster.placement == "take_turns" and cluster.trainer_offload == "always":
+            if self._state_moves is None:
+                raise self._cannot_offload()
         caps = await self.thread.run(self.backend.start)
         if self.wctx.rank == 0 and self.init.transfer_address:
             config = self.wctx.config
@@ -371,6 +385,27 @@ class TrainerRuntime(WorkerRuntime):
     async def _load_state(self, req: LoadState) -> Result:
         await self.thread.run(self.backend.load_state, req.path)
         return Empty()
+
+    async def _move_state(self, req: MoveState) -> Result:
+        """The optimizer state to host memory or back (``cluster.placement = "take_turns"``).
+
+        Raises:
+            PluginError: the backend cannot (it has no :class:`~asyncrl.backend.StateOffload`).
+        """
+        if self._state_moves is None:
+            raise self._cannot_offload()
+        if req.to not in ("host", "device"):
+            raise ValueError(f"MoveState.to must be 'host' or 'device', got {req.to!r}")
+        start = time.perf_counter()
+        moved = await self.thread.run(self._state_moves[req.to == "device"])
+        return TurnResult(seconds=time.perf_counter() - start, moved_bytes=int(moved))
+
+    def _cannot_offload(self) -> PluginError:
+        return PluginError(
+            f"training backend {self.wctx.config.trainer.backend!r} cannot move its state "
+            "to host memory (no state_to_host / state_to_device). Fix: set "
+            "cluster.trainer_offload = \"never\", or use a backend that can (fsdp2, deepspeed)"
+        )
 
     async def _export(self, req: ExportModel) -> Result:
         config = self.wctx.config

@@ -1,8 +1,9 @@
 """Shipped mode configs (examples/modes/*.toml) run end to end with the real engines (vLLM CPU
 build + FSDP2) for a few steps, and their staleness metrics match their mode: the on-policy
-one, and the one that aborts requests in the engine (over-sampling), here with LoRA and its
-requests moved to each new adapter version (the same mode with full weights runs in
-``test_modes_benchmark.py``). Every shipped mode config's settings are run on the bigram
+one, here with the engine and the trainer taking turns (``cluster.placement = "take_turns"``:
+the engine sleeps while the trainer steps, the refit wakes it), and the one that aborts
+requests in the engine (over-sampling), here with LoRA and its requests moved to each new
+adapter version (the same mode with full weights runs in ``test_modes_benchmark.py``). Every shipped mode config's settings are run on the bigram
 engine by ``tests/integration/test_modes.py::test_each_shipped_mode_config_keeps_its_bound``;
 the modes between these two differ from them in the controller's scheduling only, which does
 not depend on the engine."""
@@ -33,9 +34,12 @@ pytestmark = [
 EXAMPLES = Path(__file__).parents[2] / "examples" / "modes"
 # config -> (staleness bound, wastes nothing)
 EXPECTED = {
-    "sync.toml": (0, True),
+    "sync.toml+turns": (0, True),
     "oversampled.toml+lora": (1, False),
 }
+TURNS = {"cluster.placement": "take_turns", "cluster.trainer_offload": "always"}
+"""The ``+turns`` case: the engine sleeps before each step trains and the refit wakes it; the
+trainer's optimizer state is asked to leave the GPU (on the CPU nothing moves)."""
 LORA = {"lora.rank": 16, "trainer.options.lr": 1e-3, "run.num_steps": 5,
         "pipeline.sampler.in_flight_at_refit": "reprefill"}  # fmt: skip
 """The ``+lora`` case: adapters, and the requests in flight at each refit move to the new
@@ -65,7 +69,7 @@ async def test_example_mode_runs_with_real_engines(
             "run.output_dir": str(tmp_path / "out"),
             "run.num_steps": 3,
             "eval.num_prompts": 0,
-            **(LORA if variant == "lora" else {}),
+            **{"lora": LORA, "turns": TURNS}.get(variant, {}),
         },
     )
     report = describe(config)
@@ -89,6 +93,12 @@ async def test_example_mode_runs_with_real_engines(
     if name == "async_in_order.toml":
         assert steps[1]["staleness_max"] == 1  # batch 2 was generated while step 1 trained
     assert steps[0]["refit_verify_mean_abs"] <= steps[0]["refit_verify_bound"]
+    if variant == "turns":  # each step: the engine slept, the trainer's state moved, woke
+        log = (Path(config.run.output_dir) / "logs" / "rollout-0.log").read_text().splitlines()
+        woke = [json.loads(x)["woke"] for x in log if '"weights_loaded"' in x]
+        assert sum('"engine_asleep"' in line for line in log) == config.run.num_steps
+        assert woke == [True] * config.run.num_steps, woke
+        assert all(r["turn_held_requests"] == 0 and "turn_state_to_host_s" in r for r in steps)
     if variant == "lora":  # each refit installed an adapter and moved the requests in flight
         log = (Path(config.run.output_dir) / "logs" / "rollout-0.log").read_text().splitlines()
         assert sum('"adapter_installed"' in line for line in log) == config.run.num_steps

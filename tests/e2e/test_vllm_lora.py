@@ -293,3 +293,44 @@ async def test_requests_in_flight_move_to_the_new_adapter_at_a_reprefill_refit(
     assert any(s[0] and s[1] for s in spans), "no sample kept its tokens across the move"
     assert backend._adapters.leases.resident == (old + 1,)
     assert (await backend._rpc("asyncrl_adapters"))[0] == [old + 2]
+
+
+@module_loop
+async def test_a_sleeping_engine_wakes_for_an_adapter_refit(backend, model_dir, tmp_path) -> None:
+    """``cluster.placement = "take_turns"`` with ``[lora]``: a sleep stops the requests in
+    flight and holds those that arrive; the adapter refit wakes the engine (the base kept
+    across the sleep) and every sample finishes, each token by the version that generated it
+    (checked against that version's reference)."""
+    old = backend.version
+    tensors = adapter(model_dir, seed=78)
+    views = write_buckets(tmp_path, old + 1, tensors, 1)
+    backend.installed[old + 1] = tensors
+    before = GenRequest(group_id="asleep-a", prompt_ids=[1, 9, 3], n=4, max_tokens=120, seed=6)
+    during = GenRequest(group_id="asleep-b", prompt_ids=[1, 7, 3], n=2, max_tokens=40, seed=7)
+    backend._takes_turns = True  # as a run with placement = "take_turns" starts it
+    try:
+        first = asyncio.create_task(generate_all(backend, before))
+        await asyncio.sleep(0.1)
+        facts = await backend.sleep()
+        second = asyncio.create_task(generate_all(backend, during))
+        await asyncio.sleep(0.05)
+        assert not second.done() and backend._turn.state == "asleep"
+        await refit(backend, views, old + 1)
+        samples = await asyncio.wait_for(asyncio.gather(first, second), 60)
+    finally:
+        backend._takes_turns = False
+    assert backend._turn.state == "awake" and backend.last_refit["version"] == old + 1
+    references = {v: merged(model_dir, backend.installed[v]) for v in (old, old + 1)}
+    worst = 0.0
+    for request, group in zip((before, during), samples, strict=True):
+        for sample in group:
+            versions = sample.versions.tolist()
+            assert sample.finish_reason in ("stop", "length") and versions == sorted(versions)
+            tokens = request.prompt_ids + sample.token_ids.tolist()
+            want = {v: ref_logprobs(m, tokens, len(request.prompt_ids))
+                    for v, m in references.items()}  # fmt: skip
+            tagged = np.where(sample.versions == old, want[old], want[old + 1])
+            worst = max(worst, float(np.abs(tagged - sample.logprobs).max()))
+    assert all(set(s.versions.tolist()) == {old + 1} for s in samples[1])
+    print(f"{facts['held']} stopped by the sleep; max |engine - reference| {worst:.4f}")
+    assert facts["held"] > 0 and worst < TOL

@@ -248,3 +248,40 @@ async def test_evicting_the_whole_buffer_wakes_the_rollout_pump(
     )
     assert sum(r["evicted_groups"] for r in steps) > 0, steps
     assert all(max(int(k) for k in r["staleness_hist"]) <= 1 for r in steps)
+
+
+TURN_MODES = {  # mode -> its samples in flight at the switch: drained first (refit.drain)
+    "sync": False, "in_order-2": False, "oversampled": False, "ready_first": True,
+}
+
+
+@pytest.mark.parametrize("mode", list(TURN_MODES))
+async def test_each_mode_takes_turns_with_the_trainer(
+    make_config: Callable[..., Config], mode: str
+) -> None:
+    """``cluster.placement = "take_turns"``: before each step trains, the engine sleeps (the
+    samples in flight stop where they are, or end first with ``refit.drain``) and the
+    trainers' state comes back; after the step, the state leaves and the refit wakes the
+    engine. The mode's bound and its accounts hold as they do resident; in the asynchronous
+    modes samples in flight at a switch go on after the wake (nothing is lost: every step
+    trains P groups). The bigram trainer keeps its state in host memory, so nothing moves, but
+    every move is asked for (``trainer_offload = "always"``)."""
+    sampler, bound, waste_free = MODES[mode]
+    drain = TURN_MODES[mode]
+    steps = await run(
+        make_config, f"turns-{mode}", pipeline={"sampler": sampler},
+        cluster={"placement": "take_turns", "trainer_offload": "always"},
+        refit={"drain": drain},
+    )  # fmt: skip
+    for i, r in enumerate(steps):
+        hist = {int(k): v for k, v in r["staleness_hist"].items()}
+        assert sum(hist.values()) == r["groups"] == P and max(hist) <= bound, (mode, hist)
+        assert r["turn_sleep_s"] >= 0 and r["turn_to_trainer_s"] >= r["turn_sleep_s"], r
+        assert "turn_state_to_host_s" in r and ("turn_state_to_device_s" in r) == (i > 0), r
+        if waste_free:
+            assert r["wasted_samples"] == 0, r
+    held = sum(r["turn_held_requests"] for r in steps)
+    if bound == 0 or drain:
+        assert held == 0, steps  # nothing in flight at the switch
+    else:
+        assert held > 0, steps  # in flight at a switch, held across the sleep

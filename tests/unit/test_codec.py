@@ -46,7 +46,7 @@ def hexbody(frames: list) -> str:
     return bytes(frames[0]).hex()
 
 
-def test_protocol_version_is_sixteen() -> None:
+def test_protocol_version_is_seventeen() -> None:
     # 2: samples stream one by one (SampleDone replaced GroupDone); 3: refits open with a
     # Manifest and bucket handles are transfer-specific bytes; 4: DataBatch; 5: SaveState,
     # LoadState, ExportModel, GroupFailed.retryable; 6: SendWeights.receiver_pids;
@@ -59,8 +59,8 @@ def test_protocol_version_is_sixteen() -> None:
     # 14: SendWeights.receiver_hosts (the nccl transfer sends a bucket once per host);
     # 15: ComputeLogprobs.policy "sent", and every socket CURVE (ipc too: a peer without the
     # run's keys fails its handshake); 16: StepResult.peak_allocated_bytes and
-    # peak_reserved_bytes
-    assert PROTOCOL_VERSION == 16
+    # peak_reserved_bytes; 17: Sleep, MoveState, TurnResult (taking turns on a GPU)
+    assert PROTOCOL_VERSION == 17
 
 
 def test_golden_hello() -> None:

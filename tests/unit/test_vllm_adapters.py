@@ -232,12 +232,14 @@ def lora_backend(model_dir: Path, worker: Worker, rpc_timeout_s: float) -> Any:
 
     from asyncrl_vllm.backend import VLLMBackend
     from asyncrl_vllm.death import EngineDeath
+    from asyncrl_vllm.turns import EngineTurn
 
     b = VLLMBackend.__new__(VLLMBackend)
     cfg = config(model_dir)
     b.ctx, b.options = SimpleNamespace(config=cfg), parse_options({"rpc_timeout_s": rpc_timeout_s})
     b._llm, b._death, b._reaper, b._shapes = FrontEnd(worker), EngineDeath(), None, SHAPES
     b._requests, b._aborted, b._moving, b._log = {}, set(), set(), Log()
+    b._inside, b._turn = {}, EngineTurn()
     b._adapters = EngineAdapters(cfg, b.options, b._rpc, Log())
     return b
 
@@ -297,11 +299,12 @@ def test_a_reprefill_refit_moves_only_the_requests_on_older_versions(model_dir: 
         for sid in ("g/0", "g/1", "h/0"):  # as _generate_sample leases and tracks them
             b._adapters.lease(sid)
             b._requests.setdefault(sid.split("/")[0], {})[sid] = sid
+            b._inside[sid] = sid  # in the engine (not waiting for a wake)
         b._aborted.add("h/0")
         await refit(b, 2)  # continue: nothing moves
         assert b._llm.aborted == [] and "moved" not in b.last_refit
         b._adapters.lease("g/2")  # started on v2
-        b._requests["g"]["g/2"] = "g/2"
+        b._requests["g"]["g/2"] = b._inside["g/2"] = "g/2"
         await refit(b, 3, reprefill=True)
         assert sorted(b._llm.aborted) == ["g/0", "g/1", "g/2"]
         assert b._moving == {"g/0", "g/1", "g/2"} and b.last_refit["moved"] == 3

@@ -60,6 +60,7 @@ def trainer_need(
         parts += [(f"base {config.model.dtype}" + ("" if whole_weights else shard), base),
                   (f"adapter, gradient, AdamW moments float32{shard}", 16 * t // n)]  # fmt: skip
         fixes = ["lower lora.rank"] if 16 * t > base else []
+        movable = 12 * t // n
     else:
         if whole_weights and bf16:
             parts += [("weights bf16 (whole)", 2 * p),
@@ -69,8 +70,10 @@ def trainer_need(
         else:
             parts.append((f"weights float32{shard}", 4 * p // n))
         parts.append((f"gradients float32{shard}", 4 * p // n))
+        movable = 4 * p // n
         if optimizer == "adamw":
             parts.append((f"AdamW moments float32{shard}", 8 * p // n))
+            movable += 8 * p // n
         if config.loss.kl_coef > 0 and not reference_offload:
             parts.append((f"KL reference {'bf16' if bf16 else 'float32'}{shard}",
                           (2 if bf16 else 4) * p // n))  # fmt: skip
@@ -84,4 +87,4 @@ def trainer_need(
                          "(trainer.options.reference_offload = true)")  # fmt: skip
     state = sum(b for _, b in parts)
     parts.append(("working memory (estimated)", int(state * WORKING_SHARE)))
-    return MemoryNeed(tuple(parts), tuple(fixes))
+    return MemoryNeed(tuple(parts), tuple(fixes), movable=movable)

@@ -46,6 +46,7 @@ from .death import UNNAMED, EngineDeath, Probe
 from .reaper import Reaper
 from .adapters import EngineAdapters, lora_engine_args
 from .refit import EngineWeights, _Update
+from .turns import EngineTurn
 from .engine_io import check_request, engine_prompt, sample_of, sampling_params
 from .prompt_logprobs import response_logprobs, split_batch
 
@@ -166,7 +167,11 @@ class VLLMBackend(EngineWeights):
         self._aborted: set[str] = set()
         """Samples aborted by :meth:`abort` (their streams may end without an output)."""
         self._moving: set[str] = set()
-        """Samples whose vLLM request was aborted to go on under the newest adapter."""
+        """Samples whose vLLM request was aborted to go on under the newest adapter, or after
+        a sleep."""
+        self._inside: dict[str, str] = {}
+        """Samples in the engine now (not waiting for a wake, nor between parts), and their
+        vLLM request."""
         self._engine_shm: list[str] = []
         """Shared-memory segments the engine's processes mapped at start (vLLM's message
         queues); a killed engine cannot unlink them."""
@@ -182,8 +187,20 @@ class VLLMBackend(EngineWeights):
         """With ``[lora]``: the adapter versions served, and their leases (docs/lora.md)."""
         self._moves = self._adapters is not None and in_flight_at_refit(
             ctx.config.sampler) == "reprefill"  # fmt: skip
-        """Refits move the requests in flight to the new adapter (:meth:`_move_in_flight`):
-        their logprobs stream to the front end, so a move keeps the tokens so far."""
+        """Refits move the requests in flight to the new adapter (:meth:`_move_in_flight`)."""
+        self._takes_turns = ctx.config.cluster.placement == "take_turns"
+        """The engine sleeps while the trainer steps (:meth:`sleep`; docs/one-gpu.md)."""
+        self._turn = EngineTurn()
+        """Whether requests may go into the engine now (always, unless it takes turns)."""
+        self._sleep_level = 1 if ctx.config.lora.enabled else 2
+        """vLLM's sleep level: 2 releases the weights too (the refit replaces them all); with
+        ``[lora]`` the base stays, so 1 keeps it in host memory."""
+
+    @property
+    def _stream_logprobs(self) -> bool:
+        """Requests' logprobs stream to the front end, so that a request stopped to move to a
+        new adapter or to let the engine sleep keeps every token so far."""
+        return self._moves or self._takes_turns
 
     # ------------------------------------------------------------------ lifecycle
     def _engine_environ(self, cuda: bool) -> dict[str, str | None]:
@@ -250,6 +267,8 @@ class VLLMBackend(EngineWeights):
             args["gpu_memory_utilization"] = o.gpu_memory_utilization
         if cfg.lora.enabled:
             args.update(lora_engine_args(cfg, o))
+        if cuda and self._takes_turns:
+            args["enable_sleep_mode"] = True  # vLLM's CPU build has no sleep mode to enable
         args.update(o.extra_engine_args)
         return args
 
@@ -486,8 +505,8 @@ class VLLMBackend(EngineWeights):
                 rid = f"{sid}+{len(parts)}" if parts else sid
                 self._requests.setdefault(request.group_id, {})[sid] = rid
                 part = await self._generate_part(
-                    llm, rid, sampling_params(request, i, self._eos, done=done, part=len(parts),
-                                              stream_logprobs=self._moves),
+                    llm, sid, rid, sampling_params(request, i, self._eos, done=done, part=len(parts),
+                                              stream_logprobs=self._stream_logprobs),
                     self._prompt([*request.prompt_ids, *_tokens(parts)]) if parts else prompt,
                 )
                 moved = sid in self._moving
@@ -520,21 +539,27 @@ class VLLMBackend(EngineWeights):
         )
 
     async def _generate_part(
-        self, llm: Any, rid: str, params: Any, prompt: dict[str, Any]
+        self, llm: Any, sid: str, rid: str, params: Any, prompt: dict[str, Any]
     ) -> Sample | None:
-        """One vLLM request run to its end; ``None`` if it ended without an output. With
-        ``[lora]`` it leases the newest adapter version for its whole life and its tokens are
-        tagged with that version."""
-        version, adapter = self._adapters.lease(rid) if self._adapters else (0, None)
+        """Sample ``sid``'s vLLM request ``rid`` run to its end; ``None`` if it ended without
+        an output. It waits while the engine sleeps (aborted meanwhile: it does not go in).
+        With ``[lora]`` it leases the newest adapter version for its whole life and its
+        tokens are tagged with that version."""
         final = None
-        try:
-            stream = llm.generate(prompt, params, request_id=rid, lora_request=adapter)
-            async with contextlib.aclosing(stream) as out:
-                async for item in out:
-                    final = item
-        finally:
-            if self._adapters is not None:
-                await self._adapters.release(rid)
+        async with self._turn.request():
+            if sid in self._aborted:
+                return None
+            version, adapter = self._adapters.lease(rid) if self._adapters else (0, None)
+            self._inside[sid] = rid
+            try:
+                stream = llm.generate(prompt, params, request_id=rid, lora_request=adapter)
+                async with contextlib.aclosing(stream) as out:
+                    async for item in out:
+                        final = item
+            finally:
+                del self._inside[sid]
+                if self._adapters is not None:
+                    await self._adapters.release(rid)
         if final is None or not final.outputs:
             return None
         sample = sample_of(final.outputs[0])
@@ -553,8 +578,7 @@ class VLLMBackend(EngineWeights):
         leases = self._adapters.leases
         moving = {
             sid: rid
-            for running in self._requests.values()
-            for sid, rid in running.items()
+            for sid, rid in self._inside.items()
             if sid not in self._aborted and (leases.version_of(rid) or 0) < version
         }
         if moving:
@@ -562,6 +586,50 @@ class VLLMBackend(EngineWeights):
             await self._bounded("abort", self._require().abort(list(moving.values())))
             self._log.info("requests_moved", version=version, moved=len(moving))
         return len(moving)
+
+    # ------------------------------------------------------------------ taking turns
+    async def sleep(self) -> dict[str, Any]:
+        """:class:`~asyncrl.plugin.backend.Sleeps`: new requests wait; every sample in the
+        engine stops (aborted, its tokens and logprobs kept: they stream) and waits to go on
+        after the wake (:meth:`_generate_sample`); once the engine is empty, vLLM's sleep
+        releases the KV cache and the weights (level 2; with ``[lora]`` level 1, the base
+        kept in host memory). On the CPU build vLLM's sleep only pauses the scheduler and
+        clears the prefix cache. The next refit wakes it (``begin_weight_update``,
+        ``finish_weight_update``). Each step bounded by ``rpc_timeout_s``."""
+        if self._turn.state != "awake":
+            return {"sleep_s": 0.0, "held": 0}
+        llm = self._require()
+        start = time.perf_counter()
+        self._turn.close()
+        moving = {sid: rid for sid, rid in self._inside.items() if sid not in self._aborted}
+        try:
+            if moving:
+                self._moving.update(moving)
+                await self._bounded("abort", llm.abort(list(moving.values())))
+            await self._bounded("the requests' end before a sleep", self._turn.drained())
+            await self._bounded("sleep", llm.sleep(level=self._sleep_level))
+        except BaseException:
+            self._turn.reopen()  # the run stops on the failed Sleep; nothing waits forever
+            raise
+        self._turn.slept(weights_kept=self._sleep_level == 1)
+        seconds = time.perf_counter() - start
+        self._log.info("engine_asleep", held=len(moving), level=self._sleep_level,
+                       seconds=round(seconds, 4))  # fmt: skip
+        return {"sleep_s": seconds, "held": len(moving)}
+
+    async def _wake_weights(self) -> None:
+        """A refit begins while the engine sleeps: bring the weights' memory back (the refit
+        loads into it). Bounded by ``rpc_timeout_s``."""
+        await self._bounded("wake_up(weights)", self._require().wake_up(["weights"]))
+        self._turn.weights_back()
+
+    async def _wake_cache(self, kv_scales: dict[str, float] | None) -> None:
+        """The refit loaded its version: bring the KV cache back, then write the FP8 scales
+        again (vLLM may reset them when it wakes the cache). Serving resumes after it."""
+        self._turn.loaded()
+        await self._bounded("wake_up(kv_cache)", self._require().wake_up(["kv_cache"]))
+        if kv_scales:
+            await self._rpc("asyncrl_set_kv_scales", kv_scales)
 
     @contextlib.asynccontextmanager
     async def _engine_errors(self) -> AsyncIterator[None]:
@@ -634,16 +702,17 @@ class VLLMBackend(EngineWeights):
         async def one(i: int, tokens: list[int], prompt_len: int) -> None:
             final = None
             rid = f"{prefix}-{i}"
-            adapter = self._adapters.lease(rid)[1] if self._adapters else None  # the newest
-            try:
-                stream = llm.generate(self._prompt(tokens), params, request_id=rid,
-                                      lora_request=adapter)  # fmt: skip
-                async with contextlib.aclosing(stream) as out:
-                    async for item in out:
-                        final = item
-            finally:
-                if self._adapters is not None:
-                    await self._adapters.release(rid)
+            async with self._turn.request():
+                adapter = self._adapters.lease(rid)[1] if self._adapters else None  # the newest
+                try:
+                    stream = llm.generate(self._prompt(tokens), params, request_id=rid,
+                                          lora_request=adapter)  # fmt: skip
+                    async with contextlib.aclosing(stream) as out:
+                        async for item in out:
+                            final = item
+                finally:
+                    if self._adapters is not None:
+                        await self._adapters.release(rid)
             prompt_lps = final.prompt_logprobs if final is not None else None
             if not hasattr(prompt_lps, "start_indices"):
                 raise RuntimeError("vLLM returned no flat prompt logprobs")

@@ -5,13 +5,14 @@
     begin_weight_update(v, manifest, kv_scales)  check the manifest against the checkpoint's
                                       safetensors headers and model.dtype, and that an FP8
                                       cache gets scales (refuse before pausing); pause (keep
-                                      in-flight requests)
+                                      in-flight requests), or wake a sleeping engine's weights
     load_weight_bucket(b)             collective_rpc("asyncrl_load_bucket", ...), one per
                                       bucket: the first also opens the reload, the last also
                                       finalizes it and writes the scales (after the weights:
                                       finalizing resets them to 1.0)
-    finish_weight_update(v)           invalidate the prefix cache (a new cache salt, or a
-                                      reset); label the version; resume
+    finish_weight_update(v)           wake a sleeping engine's KV cache (and write the scales
+                                      again); invalidate the prefix cache (a new cache salt,
+                                      or a reset); label the version; resume
     abort_weight_update(v, loaded_any)  close the reload; resume on the old weights if nothing
                                       was loaded, else stay paused
 
@@ -80,6 +81,10 @@ class EngineWeights:
     _salt: str | None
     _adapters: Any
     """``[lora]``: the :class:`~asyncrl_vllm.adapters.EngineAdapters` a refit goes to instead."""
+    _turn: Any
+    """The engine's :class:`~asyncrl_vllm.turns.EngineTurn`: a refit wakes a sleeping engine."""
+    _wake_weights: Any
+    _wake_cache: Any
 
     async def _invalidate_prefix_cache(self, version: int) -> None:
         """Make sure no block computed by older weights is reused (see the option
@@ -125,6 +130,8 @@ class EngineWeights:
             self._shapes = checkpoint_shapes(self.ctx.config.model.path)
         if self._adapters is not None:  # an adapter version: no pause, the base untouched
             self._adapters.begin(version, manifest, self._shapes)
+            if self._turn.state == "asleep":
+                await self._wake_weights()  # the adapter goes into the woken base's memory
             return
         problems = manifest_problems(
             manifest, self._shapes, dtype=self.ctx.config.model.dtype, tied=self._tied
@@ -142,15 +149,18 @@ class EngineWeights:
                 "generator reports an fp8 kv_cache_dtype)"
             )
         started = time.perf_counter()
-        # AsyncLLM.pause_generation is the engine core's pause plus a cosmetic 20 ms sleep
-        # (vLLM: "not required for correctness"), a fixed cost on every refit
-        core = getattr(llm, "engine_core", None)
-        pause = (
-            core.pause_scheduler_async(mode="keep", clear_cache=False)
-            if hasattr(core, "pause_scheduler_async")
-            else llm.pause_generation(mode="keep", clear_cache=False)
-        )
-        await self._bounded("pause_generation", pause)
+        if self._turn.state == "asleep":  # nothing runs: the new weights go into the woken memory
+            await self._wake_weights()
+        elif self._turn.state == "awake":
+            # AsyncLLM.pause_generation is the engine core's pause plus a cosmetic 20 ms sleep
+            # (vLLM: "not required for correctness"), a fixed cost on every refit
+            core = getattr(llm, "engine_core", None)
+            pause = (
+                core.pause_scheduler_async(mode="keep", clear_cache=False)
+                if hasattr(core, "pause_scheduler_async")
+                else llm.pause_generation(mode="keep", clear_cache=False)
+            )
+            await self._bounded("pause_generation", pause)
         paused = time.perf_counter()
         scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
         self._update = _Update(
@@ -224,6 +234,8 @@ class EngineWeights:
         update = self._update
         if update is None:
             raise RefitError("reprefill_in_flight() outside a refit (the engine is not paused)")
+        if self._turn.state != "awake":
+            return  # a refit that wakes the engine: nothing is in it, its cache comes back empty
         if not await self._reset_prefix_cache():
             raise RefitError(f"vLLM did not drop the in-flight KV cache at the refit to "
                              f"v{update.version}")  # fmt: skip
@@ -240,7 +252,10 @@ class EngineWeights:
         try:
             await self._rpc("asyncrl_finish_reload")
         finally:
-            if not loaded_any and (update is None or not update.failed):
+            if self._turn.state != "awake":  # woken for this refit: it stays asleep
+                self._log.error("weight_update_failed_asleep", version=version,
+                                state=self._turn.state)  # fmt: skip
+            elif not loaded_any and (update is None or not update.failed):
                 await self._bounded("resume_generation", self._require().resume_generation())
                 self._log.warning("weight_update_aborted", version=version, serving=self.version)
             else:
@@ -257,6 +272,10 @@ class EngineWeights:
         llm = self._require()
         if self._adapters is not None:
             move = await self._adapters.finish(version)
+            if self._turn.state == "weights":  # woken for this refit: the cache, then serve
+                await self._wake_cache(None)
+                await self._bounded("resume_generation", llm.resume_generation())
+                self._turn.woke()
             self.version = version
             moved = {"moved": await self._move_in_flight(version)} if move else {}
             self.last_refit = {**self._adapters.last_refit, **moved}
@@ -272,11 +291,16 @@ class EngineWeights:
                 f"manifest's {update.expected} tensors); the engine stays paused until a "
                 "complete refit"
             )
+        waking = self._turn.state == "weights"
+        if waking:
+            await self._wake_cache(update.kv_scales)
         if reset_prefix_cache:
             await self._invalidate_prefix_cache(version)
         if hasattr(llm, "update_weight_version"):  # vLLM >= 0.30: label output spans
             await self._bounded("update_weight_version", llm.update_weight_version(str(version)))
         await self._bounded("resume_generation", llm.resume_generation())
+        if waking:
+            self._turn.woke()
         self.version = version
         done = time.perf_counter()
         self.last_refit = {
@@ -287,6 +311,7 @@ class EngineWeights:
             "batched": update.batched,
             "mirrored": update.mirrored,
             "reprefilled": update.reprefilled,
+            "woke": waking,
             "bytes": update.nbytes,
             "seconds": done - update.started,
             # where the time went: the pause, the bucket calls (wall, and inside the worker),

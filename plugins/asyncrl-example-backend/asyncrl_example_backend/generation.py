@@ -237,7 +237,8 @@ class BigramGenerator:
                 f"has {shapes}"
             )
         mark_phase(self.options.phase_marker_dir, self.ctx, "refit")
-        self._resumed = anyio.Event()  # sampling waits between tokens until finish
+        if self._resumed is None or self._resumed.is_set():  # asleep: paused already
+            self._resumed = anyio.Event()  # sampling waits between tokens until finish
         self._staged = None
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
@@ -276,6 +277,18 @@ class BigramGenerator:
         if self._resumed is not None:
             self._resumed.set()
         log.warning("weight_update_aborted", version=version)
+
+    async def sleep(self) -> dict[str, Any]:
+        """``cluster.placement = "take_turns"``: stop sampling between tokens until the next
+        refit resumes it (``finish_weight_update``). A bigram's table is all it holds, in host
+        memory, so nothing is released; the samples in flight wait where they are and go on
+        with the new table, their tokens labelled with the version that drew them."""
+        assert self._resumed is not None, "start() was not called"
+        if not self._resumed.is_set():
+            return {"held": 0}
+        self._resumed = anyio.Event()
+        mark_phase(self.options.phase_marker_dir, self.ctx, "sleep")
+        return {"held": sum(1 for g in self._running if g not in self._aborted)}
 
     async def reprefill_in_flight(self) -> None:
         """Nothing to recompute: a bigram keeps no KV cache, its next token depends on the

@@ -316,6 +316,16 @@ class BigramTrainer:
             self.weights, self._m, self._v = weights, f["m"].copy(), f["v"].copy()
             self._adam_t = int(f["adam_t"])
 
+    def state_to_host(self) -> int:
+        """``cluster.placement = "take_turns"``: the optimizer state is in host memory already
+        (numpy); nothing moves."""
+        mark_phase(self.options.phase_marker_dir, self.ctx, "offload")
+        return 0
+
+    def state_to_device(self) -> int:
+        """Nothing moved out, nothing to bring back."""
+        return 0
+
     def close(self) -> None:
         """Leave the process group, if one was joined (no device memory to free)."""
         dist, self._dist = self._dist, None
