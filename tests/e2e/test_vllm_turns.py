@@ -17,7 +17,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import pytest_asyncio
 

@@ -166,3 +166,70 @@ def test_a_run_that_cannot_fit_is_refused_before_any_process_starts(
     lora = config(cfg.model.path, lora={"rank": 16}, cluster={"rollout_gpus": [1]})
     done = anyio.run(preflight.check_before_spawn, lora)
     assert done.memory.trainer_bytes() > 2 * P_7B  # the bf16 base and more
+
+
+def test_taking_turns_plans_each_turn_and_offloads_only_what_does_not_fit(
+    tmp_path: Path,
+) -> None:
+    """``placement = "take_turns"`` on one GPU, 1.5B full weights (18 bytes a parameter, of
+    which gradients and moments are 12), the engine at 0.8 of 80 GiB: resident, 27.8 + 64 GiB
+    do not fit; taking turns, the engines' turn holds the trainer's 6 bytes a parameter beside
+    the engine (the state offloaded, as ``auto`` decides), the trainer's turn the whole 18."""
+    path = model(tmp_path, QWEN_1_5B, P_1_5B)
+    engine = {"options": {"gpu_memory_utilization": 0.8}}
+    resident = memory_plan(config(path, generator=engine), [80 * GiB])
+    assert resident.turns(0) == {"resident": 18 * P_1_5B + int(0.8 * 80 * GiB)
+                                 + 2 * CUDA_CONTEXT_BYTES}  # fmt: skip
+    (refused,) = resident.problems()
+    assert 'cluster.placement = "take_turns"' in str(refused)
+
+    turns = memory_plan(config(path, generator=engine, cluster={"placement": "take_turns"}),
+                        [80 * GiB])  # fmt: skip
+    assert turns.offload and turns.problems() == []
+    kept = 18 * P_1_5B - 12 * P_1_5B  # the float32 weights and their working eighth stay
+    assert turns.turns(0) == {
+        "generating": kept + int(0.8 * 80 * GiB) + 2 * CUDA_CONTEXT_BYTES,
+        "stepping": 18 * P_1_5B + 2 * CUDA_CONTEXT_BYTES,
+    }
+    assert "taking turns" in "\n".join(turns.lines())
+    small = {"options": {"gpu_memory_utilization": 0.3}}  # everything fits beside: kept
+    assert not memory_plan(config(path, generator=small, cluster={"placement": "take_turns"}),
+                           [80 * GiB]).offload  # fmt: skip
+
+
+def test_taking_turns_refuses_an_engine_share_that_leaves_no_room_and_says_how_much(
+    tmp_path: Path,
+) -> None:
+    """The engines' turn cannot fit when the engine asks for 0.95 of the GPU beside the
+    trainer's resident weights: the fix names the largest share that fits."""
+    path = model(tmp_path, QWEN_1_5B, P_1_5B)
+    cfg = config(path, generator={"options": {"gpu_memory_utilization": 0.95}},
+                 cluster={"placement": "take_turns", "trainer_offload": "always"})  # fmt: skip
+    (problem,) = memory_plan(cfg, [80 * GiB]).problems()
+    room = 80 * GiB - (6 * P_1_5B + 2 * CUDA_CONTEXT_BYTES)  # by hand: 70.4 GiB, 0.88
+    assert f"at most {room / GiB:.1f} GiB ({room / (80 * GiB):.2f} of the GPU)" in str(problem)
+    assert "gpu_memory_utilization" in str(problem)
+
+
+@pytest.mark.parametrize(
+    "cluster, pipeline, field",
+    [
+        ({"rollout_gpus": [1], "trainer_gpus": [0]}, {}, "cluster.placement"),
+        ({"network": "tcp"}, {}, "cluster.placement"),
+        ({}, {"min_groups_for_streaming_train": 2}, "pipeline.min_groups_for_streaming_train"),
+    ],
+)
+def test_taking_turns_refuses_what_it_cannot_do(
+    tmp_path: Path, cluster: dict, pipeline: dict, field: str
+) -> None:
+    """Engines on a GPU without a trainer rank, several hosts, and chunks streamed into a step
+    while the engines generate: each refused, naming the field and the fix."""
+    with pytest.raises(ConfigError) as err:
+        config(model(tmp_path, QWEN_1_5B, P_1_5B), cluster={"placement": "take_turns",
+               **cluster}, pipeline=pipeline, grpo={"prompts_per_step": 8})  # fmt: skip
+    assert str(err.value).startswith(field) and "Fix:" in str(err.value), str(err.value)
+
+
+def test_trainer_offload_without_turns_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="only placement"):
+        config(model(tmp_path, QWEN_1_5B, P_1_5B), cluster={"trainer_offload": "always"})
