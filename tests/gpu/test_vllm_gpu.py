@@ -427,3 +427,90 @@ async def test_held_rows_are_vllms_own_on_the_async_scheduler(model_dir, tmp_pat
         assert counts["preempted"] > 0
     finally:
         await closed_leaving_nothing(b)
+
+
+def turns_ctx(model_dir: Path, run_dir: Path, **options: object) -> WorkerContext:
+    """A rollout rank that takes turns with a trainer (sleep mode on), CUDA graphs kept."""
+    config = from_dict({
+        "model": {"path": str(model_dir)},
+        "environment": {"name": "arithmetic"},
+        "cluster": {"placement": "take_turns"},
+        "generator": {"options": {**OPTIONS, "enforce_eager": False, **options}},
+    })  # fmt: skip
+    return WorkerContext("rollout", 0, 1, 0, config, str(run_dir))
+
+
+@pytest.mark.asyncio
+async def test_a_sleeping_engine_releases_its_memory_and_the_refit_wakes_it(
+    model_dir, sequences, tmp_path
+) -> None:
+    """``cluster.placement = "take_turns"`` on CUDA: each sleep gives the engine's share of the
+    GPU back (weights and KV cache, vLLM's level 2) with requests in flight, which stop and
+    wait; a request arriving while asleep waits too; the refit wakes the engine with new
+    weights, whose scores match transformers', and every request finishes whole, its tokens
+    labelled with the versions that made them."""
+    b = registry.load("asyncrl.generation_backends", "vllm")(turns_ctx(model_dir, tmp_path))
+    pair = LocalRefit("cuda_ipc", "cuda:0", bucket_size=64 << 10)
+    try:
+        await b.start()
+        share = OPTIONS["gpu_memory_utilization"] * torch.cuda.mem_get_info(0)[1]
+        for seed in (1, 2, 3):
+            state = perturbed(model_dir, seed, "cuda:0")
+            inflight = asyncio.create_task(generate_all(b, GenRequest(
+                group_id=f"t{seed}", prompt_ids=[1, 8], n=4, max_tokens=300, seed=seed)))  # fmt: skip
+            await asyncio.sleep(0.05)
+            free = torch.cuda.mem_get_info(0)[0]
+            facts = await b.sleep()
+            freed = torch.cuda.mem_get_info(0)[0] - free
+            arriving = asyncio.create_task(generate_all(b, GenRequest(
+                group_id=f"a{seed}", prompt_ids=[1, 9], n=2, max_tokens=40, seed=seed)))  # fmt: skip
+            await asyncio.sleep(0.05)
+            assert not arriving.done() and b._turn.state == "asleep"
+            sent, _ = await pair.push(b, seed, lambda: state.items())
+            refit = b.last_refit
+            print(f"sleep {facts['sleep_s'] * 1e3:.1f} ms freed {freed / 2**30:.2f} GiB "
+                  f"(share {share / 2**30:.2f}), held {facts['held']}; wake "
+                  f"{refit['wake_s'] * 1e3:.1f} ms, refit {refit['seconds'] * 1e3:.1f} ms")
+            assert refit["woke"] and freed > 0.5 * share, (freed, share)
+            got = await b.score(batch_of(sequences), 1.0)
+            ref = reference(model_dir, {k: v.float().cpu() for k, v in state.items()})
+            expected = np.concatenate([ref_logprobs(ref, s, p) for s, p in sequences])
+            np.testing.assert_allclose(got, expected, atol=TOL)
+            for s in [*await asyncio.wait_for(inflight, 60), *await arriving]:
+                versions = s.versions.tolist()
+                assert s.finish_reason in ("stop", "length") and versions == sorted(versions)
+    finally:
+        pair.close()
+        await closed_leaving_nothing(b)
+
+
+@pytest.mark.asyncio
+async def test_fp8_kv_scales_are_written_again_after_the_wake(model_dir, tmp_path) -> None:
+    """An FP8 KV cache that sleeps: the scales the waking refit carries are the ones the
+    kernels use afterwards (vLLM may reset them when it wakes the cache: the backend writes them
+    again), so 50.0 changes a greedy answer and 1.0 gives the first one back."""
+    b = registry.load("asyncrl.generation_backends", "vllm")(
+        turns_ctx(model_dir, tmp_path, kv_cache_dtype="fp8"))  # fmt: skip
+    pair = LocalRefit("cuda_ipc", "cuda:0")
+    try:
+        await b.start()
+        state = checkpoint_state(model_dir, "cuda:0")
+        req = GenRequest(group_id="f", prompt_ids=[1, 9, 9, 4, 5, 6], n=1, max_tokens=24,
+                         greedy=True)  # fmt: skip
+        answers = {}
+        for version, scale in ((1, 1.0), (2, 50.0), (3, 1.0)):
+            scales = {f"model.layers.{i}.self_attn.{k}_scale": scale
+                      for i in range(2) for k in "kv"}  # fmt: skip
+            if version > 1:
+                await b.sleep()
+            await pair.push(b, version, lambda: state.items(), kv_scales=scales)
+            assert b.last_refit["woke"] == (version > 1)
+            (read,) = await b._rpc("asyncrl_get_kv_scales")
+            assert all(v[:2] == [scale, scale] for v in read.values()), read
+            (sample,) = await generate_all(b, req)
+            answers[version] = sample.logprobs
+        np.testing.assert_array_equal(answers[1], answers[3])
+        assert not np.array_equal(answers[1], answers[2])
+    finally:
+        pair.close()
+        await closed_leaving_nothing(b)

@@ -60,6 +60,9 @@ class _Update:
     first_load: float | None = None
     reprefilled: bool = False
     """The requests in flight dropped their KV cache (``reprefill_in_flight``)."""
+    wake_s: float = 0.0
+    """Waking a sleeping engine: its weights' memory (before the loads) and its KV cache's
+    (after them), summed."""
 
 
 class EngineWeights:
@@ -149,7 +152,8 @@ class EngineWeights:
                 "generator reports an fp8 kv_cache_dtype)"
             )
         started = time.perf_counter()
-        if self._turn.state == "asleep":  # nothing runs: the new weights go into the woken memory
+        waking = self._turn.state == "asleep"
+        if waking:  # nothing runs: the new weights go into the woken memory
             await self._wake_weights()
         elif self._turn.state == "awake":
             # AsyncLLM.pause_generation is the engine core's pause plus a cosmetic 20 ms sleep
@@ -165,7 +169,7 @@ class EngineWeights:
         scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
         self._update = _Update(
             version=version, mode="", started=started, kv_scales=scales, pause_s=paused - started,
-            expected=len(manifest),
+            expected=len(manifest), wake_s=paused - started if waking else 0.0,
         )
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
@@ -294,6 +298,7 @@ class EngineWeights:
         waking = self._turn.state == "weights"
         if waking:
             await self._wake_cache(update.kv_scales)
+            update.wake_s += time.perf_counter() - finishing
         if reset_prefix_cache:
             await self._invalidate_prefix_cache(version)
         if hasattr(llm, "update_weight_version"):  # vLLM >= 0.30: label output spans
@@ -312,6 +317,7 @@ class EngineWeights:
             "mirrored": update.mirrored,
             "reprefilled": update.reprefilled,
             "woke": waking,
+            "wake_s": update.wake_s,
             "bytes": update.nbytes,
             "seconds": done - update.started,
             # where the time went: the pause, the bucket calls (wall, and inside the worker),
