@@ -19,6 +19,18 @@ divides the gradient by that scale once, reports the gradient norm unscaled and 
 it: the update equals one big batch normalized by its token count (checked against a float64
 single-process reference by :mod:`asyncrl_torch.contract.suite`; measured 0 and 6e-9 relative
 grad-norm error for ZeRO-2 and ZeRO-3 on 2 CPU ranks).
+
+State offload (``state_to_host``, ``state_to_device``). DeepSpeed 0.19's
+``DeepSpeedEngine.offload_states`` moves ZeRO-1/2 state for any torch optimizer, but ZeRO-3's
+AdamW moments and fp32 masters only for its own ``FusedAdam`` (it asserts so), and this backend
+steps ``torch.optim.AdamW`` (``torch_adam``). So: ZeRO-2 moves the moments, the fp32 master
+partitions and the gradient partitions by ``offload_states`` (never ``lp_params``: the model's
+weights stay, the refit's source). ZeRO-3 frees its gradient partitions and reduce buckets by
+``offload_states`` and moves the moments itself, as the base class does for FSDP2, and the fp32
+master partitions in place (``.data``, as DeepSpeed's own offload does), unless a master is
+the weights' own partition (DeepSpeed's float32 shortcut), which stays. With
+``zero.offload_param`` DeepSpeed refuses to move any state, so its gradient buffers stay; with
+``zero.offload_optimizer`` the moments and masters are on the host already.
 """
 
 from __future__ import annotations
@@ -34,6 +46,10 @@ if not torch.cuda.is_available():  # DeepSpeed picks its accelerator once, at im
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
+from deepspeed.runtime.zero.offload_config import (  # noqa: E402
+    OffloadDeviceEnum,
+    OffloadStateTypeEnum,
+)
 
 if not torch.cuda.is_available():
     # On the CPU accelerator DeepSpeed compiles a C++ op when its communication starts (shared-
@@ -53,6 +69,14 @@ from .options import DeepSpeedOptions, parse_options  # noqa: E402
 __all__ = ["DeepSpeedBackend", "deepspeed_config"]
 
 _TAG = "asyncrl"  # the checkpoint tag under a save_state directory
+
+_ZERO2_STATES = (
+    OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params,
+    OffloadStateTypeEnum.lp_grads,
+)  # fmt: skip
+"""What ``state_to_host`` hands to ``offload_states`` under ZeRO-2 (see the module docstring)."""
+_ZERO3_STATES = (OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer)
+"""The same under ZeRO-3: the gradient buffers alone."""
 
 
 def deepspeed_config(opts: DeepSpeedOptions, *, micro_batch_size: int, world_size: int) -> dict:
@@ -90,6 +114,10 @@ class DeepSpeedBackend(DistributedTrainer):
 
     def __init__(self, ctx: WorkerContext) -> None:
         super().__init__(ctx, parse_options(dict(ctx.config.trainer.options)))
+        self._offloaded_bytes = 0
+        """What ``offload_states`` took off the device, which ``reload_states`` brings back."""
+        self._host_masters: list[torch.Tensor] = []
+        """ZeRO-3's fp32 master partitions that :meth:`_state_to_host` moved."""
 
     @property
     def _engine(self) -> Any:
@@ -150,6 +178,60 @@ class DeepSpeedBackend(DistributedTrainer):
         # A non-finite norm makes ZeRO skip the update on every rank (its overflow check: on
         # for fp32, and for bf16 by default, bf16.check_grad_overflow); it then reports inf.
         return float(norm) if norm is not None else float("nan")
+
+    # ------------------------------------------------------------------ state offload
+    def _state_to_host(self) -> int:
+        """See the module docstring; the gradients are dropped first (:meth:`_zero_grad`)."""
+        opt = self._engine.optimizer
+        self._zero_grad()
+        moved = 0
+        if self._opts.zero_stage == 2:
+            held = [*opt.single_partition_of_fp32_groups, *_state_tensors(opt.optimizer)]
+            self._offloaded_bytes = sum(_cuda_nbytes(t) for t in held)
+            self._offload_states(_ZERO2_STATES)
+        else:
+            held = [opt.grad_partitions_flat_buffer, *(b.buffer for b in opt.ipg_buckets.values())]
+            self._offloaded_bytes = sum(_cuda_nbytes(t) for t in held if t is not None)
+            self._offload_states(_ZERO3_STATES)
+            moved = self._host_copies.to_host(opt.optimizer) + self._masters_to_host(opt)
+        return self._offloaded_bytes + moved
+
+    def _state_to_device(self) -> int:
+        moved = self._host_copies.to_device(self._device)
+        for master in self._host_masters:
+            master.data = master.data.to(self._device, non_blocking=True)
+            moved += _cuda_nbytes(master)
+        self._host_masters.clear()
+        if self._engine.optimizer.offloaded_states:  # what offload_states marked as moved
+            self._engine.reload_states(non_blocking=False)
+        moved += self._offloaded_bytes
+        self._offloaded_bytes = 0
+        return moved
+
+    def _offload_states(self, include: tuple[OffloadStateTypeEnum, ...]) -> None:
+        """``offload_states`` of ``include`` into pinned host memory, unless
+        ``zero.offload_param`` is set (DeepSpeed asserts then; nothing moves or counts)."""
+        param_offload = self._engine.zero_offload_param()
+        if param_offload is not None and param_offload.device != OffloadDeviceEnum.none:
+            self._offloaded_bytes = 0
+            return
+        self._engine.offload_states(
+            include=include, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False
+        )
+
+    def _masters_to_host(self, opt: Any) -> int:
+        """ZeRO-3: each fp32 master partition on the device that is not the weights' own
+        storage, moved in place to pinned host memory; the bytes. (DeepSpeed 0.19 keeps a
+        separate copy in float32 too: its shortcut compares a device string with a
+        ``torch.device``.)"""
+        weights = {p.ds_tensor.untyped_storage().data_ptr() for p in self._hf_model().parameters()}
+        moved = 0
+        for master in opt.fp32_partitioned_groups_flat:
+            if master.is_cuda and master.untyped_storage().data_ptr() not in weights:
+                moved += _cuda_nbytes(master)
+                master.data = master.data.to("cpu", non_blocking=True)
+                self._host_masters.append(master)
+        return moved
 
     # ------------------------------------------------------------------ state
     def _save_state(self, path: str) -> None:
@@ -225,3 +307,12 @@ class DeepSpeedBackend(DistributedTrainer):
                     out = param.detach().to(dtype).contiguous()
                     yield WeightTensor(name, name_dtype, tuple(out.shape), out)
 
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]  # fmt: skip
+
+
+def _cuda_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` holds on a GPU (0 on the host)."""
+    return tensor.numel() * tensor.element_size() if tensor.is_cuda else 0

@@ -10,6 +10,10 @@ FSDP2 reduce-scatters after every backward and by default *averages* over ranks
 (gradient divide factor 1, sum-only collectives), so after all chunks each rank's gradient
 shard holds the gradient of the global loss sum. :meth:`FSDPBackend._apply_step` multiplies it
 by ``1 / num_loss_tokens``: the update equals one big batch normalized by its token count.
+
+State offload: the optimizer is a plain ``torch.optim`` one, whose state the base class moves
+(:meth:`~asyncrl_torch.DistributedTrainer.state_to_host`); the gradients are already freed
+after each step (``zero_grad(set_to_none=True)``).
 """
 
 from __future__ import annotations
@@ -151,6 +155,11 @@ class FSDPBackend(DistributedTrainer):
 
     def _close_engine(self) -> None:
         self._optimizer = None
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer | None:
+        """What :meth:`state_to_host` moves: the optimizer's state, DTensor shards of the
+        trained parameters' (with ``[lora]`` the adapter's alone; the frozen base has none)."""
+        return self._optimizer
 
     def _backward(self, loss_sum: torch.Tensor) -> None:
         loss_sum.backward()

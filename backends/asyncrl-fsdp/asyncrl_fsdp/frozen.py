@@ -10,8 +10,9 @@ measuring what the pipeline costs on top of the engine (``benchmarks/generation.
 
 The model is sharded as by ``fsdp2`` (same options), so that :meth:`compute_logprobs`
 (probes, ``refit.verify_*``) and :meth:`iter_weights` (refits) are those of the trained
-backend; no optimizer is built. A checkpoint holds a marker only: the weights are
-``model.path``'s, which a resumed run loads again.
+backend; no optimizer is built, so ``state_to_host`` and ``state_to_device`` move nothing
+(0 bytes: there is no optimizer state and no gradient). A checkpoint holds a marker only: the
+weights are ``model.path``'s, which a resumed run loads again.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A Hugging Face causal LM, one torch.distributed rank per object, driven by the w
 from one thread, the same sequence of calls on every rank::
 
     start -> (compute_logprobs | begin_step -> train_chunk* -> finish_step | iter_weights
-              | save_state | load_state)* -> close
+              | save_state | load_state | state_to_host | state_to_device)* -> close
 
 This class owns the parts that must not differ between engines: joining the process group,
 loading the model, lockstep micro-batching with malformed-batch agreement, the loss, the step
@@ -37,6 +37,13 @@ Lockstep. Sharded engines' collectives must line up across ranks, so every rank 
 number of forwards (and backwards) per call: ranks agree on the largest local micro-batch
 count (one all-reduce, which also tells every rank whether some rank's batch is malformed)
 and pad with fully masked dummy micro-batches.
+
+State offload (:class:`~asyncrl.plugin.backend.StateOffload`, for ``cluster.placement =
+"take_turns"``). Between steps, :meth:`~DistributedTrainer.state_to_host` moves the optimizer
+state to pinned host memory (:mod:`asyncrl_torch.offload`) and frees the gradients; the
+parameters stay (the refit reads them). :meth:`~DistributedTrainer.begin_step` and
+:meth:`~DistributedTrainer.load_state` bring them back first if
+:meth:`~DistributedTrainer.state_to_device` was not called. On the CPU nothing moves.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ from asyncrl_torch.batches import (
 from asyncrl_torch.kv_calibration import all_reduce_max, calibrate_kv_scales
 from asyncrl_torch.step_ledger import StepLedger
 from asyncrl_torch.loss import kl_to_reference, ppo_clip_loss
+from asyncrl_torch.offload import HostCopies, local_nbytes
 from asyncrl_torch.options import TrainerOptions
 
 __all__ = ["ChunkSums", "DistributedTrainer", "full_numel", "full_shape"]
@@ -116,7 +124,9 @@ class DistributedTrainer:
 
     Subclasses implement :meth:`_wrap`, :meth:`_backward`, :meth:`_apply_step`,
     :meth:`_zero_grad`, :meth:`iter_weights`, :meth:`_save_state` and :meth:`_load_state`;
-    they may override :meth:`_forward`, :meth:`_local_parameters` and :meth:`_close_engine`.
+    they may override :meth:`_forward`, :meth:`_local_parameters`, :meth:`_close_engine`,
+    :meth:`_torch_optimizer` (what :meth:`state_to_host` moves), or :meth:`_state_to_host`
+    and :meth:`_state_to_device` (an engine with state of its own).
     """
 
     name = "trainer"
@@ -139,6 +149,10 @@ class DistributedTrainer:
         self._owns_process_group = False
         self._ledger = StepLedger()
         self._closed = False
+        self._state_on_host = False
+        """:meth:`state_to_host` ran, :meth:`state_to_device` not yet."""
+        self._host_copies = HostCopies()
+        """The optimizer state :meth:`_state_to_host` moved (:mod:`asyncrl_torch.offload`)."""
 
     @property
     def _lora(self) -> bool:
@@ -188,6 +202,24 @@ class DistributedTrainer:
 
     def _close_engine(self) -> None:
         """Free the engine's resources (before the process group goes)."""
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer | None:
+        """The plain ``torch.optim`` optimizer whose ``state`` the default
+        :meth:`_state_to_host` moves (``None``: none)."""
+        return None
+
+    def _state_to_host(self) -> int:
+        """Free the gradients and move the optimizer state to pinned host memory, queued on
+        the current stream; the bytes that left the device. By default the gradients of
+        :meth:`_hf_model`'s parameters and :meth:`_torch_optimizer`'s state."""
+        freed = sum(local_nbytes(p.grad) for p in self._hf_model().parameters()
+                    if p.grad is not None and p.grad.is_cuda)  # fmt: skip
+        self._zero_grad()
+        return freed + self._host_copies.to_host(self._torch_optimizer())
+
+    def _state_to_device(self) -> int:
+        """Bring back what :meth:`_state_to_host` moved (queued); the bytes moved."""
+        return self._host_copies.to_device(self._device)
 
     def iter_weights(self) -> Iterator[WeightTensor]:
         raise NotImplementedError
@@ -532,6 +564,7 @@ class DistributedTrainer:
         self._started()
         if self._ledger.open is not None:  # the same step (else begin() raises): a retry
             self._log.warning("step_restarted", step=step)
+        self.state_to_device()  # if state_to_host left it on the host
         self._ledger.begin(step)
         self._zero_grad()
 
@@ -696,7 +729,8 @@ class DistributedTrainer:
     # ------------------------------------------------------------------ state
     def save_state(self, path: str) -> None:
         """Collective: write model and optimizer state under the directory ``path`` (every
-        rank writes its own part; ``path`` is the same on every rank and visible to all).
+        rank writes its own part; ``path`` is the same on every rank and visible to all). State
+        that :meth:`state_to_host` moved is written from the host, and stays there.
 
         Raises:
             NonFiniteError: a weight holds a NaN or an infinity (nothing is written).
@@ -713,7 +747,8 @@ class DistributedTrainer:
 
     def load_state(self, path: str) -> None:
         """Collective: restore what :meth:`save_state` wrote, into a started backend of the
-        same model, options and world size.
+        same model, options and world size. State on the host comes back first (the engine
+        loads into it where it steps).
 
         Raises:
             NonFiniteError: a loaded weight holds a NaN or an infinity (a corrupted
@@ -721,6 +756,7 @@ class DistributedTrainer:
         """
         self._started()
         self._check_no_open_step("load_state")
+        self.state_to_device()
         self._load_state(path)
         self._check_finite_weights(
             f"the weights loaded from {path}",
@@ -761,9 +797,44 @@ class DistributedTrainer:
     def _check_no_open_step(self, what: str) -> None:
         open_step = self._ledger.open
         if open_step is not None:
-            raise RuntimeError(
-                f"{what}: step {open_step.step} is open; finish it before saving or loading state"
-            )
+            raise RuntimeError(f"{what}: step {open_step.step} is open; finish it first")
+
+    # ------------------------------------------------------------------ state offload
+    def state_to_host(self) -> int:
+        """Between steps: move the optimizer state to pinned host memory and free the
+        gradients (:class:`~asyncrl.plugin.backend.StateOffload`); returns the bytes that left
+        this rank's GPU. The parameters stay. Done when it returns: the copies are complete and
+        the freed memory is the driver's again (``empty_cache``), for another process to take.
+        Not collective. Off CUDA, or on the host already: 0, and nothing changes.
+
+        Raises:
+            RuntimeError: a step is open (nothing moved).
+        """
+        self._started()
+        self._check_no_open_step("state_to_host")
+        if self._device.type != "cuda" or self._state_on_host:
+            return 0
+        started = time.monotonic()
+        self._state_on_host = True  # first: what a failed move left on the host comes back too
+        moved = self._state_to_host()
+        torch.cuda.synchronize(self._device)
+        torch.cuda.empty_cache()
+        self._log.debug("state_moved_to_host", bytes=moved, seconds=time.monotonic() - started)
+        return moved
+
+    def state_to_device(self) -> int:
+        """Bring back what :meth:`state_to_host` moved; returns the bytes moved (nothing
+        there: 0). The next step equals the step without the round trip, bit for bit.
+        :meth:`begin_step` and :meth:`load_state` call it themselves."""
+        self._started()
+        if not self._state_on_host:
+            return 0
+        started = time.monotonic()
+        moved = self._state_to_device()
+        torch.cuda.synchronize(self._device)
+        self._state_on_host = False
+        self._log.debug("state_moved_to_device", bytes=moved, seconds=time.monotonic() - started)
+        return moved
 
     # ------------------------------------------------------------------ weights
     def weight_specs(self) -> list[WeightTensor]:
@@ -799,3 +870,4 @@ def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
 
 def full_numel(param: torch.nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
+

@@ -14,9 +14,15 @@ Phase ``main``::
     shards) and logprobs of all sequences "step1"; the same on the weights rounded to bf16
     (``sent_logprobs``, if the backend has it), then unrounded again; export "after-sent"
     load "s0"; export "loaded"; a step discarded by a wrong token count
-    step 0 begun, one chunk trained, then begun again (a retry: the chunk must not count)
+    step 0 begun, one chunk trained, state_to_host refused (the step is open), then begun
+    again (a retry: the chunk must not count)
     step 0 again in one chunk; export "one"
     load "s1"; step 1; export "step1-reloaded"
+    load "s1"; state_to_host (twice); save "s1-host" from the host; state_to_device (twice);
+    step 1; export "step1-offloaded"; load "s1-host"; logprobs; state_to_host; export
+    "on-host" and the same logprobs again; step 1 (begin_step brings the state back); export
+    "step1-host-saved" (the state moves: if the backend has them, and the spec's
+    ``state_offload``)
     a chunk malformed on the last rank only (every rank must raise), then a good one
     load "s1"; step 1 with a loss mask, placeholders 0.0 at masked tokens; export "masked"
     load "s1"; the same with huge placeholders and advantages there; export "masked-garbage"
@@ -350,10 +356,70 @@ class _Rank:
 
     def restarted_step(self) -> None:
         """Open step 0 and train a chunk, leaving it open: the next ``begin_step(0)`` (in
-        :meth:`one_chunk`) must start it again from zero gradients."""
+        :meth:`one_chunk`) must start it again from zero gradients. ``state_to_host`` (if the
+        backend has it) must refuse the open step."""
         self.backend.begin_step(0)
         ids = STEP0_CHUNKS[0][self.rank :: self.world]
         self.backend.train_chunk(0, train_batch(self.seqs, ids, self.behaviour, self.adv))
+        if self.moves_state():
+            try:
+                self.backend.state_to_host()
+            except RuntimeError as exc:
+                self.report["errors"]["offload_open_step"] = str(exc)
+            else:
+                self.report["errors"]["offload_open_step"] = None
+
+    def moves_state(self) -> bool:
+        """Whether the backend has ``state_to_host`` and ``state_to_device``
+        (:class:`~asyncrl.plugin.backend.StateOffload`); in the report as ``state_offload``."""
+        from asyncrl.plugin.backend import StateOffload, TrainingBackend, check_plugin
+
+        if "state_offload" not in self.report:
+            found = check_plugin(
+                self.backend, TrainingBackend, plugin=self.spec["backend"],
+                group="asyncrl.training_backends", optional=(StateOffload,),
+            )  # fmt: skip
+            self.report["state_offload"] = found["state_to_host"] is not None
+        return self.report["state_offload"]
+
+    def offloaded_steps(self, states: Path) -> None:
+        """Step 1 after the state went to the host and came back, and step 1 from a
+        checkpoint saved while it was there, after an export and a forward with the state
+        there (see the module docstring). ``offload`` in the report: the bytes each call
+        returned; on CUDA the device memory allocated before the first ``state_to_host``,
+        after it, and after the first ``state_to_device``; whether the logprobs with the state
+        on the host equal those before."""
+        import torch
+
+        if not (self.spec.get("state_offload") and self.moves_state()):
+            return
+        backend = self.backend
+        cuda = torch.cuda.is_available()
+        allocated = [0, 0, 0]
+        backend.load_state(str(states / "s1"))
+        allocated[0] = torch.cuda.memory_allocated() if cuda else 0
+        to_host = backend.state_to_host()
+        allocated[1] = torch.cuda.memory_allocated() if cuda else 0
+        host_again = backend.state_to_host()
+        backend.save_state(str(states / "s1-host"))
+        to_device = backend.state_to_device()
+        allocated[2] = torch.cuda.memory_allocated() if cuda else 0
+        device_again = backend.state_to_device()
+        self.one_chunk(1, STEP1, "step1-offloaded")
+        self.export("step1-offloaded")
+        backend.load_state(str(states / "s1-host"))
+        mine = token_batch(self.seqs, list(range(NUM_SEQUENCES))[self.rank :: self.world])
+        before = backend.compute_logprobs(mine, self.temperature)
+        backend.state_to_host()
+        self.export("on-host")
+        on_host = backend.compute_logprobs(mine, self.temperature)
+        self.one_chunk(1, STEP1, "step1-host-saved")
+        self.export("step1-host-saved")
+        self.report["offload"] = {
+            "to_host": to_host, "host_again": host_again, "to_device": to_device,
+            "device_again": device_again, "allocated": allocated,
+            "logprobs_unchanged": bool(np.array_equal(before, on_host)),
+        }  # fmt: skip
 
     def malformed_batch(self) -> None:
         """The last rank alone gets a token id outside the vocabulary: every rank must raise
@@ -495,6 +561,7 @@ def main(argv: list[str]) -> int:
             rank.backend.load_state(str(states / "s1"))
             rank.one_chunk(1, STEP1, "step1-reloaded")
             rank.export("step1-reloaded")
+            rank.offloaded_steps(states)
             rank.malformed_batch()
             for tag, garbage in (("masked", False), ("masked-garbage", True)):
                 rank.backend.load_state(str(states / "s1"))

@@ -26,6 +26,11 @@ gradient clipped by hand and AdamW applied by hand. It checks that
   and the open step stays usable;
 - exported weights (``iter_weights``) equal the model's, and ``weight_specs`` lists them;
 - save -> load -> step equals step, in the same processes and in fresh ones;
+- with ``state_to_host`` and ``state_to_device`` (:class:`~asyncrl.plugin.backend.StateOffload`):
+  a step after the state went to the host and back, or after a checkpoint saved while it was
+  there, equals the step without, bit for bit; the weights stay meanwhile (export, logprobs);
+  on CUDA the device memory drops by what ``state_to_host`` reports, at least the AdamW
+  moments; an open step is refused;
 - the ``loss_mask``: a step whose mask leaves tokens out (a whole sequence, runs inside
   others; a chunk that trains nothing) equals the reference's step over the trained tokens
   alone, normalized by their count, and ``num_loss_tokens`` is that count; the same step with
@@ -98,6 +103,9 @@ WEIGHT_ATOL = 5e-7
 # of a layer-norm weight near 1); 0 after save/load on both.
 SAME_ATOL = 4e-7
 GRAD_NORM_RTOL_CEILING = 1e-4
+OFFLOAD_SLACK_BYTES = 64 << 10
+"""How far the device memory ``state_to_host`` frees may fall short of what it reports
+(allocations of its own while it runs)."""
 
 
 def build_tiny_qwen2(path: Path, *, seed: int = 0) -> Path:
@@ -364,6 +372,7 @@ def run_contract(
     timeout: float = 300.0,
     trainer: dict[str, Any] | None = None,
     lora: dict[str, Any] | None = None,
+    state_offload: bool = True,
 ) -> ContractRun:
     """Run both phases of the scenario and the reference; see :class:`ContractRun`."""
     import torch
@@ -386,7 +395,7 @@ def run_contract(
         config["lora"] = {**(lora or {}), "init_path": str(adapter)}
     spec = {
         "backend": backend, "config": config, "vocab_size": vocab_size, "out": str(out),
-        "states": str(states), "run_dir": str(run_dir),
+        "states": str(states), "run_dir": str(run_dir), "state_offload": state_offload,
     }  # fmt: skip
     launch_ranks({**spec, "phase": "main"}, world_size, timeout)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
@@ -453,6 +462,10 @@ class TrainingBackendContract:
     """Run the stuck-collective test (two ranks or more). Its scenario takes ``backend``,
     ``options`` and ``world_size`` only: a class that varies only ``trainer`` fields of
     another class in the same suite repeats it exactly, and can leave it to that class."""
+    state_offload: ClassVar[bool] = True
+    """Run the state-offload steps (if the backend has them). They do not depend on
+    ``trainer`` fields: a class that varies only those of another class in the same suite
+    repeats them, and can leave them to that class."""
     timeout: ClassVar[float] = 300.0
     # tolerances (see the module constants for what they were measured at)
     logprob_atol: ClassVar[float] = LOGPROB_ATOL
@@ -483,6 +496,7 @@ class TrainingBackendContract:
             timeout=cls.timeout,
             trainer=cls.trainer,
             lora=cls.lora or None,
+            state_offload=cls.state_offload,
         )
 
     def test_a_rank_missing_from_a_collective_fails_within_the_timeout(
@@ -697,6 +711,72 @@ class TrainingBackendContract:
             diff, name = _max_diff(contract.weights(tag), contract.weights("step1"))
             # a lost optimizer state (AdamW moments, step count) moves weights by ~lr
             assert diff < self.same_atol, f"{tag}: {name} is {diff:.3g} off the uninterrupted step"
+
+    # ---------------------------------------------------------------- state offload
+    def _offload_reports(self, contract: ContractRun) -> list[dict[str, Any]]:
+        """Each rank's ``offload`` report, or skip the test."""
+        if not contract.ranks[0]["state_offload"]:
+            pytest.skip("the backend has no state_to_host (asyncrl.plugin.backend.StateOffload)")
+        if not self.state_offload:
+            pytest.skip("the same state-offload steps as another class (state_offload)")
+        return [report["offload"] for report in contract.ranks]
+
+    def test_state_to_host_and_back_changes_no_bit(self, contract: ContractRun) -> None:
+        """Step 1 after ``state_to_host`` -> ``state_to_device``, and step 1 from a checkpoint
+        saved while the state was on the host (brought back by ``begin_step``), equal step 1
+        without either (all from ``load_state``), bit for bit: loss, grad norm, weights. A
+        second call of either moves nothing; off CUDA no call does."""
+        import torch
+
+        reports = self._offload_reports(contract)
+        for tag in ("step1-offloaded", "step1-host-saved"):
+            for r in range(self.world_size):
+                got, want = contract.result(tag, r), contract.result("step1-reloaded", r)
+                for key in ("loss", "grad_norm", "num_loss_tokens"):
+                    assert got[key] == want[key], (tag, key, r, got[key], want[key])
+            diff, name = _max_diff(contract.weights(tag), contract.weights("step1-reloaded"))
+            assert diff == 0.0, f"{tag}: {name} is {diff:.3g} off the step without the moves"
+        for r, moves in enumerate(reports):
+            assert moves["host_again"] == moves["device_again"] == 0, (r, moves)
+            if not torch.cuda.is_available():
+                assert moves["to_host"] == moves["to_device"] == 0, (r, moves)
+
+    def test_state_to_host_leaves_the_weights(self, contract: ContractRun) -> None:
+        """With the state on the host, the export (a refit's source) is step 0's weights bit
+        for bit, and a forward gives the logprobs of before the move."""
+        reports = self._offload_reports(contract)
+        diff, name = _max_diff(contract.weights("on-host"), contract.weights("stream"))
+        assert diff == 0.0, f"{name} exported {diff:.3g} off step 0's with the state on the host"
+        for r, moves in enumerate(reports):
+            assert moves["logprobs_unchanged"], f"rank {r}: logprobs changed with the state moved"
+
+    def test_state_to_host_frees_what_it_reports(self, contract: ContractRun) -> None:
+        """On CUDA, ``state_to_host`` after a step reports at least the AdamW moments (two
+        float32 per trained parameter, over all ranks), the device memory allocated drops by
+        at least what it reports, and ``state_to_device`` brings as much back."""
+        import torch
+
+        reports = self._offload_reports(contract)
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA only: on the CPU the state stays where it is")
+        trained = contract.ranks[0]["capabilities"]["trainable_parameters"]
+        assert sum(m["to_host"] for m in reports) >= 8 * trained, (trained, reports)
+        for r, moves in enumerate(reports):
+            before, on_host, back = moves["allocated"]
+            assert moves["to_host"] > 0, (r, moves)
+            assert before - on_host >= moves["to_host"] - OFFLOAD_SLACK_BYTES, (r, moves)
+            assert moves["to_device"] == moves["to_host"], (r, moves)
+            assert back - on_host >= moves["to_device"] - OFFLOAD_SLACK_BYTES, (r, moves)
+
+    def test_state_to_host_refuses_an_open_step(self, contract: ContractRun) -> None:
+        """``state_to_host`` while a step is open raises on every rank and moves nothing (the
+        step, begun again, equals the reference: ``test_discarded_step_leaves_nothing_behind``)."""
+        if not contract.ranks[0]["state_offload"]:
+            pytest.skip("the backend has no state_to_host (asyncrl.plugin.backend.StateOffload)")
+        for r, report in enumerate(contract.ranks):
+            message = report["errors"]["offload_open_step"]
+            assert message is not None, f"rank {r}: state_to_host moved the state of an open step"
+            assert "is open" in message, message
 
     # ---------------------------------------------------------------- loss mask
     def test_masked_step_matches_float64_reference(self, contract: ContractRun) -> None:
