@@ -593,7 +593,10 @@ class VLLMBackend(EngineWeights):
         engine stops (aborted, its tokens and logprobs kept: they stream) and waits to go on
         after the wake (:meth:`_generate_sample`); once the engine is empty, vLLM's sleep
         releases the KV cache and the weights (level 2; with ``[lora]`` level 1, the base
-        kept in host memory). On the CPU build vLLM's sleep only pauses the scheduler and
+        kept in host memory). Level 2 discards the whole weights' memory, buffers included
+        (vLLM 0.26 keeps none), and a refit loads parameters only: what it does not load (the
+        rotary caches, the attention scales) is kept in host memory and written back at the
+        wake. On the CPU build vLLM's sleep only pauses the scheduler and
         clears the prefix cache. The next refit wakes it (``begin_weight_update``,
         ``finish_weight_update``). Each step bounded by ``rpc_timeout_s``."""
         if self._turn.state != "awake":
@@ -607,6 +610,8 @@ class VLLMBackend(EngineWeights):
                 self._moving.update(moving)
                 await self._bounded("abort", llm.abort(list(moving.values())))
             await self._bounded("the requests' end before a sleep", self._turn.drained())
+            if self._sleep_level == 2:  # a refit loads parameters only: keep the rest
+                await self._rpc("asyncrl_save_unloaded")
             await self._bounded("sleep", llm.sleep(level=self._sleep_level))
         except BaseException:
             self._turn.reopen()  # the run stops on the failed Sleep; nothing waits forever
@@ -621,6 +626,8 @@ class VLLMBackend(EngineWeights):
         """A refit begins while the engine sleeps: bring the weights' memory back (the refit
         loads into it). Bounded by ``rpc_timeout_s``."""
         await self._bounded("wake_up(weights)", self._require().wake_up(["weights"]))
+        if self._sleep_level == 2:  # the buffers (rotary caches), scales: as they were
+            await self._rpc("asyncrl_restore_unloaded")
         self._turn.weights_back()
 
     async def _wake_cache(self, kv_scales: dict[str, float] | None) -> None:

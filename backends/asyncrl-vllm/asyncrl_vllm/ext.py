@@ -521,6 +521,44 @@ class AsyncRLWorkerExtension(WorkerAdapters):
                 out[name] = kind
         return out
 
+    # ---------------------------------------------------------------- sleep
+    def _asyncrl_unloaded_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensors on its device that a refit does not load: its buffers (the
+        rotary embedding's cos/sin cache) and the attention layers' scale tensors (``_k_scale``
+        and the like, plain attributes). Not the KV cache, which an attention layer also holds
+        as an attribute: the sleep drops it on purpose."""
+        model = self._asyncrl_model()
+        on_cpu = str(self.device).startswith("cpu")  # type: ignore[attr-defined]
+        for prefix, module in model.named_modules():
+            scales = {k: v for k, v in vars(module).items() if k.startswith("_")
+                      and k.endswith("_scale") and isinstance(v, torch.Tensor)
+                      and not isinstance(v, torch.nn.Parameter)}  # fmt: skip
+            tensors = {**scales, **module._buffers}
+            for name, tensor in tensors.items():
+                if tensor is not None and (on_cpu or tensor.device.type != "cpu"):
+                    yield f"{prefix}.{name}", tensor
+
+    def asyncrl_save_unloaded(self) -> int:
+        """Before a sleep that discards the weights' memory (vLLM 0.26's level 2 keeps nothing
+        of it, buffers included): copy what a refit does not load to host memory, for
+        :meth:`asyncrl_restore_unloaded` after the wake. Returns the bytes kept."""
+        self._asyncrl_kept = {n: t.detach().to("cpu", copy=True)
+                              for n, t in self._asyncrl_unloaded_tensors()}  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in self._asyncrl_kept.values())
+
+    def asyncrl_restore_unloaded(self) -> int:
+        """After the weights' memory woke: write back what :meth:`asyncrl_save_unloaded` kept
+        (the refit then loads the parameters). Returns the tensors written."""
+        kept: dict[str, torch.Tensor] = getattr(self, "_asyncrl_kept", {})
+        written = 0
+        with torch.no_grad():
+            for name, tensor in self._asyncrl_unloaded_tensors():
+                if name in kept:
+                    tensor.copy_(kept[name])
+                    written += 1
+        self._asyncrl_sync()
+        return written
+
     # ---------------------------------------------------------------- KV-cache scales
     def asyncrl_set_kv_scales(self, scales: dict[str, float]) -> int:
         """Write per-layer KV-cache scales into the attention modules (device tensors, host
