@@ -40,6 +40,11 @@ tokens/s (the median of ``--option-repeats`` runs, interleaved on each engine), 
 that shape, GPU busy over all the row's runs. ``--profile DIR`` records each engine's rows
 with py-spy after its warm-up (``benchmarks/gpu/profile_generation.sh``).
 
+``--share-engines`` keeps the options part's last engine for the *side* part's vLLM-alone
+column on vLLM's scheduler where their engine arguments are the same (no engine row last),
+its prefix cache reset in between: one engine start less, for a smoke run (CI); by default
+each builds its own, as the figures in ``benchmarks/results/`` were measured.
+
 ``--tuned KEY=VALUE,...`` adds a third column to *side*: asyncrl with those
 ``generator.options`` (e.g. ``max_num_seqs=512``). Results print as markdown and go to
 ``--out`` (default ``runs/benchmarks/generation.json``; figures kept per machine are in
@@ -171,6 +176,54 @@ async def standalone(model: Path, options: dict[str, Any]) -> AsyncIterator[Any]
     finally:
         llm.shutdown()
         del llm
+
+
+SHARED = "  (on the engine kept from before, its prefix cache reset)"
+"""What ``--share-engines`` prints where an engine is used again."""
+
+
+class Engines:
+    """The standalone engines of one invocation, built on first use: a fresh one for each use,
+    or with ``share`` (``--share-engines``) the last one kept for the next use with the same
+    options, its prefix cache reset in between (the options part's prompts are the side part's
+    too: a cached prefix would skip their prefill). At most one engine lives at a time."""
+
+    def __init__(self, model: Path, share: bool) -> None:
+        self.model, self.share = model, share
+        self._kept: tuple[str, Any, contextlib.AsyncExitStack] | None = None
+
+    async def __aenter__(self) -> Engines:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def use(self, options: dict[str, Any]) -> AsyncIterator[Any]:
+        """An engine for ``options`` over the block: shut down after it, or with ``share``
+        kept until an engine of other options is asked for, :meth:`close` or the end."""
+        if not self.share:
+            async with standalone(self.model, options) as llm:
+                yield llm
+            return
+        key = json.dumps(options, sort_keys=True)
+        if self._kept is not None and self._kept[0] == key:
+            llm = self._kept[1]
+            if not await llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset the shared engine's prefix cache")
+            print(SHARED, flush=True)
+        else:
+            await self.close()
+            stack = contextlib.AsyncExitStack()
+            llm = await stack.enter_async_context(standalone(self.model, options))
+            self._kept = (key, llm, stack)
+        yield llm
+
+    async def close(self) -> None:
+        """Shuts the kept engine down (none is kept without ``share``)."""
+        if self._kept is not None:
+            stack, self._kept = self._kept[2], None
+            await stack.aclose()
 
 
 def sampling_params(max_tokens: int, change: dict[str, Any], seed: int | None, n: int = 1) -> Any:
@@ -366,8 +419,8 @@ async def alone_rounds(
 
 
 async def part_side(
-    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy,
-    rows: list[dict[str, Any]], keep: Any,
+    args: argparse.Namespace, work: Path, engines: Engines, prompts: list[list[int]],
+    busy: GpuBusy, rows: list[dict[str, Any]], keep: Any,
 ) -> None:  # fmt: skip
     """Fills ``rows`` (one per in-flight level) and calls ``keep()`` after every figure."""
     plans = [Plan.of(k, args) for k in args.in_flight]
@@ -376,12 +429,15 @@ async def part_side(
     for kind in args.alone:
         key, extra = ALONE[kind]
         print(f"side: vLLM alone, {kind}'s scheduler ({json.dumps(options)})", flush=True)
-        async with standalone(work / "model", options | {"extra_engine_args": extra}) as llm:
+        # as the options part passes them: the same arguments build (or share) the same engine
+        engine = options | ({"extra_engine_args": extra} if extra else {})
+        async with engines.use(engine) as llm:
             for plan, row in zip(plans, rows):
                 row[key] = await alone_rounds(llm, plan, prompts, args.max_tokens, busy)
                 keep()
                 print(f"  K={plan.in_flight}: {row[key]['tok_s']:,.0f} tok/s {key}, GPU busy "
                       f"{pct(row[key]['gpu_busy'])}", flush=True)  # fmt: skip
+    await engines.close()  # asyncrl's worker builds its own
     data, rewards = write_dataset(prompts, work)
     columns = [("asyncrl", options)]
     if args.tuned:
@@ -400,7 +456,7 @@ async def part_side(
 
 
 async def part_options(
-    args: argparse.Namespace, work: Path, prompts: list[list[int]], busy: GpuBusy,
+    args: argparse.Namespace, engines: Engines, prompts: list[list[int]], busy: GpuBusy,
     rows: list[dict[str, Any]], keep: Any,
 ) -> None:  # fmt: skip
     """Fills ``rows`` (one per :data:`OPTIONS` entry) and calls ``keep()`` after each."""
@@ -413,7 +469,7 @@ async def part_options(
     for i, (engine_json, names) in enumerate(by_engine.items()):
         extra = json.loads(engine_json)
         options = base | ({"extra_engine_args": extra} if extra else {})
-        async with standalone(work / "model", options) as llm, contextlib.AsyncExitStack() as on:
+        async with engines.use(options) as llm, contextlib.AsyncExitStack() as on:
             await warm_up(llm, args, prompts)
             if args.profile is not None:  # from here on: the engine's steady state
                 on.enter_context(profiled(args.profile / f"profile-engine{i}.txt"))
@@ -541,13 +597,16 @@ async def main(args: argparse.Namespace) -> None:
         prompts = make_prompts(needed, args.prompt_len, SHAPES[args.size][5])
         busy = stack.enter_context(GpuBusy())
         keep = lambda: save(results, args)  # noqa: E731 - every figure is written as it comes
-        if "options" in args.parts:
-            print("options:", flush=True)
-            await part_options(args, work, prompts, busy, results.setdefault("options", []), keep)
-            print(options_table(results["options"]), flush=True)
-        if "side" in args.parts:
-            await part_side(args, work, prompts, busy, results.setdefault("side", []), keep)
-            print(side_table(results["side"]), flush=True)
+        async with Engines(work / "model", args.share_engines) as engines:
+            if "options" in args.parts:
+                print("options:", flush=True)
+                await part_options(args, engines, prompts, busy,
+                                   results.setdefault("options", []), keep)  # fmt: skip
+                print(options_table(results["options"]), flush=True)
+            if "side" in args.parts:
+                await part_side(args, work, engines, prompts, busy,
+                                results.setdefault("side", []), keep)  # fmt: skip
+                print(side_table(results["side"]), flush=True)
 
 
 def save(results: dict[str, Any], args: argparse.Namespace) -> None:
@@ -593,6 +652,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--alone", type=_alone, default=list(ALONE),
                         help="side: the vLLM-alone columns, 'vllm' (vLLM's scheduler) and/or "
                              "'asyncrl' (the backend's default scheduler); default both")  # fmt: skip
+    parser.add_argument("--share-engines", action="store_true",
+                        help="side's vLLM-alone column on vLLM's scheduler on the options "
+                             "part's last engine where the engine arguments are the same "
+                             "(prefix cache reset): one start less, for a smoke run; default: "
+                             "a fresh engine each")  # fmt: skip
     parser.add_argument("--tuned", type=_options, default={},
                         help="generator.options of a third 'tuned' column, e.g. max_num_seqs=512")  # fmt: skip
     parser.add_argument("--profile", type=Path, default=None,

@@ -2,12 +2,13 @@
 alone (on vLLM's scheduler and on asyncrl's) against asyncrl (frozen trainer) with its defaults
 at one in-flight level of two steps, and every request-shape row (:data:`ROWS`).
 
-Each engine the benchmark builds costs this test about 12 s on 2 cores (vLLM imported twice),
-so it builds four: the in-flight level of one step (K = all samples) runs the same code with
-one step less; a ``--tuned`` column is another asyncrl run with other engine options; and the
-engine rows differ from the option rows only in the engine arguments they pass, which the
-benchmark hands to vLLM as they are (asyncrl's scheduler, the option row left out, is the side
-part's second vLLM-alone engine).
+Each engine the benchmark builds costs this test about 14 s on 2 cores (its start and its
+stop), so it builds three: the in-flight level of one step (K = all samples) runs the same
+code with one step less; a ``--tuned`` column is another asyncrl run with other engine
+options; the engine rows differ from the option rows only in the engine arguments they pass,
+which the benchmark hands to vLLM as they are (asyncrl's scheduler, the option row left out,
+is the side part's second vLLM-alone engine); and ``--share-engines`` runs the option rows and
+the vLLM-alone column on vLLM's scheduler on one engine (the same engine arguments).
 
 The figures are not checked against a target here (a 2-core CI machine shares its cores
 between the engine, the trainer and the controller; the GPU figures are in
@@ -35,18 +36,20 @@ ROWS = "no per-sample seed,no logprobs,n per prompt,DELTA"
 
 def test_generation_benchmark_runs_both_ways_on_the_cpu_build(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from generation import OPTIONS, selected
+    from generation import OPTIONS, SHARED, selected
 
     out = tmp_path / "generation.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--size", "tiny",
          "--prompts", str(PROMPTS), "--samples", str(SAMPLES), "--max-tokens", str(TOKENS),
-         "--in-flight", "4", "--options-prompts", "8", "--rows", ROWS,
+         "--in-flight", "4", "--options-prompts", "8", "--rows", ROWS, "--share-engines",
          "--work", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=840,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| in flight |" in proc.stdout and "| request shape or engine option |" in proc.stdout
+    # the vLLM-alone column on vLLM's scheduler ran on the options' engine: three engines built
+    assert proc.stdout.count(SHARED) == 1, proc.stdout[-3000:]
     results = json.loads(out.read_text())
 
     rows = list(selected(ROWS))

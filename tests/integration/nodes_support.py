@@ -43,6 +43,12 @@ class Node:
     env: dict[str, str] = field(default_factory=dict)
     sets: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
+    reaping_init: bool = False
+    """Whether the node's pid 1 reaps what is orphaned there, as a host's init does (``sh``
+    runs the command and stays). By default the command is pid 1, as in a container without
+    an init, and reaps nothing: what a stopped worker leaves in its process group stays a
+    zombie there, and its rank waits out ``asyncrl.procs.supervisor.GROUP_GONE_S`` (10 s)
+    for the group to go (a vLLM worker's rank does: ``worker_leftovers_remain``)."""
 
 
 PAIR = (Node(), Node())
@@ -88,13 +94,14 @@ def node(
         str(config), "--set", f"cluster.host={subnet}{n}",
         *(a for x in spec.sets for a in ("--set", x)),
     ]  # fmt: skip
+    run = shlex.join(torchrun)
     script = [
         f"hostname node{n}",
         f"mount --bind {shlex.quote(str(tmp / 'hosts'))} /etc/hosts",
         "mount -t tmpfs tmpfs /dev/shm",
         'runs="/tmp/asyncrl-$(id -un)"; mkdir -p "$runs"',
         'mount -t tmpfs -o mode=700 tmpfs "$runs"',
-        "exec " + shlex.join(torchrun),
+        *([run, "exit $?"] if spec.reaping_init else ["exec " + run]),
     ]  # fmt: skip
     if wait_for is not None:
         script.insert(0, f"while [ ! -e {shlex.quote(str(wait_for))} ]; do sleep 0.05; done")
