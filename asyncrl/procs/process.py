@@ -37,6 +37,7 @@ __all__ = [
     "ProcessExit",
     "die_with_parent",
     "exit_status",
+    "group_runs",
     "has_exited",
     "is_dying",
     "kill_process_group",
@@ -162,6 +163,19 @@ def stat_fields(pid: int) -> list[bytes] | None:
             return f.read().rpartition(b")")[2].split()
     except OSError:
         return None
+
+
+def group_runs(pgid: int) -> bool:
+    """Whether a process of process group ``pgid`` still runs here. A zombie does not count:
+    it is dead and holds nothing, only its parent has yet to reap it (an orphan's new parent,
+    a container's first process, may take seconds, or never)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = stat_fields(int(name))  # [0] state, [1] ppid, [2] process group
+        if fields and len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def boot_id() -> str | None:

@@ -39,6 +39,7 @@ import structlog
 from asyncrl.procs.process import (
     PARENT_ENV,
     exit_status,
+    group_runs,
     has_exited,
     kill_process_group,
     pid_exists,
@@ -232,6 +233,8 @@ def _kill_group(pgid: int) -> None:
         try:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
+            return
+        if not group_runs(pgid):  # only zombies left, for their new parent to reap
             return
         time.sleep(0.05)
     log.warning("worker_leftovers_remain", pgid=pgid)

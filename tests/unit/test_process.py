@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.errors import RunError, flatten
-from asyncrl.procs.process import exit_status, has_exited, stopped_by_signal
+from asyncrl.procs.process import exit_status, group_runs, has_exited, stat_fields, stopped_by_signal
 
 
 def _wait_zombie(proc: subprocess.Popen[bytes]) -> None:
@@ -289,3 +289,25 @@ def test_a_rank_orphaned_while_it_started_stops_at_once(tmp_path: Path) -> None:
         launcher.wait()
         assert _file(out.with_suffix(".term")) == str(launcher.pid)
         _wait_gone([rank])
+
+
+def test_a_group_left_with_a_zombie_runs_no_more() -> None:
+    """The supervisor waits for a dead worker's process group to go: a member that is only a
+    zombie (dead, its parent not reaping it) holds nothing and must not make it wait out its
+    bound, though ``killpg(pgid, 0)`` still finds the group."""
+    code = ("import os, sys, time\npid = os.fork()\nif pid == 0:\n    os.setpgid(0, 0)\n"
+            "    os._exit(0)\nprint(pid, flush=True)\ntime.sleep(30)\n")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while (stat_fields(child) or [b"?"])[0] != b"Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(child, 0)  # the group is still there for kill()
+        assert not group_runs(child)
+        assert group_runs(os.getpgid(parent.pid))  # a live member counts
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
