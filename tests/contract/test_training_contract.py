@@ -30,11 +30,13 @@ class TestFSDP2TwoRanks(TrainingBackendContract):
 
 class TestFSDP2TwoRanksTokenBudget(TrainingBackendContract):
     """Micro-batches cut by tokens after sorting by length (the contract's sequences are 1-14
-    tokens: ranges of one to several sequences, and shards whose order changes)."""
+    tokens: ranges of one to several sequences, and shards whose order changes), each decoder
+    layer's activations recomputed in the backward (``activation_checkpointing``)."""
 
     backend = "fsdp2"
     world_size = 2
     trainer = {"max_tokens_per_micro_batch": 24}
+    options = {"activation_checkpointing": True}
     collective_timeout = False  # TestFSDP2TwoRanks runs the same stuck scenario
 
 
@@ -90,7 +92,8 @@ class TestDeepSpeedZero2TwoRanksLoRA(TrainingBackendContract):
 class TestDeepSpeedZero3TwoRanksLoRA(TrainingBackendContract):
     backend = "deepspeed"
     world_size = 2
-    options = {"zero_stage": 3, "export_bucket_mb": 1, **LORA_CLIP}
+    options = {"zero_stage": 3, "export_bucket_mb": 1, "activation_checkpointing": True,
+               **LORA_CLIP}  # fmt: skip
     lora = LORA
     collective_timeout = False  # TestDeepSpeedZero3TwoRanks runs the same stuck scenario
 

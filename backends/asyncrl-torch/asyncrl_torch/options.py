@@ -37,6 +37,11 @@ class TrainerOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     (moved to the device for each reference forward: less device memory, a copy per step)."""
     mixed_precision: Literal["none", "bf16"] = "none"
     """Compute dtype of forward/backward. Master weights and optimizer state stay float32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    from the forward: about one layer's activations held instead of every layer's, for about
+    a third more compute per micro-batch. Results are unchanged. Set it when a long
+    micro-batch runs out of memory (docs/one-gpu.md)."""
     attn_implementation: str = "sdpa"
     """Passed to ``from_pretrained`` (``sdpa``, ``eager``, ``flash_attention_2``...)."""
     num_threads: int = 1

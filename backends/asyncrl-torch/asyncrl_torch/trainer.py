@@ -261,6 +261,11 @@ class DistributedTrainer:
         model = AutoModelForCausalLM.from_pretrained(
             ctx.config.model.path, dtype=dtype, attn_implementation=opts.attn_implementation
         ).to(self._device)
+        if opts.activation_checkpointing:
+            # non-reentrant: works under FSDP2 and ZeRO-3, and with an adapter's frozen inputs
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         num_parameters = sum(p.numel() for p in model.parameters())  # a tied weight once
         self._vocab_size = model.get_input_embeddings().num_embeddings
         if lora.enabled:
