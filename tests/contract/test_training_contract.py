@@ -84,7 +84,7 @@ class TestFSDP2TwoRanksLoRA(TrainingBackendContract):
 class TestDeepSpeedZero2TwoRanksLoRA(TrainingBackendContract):
     backend = "deepspeed"
     world_size = 2
-    options = {"zero_stage": 2, **LORA_CLIP}
+    options = {"zero_stage": 2, "activation_checkpointing": True, **LORA_CLIP}
     lora = LORA
     collective_timeout = False  # TestDeepSpeedZero2TwoRanks runs the same stuck scenario
 
@@ -92,8 +92,7 @@ class TestDeepSpeedZero2TwoRanksLoRA(TrainingBackendContract):
 class TestDeepSpeedZero3TwoRanksLoRA(TrainingBackendContract):
     backend = "deepspeed"
     world_size = 2
-    options = {"zero_stage": 3, "export_bucket_mb": 1, "activation_checkpointing": True,
-               **LORA_CLIP}  # fmt: skip
+    options = {"zero_stage": 3, "export_bucket_mb": 1, **LORA_CLIP}
     lora = LORA
     collective_timeout = False  # TestDeepSpeedZero3TwoRanks runs the same stuck scenario
 
