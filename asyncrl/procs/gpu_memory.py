@@ -152,12 +152,12 @@ class MemoryPlan:
     def turns(self, gpu: int) -> dict[str, int]:
         """What ``gpu`` holds in each turn: ``{"resident": ...}`` where nothing takes turns,
         else ``{"generating": ..., "stepping": ...}`` (contexts included)."""
-        procs = [p for p in self.on(gpu) if p.need is not None]
+        needs = [(p.label.startswith("trainer:"), p.need) for p in self.on(gpu) if p.need]
         contexts = len(self.on(gpu)) * CUDA_CONTEXT_BYTES
-        trainers = [p.need for p in procs if p.label.startswith("trainer:") and p.need]
-        engines = [p.need for p in procs if not p.label.startswith("trainer:") and p.need]
+        trainers = [need for trainer, need in needs if trainer]
+        engines = [need for trainer, need in needs if not trainer]
         if not (self.take_turns and trainers and engines):
-            return {"resident": sum(p.need.total for p in procs if p.need) + contexts}
+            return {"resident": sum(need.total for _, need in needs) + contexts}
         kept = sum(t.total - (t.movable if self.offload else 0) for t in trainers)
         return {"generating": kept + sum(e.total for e in engines) + contexts,
                 "stepping": sum(t.total for t in trainers) + contexts}  # fmt: skip
@@ -284,9 +284,8 @@ def plan_memory(
     if not plan.take_turns:
         return plan
     if c.trainer_offload == "auto":  # offload where the whole state does not fit beside
-        whole = MemoryPlan(processes, gpus, config.model.path, shape, take_turns=True)
-        offload = gpus is not None and any(
-            whole.turns(g).get("generating", 0) > gpus[g] for g in {p.gpu for p in processes}
+        offload = gpus is not None and any(  # the plan so far keeps the state: offload False
+            plan.turns(g).get("generating", 0) > gpus[g] for g in {p.gpu for p in processes}
             if g < len(gpus))  # fmt: skip
     else:
         offload = c.trainer_offload == "always"
