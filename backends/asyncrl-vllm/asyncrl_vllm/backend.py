@@ -504,9 +504,10 @@ class VLLMBackend(EngineWeights):
                 done = sum(len(p.token_ids) for p in parts)
                 rid = f"{sid}+{len(parts)}" if parts else sid
                 self._requests.setdefault(request.group_id, {})[sid] = rid
+                params = sampling_params(request, i, self._eos, done=done, part=len(parts),
+                                         stream_logprobs=self._stream_logprobs)  # fmt: skip
                 part = await self._generate_part(
-                    llm, sid, rid, sampling_params(request, i, self._eos, done=done, part=len(parts),
-                                              stream_logprobs=self._stream_logprobs),
+                    llm, sid, rid, params,
                     self._prompt([*request.prompt_ids, *_tokens(parts)]) if parts else prompt,
                 )
                 moved = sid in self._moving
@@ -582,10 +583,16 @@ class VLLMBackend(EngineWeights):
             if sid not in self._aborted and (leases.version_of(rid) or 0) < version
         }
         if moving:
-            self._moving.update(moving)
-            await self._bounded("abort", self._require().abort(list(moving.values())))
+            await self._stop_to_move(moving)
             self._log.info("requests_moved", version=version, moved=len(moving))
         return len(moving)
+
+    async def _stop_to_move(self, moving: dict[str, str]) -> None:
+        """End the vLLM requests of the samples ``moving`` (sample id to request id): each
+        goes on from its tokens as a new request (:meth:`_generate_sample`), once the engine
+        takes requests. Bounded by ``rpc_timeout_s``."""
+        self._moving.update(moving)
+        await self._bounded("abort", self._require().abort(list(moving.values())))
 
     # ------------------------------------------------------------------ taking turns
     async def sleep(self) -> dict[str, Any]:
@@ -607,8 +614,7 @@ class VLLMBackend(EngineWeights):
         moving = {sid: rid for sid, rid in self._inside.items() if sid not in self._aborted}
         try:
             if moving:
-                self._moving.update(moving)
-                await self._bounded("abort", llm.abort(list(moving.values())))
+                await self._stop_to_move(moving)
             await self._bounded("the requests' end before a sleep", self._turn.drained())
             if self._sleep_level == 2:  # a refit loads parameters only: keep the rest
                 await self._rpc("asyncrl_save_unloaded")
