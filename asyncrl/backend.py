@@ -330,8 +330,7 @@ class Sleeps(Protocol):
         is lost: a request in flight stops, keeps its tokens, and goes on from them after the
         wake (its prompt and those tokens prefilled again by the new weights); a request that
         arrives while asleep waits for the wake. Returns facts for the run's records
-        (``sleep_s``, ``held``: requests held, ``freed_bytes`` where known). Asleep already:
-        does nothing."""
+        (``sleep_s``, ``held``: requests held). Asleep already: does nothing."""
 
 
 class StateOffload(Protocol):

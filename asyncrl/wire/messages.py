@@ -312,7 +312,7 @@ class TurnResult(msgspec.Struct, tag="turn_r", **_CTRL):
 
     seconds: float
     moved_bytes: int = 0
-    """GPU memory released (a sleep's, where the engine says) or moved (the state's)."""
+    """A state move's: the bytes that left or came back to the GPU."""
     held: int = 0
     """A sleep's: requests in flight that stopped and wait for the wake."""
 

@@ -240,9 +240,7 @@ class RolloutRuntime(WorkerRuntime):
             raise RuntimeError("Sleep sent to an engine that cannot sleep")
         start = time.perf_counter()
         facts = await self._sleep()
-        return TurnResult(seconds=time.perf_counter() - start,
-                          moved_bytes=int(facts.get("freed_bytes", 0)),
-                          held=int(facts.get("held", 0)))  # fmt: skip
+        return TurnResult(seconds=time.perf_counter() - start, held=int(facts.get("held", 0)))
 
     # ----------------------------------------------------------------- generations
     async def _generate_one(self, req: GenRequest, outbox: Any) -> None:
