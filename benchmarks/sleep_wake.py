@@ -18,6 +18,7 @@ to ``--work``.
     python benchmarks/sleep_wake.py --sizes 0.5b,1.5b,8b --repeats 10
     python benchmarks/sleep_wake.py --device cpu --sizes tiny --repeats 3   # no GPU: checks
         the script itself on the CPU build (its sleep pauses the scheduler only)
+    python benchmarks/sleep_wake.py --sizes 1.5b,8b --lora 32   # [lora]: level 1, adapters
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lora_refit import TARGETS, write_adapter  # noqa: E402
 from refit import SHAPES, ProcessRefit, median, write_model  # noqa: E402
 
 
-def engine(model_dir: Path, cuda: bool, run_dir: Path, utilization: float):  # noqa: ANN201
-    """The vLLM backend as a ``take_turns`` rollout rank starts it (sleep mode on, on CUDA)."""
+def engine(model_dir: Path, cuda: bool, run_dir: Path, utilization: float, rank: int):  # noqa: ANN201
+    """The vLLM backend as a ``take_turns`` rollout rank starts it (sleep mode on, on CUDA);
+    with ``rank``, a ``[lora]`` one (vLLM's level 1: the base kept in host memory)."""
     from asyncrl import registry
     from asyncrl.backend import WorkerContext
     from asyncrl.config import from_dict
@@ -48,6 +51,7 @@ def engine(model_dir: Path, cuda: bool, run_dir: Path, utilization: float):  # n
         "cluster": {"placement": "take_turns"},
         "refit": {"transport": "cuda_ipc" if cuda else "shm"},
         "generator": {"backend": "vllm", "options": options},
+        **({"lora": {"rank": rank, "target_modules": list(TARGETS)}} if rank else {}),
     })  # fmt: skip
     ctx = WorkerContext("rollout", 0, 1, 0, config, str(run_dir), gpu=0 if cuda else None)
     return registry.load("asyncrl.generation_backends", "vllm")(ctx)
@@ -67,12 +71,16 @@ async def cycle_model(size: str, args: argparse.Namespace) -> dict:
 
     cuda = args.device == "cuda"
     model_dir = write_model(size, args.work, "cuda:0" if cuda else "cpu")
-    backend = engine(model_dir, cuda, args.work, args.utilization)
+    backend = engine(model_dir, cuda, args.work, args.utilization, args.lora)
     t0 = time.perf_counter()
     await backend.start()
     started = time.perf_counter() - t0
+    weights = model_dir  # the refit sends the whole model, or the same adapter each time
+    if args.lora:
+        weights = write_adapter(model_dir, args.lora, args.work / f"{size}-r{args.lora}"
+                                ".safetensors", "cuda:0" if cuda else "cpu")  # fmt: skip
     pair = ProcessRefit("cuda_ipc" if cuda else "shm", "cuda:0" if cuda else "cpu",
-                        bucket_size=args.bucket_mb << 20, weights=model_dir)  # fmt: skip
+                        bucket_size=args.bucket_mb << 20, weights=weights)  # fmt: skip
     rng = np.random.default_rng(0)
     vocab = SHAPES[size][5]
     prompts = [rng.integers(10, min(vocab, 5000), 64).tolist() for _ in range(args.batch)]
@@ -110,7 +118,7 @@ async def cycle_model(size: str, args: argparse.Namespace) -> dict:
     finally:
         pair.close()
         await backend.close()
-    out = {"size": size, "device": args.device, "repeats": args.repeats,
+    out = {"size": size, "lora_rank": args.lora, "device": args.device, "repeats": args.repeats,
            "engine_start_s": round(started, 1), "cuda_graphs": cuda,
            "utilization": args.utilization if cuda else None,
            "bytes": rows[0]["refit_bytes"], "tokens_after": after,
@@ -118,7 +126,8 @@ async def cycle_model(size: str, args: argparse.Namespace) -> dict:
     for key in ("sleep_s", "wake_s", "wake_refit_s", "freed_gib"):
         out[f"{key}_median"] = round(median([r[key] for r in rows]), 4)
         out[f"{key}_max"] = round(max(r[key] for r in rows), 4)
-    print(f"{size:>5} {args.device}: sleep {out['sleep_s_median'] * 1e3:7.1f} ms (max "
+    kind = f"lora r{args.lora}" if args.lora else "full"
+    print(f"{size:>5} {kind} {args.device}: sleep {out['sleep_s_median'] * 1e3:7.1f} ms (max "
           f"{out['sleep_s_max'] * 1e3:.1f}), freed {out['freed_gib_median']:5.1f} GiB | wake "
           f"{out['wake_s_median'] * 1e3:7.1f} ms | wake + refit of {out['bytes'] / 1e9:.2f} GB "
           f"{out['wake_refit_s_median'] * 1e3:7.1f} ms (max {out['wake_refit_s_max'] * 1e3:.1f})"
@@ -144,6 +153,10 @@ def main() -> None:
     parser.add_argument("--utilization", type=float, default=0.5,
                         help="the engine's gpu_memory_utilization (the trainer's weights sit "
                              "beside it)")  # fmt: skip
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="an adapter of this rank on every projection is what the refit "
+                             "sends ([lora]: the engine sleeps at level 1, its base in host "
+                             "memory)")  # fmt: skip
     parser.add_argument("--bucket-mb", type=int, default=1024)
     parser.add_argument("--work", type=Path, default=Path("/tmp/asyncrl-refit-bench"))
     parser.add_argument("--out", type=Path, default=None)

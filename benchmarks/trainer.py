@@ -132,6 +132,8 @@ def asyncrl_steps(args: argparse.Namespace, engine: str, stage: int) -> list[flo
                "num_threads": 0}  # fmt: skip
     if engine == "deepspeed":
         options["zero_stage"] = stage
+    if args.checkpointing:
+        options["activation_checkpointing"] = True
     kind, _, budget = args.plan.partition(":")
     config = from_dict({
         "model": {"path": args.model, "dtype": "bfloat16"},
@@ -286,11 +288,12 @@ def rank_main(args: argparse.Namespace) -> None:
             "response_mean": args.response_mean, "plan": args.plan,
             "micro_batch_size": args.micro_batch_size, "step_s": [round(t, 4) for t in times],
             "median_s": round(median, 4), "tok_per_s": round(tokens / median),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if torch.cuda.is_available() else None,
             "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
             if torch.cuda.is_available() else None,
             "shape": args.shape, "layers": args.layers, "lora": args.lora,
+            "checkpointing": args.checkpointing,
             "prompt_len": args.prompt_len,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         }), flush=True)  # fmt: skip
@@ -315,6 +318,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
                     help="the Qwen2.5 architecture of the random model")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's)")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="asyncrl cases: trainer.options.activation_checkpointing")
     ap.add_argument("--lora", type=int, default=0,
                     help="train a LoRA adapter of this rank (asyncrl cases; 0: full weights)")
     ap.add_argument("--model", default="", help="where the model is built (default: /tmp/...)")
@@ -343,7 +348,8 @@ def main() -> None:
                    *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                      if k in ("seqs", "seq_len", "prompt_len", "micro_batch_size", "steps",
                               "warmup", "model", "response_mean", "shape", "layers", "lora")],
-                   *(["--profile"] if args.profile else [])]  # fmt: skip
+                   *(["--profile"] if args.profile else []),
+                   *(["--checkpointing"] if args.checkpointing else [])]  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True)
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not found:

@@ -6,6 +6,7 @@
 # difference is the activations of 3 sequences, the rest what does not grow with the batch.
 #   bash benchmarks/gpu/run_memory.sh full 0.5b,1.5b,3b     # full fine-tuning
 #   bash benchmarks/gpu/run_memory.sh lora 3b,7b            # rank-32 adapters
+#   CKPT=1 bash benchmarks/gpu/run_memory.sh full 1.5b      # with activation checkpointing
 # Rows go to $OUT/memory.jsonl (benchmarks/trainer.py's, with peak and reserved GiB).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +20,7 @@ for shape in ${shapes//,/ }; do
   for mb in 1 4; do
     timeout ${LIMIT:-300} python3 benchmarks/trainer.py --cases fsdp2 --shape "$shape" \
       --lora "$lora" --seqs 8 --seq-len "$seq_len" --prompt-len 256 --micro-batch-size "$mb" \
-      --steps 2 --warmup 1 --out "$OUT/memory.jsonl" 2>&1 | grep -E "GPU |failed|Error" | cut -c1-300
+      --steps 2 --warmup 1 ${CKPT:+--checkpointing} --out "$OUT/memory.jsonl" 2>&1 | grep -E "GPU |failed|Error" | cut -c1-300
   done
   rm -rf "/tmp/asyncrl-bench-qwen2-$shape-all"  # the next shape needs the disk
 done

@@ -195,6 +195,9 @@ class VLLMBackend(EngineWeights):
         self._sleep_level = 1 if ctx.config.lora.enabled else 2
         """vLLM's sleep level: 2 releases the weights too (the refit replaces them all); with
         ``[lora]`` the base stays, so 1 keeps it in host memory."""
+        self._wake_s = 0.0
+        """The last wake's seconds: the weights' memory (and the buffers written back), then
+        the KV cache (and the FP8 scales written again)."""
 
     @property
     def _stream_logprobs(self) -> bool:
@@ -631,18 +634,22 @@ class VLLMBackend(EngineWeights):
     async def _wake_weights(self) -> None:
         """A refit begins while the engine sleeps: bring the weights' memory back (the refit
         loads into it). Bounded by ``rpc_timeout_s``."""
+        start = time.perf_counter()
         await self._bounded("wake_up(weights)", self._require().wake_up(["weights"]))
         if self._sleep_level == 2:  # the buffers (rotary caches), scales: as they were
             await self._rpc("asyncrl_restore_unloaded")
         self._turn.weights_back()
+        self._wake_s = time.perf_counter() - start
 
     async def _wake_cache(self, kv_scales: dict[str, float] | None) -> None:
         """The refit loaded its version: bring the KV cache back, then write the FP8 scales
         again (vLLM may reset them when it wakes the cache). Serving resumes after it."""
+        start = time.perf_counter()
         self._turn.loaded()
         await self._bounded("wake_up(kv_cache)", self._require().wake_up(["kv_cache"]))
         if kv_scales:
             await self._rpc("asyncrl_set_kv_scales", kv_scales)
+        self._wake_s += time.perf_counter() - start
 
     @contextlib.asynccontextmanager
     async def _engine_errors(self) -> AsyncIterator[None]:

@@ -60,9 +60,6 @@ class _Update:
     first_load: float | None = None
     reprefilled: bool = False
     """The requests in flight dropped their KV cache (``reprefill_in_flight``)."""
-    wake_s: float = 0.0
-    """Waking a sleeping engine: its weights' memory (before the loads) and its KV cache's
-    (after them), summed."""
 
 
 class EngineWeights:
@@ -88,6 +85,7 @@ class EngineWeights:
     """The engine's :class:`~asyncrl_vllm.turns.EngineTurn`: a refit wakes a sleeping engine."""
     _wake_weights: Any
     _wake_cache: Any
+    _wake_s: float
 
     async def _invalidate_prefix_cache(self, version: int) -> None:
         """Make sure no block computed by older weights is reused (see the option
@@ -169,7 +167,7 @@ class EngineWeights:
         scales = {k: float(v) for k, v in kv_scales.items()} if kv_scales else None
         self._update = _Update(
             version=version, mode="", started=started, kv_scales=scales, pause_s=paused - started,
-            expected=len(manifest), wake_s=paused - started if waking else 0.0,
+            expected=len(manifest),
         )
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
@@ -276,13 +274,15 @@ class EngineWeights:
         llm = self._require()
         if self._adapters is not None:
             move = await self._adapters.finish(version)
-            if self._turn.state == "weights":  # woken for this refit: the cache, then serve
+            waking = self._turn.state == "weights"
+            if waking:  # woken for this refit: the cache, then serve
                 await self._wake_cache(None)
                 await self._bounded("resume_generation", llm.resume_generation())
                 self._turn.woke()
             self.version = version
             moved = {"moved": await self._move_in_flight(version)} if move else {}
-            self.last_refit = {**self._adapters.last_refit, **moved}
+            self.last_refit = {**self._adapters.last_refit, **moved, "woke": waking,
+                               "wake_s": self._wake_s if waking else 0.0}  # fmt: skip
             return
         update = self._update
         if update is None or update.version != version:
@@ -298,7 +298,6 @@ class EngineWeights:
         waking = self._turn.state == "weights"
         if waking:
             await self._wake_cache(update.kv_scales)
-            update.wake_s += time.perf_counter() - finishing
         if reset_prefix_cache:
             await self._invalidate_prefix_cache(version)
         if hasattr(llm, "update_weight_version"):  # vLLM >= 0.30: label output spans
@@ -317,7 +316,7 @@ class EngineWeights:
             "mirrored": update.mirrored,
             "reprefilled": update.reprefilled,
             "woke": waking,
-            "wake_s": update.wake_s,
+            "wake_s": self._wake_s if waking else 0.0,
             "bytes": update.nbytes,
             "seconds": done - update.started,
             # where the time went: the pause, the bucket calls (wall, and inside the worker),
