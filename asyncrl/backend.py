@@ -117,7 +117,7 @@ class BackendPlugin:
     backends say so (docs/lora.md)."""
     gpu_memory: Callable[[Any, Any, int | None], Any] | None = None
     """``gpu_memory(config, shape, gpu_bytes)``: what one process of the backend holds on its
-    GPU before activations (a :class:`~asyncrl.procs.gpu_memory.MemoryNeed`; ``shape`` a
+    GPU at its peak (a :class:`~asyncrl.procs.gpu_memory.MemoryNeed`; ``shape`` a
     :class:`~asyncrl.procs.gpu_memory.ModelShape`, ``gpu_bytes`` its GPU's memory or ``None``),
     for the run's memory plan, checked before any worker is spawned (docs/one-gpu.md). Cheap;
     imports no engine. ``None``: the plan counts nothing for the backend."""

@@ -74,10 +74,13 @@ def check_config(
         from asyncrl.run.preflight import check_before_spawn
 
         try:  # what `asyncrl run` checks before it starts a process
-            memory = anyio.run(check_before_spawn, config).memory
+            checked = anyio.run(check_before_spawn, config)
         except (ConfigError, PluginError) as exc:
             print(f"invalid: {exc}", file=out)
             return 2
+        memory = checked.memory
+        if gpu_memory_gib is not None:
+            memory = _memory_plan(config, gpu_memory_gib, checked.longest_sequence)
     report = describe(config)
     print(f"mode: {report.mode}", file=out)
     print("capacities:", file=out)
@@ -87,7 +90,7 @@ def check_config(
     if config.lora.enabled:
         print(_lora_line(config), file=out)
     if memory is not None:
-        plan = memory if gpu_memory_gib is None else _memory_plan(config, gpu_memory_gib)
+        plan = memory
         for line in plan.lines():
             print(line, file=out)
         found = plan.problems()
@@ -104,7 +107,7 @@ def check_config(
     return 0
 
 
-def _memory_plan(config: Any, gpu_memory_gib: float) -> Any:
+def _memory_plan(config: Any, gpu_memory_gib: float, longest_sequence: int) -> Any:
     """The run's memory plan on GPUs of ``gpu_memory_gib`` each (as many as the config places
     processes on); the preflight's is on this host's."""
     from asyncrl.procs.gpu_memory import GiB
@@ -112,7 +115,8 @@ def _memory_plan(config: Any, gpu_memory_gib: float) -> Any:
 
     c = config.cluster
     count = 1 + max([*c.trainer_gpus, *c.rollout_gpus, c.trainer_ranks - 1, 0])
-    return memory_plan(config, [int(gpu_memory_gib * GiB)] * count)
+    return memory_plan(config, [int(gpu_memory_gib * GiB)] * count,
+                       longest_sequence=longest_sequence)  # fmt: skip
 
 
 def _lora_line(config: Any) -> str:

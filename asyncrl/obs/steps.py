@@ -434,7 +434,7 @@ def trainer_memory(results: list[StepResult], planned: int | None = None) -> dic
     """The step's accelerator memory peaks, the largest of the trainer ranks', in GiB
     (``trainer_peak_allocated_gib``: its tensors; ``trainer_peak_reserved_gib``: its
     allocator's hold on the device), and beside them ``trainer_plan_gib``, what the memory plan
-    said a rank holds before activations (``planned`` bytes, when known); nothing where the
+    said a rank holds at its peak (``planned`` bytes, when known); nothing where the
     ranks did not measure them (CPU)."""
     allocated = max(r.peak_allocated_bytes for r in results)
     if not allocated:

@@ -1,13 +1,15 @@
-"""The memory plan: what each process of a run holds on its GPU before activations, against
-the GPUs it will run on, computed before anything starts (docs/one-gpu.md).
+"""The memory plan: what each process of a run holds on its GPU at its peak, against the GPUs
+it will run on, computed before anything starts (docs/one-gpu.md).
 
 Each backend plugin says what one of its processes holds (``BackendPlugin.gpu_memory``: the
-trainer's weights, gradients and optimizer state, an engine's reservation); the core places
-the processes on GPUs as the workers will (``cluster.trainer_gpus``, ``cluster.rollout_gpus``)
-and adds them up per GPU. A GPU whose processes need more than it has refuses the run, naming
-the processes, their parts and the fixes. Activations come on top and are not counted: a
-plan that passes can still run out of memory in a long micro-batch, never the other way round.
-Each step's record then shows the trainer's measured peaks (``trainer_peak_reserved_gib``).
+trainer's weights, gradients, optimizer state and the activations of its longest
+micro-batch, an engine's reservation); the core places the processes on GPUs as the workers
+will (``cluster.trainer_gpus``, ``cluster.rollout_gpus``) and adds them up per GPU. A GPU
+whose processes need more than it has refuses the run, naming the processes, their parts and
+the fixes. The activations need the run's longest sequence (:attr:`ModelShape.longest_sequence`,
+from the prompts the preflight measured); where it is not known, they are not counted and the
+plan says so. Each step's record shows the trainer's measured peaks
+(``trainer_peak_allocated_gib``) beside the plan's figure (``trainer_plan_gib``).
 
 Nothing here imports torch or an engine: the sizes come from ``config.json`` and the
 safetensors headers, the GPUs' memory from ``nvidia-smi``.
@@ -40,7 +42,7 @@ an assumption (a few hundred MiB with lazy module loading), not a measurement of
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the plan needs of the model, from its directory."""
+    """What the plan needs of the model, from its directory, and of the run's sequences."""
 
     parameters: int
     """Elements in its weight files (a tied weight counted once)."""
@@ -49,6 +51,12 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    intermediate: int = 0
+    """The MLP's width (``intermediate_size``; 4 x hidden where the config has none)."""
+    longest_sequence: int = 0
+    """Tokens in the longest sequence the run trains: its longest prompt plus
+    ``grpo.max_new_tokens``, or ``episode.max_context_tokens`` for multi-turn episodes (0: not
+    known here, and activations are counted only to ``trainer.max_tokens_per_micro_batch``)."""
 
     @classmethod
     def of(cls, model_dir: str) -> ModelShape | None:
@@ -67,6 +75,7 @@ class ModelShape:
                 kv_heads=int(hf.get("num_key_value_heads") or heads),
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 vocab=int(hf["vocab_size"]),
+                intermediate=int(hf.get("intermediate_size") or 4 * hidden),
             ) if size and size.elements else None  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, AttributeError):
             return None
@@ -74,7 +83,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class MemoryNeed:
-    """What one process of a backend holds on its GPU before activations."""
+    """What one process of a backend holds on its GPU at its peak."""
 
     parts: tuple[tuple[str, int], ...]
     """``(what, bytes)``, e.g. ``("AdamW moments, float32, 1/2 shard", 3.9e9)``."""
@@ -83,6 +92,9 @@ class MemoryNeed:
     movable: int = 0
     """Of the parts, the bytes a trainer moves to host memory (or frees) between steps when it
     takes turns with an engine: its optimizer state and gradients (docs/one-gpu.md)."""
+    transient: int = 0
+    """Of the parts, the bytes held only while a step runs (a trainer's activations): none of
+    them while engines that take turns with it generate."""
 
     @property
     def total(self) -> int:
@@ -158,12 +170,12 @@ class MemoryPlan:
         engines = [need for trainer, need in needs if not trainer]
         if not (self.take_turns and trainers and engines):
             return {"resident": sum(need.total for _, need in needs) + contexts}
-        kept = sum(t.total - (t.movable if self.offload else 0) for t in trainers)
+        kept = sum(t.total - t.transient - (t.movable if self.offload else 0) for t in trainers)
         return {"generating": kept + sum(e.total for e in engines) + contexts,
                 "stepping": sum(t.total for t in trainers) + contexts}  # fmt: skip
 
     def trainer_bytes(self) -> int | None:
-        """What the largest trainer rank holds before activations (``None``: its backend says
+        """What the largest trainer rank holds at its peak (``None``: its backend says
         nothing): what the step records set beside the measured peaks."""
         needs = [p.need.total for p in self.processes
                  if p.label.startswith("trainer:") and p.need is not None]  # fmt: skip
@@ -171,7 +183,7 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The plan as ``check-config`` prints it."""
-        out = [f"memory plan (before activations; {self.model}):"]
+        out = [f"memory plan ({self.model}):"]
         for gpu in sorted({p.gpu for p in self.processes}):
             total = self.gpus[gpu] if self.gpus and gpu < len(self.gpus) else None
             have = f" of {_gib(total)}" if total else ""
@@ -234,8 +246,8 @@ class MemoryPlan:
                              "(cluster.trainer_gpus, cluster.rollout_gpus)")  # fmt: skip
             out.append(fail(
                 _placement_field(self.on(gpu)),
-                f"GPU {gpu} has {_gib(total)}, and its processes hold {_gib(need)} before any "
-                f"activation ({who}, and their CUDA contexts)",
+                f"GPU {gpu} has {_gib(total)}, and its processes hold {_gib(need)} ({who}, "
+                "and their CUDA contexts)",
                 "; or ".join(dict.fromkeys(fixes)) or "use a GPU with more memory",
             ))  # fmt: skip
         return out
@@ -253,17 +265,23 @@ def _gib(nbytes: int) -> str:
 
 def plan_memory(
     config: Any, trainer: GpuMemory | None, generator: GpuMemory | None,
-    gpus: list[int] | None,
+    gpus: list[int] | None, *, longest_sequence: int = 0,
 ) -> MemoryPlan:  # fmt: skip
     """The plan of ``config``'s processes (each group's ``gpu_memory``, ``None`` if its plugin
-    has none) on ``gpus`` (each GPU's bytes; ``None``: unknown). Trainer rank r runs on
-    ``cluster.trainer_gpus[r]``, else GPU r; rollout rank r on ``cluster.rollout_gpus[r]``,
-    else GPU 0 (vLLM's default, the first it sees), as the workers place them on one node.
-    A run over TCP (several nodes) gets no verdict: its ranks' nodes are not known here."""
+    has none) on ``gpus`` (each GPU's bytes; ``None``: unknown), its sequences at most
+    ``longest_sequence`` tokens long (0: not known, activations not counted). Trainer rank r runs on ``cluster.trainer_gpus[r]``, else GPU r; rollout rank r on
+    ``cluster.rollout_gpus[r]``, else GPU 0 (vLLM's default, the first it sees), as the
+    workers place them on one node. A run over TCP (several nodes) gets no verdict: its ranks'
+    nodes are not known here."""
     c = config.cluster
     shape = ModelShape.of(config.model.path)
     notes = [] if shape else [f"the model's size cannot be read from {config.model.path}: "
                               "the backends' shares are unknown"]  # fmt: skip
+    if shape is not None:
+        shape = dataclasses.replace(shape, longest_sequence=longest_sequence)
+    if shape is not None and not longest_sequence:
+        notes.append("the longest sequence is not known here: a trainer's activations are "
+                     "counted only to trainer.max_tokens_per_micro_batch")  # fmt: skip
     if c.network == "tcp" and gpus is not None:
         # ranks on other nodes: which of them share this node's GPUs is not known here
         notes.append("cluster.network = \"tcp\" (ranks on several nodes): each process's "

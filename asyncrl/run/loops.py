@@ -162,7 +162,7 @@ class Pipeline:
     ) -> None:
         self.config, self.control, self.tok = config, control, tokenizer
         self.planned_trainer_bytes = planned_trainer_bytes
-        """What the memory plan says a trainer rank holds before activations (``None``: not
+        """What the memory plan says a trainer rank holds at its peak (``None``: not
         known): each step's record sets it beside the measured peaks."""
         self.trainers, self.restarts, self.metrics = trainers, restarts, metrics
         self.rollouts = restarts.workers

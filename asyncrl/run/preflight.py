@@ -22,6 +22,7 @@ from asyncrl import registry
 from asyncrl.backend import BackendPlugin
 from asyncrl.data.chat import ChatTemplate
 from asyncrl.env.capabilities import check_environment
+from asyncrl.env.episode import EpisodeEnvironment
 from asyncrl.config import Config
 from asyncrl.errors import AsyncRLError, config_error
 from asyncrl.data.prompts import Tokenizer
@@ -41,6 +42,8 @@ class Preflight(NamedTuple):
     tokenizer: Tokenizer
     memory: MemoryPlan
     """The memory plan on this host's GPUs (no verdict without them)."""
+    longest_sequence: int
+    """Tokens in the longest sequence the run trains (the memory plan's activations)."""
 
 
 async def check_before_spawn(cfg: Config) -> Preflight:
@@ -100,25 +103,31 @@ async def check_before_spawn(cfg: Config) -> Preflight:
     }
     need = functools.partial(check_space, cfg, engines, staging_buffers=STAGING_BUFFERS)
     await anyio.to_thread.run_sync(need)  # /dev/shm, disks: room enough
+    # a multi-turn episode (the environment's, or a service's sessions) grows to its context
+    episodic = isinstance(environment, EpisodeEnvironment) or bool(enabled_services(cfg))
+    sequence = cfg.episode.max_context_tokens if episodic else longest + cfg.grpo.max_new_tokens
     plan = await anyio.to_thread.run_sync(  # nvidia-smi, the safetensors headers: off the loop
-        lambda: plan_memory(cfg, trainer.gpu_memory, generator.gpu_memory, gpu_totals())
+        lambda: plan_memory(cfg, trainer.gpu_memory, generator.gpu_memory, gpu_totals(),
+                            longest_sequence=sequence)  # fmt: skip
     )
-    for problem in plan.problems():  # the GPUs: room enough before any activation
+    for problem in plan.problems():  # the GPUs: room enough at the processes' peaks
         raise problem
-    return Preflight(environment, tokenizer, plan)
+    return Preflight(environment, tokenizer, plan, sequence)
 
 
-def memory_plan(cfg: Config, gpus: list[int] | None) -> MemoryPlan:
-    """The run's memory plan on ``gpus`` (each GPU's bytes; ``None``: unknown here), from its
-    backends' ``gpu_memory`` (:mod:`asyncrl.procs.gpu_memory`): for planning on other GPUs
-    than this host's, which :func:`check_before_spawn` plans on."""
+def memory_plan(cfg: Config, gpus: list[int] | None, *, longest_sequence: int = 0) -> MemoryPlan:
+    """The run's memory plan on ``gpus`` (each GPU's bytes; ``None``: unknown here), its
+    sequences at most ``longest_sequence`` tokens (0: not known), from its backends'
+    ``gpu_memory`` (:mod:`asyncrl.procs.gpu_memory`): for planning on other GPUs than this
+    host's, which :func:`check_before_spawn` plans on."""
     trainer = BackendPlugin.of(
         registry.load("asyncrl.training_backends", cfg.trainer.backend, "trainer.backend")
     )
     generator = BackendPlugin.of(
         registry.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
     )
-    return plan_memory(cfg, trainer.gpu_memory, generator.gpu_memory, gpus)
+    return plan_memory(cfg, trainer.gpu_memory, generator.gpu_memory, gpus,
+                       longest_sequence=longest_sequence)  # fmt: skip
 
 
 @contextmanager

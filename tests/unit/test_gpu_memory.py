@@ -1,10 +1,11 @@
-"""The memory plan against hand computations: what each trainer rank and engine holds before
-activations, per GPU, and the refusals with their fixes (the plugins' own ``gpu_memory``, as
-the controller loads them)."""
+"""The memory plan against hand computations: what each trainer rank (its state, and the
+activations of its longest micro-batch) and engine holds, per GPU, and the refusals with
+their fixes (the plugins' own ``gpu_memory``, as the controller loads them)."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def config(path: Path, **sections):
 
 def test_the_shape_is_read_from_config_json_and_the_headers(tmp_path: Path) -> None:
     shape = ModelShape.of(str(model(tmp_path, QWEN_1_5B, P_1_5B)))
-    assert shape == ModelShape(P_1_5B, 28, 1536, 2, 128, 151936)
+    assert shape == ModelShape(P_1_5B, 28, 1536, 2, 128, 151936, intermediate=8960)
 
 
 def test_full_weights_on_one_rank_hold_18_bytes_a_parameter(tmp_path: Path) -> None:
@@ -102,7 +103,7 @@ def test_a_full_fine_tune_that_cannot_fit_is_refused_with_lora_among_the_fixes(
     message = str(problem)
     # 18 bytes a parameter: 137.1e9 bytes, 127.7 GiB, and a CUDA context of 0.5
     assert message.startswith("cluster.trainer_gpus: GPU 0 has 80.0 GiB, and its processes "
-                              "hold 128.2 GiB before any activation")  # fmt: skip
+                              "hold 128.2 GiB (trainer:0 127.7 GiB")  # fmt: skip
     assert "train a LoRA adapter instead" in message and "cluster.trainer_ranks" in message
 
 
@@ -135,6 +136,68 @@ def test_lora_on_a_7b_model_fits_one_gpu_beside_its_engine(tmp_path: Path) -> No
     assert plan.problems() == []
 
 
+# Activations a token of Qwen2.5-1.5B's shape keeps in bf16, by hand (asyncrl_torch.memory):
+# per layer 9 hidden-wide and 4 MLP-wide tensors of 2 bytes, 28 layers; the logits in bf16 and
+# 3 float32 copies. With activation checkpointing: each layer's bf16 input and one layer whole.
+LAYER_1_5B = 2 * (9 * 1536 + 4 * 8960)
+LOGITS_1_5B = 151936 * (2 + 3 * 4)
+TOKEN_1_5B = 28 * LAYER_1_5B + LOGITS_1_5B
+TOKEN_1_5B_CHECKPOINTED = 28 * 2 * 1536 + LAYER_1_5B + LOGITS_1_5B
+
+
+@pytest.mark.parametrize(
+    "trainer, longest, tokens, per_token",
+    [
+        # 4 sequences padded to the longest, 1,024 tokens
+        ({"micro_batch_size": 4}, 1024, 4 * 1024, TOKEN_1_5B),
+        # a micro-batch is never more than a rank's share of the step (2 x 2 samples here)
+        ({"micro_batch_size": 64}, 1024, 4 * 1024, TOKEN_1_5B),
+        # a token budget bounds it, unless one sequence is longer (it goes alone)
+        ({"max_tokens_per_micro_batch": 3000}, 1024, 3000, TOKEN_1_5B),
+        ({"max_tokens_per_micro_batch": 3000}, 5000, 5000, TOKEN_1_5B),
+        ({"micro_batch_size": 4, "options": {"mixed_precision": "bf16",
+                                             "activation_checkpointing": True}},
+         1024, 4 * 1024, TOKEN_1_5B_CHECKPOINTED),  # fmt: skip
+    ],
+)
+def test_activations_are_planned_for_the_longest_micro_batch(
+    tmp_path: Path, trainer: dict, longest: int, tokens: int, per_token: int
+) -> None:
+    trainer = {**trainer, "options": {"mixed_precision": "bf16", **trainer.get("options", {})}}
+    cfg = config(model(tmp_path, QWEN_1_5B, P_1_5B), trainer=trainer,
+                 grpo={"prompts_per_step": 2, "samples_per_prompt": 2})  # fmt: skip
+    plan = memory_plan(cfg, [80 * GiB], longest_sequence=longest)
+    need = plan.processes[0].need
+    assert dict(need.parts)[f"activations of {tokens:,} tokens (estimated)"] == tokens * per_token
+    assert need.transient == tokens * per_token
+    assert need.total == 18 * P_1_5B + tokens * per_token
+    assert plan.trainer_bytes() == need.total  # what each step's record sets beside its peaks
+
+
+def test_activations_need_the_longest_sequence_or_a_token_budget(tmp_path: Path) -> None:
+    """Without the longest sequence (planning from the config alone) only a token budget
+    bounds a micro-batch; the plan says what it could not count."""
+    path = model(tmp_path, QWEN_1_5B, P_1_5B)
+    plan = memory_plan(config(path), [80 * GiB])
+    assert plan.processes[0].need.total == 18 * P_1_5B
+    assert any("activations are counted only to" in line for line in plan.lines())
+    budget = memory_plan(config(path, trainer={"max_tokens_per_micro_batch": 2048}), [80 * GiB])
+    assert budget.processes[0].need.transient == 2048 * (28 * 2 * LAYER_1_5B
+                                                         + 151936 * (4 + 3 * 4))  # float32
+
+
+def test_long_micro_batches_that_cannot_fit_name_checkpointing_and_smaller_batches(
+    tmp_path: Path,
+) -> None:
+    """16 sequences of 8,192 tokens in float32: 131,072 tokens of activations, 974 GiB."""
+    cfg = config(model(tmp_path, QWEN_1_5B, P_1_5B), cluster={"rollout_gpus": [1]})
+    (problem,) = memory_plan(cfg, [80 * GiB] * 2, longest_sequence=8192).problems()
+    held = 18 * P_1_5B + 131072 * (28 * 2 * LAYER_1_5B + 151936 * (4 + 3 * 4))
+    assert f"trainer:0 {held / GiB:.1f} GiB" in str(problem)
+    assert "trainer.options.activation_checkpointing = true" in str(problem)
+    assert "trainer.max_tokens_per_micro_batch" in str(problem)
+
+
 def test_check_config_prints_the_plan_and_refuses_what_cannot_fit(tmp_path: Path, capsys) -> None:
     path = model(tmp_path, QWEN_7B, P_7B)
     toml = tmp_path / "run.toml"
@@ -142,7 +205,9 @@ def test_check_config_prints_the_plan_and_refuses_what_cannot_fit(tmp_path: Path
                     '[cluster]\nrollout_gpus = [1]\n')  # fmt: skip
     assert main(["check-config", str(toml), "--gpu-memory-gib", "80"]) == 2
     out = capsys.readouterr().out
-    assert "memory plan (before activations" in out and "GPU 0: 128.2 GiB of 80.0 GiB" in out
+    # the arithmetic prompts' longest plus grpo.max_new_tokens, 16 sequences of it: counted
+    assert re.search(r"activations of [\d,]+ tokens \(estimated\)", out), out
+    assert "memory plan (" in out and "GPU 0: " in out and " of 80.0 GiB" in out
     assert "1 problem:" in out and "train a LoRA adapter instead" in out
     assert main(["check-config", str(toml), "--gpu-memory-gib", "80", "--set",
                  "lora.rank=16"]) == 0  # fmt: skip
@@ -190,6 +255,15 @@ def test_taking_turns_plans_each_turn_and_offloads_only_what_does_not_fit(
     assert turns.turns(0) == {
         "generating": kept + int(0.8 * 80 * GiB) + 2 * CUDA_CONTEXT_BYTES,
         "stepping": 18 * P_1_5B + 2 * CUDA_CONTEXT_BYTES,
+    }
+    # a step's activations are the trainer's turn's only (4 x 512 tokens, float32 compute)
+    stepping = memory_plan(config(path, generator=engine, cluster={"placement": "take_turns"},
+                                  trainer={"micro_batch_size": 4}),
+                           [80 * GiB], longest_sequence=512).turns(0)  # fmt: skip
+    activations = 4 * 512 * (28 * 2 * LAYER_1_5B + 151936 * (4 + 3 * 4))
+    assert stepping == {
+        "generating": kept + int(0.8 * 80 * GiB) + 2 * CUDA_CONTEXT_BYTES,
+        "stepping": 18 * P_1_5B + activations + 2 * CUDA_CONTEXT_BYTES,
     }
     assert "taking turns" in "\n".join(turns.lines())
     small = {"options": {"gpu_memory_utilization": 0.3}}  # everything fits beside: kept

@@ -29,7 +29,7 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
 
 
 def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
-    """One trainer rank's share before activations (:mod:`asyncrl_torch.memory`)."""
+    """One trainer rank's share at its peak (:mod:`asyncrl_torch.memory`)."""
     from asyncrl_torch.memory import trainer_need
 
     from .options import parse_options
@@ -37,7 +37,8 @@ def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
     opts = parse_options(dict(config.trainer.options))
     return trainer_need(config, shape, gpu_bytes, backend="deepspeed", zero_stage=opts.zero_stage,
                         bf16=opts.mixed_precision == "bf16",
-                        reference_offload=opts.reference_offload)  # fmt: skip
+                        reference_offload=opts.reference_offload,
+                        checkpointing=opts.activation_checkpointing)  # fmt: skip
 
 
 plugin = BackendPlugin(create=_create, check_config=check_config, adapters=True,

@@ -37,7 +37,7 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
 
 
 def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
-    """One trainer rank's share before activations (:mod:`asyncrl_torch.memory`)."""
+    """One trainer rank's share at its peak (:mod:`asyncrl_torch.memory`)."""
     from asyncrl_torch.memory import trainer_need
 
     from .options import parse_options
@@ -45,7 +45,8 @@ def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
     opts = parse_options(dict(config.trainer.options))
     return trainer_need(config, shape, gpu_bytes, backend="fsdp2", optimizer=opts.optimizer,
                         bf16=opts.mixed_precision == "bf16",
-                        reference_offload=opts.reference_offload)  # fmt: skip
+                        reference_offload=opts.reference_offload,
+                        checkpointing=opts.activation_checkpointing)  # fmt: skip
 
 
 def _frozen_gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:

@@ -1,6 +1,6 @@
 """What one trainer rank of the ``fsdp2``, ``deepspeed`` and ``frozen`` backends holds on its
-GPU before activations, for the run's memory plan (:mod:`asyncrl.procs.gpu_memory`). Imports
-no torch: the controller computes it before any worker starts.
+GPU at its peak, for the run's memory plan (:mod:`asyncrl.procs.gpu_memory`). Imports no
+torch: the controller computes it before any worker starts.
 
 With ``P`` the model's parameters, ``N`` the trainer ranks and ``T`` an adapter's (bytes):
 
@@ -16,11 +16,9 @@ KL reference              ``2P`` (bf16) or ``4P``, unless       none: the base w
 ========================  ====================================  ==============================
 
 FSDP2 and ZeRO-3 shard all of it over the ranks (``/N``); ZeRO-2 shards the gradients and the
-optimizer only, each rank keeping the whole model's weights. Measured against it on an H200
-(``benchmarks/results/trainer-h200-1gpu.jsonl``, Qwen2.5-0.5B's shape, FSDP2, one rank): the
-peak allocated at 2 and 8 sequences of 2,048 tokens extrapolates to 8.4 GiB at no token,
-beside these 7.4 GiB: the other 1.0 GiB is working memory (gathers, buffers) that grows with
-the model, counted here as an eighth of the state on top.
+optimizer only, each rank keeping the whole model's weights. Working memory (gathers, buffers)
+is an eighth of the state on top. Then the activations of the longest micro-batch
+(:func:`activation_bytes`), which no sharding divides.
 """
 
 from __future__ import annotations
@@ -29,19 +27,57 @@ from typing import Any
 
 from asyncrl.plugin.common import Config
 
-__all__ = ["trainer_need"]
+__all__ = ["activation_bytes", "micro_batch_tokens", "trainer_need"]
 
 WORKING_SHARE = 0.125
-"""Working memory beyond the state, as a share of the state's bytes: 1.0 of 7.4 GiB (0.135)
-on the 0.5B measurement above, rounded down, since the plan must not refuse what fits."""
+"""Working memory beyond the state, as a share of the state's bytes: on an H200
+(``benchmarks/results/trainer-h200-1gpu.jsonl``, Qwen2.5-0.5B's shape, FSDP2, one rank) the
+peaks at 2 and 8 sequences of 2,048 tokens extrapolate to 8.4 GiB at no token beside 7.4 GiB
+of state: 1.0 GiB (0.135), rounded down, since the plan must not refuse what fits."""
+
+LAYER_HIDDEN = 9
+LAYER_MLP = 4
+"""What a decoder layer keeps for its backward, per token, in units of the compute dtype:
+``LAYER_HIDDEN`` tensors of the hidden width (each RMS norm's float32 input, two units, and
+its output; the attention's query and output; the output projection's input) and
+``LAYER_MLP`` of the MLP's (gate, up, the activation and the product)."""
+LOGIT_FLOAT32 = 3
+"""Float32 copies of a token's logits alive at the peak, the backward of the ``log_softmax``
+the logprobs are taken with (its output, the gradient coming in and the one going out),
+beside the compute dtype's own logits."""
+
+
+def activation_bytes(shape: Any, tokens: int, *, itemsize: int, checkpointing: bool) -> int:
+    """The activations of a micro-batch of ``tokens`` tokens at the backward's start, in
+    compute tensors of ``itemsize`` bytes: every decoder layer's (with ``checkpointing``, each
+    layer's input and one layer's recomputed whole) and the logits'."""
+    layer = itemsize * (LAYER_HIDDEN * shape.hidden + LAYER_MLP * shape.intermediate)
+    layers = shape.layers * itemsize * shape.hidden + layer if checkpointing else (
+        shape.layers * layer)  # fmt: skip
+    return tokens * (layers + shape.vocab * (itemsize + 4 * LOGIT_FLOAT32))
+
+
+def micro_batch_tokens(config: Config, longest: int) -> int:
+    """Tokens in the largest micro-batch a trainer rank runs, its sequences at most ``longest``
+    tokens (0: not known): ``trainer.max_tokens_per_micro_batch`` (a longer sequence goes
+    alone), else ``micro_batch_size`` sequences (at most a rank's share of a step) padded to
+    the longest; 0 where neither bounds it."""
+    t = config.trainer
+    if t.max_tokens_per_micro_batch:
+        return max(t.max_tokens_per_micro_batch, longest)
+    per_rank = -(-config.grpo.prompts_per_step * config.grpo.samples_per_prompt
+                 // max(1, config.cluster.trainer_ranks))  # fmt: skip
+    return min(t.micro_batch_size, per_rank) * longest
 
 
 def trainer_need(
     config: Config, shape: Any, gpu_bytes: int | None, *, backend: str, zero_stage: int = 0,
     bf16: bool = False, optimizer: str = "adamw", reference_offload: bool = False,
+    checkpointing: bool = False,
 ) -> Any:  # fmt: skip
     """One trainer rank's :class:`~asyncrl.procs.gpu_memory.MemoryNeed` (``backend``:
-    ``fsdp2``, ``deepspeed`` (``zero_stage`` 2 or 3; ``bf16``: its bf16 mode) or ``frozen``)."""
+    ``fsdp2``, ``deepspeed`` (``zero_stage`` 2 or 3; ``bf16``: its bf16 mode or mixed
+    precision) or ``frozen``; ``checkpointing``: ``activation_checkpointing``)."""
     from asyncrl.plugin.backend import MemoryNeed
 
     n = max(1, config.cluster.trainer_ranks)
@@ -87,4 +123,15 @@ def trainer_need(
                          "(trainer.options.reference_offload = true)")  # fmt: skip
     state = sum(b for _, b in parts)
     parts.append(("working memory (estimated)", int(state * WORKING_SHARE)))
-    return MemoryNeed(tuple(parts), tuple(fixes), movable=movable)
+    tokens = micro_batch_tokens(config, shape.longest_sequence)
+    itemsize = 2 if bf16 or (lora.enabled and config.model.itemsize == 2) else 4
+    activations = activation_bytes(shape, tokens, itemsize=itemsize, checkpointing=checkpointing)
+    if activations:
+        parts.append((f"activations of {tokens:,} tokens (estimated)", activations))
+        if activations > state // 4:
+            fixes = [*fixes, "a smaller micro-batch (trainer.max_tokens_per_micro_batch, or "
+                     "trainer.micro_batch_size)"]  # fmt: skip
+            if not checkpointing:
+                fixes.append("recompute activations in the backward "
+                             "(trainer.options.activation_checkpointing = true)")  # fmt: skip
+    return MemoryNeed(tuple(parts), tuple(fixes), movable=movable, transient=activations)
