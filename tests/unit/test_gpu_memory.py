@@ -137,10 +137,10 @@ def test_lora_on_a_7b_model_fits_one_gpu_beside_its_engine(tmp_path: Path) -> No
 
 
 # Activations a token of Qwen2.5-1.5B's shape keeps in bf16, by hand (asyncrl_torch.memory):
-# per layer 9 hidden-wide and 4 MLP-wide tensors of 2 bytes, 28 layers; the logits in bf16 and
-# 3 float32 copies. With activation checkpointing: each layer's bf16 input and one layer whole.
-LAYER_1_5B = 2 * (9 * 1536 + 4 * 8960)
-LOGITS_1_5B = 151936 * (2 + 3 * 4)
+# per layer 10 hidden-wide and 4 MLP-wide tensors of 2 bytes, 28 layers; the logits in bf16 and
+# 2 float32 copies. With activation checkpointing: each layer's bf16 input and one layer whole.
+LAYER_1_5B = 2 * (10 * 1536 + 4 * 8960)
+LOGITS_1_5B = 151936 * (2 + 2 * 4)
 TOKEN_1_5B = 28 * LAYER_1_5B + LOGITS_1_5B
 TOKEN_1_5B_CHECKPOINTED = 28 * 2 * 1536 + LAYER_1_5B + LOGITS_1_5B
 
@@ -183,16 +183,16 @@ def test_activations_need_the_longest_sequence_or_a_token_budget(tmp_path: Path)
     assert any("activations are counted only to" in line for line in plan.lines())
     budget = memory_plan(config(path, trainer={"max_tokens_per_micro_batch": 2048}), [80 * GiB])
     assert budget.processes[0].need.transient == 2048 * (28 * 2 * LAYER_1_5B
-                                                         + 151936 * (4 + 3 * 4))  # float32
+                                                         + 151936 * (4 + 2 * 4))  # float32
 
 
 def test_long_micro_batches_that_cannot_fit_name_checkpointing_and_smaller_batches(
     tmp_path: Path,
 ) -> None:
-    """16 sequences of 8,192 tokens in float32: 131,072 tokens of activations, 974 GiB."""
+    """16 sequences of 8,192 tokens in float32: 131,072 tokens of activations, 0.9 TiB."""
     cfg = config(model(tmp_path, QWEN_1_5B, P_1_5B), cluster={"rollout_gpus": [1]})
     (problem,) = memory_plan(cfg, [80 * GiB] * 2, longest_sequence=8192).problems()
-    held = 18 * P_1_5B + 131072 * (28 * 2 * LAYER_1_5B + 151936 * (4 + 3 * 4))
+    held = 18 * P_1_5B + 131072 * (28 * 2 * LAYER_1_5B + 151936 * (4 + 2 * 4))
     assert f"trainer:0 {held / GiB:.1f} GiB" in str(problem)
     assert "trainer.options.activation_checkpointing = true" in str(problem)
     assert "trainer.max_tokens_per_micro_batch" in str(problem)
@@ -260,7 +260,7 @@ def test_taking_turns_plans_each_turn_and_offloads_only_what_does_not_fit(
     stepping = memory_plan(config(path, generator=engine, cluster={"placement": "take_turns"},
                                   trainer={"micro_batch_size": 4}),
                            [80 * GiB], longest_sequence=512).turns(0)  # fmt: skip
-    activations = 4 * 512 * (28 * 2 * LAYER_1_5B + 151936 * (4 + 3 * 4))
+    activations = 4 * 512 * (28 * 2 * LAYER_1_5B + 151936 * (4 + 2 * 4))
     assert stepping == {
         "generating": kept + int(0.8 * 80 * GiB) + 2 * CUDA_CONTEXT_BYTES,
         "stepping": 18 * P_1_5B + activations + 2 * CUDA_CONTEXT_BYTES,

@@ -35,16 +35,21 @@ WORKING_SHARE = 0.125
 peaks at 2 and 8 sequences of 2,048 tokens extrapolate to 8.4 GiB at no token beside 7.4 GiB
 of state: 1.0 GiB (0.135), rounded down, since the plan must not refuse what fits."""
 
-LAYER_HIDDEN = 9
+LAYER_HIDDEN = 10
 LAYER_MLP = 4
 """What a decoder layer keeps for its backward, per token, in units of the compute dtype:
 ``LAYER_HIDDEN`` tensors of the hidden width (each RMS norm's float32 input, two units, and
-its output; the attention's query and output; the output projection's input) and
-``LAYER_MLP`` of the MLP's (gate, up, the activation and the product)."""
-LOGIT_FLOAT32 = 3
-"""Float32 copies of a token's logits alive at the peak, the backward of the ``log_softmax``
-the logprobs are taken with (its output, the gradient coming in and the one going out),
-beside the compute dtype's own logits."""
+its output; the attention's query, key, value and output; the output projection's input) and
+``LAYER_MLP`` of the MLP's (gate, up, the activation and the product). Counted on Qwen2.5's
+0.5B and 1.5B shapes in bf16 (``benchmarks/memory_fit.py --count``, the storages autograd
+saves): 9.9 and 4.07 units."""
+LOGIT_FLOAT32 = 2
+"""Float32 copies of a token's logits alive at the peak (the ``log_softmax`` the logprobs are
+taken with, and its gradient), beside the compute dtype's own. Fitted to Qwen2.5-0.5B's shape
+on an H200 (``benchmarks/results/trainer-h200-1gpu.jsonl``): 2.81 MB a token between
+micro-batches of 2 and 8 sequences of 2,048 tokens, of which the layers' count above is
+1.36 MB; the rest is 9.5 bytes a vocabulary entry, 2 of bf16 logits and 2.1 float32 copies
+over the 7/8 of positions that predict responses."""
 
 
 def activation_bytes(shape: Any, tokens: int, *, itemsize: int, checkpointing: bool) -> int:
