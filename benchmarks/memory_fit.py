@@ -78,9 +78,12 @@ def plan_gib(row: dict, root: Path) -> tuple[float, float]:
     return need.total / 2**30, need.transient / 2**30
 
 
-def saved_per_token(shape: str, layers: int, tokens: int = 256, *, checkpointing: bool) -> float:
+def saved_per_token(shape: str, layers: int, tokens: int = 256, *, checkpointing: bool = False,
+                    lora: str = "") -> float:  # fmt: skip
     """Bytes autograd keeps per token for a bf16 forward and the logprobs of ``layers``
-    layers of ``shape`` (the vocabulary cut to 1,000: its share is the same in every count)."""
+    layers of ``shape`` (the vocabulary cut to 1,000: its share is the same in every count);
+    ``lora``: a rank-32 adapter on every projection, computing in ``"float32"`` (the trainer's
+    without mixed precision) or ``"bf16"``."""
     import torch
     import transformers
 
@@ -91,6 +94,14 @@ def saved_per_token(shape: str, layers: int, tokens: int = 256, *, checkpointing
         num_attention_heads=heads, num_key_value_heads=kv, attn_implementation="sdpa",
     )  # fmt: skip
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).train()
+    if lora:
+        import peft
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=32, target_modules=targets))
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(torch.float32 if lora == "float32" else torch.bfloat16)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 1000, (1, tokens))
@@ -111,16 +122,23 @@ def saved_per_token(shape: str, layers: int, tokens: int = 256, *, checkpointing
 def count() -> None:
     import numpy as np
 
-    per_layer = {s: saved_per_token(s, 2, checkpointing=False)
-                 - saved_per_token(s, 1, checkpointing=False) for s in ("0.5b", "1.5b")}  # fmt: skip
-    widths = np.array([[2 * SHAPES[s][0], 2 * SHAPES[s][1]] for s in per_layer])
-    hidden, mlp = np.linalg.solve(widths, np.array(list(per_layer.values())))
-    for s, b in per_layer.items():
+    shapes = ("0.5b", "1.5b")
+    widths = np.array([[2 * SHAPES[s][0], 2 * SHAPES[s][1]] for s in shapes])
+
+    def layer(shape: str, **kwargs: object) -> float:
+        return saved_per_token(shape, 2, **kwargs) - saved_per_token(shape, 1, **kwargs)
+
+    full = np.array([layer(s) for s in shapes])
+    for s, b in zip(shapes, full, strict=True):
         print(f"{s}: {b:,.0f} bytes a token a layer")
+    hidden, mlp = np.linalg.solve(widths, full)
     print(f"a layer keeps {hidden:.2f} hidden-wide and {mlp:.2f} MLP-wide bf16 tensors a token")
-    kept = (saved_per_token("0.5b", 2, checkpointing=True)
-            - saved_per_token("0.5b", 1, checkpointing=True))  # fmt: skip
+    kept = layer("0.5b", checkpointing=True)
     print(f"with checkpointing: {kept / (2 * SHAPES['0.5b'][0]):.2f} hidden-wide tensors a layer")
+    extra = np.array([layer(s, lora="float32") for s in shapes]) - full
+    hidden, mlp = np.linalg.solve(widths, extra)
+    print(f"a float32 adapter adds {hidden:.2f} hidden-wide and {mlp:.2f} MLP-wide units")
+    print(f"a bf16 adapter keeps {layer('0.5b', lora='bf16') / full[0]:.2f} of the layer's")
 
 
 def main() -> None:
@@ -144,8 +162,8 @@ def main() -> None:
             error = plan / row["peak_gib"] - 1
             worst = max(worst, abs(error))
             tokens = row["micro_batch_size"] * row["seq_len"]
-            print(f"{row['shape']:>5} {row['lora']:>4} {'yes' if row.get('checkpointing') else 'no':>4} "
-                  f"{tokens:>6} | {row['peak_gib']:>8.2f} {plan:>6.2f} {error:>+6.1%} | "
+            ckpt = "yes" if row.get("checkpointing") else "no"
+            print(f"{row['shape']:>5} {row['lora']:>4} {ckpt:>4} {tokens:>6} | {row['peak_gib']:>8.2f} {plan:>6.2f} {error:>+6.1%} | "
                   f"{activations:.2f} GiB", flush=True)  # fmt: skip
     print(f"largest error: {worst:.1%}")
 

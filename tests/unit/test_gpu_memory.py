@@ -174,6 +174,21 @@ def test_activations_are_planned_for_the_longest_micro_batch(
     assert plan.trainer_bytes() == need.total  # what each step's record sets beside its peaks
 
 
+@pytest.mark.parametrize("mixed_precision, layer", [
+    # a float32 adapter on the bf16 base: PEFT's float32 copies of the projections' inputs,
+    # 11.5 hidden-wide and 0.5 MLP-wide units more (asyncrl_torch.memory.LORA_HIDDEN, _MLP)
+    ("none", 2 * (21.5 * 1536 + 4.5 * 8960)),
+    ("bf16", LAYER_1_5B),  # the adapter computes in bf16: nothing more
+])  # fmt: skip
+def test_lora_activations_count_the_adapters_float32_inputs(
+    tmp_path: Path, mixed_precision: str, layer: float
+) -> None:
+    cfg = config(model(tmp_path, QWEN_1_5B, P_1_5B), lora={"rank": 16},
+                 trainer={"micro_batch_size": 4, "options": {"mixed_precision": mixed_precision}})
+    need = memory_plan(cfg, [80 * GiB], longest_sequence=512).processes[0].need
+    assert need.transient == 4 * 512 * (28 * int(layer) + LOGITS_1_5B)
+
+
 def test_activations_need_the_longest_sequence_or_a_token_budget(tmp_path: Path) -> None:
     """Without the longest sequence (planning from the config alone) only a token budget
     bounds a micro-batch; the plan says what it could not count."""

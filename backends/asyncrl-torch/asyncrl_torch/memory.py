@@ -43,6 +43,13 @@ its output; the attention's query, key, value and output; the output projection'
 ``LAYER_MLP`` of the MLP's (gate, up, the activation and the product). Counted on Qwen2.5's
 0.5B and 1.5B shapes in bf16 (``benchmarks/memory_fit.py --count``, the storages autograd
 saves): 9.9 and 4.07 units."""
+LORA_HIDDEN = 11.5
+LORA_MLP = 0.5
+"""What ``[lora]`` adds to a layer, in the same units, where the float32 adapter computes in
+float32 beside a bf16 base (no ``mixed_precision``): the float32 copies of the projections'
+inputs PEFT makes for the adapter. Counted as above with rank 32 on every projection: 11.29
+and 0.49. With ``mixed_precision = "bf16"`` the adapter computes in bf16 and a layer keeps
+0.95 of what full weights do (counted on the 0.5B shape): nothing is added."""
 LOGIT_FLOAT32 = 2
 """Float32 copies of a token's logits alive at the peak (the ``log_softmax`` the logprobs are
 taken with, and its gradient), beside the compute dtype's own. Fitted to Qwen2.5-0.5B's shape
@@ -52,11 +59,17 @@ micro-batches of 2 and 8 sequences of 2,048 tokens, of which the layers' count a
 over the 7/8 of positions that predict responses."""
 
 
-def activation_bytes(shape: Any, tokens: int, *, itemsize: int, checkpointing: bool) -> int:
+def activation_bytes(
+    shape: Any, tokens: int, *, itemsize: int, checkpointing: bool, float32_adapter: bool = False
+) -> int:
     """The activations of a micro-batch of ``tokens`` tokens at the backward's start, in
     compute tensors of ``itemsize`` bytes: every decoder layer's (with ``checkpointing``, each
-    layer's input and one layer's recomputed whole) and the logits'."""
-    layer = itemsize * (LAYER_HIDDEN * shape.hidden + LAYER_MLP * shape.intermediate)
+    layer's input and one layer's recomputed whole; with ``float32_adapter``, the adapter's
+    float32 inputs) and the logits'."""
+    hidden, mlp = LAYER_HIDDEN, LAYER_MLP
+    if float32_adapter:
+        hidden, mlp = hidden + LORA_HIDDEN, mlp + LORA_MLP
+    layer = int(itemsize * (hidden * shape.hidden + mlp * shape.intermediate))
     layers = shape.layers * itemsize * shape.hidden + layer if checkpointing else (
         shape.layers * layer)  # fmt: skip
     return tokens * (layers + shape.vocab * (itemsize + 4 * LOGIT_FLOAT32))
@@ -130,7 +143,8 @@ def trainer_need(
     parts.append(("working memory (estimated)", int(state * WORKING_SHARE)))
     tokens = micro_batch_tokens(config, shape.longest_sequence)
     itemsize = 2 if bf16 or (lora.enabled and config.model.itemsize == 2) else 4
-    activations = activation_bytes(shape, tokens, itemsize=itemsize, checkpointing=checkpointing)
+    activations = activation_bytes(shape, tokens, itemsize=itemsize, checkpointing=checkpointing,
+                                   float32_adapter=lora.enabled and not bf16)  # fmt: skip
     if activations:
         parts.append((f"activations of {tokens:,} tokens (estimated)", activations))
         if activations > state // 4:
