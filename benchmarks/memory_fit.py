@@ -163,7 +163,8 @@ def main() -> None:
             worst = max(worst, abs(error))
             tokens = row["micro_batch_size"] * row["seq_len"]
             ckpt = "yes" if row.get("checkpointing") else "no"
-            print(f"{row['shape']:>5} {row['lora']:>4} {ckpt:>4} {tokens:>6} | {row['peak_gib']:>8.2f} {plan:>6.2f} {error:>+6.1%} | "
+            print(f"{row['shape']:>5} {row['lora']:>4} {ckpt:>4} {tokens:>6} | "
+                  f"{row['peak_gib']:>8.2f} {plan:>6.2f} {error:>+6.1%} | "
                   f"{activations:.2f} GiB", flush=True)  # fmt: skip
     print(f"largest error: {worst:.1%}")
 

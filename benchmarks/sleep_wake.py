@@ -35,7 +35,9 @@ from lora_refit import TARGETS, write_adapter  # noqa: E402
 from refit import SHAPES, ProcessRefit, median, write_model  # noqa: E402
 
 
-def engine(model_dir: Path, cuda: bool, run_dir: Path, utilization: float, rank: int):  # noqa: ANN201
+def engine(  # noqa: ANN201
+    model_dir: Path, cuda: bool, run_dir: Path, utilization: float, rank: int
+):
     """The vLLM backend as a ``take_turns`` rollout rank starts it (sleep mode on, on CUDA);
     with ``rank``, a ``[lora]`` one (vLLM's level 1: the base kept in host memory)."""
     from asyncrl import registry

@@ -6,10 +6,11 @@ trainer's weights, gradients, optimizer state and the activations of its longest
 micro-batch, an engine's reservation); the core places the processes on GPUs as the workers
 will (``cluster.trainer_gpus``, ``cluster.rollout_gpus``) and adds them up per GPU. A GPU
 whose processes need more than it has refuses the run, naming the processes, their parts and
-the fixes. The activations need the run's longest sequence (:attr:`ModelShape.longest_sequence`,
-from the prompts the preflight measured); where it is not known, they are not counted and the
-plan says so. Each step's record shows the trainer's measured peaks
-(``trainer_peak_allocated_gib``) beside the plan's figure (``trainer_plan_gib``).
+the fixes. The activations need the run's longest sequence
+(:attr:`ModelShape.longest_sequence`, from the prompts the preflight measured); where it is
+not known, only a token budget bounds them, and the plan says so. Each step's record shows
+the trainer's measured peaks (``trainer_peak_allocated_gib``) beside the plan's figure
+(``trainer_plan_gib``).
 
 Nothing here imports torch or an engine: the sizes come from ``config.json`` and the
 safetensors headers, the GPUs' memory from ``nvidia-smi``.
@@ -269,7 +270,8 @@ def plan_memory(
 ) -> MemoryPlan:  # fmt: skip
     """The plan of ``config``'s processes (each group's ``gpu_memory``, ``None`` if its plugin
     has none) on ``gpus`` (each GPU's bytes; ``None``: unknown), its sequences at most
-    ``longest_sequence`` tokens long (0: not known, activations not counted). Trainer rank r runs on ``cluster.trainer_gpus[r]``, else GPU r; rollout rank r on
+    ``longest_sequence`` tokens long (0: not known; activations then counted only to a token
+    budget). Trainer rank r runs on ``cluster.trainer_gpus[r]``, else GPU r; rollout rank r on
     ``cluster.rollout_gpus[r]``, else GPU 0 (vLLM's default, the first it sees), as the
     workers place them on one node. A run over TCP (several nodes) gets no verdict: its ranks'
     nodes are not known here."""
