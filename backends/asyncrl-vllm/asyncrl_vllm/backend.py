@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -391,8 +392,12 @@ class VLLMBackend(EngineWeights):
                 except Exception:
                     self._log.exception("engine_shutdown_failed")
                 # AsyncLLM.__del__ shuts down again; let it run now, not at interpreter exit.
+                # Reference counting frees it here; a full collection (0.4 s with vLLM and
+                # torch loaded, on 2 cores) only if something still holds it in a cycle.
+                freed = weakref.ref(llm)
                 del llm
-                gc.collect()
+                if freed() is not None:
+                    gc.collect()
             if reaper is not None:
                 killed = await anyio.to_thread.run_sync(reaper.close)
                 if killed:

@@ -117,9 +117,10 @@ class VLLMOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """Upper bound on one call into the engine's workers (loading one weight bucket)."""
     shutdown_timeout_s: float = 2.0
     """Grace period for the engine's processes to exit in ``close()`` before they are killed.
-    An engine's own shutdown is done within it (on the CPU build the worker exits 2 s in);
-    what follows is its interpreter's teardown of vLLM and torch (3 s more on 2 cores), which
-    the kill skips: ``close()`` took 5.3-5.9 s with 10 s, 2.5 s with 2 s."""
+    The engine core exits 0.2 s after vLLM's SIGTERM (2 cores): :mod:`asyncrl_vllm.core_exit`
+    skips the garbage collections of vLLM's and torch's heap in vLLM's teardown and in the
+    interpreter's, 2.5 s more that made every ``close()`` end in the kill. The grace is for
+    a core that does not exit."""
     extra_engine_args: dict[str, Any] = {}
     """Further ``vllm.AsyncEngineArgs`` fields, passed through unchecked (for example
     ``{"block_size": 32}``). Fields the backend sets itself are refused."""

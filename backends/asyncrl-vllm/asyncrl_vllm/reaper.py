@@ -133,7 +133,8 @@ class _Watch:
                 except ProcessLookupError:
                     pass
             quiet = 0 if targets else quiet + 1
-            time.sleep(0.05)
+            if quiet < 2:  # no wait after the last round: close() waits for this process
+                time.sleep(0.05)
         return sorted(killed)
 
 
