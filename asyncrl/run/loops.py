@@ -504,7 +504,7 @@ class Pipeline:
                 if trained is not None:
                     await self.turns.before_refit()  # the trainer's state out of the way
                     stats, refit = await self.publisher.publish(step, trained.record.groups)
-                    self.turns.to_engines()  # the refit woke them
+                    await self.turns.to_engines()  # the refit woke them
                     return trained, stats, refit
             # FinishStep failed on a trainer: the step's groups are ready again
 

@@ -11,6 +11,11 @@ engines sleep while the trainer steps, and the step's refit wakes them with the 
                     memory ─► the refit wakes the engines (asyncrl.run.refit) ─► to_engines():
                     dispatch again
 
+A rollout worker restarted in the trainer's turn is held before its engine starts (its
+``Init`` waits: :meth:`~asyncrl.wire.rpc.ControlPlane.hold_starts`) until the engines' turn;
+the switch to the trainer's turn waits for an engine starting (and syncing) then, and puts it
+to sleep with the others. An engine never starts while the trainer steps.
+
 In sync mode nothing is in flight at the switch. In the asynchronous modes the samples in
 flight stop at the sleep and go on from their tokens after the wake, on the new weights (as
 ``in_flight_at_refit = "reprefill"`` has them), each token keeping the version that made it; with
@@ -33,6 +38,9 @@ from asyncrl.wire.messages import MoveState, Sleep, TurnResult
 __all__ = ["Turns"]
 
 log = structlog.get_logger("asyncrl.run.turns")
+
+STARTING_POLL_S = 0.05
+"""How often the switch to the trainer's turn looks whether a starting engine serves yet."""
 
 
 class Turns:
@@ -67,6 +75,8 @@ class Turns:
         """The engines' turn (they serve): dispatch goes on."""
         self._state_on_host = False
         self._record: dict[str, float] = {}
+        if self.enabled:  # an engine restarted in the trainer's turn waits for the engines'
+            self._control.hold_starts(lambda hello: self._engines or hello.group != "rollout")
 
     @property
     def dispatching(self) -> bool:
@@ -84,6 +94,7 @@ class Turns:
         await self._before_sleep()
         if self._drain is not None:
             await self._drain()
+        await self._engines_started()
         engines = list(self._serving())
         results: list[Any] = []
 
@@ -111,11 +122,13 @@ class Turns:
             self._add("turn_state_to_host_s", await self._move("host"))
             self._state_on_host = True
 
-    def to_engines(self) -> None:
-        """The refit woke the engines with the new weights: dispatch again."""
+    async def to_engines(self) -> None:
+        """The refit woke the engines with the new weights: dispatch again, and the engines
+        restarted meanwhile start."""
         if self.enabled and not self._engines:
             self._engines = True
             self._changed.notify()
+            await self._control.admit_held()
 
     def take(self) -> dict[str, float]:
         """What the switches since the last take measured, for a step's record: the engines'
@@ -123,6 +136,20 @@ class Turns:
         moves and the whole switch to the trainer. Empty when nothing switched."""
         record, self._record = self._record, {}
         return record
+
+    async def _engines_started(self) -> None:
+        """Wait while a restarted rollout worker's engine is starting or syncing (admitted in
+        the engines' turn): it sleeps with the others once it serves. Bounded by the restart's
+        own ``cluster.startup_timeout_s``, past which the run fails."""
+        start, waited = time.perf_counter(), False
+        while starting := [w for w in self._control.started("rollout")
+                           if w not in self._serving()]:  # fmt: skip
+            if not waited:
+                log.info("trainer_turn_waits_for_engines", starting=starting)
+                waited = True
+            await anyio.sleep(STARTING_POLL_S)
+        if waited:
+            self._add("turn_start_wait_s", time.perf_counter() - start)
 
     async def _move(self, to: str) -> float:
         """``MoveState`` on every trainer rank; the slowest's seconds."""

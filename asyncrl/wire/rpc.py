@@ -142,6 +142,9 @@ class ControlPlane:
         """The ``Hello`` of a remote worker's new process, said while its old one was still a
         peer: welcomed once the old one is forgotten (:meth:`wait_connected`)."""
         self._make_init = make_init
+        self._admit: Callable[[Hello], bool] = lambda hello: True
+        self._held: dict[str, Hello] = {}
+        """Workers whose ``Init`` waits (:meth:`hold_starts`): their ``Hello`` by name."""
         self._expected = expected
         self._host = host
         self._remote_ok = remote_ok
@@ -155,6 +158,31 @@ class ControlPlane:
         """Seconds each worker spent serving each kind of call (its own account, from
         ``Reply.seconds``), since the last :meth:`take_served`."""
         self._peer_joined = anyio.Event()
+
+    def hold_starts(self, admit: Callable[[Hello], bool]) -> None:
+        """From now on a worker that says ``Hello`` gets its ``Init`` (and starts its backend)
+        only if ``admit(hello)``; the others wait, connected, for :meth:`admit_held`. (A
+        shared GPU taken in turns: an engine restarted in the trainer's turn must not start
+        while the trainer steps.)"""
+        self._admit = admit
+
+    async def admit_held(self) -> list[str]:
+        """Send their ``Init`` to the workers held back by :meth:`hold_starts`; returns their
+        names."""
+        held, self._held = self._held, {}
+        sent = []
+        for identity, hello in held.items():
+            if identity in self.peers:  # not forgotten meanwhile (its process died)
+                log.info("worker_start_admitted", worker=identity)
+                await self._send(identity, self._make_init(hello))
+                sent.append(identity)
+        return sent
+
+    def started(self, group: str) -> list[str]:
+        """The workers of ``group`` that got their ``Init`` and are alive (ready or still
+        starting their backend), by name."""
+        return [name for name, peer in self.peers.items() if peer.group == group
+                and peer.error is None and name not in self._held]  # fmt: skip
 
     def take_served(self) -> dict[tuple[str, str], float]:
         """:attr:`served` so far, and start counting afresh."""
@@ -287,6 +315,10 @@ class ControlPlane:
         self._peer_joined = anyio.Event()
         log.info("worker_connected", worker=identity, pid=hello.pid, log=hello.log_path,
                  **({"host": host_name(hello.host)} if remote else {}))
+        if not self._admit(hello):
+            self._held[identity] = hello
+            log.info("worker_start_held", worker=identity)
+            return
         await self._send(identity, self._make_init(hello))
 
     async def _send(self, identity: str, msg: Any) -> None:
@@ -337,6 +369,7 @@ class ControlPlane:
         that ``Hello`` is then welcome."""
         self.fail_peer(identity, error)
         self.peers.pop(identity, None)
+        self._held.pop(identity, None)
         self._gone[identity] = error
 
     def fail_peer(self, identity: str, error: BaseException) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import structlog.testing
 
 pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
@@ -105,6 +106,49 @@ async def test_a_killed_rollout_worker_is_restarted_and_the_run_finishes(
     assert restart.name == victim
     assert restart.end - restart.start == pytest.approx(restarts[0]["seconds"])
     assert len([s for s in timeline if s.lane == "refit"]) == cfg.run.num_steps
+
+
+async def test_an_engine_killed_in_the_trainers_turn_starts_again_in_the_engines_turn(
+    make_config: Callable[..., Config], tmp_path: Path
+) -> None:
+    """``cluster.placement = "take_turns"``: rollout:1 is killed just after it fell asleep
+    (the trainer's turn, which lasts at least ``step_delay_s``, 2 s). Its new process says Hello
+    at once but gets its Init (and starts its engine) only once the step's refit gave the GPU
+    back to the engines; the next switch to the trainer waits for it to serve and puts it to
+    sleep with the other one. The run trains every prompt once."""
+    markers = tmp_path / "markers"
+    cfg = make_config(
+        run={"num_steps": 3},
+        cluster={"rollout_ranks": 2, "placement": "take_turns", "trainer_offload": "always"},
+        trainer={"options": {"step_delay_s": 2.0}},  # a new process says Hello well within
+        generator={"options": {"token_delay_s": 0.003, "load_delay_s": 0.05,
+                               "phase_marker_dir": str(markers)}},
+        eval={"num_prompts": 0},
+    )  # fmt: skip
+    result: list[asyncrl.RunSummary] = []
+    with structlog.testing.capture_logs() as logs:
+        async with asyncrl.Controller(cfg) as ctl:
+            async with anyio.create_task_group() as tg:
+
+                async def train() -> None:
+                    result.append(await ctl.train())
+
+                tg.start_soon(train)
+                killed = await _kill_when(ctl, "rollout:1", markers / "rollout-1.sleep")
+            new_pid = worker_pids(ctl)["rollout:1"]
+    _check_trained_once(result[0], cfg)
+    events = [(e["event"], e.get("worker")) for e in logs]
+
+    def at(event: str, worker: str | None = "rollout:1", after: int = 0) -> int:
+        return next(i for i, e in enumerate(events) if i >= after and e == (event, worker))
+
+    dead = at("worker_restarting")
+    held = at("worker_start_held", after=dead)  # its Hello, in the trainer's turn
+    admitted = at("worker_start_admitted", after=held)  # the engines' turn: its Init
+    assert admitted < at("worker_ready", after=dead)  # its engine started after that
+    restarts = [r for r in read_metrics(cfg) if r["kind"] == "worker_restarted"]
+    assert [r["worker"] for r in restarts] == ["rollout:1"]
+    assert_nothing_left(ctl, [killed, new_pid])
 
 
 async def test_a_crash_loop_spends_the_budget_and_stops_the_run(

@@ -376,3 +376,43 @@ async def test_a_remote_workers_successor_marks_it_gone_and_is_welcomed_once_for
         back = control.peers["rollout:0"]
         assert back.pid == 200 and back.remote and back.ready.is_set() and not back.gone.is_set()
         assert control.rejections.total == 2
+
+
+async def test_held_starts_wait_for_their_admission(run_dir: str) -> None:
+    """``hold_starts`` (a GPU taken in turns): a worker that says Hello while its group is
+    held gets no Init, so its backend does not start, until ``admit_held``; one forgotten
+    meanwhile gets none. Other groups, and workers once admitted, start at once."""
+    held = {"rollout"}
+    async with control_plane(run_dir) as (control, ctx, address, _):
+        control.hold_starts(lambda hello: hello.group not in held)
+        trainer = FakeWorker(ctx, address, "trainer", 0)
+        await trainer.handshake()  # not held
+        rollout = FakeWorker(ctx, address, "rollout", 0)
+        hello = Hello(protocol_version=PROTOCOL_VERSION, group="rollout", rank=0, world_size=1,
+                      pid=rollout.pid, log_path="/logs/rollout-0.log")  # fmt: skip
+        await rollout.say(hello)
+        with anyio.fail_after(5):
+            while "rollout:0" not in control.peers:
+                await anyio.sleep(0.01)
+        with anyio.move_on_after(0.3) as waited:
+            await rollout.hear()  # no Init while held
+        assert waited.cancelled_caught
+        assert control.started("rollout") == [] and control.started("trainer") == ["trainer:0"]
+        held.clear()
+        assert await control.admit_held() == ["rollout:0"]
+        assert isinstance(await rollout.hear(), Init)
+        assert control.started("rollout") == ["rollout:0"]  # starting: Init sent, not ready
+        await rollout.say(Ready(backend="fake"))
+        with anyio.fail_after(5):
+            await control.wait_peer("rollout:0")
+        assert await control.admit_held() == []  # nothing is held any more
+
+        held.add("rollout")  # a worker forgotten while held gets no Init
+        control.forget("rollout:0", WorkerRestarting("rollout:0 is restarting"))
+        again = FakeWorker(ctx, address, "rollout", 0)
+        await again.say(hello)
+        with anyio.fail_after(5):
+            while "rollout:0" not in control.peers:
+                await anyio.sleep(0.01)
+        control.forget("rollout:0", WorkerRestarting("rollout:0 is restarting"))
+        assert await control.admit_held() == []
