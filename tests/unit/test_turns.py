@@ -43,7 +43,9 @@ class Plane:
         assert group == "rollout"
         return list(self.started_rollouts)
 
-    async def call_unless_restarting(self, worker: str, msg, *, timeout_s: float):  # noqa: ANN001, ANN201
+    async def call_unless_restarting(  # noqa: ANN201
+        self, worker: str, msg: object, *, timeout_s: float
+    ):
         self.calls.append((worker, msg))
         return TurnResult(seconds=0.01, moved_bytes=0, held=0)
 
