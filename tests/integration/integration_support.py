@@ -16,10 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import psutil
 
 from asyncrl.config import Config
@@ -278,3 +280,18 @@ def in_fresh_process(fn: Any, *args: Any) -> Any:
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
+
+
+@asynccontextmanager
+async def training(ctl: Controller) -> AsyncIterator[list[Any]]:
+    """``ctl.train()`` in a task while the body acts on the run (kills a worker, sends
+    frames...); the list it yields holds the run's summary once the body and the run are
+    done."""
+    result: list[Any] = []
+
+    async def train() -> None:
+        result.append(await ctl.train())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(train)
+        yield result

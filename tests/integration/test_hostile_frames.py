@@ -50,7 +50,9 @@ from asyncrl.wire.messages import (  # noqa: E402
     WeightsPull,
 )
 from asyncrl.wire.transport import DEALER, PUSH, Context  # noqa: E402
-from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+from integration_support import (  # noqa: E402
+    assert_nothing_left, read_metrics, training, worker_pids,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_stray_processes")]
 
@@ -132,13 +134,7 @@ async def test_hostile_frames_change_nothing_but_a_counter(
     hostile = config("hostile")
     async with asyncrl.Controller(hostile) as ctl:
         pids = worker_pids(ctl)
-        async with anyio.create_task_group() as tg:
-            result: list[asyncrl.RunSummary] = []
-
-            async def train() -> None:
-                result.append(await ctl.train())
-
-            tg.start_soon(train)
+        async with training(ctl) as result:
             with anyio.fail_after(60):
                 while ctl.status().step < 2:
                     await anyio.sleep(0.02)

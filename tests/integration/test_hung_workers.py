@@ -42,6 +42,7 @@ from integration_support import (  # noqa: E402
     run_files,
     session_processes,
     to_toml,
+    training,
     worker_pids,
 )
 
@@ -116,15 +117,9 @@ async def test_embedded_a_stopped_rollout_worker_is_named_restarted_and_the_run_
         failures=BEAT,
         **RUN,
     )
-    result: list[asyncrl.RunSummary] = []
     with structlog.testing.capture_logs() as logs:
         async with asyncrl.Controller(cfg) as ctl:
-            async with anyio.create_task_group() as tg:
-
-                async def train() -> None:
-                    result.append(await ctl.train())
-
-                tg.start_soon(train)
+            async with training(ctl) as result:
                 while ctl.status().step < 2:
                     await anyio.sleep(0.01)
                 stopped = worker_pids(ctl)["rollout:1"]

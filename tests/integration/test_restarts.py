@@ -25,7 +25,9 @@ pytest.importorskip(
 import asyncrl  # noqa: E402
 from asyncrl.config import Config  # noqa: E402
 from asyncrl.obs.timeline import read_records, spans  # noqa: E402
-from integration_support import assert_nothing_left, read_metrics, worker_pids  # noqa: E402
+from integration_support import (  # noqa: E402
+    assert_nothing_left, read_metrics, training, worker_pids,
+)
 
 pytestmark = [
     pytest.mark.asyncio,
@@ -80,13 +82,7 @@ async def test_a_killed_rollout_worker_is_restarted_and_the_run_finishes(
     )
     async with asyncrl.Controller(cfg) as ctl:
         pids = worker_pids(ctl)
-        async with anyio.create_task_group() as tg:
-            result: list[asyncrl.RunSummary] = []
-
-            async def train() -> None:
-                result.append(await ctl.train())
-
-            tg.start_soon(train)
+        async with training(ctl) as result:
             while ctl.status().step < 2:  # a refit already happened
                 await anyio.sleep(0.01)
             marker = markers / f"{victim.replace(':', '-')}.{phase}"
@@ -125,15 +121,9 @@ async def test_an_engine_killed_in_the_trainers_turn_starts_again_in_the_engines
                                "phase_marker_dir": str(markers)}},
         eval={"num_prompts": 0},
     )  # fmt: skip
-    result: list[asyncrl.RunSummary] = []
     with structlog.testing.capture_logs() as logs:
         async with asyncrl.Controller(cfg) as ctl:
-            async with anyio.create_task_group() as tg:
-
-                async def train() -> None:
-                    result.append(await ctl.train())
-
-                tg.start_soon(train)
+            async with training(ctl) as result:
                 killed = await _kill_when(ctl, "rollout:1", markers / "rollout-1.sleep")
             new_pid = worker_pids(ctl)["rollout:1"]
     _check_trained_once(result[0], cfg)
