@@ -120,7 +120,9 @@ async def test_hostile_frames_change_nothing_but_a_counter(
     def config(name: str) -> Config:
         return make_config(
             name,
-            run={"num_steps": 6},
+            # the attacks (about 1.5 s from step 2) must end inside the run: a send to the
+            # sockets of a run that has ended waits forever (6 steps were too few at times)
+            run={"num_steps": 12},
             pipeline={"sampler": {"name": "in_order", "max_lookahead_versions": 0}},
             trainer={"options": {"step_delay_s": 0.2}},
             eval={"num_prompts": 8},
