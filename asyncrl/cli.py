@@ -79,8 +79,9 @@ def check_config(
             print(f"invalid: {exc}", file=out)
             return 2
         memory = checked.memory
-        if gpu_memory_gib is not None:
-            memory = _memory_plan(config, gpu_memory_gib, checked.longest_sequence)
+        if gpu_memory_gib is not None:  # the same sequences, on other GPUs
+            shape = memory.shape
+            memory = _memory_plan(config, gpu_memory_gib, shape.longest_sequence if shape else 0)
     report = describe(config)
     print(f"mode: {report.mode}", file=out)
     print("capacities:", file=out)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_fit import model_dir  # noqa: E402
+from memory_fit import model_dir, parameters  # noqa: E402
 from trainer import SHAPES  # noqa: E402
 
 GiB = 1 << 30
@@ -43,8 +43,6 @@ def verdict(shape: str, context: int, lora: bool, turns: bool, args: argparse.Na
     from asyncrl.run.preflight import memory_plan
 
     path = model_dir(root, shape)
-    from memory_fit import parameters
-
     engine = 2 * parameters(shape) + kv_bytes(shape, args.sequences * context)
     util = math.ceil(100 * (engine + GiB) / (args.gpu_gib * GiB)) / 100  # + vLLM's buffers
     if util >= 0.95:

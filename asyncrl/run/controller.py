@@ -248,7 +248,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         # plugin, option and tokenizer errors (a bad environment option, a generator option,
         # a context too short for the prompts...) come before anything exists on disk: nothing
         # is left to clean up when they raise
-        environment, tokenizer, memory, _ = await check_before_spawn(cfg)
+        environment, tokenizer, memory = await check_before_spawn(cfg)
         # one run per directory: a second one is refused here, before anything of it exists
         lock = lock_run(cfg)
         try:

@@ -41,9 +41,8 @@ class Preflight(NamedTuple):
     environment: Any
     tokenizer: Tokenizer
     memory: MemoryPlan
-    """The memory plan on this host's GPUs (no verdict without them)."""
-    longest_sequence: int
-    """Tokens in the longest sequence the run trains (the memory plan's activations)."""
+    """The memory plan on this host's GPUs (no verdict without them); its model shape says
+    the longest sequence the run trains."""
 
 
 async def check_before_spawn(cfg: Config) -> Preflight:
@@ -112,7 +111,7 @@ async def check_before_spawn(cfg: Config) -> Preflight:
     )
     for problem in plan.problems():  # the GPUs: room enough at the processes' peaks
         raise problem
-    return Preflight(environment, tokenizer, plan, sequence)
+    return Preflight(environment, tokenizer, plan)
 
 
 def memory_plan(cfg: Config, gpus: list[int] | None, *, longest_sequence: int = 0) -> MemoryPlan:

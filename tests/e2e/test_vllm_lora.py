@@ -320,6 +320,7 @@ async def test_a_sleeping_engine_wakes_for_an_adapter_refit(backend, model_dir, 
     finally:
         backend._takes_turns = False
     assert backend._turn.state == "awake" and backend.last_refit["version"] == old + 1
+    assert backend.last_refit["woke"] and backend.last_refit["wake_s"] > 0
     references = {v: merged(model_dir, backend.installed[v]) for v in (old, old + 1)}
     worst = 0.0
     for request, group in zip((before, during), samples, strict=True):

@@ -148,8 +148,8 @@ def trainer_need(
     if activations:
         parts.append((f"activations of {tokens:,} tokens (estimated)", activations))
         if activations > state // 4:
-            fixes = [*fixes, "a smaller micro-batch (trainer.max_tokens_per_micro_batch, or "
-                     "trainer.micro_batch_size)"]  # fmt: skip
+            fixes.append("a smaller micro-batch (trainer.max_tokens_per_micro_batch, or "
+                         "trainer.micro_batch_size)")  # fmt: skip
             if not checkpointing:
                 fixes.append("recompute activations in the backward "
                              "(trainer.options.activation_checkpointing = true)")  # fmt: skip
