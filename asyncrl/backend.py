@@ -52,6 +52,7 @@ __all__ = [
     "Reprefill",
     "SampleSink",
     "SentWeightsScoring",
+    "ServesJobs",
     "Sleeps",
     "StateOffload",
     "TrainingBackend",
@@ -314,6 +315,21 @@ class Reprefill(Protocol):
         generated is lost; the tokens keep the versions that generated them. (A backend that
         serves ``[lora]`` adapter versions side by side moves each request to the new version
         once it is installed, to the same effect.)"""
+
+
+class ServesJobs(Protocol):
+    """Optional for a :class:`GenerationBackend` that serves ``[lora]`` adapters: the
+    adapters of several jobs at once, on one base (docs/jobs.md; the controller gives a run
+    jobs only over backends with it). Such a backend serves each request with the newest
+    adapter of ``request.job`` (``""``: the run's one policy), never another job's, and takes
+    ``job=`` (a keyword, given only when it is not ``""``) in ``score`` (under that job's
+    newest adapter) and in ``begin_weight_update``, ``abort_weight_update`` and
+    ``finish_weight_update`` (the version is that job's adapter; only its requests move to it
+    at a re-prefill). A job's version 0 is the base with no adapter, until its first refit."""
+
+    async def close_job(self, job: str) -> None:
+        """``job`` ended (its requests were aborted): refuse its requests from now on, and
+        drop its adapters as their last requests end."""
 
 
 class Sleeps(Protocol):

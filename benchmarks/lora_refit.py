@@ -98,7 +98,7 @@ async def with_rank(backend, rank: int) -> None:  # noqa: ANN001
     from asyncrl_vllm.adapters import EngineAdapters
 
     old = backend._adapters
-    await backend._rpc("asyncrl_remove_adapters", [v + 1 for v in old.leases.resident])
+    await backend._rpc("asyncrl_remove_adapters", [a.lora_id for a in old.leases.resident()])
     cfg = backend.ctx.config
     cfg = msgspec.structs.replace(cfg, lora=msgspec.structs.replace(cfg.lora, rank=rank))
     backend._adapters = EngineAdapters(cfg, backend.options, backend._rpc, backend._log)
@@ -143,7 +143,7 @@ async def lora_case(backend, model_dir: Path, rank: int, args, device: str) -> d
         await asyncio.sleep(0.5)  # the load is running
         leases = backend._adapters.leases
         for _ in range(args.repeats + 1):
-            while sum(1 for v in leases.resident if leases.holders(v)) >= leases.slots - 1:
+            while sum(1 for a in leases.resident() if leases.holders(a)) >= leases.slots - 1:
                 await asyncio.sleep(0.002)
             backend.next_version = getattr(backend, "next_version", 0) + 1  # never reused
             t0 = time.perf_counter()

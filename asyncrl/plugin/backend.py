@@ -16,6 +16,7 @@ Protocols and the plugin:
 - ``EngineWatch``: optional for a generation backend with processes of its own: ``watch()``.
 - ``Reprefill``: optional for a generation backend: recompute in-flight requests' KV at a refit.
 - ``Sleeps``: optional for a generation backend: sleep while the trainer steps on its GPU.
+- ``ServesJobs``: optional for a generation backend: serve several jobs' adapters at once.
 - ``StateOffload``: optional for a training backend: its optimizer state to host memory and back.
 - ``KVCalibration``: optional for a training backend: FP8 KV-cache scales.
 - ``ReadsLossInputs``: optional for a training backend: the loss inputs it reads (``loss_inputs``).
@@ -56,6 +57,7 @@ Helpers of a torch trainer and of its contract suite:
 - ``take_sequences``: some sequences of a batch, with their per-token values.
 - ``read_safetensors_header``: a safetensors file's header and data offset (no torch).
 - ``export_model``: one trainer rank's part of an export of the model.
+- ``Adapter``: one adapter an engine holds: a job's version and the engine's id for it.
 - ``AdapterLeases``: which LoRA adapter versions an engine holds, and for which requests
   (``[lora]``; docs/lora.md).
 - ``AdapterError``: an adapter version that cannot be installed or leased.
@@ -75,6 +77,7 @@ from asyncrl.backend import (
     Reprefill,
     SampleSink,
     SentWeightsScoring,
+    ServesJobs,
     Sleeps,
     StateOffload,
     TrainingBackend,
@@ -85,7 +88,7 @@ from asyncrl.backend import (
     generate_all,
 )
 from asyncrl.errors import EngineDeadError, NonFiniteError, RefitError, RequestError
-from asyncrl.policy.adapter_leases import AdapterError, AdapterLeases
+from asyncrl.policy.adapter_leases import Adapter, AdapterError, AdapterLeases
 from asyncrl.registry import check_plugin
 from asyncrl.policy.grpo import AnyBatch, take_sequences
 from asyncrl.policy.packing import (
@@ -111,6 +114,7 @@ from asyncrl.worker.export import export_model
 from asyncrl.worker.trainer_runtime import collective_timed_out
 
 __all__ = [
+    "Adapter",
     "AdapterError",
     "AdapterLeases",
     "AnyBatch",
@@ -133,6 +137,7 @@ __all__ = [
     "Sample",
     "SampleSink",
     "SentWeightsScoring",
+    "ServesJobs",
     "Sleeps",
     "StateOffload",
     "StepResult",

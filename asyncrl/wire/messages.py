@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 18
 
 _CTRL = dict(tag_field="k", kw_only=True, omit_defaults=True)
 _DATA = dict(tag_field="k", array_like=True, gc=False)
@@ -70,6 +70,8 @@ class GenRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     temperature: float = 1.0
     greedy: bool = False
     seed: int | None = None
+    job: str = ""
+    """(protocol 18) The job whose adapter serves it (``""``: the run's one policy)."""
 
 
 class Generate(msgspec.Struct, tag="gen", **_CTRL):
@@ -91,6 +93,8 @@ class ScoreTokens(msgspec.Struct, tag="score", **_CTRL):
 
     batch: TokenBatch
     temperature: float = 1.0
+    job: str = ""
+    """(protocol 18) Under this job's newest adapter (``""``: the run's one policy)."""
 
 
 class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
@@ -106,6 +110,17 @@ class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
     reprefill: bool = False
     """The requests in flight recompute their KV cache with the new weights before they go on
     (the sampler's ``in_flight_at_refit = "reprefill"``); else they continue over it."""
+    job: str = ""
+    """(protocol 18) The version is this job's adapter (``""``: the run's one policy); only
+    the job's requests move to it."""
+
+
+class CloseJob(msgspec.Struct, tag="close_job", **_CTRL):
+    """(protocol 18) Rollout: ``job`` ended. Its requests are refused from now on and its
+    adapters leave the engine as their last requests end (abort them first). Answered with
+    :class:`Empty`."""
+
+    job: str
 
 
 class ComputeLogprobs(msgspec.Struct, tag="logprobs", **_CTRL):
@@ -238,6 +253,7 @@ Request = Union[
     Sleep,
     MoveState,
     Health,
+    CloseJob,
 ]
 
 

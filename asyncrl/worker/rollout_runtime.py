@@ -29,6 +29,7 @@ from asyncrl.backend import (
     EngineWatch,
     GenerationBackend,
     Reprefill,
+    ServesJobs,
     Sleeps,
     WorkerContext,
 )
@@ -39,6 +40,7 @@ from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import (
     Abort,
     Call,
+    CloseJob,
     DataBatch,
     DataMessage,
     Empty,
@@ -109,7 +111,7 @@ class RolloutRuntime(WorkerRuntime):
     ROLE = "rollout"
     PLUGIN_GROUP = "asyncrl.generation_backends"
     PROTOCOL = GenerationBackend
-    OPTIONAL = (EngineWatch, Reprefill, Sleeps)
+    OPTIONAL = (EngineWatch, Reprefill, Sleeps, ServesJobs)
 
     backend: GenerationBackend
 
@@ -129,6 +131,9 @@ class RolloutRuntime(WorkerRuntime):
         """The backend's ``reprefill_in_flight`` (:class:`~asyncrl.backend.Reprefill`)."""
         self._sleep: Callable[[], Awaitable[dict[str, Any]]] | None = None
         """The backend's ``sleep`` (:class:`~asyncrl.backend.Sleeps`)."""
+        self._close_job: Callable[[str], Awaitable[None]] | None = None
+        """The backend's ``close_job`` (:class:`~asyncrl.backend.ServesJobs`): with it, the
+        engine serves several jobs' adapters."""
 
     @staticmethod
     def backend_name(config: Config) -> str:
@@ -145,6 +150,7 @@ class RolloutRuntime(WorkerRuntime):
             ScoreTokens: self._score,
             ReceiveWeights: self._receive_weights,
             Sleep: self._sleep_engine,
+            CloseJob: self._end_job,
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -155,6 +161,7 @@ class RolloutRuntime(WorkerRuntime):
         self._engine_watch = methods["watch"]
         self._reprefill = methods["reprefill_in_flight"]
         self._sleep = methods["sleep"]
+        self._close_job = methods["close_job"]
 
     async def _start(self) -> dict[str, Any]:
         """Start the backend (after checking it can do what the config asks of it).
@@ -178,7 +185,8 @@ class RolloutRuntime(WorkerRuntime):
                 'set it to "resident", or use a backend that can (vllm)',
             )
         self.data = self.ctx.socket(PUSH, connect=self.init.data_address, hwm=256)
-        return await self.backend.start()
+        facts = await self.backend.start()
+        return {**facts, "serves_jobs": self._close_job is not None}
 
     def _start_serving(self, tg: anyio.abc.TaskGroup) -> None:
         """Open the outbox (finished samples on their way to the data socket) and start
@@ -209,6 +217,9 @@ class RolloutRuntime(WorkerRuntime):
     async def _generate(self, req: Generate) -> Result:
         assert self._tasks is not None
         for r in req.requests:
+            if r.job:
+                self._require_jobs(f"group {r.group_id} of job {r.job!r}")
+        for r in req.requests:
             self._tasks.start_soon(self._generate_one, r, self._outbox, name=f"gen-{r.group_id}")
         return Empty()
 
@@ -217,9 +228,31 @@ class RolloutRuntime(WorkerRuntime):
         return Empty()
 
     async def _score(self, req: ScoreTokens) -> Result:
-        return LogprobsResult(logprobs=await self.backend.score(req.batch, req.temperature))
+        if not req.job:
+            return LogprobsResult(logprobs=await self.backend.score(req.batch, req.temperature))
+        self._require_jobs(f"scoring under job {req.job!r}")
+        score = self.backend.score
+        scored = await score(req.batch, req.temperature, job=req.job)  # type: ignore[call-arg]
+        return LogprobsResult(logprobs=scored)
+
+    async def _end_job(self, req: CloseJob) -> Result:
+        self._require_jobs(f"closing job {req.job!r}")
+        assert self._close_job is not None
+        await self._close_job(req.job)
+        return Empty()
+
+    def _require_jobs(self, what: str) -> None:
+        """Raises: RuntimeError: the backend serves one policy only (no ``ServesJobs``)."""
+        if self._close_job is None:
+            raise RuntimeError(
+                f"{what}: generator backend {self.wctx.config.generator.backend!r} serves one "
+                "policy only (it has no close_job: asyncrl.plugin.backend.ServesJobs); it would "
+                "serve another job's policy. Run jobs over a backend that serves them (vllm)"
+            )
 
     async def _receive_weights(self, req: ReceiveWeights) -> Result:
+        if req.job:
+            self._require_jobs(f"installing v{req.version} of job {req.job!r}")
         if self.receiver is None or self.receiver.address != req.address:
             if self.receiver is not None:
                 self.receiver.close()
@@ -232,6 +265,7 @@ class RolloutRuntime(WorkerRuntime):
             reprefill=self._reprefill if req.reprefill else None,
             kv_scales=req.kv_scales,
             timeout_s=req.timeout_s,
+            job=req.job,
         )
         return msgspec.structs.replace(received, busy_s=self.busy.take())
 

@@ -385,10 +385,12 @@ class WeightReceiver:
         kv_scales: dict[str, float] | None,
         timeout_s: float,
         reprefill: Callable[[], Awaitable[None]] | None = None,
+        job: str = "",
     ) -> WeightsResult:
         """Pull version ``version`` and load it into ``backend``; with ``reprefill`` (the
         backend's ``reprefill_in_flight``), make the requests in flight recompute their KV
-        cache with the new weights before generation resumes.
+        cache with the new weights before generation resumes. With ``job`` the version is that
+        job's adapter (the backend :class:`~asyncrl.backend.ServesJobs`).
 
         Raises:
             RefitError: the sender went silent, sent something else than the protocol says,
@@ -397,20 +399,25 @@ class WeightReceiver:
         Cancellation: the engine may hold a partial load; the run is expected to stop.
         """
         start = time.perf_counter()
-        arrivals = await self._begin(version, backend, transport, kv_scales, timeout_s)
+        of_job = {"job": job} if job else {}
+        arrivals = await self._begin(version, backend, transport, kv_scales, timeout_s, of_job)
         try:
             await self._stream(backend, arrivals, version, timeout_s)
         except BaseException:
             # the error that stopped the refit is what the worker reports, not the abort's
             with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
                 try:
-                    await backend.abort_weight_update(version, loaded_any=arrivals.buckets > 0)
+                    await backend.abort_weight_update(
+                        version, loaded_any=arrivals.buckets > 0, **of_job
+                    )
                 except Exception as exc:  # noqa: BLE001 - e.g. the engine died meanwhile
                     log.warning("weight_update_abort_failed", version=version, error=str(exc))
             raise
         if reprefill is not None:
             await reprefill()
-        await backend.finish_weight_update(version, reset_prefix_cache=reset_prefix_cache)
+        await backend.finish_weight_update(
+            version, reset_prefix_cache=reset_prefix_cache, **of_job
+        )
         return WeightsResult(
             version=version, num_tensors=arrivals.tensors, num_bytes=arrivals.nbytes,
             num_buckets=arrivals.buckets, seconds=time.perf_counter() - start,
@@ -418,7 +425,7 @@ class WeightReceiver:
 
     async def _begin(
         self, version: int, backend: GenerationBackend, transport: str,
-        kv_scales: dict[str, float] | None, timeout_s: float,
+        kv_scales: dict[str, float] | None, timeout_s: float, of_job: dict[str, str],
     ) -> BucketArrivals:
         """Pull ``version``, check its manifest, have ``backend`` begin the update, and
         acknowledge the manifest (with the reason if it does not fit). Raises as
@@ -430,7 +437,7 @@ class WeightReceiver:
         try:
             arrivals = BucketArrivals(manifest, transport)
             await backend.begin_weight_update(
-                version, list(manifest.entries), kv_scales=kv_scales
+                version, list(manifest.entries), kv_scales=kv_scales, **of_job
             )
         except WorkerError:
             raise  # the engine died: no refusal, this worker exits and the sender leaves it out

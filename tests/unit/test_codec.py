@@ -59,8 +59,9 @@ def test_protocol_version_is_seventeen() -> None:
     # 14: SendWeights.receiver_hosts (the nccl transfer sends a bucket once per host);
     # 15: ComputeLogprobs.policy "sent", and every socket CURVE (ipc too: a peer without the
     # run's keys fails its handshake); 16: StepResult.peak_allocated_bytes and
-    # peak_reserved_bytes; 17: Sleep, MoveState, TurnResult (taking turns on a GPU)
-    assert PROTOCOL_VERSION == 17
+    # peak_reserved_bytes; 17: Sleep, MoveState, TurnResult (taking turns on a GPU); 18:
+    # GenRequest.job, ScoreTokens.job, ReceiveWeights.job, CloseJob (jobs on one engine)
+    assert PROTOCOL_VERSION == 18
 
 
 def test_golden_hello() -> None:

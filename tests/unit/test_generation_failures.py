@@ -519,3 +519,23 @@ async def test_a_failed_send_still_runs_the_gathers_to_their_end() -> None:
         assert rt.backend.pulled == 5
     finally:
         rt.thread.close()
+
+
+async def test_a_job_is_refused_by_a_backend_that_serves_one_policy() -> None:
+    """A request, a refit or a score of a job (docs/jobs.md) reaching a backend without
+    ``ServesJobs`` fails naming the backend and the fix: served, it would get the one policy
+    the backend has, another job's."""
+    from asyncrl.wire.messages import Call, CloseJob, Failure, Generate, ReceiveWeights, ScoreTokens
+
+    rt = _runtime(_Backend(RuntimeError("never reached")))
+    rt.wctx = WorkerContext("rollout", 0, 1, 0, type("C", (), {"generator": type(
+        "G", (), {"backend": "plain"})})(), "")  # type: ignore[arg-type]  # fmt: skip
+    rt._tasks = object()  # type: ignore[assignment]  # serving; nothing may start
+    with pytest.raises(RuntimeError, match="generator backend 'plain' serves one policy only"):
+        await rt._generate(Generate(requests=[REQ, GenRequest(
+            group_id="g8", prompt_ids=[1], n=1, max_tokens=2, job="a")]))  # fmt: skip
+    for request in (ScoreTokens(batch=BATCH, job="a"), CloseJob(job="a"),
+                    ReceiveWeights(version=1, address="ipc://x", job="a")):  # fmt: skip
+        await rt.answer(Call(call_id=1, request=request))
+        reply = rt.control.sent.pop()
+        assert isinstance(reply, Failure) and "serves one policy only" in reply.message

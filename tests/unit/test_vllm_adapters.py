@@ -13,6 +13,7 @@ import pytest
 
 from asyncrl.config import from_dict
 from asyncrl.errors import ConfigError, RefitError
+from asyncrl.policy.adapter_leases import AdapterError
 from asyncrl.wire.messages import TensorEntry
 from asyncrl_vllm.adapters import (
     EngineAdapters,
@@ -162,21 +163,21 @@ def test_an_adapter_refit_adds_in_the_last_call_and_removes_only_what_nobody_hol
         worker = Worker()
         adapters = EngineAdapters(config(model_dir), parse_options({"lora_slots": 3}),
                                   worker.rpc, Log())  # fmt: skip
-        await install(adapters, 1)
+        await install(adapters, 1)  # each install gets the next engine id: v1 is 1, v2 is 2...
         assert [m for m, _ in worker.calls] == ["asyncrl_stage_adapter"] * 2
-        assert worker.registered == {2} and adapters.leases.resident == (1,)
+        assert worker.registered == {1} and adapters.leases.versions() == (1,)
         version, request = adapters.lease("a")  # a request holds v1 across the next refits
-        assert version == 1 and request is not None
+        assert version == 1 and request.lora_int_id == 1
         await install(adapters, 2)
-        assert worker.registered == {2, 3} and adapters.leases.resident == (1, 2)
+        assert worker.registered == {1, 2} and adapters.leases.versions() == (1, 2)
         # v2 was the newest at v3's last call (a request could still lease it): let go at
         # the install, removed at the next refit's call
         await install(adapters, 3)
-        assert worker.registered == {2, 3, 4} and adapters.leases.resident == (1, 3)
+        assert worker.registered == {1, 2, 3} and adapters.leases.versions() == (1, 3)
         await adapters.release("a")  # v1's last request ends: removed at once
-        assert worker.registered == {3, 4}
+        assert worker.registered == {2, 3}
         await install(adapters, 4)
-        assert worker.registered == {4, 5} and adapters.leases.resident == (4,)
+        assert worker.registered == {3, 4} and adapters.leases.versions() == (4,)
         assert len(worker.registered) <= adapters.leases.slots + 1
         assert [m for m, _ in worker.calls].count("asyncrl_stage_adapter") == 8  # 2 per refit
 
@@ -194,14 +195,14 @@ def test_a_refused_or_partial_adapter_leaves_the_versions_serving(model_dir: Pat
         with pytest.raises(RefitError, match="the engine refused the adapter of v2: rank 64"):
             await adapters.load(Bucket(2, 0, entries, True))
         await adapters.abort(2)
-        assert adapters.leases.resident == (1,) and worker.registered == {2}
+        assert adapters.leases.versions() == (1,) and worker.registered == {1}
         worker.refuse = False
         adapters.begin(3, entries, SHAPES)  # a bucket never arrives: nothing is added
         with pytest.raises(RefitError, match="arrived only in part"):
             await adapters.load(Bucket(3, 1, entries[1:], True))
         with pytest.raises(RefitError, match="never added"):
             await adapters.finish(3)
-        assert adapters.leases.resident == (1,) and worker.registered == {2}
+        assert adapters.leases.versions() == (1,) and worker.registered == {1}
         assert adapters.lease("b")[0] == 1
 
     anyio.run(main)
@@ -239,18 +240,18 @@ def lora_backend(model_dir: Path, worker: Worker, rpc_timeout_s: float) -> Any:
     b.ctx, b.options = SimpleNamespace(config=cfg), parse_options({"rpc_timeout_s": rpc_timeout_s})
     b._llm, b._death, b._reaper, b._shapes = FrontEnd(worker), EngineDeath(), None, SHAPES
     b._requests, b._aborted, b._moving, b._log = {}, set(), set(), Log()
-    b._inside, b._turn = {}, EngineTurn()
+    b._inside, b._turn, b.version = {}, EngineTurn(), 0
     b._adapters = EngineAdapters(cfg, b.options, b._rpc, Log())
     return b
 
 
-async def refit(b: Any, version: int, *, reprefill: bool = False) -> None:
+async def refit(b: Any, version: int, *, reprefill: bool = False, job: str = "") -> None:
     entries = manifest()
-    await b.begin_weight_update(version, entries)
+    await b.begin_weight_update(version, entries, job=job)
     await b.load_weight_bucket(Bucket(version, 0, entries, True))
     if reprefill:
         await b.reprefill_in_flight()
-    await b.finish_weight_update(version, reset_prefix_cache=True)
+    await b.finish_weight_update(version, reset_prefix_cache=True, job=job)
 
 
 def test_an_adapter_refit_that_times_out_names_the_setting_and_serves_the_old_version(
@@ -272,14 +273,14 @@ def test_an_adapter_refit_that_times_out_names_the_setting_and_serves_the_old_ve
             r"within 0.2 s \(generator.options.rpc_timeout_s\)"
         ):  # fmt: skip
             await b.load_weight_bucket(Bucket(2, 0, manifest(), True))
-        assert worker.registered == {2, 3}  # added, though the answer never came
+        assert worker.registered == {1, 2}  # added, though the answer never came
         b._llm.wedged = False
         await b.abort_weight_update(2, loaded_any=True)
-        assert worker.registered == {2} and b._adapters.leases.resident == (1,)
+        assert worker.registered == {1} and b._adapters.leases.versions() == (1,)
         assert b._adapters.lease("r")[0] == 1 and b.version == 1
         await b._adapters.release("r")
-        await refit(b, 2)
-        assert worker.registered == {2, 3} and b.version == 2  # v1 goes at the next refit
+        await refit(b, 2)  # under a new engine id: the aborted one is never given again
+        assert worker.registered == {1, 3} and b.version == 2  # v1 goes at the next refit
 
     anyio.run(main)
 
@@ -299,14 +300,53 @@ def test_a_reprefill_refit_moves_only_the_requests_on_older_versions(model_dir: 
         for sid in ("g/0", "g/1", "h/0"):  # as _generate_sample leases and tracks them
             b._adapters.lease(sid)
             b._requests.setdefault(sid.split("/")[0], {})[sid] = sid
-            b._inside[sid] = sid  # in the engine (not waiting for a wake)
+            b._inside[sid] = (sid, "")  # in the engine (not waiting for a wake)
         b._aborted.add("h/0")
         await refit(b, 2)  # continue: nothing moves
         assert b._llm.aborted == [] and "moved" not in b.last_refit
         b._adapters.lease("g/2")  # started on v2
-        b._requests["g"]["g/2"] = b._inside["g/2"] = "g/2"
+        b._requests["g"]["g/2"] = "g/2"
+        b._inside["g/2"] = ("g/2", "")
         await refit(b, 3, reprefill=True)
         assert sorted(b._llm.aborted) == ["g/0", "g/1", "g/2"]
         assert b._moving == {"g/0", "g/1", "g/2"} and b.last_refit["moved"] == 3
+
+    anyio.run(main)
+
+
+def test_jobs_share_an_engine_and_each_request_gets_its_own_jobs_adapter(model_dir: Path) -> None:
+    """Two jobs on one engine (docs/jobs.md): each refit installs one job's version under an
+    engine id of its own; a request leases its job's newest (the bare base before the job's
+    first refit), a re-prefill moves only that job's requests, and a closed job's requests are
+    refused while its adapters go as their last requests end."""
+
+    async def main() -> None:
+        worker = Worker()
+        b = lora_backend(model_dir, worker, rpc_timeout_s=5)
+        await refit(b, 1, job="a")
+        assert b._adapters.lease("b0", "b") == (0, None)  # b has no version yet: the base
+        await refit(b, 1, job="b")
+        await refit(b, 2, job="a")
+        leases = b._adapters.leases
+        assert [str(x) for x in leases.resident()] == ["a:v2", "b:v1"]
+        assert b.version == 0  # the run's own label moves only with the job ""
+        ids = {}
+        for sid, job in (("a/0", "a"), ("b/0", "b"), ("b/1", "b")):
+            version, request = b._adapters.lease(sid, job)
+            ids[sid] = request.lora_int_id
+            b._requests.setdefault(sid.split("/")[0], {})[sid] = sid
+            b._inside[sid] = (sid, job)
+        assert ids["b/0"] == ids["b/1"] != ids["a/0"]
+        assert {leases.adapter_of(s).job for s in ("a/0", "b/0", "b/1")} == {"a", "b"}
+        await refit(b, 2, job="b", reprefill=True)
+        assert sorted(b._llm.aborted) == ["b/0", "b/1"] and b.last_refit["moved"] == 2
+        assert b.last_refit["job"] == "b"
+        await b.close_job("a")  # "a/0" still holds a:v2
+        with pytest.raises(AdapterError, match="which was closed"):
+            b._adapters.lease("late", "a")
+        assert ids["a/0"] in worker.registered
+        await b._adapters.release("a/0")
+        assert ids["a/0"] not in worker.registered
+        assert [str(x) for x in leases.resident()] == ["b:v1", "b:v2"]
 
     anyio.run(main)

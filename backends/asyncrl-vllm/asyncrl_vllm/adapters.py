@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.plugin.backend import AdapterError, AdapterLeases, RefitError, TensorEntry
+from asyncrl.plugin.backend import Adapter, AdapterError, AdapterLeases, RefitError, TensorEntry
 from asyncrl.plugin.common import Config, config_error
 
 from .manifest import bucket_entries, expected_problems
@@ -130,7 +130,10 @@ def adapter_manifest_problems(
 
 @dataclass
 class _Install:
+    job: str
     version: int
+    lora_id: int
+    """The engine's id for the adapter being installed (a new one: ids are never reused)."""
     started: float
     expected: int
     staged: int = 0
@@ -141,8 +144,8 @@ class _Install:
     adding: bool = False
     """The last bucket's call was made: the workers may have registered the adapter even if
     its answer never came (a timeout)."""
-    removed: list[int] = field(default_factory=list)
-    """Versions that call removed first."""
+    removed: list[Adapter] = field(default_factory=list)
+    """Adapters that call removed first."""
     first_load: float | None = None
     loads_s: float = 0.0
     """From the first bucket's call to the last one's answer."""
@@ -156,9 +159,11 @@ class _Install:
 
 
 class EngineAdapters:
-    """The adapter versions of one engine: the lease table, the refit in progress and the
-    calls that install and remove adapters in the engine's workers (``rpc``: the backend's
-    ``collective_rpc`` wrapper, bounded by ``rpc_timeout_s``).
+    """The adapter versions of one engine, of every job it serves (a single-job run's job is
+    ``""``): the lease table, the refit in progress and the calls that install and remove
+    adapters in the engine's workers (``rpc``: the backend's ``collective_rpc`` wrapper,
+    bounded by ``rpc_timeout_s``). Every job's adapters have the run's ``[lora]`` rank and
+    targets; a job's version 0 is the bare base until its first refit installs one.
 
     Args:
         config: the run's config (``[lora]``, ``model``).
@@ -175,19 +180,24 @@ class EngineAdapters:
         self._peft = config.lora.peft_config(config.model.path)
         self._targets = config.lora.targets(config.model.path)
         self._install: _Install | None = None
-        self._unload_later: list[int] = []
-        """Versions the lease table let go at an install but still registered in the engine:
+        self._unload_later: list[Adapter] = []
+        """Adapters the lease table let go at an install but still registered in the engine:
         removed by the next refit's last call."""
         self.last_refit: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ requests
-    def lease(self, request_id: str) -> tuple[int, Any]:
-        """``request_id`` starts on the newest version: ``(version, LoRARequest)``, the
-        request ``None`` while version 0 is the bare base (a fresh adapter)."""
-        if self.leases.newest is None:
+    def lease(self, request_id: str, job: str = "") -> tuple[int, Any]:
+        """``request_id`` starts on ``job``'s newest version: ``(version, LoRARequest)``, the
+        request ``None`` while version 0 is the bare base (a fresh adapter).
+
+        Raises:
+            AdapterError: ``job`` was closed (:meth:`close_job`)."""
+        if self.leases.closed(job):
+            raise AdapterError(f"request {request_id!r} is of job {job!r}, which was closed")
+        if self.leases.newest(job) is None:
             return 0, None
-        version = self.leases.lease(request_id)
-        return version, lora_request(version, self._path(version))
+        adapter = self.leases.lease(request_id, job=job)
+        return adapter.version, lora_request(adapter, self._path(adapter))
 
     async def release(self, request_id: str) -> None:
         """``request_id`` ended: its lease ends, and a version nobody holds any more (with a
@@ -212,19 +222,27 @@ class EngineAdapters:
         if not self._config.lora.init_path:
             return
         self.leases.check_install(0)
-        await llm.add_lora(lora_request(0, self._config.lora.init_path))
-        self.leases.install(0)
+        adapter = Adapter("", 0, self.leases.new_id())
+        await llm.add_lora(lora_request(adapter, self._config.lora.init_path))
+        self.leases.install(0, lora_id=adapter.lora_id)
 
-    def _path(self, version: int) -> str:
-        if version == 0 and self._config.lora.init_path:
+    def _path(self, adapter: Adapter) -> str:
+        if adapter.version == 0 and not adapter.job and self._config.lora.init_path:
             return self._config.lora.init_path
-        return f"{UNREAD_PATH}/v{version}"
+        return f"{UNREAD_PATH}/{adapter.lora_id}"
+
+    async def close_job(self, job: str) -> None:
+        """``job`` ended: its requests are refused from now on, and its adapters are removed
+        from the engine as their last requests end (those none holds, now)."""
+        await self._remove(self.leases.close(job))
 
     # ------------------------------------------------------------------ refit
     def begin(
-        self, version: int, manifest: list[TensorEntry], shapes: dict[str, list[int]]
-    ) -> None:
-        """Check the manifest and that a slot is free for ``version``, touching nothing.
+        self, version: int, manifest: list[TensorEntry], shapes: dict[str, list[int]],
+        job: str = "",
+    ) -> None:  # fmt: skip
+        """Check the manifest and that a slot is free for ``job``'s ``version``, touching
+        nothing.
 
         Raises:
             RefitError: the manifest does not fit the engine's model (what, listed), or every
@@ -235,13 +253,15 @@ class EngineAdapters:
             manifest, shapes, rank=cfg.lora.rank, targets=self._targets, dtype=cfg.model.dtype
         )
         if problems:
-            raise RefitError(f"the adapter of v{version} does not fit the engine's model "
-                             f"({cfg.model.path}): " + "; ".join(problems))  # fmt: skip
+            raise RefitError(f"the adapter of {Adapter(job, version, 0)} does not fit the "
+                             f"engine's model ({cfg.model.path}): "
+                             + "; ".join(problems))  # fmt: skip
         try:
-            self.leases.check_install(version)
+            self.leases.check_install(version, job=job)
         except AdapterError as exc:
             raise RefitError(str(exc)) from None
-        self._install = _Install(version, time.perf_counter(), expected=len(manifest))
+        self._install = _Install(job, version, self.leases.new_id(), time.perf_counter(),
+                                 expected=len(manifest))  # fmt: skip
 
     async def load(self, bucket: Any) -> None:
         """Copy the bucket's tensors into the workers' staging (the bucket is free after); the
@@ -267,10 +287,8 @@ class EngineAdapters:
                 raise RefitError(f"the adapter of v{version} arrived only in part "
                                  f"({install.staged + len(entries)} of the manifest's "
                                  f"{install.expected} tensors)")  # fmt: skip
-            newest = self.leases.newest
-            idle = [v for v in self.leases.resident if v != newest and not self.leases.holders(v)]
-            install.removed = sorted(set(self._unload_later) | set(idle))
-            extra = [[version + 1, self._peft], [v + 1 for v in install.removed]]
+            install.removed = list(self._unload_later)
+            extra = [[install.lora_id, self._peft], [a.lora_id for a in install.removed]]
             install.adding = True
         try:
             answers = await self._rpc("asyncrl_stage_adapter", bucket.transport, bucket.handle,
@@ -301,30 +319,35 @@ class EngineAdapters:
                              "installed)")  # fmt: skip
         self._install.move = True
 
-    async def finish(self, version: int) -> bool:
-        """Install ``version`` in the lease table (new requests start on it); the versions it
-        lets go are removed by the next refit's last call, or as their last request ends.
+    async def finish(self, version: int, job: str = "") -> bool:
+        """Install ``job``'s ``version`` in the lease table (its new requests start on it); the
+        adapters it lets go are removed by the next refit's last call, or as their last
+        request ends.
         Returns whether the requests in flight are to move to it (:meth:`move_in_flight`).
 
         Raises:
             RefitError: no matching begin, or the adapter was not added (a bucket missing).
         """
         install, self._install = self._install, None
-        if install is None or install.version != version:
-            raise RefitError(f"finish_weight_update({version}) without a matching begin")
+        if install is None or (install.job, install.version) != (job, version):
+            raise RefitError(f"finish_weight_update({Adapter(job, version, 0)}) without a "
+                             "matching begin")  # fmt: skip
         if not install.added:
             await self.abort(version)
             raise RefitError(f"the adapter of v{version} was never added: its last bucket did "
                              "not arrive")  # fmt: skip
-        unload = self.leases.install(version)
-        self._unload_later = [v for v in unload if v not in install.removed]
+        unload = self.leases.install(version, job=job, lora_id=install.lora_id)
+        self._unload_later = [a for a in unload if a not in install.removed]
         done = time.perf_counter()
         self.last_refit = {
             "version": version, "adapter": True, "tensors": install.staged,
             "bytes": install.nbytes, "seconds": done - install.started,
             "loads_s": install.loads_s, "worker_s": install.worker_s,
-            "worker_add_s": install.worker_add_s, "resident": list(self.leases.resident),
-            "removed": install.removed, "unload_later": self._unload_later,
+            "worker_add_s": install.worker_add_s,
+            "resident": [str(a) for a in self.leases.resident()],
+            "removed": [str(a) for a in install.removed],
+            "unload_later": [str(a) for a in self._unload_later],
+            **({"job": job} if job else {}),
         }  # fmt: skip
         self._log.info("adapter_installed", **self.last_refit)
         return install.move
@@ -335,18 +358,21 @@ class EngineAdapters:
         install, self._install = self._install, None
         await self._rpc("asyncrl_drop_staged_adapter")
         if install is not None and install.adding:
-            await self._remove([version])
-        self._log.warning("adapter_update_aborted", version=version,
-                          serving=self.leases.newest)  # fmt: skip
+            await self._rpc("asyncrl_remove_adapters", [install.lora_id])
+        job = install.job if install is not None else ""
+        self._log.warning("adapter_update_aborted", version=version, job=job,
+                          serving=str(self.leases.newest(job)))  # fmt: skip
 
-    async def _remove(self, versions: list[int]) -> None:
-        await self._rpc("asyncrl_remove_adapters", [v + 1 for v in versions])
+    async def _remove(self, adapters: list[Adapter]) -> None:
+        if adapters:
+            await self._rpc("asyncrl_remove_adapters", [a.lora_id for a in adapters])
 
 
-def lora_request(version: int, path: str) -> Any:
-    """vLLM's request for adapter ``version`` (id ``version + 1``: vLLM refuses 0), named apart
-    from every other version (vLLM tells adapters apart by name). The fields after the first
+def lora_request(adapter: Adapter, path: str) -> Any:
+    """vLLM's request for ``adapter`` (its engine id, never given to another), named apart
+    from every other adapter (vLLM tells adapters apart by name). The fields after the first
     three go by keyword: 0.26 has one more of them in the middle than 0.32."""
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(f"asyncrl-v{version}", version + 1, lora_path=path)
+    return LoRARequest(f"asyncrl-{adapter.job or 'run'}-v{adapter.version}", adapter.lora_id,
+                       lora_path=path)  # fmt: skip

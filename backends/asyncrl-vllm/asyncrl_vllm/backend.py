@@ -31,6 +31,7 @@ import structlog
 from asyncrl.plugin.backend import (
     EngineDeadError,
     GenRequest,
+    RequestError,
     Sample,
     SampleSink,
     TokenBatch,
@@ -170,9 +171,9 @@ class VLLMBackend(EngineWeights):
         self._moving: set[str] = set()
         """Samples whose vLLM request was aborted to go on under the newest adapter, or after
         a sleep."""
-        self._inside: dict[str, str] = {}
-        """Samples in the engine now (not waiting for a wake, nor between parts), and their
-        vLLM request."""
+        self._inside: dict[str, tuple[str, str]] = {}
+        """Samples in the engine now (not waiting for a wake, nor between parts): their vLLM
+        request and their job."""
         self._engine_shm: list[str] = []
         """Shared-memory segments the engine's processes mapped at start (vLLM's message
         queues); a killed engine cannot unlink them."""
@@ -370,6 +371,18 @@ class VLLMBackend(EngineWeights):
             "idle_spin_s": idle_spin,
         }
 
+    async def close_job(self, job: str) -> None:
+        """``job`` ended: its requests are refused from now on, and its adapters leave the
+        engine as their last requests end (docs/jobs.md).
+
+        Raises:
+            RuntimeError: the engine serves no adapters (no ``[lora]``)."""
+        if self._adapters is None:
+            raise RuntimeError(f"close_job({job!r}): this engine serves no [lora] adapters")
+        await self._adapters.close_job(job)
+        resident = [str(a) for a in self._adapters.leases.resident()]
+        self._log.info("job_closed", job=job, resident=resident)
+
     async def close(self) -> None:
         """Shut the engine down and reap its processes; whatever survives the grace period is
         SIGKILLed by the reaper. Idempotent. Runs shielded from cancellation."""
@@ -462,14 +475,23 @@ class VLLMBackend(EngineWeights):
         one engine slot. Logprobs are of the sampled tokens after temperature (greedy: the
         plain log-softmax). A greedy group is generated once and emitted n times.
 
+        With ``[lora]``, ``request.job``'s newest adapter serves it (docs/jobs.md).
+
         Raises:
             RequestError: the engine cannot serve the request as asked (see
-                :func:`~asyncrl_vllm.engine_io.check_request`).
+                :func:`~asyncrl_vllm.engine_io.check_request`), or it names a job and the
+                engine serves no adapters (no ``[lora]``), or the job was closed.
 
         Cancellation: vLLM aborts the requests in the engine; the cancellation propagates.
         """
         llm = self._require()
         check_request(request, llm)
+        if request.job and self._adapters is None:
+            raise RequestError(f"group {request.group_id} is of job {request.job!r}: jobs are "
+                               "LoRA adapters, and this engine serves no [lora]")  # fmt: skip
+        if request.job and self._adapters is not None and self._adapters.leases.closed(request.job):
+            raise RequestError(f"group {request.group_id} is of job {request.job!r}, which "
+                               "was closed on this engine")  # fmt: skip
         prompt = self._prompt(request.prompt_ids)
 
         async def run(i: int) -> None:
@@ -517,6 +539,7 @@ class VLLMBackend(EngineWeights):
                 part = await self._generate_part(
                     llm, sid, rid, params,
                     self._prompt([*request.prompt_ids, *_tokens(parts)]) if parts else prompt,
+                    request.job,
                 )
                 moved = sid in self._moving
                 self._moving.discard(sid)
@@ -548,18 +571,20 @@ class VLLMBackend(EngineWeights):
         )
 
     async def _generate_part(
-        self, llm: Any, sid: str, rid: str, params: Any, prompt: dict[str, Any]
+        self, llm: Any, sid: str, rid: str, params: Any, prompt: dict[str, Any], job: str
     ) -> Sample | None:
         """Sample ``sid``'s vLLM request ``rid`` run to its end; ``None`` if it ended without
         an output. It waits while the engine sleeps (aborted meanwhile: it does not go in).
-        With ``[lora]`` it leases the newest adapter version for its whole life and its
+        With ``[lora]`` it leases ``job``'s newest adapter version for its whole life and its
         tokens are tagged with that version."""
         final = None
         async with self._turn.request():
             if sid in self._aborted:
                 return None
-            version, adapter = self._adapters.lease(rid) if self._adapters else (0, None)
-            self._inside[sid] = rid
+            version, adapter = (
+                self._adapters.lease(rid, job) if self._adapters else (0, None)
+            )
+            self._inside[sid] = (rid, job)
             try:
                 stream = llm.generate(prompt, params, request_id=rid, lora_request=adapter)
                 async with contextlib.aclosing(stream) as out:
@@ -578,17 +603,22 @@ class VLLMBackend(EngineWeights):
         return Sample(sample.token_ids, sample.logprobs, sample.finish_reason,
                       self._adapters.versions(version, n))  # fmt: skip
 
-    async def _move_in_flight(self, version: int) -> int:
-        """With ``[lora]``, at the refit to ``version`` with ``in_flight_at_refit =
-        "reprefill"``: end the vLLM request of every sample on an older adapter; each goes on
-        from its tokens so far on ``version`` (:meth:`_generate_sample`). Returns how many
-        moved. Bounded by ``rpc_timeout_s``."""
+    async def _move_in_flight(self, version: int, job: str = "") -> int:
+        """With ``[lora]``, at the refit to ``job``'s ``version`` with ``in_flight_at_refit =
+        "reprefill"``: end the vLLM request of every sample of ``job`` on an older adapter;
+        each goes on from its tokens so far on ``version`` (:meth:`_generate_sample`). Returns
+        how many moved. Bounded by ``rpc_timeout_s``."""
         assert self._adapters is not None
         leases = self._adapters.leases
+
+        def older(rid: str) -> bool:
+            adapter = leases.adapter_of(rid)
+            return (adapter.version if adapter is not None else 0) < version
+
         moving = {
             sid: rid
-            for sid, rid in self._inside.items()
-            if sid not in self._aborted and (leases.version_of(rid) or 0) < version
+            for sid, (rid, of) in self._inside.items()
+            if of == job and sid not in self._aborted and older(rid)
         }
         if moving:
             await self._stop_to_move(moving)
@@ -619,7 +649,7 @@ class VLLMBackend(EngineWeights):
         llm = self._require()
         start = time.perf_counter()
         self._turn.close()
-        moving = {sid: rid for sid, rid in self._inside.items() if sid not in self._aborted}
+        moving = {sid: rid for sid, (rid, _) in self._inside.items() if sid not in self._aborted}
         try:
             if moving:
                 await self._stop_to_move(moving)
@@ -693,9 +723,10 @@ class VLLMBackend(EngineWeights):
             self._aborted.update(sid for sid, _ in running)
             await self._bounded("abort", self._require().abort([rid for _, rid in running]))
 
-    async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
-        """Logprobs (float32, flat) of every response token under the current weights,
-        from vLLM's prompt logprobs of each whole sequence.
+    async def score(self, batch: TokenBatch, temperature: float, *, job: str = "") -> np.ndarray:
+        """Logprobs (float32, flat) of every response token under the current weights (with
+        ``[lora]``, ``job``'s newest adapter), from vLLM's prompt logprobs of each whole
+        sequence.
 
         At temperature 1 one logprob per position is enough. vLLM does not apply temperature
         to prompt logprobs, so any other temperature asks for the full vocabulary per
@@ -728,7 +759,7 @@ class VLLMBackend(EngineWeights):
             final = None
             rid = f"{prefix}-{i}"
             async with self._turn.request():
-                adapter = self._adapters.lease(rid)[1] if self._adapters else None  # the newest
+                adapter = self._adapters.lease(rid, job)[1] if self._adapters else None  # newest
                 try:
                     stream = llm.generate(self._prompt(tokens), params, request_id=rid,
                                           lora_request=adapter)  # fmt: skip

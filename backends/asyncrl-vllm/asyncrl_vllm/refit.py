@@ -113,12 +113,14 @@ class EngineWeights:
         manifest: list[TensorEntry],
         *,
         kv_scales: dict[str, float] | None = None,
+        job: str = "",
     ) -> None:
         """Check ``manifest`` against the checkpoint the engine started from (names, shapes,
         the engine's dtype) and an FP8 cache's need for scales; refuse, touching nothing, if
         either fails. Then freeze scheduling (in-flight requests are kept with their KV). The
         reload opens with the first bucket and closes with the last one, in the same engine
-        calls (so a one-bucket refit is one call into the engine's workers).
+        calls (so a one-bucket refit is one call into the engine's workers). With ``job``
+        (``[lora]`` only) the version is that job's adapter.
 
         Raises:
             RefitError: the manifest does not fit this engine (the message lists what), or an
@@ -129,8 +131,11 @@ class EngineWeights:
         llm = self._require()
         if self._shapes is None:
             self._shapes = checkpoint_shapes(self.ctx.config.model.path)
+        if job and self._adapters is None:
+            raise RefitError(f"v{version} of job {job!r}: jobs are LoRA adapters, and this "
+                             "engine serves full weights (no [lora])")  # fmt: skip
         if self._adapters is not None:  # an adapter version: no pause, the base untouched
-            self._adapters.begin(version, manifest, self._shapes)
+            self._adapters.begin(version, manifest, self._shapes, job)
             if self._turn.state == "asleep":
                 await self._wake_weights()  # the adapter goes into the woken base's memory
             return
@@ -243,7 +248,7 @@ class EngineWeights:
                              f"v{update.version}")  # fmt: skip
         update.reprefilled = True
 
-    async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
+    async def abort_weight_update(self, version: int, *, loaded_any: bool, job: str = "") -> None:
         """Close the reload. Without any bucket loaded the old weights are intact: resume
         serving them. Otherwise stay paused (mixed weights must never serve). With ``[lora]``
         nothing was paused and the installed versions serve on."""
@@ -263,7 +268,9 @@ class EngineWeights:
             else:
                 self._log.error("weight_update_failed_paused", version=version)
 
-    async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
+    async def finish_weight_update(
+        self, version: int, *, reset_prefix_cache: bool, job: str = ""
+    ) -> None:
         """After the last bucket (the reload is closed and the scales are set): keep blocks of
         older weights from being reused, label the version and resume scheduling.
 
@@ -273,14 +280,15 @@ class EngineWeights:
         """
         llm = self._require()
         if self._adapters is not None:
-            move = await self._adapters.finish(version)
+            move = await self._adapters.finish(version, job)
             waking = self._turn.state == "weights"
             if waking:  # woken for this refit: the cache, then serve
                 await self._wake_cache(None)
                 await self._bounded("resume_generation", llm.resume_generation())
                 self._turn.woke()
-            self.version = version
-            moved = {"moved": await self._move_in_flight(version)} if move else {}
+            if not job:
+                self.version = version
+            moved = {"moved": await self._move_in_flight(version, job)} if move else {}
             self.last_refit = {**self._adapters.last_refit, **moved, "woke": waking,
                                "wake_s": self._wake_s if waking else 0.0}  # fmt: skip
             return
