@@ -56,6 +56,7 @@ __all__ = [
     "Sleeps",
     "StateOffload",
     "TrainingBackend",
+    "TrainsJobs",
     "WeightBucketView",
     "WeightTensor",
     "WorkerContext",
@@ -330,6 +331,25 @@ class ServesJobs(Protocol):
     async def close_job(self, job: str) -> None:
         """``job`` ended (its requests were aborted): refuse its requests from now on, and
         drop its adapters as their last requests end."""
+
+
+class TrainsJobs(Protocol):
+    """Optional for a :class:`TrainingBackend` with ``[lora]``: the adapters of several jobs
+    on the same ranks and the same frozen base (docs/jobs.md). Each job has its own adapter,
+    optimizer and open step; a job's steps update its adapter alone, and two jobs' steps may
+    be open at once, their chunks interleaved. Such a backend takes ``job=`` (a keyword, given
+    only when it is not ``""``) in ``compute_logprobs``, ``begin_step``, ``train_chunk``,
+    ``finish_step``, ``weight_specs`` and ``iter_weights`` (that job's adapter alone is sent,
+    under PEFT's saved names)."""
+
+    def open_job(self, job: str, *, seed: int, lr: float) -> None:
+        """Collective: ``job`` takes a free adapter slot, started afresh from ``seed`` (its
+        policy is the base), with an optimizer of its own at ``lr``. Raises when no slot is
+        free, naming the fix."""
+
+    def close_job(self, job: str) -> None:
+        """``job`` ends (no step of its open): its slot is free again, its optimizer state
+        dropped."""
 
 
 class Sleeps(Protocol):

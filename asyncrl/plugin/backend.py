@@ -17,6 +17,7 @@ Protocols and the plugin:
 - ``Reprefill``: optional for a generation backend: recompute in-flight requests' KV at a refit.
 - ``Sleeps``: optional for a generation backend: sleep while the trainer steps on its GPU.
 - ``ServesJobs``: optional for a generation backend: serve several jobs' adapters at once.
+- ``TrainsJobs``: optional for a training backend: train several jobs' adapters on its ranks.
 - ``StateOffload``: optional for a training backend: its optimizer state to host memory and back.
 - ``KVCalibration``: optional for a training backend: FP8 KV-cache scales.
 - ``ReadsLossInputs``: optional for a training backend: the loss inputs it reads (``loss_inputs``).
@@ -81,6 +82,7 @@ from asyncrl.backend import (
     Sleeps,
     StateOffload,
     TrainingBackend,
+    TrainsJobs,
     WeightBucketView,
     WeightTensor,
     WorkerContext,
@@ -145,6 +147,7 @@ __all__ = [
     "TokenBatch",
     "TrainBatch",
     "TrainingBackend",
+    "TrainsJobs",
     "WeightBucketView",
     "WeightTensor",
     "WorkerContext",

@@ -115,10 +115,20 @@ class ReceiveWeights(msgspec.Struct, tag="recv_w", **_CTRL):
     the job's requests move to it."""
 
 
-class CloseJob(msgspec.Struct, tag="close_job", **_CTRL):
-    """(protocol 18) Rollout: ``job`` ended. Its requests are refused from now on and its
-    adapters leave the engine as their last requests end (abort them first). Answered with
+class OpenJob(msgspec.Struct, tag="open_job", **_CTRL):
+    """(protocol 18) Trainer: ``job`` takes a free adapter slot, started afresh from ``seed``
+    (its policy is the base), with an optimizer of its own at ``lr``. Answered with
     :class:`Empty`."""
+
+    job: str
+    seed: int
+    lr: float
+
+
+class CloseJob(msgspec.Struct, tag="close_job", **_CTRL):
+    """(protocol 18) ``job`` ended. Rollout: its requests are refused from now on and its
+    adapters leave the engine as their last requests end (abort them first). Trainer: its
+    slot is free again, its optimizer state dropped. Answered with :class:`Empty`."""
 
     job: str
 
@@ -131,12 +141,16 @@ class ComputeLogprobs(msgspec.Struct, tag="logprobs", **_CTRL):
     batch: TokenBatch
     temperature: float = 1.0
     policy: str = "current"
+    job: str = ""
+    """(protocol 18) Under this job's adapter (``""``: the run's own policy)."""
 
 
 class BeginStep(msgspec.Struct, tag="begin", **_CTRL):
     """Open optimizer step ``step``; chunks accumulate gradients until :class:`FinishStep`."""
 
     step: int
+    job: str = ""
+    """(protocol 18) This job's step; each job has its own (``""``: the run's own)."""
 
 
 class TrainChunk(msgspec.Struct, tag="chunk", **_CTRL):
@@ -144,6 +158,8 @@ class TrainChunk(msgspec.Struct, tag="chunk", **_CTRL):
 
     step: int
     batch: TrainBatch
+    job: str = ""
+    """(protocol 18) Into this job's open step, through its adapter (``""``: the run's)."""
 
 
 class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
@@ -155,6 +171,8 @@ class FinishStep(msgspec.Struct, tag="finish", **_CTRL):
     normalizer: float = 0.0
     """What the step's loss sum is divided by (``loss.aggregation``): 0 means
     ``num_loss_tokens`` (token-mean); else the step's sequences, or sequences x a constant."""
+    job: str = ""
+    """(protocol 18) This job's step: its adapter and optimizer alone (``""``: the run's)."""
 
 
 class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
@@ -171,6 +189,8 @@ class SendWeights(msgspec.Struct, tag="send_w", **_CTRL):
     transport: str = "shm"
     bucket_size_bytes: int = 256 << 20
     timeout_s: float = 300.0
+    job: str = ""
+    """(protocol 18) This job's adapter is the version sent (``""``: the run's own policy)."""
 
 
 class CalibrateKV(msgspec.Struct, tag="calib_kv", **_CTRL):
@@ -253,6 +273,7 @@ Request = Union[
     Sleep,
     MoveState,
     Health,
+    OpenJob,
     CloseJob,
 ]
 

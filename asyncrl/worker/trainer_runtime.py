@@ -34,6 +34,7 @@ from asyncrl.backend import (
     SentWeightsScoring,
     StateOffload,
     TrainingBackend,
+    TrainsJobs,
     WorkerContext,
     drain_weights,
 )
@@ -46,6 +47,7 @@ from asyncrl.wire.messages import (
     BeginStep,
     CalibrateKV,
     Call,
+    CloseJob,
     ComputeLogprobs,
     Empty,
     ExportModel,
@@ -55,6 +57,7 @@ from asyncrl.wire.messages import (
     LoadState,
     LogprobsResult,
     MoveState,
+    OpenJob,
     ReceiverGone,
     Result,
     SaveState,
@@ -131,7 +134,10 @@ class TrainerRuntime(WorkerRuntime):
     ROLE = "trainer"
     PLUGIN_GROUP = "asyncrl.training_backends"
     PROTOCOL = TrainingBackend
-    OPTIONAL = (KVCalibration, ReferencePolicy, SentWeightsScoring, ReadsLossInputs, StateOffload)
+    OPTIONAL = (
+        KVCalibration, ReferencePolicy, SentWeightsScoring, ReadsLossInputs, StateOffload,
+        TrainsJobs,
+    )  # fmt: skip
 
     backend: TrainingBackend
 
@@ -152,6 +158,9 @@ class TrainerRuntime(WorkerRuntime):
         self._state_moves: tuple[Callable[[], int], Callable[[], int]] | None = None
         """The backend's ``state_to_host`` and ``state_to_device``
         (:class:`~asyncrl.backend.StateOffload`), if it has them."""
+        self._jobs: tuple[Callable[..., None], Callable[[str], None]] | None = None
+        """The backend's ``open_job`` and ``close_job`` (:class:`~asyncrl.backend.TrainsJobs`),
+        if it has them: with them it trains several jobs' adapters."""
         self._queue: Any = None
         """Calls waiting for the backend's thread, in arrival order (the send end of a stream
         of ``CALL_QUEUE_SIZE``, opened by :meth:`_start_serving`, closed when serving ends)."""
@@ -177,6 +186,8 @@ class TrainerRuntime(WorkerRuntime):
             ExportModel: self._export,
             ReceiverGone: self._receiver_gone,
             MoveState: self._move_state,
+            OpenJob: self._open_job,
+            CloseJob: self._close_job,
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -190,6 +201,8 @@ class TrainerRuntime(WorkerRuntime):
         self._loss_inputs = methods["loss_inputs"]
         moves = (methods["state_to_host"], methods["state_to_device"])
         self._state_moves = moves if None not in moves else None
+        jobs = (methods["open_job"], methods["close_job"])
+        self._jobs = jobs if None not in jobs else None
 
     async def _start(self) -> dict[str, Any]:
         """Raises PluginError: ``loss.aggregation`` needs a ``finish_step`` keyword the
@@ -305,21 +318,54 @@ class TrainerRuntime(WorkerRuntime):
             raise ProtocolError(
                 f"ComputeLogprobs.policy {req.policy!r}: current, sent or reference"
             )
+        if req.job and req.policy != "reference":  # the reference is the base: every job's
+            method = functools.partial(method, **self._of_job(req.job, "logprobs"))
         lp = await self.thread.run(method, req.batch, req.temperature)
         return LogprobsResult(logprobs=lp)
 
     async def _begin_step(self, req: BeginStep) -> Result:
-        await self.thread.run(self.backend.begin_step, req.step)
+        begin = functools.partial(self.backend.begin_step, **self._of_job(req.job, "a step"))
+        await self.thread.run(begin, req.step)
         return Empty()
 
     async def _train_chunk(self, req: TrainChunk) -> Result:
-        return await self.thread.run(self.backend.train_chunk, req.step, req.batch)
+        chunk = functools.partial(self.backend.train_chunk, **self._of_job(req.job, "a chunk"))
+        return await self.thread.run(chunk, req.step, req.batch)
 
     async def _finish_step(self, req: FinishStep) -> Result:
-        if not req.normalizer:  # token-mean: the call every backend implements
-            return await self.thread.run(self.backend.finish_step, req.step, req.num_loss_tokens)
-        finish = functools.partial(self.backend.finish_step, normalizer=req.normalizer)
+        keywords = self._of_job(req.job, "a step")
+        if req.normalizer:  # else token-mean: the call every backend implements
+            keywords["normalizer"] = req.normalizer
+        finish = functools.partial(self.backend.finish_step, **keywords)
         return await self.thread.run(finish, req.step, req.num_loss_tokens)
+
+    async def _open_job(self, req: OpenJob) -> Result:
+        self._of_job(req.job, "OpenJob")
+        assert self._jobs is not None
+        opening = functools.partial(self._jobs[0], seed=req.seed, lr=req.lr)
+        await self.thread.run(opening, req.job)
+        return Empty()
+
+    async def _close_job(self, req: CloseJob) -> Result:
+        self._of_job(req.job, "CloseJob")
+        assert self._jobs is not None
+        await self.thread.run(self._jobs[1], req.job)
+        return Empty()
+
+    def _of_job(self, job: str, what: str) -> dict[str, str]:
+        """The keywords that name ``job`` to the backend (none for the run's own).
+
+        Raises:
+            ProtocolError: a job, and the backend trains one policy only (no ``TrainsJobs``)."""
+        if not job:
+            return {}
+        if self._jobs is None:
+            raise ProtocolError(
+                f"job {job!r} ({what}): training backend {self.wctx.config.trainer.backend!r} "
+                "trains one policy only (it has no open_job: asyncrl.plugin.backend.TrainsJobs). "
+                "Run jobs on a backend that trains them (fsdp2)"
+            )
+        return {"job": job}
 
     async def _calibrate_kv(self, req: CalibrateKV) -> Result:
         if self._calibrate is None:
@@ -335,19 +381,22 @@ class TrainerRuntime(WorkerRuntime):
         return KVScalesResult(scales={k: float(v) for k, v in scales.items()})
 
     async def _send_weights(self, req: SendWeights) -> Result:
-        it = await self.thread.run(self.backend.iter_weights)
+        of_job = self._of_job(req.job, "a refit")
+        it = await self.thread.run(functools.partial(self.backend.iter_weights, **of_job))
         if self.wctx.rank != 0:  # take part in the gathers, send nothing
             await self.thread.run(drain_weights, it)
             return Empty()
         try:
-            return await self._publish(req, it)
+            return await self._publish(req, it, of_job)
         except Exception:
             # the other ranks gather with this one (an FSDP unit's all-gather): finish the
             # iteration, or they wait in a collective until its timeout
             await self.thread.run(functools.partial(drain_weights, it, after_failure=True))
             raise
 
-    async def _publish(self, req: SendWeights, it: Iterator[Any]) -> Result:
+    async def _publish(
+        self, req: SendWeights, it: Iterator[Any], of_job: dict[str, str]
+    ) -> Result:
         """Rank 0: send the version ``it`` yields to the rollout workers.
 
         Raises:
@@ -359,7 +408,7 @@ class TrainerRuntime(WorkerRuntime):
                 f"SendWeights over {req.transport!r}, but this trainer stages for "
                 f"{self.sender.transfer.name!r}"
             )
-        specs = await self.thread.run(self.backend.weight_specs)
+        specs = await self.thread.run(functools.partial(self.backend.weight_specs, **of_job))
         return await self.sender.send(
             req.version,
             list(req.receivers),

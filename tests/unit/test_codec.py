@@ -60,7 +60,8 @@ def test_protocol_version_is_seventeen() -> None:
     # 15: ComputeLogprobs.policy "sent", and every socket CURVE (ipc too: a peer without the
     # run's keys fails its handshake); 16: StepResult.peak_allocated_bytes and
     # peak_reserved_bytes; 17: Sleep, MoveState, TurnResult (taking turns on a GPU); 18:
-    # GenRequest.job, ScoreTokens.job, ReceiveWeights.job, CloseJob (jobs on one engine)
+    # a job on GenRequest, ScoreTokens, ReceiveWeights, ComputeLogprobs, BeginStep,
+    # TrainChunk, FinishStep, SendWeights; OpenJob, CloseJob (jobs on one base model)
     assert PROTOCOL_VERSION == 18
 
 

@@ -539,3 +539,66 @@ async def test_a_job_is_refused_by_a_backend_that_serves_one_policy() -> None:
         await rt.answer(Call(call_id=1, request=request))
         reply = rt.control.sent.pop()
         assert isinstance(reply, Failure) and "serves one policy only" in reply.message
+
+
+class _Jobs(_Trainer):
+    """A trainer of jobs that records what reaches it, and how."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def open_job(self, job, *, seed, lr):  # noqa: ANN001, ANN201
+        self.calls.append(("open", job, seed, lr))
+
+    def close_job(self, job):  # noqa: ANN001, ANN201
+        self.calls.append(("close", job))
+
+    def begin_step(self, step, **job):  # noqa: ANN001, ANN201
+        self.calls.append(("begin", step, job))
+
+    def finish_step(self, step, num_loss_tokens, **keywords):  # noqa: ANN001, ANN201
+        from asyncrl.wire.messages import StepResult
+
+        self.calls.append(("finish", step, keywords))
+        return StepResult(step=step, loss=0.0, grad_norm=0.0, num_loss_tokens=num_loss_tokens,
+                          lr=0.1, seconds=0.0)  # fmt: skip
+
+    def compute_logprobs(self, batch, temperature, **job):  # noqa: ANN001, ANN201
+        self.calls.append(("logprobs", job))
+        return np.zeros(2, np.float32)
+
+
+async def test_a_jobs_calls_reach_a_trainer_of_jobs_and_one_without_refuses_them() -> None:
+    """With ``TrainsJobs`` (found once, at adoption) a job's calls reach the backend naming
+    the job, the run's own calls name none (a backend's keywords stay as they were); a backend
+    without it fails each job's call naming the fix, and the worker goes on."""
+    from asyncrl.wire.messages import (
+        BeginStep, Call, CloseJob, ComputeLogprobs, Failure, FinishStep, OpenJob, Reply,
+    )  # fmt: skip
+
+    requests = [OpenJob(job="a", seed=3, lr=0.01), BeginStep(step=1, job="a"), BeginStep(step=4),
+                FinishStep(step=1, num_loss_tokens=5, normalizer=2.0, job="a"),
+                ComputeLogprobs(batch=BATCH, job="a"), CloseJob(job="a")]  # fmt: skip
+    backend = _Jobs()
+    for adopted in (backend, _Trainer()):
+        rt = TrainerRuntime(None, _Control(), INIT, _wctx("trainer"))
+        rt.wctx = WorkerContext("trainer", 0, 1, 0, type("C", (), {"trainer": type(
+            "T", (), {"backend": "plain"})})(), "")  # type: ignore[arg-type]  # fmt: skip
+        try:
+            rt.adopt(adopted, plugin="fake")
+            for i, request in enumerate(requests):
+                await rt.answer(Call(call_id=i, request=request))
+        finally:
+            rt.thread.close()
+        if adopted is backend:
+            assert all(isinstance(a, Reply) for a in rt.control.sent)
+            assert backend.calls == [
+                ("open", "a", 3, 0.01), ("begin", 1, {"job": "a"}), ("begin", 4, {}),
+                ("finish", 1, {"job": "a", "normalizer": 2.0}), ("logprobs", {"job": "a"}),
+                ("close", "a"),
+            ]  # fmt: skip
+        else:
+            assert all(isinstance(a, Failure) for a in rt.control.sent)
+            refused = [a for a in rt.control.sent if "trains one policy only" in a.message]
+            assert len(refused) == len(requests) - 1  # the run's own BeginStep reached it
+            assert all("(fsdp2)" in a.message for a in refused)

@@ -271,7 +271,7 @@ class DeepSpeedBackend(DistributedTrainer):
                 yield name, param.detach()
 
     # ------------------------------------------------------------------ weights
-    def iter_weights(self) -> Iterator[WeightTensor]:
+    def iter_weights(self, *, job: str = "") -> Iterator[WeightTensor]:
         """Every parameter in HF naming (with ``[lora]``: the adapter's, under PEFT's saved
         names) and ``model.dtype``, on this rank's device.
 
@@ -284,7 +284,7 @@ class DeepSpeedBackend(DistributedTrainer):
         name_dtype = self._ctx.config.model.dtype
         dtype = getattr(torch, name_dtype)
         sender = self._ctx.rank == 0
-        named = self._sent_parameters()
+        named = self._sent_parameters(job)  # jobs: never opened here (no job slots)
         if self._opts.zero_stage < 3:
             for name, param in named:
                 if not sender:

@@ -38,6 +38,9 @@ def parse_options(raw: dict[str, Any]) -> DeepSpeedOptions:
         ConfigError: an unknown field, a wrong type or an out-of-range value (named).
     """
     opts = parse_trainer_options(raw, DeepSpeedOptions, "docs/backends/deepspeed.md")
+    if opts.job_slots:
+        raise option_error("job_slots", "jobs train on the fsdp2 backend only (DeepSpeed's "
+                           "engine steps one optimizer); use trainer.backend = \"fsdp2\"")  # fmt: skip
     owned = sorted(OWNED_ZERO_KEYS & set(opts.zero))
     if owned:
         raise option_error(

@@ -37,6 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.plugin.backend import WeightTensor, WorkerContext
 from asyncrl_torch import DistributedTrainer
+from asyncrl_torch.adapters import ADAPTER
+from asyncrl_torch.job_adapters import adapter_parameters
 
 from .options import FSDPOptions, parse_options
 
@@ -165,13 +167,15 @@ class FSDPBackend(DistributedTrainer):
         loss_sum.backward()
 
     def _zero_grad(self) -> None:
-        if self._optimizer is not None:
-            self._optimizer.zero_grad(set_to_none=True)
+        optimizer = self._step_optimizer() or self._optimizer  # the running job's
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
 
     def _apply_step(self, num_loss_tokens: int) -> float:
-        model, optimizer = self._started(), self._optimizer
+        # the running job's optimizer and adapter (the run's own: every trained parameter)
+        optimizer = self._step_optimizer() or self._optimizer
         assert optimizer is not None
-        params = [p for p in model.parameters() if p.grad is not None]
+        params = [p for p in self._step_parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         # The shards hold the step's loss-sum gradient: its norm / num_loss_tokens is the mean's
         # norm, and one multiply applies both 1 / num_loss_tokens and the clip (as
@@ -262,13 +266,21 @@ class FSDPBackend(DistributedTrainer):
                 module.set_force_sum_reduction_for_comms(True)
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        if self._jobs.slot_names:  # the run's own adapter; the jobs' get optimizers of their own
+            trained = [p for _, p in adapter_parameters(model, ADAPTER)]
+        else:
+            trained = [p for p in model.parameters() if p.requires_grad]  # [lora]: the adapter
+        return self._build_job_optimizer(trained, self._opts.lr)
+
+    def _build_job_optimizer(
+        self, trained: list[torch.nn.Parameter], lr: float
+    ) -> torch.optim.Optimizer:
         opts = self._opts
-        trained = [p for p in model.parameters() if p.requires_grad]  # [lora]: the adapter
         if opts.optimizer == "sgd":
-            return torch.optim.SGD(trained, lr=opts.lr, weight_decay=opts.weight_decay)
+            return torch.optim.SGD(trained, lr=lr, weight_decay=opts.weight_decay)
         return torch.optim.AdamW(
             trained,
-            lr=opts.lr,
+            lr=lr,
             betas=opts.betas,
             eps=opts.eps,
             weight_decay=opts.weight_decay,
@@ -276,7 +288,7 @@ class FSDPBackend(DistributedTrainer):
         )
 
     # ------------------------------------------------------------------ weights
-    def iter_weights(self) -> Iterator[WeightTensor]:
+    def iter_weights(self, *, job: str = "") -> Iterator[WeightTensor]:
         """Yield every parameter, gathered, in HF naming and ``model.dtype``, on this rank's
         device.
 
@@ -293,7 +305,7 @@ class FSDPBackend(DistributedTrainer):
         model = self._started()
         dtype = getattr(torch, self._ctx.config.model.dtype)
         if self._lora:
-            yield from self._iter_adapter(dtype)
+            yield from self._iter_adapter(dtype, job)
             return
         if self._ctx.world_size == 1:
             yield from self._iter_local(model, dtype)
@@ -318,12 +330,13 @@ class FSDPBackend(DistributedTrainer):
         finally:
             gathered.close()
 
-    def _iter_adapter(self, dtype: torch.dtype) -> Iterator[WeightTensor]:
-        """``[lora]``: the adapter's tensors alone, each gathered by itself (one all-gather
-        of a few hundred KiB per tensor on several ranks); the base is never unsharded."""
+    def _iter_adapter(self, dtype: torch.dtype, job: str) -> Iterator[WeightTensor]:
+        """``[lora]``: ``job``'s adapter's tensors alone, each gathered by itself (one
+        all-gather of a few hundred KiB per tensor on several ranks); the base is never
+        unsharded."""
         name_dtype = self._ctx.config.model.dtype
         sender = self._ctx.rank == 0
-        for name, param in self._sent_parameters():
+        for name, param in self._sent_parameters(job):
             data = param.detach()
             if isinstance(data, DTensor):
                 local = data.to_local()

@@ -65,9 +65,9 @@ def add_adapter(model: torch.nn.Module, lora: LoraConfig, model_dir: str) -> Any
     return peft_model
 
 
-def saved_name(name: str) -> str:
-    """PEFT's saved name of an adapter parameter (the adapter's name dropped)."""
-    return name.replace(f".{ADAPTER}.", ".")
+def saved_name(name: str, adapter: str = ADAPTER) -> str:
+    """PEFT's saved name of a parameter of ``adapter`` (the adapter's name dropped)."""
+    return name.replace(f".{adapter}.", ".")
 
 
 def _matches(model: torch.nn.Module, target: str) -> bool:

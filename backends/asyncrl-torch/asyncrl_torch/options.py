@@ -48,6 +48,9 @@ class TrainerOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     """torch intra-op CPU threads per rank (0 leaves torch's default)."""
     seed: int | None = None
     """torch seed on every rank; ``None`` uses ``run.seed``."""
+    job_slots: int = 0
+    """With ``[lora]``: adapters the trainer holds for jobs beside the run's own, made at start
+    (docs/jobs.md); the jobs open at once. ``fsdp2`` only."""
 
 
 def option_error(field: str, problem: str) -> ConfigError:
@@ -78,6 +81,8 @@ def parse_options(raw: dict[str, Any], cls: type[OptionsT], docs: str) -> Option
         raise ConfigError(explain(exc, cls, "trainer.options") + f" (options: {docs})") from None
     if not opts.lr > 0:
         raise option_error("lr", f"must be > 0, got {opts.lr}")
+    if opts.job_slots < 0:
+        raise option_error("job_slots", f"must be >= 0, got {opts.job_slots}")
     if opts.weight_decay < 0:
         raise option_error("weight_decay", f"must be >= 0, got {opts.weight_decay}")
     if not all(0 <= b < 1 for b in opts.betas):

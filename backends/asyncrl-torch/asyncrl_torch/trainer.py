@@ -87,7 +87,14 @@ from asyncrl_torch.batches import (
     to_device,
 )
 from asyncrl_torch.kv_calibration import all_reduce_max, calibrate_kv_scales
-from asyncrl_torch.step_ledger import StepLedger
+from asyncrl_torch.job_adapters import (
+    Job,
+    TrainerJobs,
+    adapter_parameters,
+    add_job_slots,
+    fresh_adapter,
+    run_adapter,
+)
 from asyncrl_torch.loss import kl_to_reference, ppo_clip_loss
 from asyncrl_torch.offload import HostCopies, local_nbytes
 from asyncrl_torch.options import TrainerOptions
@@ -147,7 +154,9 @@ class DistributedTrainer:
         self._device = torch.device("cpu")
         self._vocab_size = 0
         self._owns_process_group = False
-        self._ledger = StepLedger()
+        self._jobs = TrainerJobs(0, options.lr)
+        """The jobs this rank trains: the run's own (``""``) and, with ``job_slots``, more
+        (:mod:`asyncrl_torch.job_adapters`); each with its open step."""
         self._closed = False
         self._state_on_host = False
         """:meth:`state_to_host` ran, :meth:`state_to_device` not yet."""
@@ -270,6 +279,12 @@ class DistributedTrainer:
         self._vocab_size = model.get_input_embeddings().num_embeddings
         if lora.enabled:
             model = add_adapter(model, lora, ctx.config.model.path)
+        if opts.job_slots:
+            if not lora.enabled:
+                raise ConfigError("trainer.options.job_slots: jobs train LoRA adapters; set a "
+                                  "[lora] rank, or job_slots = 0")  # fmt: skip
+            self._jobs = TrainerJobs(opts.job_slots, opts.lr)
+            add_job_slots(model, self._jobs.slot_names)
         self._module = self._wrap(model)
         if ctx.config.loss.kl_coef > 0 and not lora.enabled:  # else no second model
             self._reference = self._load_reference()
@@ -342,7 +357,7 @@ class DistributedTrainer:
         if self._closed:
             return
         self._closed = True
-        self._ledger.close()
+        self._jobs.run.ledger.close()
         try:
             self._close_engine()
         finally:
@@ -396,16 +411,22 @@ class DistributedTrainer:
         return self._module
 
     # ------------------------------------------------------------------ forward passes
-    def compute_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+    def compute_logprobs(
+        self, batch: TokenBatch, temperature: float, *, job: str = ""
+    ) -> np.ndarray:
         module = self._started()
+        self._run_job(job)
         module.eval()
         return self._logprobs(self._forward, batch, temperature, "compute_logprobs")
 
-    def sent_logprobs(self, batch: TokenBatch, temperature: float, dtype: str) -> np.ndarray:
+    def sent_logprobs(
+        self, batch: TokenBatch, temperature: float, dtype: str, *, job: str = ""
+    ) -> np.ndarray:
         """:meth:`compute_logprobs` on the weights as :meth:`iter_weights` sends them: each
         local part rounded to ``dtype`` in place for the forward, then put back bit for bit
         (:class:`~asyncrl.plugin.backend.SentWeightsScoring`)."""
         module = self._started()
+        self._run_job(job)
         module.eval()
         with self._rounded_weights(getattr(torch, dtype)):
             return self._logprobs(self._forward, batch, temperature, "sent_logprobs")
@@ -565,17 +586,19 @@ class DistributedTrainer:
         return passes
 
     # ------------------------------------------------------------------ optimizer step
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, job: str = "") -> None:
         self._started()
-        if self._ledger.open is not None:  # the same step (else begin() raises): a retry
-            self._log.warning("step_restarted", step=step)
+        ledger = self._run_job(job).ledger
+        if ledger.open is not None:  # the same step (else begin() raises): a retry
+            self._log.warning("step_restarted", step=step, job=job)
         self.state_to_device()  # if state_to_host left it on the host
-        self._ledger.begin(step)
+        ledger.begin(step)
         self._zero_grad()
 
-    def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
+    def train_chunk(self, step: int, batch: TrainBatch, *, job: str = "") -> ChunkResult:
         self._started()
-        self._ledger.require(step, "train_chunk")
+        ledger = self._run_job(job).ledger
+        ledger.require(step, "train_chunk")
         problem = check_packed(
             batch.tokens,
             batch.seq_lens,
@@ -596,7 +619,7 @@ class DistributedTrainer:
             self._discard("train_chunk failed")
             raise
         num_tokens = int(np.count_nonzero(batch.loss_mask))  # trained tokens only
-        self._ledger.add_chunk(step, num_tokens, sums.loss_sum)
+        ledger.add_chunk(step, num_tokens, sums.loss_sum)
         return ChunkResult(
             num_sequences=len(batch.seq_lens),
             num_loss_tokens=num_tokens,
@@ -663,10 +686,11 @@ class DistributedTrainer:
         return ChunkSums(*sums.tolist())
 
     def finish_step(
-        self, step: int, num_loss_tokens: int, *, normalizer: float | None = None
+        self, step: int, num_loss_tokens: int, *, normalizer: float | None = None, job: str = ""
     ) -> StepResult:
         self._started()
-        open_step = self._ledger.require(step, "finish_step")
+        running = self._run_job(job)
+        open_step = running.ledger.require(step, "finish_step")
         totals = torch.tensor(
             [open_step.loss_tokens, open_step.loss_sum], dtype=torch.float64, device=self._device
         )
@@ -695,7 +719,7 @@ class DistributedTrainer:
             try:
                 grad_norm = self._apply_step(divisor)
             finally:
-                self._ledger.close()
+                running.ledger.close()
         if not (math.isfinite(grad_norm) and math.isfinite(loss_sum)):
             # the norm is all-reduced too, so all ranks skipped the update together
             self._log.warning(
@@ -707,7 +731,7 @@ class DistributedTrainer:
             loss=loss_sum / divisor,
             grad_norm=grad_norm,
             num_loss_tokens=num_loss_tokens,
-            lr=self._opts.lr,
+            lr=running.lr,
             seconds=time.monotonic() - open_step.started,
             peak_allocated_bytes=allocated,
             peak_reserved_bytes=reserved,
@@ -725,9 +749,11 @@ class DistributedTrainer:
         return peaks
 
     def _discard(self, reason: str) -> None:
-        open_step = self._ledger.close()
+        running = self._jobs.running()
+        open_step = running.ledger.close()
         if open_step is not None:
-            self._log.warning("step_discarded", step=open_step.step, reason=reason)
+            self._log.warning("step_discarded", step=open_step.step, reason=reason,
+                              job=running.name)  # fmt: skip
         if self._module is not None:
             self._zero_grad()
 
@@ -800,9 +826,9 @@ class DistributedTrainer:
             )
 
     def _check_no_open_step(self, what: str) -> None:
-        open_step = self._ledger.open
-        if open_step is not None:
-            raise RuntimeError(f"{what}: step {open_step.step} is open; finish it first")
+        for job, step in self._jobs.open_steps():
+            of = f" of job {job!r}" if job else ""
+            raise RuntimeError(f"{what}: step {step}{of} is open; finish it first")
 
     # ------------------------------------------------------------------ state offload
     def state_to_host(self) -> int:
@@ -842,29 +868,88 @@ class DistributedTrainer:
         return moved
 
     # ------------------------------------------------------------------ weights
-    def weight_specs(self) -> list[WeightTensor]:
-        """Name, ``model.dtype`` and full shape of every parameter, in :meth:`iter_weights`'
-        order (no collective)."""
+    def weight_specs(self, *, job: str = "") -> list[WeightTensor]:
+        """Name, ``model.dtype`` and full shape of every parameter (with ``job``: that job's
+        adapter's), in :meth:`iter_weights`' order (no collective)."""
         self._started()
         dtype = self._ctx.config.model.dtype
-        return [WeightTensor(n, dtype, shape) for n, shape in self._full_shapes()]
+        return [WeightTensor(n, dtype, full_shape(p)) for n, p in self._sent_parameters(job)]
 
     def _full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, full shape)`` of every parameter sent, in export order."""
         return [(n, full_shape(p)) for n, p in self._sent_parameters()]
 
-    def _trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """``(name, parameter)`` of what the optimizer updates: every parameter, or with
-        ``[lora]`` the adapter's."""
+    def _trained_parameters(self, job: str = "") -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of what ``job``'s optimizer updates: every parameter, or with
+        ``[lora]`` its adapter's."""
+        if self._jobs.slot_names:
+            return adapter_parameters(self._hf_model(), self._jobs.get(job).adapter)
         return [(n, p) for n, p in self._hf_model().named_parameters() if p.requires_grad]
 
-    def _sent_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+    def _sent_parameters(self, job: str = "") -> list[tuple[str, torch.nn.Parameter]]:
         """``(name, parameter)`` of what a refit or an export sends, in order: every
-        parameter in HF naming, or with ``[lora]`` the adapter's alone, under PEFT's saved
-        names (:func:`~asyncrl_torch.adapters.saved_name`)."""
+        parameter in HF naming, or with ``[lora]`` ``job``'s adapter alone, under PEFT's
+        saved names (:func:`~asyncrl_torch.adapters.saved_name`)."""
         if not self._lora:
             return list(self._hf_model().named_parameters())
-        return [(saved_name(n), p) for n, p in self._trained_parameters()]
+        adapter = self._jobs.get(job).adapter
+        return [(saved_name(n, adapter), p) for n, p in self._trained_parameters(job)]
+
+    # ------------------------------------------------------------------ jobs
+    def open_job(self, job: str, *, seed: int, lr: float) -> None:
+        """``job`` (docs/jobs.md) takes a free adapter slot, started afresh from ``seed``
+        (its policy is the base), with an optimizer of its own at ``lr``
+        (:class:`~asyncrl.plugin.backend.TrainsJobs`). Collective.
+
+        Raises:
+            RuntimeError: the trainer has no job slots, every one is taken, or ``job`` is
+                open already."""
+        self._started()
+        if not self._jobs.slot_names:
+            raise RuntimeError(f"open_job({job!r}): the trainer has no job slots; start it "
+                               "with trainer.options.job_slots > 0 and [lora]")  # fmt: skip
+        if not lr > 0:
+            raise ValueError(f"open_job({job!r}): lr must be > 0, got {lr}")
+        opened = self._jobs.open(job, lr)
+        fresh_adapter(self._hf_model(), opened.adapter, seed)
+        opened.optimizer = self._build_job_optimizer(
+            [p for _, p in self._trained_parameters(job)], lr
+        )
+        self._log.info("job_opened", job=job, adapter=opened.adapter, lr=lr, seed=seed)
+
+    def close_job(self, job: str) -> None:
+        """``job`` ends: its slot is free and its optimizer state dropped."""
+        self._started()
+        closed = self._jobs.close(job)
+        closed.optimizer = None
+        if self._jobs.active == closed.adapter:
+            self._run_job("")
+        self._log.info("job_closed", job=job, adapter=closed.adapter)
+
+    def _build_job_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
+        """An optimizer over a job's adapter ``params`` at ``lr`` (the run's other settings);
+        an engine that serves jobs overrides it."""
+        raise RuntimeError(f"the {self.name} backend does not train jobs")
+
+    def _run_job(self, job: str) -> Job:
+        """Make ``job``'s adapter the one the model runs; returns the job.
+
+        Raises:
+            RuntimeError: ``job`` is not open."""
+        running = self._jobs.get(job)
+        if self._jobs.slot_names and self._jobs.active != running.adapter:
+            run_adapter(self._hf_model(), running.adapter)
+            self._jobs.active = running.adapter
+        return running
+
+    def _step_optimizer(self) -> Any:
+        """The optimizer of the job the model runs now (``None``: the run's own: the
+        engine's)."""
+        return self._jobs.running().optimizer
+
+    def _step_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of the job the model runs now, that its step updates."""
+        return [p for _, p in self._trained_parameters(self._jobs.running().name)]
 
 
 def full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
