@@ -340,7 +340,8 @@ class TrainsJobs(Protocol):
     be open at once, their chunks interleaved. Such a backend takes ``job=`` (a keyword, given
     only when it is not ``""``) in ``compute_logprobs``, ``begin_step``, ``train_chunk``,
     ``finish_step``, ``weight_specs`` and ``iter_weights`` (that job's adapter alone is sent,
-    under PEFT's saved names)."""
+    under PEFT's saved names), ``save_state`` and ``load_state`` (that job's adapter and
+    optimizer state alone, under names of no slot: a resumed job may get another slot)."""
 
     def open_job(self, job: str, *, seed: int, lr: float) -> None:
         """Collective: ``job`` takes a free adapter slot, started afresh from ``seed`` (its

@@ -208,12 +208,16 @@ class SaveState(msgspec.Struct, tag="save", **_CTRL):
     (``TrainingBackend.save_state``; collective, between steps)."""
 
     path: str
+    job: str = ""
+    """(protocol 18) That job's adapter and optimizer state alone (``""``: the run's)."""
 
 
 class LoadState(msgspec.Struct, tag="load", **_CTRL):
     """Trainer: restore what :class:`SaveState` wrote (collective, before any step)."""
 
     path: str
+    job: str = ""
+    """(protocol 18) Into this job's slot, what was saved of a job (``""``: the run's)."""
 
 
 class ExportModel(msgspec.Struct, tag="export", **_CTRL):

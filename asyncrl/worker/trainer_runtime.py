@@ -428,11 +428,13 @@ class TrainerRuntime(WorkerRuntime):
         return Empty()
 
     async def _save_state(self, req: SaveState) -> Result:
-        await self.thread.run(self.backend.save_state, req.path)
+        save = functools.partial(self.backend.save_state, **self._of_job(req.job, "a save"))
+        await self.thread.run(save, req.path)
         return Empty()
 
     async def _load_state(self, req: LoadState) -> Result:
-        await self.thread.run(self.backend.load_state, req.path)
+        load = functools.partial(self.backend.load_state, **self._of_job(req.job, "a load"))
+        await self.thread.run(load, req.path)
         return Empty()
 
     async def _move_state(self, req: MoveState) -> Result:

@@ -39,8 +39,11 @@ def main(spec_path: str) -> None:
 
     open_steps: dict[str, list[list[int]]] = {}
     for op in spec["ops"]:  # ["begin", job, step] / ["chunk", job, step, ids] / ["finish", ...]
-        kind, job, step = op[0], op[1], op[2]
-        if kind == "begin":
+        kind, job, step = op[0], op[1], op[2]  # / ["save" or "load", job, directory]
+        if kind in ("save", "load"):
+            method = backend.save_state if kind == "save" else backend.load_state
+            method(str(Path(spec["out"]) / step), job=job)
+        elif kind == "begin":
             backend.begin_step(step, job=job)
             open_steps[job] = []
         elif kind == "chunk":

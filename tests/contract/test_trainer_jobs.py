@@ -5,7 +5,8 @@ Two jobs open beside the run's own adapter, each with its own seed and learning 
 steps are open at once and their chunks interleave. Each job's adapter must end exactly as the
 same job trained alone on a trainer of its own (bit for bit: a step of one job that touched the
 other's gradients, optimizer or adapter would show), the run's own adapter untouched, and the
-adapters sent under PEFT's saved names, the slot's name dropped.
+adapters sent under PEFT's saved names, the slot's name dropped. A job saved after a step
+and loaded into another slot of a new trainer goes on exactly as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -87,3 +88,23 @@ def test_interleaved_jobs_train_as_each_alone(model_dir: Path, tmp_path: Path) -
     assert any(np.abs(a[k] - b[k]).max() > 0 for k in a)  # two seeds, two policies
     run = both["adapters"]["run"]  # the run's own adapter: never stepped, lora_B still zero
     assert all(np.abs(v).max() == 0 for k, v in run.items() if ".lora_B." in k)
+
+
+def test_a_job_saved_and_loaded_into_another_slot_goes_on_as_if_never_stopped(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Job a (AdamW) saves after its first step; a new trainer opens b first, so a gets the
+    other slot, loads its state there and takes its second step: its adapter ends bit for bit
+    as a's uninterrupted run, and with its learning rate from the checkpoint."""
+    first = [op for op in alone("a") if op[2] == 1]
+    second = [op for op in alone("a") if op[2] == 2]
+    whole = run_ranks(tmp_path, model_dir, "whole", [A], first + second)
+    run_ranks(tmp_path, model_dir, "saved", [A], [*first, ["save", "a", "job-a"]])
+    moved = ["a", 99, 0.5]  # another seed and lr: the checkpoint's must win
+    resumed = run_ranks(tmp_path, model_dir, "resumed", [B, moved],
+                        [["load", "a", "job-a"], *second])  # fmt: skip
+    want, got = whole["adapters"]["a"], resumed["adapters"]["a"]
+    assert want.keys() == got.keys()
+    worst = max(float(np.abs(want[k] - got[k]).max()) for k in want)
+    assert worst == 0.0, f"the resumed job differs by {worst}"
+    assert [r[4] for r in resumed["results"]] == [A[2]]

@@ -567,6 +567,9 @@ class _Jobs(_Trainer):
         self.calls.append(("logprobs", job))
         return np.zeros(2, np.float32)
 
+    def save_state(self, path, **job):  # noqa: ANN001, ANN201
+        self.calls.append(("save", path, job))
+
 
 async def test_a_jobs_calls_reach_a_trainer_of_jobs_and_one_without_refuses_them() -> None:
     """With ``TrainsJobs`` (found once, at adoption) a job's calls reach the backend naming
@@ -574,11 +577,13 @@ async def test_a_jobs_calls_reach_a_trainer_of_jobs_and_one_without_refuses_them
     without it fails each job's call naming the fix, and the worker goes on."""
     from asyncrl.wire.messages import (
         BeginStep, Call, CloseJob, ComputeLogprobs, Failure, FinishStep, OpenJob, Reply,
+        SaveState,
     )  # fmt: skip
 
     requests = [OpenJob(job="a", seed=3, lr=0.01), BeginStep(step=1, job="a"), BeginStep(step=4),
                 FinishStep(step=1, num_loss_tokens=5, normalizer=2.0, job="a"),
-                ComputeLogprobs(batch=BATCH, job="a"), CloseJob(job="a")]  # fmt: skip
+                ComputeLogprobs(batch=BATCH, job="a"), SaveState(path="/x", job="a"),
+                CloseJob(job="a")]  # fmt: skip
     backend = _Jobs()
     for adopted in (backend, _Trainer()):
         rt = TrainerRuntime(None, _Control(), INIT, _wctx("trainer"))
@@ -595,7 +600,7 @@ async def test_a_jobs_calls_reach_a_trainer_of_jobs_and_one_without_refuses_them
             assert backend.calls == [
                 ("open", "a", 3, 0.01), ("begin", 1, {"job": "a"}), ("begin", 4, {}),
                 ("finish", 1, {"job": "a", "normalizer": 2.0}), ("logprobs", {"job": "a"}),
-                ("close", "a"),
+                ("save", "/x", {"job": "a"}), ("close", "a"),
             ]  # fmt: skip
         else:
             assert all(isinstance(a, Failure) for a in rt.control.sent)

@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.plugin.backend import WeightTensor, WorkerContext
 from asyncrl_torch import DistributedTrainer
-from asyncrl_torch.adapters import ADAPTER
-from asyncrl_torch.job_adapters import adapter_parameters
+from asyncrl_torch.adapters import ADAPTER, saved_name
+from asyncrl_torch.job_adapters import Job, adapter_parameters
 
 from .options import FSDPOptions, parse_options
 
@@ -235,6 +235,43 @@ class FSDPBackend(DistributedTrainer):
         if int(state["fresh_optimizer"]):
             optimizer.state.clear()
 
+    def _job_state(self, job: Job) -> dict[str, Any]:
+        """``job``'s adapter and its optimizer's state, keyed by PEFT's saved names (no slot
+        in them): DTensor shards as they are, so that each rank writes and reads its own."""
+        state: dict[str, Any] = {"lr": torch.tensor(job.lr, dtype=torch.float64)}
+        for name, param in adapter_parameters(self._started(), job.adapter):
+            key = saved_name(name, job.adapter)
+            state[f"adapter.{key}"] = param.data
+            for field, value in job.optimizer.state.get(param, {}).items():
+                state[f"optimizer.{key}.{field}"] = value
+        return state
+
+    def _save_job_state(self, path: str, job: Job) -> None:
+        """A job's adapter and optimizer state as a torch distributed checkpoint (each rank
+        writes its shards), under names of no slot; an optimizer that has not stepped has no
+        state to write (marked ``fresh``)."""
+        os.makedirs(path, exist_ok=True)
+        state = self._job_state(job)
+        state["fresh_optimizer"] = torch.tensor(int(not job.optimizer.state))
+        dcp.save(state, checkpoint_id=path)
+
+    def _load_job_state(self, path: str, job: Job) -> None:
+        """Into ``job``'s slot (which may be another than the one it was saved from): its
+        optimizer's state is made first (one step of zero gradients at lr 0, as
+        ``get_state_dict`` does; loading then overwrites every value), unless it was fresh."""
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise FileNotFoundError(f"{path} holds no torch distributed checkpoint of a job "
+                                    "(no .metadata inside); save_state(path, job=...) writes one")  # fmt: skip
+        marker = {"fresh_optimizer": torch.tensor(0)}
+        dcp.load(marker, checkpoint_id=path)
+        if not int(marker["fresh_optimizer"]) and not job.optimizer.state:
+            _make_optimizer_state(job.optimizer)
+        state = self._job_state(job)
+        dcp.load(state, checkpoint_id=path)
+        job.lr = float(state["lr"])
+        for group in job.optimizer.param_groups:
+            group["lr"] = job.lr
+
     def _state_options(self) -> StateDictOptions:
         """With ``[lora]`` a checkpoint holds the adapter and its optimizer state only: the
         frozen base is ``model.path``'s, loaded again on resume."""
@@ -361,3 +398,18 @@ class FSDPBackend(DistributedTrainer):
             out = local.to(dtype).contiguous()
             # the live parameter (or a cast of its own): valid until the next step
             yield WeightTensor(name, name_dtype, tuple(out.shape), out, stable=True)
+
+
+def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` its per-parameter state without changing a parameter: one step of
+    zero gradients at lr 0 (AdamW's decoupled decay is then 0 too), gradients dropped after."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)

@@ -758,10 +758,12 @@ class DistributedTrainer:
             self._zero_grad()
 
     # ------------------------------------------------------------------ state
-    def save_state(self, path: str) -> None:
+    def save_state(self, path: str, *, job: str = "") -> None:
         """Collective: write model and optimizer state under the directory ``path`` (every
         rank writes its own part; ``path`` is the same on every rank and visible to all). State
-        that :meth:`state_to_host` moved is written from the host, and stays there.
+        that :meth:`state_to_host` moved is written from the host, and stays there. With
+        ``job``: that job's adapter and optimizer state alone, under names of no slot (it may
+        come back into another).
 
         Raises:
             NonFiniteError: a weight holds a NaN or an infinity (nothing is written).
@@ -774,12 +776,16 @@ class DistributedTrainer:
             "resume from the last checkpoint (the previous one is intact)",
             consequence="nothing was written",
         )
-        self._save_state(path)
+        if job:
+            self._save_job_state(path, self._jobs.get(job))
+        else:
+            self._save_state(path)
 
-    def load_state(self, path: str) -> None:
+    def load_state(self, path: str, *, job: str = "") -> None:
         """Collective: restore what :meth:`save_state` wrote, into a started backend of the
         same model, options and world size. State on the host comes back first (the engine
-        loads into it where it steps).
+        loads into it where it steps). With ``job`` (opened: :meth:`open_job`): what
+        ``save_state(path, job=...)`` wrote of a job, into the slot this job has now.
 
         Raises:
             NonFiniteError: a loaded weight holds a NaN or an infinity (a corrupted
@@ -788,7 +794,10 @@ class DistributedTrainer:
         self._started()
         self._check_no_open_step("load_state")
         self.state_to_device()
-        self._load_state(path)
+        if job:
+            self._load_job_state(path, self._jobs.get(job))
+        else:
+            self._load_state(path)
         self._check_finite_weights(
             f"the weights loaded from {path}",
             "the checkpoint is corrupted (a damaged file), or it was saved from diverged "
@@ -928,7 +937,15 @@ class DistributedTrainer:
 
     def _build_job_optimizer(self, params: list[torch.nn.Parameter], lr: float) -> Any:
         """An optimizer over a job's adapter ``params`` at ``lr`` (the run's other settings);
-        an engine that serves jobs overrides it."""
+        an engine that trains jobs overrides it, and the two below."""
+        raise RuntimeError(f"the {self.name} backend does not train jobs")
+
+    def _save_job_state(self, path: str, job: Job) -> None:
+        """Collective: ``job``'s adapter and optimizer state under ``path``."""
+        raise RuntimeError(f"the {self.name} backend does not train jobs")
+
+    def _load_job_state(self, path: str, job: Job) -> None:
+        """Collective: what :meth:`_save_job_state` wrote, into ``job``'s slot."""
         raise RuntimeError(f"the {self.name} backend does not train jobs")
 
     def _run_job(self, job: str) -> Job:
