@@ -69,10 +69,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("model") / "tiny", seed=7)
 
 
-def test_interleaved_jobs_train_as_each_alone(model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def solo(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each job trained alone on a trainer of its own; a saves its state after step 1 (into
+    ``job-a`` under ``out``) and goes on."""
+    out = tmp_path_factory.mktemp("solo")
+    a = [op for op in alone("a") if op[2] == 1] + [["save", "a", "job-a"]]
+    a += [op for op in alone("a") if op[2] == 2]
+    return {"a": run_ranks(out, model_dir, "solo-a", [A], a),
+            "b": run_ranks(out, model_dir, "solo-b", [B], alone("b")), "out": out}  # fmt: skip
+
+
+def test_interleaved_jobs_train_as_each_alone(model_dir: Path, tmp_path: Path, solo) -> None:
     both = run_ranks(tmp_path, model_dir, "both", [A, B], INTERLEAVED)
-    solo = {job[0]: run_ranks(tmp_path, model_dir, f"solo-{job[0]}", [job], alone(job[0]))
-            for job in (A, B)}  # fmt: skip
     for job, _, lr in (A, B):
         mine = both["adapters"][job]
         ref = solo[job]["adapters"][job]
@@ -91,19 +100,16 @@ def test_interleaved_jobs_train_as_each_alone(model_dir: Path, tmp_path: Path) -
 
 
 def test_a_job_saved_and_loaded_into_another_slot_goes_on_as_if_never_stopped(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, solo
 ) -> None:
-    """Job a (AdamW) saves after its first step; a new trainer opens b first, so a gets the
+    """Job a (AdamW) saved after its first step; a new trainer opens b first, so a gets the
     other slot, loads its state there and takes its second step: its adapter ends bit for bit
     as a's uninterrupted run, and with its learning rate from the checkpoint."""
-    first = [op for op in alone("a") if op[2] == 1]
     second = [op for op in alone("a") if op[2] == 2]
-    whole = run_ranks(tmp_path, model_dir, "whole", [A], first + second)
-    run_ranks(tmp_path, model_dir, "saved", [A], [*first, ["save", "a", "job-a"]])
     moved = ["a", 99, 0.5]  # another seed and lr: the checkpoint's must win
-    resumed = run_ranks(tmp_path, model_dir, "resumed", [B, moved],
+    resumed = run_ranks(solo["out"], model_dir, "resumed", [B, moved],
                         [["load", "a", "job-a"], *second])  # fmt: skip
-    want, got = whole["adapters"]["a"], resumed["adapters"]["a"]
+    want, got = solo["a"]["adapters"]["a"], resumed["adapters"]["a"]
     assert want.keys() == got.keys()
     worst = max(float(np.abs(want[k] - got[k]).max()) for k in want)
     assert worst == 0.0, f"the resumed job differs by {worst}"
