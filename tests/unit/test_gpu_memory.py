@@ -134,6 +134,11 @@ def test_lora_on_a_7b_model_fits_one_gpu_beside_its_engine(tmp_path: Path) -> No
     assert dict(trainer.need.parts)["adapter, gradient, AdamW moments float32"] == 16 * adapter
     assert dict(engine.need.parts)["4 adapter versions"] == 4 * 2 * adapter  # slots 3, + 1
     assert plan.problems() == []
+    jobs = memory_plan(config(path, lora={"rank": 32}, cluster={"rollout_gpus": [0]},
+                              generator={"options": {"gpu_memory_utilization": 0.4}},
+                              trainer={"options": {"job_slots": 8}}), [80 * GiB])  # fmt: skip
+    parts = dict(jobs.processes[0].need.parts)  # docs/jobs.md: each job its adapter's state
+    assert parts["8 job adapters, gradients, AdamW moments float32"] == 8 * 16 * adapter
 
 
 # Activations a token of Qwen2.5-1.5B's shape keeps in bf16, by hand (asyncrl_torch.memory):

@@ -46,7 +46,8 @@ def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:
     return trainer_need(config, shape, gpu_bytes, backend="fsdp2", optimizer=opts.optimizer,
                         bf16=opts.mixed_precision == "bf16",
                         reference_offload=opts.reference_offload,
-                        checkpointing=opts.activation_checkpointing)  # fmt: skip
+                        checkpointing=opts.activation_checkpointing,
+                        job_slots=opts.job_slots)  # fmt: skip
 
 
 def _frozen_gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:

@@ -91,11 +91,12 @@ def micro_batch_tokens(config: Config, longest: int) -> int:
 def trainer_need(
     config: Config, shape: Any, gpu_bytes: int | None, *, backend: str, zero_stage: int = 0,
     bf16: bool = False, optimizer: str = "adamw", reference_offload: bool = False,
-    checkpointing: bool = False,
+    checkpointing: bool = False, job_slots: int = 0,
 ) -> Any:  # fmt: skip
     """One trainer rank's :class:`~asyncrl.procs.gpu_memory.MemoryNeed` (``backend``:
     ``fsdp2``, ``deepspeed`` (``zero_stage`` 2 or 3; ``bf16``: its bf16 mode or mixed
-    precision) or ``frozen``; ``checkpointing``: ``activation_checkpointing``)."""
+    precision) or ``frozen``; ``checkpointing``: ``activation_checkpointing``; ``job_slots``:
+    adapters held for jobs, each with the run's adapter's state)."""
     from asyncrl.plugin.backend import MemoryNeed
 
     n = max(1, config.cluster.trainer_ranks)
@@ -115,6 +116,10 @@ def trainer_need(
                   (f"adapter, gradient, AdamW moments float32{shard}", 16 * t // n)]  # fmt: skip
         fixes = ["lower lora.rank"] if 16 * t > base else []
         movable = 12 * t // n
+        if job_slots:
+            parts.append((f"{job_slots} job adapters, gradients, AdamW moments float32{shard}",
+                          16 * t * job_slots // n))  # fmt: skip
+            fixes.append("fewer jobs at once (trainer.options.job_slots)")
     else:
         if whole_weights and bf16:
             parts += [("weights bf16 (whole)", 2 * p),
