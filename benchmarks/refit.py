@@ -254,7 +254,10 @@ class ProcessRefit:
         self.ctx = Context()
         self.receiver = WeightReceiver(self.ctx, address, "rollout:0")
 
-    async def push(self, backend, version: int, *_: object, **__: object):  # noqa: ANN001, ANN201
+    async def push(  # noqa: ANN001, ANN201
+        self, backend, version: int, *_: object, job: str = "", **__: object
+    ):
+        """Send ``version`` (as ``job``'s adapter with ``job``: docs/jobs.md) and load it."""
         import anyio
 
         from asyncrl.wire.messages import WeightsResult
@@ -262,7 +265,7 @@ class ProcessRefit:
         self._conn.send_bytes(msgspec.msgpack.encode(version))
         received = await self.receiver.receive(
             version, backend, transport=self.transport, reset_prefix_cache=True,
-            kv_scales=None, timeout_s=300,
+            kv_scales=None, timeout_s=300, job=job,
         )
         raw = await anyio.to_thread.run_sync(self._conn.recv_bytes)
         return msgspec.msgpack.decode(raw, type=WeightsResult), received

@@ -10,6 +10,7 @@
 Tasks in the controller's task group and what ends them:
 
     control reader   ROUTER → replies / Ready / Dead (raises on Dead)      cancelled at exit
+    data router      PULL → each sample to its job's feeder (run/intake.py)  cancelled at exit
     watchers         one per worker: pidfd / torchrun agent exit → WorkerDiedError
     heartbeat        Health to each worker every interval; kills a hung one (run/heartbeat.py)
     sync-<worker>    a restarted rollout worker's refit (run/restarts.py); cancelled with
@@ -67,6 +68,7 @@ from asyncrl.obs.log import MetricsWriter
 from asyncrl.obs.startup import Startup
 from asyncrl.wire.messages import Hello, Init, TokenBatch
 from asyncrl.config.modes import make_groups
+from asyncrl.run.intake import DataRouter
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
@@ -285,29 +287,33 @@ class Controller(anyio.AsyncContextManagerMixin):
             self.addresses = addr = addr.bound(router.last_endpoint, pull.last_endpoint)
             rejections = Rejections(ctx.guard)
             control = self._control_plane(router, addr, rejections, metrics)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(control.run, name="control-reader")
-                async with self._workers(tg, control, addr, metrics) as trainers:
-                    startup = Startup(
-                        launched=self._entered_at, controller=wall_t0, ready=time.time(),
-                        workers={p.identity: p.startup for p in control.peers.values()
-                                 if p.startup is not None},
-                    )  # fmt: skip
-                    self._pipeline = Pipeline(
-                        cfg, control=control, data_socket=pull, environment=environment,
-                        tokenizer=tokenizer,
-                        groups=make_groups(cfg, len(environment.dataset("train"))),
-                        trainers=trainers, restarts=self._restarts,
-                        transfer_address=addr.weights(control.peers["trainer:0"].capabilities),
-                        metrics=metrics, clock_origin=t0, startup=startup,
-                        rejections=rejections, reward_code=code,
-                        planned_trainer_bytes=memory.trainer_bytes(),
-                        offload_trainer_state=memory.offload,
-                    )  # fmt: skip
-                    self._restarts.bind(self._pipeline, metrics)
-                    if resume is not None:
-                        await self._pipeline.resume(resume)
-                    yield
+            with DataRouter(pull, rejections) as data:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(control.run, name="control-reader")
+                    tg.start_soon(data.run, name="data-router")
+                    async with self._workers(tg, control, addr, metrics) as trainers:
+                        startup = Startup(
+                            launched=self._entered_at, controller=wall_t0, ready=time.time(),
+                            workers={p.identity: p.startup for p in control.peers.values()
+                                     if p.startup is not None},
+                        )  # fmt: skip
+                        self._pipeline = Pipeline(
+                            cfg, control=control, intake=data.intake(""),
+                            environment=environment, tokenizer=tokenizer,
+                            groups=make_groups(cfg, len(environment.dataset("train"))),
+                            trainers=trainers, restarts=self._restarts,
+                            transfer_address=addr.weights(
+                                control.peers["trainer:0"].capabilities
+                            ),
+                            metrics=metrics, clock_origin=t0, startup=startup,
+                            rejections=rejections, reward_code=code,
+                            planned_trainer_bytes=memory.trainer_bytes(),
+                            offload_trainer_state=memory.offload,
+                        )  # fmt: skip
+                        self._restarts.bind(self._pipeline, metrics)
+                        if resume is not None:
+                            await self._pipeline.resume(resume)
+                        yield
         finally:
             bound.__exit__(None, None, None)
             if self._pipeline is not None:

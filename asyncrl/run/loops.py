@@ -70,7 +70,7 @@ from asyncrl.run.context import RunContext
 from asyncrl.run.asking import build_asker
 from asyncrl.run.episodes import EpisodeRunner, build_runner
 from asyncrl.run.evaluation import Evaluator
-from asyncrl.run.intake import Feeder
+from asyncrl.run.intake import Feeder, Intake
 from asyncrl.run.scoring import Scorer
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales, Publisher
@@ -81,7 +81,7 @@ from asyncrl.run.restarts import Redispatcher, Restarts, send_generate
 from asyncrl.checkpoints.saving import Checkpointer, Resume
 from asyncrl.wire.messages import GenRequest, StepResult, TokenBatch
 from asyncrl.wire.rpc import ControlPlane
-from asyncrl.wire.transport import AsyncSocket, Rejections
+from asyncrl.wire.transport import Rejections
 
 __all__ = ["Pipeline", "RunStatus", "RunSummary"]
 
@@ -145,7 +145,7 @@ class Pipeline:
         config: Config,
         *,
         control: ControlPlane,
-        data_socket: AsyncSocket,
+        intake: Intake,
         environment: Environment,
         tokenizer: Tokenizer,
         groups: LiveGroups,
@@ -203,7 +203,7 @@ class Pipeline:
         and the generators' differ), and by every other refit."""
         self.resumed_from: int | None = None  # the trainer version a resumed run started from
         self._reward_code = reward_code
-        self._build_parts(environment, tokenizer, data_socket, transfer_address)
+        self._build_parts(environment, tokenizer, intake, transfer_address)
         self.turns = Turns(self._ctx, offload=offload_trainer_state,
                            before_sleep=self.evaluator.wait_validation,
                            drain=self.publisher.drain if config.refit.drain else None)  # fmt: skip
@@ -211,7 +211,7 @@ class Pipeline:
         "take_turns"``; off otherwise)."""
 
     def _build_parts(
-        self, environment: Environment, tokenizer: Tokenizer, data: AsyncSocket, transfer: str
+        self, environment: Environment, tokenizer: Tokenizer, intake: Intake, transfer: str
     ) -> None:
         cfg, control, trainers, metrics = self.config, self.control, self.trainers, self.metrics
         ctx = RunContext(
@@ -260,7 +260,7 @@ class Pipeline:
         # refit needs them)
         self.assembler = StepAssembler(ctx, before_training=self._before_training,
                                        before_finish=self.evaluator.wait_validation)  # fmt: skip
-        self.feeder = Feeder(ctx, data=data, scorer=self.scorer, asker=self.asker,
+        self.feeder = Feeder(ctx, intake=intake, scorer=self.scorer, asker=self.asker,
                              redispatch=self.redispatch, rejections=self.rejections)  # fmt: skip
 
     # ------------------------------------------------------------------ the controller's API

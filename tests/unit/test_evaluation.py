@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import anyio.abc
 import numpy as np
 import pytest
 
@@ -28,7 +29,7 @@ from asyncrl.policy.groups import CompletedSample, Group
 from asyncrl.run.asking import build_asker
 from asyncrl.run.evaluation import Evaluator
 from asyncrl.run.context import RunContext
-from asyncrl.run.intake import Feeder
+from asyncrl.run.intake import DataRouter, Feeder
 from asyncrl.run.rollout_phase import RolloutPhase
 from asyncrl.run.scoring import ScoreError
 from asyncrl.run.train_phase import TrainPhase
@@ -143,8 +144,10 @@ class _Run:
         self.evaluator = Evaluator(ctx, environment=env, tokenizer=tok, asker=self.asker,
                                    scorer=_Scorer())  # type: ignore[arg-type]  # fmt: skip
         self.socket = _Socket()
+        self.router = DataRouter(self.socket, Rejections())  # type: ignore[arg-type]
         self.feeder = Feeder(
-            ctx, data=self.socket, scorer=_Scorer(), asker=self.asker,  # type: ignore[arg-type]
+            ctx, intake=self.router.intake(""), scorer=_Scorer(),  # type: ignore[arg-type]
+            asker=self.asker,
             redispatch=None, rejections=Rejections(),  # type: ignore[arg-type]
         )  # fmt: skip
         self.control = control
@@ -154,6 +157,12 @@ class _Run:
 
     def __exit__(self, *exc: object) -> None:
         self.socket.close()
+        self.router.__exit__()
+
+    def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """The data router and the feeder, in ``tg``."""
+        tg.start_soon(self.router.run)
+        tg.start_soon(self.feeder.run)
 
     def answer(self) -> None:
         """Each worker sends the sample of every request it was sent."""
@@ -170,7 +179,7 @@ async def test_each_worker_gets_its_requests_at_once_and_scoring_failures_count_
     control = _Control(hold=("rollout:0",))
     with _Run(_config("drop_group"), control, WORKERS) as run, anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run.feeder.run)
+            run.start(tg)
             records: list[dict[str, Any]] = []
 
             async def evaluate() -> None:
@@ -194,7 +203,7 @@ async def test_a_reward_error_in_an_evaluation_stops_the_run_under_fail_run() ->
     with _Run(_config("fail_run"), control, WORKERS) as run, anyio.fail_after(10):
         with pytest.raises(ExceptionGroup) as info:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(run.feeder.run)
+                run.start(tg)
                 tg.start_soon(run.evaluator.evaluate, "start", 0)
                 while len(control.sent) < 2:
                     await anyio.sleep(0.01)
@@ -227,7 +236,7 @@ async def test_a_worker_lost_mid_evaluation_has_its_prompts_asked_again_elsewher
     records: list[dict[str, Any]] = []
     with _Run(_config("drop_group"), control, serving) as run, anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run.feeder.run)
+            run.start(tg)
 
             async def evaluate() -> None:
                 records.append(await run.evaluator.evaluate("start", 0))
@@ -260,7 +269,7 @@ async def test_two_evaluations_at_once_keep_their_results_apart() -> None:
 
     with _Run(_config("drop_group"), control, WORKERS) as run, anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run.feeder.run)
+            run.start(tg)
             tg.start_soon(evaluate, "a")
             tg.start_soon(evaluate, "b")
             while sum(map(len, control.sent.values())) < 8:

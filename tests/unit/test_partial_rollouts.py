@@ -215,17 +215,15 @@ async def _feed_a_turn(versions: np.ndarray) -> Sample:
     assert rollout.start_turn("t#0", ["w"], group_id=sent.group_id, index=0) == "w"
     got: list[Sample] = []
     asker = SimpleNamespace(answered=lambda request, sample: got.append(sample))
-    tx, rx = anyio.create_memory_object_stream[list](4)
-    data = SimpleNamespace(recv=rx.receive, recv_nowait=lambda: None)
+    tx, rx = anyio.create_memory_object_stream[SampleDone](4)
     ctx = RunContext(SimpleNamespace(), None, [], groups, rollout, TrainPhase(groups),
                      serving=lambda: ["w"], changed=Signal(), committed=Signal(),
                      failures=None, probes=None, metrics=None,
                      now=lambda: 0.0)  # type: ignore[arg-type]  # fmt: skip
     feeder = Feeder(
-        ctx, data=data, scorer=None, asker=asker, redispatch=None, rejections=Rejections(),
+        ctx, intake=rx, scorer=None, asker=asker, redispatch=None, rejections=Rejections(),
     )  # type: ignore[arg-type]  # fmt: skip
-    tx.send_nowait(Codec(DataMessage).encode(
-        SampleDone("t#0", "w", 0, Sample(TOKENS, LPS, "stop", versions))))  # fmt: skip
+    tx.send_nowait(SampleDone("t#0", "w", 0, Sample(TOKENS, LPS, "stop", versions)))
     with tx, rx, anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             tg.start_soon(feeder.run)
