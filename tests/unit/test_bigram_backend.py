@@ -604,3 +604,85 @@ def test_the_bigram_trainer_refuses_sequence_ratios_and_the_current_proximal(tmp
     with pytest.raises(ConfigError, match="proximal_policy = 'current' need fsdp2"):
         training_plugin.check_config(cfg({"proximal_policy": "current"}), max_prompt_tokens=8)
     training_plugin.check_config(cfg({}), max_prompt_tokens=8)  # the defaults are its own
+
+
+def test_jobs_train_tables_of_their_own_interleaved_as_each_alone(tmp_path: Path) -> None:
+    """``TrainsJobs`` on the reference backend (docs/jobs.md): two jobs open beside the run's
+    own table, each from the base at its own learning rate; their steps open at once and their
+    chunks interleaved end exactly where each ends alone (the hand computation: plain SGD from
+    the base), the run's table untouched; a job saved and loaded into a new trainer goes on."""
+    cfg = _config(tmp_path, trainer={"options": {"lr": 0.3, "max_grad_norm": 0.0}})
+    rng = np.random.default_rng(4)
+    a1, a2, b1 = _batch(rng, 4), _batch(rng, 5), _batch(rng, 3)
+
+    def tokens(*batches: TrainBatch) -> int:
+        return int(sum((b.seq_lens - b.prompt_lens).sum() for b in batches))
+
+    t = BigramTrainer(_ctx(cfg))
+    t.start()
+    base = t.weights.copy()
+    t.open_job("a", seed=1, lr=0.5)
+    t.open_job("b", seed=2, lr=0.05)
+    with pytest.raises(RuntimeError, match="open already"):
+        t.open_job("a", seed=1, lr=0.5)
+    t.begin_step(1, job="a")
+    t.begin_step(1, job="b")
+    t.train_chunk(1, a1, job="a")
+    t.train_chunk(1, b1, job="b")
+    t.train_chunk(1, a2, job="a")
+    rb = t.finish_step(1, tokens(b1), job="b")
+    ra = t.finish_step(1, tokens(a1, a2), job="a")
+    assert (ra.lr, rb.lr) == (0.5, 0.05)
+    g_a = sum(ppo_gradient(base, b, temperature=0.7, eps_low=0.2, eps_high=0.28)[0]
+              for b in (a1, a2))  # fmt: skip
+    g_b, _ = ppo_gradient(base, b1, temperature=0.7, eps_low=0.2, eps_high=0.28)
+    table = lambda job: np.frombuffer(next(t.iter_weights(job=job)).data, np.float32)  # noqa: E731
+    want_a = base - 0.5 * g_a / tokens(a1, a2)
+    np.testing.assert_allclose(t._job("a").weights, want_a, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(t._job("b").weights, base - 0.05 * g_b / tokens(b1), atol=1e-14)
+    np.testing.assert_array_equal(table("a"), want_a.astype(np.float32).reshape(-1))
+    np.testing.assert_array_equal(t.weights, base)  # the run's own: no step taken
+    t.save_state(str(tmp_path / "a"), job="a")
+    t.close_job("a")
+    with pytest.raises(RuntimeError, match="not open"):
+        t.begin_step(2, job="a")
+    moved = BigramTrainer(_ctx(cfg))
+    moved.start()
+    moved.open_job("a", seed=9, lr=0.9)
+    moved.load_state(str(tmp_path / "a"), job="a")
+    np.testing.assert_array_equal(moved._job("a").weights, want_a)
+    assert moved._job("a").lr == 0.5  # the checkpoint's
+
+
+@pytest.mark.asyncio
+async def test_jobs_requests_sample_from_their_own_jobs_table(tmp_path: Path) -> None:
+    """``ServesJobs`` on the reference backend: a job samples from the base until its first
+    refit, then from its own table (another job's refit leaves it alone); its tokens carry
+    its own version; a closed job's requests are refused."""
+    from asyncrl.errors import RequestError
+
+    cfg = _config(tmp_path)
+    gen = BigramGenerator(_ctx(cfg, "rollout"))
+    await gen.start()
+    new = np.full((V, V), -50.0, np.float32)
+    new[:, 7] = 0.0  # job a's table: always token 7
+    path = tmp_path / "bucket.bin"
+    path.write_bytes(new.tobytes())
+    entry = TensorEntry(TENSOR_NAME, "float32", [V, V], 0, new.nbytes)
+    handle = msgspec.msgpack.encode(ShmHandle(str(path), new.nbytes))
+    await gen.begin_weight_update(3, [TensorEntry(TENSOR_NAME, "float32", [V, V], 0, 0)], job="a")
+    await gen.load_weight_bucket(WeightBucketView(3, 0, "shm", handle, new.nbytes, [entry], True))
+    await gen.finish_weight_update(3, reset_prefix_cache=True, job="a")
+
+    def request(job: str) -> GenRequest:
+        return GenRequest(group_id=f"{job}:g", prompt_ids=[4], n=20, max_tokens=3, seed=5,
+                          temperature=1.0, job=job)  # fmt: skip
+
+    a = await collect(gen, request("a"))
+    assert all(s.token_ids.tolist() == [7, 7, 7] and s.versions.tolist() == [3] * 3 for s in a)
+    b = await collect(gen, request("b"))  # no refit of b yet: the base, version 0
+    assert any(s.token_ids.tolist() != [7, 7, 7] for s in b)
+    assert all(set(s.versions.tolist()) == {0} for s in b) and gen.version == 0
+    await gen.close_job("a")
+    with pytest.raises(RequestError, match="job 'a' was closed"):
+        await collect(gen, request("a"))

@@ -9,6 +9,10 @@ out the controller it is there to exercise). Weight updates pause
 sampling between tokens (``begin_weight_update``) and resume it with the new table
 (``finish_weight_update``), as vLLM pauses its scheduler: a sample that spans a refit is
 generated partly by each version, and its per-token logprobs and versions say exactly which.
+
+Jobs (docs/jobs.md; ``ServesJobs``): each job's requests sample from its own table, the base
+(the model's initial table, version 0) until its first refit installs one; a refit that names a
+job installs that job's table only. The run's own table is the job ``""``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,25 @@ log = structlog.get_logger("asyncrl_example_backend.generation")
 
 
 
+class _Served:
+    """One job's table as the engine serves it: its version, and its rows' log-probabilities
+    and CDFs by temperature (computed once per refit and temperature)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+        self.version = 0
+        self.rows: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+
+    def distributions(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """``log_softmax(table / T)`` and its row-wise CDFs (row by row they equal what one
+        row's own computation gives: the same float64 operations along each row)."""
+        rows = self.rows.get(temperature)
+        if rows is None:
+            logp = log_softmax(self.table / temperature)
+            rows = self.rows[temperature] = (logp, np.cumsum(np.exp(logp), axis=-1))
+        return rows
+
+
 class BigramGenerator:
     """Samples from ``softmax(table[prev] / T)`` with one numpy Generator per request."""
 
@@ -60,10 +83,13 @@ class BigramGenerator:
             ctx.config.generator.options, GeneratorOptions, "generator.options"
         )
         self.spec = ModelSpec.read(ctx.config.model.path)
-        self.table = np.zeros((0, 0), np.float32)
-        self.version = 0
-        """The weight version being served (0 until the first refit)."""
+        self._base = np.zeros((0, 0), np.float32)
+        """The model's initial table: every job's version 0."""
+        self._served: dict[str, _Served] = {}
+        """The table each job's requests sample from (the run's own: ``""``)."""
+        self._closed: set[str] = set()
         self._staged: np.ndarray | None = None
+        self._staging_job = ""
         self._resumed: anyio.Event | None = None  # unset while a weight update is going on
         self._running: set[str] = set()
         self._aborted: set[str] = set()
@@ -72,23 +98,48 @@ class BigramGenerator:
         self._slots: anyio.Semaphore | None = None
         self._step_ends: anyio.Event | None = None
         """Set when the engine's current step ends (``None``: no step is running)."""
-        self._rows: dict[float, tuple[np.ndarray, np.ndarray]] = {}
-        """Temperature → the table's log-probabilities and their running sums (CDFs), row by
-        row, for the weights being served (dropped at each refit)."""
         self._opener: Any = None
         """The reader of a transfer other than ``shm`` (made at its first bucket)."""
 
     async def start(self) -> dict[str, Any]:
         if self.options.fail_at_start:
             raise RuntimeError("generator.options.fail_at_start is set (a testing knob)")
-        self.table = await anyio.to_thread.run_sync(
+        self._base = await anyio.to_thread.run_sync(
             initial_table, self.ctx.config.model.path, self.ctx.config.run.seed
         )
+        self._served[""] = _Served(self._base)
         self._resumed = anyio.Event()
         self._resumed.set()
         if self.options.max_concurrent_samples:
             self._slots = anyio.Semaphore(self.options.max_concurrent_samples)
         return {"backend_version": __version__, "vocab_size": self.spec.vocab_size}
+
+    @property
+    def table(self) -> np.ndarray:
+        """The run's own table."""
+        return self._served[""].table
+
+    @property
+    def version(self) -> int:
+        """The run's own weight version being served (0 until the first refit)."""
+        return self._served[""].version
+
+    def _serving(self, job: str) -> _Served:
+        """``job``'s table (the base, version 0, before its first refit).
+
+        Raises:
+            RequestError: ``job`` was closed."""
+        if job in self._closed:
+            raise RequestError(f"job {job!r} was closed on this engine")
+        served = self._served.get(job)
+        if served is None:
+            served = self._served[job] = _Served(self._base)
+        return served
+
+    async def close_job(self, job: str) -> None:
+        """``job`` ended (``ServesJobs``): its table is dropped and its requests refused."""
+        self._closed.add(job)
+        self._served.pop(job, None)
 
     # ------------------------------------------------------------------ sampling
     async def generate(self, request: GenRequest, emit: SampleSink) -> None:
@@ -101,6 +152,7 @@ class BigramGenerator:
         """
         if not request.prompt_ids:
             raise ValueError(f"group {request.group_id}: empty prompt")
+        self._serving(request.job)  # a closed job's request is refused here
         opts = self.options
         if opts.request_error_token in request.prompt_ids:  # testing knob
             raise RequestError(
@@ -157,7 +209,8 @@ class BigramGenerator:
                 break
             assert self._resumed is not None, "start() was not called"
             await self._resumed.wait()  # paused while weights are being replaced
-            logps, cdfs = self._distributions(temperature)
+            served = self._serving(req.job)
+            logps, cdfs = served.distributions(temperature)
             logp = logps[prev]
             if greedy:
                 tok = int(np.argmax(logp))
@@ -167,7 +220,7 @@ class BigramGenerator:
                 tok = min(tok, cdf.size - 1)
             tokens.append(tok)
             logprobs.append(float(logp[tok]))
-            versions.append(self.version)
+            versions.append(served.version)
             if tok == self.spec.eos_token_id and self.options.length_median <= 0:
                 reason = "stop"
                 break
@@ -183,16 +236,6 @@ class BigramGenerator:
             np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason,
             np.asarray(versions, np.int32),
         )  # fmt: skip
-
-    def _distributions(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-        """``log_softmax(table / T)`` and its row-wise CDFs for the weights served now,
-        computed once per refit and temperature (row by row they equal what one row's own
-        computation gives: the same float64 operations along each row)."""
-        rows = self._rows.get(temperature)
-        if rows is None:
-            logp = log_softmax(self.table / temperature)
-            rows = self._rows[temperature] = (logp, np.cumsum(np.exp(logp), axis=-1))
-        return rows
 
     async def _next_step(self) -> None:
         """Wait for the end of the engine's step (``token_delay_s``): the first sample to ask
@@ -215,9 +258,10 @@ class BigramGenerator:
         ``finish_reason == "abort"``."""
         self._aborted.update(g for g in group_ids if g in self._running)
 
-    async def score(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+    async def score(self, batch: TokenBatch, temperature: float, *, job: str = "") -> np.ndarray:
         prev, tok, _ = response_tokens(batch)
-        return token_logprobs(self.table, prev, tok, temperature).astype(np.float32)
+        table = self._serving(job).table
+        return token_logprobs(table, prev, tok, temperature).astype(np.float32)
 
     # ------------------------------------------------------------------ refit
     async def begin_weight_update(
@@ -226,9 +270,12 @@ class BigramGenerator:
         manifest: list[TensorEntry],
         *,
         kv_scales: dict[str, float] | None = None,
+        job: str = "",
     ) -> None:
         """Refuse any manifest but the one float32 [V, V] table, before pausing. A bigram has
-        no KV cache: ``kv_scales`` have nothing to act on."""
+        no KV cache: ``kv_scales`` have nothing to act on. With ``job``, the table is that
+        job's."""
+        self._serving(job)  # a closed job's refit is refused
         v = self.spec.vocab_size
         shapes = {e.name: (e.dtype, list(e.shape)) for e in manifest}
         if shapes != {TENSOR_NAME: ("float32", [v, v])}:
@@ -239,7 +286,7 @@ class BigramGenerator:
         mark_phase(self.options.phase_marker_dir, self.ctx, "refit")
         if self._resumed is None or self._resumed.is_set():  # asleep: paused already
             self._resumed = anyio.Event()  # sampling waits between tokens until finish
-        self._staged = None
+        self._staged, self._staging_job = None, job
 
     async def load_weight_bucket(self, bucket: WeightBucketView) -> None:
         """Copy ``bigram.logits`` out of the bucket (the sender reuses it as soon as this
@@ -270,7 +317,7 @@ class BigramGenerator:
         memory = self._opener.open(bucket.handle, "cpu")
         return memory[entry.offset : entry.offset + entry.nbytes].numpy().copy()
 
-    async def abort_weight_update(self, version: int, *, loaded_any: bool) -> None:
+    async def abort_weight_update(self, version: int, *, loaded_any: bool, job: str = "") -> None:
         """Drop what was staged and go on sampling with the current table (a bigram installs
         a table only at finish, so it never holds mixed weights)."""
         self._staged = None
@@ -295,22 +342,26 @@ class BigramGenerator:
         previous one and the table alone (the sampler's choice is accepted, and the same as
         continuing)."""
 
-    async def finish_weight_update(self, version: int, *, reset_prefix_cache: bool) -> None:
-        """Install the staged table and resume sampling. A bigram has no KV cache, so
-        ``reset_prefix_cache`` has nothing to act on."""
-        if self._staged is None:
-            raise RuntimeError(f"weight update to v{version} carried no {TENSOR_NAME}")
+    async def finish_weight_update(
+        self, version: int, *, reset_prefix_cache: bool, job: str = ""
+    ) -> None:
+        """Install the staged table (``job``'s) and resume sampling. A bigram has no KV
+        cache, so ``reset_prefix_cache`` has nothing to act on."""
+        if self._staged is None or self._staging_job != job:
+            raise RuntimeError(f"weight update to v{version} of job {job!r} carried no "
+                               f"{TENSOR_NAME}")  # fmt: skip
+        served = self._serving(job)
         stale = self.options.stale_from_version
         if stale and version >= stale:  # testing knob: pretend, keep the old table
             log.warning("weights_ignored_on_purpose", version=version)
             self._staged = None
         else:
-            self.table, self._staged = self._staged, None
-            self._rows.clear()
-        self.version = version
+            served.table, self._staged = self._staged, None
+            served.rows.clear()
+        served.version = version
         assert self._resumed is not None
         self._resumed.set()
-        log.info("weights_loaded", version=version)
+        log.info("weights_loaded", version=version, **({"job": job} if job else {}))
 
     async def close(self) -> None:
         if self._resumed is not None:

@@ -21,6 +21,12 @@ step whose loss or gradient norm is not finite is not applied (the weights and A
 stay as they were), and weights that are not finite are never saved nor taken from a
 checkpoint (:class:`~asyncrl.plugin.backend.NonFiniteError`).
 
+Jobs (docs/jobs.md; ``TrainsJobs``): each job trains a table of its own, started from the
+base (the model's initial table), with its own gradient buffer, Adam state, learning rate and
+open step, on the same ranks; the run's own table is the job ``""``. A bigram has no adapter to
+keep apart from a base, so a job's policy is its whole table: the reference shows the
+protocol's calls, not LoRA's memory savings.
+
 Several ranks (``cluster.trainer_ranks > 1``) train data-parallel: each rank gets its share of
 every chunk, and ``finish_step`` sums the gradient buffers over ranks (one gloo all-reduce)
 before the identical update on every rank. Only then is torch imported: it shows how a backend
@@ -118,22 +124,49 @@ def _check_finite(weights: np.ndarray, what: str, why: str) -> None:
         )
 
 
+class _Policy:
+    """One job's table on this rank: float64 master weights, a gradient buffer, Adam's
+    moments, its learning rate and its open step."""
+
+    def __init__(self, weights: np.ndarray, lr: float) -> None:
+        self.weights = weights
+        self.grad = np.zeros_like(weights)
+        self.m, self.v = np.zeros_like(weights), np.zeros_like(weights)
+        self.adam_t = 0
+        self.lr = lr
+        self.open_step: int | None = None
+        self.loss_sum = 0.0
+
+    def check_open(self, step: int) -> None:
+        if step != self.open_step:
+            raise RuntimeError(f"a call for step {step}, but the open step is {self.open_step}")
+
+
 class BigramTrainer:
-    """Holds float64 master weights, a gradient buffer and (for Adam) its moments."""
+    """Holds, per job (the run's own is ``""``), float64 master weights, a gradient buffer
+    and (for Adam) its moments."""
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
         self.options = parse_options(ctx.config.trainer.options, TrainerOptions, "trainer.options")
         self.spec = ModelSpec.read(ctx.config.model.path)
         self.temperature = ctx.config.grpo.temperature
-        self.weights = np.zeros((0, 0))
-        self.grad = np.zeros((0, 0))
-        self._open_step: int | None = None
-        self._loss_sum = 0.0
-        self._adam_t = 0
-        self._m = self._v = np.zeros((0, 0))
+        self._base = np.zeros((0, 0))
+        """The model's initial table: where every job starts."""
+        self._jobs: dict[str, _Policy] = {}
         self._dist: Any = None  # torch.distributed, once a group of several ranks is joined
         self._chunk_failures = 0  # testing knob fail_chunk_at_step
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The run's own table."""
+        return self._jobs[""].weights
+
+    def _job(self, job: str) -> _Policy:
+        found = self._jobs.get(job)
+        if found is None:
+            raise RuntimeError(f"job {job!r} is not open on this trainer; open_job first")
+        return found
 
     def start(self) -> dict[str, Any]:
         if self.options.fail_at_start:
@@ -147,28 +180,52 @@ class BigramTrainer:
                 "gloo", rank=self.ctx.rank, world_size=self.ctx.world_size, **kwargs
             )
             self._dist = dist
-        self.weights = initial_table(self.ctx.config.model.path, self.ctx.config.run.seed).astype(
+        self._base = initial_table(self.ctx.config.model.path, self.ctx.config.run.seed).astype(
             np.float64
         )
-        self.grad = np.zeros_like(self.weights)
-        self._m, self._v = np.zeros_like(self.weights), np.zeros_like(self.weights)
+        self._jobs[""] = _Policy(self._base.copy(), self.options.lr)
         return {"backend_version": __version__, "vocab_size": self.spec.vocab_size}
 
-    def compute_logprobs(self, batch: TokenBatch, temperature: float) -> np.ndarray:
+    # ------------------------------------------------------------------ jobs (TrainsJobs)
+    def open_job(self, job: str, *, seed: int, lr: float) -> None:
+        """``job`` starts from the base table (a bigram job has no random part: ``seed`` is
+        unused), with its own Adam state at ``lr``.
+
+        Raises:
+            RuntimeError: ``job`` is open already, or is the run's own."""
+        if not job or job in self._jobs:
+            raise RuntimeError(f"job {job!r} is open already")
+        if not lr > 0:
+            raise ValueError(f"open_job({job!r}): lr must be > 0, got {lr}")
+        self._jobs[job] = _Policy(self._base.copy(), lr)
+
+    def close_job(self, job: str) -> None:
+        """``job`` ends: its table and state are dropped."""
+        if self._job(job).open_step is not None or not job:
+            raise RuntimeError(f"close_job({job!r}): the run's own, or a step of it is open")
+        del self._jobs[job]
+
+    # ------------------------------------------------------------------ training
+    def compute_logprobs(
+        self, batch: TokenBatch, temperature: float, *, job: str = ""
+    ) -> np.ndarray:
         prev, tok, _ = response_tokens(batch)
-        return token_logprobs(self.weights, prev, tok, temperature).astype(np.float32)
+        weights = self._job(job).weights
+        return token_logprobs(weights, prev, tok, temperature).astype(np.float32)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, *, job: str = "") -> None:
         """Open ``step`` (again, from zero gradients, if it is the open one: a retry)."""
-        if self._open_step is not None and self._open_step != step:
-            raise RuntimeError(f"begin_step({step}): step {self._open_step} is still open")
+        policy = self._job(job)
+        if policy.open_step is not None and policy.open_step != step:
+            raise RuntimeError(f"begin_step({step}): step {policy.open_step} is still open")
         mark_phase(self.options.phase_marker_dir, self.ctx, "train")
-        self.grad[...] = 0.0
-        self._loss_sum = 0.0
-        self._open_step = step
+        policy.grad[...] = 0.0
+        policy.loss_sum = 0.0
+        policy.open_step = step
 
-    def train_chunk(self, step: int, batch: TrainBatch) -> ChunkResult:
-        self._check_open(step)
+    def train_chunk(self, step: int, batch: TrainBatch, *, job: str = "") -> ChunkResult:
+        policy = self._job(job)
+        policy.check_open(step)
         if step == self.options.fail_chunk_at_step and self._chunk_failures < (
             self.options.fail_chunk_times
         ):  # testing knob: a recoverable failure (the controller restarts the step)
@@ -190,14 +247,14 @@ class BigramTrainer:
             self._record_batch(step, batch)
         loss = self.ctx.config.loss
         grad, stats = ppo_gradient(
-            self.weights,
+            policy.weights,
             batch,
             temperature=self.temperature,
             eps_low=loss.clip_eps_low,
             eps_high=loss.clip_eps_high,
         )
-        self.grad += grad
-        self._loss_sum += stats["loss_sum"]
+        policy.grad += grad
+        policy.loss_sum += stats["loss_sum"]
         return ChunkResult(
             num_sequences=int(batch.seq_lens.size),
             num_loss_tokens=stats["num_loss_tokens"],
@@ -210,48 +267,49 @@ class BigramTrainer:
         )
 
     def finish_step(
-        self, step: int, num_loss_tokens: int, *, normalizer: float | None = None
+        self, step: int, num_loss_tokens: int, *, normalizer: float | None = None, job: str = ""
     ) -> StepResult:
-        self._check_open(step)
+        policy = self._job(job)
+        policy.check_open(step)
         divisor = normalizer or max(1, num_loss_tokens)  # loss.aggregation's, else the tokens
         start = time.perf_counter()
         opts = self.options
         if opts.step_delay_s:
             time.sleep(opts.step_delay_s)  # testing knob: a slow trainer
         if self._dist is not None:
-            self._all_reduce_grad()
-        g = self.grad / divisor
+            self._all_reduce_grad(policy)
+        g = policy.grad / divisor
         if step in opts.nan_grad_at_steps:  # testing knob: an overflow in the backward
             g[0, 0] = np.nan
         with np.errstate(over="ignore", invalid="ignore"):
             norm = float(np.sqrt(np.sum(g * g)))
-        loss = self._loss_sum / divisor
+        loss = policy.loss_sum / divisor
         if np.isfinite(norm) and np.isfinite(loss):  # else the step is not applied
-            self._update(g, norm)
-        self._open_step = None
+            self._update(policy, g, norm)
+        policy.open_step = None
         return StepResult(
             step=step,
             loss=loss,
             grad_norm=norm,
             num_loss_tokens=num_loss_tokens,
-            lr=opts.lr,
+            lr=policy.lr,
             seconds=time.perf_counter() - start,
         )
 
-    def _update(self, g: np.ndarray, norm: float) -> None:
+    def _update(self, p: _Policy, g: np.ndarray, norm: float) -> None:
         opts = self.options
         if opts.max_grad_norm and norm > opts.max_grad_norm:
             g = g * (opts.max_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if opts.optimizer == "sgd":
-            self.weights -= opts.lr * g
+            p.weights -= p.lr * g
         else:
             b1, b2 = opts.betas
-            self._adam_t += 1
-            self._m = b1 * self._m + (1 - b1) * g
-            self._v = b2 * self._v + (1 - b2) * g * g
-            m_hat = self._m / (1 - b1**self._adam_t)
-            v_hat = self._v / (1 - b2**self._adam_t)
-            self.weights -= opts.lr * m_hat / (np.sqrt(v_hat) + opts.eps)
+            p.adam_t += 1
+            p.m = b1 * p.m + (1 - b1) * g
+            p.v = b2 * p.v + (1 - b2) * g * g
+            m_hat = p.m / (1 - b1**p.adam_t)
+            v_hat = p.v / (1 - b2**p.adam_t)
+            p.weights -= p.lr * m_hat / (np.sqrt(v_hat) + opts.eps)
 
     def _record_batch(self, step: int, batch: TrainBatch) -> None:
         fields = ("tokens", "seq_lens", "prompt_lens", "loss_mask", "behaviour_logprobs",
@@ -262,59 +320,62 @@ class BigramTrainer:
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def _check_open(self, step: int) -> None:
-        if step != self._open_step:
-            raise RuntimeError(f"a call for step {step}, but the open step is {self._open_step}")
-
-    def _all_reduce_grad(self) -> None:
+    def _all_reduce_grad(self, p: _Policy) -> None:
         """Sum the gradient buffers and loss sums of all ranks (every rank holds the result)."""
         import torch
 
-        packed = torch.from_numpy(np.append(self.grad.reshape(-1), self._loss_sum))
+        packed = torch.from_numpy(np.append(p.grad.reshape(-1), p.loss_sum))
         self._dist.all_reduce(packed)
         flat = packed.numpy()
-        self.grad = flat[:-1].reshape(self.grad.shape).copy()
-        self._loss_sum = float(flat[-1])
+        p.grad = flat[:-1].reshape(p.grad.shape).copy()
+        p.loss_sum = float(flat[-1])
 
-    def weight_specs(self) -> list[WeightTensor]:
-        """The one table, float32 [V, V]."""
+    def weight_specs(self, *, job: str = "") -> list[WeightTensor]:
+        """The one table, float32 [V, V] (a job's: its own)."""
+        self._job(job)
         v = self.spec.vocab_size
         return [WeightTensor(TENSOR_NAME, "float32", (v, v))]
 
-    def iter_weights(self) -> Iterator[WeightTensor]:
+    def iter_weights(self, *, job: str = "") -> Iterator[WeightTensor]:
         """The table as float32 bytes (the generators serve float32). Every rank holds the
         same table; the runtime sends rank 0's."""
         mark_phase(self.options.phase_marker_dir, self.ctx, "refit")
-        table = np.ascontiguousarray(self.weights, dtype=np.float32)
+        table = np.ascontiguousarray(self._job(job).weights, dtype=np.float32)
         yield WeightTensor(TENSOR_NAME, "float32", table.shape, table.reshape(-1).view(np.uint8))
 
-    def save_state(self, path: str) -> None:
-        """Weights and Adam state to ``path/bigram-state.npz`` (every rank holds the same, so
-        rank 0 writes it; written under a temporary name and renamed)."""
-        if self._open_step is not None:
-            raise RuntimeError(f"save_state: step {self._open_step} is open; finish it first")
-        _check_finite(self.weights, "the weights to save", _SAVED)
+    def save_state(self, path: str, *, job: str = "") -> None:
+        """Weights, Adam state and learning rate to ``path/bigram-state.npz`` (every rank holds
+        the same, so rank 0 writes it; written under a temporary name and renamed)."""
+        p = self._job(job)
+        for name, policy in self._jobs.items():
+            if policy.open_step is not None and (name == job or not job):
+                raise RuntimeError(f"save_state: step {policy.open_step} is open; finish it "
+                                   "first")  # fmt: skip
+        _check_finite(p.weights, "the weights to save", _SAVED)
         if self.ctx.rank == 0:
             os.makedirs(path, exist_ok=True)
             tmp = os.path.join(path, ".bigram-state.tmp.npz")
-            np.savez(tmp, weights=self.weights, m=self._m, v=self._v, adam_t=self._adam_t)
+            np.savez(tmp, weights=p.weights, m=p.m, v=p.v, adam_t=p.adam_t, lr=p.lr)
             os.replace(tmp, os.path.join(path, _STATE_FILE))
         if self._dist is not None:
             self._dist.barrier()  # the file exists before any rank moves on
 
-    def load_state(self, path: str) -> None:
-        if self._open_step is not None:
-            raise RuntimeError(f"load_state: step {self._open_step} is open; finish it first")
+    def load_state(self, path: str, *, job: str = "") -> None:
+        p = self._job(job)
+        if p.open_step is not None:
+            raise RuntimeError(f"load_state: step {p.open_step} is open; finish it first")
         with np.load(os.path.join(path, _STATE_FILE)) as f:
-            if f["weights"].shape != self.weights.shape:
+            if f["weights"].shape != p.weights.shape:
                 raise ValueError(
                     f"{path}: a {f['weights'].shape} table, but this model's is "
-                    f"{self.weights.shape}"
+                    f"{p.weights.shape}"
                 )
             weights = f["weights"].copy()
             _check_finite(weights, f"the weights loaded from {path}", _LOADED)
-            self.weights, self._m, self._v = weights, f["m"].copy(), f["v"].copy()
-            self._adam_t = int(f["adam_t"])
+            p.weights, p.m, p.v = weights, f["m"].copy(), f["v"].copy()
+            p.adam_t = int(f["adam_t"])
+            if "lr" in f.files and job:  # a job's own learning rate; the run's is the option's
+                p.lr = float(f["lr"])
 
     def state_to_host(self) -> int:
         """``cluster.placement = "take_turns"``: the optimizer state is in host memory already
