@@ -34,12 +34,14 @@ INTERLEAVED = [
     ["chunk", "b", 1, [6, 7, 8, 9, 10, 11]], ["chunk", "a", 1, [12, 13, 14, 15]],
     ["finish", "b", 1], ["finish", "a", 1],
     ["begin", "a", 2], ["chunk", "a", 2, [2, 4, 6, 8]], ["begin", "b", 2],
-    ["chunk", "b", 2, [1, 3, 5]], ["finish", "a", 2], ["finish", "b", 2],
+    ["chunk", "b", 2, [1, 3, 5]], ["finish", "a", 2],
+    ["save", "a", "a-beside-b"],  # b's step is open: a's state is a's alone, and saves
+    ["finish", "b", 2],
 ]  # fmt: skip
 
 
 def alone(job: str) -> list[list]:
-    return [op for op in INTERLEAVED if op[1] == job]
+    return [op for op in INTERLEAVED if op[1] == job and op[0] != "save"]
 
 
 def run_ranks(tmp: Path, model_dir: Path, tag: str, opened: list, ops: list) -> dict:

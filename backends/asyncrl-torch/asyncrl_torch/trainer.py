@@ -769,7 +769,7 @@ class DistributedTrainer:
             NonFiniteError: a weight holds a NaN or an infinity (nothing is written).
         """
         self._started()
-        self._check_no_open_step("save_state")
+        self._check_no_open_step("save_state", job)
         self._check_finite_weights(
             "the weights to save",
             "a step applied although it was not finite (a backend fault)",
@@ -792,7 +792,7 @@ class DistributedTrainer:
                 checkpoint); the message names ``path``.
         """
         self._started()
-        self._check_no_open_step("load_state")
+        self._check_no_open_step("load_state", job)
         self.state_to_device()
         if job:
             self._load_job_state(path, self._jobs.get(job))
@@ -834,9 +834,13 @@ class DistributedTrainer:
                 f"{consequence}; likely {cause}. Fix: {fix}"
             )
 
-    def _check_no_open_step(self, what: str) -> None:
-        for job, step in self._jobs.open_steps():
-            of = f" of job {job!r}" if job else ""
+    def _check_no_open_step(self, what: str, job: str | None = None) -> None:
+        """Raises: RuntimeError: a step is open (of ``job``; ``None``: of any job). The run's
+        own state is saved whole, so any open step counts for it."""
+        for open_job, step in self._jobs.open_steps():
+            if job and open_job != job:
+                continue  # another job's step leaves this job's state alone
+            of = f" of job {open_job!r}" if open_job else ""
             raise RuntimeError(f"{what}: step {step}{of} is open; finish it first")
 
     # ------------------------------------------------------------------ state offload
