@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import refit as full  # noqa: E402 - benchmarks/refit.py
-from lora_refit import TARGETS, write_adapter  # noqa: E402
+from lora_refit import TARGETS, append_rows, run_with_engine_args, write_adapter  # noqa: E402
 
 
 def engine(model_dir: Path, gpu: int | None, work: Path, transport: str, rank: int,
@@ -108,10 +106,7 @@ async def main_async(args: argparse.Namespace) -> None:
         finally:
             pair.close()
             await backend.close()
-        if args.out is not None:
-            with open(args.out, "a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+        append_rows(args.out, rows)
 
 
 def main() -> None:
@@ -123,16 +118,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/asyncrl-refit-bench"))
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--transport", default=None)
-    args = parser.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
-    if args.transport is None:
-        args.transport = "shm" if args.device == "cpu" else "cuda_ipc"
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    asyncio.run(main_async(args))
+    run_with_engine_args(parser, main_async)
 
 
 if __name__ == "__main__":

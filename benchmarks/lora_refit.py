@@ -217,10 +217,7 @@ async def main_async(args: argparse.Namespace) -> None:
             await backend.close()
         if args.full:
             rows.append(await full_case(model_dir, args, gpu, device))
-        if args.out is not None:
-            with open(args.out, "a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+        append_rows(args.out, rows)
 
 
 def main() -> None:
@@ -230,6 +227,20 @@ def main() -> None:
                         type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--full", action="store_true", help="also the full-weight refit")
+    run_with_engine_args(parser, main_async)
+
+
+def append_rows(path: Path | None, rows: list[dict]) -> None:
+    """Append ``rows`` to the JSON-lines file ``path`` (``None``: nowhere)."""
+    if path is not None:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def run_with_engine_args(parser: argparse.ArgumentParser, main_async) -> None:  # noqa: ANN001
+    """Add the options every engine benchmark here takes (``--work``, ``--out``,
+    ``--device``, ``--transport``), parse, and run ``main_async(args)``."""
     parser.add_argument("--work", type=Path, default=Path("/tmp/asyncrl-refit-bench"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
