@@ -14,6 +14,7 @@ import numpy as np
 def main(spec_path: str) -> None:
     from asyncrl.plugin.backend import WorkerContext
     from asyncrl.plugin.common import from_dict, load
+    from asyncrl_torch.contract.rank import _leave_together as leave_together
     from asyncrl_torch.contract.rank import contract_sequences, train_batch
 
     spec = json.loads(Path(spec_path).read_text())
@@ -66,8 +67,12 @@ def main(spec_path: str) -> None:
         for job, tensors in adapters.items():
             np.savez(Path(spec["out"]) / f"{spec['tag']}-{job}.npz", **tensors)
         Path(spec["out"], f"{spec['tag']}.json").write_text(json.dumps(out))
+    leave_together()  # as the contract's ranks do: see there why
     backend.close()
 
 
 if __name__ == "__main__":
+    from asyncrl_torch.contract.rank import _exit_now as exit_now
+
     main(sys.argv[1])
+    exit_now(0)  # the results are on disk: no interpreter teardown (gloo's can abort)
