@@ -888,10 +888,6 @@ class DistributedTrainer:
         dtype = self._ctx.config.model.dtype
         return [WeightTensor(n, dtype, full_shape(p)) for n, p in self._sent_parameters(job)]
 
-    def _full_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, full shape)`` of every parameter sent, in export order."""
-        return [(n, full_shape(p)) for n, p in self._sent_parameters()]
-
     def _trained_parameters(self, job: str = "") -> list[tuple[str, torch.nn.Parameter]]:
         """``(name, parameter)`` of what ``job``'s optimizer updates: every parameter, or with
         ``[lora]`` its adapter's."""
