@@ -90,6 +90,12 @@ def check_config(
         print(f"  {key:<{width}}  {value}", file=out)
     if config.lora.enabled:
         print(_lora_line(config), file=out)
+    for job in config.job_list.values():  # docs/jobs.md
+        jc = job.config
+        print(f"job {job.name}: {jc.environment.name}, {jc.run.num_steps} steps, seed "
+              f"{jc.run.seed}, lr {job.lr:g}, weight {job.weight:g}, {jc.sampler.name} "
+              f"(staleness <= {jc.sampler.max_staleness}); output {jc.run.output_dir}",
+              file=out)  # fmt: skip
     if memory is not None:
         plan = memory
         for line in plan.lines():

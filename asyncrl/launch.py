@@ -311,6 +311,10 @@ def _report_end(config: Config, summary: Any, stopped_by: signal.Signals | None)
         return 128 + int(stopped_by)
     for e in summary.evals:
         print(f"eval {e['label']}: accuracy {e['accuracy']:.3f} on {e['num_prompts']} prompts")
+    for job in summary.jobs:  # a run of jobs: how each ended (docs/jobs.md)
+        ended = f"{job['state']} at step {job['step']} of {job['num_steps']}"
+        why = f": {job['error']}" if job["error"] else ""
+        print(f"job {job['job']}: {ended}{why} ({job['output_dir']})")
     if summary.rejected_frames:
         refused = ", ".join(f"{k} {v}" for k, v in sorted(summary.rejected_frames.items()))
         print(f"rejected frames: {refused} (see the frame_rejected log lines)")
@@ -318,6 +322,12 @@ def _report_end(config: Config, summary: Any, stopped_by: signal.Signals | None)
         print(f"refused connections: {summary.refused_peers} without the run's keys (see the "
               "peer_refused log lines)")
     print(f"metrics: {summary.metrics_path}")
+    failed = [job["job"] for job in summary.jobs if job["state"] == "failed"]
+    if failed:
+        print(f"asyncrl: {len(failed)} of {len(summary.jobs)} jobs failed: {', '.join(failed)} "
+              "(each job's error above; the others ran to their end)", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return 1
     return 0
 
 

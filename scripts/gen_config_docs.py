@@ -91,6 +91,8 @@ def render() -> str:
         "Unknown keys are errors; relative paths resolve against the config file's directory.",
         "Backend and environment `options` tables are validated by the plugin (see "
         "docs/backends/).",
+        "`[jobs.<name>]` tables make a run of jobs, each its settings over the run's in the "
+        "sections below a job may set (docs/jobs.md).",
         "",
     ]
     for name, section in SECTIONS.items():

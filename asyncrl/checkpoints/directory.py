@@ -270,10 +270,10 @@ def restore(table: LiveGroups, state: ControllerState) -> tuple[int, set[int]]:
     Raises:
         CheckpointError: the state lists ready groups without their samples.
     """
-    records = {g.group_id: g.group() for g in state.groups}
-    ready = {f"g{int(g['index'])}" for g in state.scheduler.get("ready", [])}
+    records = {g.index: g.group() for g in state.groups}
+    ready = {int(g["index"]) for g in state.scheduler.get("ready", [])}
     if ready != records.keys():
-        missing = sorted(ready - records.keys())
+        missing = [f"g{i}" for i in sorted(ready - records.keys())]
         raise CheckpointError(
             f"the checkpoint of step {state.step} lists ready groups {missing[:5]} without "
             "their samples. Fix: resume from an older checkpoint"

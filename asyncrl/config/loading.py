@@ -24,6 +24,7 @@ import msgspec
 
 from asyncrl.explain import explain
 from asyncrl.config.hub import hub_id, resolve_hub
+from asyncrl.config.jobs import resolve_paths
 from asyncrl.config.removed import refuse_removed
 from asyncrl.config.root import CORE_SECTIONS, Config, validate
 from asyncrl.config.service_sections import GROUP, SectionSpec, load_section
@@ -103,6 +104,10 @@ def _convert(data: dict[str, Any], base_dir: str | os.PathLike[str]) -> Config:
         config = msgspec.structs.replace(config, lora=msgspec.structs.replace(
             config.lora, init_path=_resolve_source("lora.init_path", base,
                                                    config.lora.init_path)))  # fmt: skip
+    if config.jobs:
+        config = msgspec.structs.replace(
+            config, jobs=resolve_paths(config.jobs, lambda path: _resolve(base, path))
+        )
     if config.cluster.keys_file:
         keys_file = _resolve(base, config.cluster.keys_file)
         config = msgspec.structs.replace(

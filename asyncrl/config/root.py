@@ -9,6 +9,7 @@ whether a restarted rollout worker can join it.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ from asyncrl.config.adapters import LoraConfig
 from asyncrl.config.algorithm import GRPOConfig, LossConfig, PipelineConfig
 from asyncrl.config.engines import GeneratorConfig, RefitConfig, TrainerConfig
 from asyncrl.config.episodes import EpisodeConfig
+from asyncrl.config.jobs import learning_rate, merged_table, table_problems
 from asyncrl.config.operations import (
     CheckpointConfig,
     EvalConfig,
@@ -27,11 +29,13 @@ from asyncrl.config.operations import (
 from asyncrl.config.section import Section, fail
 from asyncrl.config.setup import ClusterConfig, EnvironmentConfig, ModelConfig, RunConfig
 from asyncrl.errors import ConfigError
+from asyncrl.explain import explain
 from asyncrl.policy.sampler_choice import make_sampler, resolve_sampler
 from asyncrl.policy.samplers import Sampler
 from asyncrl.transfers import load_transfer
 
-__all__ = ["CORE_SECTIONS", "Config", "problems", "required_buffer_capacity", "validate"]
+__all__ = ["CORE_SECTIONS", "Config", "Job", "derive_job", "problems", "required_buffer_capacity",
+           "validate"]
 
 
 class Config(Section, dict=True):
@@ -64,6 +68,9 @@ class Config(Section, dict=True):
     struct: the top-level table of that name (``[gateway]``), which the loader converts with
     the service's ``section`` type (:func:`asyncrl.config.loading.from_dict`). Not a table of
     the TOML itself: the core names no service."""
+    jobs: dict[str, dict[str, Any]] = {}
+    """``[jobs.<name>]``: the run's jobs, each table as written, its settings over the run's
+    (:mod:`asyncrl.config.jobs`; docs/jobs.md). Empty: the run is one job, its own."""
 
     @functools.cached_property
     def sampler(self) -> Sampler:
@@ -106,6 +113,16 @@ class Config(Section, dict=True):
         owns its state (questions about the policy go to :attr:`sampler`)."""
         return make_sampler(self.pipeline.sampler)
 
+    @functools.cached_property
+    def job_list(self) -> dict[str, Job]:
+        """Each of :attr:`jobs`, its config whole (:func:`derive_job`), by name in the order
+        written; empty without jobs.
+
+        Raises:
+            ConfigError: as :func:`derive_job`.
+        """
+        return {name: derive_job(self, name, table) for name, table in self.jobs.items()}
+
 
 CORE_SECTIONS = tuple(name for name in Config.__struct_fields__ if name != "services")
 """The core's top-level tables, in order; any other is a service's section (or a mistake)."""
@@ -137,7 +154,74 @@ def problems(config: Config) -> list[ConfigError]:
             "itself (model.path with the adapter disabled; no second model is loaded)",
             "leave loss.reference_path empty with [lora]",
         ))  # fmt: skip
-    return out + config.model.problems()
+    out += config.model.problems()
+    if config.jobs:
+        out += run_problems(config)
+        if not out:  # each job's config whole, once the run's is
+            try:
+                config.job_list
+            except ConfigError as exc:
+                out.append(exc)
+    return out
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job of a run, derived from its table (:func:`derive_job`)."""
+
+    name: str
+    weight: float
+    """Its share of the engines' request slots, against the other jobs' weights."""
+    lr: float
+    """Its adapter's learning rate (``OpenJob.lr``)."""
+    config: Config
+    """The run's config with the job's tables merged over it: its sections are the job's."""
+
+
+def run_problems(config: Config) -> list[ConfigError]:
+    """What a run with jobs needs beyond each job's own config (which
+    :func:`derive_job` checks): tables a job may have, no service, the
+    engines and the trainer resident (no turns). Whether the backends serve and train jobs
+    (and with what: the ``fsdp2`` trainer and the vLLM engine need ``[lora]`` and slots
+    enough) is theirs to say (their ``check_config``; the workers' capabilities)."""
+    out = []
+    for name, table in config.jobs.items():
+        out += table_problems(name, table)
+    served = [name for name, section in config.services.items() if section.enabled]
+    if served:
+        out.append(fail(served[0], "is enabled, but the run has jobs: a service stands in "
+                        "front of one run's environment", f"run [{served[0]}] without jobs "
+                        "(docs/jobs.md)"))  # fmt: skip
+    if config.cluster.placement == "take_turns":
+        out.append(fail("cluster.placement", "is \"take_turns\", but the run has jobs: the "
+                        "trainer's state offload moves the run's own optimizer only",
+                        "use cluster.placement = \"resident\" with jobs"))  # fmt: skip
+    return out
+
+
+def derive_job(config: Config, name: str, table: dict[str, Any]) -> Job:
+    """Job ``name`` of the run of ``config``: ``table`` (its ``[jobs.<name>]``, paths made
+    absolute as the config loaded) over the run's config
+    (:func:`~asyncrl.config.jobs.merged_table`), converted and validated as a run's.
+
+    Raises:
+        ConfigError: the table is wrong (:func:`~asyncrl.config.jobs.table_problems`), or the
+            job's config is (the error prefixed with ``jobs.<name>``), or no ``lr``.
+    """
+    found = table_problems(name, table)
+    if found:
+        raise found[0]
+    run = msgspec.to_builtins(config)
+    run.pop("jobs"), run.pop("services")  # a run of jobs has no service (run_problems)
+    data = merged_table(run, name, table)
+    try:
+        job = validate(msgspec.convert(data, Config))
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"jobs.{name}: {explain(exc, Config)}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"jobs.{name}: {exc}") from None
+    lr = learning_rate(name, table, config.trainer.options)
+    return Job(name, float(table.get("weight", 1.0)), lr, job)
 
 
 def validate(config: Config) -> Config:

@@ -132,6 +132,9 @@ class LiveGroups:
         self.num_steps = num_steps
         self.max_buffered_groups = max_buffered_groups
         self.max_inflight_samples = max_inflight_samples
+        self.inflight_share = max_inflight_samples
+        """Samples a dispatch may bring in flight: the cap, or less while this table's run is
+        one job of several sharing the engines (:meth:`share`)."""
         self.min_chunk_groups = min_chunk_groups
         self.filter_min_std = filter_min_std
         self.filter_max_drops = filter_max_drops
@@ -502,13 +505,20 @@ class LiveGroups:
             "sampler": self.sampler.state_dict(),
         }
 
+    def share(self, samples: int) -> None:
+        """Dispatch no more than ``samples`` in flight from now on (a job's share of the
+        engines: docs/jobs.md), never less than one group nor more than the cap. Samples in
+        flight above it are not taken back: they finish, and dispatch waits."""
+        self.inflight_share = max(self.samples_per_prompt, min(samples, self.max_inflight_samples))
+
     def ready_groups(self) -> list[Group]:
         """The ready groups, in :meth:`state_dict`'s order."""
         return [g for g in self.live if g.state == READY]
 
-    def load_state_dict(self, state: dict[str, Any], groups: dict[str, Group]) -> None:
+    def load_state_dict(self, state: dict[str, Any], groups: dict[int, Group]) -> None:
         """Restore :meth:`state_dict` into this fresh table (nothing dispatched yet), with the
-        ready groups' records by id (``groups``: their payloads, as saved; exactly the ready
+        ready groups' records by index (``groups``: their payloads, as saved, their ids
+        whatever the run minted them as, a job's with its prefix; exactly the ready
         groups', which :func:`asyncrl.checkpoints.directory.restore` checks first).
 
         Their start versions and completion order (``ready_seq``) are kept, so the staleness
@@ -539,7 +549,7 @@ class LiveGroups:
             (int(i), None if int(t) < 0 else int(t)) for i, t in state["redispatch"]
         ]
         for g in sorted(state.get("ready", []), key=lambda g: int(g["ready_seq"])):
-            group = groups[f"g{int(g['index'])}"]
+            group = groups[int(g["index"])]
             target = int(g["target_step"])
             group.start_version = int(g["start_version"])
             group.target_step = None if target < 0 else target

@@ -227,6 +227,16 @@ def _reaped_status(pidfd: int) -> int | None:
     return _decode_wait_status(status)
 
 
+def has_children(pid: int) -> bool:
+    """Whether a process whose parent is ``pid`` still runs here (a zombie does not count)."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = stat_fields(int(name))  # [0] state, [1] ppid
+            if fields and fields[1] == str(pid).encode() and fields[0] not in (b"Z", b"X"):
+                return True
+    return False
+
+
 def parent_pid(pid: int) -> int | None:
     """The parent of process ``pid`` (``None`` if it is gone)."""
     fields = stat_fields(pid)

@@ -28,6 +28,7 @@ import structlog
 from asyncrl.errors import WorkerDiedError
 from asyncrl.procs.process import (
     PARENT_ENV,
+    has_children,
     kill_process_group,
     pid_exists,
     wait_exit_status,
@@ -60,6 +61,12 @@ interpreter, so the workers run the same Python and packages whatever ``PATH`` s
 ``cluster.torchrun`` (issue 50), whose default already meant this."""
 
 log = structlog.get_logger("asyncrl.procs.spawn")
+
+AGENT_EXIT_S = 0.2
+"""Once every worker of a run that is stopping has exited, how long a torchrun agent may take
+to exit on its own before it is killed: it has nothing left to do, but torch elastic's way
+out (its next monitor tick, its exit barrier, its store) took 0.5-1.3 s a group, paid by every
+run's stop (2-core machine; each test's run too)."""
 
 _EXIT_RE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
@@ -159,24 +166,40 @@ async def watch_peer(peer: Peer, spawned: SpawnedGroup | None, grace_s: float = 
 
 
 async def stop_processes(
-    spawned: list[SpawnedGroup], worker_pids: list[int], grace_s: float
+    spawned: list[SpawnedGroup], worker_pids: list[int], grace_s: float, *,
+    clean: bool = False,
 ) -> None:
-    """Escalate SIGTERM → SIGKILL over the agents and every worker's process group.
+    """Escalate SIGTERM → SIGKILL over the agents and every worker's process group. A
+    ``clean`` stop (the run ended without an error, so no agent is writing a worker's
+    failure to its log): once the workers have exited within ``grace_s``, an agent still
+    there after :data:`AGENT_EXIT_S` is killed (its group with it), having nothing left to
+    supervise.
 
     Runs shielded; never raises. Returns when everything is gone (or after SIGKILL).
     """
     with anyio.CancelScope(shield=True):
 
-        async def wait_all(deadline_s: float) -> bool:
+        async def wait_all(deadline_s: float, *, agents: bool = True) -> bool:
             with anyio.move_on_after(deadline_s):
-                for g in spawned:
-                    await g.process.wait()
                 for pid in worker_pids:
                     await wait_pid_exit(pid)
+                for g in spawned:
+                    if agents:
+                        await g.process.wait()
+                    while g.process.returncode is None and has_children(g.process.pid):
+                        await anyio.sleep(0.02)  # a rank the agent started (a supervisor)
                 return True
             return False
 
-        if await wait_all(grace_s):
+        if clean and await wait_all(grace_s, agents=False):
+            if await wait_all(AGENT_EXIT_S):
+                return
+            for g in spawned:
+                if g.process.returncode is None:
+                    kill_process_group(g.process.pid, signal.SIGKILL)
+            await wait_all(5)
+            return
+        if not clean and await wait_all(grace_s):
             return
         for g in spawned:
             if g.process.returncode is None:

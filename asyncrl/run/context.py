@@ -55,6 +55,9 @@ class RunContext:
     """The run's metrics writer (:class:`~asyncrl.obs.log.MetricsWriter`)."""
     now: Callable[[], float]
     """Seconds since the run's clock origin."""
+    id_prefix: str = ""
+    """Before every group and request id the run mints: a job's name and ``:``
+    (:data:`~asyncrl.run.intake.JOB_SEPARATOR`; docs/jobs.md); none for the run's own."""
 
     def commit(self, group_id: str, samples: list[Any]) -> None:
         """The one place a group becomes ready to train: its episodes' scored ``samples``, in

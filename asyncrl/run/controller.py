@@ -45,8 +45,11 @@ import anyio.abc
 import numpy as np
 import structlog
 
+from asyncrl.checkpoints.directory import CheckpointError
 from asyncrl.checkpoints.saving import open_resume, reward_code_of
 from asyncrl.config import Config, to_dict
+from asyncrl.config.jobs import resolve_paths
+from asyncrl.config.root import derive_job
 from asyncrl.errors import (
     AsyncRLError,
     ConfigError,
@@ -69,6 +72,7 @@ from asyncrl.obs.startup import Startup
 from asyncrl.wire.messages import Hello, Init, TokenBatch
 from asyncrl.config.modes import make_groups
 from asyncrl.run.intake import DataRouter
+from asyncrl.run.jobs import Jobs, Shared
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.heartbeat import Heartbeat
 from asyncrl.run.preflight import check_before_spawn
@@ -207,6 +211,7 @@ class Controller(anyio.AsyncContextManagerMixin):
         self._resume = resume
         self._allow_changed = list(allow_changed)
         self._pipeline: Pipeline | None = None
+        self._jobs: Jobs | None = None
         self._new_run()
         self.addresses: Addresses | None = None
 
@@ -222,11 +227,42 @@ class Controller(anyio.AsyncContextManagerMixin):
         """Worker deaths in the order they were seen (the first is the root cause)."""
 
     def _running_pipeline(self) -> Pipeline:
+        if self._jobs is not None:
+            raise RuntimeError(
+                "the run has jobs ([jobs.<name>]): each job's status, checkpoints and steps are "
+                "its own; use Controller.jobs (list, add, stop) and the jobs' directories"
+            )
         if self._pipeline is None:
             raise RuntimeError(
                 "the controller is not running: call this inside `async with Controller(...)`"
             )
         return self._pipeline
+
+    @property
+    def jobs(self) -> Jobs:
+        """The run's jobs (a config with ``[jobs.<name>]`` tables; docs/jobs.md): ``list()``
+        where each stands, ``add(job)`` another, ``await stop(name)`` one.
+
+        Raises:
+            RuntimeError: not running, or the run has no jobs."""
+        if self._jobs is None:
+            raise RuntimeError("the run has no jobs: add [jobs.<name>] tables to its config "
+                               "(docs/jobs.md), inside `async with Controller(...)`")  # fmt: skip
+        return self._jobs
+
+    def add_job(self, name: str, table: dict[str, Any]) -> None:
+        """Start job ``name`` in the running run: ``table`` as its ``[jobs.<name>]`` table
+        would be written in the config (a relative ``environment.base_dir`` is the current
+        directory's). It starts at once (its environment loaded, its adapter opened on the
+        trainers), and the run goes on until it ends too.
+
+        Raises:
+            ConfigError: the table is wrong (naming the field and the fix).
+            ValueError: the run has a job of that name already.
+            RuntimeError: not running, or the run has no jobs."""
+        jobs = self.jobs
+        table = resolve_paths({name: table}, os.path.abspath)[name]
+        jobs.add(derive_job(self.config, name, table))
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncIterator[Controller]:
@@ -269,11 +305,17 @@ class Controller(anyio.AsyncContextManagerMixin):
         the engines take their turn)."""
         cfg = self.config
         # the reward code as imported: compared on resume, recorded in each checkpoint
+        if cfg.jobs and self._resume not in (None, "latest"):
+            raise CheckpointError(
+                f"--resume {self._resume}: a run of jobs resumes each job from the newest "
+                "checkpoint in its own directory (<checkpoint.dir>/jobs/<name>). Fix: --resume "
+                "without a directory (or resume=\"latest\")"
+            )
         code = await anyio.to_thread.run_sync(reward_code_of, cfg, environment)
-        resume = await anyio.to_thread.run_sync(lambda: open_resume(
+        resume = None if cfg.jobs else await anyio.to_thread.run_sync(lambda: open_resume(
             cfg, self._resume, train_prompts=environment.dataset("train"),
             allow_changed=self._allow_changed, code=code,
-        ))  # fmt: skip
+        ))  # fmt: skip (a run of jobs: each job resumes from its own checkpoints)
         addr = Addresses.make(cfg)
         ctx = Context(addr.keys)
         t0 = time.perf_counter()  # the run's clock: metrics' "t", the timeline's spans
@@ -297,16 +339,20 @@ class Controller(anyio.AsyncContextManagerMixin):
                             workers={p.identity: p.startup for p in control.peers.values()
                                      if p.startup is not None},
                         )  # fmt: skip
+                        transfer = addr.weights(control.peers["trainer:0"].capabilities)
+                        if cfg.jobs:
+                            self._jobs = self._make_jobs(control, data, tokenizer, trainers,
+                                                         transfer, t0, rejections, metrics)
+                            self._restarts.bind(self._jobs, metrics)
+                            yield
+                            return
                         self._pipeline = Pipeline(
                             cfg, control=control, intake=data.intake(""),
                             environment=environment, tokenizer=tokenizer,
                             groups=make_groups(cfg, len(environment.dataset("train"))),
                             trainers=trainers, restarts=self._restarts,
-                            transfer_address=addr.weights(
-                                control.peers["trainer:0"].capabilities
-                            ),
-                            metrics=metrics, clock_origin=t0, startup=startup,
-                            rejections=rejections, reward_code=code,
+                            transfer_address=transfer, metrics=metrics, clock_origin=t0,
+                            startup=startup, rejections=rejections, reward_code=code,
                             planned_trainer_bytes=memory.trainer_bytes(),
                             offload_trainer_state=memory.offload,
                         )  # fmt: skip
@@ -318,12 +364,46 @@ class Controller(anyio.AsyncContextManagerMixin):
             bound.__exit__(None, None, None)
             if self._pipeline is not None:
                 self._pipeline.close()
-            self._pipeline = None
+            self._pipeline = self._jobs = None
             ctx.close()
             metrics.close()
             shutil.rmtree(addr.run_dir, ignore_errors=True)
             shutil.rmtree(shm_dir(addr.run_id), ignore_errors=True)
             log.info("run_stopped", run_id=addr.run_id)
+
+    def _make_jobs(
+        self, control: ControlPlane, data: DataRouter, tokenizer: Any, trainers: list[str],
+        transfer: str, t0: float, rejections: Rejections, metrics: MetricsWriter,
+    ) -> Jobs:
+        """The run's jobs over its workers, each of the config's added (started by
+        :meth:`train`), once the workers said they serve and train jobs.
+
+        Raises:
+            ConfigError: a worker's backend has no jobs protocol (naming it and the fix)."""
+        cfg = self.config
+        for peer in control.peers.values():
+            what = "serves_jobs" if peer.group == "rollout" else "trains_jobs"
+            if not peer.capabilities.get(what):
+                section = "generator" if peer.group == "rollout" else "trainer"
+                backend = getattr(cfg, section).backend
+                raise ConfigError(
+                    f"jobs: the {section} backend {backend!r} ({peer.identity}) "
+                    f"{'serves' if section == 'generator' else 'trains'} one policy only "
+                    f"(no {'ServesJobs' if section == 'generator' else 'TrainsJobs'}). Fix: "
+                    "use backends that run jobs (docs/jobs.md), or remove the [jobs] tables"
+                )
+        assert self.addresses is not None
+        jobs = Jobs(Shared(
+            control=control, router=data, tokenizer=tokenizer, trainers=trainers,
+            restarts=self._restarts, transfer_address=transfer, run_id=self.addresses.run_id,
+            clock_origin=t0, rejections=rejections, metrics=metrics,
+            timeout_s=cfg.cluster.call_timeout_s, engine_samples=cfg.max_inflight_samples,
+            log_dir=self.addresses.log_dir,
+            resume=self._resume, allow_changed=self._allow_changed,
+        ))  # fmt: skip
+        for job in cfg.job_list.values():
+            jobs.add(job)
+        return jobs
 
     def _control_plane(
         self, router: Any, addr: Addresses, rejections: Rejections, metrics: MetricsWriter
@@ -367,10 +447,12 @@ class Controller(anyio.AsyncContextManagerMixin):
         the trainers' identities. On the way out every worker is told to stop, its process
         stopped (grace, SIGTERM, SIGKILL), and ``tg`` cancelled."""
         watchers = _Scopes()
+        clean = False
         try:
             peers = await self._start_workers(tg, control, addr, watchers)
             watchers.start_soon(tg, self._heartbeat.run, control)
             yield [p.identity for p in peers if p.group == "trainer"]
+            clean = not self._deaths
         except BaseException:
             # before anything is stopped: a rank that died is the root cause of the
             # collective errors its death caused on the other ranks
@@ -384,7 +466,8 @@ class Controller(anyio.AsyncContextManagerMixin):
                 await control.shutdown_all()
                 pids = [p.pid for p in control.peers.values()  # a remote pid names nothing here
                         if not p.remote and p.pid != os.getpid()]
-                await stop_processes(self._spawned, pids, self.config.cluster.shutdown_grace_s)
+                await stop_processes(self._spawned, pids, self.config.cluster.shutdown_grace_s,
+                                     clean=clean)  # fmt: skip
             tg.cancel_scope.cancel()
 
     async def _start_workers(
@@ -454,7 +537,11 @@ class Controller(anyio.AsyncContextManagerMixin):
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next step boundary (or at the end of the run), without
-        waiting for it (``asyncrl.launch`` does it on SIGUSR1)."""
+        waiting for it (``asyncrl.launch`` does it on SIGUSR1); with jobs, each running job's
+        own at its next step boundary."""
+        if self._jobs is not None:
+            self._jobs.request_checkpoint()
+            return
         self._running_pipeline().request_checkpoint()
 
     async def save_checkpoint(self) -> str | None:
@@ -481,7 +568,10 @@ class Controller(anyio.AsyncContextManagerMixin):
 
     def status(self) -> RunStatus:
         """Where the run stands now: optimizer steps taken, the last checkpoint committed, the
-        prompt ledger, the workers' pids and the clock origin of the metrics records."""
+        prompt ledger, the workers' pids and the clock origin of the metrics records; with
+        jobs, where each job stands (its steps and checkpoints are its own)."""
+        if self._jobs is not None:
+            return self._jobs.status()
         return self._running_pipeline().status()
 
     async def train(self) -> RunSummary:
@@ -489,8 +579,16 @@ class Controller(anyio.AsyncContextManagerMixin):
 
         Returns the per-step metrics and evaluation results.
 
+        With jobs (docs/jobs.md): runs every job until each has ended; the summary's
+        ``jobs`` says how each did (its own summary: ``Controller.jobs.summaries()``).
+
         Cancellation: the pumps stop; leaving the ``async with`` block cleans up.
         """
+        if self._jobs is not None:
+            await self._jobs.run()
+            return RunSummary(jobs=self._jobs.list(),
+                              metrics_path=os.path.join(self.config.run.output_dir,
+                                                        "metrics.jsonl"))  # fmt: skip
         return await self._running_pipeline().run()
 
     def _note_stop(self, metrics: MetricsWriter) -> None:

@@ -164,7 +164,10 @@ class EpisodeRunner:
         tools: ToolBox | None = None,
         parser: ToolCallParser | None = None,
         take_metrics: Callable[[], Mapping[str, Any]] | None = None,
+        id_prefix: str = "",
     ) -> None:
+        self._prefix = id_prefix
+        """Before the evaluations' ids: a job's name and ``:``, else none."""
         self._env, self._rollout, self._asker, self._record = environment, rollout, asker, record
         self._commit, self._changed, self._fail_group = commit, changed, fail_group
         self._limits, self._deadline_s, self._on_truncation = limits, deadline_s, on_truncation
@@ -312,7 +315,7 @@ class EpisodeRunner:
         scores: list[Score | None] = [None] * len(prompts)
 
         async def one(i: int) -> None:
-            question = Question(f"eval-{label}-{i}", 0, evaluation=True)
+            question = Question(f"{self._prefix}eval-{label}-{i}", 0, evaluation=True)
             await self._pacer.turn()
             episode = self._episode_of(question, prompts[i], self._record(prompts[i]))
             try:
@@ -446,5 +449,5 @@ def build_runner(
         deadline_s=ep.deadline_s if deadline_s is None else deadline_s,
         on_truncation=ep.on_truncation, temperature=config.grpo.temperature, tools=box,
         parser=parser,
-        take_metrics=parts.take_metrics,
+        take_metrics=parts.take_metrics, id_prefix=ctx.id_prefix,
     )  # fmt: skip

@@ -48,6 +48,7 @@ class Evaluator:
         episodes: EpisodeRunner | None = None,
     ) -> None:
         self.config, self.serving, self.metrics, self.now = ctx.config, ctx.serving, ctx.metrics, ctx.now
+        self._prefix = ctx.id_prefix
         self.asker, self.scorer = asker, scorer
         self.episodes = episodes
         """A multi-turn environment's runner: it evaluates by running greedy episodes."""
@@ -109,7 +110,7 @@ class Evaluator:
         fatal: list[ScoreError] = []
 
         async def one(i: int) -> None:
-            question = Question(f"eval-{label}-{i}", 0, evaluation=True)
+            question = Question(f"{self._prefix}eval-{label}-{i}", 0, evaluation=True)
             try:
                 sample, _ = await self.asker.ask(question, ids[i], max_tokens, 0.0)
             except RequestFailed as exc:

@@ -70,7 +70,7 @@ from asyncrl.run.context import RunContext
 from asyncrl.run.asking import build_asker
 from asyncrl.run.episodes import EpisodeRunner, build_runner
 from asyncrl.run.evaluation import Evaluator
-from asyncrl.run.intake import Feeder, Intake
+from asyncrl.run.intake import JOB_SEPARATOR, Feeder, Intake
 from asyncrl.run.scoring import Scorer
 from asyncrl.run.probes import Probes
 from asyncrl.run.refit import KVScales, Publisher
@@ -111,6 +111,9 @@ class RunSummary:
     ledger: list[dict[str, Any]] = field(default_factory=list)
     """Per epoch of the prompt stream: prompts trained, dropped (by reason), still live, lost
     (always 0) and repeated (always 0); see :mod:`asyncrl.policy.ledger`."""
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    """A run of jobs (docs/jobs.md): how each job ended, as ``Controller.jobs.list()`` says
+    it; each job's own summary is ``Controller.jobs.summaries()``'s. Empty otherwise."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ class RunStatus:
     requests_in_flight: int = 0
     """Requests on the rollout workers' engines now: a single-turn group's (``n`` samples
     each), a multi-turn episode's turn, an evaluation prompt's."""
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    """A run of jobs (docs/jobs.md): where each stands (``Controller.jobs.list()``); the
+    fields above are then the run's, its steps and checkpoints the jobs' own."""
 
 
 class Pipeline:
@@ -159,8 +165,17 @@ class Pipeline:
         reward_code: dict[str, str] | None = None,
         planned_trainer_bytes: int | None = None,
         offload_trainer_state: bool = False,
+        job: str = "",
+        weights: anyio.Lock | None = None,
+        loop_tasks: bool = True,
     ) -> None:
         self.config, self.control, self.tok = config, control, tokenizer
+        self.job = job
+        """The job this pipeline runs (docs/jobs.md; ``control`` names it on every request),
+        ``""``: the run's own."""
+        self._loop_tasks = loop_tasks
+        """Whether this pipeline paces the collector and watches the event loop (the run's
+        one pipeline does; a run of jobs does it once for all of them)."""
         self.planned_trainer_bytes = planned_trainer_bytes
         """What the memory plan says a trainer rank holds at its peak (``None``: not
         known): each step's record sets it beside the measured peaks."""
@@ -176,7 +191,9 @@ class Pipeline:
         self.episodic = isinstance(environment, EpisodeEnvironment)
         """A multi-turn environment: each group is ``n`` episodes (:mod:`asyncrl.run.episodes`)."""
         self.groups = groups
-        self.rollout = RolloutPhase(groups, self.rollouts, episodes=self.episodic)
+        self.id_prefix = f"{job}{JOB_SEPARATOR}" if job else ""
+        self.rollout = RolloutPhase(groups, self.rollouts, episodes=self.episodic,
+                                    id_prefix=self.id_prefix)  # fmt: skip
         self.training = TrainPhase(groups)
         self.console = Console.for_run(config, tokenizer.decode, metrics,  # progress, samples
                                        total_steps=groups.num_steps)  # fmt: skip
@@ -198,9 +215,10 @@ class Pipeline:
             environment.dataset("train"), config.grpo.prompts_per_step, config.run.seed
         )
         self.failures = FailureBudget(config.failures)
-        self._weights = anyio.Lock()
+        self._weights = weights if weights is not None else anyio.Lock()
         """Held from a step's ``FinishStep`` to the end of its refit (the trainer's weights
-        and the generators' differ), and by every other refit."""
+        and the generators' differ), and by every other refit: one lock for every job of a
+        run (a trainer rank 0 has one weights socket, an engine one receiver)."""
         self.resumed_from: int | None = None  # the trainer version a resumed run started from
         self._reward_code = reward_code
         self._build_parts(environment, tokenizer, intake, transfer_address)
@@ -218,7 +236,7 @@ class Pipeline:
             cfg, control, trainers, self.groups, self.rollout, self.training,
             serving=lambda: self.restarts.serving,
             changed=self.changed, committed=self.committed, failures=self.failures,
-            probes=self.probes, metrics=metrics, now=self.now,
+            probes=self.probes, metrics=metrics, now=self.now, id_prefix=self.id_prefix,
         )  # fmt: skip
         self._ctx = ctx
         kv = KVScales(control, trainers, self.rollouts,
@@ -280,8 +298,10 @@ class Pipeline:
 
         Cancellation: the loops stop; checkpoint requests still waiting are answered.
         """
+        own = self._loop_tasks  # a run of jobs pauses the collector once for all of them
         try:
-            with collector_paused(collector.GC_FREEZE, collector.GC_YOUNG_INTERVAL_S):
+            with collector_paused(collector.GC_FREEZE and own,
+                                  collector.GC_YOUNG_INTERVAL_S if own else 0.0):  # fmt: skip
                 await self._run()
         finally:
             self.checkpointer.close()
@@ -290,7 +310,7 @@ class Pipeline:
     async def _run(self) -> None:
         cfg = self.config
         async with anyio.create_task_group() as tg:
-            if collector.GC_YOUNG_INTERVAL_S:
+            if collector.GC_YOUNG_INTERVAL_S and self._loop_tasks:
                 tg.start_soon(pace, collector.GC_YOUNG_INTERVAL_S, collector.GC_FULL_INTERVAL_S,
                               name="gc-pacer")  # fmt: skip
             tg.start_soon(self.feeder.run, name="feeder")
@@ -301,9 +321,10 @@ class Pipeline:
             tg.start_soon(self.lag.run, name="loop-lag")
             if self.samples is not None:  # started: its files are cut back to the resumed step
                 await tg.start(self.samples.run, self.resumed_from or 0, name="samples-writer")
-            dump_dir = os.path.join(cfg.run.output_dir, "logs")
-            tg.start_soon(LoopWatchdog(watchdog.STALL_WARNING_S, dump_dir=dump_dir).run,
-                          name="loop-watchdog")  # fmt: skip
+            if self._loop_tasks:
+                dump_dir = os.path.join(cfg.run.output_dir, "logs")
+                tg.start_soon(LoopWatchdog(watchdog.STALL_WARNING_S, dump_dir=dump_dir).run,
+                              name="loop-watchdog")  # fmt: skip
             async with self._weights:
                 await self.publisher.first(self.resumed_from is not None, self.prompts, self.tok)
             if cfg.eval.num_prompts and cfg.eval.at_start and self.resumed_from is None:
@@ -368,6 +389,12 @@ class Pipeline:
     async def trainer_logprobs(self, batch: TokenBatch, *, temperature: float = 1.0) -> np.ndarray:
         """Logprobs of ``batch``'s response tokens under the trainer's current weights."""
         return await self.probes.trainer_logprobs(batch, temperature=temperature)
+
+    def share(self, samples: int) -> None:
+        """This job's share of the engines (a run of jobs: docs/jobs.md): at most ``samples``
+        of its samples generating at once, from its next dispatch on."""
+        self.groups.share(samples)
+        self.changed.notify()
 
     def close(self) -> None:
         """The run is over: close the progress bar."""

@@ -24,7 +24,7 @@ from asyncrl.data.chat import ChatTemplate
 from asyncrl.env.capabilities import check_environment
 from asyncrl.env.episode import EpisodeEnvironment
 from asyncrl.config import Config
-from asyncrl.errors import AsyncRLError, config_error
+from asyncrl.errors import AsyncRLError, ConfigError, config_error
 from asyncrl.data.prompts import Tokenizer
 from asyncrl.services import enabled_services, load_service
 from asyncrl.sinks import check_sinks
@@ -32,7 +32,8 @@ from asyncrl.procs.gpu_memory import MemoryPlan, gpu_totals, plan_memory
 from asyncrl.procs.space import check_space
 from asyncrl.transfers import STAGING_BUFFERS
 
-__all__ = ["Preflight", "check_before_spawn", "end_token_ids", "make_environment", "memory_plan"]
+__all__ = ["Preflight", "check_before_spawn", "checked_environment", "end_token_ids",
+           "make_environment", "memory_plan"]
 
 
 class Preflight(NamedTuple):
@@ -58,17 +59,7 @@ async def check_before_spawn(cfg: Config) -> Preflight:
     generator = BackendPlugin.of(
         registry.load("asyncrl.generation_backends", cfg.generator.backend, "generator.backend")
     )
-    environment = make_environment(cfg)
-    # its optional capabilities, once; a way to score unless a service stands in front of it
-    check_environment(environment, cfg.environment.name, scored=not enabled_services(cfg))
-    train = len(environment.dataset("train"))
-    if train < cfg.grpo.prompts_per_step:
-        raise config_error(
-            "grpo.prompts_per_step",
-            f"the train split of environment {cfg.environment.name!r} has {train} prompts, "
-            f"fewer than one step's {cfg.grpo.prompts_per_step}",
-            "give the environment more prompts, or lower grpo.prompts_per_step",
-        )
+    environment = checked_environment(cfg)
     tokenizer = Tokenizer(
         os.path.join(cfg.model.path, "tokenizer.json"),
         _eos_token_id(cfg.model.path),
@@ -77,6 +68,19 @@ async def check_before_spawn(cfg: Config) -> Preflight:
     for name in enabled_services(cfg):
         await load_service(name, f"{name}.enabled").check(cfg, environment, tokenizer)
     longest = await anyio.to_thread.run_sync(_longest_prompt, environment, tokenizer, cfg)
+    for job in cfg.job_list.values():  # each job's environment, prompts and limits too
+        try:
+            job_env = await anyio.to_thread.run_sync(checked_environment, job.config)
+            job_longest = await anyio.to_thread.run_sync(_longest_prompt, job_env, tokenizer,
+                                                         job.config)  # fmt: skip
+            for section, plugin in (("trainer", trainer), ("generator", generator)):
+                if plugin.check_config is not None:
+                    with _plugin_errors(f"{section}.options", f"the {section} backend "
+                                        f"{getattr(cfg, section).backend!r} refused the job",
+                                        f"correct [jobs.{job.name}] or [{section}.options]"):
+                        plugin.check_config(job.config, max_prompt_tokens=job_longest)
+        except ConfigError as exc:
+            raise ConfigError(f"jobs.{job.name}: {exc}") from None
     for section, plugin in (("trainer", trainer), ("generator", generator)):
         if cfg.lora.enabled and not plugin.adapters:
             backend = getattr(cfg, section).backend
@@ -112,6 +116,28 @@ async def check_before_spawn(cfg: Config) -> Preflight:
     for problem in plan.problems():  # the GPUs: room enough at the processes' peaks
         raise problem
     return Preflight(environment, tokenizer, plan)
+
+
+def checked_environment(cfg: Config) -> Any:
+    """The configured environment (:func:`make_environment`), its optional capabilities
+    checked once (a way to score unless a service stands in front of it), with one step's
+    prompts at least; a job's too (docs/jobs.md).
+
+    Raises:
+        ConfigError: the factory refused its options, or the train split is too small.
+        PluginError: the environment does not keep its contract.
+    """
+    environment = make_environment(cfg)
+    check_environment(environment, cfg.environment.name, scored=not enabled_services(cfg))
+    train = len(environment.dataset("train"))
+    if train < cfg.grpo.prompts_per_step:
+        raise config_error(
+            "grpo.prompts_per_step",
+            f"the train split of environment {cfg.environment.name!r} has {train} prompts, "
+            f"fewer than one step's {cfg.grpo.prompts_per_step}",
+            "give the environment more prompts, or lower grpo.prompts_per_step",
+        )
+    return environment
 
 
 def memory_plan(cfg: Config, gpus: list[int] | None, *, longest_sequence: int = 0) -> MemoryPlan:

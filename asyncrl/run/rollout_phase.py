@@ -84,9 +84,12 @@ class RolloutPhase:
     """
 
     def __init__(
-        self, table: LiveGroups, workers: Sequence[str], *, episodes: bool = False
+        self, table: LiveGroups, workers: Sequence[str], *, episodes: bool = False,
+        id_prefix: str = "",
     ) -> None:
         self._table = table
+        self._prefix = id_prefix
+        """Before each group id minted here: a job's name and ``:`` (docs/jobs.md), else none."""
         self._episodes = episodes
         self._requests = RequestTable()
         """The engine requests in flight: groups', episodes' turns, evaluations' prompts."""
@@ -133,7 +136,7 @@ class RolloutPhase:
             return Wait("gate")
         n = t.samples_per_prompt
         if t.retries_due:  # live and admitted already: only the samples in flight hold it
-            if t.inflight_samples + n > t.max_inflight_samples:
+            if t.inflight_samples + n > t.inflight_share:
                 return Wait("samples")
             group = t.pop_due_retry()
             t.restart(group)
@@ -143,7 +146,7 @@ class RolloutPhase:
                 return Wait("enough")
             if t.num_live >= t.max_buffered_groups:
                 return Wait("buffer")
-            if t.inflight_samples + n > t.max_inflight_samples:
+            if t.inflight_samples + n > t.inflight_share:
                 return Wait("samples")
             position = t.next_position()
             if position is None:
@@ -151,7 +154,7 @@ class RolloutPhase:
             index, target = position
             prompt, prompt_ids = prompt_of(index)
             group = Group(
-                f"g{index}", prompt.id, prompt_ids, t.generator_version, target, now,
+                f"{self._prefix}g{index}", prompt.id, prompt_ids, t.generator_version, target, now,
                 [None] * n, index=index, prompt_text=prompt.display, prompt=prompt,
             )  # fmt: skip
             t.add(group)

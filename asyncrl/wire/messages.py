@@ -128,7 +128,8 @@ class OpenJob(msgspec.Struct, tag="open_job", **_CTRL):
 class CloseJob(msgspec.Struct, tag="close_job", **_CTRL):
     """(protocol 18) ``job`` ended. Rollout: its requests are refused from now on and its
     adapters leave the engine as their last requests end (abort them first). Trainer: its
-    slot is free again, its optimizer state dropped. Answered with :class:`Empty`."""
+    slot is free again, its optimizer state dropped, a step of it still open abandoned.
+    Answered with :class:`Empty`."""
 
     job: str
 

@@ -232,7 +232,7 @@ class TrainerRuntime(WorkerRuntime):
             self.sender = WeightSender(self.ctx, address, transfer, spec)
             if self.sender.endpoint.startswith("tcp://"):  # its port: the controller's to hand on
                 caps = {**caps, "weights_endpoint": self.sender.endpoint}
-        return caps
+        return {**caps, "trains_jobs": self._jobs is not None}
 
     def _check_loss_inputs(self) -> None:
         """Raises PluginError: the backend's ``loss_inputs`` is not a collection of the

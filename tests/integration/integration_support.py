@@ -90,6 +90,29 @@ def to_toml(data: dict[str, Any], prefix: str = "") -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- the front door
+def launch(config: Path, *extra: str) -> subprocess.Popen:
+    """``python -m asyncrl.launch CONFIG [extra]`` as a user starts it, in a session of its
+    own, its output one text stream."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.launch", str(config), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+
+
+def controller_pid(launched: subprocess.Popen) -> int:
+    """Global rank 0 (the controller) among a launch's descendants: torchrun starts it in a
+    session of its own, so a signal to the launch's group does not reach it."""
+    for p in psutil.Process(launched.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == "0":
+                return p.pid
+        except psutil.Error:
+            continue
+    raise AssertionError("the launch has no rank-0 process")
+
+
 # --------------------------------------------------------------------------- leftovers
 def run_processes(run_id: str) -> list[psutil.Process]:
     """Live processes whose command line mentions ``run_id`` (every spawned agent and rank

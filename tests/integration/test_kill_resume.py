@@ -18,7 +18,7 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
-from integration_support import BASE, merge, to_toml  # noqa: E402
+from integration_support import BASE, controller_pid, launch, merge, to_toml  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_stray_processes")
 ROOT = Path(__file__).parents[2]
@@ -68,14 +68,6 @@ def test_killed_at_random_moments_every_prompt_is_trained_once(
     assert report["staleness_max"] <= 1
 
 
-def _front_door(config: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.launch", str(config), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
-
-
 def _finish(proc: subprocess.Popen) -> str:
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -95,7 +87,7 @@ def test_sigusr1_saves_a_checkpoint_and_the_run_goes_on(tmp_path: Path, model_di
         checkpoint={"at_end": False},
         eval={"num_prompts": 0},
     )
-    proc = _front_door(config)
+    proc = launch(config)
     # one SIGUSR1 while rank 0 is still starting (before the controller runs): it must not
     # kill it (SIGUSR1's default action), and is honoured once the run is going
     deadline = time.monotonic() + 120
@@ -103,12 +95,12 @@ def test_sigusr1_saves_a_checkpoint_and_the_run_goes_on(tmp_path: Path, model_di
     while not rank1_log.exists():
         assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never started"
         time.sleep(0.01)
-    os.kill(_controller_pid(proc), signal.SIGUSR1)
+    os.kill(controller_pid(proc), signal.SIGUSR1)
     metrics = tmp_path / "out" / "metrics.jsonl"
     while not (metrics.exists() and '"train"' in metrics.read_text()):
         assert time.monotonic() < deadline and proc.poll() is None, "no step was trained"
         time.sleep(0.05)
-    pid = _controller_pid(proc)  # the controller is global rank 0
+    pid = controller_pid(proc)  # the controller is global rank 0
     os.kill(pid, signal.SIGUSR1)
     out = _finish(proc)
     assert proc.returncode == 0, out[-4000:]
@@ -120,27 +112,14 @@ def test_sigusr1_saves_a_checkpoint_and_the_run_goes_on(tmp_path: Path, model_di
     assert Path(saved[1]["path"], "manifest.json").is_file()
 
 
-def _controller_pid(launch: subprocess.Popen) -> int:
-    """Global rank 0 among the launch's descendants."""
-    import psutil
-
-    for p in psutil.Process(launch.pid).children(recursive=True):
-        try:
-            if p.environ().get("RANK") == "0":
-                return p.pid
-        except psutil.Error:
-            continue
-    raise AssertionError("the launch has no rank-0 process")
-
-
 def test_resume_refusal_exits_2_with_one_line(tmp_path: Path, model_dir: Path) -> None:
     config = _config_file(tmp_path, model_dir, run={"num_steps": 2}, eval={"num_prompts": 0})
-    out = _finish(_front_door(config, "--resume"))
+    out = _finish(launch(config, "--resume"))
     errors = [line for line in out.splitlines() if line.startswith("asyncrl: ")]
     assert len(errors) == 1 and "no checkpoint in" in errors[0] and "Fix:" in errors[0], out
-    done = _front_door(config)
+    done = launch(config)
     assert "metrics:" in _finish(done) and done.returncode == 0
-    again = _front_door(config, "--resume", "latest")
+    again = launch(config, "--resume", "latest")
     text = _finish(again)
     assert again.returncode == 2
     assert "the run is finished. Fix: to train further, raise run.num_steps" in text, text
@@ -153,10 +132,10 @@ def test_a_changed_setting_needs_allow_changed_on_the_command_line(
     (``python -m asyncrl.launch``); ``asyncrl run ... --allow-changed grpo.temperature`` goes
     on (through torchrun's ranks to the controller), and its ``resume`` record lists it."""
     config = _config_file(tmp_path, model_dir, run={"num_steps": 2}, eval={"num_prompts": 0})
-    done = _front_door(config)
+    done = launch(config)
     assert "metrics:" in _finish(done) and done.returncode == 0
     change = ["--set", "grpo.temperature=3.0", "--set", "run.num_steps=3"]
-    refused = _front_door(config, *change, "--resume")
+    refused = launch(config, *change, "--resume")
     text = _finish(refused)
     errors = [line for line in text.splitlines() if line.startswith("asyncrl: ")]
     assert refused.returncode == 2 and len(errors) == 1, text

@@ -211,3 +211,31 @@ def test_a_backend_that_does_not_handle_adapters_is_refused_before_the_run(
     out = capsys.readouterr().out
     assert "generator.backend: the generator backend 'bigram' does not serve LoRA" in out
     assert main(["check-config", str(path), "--set", "lora.rank=0"]) == 0
+
+
+def test_jobs_need_adapters_and_slots_enough_on_both_engines(qwen_dir: Path) -> None:
+    """A run of jobs (docs/jobs.md) on vLLM and fsdp2: each job an adapter, so ``[lora]``;
+    the trainer a slot per job; the engine each job's newest version and those its requests
+    may hold (its staleness bound + 1) and one for a refit, over every job."""
+    import asyncrl_fsdp
+    import asyncrl_vllm
+
+    jobs = {"a": {}, "b": {"pipeline": {"sampler": {"name": "in_order",
+                                                     "max_lookahead_versions": 2}}}}
+    data = {**config(qwen_dir), "trainer": {"options": {"lr": 1e-4}}, "jobs": jobs}
+    full = from_dict(data)
+    for plugin in (asyncrl_fsdp.plugin, asyncrl_vllm.plugin):
+        with pytest.raises(ConfigError, match=r"^lora\.rank: is 0, but the run has jobs"):
+            plugin.check_config(full, max_prompt_tokens=8)
+    cfg = from_dict({**data, "lora": {"rank": 8}})
+    with pytest.raises(ConfigError, match=r"job_slots: is 0, fewer than the run's 2 jobs"):
+        asyncrl_fsdp.plugin.check_config(cfg, max_prompt_tokens=8)
+    # a's bound is the run's default sampler's, b's 2: (a + 1) + (2 + 1) + 1 slots
+    need = cfg.sampler.max_staleness + 1 + 3 + 1
+    with pytest.raises(ConfigError, match=rf"lora_slots = {need} "):
+        asyncrl_vllm.plugin.check_config(cfg, max_prompt_tokens=8)
+    ok = from_dict({**data, "lora": {"rank": 8},
+                    "trainer": {"options": {"lr": 1e-4, "job_slots": 2}},
+                    "generator": {"options": {"lora_slots": need}}})  # fmt: skip
+    asyncrl_fsdp.plugin.check_config(ok, max_prompt_tokens=8)
+    asyncrl_vllm.plugin.check_config(ok, max_prompt_tokens=8)

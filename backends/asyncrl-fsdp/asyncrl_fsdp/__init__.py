@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.plugin.backend import BackendPlugin, WorkerContext
-from asyncrl.plugin.common import Config
+from asyncrl.plugin.common import Config, config_error
 
 __all__ = ["check_config", "frozen_plugin", "gpu_memory", "plugin"]
 
@@ -33,7 +33,16 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
     """``[trainer.options]``, before any trainer starts."""
     from .options import parse_options
 
-    parse_options(dict(config.trainer.options))
+    opts = parse_options(dict(config.trainer.options))
+    if config.jobs and not config.lora.enabled:
+        raise config_error("lora.rank", "is 0, but the run has jobs: fsdp2 trains each job's "
+                           "adapter on the shared base", "set lora.rank (8 to 128)")  # fmt: skip
+    if len(config.jobs) > opts.job_slots:
+        raise config_error(
+            "trainer.options.job_slots", f"is {opts.job_slots}, fewer than the run's "
+            f"{len(config.jobs)} jobs (each needs an adapter slot on the trainer)",
+            f"set trainer.options.job_slots to at least {len(config.jobs)} (docs/jobs.md)",
+        )  # fmt: skip
 
 
 def gpu_memory(config: Config, shape: Any, gpu_bytes: int | None) -> Any:

@@ -48,7 +48,7 @@ def check_config(config: Config, *, max_prompt_tokens: int) -> None:
     from .options import parse_options
 
     options = parse_options(dict(config.generator.options))
-    if config.lora.enabled:
+    if config.lora.enabled or config.jobs:
         from .adapters import check_adapter_config
 
         check_adapter_config(config, options)

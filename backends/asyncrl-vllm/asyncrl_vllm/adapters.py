@@ -85,6 +85,19 @@ def check_adapter_config(config: Config, options: VLLMOptions) -> None:
         ConfigError: a rank above vLLM's largest, too few slots, or an FP8 KV cache.
     """
     lora = config.lora
+    if config.jobs and not lora.enabled:
+        raise config_error("lora.rank", "is 0, but the run has jobs: the vLLM engine serves "
+                           "each job by an adapter of its own", "set lora.rank (8 to 128)")  # fmt: skip
+    if config.jobs:
+        need = sum(job.config.sampler.max_staleness + 1 for job in config.job_list.values()) + 1
+        if adapter_slots(config, options.lora_slots) < need:
+            raise config_error(
+                "generator.options.lora_slots",
+                f"is {options.lora_slots or 'the default'}, but the run's {len(config.jobs)} "
+                f"jobs need {need} adapter slots (each its newest version and those its "
+                "requests in flight may hold: its staleness bound + 1, and one for a refit)",
+                f"set generator.options.lora_slots = {need} (docs/jobs.md)",
+            )
     if lora.rank > MAX_LORA_RANKS[-1]:
         raise config_error("lora.rank", f"{lora.rank} is above the {MAX_LORA_RANKS[-1]} vLLM "
                            "serves", f"use a rank of at most {MAX_LORA_RANKS[-1]}")  # fmt: skip

@@ -200,9 +200,11 @@ class BigramTrainer:
         self._jobs[job] = _Policy(self._base.copy(), lr)
 
     def close_job(self, job: str) -> None:
-        """``job`` ends: its table and state are dropped."""
-        if self._job(job).open_step is not None or not job:
-            raise RuntimeError(f"close_job({job!r}): the run's own, or a step of it is open")
+        """``job`` ends: its table and state are dropped (with a step of it still open: a job
+        that failed mid-step)."""
+        self._job(job)  # raises for a job not open
+        if not job:
+            raise RuntimeError("close_job(''): the run's own cannot be closed")
         del self._jobs[job]
 
     # ------------------------------------------------------------------ training
