@@ -13,8 +13,8 @@ testing environments). For each N:
 
 Printed and written per N: the wall time of each way (the runs' start-up included, as a user
 waits for it), experiment throughput (jobs x steps per hour) and its ratio, each job's
-seconds per step in the run of all (its first step to its last, over its steps), the engine's
-busy share, and each job's mean reward over its last three steps, together against alone (the
+seconds per step in the run of all (its first step to its last, over its steps), and each
+job's mean reward over its last three steps, together against alone (the
 learning curve; equal up to the order in which the jobs' samples met the engine).
 
 After the runs of N = max: a job added to the run while it goes on, and the time from
@@ -97,9 +97,7 @@ def job_figures(out: Path, name: str) -> dict[str, float]:
     steps = [r for r in map(json.loads, lines) if r["kind"] == "train"]
     span = steps[-1]["t"] - steps[0]["t"]
     return {"s_per_step": span / max(1, len(steps) - 1),
-            "reward_last3": statistics.fmean(r["reward"] for r in steps[-3:]),
-            "engine_busy_s": sum(r.get("engine_busy_s", 0.0) for r in steps),
-            "first_t": steps[0]["t"] - steps[0].get("gen_s", 0.0), "last_t": steps[-1]["t"]}
+            "reward_last3": statistics.fmean(r["reward"] for r in steps[-3:])}
 
 
 def measure(n: int, model: Path, work: Path, args: argparse.Namespace, warm: bool) -> dict:
@@ -115,7 +113,6 @@ def measure(n: int, model: Path, work: Path, args: argparse.Namespace, warm: boo
         alone_s += alone["wall_s"]
     figures = {name: job_figures(together_dir, name) for name in names}
     solo = {name: job_figures(work / f"alone-{name}", name) for name in names}
-    span = max(f["last_t"] for f in figures.values()) - min(f["first_t"] for f in figures.values())
     experiments = n * args.steps
     row = {
         "jobs": n, "steps": args.steps,
@@ -126,7 +123,6 @@ def measure(n: int, model: Path, work: Path, args: argparse.Namespace, warm: boo
         "alone_per_hour": round(experiments * 3600 / alone_s),
         "speedup": round(alone_s / together["wall_s"], 2),
         "s_per_step": {k: round(v["s_per_step"], 4) for k, v in figures.items()},
-        "engine_busy": round(sum(f["engine_busy_s"] for f in figures.values()) / span, 3),
         "reward_last3_together": {k: round(v["reward_last3"], 3) for k, v in figures.items()},
         "reward_last3_alone": {k: round(v["reward_last3"], 3) for k, v in solo.items()},
     }  # fmt: skip
@@ -136,8 +132,10 @@ def measure(n: int, model: Path, work: Path, args: argparse.Namespace, warm: boo
 
 
 def main(args: argparse.Namespace) -> None:
+    import asyncrl.obs.log
     from asyncrl_example_backend.model import write_model_dir
 
+    asyncrl.obs.log.configure("console", level="warning")  # a program's choice
     counts = [int(x) for x in args.jobs.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-jobs-") as tmp:
@@ -148,8 +146,8 @@ def main(args: argparse.Namespace) -> None:
             rows.append(row)
             print(f"{n} jobs x {args.steps} steps: together {row['together_wall_s']:.1f} s "
                   f"({row['together_per_hour']}/h), one after another {row['alone_wall_s']:.1f} s "
-                  f"({row['alone_per_hour']}/h): {row['speedup']:.2f}x; engine busy "
-                  f"{row['engine_busy']:.2f}; s/step {row['s_per_step']}", flush=True)  # fmt: skip
+                  f"({row['alone_per_hour']}/h): {row['speedup']:.2f}x; s/step "
+                  f"{row['s_per_step']}", flush=True)  # fmt: skip
             print(f"    reward (last 3 steps) together {row['reward_last3_together']}, "
                   f"alone {row['reward_last3_alone']}"
                   + (f"; warm start {row['warm_start_s'] * 1000:.1f} ms" if "warm_start_s" in row

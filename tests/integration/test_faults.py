@@ -13,8 +13,9 @@ of their own:
 The bigram backend's testing knobs make each phase last long enough to strike in it (slow
 tokens, a slow optimizer step, a slow bucket load) and mark when it starts
 (``phase_marker_dir``). The vLLM engine's own processes are covered by
-``tests/e2e/test_vllm_faults.py`` (backend level) and ``test_launch_vllm_engine_death`` in
-``tests/e2e/test_system.py`` (through the launcher).
+``tests/e2e/test_vllm_faults.py`` (backend level) and
+``test_launch_vllm_engine_death_is_outlived`` in ``tests/e2e/test_system.py`` (through the
+launcher).
 """
 
 from __future__ import annotations
