@@ -7,6 +7,7 @@
     asyncrl plugins
     asyncrl export CHECKPOINT OUT [--force]
     asyncrl plot RUN_DIR [--out DIR]
+    asyncrl jobs list|add|stop RUN [NAME] [--table FILE] [--set key=value ...]
 
 ``run`` starts a run on this node, as ``torchrun -m asyncrl.launch`` would with one process
 per trainer and rollout rank: the config is checked first (exit 2 on a mistake, before
@@ -27,6 +28,12 @@ version, importing each: one that fails to import is listed with its error (exit
 ``plot`` draws a run from its ``metrics.jsonl`` (:mod:`asyncrl.obs.plot`): reward and accuracy,
 staleness, and a timeline of generation / training / refit (PNGs, and a Chrome trace for
 Perfetto); it works on a run that is still going. Exit codes: 0 done, 2 nothing to draw.
+
+``jobs`` changes the jobs of a running run of jobs (docs/jobs.md) from another shell: ``RUN``
+is its config file or its ``run.output_dir``; ``list`` prints where each job stands, ``add``
+starts job ``NAME`` (its table from ``--table FILE``, a TOML file written as under
+``[jobs.<name>]``, and ``--set`` fields over it), ``stop`` stops one. Exit codes: 0 done, 1 the
+run refused (its reason printed), 2 no run of jobs there or a mistake in the request.
 
 ``export`` writes the policy of a checkpoint (a ``step-*`` directory, or a directory of them:
 its newest) as a Hugging Face model directory that transformers and vLLM load as they are,
@@ -282,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                             gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip
     if args.command == "export":
         return export(args.checkpoint, args.out, args.force, sys.stderr)
+    if args.command == "jobs":
+        return jobs(args.jobs_command, args.run, getattr(args, "name", ""),
+                    getattr(args, "table", None), getattr(args, "set", []), sys.stdout)  # fmt: skip
     parser.error(f"unknown command {args.command!r}")
     return 2
 
@@ -299,6 +309,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_check_config(sub)
     _add_export(sub)
     _add_plot(sub)
+    _add_jobs(sub)
     return parser
 
 
@@ -388,6 +399,68 @@ def _add_plot(sub: Any) -> None:
     )
     drawing.add_argument("run_dir", help="the run's output directory (run.output_dir)")
     drawing.add_argument("--out", help="where to write (default: RUN_DIR/plots)")
+
+
+def _add_jobs(sub: Any) -> None:
+    """``asyncrl jobs list|add|stop RUN [NAME] [--table FILE] [--set ...]``."""
+    jobs_parser = sub.add_parser(
+        "jobs",
+        help="list, add or stop the jobs of a running run of jobs (docs/jobs.md)",
+        description="Hand a request to the run of jobs whose config (or run.output_dir) is RUN "
+        "and print its answer: where each job stands. Exit code: 0 done, 1 refused by the "
+        "run, 2 no run of jobs there or a mistake in the request.",
+    )
+    commands = jobs_parser.add_subparsers(dest="jobs_command", required=True)
+    ls = commands.add_parser("list", help="where each job stands")
+    add = commands.add_parser("add", help="start a job in the running run")
+    stop = commands.add_parser("stop", help="stop a job (its last checkpoint stands)")
+    for p in (ls, add, stop):
+        p.add_argument("run", help="the run's TOML file, or its run.output_dir")
+    for p in (add, stop):
+        p.add_argument("name", help="the job's name")
+    add.add_argument("--table", metavar="FILE",
+                     help="the job's table as a TOML file: its sections (environment, run, ...) "
+                     "and keys (weight, lr), as under [jobs.<name>]")  # fmt: skip
+    add.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="a field of the job's table, e.g. --set run.seed=3")  # fmt: skip
+
+
+def jobs(command: str, run: str, name: str, table_file: str | None, sets: list[str],
+         out: TextIO) -> int:  # fmt: skip
+    """``asyncrl jobs``: the request to the run in ``run`` (a config file or an output
+    directory), its answer printed; the exit code."""
+    import os
+    import tomllib
+
+    from asyncrl.config import load_config
+    from asyncrl.config.jobs import resolve_paths
+    from asyncrl.config.loading import apply_overrides, parse_overrides
+    from asyncrl.run.jobs_inbox import JobRequest, ask
+
+    try:
+        output_dir = run if os.path.isdir(run) else load_config(run).run.output_dir
+        table: dict[str, Any] = {}
+        base = os.getcwd()
+        if table_file:
+            base = os.path.dirname(os.path.abspath(table_file))
+            with open(table_file, "rb") as f:
+                table = tomllib.load(f)
+        apply_overrides(table, parse_overrides(sets))
+        table = resolve_paths({name: table}, lambda p: os.path.join(base, p))[name]
+        request = JobRequest(op=command, job=name, table=table)  # type: ignore[arg-type]
+        answer = ask(output_dir, request)
+    except (ConfigError, OSError, tomllib.TOMLDecodeError, TimeoutError) as exc:
+        print(f"asyncrl: error: {exc}", file=sys.stderr)
+        return 2
+    if not answer.ok:
+        print(f"asyncrl: error: {answer.error}", file=sys.stderr)
+        return 1
+    for job in answer.jobs:
+        where = f"step {job['step']} of {job['num_steps']}"
+        why = f": {job['error']}" if job["error"] else ""
+        print(f"{job['job']:<16} {job['state']:<9} {where:<18} weight {job['weight']:g}{why}",
+              file=out)  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from asyncrl.errors import ConfigError
 from asyncrl.errors import config_error as fail
 from asyncrl.registry import GROUPS, available, install_hint
 
-__all__ = ["from_dict", "load_config", "load_unvalidated", "parse_overrides", "to_dict"]
+__all__ = ["apply_overrides", "from_dict", "load_config", "load_unvalidated", "parse_overrides",
+           "to_dict"]
 
 
 def _resolve(base: Path, value: str) -> str:
@@ -199,7 +200,20 @@ def load_unvalidated(
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    for dotted, value in (overrides or {}).items():
+    apply_overrides(data, overrides or {})
+    try:
+        return _convert(data, path.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Set each of ``overrides`` (``{"grpo.prompts_per_step": 8}``) in ``data``, a config's
+    tables as plain data, making the tables on the way.
+
+    Raises:
+        ConfigError: a key on the way holds a value, not a table."""
+    for dotted, value in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
         for key in parents:
@@ -207,10 +221,6 @@ def load_unvalidated(
             if not isinstance(node, dict):
                 raise ConfigError(f"override {dotted}: {key} is not a table")
         node[leaf] = value
-    try:
-        return _convert(data, path.resolve().parent)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
 
 
 def to_dict(config: Config, *, services: bool = True) -> dict[str, Any]:

@@ -394,7 +394,7 @@ class Controller(anyio.AsyncContextManagerMixin):
                 )
         assert self.addresses is not None
         jobs = Jobs(Shared(
-            control=control, router=data, tokenizer=tokenizer, trainers=trainers,
+            config=cfg, control=control, router=data, tokenizer=tokenizer, trainers=trainers,
             restarts=self._restarts, transfer_address=transfer, run_id=self.addresses.run_id,
             clock_origin=t0, rejections=rejections, metrics=metrics,
             timeout_s=cfg.cluster.call_timeout_s, engine_samples=cfg.max_inflight_samples,

@@ -32,14 +32,15 @@ import structlog
 
 from asyncrl.checkpoints import directory as ckpt
 from asyncrl.checkpoints.saving import Resume, open_resume, reward_code_of
-from asyncrl.config.root import Job
-from asyncrl.errors import flatten
+from asyncrl.config.root import Config, Job, derive_job
+from asyncrl.errors import ConfigError, flatten
 from asyncrl.obs import collector, watchdog
 from asyncrl.obs.collector import collector_paused, pace
 from asyncrl.obs.log import MetricsWriter
 from asyncrl.obs.watchdog import LoopWatchdog
 from asyncrl.config.modes import make_groups
 from asyncrl.run.intake import DataRouter
+from asyncrl.run.jobs_inbox import Inbox, JobAnswer, JobRequest
 from asyncrl.run.loops import Pipeline, RunStatus, RunSummary
 from asyncrl.run.preflight import checked_environment
 from asyncrl.wire.messages import CloseJob, Generate, OpenJob
@@ -99,6 +100,9 @@ class JobControl:
 class Shared:
     """What every job's pipeline is built on: the run's, as the controller made it."""
 
+    config: Config
+    """The run's config (the jobs' tables are over it; its output directory holds the
+    inbox of ``asyncrl jobs``)."""
     control: ControlPlane
     router: DataRouter
     tokenizer: Any
@@ -177,6 +181,9 @@ class Jobs:
         entry = self._entry(name)
         if entry.state in ("starting", "running"):
             entry.scope.cancel()
+            if self._tg is None:  # the jobs do not run (yet, or any more): nothing to wait for
+                entry.state = "stopped"
+                entry.done.set()
             await entry.done.wait()
         return entry.state
 
@@ -223,7 +230,9 @@ class Jobs:
         young = collector.GC_YOUNG_INTERVAL_S
         try:
             with collector_paused(collector.GC_FREEZE, young):
-                async with anyio.create_task_group() as tg:
+                async with Inbox(self._shared.config.run.output_dir) as inbox, \
+                        anyio.create_task_group() as tg:
+                    tg.start_soon(inbox.serve, self._request, name="jobs-inbox")
                     if young:
                         tg.start_soon(pace, young, collector.GC_FULL_INTERVAL_S, name="gc-pacer")
                     tg.start_soon(LoopWatchdog(watchdog.STALL_WARNING_S,
@@ -232,12 +241,25 @@ class Jobs:
                     async with anyio.create_task_group() as jobs:
                         self._tg = jobs
                         for entry in list(self._entries.values()):
-                            jobs.start_soon(self._run_job, entry, name=f"job-{entry.job.name}")
-                    self._tg = None
+                            if entry.state == "starting":  # not stopped before the run
+                                jobs.start_soon(self._run_job, entry,
+                                                name=f"job-{entry.job.name}")  # fmt: skip
+                    self._tg, self._closed = None, True  # a job added from now on: refused
                     tg.cancel_scope.cancel()
         finally:
             self._tg, self._closed = None, True
         return {name: e.state for name, e in self._entries.items()}
+
+    async def _request(self, request: JobRequest) -> JobAnswer:
+        """``asyncrl jobs``'s request, from the inbox: a job added, stopped, or the list."""
+        try:
+            if request.op == "add":
+                self.add(derive_job(self._shared.config, request.job, request.table))
+            elif request.op == "stop":
+                await self.stop(request.job)
+        except (ConfigError, KeyError, ValueError) as exc:
+            return JobAnswer(ok=False, error=str(exc.args[0] if exc.args else exc))
+        return JobAnswer(ok=True, jobs=self.list())
 
     # ------------------------------------------------------------------ restarts' API
     async def worker_lost(self, worker: str) -> None:

@@ -91,13 +91,22 @@ def to_toml(data: dict[str, Any], prefix: str = "") -> str:
 
 
 # --------------------------------------------------------------------------- the front door
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets in a rank's environment: ``python -m asyncrl.launch`` with ``RANK`` set
+takes itself for a rank, so a user's shell has none of these."""
+
+
 def launch(config: Path, *extra: str) -> subprocess.Popen:
-    """``python -m asyncrl.launch CONFIG [extra]`` as a user starts it, in a session of its
-    own, its output one text stream."""
+    """``python -m asyncrl.launch CONFIG [extra]`` as a user starts it from a shell (none of
+    torchrun's variables, whatever this process has), in a session of its own, its output one
+    text stream."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "asyncrl.launch", str(config), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env={**env, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ pytest.importorskip(
     "asyncrl_example_backend", reason="pip install -e plugins/asyncrl-example-backend"
 )
 
+from asyncrl.checkpoints.directory import latest, open_checkpoint  # noqa: E402
 from asyncrl.config.loading import from_dict  # noqa: E402
 from asyncrl.run.controller import Controller  # noqa: E402
 from integration_support import (  # noqa: E402
@@ -57,6 +58,23 @@ def _learning(out: Path, job: str) -> list[tuple[Any, ...]]:
             for r in _records(out / "jobs" / job / "metrics.jsonl", "train")]  # fmt: skip
 
 
+async def _command(*argv: str) -> tuple[int, str]:
+    """``asyncrl jobs ARGV`` as a user runs it from another shell (in a thread: it blocks
+    until the run answers); its exit code and what it printed (stdout, else stderr)."""
+    import contextlib
+    import io
+
+    from asyncrl.cli import main
+
+    def run() -> tuple[int, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["jobs", *argv])
+        return code, (out.getvalue() if argv[0] == "list" else err.getvalue())
+
+    return await anyio.to_thread.run_sync(run)
+
+
 async def _run(cfg: Any) -> tuple[Any, dict[str, int]]:
     async with Controller(cfg) as ctl:
         pids = worker_pids(ctl)
@@ -71,8 +89,10 @@ async def test_four_jobs_one_failing_one_stopped_one_added_the_others_learn_as_a
 ) -> None:
     """Four jobs, two environments, one engine and one trainer: job c's reward raises after
     20 scores; once a has trained a step, job e is added through the controller's API and d
-    is stopped. c stops with its error, d stops (its requests aborted, closed on every worker:
-    it trains no more), e runs its steps from its own start, a and b run to their end, each
+    is stopped, both with ``asyncrl jobs`` from another shell (which also lists the jobs,
+    refuses a job the run does not have or a table that sets the model, and a request file
+    that does not decode changes nothing). c stops with its error, d stops (its requests
+    aborted, closed on every worker: it trains no more), e runs its steps from its own start, a and b run to their end, each
     with its own directory, checkpoints and metrics; a (lockstep) trains bit for bit what it
     trains alone in a run of its own."""
     slow = {"generator": {"options": {"token_delay_s": 0.002}}}
@@ -92,18 +112,32 @@ async def test_four_jobs_one_failing_one_stopped_one_added_the_others_learn_as_a
                     await anyio.sleep(0.01)
             with pytest.raises(ValueError, match="in this run already"):
                 ctl.add_job("a", {})
-            ctl.add_job("e", {"run": {"seed": 7, "num_steps": 2}})
-            assert await ctl.jobs.stop("d") == "stopped"
+            # from another shell: asyncrl jobs add / stop / list against the run's directory
+            out = str(tmp_path / "four")
+            assert await _command("add", out, "e", "--set", "run.seed=7",
+                                  "--set", "run.num_steps=2") == (0, "")  # fmt: skip
+            code, err = await _command("stop", out, "z")
+            assert code == 1 and "no job 'z' in this run" in err, (code, err)
+            code, err = await _command("add", out, "x", "--set", "model.path=/x")
+            assert code == 1 and "jobs.x.model: is not a job's" in err
+            (tmp_path / "four/jobs.d/inbox/0-hostile.json").write_bytes(b"\x00{not json")
+            code, listed = await _command("list", out)
+            states = dict(line.split()[:2] for line in listed.splitlines()
+                          if line.split()[:1] in (["a"], ["b"], ["c"], ["d"], ["e"]))  # fmt: skip
+            assert code == 0 and states["d"] == "running"  # 40 steps, until stopped below
+            assert await _command("stop", out, "d") == (0, "")
             d_steps = len(_records(tmp_path / "four/jobs/d/metrics.jsonl", "train"))
             assert await ctl.jobs.stop("d") == "stopped"  # stopped already: said again
             with pytest.raises(KeyError, match="no job 'z'"):
                 await ctl.jobs.stop("z")
             assert {j["job"] for j in ctl.status().jobs} == {"a", "b", "c", "d", "e"}
     assert_nothing_left(ctl, pids.values())
+    assert not (tmp_path / "four/jobs.d").exists()  # the inbox goes with the run
     ended = {j["job"]: j for j in done[0].jobs}
-    assert {n: (j["state"], j["step"]) for n, j in ended.items() if n != "c"} == {
-        "a": ("finished", 4), "b": ("finished", 3), "d": ("stopped", d_steps),
-        "e": ("finished", 2)}  # fmt: skip
+    assert {n: (j["state"], j["step"]) for n, j in ended.items() if n not in "cd"} == {
+        "a": ("finished", 4), "b": ("finished", 3), "e": ("finished", 2)}  # fmt: skip
+    # d's last step may have been taken but not yet recorded when the stop came
+    assert ended["d"]["state"] == "stopped" and ended["d"]["step"] in (d_steps, d_steps + 1)
     assert d_steps < 40 and ended["c"]["state"] == "failed"
     assert ended["c"]["error"].startswith("ScoreError:") and "testing knob" in ended["c"]["error"]
     assert len(_records(tmp_path / "four/jobs/d/metrics.jsonl", "train")) == d_steps
@@ -150,7 +184,8 @@ def test_killed_with_sigkill_every_job_resumes_where_it_was(
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.communicate()
-    saved = {j: max(r["step"] for r in _records(jobs / j / "metrics.jsonl", "checkpoint"))
+    # each job's newest committed checkpoint (its record may not have been written yet)
+    saved = {j: open_checkpoint(latest(tmp_path / "out/checkpoints/jobs" / j)).step
              for j in "abc"}  # fmt: skip
     before = {j: len(_records(jobs / j / "metrics.jsonl", "train")) for j in "abc"}
     resumed = launch(config, "--resume")

@@ -11,7 +11,6 @@ a tiny random Qwen2, CPU).
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -32,6 +31,14 @@ OPTIONS = {  # an update big enough to move the policy's logprobs visibly in one
 }
 
 
+@pytest.fixture(autouse=True)
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as torchrun's one rank, for the test alone (left set, the variables made
+    a later test's ``python -m asyncrl.launch`` on the same worker take itself for a rank)."""
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     from asyncrl_arith.model import build_model
@@ -41,9 +48,8 @@ def model_dir(tmp_path_factory) -> str:
 
 def backend(model_dir: str, tmp_path, loss: dict, name: str = "fsdp2", options: dict | None = None):
     """One trainer rank in this process, as torchrun would start it (DeepSpeed reads the
-    environment; it cannot be started twice in a process: use :func:`in_fresh_process`)."""
-    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(key, value)
+    environment, set by :func:`one_rank`; it cannot be started twice in a process: use
+    :func:`in_fresh_process`)."""
     config = from_dict({
         "model": {"path": model_dir}, "environment": {"name": "arithmetic"},
         "loss": {"clip_eps_low": CLIP, "clip_eps_high": CLIP, "is_cap": CAP, **loss},
