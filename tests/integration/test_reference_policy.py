@@ -11,6 +11,7 @@ a tiny random Qwen2, CPU).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -48,8 +49,11 @@ def model_dir(tmp_path_factory) -> str:
 
 def backend(model_dir: str, tmp_path, loss: dict, name: str = "fsdp2", options: dict | None = None):
     """One trainer rank in this process, as torchrun would start it (DeepSpeed reads the
-    environment, set by :func:`one_rank`; it cannot be started twice in a process: use
-    :func:`in_fresh_process`)."""
+    environment: :func:`one_rank` sets it for this file's tests and takes it back after
+    them; in a process of :func:`in_fresh_process`, here. It cannot be started twice in a
+    process: use :func:`in_fresh_process`)."""
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
     config = from_dict({
         "model": {"path": model_dir}, "environment": {"name": "arithmetic"},
         "loss": {"clip_eps_low": CLIP, "clip_eps_high": CLIP, "is_cap": CAP, **loss},
