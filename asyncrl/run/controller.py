@@ -49,7 +49,6 @@ from asyncrl.checkpoints.directory import CheckpointError
 from asyncrl.checkpoints.saving import open_resume, reward_code_of
 from asyncrl.config import Config, to_dict
 from asyncrl.config.jobs import resolve_paths
-from asyncrl.config.root import derive_job
 from asyncrl.errors import (
     AsyncRLError,
     ConfigError,
@@ -260,9 +259,7 @@ class Controller(anyio.AsyncContextManagerMixin):
             ConfigError: the table is wrong (naming the field and the fix).
             ValueError: the run has a job of that name already.
             RuntimeError: not running, or the run has no jobs."""
-        jobs = self.jobs
-        table = resolve_paths({name: table}, os.path.abspath)[name]
-        jobs.add(derive_job(self.config, name, table))
+        self.jobs.add_table(name, resolve_paths({name: table}, os.path.abspath)[name])
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncIterator[Controller]:

@@ -172,6 +172,14 @@ class Jobs:
         if self._tg is not None:
             self._tg.start_soon(self._run_job, entry, name=f"job-{job.name}")
 
+    def add_table(self, name: str, table: dict[str, Any]) -> None:
+        """Start job ``name`` of ``table`` (its ``[jobs.<name>]``, paths absolute) over the
+        run's config: :meth:`add` of :func:`~asyncrl.config.root.derive_job`'s job.
+
+        Raises:
+            ConfigError: the table is wrong. ValueError: as :meth:`add`."""
+        self.add(derive_job(self._shared.config, name, table))
+
     async def stop(self, name: str) -> JobState:
         """Stop job ``name`` (its last checkpoint stands) and wait until it is out; returns
         how it ended (a job that had ended already: how it did).
@@ -254,7 +262,7 @@ class Jobs:
         """``asyncrl jobs``'s request, from the inbox: a job added, stopped, or the list."""
         try:
             if request.op == "add":
-                self.add(derive_job(self._shared.config, request.job, request.table))
+                self.add_table(request.job, request.table)
             elif request.op == "stop":
                 await self.stop(request.job)
         except (ConfigError, KeyError, ValueError) as exc:
